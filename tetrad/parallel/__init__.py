@@ -1,0 +1,13 @@
+"""3D tensor-parallel layers (AxoNN's algorithm) and the gradient plumbing they need."""
+
+from tetrad.parallel.embedding import Embedding
+from tetrad.parallel.grads import clip_grad_norm, global_grad_norm, sync_gradients
+from tetrad.parallel.linear import Linear
+from tetrad.parallel.loss import vocab_parallel_cross_entropy
+from tetrad.parallel.norm import RMSNorm
+from tetrad.parallel.placement import Placement, init_parameters
+
+__all__ = [
+    "Embedding", "Linear", "Placement", "RMSNorm", "clip_grad_norm", "global_grad_norm",
+    "init_parameters", "sync_gradients", "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,70 @@
+"""Gradient synchronisation and exact global gradient-norm clipping, read from placements."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tetrad.comm import all_reduce
+from tetrad.grid import Grid
+
+
+def sync_gradients(model: nn.Module, grid: Grid) -> None:
+    """Sum every gradient over the replicated axes whose ranks saw other tokens (Z, data).
+
+    Linear and embedding weights are sharded over Z (their reduce-scatter already summed Z), so
+    they are summed over data only; biases and norm weights over Z and data. Axes X and Y need
+    nothing: their ranks compute identical gradients for what they replicate. Gradients with the
+    same axes are flattened into one buffer per axis set (few, large collectives).
+    Losses are sums over tokens divided by the global token count, so the sum is the mean.
+    """
+    buckets: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
+    for p in model.parameters():
+        if p.grad is not None:
+            buckets[p.placement.grad_sum_axes].append(p.grad)
+    for axes, grads in buckets.items():
+        axes = tuple(a for a in axes if grid.size(a) > 1)
+        if not axes:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        for a in axes:
+            all_reduce(flat, grid, a)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def global_grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
+    """The L2 norm of the full (unsharded) gradient, identical on every rank.
+
+    Each replicated copy is counted once: a rank adds a parameter's local sum of squares only if
+    its coordinate is 0 on every axis that replicates the parameter; the sum is all-reduced over
+    the world. Call after :func:`sync_gradients`.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=grid.device)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if all(grid.coord[a] == 0 for a in p.placement.replicated_axes):
+            total += p.grad.detach().double().pow(2).sum()
+    if grid.world_size > 1:
+        dist.all_reduce(total)
+    return total.sqrt().float()
+
+
+def clip_grad_norm(model: nn.Module, grid: Grid, max_norm: float) -> torch.Tensor:
+    """Scale gradients so the global norm is at most ``max_norm``; return the norm before.
+
+    Same rule as ``torch.nn.utils.clip_grad_norm_``: ``coef = min(1, max_norm / (norm + 1e-6))``.
+    """
+    norm = global_grad_norm(model, grid)
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+    return norm

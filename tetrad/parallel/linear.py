@@ -1,0 +1,98 @@
+"""3D tensor-parallel Linear after AxoNN (Singh et al., arXiv 2305.13525, the 4D algorithm).
+
+A weight ``W [n, k]`` (out x in) is split into ``G_out x G_in`` blocks and each block's rows again
+over Z. For the non-transposed layer ``in = X, out = Y``:
+
+    x [m/G_z, k/G_x]  --  W block [n/G_y, k/G_x] (stored: [n/(G_y G_z), k/G_x])  -->  y [m/G_z, n/G_y]
+
+    forward:   W = all-gather_Z(W_shard);  y = all-reduce_X(x W^T) + b
+    backward:  W = all-gather_Z(W_shard);  dx = all-reduce_Y(dy W);  dW_shard = reduce-scatter_Z(dy^T x)
+
+``transpose=True`` swaps X and Y, so a non-transposed layer followed by a transposed one (QKV ->
+out-proj, gate/up -> down) needs no redistribution of activations.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tetrad.comm import all_gather, all_reduce, reduce_scatter
+from tetrad.grid import Grid
+from tetrad.parallel.placement import sharded_parameter
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The GEMM dtype: the autocast dtype when autocast is on for ``x``'s device, else ``x``'s."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+class _Linear3D(torch.autograd.Function):
+    """``y = all-reduce_in(x @ all-gather_Z(W_shard)^T)``; one collective per step, see module doc."""
+
+    @staticmethod
+    def forward(ctx, x, w_shard, grid: Grid, in_axis: str, out_axis: str):
+        dtype = compute_dtype(x)
+        x = x.to(dtype)
+        w = all_gather(w_shard.detach().to(dtype), grid, "z")
+        y = all_reduce(x @ w.t(), grid, in_axis)
+        ctx.save_for_backward(x, w_shard)
+        ctx.grid, ctx.out_axis, ctx.dtype = grid, out_axis, dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_shard = ctx.saved_tensors
+        grid, dtype = ctx.grid, ctx.dtype
+        dy = dy.to(dtype)
+        w = all_gather(w_shard.detach().to(dtype), grid, "z")
+        dx = all_reduce(dy @ w, grid, ctx.out_axis)
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        dw = reduce_scatter(dw.to(w_shard.dtype), grid, "z")
+        return dx, dw, None, None, None
+
+
+class Linear(nn.Module):
+    """3D tensor-parallel ``y = x W^T + b`` with ``W [out_features, in_features]``.
+
+    Shapes (non-transposed; swap X and Y when ``transpose=True``):
+        input ``[..., in_features/G_x]`` (replicated over Y), output ``[..., out_features/G_y]``
+        (replicated over X); leading dims are this rank's tokens ``[B/(G_data G_z), S]``.
+        ``weight`` is stored as ``[out/(G_y G_z), in/G_x]``; ``bias`` as ``[out/G_y]``,
+        replicated over X, Z and data (its gradient is summed over Z and data by
+        :func:`tetrad.parallel.grads.sync_gradients`).
+
+    Raises:
+        ValueError: a size not divisible by the grid (check the model with
+            :func:`tetrad.models.config.check_divisible` first for a friendlier message).
+    """
+
+    def __init__(self, in_features: int, out_features: int, grid: Grid, *,
+                 transpose: bool = False, bias: bool = False, init_std: float = 0.02):
+        super().__init__()
+        self.in_axis, self.out_axis = ("y", "x") if transpose else ("x", "y")
+        g_in, g_out = grid.size(self.in_axis), grid.size(self.out_axis)
+        if in_features % g_in or out_features % (g_out * grid.z):
+            raise ValueError(
+                f"Linear {in_features}->{out_features} needs in % G_{self.in_axis} == 0 and "
+                f"out % (G_{self.out_axis}*G_z) == 0 on grid {grid}"
+            )
+        self.grid, self.in_features, self.out_features = grid, in_features, out_features
+        self.weight = sharded_parameter((out_features, in_features),
+                                        ((self.out_axis, "z"), (self.in_axis,)), grid,
+                                        ("normal", init_std))
+        self.bias = (sharded_parameter((out_features,), ((self.out_axis,),), grid, ("zeros",))
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k_local = self.in_features // self.grid.size(self.in_axis)
+        assert x.shape[-1] == k_local, f"expected [..., {k_local}], got {tuple(x.shape)}"
+        y = _Linear3D.apply(x, self.weight, self.grid, self.in_axis, self.out_axis)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_features}->{self.out_features}, in over {self.in_axis.upper()}, "
+                f"out over {self.out_axis.upper()}, bias={self.bias is not None}")

@@ -1,0 +1,45 @@
+"""RMSNorm over a hidden dimension sharded over one grid axis.
+
+``y = x / sqrt(mean_h(x^2) + eps) * w`` (Zhang and Sennrich 2019, arXiv 1910.07467, eq. 4) with
+the sum of squares all-reduced over the sharding axis. That all-reduce's backward is again an
+all-reduce: each rank's output shard contributes its own part of d(loss)/d(sum of squares).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tetrad.comm import all_reduce
+from tetrad.grid import Grid
+from tetrad.parallel.placement import sharded_parameter
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ``axis`` in forward and in backward (inputs and consumers are both sharded)."""
+
+    @staticmethod
+    def forward(ctx, t, grid: Grid, axis: str):
+        ctx.grid, ctx.axis = grid, axis
+        return all_reduce(t.clone(), grid, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.clone(), ctx.grid, ctx.axis), None, None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm of ``[..., dim/G_axis]`` activations; weight ``[dim/G_axis]``, replicated over
+    the other axes (its gradient is summed over Z and data by ``sync_gradients``)."""
+
+    def __init__(self, dim: int, grid: Grid, axis: str = "x", eps: float = 1e-5):
+        super().__init__()
+        if dim % grid.size(axis):
+            raise ValueError(f"RMSNorm dim {dim} is not divisible by G_{axis}={grid.size(axis)}")
+        self.grid, self.axis, self.dim, self.eps = grid, axis, dim, eps
+        self.weight = sharded_parameter((dim,), ((axis,),), grid, ("ones",))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        sum_sq = _AllReduceSum.apply(xf.pow(2).sum(-1, keepdim=True), self.grid, self.axis)
+        return (xf * torch.rsqrt(sum_sq / self.dim + self.eps)).type_as(x) * self.weight

@@ -1,0 +1,107 @@
+"""Where each parameter lives on the grid, and grid-independent initialisation.
+
+A :class:`Placement` says, for each tensor dimension, which grid axes split it (outer to inner).
+Every shard is then a rectangle of the global tensor at a known offset, and an axis not named is
+one over which the parameter is replicated. Gradient synchronisation, global-norm clipping and
+checkpoints read only this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tetrad.grid import AXES, Grid
+
+# Replicated axes whose ranks see different tokens: gradients are summed over them.
+TOKEN_AXES = ("z", "data")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Layout of one parameter on the grid.
+
+    Attributes:
+        shape: the global (unsharded) shape.
+        split: per tensor dim, the axes splitting it, outer to inner; e.g. a non-transposed
+            Linear weight ``[n, k]`` has ``(("y", "z"), ("x",))``: rows in ``G_y`` blocks, each
+            block's rows again in ``G_z`` pieces, columns in ``G_x`` blocks.
+    """
+
+    shape: tuple[int, ...]
+    split: tuple[tuple[str, ...], ...]
+
+    @property
+    def sharded_axes(self) -> tuple[str, ...]:
+        return tuple(a for dim in self.split for a in dim)
+
+    @property
+    def replicated_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in AXES if a not in self.sharded_axes)
+
+    @property
+    def grad_sum_axes(self) -> tuple[str, ...]:
+        """Replicated axes over which the gradient must be summed (they see other tokens)."""
+        return tuple(a for a in TOKEN_AXES if a not in self.sharded_axes)
+
+    def local_slices(self, grid: Grid) -> tuple[slice, ...]:
+        """This rank's rectangle of the global tensor, one slice per dim."""
+        out = []
+        for d, axes in enumerate(self.split + ((),) * (len(self.shape) - len(self.split))):
+            parts, index = 1, 0
+            for a in axes:
+                parts, index = parts * grid.size(a), index * grid.size(a) + grid.coord[a]
+            size = self.shape[d] // parts
+            out.append(slice(index * size, (index + 1) * size))
+        return tuple(out)
+
+    def local_shape(self, grid: Grid) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.local_slices(grid))
+
+
+def sharded_parameter(shape: tuple[int, ...], split: tuple[tuple[str, ...], ...], grid: Grid,
+                      init: tuple) -> nn.Parameter:
+    """An uninitialised local shard ``Placement(shape, split).local_shape(grid)`` on the grid's
+    device, tagged with its placement and its init rule (see :func:`init_parameters`)."""
+    placement = Placement(tuple(shape), split)
+    p = nn.Parameter(torch.empty(placement.local_shape(grid), device=grid.device))
+    p.placement = placement
+    p.init = init
+    return p
+
+
+def _row_seed(seed: int, name: str, row: int) -> int:
+    base = int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little")
+    return (base + row * 0x9E3779B97F4A7C15) % (1 << 63)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, grid: Grid | None = None) -> None:
+    """Fill every parameter from ``(seed, parameter name)`` only, whatever the grid.
+
+    Each parameter carries ``init``: ``("normal", std)`` for a 2-D weight, ``("ones",)`` or
+    ``("zeros",)``. Row ``r`` of a normal weight is drawn from a generator seeded by
+    ``(seed, name, r)``, so a rank draws only the rows of its own shard (never the whole model)
+    and a parameter's full value is the same on every grid. Parameters without ``placement``
+    are full tensors.
+    """
+    for name, p in model.named_parameters():
+        kind = getattr(p, "init", ("normal", 0.02) if p.dim() == 2 else ("ones",))
+        if kind[0] == "ones":
+            p.fill_(1.0)
+        elif kind[0] == "zeros":
+            p.zero_()
+        else:
+            placement = getattr(p, "placement", None)
+            shape = placement.shape if placement is not None else tuple(p.shape)
+            rows, cols = (placement.local_slices(grid) if placement is not None
+                          else (slice(0, shape[0]), slice(0, shape[1])))
+            gen = torch.Generator()
+            block = torch.empty(rows.stop - rows.start, shape[1])
+            for i, r in enumerate(range(rows.start, rows.stop)):
+                gen.manual_seed(_row_seed(seed, name, r))
+                block[i].normal_(0.0, kind[1], generator=gen)
+            p.copy_(block[:, cols])

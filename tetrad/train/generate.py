@@ -1,0 +1,174 @@
+"""Sample text from a trained run directory, in one process, without any process group.
+
+A run directory (written by ``tetrad train``) holds ``config.json`` (with a ``model_config``
+object), ``tokenizer.json`` and ``checkpoints/latest`` naming the newest complete
+``torch.distributed.checkpoint`` folder, whose keys are ``"model." + parameter name`` with the
+full (unsharded) shapes. DCP reshards whatever grid saved it into the full tensors of one
+reference :class:`~tetrad.models.reference.Llama`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from tetrad.models.config import ModelConfig
+from tetrad.train.config import ConfigError
+
+EOT = "<|endoftext|>"
+
+
+class CheckpointError(ValueError):
+    """A run directory without a usable checkpoint; the one-line message says what to do."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def read_run_config(run_dir: str | Path) -> dict:
+    """The ``config.json`` of a run directory as a dict.
+
+    Raises:
+        CheckpointError: missing or unreadable file, or no ``model_config`` object in it.
+    """
+    path = Path(run_dir) / "config.json"
+    if not Path(run_dir).is_dir():
+        raise CheckpointError(f"run directory {run_dir} does not exist: pass the --run-dir of a "
+                              "finished `tetrad train`")
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist: {run_dir} is not a tetrad run directory")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({_first_line(e)})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_config"), dict):
+        raise CheckpointError(f"{path} has no \"model_config\" object: is it from tetrad train?")
+    return cfg
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path:
+    """The folder named by ``RUN_DIR/checkpoints/latest``.
+
+    Raises:
+        CheckpointError: no ``latest`` file, or the folder it names is missing or incomplete.
+    """
+    ckpts = Path(run_dir) / "checkpoints"
+    latest = ckpts / "latest"
+    if not latest.is_file():
+        raise CheckpointError(
+            f"no checkpoint in {ckpts} ({latest} is missing): train longer, or with --ckpt-every, "
+            "so that a checkpoint is written"
+        )
+    name = latest.read_text().strip()
+    folder = ckpts / name
+    if not name or not (folder / ".metadata").is_file():
+        raise CheckpointError(
+            f"checkpoint {folder} named by {latest} is missing or incomplete "
+            "(no .metadata file): resume training to write a new one"
+        )
+    return folder
+
+
+def load_model(run_dir: str | Path, device: str = "cpu"):
+    """Build the reference Llama of a run and load its latest checkpoint into it.
+
+    Returns:
+        ``(model, tokenizer, run_config)``: the model in eval mode on ``device`` (fp32), the
+        HF ``tokenizers.Tokenizer`` and the ``config.json`` dict.
+
+    Raises:
+        CheckpointError: no run directory, no checkpoint, or an unreadable/corrupt one.
+    """
+    import torch.distributed.checkpoint as dcp
+    from tokenizers import Tokenizer
+
+    from tetrad.models.reference import Llama
+
+    run_cfg = read_run_config(run_dir)
+    tok_path = Path(run_dir) / "tokenizer.json"
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as e:
+        raise CheckpointError(f"cannot read tokenizer {tok_path} ({_first_line(e)})") from None
+    sizes = dict(run_cfg["model_config"])
+    if not sizes.get("vocab_size"):
+        sizes["vocab_size"] = tokenizer.get_vocab_size()
+    try:
+        mcfg = ModelConfig(**sizes)
+    except TypeError as e:
+        raise CheckpointError(f"bad model_config in {run_dir}/config.json ({e})") from None
+    folder = latest_checkpoint(run_dir)
+
+    model = Llama(mcfg)
+    state = {"model." + n: torch.empty_like(p) for n, p in model.named_parameters()}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+            dcp.load(state, checkpoint_id=str(folder))
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {folder} cannot be loaded into model {mcfg} ({_first_line(e)})"
+        ) from None
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items()}, strict=False)
+    return model.to(device).eval(), tokenizer, run_cfg
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int,
+                generator: torch.Generator) -> int:
+    """Sample one token id from ``logits [vocab]``: greedy if ``temperature <= 0``, else
+    softmax(logits / temperature) restricted to the ``top_k`` largest (``top_k <= 0``: all)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int = 200,
+             temperature: float = 0.8, top_k: int = 50, seed: int = 0,
+             device: str = "cpu") -> str:
+    """Continue ``prompt`` with up to ``max_new_tokens`` tokens sampled from the run's model.
+
+    The model sees at most the last ``seq_len`` tokens (``seq_len`` from ``config.json``,
+    default 256). An empty prompt starts from ``<|endoftext|>``. Sampling stops early at
+    ``<|endoftext|>``. Deterministic for a given ``seed`` and device.
+
+    Returns:
+        ``prompt`` followed by the decoded continuation.
+
+    Raises:
+        ConfigError: a negative ``max_new_tokens``/``top_k``/``temperature``, or an unknown
+            or unavailable ``device``.
+        CheckpointError: see :func:`load_model`.
+    """
+    if max_new_tokens < 0 or top_k < 0 or temperature < 0:
+        raise ConfigError("--max-new-tokens, --top-k and --temperature must not be negative")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no GPU is visible: use --device cpu")
+    model, tok, run_cfg = load_model(run_dir, device)
+    window = int(run_cfg.get("seq_len") or 256)
+    eot = tok.token_to_id(EOT)
+    ids = tok.encode(prompt, add_special_tokens=False).ids if prompt else []
+    if not ids:
+        ids = [eot if eot is not None else 0]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        x = torch.tensor([ids[-window:]], dtype=torch.long, device=device)
+        nxt = sample_next(model(x)[0, -1], temperature, top_k, gen)
+        if nxt == eot:
+            break
+        ids.append(nxt)
+        new.append(nxt)
+    return prompt + tok.decode(new)
