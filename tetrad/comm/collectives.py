@@ -34,7 +34,7 @@ def all_gather(t: torch.Tensor, grid: Grid, axis: str) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = torch.empty((g * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t, group=grid.group(axis))
+    dist.all_gather_single(out, t, group=grid.group(axis))
     return out
 
 
@@ -49,5 +49,5 @@ def reduce_scatter(t: torch.Tensor, grid: Grid, axis: str) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = torch.empty((t.shape[0] // g, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_tensor(out, t, group=grid.group(axis))
+    dist.reduce_scatter_single(out, t, group=grid.group(axis))
     return out

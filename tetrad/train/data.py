@@ -1,10 +1,9 @@
 """Training data: text files -> byte-level BPE token streams (cached) -> fixed-shape batches.
 
-``prepare_corpus`` turns a set of text files (by default the Python standard library of the running
-interpreter) into two flat token-id arrays, train and validation, split by file. The result is
-cached on disk under a key of the inputs, so every rank and every later run just memory-maps it.
-``sample_batch`` and ``val_batches`` cut ``[batch, seq_len + 1]`` windows out of those arrays
-(inputs are ``[:, :-1]``, next-token targets ``[:, 1:]``).
+``prepare_corpus`` turns text files (by default the running interpreter's standard library) into
+flat train/val token-id arrays, split by file and cached on disk, so later calls just memory-map
+them. ``sample_batch``/``val_batches`` cut ``[batch, seq_len + 1]`` windows out of those arrays
+(inputs ``[:, :-1]``, next-token targets ``[:, 1:]``).
 """
 
 from __future__ import annotations
@@ -32,24 +31,22 @@ class DataError(ValueError):
     """Data that tetrad cannot use; the one-line message says what to change."""
 
 
-def _is_binary(path: pathlib.Path) -> bool:
-    with open(path, "rb") as f:
-        return b"\0" in f.read(8192)
-
-
 def _missing(p: str) -> DataError:
-    return DataError(
-        f"data path {p!r} does not exist: pass existing files, folders or globs to --data"
-    )
+    msg = f"data path {p!r} does not exist: pass existing files, folders or globs to --data"
+    return DataError(msg)
 
 
-def _walk(folder: str) -> list[pathlib.Path]:
+def _text_files(folder_or_file: str) -> list[pathlib.Path]:
+    """Regular files at or below ``folder_or_file`` without a NUL byte in their first 8 KiB."""
+    found = [pathlib.Path(folder_or_file)]
+    if os.path.isdir(folder_or_file):
+        found = [pathlib.Path(d, n) for d, _, names in os.walk(folder_or_file) for n in names]
     out = []
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            p = pathlib.Path(dirpath, name)
-            if p.is_file() and not _is_binary(p):
-                out.append(p)
+    for p in found:
+        if p.is_file():
+            with open(p, "rb") as f:
+                if b"\0" not in f.read(8192):
+                    out.append(p)
     return out
 
 
@@ -79,16 +76,9 @@ def corpus_files(paths: list[str]) -> list[pathlib.Path]:
         if os.path.isfile(q):
             found = [pathlib.Path(q)]
         elif os.path.isdir(q):
-            found = _walk(q)
-        elif glob.has_magic(q):
-            found = []
-            for m in sorted(glob.glob(q, recursive=True)):
-                if os.path.isdir(m):
-                    found += _walk(m)
-                elif os.path.isfile(m) and not _is_binary(pathlib.Path(m)):
-                    found.append(pathlib.Path(m))
+            found = _text_files(q)
         else:
-            raise _missing(p)
+            found = [f for m in glob.glob(q, recursive=True) for f in _text_files(m)]
         if not found:
             raise _missing(p)
         out.update(f.resolve() for f in found)
@@ -111,15 +101,6 @@ class Corpus:
     unigram_entropy: float
     n_files: int
     n_bytes: int
-
-
-def _split_name(path: pathlib.Path, root: str) -> str:
-    return os.path.relpath(path, root).replace(os.sep, "/")
-
-
-def _is_val(name: str, val_fraction: float) -> bool:
-    h = int(hashlib.sha256(name.encode()).hexdigest(), 16)
-    return h % 10_000 < val_fraction * 10_000
 
 
 def _train_bpe(texts: list[str], vocab_size: int):
@@ -216,28 +197,34 @@ def prepare_corpus(
     for f in files:
         st = f.stat()
         key.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    cache = pathlib.Path(cache_dir or os.environ.get("TETRAD_CACHE") or "~/.cache/tetrad")
-    cache = cache.expanduser()
+    cache = pathlib.Path(
+        cache_dir or os.environ.get("TETRAD_CACHE") or "~/.cache/tetrad"
+    ).expanduser()
     entry = cache / key.hexdigest()[:16]
     if (entry / "meta.json").is_file():
         return _load(entry)
 
     root = os.path.commonpath([str(f.parent) for f in files])
-    names = [_split_name(f, root) for f in files]
-    is_val = [_is_val(n, val_fraction) for n in names]
-    order = sorted(range(len(files)), key=lambda i: hashlib.sha256(names[i].encode()).digest())
+    hashes = [
+        int(hashlib.sha256(os.path.relpath(f, root).replace(os.sep, "/").encode()).hexdigest(), 16)
+        for f in files
+    ]
+    is_val = [h % 10_000 < val_fraction * 10_000 for h in hashes]
+    order = sorted(range(len(files)), key=hashes.__getitem__)
     if not any(is_val):
         is_val[order[0]] = True
     if all(is_val):
         is_val[order[-1]] = False
-    train_files = [f for f, v in zip(files, is_val) if not v]
-    val_files = [f for f, v in zip(files, is_val) if v]
+    train_files = [f for f, v in zip(files, is_val, strict=True) if not v]
+    val_files = [f for f, v in zip(files, is_val, strict=True) if v]
 
     if tok_file is not None:
         try:
             tok = Tokenizer.from_file(str(tok_file))
         except Exception as e:
-            raise DataError(f"cannot read tokenizer {tokenizer!r} ({e}): pass a tokenizer.json")
+            raise DataError(
+                f"cannot read tokenizer {tokenizer!r} ({e}): pass a tokenizer.json"
+            ) from e
     else:
         texts, size = [], 0
         for i in order:
@@ -247,21 +234,17 @@ def prepare_corpus(
         tok = _train_bpe(texts, vocab_size)
         del texts
     vocab = tok.get_vocab_size()
-    eot = tok.token_to_id(EOT)
-    eot = 0 if eot is None else eot
+    eot = tok.token_to_id(EOT) or 0
     dtype = np.uint16 if vocab <= 65535 else np.uint32
     train = _encode(tok, train_files, eot, dtype)
     val = _encode(tok, val_files, eot, dtype)
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "vocab_size": vocab,
-        "unigram_entropy": _entropy(train, vocab),
-        "n_files": len(files),
-        "n_bytes": sum(f.stat().st_size for f in files),
-        "n_train_files": len(train_files),
-        "n_val_files": len(val_files),
-        "tokenizer": str(tok_file or ""),
-    }
+    meta = dict(
+        vocab_size=vocab,
+        unigram_entropy=_entropy(train, vocab),
+        n_files=len(files),
+        n_bytes=sum(f.stat().st_size for f in files),
+        n_val_files=len(val_files),
+    )
 
     cache.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=cache))
@@ -294,7 +277,9 @@ def _check_len(tokens: np.ndarray, seq_len: int) -> None:
         )
 
 
-def sample_batch(tokens: np.ndarray, step: int, batch: int, seq_len: int, seed: int) -> torch.Tensor:
+def sample_batch(
+    tokens: np.ndarray, step: int, batch: int, seq_len: int, seed: int
+) -> torch.Tensor:
     """Draw ``batch`` random windows of ``seq_len + 1`` consecutive tokens: int64 ``[batch,
     seq_len + 1]``. Start positions come from a ``torch.Generator`` seeded with
     ``seed * 1_000_003 + step`` only, so any process gets the same batch for the same
@@ -315,4 +300,4 @@ def val_batches(tokens: np.ndarray, n_batches: int, batch: int, seq_len: int) ->
     _check_len(tokens, seq_len)
     n = n_batches * batch
     starts = np.arange(n, dtype=np.int64) * (len(tokens) - seq_len - 1) // max(n - 1, 1)
-    return [_windows(tokens, starts[i * batch : (i + 1) * batch], seq_len) for i in range(n_batches)]
+    return [_windows(tokens, s, seq_len) for s in np.split(starts, n_batches)] if n else []

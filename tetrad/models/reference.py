@@ -1,0 +1,43 @@
+"""The single-process reference: the same Llama on plain ``torch.nn`` layers, full tensors.
+
+Parameter names equal those of :class:`tetrad.models.llama.Llama`, so a parallel shard is
+``reference_param[shard.placement.local_slices(grid)]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tetrad.models.config import ModelConfig
+from tetrad.models.llama import Transformer
+
+
+class PlainLayers:
+    """Builds ``torch.nn`` layers; no head split."""
+
+    head_split = 1
+
+    def linear(self, k: int, n: int, *, transpose: bool = False, std: float = 0.02) -> nn.Module:
+        layer = nn.Linear(k, n, bias=False)
+        layer.weight.init = ("normal", std)
+        return layer
+
+    def embedding(self, vocab: int, dim: int) -> nn.Module:
+        return nn.Embedding(vocab, dim)
+
+    def norm(self, dim: int, eps: float) -> nn.Module:
+        return nn.RMSNorm(dim, eps=eps)
+
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="none")
+        return flat.view_as(targets)
+
+
+class Llama(Transformer):
+    """Plain Llama: tokens ``[B, S]`` -> logits ``[B, S, V]`` (call
+    :func:`tetrad.parallel.init_parameters` to get the same weights as any parallel run)."""
+
+    def __init__(self, cfg: ModelConfig, activation_checkpointing: bool = False):
+        super().__init__(cfg, PlainLayers(), activation_checkpointing)

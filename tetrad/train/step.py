@@ -1,0 +1,95 @@
+"""One optimizer step of 4D-parallel training, the optimizer and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from tetrad.comm import all_reduce
+from tetrad.grid import Grid
+from tetrad.parallel import clip_grad_norm, sync_gradients
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95),
+                    eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW over the local shards; weight decay on matrices only (not norms or biases).
+
+    AdamW is elementwise, so AdamW on shards equals AdamW on the full tensors.
+    """
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def lr_at(step: int, peak: float, floor: float, warmup: int, total: int) -> float:
+    """Linear warm-up over ``warmup`` steps to ``peak``, then cosine decay to ``floor`` at
+    ``total`` (Loshchilov and Hutter, arXiv 1608.03983, eq. 5, without restarts). ``step`` counts
+    from 0."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def local_samples(batch: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """This rank's share of a global batch ``[B, ...]``: samples
+    ``[r*B/(G_data G_z), (r+1)*B/(G_data G_z))`` with ``r = data*G_z + z``."""
+    n = batch.shape[0] // grid.batch_shards
+    return batch[grid.batch_rank * n:(grid.batch_rank + 1) * n]
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; nothing (fp32) elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, grid: Grid,
+               batch: torch.Tensor, micro_batch: int, grad_clip: float) -> tuple[float, float]:
+    """Forward, backward and update on one global batch.
+
+    Args:
+        batch: the global batch ``[B, S+1]`` of token ids (inputs ``[:, :-1]``, targets
+            ``[:, 1:]``), the same on every rank; this rank uses its ``B/(G_data G_z)`` samples
+            in micro-batches of ``micro_batch``.
+    Returns:
+        ``(loss, grad_norm)``: the mean cross-entropy (nats) over all ``B*S`` tokens of the
+        global batch, and the global gradient norm before clipping.
+    """
+    n_tokens = batch[:, 1:].numel()
+    mine = local_samples(batch, grid).to(grid.device)
+    loss = torch.zeros((), device=grid.device)
+    for mb in mine.split(micro_batch):
+        with autocast(grid.device):
+            part = model.loss_sum(mb[:, :-1], mb[:, 1:]) / n_tokens
+        part.backward()
+        loss += part.detach()
+    sync_gradients(model, grid)
+    norm = clip_grad_norm(model, grid, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return _sum_over_batch_axes(loss, grid).item(), norm.item()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, grid: Grid, batches: list[torch.Tensor], micro_batch: int) -> float:
+    """Mean cross-entropy (nats per token) over the given global batches ``[B, S+1]``."""
+    total = torch.zeros((), device=grid.device)
+    n_tokens = 0
+    for batch in batches:
+        n_tokens += batch[:, 1:].numel()
+        for mb in local_samples(batch, grid).to(grid.device).split(micro_batch):
+            with autocast(grid.device):
+                total += model.loss_sum(mb[:, :-1], mb[:, 1:]).float()
+    return _sum_over_batch_axes(total, grid).item() / n_tokens
+
+
+def _sum_over_batch_axes(t: torch.Tensor, grid: Grid) -> torch.Tensor:
+    all_reduce(t, grid, "z")
+    return all_reduce(t, grid, "data")
