@@ -24,7 +24,8 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
     try:
         fn(*args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int, *args) -> None:

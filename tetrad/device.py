@@ -1,0 +1,56 @@
+"""The few device-specific calls tetrad needs (the only place ``torch.cuda`` is used)."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+# Dense bf16 peak FLOP/s per GPU from the vendors' datasheets (without sparsity).
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process in bytes: ``torch.cuda.max_memory_allocated`` on CUDA, the
+    resident-set high-water mark (``ru_maxrss``) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_flops(device: torch.device, world_size_on_host: int = 1) -> float:
+    """Peak FLOP/s one rank may use, for MFU.
+
+    CUDA: the datasheet dense bf16 figure of :data:`GPU_PEAK_FLOPS` (0 if the GPU is unknown).
+    CPU: there is no datasheet number to trust, so it is measured: a 512x512 fp32 GEMM on one
+    thread, times the cores available, shared among the ``world_size_on_host`` ranks.
+    """
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), 0.0)
+    import os
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a = torch.randn(512, 512)
+    a @ a
+    t0, n = time.perf_counter(), 20
+    for _ in range(n):
+        a @ a
+    per_core = n * 2 * 512**3 / (time.perf_counter() - t0)
+    torch.set_num_threads(threads)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return per_core * min(cores or 1, world_size_on_host) / world_size_on_host
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"

@@ -1,0 +1,160 @@
+"""The ``tetrad train`` job: data, model, optimizer, loop, metrics and checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from tetrad.device import device_name, peak_flops, peak_memory_bytes
+from tetrad.grid import Grid
+from tetrad.models.config import ModelConfig, check_divisible
+from tetrad.models.llama import Llama
+from tetrad.parallel import init_parameters
+from tetrad.train.checkpoint import Checkpointer
+from tetrad.train.config import ConfigError, TrainConfig
+from tetrad.train.data import Corpus, prepare_corpus, sample_batch, val_batches
+from tetrad.train.step import build_optimizer, evaluate, lr_at, train_step
+
+
+def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
+    """Everything that can fail before workers start: values, data, tokenizer, model vs grid.
+
+    Tokenises and caches the corpus, so workers only load it.
+
+    Raises:
+        ConfigError, DataError, ModelConfigError: one-line messages saying what to change.
+    """
+    cfg.check()
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu")
+    corpus = prepare_corpus(cfg.data, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)
+    model_cfg = cfg.model_config(corpus.vocab_size)
+    if model_cfg.vocab_size < corpus.vocab_size:
+        raise ConfigError(f"model vocab_size={model_cfg.vocab_size} is smaller than the "
+                          f"tokenizer's {corpus.vocab_size}: raise it or drop it from the model")
+    check_divisible(model_cfg, cfg.grid)
+    return corpus, model_cfg
+
+
+def _preflight_on_rank0(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
+    """Rank 0 prepares the data first; the others then hit the cache. Errors reach every rank."""
+    err: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            preflight(cfg)
+        except ValueError as e:
+            err = [e]
+    dist.broadcast_object_list(err, src=0)
+    if err[0] is not None:
+        raise err[0]
+    return preflight(cfg)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train on this rank (call on every rank, e.g. under ``torchrun``); returns the summary.
+
+    Writes ``RUN_DIR/config.json``, ``RUN_DIR/tokenizer.json``, ``RUN_DIR/metrics.jsonl`` (one
+    JSON object per step: ``step, loss, lr, grad_norm, tokens_per_s, tokens_per_s_per_rank,
+    mfu, peak_memory_bytes, step_time_s`` and ``val_loss`` where validation ran) and
+    checkpoints under ``RUN_DIR/checkpoints``.
+    """
+    grid = Grid.build(cfg.grid, cfg.device)
+    if grid.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // grid.world_size))
+    rank0 = dist.get_rank() == 0
+    corpus, model_cfg = _preflight_on_rank0(cfg)
+    run_dir = Path(cfg.run_dir)
+
+    model = Llama(model_cfg, grid, cfg.activation_checkpointing)
+    init_parameters(model, cfg.seed, grid)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
+    ckpt = Checkpointer(run_dir, grid)
+    start = 0
+    if cfg.resume and ckpt.latest() is not None:
+        start = ckpt.load(model, optimizer, ckpt.latest())
+    if rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        meta = dataclasses.asdict(cfg) | {"model_config": dataclasses.asdict(model_cfg)}
+        (run_dir / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        shutil.copyfile(corpus.tokenizer_path, run_dir / "tokenizer.json")
+        if start == 0:
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size))
+    peak = [cfg.peak_flops]
+    if not peak[0]:  # measured by one rank while the others wait, then shared
+        if rank0:
+            peak = [peak_flops(grid.device, local_world)]
+        dist.broadcast_object_list(peak, src=0)
+    peak = peak[0]
+    val = val_batches(corpus.val, cfg.val_batches, cfg.global_batch, cfg.seq_len)
+    if rank0:
+        print(f"tetrad: {model_cfg.num_params() / 1e6:.2f}M-parameter Llama on grid {grid} "
+              f"({grid.world_size} ranks, {device_name(grid.device)}), {cfg.grad_accum} "
+              f"micro-batch(es) of {cfg.micro_batch} per step, {tokens_per_step} tokens/step")
+        print(f"tetrad: corpus {corpus.n_files} files, {len(corpus.train):,} train tokens, "
+              f"{len(corpus.val):,} val tokens; unigram entropy {corpus.unigram_entropy:.3f} nats")
+        if start:
+            print(f"tetrad: resumed from step {start}")
+
+    bar = tqdm(total=cfg.steps, initial=start, disable=not rank0, unit="step", dynamic_ncols=True)
+    metrics_file = (run_dir / "metrics.jsonl").open("a") if rank0 else None
+    t_start, val_loss, loss = time.perf_counter(), float("nan"), float("nan")
+    for step in range(start, cfg.steps):
+        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = sample_batch(corpus.train, step, cfg.global_batch, cfg.seq_len, cfg.seed)
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step(model, optimizer, grid, batch, cfg.micro_batch,
+                                     cfg.grad_clip)
+        dt = time.perf_counter() - t0
+        done = step + 1
+        row = {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+               "tokens_per_s": tokens_per_step / dt,
+               "tokens_per_s_per_rank": tokens_per_step / dt / grid.world_size,
+               "mfu": flops_per_step / dt / (peak * grid.world_size) if peak else 0.0,
+               "peak_memory_bytes": peak_memory_bytes(grid.device), "step_time_s": dt}
+        if done % cfg.val_every == 0 or done == cfg.steps:
+            model.eval()
+            val_loss = row["val_loss"] = evaluate(model, grid, val, cfg.micro_batch)
+            model.train()
+        if rank0:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.update(1)
+            if done % cfg.log_every == 0 or done == cfg.steps or "val_loss" in row:
+                bar.write(_log_line(row))
+        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
+            path = ckpt.save(model, optimizer, done)
+            if rank0:
+                bar.write(f"tetrad: checkpoint {path}")
+    bar.close()
+    summary = {"steps": cfg.steps, "final_loss": loss, "final_val_loss": val_loss,
+               "unigram_entropy": corpus.unigram_entropy,
+               "wall_time_s": time.perf_counter() - t_start, "run_dir": str(run_dir)}
+    if rank0:
+        metrics_file.close()
+        print("tetrad: done: " + ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def _log_line(row: dict) -> str:
+    val = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+    return (f"step {row['step']:>6} | loss {row['loss']:.4f}{val} | lr {row['lr']:.2e} | "
+            f"{row['tokens_per_s']:,.0f} tok/s ({row['tokens_per_s_per_rank']:,.0f}/rank) | "
+            f"MFU {100 * row['mfu']:.1f}% | mem {row['peak_memory_bytes'] / 2**30:.2f} GiB")
