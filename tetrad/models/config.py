@@ -52,7 +52,8 @@ class ModelConfig:
         ``6N + 12 L H Q T``) with the attention term halved for causal masking. ``N_matmul`` counts
         every weight used in a GEMM (the LM head included, the embedding lookup excluded).
         """
-        n_matmul = self.num_params() - self.vocab_size * self.dim - (2 * self.n_layers + 1) * self.dim
+        norms = (2 * self.n_layers + 1) * self.dim
+        n_matmul = self.num_params() - self.vocab_size * self.dim - norms
         return 6.0 * n_matmul + 6.0 * self.n_layers * seq_len * self.dim
 
 

@@ -66,7 +66,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layers):
         super().__init__()
         d, hd = cfg.dim, cfg.head_dim
-        self.n_heads, self.n_kv_heads = cfg.n_heads // layers.head_split, cfg.n_kv_heads // layers.head_split
+        self.n_heads = cfg.n_heads // layers.head_split
+        self.n_kv_heads = cfg.n_kv_heads // layers.head_split
         self.head_dim, self.theta = hd, cfg.rope_theta
         self.wq = layers.linear(d, cfg.n_heads * hd)
         self.wk = layers.linear(d, cfg.n_kv_heads * hd)

@@ -3,10 +3,12 @@
 A weight ``W [n, k]`` (out x in) is split into ``G_out x G_in`` blocks and each block's rows again
 over Z. For the non-transposed layer ``in = X, out = Y``:
 
-    x [m/G_z, k/G_x]  --  W block [n/G_y, k/G_x] (stored: [n/(G_y G_z), k/G_x])  -->  y [m/G_z, n/G_y]
+    x [m/G_z, k/G_x]  x  W block [n/G_y, k/G_x]^T  ->  y [m/G_z, n/G_y]
+    (each rank stores W_shard [n/(G_y G_z), k/G_x] of its block)
 
     forward:   W = all-gather_Z(W_shard);  y = all-reduce_X(x W^T) + b
-    backward:  W = all-gather_Z(W_shard);  dx = all-reduce_Y(dy W);  dW_shard = reduce-scatter_Z(dy^T x)
+    backward:  W = all-gather_Z(W_shard);  dx = all-reduce_Y(dy W);
+               dW_shard = reduce-scatter_Z(dy^T x)
 
 ``transpose=True`` swaps X and Y, so a non-transposed layer followed by a transposed one (QKV ->
 out-proj, gate/up -> down) needs no redistribution of activations.
@@ -31,7 +33,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _Linear3D(torch.autograd.Function):
-    """``y = all-reduce_in(x @ all-gather_Z(W_shard)^T)``; one collective per step, see module doc."""
+    """``y = all-reduce_in(x @ all-gather_Z(W_shard)^T)``; see the module docstring."""
 
     @staticmethod
     def forward(ctx, x, w_shard, grid: Grid, in_axis: str, out_axis: str):

@@ -74,7 +74,8 @@ def sharded_parameter(shape: tuple[int, ...], split: tuple[tuple[str, ...], ...]
 
 
 def _row_seed(seed: int, name: str, row: int) -> int:
-    base = int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little")
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    base = int.from_bytes(digest, "little")
     return (base + row * 0x9E3779B97F4A7C15) % (1 << 63)
 
 

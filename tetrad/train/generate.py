@@ -26,6 +26,11 @@ class CheckpointError(ValueError):
 
 
 def _first_line(e: BaseException) -> str:
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException wraps the real error
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            e = inner[0]
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
@@ -86,8 +91,7 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
     """
     import torch.distributed.checkpoint as dcp
     from tokenizers import Tokenizer
-
-    from tetrad.models.reference import Llama
+    from torch.distributed.checkpoint.api import CheckpointException
 
     run_cfg = read_run_config(run_dir)
     tok_path = Path(run_dir) / "tokenizer.json"
@@ -104,13 +108,15 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
         raise CheckpointError(f"bad model_config in {run_dir}/config.json ({e})") from None
     folder = latest_checkpoint(run_dir)
 
+    from tetrad.models.reference import Llama
+
     model = Llama(mcfg)
     state = {"model." + n: torch.empty_like(p) for n, p in model.named_parameters()}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
             dcp.load(state, checkpoint_id=str(folder))
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(
             f"checkpoint {folder} cannot be loaded into model {mcfg} ({_first_line(e)})"
         ) from None
