@@ -32,11 +32,28 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or does not match the model."""
 
 
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint folder of a run, or None if it has none.
+
+    Raises:
+        CheckpointError: ``latest`` names a folder that is missing or incomplete.
+    """
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint {path} named by {pointer} is missing or incomplete: "
+                              "restore the folder, or delete the pointer to start over")
+    return path
+
+
 class Checkpointer:
     """Saves and loads the model and AdamW state of one grid."""
 
     def __init__(self, run_dir: str | Path, grid: Grid):
-        self.dir = Path(run_dir) / "checkpoints"
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / "checkpoints"
         self.grid = grid
         self._meshes: dict[tuple[str, ...], DeviceMesh] = {}
 
@@ -84,17 +101,6 @@ class Checkpointer:
             os.replace(pointer, self.dir / "latest")
         dist.barrier()
         return final
-
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None if there is none."""
-        pointer = self.dir / "latest"
-        if not pointer.is_file():
-            return None
-        path = self.dir / pointer.read_text().strip()
-        if not (path / ".metadata").is_file():
-            raise CheckpointError(f"checkpoint {path} named by {pointer} is missing or incomplete: "
-                                  "delete the pointer to start over or restore the folder")
-        return path
 
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> int:
         """Load model and optimizer state in place; returns the step it was saved at."""

@@ -16,7 +16,7 @@ else:  # pragma: no cover
 from tetrad.grid import parse_grid
 from tetrad.models.config import ModelConfig, parse_model, with_sizes
 
-DEMO_GRID = (1, 2, 1, 2)
+DEMO_GRID = (2, 1, 1, 2)
 
 
 class ConfigError(ValueError):

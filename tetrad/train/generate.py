@@ -16,13 +16,10 @@ from pathlib import Path
 import torch
 
 from tetrad.models.config import ModelConfig
+from tetrad.train.checkpoint import CheckpointError, latest_checkpoint
 from tetrad.train.config import ConfigError
 
 EOT = "<|endoftext|>"
-
-
-class CheckpointError(ValueError):
-    """A run directory without a usable checkpoint; the one-line message says what to do."""
 
 
 def _first_line(e: BaseException) -> str:
@@ -56,29 +53,6 @@ def read_run_config(run_dir: str | Path) -> dict:
     return cfg
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path:
-    """The folder named by ``RUN_DIR/checkpoints/latest``.
-
-    Raises:
-        CheckpointError: no ``latest`` file, or the folder it names is missing or incomplete.
-    """
-    ckpts = Path(run_dir) / "checkpoints"
-    latest = ckpts / "latest"
-    if not latest.is_file():
-        raise CheckpointError(
-            f"no checkpoint in {ckpts} ({latest} is missing): train longer, or with --ckpt-every, "
-            "so that a checkpoint is written"
-        )
-    name = latest.read_text().strip()
-    folder = ckpts / name
-    if not name or not (folder / ".metadata").is_file():
-        raise CheckpointError(
-            f"checkpoint {folder} named by {latest} is missing or incomplete "
-            "(no .metadata file): resume training to write a new one"
-        )
-    return folder
-
-
 def load_model(run_dir: str | Path, device: str = "cpu"):
     """Build the reference Llama of a run and load its latest checkpoint into it.
 
@@ -107,6 +81,9 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
     except TypeError as e:
         raise CheckpointError(f"bad model_config in {run_dir}/config.json ({e})") from None
     folder = latest_checkpoint(run_dir)
+    if folder is None:
+        raise CheckpointError(f"no checkpoint in {run_dir}/checkpoints: train longer, or with "
+                              "--ckpt-every, so that one is written")
 
     from tetrad.models.reference import Llama
 
@@ -120,7 +97,7 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
         raise CheckpointError(
             f"checkpoint {folder} cannot be loaded into model {mcfg} ({_first_line(e)})"
         ) from None
-    model.load_state_dict({k[len("model."):]: v for k, v in state.items()}, strict=False)
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items()})
     return model.to(device).eval(), tokenizer, run_cfg
 
 

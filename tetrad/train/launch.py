@@ -27,14 +27,19 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 def train_worker(cfg: Any) -> None:
     """Worker entrypoint: ``tetrad.train.trainer.train(cfg)``, printing a traceback on failure.
 
-    Module-level so that spawned workers can unpickle it; imports the trainer lazily.
+    Module-level so that spawned workers can unpickle it; imports the trainer lazily. On Ctrl-C
+    the worker exits at once with status 130.
     """
     try:
         from tetrad.train.trainer import train
 
         train(cfg)
     except KeyboardInterrupt:
-        raise
+        # Ctrl-C reaches every worker; leave at once and quietly (a normal interpreter exit
+        # with live gloo/NCCL threads aborts with "terminate called without an active exception").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     except BaseException:
         rank = os.environ.get("RANK", "?")
         print(f"[rank {rank}] worker failed:", file=sys.stderr)

@@ -18,7 +18,7 @@ from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
 from tetrad.models.llama import Llama
 from tetrad.parallel import init_parameters
-from tetrad.train.checkpoint import Checkpointer
+from tetrad.train.checkpoint import Checkpointer, latest_checkpoint
 from tetrad.train.config import ConfigError, TrainConfig
 from tetrad.train.data import Corpus, prepare_corpus, sample_batch, val_batches
 from tetrad.train.step import build_optimizer, evaluate, lr_at, train_step
@@ -78,8 +78,9 @@ def train(cfg: TrainConfig) -> dict:
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     ckpt = Checkpointer(run_dir, grid)
     start = 0
-    if cfg.resume and ckpt.latest() is not None:
-        start = ckpt.load(model, optimizer, ckpt.latest())
+    latest = latest_checkpoint(run_dir) if cfg.resume else None
+    if latest is not None:
+        start = ckpt.load(model, optimizer, latest)
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         meta = dataclasses.asdict(cfg) | {"model_config": dataclasses.asdict(model_cfg)}

@@ -1,0 +1,25 @@
+# Fresh machine: `make demo` trains the demo model; `make test` runs the test suite.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/tetrad: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: $(BIN)/tetrad
+	$(BIN)/tetrad train --run-dir runs/demo
+	$(BIN)/tetrad generate runs/demo --prompt "def " --max-new-tokens 120
+
+test: $(BIN)/tetrad
+	$(BIN)/pytest -q
+
+lint: $(BIN)/tetrad
+	$(BIN)/ruff check tetrad tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs *.egg-info
