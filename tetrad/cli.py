@@ -15,9 +15,9 @@ import sys
 
 from tetrad.grid import GridError, check_world_size
 from tetrad.models.config import ModelConfigError
+from tetrad.train.checkpoint import CheckpointError
 from tetrad.train.config import ConfigError, TrainConfig, load_config
 from tetrad.train.data import DataError
-from tetrad.train.checkpoint import CheckpointError
 
 USER_ERRORS = (GridError, ModelConfigError, ConfigError, DataError, CheckpointError)
 
