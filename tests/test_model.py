@@ -5,6 +5,9 @@ global batches: the per-step loss must match to 1e-5 relative, and every updated
 must match the reference slice. Adam's first steps are close to ``lr * sign(grad)``, so an
 element whose gradient is ~0 can move by up to ~lr under another reduction order: weights are
 compared with atol = 0.05 * lr (measured worst case is far smaller; see the test output).
+
+Overlaps are on by default; the tests use small data-parallel buckets (16 KiB: several buckets
+per step) and a low Domino threshold so that every overlap really runs on these tiny shapes.
 """
 
 import pytest
@@ -16,6 +19,7 @@ from tetrad.models.config import PRESETS
 from tetrad.models.llama import Llama
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
+from tetrad.parallel.overlap import OVERLAPS
 from tetrad.train.step import build_optimizer, lr_at, train_step
 
 CFG = PRESETS["tiny"]
@@ -52,25 +56,36 @@ def reference_run():
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def parallel_runs(world_size, ref_losses, ref_weights, activation_checkpointing):
-    for sizes in GRIDS[world_size]:
+OVERLAP_OPTIONS = {"bucket_bytes": 1 << 14, "domino_min_rows": 8}
+
+
+def parallel_runs(world_size, ref_losses, ref_weights, activation_checkpointing,
+                  overlap_sets=(OVERLAPS,), grids=None):
+    for sizes in grids or GRIDS[world_size]:
         grid = Grid.build(sizes)
-        model = Llama(CFG, grid, activation_checkpointing)
-        init_parameters(model, SEED, grid)
-        opt = build_optimizer(model, LR, weight_decay=0.1)
-        for step, batch in enumerate(batches()):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
-            loss, _ = train_step(model, opt, grid, batch, MICRO, CLIP)
-            rel = abs(loss - ref_losses[step]) / ref_losses[step]
-            assert rel <= 1e-5, f"grid {sizes} step {step}: loss {loss} vs {ref_losses[step]}"
-        worst = 0.0
-        for name, p in model.named_parameters():
-            expected = ref_weights[name][p.placement.local_slices(grid)]
-            worst = max(worst, (p.detach() - expected).abs().max().item())
-        assert worst <= 0.05 * LR, f"grid {sizes}: weights differ by {worst / LR:.3g} lr"
-        if grid.coord == {"data": 0, "z": 0, "y": 0, "x": 0}:
-            print(f"grid {sizes}: worst weight difference {worst / LR:.2e} lr")
+        for overlaps in overlap_sets:
+            run_one(grid, sizes, ref_losses, ref_weights, activation_checkpointing, overlaps)
+
+
+def run_one(grid, sizes, ref_losses, ref_weights, activation_checkpointing, overlaps):
+    model = Llama(CFG, grid, activation_checkpointing, overlaps, **OVERLAP_OPTIONS)
+    init_parameters(model, SEED, grid)
+    opt = build_optimizer(model, LR, weight_decay=0.1)
+    for step, batch in enumerate(batches()):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
+        loss, _ = train_step(model, opt, grid, batch, MICRO, CLIP)
+        rel = abs(loss - ref_losses[step]) / ref_losses[step]
+        assert rel <= 1e-5, (f"grid {sizes} overlaps {sorted(overlaps)} step {step}: "
+                             f"loss {loss} vs {ref_losses[step]}")
+    worst = 0.0
+    for name, p in model.named_parameters():
+        expected = ref_weights[name][p.placement.local_slices(grid)]
+        worst = max(worst, (p.detach() - expected).abs().max().item())
+    assert worst <= 0.05 * LR, f"grid {sizes}: weights differ by {worst / LR:.3g} lr"
+    if grid.coord == {"data": 0, "z": 0, "y": 0, "x": 0}:
+        print(f"grid {sizes} overlaps {','.join(sorted(overlaps)) or 'none'}: "
+              f"worst weight difference {worst / LR:.2e} lr")
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +100,9 @@ def test_training_matches_reference(world_size, reference):
 
 def test_activation_checkpointing_matches_reference(reference):
     run_distributed(parallel_runs, 4, 4, *reference, True)
+
+
+def test_each_overlap_alone_matches_reference(reference):
+    """No overlap, then each overlap alone, on two 8-rank grids (every axis > 1 in one)."""
+    sets = [()] + [(name,) for name in OVERLAPS]
+    run_distributed(parallel_runs, 8, 8, *reference, False, sets, [(2, 2, 2, 1), (1, 2, 2, 2)])

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tetrad.comm.collectives import CommLog
+
 AXES = ("data", "z", "y", "x")
 
 
@@ -69,6 +71,7 @@ class Grid:
         mesh: the DeviceMesh with dims named ``("data", "z", "y", "x")``.
         device: this rank's device (``cpu`` or ``cuda:LOCAL_RANK``).
         coord: this rank's coordinate on each axis, e.g. ``coord["x"]``.
+        comm: the record of every collective this rank issued, per axis.
     """
 
     data: int
@@ -78,6 +81,7 @@ class Grid:
     mesh: DeviceMesh
     device: torch.device
     coord: dict[str, int] = field(default_factory=dict)
+    comm: CommLog = field(default_factory=CommLog)
 
     @classmethod
     def build(cls, sizes: tuple[int, int, int, int], device_type: str = "cpu") -> Grid:

@@ -1,5 +1,12 @@
 """Collectives over the axes of the process grid (the one place tetrad issues them)."""
 
-from tetrad.comm.collectives import all_gather, all_reduce, reduce_scatter
+from tetrad.comm.collectives import (
+    AxisStats,
+    CommLog,
+    Handle,
+    all_gather,
+    all_reduce,
+    reduce_scatter,
+)
 
-__all__ = ["all_gather", "all_reduce", "reduce_scatter"]
+__all__ = ["AxisStats", "CommLog", "Handle", "all_gather", "all_reduce", "reduce_scatter"]

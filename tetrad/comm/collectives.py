@@ -1,53 +1,138 @@
-"""Blocking collectives over one axis of a :class:`~tetrad.grid.Grid`.
+"""Collectives over one axis of a :class:`~tetrad.grid.Grid`, and the one place they are counted.
 
-Every collective of the runtime goes through these functions, so they are the one point where
-communication can be counted and timed. On an axis of size 1 each is a no-op that moves no bytes.
-All tensors are split or concatenated along dim 0.
+Every collective of the runtime goes through these functions. Each call is recorded in the
+grid's :class:`CommLog` per axis: calls, payload bytes, ring bytes sent per rank, time from issue
+to completion, and the time the caller actually waited (exposed time). On an axis of size 1 each
+function is a no-op that moves and records nothing. Tensors are split or concatenated along
+dim 0. ``axis="world"`` means every rank.
+
+With ``async_op=True`` a function returns a :class:`Handle`; the result is valid after
+``handle.wait()``. A blocking call is an async call waited at once, so all its time is exposed.
 """
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
-from tetrad.grid import Grid
 
+@dataclass
+class AxisStats:
+    """Totals for one mesh axis since the last :meth:`CommLog.reset`.
 
-def all_reduce(t: torch.Tensor, grid: Grid, axis: str, op: str = "sum") -> torch.Tensor:
-    """Reduce ``t`` in place over ``axis`` (``op`` is ``"sum"`` or ``"max"``) and return it.
-
-    Ring traffic per rank: ``2 (G-1)/G * t.numel() * t.element_size()`` bytes.
+    Attributes:
+        calls: collectives issued.
+        payload_bytes: bytes of the buffers (the larger of input and output).
+        bytes: bytes each rank sends under the ring algorithm: all-reduce ``2(G-1)/G``
+            of the payload, all-gather ``(G-1)/G`` of the output, reduce-scatter ``(G-1)/G``
+            of the input (Thakur et al., "Optimization of Collective Communication Operations
+            in MPICH", 2005, section 4).
+        time_s: seconds from issue to completion (for an async call: to the end of its wait,
+            an upper bound when it finished earlier).
+        exposed_s: seconds the caller was blocked (the whole call when blocking, the wait
+            otherwise).
     """
-    if grid.size(axis) > 1:
-        red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-        dist.all_reduce(t, op=red, group=grid.group(axis))
-    return t
+
+    calls: int = 0
+    payload_bytes: int = 0
+    bytes: float = 0.0
+    time_s: float = 0.0
+    exposed_s: float = 0.0
 
 
-def all_gather(t: torch.Tensor, grid: Grid, axis: str) -> torch.Tensor:
+@dataclass
+class CommLog:
+    """Per-axis communication record of one process (owned by its :class:`Grid`)."""
+
+    axes: dict[str, AxisStats] = field(default_factory=lambda: defaultdict(AxisStats))
+    enabled: bool = True
+
+    def reset(self) -> dict[str, AxisStats]:
+        """Return the totals so far and start counting from zero."""
+        out, self.axes = dict(self.axes), defaultdict(AxisStats)
+        return out
+
+
+class Handle:
+    """An issued collective; :meth:`wait` blocks until it is done and returns its result."""
+
+    def __init__(self, work, result: torch.Tensor, stats: AxisStats | None, issued: float):
+        self.work, self.result, self.stats, self.issued = work, result, stats, issued
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            t0 = time.perf_counter()
+            self.work.wait()
+            t1 = time.perf_counter()
+            if self.stats is not None:
+                self.stats.exposed_s += t1 - t0
+                self.stats.time_s += t1 - self.issued
+            self.work = None
+        return self.result
+
+
+def _axis_info(grid, axis: str):
+    if axis == "world":
+        return grid.world_size, None
+    return grid.size(axis), grid.group(axis)
+
+
+def _issue(grid, axis: str, payload: int, ring: float, launch, result) -> Handle:
+    stats = None
+    if grid.comm.enabled:
+        stats = grid.comm.axes[axis]
+        stats.calls += 1
+        stats.payload_bytes += payload
+        stats.bytes += ring
+    issued = time.perf_counter()
+    return Handle(launch(), result, stats, issued)
+
+
+def all_reduce(t: torch.Tensor, grid, axis: str, op: str = "sum", async_op: bool = False):
+    """Reduce ``t`` in place over ``axis`` (``op``: ``"sum"`` or ``"max"``); returns ``t`` (or a
+    :class:`Handle` to it). Ring traffic per rank: ``2 (G-1)/G * t.nbytes``."""
+    g, group = _axis_info(grid, axis)
+    if g == 1:
+        return Handle(None, t, None, 0.0) if async_op else t
+    red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    nbytes = t.numel() * t.element_size()
+    h = _issue(grid, axis, nbytes, 2 * (g - 1) / g * nbytes,
+               lambda: dist.all_reduce(t, op=red, group=group, async_op=True), t)
+    return h if async_op else h.wait()
+
+
+def all_gather(t: torch.Tensor, grid, axis: str, async_op: bool = False):
     """Concatenate every rank's ``t`` along dim 0 in axis order: ``[G*d0, ...]``.
 
     Ring traffic per rank: ``(G-1)/G`` of the output's bytes.
     """
-    g = grid.size(axis)
+    g, group = _axis_info(grid, axis)
     if g == 1:
-        return t
+        return Handle(None, t, None, 0.0) if async_op else t
     t = t.contiguous()
     out = torch.empty((g * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_single(out, t, group=grid.group(axis))
-    return out
+    nbytes = out.numel() * out.element_size()
+    h = _issue(grid, axis, nbytes, (g - 1) / g * nbytes,
+               lambda: dist.all_gather_single(out, t, group=group, async_op=True), out)
+    return h if async_op else h.wait()
 
 
-def reduce_scatter(t: torch.Tensor, grid: Grid, axis: str) -> torch.Tensor:
+def reduce_scatter(t: torch.Tensor, grid, axis: str, async_op: bool = False):
     """Sum ``t`` over ``axis`` and keep this rank's dim-0 chunk: ``[d0/G, ...]``.
 
     Ring traffic per rank: ``(G-1)/G`` of the input's bytes (gloo emulates it with an
-    all-reduce, about twice that).
+    all-reduce, about twice that on the wire; the ring figure is what is recorded).
     """
-    g = grid.size(axis)
+    g, group = _axis_info(grid, axis)
     if g == 1:
-        return t
+        return Handle(None, t, None, 0.0) if async_op else t
     t = t.contiguous()
     out = torch.empty((t.shape[0] // g, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_single(out, t, group=grid.group(axis))
-    return out
+    nbytes = t.numel() * t.element_size()
+    h = _issue(grid, axis, nbytes, (g - 1) / g * nbytes,
+               lambda: dist.reduce_scatter_single(out, t, group=group, async_op=True), out)
+    return h if async_op else h.wait()

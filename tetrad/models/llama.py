@@ -23,20 +23,22 @@ from torch.utils.checkpoint import checkpoint
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
 from tetrad.parallel import Embedding, Linear, RMSNorm, vocab_parallel_cross_entropy
+from tetrad.parallel.overlap import OVERLAPS, Overlap
 
 
 class ParallelLayers:
-    """Builds 3D tensor-parallel layers on ``grid``; attention heads are split over Y."""
+    """Builds 3D tensor-parallel layers on ``grid`` sharing one :class:`Overlap`; attention
+    heads are split over Y."""
 
-    def __init__(self, grid: Grid):
-        self.grid = grid
+    def __init__(self, grid: Grid, overlap: Overlap):
+        self.grid, self.overlap = grid, overlap
         self.head_split = grid.y
 
     def linear(self, k: int, n: int, *, transpose: bool = False, std: float = 0.02) -> nn.Module:
-        return Linear(k, n, self.grid, transpose=transpose, init_std=std)
+        return Linear(k, n, self.grid, transpose=transpose, init_std=std, overlap=self.overlap)
 
     def embedding(self, vocab: int, dim: int) -> nn.Module:
-        return Embedding(vocab, dim, self.grid)
+        return Embedding(vocab, dim, self.grid, overlap=self.overlap)
 
     def norm(self, dim: int, eps: float) -> nn.Module:
         return RMSNorm(dim, self.grid, "x", eps)
@@ -143,7 +145,11 @@ class Transformer(nn.Module):
 
 class Llama(Transformer):
     """The 3D tensor-parallel Llama on ``grid`` (parameters uninitialised: call
-    :func:`tetrad.parallel.init_parameters`)."""
+    :func:`tetrad.parallel.init_parameters`). ``overlaps``: names from
+    :data:`tetrad.parallel.overlap.OVERLAPS` (default: all)."""
 
-    def __init__(self, cfg: ModelConfig, grid: Grid, activation_checkpointing: bool = False):
-        super().__init__(cfg, ParallelLayers(grid), activation_checkpointing)
+    def __init__(self, cfg: ModelConfig, grid: Grid, activation_checkpointing: bool = False,
+                 overlaps=OVERLAPS, **overlap_options):
+        self_overlap = Overlap(grid, overlaps, **overlap_options)
+        super().__init__(cfg, ParallelLayers(grid, self_overlap), activation_checkpointing)
+        self.overlap = self_overlap

@@ -13,31 +13,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tetrad.comm import all_gather, all_reduce, reduce_scatter
+from tetrad.comm import all_reduce
 from tetrad.grid import Grid
+from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
 
 
 class _Embedding3D(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, e_shard, grid: Grid):
-        e = all_gather(e_shard.detach(), grid, "z")  # [V/G_y, h/G_x]
+    def forward(ctx, ids, e_shard, ov: Overlap):
+        grid = ov.grid
+        e = ov.gather_weight(e_shard, e_shard.dtype)  # [V/G_y, h/G_x]
         local = ids - grid.coord["y"] * e.shape[0]
         outside = (local < 0) | (local >= e.shape[0])
         local = local.masked_fill(outside, 0)
         out = e[local].masked_fill(outside.unsqueeze(-1), 0.0)
         all_reduce(out, grid, "y")
-        ctx.save_for_backward(local, outside, e_shard)
-        ctx.grid, ctx.rows = grid, e.shape[0]
+        ctx.save_for_backward(local, outside)
+        ctx.weight, ctx.ov, ctx.rows = e_shard, ov, e.shape[0]  # the Parameter itself
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        local, outside, e_shard = ctx.saved_tensors
+        local, outside = ctx.saved_tensors
+        e_shard = ctx.weight
         dout = dout.masked_fill(outside.unsqueeze(-1), 0.0).to(e_shard.dtype)
         de = torch.zeros(ctx.rows, dout.shape[-1], dtype=e_shard.dtype, device=dout.device)
         de.index_add_(0, local.reshape(-1), dout.reshape(-1, dout.shape[-1]))
-        return None, reduce_scatter(de, ctx.grid, "z"), None
+        ctx.ov.reduce_weight_grad(e_shard, de)
+        return None, None, None
 
 
 class Embedding(nn.Module):
@@ -48,8 +52,10 @@ class Embedding(nn.Module):
         ValueError: ``V`` not divisible by ``G_y*G_z`` or ``h`` by ``G_x``.
     """
 
-    def __init__(self, num_embeddings: int, dim: int, grid: Grid, init_std: float = 0.02):
+    def __init__(self, num_embeddings: int, dim: int, grid: Grid, init_std: float = 0.02,
+                 overlap: Overlap | None = None):
         super().__init__()
+        self.overlap = overlap if overlap is not None else Overlap(grid, enabled=())
         if num_embeddings % (grid.y * grid.z) or dim % grid.x:
             raise ValueError(f"Embedding {num_embeddings}x{dim} does not divide over grid {grid}")
         self.grid, self.num_embeddings, self.dim = grid, num_embeddings, dim
@@ -57,4 +63,4 @@ class Embedding(nn.Module):
                                         ("normal", init_std))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _Embedding3D.apply(ids, self.weight, self.grid)
+        return _Embedding3D.apply(ids, self.weight, self.overlap)

@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 
 
-def sync_gradients(model: nn.Module, grid: Grid) -> None:
+def sync_gradients(model: nn.Module, grid: Grid, data_reduced: set[int] = frozenset()) -> None:
     """Sum every gradient over the replicated axes whose ranks saw other tokens (Z, data).
 
     Linear and embedding weights are sharded over Z (their reduce-scatter already summed Z), so
@@ -20,11 +19,16 @@ def sync_gradients(model: nn.Module, grid: Grid) -> None:
     nothing: their ranks compute identical gradients for what they replicate. Gradients with the
     same axes are flattened into one buffer per axis set (few, large collectives).
     Losses are sums over tokens divided by the global token count, so the sum is the mean.
+    Parameters whose ``id`` is in ``data_reduced`` were already summed over data (by the
+    overlapped bucketed all-reduce) and are summed over the remaining axes only.
     """
     buckets: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
     for p in model.parameters():
         if p.grad is not None:
-            buckets[p.placement.grad_sum_axes].append(p.grad)
+            axes = p.placement.grad_sum_axes
+            if id(p) in data_reduced:
+                axes = tuple(a for a in axes if a != "data")
+            buckets[axes].append(p.grad)
     for axes, grads in buckets.items():
         axes = tuple(a for a in axes if grid.size(a) > 1)
         if not axes:
@@ -51,8 +55,7 @@ def global_grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
             continue
         if all(grid.coord[a] == 0 for a in p.placement.replicated_axes):
             total += p.grad.detach().double().pow(2).sum()
-    if grid.world_size > 1:
-        dist.all_reduce(total)
+    all_reduce(total, grid, "world")
     return total.sqrt().float()
 
 

@@ -12,6 +12,10 @@ over Z. For the non-transposed layer ``in = X, out = Y``:
 
 ``transpose=True`` swaps X and Y, so a non-transposed layer followed by a transposed one (QKV ->
 out-proj, gate/up -> down) needs no redistribution of activations.
+
+The weight gradient leaves backward through :meth:`Overlap.reduce_weight_grad` (which fills
+``weight.grad``), not through autograd, so its reduce-scatter can run asynchronously; see
+:mod:`tetrad.parallel.overlap` for the other overlaps.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tetrad.comm import all_gather, all_reduce, reduce_scatter
+from tetrad.comm import all_reduce
 from tetrad.grid import Grid
+from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
 
 
@@ -36,25 +41,35 @@ class _Linear3D(torch.autograd.Function):
     """``y = all-reduce_in(x @ all-gather_Z(W_shard)^T)``; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, w_shard, grid: Grid, in_axis: str, out_axis: str):
+    def forward(ctx, x, w_shard, ov: Overlap, in_axis: str, out_axis: str):
         dtype = compute_dtype(x)
         x = x.to(dtype)
-        w = all_gather(w_shard.detach().to(dtype), grid, "z")
-        y = all_reduce(x @ w.t(), grid, in_axis)
-        ctx.save_for_backward(x, w_shard)
-        ctx.grid, ctx.out_axis, ctx.dtype = grid, out_axis, dtype
+        w = ov.gather_weight(w_shard, dtype)
+        rows = x.reshape(-1, x.shape[-1])
+        if ov.forward_all_reduce_split(in_axis, rows.shape[0]):
+            # Domino: the first half's all-reduce runs during the second half's GEMM.
+            half = rows.shape[0] // 2
+            h1 = all_reduce(rows[:half] @ w.t(), ov.grid, in_axis, async_op=True)
+            h2 = all_reduce(rows[half:] @ w.t(), ov.grid, in_axis, async_op=True)
+            y = torch.cat([h1.wait(), h2.wait()]).view(*x.shape[:-1], w.shape[0])
+        else:
+            y = all_reduce(x @ w.t(), ov.grid, in_axis)
+        ctx.save_for_backward(x)
+        # The Parameter object itself (a saved tensor comes back as an alias under activation
+        # checkpointing): its .grad is filled by the overlap and its identity drives prefetch.
+        ctx.weight, ctx.ov, ctx.out_axis, ctx.dtype = w_shard, ov, out_axis, dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w_shard = ctx.saved_tensors
-        grid, dtype = ctx.grid, ctx.dtype
+        (x,) = ctx.saved_tensors
+        w_shard, ov, dtype = ctx.weight, ctx.ov, ctx.dtype
         dy = dy.to(dtype)
-        w = all_gather(w_shard.detach().to(dtype), grid, "z")
-        dx = all_reduce(dy @ w, grid, ctx.out_axis)
+        w = ov.gather_weight(w_shard, dtype)
+        dx = ov.backward_all_reduce(dy @ w, ctx.out_axis)  # runs during the dW GEMM
         dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        dw = reduce_scatter(dw.to(w_shard.dtype), grid, "z")
-        return dx, dw, None, None, None
+        ov.reduce_weight_grad(w_shard, dw.to(w_shard.dtype))
+        return dx.wait(), None, None, None, None
 
 
 class Linear(nn.Module):
@@ -73,8 +88,10 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, grid: Grid, *,
-                 transpose: bool = False, bias: bool = False, init_std: float = 0.02):
+                 transpose: bool = False, bias: bool = False, init_std: float = 0.02,
+                 overlap: Overlap | None = None):
         super().__init__()
+        self.overlap = overlap if overlap is not None else Overlap(grid, enabled=())
         self.in_axis, self.out_axis = ("y", "x") if transpose else ("x", "y")
         g_in, g_out = grid.size(self.in_axis), grid.size(self.out_axis)
         if in_features % g_in or out_features % (g_out * grid.z):
@@ -92,7 +109,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k_local = self.in_features // self.grid.size(self.in_axis)
         assert x.shape[-1] == k_local, f"expected [..., {k_local}], got {tuple(x.shape)}"
-        y = _Linear3D.apply(x, self.weight, self.grid, self.in_axis, self.out_axis)
+        y = _Linear3D.apply(x, self.weight, self.overlap, self.in_axis, self.out_axis)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

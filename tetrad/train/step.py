@@ -63,14 +63,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, grid: Grid,
         global batch, and the global gradient norm before clipping.
     """
     n_tokens = batch[:, 1:].numel()
-    mine = local_samples(batch, grid).to(grid.device)
+    micro_batches = local_samples(batch, grid).to(grid.device).split(micro_batch)
+    overlap = getattr(model, "overlap", None)
     loss = torch.zeros((), device=grid.device)
-    for mb in mine.split(micro_batch):
+    for i, mb in enumerate(micro_batches):
+        if overlap is not None:
+            overlap.begin_micro_batch(last=i == len(micro_batches) - 1)
         with autocast(grid.device):
             part = model.loss_sum(mb[:, :-1], mb[:, 1:]) / n_tokens
         part.backward()
+        if overlap is not None:
+            overlap.end_micro_batch()
         loss += part.detach()
-    sync_gradients(model, grid)
+    sync_gradients(model, grid, overlap.data_reduced if overlap is not None else set())
     norm = clip_grad_norm(model, grid, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
