@@ -20,6 +20,7 @@ the same sequence. Waits use the work handles only.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 import torch
@@ -78,6 +79,9 @@ class Overlap:
         self._bucket_size = 0
         self._dp: list[tuple[list[torch.nn.Parameter], Handle]] = []
         self.data_reduced: set[int] = set()  # ids of params whose grads were summed over data
+        # What actually ran (prefetch_hits, prefetch_misses, async_reduce_scatters, dp_buckets,
+        # domino_splits, async_dx_all_reduces), for logs and tests; reset by the caller.
+        self.counts: Counter[str] = Counter()
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -120,6 +124,9 @@ class Overlap:
             w = h.wait()
             if p is param and dt == dtype:
                 got = w
+                self.counts["prefetch_hits"] += 1
+            else:
+                self.counts["prefetch_misses"] += 1
         if got is None:
             got = all_gather(param.detach().to(dtype), self.grid, "z")
         if self._in_step and self.on("prefetch"):
@@ -153,6 +160,7 @@ class Overlap:
         if self._in_step and self.on("reduce_scatter"):
             self._pending_rs.append(
                 (param, reduce_scatter(block_grad, self.grid, "z", async_op=True)))
+            self.counts["async_reduce_scatters"] += self.grid.z > 1
             while self._pending_rs and self._pending_rs[0][1].work is not None \
                     and self._pending_rs[0][1].work.is_completed():
                 self._finish_rs(*self._pending_rs.pop(0))
@@ -178,16 +186,20 @@ class Overlap:
         if self._bucket:
             flat = torch.cat([p.grad.reshape(-1) for p in self._bucket])
             self._dp.append((self._bucket, all_reduce(flat, self.grid, "data", async_op=True)))
+            self.counts["dp_buckets"] += 1
         self._bucket, self._bucket_size = [], 0
 
     # -- activations -----------------------------------------------------------------------
     def forward_all_reduce_split(self, axis: str, rows: int) -> bool:
         """Whether to split a forward GEMM + all-reduce over ``axis`` in two halves."""
-        return (self._in_step and self.on("domino") and self.grid.size(axis) > 1
-                and rows >= 2 * self.domino_min_rows)
+        split = (self._in_step and self.on("domino") and self.grid.size(axis) > 1
+                 and rows >= 2 * self.domino_min_rows)
+        self.counts["domino_splits"] += split
+        return split
 
     def backward_all_reduce(self, dx: torch.Tensor, axis: str):
         """Start the dx all-reduce; returns a :class:`Handle` (async when ``dx_all_reduce``)."""
         if self._in_step and self.on("dx_all_reduce"):
+            self.counts["async_dx_all_reduces"] += self.grid.size(axis) > 1
             return all_reduce(dx, self.grid, axis, async_op=True)
         return Handle(None, all_reduce(dx, self.grid, axis), None, 0.0)
