@@ -1,0 +1,154 @@
+"""The planner's model of tetrad's memory against what the runtime really allocates and saves.
+
+On gloo ranks (CPU, fp32), for several grids, each rank measures:
+
+- parameter bytes: the sum of its local parameters' ``nbytes``;
+- gradient bytes: the sum of ``.grad`` ``nbytes`` after one micro-batch's backward;
+- optimizer-state bytes: AdamW's ``exp_avg`` + ``exp_avg_sq`` after one ``train_step`` (the
+  ``step`` counters are 0-d host tensors, not counted by the model: checked here);
+- activation bytes: unique storages passed to ``torch.autograd.graph.saved_tensors_hooks`` during
+  one micro-batch's forward, parameters excluded, with and without activation checkpointing;
+  with checkpointing also the recompute set: one block's saved storages minus its input; and
+  the same forward under CPU bf16 autocast (the runtime's Linears follow autocast), against the
+  model's bf16 estimate.
+
+Model states must equal :func:`tetrad.plan.memory.tetrad` exactly, activations within 5%.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_distributed
+from tetrad.grid import Grid
+from tetrad.models.config import ModelConfig
+from tetrad.models.llama import Llama
+from tetrad.parallel import init_parameters
+from tetrad.plan.memory import saved_activations, tetrad
+from tetrad.plan.models import ModelSpec
+from tetrad.train.step import build_optimizer, local_samples, train_step
+
+CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
+MICRO, SEQ, SEED = 2, 16, 3
+GRIDS = {1: [(1, 1, 1, 1)], 4: [(1, 2, 1, 2), (2, 1, 2, 1)], 8: [(1, 2, 2, 2)]}
+
+
+def spec_from_config(cfg: ModelConfig) -> ModelSpec:
+    """The planner's description of a runtime Llama."""
+    return ModelSpec(name="runtime", family="llama", hidden=cfg.dim, n_layers=cfg.n_layers,
+                     n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_hidden=cfg.ffn_dim,
+                     vocab=cfg.vocab_size, max_positions=0, tied_embeddings=False)
+
+
+class SavedBytes:
+    """Sum of the unique storages autograd saves inside the context, minus excluded ones."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude, self.seen = exclude, {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in self.exclude:
+            self.seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+def _measure(grid: Grid, ckpt: bool) -> dict:
+    model = Llama(CFG, grid, ckpt)
+    init_parameters(model, SEED, grid)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    g = torch.Generator().manual_seed(SEED)
+    batch = torch.randint(0, CFG.vocab_size, (MICRO * grid.batch_shards, SEQ + 1), generator=g)
+    mb = local_samples(batch, grid)
+    out = {"parameters": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+    with SavedBytes(params) as saved:
+        loss = model.loss_sum(mb[:, :-1], mb[:, 1:])
+    out["activations"] = saved.total
+    with SavedBytes(params) as saved_bf16, torch.autocast("cpu", dtype=torch.bfloat16):
+        model.loss_sum(mb[:, :-1], mb[:, 1:])
+    out["activations_bf16"] = saved_bf16.total
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    out["gradients"] = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+
+    if ckpt:  # one block's forward as the recomputation runs it, its input excluded
+        with torch.no_grad():
+            x = model.tok_embeddings(mb[:, :-1])
+        x.requires_grad_(True)
+        with SavedBytes(params | {x.untyped_storage().data_ptr()}) as block:
+            model.layers[0](x)
+        out["recompute"] = block.total
+
+    if ckpt:  # AdamW's states do not depend on checkpointing: measured once
+        return out
+    model.zero_grad(set_to_none=True)
+    opt = build_optimizer(model, 1e-3, weight_decay=0.1)
+    train_step(model, opt, grid, batch, MICRO, 1.0)
+    states = [opt.state[p] for p in model.parameters()]
+    assert all(s["step"].dim() == 0 and s["step"].device.type == "cpu" for s in states)
+    out["optimizer_states"] = sum(s[k].numel() * s[k].element_size()
+                                  for s in states for k in ("exp_avg", "exp_avg_sq"))
+    return out
+
+
+def _worker(world_size: int, out_dir: str) -> None:
+    rank = dist.get_rank()
+    for sizes in GRIDS[world_size]:
+        grid = Grid.build(sizes)
+        for ckpt in (False, True):
+            result = _measure(grid, ckpt)
+            name = f"{'-'.join(map(str, sizes))}_{int(ckpt)}_{rank}.json"
+            with open(f"{out_dir}/{name}", "w") as fh:
+                json.dump(result, fh)
+
+
+def predicted(sizes, ckpt: bool) -> dict:
+    spec = spec_from_config(CFG)
+    r = tetrad(spec, sizes, MICRO, SEQ, 1e9, activation_checkpointing=ckpt, dtype="fp32")
+    s = saved_activations(spec, sizes, MICRO, SEQ, activation_checkpointing=ckpt, dtype="fp32")
+    out = {k: r.components[k] for k in ("parameters", "gradients", "optimizer_states")}
+    out["activations"] = s["blocks"] + s["embedding"] + s["final_norm"] + s["loss"]
+    if ckpt:
+        out["recompute"] = s["recompute"]
+    # bf16 autocast on CPU: the model's "bf16" describes CUDA, where FlashAttention returns its
+    # output token-major; the CPU kernel returns it heads-major, so each block also saves the
+    # out-projection input [m, a d/G_y] as a bf16 copy.
+    b = saved_activations(spec, sizes, MICRO, SEQ, activation_checkpointing=ckpt, dtype="bf16")
+    cpu_copy = 0 if ckpt else spec.n_layers * 2 * MICRO * SEQ * spec.q_dim // sizes[2]
+    out["activations_bf16"] = b["blocks"] + b["embedding"] + b["final_norm"] + b["loss"] + cpu_copy
+    return out
+
+
+@pytest.mark.parametrize("world_size", sorted(GRIDS))
+def test_memory_model_matches_runtime(world_size, tmp_path):
+    run_distributed(_worker, world_size, world_size, str(tmp_path))
+    for sizes in GRIDS[world_size]:
+        for ckpt in (False, True):
+            want = predicted(sizes, ckpt)
+            for rank in range(world_size):
+                name = f"{'-'.join(map(str, sizes))}_{int(ckpt)}_{rank}.json"
+                got = json.loads((tmp_path / name).read_text())
+                line = ", ".join(f"{k} {got[k]}/{want[k]:.0f}" for k in want if k in got)
+                if rank == 0:
+                    print(f"grid {sizes} ckpt={ckpt} measured/predicted bytes: {line}")
+                for k in ("parameters", "gradients", "optimizer_states"):
+                    if k in got:
+                        assert got[k] == want[k], f"grid {sizes} rank {rank} {k}: {line}"
+                for k in ("activations", "activations_bf16") + (("recompute",) if ckpt else ()):
+                    assert abs(got[k] - want[k]) <= 0.05 * want[k], \
+                        f"grid {sizes} ckpt={ckpt} rank {rank} {k}: {line}"

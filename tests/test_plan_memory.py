@@ -1,0 +1,249 @@
+"""Memory estimators: Fujii et al.'s reference values, and tetrad's runtime model by hand."""
+
+import json
+
+import pytest
+
+from tetrad.plan.memory import (
+    FIT_FRACTION,
+    MemoryBreakdown,
+    block_saved_bytes,
+    check_grid,
+    fujii2024,
+    gathered_weight_bytes,
+    grid_problems,
+    local_parameter_elements,
+    saved_activations,
+    tetrad,
+    weight_gradient_bytes,
+)
+from tetrad.plan.models import PRESETS, PlanError, get_model
+
+GiB = 2**30
+L31_8B = PRESETS["llama-3.1-8b"]
+L3_8B = PRESETS["llama-3-8b"]
+L3_70B = PRESETS["llama-3-70b"]
+
+
+def split(r: MemoryBreakdown) -> tuple[float, float]:
+    """(weight + optimizer GiB, activation GiB) as the paper reports them."""
+    c = r.components
+    w = c["parameters"] + c["gradients"] + c["optimizer_states"]
+    a = c["activations"] + c["embedding_input"] + c["logits_and_loss"]
+    return w / GiB, a / GiB
+
+
+# memory-estimation.md section 7: the authors' unit-test expectations (s = 8192).
+AUTHORS = [  # t, c, p, b, d, weight + optimizer GiB, activation GiB
+    (2, 1, 1, 1, 2, 44.87260437011719, 22.64453125),
+    (1, 2, 1, 1, 2, 67.30887222290039, 22.64453125),
+    (2, 1, 2, 1, 32, 11.919273376464844, 20.75),
+    (2, 2, 1, 2, 32, 23.137436628341675, 22.64453125),
+]
+
+
+@pytest.mark.parametrize("t, c, p, b, d, weights, acts", AUTHORS)
+def test_fujii_authors_values(t, c, p, b, d, weights, acts):
+    r = fujii2024(L31_8B, tp=t, cp=c, pp=p, dp=d, micro_batch=b, seq_len=8192,
+                  gpu_memory_bytes=94e9)
+    w, a = split(r)
+    assert w == pytest.approx(weights, rel=1e-6)
+    assert a == pytest.approx(acts, rel=1e-6)
+
+
+# Section 7 "further outputs" (printed to 2 decimals). Exact values derived by hand:
+# P_layer(8B) = 218,112,000, P_layer(70B) = 855,654,400, V h = 525,336,576 (8B) and
+# 1,050,673,152 (70B); activation units per layer 41 (8B) and 40.5 (70B) sbh.
+EXTRA = [  # model, t, p, c, d, exact weight+opt bytes, exact activation bytes, printed w, a, total
+    (L3_8B, 4, 1, 1, 2, (8_030_257_152 / 4 + 4096) * 12,
+     41 * 8192 * 4096 / 4 * 32 + 8 * 8192 * 4096 / 4 + 4 * 8192 * (4096 + 128256) / 4,
+     22.44, 11.32, 33.76),
+    (L3_8B, 4, 8, 1, 4, (4 * 218_112_000 + 525_336_576) / 4 * 9,
+     41 * 8192 * 4096 / 4 * 32 + 8 * 8192 * 4096 * 8 / 4, 2.93, 10.75, 13.68),
+    (L3_70B, 8, 8, 1, 2, (10 * 855_654_400 + 1_050_673_152) / 8 * 12,
+     40.5 * 8192 * 8192 / 8 * 80 + 8 * 8192 * 8192 * 8 / 8, 13.42, 25.81, 39.23),
+    (L3_70B, 8, 4, 2, 1, (20 * 855_654_400 + 1_050_673_152) / 8 * 12,
+     40.5 * 4096 * 8192 / 8 * 80 + 8 * 4096 * 8192 * 4 / 8, 25.37, 12.78, 38.16),
+    (L3_70B, 4, 8, 1, 4, (10 * 855_654_400 + 1_050_673_152) / 4 * 9,
+     40.5 * 8192 * 8192 / 4 * 80 + 8 * 8192 * 8192 * 8 / 4, 20.13, 51.62, 71.76),
+]
+
+
+@pytest.mark.parametrize("model, t, p, c, d, w_exact, a_exact, w2, a2, total2", EXTRA)
+def test_fujii_further_outputs(model, t, p, c, d, w_exact, a_exact, w2, a2, total2):
+    r = fujii2024(model, tp=t, cp=c, pp=p, dp=d, micro_batch=1, seq_len=8192,
+                  gpu_memory_bytes=94e9)
+    w, a = split(r)
+    assert w == pytest.approx(w_exact / GiB, rel=1e-6)
+    assert a == pytest.approx(a_exact / GiB, rel=1e-6)
+    assert abs(w - w2) <= 0.005 + 1e-9 and abs(a - a2) <= 0.005 + 1e-9
+    assert abs(r.total / GiB - total2) <= 0.01
+
+
+def test_fujii_worked_decomposition_row_1():
+    r = fujii2024(L31_8B, 2, 1, 1, 2, 1, 8192, 94e9).components
+    n = 4_015_132_672
+    assert r["parameters"] == 2 * n and r["gradients"] == 4 * n and r["optimizer_states"] == 6 * n
+    assert r["activations"] / GiB == 20.5
+    assert r["embedding_input"] / GiB == 0.125
+    assert r["logits_and_loss"] / GiB == 2.01953125
+
+
+def test_fujii_options():
+    base = fujii2024(L31_8B, 2, 1, 4, 8, 1, 8192, 80e9)
+    # fewer micro-batches than stages: activations (layers + embedding input) scale by m/p
+    few = fujii2024(L31_8B, 2, 1, 4, 8, 1, 8192, 80e9, num_microbatches=2)
+    assert few.components["activations"] == base.components["activations"] / 2
+    assert few.components["embedding_input"] == base.components["embedding_input"] / 2
+    # interleaved 1F1B: 1 + (p-1)/(p v)
+    inter = fujii2024(L31_8B, 2, 1, 4, 8, 1, 8192, 80e9, virtual_pp=2)
+    assert inter.components["activations"] == base.components["activations"] * (1 + 3 / 8)
+    # no distributed optimizer: 12 bytes per parameter; bf16 gradients: 2
+    plain = fujii2024(L31_8B, 2, 1, 4, 8, 1, 8192, 80e9, distributed_optimizer=False,
+                      grad_bytes=2)
+    n = plain.components["parameters"] / 2
+    assert plain.components["optimizer_states"] == 12 * n
+    assert plain.components["gradients"] == 2 * n
+    assert base.components["logits_and_loss"] == 0  # only when p = 1
+
+
+def test_fujii_gpt_uses_korthikanti():
+    m = PRESETS["gpt-5b"]
+    r = fujii2024(m, 4, 1, 1, 8, 1, 2048, 80e9)
+    assert r.components["activations"] == 24 * 34 * 2048 * 4096 / 4
+
+
+@pytest.mark.parametrize("kw", [dict(tp=0), dict(pp=5), dict(micro_batch=-1), dict(grad_bytes=3)])
+def test_fujii_errors(kw):
+    args = dict(tp=1, cp=1, pp=1, dp=1, micro_batch=1, seq_len=8192, gpu_memory_bytes=80e9)
+    args.update(kw)
+    with pytest.raises(PlanError):
+        fujii2024(L31_8B, **args)
+
+
+def test_breakdown_verdict_and_dict():
+    r = MemoryBreakdown({"a": 60.0, "b": 20.0}, gpu_memory_bytes=100.0)
+    assert r.total == 80.0 and r.fraction == 0.8 and r.fits and FIT_FRACTION == 0.8
+    r.components["b"] = 20.5
+    assert not r.fits
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["total_bytes"] == 80.5 and d["fits"] is False
+
+
+# ---- tetrad ----------------------------------------------------------------------------------
+
+
+def test_tetrad_parameters_by_hand():
+    grid = (2, 2, 2, 2)
+    r = tetrad(L31_8B, grid, 1, 8192, 141e9)
+    h, f, kv, V, L = 4096, 14336, 1024, 128256, 32
+    matrices = (L * (2 * h * h + 2 * h * kv + 3 * h * f) + 2 * V * h) // (2 * 2 * 2)
+    vectors = (2 * L + 1) * h // 2  # RMSNorm weights h/G_x, replicated over Y, Z, data
+    assert local_parameter_elements(L31_8B, grid)["matrices"] == matrices
+    assert r.components["parameters"] == 4 * (matrices + vectors)
+    assert r.components["gradients"] == 4 * (matrices + vectors)
+    assert r.components["optimizer_states"] == 8 * (matrices + vectors)
+
+
+def test_tetrad_gpt_parameters_by_hand():
+    m = PRESETS["gpt-5b"]
+    h, L, V, P = 4096, 24, 51200, 2048
+    gd, gz, gy, gx = 1, 4, 2, 2
+    matrices = (L * 12 * h * h + (2 * V + P) * h) // (gx * gy * gz)
+    # biases: qkv 3h/G_y, proj h/G_x, fc1 4h/G_y, fc2 h/G_x; LayerNorms 2h/G_x each
+    vectors = L * (3 * h // gy + h // gx + 4 * h // gy + h // gx + 2 * 2 * h // gx) + 2 * h // gx
+    r = tetrad(m, (gd, gz, gy, gx), 1, 2048, 80e9)
+    assert r.components["parameters"] == 4 * (matrices + vectors)
+
+
+def test_tetrad_block_activations_by_hand():
+    S, b = 8192, 1
+    m = b * S
+    grid = (1, 1, 2, 2)
+    hx, qy, kvy, fy, ay, hd = 2048, 2048, 512, 7168, 16, 128
+    rope = 4 * S * (hd // 2) * 4
+    # bf16: residual fp32 [x, h], normalised fp32 (x2), rsqrt (x2), bf16 copies of the norm
+    # outputs for wq/wk/wv and w1/w3; q, k, v, SDPA out in bf16, fp32 log-sum-exp; 4 SwiGLU.
+    bf16 = (4 * 4 * m * hx + 2 * 4 * m + 5 * 2 * m * hx + 2 * m * (2 * qy + 2 * kvy)
+            + 4 * m * ay + rope + 4 * 2 * m * fy)
+    assert block_saved_bytes(L31_8B, grid, b, S, "bf16") == bf16
+    # fp32: one norm output each, SDPA out plus the out-proj input copy.
+    fp32 = (6 * 4 * m * hx + 2 * 4 * m + 4 * m * (3 * qy + 2 * kvy) + 4 * m * ay + rope
+            + 4 * 4 * m * fy)
+    assert block_saved_bytes(L31_8B, grid, b, S, "fp32") == fp32
+
+
+def test_tetrad_gpt_block_by_hand():
+    m_spec = PRESETS["gpt-5b"]
+    S, grid = 2048, (1, 2, 2, 2)
+    m, hx, qy, fy, ay = S, 2048, 2048, 8192, 16
+    norm = 4 * m * hx + 2 * 4 * m + 4 * m * hx + 2 * m * hx  # input, mean+rstd, normed, cast
+    attn = 2 * m * (3 * qy + qy) + 4 * m * ay
+    assert block_saved_bytes(m_spec, grid, 1, S, "bf16") == 2 * norm + attn + 2 * 2 * m * fy
+
+
+def test_tetrad_checkpointing_and_totals():
+    grid, S = (4, 1, 2, 4), 8192
+    plain = saved_activations(L31_8B, grid, 1, S, dtype="bf16")
+    ckpt = saved_activations(L31_8B, grid, 1, S, activation_checkpointing=True, dtype="bf16")
+    blk = block_saved_bytes(L31_8B, grid, 1, S, "bf16")
+    inp = 4 * S * 4096 // 4
+    assert plain["blocks"] == 32 * blk and plain["recompute"] == 0
+    assert ckpt["blocks"] == 32 * inp and ckpt["recompute"] == blk - inp
+    assert ckpt["loss"] == plain["loss"] == 4 * S * 128256 // 2 + 9 * S
+    for ac in (False, True):
+        r = tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=ac)
+        assert r.total == pytest.approx(max(r.phases.values()), rel=1e-12)
+        assert r.phases[r.peak_phase] == pytest.approx(r.total, rel=1e-12)
+        assert set(r.components) >= {"parameters", "gradients", "optimizer_states",
+                                     "activations", "logits_and_loss", "gathered_weights",
+                                     "reduce_scatter_buffers", "recompute_activations"}
+    assert (tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=True).total
+            < tetrad(L31_8B, grid, 1, S, 141e9).total)
+
+
+def test_tetrad_transients():
+    S, w1 = 4096, L31_8B.linears()[4]
+    # fp32 with G_z = 1: the shard is used as is, nothing gathered
+    assert gathered_weight_bytes(w1, (1, 1, 2, 2), "fp32") == 0
+    # otherwise the block [f/G_y, h/G_x] in compute dtype
+    assert gathered_weight_bytes(w1, (1, 1, 2, 2), "bf16") == 2 * 14336 * 4096 // 4
+    assert gathered_weight_bytes(w1, (1, 4, 2, 2), "fp32") == 4 * 14336 * 4096 // 4
+    # dW in compute dtype (+ its fp32 copy, the reduce-scatter input, under bf16)
+    assert weight_gradient_bytes(w1, (1, 4, 2, 2), "bf16") == 6 * 14336 * 4096 // 4
+    assert weight_gradient_bytes(w1, (1, 4, 2, 2), "fp32") == 4 * 14336 * 4096 // 4
+    r = tetrad(L31_8B, (1, 4, 2, 2), 1, S, 141e9, activation_checkpointing=True)
+    blocks = r.phases["backward: blocks"]
+    static = r.components["parameters"] * 4
+    saved = saved_activations(L31_8B, (1, 4, 2, 2), 1, S, activation_checkpointing=True)
+    # prefetch: two gathered blocks; async reduce-scatter: two dW in flight
+    assert blocks == pytest.approx(static + saved["blocks"] + saved["embedding"]
+                                   + saved["recompute"] + 2 * 2 * 14336 * 4096 // 4
+                                   + 2 * 6 * 14336 * 4096 // 4, rel=1e-12)
+    no_pf = tetrad(L31_8B, (1, 4, 2, 2), 1, S, 141e9, activation_checkpointing=True,
+                   prefetch=False, async_reduce_scatter=False)
+    assert blocks - no_pf.phases["backward: blocks"] == 14336 * 4096 // 4 * (2 + 6)
+    # loss forward: logits (bf16) + fp32 shifted logits + fp32 softmax, prefetched head weight
+    fwd = r.phases["forward: loss"] - static - saved["blocks"] - saved["embedding"]
+    fwd -= saved["final_norm"] + saved["loss"]
+    assert fwd == (2 + 4) * S * 128256 // 2 + 2 * 128256 * 4096 // 4
+
+
+def test_tetrad_fits_a_big_model_only_when_sharded():
+    m = PRESETS["llama-3.1-70b"]
+    assert not tetrad(m, (8, 1, 1, 1), 1, 8192, 80e9).fits
+    assert tetrad(m, (1, 4, 4, 4), 1, 4096, 80e9, activation_checkpointing=True).fits
+
+
+def test_grid_problems():
+    assert grid_problems(L31_8B, (1, 1, 8, 1)) == []
+    bad = grid_problems(L31_8B, (1, 1, 16, 1))
+    assert any("n_kv_heads=8 divisible by G_y=16" in b for b in bad)
+    with pytest.raises(PlanError, match="does not shard"):
+        check_grid(L31_8B, (1, 1, 16, 1))
+    with pytest.raises(PlanError, match="does not shard"):
+        tetrad(get_model("llama-3-8b,vocab=1001"), (1, 1, 2, 1), 1, 1024, 80e9)
+    with pytest.raises(PlanError):
+        tetrad(L31_8B, (1, 1, 1), 1, 1024, 80e9)
+    with pytest.raises(PlanError, match="dtype"):
+        tetrad(L31_8B, (1, 1, 1, 1), 1, 1024, 80e9, dtype="fp8")
