@@ -25,7 +25,7 @@ USER_ERRORS = (GridError, ModelConfigError, ConfigError, DataError, CheckpointEr
 TRAIN_FIELDS = (
     "model", "grid", "steps", "micro_batch", "global_batch", "seq_len", "lr", "seed", "data",
     "tokenizer", "run_dir", "device", "activation_checkpointing", "resume", "log_every",
-    "val_every", "ckpt_every",
+    "val_every", "ckpt_every", "overlap", "profile_steps",
 )
 
 
@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--val-every", type=int, metavar="N", help="steps between validations")
     t.add_argument("--ckpt-every", type=int, metavar="N",
                    help="steps between checkpoints (0: only at the end)")
+    t.add_argument("--overlap", metavar="LIST",
+                   help="collectives overlapped with compute: all (default), none, or a list of "
+                   "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino")
+    t.add_argument("--profile-steps", metavar="A:B",
+                   help="write a torch.profiler Chrome trace of steps A..B to the run directory")
 
     g = sub.add_parser("generate", help="sample text from a trained run directory",
                        description="Print PROMPT followed by text sampled from the latest "
@@ -79,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=50, metavar="K", help="0 means no top-k cut")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+
+    r = sub.add_parser("report", help="where a run's step time went (compute, communication)",
+                       description="Summarize RUN_DIR/metrics.jsonl: step time split into "
+                       "compute and exposed communication per mesh axis; writes report.png.")
+    r.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `tetrad train`")
+    r.add_argument("--no-plot", action="store_true", help="skip report.png")
     return p
 
 
@@ -141,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             _train(args)
+        elif args.command == "report":
+            from tetrad.train.report import report
+
+            print(report(args.run_dir, plot=not args.no_plot))
         else:
             _generate(args)
     except USER_ERRORS as e:

@@ -31,8 +31,9 @@ class AxisStats:
             of the payload, all-gather ``(G-1)/G`` of the output, reduce-scatter ``(G-1)/G``
             of the input (Thakur et al., "Optimization of Collective Communication Operations
             in MPICH", 2005, section 4).
-        time_s: seconds from issue to completion (for an async call: to the end of its wait,
-            an upper bound when it finished earlier).
+        time_s: seconds from issue to completion. An async call's completion is stamped at the
+            first collective event (an issue or a wait) that finds it done, or at the end of its
+            wait: an upper bound, tight to the next communication event.
         exposed_s: seconds the caller was blocked (the whole call when blocking, the wait
             otherwise).
     """
@@ -50,6 +51,17 @@ class CommLog:
 
     axes: dict[str, AxisStats] = field(default_factory=lambda: defaultdict(AxisStats))
     enabled: bool = True
+    in_flight: list = field(default_factory=list)  # issued, not yet seen complete
+
+    def sweep(self, now: float) -> None:
+        """Stamp the completion time of in-flight collectives that have finished."""
+        still = []
+        for h in self.in_flight:
+            if h.done_at is None and h.work is not None and h.work.is_completed():
+                h.done_at = now
+            if h.done_at is None and h.work is not None:
+                still.append(h)
+        self.in_flight = still
 
     def reset(self) -> dict[str, AxisStats]:
         """Return the totals so far and start counting from zero."""
@@ -60,18 +72,26 @@ class CommLog:
 class Handle:
     """An issued collective; :meth:`wait` blocks until it is done and returns its result."""
 
-    def __init__(self, work, result: torch.Tensor, stats: AxisStats | None, issued: float):
+    def __init__(self, work, result: torch.Tensor, stats: AxisStats | None, issued: float,
+                 log: CommLog | None = None, post=None):
         self.work, self.result, self.stats, self.issued = work, result, stats, issued
+        self.log, self.done_at, self.post = log, None, post
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             t0 = time.perf_counter()
+            if self.log is not None:
+                self.log.sweep(t0)
+            if self.done_at is None and self.work.is_completed():
+                self.done_at = t0
             self.work.wait()
             t1 = time.perf_counter()
             if self.stats is not None:
                 self.stats.exposed_s += t1 - t0
-                self.stats.time_s += t1 - self.issued
+                self.stats.time_s += (self.done_at or t1) - self.issued
             self.work = None
+            if self.post is not None:
+                self.result, self.post = self.post(self.result), None
         return self.result
 
 
@@ -81,7 +101,7 @@ def _axis_info(grid, axis: str):
     return grid.size(axis), grid.group(axis)
 
 
-def _issue(grid, axis: str, payload: int, ring: float, launch, result) -> Handle:
+def _issue(grid, axis: str, payload: int, ring: float, launch, result, post=None) -> Handle:
     stats = None
     if grid.comm.enabled:
         stats = grid.comm.axes[axis]
@@ -89,7 +109,13 @@ def _issue(grid, axis: str, payload: int, ring: float, launch, result) -> Handle
         stats.payload_bytes += payload
         stats.bytes += ring
     issued = time.perf_counter()
-    return Handle(launch(), result, stats, issued)
+    log = grid.comm if stats is not None else None
+    if log is not None:
+        log.sweep(issued)
+    h = Handle(launch(), result, stats, issued, log, post)
+    if log is not None:
+        log.in_flight.append(h)
+    return h
 
 
 def all_reduce(t: torch.Tensor, grid, axis: str, op: str = "sum", async_op: bool = False):
@@ -124,15 +150,28 @@ def all_gather(t: torch.Tensor, grid, axis: str, async_op: bool = False):
 def reduce_scatter(t: torch.Tensor, grid, axis: str, async_op: bool = False):
     """Sum ``t`` over ``axis`` and keep this rank's dim-0 chunk: ``[d0/G, ...]``.
 
-    Ring traffic per rank: ``(G-1)/G`` of the input's bytes (gloo emulates it with an
-    all-reduce, about twice that on the wire; the ring figure is what is recorded).
+    Ring traffic per rank: ``(G-1)/G`` of the input's bytes; that is what is recorded. gloo has
+    no reduce-scatter of its own (torch emulates it with an all-reduce, about twice the traffic,
+    whose handle only completes inside ``wait``), so on gloo the all-reduce is issued here and
+    this rank's chunk kept, which lets the record see when it completes.
     """
     g, group = _axis_info(grid, axis)
     if g == 1:
         return Handle(None, t, None, 0.0) if async_op else t
-    t = t.contiguous()
-    out = torch.empty((t.shape[0] // g, *t.shape[1:]), dtype=t.dtype, device=t.device)
     nbytes = t.numel() * t.element_size()
-    h = _issue(grid, axis, nbytes, (g - 1) / g * nbytes,
-               lambda: dist.reduce_scatter_single(out, t, group=group, async_op=True), out)
+    ring = (g - 1) / g * nbytes
+    if dist.get_backend(group) == "gloo":
+        buf = t.clone(memory_format=torch.contiguous_format)
+        rank = dist.get_group_rank(group, dist.get_rank())
+
+        def keep_chunk(full):
+            return full.chunk(g)[rank].clone()
+
+        h = _issue(grid, axis, nbytes, ring,
+                   lambda: dist.all_reduce(buf, group=group, async_op=True), buf, keep_chunk)
+    else:
+        t = t.contiguous()
+        out = torch.empty((t.shape[0] // g, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        h = _issue(grid, axis, nbytes, ring,
+                   lambda: dist.reduce_scatter_single(out, t, group=group, async_op=True), out)
     return h if async_op else h.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ else:  # pragma: no cover
 
 from tetrad.grid import parse_grid
 from tetrad.models.config import ModelConfig, parse_model, with_sizes
+from tetrad.parallel.overlap import parse_overlaps
 
 DEMO_GRID = (2, 1, 1, 2)
 
@@ -61,12 +63,22 @@ class TrainConfig:
     ckpt_every: int = 0  # steps between checkpoints (0: only at the end)
     resume: bool = False  # continue from the latest checkpoint in run_dir
     peak_flops: float = 0.0  # peak FLOP/s per rank for MFU (0: look up or measure)
+    overlap: str = "all"  # all, none, or a comma-separated list (tetrad.parallel.overlap)
+    dp_bucket_mb: float = 4.0  # data-parallel all-reduce bucket size, MiB
+    domino_min_rows: int = 256  # split a forward GEMM + all-reduce only above 2x this many rows
+    profile_steps: str = ""  # "A:B": torch.profiler trace of steps A..B into run_dir
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
-        """The model sizes: ``model`` string, then the ``[model]`` table, then the vocabulary."""
+        """The model sizes: ``model`` string, then the ``[model]`` table, then the vocabulary.
+
+        A vocabulary taken from the tokenizer (model ``vocab_size`` 0) is padded up to a
+        multiple of ``lcm(128, G_y*G_z)`` so the embedding and LM head divide over the grid
+        (as Megatron-LM pads its vocabulary); padding ids never occur in the data.
+        """
         cfg: ModelConfig = with_sizes(parse_model(self.model), self.model_sizes)
         if vocab_size is not None and cfg.vocab_size == 0:
-            cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
+            multiple = math.lcm(128, self.grid[1] * self.grid[2])
+            cfg = dataclasses.replace(cfg, vocab_size=-(-vocab_size // multiple) * multiple)
         return cfg
 
     def check(self) -> None:
@@ -90,6 +102,29 @@ class TrainConfig:
             )
         if not 0.0 < self.val_fraction < 0.5:
             raise ConfigError(f"val_fraction={self.val_fraction} must lie in (0, 0.5)")
+        try:
+            parse_overlaps(self.overlap)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.profile_steps:
+            self.profile_range()
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """Steps ``(A, B)`` (1-based, inclusive) to profile, or None.
+
+        Raises:
+            ConfigError: not ``A:B`` with ``1 <= A <= B``.
+        """
+        if not self.profile_steps:
+            return None
+        try:
+            a, b = (int(v) for v in self.profile_steps.split(":"))
+        except ValueError:
+            a = b = 0
+        if not 1 <= a <= b:
+            raise ConfigError(f"profile_steps={self.profile_steps!r} is not A:B with 1 <= A <= B "
+                              "(for example 5:7)")
+        return a, b
 
     @property
     def grad_accum(self) -> int:

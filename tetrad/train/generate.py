@@ -149,7 +149,8 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int = 200,
     new: list[int] = []
     for _ in range(max_new_tokens):
         x = torch.tensor([ids[-window:]], dtype=torch.long, device=device)
-        nxt = sample_next(model(x)[0, -1], temperature, top_k, gen)
+        # the model's vocabulary may be padded past the tokenizer's: never sample padding
+        nxt = sample_next(model(x)[0, -1, :tok.get_vocab_size()], temperature, top_k, gen)
         if nxt == eot:
             break
         ids.append(nxt)

@@ -18,6 +18,7 @@ from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
 from tetrad.models.llama import Llama
 from tetrad.parallel import init_parameters
+from tetrad.parallel.overlap import parse_overlaps
 from tetrad.train.checkpoint import Checkpointer, latest_checkpoint
 from tetrad.train.config import ConfigError, TrainConfig
 from tetrad.train.data import Corpus, prepare_corpus, sample_batch, val_batches
@@ -73,7 +74,9 @@ def train(cfg: TrainConfig) -> dict:
     corpus, model_cfg = _preflight_on_rank0(cfg)
     run_dir = Path(cfg.run_dir)
 
-    model = Llama(model_cfg, grid, cfg.activation_checkpointing)
+    model = Llama(model_cfg, grid, cfg.activation_checkpointing, parse_overlaps(cfg.overlap),
+                  bucket_bytes=int(cfg.dp_bucket_mb * 2**20),
+                  domino_min_rows=cfg.domino_min_rows)
     init_parameters(model, cfg.seed, grid)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     ckpt = Checkpointer(run_dir, grid)
@@ -108,6 +111,7 @@ def train(cfg: TrainConfig) -> dict:
         if start:
             print(f"tetrad: resumed from step {start}")
 
+    profiler = StepProfiler(cfg.profile_range(), run_dir, grid.device, rank0)
     bar = tqdm(total=cfg.steps, initial=start, disable=not rank0, unit="step", dynamic_ncols=True)
     metrics_file = (run_dir / "metrics.jsonl").open("a") if rank0 else None
     t_start, val_loss, loss = time.perf_counter(), float("nan"), float("nan")
@@ -116,16 +120,25 @@ def train(cfg: TrainConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = sample_batch(corpus.train, step, cfg.global_batch, cfg.seq_len, cfg.seed)
+        done = step + 1
+        profiler.before(done)
+        grid.comm.reset()
+        model.overlap.counts.clear()
         t0 = time.perf_counter()
         loss, grad_norm = train_step(model, optimizer, grid, batch, cfg.micro_batch,
                                      cfg.grad_clip)
         dt = time.perf_counter() - t0
-        done = step + 1
+        comm = grid.comm.reset()
+        profiler.after(done)
         row = {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": tokens_per_step / dt,
                "tokens_per_s_per_rank": tokens_per_step / dt / grid.world_size,
                "mfu": flops_per_step / dt / (peak * grid.world_size) if peak else 0.0,
-               "peak_memory_bytes": peak_memory_bytes(grid.device), "step_time_s": dt}
+               "peak_memory_bytes": peak_memory_bytes(grid.device), "step_time_s": dt,
+               "comm_bytes": {a: s.bytes for a, s in comm.items()},
+               "comm_time_s": {a: s.time_s for a, s in comm.items()},
+               "comm_exposed_s": {a: s.exposed_s for a, s in comm.items()},
+               "overlaps_ran": dict(model.overlap.counts)}
         if done % cfg.val_every == 0 or done == cfg.steps:
             model.eval()
             val_loss = row["val_loss"] = evaluate(model, grid, val, cfg.micro_batch)
@@ -142,6 +155,7 @@ def train(cfg: TrainConfig) -> dict:
             if rank0:
                 bar.write(f"tetrad: checkpoint {path}")
     bar.close()
+    profiler.close()
     summary = {"steps": cfg.steps, "final_loss": loss, "final_val_loss": val_loss,
                "unigram_entropy": corpus.unigram_entropy,
                "wall_time_s": time.perf_counter() - t_start, "run_dir": str(run_dir)}
@@ -156,6 +170,41 @@ def train(cfg: TrainConfig) -> dict:
 
 def _log_line(row: dict) -> str:
     val = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+    exposed = sum(row["comm_exposed_s"].values()) / row["step_time_s"]
     return (f"step {row['step']:>6} | loss {row['loss']:.4f}{val} | lr {row['lr']:.2e} | "
             f"{row['tokens_per_s']:,.0f} tok/s ({row['tokens_per_s_per_rank']:,.0f}/rank) | "
-            f"MFU {100 * row['mfu']:.1f}% | mem {row['peak_memory_bytes'] / 2**30:.2f} GiB")
+            f"MFU {100 * row['mfu']:.1f}% | mem {row['peak_memory_bytes'] / 2**30:.2f} GiB | "
+            f"comm exposed {100 * exposed:.0f}%")
+
+
+class StepProfiler:
+    """``torch.profiler`` over steps ``A..B`` (1-based); rank 0 writes a Chrome trace
+    ``RUN_DIR/trace_steps_A-B.json`` (open it in chrome://tracing or Perfetto)."""
+
+    def __init__(self, steps: tuple[int, int] | None, run_dir: Path, device: torch.device,
+                 rank0: bool):
+        self.steps, self.run_dir, self.rank0, self.prof = steps, run_dir, rank0, None
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.activities = acts
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0]:
+            self.prof = torch.profiler.profile(activities=self.activities)
+            self.prof.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.prof is not None and step == self.steps[1]:
+            self.close()
+
+    def close(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.__exit__(None, None, None)
+        if self.rank0:
+            a, b = self.steps
+            path = self.run_dir / f"trace_steps_{a}-{b}.json"
+            self.prof.export_chrome_trace(str(path))
+            print(f"tetrad: profiler trace {path}")
+        self.prof = None

@@ -1,0 +1,116 @@
+"""``tetrad report RUN_DIR``: where a run's step time went, from its ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tetrad.train.config import ConfigError
+
+AXES = ("x", "y", "z", "data", "world")
+
+
+def load_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of ``RUN_DIR/metrics.jsonl``.
+
+    Raises:
+        ConfigError: no such file, or no rows with communication records in it.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist: pass the --run-dir of a tetrad train run")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "comm_exposed_s" in r]
+    if not rows:
+        raise ConfigError(f"{path} has no steps with communication records")
+    return rows
+
+
+def summarize(rows: list[dict], skip: int = 1) -> dict:
+    """Mean per step over ``rows`` after the first ``skip`` (the first step records the
+    prefetch order and warms up): step time, exposed and total communication time per axis
+    (seconds), ring bytes per axis, and compute = step time - all exposed communication."""
+    use = rows[skip:] or rows
+    n = len(use)
+
+    def mean(key: str, axis: str | None = None) -> float:
+        if axis is None:
+            return sum(r[key] for r in use) / n
+        return sum(r[key].get(axis, 0.0) for r in use) / n
+
+    axes = [a for a in AXES if any(a in r["comm_bytes"] for r in use)]
+    out = {
+        "steps": n, "first_step": use[0]["step"], "last_step": use[-1]["step"],
+        "step_time_s": mean("step_time_s"), "tokens_per_s": mean("tokens_per_s"),
+        "mfu": mean("mfu"),
+        "axes": {a: {"bytes": mean("comm_bytes", a), "time_s": mean("comm_time_s", a),
+                     "exposed_s": mean("comm_exposed_s", a)} for a in axes},
+    }
+    exposed = sum(v["exposed_s"] for v in out["axes"].values())
+    out["exposed_s"] = exposed
+    out["compute_s"] = out["step_time_s"] - exposed
+    return out
+
+
+def format_report(s: dict) -> str:
+    """A plain-text table of :func:`summarize`'s result."""
+    lines = [
+        f"steps {s['first_step']}-{s['last_step']} (mean of {s['steps']}): "
+        f"step {s['step_time_s'] * 1e3:.1f} ms, {s['tokens_per_s']:,.0f} tokens/s, "
+        f"MFU {100 * s['mfu']:.1f}%",
+        f"  compute (step - exposed comm) {s['compute_s'] * 1e3:9.1f} ms",
+        f"  exposed communication         {s['exposed_s'] * 1e3:9.1f} ms "
+        f"({100 * s['exposed_s'] / s['step_time_s']:.0f}% of the step)",
+        "",
+        "  (comm ms: summed issue-to-completion time of the axis's collectives; concurrent ones\n"
+        "   add up, so it can exceed the step. exposed ms: time the step actually waited.)",
+        f"  {'axis':<6}{'MB sent/rank':>14}{'comm ms':>10}{'exposed ms':>12}{'hidden':>8}",
+    ]
+    for axis, v in s["axes"].items():
+        hidden = 1 - v["exposed_s"] / v["time_s"] if v["time_s"] else 0.0
+        lines.append(f"  {axis:<6}{v['bytes'] / 1e6:>14.2f}{v['time_s'] * 1e3:>10.1f}"
+                     f"{v['exposed_s'] * 1e3:>12.1f}{100 * hidden:>7.0f}%")
+    return "\n".join(lines)
+
+
+def plot_report(s: dict, path: str | Path) -> None:
+    """Bar chart: the step split into compute and exposed communication per axis, and per
+    axis the communication time next to its exposed part. Writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    bottom = s["compute_s"] * 1e3
+    left.bar(["step"], [bottom], label="compute")
+    for axis, v in s["axes"].items():
+        left.bar(["step"], [v["exposed_s"] * 1e3], bottom=[bottom], label=f"exposed {axis}")
+        bottom += v["exposed_s"] * 1e3
+    left.set_ylabel("ms per step")
+    left.set_title("step time")
+    left.legend(fontsize=8)
+    axes = list(s["axes"])
+    idx = range(len(axes))
+    right.bar([i - 0.2 for i in idx], [s["axes"][a]["time_s"] * 1e3 for a in axes], 0.4,
+              label="issue to completion")
+    right.bar([i + 0.2 for i in idx], [s["axes"][a]["exposed_s"] * 1e3 for a in axes], 0.4,
+              label="exposed (waited)")
+    right.set_xticks(list(idx), axes)
+    right.set_ylabel("ms per step")
+    right.set_title("communication per mesh axis")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(run_dir: str | Path, plot: bool = True) -> str:
+    """Summarize a run; with ``plot`` also write ``RUN_DIR/report.png``. Returns the text."""
+    s = summarize(load_metrics(run_dir))
+    text = format_report(s)
+    if plot:
+        out = Path(run_dir) / "report.png"
+        plot_report(s, out)
+        text += f"\n\nchart: {out}"
+    return text
