@@ -1,0 +1,276 @@
+"""The planner's communication model: bytes per collective derived by hand from tetrad's layout,
+the network placement model against AxoNN's measured tables, AxoNN's published model, overlap.
+
+Every expected number below is written out from the layout rules (docs/architecture.md and
+tetrad/plan/comm.py): a Linear ``[n, k]`` on grid ``(G_data, G_z, G_y, G_x)`` gathers
+``n k / (G_x G_y)`` weight elements over Z (bf16), all-reduces ``m n / G_out`` forward over its
+input axis, ``m k / G_in`` backward over its output axis, and reduce-scatters ``n k / (G_x G_y)``
+fp32 gradient elements over Z.
+"""
+
+import math
+
+import pytest
+
+from tetrad.plan.comm import (
+    Context,
+    axis_totals,
+    axonn_comm,
+    axonn_linear_volumes,
+    collectives,
+    estimate,
+    layer_bytes,
+    parse_overlaps,
+)
+from tetrad.plan.machines import get_machine
+from tetrad.plan.models import PlanError, get_model
+from tetrad.plan.network import Network, placement, ring_bytes
+
+# h=256, 2 layers, 8 heads of 32, 4 KV heads (kv_dim 128), SwiGLU 512, vocabulary 1024.
+SMALL = "hidden=256,n_layers=2,n_heads=8,n_kv_heads=4,ffn_hidden=512,vocab=1024"
+PERL = get_machine("perlmutter")
+
+
+def by_key(cols):
+    return {(c.layer, c.phase, c.axis, c.kind): c for c in cols}
+
+
+def test_linear_bytes_all_axes_by_hand():
+    # grid D,Z,Y,X = 2,2,2,2; micro-batch 2 x 16 tokens = m 32; bf16; acc = 8/(2*2*2) = 1
+    model = get_model(SMALL)
+    cols = by_key(collectives(model, PERL, (2, 2, 2, 2), 2, 16, 8, overlaps="none"))
+    expect = {
+        # wq [256, 256], in X out Y
+        ("wq", "forward", "z", "all_gather"): 256 * 256 // 4 * 2,  # 32768
+        ("wq", "forward", "x", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
+        ("wq", "backward", "z", "all_gather"): 32768,
+        ("wq", "backward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
+        ("wq", "backward", "z", "reduce_scatter"): 256 * 256 // 4 * 4,  # 65536
+        # wk [128, 256]
+        ("wk", "forward", "z", "all_gather"): 128 * 256 // 4 * 2,  # 16384
+        ("wk", "forward", "x", "all_reduce"): 32 * 128 // 2 * 2,  # 4096
+        ("wk", "backward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
+        ("wk", "backward", "z", "reduce_scatter"): 128 * 256 // 4 * 4,  # 32768
+        # w1 [512, 256]
+        ("w1", "forward", "x", "all_reduce"): 32 * 512 // 2 * 2,  # 16384
+        ("w1", "backward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
+        # w2 [256, 512] transposed: in Y, out X
+        ("w2", "forward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
+        ("w2", "backward", "x", "all_reduce"): 32 * 512 // 2 * 2,  # 16384
+        ("w2", "forward", "z", "all_gather"): 256 * 512 // 4 * 2,  # 65536
+        ("w2", "backward", "z", "reduce_scatter"): 256 * 512 // 4 * 4,  # 131072
+        # LM head [1024, 256], in X out Y
+        ("output", "forward", "x", "all_reduce"): 32 * 1024 // 2 * 2,  # 32768
+        ("output", "backward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
+        ("output", "forward", "z", "all_gather"): 1024 * 256 // 4 * 2,  # 131072
+        ("output", "backward", "z", "reduce_scatter"): 1024 * 256 // 4 * 4,  # 262144
+        # embedding [1024, 256] fp32, rows over (Y, Z), columns over X
+        ("embedding", "forward", "z", "all_gather"): 1024 * 256 // 4 * 4,  # 262144
+        ("embedding", "forward", "y", "all_reduce"): 32 * 256 // 2 * 4,  # 16384
+        ("embedding", "backward", "z", "reduce_scatter"): 262144,
+        # RMSNorm: m fp32; loss: m fp32
+        ("norm", "forward", "x", "all_reduce"): 32 * 4,
+        ("norm", "backward", "x", "all_reduce"): 32 * 4,
+        ("loss", "forward", "y", "all_reduce"): 32 * 4,
+        # step: every local weight shard fp32 over data: per block (256*256 + 2*128*256 +
+        # 256*256 + 2*512*256 + 256*512)/8 = 73728 elements, 2 blocks, head and embedding 32768
+        ("gradients", "step", "data", "all_reduce"): (2 * 73728 + 2 * 32768) * 4,
+        ("norm_gradients", "step", "z", "all_reduce"): 5 * 128 * 4,  # 5 norms of h/G_x
+        ("norm_gradients", "step", "data", "all_reduce"): 5 * 128 * 4,
+        ("loss_scalar", "step", "z", "all_reduce"): 4,
+        ("loss_scalar", "step", "data", "all_reduce"): 4,
+        ("grad_norm", "step", "world", "all_reduce"): 8,
+    }
+    for key, payload in expect.items():
+        assert cols[key].payload_bytes == payload, key
+    calls = {("wq", "forward", "x", "all_reduce"): 2, ("output", "forward", "x", "all_reduce"): 1,
+             ("norm", "forward", "x", "all_reduce"): 5, ("loss", "forward", "y", "all_reduce"): 3,
+             ("gradients", "step", "data", "all_reduce"): 1}
+    for key, n in calls.items():
+        assert cols[key].calls == n, key
+    # the ring bytes: all-reduce 2(G-1)/G, gather/scatter (G-1)/G; the world has 16 ranks
+    assert cols[("wq", "forward", "x", "all_reduce")].ring_bytes == 8192
+    assert cols[("wq", "forward", "z", "all_gather")].ring_bytes == 16384
+    assert cols[("grad_norm", "step", "world", "all_reduce")].ring_bytes == 2 * 15 / 16 * 8
+    # nothing else is issued: embedding has no backward gather, the loss no backward collective
+    assert ("embedding", "backward", "z", "all_gather") not in cols
+    assert not [k for k in cols if k[0] == "loss" and k[1] != "forward"]
+
+
+def test_size_one_axes_and_other_grid():
+    # D,Z,Y,X = 1,4,1,2: no Y, no data collectives; Z gathers n k / G_x; m = 1 x 16
+    model = get_model(SMALL)
+    cols = by_key(collectives(model, PERL, (1, 4, 1, 2), 1, 16, 8, overlaps="none"))
+    assert {k[2] for k in cols} == {"x", "z", "world"}
+    assert cols[("w3", "forward", "z", "all_gather")].payload_bytes == 512 * 256 // 2 * 2
+    assert cols[("w3", "forward", "z", "all_gather")].ring_bytes == 3 / 4 * 512 * 256
+    assert cols[("w3", "forward", "x", "all_reduce")].payload_bytes == 16 * 512 * 2
+    assert cols[("wo", "backward", "x", "all_reduce")].payload_bytes == 16 * 256 * 2
+    # acc = 8 / (1 * 4 * 1) = 2 micro-batches, 2 layers
+    assert cols[("w3", "backward", "z", "reduce_scatter")].calls == 4
+    assert cols[("norm_gradients", "step", "z", "all_reduce")].payload_bytes == 5 * 128 * 4
+
+
+def test_layer_bytes_helper_matches_hand_values():
+    got = layer_bytes(512, 256, False, (1, 2, 4, 2), tokens=64)
+    assert got == {("forward", "z", "all_gather"): 512 * 256 / 8 * 2,
+                   ("backward", "z", "all_gather"): 512 * 256 / 8 * 2,
+                   ("backward", "z", "reduce_scatter"): 512 * 256 / 8 * 4,
+                   ("forward", "x", "all_reduce"): 64 * 512 / 4 * 2,
+                   ("backward", "y", "all_reduce"): 64 * 256 / 2 * 2}
+    got = layer_bytes(256, 512, True, (1, 1, 4, 2), tokens=64, compute_bytes=4)
+    assert got == {("forward", "y", "all_reduce"): 64 * 256 / 2 * 4,
+                   ("backward", "x", "all_reduce"): 64 * 512 / 4 * 4}
+
+
+def test_checkpointing_repeats_block_forward_collectives():
+    model = get_model(SMALL)
+    plain = by_key(collectives(model, PERL, (2, 2, 2, 2), 2, 16, 8, overlaps="none"))
+    ckpt = by_key(collectives(model, PERL, (2, 2, 2, 2), 2, 16, 8, overlaps="none",
+                              activation_checkpointing=True))
+    for name in ("wq", "wk", "wv", "wo", "w1", "w3", "w2"):
+        for axis, kind in (("z", "all_gather"),) + (
+                (("y", "all_reduce"),) if name in ("wo", "w2") else (("x", "all_reduce"),)):
+            f = ckpt[(name, "forward", axis, kind)]
+            r = ckpt[(name, "recompute", axis, kind)]
+            assert (r.payload_bytes, r.calls) == (f.payload_bytes, f.calls)
+            assert (name, "recompute", axis, kind) not in plain
+    assert ckpt[("norm", "recompute", "x", "all_reduce")].calls == 4  # 2 norms x 2 blocks
+    # the head, final norm, embedding and loss are outside the checkpointed blocks
+    assert not [k for k in ckpt if k[1] == "recompute" and k[0] in ("output", "embedding")]
+
+
+def test_domino_halves_and_buckets():
+    model = get_model(SMALL)
+    # m = 32 x 16 = 512 rows >= 2 * 256: split; halves of 256 rows
+    cols = by_key(collectives(model, PERL, (2, 1, 2, 2), 32, 16, 64, overlaps="all"))
+    half = cols[("wq (half 1)", "forward", "x", "all_reduce")]
+    assert half.payload_bytes == 256 * 128 * 2 and half.hidden_behind
+    assert ("wq", "forward", "x", "all_reduce") not in cols
+    # all local shards, (2 * 147456 + 2 * 65536) * 4 = 1,703,936 B, fit one 4 MiB bucket
+    grads = cols[("gradients", "backward", "data", "all_reduce")]
+    assert grads.calls == 1 and grads.payload_bytes == (2 * 147456 + 2 * 65536) * 4
+    # tiny buckets: one per gradient as soon as each exceeds the bucket
+    cols = by_key(collectives(model, PERL, (2, 1, 2, 2), 32, 16, 64, overlaps="all",
+                              bucket_bytes=1))
+    assert cols[("gradients", "backward", "data", "all_reduce")].calls == 2 * 7 + 2
+
+
+def test_axis_totals_sum_calls_and_bytes():
+    model = get_model(SMALL)
+    cols = collectives(model, PERL, (2, 2, 2, 2), 2, 16, 8, overlaps="none")
+    tot = axis_totals(cols)
+    for axis in ("x", "y", "z", "data", "world"):
+        mine = [c for c in cols if c.axis == axis]
+        assert tot[axis]["calls"] == sum(c.calls for c in mine)
+        assert tot[axis]["payload_bytes"] == sum(c.calls * c.payload_bytes for c in mine)
+
+
+def test_overlap_none_exposes_everything_and_all_hides_some():
+    model = get_model("gpt-20b")
+    ctx_none = Context(model, PERL, 2048, 512, overlaps="none")
+    ctx_all = Context(model, PERL, 2048, 512, overlaps="all")
+    grid = (8, 4, 2, 4)
+    e0 = estimate(ctx_none, grid, 2, True)
+    e1 = estimate(ctx_all, grid, 2, True)
+    for axis in ("x", "y", "z", "data"):
+        assert e0.exposed_s[axis] == pytest.approx(e0.comm_s[axis])
+        assert e1.exposed_s[axis] <= e1.comm_s[axis] + 1e-12
+    assert e1.step_s < e0.step_s
+    assert e0.step_s == pytest.approx(e0.compute_s + sum(e0.comm_s.values()))
+    # the detailed list adds up to the estimate
+    cols = estimate(ctx_all, grid, 2, True, detail=True).collectives
+    assert sum(c.exposed_s for c in cols) == pytest.approx(sum(e1.exposed_s.values()))
+    assert sum(c.total_s for c in cols) == pytest.approx(sum(e1.comm_s.values()))
+    with pytest.raises(PlanError, match="unknown overlap"):
+        parse_overlaps("prefetch,bogus")
+
+
+def test_placement_and_alpha_beta():
+    assert placement(1, 4, 4) == (4, 1)
+    assert placement(2, 4, 4) == (2, 2)
+    assert placement(4, 8, 4) == (1, 8)
+    assert placement(3, 4, 8) == (3, 2)  # ranks 0,3,6 | 9
+    net = Network(gpus_per_node=4, intra_node_gbps=200.0, inter_node_gbps_per_member=25.0,
+                  latency_base_us=10.0, latency_hop_intra_us=1.0, latency_hop_inter_us=2.0)
+    link = net.link(2, 4)  # 2 per node on 2 nodes: 2 * 25 GB/s
+    assert link.bandwidth == 50e9
+    # all-reduce: base + min(2(G-1), 2 ceil(log2 G)) hops + 2 (G-1)/G bytes / bandwidth
+    assert link.time("all_reduce", 1e9) == pytest.approx(10e-6 + 4 * 2e-6 + 1.5e9 / 50e9)
+    assert link.time("all_gather", 1e9) == pytest.approx(10e-6 + 3 * 2e-6 + 0.75e9 / 50e9)
+    assert ring_bytes("reduce_scatter", 100.0, 4) == 75.0
+    assert net.link(1, 1).time("all_reduce", 1e9) == 0.0
+
+
+def _axonn_get_bw(ip, my, machine):
+    """Megatron-AxoNN examples/comm_model.py get_bw, transcribed (GB/s)."""
+    if machine == "perlmutter":
+        if ip == 1:
+            return {2: 76, 4: 225}.get(my, 80 if my >= 8 else None)
+        if ip == 2:
+            return 76 if my == 2 else 40
+        return 20
+    if ip == 1:
+        return {2: 129, 4: 52, 8: 135}.get(my, 80 / 2)
+    if ip == 2:
+        return {2: 50, 4: 72}.get(my, 40 / 2)
+    if ip == 4:
+        return 36 if my == 2 else 20 / 2
+    return 10 / 2
+
+
+@pytest.mark.parametrize("machine", ["perlmutter", "frontier"])
+def test_network_reproduces_axonn_tables(machine):
+    net = get_machine(machine).network
+    for ip in (1, 2, 4, 8, 16, 256):
+        for my in (2, 4, 8, 16, 64, 1024):
+            assert net.bandwidth_gbps(ip, my) == _axonn_get_bw(ip, my, machine), (ip, my)
+
+
+def _axonn_model_v2(B, S, K, H, Gd, Gr, Gc, Gdata, machine, transpose, grad_acc):
+    """Megatron-AxoNN examples/comm_model.py model_v2, transcribed (seconds)."""
+    gib = 2 / 1024 / 1024 / 1024
+    dp = 4 * (Gdata - 1) / Gdata * K * H * H / (Gc * Gr * Gd) * gib
+    depth = 3 / 2 * 2 * (Gd - 1) / Gd * K * H * H / (Gc * Gr) * gib * grad_acc
+    if not transpose:
+        row = 2 * (Gr - 1) / Gr * (B / Gdata / Gd * S * H / Gc) * gib
+        col = 2 * 2 * (Gc - 1) / Gc * (B / Gdata / Gd * S * K * H / Gr) * gib
+    else:
+        row = 2 * 2 * (Gr - 1) / Gr * (B / Gdata / Gd * S * K * H / Gc) * gib
+        col = 2 * (Gc - 1) / Gc * (B / Gdata / Gd * S * H / Gr) * gib
+    t = 0.0
+    for comm, ip, my in ((col, 1, Gc), (row, Gc, Gr), (depth, Gc * Gr, Gd),
+                         (dp, Gc * Gr * Gd, Gdata)):
+        if my > 1:
+            t += comm / _axonn_get_bw(ip, my, machine)
+    return t
+
+
+@pytest.mark.parametrize("grid", [(4, 16, 4, 4), (16, 4, 4, 4), (2, 8, 16, 4), (64, 16, 1, 1)])
+def test_axonn_mode_reproduces_published_model(grid):
+    model = get_model("gpt-80b")
+    gd, gz, gy, gx = grid
+    B, S, H, acc = 2048, 2048, 12288, 4
+    # AxoNN's block: a = QKV (K=3), b = out-proj (K=1, transposed), c = FC1 (K=4),
+    # d = FC2 (K=4, transposed); iteration = num_layers * (a + b + c + d)
+    want = 42 * sum(_axonn_model_v2(B, S, K, H, gz, gy, gx, gd, "perlmutter", tr, acc)
+                    for K, tr in ((3, False), (1, True), (4, False), (4, True)))
+    got = axonn_comm(model, PERL, grid, B, S, acc)
+    assert got["total"] == pytest.approx(want, rel=1e-12)
+
+
+def test_axonn_transposed_term_deviates_from_layout():
+    # FC2 (4H -> H, transposed) as coded: X term 2 f t H / G_y; the layout: 2 f t 4H / G_y
+    grid, t, h = (1, 1, 2, 2), 1000.0, 64
+    coded = axonn_linear_volumes(h, 4 * h, True, t, grid, 1)
+    layout_x = 2 * 0.5 * t * 4 * h / 2 * 2 / 1024**3  # backward dx all-reduce over X, bf16
+    assert coded["x"] == pytest.approx(layout_x / 4)
+    layout_y = 2 * 2 * 0.5 * t * h / 2 * 2 / 1024**3  # forward all-reduce over Y, x2 recompute
+    assert coded["y"] == pytest.approx(layout_y * 4)
+
+
+def test_estimate_rejects_batch_that_does_not_split():
+    ctx = Context(get_model(SMALL), PERL, 16, 6)
+    with pytest.raises(PlanError, match="not divisible"):
+        estimate(ctx, (2, 2, 1, 1), 1, False)
+    assert math.isfinite(estimate(ctx, (2, 1, 1, 1), 3, False).step_s)

@@ -1,0 +1,129 @@
+"""The planner's search: enumeration, the 80% memory rule, pruning, ranking, errors."""
+
+import itertools
+
+import pytest
+
+from tetrad.plan import memory
+from tetrad.plan.comm import Context, estimate
+from tetrad.plan.machines import get_machine
+from tetrad.plan.models import PlanError, get_model
+from tetrad.plan.search import (
+    _memory_line,
+    divisors,
+    factorizations,
+    plan,
+    search_4d,
+    search_classic,
+)
+
+H100 = get_machine("dgx-h100")
+PERL = get_machine("perlmutter")
+
+
+def test_factorizations_and_divisors():
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert len(factorizations(1024, 4)) == 286  # C(10 + 3, 3)
+    assert len(factorizations(16384, 4)) == 680
+    assert all(a * b * c * d == 96 for a, b, c, d in factorizations(96, 4))
+    assert len(set(factorizations(96, 4))) == len(factorizations(96, 4))
+
+
+def test_rows_fit_divide_and_are_sorted():
+    model = get_model("llama-1b")
+    rows, stats = search_4d(model, H100, 64, 64, 2048, top=8)
+    assert 0 < len(rows) <= 8
+    assert [r.step_s for r in rows] == sorted(r.step_s for r in rows)
+    for r in rows:
+        d, z, y, x = r.grid
+        assert d * z * y * x == 64
+        assert 64 % (d * z * r.micro_batch) == 0
+        assert r.grad_accum == 64 // (d * z * r.micro_batch)
+        assert r.memory.fits and r.memory.fraction <= 0.8
+        assert not memory.grid_problems(model, r.grid)
+        assert r.step_s >= r.compute_s
+        assert 0 < r.mfu < r.hfu if r.activation_checkpointing else r.mfu == r.hfu
+    assert stats["fitting"] >= stats["evaluated"] > 0
+
+
+def test_pruned_search_equals_exhaustive():
+    model = get_model("llama-1b")
+    gpus, batch, seq = 32, 32, 1024
+    rows, _ = search_4d(model, H100, gpus, batch, seq, top=5)
+    ctx = Context(model, H100, seq, batch)
+    every = []
+    for grid in factorizations(gpus, 4):
+        if memory.grid_problems(model, grid) or batch % (grid[0] * grid[1]):
+            continue
+        for ckpt, b in itertools.product((False, True), divisors(batch // (grid[0] * grid[1]))):
+            mem = memory.tetrad(model, grid, b, seq, H100.memory_bytes,
+                                activation_checkpointing=ckpt)
+            if mem.fits:
+                every.append((estimate(ctx, grid, b, ckpt).step_s, grid, b, ckpt))
+    every.sort()
+    assert [(r.grid, r.micro_batch, r.activation_checkpointing) for r in rows] == \
+        [e[1:] for e in every[:5]]
+    assert [r.step_s for r in rows] == pytest.approx([e[0] for e in every[:5]])
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_memory_line_is_exact(ckpt):
+    model = get_model("gpt-20b")
+    grid, seq, mem = (4, 4, 2, 8), 2048, PERL.memory_bytes
+    line = _memory_line(model, grid, seq, mem, ckpt, "bf16", True, [1, 2, 4, 8, 16])
+    for b in (1, 3, 4, 16):
+        exact = memory.tetrad(model, grid, b, seq, mem, activation_checkpointing=ckpt)
+        assert line(b) == pytest.approx(exact.total, rel=1e-12)
+
+
+def test_config_above_80_percent_is_flagged_and_dropped():
+    model = get_model("gpt-80b")
+    big = memory.tetrad(model, (64, 16, 1, 1), 1, 2048, PERL.memory_bytes)
+    assert big.fraction > 0.8 and not big.fits
+    small = memory.tetrad(model, (1, 64, 4, 4), 1, 2048, PERL.memory_bytes,
+                          activation_checkpointing=True)
+    assert small.fits
+    rows, _ = search_4d(model, PERL, 1024, 2048, 2048, top=50)
+    assert all(r.memory.fits for r in rows)
+    assert (64, 16, 1, 1) not in [r.grid for r in rows]
+
+
+def test_axonn_mode_ranks_by_compute_plus_its_comm():
+    model = get_model("gpt-20b")
+    rows, _ = search_4d(model, PERL, 256, 512, 2048, top=3, comm_model="axonn")
+    assert rows and all(r.comm_model == "axonn" for r in rows)
+    r = rows[0]
+    assert r.step_s == pytest.approx(r.compute_s + sum(r.exposed_s.values()), rel=1e-9)
+
+
+def test_classic_space_rows():
+    model = get_model("llama-3.1-8b")
+    rows, stats = search_classic(model, H100, 64, 256, 8192, top=5)
+    assert rows and stats["fitting"] > 0
+    for r in rows:
+        tp, cp, pp, dp = r.grid
+        assert tp * cp * pp * dp == 64 and tp * cp <= 8 and model.n_layers % pp == 0
+        assert r.memory.fits
+    assert [r.step_s for r in rows] == sorted(r.step_s for r in rows)
+
+
+def test_plan_reports_both_spaces():
+    res = plan(get_model("llama-3.1-8b"), H100, 64, 256, 8192, top=3)
+    assert res.rows and res.classic
+    d = res.to_dict()
+    assert d["four_d"][0]["memory"]["fits"] and d["inputs"]["gpus"] == 64
+    assert set(d["four_d"][0]["exposed_comm_s"]) == {"x", "y", "z", "data", "world"}
+
+
+def test_errors_say_what_to_change():
+    model = get_model("gpt-80b")
+    with pytest.raises(PlanError, match="multiple of 125.*--gpus 1024"):
+        search_4d(model, PERL, 1000, 2048, 2048)
+    with pytest.raises(PlanError, match="fits under 80%.*more --gpus"):
+        search_4d(model, PERL, 16, 64, 2048)
+    with pytest.raises(PlanError, match="--seq-len"):
+        search_4d(model, PERL, 1024, 2048, 4096)
+    with pytest.raises(PlanError, match="must be a positive integer"):
+        search_4d(model, PERL, 0, 2048, 2048)
+    with pytest.raises(PlanError, match="unknown overlap"):
+        search_4d(model, PERL, 1024, 2048, 2048, overlaps="prefetch,nope")

@@ -1,0 +1,197 @@
+"""FLOPs and compute time of one rank of the 4D grid, per micro-batch.
+
+Per rank and micro-batch, ``m = micro_batch * seq_len`` tokens (the micro-batch of one (data, z)
+cell: X and Y ranks of a cell see the same tokens). A Linear ``[n, k]`` computes, whatever its
+orientation (tetrad/parallel/linear.py):
+
+    forward  y  = x W_blk^T       2 m n k / (G_x G_y) FLOPs
+    backward dx = dy W_blk        2 m n k / (G_x G_y)
+             dW = dy^T x          2 m n k / (G_x G_y)
+
+Causal self-attention per rank (heads split over Y, ``a/G_y`` heads of width ``d``): ``Q K^T``
+and ``P V`` cost ``2 S^2 d`` each per head and sample; the causal mask halves them (PaLM,
+Chowdhery et al. arXiv 2204.02311, appendix B, counts the same half), so the forward is
+``2 b S^2 d a / G_y``. FlashAttention's backward runs five matmuls against the forward's two
+(Dao, arXiv 2307.08691, section 3.1.2: it recomputes ``Q K^T``): 2.5x the forward.
+
+Time of a GEMM = FLOPs / (peak * efficiency(FLOPs)), the efficiency from the machine's GEMM table
+(:meth:`tetrad.plan.machines.Machine.gemm_efficiency`); attention at the machine's
+``attention_efficiency``. Element-wise work (norms, residual adds, RoPE, SwiGLU/GeLU, the
+vocabulary-parallel softmax, the embedding lookup, AdamW) is memory bound: bytes moved / HBM
+bandwidth, with byte counts per token estimated from the runtime's unfused PyTorch ops (rough:
+see :data:`ELEMENTWISE`).
+
+Model FLOPs (for MFU) are the runtime's definition, :meth:`ModelSpec.flops_per_token` (``6 N +
+6 L S h``), so recomputation and FlashAttention's extra backward matmul do not count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tetrad.plan.machines import Machine
+from tetrad.plan.models import ModelSpec
+
+ELEMENTWISE = {
+    "norm_residual_per_h": 40.0,
+    "rope_per_qk": 12.0,
+    "act_per_f_llama": 8.0,
+    "act_per_f_gpt": 4.0,
+    "loss_fwd_per_logit": 30.0,
+    "loss_bwd_per_logit": 14.0,
+    "optimizer_per_param": 36.0,
+    "backward_factor": 2.0,
+}
+"""Bytes moved per element by the memory-bound parts (forward unless noted), rough counts of the
+runtime's unfused ops, in bytes per token and per local feature:
+
+- ``norm_residual_per_h`` (per ``h/G_x`` feature, per block): two RMSNorms (read fp32 input,
+  write fp32 normalised, cast to bf16: ~10 B) and two residual adds (fp32 + bf16 -> fp32:
+  ~10 B);
+- ``rope_per_qk`` (per ``(a + k) d / G_y`` feature): fp32 rotate-half of q and k;
+- ``act_per_f_*`` (per ``f/G_y`` feature): SwiGLU ``silu(w1 x) * w3 x`` reads two and writes two
+  bf16 tensors; GeLU one and one;
+- ``loss_*_per_logit`` (per ``V/G_y`` logit): fp32 cast, max, subtract, exp, sum, divide, gather
+  (forward), scatter-add, scale, cast (backward);
+- ``optimizer_per_param``: AdamW reads param, grad, m, v and writes param, m, v (28 B), plus the
+  gradient clipping scale (8 B);
+- ``backward_factor``: backward of element-wise work moves about twice the forward's bytes.
+"""
+
+
+def attention_fwd_flops(model: ModelSpec, micro_batch: int, seq_len: int, gy: int) -> float:
+    """Causal attention forward FLOPs on one rank: ``2 b S^2 d a / G_y`` (half of ``4 b S^2 d a``
+    for the causal mask)."""
+    return 2.0 * micro_batch * seq_len * seq_len * model.head_dim * model.n_heads / gy
+
+
+@dataclass(frozen=True)
+class BlockCompute:
+    """Compute seconds of one rank for one micro-batch.
+
+    Attributes:
+        gemm: per block Linear (execution order), one GEMM's seconds (forward = dx = dW).
+        gemm_flops: per block Linear, one GEMM's FLOPs.
+        post_fwd: per block Linear, the non-GEMM forward work that follows it before the next
+            Linear (attention core after the last Linear before the first transposed one, the
+            activation before the second transposed one, norm + residual after transposed ones).
+        post_bwd: the backward of ``post_fwd``.
+        head: the LM head's GEMM seconds (one of forward, dx, dW).
+        head_flops: its FLOPs.
+        loss_fwd, loss_bwd: vocabulary-parallel cross-entropy, seconds.
+        embedding_fwd, embedding_bwd: lookup and scatter-add into a zeroed ``[V/G_y, h/G_x]``.
+        final_norm_fwd, final_norm_bwd: the last norm.
+        optimizer: AdamW + clipping over the local shards, per step.
+    """
+
+    gemm: tuple[float, ...]
+    gemm_flops: tuple[float, ...]
+    post_fwd: tuple[float, ...]
+    post_bwd: tuple[float, ...]
+    head: float
+    head_flops: float
+    loss_fwd: float
+    loss_bwd: float
+    embedding_fwd: float
+    embedding_bwd: float
+    final_norm_fwd: float
+    final_norm_bwd: float
+    optimizer: float
+
+    @property
+    def block_fwd(self) -> float:
+        """One block's forward (or recompute) seconds."""
+        return sum(self.gemm) + sum(self.post_fwd)
+
+    @property
+    def block_bwd(self) -> float:
+        """One block's backward seconds (dx and dW GEMMs, element-wise backward)."""
+        return 2.0 * sum(self.gemm) + sum(self.post_bwd)
+
+    def micro_batch_seconds(self, n_layers: int, checkpointing: bool) -> tuple[float, float,
+                                                                               float]:
+        """``(forward, backward, recompute)`` seconds of one micro-batch."""
+        fwd = (n_layers * self.block_fwd + self.embedding_fwd + self.final_norm_fwd + self.head
+               + self.loss_fwd)
+        bwd = (n_layers * self.block_bwd + self.embedding_bwd + self.final_norm_bwd
+               + 2.0 * self.head + self.loss_bwd)
+        rec = n_layers * self.block_fwd if checkpointing else 0.0
+        return fwd, bwd, rec
+
+
+def _post_slots(model: ModelSpec) -> tuple[int, int]:
+    """Indices of the block Linears followed by the attention core and by the activation: the
+    ones just before the first and the second transposed Linear."""
+    lins = model.linears()
+    t = [i for i, lin in enumerate(lins) if lin.transposed]
+    return t[0] - 1, t[1] - 1
+
+
+def block_compute(model: ModelSpec, machine: Machine, grid: tuple[int, int, int, int],
+                  micro_batch: int, seq_len: int, *, local_params: float = 0.0,
+                  linears=None, gemm_efficiency=None) -> BlockCompute:
+    """Compute times of one rank on ``grid = (G_data, G_z, G_y, G_x)``; see the module doc.
+
+    Args:
+        local_params: this rank's parameter elements (for the optimizer time).
+        linears: ``model.linears()`` (pass it when calling in a loop).
+        gemm_efficiency: a callable flops -> fraction (default: the machine's table).
+    """
+    _, _, gy, gx = grid
+    lins = linears if linears is not None else model.linears()
+    eff = gemm_efficiency or machine.gemm_efficiency
+    peak, hbm = machine.peak_flops, machine.hbm_bytes_per_s
+    m = micro_batch * seq_len
+    txy = gx * gy
+    gemm, flops = [], []
+    for lin in lins:
+        f = 2.0 * m * lin.out_features * lin.in_features * lin.count / txy
+        flops.append(f)
+        gemm.append(f / (peak * eff(f)) if f else 0.0)
+    ew = ELEMENTWISE
+    hx, fy = model.hidden / gx, model.ffn_hidden / gy
+    qk = (model.q_dim + model.kv_dim) / gy
+    att = attention_fwd_flops(model, micro_batch, seq_len, gy) / (
+        peak * machine.attention_efficiency)
+    rope = 0.0 if model.family == "gpt" else ew["rope_per_qk"] * m * qk / hbm
+    act = (ew["act_per_f_gpt"] if model.family == "gpt" else ew["act_per_f_llama"]) * m * fy / hbm
+    half_norm = 0.5 * ew["norm_residual_per_h"] * m * hx / hbm
+    i_att, i_act = _post_slots(model)
+    post = [0.0] * len(lins)
+    post_b = [0.0] * len(lins)
+    for i, lin in enumerate(lins):
+        if lin.transposed:
+            post[i] += half_norm
+            post_b[i] += ew["backward_factor"] * half_norm
+    post[i_att] += att + rope
+    post_b[i_att] += 2.5 * att + ew["backward_factor"] * rope
+    post[i_act] += act
+    post_b[i_act] += ew["backward_factor"] * act
+    head = model.lm_head()
+    hf = 2.0 * m * head.out_features * head.in_features / txy
+    vy = model.vocab / gy
+    emb_rows = (model.vocab + model.max_positions) / gy
+    return BlockCompute(
+        gemm=tuple(gemm), gemm_flops=tuple(flops), post_fwd=tuple(post), post_bwd=tuple(post_b),
+        head=hf / (peak * eff(hf)), head_flops=hf,
+        loss_fwd=ew["loss_fwd_per_logit"] * m * vy / hbm,
+        loss_bwd=ew["loss_bwd_per_logit"] * m * vy / hbm,
+        embedding_fwd=8.0 * m * hx / hbm,
+        embedding_bwd=(8.0 * m * hx + 4.0 * emb_rows * hx) / hbm,
+        final_norm_fwd=half_norm / 2.0,
+        final_norm_bwd=ew["backward_factor"] * half_norm / 2.0,
+        optimizer=ew["optimizer_per_param"] * local_params / hbm,
+    )
+
+
+def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> float:
+    """Model FLOPs of one optimizer step: ``flops_per_token(S) * B * S`` (the runtime's MFU
+    numerator; recomputation excluded)."""
+    return model.flops_per_token(seq_len) * global_batch * seq_len
+
+
+def mfu(model: ModelSpec, machine: Machine, gpus: int, global_batch: int, seq_len: int,
+        step_seconds: float) -> float:
+    """Model FLOPs utilisation: model FLOPs per step / (step time * GPUs * peak)."""
+    return model_flops_per_step(model, global_batch, seq_len) / (
+        step_seconds * gpus * machine.peak_flops)

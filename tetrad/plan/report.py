@@ -1,0 +1,284 @@
+"""Output of the planner: the ranked table, JSON, a PNG of the top configurations, and a TOML
+that ``tetrad train --config`` accepts.
+
+Plain Python; matplotlib is imported only by :func:`plot`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tetrad.plan.comm import OVERLAPS
+from tetrad.plan.memory import FIT_FRACTION, MemoryBreakdown
+from tetrad.plan.models import ModelSpec, PlanError
+from tetrad.plan.search import Row, SearchResult
+
+GIB = 1024**3
+AXES_4D = ("x", "y", "z", "data", "world")
+AXES_CLASSIC = ("tp", "cp", "pp", "dp")
+
+
+def _fmt_s(v: float) -> str:
+    if v == 0:
+        return "-"
+    if v >= 100:
+        return f"{v:.0f}"
+    if v >= 1:
+        return f"{v:.2f}"
+    if v >= 0.001:
+        return f"{v:.3f}"
+    return "<.001"
+
+
+def _tokens(v: float) -> str:
+    for unit, div in (("M", 1e6), ("k", 1e3)):
+        if v >= div:
+            return f"{v / div:.2f}{unit}"
+    return f"{v:.0f}"
+
+
+def _table(header: list[str], rows: list[list[str]], left: bool = False) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    fmt = "  ".join("{:" + ("<" if i == 0 and left else ">") + str(w) + "}"
+                    for i, w in enumerate(widths))
+    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*r) for r in rows]
+    return out
+
+
+def _mem_cell(mem: MemoryBreakdown) -> str:
+    return f"{mem.total / GIB:.1f} ({100 * mem.fraction:.0f}%)"
+
+
+def rows_table(rows: list[Row]) -> list[str]:
+    """Lines of the ranked table of 4D or classic rows (seconds per optimizer step)."""
+    if not rows:
+        return []
+    classic = rows[0].space == "classic"
+    axes = AXES_CLASSIC if classic else AXES_4D
+    head = (["#", "TP,CP,PP,DP" if classic else "D,Z,Y,X", "mb", "acc", "ckpt", "step s",
+             "tok/s", "MFU", "compute"]
+            + [f"exp {a}" for a in axes] + (["bubble"] if classic else [])
+            + ["mem GiB (%)"])
+    body = []
+    for i, r in enumerate(rows, 1):
+        cells = [str(i), ",".join(str(v) for v in r.grid), str(r.micro_batch), str(r.grad_accum),
+                 "on" if r.activation_checkpointing else "off", f"{r.step_s:.3g}",
+                 _tokens(r.tokens_per_s), f"{100 * r.mfu:.1f}%", _fmt_s(r.compute_s)]
+        cells += [_fmt_s(r.exposed_s.get(a, 0.0)) for a in axes]
+        if classic:
+            cells.append(_fmt_s(r.other_s.get("pipeline_bubble", 0.0)))
+        cells.append(_mem_cell(r.memory))
+        body.append(cells)
+    return _table(head, body)
+
+
+def memory_table(rows: list[Row]) -> list[str]:
+    """Lines of the memory components (GiB) of the ranked rows."""
+    if not rows:
+        return []
+    comps: list[str] = []
+    for r in rows:
+        for k, v in r.memory.components.items():
+            if v and k not in comps:
+                comps.append(k)
+    short = {"parameters": "params", "gradients": "grads", "optimizer_states": "optim",
+             "activations": "activ", "logits_and_loss": "logits", "embedding_input": "emb_in",
+             "recompute_activations": "recomp", "gathered_weights": "gathered",
+             "reduce_scatter_buffers": "rs_buf", "step_buffers": "step_buf"}
+    head = ["#"] + [short.get(c, c) for c in comps] + ["total", "peak at"]
+    body = []
+    for i, r in enumerate(rows, 1):
+        body.append([str(i)] + [f"{r.memory.components.get(c, 0.0) / GIB:.2f}" for c in comps]
+                    + [f"{r.memory.total / GIB:.2f}", r.memory.peak_phase or "-"])
+    return _table(head, body)
+
+
+def format_result(result: SearchResult) -> str:
+    """The text report of ``tetrad plan``."""
+    inp = result.inputs
+    st = result.stats
+    f4 = st.get("four_d", {})
+    lines = [
+        f"model   {inp['model_summary']}",
+        f"machine {inp['machine_summary']}",
+        f"job     {inp['gpus']} GPUs, global batch {inp['global_batch']} x {inp['seq_len']} "
+        f"tokens; overlaps: {', '.join(inp['overlaps']) or 'none'}; comm model: "
+        f"{inp['comm_model']}",
+        "",
+        f"4D grids (tetrad/AxoNN, G_data x G_z x G_y x G_x): {f4.get('grids', 0)} grids, "
+        f"{f4.get('valid_grids', 0)} shard the model, {f4.get('fitting', 0)} configurations fit "
+        f"under {100 * FIT_FRACTION:.0f}% of {inp['gpu_memory_gib']:.1f} GiB, "
+        f"{f4.get('evaluated', 0)} timed",
+    ]
+    lines += rows_table(result.rows)
+    lines += ["", "memory of these (GiB):"] + memory_table(result.rows)
+    if "classic" in st and st["classic"]:
+        cs = st["classic"]
+        lines += ["", f"classic Megatron-style (TP x CP x PP x DP; Fujii et al. memory): "
+                      f"{cs.get('configs', 0)} configurations, {cs.get('fitting', 0)} fit"]
+        if result.classic:
+            lines += rows_table(result.classic)
+        else:
+            lines += ["  none fits (TP*CP is kept within a node and PP must divide the layers)"]
+    lines += ["", "times are seconds per optimizer step per rank; exp = exposed (not hidden) "
+              "communication; acc = micro-batches per step; mb = samples per micro-batch of one "
+              "(data, z) cell (classic: per DP rank); search took "
+              f"{st.get('seconds', 0.0):.2f} s"]
+    return "\n".join(lines)
+
+
+def to_json(result: SearchResult) -> str:
+    """The same as JSON (plain types, seconds and bytes)."""
+    return json.dumps(result.to_dict(), indent=2)
+
+
+def plot(result: SearchResult, path: str, top: int = 10) -> None:
+    """A PNG: stacked time breakdown (compute, recompute, exposed communication per axis) and
+    stacked memory components of the top configurations, with the 80% line.
+
+    Raises:
+        PlanError: matplotlib is not installed, or the file cannot be written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlanError("--plot needs matplotlib: pip install matplotlib") from None
+    rows = (result.rows[:top] + result.classic[:max(0, min(3, top))])
+    labels = [("4D " if r.space == "4d" else "MG ") + ",".join(str(v) for v in r.grid)
+              + f" mb{r.micro_batch}{' ckpt' if r.activation_checkpointing else ''}"
+              for r in rows]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 3.5))
+    ypos = list(range(len(rows)))[::-1]
+    parts = [("compute", lambda r: r.compute_s - r.recompute_s),
+             ("recompute", lambda r: r.recompute_s)]
+    for a in (*AXES_4D, *AXES_CLASSIC):
+        parts.append((f"exposed {a}", lambda r, a=a: r.exposed_s.get(a, 0.0)))
+    parts.append(("pipeline bubble", lambda r: r.other_s.get("pipeline_bubble", 0.0)))
+    left = [0.0] * len(rows)
+    for name, fn in parts:
+        vals = [fn(r) for r in rows]
+        if not any(vals):
+            continue
+        ax_t.barh(ypos, vals, left=left, label=name)
+        left = [x + v for x, v in zip(left, vals, strict=True)]
+    ax_t.set_yticks(ypos, labels, fontsize=8)
+    ax_t.set_xlabel("seconds per optimizer step")
+    ax_t.set_title(f"{result.inputs['model']} on {result.inputs['gpus']} x "
+                   f"{result.inputs['machine']}")
+    ax_t.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=4)
+    comps: list[str] = []
+    for r in rows:
+        comps += [k for k, v in r.memory.components.items() if v and k not in comps]
+    left = [0.0] * len(rows)
+    for comp in comps:
+        vals = [r.memory.components.get(comp, 0.0) / GIB for r in rows]
+        ax_m.barh(ypos, vals, left=left, label=comp)
+        left = [x + v for x, v in zip(left, vals, strict=True)]
+    gib = result.inputs["gpu_memory_gib"]
+    ax_m.axvline(FIT_FRACTION * gib, color="red", linestyle="--", label="80% of GPU memory")
+    ax_m.axvline(gib, color="black", linewidth=1)
+    ax_m.set_yticks(ypos, [""] * len(rows))
+    ax_m.set_xlabel("GiB per GPU")
+    ax_m.set_title("memory estimate")
+    ax_m.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise PlanError(f"cannot write the plot {path!r} ({e.strerror}): choose another "
+                        "--plot path") from None
+    finally:
+        plt.close(fig)
+
+
+def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
+    """A TOML file of ``tetrad train`` settings for a 4D row (``tetrad.train.config.load_config``
+    reads it; the model goes in as a ``[model]`` table of the runtime's size names)."""
+    if row.space != "4d":
+        raise PlanError("--emit-config writes a 4D configuration; the best row is classic")
+    inp = result.inputs
+    d, z, y, x = row.grid
+    lines = [
+        f"# Written by `tetrad plan`: {inp['model']} on {inp['gpus']} x {inp['machine']}.",
+        f"# Predicted {row.step_s:.3f} s per step, {row.tokens_per_s:.0f} tokens/s, "
+        f"MFU {100 * row.mfu:.1f}%, memory {row.memory.total / GIB:.1f} GiB "
+        f"({100 * row.memory.fraction:.0f}% of {inp['gpu_memory_gib']:.1f} GiB).",
+    ]
+    if model.family != "llama":
+        lines.append(f"# NOTE: {model.name} is a {model.family} model; tetrad trains the Llama "
+                     "architecture, so the sizes below build a Llama (SwiGLU with ffn_dim, "
+                     "RMSNorm, RoPE) of the same widths.")
+    lines += [
+        f'grid = "{d},{z},{y},{x}"',
+        f"micro_batch = {row.micro_batch}",
+        f"global_batch = {inp['global_batch']}",
+        f"seq_len = {inp['seq_len']}",
+        f"activation_checkpointing = {'true' if row.activation_checkpointing else 'false'}",
+        f'overlap = "{_overlap_value(inp["overlaps"])}"',
+        'device = "cuda"',
+        "",
+        "[model]",
+        f"dim = {model.hidden}",
+        f"n_layers = {model.n_layers}",
+        f"n_heads = {model.n_heads}",
+        f"n_kv_heads = {model.n_kv_heads}",
+        f"ffn_dim = {model.ffn_hidden}",
+        f"vocab_size = {model.vocab}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _overlap_value(names: list[str]) -> str:
+    """The runtime's ``overlap`` setting for a set of overlap names."""
+    if not names:
+        return "none"
+    if set(names) == set(OVERLAPS):
+        return "all"
+    return ",".join(sorted(names))
+
+
+def emit_config(row: Row, model: ModelSpec, result: SearchResult, path: str) -> None:
+    """Write :func:`train_config_text` to ``path``.
+
+    Raises:
+        PlanError: the file cannot be written.
+    """
+    text = train_config_text(row, model, result)
+    try:
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as e:
+        raise PlanError(f"cannot write {path!r} ({e.strerror}): choose another --emit-config "
+                        "path") from None
+
+
+def memory_text(mem: MemoryBreakdown, title: str,
+                hint: str = "raise the parallelism, lower the micro-batch or checkpoint "
+                            "activations") -> str:
+    """The text of ``tetrad memory``: components in GiB and % of GPU memory, total, verdict
+    (``hint``: what to change when it does not fit)."""
+    gpu = mem.gpu_memory_bytes
+    rows = [[k, f"{v / GIB:.2f}", f"{100 * v / gpu:.1f}%"]
+            for k, v in mem.components.items() if v]
+    rows.append(["total", f"{mem.total / GIB:.2f}", f"{100 * mem.fraction:.1f}%"])
+    lines = [title] + _table(["component", "GiB", "% of GPU"], rows, left=True)
+    if mem.peak_phase:
+        lines.append(f"peak during: {mem.peak_phase}")
+    limit = FIT_FRACTION * gpu / GIB
+    if mem.fits:
+        lines.append(f"fits: {mem.total / GIB:.2f} GiB <= {limit:.2f} GiB (80% of "
+                     f"{gpu / GIB:.1f} GiB; Fujii et al. 2024: never ran out of memory below "
+                     "80%)")
+    else:
+        lines.append(f"does NOT fit: {mem.total / GIB:.2f} GiB > {limit:.2f} GiB (80% of "
+                     f"{gpu / GIB:.1f} GiB): {hint}")
+    return "\n".join(lines)
