@@ -13,13 +13,18 @@ import argparse
 import os
 import sys
 
-from tetrad.grid import GridError, check_world_size
-from tetrad.models.config import ModelConfigError
-from tetrad.train.checkpoint import CheckpointError
-from tetrad.train.config import ConfigError, TrainConfig, load_config
-from tetrad.train.data import DataError
+from tetrad.plan import cli as plan_cli  # plain Python: `tetrad plan` never imports torch
 
-USER_ERRORS = (GridError, ModelConfigError, ConfigError, DataError, CheckpointError)
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that mean "change your input" (printed as one line, exit 2)."""
+    from tetrad.grid import GridError
+    from tetrad.models.config import ModelConfigError
+    from tetrad.train.checkpoint import CheckpointError
+    from tetrad.train.config import ConfigError
+    from tetrad.train.data import DataError
+
+    return (GridError, ModelConfigError, ConfigError, DataError, CheckpointError)
 
 # Options of `tetrad train` that override TrainConfig fields (argparse dest == field name).
 TRAIN_FIELDS = (
@@ -90,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "compute and exposed communication per mesh axis; writes report.png.")
     r.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `tetrad train`")
     r.add_argument("--no-plot", action="store_true", help="skip report.png")
+    plan_cli.add_commands(sub)
     return p
 
 
@@ -105,7 +111,10 @@ def under_torchrun() -> bool:
 
 
 def _train(args: argparse.Namespace) -> None:
-    cfg: TrainConfig = load_config(args.config, train_overrides(args))
+    from tetrad.grid import GridError, check_world_size
+    from tetrad.train.config import load_config
+
+    cfg = load_config(args.config, train_overrides(args))
     if under_torchrun():
         check_world_size(cfg.grid, int(os.environ["WORLD_SIZE"]))
         cfg.check()
@@ -149,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ``tetrad: error: <what to change>`` on stderr), 1 when a worker failed, 130 on Ctrl-C.
     """
     args = build_parser().parse_args(argv)
+    if args.command in plan_cli.COMMANDS:
+        return plan_cli.run(args)
+    errors = user_errors()
     try:
         if args.command == "train":
             _train(args)
@@ -158,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             print(report(args.run_dir, plot=not args.no_plot))
         else:
             _generate(args)
-    except USER_ERRORS as e:
+    except errors as e:
         msg = str(e).strip().splitlines()
         print(f"tetrad: error: {msg[0] if msg else type(e).__name__}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -112,7 +113,8 @@ def train(cfg: TrainConfig) -> dict:
             print(f"tetrad: resumed from step {start}")
 
     profiler = StepProfiler(cfg.profile_range(), run_dir, grid.device, rank0)
-    bar = tqdm(total=cfg.steps, initial=start, disable=not rank0, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (rank0 and sys.stderr.isatty()),
+               unit="step", dynamic_ncols=True)
     metrics_file = (run_dir / "metrics.jsonl").open("a") if rank0 else None
     t_start, val_loss, loss = time.perf_counter(), float("nan"), float("nan")
     for step in range(start, cfg.steps):
@@ -149,7 +151,7 @@ def train(cfg: TrainConfig) -> dict:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
             bar.update(1)
             if done % cfg.log_every == 0 or done == cfg.steps or "val_loss" in row:
-                bar.write(_log_line(row))
+                bar.write(_log_line(row), file=sys.stdout)
         if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
             path = ckpt.save(model, optimizer, done)
             if rank0:
