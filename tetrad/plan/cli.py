@@ -47,7 +47,7 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="rank 4D (and Megatron-style) configurations by predicted step time",
         description="Enumerate every 4D grid G_data x G_z x G_y x G_x of the GPU count, "
-        "micro-batch and activation-checkpointing choice; drop those estimated above 80% of GPU "
+        "micro-batch and activation-checkpointing choice; drop those estimated above 80%% of GPU "
         "memory; rank the rest by predicted step time. Also ranks the classic TP x CP x PP x DP "
         "space for comparison.")
     p.add_argument("--model", required=True,
@@ -84,7 +84,7 @@ def add_commands(subparsers) -> None:
                    "table)")
 
     m = subparsers.add_parser(
-        "memory", help="per-GPU memory estimate of one configuration and the 80% verdict",
+        "memory", help="per-GPU memory estimate of one configuration and the 80%% verdict",
         description="Memory per GPU of one configuration: fujii2024 (Fujii et al. 2024, "
         "Megatron-style TP/CP/PP/DP) or tetrad (this runtime on a 4D grid).")
     m.add_argument("--model", required=True,
