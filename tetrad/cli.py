@@ -30,7 +30,7 @@ def user_errors() -> tuple[type[Exception], ...]:
 TRAIN_FIELDS = (
     "model", "grid", "steps", "micro_batch", "global_batch", "seq_len", "lr", "seed", "data",
     "tokenizer", "run_dir", "device", "activation_checkpointing", "resume", "log_every",
-    "val_every", "ckpt_every", "overlap", "profile_steps",
+    "val_every", "ckpt_every", "overlap", "profile_steps", "machine", "nproc",
 )
 
 
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--config", metavar="FILE.toml", help="TOML file of training settings")
     t.add_argument("--model", help="preset or sizes, e.g. small, tiny,n_layers=4, dim=512,...")
-    t.add_argument("--grid", metavar="DATA,Z,Y,X", help="process grid, e.g. 1,2,1,2")
+    t.add_argument("--grid", metavar="DATA,Z,Y,X",
+                   help="process grid, e.g. 1,2,1,2, or auto (the planner picks it)")
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--micro-batch", type=int, metavar="N", help="samples per rank per micro-step")
     t.add_argument("--global-batch", type=int, metavar="N", help="samples per optimizer step")
@@ -78,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino")
     t.add_argument("--profile-steps", metavar="A:B",
                    help="write a torch.profiler Chrome trace of steps A..B to the run directory")
+    t.add_argument("--machine", metavar="NAME|FILE.toml",
+                   help="machine for the planner (--grid auto, Domino choice): a preset such as "
+                   "dgx-h100 or the file `tetrad calibrate` writes")
+    t.add_argument("--nproc", type=int, metavar="N",
+                   help="processes for --grid auto without torchrun (default: GPUs, or 4 on CPU)")
 
     g = sub.add_parser("generate", help="sample text from a trained run directory",
                        description="Print PROMPT followed by text sampled from the latest "
@@ -115,6 +121,13 @@ def _train(args: argparse.Namespace) -> None:
     from tetrad.train.config import load_config
 
     cfg = load_config(args.config, train_overrides(args))
+    if cfg.grid == "auto":
+        from tetrad.train.auto import choose_grid, default_nproc, is_rank0
+        from tetrad.train.data import prepare_corpus
+
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else default_nproc(cfg)
+        vocab = prepare_corpus(cfg.data, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)
+        cfg = choose_grid(cfg, world, vocab.vocab_size, verbose=is_rank0())
     if under_torchrun():
         check_world_size(cfg.grid, int(os.environ["WORLD_SIZE"]))
         cfg.check()

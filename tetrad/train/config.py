@@ -37,7 +37,7 @@ class TrainConfig:
 
     model: str = "small"  # preset, or preset/sizes string (see tetrad.models.config.parse_model)
     model_sizes: dict = field(default_factory=dict)  # the [model] table of a TOML file
-    grid: tuple[int, int, int, int] = DEMO_GRID  # (G_data, G_z, G_y, G_x)
+    grid: tuple[int, int, int, int] | str = DEMO_GRID  # (G_data, G_z, G_y, G_x), or "auto"
     steps: int = 300  # optimizer steps of the whole run
     micro_batch: int = 4  # samples per rank per micro-step
     global_batch: int = 16  # samples per optimizer step
@@ -67,6 +67,8 @@ class TrainConfig:
     dp_bucket_mb: float = 4.0  # data-parallel all-reduce bucket size, MiB
     domino_min_rows: int = 256  # split a forward GEMM + all-reduce only above 2x this many rows
     profile_steps: str = ""  # "A:B": torch.profiler trace of steps A..B into run_dir
+    machine: str = ""  # planner machine (preset or `tetrad calibrate` TOML) for grid "auto"
+    nproc: int = 0  # processes for grid "auto" without torchrun (0: GPUs, or 4 on CPU)
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         """The model sizes: ``model`` string, then the ``[model]`` table, then the vocabulary.
@@ -77,7 +79,8 @@ class TrainConfig:
         """
         cfg: ModelConfig = with_sizes(parse_model(self.model), self.model_sizes)
         if vocab_size is not None and cfg.vocab_size == 0:
-            multiple = math.lcm(128, self.grid[1] * self.grid[2])
+            yz = 1 if self.grid == "auto" else self.grid[1] * self.grid[2]
+            multiple = math.lcm(128, yz)
             cfg = dataclasses.replace(cfg, vocab_size=-(-vocab_size // multiple) * multiple)
         return cfg
 
@@ -87,6 +90,9 @@ class TrainConfig:
         Raises:
             ConfigError: one line saying which value to change.
         """
+        if self.grid == "auto":
+            raise ConfigError("grid 'auto' must be resolved by the planner before training "
+                              "(tetrad train does this; see tetrad.train.auto.choose_grid)")
         d, z, _, _ = self.grid
         shards = d * z * self.micro_batch
         if self.device not in ("cpu", "cuda"):
@@ -134,7 +140,7 @@ class TrainConfig:
 
 def _coerce(name: str, value, kind):
     if name == "grid":
-        return parse_grid(value)
+        return "auto" if str(value).strip() == "auto" else parse_grid(value)
     if name == "data":
         return [value] if isinstance(value, str) else [str(v) for v in value]
     if kind is bool:

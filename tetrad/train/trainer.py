@@ -20,6 +20,7 @@ from tetrad.models.config import ModelConfig, check_divisible
 from tetrad.models.llama import Llama
 from tetrad.parallel import init_parameters
 from tetrad.parallel.overlap import parse_overlaps
+from tetrad.train.auto import domino_pays
 from tetrad.train.checkpoint import Checkpointer, latest_checkpoint
 from tetrad.train.config import ConfigError, TrainConfig
 from tetrad.train.data import Corpus, prepare_corpus, sample_batch, val_batches
@@ -75,7 +76,13 @@ def train(cfg: TrainConfig) -> dict:
     corpus, model_cfg = _preflight_on_rank0(cfg)
     run_dir = Path(cfg.run_dir)
 
-    model = Llama(model_cfg, grid, cfg.activation_checkpointing, parse_overlaps(cfg.overlap),
+    overlaps = parse_overlaps(cfg.overlap)
+    if "domino" in overlaps and not domino_pays(cfg, model_cfg):
+        overlaps -= {"domino"}
+        if rank0:
+            print(f"tetrad: the planner predicts no gain from the Domino split on "
+                  f"{cfg.machine}: left off")
+    model = Llama(model_cfg, grid, cfg.activation_checkpointing, overlaps,
                   bucket_bytes=int(cfg.dp_bucket_mb * 2**20),
                   domino_min_rows=cfg.domino_min_rows)
     init_parameters(model, cfg.seed, grid)
