@@ -30,7 +30,8 @@ def user_errors() -> tuple[type[Exception], ...]:
 TRAIN_FIELDS = (
     "model", "grid", "steps", "micro_batch", "global_batch", "seq_len", "lr", "seed", "data",
     "tokenizer", "run_dir", "device", "activation_checkpointing", "resume", "log_every",
-    "val_every", "ckpt_every", "overlap", "profile_steps", "machine", "nproc",
+    "val_every", "ckpt_every", "overlap", "profile_steps", "machine", "nproc", "dp_bucket_mb",
+    "domino_min_rows",
 )
 
 
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overlap", metavar="LIST",
                    help="collectives overlapped with compute: all (default), none, or a list of "
                    "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino")
+    t.add_argument("--dp-bucket-mb", type=float, metavar="MB",
+                   help="data-parallel all-reduce bucket size in MiB (default 4)")
+    t.add_argument("--domino-min-rows", type=int, metavar="N",
+                   help="split a forward GEMM + all-reduce only with at least 2N token rows")
     t.add_argument("--profile-steps", metavar="A:B",
                    help="write a torch.profiler Chrome trace of steps A..B to the run directory")
     t.add_argument("--machine", metavar="NAME|FILE.toml",
