@@ -26,8 +26,8 @@ def corpus(tmp_path_factory):
     return root
 
 
-def config(corpus, run_dir, steps, resume=False):
-    return load_config(None, {
+def config(corpus, run_dir, steps, resume=False, **extra):
+    return load_config(None, extra | {
         "model": "tiny,vocab_size=0", "grid": "1,2,1,2", "steps": steps, "global_batch": 8,
         "micro_batch": 2, "seq_len": 32, "data": [str(corpus)], "vocab_size": 300,
         "run_dir": str(run_dir), "val_every": 2, "val_batches": 1, "ckpt_every": 2,
@@ -43,7 +43,7 @@ def losses(run_dir):
 def test_train_resume_and_generate(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))
     whole, split = tmp_path / "whole", tmp_path / "split"
-    cfg = config(corpus, whole, 4)
+    cfg = config(corpus, whole, 4, profile_steps="3:3")
     trainer.preflight(cfg)
     run_distributed(_train, 4, cfg)
     rows, expected = losses(whole)
@@ -52,6 +52,15 @@ def test_train_resume_and_generate(corpus, tmp_path, monkeypatch):
         assert all(key in r for r in rows), key
     assert "val_loss" in rows[1] and "val_loss" in rows[3] and "val_loss" not in rows[0]
     assert (whole / "checkpoints" / "latest").read_text().strip() == "step_0000004"
+    assert (whole / "trace_steps_3-3.json").stat().st_size > 0
+    # the grid 1,2,1,2 communicates over Z and X; every step records both
+    assert all({"z", "x"} <= set(r["comm_bytes"]) for r in rows)
+    assert all(r["overlaps_ran"].get("prefetch_hits", 0) > 0 for r in rows[1:])
+
+    from tetrad.train.report import report
+
+    text = report(whole)
+    assert "exposed communication" in text and (whole / "report.png").stat().st_size > 0
 
     # Interrupted after step 2 (inside warm-up, so the LR schedule does not depend on the
     # total), then resumed: the same losses (same data, same state).

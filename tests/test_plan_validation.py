@@ -1,0 +1,110 @@
+"""The planner's communication model against every collective the runtime really issues.
+
+Every collective of the runtime goes through :mod:`tetrad.comm.collectives`, which counts it per
+mesh axis in ``grid.comm`` (calls, payload bytes, ring bytes sent per rank). On gloo ranks (CPU,
+fp32) each rank trains a small Llama for two optimizer steps on several grids (every axis > 1 in
+at least one grid, several axes > 1 at once) and, for each grid, every combination of
+
+- 1 or 2 micro-batches per step (gradient accumulation),
+- activation checkpointing off and on,
+- overlaps ``all`` and ``none`` (small data-parallel buckets and a low Domino threshold, so that
+  several buckets and both Domino halves really run on these tiny shapes).
+
+The first step records the prefetch order of the overlap schedule; the record is reset before
+the second step and read after it. For every rank, per axis, the counted calls, payload bytes and
+ring bytes must equal :func:`tetrad.plan.comm.axis_totals` of
+:func:`tetrad.plan.comm.collectives` exactly (fp32 compute dtype, the runtime's overlap options),
+and the set of axes must be the same on both sides: the planner predicts no collective on an axis
+the runtime left silent, and the runtime uses no axis the planner missed.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_distributed
+from tetrad.grid import Grid
+from tetrad.models.config import ModelConfig
+from tetrad.models.llama import Llama
+from tetrad.parallel import init_parameters
+from tetrad.parallel.overlap import OVERLAPS
+from tetrad.plan.comm import axis_totals, collectives
+from tetrad.plan.machines import get_machine
+from tetrad.plan.memory import DTYPE_BYTES
+from tetrad.plan.models import get_model
+from tetrad.train.step import build_optimizer, train_step
+
+CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
+SPEC = (f"dim={CFG.dim},n_layers={CFG.n_layers},n_heads={CFG.n_heads},"
+        f"n_kv_heads={CFG.n_kv_heads},ffn_dim={CFG.ffn_dim},vocab_size={CFG.vocab_size}")
+SEQ, SAMPLES, SEED, LR, CLIP = 16, 2, 5, 1e-3, 1.0  # SAMPLES per (data, z) cell per step
+OPTIONS = {"bucket_bytes": 1 << 14, "domino_min_rows": 8}
+# (G_data, G_z, G_y, G_x); one spawn per world size
+GRIDS = {4: [(2, 1, 1, 2)], 8: [(1, 2, 2, 2), (2, 2, 2, 1)]}
+# (micro-batches per step, activation checkpointing, overlaps)
+CONFIGS = [(n, ckpt, ov) for n in (1, 2) for ckpt in (False, True) for ov in ("all", "none")]
+FIELDS = ("calls", "payload_bytes", "bytes")
+
+
+def _key(sizes, n_micro, ckpt, overlaps) -> str:
+    return f"grid={sizes} micro_batches={n_micro} checkpointing={ckpt} overlaps={overlaps}"
+
+
+def _worker(world_size: int, out_dir: str) -> None:
+    """Two training steps per (grid, config); this rank's counts of the second one to JSON."""
+    rank = dist.get_rank()
+    got = {}
+    for sizes in GRIDS[world_size]:
+        grid = Grid.build(sizes)
+        g = torch.Generator().manual_seed(SEED)
+        batch = torch.randint(0, CFG.vocab_size, (SAMPLES * grid.batch_shards, SEQ + 1),
+                              generator=g)
+        for n_micro, ckpt, ov in CONFIGS:
+            model = Llama(CFG, grid, ckpt, OVERLAPS if ov == "all" else (), **OPTIONS)
+            init_parameters(model, SEED, grid)
+            opt = build_optimizer(model, LR, weight_decay=0.1)
+            train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)
+            grid.comm.reset()
+            train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)
+            stats = grid.comm.reset()
+            got[_key(sizes, n_micro, ckpt, ov)] = {
+                axis: [s.calls, s.payload_bytes, s.bytes] for axis, s in stats.items()}
+    with open(f"{out_dir}/{rank}.json", "w") as fh:
+        json.dump(got, fh)
+
+
+def predicted(sizes, n_micro: int, ckpt: bool, overlaps: str) -> dict:
+    """The planner's per-axis calls, payload bytes and ring bytes of one optimizer step."""
+    cells = sizes[0] * sizes[1]
+    cols = collectives(get_model(SPEC), get_machine("perlmutter"), sizes, SAMPLES // n_micro,
+                       SEQ, SAMPLES * cells, activation_checkpointing=ckpt, overlaps=overlaps,
+                       compute_bytes=DTYPE_BYTES["fp32"], **OPTIONS)
+    return {axis: [t[f] for f in FIELDS] for axis, t in axis_totals(cols).items()}
+
+
+@pytest.mark.parametrize("world_size", sorted(GRIDS))
+def test_comm_model_predicts_runtime_collectives(world_size, tmp_path):
+    run_distributed(_worker, world_size, world_size, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world_size)]
+    for sizes in GRIDS[world_size]:
+        for n_micro, ckpt, ov in CONFIGS:
+            key = _key(sizes, n_micro, ckpt, ov)
+            want = predicted(sizes, n_micro, ckpt, ov)
+            for rank, got in enumerate(ranks):
+                got = got[key]
+                if rank == 0:
+                    print(key, {a: got[a] for a in sorted(got)})
+                assert set(got) == set(want), (
+                    f"{key} rank {rank}: runtime axes {sorted(got)}, planner axes {sorted(want)}")
+                for axis in sorted(got):
+                    for field, g, w in zip(FIELDS, got[axis], want[axis], strict=True):
+                        assert g == w, (f"{key} rank {rank} axis {axis} {field}: runtime {g}, "
+                                        f"planner {w} (runtime {got[axis]}, planner {want[axis]})")
+
+
+def test_grids_cover_every_axis():
+    axes = {a for grids in GRIDS.values() for sizes in grids
+            for a, size in zip(("data", "z", "y", "x"), sizes, strict=True) if size > 1}
+    assert axes == {"data", "z", "y", "x"}
