@@ -26,28 +26,9 @@ from collections.abc import Iterable
 import torch
 
 from tetrad.comm import Handle, all_gather, all_reduce, reduce_scatter
+from tetrad.plan.overlaps import OVERLAPS, parse_overlaps
 
-OVERLAPS = ("prefetch", "reduce_scatter", "dx_all_reduce", "dp_all_reduce", "domino")
-
-
-def parse_overlaps(text: str | Iterable[str]) -> frozenset[str]:
-    """``"all"``, ``"none"`` or a comma-separated subset of :data:`OVERLAPS`.
-
-    Raises:
-        ValueError: an unknown name (the message lists the known ones).
-    """
-    names = [t.strip() for t in text.split(",")] if isinstance(text, str) else list(text)
-    names = [n for n in names if n]
-    if names in (["all"], []):
-        return frozenset(OVERLAPS) if names == ["all"] else frozenset()
-    if names == ["none"]:
-        return frozenset()
-    bad = [n for n in names if n not in OVERLAPS]
-    if bad:
-        raise ValueError(f"unknown overlap {bad[0]!r}: use all, none or a comma-separated list "
-                         f"of {', '.join(OVERLAPS)}")
-    return frozenset(names)
-
+__all__ = ["OVERLAPS", "Overlap", "parse_overlaps"]
 
 class Overlap:
     """Switches and state of the overlaps of one model on one grid.

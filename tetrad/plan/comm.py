@@ -66,34 +66,14 @@ from tetrad.plan.compute import ELEMENTWISE, BlockCompute, block_compute
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec, PlanError
 from tetrad.plan.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ring_bytes
+from tetrad.plan.overlaps import parse_overlaps
 
-OVERLAPS = ("prefetch", "reduce_scatter", "dx_all_reduce", "dp_all_reduce", "domino")
-"""The runtime's overlap switches (tetrad.parallel.overlap.OVERLAPS), same names."""
 AXES = ("x", "y", "z", "data", "world")
 FP32 = 4
 BUCKET_BYTES = 4 << 20
 """The runtime's data-parallel bucket size (tetrad.parallel.overlap.Overlap, 4 MiB)."""
 DOMINO_MIN_ROWS = 256
 """The runtime's Domino threshold: split only when a micro-batch has ``>= 2 *`` this many rows."""
-
-
-def parse_overlaps(text: str | Iterable[str]) -> frozenset[str]:
-    """``"all"``, ``"none"`` or a comma-separated subset of :data:`OVERLAPS`.
-
-    Raises:
-        PlanError: an unknown name.
-    """
-    names = [t.strip() for t in text.split(",")] if isinstance(text, str) else list(text)
-    names = [n for n in names if n]
-    if names == ["all"]:
-        return frozenset(OVERLAPS)
-    if names in (["none"], []):
-        return frozenset()
-    bad = [n for n in names if n not in OVERLAPS]
-    if bad:
-        raise PlanError(f"unknown overlap {bad[0]!r}: use all, none or a comma-separated list "
-                        f"of {', '.join(OVERLAPS)}")
-    return frozenset(names)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 
-from tetrad.plan.comm import OVERLAPS
 from tetrad.plan.memory import FIT_FRACTION, MemoryBreakdown
 from tetrad.plan.models import ModelSpec, PlanError
+from tetrad.plan.overlaps import OVERLAPS
 from tetrad.plan.search import Row, SearchResult
 
 GIB = 1024**3
