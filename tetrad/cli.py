@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `tetrad train`")
     r.add_argument("--no-plot", action="store_true", help="skip report.png")
     plan_cli.add_commands(sub)
+    # options parsed by tetrad.train.calibrate itself, so that building this parser (and
+    # `tetrad plan`) never imports torch
+    sub.add_parser("calibrate", add_help=False, help="measure GEMM and collective speed here "
+                   "and write a machine TOML for the planner (see `tetrad calibrate --help`)")
     return p
 
 
@@ -175,7 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     Exit status: 0 on success, 2 for a usage or configuration mistake (one line
     ``tetrad: error: <what to change>`` on stderr), 1 when a worker failed, 130 on Ctrl-C.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "calibrate":
+        from tetrad.train import calibrate
+
+        return calibrate.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command in plan_cli.COMMANDS:
         return plan_cli.run(args)
     errors = user_errors()

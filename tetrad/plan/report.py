@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+import tomli_w
+
 from tetrad.plan.memory import FIT_FRACTION, MemoryBreakdown
 from tetrad.plan.models import ModelSpec, PlanError
 from tetrad.plan.overlaps import OVERLAPS
@@ -204,35 +206,26 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
         raise PlanError("--emit-config writes a 4D configuration; the best row is classic")
     inp = result.inputs
     d, z, y, x = row.grid
-    lines = [
+    header = [
         f"# Written by `tetrad plan`: {inp['model']} on {inp['gpus']} x {inp['machine']}.",
         f"# Predicted {row.step_s:.3f} s per step, {row.tokens_per_s:.0f} tokens/s, "
         f"MFU {100 * row.mfu:.1f}%, memory {row.memory.total / GIB:.1f} GiB "
         f"({100 * row.memory.fraction:.0f}% of {inp['gpu_memory_gib']:.1f} GiB).",
     ]
     if model.family != "llama":
-        lines.append(f"# NOTE: {model.name} is a {model.family} model; tetrad trains the Llama "
-                     "architecture, so the sizes below build a Llama (SwiGLU with ffn_dim, "
-                     "RMSNorm, RoPE) of the same widths.")
-    lines += [
-        f'grid = "{d},{z},{y},{x}"',
-        f"micro_batch = {row.micro_batch}",
-        f"global_batch = {inp['global_batch']}",
-        f"seq_len = {inp['seq_len']}",
-        f"activation_checkpointing = {'true' if row.activation_checkpointing else 'false'}",
-        f'overlap = "{_overlap_value(inp["overlaps"])}"',
-        'device = "cuda"',
-        "",
-        "[model]",
-        f"dim = {model.hidden}",
-        f"n_layers = {model.n_layers}",
-        f"n_heads = {model.n_heads}",
-        f"n_kv_heads = {model.n_kv_heads}",
-        f"ffn_dim = {model.ffn_hidden}",
-        f"vocab_size = {model.vocab}",
-        "",
-    ]
-    return "\n".join(lines)
+        header.append(f"# NOTE: {model.name} is a {model.family} model; tetrad trains the Llama "
+                      "architecture, so the sizes below build a Llama (SwiGLU with ffn_dim, "
+                      "RMSNorm, RoPE) of the same widths.")
+    settings = {
+        "grid": f"{d},{z},{y},{x}", "micro_batch": row.micro_batch,
+        "global_batch": inp["global_batch"], "seq_len": inp["seq_len"],
+        "activation_checkpointing": row.activation_checkpointing,
+        "overlap": _overlap_value(inp["overlaps"]), "device": "cuda",
+        "model": {"dim": model.hidden, "n_layers": model.n_layers, "n_heads": model.n_heads,
+                  "n_kv_heads": model.n_kv_heads, "ffn_dim": model.ffn_hidden,
+                  "vocab_size": model.vocab},
+    }
+    return "\n".join(header) + "\n" + tomli_w.dumps(settings)
 
 
 def _overlap_value(names: list[str]) -> str:
