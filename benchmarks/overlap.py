@@ -21,9 +21,12 @@ import tempfile
 from pathlib import Path
 
 GRIDS = {4: "1,2,1,2", 8: "1,2,2,2"}
+AXES = ("x", "y", "z", "data", "world")
 
 
 def run(grid: str, overlap: str, args, run_dir: Path) -> dict:
+    """One ``tetrad train`` run; means over steps 2.. of rank 0's metrics (seconds per step):
+    ``step``, ``comm`` and ``exposed`` per axis, ``tok_s``, and the run's ``model_config``."""
     cmd = [sys.executable, "-m", "tetrad.cli", "train", "--grid", grid, "--overlap", overlap,
            "--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
            "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
@@ -33,10 +36,18 @@ def run(grid: str, overlap: str, args, run_dir: Path) -> dict:
     rows = rows[1:]
     return {
         "step": statistics.mean(r["step_time_s"] for r in rows),
-        "comm": statistics.mean(sum(r["comm_time_s"].values()) for r in rows),
-        "exposed": statistics.mean(sum(r["comm_exposed_s"].values()) for r in rows),
+        "comm": {a: statistics.mean(r["comm_time_s"].get(a, 0.0) for r in rows) for a in AXES},
+        "exposed": {a: statistics.mean(r["comm_exposed_s"].get(a, 0.0) for r in rows)
+                    for a in AXES},
         "tok_s": statistics.mean(r["tokens_per_s"] for r in rows),
+        "model_config": json.loads((run_dir / "config.json").read_text())["model_config"],
     }
+
+
+def totals(r: dict) -> dict:
+    """``r`` with communication and exposed time summed over the axes."""
+    return {"step": r["step"], "comm": sum(r["comm"].values()),
+            "exposed": sum(r["exposed"].values()), "tok_s": r["tok_s"]}
 
 
 def main() -> None:
@@ -61,7 +72,7 @@ def main() -> None:
             for i in range(args.repeats):
                 for overlap in ("none", "all"):
                     out = Path(tmp) / f"{world}-{i}-{overlap}"
-                    res[overlap].append(run(grid, overlap, args, out))
+                    res[overlap].append(totals(run(grid, overlap, args, out)))
             mean = {o: {k: statistics.mean(r[k] for r in rs) for k in rs[0]}
                     for o, rs in res.items()}
             for o in ("none", "all"):

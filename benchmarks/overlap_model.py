@@ -29,20 +29,23 @@ printed as measured.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from overlap import AXES  # benchmarks/overlap.py, beside this script
+from overlap import run as train
+
+from tetrad.models.config import ModelConfig
 from tetrad.plan.comm import Context, axis_totals, collectives, estimate
 from tetrad.plan.machines import get_machine
-from tetrad.plan.models import ModelSpec, get_model
+from tetrad.plan.models import ModelSpec
 from tetrad.plan.network import ALL_REDUCE, REDUCE_SCATTER
+from tetrad.train.auto import model_spec
 
 GRIDS = ("1,2,1,2", "2,1,2,1")
-AXES = ("x", "y", "z", "data", "world")
 
 
 def calibrate_machine(path: Path, quick: bool) -> None:
@@ -53,31 +56,9 @@ def calibrate_machine(path: Path, quick: bool) -> None:
     print(done.stdout.rstrip())
 
 
-def train(grid: str, overlap: str, args: argparse.Namespace, run_dir: Path) -> dict:
-    """One ``tetrad train`` run; means over steps 2.. of rank 0's metrics (seconds per step):
-    ``step``, ``comm`` and ``exposed`` per axis, and the run's ``model_config``."""
-    cmd = [sys.executable, "-m", "tetrad.cli", "train", "--grid", grid, "--overlap", overlap,
-           "--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-           "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
-           "--run-dir", str(run_dir), "--val-every", "100000", "--log-every", "100000"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = rows[1:]
-    config = json.loads((run_dir / "config.json").read_text())
-    return {
-        "step": statistics.mean(r["step_time_s"] for r in rows),
-        "comm": {a: statistics.mean(r["comm_time_s"].get(a, 0.0) for r in rows) for a in AXES},
-        "exposed": {a: statistics.mean(r["comm_exposed_s"].get(a, 0.0) for r in rows)
-                    for a in AXES},
-        "model_config": config["model_config"],
-    }
-
-
 def planner_model(mc: dict) -> ModelSpec:
     """The planner's description of the runtime's Llama (``RUN_DIR/config.json`` sizes)."""
-    return get_model(f"dim={mc['dim']},n_layers={mc['n_layers']},n_heads={mc['n_heads']},"
-                     f"n_kv_heads={mc['n_kv_heads']},ffn_dim={mc['ffn_dim']},"
-                     f"vocab_size={mc['vocab_size']}")
+    return model_spec(ModelConfig(**mc))
 
 
 def predict(model: ModelSpec, machine, grid: tuple[int, int, int, int], overlap: str,
