@@ -148,12 +148,12 @@ def _train(args: argparse.Namespace) -> None:
     d, z, y, x = cfg.grid
     nproc = d * z * y * x
     if cfg.device == "cuda":
-        import torch
+        from tetrad.device import gpu_count
 
-        if torch.cuda.device_count() < nproc:
+        if gpu_count() < nproc:
             raise GridError(
                 f"grid data*z*y*x = {d}*{z}*{y}*{x} = {nproc} needs {nproc} GPUs, but "
-                f"{torch.cuda.device_count()} are visible: use a smaller --grid or torchrun "
+                f"{gpu_count()} are visible: use a smaller --grid or torchrun "
                 "across nodes"
             )
     from tetrad.train import trainer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 
@@ -15,6 +16,30 @@ GPU_PEAK_FLOPS = {
     "L40S": 362e12,
     "A10G": 70e12,
 }
+
+
+def gpu_count() -> int:
+    """CUDA devices visible to this process (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_device(device_type: str) -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` (made current) for CUDA, else ``cpu``."""
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (for timing measurements only, never in training)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def total_memory_bytes(device: torch.device) -> int:
+    """The GPU's memory in bytes (0 for a CPU)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -35,8 +60,6 @@ def peak_flops(device: torch.device, world_size_on_host: int = 1) -> float:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), 0.0)
-    import os
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     a = torch.randn(512, 512)

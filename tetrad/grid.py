@@ -10,7 +10,6 @@ The grid is an explicit object passed to every layer that communicates; there is
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tetrad.comm.collectives import CommLog
+from tetrad.device import local_device
 
 AXES = ("data", "z", "y", "x")
 
@@ -94,15 +94,10 @@ class Grid:
         Raises:
             GridError: the product of ``sizes`` differs from the world size.
         """
+        device = local_device(device_type)
         if not dist.is_initialized():
-            if device_type == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend_for(device_type))
         check_world_size(sizes, dist.get_world_size())
-        if device_type == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device(device_type)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
         coord = {a: mesh.get_local_rank(a) for a in AXES}
         return cls(*sizes, mesh=mesh, device=device, coord=coord)

@@ -22,9 +22,9 @@ def default_nproc(cfg: TrainConfig) -> int:
     if cfg.nproc:
         return cfg.nproc
     if cfg.device == "cuda":
-        import torch
+        from tetrad.device import gpu_count
 
-        return max(1, torch.cuda.device_count())
+        return max(1, gpu_count())
     return 4
 
 
@@ -40,9 +40,9 @@ def machine_for(cfg: TrainConfig):
 
     name = cfg.machine
     if not name and cfg.device == "cuda":
-        import torch
+        from tetrad.device import device_name, local_device
 
-        gpu = torch.cuda.get_device_name()
+        gpu = device_name(local_device("cuda"))
         name = next((m for key, m in GPU_MACHINES.items() if key in gpu), "")
     if not name:
         raise ConfigError("--grid auto needs a machine description: pass --machine with a "

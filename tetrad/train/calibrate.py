@@ -71,7 +71,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tetrad.device import device_name, peak_flops
+from tetrad.device import (
+    device_name,
+    gpu_count,
+    local_device,
+    peak_flops,
+    synchronize,
+    total_memory_bytes,
+)
 from tetrad.grid import backend_for
 from tetrad.plan.machines import parse_machine
 from tetrad.plan.network import ALL_GATHER, ALL_REDUCE, placement, ring_bytes
@@ -144,16 +151,13 @@ def _init_process_group(device: str) -> bool:
     cuda, gloo for cpu); returns whether this call created it."""
     if dist.is_initialized():
         return False
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    local_device(device)
     dist.init_process_group(backend_for(device))
     return True
 
 
 def _torch_device(device: str) -> torch.device:
-    if device == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return local_device(device)
 
 
 def _cores() -> int:
@@ -166,14 +170,14 @@ def _cores() -> int:
 def _sync(dev: torch.device) -> None:
     """Wait for the device's queued work (the timing helpers' only ``torch.cuda`` call)."""
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+        synchronize(dev)
 
 
 def _device_memory_bytes(dev: torch.device, ranks_per_node: int) -> tuple[int, str]:
     """Memory one rank may use and how it was found: the GPU's total memory on CUDA; on CPU
     the physical memory divided among the ranks of the node."""
     if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev).total_memory, "device total memory (torch)"
+        return total_memory_bytes(dev), "device total memory (torch)"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total // max(1, ranks_per_node), f"physical memory / {ranks_per_node} ranks"
 
@@ -424,7 +428,7 @@ def _check_out(out: str) -> str:
 def _check_device(device: str) -> None:
     if device not in ("cpu", "cuda"):
         raise CalibrationError(f"device {device!r} is unknown: use cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not gpu_count():
         raise CalibrationError("--device cuda but no CUDA device is visible: use --device cpu")
 
 
@@ -746,13 +750,13 @@ def run(args: argparse.Namespace) -> int:
         out = _check_out(args.out)
         nproc = args.nproc
         if nproc is None:
-            nproc = torch.cuda.device_count() if args.device == "cuda" else 4
+            nproc = gpu_count() if args.device == "cuda" else 4
         if nproc < 2:
             raise CalibrationError(f"--nproc {nproc}: calibrate needs at least 2 ranks to "
                                    "measure the network")
-        if args.device == "cuda" and torch.cuda.device_count() < nproc:
+        if args.device == "cuda" and gpu_count() < nproc:
             raise CalibrationError(f"--nproc {nproc} needs {nproc} GPUs, but "
-                                   f"{torch.cuda.device_count()} are visible")
+                                   f"{gpu_count()} are visible")
     except CalibrationError as e:
         print(f"tetrad: error: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from tetrad.device import gpu_count
 from tetrad.models.config import ModelConfig
 from tetrad.train.checkpoint import CheckpointError, latest_checkpoint
 from tetrad.train.config import ConfigError
@@ -137,7 +138,7 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int = 200,
         raise ConfigError("--max-new-tokens, --top-k and --temperature must not be negative")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"device {device!r} is not cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not gpu_count():
         raise ConfigError("--device cuda but no GPU is visible: use --device cpu")
     model, tok, run_cfg = load_model(run_dir, device)
     window = int(run_cfg.get("seq_len") or 256)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tetrad.device import device_name, peak_flops, peak_memory_bytes
+from tetrad.device import device_name, gpu_count, peak_flops, peak_memory_bytes
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
 from tetrad.models.llama import Llama
@@ -36,7 +36,7 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
         ConfigError, DataError, ModelConfigError: one-line messages saying what to change.
     """
     cfg.check()
-    if cfg.device == "cuda" and not torch.cuda.is_available():
+    if cfg.device == "cuda" and not gpu_count():
         raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu")
     corpus = prepare_corpus(cfg.data, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)
     model_cfg = cfg.model_config(corpus.vocab_size)
