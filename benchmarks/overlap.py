@@ -50,18 +50,28 @@ def totals(r: dict) -> dict:
             "exposed": sum(r["exposed"].values()), "tok_s": r["tok_s"]}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2, help="off/on pairs per world size")
+def add_run_options(p: argparse.ArgumentParser, steps: int, repeats: int) -> None:
+    """The options of one benchmarked ``tetrad train`` run, and how many off/on pairs."""
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--repeats", type=int, default=repeats, help="off/on pairs")
     p.add_argument("--model", default="small")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=4)
+
+
+def describe(args: argparse.Namespace) -> str:
+    """One line saying what every benchmarked run is."""
+    return (f"model {args.model}, {args.global_batch} x {args.seq_len} tokens/step, "
+            f"micro-batch {args.micro_batch}, {args.steps} steps per run, {args.repeats} "
+            f"alternating off/on pair(s); means of steps 2..{args.steps}, rank 0")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_options(p, steps=8, repeats=2)
     args = p.parse_args()
-    print(f"model {args.model}, {args.global_batch} x {args.seq_len} tokens/step, "
-          f"micro-batch {args.micro_batch}, {args.steps} steps per run, "
-          f"{args.repeats} alternating off/on pairs; means of steps 2..{args.steps}")
+    print(describe(args))
     header = (f"{'ranks':>5} {'grid':>9} {'overlap':>8} {'step ms':>9} {'comm ms':>9} "
               f"{'exposed ms':>11} {'exposed %':>10} {'tokens/s':>9}")
     print(header)

@@ -35,7 +35,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from overlap import AXES  # benchmarks/overlap.py, beside this script
+from overlap import (
+    AXES,  # benchmarks/overlap.py, beside this script
+    add_run_options,
+)
 from overlap import run as train
 
 from tetrad.models.config import ModelConfig
@@ -89,12 +92,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--machine", help="machine TOML to use instead of calibrating")
     p.add_argument("--quick-calibration", action="store_true", help="calibrate with --quick")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=1, help="off/on pairs per grid")
-    p.add_argument("--model", default="small")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--micro-batch", type=int, default=4)
+    add_run_options(p, steps=6, repeats=1)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.machine) if args.machine else Path(tmp) / "calibrated.toml"
@@ -107,9 +105,7 @@ def main() -> None:
               + ", ".join(f"G={g} stride={s} {bw:.3g} GB/s" for s, g, bw in net.intra_table)
               + f", latency {net.latency_base_us:.3g} us + {net.latency_hop_intra_us:.3g} us "
               "per ring step")
-        print(f"model {args.model}, {args.global_batch} x {args.seq_len} tokens/step, "
-              f"micro-batch {args.micro_batch}, {args.steps} steps per run, {args.repeats} "
-              f"alternating off/on pair(s) per grid; means of steps 2..{args.steps}, rank 0")
+        print(describe(args) + " (per grid)")
         head = (f"{'grid':>8} {'overlap':>7} {'axis':>6} | {'comm ms':>8} {'pred':>8} "
                 f"{'p/m':>5} | {'exposed ms':>10} {'pred':>8} {'p/m':>5}")
         print(head)

@@ -50,15 +50,16 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
 def _preflight_on_rank0(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
     """Rank 0 prepares the data first; the others then hit the cache. Errors reach every rank."""
     err: list = [None]
+    result = None
     if dist.get_rank() == 0:
         try:
-            preflight(cfg)
+            result = preflight(cfg)
         except ValueError as e:
             err = [e]
     dist.broadcast_object_list(err, src=0)
     if err[0] is not None:
         raise err[0]
-    return preflight(cfg)
+    return result if result is not None else preflight(cfg)
 
 
 def train(cfg: TrainConfig) -> dict:
