@@ -35,10 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from overlap import (
-    AXES,  # benchmarks/overlap.py, beside this script
-    add_run_options,
-)
+# benchmarks/overlap.py, beside this script
+from overlap import AXES, add_run_options, describe
 from overlap import run as train
 
 from tetrad.models.config import ModelConfig
