@@ -15,10 +15,11 @@ demo: $(BIN)/tetrad
 	$(BIN)/tetrad train --run-dir runs/demo
 	$(BIN)/tetrad generate runs/demo --prompt "def " --max-new-tokens 120
 
-test: $(BIN)/tetrad
+test: lint
 	$(BIN)/pytest -q
 
 lint: $(BIN)/tetrad
+	$(BIN)/ruff format --check tetrad tests benchmarks
 	$(BIN)/ruff check tetrad tests benchmarks
 
 clean:

@@ -27,18 +27,41 @@ AXES = ("x", "y", "z", "data", "world")
 def run(grid: str, overlap: str, args, run_dir: Path) -> dict:
     """One ``tetrad train`` run; means over steps 2.. of rank 0's metrics (seconds per step):
     ``step``, ``comm`` and ``exposed`` per axis, ``tok_s``, and the run's ``model_config``."""
-    cmd = [sys.executable, "-m", "tetrad.cli", "train", "--grid", grid, "--overlap", overlap,
-           "--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-           "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
-           "--run-dir", str(run_dir), "--val-every", "100000", "--log-every", "100000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tetrad.cli",
+        "train",
+        "--grid",
+        grid,
+        "--overlap",
+        overlap,
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--seq-len",
+        str(args.seq_len),
+        "--global-batch",
+        str(args.global_batch),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--run-dir",
+        str(run_dir),
+        "--val-every",
+        "100000",
+        "--log-every",
+        "100000",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = rows[1:]
     return {
         "step": statistics.mean(r["step_time_s"] for r in rows),
         "comm": {a: statistics.mean(r["comm_time_s"].get(a, 0.0) for r in rows) for a in AXES},
-        "exposed": {a: statistics.mean(r["comm_exposed_s"].get(a, 0.0) for r in rows)
-                    for a in AXES},
+        "exposed": {
+            a: statistics.mean(r["comm_exposed_s"].get(a, 0.0) for r in rows) for a in AXES
+        },
         "tok_s": statistics.mean(r["tokens_per_s"] for r in rows),
         "model_config": json.loads((run_dir / "config.json").read_text())["model_config"],
     }
@@ -46,8 +69,12 @@ def run(grid: str, overlap: str, args, run_dir: Path) -> dict:
 
 def totals(r: dict) -> dict:
     """``r`` with communication and exposed time summed over the axes."""
-    return {"step": r["step"], "comm": sum(r["comm"].values()),
-            "exposed": sum(r["exposed"].values()), "tok_s": r["tok_s"]}
+    return {
+        "step": r["step"],
+        "comm": sum(r["comm"].values()),
+        "exposed": sum(r["exposed"].values()),
+        "tok_s": r["tok_s"],
+    }
 
 
 def add_run_options(p: argparse.ArgumentParser, steps: int, repeats: int) -> None:
@@ -62,9 +89,11 @@ def add_run_options(p: argparse.ArgumentParser, steps: int, repeats: int) -> Non
 
 def describe(args: argparse.Namespace) -> str:
     """One line saying what every benchmarked run is."""
-    return (f"model {args.model}, {args.global_batch} x {args.seq_len} tokens/step, "
-            f"micro-batch {args.micro_batch}, {args.steps} steps per run, {args.repeats} "
-            f"alternating off/on pair(s); means of steps 2..{args.steps}, rank 0")
+    return (
+        f"model {args.model}, {args.global_batch} x {args.seq_len} tokens/step, "
+        f"micro-batch {args.micro_batch}, {args.steps} steps per run, {args.repeats} "
+        f"alternating off/on pair(s); means of steps 2..{args.steps}, rank 0"
+    )
 
 
 def main() -> None:
@@ -72,8 +101,10 @@ def main() -> None:
     add_run_options(p, steps=8, repeats=2)
     args = p.parse_args()
     print(describe(args))
-    header = (f"{'ranks':>5} {'grid':>9} {'overlap':>8} {'step ms':>9} {'comm ms':>9} "
-              f"{'exposed ms':>11} {'exposed %':>10} {'tokens/s':>9}")
+    header = (
+        f"{'ranks':>5} {'grid':>9} {'overlap':>8} {'step ms':>9} {'comm ms':>9} "
+        f"{'exposed ms':>11} {'exposed %':>10} {'tokens/s':>9}"
+    )
     print(header)
     print("-" * len(header))
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,18 +114,23 @@ def main() -> None:
                 for overlap in ("none", "all"):
                     out = Path(tmp) / f"{world}-{i}-{overlap}"
                     res[overlap].append(totals(run(grid, overlap, args, out)))
-            mean = {o: {k: statistics.mean(r[k] for r in rs) for k in rs[0]}
-                    for o, rs in res.items()}
+            mean = {
+                o: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for o, rs in res.items()
+            }
             for o in ("none", "all"):
                 m = mean[o]
-                print(f"{world:>5} {grid:>9} {o:>8} {m['step'] * 1e3:>9.1f} "
-                      f"{m['comm'] * 1e3:>9.1f} {m['exposed'] * 1e3:>11.1f} "
-                      f"{100 * m['exposed'] / m['step']:>9.0f}% "
-                      f"{m['tok_s']:>9.0f}")
+                print(
+                    f"{world:>5} {grid:>9} {o:>8} {m['step'] * 1e3:>9.1f} "
+                    f"{m['comm'] * 1e3:>9.1f} {m['exposed'] * 1e3:>11.1f} "
+                    f"{100 * m['exposed'] / m['step']:>9.0f}% "
+                    f"{m['tok_s']:>9.0f}"
+                )
             off, on = mean["none"], mean["all"]
-            print(f"{world:>5} {grid:>9} {'on/off':>8} {on['step'] / off['step']:>9.2f} "
-                  f"{on['comm'] / off['comm']:>9.2f} {on['exposed'] / off['exposed']:>11.2f} "
-                  f"{'':>10} {on['tok_s'] / off['tok_s']:>9.2f}")
+            print(
+                f"{world:>5} {grid:>9} {'on/off':>8} {on['step'] / off['step']:>9.2f} "
+                f"{on['comm'] / off['comm']:>9.2f} {on['exposed'] / off['exposed']:>11.2f} "
+                f"{'':>10} {on['tok_s'] / off['tok_s']:>9.2f}"
+            )
 
 
 if __name__ == "__main__":

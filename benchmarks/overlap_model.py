@@ -51,8 +51,17 @@ GRIDS = ("1,2,1,2", "2,1,2,1")
 
 def calibrate_machine(path: Path, quick: bool) -> None:
     """Write a machine TOML for this machine with 4 CPU ranks (``tetrad.train.calibrate``)."""
-    cmd = [sys.executable, "-m", "tetrad.train.calibrate", "--device", "cpu", "--nproc", "4",
-           "--out", str(path)] + (["--quick"] if quick else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "tetrad.train.calibrate",
+        "--device",
+        "cpu",
+        "--nproc",
+        "4",
+        "--out",
+        str(path),
+    ] + (["--quick"] if quick else [])
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     print(done.stdout.rstrip())
 
@@ -62,21 +71,40 @@ def planner_model(mc: dict) -> ModelSpec:
     return model_spec(ModelConfig(**mc))
 
 
-def predict(model: ModelSpec, machine, grid: tuple[int, int, int, int], overlap: str,
-            args: argparse.Namespace) -> dict:
+def predict(
+    model: ModelSpec,
+    machine,
+    grid: tuple[int, int, int, int],
+    overlap: str,
+    args: argparse.Namespace,
+) -> dict:
     """The planner's step time, compute and per-axis communication / exposed seconds; and
     ``z_gloo``: the Z communication with each reduce-scatter timed as the all-reduce gloo runs."""
-    cols = collectives(model, machine, grid, args.micro_batch, args.seq_len, args.global_batch,
-                       overlaps=overlap, compute_bytes=4)
+    cols = collectives(
+        model,
+        machine,
+        grid,
+        args.micro_batch,
+        args.seq_len,
+        args.global_batch,
+        overlaps=overlap,
+        compute_bytes=4,
+    )
     per_axis = axis_totals(cols)
-    ctx = Context(model, machine, args.seq_len, args.global_batch, overlaps=overlap,
-                  compute_bytes=4)
+    ctx = Context(
+        model, machine, args.seq_len, args.global_batch, overlaps=overlap, compute_bytes=4
+    )
     est = estimate(ctx, grid, args.micro_batch, False)
     lz = machine.network.grid_links(grid)["z"]
-    z_gloo = sum(c.calls * (lz.time(ALL_REDUCE, c.payload_bytes) if c.kind == REDUCE_SCATTER
-                            else c.time_s) for c in cols if c.axis == "z")
+    z_gloo = sum(
+        c.calls * (lz.time(ALL_REDUCE, c.payload_bytes) if c.kind == REDUCE_SCATTER else c.time_s)
+        for c in cols
+        if c.axis == "z"
+    )
     return {
-        "step": est.step_s, "compute": est.compute_s, "z_gloo": z_gloo,
+        "step": est.step_s,
+        "compute": est.compute_s,
+        "z_gloo": z_gloo,
         "comm": {a: per_axis.get(a, {}).get("time_s", 0.0) for a in AXES},
         "exposed": {a: per_axis.get(a, {}).get("exposed_s", 0.0) for a in AXES},
     }
@@ -98,14 +126,18 @@ def main() -> None:
             calibrate_machine(path, args.quick_calibration)
         machine = get_machine(str(path))
         net = machine.network
-        print(f"machine {path.name}: peak {machine.peak_flops / 1e9:.3g} GFLOP/s per rank, "
-              f"memory {machine.hbm_bytes_per_s / 1e9:.3g} GB/s, bandwidth "
-              + ", ".join(f"G={g} stride={s} {bw:.3g} GB/s" for s, g, bw in net.intra_table)
-              + f", latency {net.latency_base_us:.3g} us + {net.latency_hop_intra_us:.3g} us "
-              "per ring step")
+        print(
+            f"machine {path.name}: peak {machine.peak_flops / 1e9:.3g} GFLOP/s per rank, "
+            f"memory {machine.hbm_bytes_per_s / 1e9:.3g} GB/s, bandwidth "
+            + ", ".join(f"G={g} stride={s} {bw:.3g} GB/s" for s, g, bw in net.intra_table)
+            + f", latency {net.latency_base_us:.3g} us + {net.latency_hop_intra_us:.3g} us "
+            "per ring step"
+        )
         print(describe(args) + " (per grid)")
-        head = (f"{'grid':>8} {'overlap':>7} {'axis':>6} | {'comm ms':>8} {'pred':>8} "
-                f"{'p/m':>5} | {'exposed ms':>10} {'pred':>8} {'p/m':>5}")
+        head = (
+            f"{'grid':>8} {'overlap':>7} {'axis':>6} | {'comm ms':>8} {'pred':>8} "
+            f"{'p/m':>5} | {'exposed ms':>10} {'pred':>8} {'p/m':>5}"
+        )
         print(head)
         print("-" * len(head))
         for grid in GRIDS:
@@ -121,8 +153,7 @@ def main() -> None:
                 meas = {
                     "step": statistics.mean(r["step"] for r in runs),
                     "comm": {a: statistics.mean(r["comm"][a] for r in runs) for a in AXES},
-                    "exposed": {a: statistics.mean(r["exposed"][a] for r in runs)
-                                for a in AXES},
+                    "exposed": {a: statistics.mean(r["exposed"][a] for r in runs) for a in AXES},
                 }
                 pred = predict(model, machine, sizes, overlap, args)
                 for a in AXES:
@@ -130,23 +161,33 @@ def main() -> None:
                     me, pe = meas["exposed"][a], pred["exposed"][a]
                     if not (mc or pc):
                         continue
-                    print(f"{grid:>8} {overlap:>7} {a:>6} | {mc * 1e3:>8.1f} {pc * 1e3:>8.1f} "
-                          f"{_ratio(pc, mc):>5} | {me * 1e3:>10.1f} {pe * 1e3:>8.1f} "
-                          f"{_ratio(pe, me):>5}")
+                    print(
+                        f"{grid:>8} {overlap:>7} {a:>6} | {mc * 1e3:>8.1f} {pc * 1e3:>8.1f} "
+                        f"{_ratio(pc, mc):>5} | {me * 1e3:>10.1f} {pe * 1e3:>8.1f} "
+                        f"{_ratio(pe, me):>5}"
+                    )
                 if pred["comm"]["z"]:
-                    print(f"{grid:>8} {overlap:>7} {'z*':>6} | {'':>8} "
-                          f"{pred['z_gloo'] * 1e3:>8.1f} "
-                          f"{_ratio(pred['z_gloo'], meas['comm']['z']):>5} |")
+                    print(
+                        f"{grid:>8} {overlap:>7} {'z*':>6} | {'':>8} "
+                        f"{pred['z_gloo'] * 1e3:>8.1f} "
+                        f"{_ratio(pred['z_gloo'], meas['comm']['z']):>5} |"
+                    )
                 m_exp = sum(meas["exposed"].values())
                 m_comp = meas["step"] - m_exp
-                print(f"{grid:>8} {overlap:>7} {'step':>6} | {meas['step'] * 1e3:>8.1f} "
-                      f"{pred['step'] * 1e3:>8.1f} {_ratio(pred['step'], meas['step']):>5} | "
-                      f"{m_comp * 1e3:>10.1f} {pred['compute'] * 1e3:>8.1f} "
-                      f"{_ratio(pred['compute'], m_comp):>5}")
-        print("z* rows: predicted Z communication with each reduce-scatter timed as the "
-              "all-reduce that gloo runs instead")
-        print("step rows: step time in the comm columns; compute (measured: step minus all "
-              "exposed communication; predicted: the planner's compute) in the exposed columns")
+                print(
+                    f"{grid:>8} {overlap:>7} {'step':>6} | {meas['step'] * 1e3:>8.1f} "
+                    f"{pred['step'] * 1e3:>8.1f} {_ratio(pred['step'], meas['step']):>5} | "
+                    f"{m_comp * 1e3:>10.1f} {pred['compute'] * 1e3:>8.1f} "
+                    f"{_ratio(pred['compute'], m_comp):>5}"
+                )
+        print(
+            "z* rows: predicted Z communication with each reduce-scatter timed as the "
+            "all-reduce that gloo runs instead"
+        )
+        print(
+            "step rows: step time in the comm columns; compute (measured: step minus all "
+            "exposed communication; predicted: the planner's compute) in the exposed columns"
+        )
 
 
 if __name__ == "__main__":

@@ -43,10 +43,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3, help="warm repetitions (best is shown)")
     args = ap.parse_args()
-    print(f"tetrad plan, {GPUS} GPUs, {os.cpu_count()} CPUs visible, Python "
-          f"{sys.version.split()[0]}")
-    head = (f"{'model':>15} {'machine':>10} {'batch':>6} {'seq':>5} {'grids':>6} "
-            f"{'fitting':>8} {'timed':>6} {'classic':>8} {'warm s':>7} {'cold s':>7}  best")
+    print(
+        f"tetrad plan, {GPUS} GPUs, {os.cpu_count()} CPUs visible, Python {sys.version.split()[0]}"
+    )
+    head = (
+        f"{'model':>15} {'machine':>10} {'batch':>6} {'seq':>5} {'grids':>6} "
+        f"{'fitting':>8} {'timed':>6} {'classic':>8} {'warm s':>7} {'cold s':>7}  best"
+    )
     print(head)
     print("-" * len(head))
     worst = 0.0
@@ -58,21 +61,38 @@ def main() -> int:
             t0 = time.perf_counter()
             res = plan(model, machine, GPUS, batch, seq)
             warm = min(warm, time.perf_counter() - t0)
-        cmd = [sys.executable, "-m", "tetrad.plan.cli", "plan", "--model", model_name,
-               "--machine", machine_name, "--gpus", str(GPUS), "--global-batch", str(batch),
-               "--seq-len", str(seq)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tetrad.plan.cli",
+            "plan",
+            "--model",
+            model_name,
+            "--machine",
+            machine_name,
+            "--gpus",
+            str(GPUS),
+            "--global-batch",
+            str(batch),
+            "--seq-len",
+            str(seq),
+        ]
         t0 = time.perf_counter()
         subprocess.run(cmd, cwd=root, check=True, stdout=subprocess.DEVNULL)
         cold = time.perf_counter() - t0
         worst = max(worst, cold)
         s4 = res.stats["four_d"]
         best = res.rows[0]
-        print(f"{model_name:>15} {machine_name:>10} {batch:>6} {seq:>5} {s4['valid_grids']:>6} "
-              f"{s4['fitting']:>8} {s4['evaluated']:>6} {res.stats['classic']['configs']:>8} "
-              f"{warm:>7.3f} {cold:>7.3f}  {best.label()} mb{best.micro_batch} "
-              f"{'ckpt' if best.activation_checkpointing else ''} MFU {100 * best.mfu:.1f}%")
-    print(f"slowest cold run: {worst:.3f} s (limit {LIMIT_S} s): "
-          f"{'OK' if worst < LIMIT_S else 'TOO SLOW'}")
+        print(
+            f"{model_name:>15} {machine_name:>10} {batch:>6} {seq:>5} {s4['valid_grids']:>6} "
+            f"{s4['fitting']:>8} {s4['evaluated']:>6} {res.stats['classic']['configs']:>8} "
+            f"{warm:>7.3f} {cold:>7.3f}  {best.label()} mb{best.micro_batch} "
+            f"{'ckpt' if best.activation_checkpointing else ''} MFU {100 * best.mfu:.1f}%"
+        )
+    print(
+        f"slowest cold run: {worst:.3f} s (limit {LIMIT_S} s): "
+        f"{'OK' if worst < LIMIT_S else 'TOO SLOW'}"
+    )
     return 0 if worst < LIMIT_S else 1
 
 

@@ -18,8 +18,13 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(*args)
@@ -33,5 +38,6 @@ def run_distributed(fn, world_size: int, *args) -> None:
 
     ``fn`` must be a module-level function (it is pickled into spawned processes).
     """
-    mp.start_processes(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, start_method="spawn"
+    )

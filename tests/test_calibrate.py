@@ -56,11 +56,20 @@ def test_quick_calibration_loads_and_is_sane(machine_file):
     assert [f for f, _ in m.gemm_table] == sorted(f for f, _ in m.gemm_table)
     assert 0 < m.attention_efficiency <= 1
     # every number says where it came from
-    for key in ("peak_tflops", "gemm_efficiency", "intra_node_gbps", "intra_table",
-                "inter_node_gbps_per_member", "latency", "hbm_gbps", "memory_gib",
-                "attention_efficiency"):
-        assert "measured by tetrad calibrate on" in m.sources[key] or "datasheet" in \
-            m.sources[key], key
+    for key in (
+        "peak_tflops",
+        "gemm_efficiency",
+        "intra_node_gbps",
+        "intra_table",
+        "inter_node_gbps_per_member",
+        "latency",
+        "hbm_gbps",
+        "memory_gib",
+        "attention_efficiency",
+    ):
+        assert (
+            "measured by tetrad calibrate on" in m.sources[key] or "datasheet" in m.sources[key]
+        ), key
     assert "4 ranks" in m.sources["intra_node_gbps"]
     assert "single node" in m.sources["inter_node_gbps_per_member"]
     cal_tab = raw["calibration"]
@@ -68,16 +77,23 @@ def test_quick_calibration_loads_and_is_sane(machine_file):
     assert all(c["seconds"] > 0 for c in cal_tab["collectives"])
     # the time of a 1 MiB all-reduce predicted by the file is close to the measured one
     link = net.link(1, 4)
-    meas = next(c for c in cal_tab["collectives"] if c["kind"] == ALL_REDUCE
-                and c["stride"] == 1 and c["members"] == 4 and c["payload_bytes"] == 1 << 20)
+    meas = next(
+        c
+        for c in cal_tab["collectives"]
+        if c["kind"] == ALL_REDUCE
+        and c["stride"] == 1
+        and c["members"] == 4
+        and c["payload_bytes"] == 1 << 20
+    )
     pred = link.time(ALL_REDUCE, meas["payload_bytes"])
     assert 0.2 < pred / meas["seconds"] < 5
 
 
 def test_planner_runs_with_calibrated_machine(machine_file):
     m = get_machine(str(machine_file))
-    res = plan(get_model(TINY), m, gpus=4, global_batch=8, seq_len=64, top=3, dtype="fp32",
-               classic=False)
+    res = plan(
+        get_model(TINY), m, gpus=4, global_batch=8, seq_len=64, top=3, dtype="fp32", classic=False
+    )
     assert res.rows and all(r.step_s > 0 and math.isfinite(r.step_s) for r in res.rows)
 
 
@@ -94,8 +110,10 @@ def test_fit_alpha_beta_recovers_parameters():
     for k, v in alpha.items():
         assert got_alpha[k] == pytest.approx(v, rel=1e-6)
     # times that do not grow with bytes: alpha only, bandwidth the best bytes/seconds seen
-    flat = [{"kind": ALL_REDUCE, "ring_bytes": b, "seconds": 1e-3 * (1.1 if b < 100 else 1.0)}
-            for b in (10, 1000)]
+    flat = [
+        {"kind": ALL_REDUCE, "ring_bytes": b, "seconds": 1e-3 * (1.1 if b < 100 else 1.0)}
+        for b in (10, 1000)
+    ]
     a, b = cal.fit_alpha_beta(flat)
     assert a[ALL_REDUCE] >= 0 and b == pytest.approx(1000 / 1e-3)
 
@@ -128,6 +146,12 @@ def test_command_line_errors(tmp_path, capsys, monkeypatch):
 
 
 def test_toml_writer_round_trips():
-    d = {"name": "x", "n": 3, "f": 1e-05, "ok": True, "pairs": [[1e8, 0.5], [1e9, 0.75]],
-         "t": {"s": 'a "quoted" \\ path', "rows": [{"a": 1, "b": 2.5}]}}
+    d = {
+        "name": "x",
+        "n": 3,
+        "f": 1e-05,
+        "ok": True,
+        "pairs": [[1e8, 0.5], [1e9, 0.75]],
+        "t": {"s": 'a "quoted" \\ path', "rows": [{"a": 1, "b": 2.5}]},
+    }
     assert tomllib.loads(cal.to_toml(d, header="hello\nworld")) == d

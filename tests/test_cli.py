@@ -36,11 +36,19 @@ def _has_preflight() -> bool:
 
 
 def tetrad_cmd(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
-    return subprocess.run([sys.executable, "-m", "tetrad.cli", *args], cwd=ROOT,
-                          env={**base, **(env or {})}, capture_output=True, text=True,
-                          timeout=120)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "tetrad.cli", *args],
+        cwd=ROOT,
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
@@ -99,16 +107,33 @@ def _small_corpus(tmp_path: Path) -> Path:
 @pytest.mark.skipif(not _has_preflight(), reason="tetrad.train.trainer.preflight not written yet")
 def test_model_does_not_fit_grid(tmp_path):
     data = _small_corpus(tmp_path)
-    r = tetrad_cmd("train", "--model", "tiny,vocab_size=0", "--grid", "1,1,3,1",
-                   "--data", str(data), "--run-dir", str(tmp_path / "run"),
-                   env={"TETRAD_CACHE": str(tmp_path / "c")})
+    r = tetrad_cmd(
+        "train",
+        "--model",
+        "tiny,vocab_size=0",
+        "--grid",
+        "1,1,3,1",
+        "--data",
+        str(data),
+        "--run-dir",
+        str(tmp_path / "run"),
+        env={"TETRAD_CACHE": str(tmp_path / "c")},
+    )
     assert_one_line_error(r, "G_y=3")
 
 
 @pytest.mark.skipif(not _has_preflight(), reason="tetrad.train.trainer.preflight not written yet")
 def test_missing_data_path(tmp_path):
-    r = tetrad_cmd("train", "--model", "tiny", "--data", "/nonexistent/path",
-                   "--run-dir", str(tmp_path / "run"), env={"TETRAD_CACHE": str(tmp_path / "c")})
+    r = tetrad_cmd(
+        "train",
+        "--model",
+        "tiny",
+        "--data",
+        "/nonexistent/path",
+        "--run-dir",
+        str(tmp_path / "run"),
+        env={"TETRAD_CACHE": str(tmp_path / "c")},
+    )
     assert_one_line_error(r, "/nonexistent/path", "--data")
 
 
@@ -125,11 +150,26 @@ def test_generate_without_checkpoint(tmp_path):
 
 def test_command_line_overrides_toml(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text('steps = 10\nlr = 0.1\ngrid = "1,1,1,1"\nresume = true\n'
-                    'data = ["a.txt"]\n[model]\nn_layers = 3\n')
+    toml.write_text(
+        'steps = 10\nlr = 0.1\ngrid = "1,1,1,1"\nresume = true\n'
+        'data = ["a.txt"]\n[model]\nn_layers = 3\n'
+    )
     args = cli.build_parser().parse_args(
-        ["train", "--config", str(toml), "--steps", "5", "--grid", "2,1,1,2",
-         "--data", "b.txt", "--data", "c/*.txt", "--activation-checkpointing"])
+        [
+            "train",
+            "--config",
+            str(toml),
+            "--steps",
+            "5",
+            "--grid",
+            "2,1,1,2",
+            "--data",
+            "b.txt",
+            "--data",
+            "c/*.txt",
+            "--activation-checkpointing",
+        ]
+    )
     cfg = load_config(args.config, cli.train_overrides(args))
     assert cfg.steps == 5 and cfg.grid == (2, 1, 1, 2) and cfg.data == ["b.txt", "c/*.txt"]
     assert cfg.lr == 0.1 and cfg.resume is True and cfg.model_sizes == {"n_layers": 3}
@@ -147,8 +187,9 @@ def fake_trainer(monkeypatch):
     stub.train = lambda cfg: calls.append(("train", cfg))
     monkeypatch.setitem(sys.modules, "tetrad.train.trainer", stub)
     monkeypatch.setattr(tetrad.train, "trainer", stub, raising=False)
-    monkeypatch.setattr("tetrad.train.launch.run_local",
-                        lambda cfg, nproc: calls.append(("run_local", nproc)))
+    monkeypatch.setattr(
+        "tetrad.train.launch.run_local", lambda cfg, nproc: calls.append(("run_local", nproc))
+    )
     for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(k, raising=False)
     return calls
@@ -170,8 +211,10 @@ def test_under_torchrun_trains_directly(fake_trainer, monkeypatch):
 
 def _report_then_fail_on_rank_1(cfg) -> None:
     rank = os.environ["RANK"]
-    print(f"worker {rank}/{os.environ['WORLD_SIZE']} omp={os.environ.get('OMP_NUM_THREADS')}",
-          flush=True)
+    print(
+        f"worker {rank}/{os.environ['WORLD_SIZE']} omp={os.environ.get('OMP_NUM_THREADS')}",
+        flush=True,
+    )
     if rank == "0":
         Path(cfg.marker).touch()
         time.sleep(60)  # stopped by the launcher once rank 1 fails
@@ -224,9 +267,12 @@ def _tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 20, trainer=trainer)
     return tok
 
@@ -246,8 +292,7 @@ def _save(model: nn.Module, folder: Path) -> None:
 
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore")
-        dcp.save({"model." + k: v for k, v in model.named_parameters()},
-                 checkpoint_id=str(folder))
+        dcp.save({"model." + k: v for k, v in model.named_parameters()}, checkpoint_id=str(folder))
 
 
 def test_generate_loads_checkpoint_and_samples(tmp_path, llama):
@@ -267,8 +312,7 @@ def test_generate_loads_checkpoint_and_samples(tmp_path, llama):
 def test_generate_cli_prints_prompt_and_continuation(tmp_path, llama, capsys):
     torch.manual_seed(0)
     _save(llama(TINY), _run_dir(tmp_path))
-    assert cli.main(["generate", str(tmp_path), "--prompt", "return", "--max-new-tokens",
-                     "4"]) == 0
+    assert cli.main(["generate", str(tmp_path), "--prompt", "return", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("return")
 
 
@@ -289,8 +333,10 @@ def test_generate_corrupt_checkpoint(tmp_path, llama):
 
 def test_generate_wrong_model_size(tmp_path, llama):
     folder = _run_dir(tmp_path)
-    _save(llama(ModelConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64,
-                            vocab_size=300)), folder)
+    _save(
+        llama(ModelConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300)),
+        folder,
+    )
     with pytest.raises(gen.CheckpointError, match="cannot be loaded"):
         gen.generate(tmp_path, max_new_tokens=1)
 
@@ -303,8 +349,10 @@ def _save_sharded(folder: str, names: list[str], shapes: list[tuple[int, ...]]) 
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)
     full = [torch.randn(s) for s in shapes]
-    state = {"model." + n: distribute_tensor(t, mesh, [Shard(0)])
-             for n, t in zip(names, full, strict=True)}
+    state = {
+        "model." + n: distribute_tensor(t, mesh, [Shard(0)])
+        for n, t in zip(names, full, strict=True)
+    }
     dcp.save(state, checkpoint_id=folder)
 
 
@@ -312,9 +360,10 @@ def test_generate_loads_checkpoint_saved_as_dtensors(tmp_path, llama):
     """Two ranks save row-sharded DTensors; one process without a process group loads them."""
     folder = _run_dir(tmp_path)
     params = list(llama(TINY).named_parameters())
-    run_distributed(_save_sharded, 2, str(folder), [n for n, _ in params],
-                    [tuple(p.shape) for _, p in params])
+    run_distributed(
+        _save_sharded, 2, str(folder), [n for n, _ in params], [tuple(p.shape) for _, p in params]
+    )
     loaded, _, _ = gen.load_model(tmp_path)
     torch.manual_seed(0)
-    for (n, p) in loaded.named_parameters():
+    for n, p in loaded.named_parameters():
         assert torch.equal(p, torch.randn(p.shape)), n

@@ -36,8 +36,9 @@ class CountCollectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            tensors += [t for a in args if isinstance(a, list) for t in a
-                        if isinstance(t, torch.Tensor)]
+            tensors += [
+                t for a in args if isinstance(a, list) for t in a if isinstance(t, torch.Tensor)
+            ]
             boxed = next(a for a in args if type(a).__name__ == "ScriptObject")
             name = dist.ProcessGroup.unbox(boxed).group_name
             nbytes = max(t.numel() * t.element_size() for t in tensors)

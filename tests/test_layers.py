@@ -65,11 +65,17 @@ def check_linear(grid, transpose, bias):
     (y * r[rows(grid)][..., o]).sum().backward()
     sync_gradients(layer, grid)
     close(xl.grad, x.grad[rows(grid)][..., i], "Linear input grad")
-    close(layer.weight.grad, ref.weight.grad[layer.weight.placement.local_slices(grid)],
-          "Linear weight grad")
+    close(
+        layer.weight.grad,
+        ref.weight.grad[layer.weight.placement.local_slices(grid)],
+        "Linear weight grad",
+    )
     if bias:
-        close(layer.bias.grad, ref.bias.grad[layer.bias.placement.local_slices(grid)],
-              "Linear bias grad")
+        close(
+            layer.bias.grad,
+            ref.bias.grad[layer.bias.placement.local_slices(grid)],
+            "Linear bias grad",
+        )
 
 
 def check_embedding(grid):
@@ -87,8 +93,11 @@ def check_embedding(grid):
     close(out, ref(ids).detach()[rows(grid)][..., c], "Embedding output")
     (out * r[rows(grid)][..., c]).sum().backward()
     sync_gradients(layer, grid)
-    close(layer.weight.grad, ref.weight.grad[layer.weight.placement.local_slices(grid)],
-          "Embedding weight grad")
+    close(
+        layer.weight.grad,
+        ref.weight.grad[layer.weight.placement.local_slices(grid)],
+        "Embedding weight grad",
+    )
 
 
 def check_cross_entropy(grid):

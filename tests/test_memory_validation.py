@@ -37,9 +37,18 @@ GRIDS = {1: [(1, 1, 1, 1)], 4: [(1, 2, 1, 2), (2, 1, 2, 1)], 8: [(1, 2, 2, 2)]}
 
 def spec_from_config(cfg: ModelConfig) -> ModelSpec:
     """The planner's description of a runtime Llama."""
-    return ModelSpec(name="runtime", family="llama", hidden=cfg.dim, n_layers=cfg.n_layers,
-                     n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_hidden=cfg.ffn_dim,
-                     vocab=cfg.vocab_size, max_positions=0, tied_embeddings=False)
+    return ModelSpec(
+        name="runtime",
+        family="llama",
+        hidden=cfg.dim,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        ffn_hidden=cfg.ffn_dim,
+        vocab=cfg.vocab_size,
+        max_positions=0,
+        tied_embeddings=False,
+    )
 
 
 class SavedBytes:
@@ -101,8 +110,9 @@ def _measure(grid: Grid, ckpt: bool) -> dict:
     train_step(model, opt, grid, batch, MICRO, 1.0)
     states = [opt.state[p] for p in model.parameters()]
     assert all(s["step"].dim() == 0 and s["step"].device.type == "cpu" for s in states)
-    out["optimizer_states"] = sum(s[k].numel() * s[k].element_size()
-                                  for s in states for k in ("exp_avg", "exp_avg_sq"))
+    out["optimizer_states"] = sum(
+        s[k].numel() * s[k].element_size() for s in states for k in ("exp_avg", "exp_avg_sq")
+    )
     return out
 
 
@@ -150,5 +160,6 @@ def test_memory_model_matches_runtime(world_size, tmp_path):
                     if k in got:
                         assert got[k] == want[k], f"grid {sizes} rank {rank} {k}: {line}"
                 for k in ("activations", "activations_bf16") + (("recompute",) if ckpt else ()):
-                    assert abs(got[k] - want[k]) <= 0.05 * want[k], \
+                    assert abs(got[k] - want[k]) <= 0.05 * want[k], (
                         f"grid {sizes} ckpt={ckpt} rank {rank} {k}: {line}"
+                    )

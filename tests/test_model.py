@@ -59,8 +59,14 @@ def reference_run():
 OVERLAP_OPTIONS = {"bucket_bytes": 1 << 14, "domino_min_rows": 8}
 
 
-def parallel_runs(world_size, ref_losses, ref_weights, activation_checkpointing,
-                  overlap_sets=(OVERLAPS,), grids=None):
+def parallel_runs(
+    world_size,
+    ref_losses,
+    ref_weights,
+    activation_checkpointing,
+    overlap_sets=(OVERLAPS,),
+    grids=None,
+):
     for sizes in grids or GRIDS[world_size]:
         grid = Grid.build(sizes)
         for overlaps in overlap_sets:
@@ -76,16 +82,20 @@ def run_one(grid, sizes, ref_losses, ref_weights, activation_checkpointing, over
             group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
         loss, _ = train_step(model, opt, grid, batch, MICRO, CLIP)
         rel = abs(loss - ref_losses[step]) / ref_losses[step]
-        assert rel <= 1e-5, (f"grid {sizes} overlaps {sorted(overlaps)} step {step}: "
-                             f"loss {loss} vs {ref_losses[step]}")
+        assert rel <= 1e-5, (
+            f"grid {sizes} overlaps {sorted(overlaps)} step {step}: "
+            f"loss {loss} vs {ref_losses[step]}"
+        )
     worst = 0.0
     for name, p in model.named_parameters():
         expected = ref_weights[name][p.placement.local_slices(grid)]
         worst = max(worst, (p.detach() - expected).abs().max().item())
     assert worst <= 0.05 * LR, f"grid {sizes}: weights differ by {worst / LR:.3g} lr"
     if grid.coord == {"data": 0, "z": 0, "y": 0, "x": 0}:
-        print(f"grid {sizes} overlaps {','.join(sorted(overlaps)) or 'none'}: "
-              f"worst weight difference {worst / LR:.2e} lr")
+        print(
+            f"grid {sizes} overlaps {','.join(sorted(overlaps)) or 'none'}: "
+            f"worst weight difference {worst / LR:.2e} lr"
+        )
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,21 @@ import pytest
 
 from tetrad.plan import cli
 
-PLAN = ["plan", "--model", "llama-3.1-8b", "--machine", "dgx-h100", "--gpus", "64",
-        "--global-batch", "256", "--seq-len", "8192", "--top", "3"]
+PLAN = [
+    "plan",
+    "--model",
+    "llama-3.1-8b",
+    "--machine",
+    "dgx-h100",
+    "--gpus",
+    "64",
+    "--global-batch",
+    "256",
+    "--seq-len",
+    "8192",
+    "--top",
+    "3",
+]
 
 
 def run(argv, capsys):
@@ -38,9 +51,23 @@ def test_emit_config_loads_in_tetrad_train(tmp_path, capsys):
     from tetrad.train.config import load_config
 
     path = tmp_path / "best.toml"
-    rc, _, err = run(["plan", "--model", "gpt-80b", "--machine", "perlmutter", "--gpus", "1024",
-                      "--global-batch", "2048", "--no-classic", "--emit-config", str(path)],
-                     capsys)
+    rc, _, err = run(
+        [
+            "plan",
+            "--model",
+            "gpt-80b",
+            "--machine",
+            "perlmutter",
+            "--gpus",
+            "1024",
+            "--global-batch",
+            "2048",
+            "--no-classic",
+            "--emit-config",
+            str(path),
+        ],
+        capsys,
+    )
     assert rc == 0 and "wrote config" in err
     cfg = load_config(str(path))
     cfg.check()
@@ -60,36 +87,130 @@ def test_plot_writes_png(tmp_path, capsys):
 
 def test_memory_fujii_flags_above_80_percent(capsys):
     # Fujii et al.'s own test row: 44.87 GiB model states + 22.64 GiB activations = 84% of 80
-    rc, out, _ = run(["memory", "--model", "llama-3.1-8b", "--tp", "2", "--dp", "2",
-                      "--micro-batch", "1", "--seq-len", "8192"], capsys)
+    rc, out, _ = run(
+        [
+            "memory",
+            "--model",
+            "llama-3.1-8b",
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "8192",
+        ],
+        capsys,
+    )
     assert rc == 0 and "does NOT fit" in out and "67.52" in out
-    rc, out, _ = run(["memory", "--model", "llama-3.1-8b", "--tp", "2", "--dp", "2",
-                      "--seq-len", "8192", "--gpu-memory-gib", "94", "--json"], capsys)
+    rc, out, _ = run(
+        [
+            "memory",
+            "--model",
+            "llama-3.1-8b",
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--seq-len",
+            "8192",
+            "--gpu-memory-gib",
+            "94",
+            "--json",
+        ],
+        capsys,
+    )
     data = json.loads(out)
     assert data["fits"] and data["method"] == "fujii2024"
     assert data["total_gib"] == pytest.approx(44.87260437011719 + 22.64453125)
 
 
 def test_memory_tetrad_grid(capsys):
-    rc, out, _ = run(["memory", "--model", "llama-1b", "--grid", "2,1,2,2", "--micro-batch",
-                      "2", "--seq-len", "2048", "--machine", "perlmutter"], capsys)
+    rc, out, _ = run(
+        [
+            "memory",
+            "--model",
+            "llama-1b",
+            "--grid",
+            "2,1,2,2",
+            "--micro-batch",
+            "2",
+            "--seq-len",
+            "2048",
+            "--machine",
+            "perlmutter",
+        ],
+        capsys,
+    )
     assert rc == 0 and "tetrad runtime" in out and "% of GPU" in out
     assert ("fits:" in out) != ("does NOT fit" in out)
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["plan", "--model", "gpt-80x", "--machine", "perlmutter", "--gpus", "8",
-      "--global-batch", "8"], "did you mean 'gpt-80b'"),
-    (["plan", "--model", "gpt-80b", "--machine", "perlmuter", "--gpus", "8",
-      "--global-batch", "8"], "did you mean 'perlmutter'"),
-    (["plan", "--model", "gpt-80b", "--machine", "perlmutter", "--gpus", "1000",
-      "--global-batch", "2048"], "--gpus 1024"),
-    (["plan", "--model", "gpt-80b", "--machine", "perlmutter", "--gpus", "8",
-      "--global-batch", "8"], "more --gpus"),
-    (["memory", "--model", "llama-1b", "--method", "tetrad"], "needs --grid"),
-    (["memory", "--model", "llama-1b", "--grid", "2,2"], "DATA,Z,Y,X"),
-    (["memory", "--model", "llama-1b", "--grid", "1,3,1,1"], "does not shard"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (
+            [
+                "plan",
+                "--model",
+                "gpt-80x",
+                "--machine",
+                "perlmutter",
+                "--gpus",
+                "8",
+                "--global-batch",
+                "8",
+            ],
+            "did you mean 'gpt-80b'",
+        ),
+        (
+            [
+                "plan",
+                "--model",
+                "gpt-80b",
+                "--machine",
+                "perlmuter",
+                "--gpus",
+                "8",
+                "--global-batch",
+                "8",
+            ],
+            "did you mean 'perlmutter'",
+        ),
+        (
+            [
+                "plan",
+                "--model",
+                "gpt-80b",
+                "--machine",
+                "perlmutter",
+                "--gpus",
+                "1000",
+                "--global-batch",
+                "2048",
+            ],
+            "--gpus 1024",
+        ),
+        (
+            [
+                "plan",
+                "--model",
+                "gpt-80b",
+                "--machine",
+                "perlmutter",
+                "--gpus",
+                "8",
+                "--global-batch",
+                "8",
+            ],
+            "more --gpus",
+        ),
+        (["memory", "--model", "llama-1b", "--method", "tetrad"], "needs --grid"),
+        (["memory", "--model", "llama-1b", "--grid", "2,2"], "DATA,Z,Y,X"),
+        (["memory", "--model", "llama-1b", "--grid", "1,3,1,1"], "does not shard"),
+    ],
+)
 def test_bad_input_one_line_error(argv, needle, capsys):
     rc, out, err = run(argv, capsys)
     assert rc == 2 and not out
@@ -98,8 +219,10 @@ def test_bad_input_one_line_error(argv, needle, capsys):
 
 
 def test_planner_imports_no_torch():
-    code = ("import sys; import tetrad.plan.cli, tetrad.plan.search, tetrad.plan.report; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'matplotlib')"
-            " or m in ('tetrad.train', 'tetrad.parallel', 'tetrad.grid')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys; import tetrad.plan.cli, tetrad.plan.search, tetrad.plan.report; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'matplotlib')"
+        " or m in ('tetrad.train', 'tetrad.parallel', 'tetrad.grid')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -83,9 +83,13 @@ def test_linear_bytes_all_axes_by_hand():
     }
     for key, payload in expect.items():
         assert cols[key].payload_bytes == payload, key
-    calls = {("wq", "forward", "x", "all_reduce"): 2, ("output", "forward", "x", "all_reduce"): 1,
-             ("norm", "forward", "x", "all_reduce"): 5, ("loss", "forward", "y", "all_reduce"): 3,
-             ("gradients", "step", "data", "all_reduce"): 1}
+    calls = {
+        ("wq", "forward", "x", "all_reduce"): 2,
+        ("output", "forward", "x", "all_reduce"): 1,
+        ("norm", "forward", "x", "all_reduce"): 5,
+        ("loss", "forward", "y", "all_reduce"): 3,
+        ("gradients", "step", "data", "all_reduce"): 1,
+    }
     for key, n in calls.items():
         assert cols[key].calls == n, key
     # the ring bytes: all-reduce 2(G-1)/G, gather/scatter (G-1)/G; the world has 16 ranks
@@ -113,24 +117,32 @@ def test_size_one_axes_and_other_grid():
 
 def test_layer_bytes_helper_matches_hand_values():
     got = layer_bytes(512, 256, False, (1, 2, 4, 2), tokens=64)
-    assert got == {("forward", "z", "all_gather"): 512 * 256 / 8 * 2,
-                   ("backward", "z", "all_gather"): 512 * 256 / 8 * 2,
-                   ("backward", "z", "reduce_scatter"): 512 * 256 / 8 * 4,
-                   ("forward", "x", "all_reduce"): 64 * 512 / 4 * 2,
-                   ("backward", "y", "all_reduce"): 64 * 256 / 2 * 2}
+    assert got == {
+        ("forward", "z", "all_gather"): 512 * 256 / 8 * 2,
+        ("backward", "z", "all_gather"): 512 * 256 / 8 * 2,
+        ("backward", "z", "reduce_scatter"): 512 * 256 / 8 * 4,
+        ("forward", "x", "all_reduce"): 64 * 512 / 4 * 2,
+        ("backward", "y", "all_reduce"): 64 * 256 / 2 * 2,
+    }
     got = layer_bytes(256, 512, True, (1, 1, 4, 2), tokens=64, compute_bytes=4)
-    assert got == {("forward", "y", "all_reduce"): 64 * 256 / 2 * 4,
-                   ("backward", "x", "all_reduce"): 64 * 512 / 4 * 4}
+    assert got == {
+        ("forward", "y", "all_reduce"): 64 * 256 / 2 * 4,
+        ("backward", "x", "all_reduce"): 64 * 512 / 4 * 4,
+    }
 
 
 def test_checkpointing_repeats_block_forward_collectives():
     model = get_model(SMALL)
     plain = by_key(collectives(model, PERL, (2, 2, 2, 2), 2, 16, 8, overlaps="none"))
-    ckpt = by_key(collectives(model, PERL, (2, 2, 2, 2), 2, 16, 8, overlaps="none",
-                              activation_checkpointing=True))
+    ckpt = by_key(
+        collectives(
+            model, PERL, (2, 2, 2, 2), 2, 16, 8, overlaps="none", activation_checkpointing=True
+        )
+    )
     for name in ("wq", "wk", "wv", "wo", "w1", "w3", "w2"):
         for axis, kind in (("z", "all_gather"),) + (
-                (("y", "all_reduce"),) if name in ("wo", "w2") else (("x", "all_reduce"),)):
+            (("y", "all_reduce"),) if name in ("wo", "w2") else (("x", "all_reduce"),)
+        ):
             f = ckpt[(name, "forward", axis, kind)]
             r = ckpt[(name, "recompute", axis, kind)]
             assert (r.payload_bytes, r.calls) == (f.payload_bytes, f.calls)
@@ -151,8 +163,9 @@ def test_domino_halves_and_buckets():
     grads = cols[("gradients", "backward", "data", "all_reduce")]
     assert grads.calls == 1 and grads.payload_bytes == (2 * 147456 + 2 * 65536) * 4
     # tiny buckets: one per gradient as soon as each exceeds the bucket
-    cols = by_key(collectives(model, PERL, (2, 1, 2, 2), 32, 16, 64, overlaps="all",
-                              bucket_bytes=1))
+    cols = by_key(
+        collectives(model, PERL, (2, 1, 2, 2), 32, 16, 64, overlaps="all", bucket_bytes=1)
+    )
     assert cols[("gradients", "backward", "data", "all_reduce")].calls == 2 * 7 + 2
 
 
@@ -191,8 +204,14 @@ def test_placement_and_alpha_beta():
     assert placement(2, 4, 4) == (2, 2)
     assert placement(4, 8, 4) == (1, 8)
     assert placement(3, 4, 8) == (3, 2)  # ranks 0,3,6 | 9
-    net = Network(gpus_per_node=4, intra_node_gbps=200.0, inter_node_gbps_per_member=25.0,
-                  latency_base_us=10.0, latency_hop_intra_us=1.0, latency_hop_inter_us=2.0)
+    net = Network(
+        gpus_per_node=4,
+        intra_node_gbps=200.0,
+        inter_node_gbps_per_member=25.0,
+        latency_base_us=10.0,
+        latency_hop_intra_us=1.0,
+        latency_hop_inter_us=2.0,
+    )
     link = net.link(2, 4)  # 2 per node on 2 nodes: 2 * 25 GB/s
     assert link.bandwidth == 50e9
     # all-reduce: base + min(2(G-1), 2 ceil(log2 G)) hops + 2 (G-1)/G bytes / bandwidth
@@ -239,8 +258,12 @@ def _axonn_model_v2(B, S, K, H, Gd, Gr, Gc, Gdata, machine, transpose, grad_acc)
         row = 2 * 2 * (Gr - 1) / Gr * (B / Gdata / Gd * S * K * H / Gc) * gib
         col = 2 * (Gc - 1) / Gc * (B / Gdata / Gd * S * H / Gr) * gib
     t = 0.0
-    for comm, ip, my in ((col, 1, Gc), (row, Gc, Gr), (depth, Gc * Gr, Gd),
-                         (dp, Gc * Gr * Gd, Gdata)):
+    for comm, ip, my in (
+        (col, 1, Gc),
+        (row, Gc, Gr),
+        (depth, Gc * Gr, Gd),
+        (dp, Gc * Gr * Gd, Gdata),
+    ):
         if my > 1:
             t += comm / _axonn_get_bw(ip, my, machine)
     return t
@@ -253,8 +276,10 @@ def test_axonn_mode_reproduces_published_model(grid):
     B, S, H, acc = 2048, 2048, 12288, 4
     # AxoNN's block: a = QKV (K=3), b = out-proj (K=1, transposed), c = FC1 (K=4),
     # d = FC2 (K=4, transposed); iteration = num_layers * (a + b + c + d)
-    want = 42 * sum(_axonn_model_v2(B, S, K, H, gz, gy, gx, gd, "perlmutter", tr, acc)
-                    for K, tr in ((3, False), (1, True), (4, False), (4, True)))
+    want = 42 * sum(
+        _axonn_model_v2(B, S, K, H, gz, gy, gx, gd, "perlmutter", tr, acc)
+        for K, tr in ((3, False), (1, True), (4, False), (4, True))
+    )
     got = axonn_comm(model, PERL, grid, B, S, acc)
     assert got["total"] == pytest.approx(want, rel=1e-12)
 

@@ -44,8 +44,9 @@ AUTHORS = [  # t, c, p, b, d, weight + optimizer GiB, activation GiB
 
 @pytest.mark.parametrize("t, c, p, b, d, weights, acts", AUTHORS)
 def test_fujii_authors_values(t, c, p, b, d, weights, acts):
-    r = fujii2024(L31_8B, tp=t, cp=c, pp=p, dp=d, micro_batch=b, seq_len=8192,
-                  gpu_memory_bytes=94e9)
+    r = fujii2024(
+        L31_8B, tp=t, cp=c, pp=p, dp=d, micro_batch=b, seq_len=8192, gpu_memory_bytes=94e9
+    )
     w, a = split(r)
     assert w == pytest.approx(weights, rel=1e-6)
     assert a == pytest.approx(acts, rel=1e-6)
@@ -55,24 +56,72 @@ def test_fujii_authors_values(t, c, p, b, d, weights, acts):
 # P_layer(8B) = 218,112,000, P_layer(70B) = 855,654,400, V h = 525,336,576 (8B) and
 # 1,050,673,152 (70B); activation units per layer 41 (8B) and 40.5 (70B) sbh.
 EXTRA = [  # model, t, p, c, d, exact weight+opt bytes, exact activation bytes, printed w, a, total
-    (L3_8B, 4, 1, 1, 2, (8_030_257_152 / 4 + 4096) * 12,
-     41 * 8192 * 4096 / 4 * 32 + 8 * 8192 * 4096 / 4 + 4 * 8192 * (4096 + 128256) / 4,
-     22.44, 11.32, 33.76),
-    (L3_8B, 4, 8, 1, 4, (4 * 218_112_000 + 525_336_576) / 4 * 9,
-     41 * 8192 * 4096 / 4 * 32 + 8 * 8192 * 4096 * 8 / 4, 2.93, 10.75, 13.68),
-    (L3_70B, 8, 8, 1, 2, (10 * 855_654_400 + 1_050_673_152) / 8 * 12,
-     40.5 * 8192 * 8192 / 8 * 80 + 8 * 8192 * 8192 * 8 / 8, 13.42, 25.81, 39.23),
-    (L3_70B, 8, 4, 2, 1, (20 * 855_654_400 + 1_050_673_152) / 8 * 12,
-     40.5 * 4096 * 8192 / 8 * 80 + 8 * 4096 * 8192 * 4 / 8, 25.37, 12.78, 38.16),
-    (L3_70B, 4, 8, 1, 4, (10 * 855_654_400 + 1_050_673_152) / 4 * 9,
-     40.5 * 8192 * 8192 / 4 * 80 + 8 * 8192 * 8192 * 8 / 4, 20.13, 51.62, 71.76),
+    (
+        L3_8B,
+        4,
+        1,
+        1,
+        2,
+        (8_030_257_152 / 4 + 4096) * 12,
+        41 * 8192 * 4096 / 4 * 32 + 8 * 8192 * 4096 / 4 + 4 * 8192 * (4096 + 128256) / 4,
+        22.44,
+        11.32,
+        33.76,
+    ),
+    (
+        L3_8B,
+        4,
+        8,
+        1,
+        4,
+        (4 * 218_112_000 + 525_336_576) / 4 * 9,
+        41 * 8192 * 4096 / 4 * 32 + 8 * 8192 * 4096 * 8 / 4,
+        2.93,
+        10.75,
+        13.68,
+    ),
+    (
+        L3_70B,
+        8,
+        8,
+        1,
+        2,
+        (10 * 855_654_400 + 1_050_673_152) / 8 * 12,
+        40.5 * 8192 * 8192 / 8 * 80 + 8 * 8192 * 8192 * 8 / 8,
+        13.42,
+        25.81,
+        39.23,
+    ),
+    (
+        L3_70B,
+        8,
+        4,
+        2,
+        1,
+        (20 * 855_654_400 + 1_050_673_152) / 8 * 12,
+        40.5 * 4096 * 8192 / 8 * 80 + 8 * 4096 * 8192 * 4 / 8,
+        25.37,
+        12.78,
+        38.16,
+    ),
+    (
+        L3_70B,
+        4,
+        8,
+        1,
+        4,
+        (10 * 855_654_400 + 1_050_673_152) / 4 * 9,
+        40.5 * 8192 * 8192 / 4 * 80 + 8 * 8192 * 8192 * 8 / 4,
+        20.13,
+        51.62,
+        71.76,
+    ),
 ]
 
 
 @pytest.mark.parametrize("model, t, p, c, d, w_exact, a_exact, w2, a2, total2", EXTRA)
 def test_fujii_further_outputs(model, t, p, c, d, w_exact, a_exact, w2, a2, total2):
-    r = fujii2024(model, tp=t, cp=c, pp=p, dp=d, micro_batch=1, seq_len=8192,
-                  gpu_memory_bytes=94e9)
+    r = fujii2024(model, tp=t, cp=c, pp=p, dp=d, micro_batch=1, seq_len=8192, gpu_memory_bytes=94e9)
     w, a = split(r)
     assert w == pytest.approx(w_exact / GiB, rel=1e-6)
     assert a == pytest.approx(a_exact / GiB, rel=1e-6)
@@ -99,8 +148,7 @@ def test_fujii_options():
     inter = fujii2024(L31_8B, 2, 1, 4, 8, 1, 8192, 80e9, virtual_pp=2)
     assert inter.components["activations"] == base.components["activations"] * (1 + 3 / 8)
     # no distributed optimizer: 12 bytes per parameter; bf16 gradients: 2
-    plain = fujii2024(L31_8B, 2, 1, 4, 8, 1, 8192, 80e9, distributed_optimizer=False,
-                      grad_bytes=2)
+    plain = fujii2024(L31_8B, 2, 1, 4, 8, 1, 8192, 80e9, distributed_optimizer=False, grad_bytes=2)
     n = plain.components["parameters"] / 2
     assert plain.components["optimizer_states"] == 12 * n
     assert plain.components["gradients"] == 2 * n
@@ -164,12 +212,20 @@ def test_tetrad_block_activations_by_hand():
     rope = 4 * S * (hd // 2) * 4
     # bf16: residual fp32 [x, h], normalised fp32 (x2), rsqrt (x2), bf16 copies of the norm
     # outputs for wq/wk/wv and w1/w3; q, k, v, SDPA out in bf16, fp32 log-sum-exp; 4 SwiGLU.
-    bf16 = (4 * 4 * m * hx + 2 * 4 * m + 5 * 2 * m * hx + 2 * m * (2 * qy + 2 * kvy)
-            + 4 * m * ay + rope + 4 * 2 * m * fy)
+    bf16 = (
+        4 * 4 * m * hx
+        + 2 * 4 * m
+        + 5 * 2 * m * hx
+        + 2 * m * (2 * qy + 2 * kvy)
+        + 4 * m * ay
+        + rope
+        + 4 * 2 * m * fy
+    )
     assert block_saved_bytes(L31_8B, grid, b, S, "bf16") == bf16
     # fp32: one norm output each, SDPA out plus the out-proj input copy.
-    fp32 = (6 * 4 * m * hx + 2 * 4 * m + 4 * m * (3 * qy + 2 * kvy) + 4 * m * ay + rope
-            + 4 * 4 * m * fy)
+    fp32 = (
+        6 * 4 * m * hx + 2 * 4 * m + 4 * m * (3 * qy + 2 * kvy) + 4 * m * ay + rope + 4 * 4 * m * fy
+    )
     assert block_saved_bytes(L31_8B, grid, b, S, "fp32") == fp32
 
 
@@ -195,11 +251,20 @@ def test_tetrad_checkpointing_and_totals():
         r = tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=ac)
         assert r.total == pytest.approx(max(r.phases.values()), rel=1e-12)
         assert r.phases[r.peak_phase] == pytest.approx(r.total, rel=1e-12)
-        assert set(r.components) >= {"parameters", "gradients", "optimizer_states",
-                                     "activations", "logits_and_loss", "gathered_weights",
-                                     "reduce_scatter_buffers", "recompute_activations"}
-    assert (tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=True).total
-            < tetrad(L31_8B, grid, 1, S, 141e9).total)
+        assert set(r.components) >= {
+            "parameters",
+            "gradients",
+            "optimizer_states",
+            "activations",
+            "logits_and_loss",
+            "gathered_weights",
+            "reduce_scatter_buffers",
+            "recompute_activations",
+        }
+    assert (
+        tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=True).total
+        < tetrad(L31_8B, grid, 1, S, 141e9).total
+    )
 
 
 def test_tetrad_transients():
@@ -217,11 +282,25 @@ def test_tetrad_transients():
     static = r.components["parameters"] * 4
     saved = saved_activations(L31_8B, (1, 4, 2, 2), 1, S, activation_checkpointing=True)
     # prefetch: two gathered blocks; async reduce-scatter: two dW in flight
-    assert blocks == pytest.approx(static + saved["blocks"] + saved["embedding"]
-                                   + saved["recompute"] + 2 * 2 * 14336 * 4096 // 4
-                                   + 2 * 6 * 14336 * 4096 // 4, rel=1e-12)
-    no_pf = tetrad(L31_8B, (1, 4, 2, 2), 1, S, 141e9, activation_checkpointing=True,
-                   prefetch=False, async_reduce_scatter=False)
+    assert blocks == pytest.approx(
+        static
+        + saved["blocks"]
+        + saved["embedding"]
+        + saved["recompute"]
+        + 2 * 2 * 14336 * 4096 // 4
+        + 2 * 6 * 14336 * 4096 // 4,
+        rel=1e-12,
+    )
+    no_pf = tetrad(
+        L31_8B,
+        (1, 4, 2, 2),
+        1,
+        S,
+        141e9,
+        activation_checkpointing=True,
+        prefetch=False,
+        async_reduce_scatter=False,
+    )
     assert blocks - no_pf.phases["backward: blocks"] == 14336 * 4096 // 4 * (2 + 6)
     # loss forward: logits (bf16) + fp32 shifted logits + fp32 softmax, prefetched head weight
     fwd = r.phases["forward: loss"] - static - saved["blocks"] - saved["embedding"]

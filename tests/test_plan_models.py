@@ -22,9 +22,15 @@ PUBLISHED = {
 
 # AxoNN's GPT table (axonn-4d-algorithm.md section 5): layers, hidden, heads.
 GPT_TABLE = {
-    "gpt-5b": (24, 4096, 32), "gpt-10b": (32, 5120, 40), "gpt-20b": (32, 7168, 56),
-    "gpt-40b": (38, 9216, 72), "gpt-60b": (56, 9216, 72), "gpt-80b": (42, 12288, 96),
-    "gpt-160b": (84, 12288, 96), "gpt-320b": (96, 16384, 128), "gpt-640b": (192, 16384, 128),
+    "gpt-5b": (24, 4096, 32),
+    "gpt-10b": (32, 5120, 40),
+    "gpt-20b": (32, 7168, 56),
+    "gpt-40b": (38, 9216, 72),
+    "gpt-60b": (56, 9216, 72),
+    "gpt-80b": (42, 12288, 96),
+    "gpt-160b": (84, 12288, 96),
+    "gpt-320b": (96, 16384, 128),
+    "gpt-640b": (192, 16384, 128),
 }
 
 
@@ -45,8 +51,12 @@ def test_gpt_presets(name):
     L, h, a = GPT_TABLE[name]
     m = PRESETS[name]
     assert (m.family, m.n_layers, m.hidden, m.n_heads, m.n_kv_heads) == ("gpt", L, h, a, a)
-    assert (m.ffn_hidden, m.vocab, m.max_positions, m.tied_embeddings) == (4 * h, 51200, 2048,
-                                                                           False)
+    assert (m.ffn_hidden, m.vocab, m.max_positions, m.tied_embeddings) == (
+        4 * h,
+        51200,
+        2048,
+        False,
+    )
     assert m.num_params() == gpt_count(L, h)
     # The table's 12 L h^2 is the blocks' weights only.
     assert sum(lin.weight_elements for lin in m.linears()) * L == 12 * L * h * h
@@ -63,10 +73,15 @@ def test_every_preset_is_pinned():
 def test_linears_llama():
     m = PRESETS["llama-3-8b"]
     got = [(lin.name, lin.in_features, lin.out_features, lin.transposed) for lin in m.linears()]
-    assert got == [("wq", 4096, 4096, False), ("wk", 4096, 1024, False),
-                   ("wv", 4096, 1024, False), ("wo", 4096, 4096, True),
-                   ("w1", 4096, 14336, False), ("w3", 4096, 14336, False),
-                   ("w2", 14336, 4096, True)]
+    assert got == [
+        ("wq", 4096, 4096, False),
+        ("wk", 4096, 1024, False),
+        ("wv", 4096, 1024, False),
+        ("wo", 4096, 4096, True),
+        ("w1", 4096, 14336, False),
+        ("w3", 4096, 14336, False),
+        ("w2", 14336, 4096, True),
+    ]
     assert all(lin.count == 1 and not lin.bias for lin in m.linears())
     assert m.lm_head() == Linear("output", 4096, 128256, False)
     assert (m.head_dim, m.q_dim, m.kv_dim) == (128, 4096, 1024)
@@ -74,10 +89,16 @@ def test_linears_llama():
 
 def test_linears_gpt():
     m = PRESETS["gpt-10b"]
-    got = [(lin.name, lin.in_features, lin.out_features, lin.transposed, lin.bias)
-           for lin in m.linears()]
-    assert got == [("qkv", 5120, 15360, False, True), ("proj", 5120, 5120, True, True),
-                   ("fc1", 5120, 20480, False, True), ("fc2", 20480, 5120, True, True)]
+    got = [
+        (lin.name, lin.in_features, lin.out_features, lin.transposed, lin.bias)
+        for lin in m.linears()
+    ]
+    assert got == [
+        ("qkv", 5120, 15360, False, True),
+        ("proj", 5120, 5120, True, True),
+        ("fc1", 5120, 20480, False, True),
+        ("fc2", 20480, 5120, True, True),
+    ]
 
 
 def test_runtime_presets_agree():
@@ -89,15 +110,16 @@ def test_runtime_presets_agree():
     assert spec.num_params() == cfg.num_params()
     assert spec.flops_per_token(2048) == cfg.flops_per_token(2048)
     tiny = RUNTIME["tiny"]
-    spec = get_model(f"dim={tiny.dim},n_layers={tiny.n_layers},n_heads={tiny.n_heads},"
-                     f"n_kv_heads={tiny.n_kv_heads},ffn_dim={tiny.ffn_dim},"
-                     f"vocab_size={tiny.vocab_size}")
+    spec = get_model(
+        f"dim={tiny.dim},n_layers={tiny.n_layers},n_heads={tiny.n_heads},"
+        f"n_kv_heads={tiny.n_kv_heads},ffn_dim={tiny.ffn_dim},"
+        f"vocab_size={tiny.vocab_size}"
+    )
     assert spec.num_params() == tiny.num_params()
 
 
 def test_get_model_sizes_and_overrides():
-    m = get_model("hidden=4096,n_layers=32,n_heads=32,n_kv_heads=8,ffn_hidden=14336,"
-                  "vocab=128256")
+    m = get_model("hidden=4096,n_layers=32,n_heads=32,n_kv_heads=8,ffn_hidden=14336,vocab=128256")
     assert m.family == "llama" and m.num_params() == PUBLISHED["llama-3-8b"]
     half = get_model("llama-3-8b, n_layers=16")
     assert half.n_layers == 16 and half.hidden == 4096 and "n_layers=16" in half.name
@@ -111,10 +133,19 @@ def test_get_model_sizes_and_overrides():
 
 
 def test_get_model_hf_config(tmp_path):
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-           "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
-           "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
-           "rope_theta": 500000.0, "max_position_embeddings": 131072}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+    }
     path = tmp_path / "Llama-3.1-8B" / "config.json"
     path.parent.mkdir()
     path.write_text(json.dumps(cfg))
@@ -128,19 +159,22 @@ def test_get_model_hf_config(tmp_path):
     assert get_model(str(path)).num_params() == PUBLISHED["llama-3.1-8b"] - 128256 * 4096
 
 
-@pytest.mark.parametrize("text, words", [
-    ("lama-3-8b", ["unknown model", "did you mean 'llama-3-8b'"]),
-    ("gpt-80", ["unknown model", "did you mean"]),
-    ("llama-3-8b,n_layer=3", ["unknown model size", "did you mean 'n_layers'"]),
-    ("llama-3-8b,n_layers=x", ["not an integer"]),
-    ("llama-3-8b,n_layers", ["not key=value"]),
-    ("hidden=4096", ["lack", "n_layers"]),
-    ("hidden=4096,n_layers=2,n_heads=5,ffn_hidden=8,vocab=8", ["divisible by n_heads"]),
-    ("llama-3-8b,n_kv_heads=5", ["n_kv_heads"]),
-    ("llama-3-8b,family=bert", ["family"]),
-    ("nowhere/config.json", ["cannot read"]),
-    ("", ["no model given"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("lama-3-8b", ["unknown model", "did you mean 'llama-3-8b'"]),
+        ("gpt-80", ["unknown model", "did you mean"]),
+        ("llama-3-8b,n_layer=3", ["unknown model size", "did you mean 'n_layers'"]),
+        ("llama-3-8b,n_layers=x", ["not an integer"]),
+        ("llama-3-8b,n_layers", ["not key=value"]),
+        ("hidden=4096", ["lack", "n_layers"]),
+        ("hidden=4096,n_layers=2,n_heads=5,ffn_hidden=8,vocab=8", ["divisible by n_heads"]),
+        ("llama-3-8b,n_kv_heads=5", ["n_kv_heads"]),
+        ("llama-3-8b,family=bert", ["family"]),
+        ("nowhere/config.json", ["cannot read"]),
+        ("", ["no model given"]),
+    ],
+)
 def test_get_model_errors(text, words):
     with pytest.raises(PlanError) as info:
         get_model(text)
@@ -165,7 +199,9 @@ def test_spec_is_frozen():
 
 
 def test_plan_imports_no_torch():
-    code = ("import sys, tetrad.plan, tetrad.plan.models, tetrad.plan.memory; "
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, tetrad.plan, tetrad.plan.models, tetrad.plan.memory; "
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

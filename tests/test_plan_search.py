@@ -56,13 +56,15 @@ def test_pruned_search_equals_exhaustive():
         if memory.grid_problems(model, grid) or batch % (grid[0] * grid[1]):
             continue
         for ckpt, b in itertools.product((False, True), divisors(batch // (grid[0] * grid[1]))):
-            mem = memory.tetrad(model, grid, b, seq, H100.memory_bytes,
-                                activation_checkpointing=ckpt)
+            mem = memory.tetrad(
+                model, grid, b, seq, H100.memory_bytes, activation_checkpointing=ckpt
+            )
             if mem.fits:
                 every.append((estimate(ctx, grid, b, ckpt).step_s, grid, b, ckpt))
     every.sort()
-    assert [(r.grid, r.micro_batch, r.activation_checkpointing) for r in rows] == \
-        [e[1:] for e in every[:5]]
+    assert [(r.grid, r.micro_batch, r.activation_checkpointing) for r in rows] == [
+        e[1:] for e in every[:5]
+    ]
     assert [r.step_s for r in rows] == pytest.approx([e[0] for e in every[:5]])
 
 
@@ -80,8 +82,9 @@ def test_config_above_80_percent_is_flagged_and_dropped():
     model = get_model("gpt-80b")
     big = memory.tetrad(model, (64, 16, 1, 1), 1, 2048, PERL.memory_bytes)
     assert big.fraction > 0.8 and not big.fits
-    small = memory.tetrad(model, (1, 64, 4, 4), 1, 2048, PERL.memory_bytes,
-                          activation_checkpointing=True)
+    small = memory.tetrad(
+        model, (1, 64, 4, 4), 1, 2048, PERL.memory_bytes, activation_checkpointing=True
+    )
     assert small.fits
     rows, _ = search_4d(model, PERL, 1024, 2048, 2048, top=50)
     assert all(r.memory.fits for r in rows)

@@ -37,8 +37,10 @@ from tetrad.plan.models import get_model
 from tetrad.train.step import build_optimizer, train_step
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
-SPEC = (f"dim={CFG.dim},n_layers={CFG.n_layers},n_heads={CFG.n_heads},"
-        f"n_kv_heads={CFG.n_kv_heads},ffn_dim={CFG.ffn_dim},vocab_size={CFG.vocab_size}")
+SPEC = (
+    f"dim={CFG.dim},n_layers={CFG.n_layers},n_heads={CFG.n_heads},"
+    f"n_kv_heads={CFG.n_kv_heads},ffn_dim={CFG.ffn_dim},vocab_size={CFG.vocab_size}"
+)
 SEQ, SAMPLES, SEED, LR, CLIP = 16, 2, 5, 1e-3, 1.0  # SAMPLES per (data, z) cell per step
 OPTIONS = {"bucket_bytes": 1 << 14, "domino_min_rows": 8}
 # (G_data, G_z, G_y, G_x); one spawn per world size
@@ -59,8 +61,9 @@ def _worker(world_size: int, out_dir: str) -> None:
     for sizes in GRIDS[world_size]:
         grid = Grid.build(sizes)
         g = torch.Generator().manual_seed(SEED)
-        batch = torch.randint(0, CFG.vocab_size, (SAMPLES * grid.batch_shards, SEQ + 1),
-                              generator=g)
+        batch = torch.randint(
+            0, CFG.vocab_size, (SAMPLES * grid.batch_shards, SEQ + 1), generator=g
+        )
         for n_micro, ckpt, ov in CONFIGS:
             model = Llama(CFG, grid, ckpt, OVERLAPS if ov == "all" else (), **OPTIONS)
             init_parameters(model, SEED, grid)
@@ -70,7 +73,8 @@ def _worker(world_size: int, out_dir: str) -> None:
             train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)
             stats = grid.comm.reset()
             got[_key(sizes, n_micro, ckpt, ov)] = {
-                axis: [s.calls, s.payload_bytes, s.bytes] for axis, s in stats.items()}
+                axis: [s.calls, s.payload_bytes, s.bytes] for axis, s in stats.items()
+            }
     with open(f"{out_dir}/{rank}.json", "w") as fh:
         json.dump(got, fh)
 
@@ -78,9 +82,18 @@ def _worker(world_size: int, out_dir: str) -> None:
 def predicted(sizes, n_micro: int, ckpt: bool, overlaps: str) -> dict:
     """The planner's per-axis calls, payload bytes and ring bytes of one optimizer step."""
     cells = sizes[0] * sizes[1]
-    cols = collectives(get_model(SPEC), get_machine("perlmutter"), sizes, SAMPLES // n_micro,
-                       SEQ, SAMPLES * cells, activation_checkpointing=ckpt, overlaps=overlaps,
-                       compute_bytes=DTYPE_BYTES["fp32"], **OPTIONS)
+    cols = collectives(
+        get_model(SPEC),
+        get_machine("perlmutter"),
+        sizes,
+        SAMPLES // n_micro,
+        SEQ,
+        SAMPLES * cells,
+        activation_checkpointing=ckpt,
+        overlaps=overlaps,
+        compute_bytes=DTYPE_BYTES["fp32"],
+        **OPTIONS,
+    )
     return {axis: [t[f] for f in FIELDS] for axis, t in axis_totals(cols).items()}
 
 
@@ -97,14 +110,22 @@ def test_comm_model_predicts_runtime_collectives(world_size, tmp_path):
                 if rank == 0:
                     print(key, {a: got[a] for a in sorted(got)})
                 assert set(got) == set(want), (
-                    f"{key} rank {rank}: runtime axes {sorted(got)}, planner axes {sorted(want)}")
+                    f"{key} rank {rank}: runtime axes {sorted(got)}, planner axes {sorted(want)}"
+                )
                 for axis in sorted(got):
                     for field, g, w in zip(FIELDS, got[axis], want[axis], strict=True):
-                        assert g == w, (f"{key} rank {rank} axis {axis} {field}: runtime {g}, "
-                                        f"planner {w} (runtime {got[axis]}, planner {want[axis]})")
+                        assert g == w, (
+                            f"{key} rank {rank} axis {axis} {field}: runtime {g}, "
+                            f"planner {w} (runtime {got[axis]}, planner {want[axis]})"
+                        )
 
 
 def test_grids_cover_every_axis():
-    axes = {a for grids in GRIDS.values() for sizes in grids
-            for a, size in zip(("data", "z", "y", "x"), sizes, strict=True) if size > 1}
+    axes = {
+        a
+        for grids in GRIDS.values()
+        for sizes in grids
+        for a, size in zip(("data", "z", "y", "x"), sizes, strict=True)
+        if size > 1
+    }
     assert axes == {"data", "z", "y", "x"}

@@ -27,12 +27,27 @@ def corpus(tmp_path_factory):
 
 
 def config(corpus, run_dir, steps, resume=False, **extra):
-    return load_config(None, extra | {
-        "model": "tiny,vocab_size=0", "grid": "1,2,1,2", "steps": steps, "global_batch": 8,
-        "micro_batch": 2, "seq_len": 32, "data": [str(corpus)], "vocab_size": 300,
-        "run_dir": str(run_dir), "val_every": 2, "val_batches": 1, "ckpt_every": 2,
-        "warmup_steps": 2, "resume": resume, "peak_flops": 1e9,
-    })
+    return load_config(
+        None,
+        extra
+        | {
+            "model": "tiny,vocab_size=0",
+            "grid": "1,2,1,2",
+            "steps": steps,
+            "global_batch": 8,
+            "micro_batch": 2,
+            "seq_len": 32,
+            "data": [str(corpus)],
+            "vocab_size": 300,
+            "run_dir": str(run_dir),
+            "val_every": 2,
+            "val_batches": 1,
+            "ckpt_every": 2,
+            "warmup_steps": 2,
+            "resume": resume,
+            "peak_flops": 1e9,
+        },
+    )
 
 
 def losses(run_dir):

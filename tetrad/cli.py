@@ -26,11 +26,31 @@ def user_errors() -> tuple[type[Exception], ...]:
 
     return (GridError, ModelConfigError, ConfigError, DataError, CheckpointError)
 
+
 # Options of `tetrad train` that override TrainConfig fields (argparse dest == field name).
 TRAIN_FIELDS = (
-    "model", "grid", "steps", "micro_batch", "global_batch", "seq_len", "lr", "seed", "data",
-    "tokenizer", "run_dir", "device", "activation_checkpointing", "resume", "log_every",
-    "val_every", "ckpt_every", "overlap", "profile_steps", "machine", "nproc", "dp_bucket_mb",
+    "model",
+    "grid",
+    "steps",
+    "micro_batch",
+    "global_batch",
+    "seq_len",
+    "lr",
+    "seed",
+    "data",
+    "tokenizer",
+    "run_dir",
+    "device",
+    "activation_checkpointing",
+    "resume",
+    "log_every",
+    "val_every",
+    "ckpt_every",
+    "overlap",
+    "profile_steps",
+    "machine",
+    "nproc",
+    "dp_bucket_mb",
     "domino_min_rows",
 )
 
@@ -48,51 +68,91 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     t = sub.add_parser(
-        "train", help="train a model (starts one worker per grid rank, or runs under torchrun)",
+        "train",
+        help="train a model (starts one worker per grid rank, or runs under torchrun)",
         description="Train a model. Options override the --config file, which overrides the "
         "defaults. Without torchrun, starts DATA*Z*Y*X local worker processes.",
     )
     t.add_argument("--config", metavar="FILE.toml", help="TOML file of training settings")
     t.add_argument("--model", help="preset or sizes, e.g. small, tiny,n_layers=4, dim=512,...")
-    t.add_argument("--grid", metavar="DATA,Z,Y,X",
-                   help="process grid, e.g. 1,2,1,2, or auto (the planner picks it)")
+    t.add_argument(
+        "--grid",
+        metavar="DATA,Z,Y,X",
+        help="process grid, e.g. 1,2,1,2, or auto (the planner picks it)",
+    )
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--micro-batch", type=int, metavar="N", help="samples per rank per micro-step")
     t.add_argument("--global-batch", type=int, metavar="N", help="samples per optimizer step")
     t.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample")
     t.add_argument("--lr", type=float, help="peak learning rate")
     t.add_argument("--seed", type=int, help="random seed")
-    t.add_argument("--data", action="append", metavar="PATH",
-                   help="text file, folder or glob (repeatable); default: the Python stdlib")
+    t.add_argument(
+        "--data",
+        action="append",
+        metavar="PATH",
+        help="text file, folder or glob (repeatable); default: the Python stdlib",
+    )
     t.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: train a BPE)")
     t.add_argument("--run-dir", metavar="DIR", help="where logs and checkpoints go")
     t.add_argument("--device", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (NCCL)")
-    t.add_argument("--activation-checkpointing", action="store_true", default=None,
-                   help="recompute activations in the backward pass to save memory")
-    t.add_argument("--resume", action="store_true", default=None,
-                   help="continue from the latest checkpoint in --run-dir")
+    t.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        default=None,
+        help="recompute activations in the backward pass to save memory",
+    )
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        default=None,
+        help="continue from the latest checkpoint in --run-dir",
+    )
     t.add_argument("--log-every", type=int, metavar="N", help="steps between log lines")
     t.add_argument("--val-every", type=int, metavar="N", help="steps between validations")
-    t.add_argument("--ckpt-every", type=int, metavar="N",
-                   help="steps between checkpoints (0: only at the end)")
-    t.add_argument("--overlap", metavar="LIST",
-                   help="collectives overlapped with compute: all (default), none, or a list of "
-                   "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino")
-    t.add_argument("--dp-bucket-mb", type=float, metavar="MB",
-                   help="data-parallel all-reduce bucket size in MiB (default 4)")
-    t.add_argument("--domino-min-rows", type=int, metavar="N",
-                   help="split a forward GEMM + all-reduce only with at least 2N token rows")
-    t.add_argument("--profile-steps", metavar="A:B",
-                   help="write a torch.profiler Chrome trace of steps A..B to the run directory")
-    t.add_argument("--machine", metavar="NAME|FILE.toml",
-                   help="machine for the planner (--grid auto, Domino choice): a preset such as "
-                   "dgx-h100 or the file `tetrad calibrate` writes")
-    t.add_argument("--nproc", type=int, metavar="N",
-                   help="processes for --grid auto without torchrun (default: GPUs, or 4 on CPU)")
+    t.add_argument(
+        "--ckpt-every", type=int, metavar="N", help="steps between checkpoints (0: only at the end)"
+    )
+    t.add_argument(
+        "--overlap",
+        metavar="LIST",
+        help="collectives overlapped with compute: all (default), none, or a list of "
+        "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino",
+    )
+    t.add_argument(
+        "--dp-bucket-mb",
+        type=float,
+        metavar="MB",
+        help="data-parallel all-reduce bucket size in MiB (default 4)",
+    )
+    t.add_argument(
+        "--domino-min-rows",
+        type=int,
+        metavar="N",
+        help="split a forward GEMM + all-reduce only with at least 2N token rows",
+    )
+    t.add_argument(
+        "--profile-steps",
+        metavar="A:B",
+        help="write a torch.profiler Chrome trace of steps A..B to the run directory",
+    )
+    t.add_argument(
+        "--machine",
+        metavar="NAME|FILE.toml",
+        help="machine for the planner (--grid auto, Domino choice): a preset such as "
+        "dgx-h100 or the file `tetrad calibrate` writes",
+    )
+    t.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="processes for --grid auto without torchrun (default: GPUs, or 4 on CPU)",
+    )
 
-    g = sub.add_parser("generate", help="sample text from a trained run directory",
-                       description="Print PROMPT followed by text sampled from the latest "
-                       "checkpoint of RUN_DIR.")
+    g = sub.add_parser(
+        "generate",
+        help="sample text from a trained run directory",
+        description="Print PROMPT followed by text sampled from the latest checkpoint of RUN_DIR.",
+    )
     g.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `tetrad train`")
     g.add_argument("--prompt", default="", help="text to continue (default: empty)")
     g.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
@@ -101,16 +161,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 
-    r = sub.add_parser("report", help="where a run's step time went (compute, communication)",
-                       description="Summarize RUN_DIR/metrics.jsonl: step time split into "
-                       "compute and exposed communication per mesh axis; writes report.png.")
+    r = sub.add_parser(
+        "report",
+        help="where a run's step time went (compute, communication)",
+        description="Summarize RUN_DIR/metrics.jsonl: step time split into "
+        "compute and exposed communication per mesh axis; writes report.png.",
+    )
     r.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `tetrad train`")
     r.add_argument("--no-plot", action="store_true", help="skip report.png")
     plan_cli.add_commands(sub)
     # options parsed by tetrad.train.calibrate itself, so that building this parser (and
     # `tetrad plan`) never imports torch
-    sub.add_parser("calibrate", add_help=False, help="measure GEMM and collective speed here "
-                   "and write a machine TOML for the planner (see `tetrad calibrate --help`)")
+    sub.add_parser(
+        "calibrate",
+        add_help=False,
+        help="measure GEMM and collective speed here "
+        "and write a machine TOML for the planner (see `tetrad calibrate --help`)",
+    )
     return p
 
 
@@ -160,17 +227,28 @@ def _train(args: argparse.Namespace) -> None:
     from tetrad.train.launch import run_local
 
     trainer.preflight(cfg)
-    print(f"tetrad: starting {nproc} workers (grid data={d} z={z} y={y} x={x}, {cfg.device})",
-          file=sys.stderr, flush=True)
+    print(
+        f"tetrad: starting {nproc} workers (grid data={d} z={z} y={y} x={x}, {cfg.device})",
+        file=sys.stderr,
+        flush=True,
+    )
     run_local(cfg, nproc)
 
 
 def _generate(args: argparse.Namespace) -> None:
     from tetrad.train.generate import generate
 
-    print(generate(args.run_dir, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                   device=args.device))
+    print(
+        generate(
+            args.run_dir,
+            prompt=args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            device=args.device,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,8 +72,15 @@ class CommLog:
 class Handle:
     """An issued collective; :meth:`wait` blocks until it is done and returns its result."""
 
-    def __init__(self, work, result: torch.Tensor, stats: AxisStats | None, issued: float,
-                 log: CommLog | None = None, post=None):
+    def __init__(
+        self,
+        work,
+        result: torch.Tensor,
+        stats: AxisStats | None,
+        issued: float,
+        log: CommLog | None = None,
+        post=None,
+    ):
         self.work, self.result, self.stats, self.issued = work, result, stats, issued
         self.log, self.done_at, self.post = log, None, post
 
@@ -126,8 +133,14 @@ def all_reduce(t: torch.Tensor, grid, axis: str, op: str = "sum", async_op: bool
         return Handle(None, t, None, 0.0) if async_op else t
     red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
     nbytes = t.numel() * t.element_size()
-    h = _issue(grid, axis, nbytes, 2 * (g - 1) / g * nbytes,
-               lambda: dist.all_reduce(t, op=red, group=group, async_op=True), t)
+    h = _issue(
+        grid,
+        axis,
+        nbytes,
+        2 * (g - 1) / g * nbytes,
+        lambda: dist.all_reduce(t, op=red, group=group, async_op=True),
+        t,
+    )
     return h if async_op else h.wait()
 
 
@@ -142,8 +155,14 @@ def all_gather(t: torch.Tensor, grid, axis: str, async_op: bool = False):
     t = t.contiguous()
     out = torch.empty((g * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
     nbytes = out.numel() * out.element_size()
-    h = _issue(grid, axis, nbytes, (g - 1) / g * nbytes,
-               lambda: dist.all_gather_single(out, t, group=group, async_op=True), out)
+    h = _issue(
+        grid,
+        axis,
+        nbytes,
+        (g - 1) / g * nbytes,
+        lambda: dist.all_gather_single(out, t, group=group, async_op=True),
+        out,
+    )
     return h if async_op else h.wait()
 
 
@@ -167,11 +186,24 @@ def reduce_scatter(t: torch.Tensor, grid, axis: str, async_op: bool = False):
         def keep_chunk(full):
             return full.chunk(g)[rank].clone()
 
-        h = _issue(grid, axis, nbytes, ring,
-                   lambda: dist.all_reduce(buf, group=group, async_op=True), buf, keep_chunk)
+        h = _issue(
+            grid,
+            axis,
+            nbytes,
+            ring,
+            lambda: dist.all_reduce(buf, group=group, async_op=True),
+            buf,
+            keep_chunk,
+        )
     else:
         t = t.contiguous()
         out = torch.empty((t.shape[0] // g, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        h = _issue(grid, axis, nbytes, ring,
-                   lambda: dist.reduce_scatter_single(out, t, group=group, async_op=True), out)
+        h = _issue(
+            grid,
+            axis,
+            nbytes,
+            ring,
+            lambda: dist.reduce_scatter_single(out, t, group=group, async_op=True),
+            out,
+        )
     return h if async_op else h.wait()

@@ -64,7 +64,12 @@ PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
     "medium": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536),
     "llama-1b": ModelConfig(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=32768,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        vocab_size=32768,
         rope_theta=500000.0,
     ),
 }
@@ -135,22 +140,31 @@ def check_divisible(cfg: ModelConfig, grid: tuple[int, int, int, int]) -> None:
     hd = cfg.head_dim
     checks = [
         (cfg.dim % cfg.n_heads == 0, f"dim={cfg.dim} divisible by n_heads={cfg.n_heads}"),
-        (cfg.n_heads % cfg.n_kv_heads == 0,
-         f"n_heads={cfg.n_heads} divisible by n_kv_heads={cfg.n_kv_heads}"),
+        (
+            cfg.n_heads % cfg.n_kv_heads == 0,
+            f"n_heads={cfg.n_heads} divisible by n_kv_heads={cfg.n_kv_heads}",
+        ),
         (cfg.n_heads % gy == 0, f"n_heads={cfg.n_heads} divisible by G_y={gy}"),
         (cfg.n_kv_heads % gy == 0, f"n_kv_heads={cfg.n_kv_heads} divisible by G_y={gy}"),
         (cfg.dim % (gx * gz) == 0, f"dim={cfg.dim} divisible by G_x*G_z={gx * gz}"),
-        ((cfg.n_kv_heads * hd) % (gy * gz) == 0,
-         f"n_kv_heads*head_dim={cfg.n_kv_heads * hd} divisible by G_y*G_z={gy * gz}"),
-        ((cfg.n_heads * hd) % (gy * gz) == 0,
-         f"n_heads*head_dim={cfg.n_heads * hd} divisible by G_y*G_z={gy * gz}"),
+        (
+            (cfg.n_kv_heads * hd) % (gy * gz) == 0,
+            f"n_kv_heads*head_dim={cfg.n_kv_heads * hd} divisible by G_y*G_z={gy * gz}",
+        ),
+        (
+            (cfg.n_heads * hd) % (gy * gz) == 0,
+            f"n_heads*head_dim={cfg.n_heads * hd} divisible by G_y*G_z={gy * gz}",
+        ),
         (cfg.ffn_dim % (gy * gz) == 0, f"ffn_dim={cfg.ffn_dim} divisible by G_y*G_z={gy * gz}"),
-        (cfg.vocab_size % (gy * gz) == 0,
-         f"vocab_size={cfg.vocab_size} divisible by G_y*G_z={gy * gz}"),
+        (
+            cfg.vocab_size % (gy * gz) == 0,
+            f"vocab_size={cfg.vocab_size} divisible by G_y*G_z={gy * gz}",
+        ),
     ]
     bad = [msg for ok, msg in checks if not ok]
     if bad:
         raise ModelConfigError(
-            "model does not fit the grid: needs " + "; ".join(bad)
+            "model does not fit the grid: needs "
+            + "; ".join(bad)
             + ": change the model sizes or the grid"
         )

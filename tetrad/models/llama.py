@@ -74,8 +74,9 @@ class Attention(nn.Module):
         self.wq = layers.linear(d, cfg.n_heads * hd)
         self.wk = layers.linear(d, cfg.n_kv_heads * hd)
         self.wv = layers.linear(d, cfg.n_kv_heads * hd)
-        self.wo = layers.linear(cfg.n_heads * hd, d, transpose=True,
-                                std=0.02 / math.sqrt(2 * cfg.n_layers))
+        self.wo = layers.linear(
+            cfg.n_heads * hd, d, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -83,8 +84,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rope(q, self.theta), rope(k, self.theta)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
+        )
         return self.wo(o.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 
@@ -95,8 +97,9 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w1 = layers.linear(cfg.dim, cfg.ffn_dim)
         self.w3 = layers.linear(cfg.dim, cfg.ffn_dim)
-        self.w2 = layers.linear(cfg.ffn_dim, cfg.dim, transpose=True,
-                                std=0.02 / math.sqrt(2 * cfg.n_layers))
+        self.w2 = layers.linear(
+            cfg.ffn_dim, cfg.dim, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -148,8 +151,14 @@ class Llama(Transformer):
     :func:`tetrad.parallel.init_parameters`). ``overlaps``: names from
     :data:`tetrad.parallel.overlap.OVERLAPS` (default: all)."""
 
-    def __init__(self, cfg: ModelConfig, grid: Grid, activation_checkpointing: bool = False,
-                 overlaps=OVERLAPS, **overlap_options):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        grid: Grid,
+        activation_checkpointing: bool = False,
+        overlaps=OVERLAPS,
+        **overlap_options,
+    ):
         self_overlap = Overlap(grid, overlaps, **overlap_options)
         super().__init__(cfg, ParallelLayers(grid, self_overlap), activation_checkpointing)
         self.overlap = self_overlap

@@ -8,6 +8,13 @@ from tetrad.parallel.norm import RMSNorm
 from tetrad.parallel.placement import Placement, init_parameters
 
 __all__ = [
-    "Embedding", "Linear", "Placement", "RMSNorm", "clip_grad_norm", "global_grad_norm",
-    "init_parameters", "sync_gradients", "vocab_parallel_cross_entropy",
+    "Embedding",
+    "Linear",
+    "Placement",
+    "RMSNorm",
+    "clip_grad_norm",
+    "global_grad_norm",
+    "init_parameters",
+    "sync_gradients",
+    "vocab_parallel_cross_entropy",
 ]

@@ -52,15 +52,22 @@ class Embedding(nn.Module):
         ValueError: ``V`` not divisible by ``G_y*G_z`` or ``h`` by ``G_x``.
     """
 
-    def __init__(self, num_embeddings: int, dim: int, grid: Grid, init_std: float = 0.02,
-                 overlap: Overlap | None = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        dim: int,
+        grid: Grid,
+        init_std: float = 0.02,
+        overlap: Overlap | None = None,
+    ):
         super().__init__()
         self.overlap = overlap if overlap is not None else Overlap(grid, enabled=())
         if num_embeddings % (grid.y * grid.z) or dim % grid.x:
             raise ValueError(f"Embedding {num_embeddings}x{dim} does not divide over grid {grid}")
         self.grid, self.num_embeddings, self.dim = grid, num_embeddings, dim
-        self.weight = sharded_parameter((num_embeddings, dim), (("y", "z"), ("x",)), grid,
-                                        ("normal", init_std))
+        self.weight = sharded_parameter(
+            (num_embeddings, dim), (("y", "z"), ("x",)), grid, ("normal", init_std)
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return _Embedding3D.apply(ids, self.weight, self.overlap)

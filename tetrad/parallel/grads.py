@@ -38,7 +38,7 @@ def sync_gradients(model: nn.Module, grid: Grid, data_reduced: set[int] = frozen
             all_reduce(flat, grid, a)
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
 

@@ -87,9 +87,17 @@ class Linear(nn.Module):
             :func:`tetrad.models.config.check_divisible` first for a friendlier message).
     """
 
-    def __init__(self, in_features: int, out_features: int, grid: Grid, *,
-                 transpose: bool = False, bias: bool = False, init_std: float = 0.02,
-                 overlap: Overlap | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        grid: Grid,
+        *,
+        transpose: bool = False,
+        bias: bool = False,
+        init_std: float = 0.02,
+        overlap: Overlap | None = None,
+    ):
         super().__init__()
         self.overlap = overlap if overlap is not None else Overlap(grid, enabled=())
         self.in_axis, self.out_axis = ("y", "x") if transpose else ("x", "y")
@@ -100,11 +108,17 @@ class Linear(nn.Module):
                 f"out % (G_{self.out_axis}*G_z) == 0 on grid {grid}"
             )
         self.grid, self.in_features, self.out_features = grid, in_features, out_features
-        self.weight = sharded_parameter((out_features, in_features),
-                                        ((self.out_axis, "z"), (self.in_axis,)), grid,
-                                        ("normal", init_std))
-        self.bias = (sharded_parameter((out_features,), ((self.out_axis,),), grid, ("zeros",))
-                     if bias else None)
+        self.weight = sharded_parameter(
+            (out_features, in_features),
+            ((self.out_axis, "z"), (self.in_axis,)),
+            grid,
+            ("normal", init_std),
+        )
+        self.bias = (
+            sharded_parameter((out_features,), ((self.out_axis,),), grid, ("zeros",))
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k_local = self.in_features // self.grid.size(self.in_axis)
@@ -113,5 +127,7 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return (f"{self.in_features}->{self.out_features}, in over {self.in_axis.upper()}, "
-                f"out over {self.out_axis.upper()}, bias={self.bias is not None}")
+        return (
+            f"{self.in_features}->{self.out_features}, in over {self.in_axis.upper()}, "
+            f"out over {self.out_axis.upper()}, bias={self.bias is not None}"
+        )

@@ -43,8 +43,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Grid,
-                                 axis: str = "y") -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, grid: Grid, axis: str = "y"
+) -> torch.Tensor:
     """Per-token cross-entropy (nats) from vocabulary-sharded logits.
 
     Args:

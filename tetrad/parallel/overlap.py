@@ -30,6 +30,7 @@ from tetrad.plan.overlaps import OVERLAPS, parse_overlaps
 
 __all__ = ["OVERLAPS", "Overlap", "parse_overlaps"]
 
+
 class Overlap:
     """Switches and state of the overlaps of one model on one grid.
 
@@ -45,8 +46,13 @@ class Overlap:
             this many token rows (below it the split's extra launch costs more than it hides).
     """
 
-    def __init__(self, grid, enabled: Iterable[str] = OVERLAPS, bucket_bytes: int = 4 << 20,
-                 domino_min_rows: int = 256):
+    def __init__(
+        self,
+        grid,
+        enabled: Iterable[str] = OVERLAPS,
+        bucket_bytes: int = 4 << 20,
+        domino_min_rows: int = 256,
+    ):
         self.grid = grid
         self.enabled = frozenset(enabled)
         self.bucket_bytes, self.domino_min_rows = bucket_bytes, domino_min_rows
@@ -86,7 +92,7 @@ class Overlap:
             for params, h in self._dp:
                 flat, offset = h.wait(), 0
                 for p in params:
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
             self._dp = []
         if self._recording is not None:
@@ -140,10 +146,14 @@ class Overlap:
         asynchronously when ``reduce_scatter`` overlap is on."""
         if self._in_step and self.on("reduce_scatter"):
             self._pending_rs.append(
-                (param, reduce_scatter(block_grad, self.grid, "z", async_op=True)))
+                (param, reduce_scatter(block_grad, self.grid, "z", async_op=True))
+            )
             self.counts["async_reduce_scatters"] += self.grid.z > 1
-            while self._pending_rs and self._pending_rs[0][1].work is not None \
-                    and self._pending_rs[0][1].work.is_completed():
+            while (
+                self._pending_rs
+                and self._pending_rs[0][1].work is not None
+                and self._pending_rs[0][1].work.is_completed()
+            ):
                 self._finish_rs(*self._pending_rs.pop(0))
         else:
             self._grad_ready(param, reduce_scatter(block_grad, self.grid, "z"))
@@ -173,8 +183,12 @@ class Overlap:
     # -- activations -----------------------------------------------------------------------
     def forward_all_reduce_split(self, axis: str, rows: int) -> bool:
         """Whether to split a forward GEMM + all-reduce over ``axis`` in two halves."""
-        split = (self._in_step and self.on("domino") and self.grid.size(axis) > 1
-                 and rows >= 2 * self.domino_min_rows)
+        split = (
+            self._in_step
+            and self.on("domino")
+            and self.grid.size(axis) > 1
+            and rows >= 2 * self.domino_min_rows
+        )
         self.counts["domino_splits"] += split
         return split
 

@@ -62,8 +62,9 @@ class Placement:
         return tuple(s.stop - s.start for s in self.local_slices(grid))
 
 
-def sharded_parameter(shape: tuple[int, ...], split: tuple[tuple[str, ...], ...], grid: Grid,
-                      init: tuple) -> nn.Parameter:
+def sharded_parameter(
+    shape: tuple[int, ...], split: tuple[tuple[str, ...], ...], grid: Grid, init: tuple
+) -> nn.Parameter:
     """An uninitialised local shard ``Placement(shape, split).local_shape(grid)`` on the grid's
     device, tagged with its placement and its init rule (see :func:`init_parameters`)."""
     placement = Placement(tuple(shape), split)
@@ -98,8 +99,11 @@ def init_parameters(model: nn.Module, seed: int, grid: Grid | None = None) -> No
         else:
             placement = getattr(p, "placement", None)
             shape = placement.shape if placement is not None else tuple(p.shape)
-            rows, cols = (placement.local_slices(grid) if placement is not None
-                          else (slice(0, shape[0]), slice(0, shape[1])))
+            rows, cols = (
+                placement.local_slices(grid)
+                if placement is not None
+                else (slice(0, shape[0]), slice(0, shape[1]))
+            )
             gen = torch.Generator()
             block = torch.empty(rows.stop - rows.start, shape[1])
             for i, r in enumerate(range(rows.start, rows.stop)):

@@ -33,8 +33,9 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         vals = tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole "
-                                         "numbers") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of whole numbers"
+        ) from None
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} needs positive whole numbers")
     return vals
@@ -45,64 +46,121 @@ def add_commands(subparsers) -> None:
     models = ", ".join(PRESETS)
     machines = ", ".join(preset_names())
     p = subparsers.add_parser(
-        "plan", help="rank 4D (and Megatron-style) configurations by predicted step time",
+        "plan",
+        help="rank 4D (and Megatron-style) configurations by predicted step time",
         description="Enumerate every 4D grid G_data x G_z x G_y x G_x of the GPU count, "
         "micro-batch and activation-checkpointing choice; drop those estimated above 80%% of GPU "
         "memory; rank the rest by predicted step time. Also ranks the classic TP x CP x PP x DP "
-        "space for comparison.")
-    p.add_argument("--model", required=True,
-                   help=f"preset ({models}), a config.json, or sizes key=value,...")
-    p.add_argument("--machine", required=True,
-                   help=f"preset ({machines}) or a machine TOML file")
+        "space for comparison.",
+    )
+    p.add_argument(
+        "--model", required=True, help=f"preset ({models}), a config.json, or sizes key=value,..."
+    )
+    p.add_argument("--machine", required=True, help=f"preset ({machines}) or a machine TOML file")
     p.add_argument("--gpus", type=_positive_int, required=True, metavar="N")
-    p.add_argument("--global-batch", type=_positive_int, required=True, metavar="N",
-                   help="samples per optimizer step")
-    p.add_argument("--seq-len", type=_positive_int, default=2048, metavar="N",
-                   help="tokens per sample (default 2048)")
-    p.add_argument("--top", type=_positive_int, default=10, metavar="K",
-                   help="rows to show (default 10)")
+    p.add_argument(
+        "--global-batch",
+        type=_positive_int,
+        required=True,
+        metavar="N",
+        help="samples per optimizer step",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=2048,
+        metavar="N",
+        help="tokens per sample (default 2048)",
+    )
+    p.add_argument(
+        "--top", type=_positive_int, default=10, metavar="K", help="rows to show (default 10)"
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of the top configurations")
-    p.add_argument("--emit-config", metavar="FILE.toml",
-                   help="write the best 4D configuration as a `tetrad train --config` file")
-    p.add_argument("--comm-model", choices=("tetrad", "axonn"), default="tetrad",
-                   help="tetrad: the runtime's exact collectives, alpha-beta times and overlap "
-                   "(default); axonn: AxoNN's published model (bytes/bandwidth, no overlap)")
-    p.add_argument("--overlap", default="all", metavar="LIST",
-                   help="overlaps the runtime will use: all (default), none, or a list of "
-                   "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino")
-    p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto",
-                   help="activation checkpointing: try both (auto, default), or only on/off")
-    p.add_argument("--micro-batch", type=_int_list, metavar="LIST",
-                   help="allowed micro-batch sizes, e.g. 1,2,4 (default: every divisor)")
-    p.add_argument("--no-classic", action="store_true",
-                   help="skip the Megatron-style TP x CP x PP x DP search")
-    p.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
-                   help="GPU memory (default: the machine's)")
-    p.add_argument("--gemm-efficiency", type=float, metavar="FRACTION",
-                   help="calibrated fraction of peak for every GEMM (default: the machine's "
-                   "table)")
+    p.add_argument(
+        "--emit-config",
+        metavar="FILE.toml",
+        help="write the best 4D configuration as a `tetrad train --config` file",
+    )
+    p.add_argument(
+        "--comm-model",
+        choices=("tetrad", "axonn"),
+        default="tetrad",
+        help="tetrad: the runtime's exact collectives, alpha-beta times and overlap "
+        "(default); axonn: AxoNN's published model (bytes/bandwidth, no overlap)",
+    )
+    p.add_argument(
+        "--overlap",
+        default="all",
+        metavar="LIST",
+        help="overlaps the runtime will use: all (default), none, or a list of "
+        "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino",
+    )
+    p.add_argument(
+        "--checkpointing",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="activation checkpointing: try both (auto, default), or only on/off",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=_int_list,
+        metavar="LIST",
+        help="allowed micro-batch sizes, e.g. 1,2,4 (default: every divisor)",
+    )
+    p.add_argument(
+        "--no-classic", action="store_true", help="skip the Megatron-style TP x CP x PP x DP search"
+    )
+    p.add_argument(
+        "--gpu-memory-gib", type=float, metavar="GIB", help="GPU memory (default: the machine's)"
+    )
+    p.add_argument(
+        "--gemm-efficiency",
+        type=float,
+        metavar="FRACTION",
+        help="calibrated fraction of peak for every GEMM (default: the machine's table)",
+    )
 
     m = subparsers.add_parser(
-        "memory", help="per-GPU memory estimate of one configuration and the 80%% verdict",
+        "memory",
+        help="per-GPU memory estimate of one configuration and the 80%% verdict",
         description="Memory per GPU of one configuration: fujii2024 (Fujii et al. 2024, "
-        "Megatron-style TP/CP/PP/DP) or tetrad (this runtime on a 4D grid).")
-    m.add_argument("--model", required=True,
-                   help=f"preset ({models}), a config.json, or sizes key=value,...")
+        "Megatron-style TP/CP/PP/DP) or tetrad (this runtime on a 4D grid).",
+    )
+    m.add_argument(
+        "--model", required=True, help=f"preset ({models}), a config.json, or sizes key=value,..."
+    )
     for name in ("tp", "cp", "pp", "dp"):
-        m.add_argument(f"--{name}", type=_positive_int, default=1, metavar="N",
-                       help=f"{name.upper()} degree (fujii2024; default 1)")
+        m.add_argument(
+            f"--{name}",
+            type=_positive_int,
+            default=1,
+            metavar="N",
+            help=f"{name.upper()} degree (fujii2024; default 1)",
+        )
     m.add_argument("--micro-batch", type=_positive_int, default=1, metavar="N")
     m.add_argument("--seq-len", type=_positive_int, default=2048, metavar="N")
-    m.add_argument("--method", choices=("fujii2024", "tetrad"),
-                   help="estimator (default: tetrad when --grid is given, else fujii2024)")
+    m.add_argument(
+        "--method",
+        choices=("fujii2024", "tetrad"),
+        help="estimator (default: tetrad when --grid is given, else fujii2024)",
+    )
     m.add_argument("--grid", metavar="DATA,Z,Y,X", help="4D grid for --method tetrad")
-    m.add_argument("--activation-checkpointing", action="store_true",
-                   help="tetrad: checkpoint every block")
-    m.add_argument("--num-microbatches", type=_positive_int, metavar="N",
-                   help="fujii2024: micro-batches per step (pipeline in-flight factor)")
-    m.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
-                   help="GPU memory (default 80, or the --machine's)")
+    m.add_argument(
+        "--activation-checkpointing", action="store_true", help="tetrad: checkpoint every block"
+    )
+    m.add_argument(
+        "--num-microbatches",
+        type=_positive_int,
+        metavar="N",
+        help="fujii2024: micro-batches per step (pipeline in-flight factor)",
+    )
+    m.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        metavar="GIB",
+        help="GPU memory (default 80, or the --machine's)",
+    )
     m.add_argument("--machine", help="take the GPU memory from this machine")
     m.add_argument("--json", action="store_true", help="print the breakdown as JSON")
 
@@ -113,8 +171,9 @@ def _parse_grid(text: str) -> tuple[int, int, int, int]:
     except ValueError:
         vals = ()
     if len(vals) != 4 or min(vals) < 1:
-        raise PlanError(f"--grid {text!r} is not DATA,Z,Y,X with four positive integers "
-                        "(for example 2,1,1,2)")
+        raise PlanError(
+            f"--grid {text!r} is not DATA,Z,Y,X with four positive integers (for example 2,1,1,2)"
+        )
     return vals  # type: ignore[return-value]
 
 
@@ -129,10 +188,20 @@ def _run_plan(args: argparse.Namespace) -> int:
             raise PlanError(f"--gpu-memory-gib {args.gpu_memory_gib} must be positive")
         mem = args.gpu_memory_gib * GIB
     ckpt = {"auto": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
-    result = plan(model, machine, args.gpus, args.global_batch, args.seq_len, top=args.top,
-                  checkpointing=ckpt, micro_batches=args.micro_batch, overlaps=args.overlap,
-                  comm_model=args.comm_model, classic=not args.no_classic,
-                  gpu_memory_bytes=mem)
+    result = plan(
+        model,
+        machine,
+        args.gpus,
+        args.global_batch,
+        args.seq_len,
+        top=args.top,
+        checkpointing=ckpt,
+        micro_batches=args.micro_batch,
+        overlaps=args.overlap,
+        comm_model=args.comm_model,
+        classic=not args.no_classic,
+        gpu_memory_bytes=mem,
+    )
     if args.emit_config:
         report.emit_config(result.rows[0], model, result, args.emit_config)
     if args.plot:
@@ -159,25 +228,49 @@ def _run_memory(args: argparse.Namespace) -> int:
         if not args.grid:
             raise PlanError("--method tetrad needs --grid DATA,Z,Y,X (for example 2,1,1,2)")
         grid = _parse_grid(args.grid)
-        mem = memory.tetrad(model, grid, args.micro_batch, args.seq_len, gpu,
-                            activation_checkpointing=args.activation_checkpointing)
-        title = (f"{model.summary()}\ntetrad runtime, grid D,Z,Y,X={','.join(map(str, grid))}, "
-                 f"micro-batch {args.micro_batch} x {args.seq_len} tokens, checkpointing "
-                 f"{'on' if args.activation_checkpointing else 'off'}")
+        mem = memory.tetrad(
+            model,
+            grid,
+            args.micro_batch,
+            args.seq_len,
+            gpu,
+            activation_checkpointing=args.activation_checkpointing,
+        )
+        title = (
+            f"{model.summary()}\ntetrad runtime, grid D,Z,Y,X={','.join(map(str, grid))}, "
+            f"micro-batch {args.micro_batch} x {args.seq_len} tokens, checkpointing "
+            f"{'on' if args.activation_checkpointing else 'off'}"
+        )
     else:
         if args.grid:
             raise PlanError("--grid is for --method tetrad; fujii2024 takes --tp --cp --pp --dp")
-        mem = memory.fujii2024(model, args.tp, args.cp, args.pp, args.dp, args.micro_batch,
-                               args.seq_len, gpu, num_microbatches=args.num_microbatches)
-        title = (f"{model.summary()}\nfujii2024, TP={args.tp} CP={args.cp} PP={args.pp} "
-                 f"DP={args.dp}, micro-batch {args.micro_batch} x {args.seq_len} tokens")
+        mem = memory.fujii2024(
+            model,
+            args.tp,
+            args.cp,
+            args.pp,
+            args.dp,
+            args.micro_batch,
+            args.seq_len,
+            gpu,
+            num_microbatches=args.num_microbatches,
+        )
+        title = (
+            f"{model.summary()}\nfujii2024, TP={args.tp} CP={args.cp} PP={args.pp} "
+            f"DP={args.dp}, micro-batch {args.micro_batch} x {args.seq_len} tokens"
+        )
     if args.json:
         print(json.dumps({"model": model.name, "method": method, **mem.to_dict()}, indent=2))
     elif method == "tetrad" and args.activation_checkpointing:
         print(report.memory_text(mem, title, "raise G_z*G_y*G_x or lower the micro-batch"))
     elif method == "tetrad":
-        print(report.memory_text(mem, title, "raise G_z*G_y*G_x, lower the micro-batch or add "
-                                             "--activation-checkpointing"))
+        print(
+            report.memory_text(
+                mem,
+                title,
+                "raise G_z*G_y*G_x, lower the micro-batch or add --activation-checkpointing",
+            )
+        )
     else:
         print(report.memory_text(mem, title, "raise TP, CP or PP, or lower the micro-batch"))
     return 0

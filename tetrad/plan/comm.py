@@ -148,9 +148,18 @@ class Context:
         gemm_efficiency: optional constant fraction of peak for every GEMM.
     """
 
-    def __init__(self, model: ModelSpec, machine: Machine, seq_len: int, global_batch: int, *,
-                 overlaps: str | Iterable[str] = "all", compute_bytes: int = 2,
-                 bucket_bytes: int = BUCKET_BYTES, domino_min_rows: int = DOMINO_MIN_ROWS):
+    def __init__(
+        self,
+        model: ModelSpec,
+        machine: Machine,
+        seq_len: int,
+        global_batch: int,
+        *,
+        overlaps: str | Iterable[str] = "all",
+        compute_bytes: int = 2,
+        bucket_bytes: int = BUCKET_BYTES,
+        domino_min_rows: int = DOMINO_MIN_ROWS,
+    ):
         if compute_bytes not in (2, 4):
             raise PlanError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
         self.model, self.machine = model, machine
@@ -160,10 +169,18 @@ class Context:
         self.bucket_bytes, self.domino_min_rows = bucket_bytes, domino_min_rows
         self.linears = model.linears()
         # (name, n*k*count, n, k, transposed, bias elements n*count)
-        self.lin = tuple((lin.name, lin.weight_elements * lin.count, lin.out_features,
-                          lin.in_features, lin.transposed, lin.count,
-                          lin.out_features * lin.count if lin.bias else 0)
-                         for lin in self.linears)
+        self.lin = tuple(
+            (
+                lin.name,
+                lin.weight_elements * lin.count,
+                lin.out_features,
+                lin.in_features,
+                lin.transposed,
+                lin.count,
+                lin.out_features * lin.count if lin.bias else 0,
+            )
+            for lin in self.linears
+        )
         self.head_nk = model.vocab * model.hidden
         self.gpt = model.family == "gpt"
         self._buckets: dict = {}
@@ -175,13 +192,13 @@ class Context:
         key = (grid[2], grid[3], micro_batch)
         got = self._compute.get(key)
         if got is None:
-            got = block_compute(self.model, self.machine, grid, micro_batch, self.seq_len,
-                                linears=self.linears)
+            got = block_compute(
+                self.model, self.machine, grid, micro_batch, self.seq_len, linears=self.linears
+            )
             self._compute[key] = got
         return got
 
-    def weight_shards(self, gx: int, gy: int, gz: int) -> tuple[list[float], float, float,
-                                                                  float]:
+    def weight_shards(self, gx: int, gy: int, gz: int) -> tuple[list[float], float, float, float]:
         """Local weight-shard elements in backward (gradient-ready) order and totals:
         ``(order, block_elements, head_elements, embedding_elements)``."""
         shard = gx * gy * gz
@@ -223,8 +240,14 @@ def _max0(v: float) -> float:
     return v if v > 0.0 else 0.0
 
 
-def estimate(ctx: Context, grid: tuple[int, int, int, int], micro_batch: int,
-             checkpointing: bool, *, detail: bool = False) -> Estimate:
+def estimate(
+    ctx: Context,
+    grid: tuple[int, int, int, int],
+    micro_batch: int,
+    checkpointing: bool,
+    *,
+    detail: bool = False,
+) -> Estimate:
     """Predicted step time of ``grid = (G_data, G_z, G_y, G_x)`` (see the module doc).
 
     Args:
@@ -238,8 +261,10 @@ def estimate(ctx: Context, grid: tuple[int, int, int, int], micro_batch: int,
     gd, gz, gy, gx = grid
     cells = gd * gz * micro_batch
     if ctx.global_batch % cells:
-        raise PlanError(f"global batch {ctx.global_batch} is not divisible by G_data*G_z*"
-                        f"micro_batch = {gd}*{gz}*{micro_batch}: change the batch or the grid")
+        raise PlanError(
+            f"global batch {ctx.global_batch} is not divisible by G_data*G_z*"
+            f"micro_batch = {gd}*{gz}*{micro_batch}: change the batch or the grid"
+        )
     acc = ctx.global_batch // cells
     model, net = ctx.model, ctx.machine.network
     L, c, m = model.n_layers, ctx.c, micro_batch * ctx.seq_len
@@ -294,10 +319,27 @@ def estimate(ctx: Context, grid: tuple[int, int, int, int], micro_batch: int,
                 e1 = _max0(t1 - gemm * (m - r1) / m)
                 for phase, k in (("forward", 1), ("recompute", ckr)):
                     if k:
-                        add(f"{name} (half 1)", phase, in_ax, ALL_REDUCE, p1, calls_f, t1,
-                            calls_f * e1, "second-half GEMM (Domino)")
-                        add(f"{name} (half 2)", phase, in_ax, ALL_REDUCE, p2, calls_f, t2,
-                            calls_f * t2)
+                        add(
+                            f"{name} (half 1)",
+                            phase,
+                            in_ax,
+                            ALL_REDUCE,
+                            p1,
+                            calls_f,
+                            t1,
+                            calls_f * e1,
+                            "second-half GEMM (Domino)",
+                        )
+                        add(
+                            f"{name} (half 2)",
+                            phase,
+                            in_ax,
+                            ALL_REDUCE,
+                            p2,
+                            calls_f,
+                            t2,
+                            calls_f * t2,
+                        )
             else:
                 p = m * nout / g_out * c
                 t = li.time(ALL_REDUCE, p)
@@ -308,8 +350,17 @@ def estimate(ctx: Context, grid: tuple[int, int, int, int], micro_batch: int,
             p = m * kin / g_in * c
             t = links[out_ax].time(ALL_REDUCE, p)
             e = _max0(t - gemm) if dxo else t
-            add(name, "backward", out_ax, ALL_REDUCE, p, calls_f, t, calls_f * e,
-                "dW GEMM" if dxo else "")
+            add(
+                name,
+                "backward",
+                out_ax,
+                ALL_REDUCE,
+                p,
+                calls_f,
+                t,
+                calls_f * e,
+                "dW GEMM" if dxo else "",
+            )
 
     # ---- LM head (non-transposed: in X, out Y), loss, norms, embedding -----------------------
     hk, hv = model.hidden, model.vocab
@@ -321,8 +372,17 @@ def estimate(ctx: Context, grid: tuple[int, int, int, int], micro_batch: int,
             p1, p2 = r1 * hv / gy * c, (m - r1) * hv / gy * c
             t1, t2 = links["x"].time(ALL_REDUCE, p1), links["x"].time(ALL_REDUCE, p2)
             e1 = _max0(t1 - comp.head * (m - r1) / m)
-            add("output (half 1)", "forward", "x", ALL_REDUCE, p1, acc, t1, acc * e1,
-                "second-half GEMM (Domino)")
+            add(
+                "output (half 1)",
+                "forward",
+                "x",
+                ALL_REDUCE,
+                p1,
+                acc,
+                t1,
+                acc * e1,
+                "second-half GEMM (Domino)",
+            )
             add("output (half 2)", "forward", "x", ALL_REDUCE, p2, acc, t2, acc * t2)
         else:
             p = m * hv / gy * c
@@ -331,8 +391,17 @@ def estimate(ctx: Context, grid: tuple[int, int, int, int], micro_batch: int,
     if gy > 1:
         p = m * hk / gx * c
         t = links["y"].time(ALL_REDUCE, p)
-        add("output", "backward", "y", ALL_REDUCE, p, acc, t,
-            acc * (_max0(t - comp.head) if dxo else t), "dW GEMM" if dxo else "")
+        add(
+            "output",
+            "backward",
+            "y",
+            ALL_REDUCE,
+            p,
+            acc,
+            t,
+            acc * (_max0(t - comp.head) if dxo else t),
+            "dW GEMM" if dxo else "",
+        )
         p = m * FP32
         t = links["y"].time(ALL_REDUCE, p)
         add("loss", "forward", "y", ALL_REDUCE, p, 3 * acc, t, 3 * acc * t)
@@ -353,8 +422,23 @@ def estimate(ctx: Context, grid: tuple[int, int, int, int], micro_batch: int,
 
     # ---- Z: weight all-gathers and reduce-scatters through the windows ----------------------
     if gz > 1:
-        _z_windows(ctx, comp, names, t_ag, t_rs, t_ag_h, t_rs_h, acc, checkpointing, pre, rsa,
-                   add, lz, xy, c)
+        _z_windows(
+            ctx,
+            comp,
+            names,
+            t_ag,
+            t_rs,
+            t_ag_h,
+            t_rs_h,
+            acc,
+            checkpointing,
+            pre,
+            rsa,
+            add,
+            lz,
+            xy,
+            c,
+        )
 
     # ---- data: weight gradients -------------------------------------------------------------
     fwd_mb, bwd_mb, rec_mb = comp.micro_batch_seconds(L, checkpointing)
@@ -374,12 +458,23 @@ def estimate(ctx: Context, grid: tuple[int, int, int, int], micro_batch: int,
             slack = comp.block_bwd + (comp.block_fwd if checkpointing else 0.0)
             x = _max0(big_h - slack)
             if L > 1:
-                x = x + (L - 1) * (big_d - slack) if big_d >= slack else _max0(
-                    x - (L - 1) * (slack - big_d))
+                x = (
+                    x + (L - 1) * (big_d - slack)
+                    if big_d >= slack
+                    else _max0(x - (L - 1) * (slack - big_d))
+                )
             exp = x + big_d + big_e
-            add("gradients", "backward", "data", ALL_REDUCE, w_total / calls, calls,
-                ld.time(ALL_REDUCE, w_total / calls), exp,
-                "backward of the blocks below (last micro-batch, buckets)")
+            add(
+                "gradients",
+                "backward",
+                "data",
+                ALL_REDUCE,
+                w_total / calls,
+                calls,
+                ld.time(ALL_REDUCE, w_total / calls),
+                exp,
+                "backward of the blocks below (last micro-batch, buckets)",
+            )
         else:
             t = ld.time(ALL_REDUCE, w_total)
             add("gradients", "step", "data", ALL_REDUCE, w_total, 1, t, t)
@@ -403,15 +498,26 @@ def estimate(ctx: Context, grid: tuple[int, int, int, int], micro_batch: int,
     cols: tuple = ()
     if rec is not None:
         cols = tuple(
-            Collective(layer, phase, axis, kind, payload, calls,
-                       ring_bytes(kind, payload, sizes.get(axis, gd * gz * gy * gx)), t, hid,
-                       exp)
-            for (layer, phase, axis, kind), (payload, calls, t, hid, exp) in rec.items())
+            Collective(
+                layer,
+                phase,
+                axis,
+                kind,
+                payload,
+                calls,
+                ring_bytes(kind, payload, sizes.get(axis, gd * gz * gy * gx)),
+                t,
+                hid,
+                exp,
+            )
+            for (layer, phase, axis, kind), (payload, calls, t, hid, exp) in rec.items()
+        )
     return Estimate(step, compute, acc * rec_mb, exposed, total, acc, cols)
 
 
-def _z_windows(ctx, comp: BlockCompute, names, t_ag, t_rs, t_ag_h, t_rs_h, acc, ckpt, pre,
-               rsa, add, lz, xy, c) -> None:
+def _z_windows(
+    ctx, comp: BlockCompute, names, t_ag, t_rs, t_ag_h, t_rs_h, acc, ckpt, pre, rsa, add, lz, xy, c
+) -> None:
     """Z all-gathers and reduce-scatters of one micro-batch walked through the compute windows
     (module doc), times ``acc`` micro-batches; records per collective via ``add``."""
     model, L, n = ctx.model, ctx.model.n_layers, len(names)
@@ -514,11 +620,29 @@ def _z_windows(ctx, comp: BlockCompute, names, t_ag, t_rs, t_ag_h, t_rs_h, acc, 
         add(name, "backward", "z", REDUCE_SCATTER, pay_rs, calls, t_rs[i], exp, hidden_rs)
     for phase in ("forward", "backward"):
         exp = acc * exp_ag.get(("output", phase), 0.0) if pre else acc * t_ag_h
-        add("output", phase, "z", ALL_GATHER, model.hidden * model.vocab / xy * c, acc, t_ag_h,
-            exp, hidden_ag)
+        add(
+            "output",
+            phase,
+            "z",
+            ALL_GATHER,
+            model.hidden * model.vocab / xy * c,
+            acc,
+            t_ag_h,
+            exp,
+            hidden_ag,
+        )
     exp = acc * exp_rs.get(("output", "backward"), 0.0) if rsa and pre else acc * t_rs_h
-    add("output", "backward", "z", REDUCE_SCATTER, model.hidden * model.vocab / xy * FP32, acc,
-        t_rs_h, exp, hidden_rs)
+    add(
+        "output",
+        "backward",
+        "z",
+        REDUCE_SCATTER,
+        model.hidden * model.vocab / xy * FP32,
+        acc,
+        t_rs_h,
+        exp,
+        hidden_rs,
+    )
     for tab, rows in (("embedding", emb_rows), ("positions", model.max_positions))[:n_tab]:
         pay = rows * model.hidden / xy * FP32
         t_g, t_r = lz.time(ALL_GATHER, pay), lz.time(REDUCE_SCATTER, pay)
@@ -526,11 +650,20 @@ def _z_windows(ctx, comp: BlockCompute, names, t_ag, t_rs, t_ag_h, t_rs_h, acc, 
         add(tab, "backward", "z", REDUCE_SCATTER, pay, acc, t_r, acc * t_r)
 
 
-def collectives(model: ModelSpec, machine: Machine, grid: tuple[int, int, int, int],
-                micro_batch: int, seq_len: int, global_batch: int, *,
-                activation_checkpointing: bool = False, overlaps: str | Iterable[str] = "all",
-                compute_bytes: int = 2, bucket_bytes: int = BUCKET_BYTES,
-                domino_min_rows: int = DOMINO_MIN_ROWS) -> list[Collective]:
+def collectives(
+    model: ModelSpec,
+    machine: Machine,
+    grid: tuple[int, int, int, int],
+    micro_batch: int,
+    seq_len: int,
+    global_batch: int,
+    *,
+    activation_checkpointing: bool = False,
+    overlaps: str | Iterable[str] = "all",
+    compute_bytes: int = 2,
+    bucket_bytes: int = BUCKET_BYTES,
+    domino_min_rows: int = DOMINO_MIN_ROWS,
+) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
     axis, kind, payload bytes per call, calls, ring bytes and seconds per call, the compute it
     hides behind and its exposed seconds per step (module doc). ``grid = (G_data, G_z, G_y,
@@ -541,11 +674,19 @@ def collectives(model: ModelSpec, machine: Machine, grid: tuple[int, int, int, i
     Raises:
         PlanError: the batch does not split on the grid, or a bad overlap name.
     """
-    ctx = Context(model, machine, seq_len, global_batch, overlaps=overlaps,
-                  compute_bytes=compute_bytes, bucket_bytes=bucket_bytes,
-                  domino_min_rows=domino_min_rows)
-    return list(estimate(ctx, tuple(grid), micro_batch, activation_checkpointing,
-                         detail=True).collectives)
+    ctx = Context(
+        model,
+        machine,
+        seq_len,
+        global_batch,
+        overlaps=overlaps,
+        compute_bytes=compute_bytes,
+        bucket_bytes=bucket_bytes,
+        domino_min_rows=domino_min_rows,
+    )
+    return list(
+        estimate(ctx, tuple(grid), micro_batch, activation_checkpointing, detail=True).collectives
+    )
 
 
 def axis_totals(cols: Iterable[Collective]) -> dict[str, dict[str, float]]:
@@ -553,8 +694,10 @@ def axis_totals(cols: Iterable[Collective]) -> dict[str, dict[str, float]]:
     runtime's ``tetrad.comm.CommLog`` records (``AxisStats``)."""
     out: dict[str, dict[str, float]] = {}
     for col in cols:
-        a = out.setdefault(col.axis, {"calls": 0, "payload_bytes": 0.0, "bytes": 0.0,
-                                      "time_s": 0.0, "exposed_s": 0.0})
+        a = out.setdefault(
+            col.axis,
+            {"calls": 0, "payload_bytes": 0.0, "bytes": 0.0, "time_s": 0.0, "exposed_s": 0.0},
+        )
         a["calls"] += col.calls
         a["payload_bytes"] += col.calls * col.payload_bytes
         a["bytes"] += col.calls * col.ring_bytes
@@ -573,8 +716,9 @@ AXONN_GIB = 1024**3
 """AxoNN divides bytes by ``1024^3`` and bandwidths are GB/s: GiB over GB/s."""
 
 
-def axonn_linear_volumes(n: int, k: int, transposed: bool, tokens: float,
-                         grid: tuple[int, int, int, int], grad_acc: int) -> dict[str, float]:
+def axonn_linear_volumes(
+    n: int, k: int, transposed: bool, tokens: float, grid: tuple[int, int, int, int], grad_acc: int
+) -> dict[str, float]:
     """AxoNN's ``model_v2`` volumes (GiB) of one Linear ``[n, k]`` per iteration, as coded.
 
     ``tokens`` = ``B S / (G_data G_z)`` (all micro-batches of one Z slice of one replica). With
@@ -608,8 +752,14 @@ def axonn_linear_volumes(n: int, k: int, transposed: bool, tokens: float,
     return {a: v * AXONN_BYTES / AXONN_GIB for a, v in out.items()}
 
 
-def axonn_comm(model: ModelSpec, machine: Machine, grid: tuple[int, int, int, int],
-               global_batch: int, seq_len: int, grad_acc: int = 1) -> dict[str, float]:
+def axonn_comm(
+    model: ModelSpec,
+    machine: Machine,
+    grid: tuple[int, int, int, int],
+    global_batch: int,
+    seq_len: int,
+    grad_acc: int = 1,
+) -> dict[str, float]:
     """AxoNN's predicted communication seconds per iteration, per axis (and ``total``).
 
     Reproduces Megatron-AxoNN ``examples/comm_model.py`` (``model_v2`` summed over a block's
@@ -634,8 +784,9 @@ def axonn_comm(model: ModelSpec, machine: Machine, grid: tuple[int, int, int, in
     strides = {"x": (1, gx), "y": (gx, gy), "z": (gx * gy, gz), "data": (gx * gy * gz, gd)}
     out = dict.fromkeys(("x", "y", "z", "data"), 0.0)
     for lin in model.linears():
-        vols = axonn_linear_volumes(lin.out_features, lin.in_features, lin.transposed, tokens,
-                                    grid, grad_acc)
+        vols = axonn_linear_volumes(
+            lin.out_features, lin.in_features, lin.transposed, tokens, grid, grad_acc
+        )
         for a, v in vols.items():
             ip, my = strides[a]
             if my > 1:
@@ -645,8 +796,14 @@ def axonn_comm(model: ModelSpec, machine: Machine, grid: tuple[int, int, int, in
     return out
 
 
-def layer_bytes(n: int, k: int, transposed: bool, grid: tuple[int, int, int, int], tokens: int,
-                compute_bytes: int = 2) -> dict[tuple[str, str, str], float]:
+def layer_bytes(
+    n: int,
+    k: int,
+    transposed: bool,
+    grid: tuple[int, int, int, int],
+    tokens: int,
+    compute_bytes: int = 2,
+) -> dict[tuple[str, str, str], float]:
     """Payload bytes of one call of each collective of one Linear ``[n, k]`` on ``grid`` for
     ``tokens`` tokens per rank (the runtime's layout; keys ``(phase, axis, kind)``; size-1 axes
     omitted). A convenience for tests and hand checks."""

@@ -108,13 +108,22 @@ class BlockCompute:
         """One block's backward seconds (dx and dW GEMMs, element-wise backward)."""
         return 2.0 * sum(self.gemm) + sum(self.post_bwd)
 
-    def micro_batch_seconds(self, n_layers: int, checkpointing: bool) -> tuple[float, float,
-                                                                               float]:
+    def micro_batch_seconds(self, n_layers: int, checkpointing: bool) -> tuple[float, float, float]:
         """``(forward, backward, recompute)`` seconds of one micro-batch."""
-        fwd = (n_layers * self.block_fwd + self.embedding_fwd + self.final_norm_fwd + self.head
-               + self.loss_fwd)
-        bwd = (n_layers * self.block_bwd + self.embedding_bwd + self.final_norm_bwd
-               + 2.0 * self.head + self.loss_bwd)
+        fwd = (
+            n_layers * self.block_fwd
+            + self.embedding_fwd
+            + self.final_norm_fwd
+            + self.head
+            + self.loss_fwd
+        )
+        bwd = (
+            n_layers * self.block_bwd
+            + self.embedding_bwd
+            + self.final_norm_bwd
+            + 2.0 * self.head
+            + self.loss_bwd
+        )
         rec = n_layers * self.block_fwd if checkpointing else 0.0
         return fwd, bwd, rec
 
@@ -127,9 +136,17 @@ def _post_slots(model: ModelSpec) -> tuple[int, int]:
     return t[0] - 1, t[1] - 1
 
 
-def block_compute(model: ModelSpec, machine: Machine, grid: tuple[int, int, int, int],
-                  micro_batch: int, seq_len: int, *, local_params: float = 0.0,
-                  linears=None, gemm_efficiency=None) -> BlockCompute:
+def block_compute(
+    model: ModelSpec,
+    machine: Machine,
+    grid: tuple[int, int, int, int],
+    micro_batch: int,
+    seq_len: int,
+    *,
+    local_params: float = 0.0,
+    linears=None,
+    gemm_efficiency=None,
+) -> BlockCompute:
     """Compute times of one rank on ``grid = (G_data, G_z, G_y, G_x)``; see the module doc.
 
     Args:
@@ -152,7 +169,8 @@ def block_compute(model: ModelSpec, machine: Machine, grid: tuple[int, int, int,
     hx, fy = model.hidden / gx, model.ffn_hidden / gy
     qk = (model.q_dim + model.kv_dim) / gy
     att = attention_fwd_flops(model, micro_batch, seq_len, gy) / (
-        peak * machine.attention_efficiency)
+        peak * machine.attention_efficiency
+    )
     rope = 0.0 if model.family == "gpt" else ew["rope_per_qk"] * m * qk / hbm
     act = (ew["act_per_f_gpt"] if model.family == "gpt" else ew["act_per_f_llama"]) * m * fy / hbm
     half_norm = 0.5 * ew["norm_residual_per_h"] * m * hx / hbm
@@ -172,8 +190,12 @@ def block_compute(model: ModelSpec, machine: Machine, grid: tuple[int, int, int,
     vy = model.vocab / gy
     emb_rows = (model.vocab + model.max_positions) / gy
     return BlockCompute(
-        gemm=tuple(gemm), gemm_flops=tuple(flops), post_fwd=tuple(post), post_bwd=tuple(post_b),
-        head=hf / (peak * eff(hf)), head_flops=hf,
+        gemm=tuple(gemm),
+        gemm_flops=tuple(flops),
+        post_fwd=tuple(post),
+        post_bwd=tuple(post_b),
+        head=hf / (peak * eff(hf)),
+        head_flops=hf,
         loss_fwd=ew["loss_fwd_per_logit"] * m * vy / hbm,
         loss_bwd=ew["loss_bwd_per_logit"] * m * vy / hbm,
         embedding_fwd=8.0 * m * hx / hbm,
@@ -190,8 +212,15 @@ def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> f
     return model.flops_per_token(seq_len) * global_batch * seq_len
 
 
-def mfu(model: ModelSpec, machine: Machine, gpus: int, global_batch: int, seq_len: int,
-        step_seconds: float) -> float:
+def mfu(
+    model: ModelSpec,
+    machine: Machine,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    step_seconds: float,
+) -> float:
     """Model FLOPs utilisation: model FLOPs per step / (step time * GPUs * peak)."""
     return model_flops_per_step(model, global_batch, seq_len) / (
-        step_seconds * gpus * machine.peak_flops)
+        step_seconds * gpus * machine.peak_flops
+    )

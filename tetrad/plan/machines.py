@@ -111,17 +111,29 @@ class Machine:
     def with_gemm_efficiency(self, fraction: float) -> Machine:
         """This machine with every GEMM at ``fraction`` of peak (a calibrated constant)."""
         if not 0.0 < fraction <= 1.0:
-            raise PlanError(f"GEMM efficiency {fraction} must lie in (0, 1]: give a fraction "
-                            "of peak such as 0.7")
-        return Machine(self.name, self.gpu, self.gpus_per_node, self.memory_bytes,
-                       self.peak_flops, self.hbm_bytes_per_s, self.network,
-                       ((1.0, fraction), (2.0, fraction)), self.attention_efficiency,
-                       self.description, {**self.sources,
-                                          "gemm_efficiency": f"constant {fraction} (given)"})
+            raise PlanError(
+                f"GEMM efficiency {fraction} must lie in (0, 1]: give a fraction "
+                "of peak such as 0.7"
+            )
+        return Machine(
+            self.name,
+            self.gpu,
+            self.gpus_per_node,
+            self.memory_bytes,
+            self.peak_flops,
+            self.hbm_bytes_per_s,
+            self.network,
+            ((1.0, fraction), (2.0, fraction)),
+            self.attention_efficiency,
+            self.description,
+            {**self.sources, "gemm_efficiency": f"constant {fraction} (given)"},
+        )
 
     def summary(self) -> str:
-        return (f"{self.name}: {self.gpus_per_node}x {self.gpu}, {self.memory_gib:.1f} GiB, "
-                f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16")
+        return (
+            f"{self.name}: {self.gpus_per_node}x {self.gpu}, {self.memory_gib:.1f} GiB, "
+            f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16"
+        )
 
 
 def _presets_dir():
@@ -161,8 +173,10 @@ def parse_machine(raw: dict, name: str) -> Machine:
     table = []
     for e in net.get("intra_table", []):
         if not isinstance(e, dict) or "members" not in e or "gbps" not in e:
-            raise PlanError(f"machine {where}: each network.intra_table entry needs members "
-                            "and gbps (and optionally stride)")
+            raise PlanError(
+                f"machine {where}: each network.intra_table entry needs members "
+                "and gbps (and optionally stride)"
+            )
         table.append((int(e.get("stride", 0)), int(e["members"]), float(e["gbps"])))
     network = Network(
         gpus_per_node=int(gpn),
@@ -175,27 +189,32 @@ def parse_machine(raw: dict, name: str) -> Machine:
     )
     gemm = comp.get("gemm_efficiency")
     if not isinstance(gemm, list) or not gemm:
-        raise PlanError(f"machine {where}: compute.gemm_efficiency must be a list of "
-                        "[flops, fraction] pairs")
+        raise PlanError(
+            f"machine {where}: compute.gemm_efficiency must be a list of [flops, fraction] pairs"
+        )
     try:
         pairs = sorted((float(f), float(e)) for f, e in gemm)
     except (TypeError, ValueError):
-        raise PlanError(f"machine {where}: compute.gemm_efficiency must be a list of "
-                        "[flops, fraction] pairs") from None
+        raise PlanError(
+            f"machine {where}: compute.gemm_efficiency must be a list of [flops, fraction] pairs"
+        ) from None
     if any(f <= 0 or not 0 < e <= 1 for f, e in pairs):
-        raise PlanError(f"machine {where}: gemm_efficiency needs flops > 0 and fractions in "
-                        "(0, 1]")
+        raise PlanError(f"machine {where}: gemm_efficiency needs flops > 0 and fractions in (0, 1]")
     if len(pairs) == 1:
         pairs.append((pairs[0][0] * 10, pairs[0][1]))
     att = _num(comp, "attention_efficiency", where)
     if att > 1:
         raise PlanError(f"machine {where}: attention_efficiency={att} must be at most 1")
     return Machine(
-        name=str(raw.get("name", name)), gpu=str(raw.get("gpu", "GPU")), gpus_per_node=int(gpn),
+        name=str(raw.get("name", name)),
+        gpu=str(raw.get("gpu", "GPU")),
+        gpus_per_node=int(gpn),
         memory_bytes=int(_num(raw, "memory_gib", where) * GIB),
         peak_flops=_num(raw, "peak_tflops", where) * 1e12,
         hbm_bytes_per_s=_num(raw, "hbm_gbps", where) * 1e9,
-        network=network, gemm_table=tuple(pairs), attention_efficiency=att,
+        network=network,
+        gemm_table=tuple(pairs),
+        attention_efficiency=att,
         description=str(raw.get("description", "")),
         sources=dict(raw.get("sources", {})),
     )
@@ -223,14 +242,17 @@ def get_machine(text: str) -> Machine:
             with open(text, encoding="utf-8") as fh:
                 raw_text = fh.read()
         except OSError as e:
-            raise PlanError(f"cannot read machine file {text!r} ({e.strerror}): give a "
-                            f"readable TOML file or one of {', '.join(names)}") from None
+            raise PlanError(
+                f"cannot read machine file {text!r} ({e.strerror}): give a "
+                f"readable TOML file or one of {', '.join(names)}"
+            ) from None
         name = os.path.splitext(os.path.basename(text))[0]
     else:
         near = difflib.get_close_matches(text, names, n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise PlanError(f"unknown machine {text!r}{hint}: use one of {', '.join(names)} "
-                        "or a TOML file")
+        raise PlanError(
+            f"unknown machine {text!r}{hint}: use one of {', '.join(names)} or a TOML file"
+        )
     try:
         raw = tomllib.loads(raw_text)
     except tomllib.TOMLDecodeError as e:

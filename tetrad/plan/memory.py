@@ -105,8 +105,9 @@ def fujii_params_on_first_stage(model: ModelSpec, tp: int, pp: int) -> float:
     """
     per_layer = model.params_per_layer()
     if pp == 1:
-        return ((model.n_layers * per_layer + model.embedding_params() + model.lm_head_params())
-                / tp + model.norm_params())
+        return (
+            model.n_layers * per_layer + model.embedding_params() + model.lm_head_params()
+        ) / tp + model.norm_params()
     return (model.n_layers / pp * per_layer + model.embedding_params()) / tp
 
 
@@ -128,8 +129,9 @@ def fujii_optimizer_bytes(n_params: float, dp: int, cp: int, distributed_optimiz
     return 12.0 * n_params / (dp * cp if distributed_optimizer else 1)
 
 
-def fujii_layer_activation_bytes(model: ModelSpec, tp: int, cp: int, micro_batch: int,
-                                 seq_len: int) -> float:
+def fujii_layer_activation_bytes(
+    model: ModelSpec, tp: int, cp: int, micro_batch: int, seq_len: int
+) -> float:
     """Activation bytes of ONE transformer layer per rank (bf16, FlashAttention, no dropout,
     sequence parallelism; notes section 5).
 
@@ -145,8 +147,9 @@ def fujii_layer_activation_bytes(model: ModelSpec, tp: int, cp: int, micro_batch
     return s * b * (12.0 * h + 4.0 * h * ratio_kv + 8.0 * model.ffn_hidden) / tp
 
 
-def fujii_embedding_input_bytes(model: ModelSpec, tp: int, cp: int, pp: int, micro_batch: int,
-                                seq_len: int) -> float:
+def fujii_embedding_input_bytes(
+    model: ModelSpec, tp: int, cp: int, pp: int, micro_batch: int, seq_len: int
+) -> float:
     """Embedding-input term ``8 (s/c) b h p / t`` (Fujii's code, commented as int64 ids with p
     micro-batches in flight; the factor h is the author's, pinned by his tests; notes
     section 6)."""
@@ -165,8 +168,9 @@ def fujii_pipeline_factor(pp: int, num_microbatches: int | None, virtual_pp: int
     return 1.0
 
 
-def fujii_logits_bytes(model: ModelSpec, tp: int, cp: int, pp: int, micro_batch: int,
-                       seq_len: int) -> float:
+def fujii_logits_bytes(
+    model: ModelSpec, tp: int, cp: int, pp: int, micro_batch: int, seq_len: int
+) -> float:
     """Output layer + cross-entropy, only when ``p = 1``: ``4 (s/c) b (h + V) / t`` (fp32 logits
     plus the final-norm output; notes section 6)."""
     if pp != 1:
@@ -174,10 +178,21 @@ def fujii_logits_bytes(model: ModelSpec, tp: int, cp: int, pp: int, micro_batch:
     return 4.0 * (seq_len / cp) * micro_batch * (model.hidden + model.vocab) / tp
 
 
-def fujii2024(model: ModelSpec, tp: int, cp: int, pp: int, dp: int, micro_batch: int,
-              seq_len: int, gpu_memory_bytes: float, *, grad_bytes: int = 4,
-              distributed_optimizer: bool = True, num_microbatches: int | None = None,
-              virtual_pp: int = 1) -> MemoryBreakdown:
+def fujii2024(
+    model: ModelSpec,
+    tp: int,
+    cp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    seq_len: int,
+    gpu_memory_bytes: float,
+    *,
+    grad_bytes: int = 4,
+    distributed_optimizer: bool = True,
+    num_microbatches: int | None = None,
+    virtual_pp: int = 1,
+) -> MemoryBreakdown:
     """Fujii et al. (arXiv 2411.06465) memory of the first pipeline stage, in bytes.
 
     ``M = N_1 (2 + g + 12/(d c)) + [L A_layer + 8 (s/c) b h p / t] * factor
@@ -190,13 +205,16 @@ def fujii2024(model: ModelSpec, tp: int, cp: int, pp: int, dp: int, micro_batch:
     Raises:
         PlanError: a non-positive size, or ``L`` not divisible by ``p * v``.
     """
-    _positive(tp=tp, cp=cp, pp=pp, dp=dp, micro_batch=micro_batch, seq_len=seq_len,
-              virtual_pp=virtual_pp)
+    _positive(
+        tp=tp, cp=cp, pp=pp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, virtual_pp=virtual_pp
+    )
     if grad_bytes not in (2, 4):
         raise PlanError(f"grad_bytes={grad_bytes}: use 4 (fp32 main grads) or 2 (bf16)")
     if model.n_layers % (pp * virtual_pp):
-        raise PlanError(f"{model.n_layers} layers do not split into pp*virtual_pp = "
-                        f"{pp * virtual_pp} equal stages: choose a divisor of {model.n_layers}")
+        raise PlanError(
+            f"{model.n_layers} layers do not split into pp*virtual_pp = "
+            f"{pp * virtual_pp} equal stages: choose a divisor of {model.n_layers}"
+        )
     n = fujii_params_on_first_stage(model, tp, pp)
     factor = fujii_pipeline_factor(pp, num_microbatches, virtual_pp)
     layers = model.n_layers * fujii_layer_activation_bytes(model, tp, cp, micro_batch, seq_len)
@@ -258,12 +276,17 @@ def grid_problems(model: ModelSpec, grid) -> list[str]:
     need(model.n_kv_heads % gy == 0, f"n_kv_heads={model.n_kv_heads} divisible by G_y={gy}")
     need(model.hidden % gx == 0, f"hidden={model.hidden} divisible by G_x={gx}")
     for lin in [*model.linears(), model.lm_head()]:
-        g_out, g_in, a_out, a_in = (gx, gy, "G_x", "G_y") if lin.transposed else (gy, gx, "G_y",
-                                                                                  "G_x")
-        need(lin.out_features % (g_out * gz) == 0,
-             f"{lin.name} out={lin.out_features} divisible by {a_out}*G_z={g_out * gz}")
-        need(lin.in_features % g_in == 0,
-             f"{lin.name} in={lin.in_features} divisible by {a_in}={g_in}")
+        g_out, g_in, a_out, a_in = (
+            (gx, gy, "G_x", "G_y") if lin.transposed else (gy, gx, "G_y", "G_x")
+        )
+        need(
+            lin.out_features % (g_out * gz) == 0,
+            f"{lin.name} out={lin.out_features} divisible by {a_out}*G_z={g_out * gz}",
+        )
+        need(
+            lin.in_features % g_in == 0,
+            f"{lin.name} in={lin.in_features} divisible by {a_in}={g_in}",
+        )
     need(model.vocab % (gy * gz) == 0, f"vocab={model.vocab} divisible by G_y*G_z={gy * gz}")
     return bad
 
@@ -272,8 +295,11 @@ def check_grid(model: ModelSpec, grid) -> None:
     """Raise :class:`PlanError` listing every size of ``model`` that does not shard on ``grid``."""
     bad = grid_problems(model, grid)
     if bad:
-        raise PlanError(f"{model.name} does not shard on grid {tuple(grid)}: needs "
-                        + "; ".join(bad) + ": change the grid or the model sizes")
+        raise PlanError(
+            f"{model.name} does not shard on grid {tuple(grid)}: needs "
+            + "; ".join(bad)
+            + ": change the grid or the model sizes"
+        )
 
 
 # ---- model states (exact) -------------------------------------------------------------------
@@ -382,8 +408,9 @@ def _mlp_saved_bytes(model: ModelSpec, m: int, gy: int, e: int) -> float:
     return n * e * m * (model.ffn_hidden // gy)
 
 
-def block_saved_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int,
-                      dtype: str = "bf16") -> float:
+def block_saved_bytes(
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
+) -> float:
     """Bytes autograd saves for ONE block on one rank (no checkpointing): two norms with their
     output casts, attention, MLP, and the residual stream (block input and the mid-block sum
     ``h``, both ``[m, h/G_x]`` fp32, counted as the two norms' inputs)."""
@@ -391,10 +418,12 @@ def block_saved_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int,
     e, m, hx = _dtype_bytes(dtype), micro_batch * seq_len, model.hidden // gx
     attn_consumers = 1 if model.family == "gpt" else 3
     mlp_consumers = 1 if model.family == "gpt" else 2
-    return (_norm_saved_bytes(model, m, hx, e, attn_consumers)
-            + _attention_saved_bytes(model, m, seq_len, gy, e)
-            + _norm_saved_bytes(model, m, hx, e, mlp_consumers)
-            + _mlp_saved_bytes(model, m, gy, e))
+    return (
+        _norm_saved_bytes(model, m, hx, e, attn_consumers)
+        + _attention_saved_bytes(model, m, seq_len, gy, e)
+        + _norm_saved_bytes(model, m, hx, e, mlp_consumers)
+        + _mlp_saved_bytes(model, m, gy, e)
+    )
 
 
 def block_input_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int) -> float:
@@ -410,12 +439,14 @@ def embedding_saved_bytes(model: ModelSpec, micro_batch: int, seq_len: int) -> f
     return 9.0 * micro_batch * seq_len
 
 
-def final_norm_saved_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int,
-                           dtype: str = "bf16") -> float:
+def final_norm_saved_bytes(
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
+) -> float:
     """The final norm and the LM head's saved input (one consumer)."""
     _, _, _, gx = _grid(grid)
-    return _norm_saved_bytes(model, micro_batch * seq_len, model.hidden // gx,
-                             _dtype_bytes(dtype), 1)
+    return _norm_saved_bytes(
+        model, micro_batch * seq_len, model.hidden // gx, _dtype_bytes(dtype), 1
+    )
 
 
 def loss_saved_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int) -> float:
@@ -426,9 +457,15 @@ def loss_saved_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int) -> 
     return FP32 * m * (model.vocab // gy) + 9.0 * m
 
 
-def saved_activations(model: ModelSpec, grid, micro_batch: int, seq_len: int, *,
-                      activation_checkpointing: bool = False,
-                      dtype: str = "bf16") -> dict[str, float]:
+def saved_activations(
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    *,
+    activation_checkpointing: bool = False,
+    dtype: str = "bf16",
+) -> dict[str, float]:
     """What autograd holds on one rank at the end of one micro-batch's forward, in bytes.
 
     Returns:
@@ -510,9 +547,18 @@ def step_buffer_bytes(model: ModelSpec, grid, dtype: str = "bf16") -> float:
 # ---- the estimate ---------------------------------------------------------------------------
 
 
-def tetrad(model: ModelSpec, grid, micro_batch: int, seq_len: int, gpu_memory_bytes: float, *,
-           activation_checkpointing: bool = False, dtype: str = "bf16", prefetch: bool = True,
-           async_reduce_scatter: bool = True) -> MemoryBreakdown:
+def tetrad(
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    gpu_memory_bytes: float,
+    *,
+    activation_checkpointing: bool = False,
+    dtype: str = "bf16",
+    prefetch: bool = True,
+    async_reduce_scatter: bool = True,
+) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
 
     ``micro_batch`` is the samples per micro-batch on each (data, z) cell (``m = micro_batch *
@@ -556,8 +602,14 @@ def tetrad(model: ModelSpec, grid, micro_batch: int, seq_len: int, gpu_memory_by
         "gradients": tetrad_gradient_bytes(model, grid),
         "optimizer_states": tetrad_optimizer_bytes(model, grid),
     }
-    saved = saved_activations(model, grid, micro_batch, seq_len,
-                              activation_checkpointing=activation_checkpointing, dtype=dtype)
+    saved = saved_activations(
+        model,
+        grid,
+        micro_batch,
+        seq_len,
+        activation_checkpointing=activation_checkpointing,
+        dtype=dtype,
+    )
     act_all = saved["blocks"] + saved["embedding"] + saved["final_norm"]
     by_size = sorted(model.linears(), key=lambda lin: lin.weight_elements, reverse=True)
     big = by_size[0]
@@ -565,32 +617,52 @@ def tetrad(model: ModelSpec, grid, micro_batch: int, seq_len: int, gpu_memory_by
     w_big = gathered_weight_bytes(big, grid, dtype)
     w_two = sum(gathered_weight_bytes(lin, grid, dtype) for lin in by_size[:2])
     dw_blocks = weight_gradient_bytes(big, grid, dtype) * (
-        2 if async_reduce_scatter and gz > 1 else 1)
+        2 if async_reduce_scatter and gz > 1 else 1
+    )
     logits = float(e * m * vy)
-    zero = {"activations": 0.0, "logits_and_loss": 0.0, "recompute_activations": 0.0,
-            "gathered_weights": 0.0, "reduce_scatter_buffers": 0.0, "step_buffers": 0.0}
+    zero = {
+        "activations": 0.0,
+        "logits_and_loss": 0.0,
+        "recompute_activations": 0.0,
+        "gathered_weights": 0.0,
+        "reduce_scatter_buffers": 0.0,
+        "step_buffers": 0.0,
+    }
     phases = {
-        "forward: LM head": {"activations": act_all, "logits_and_loss": logits,
-                             "gathered_weights": w_head * (2 if prefetch else 1)},
-        "forward: loss": {"activations": act_all,
-                          "logits_and_loss": saved["loss"] + logits + FP32 * m * vy,
-                          "gathered_weights": w_head if prefetch else 0.0},
+        "forward: LM head": {
+            "activations": act_all,
+            "logits_and_loss": logits,
+            "gathered_weights": w_head * (2 if prefetch else 1),
+        },
+        "forward: loss": {
+            "activations": act_all,
+            "logits_and_loss": saved["loss"] + logits + FP32 * m * vy,
+            "gathered_weights": w_head if prefetch else 0.0,
+        },
         "backward: LM head": {
             "activations": act_all,
             "logits_and_loss": saved["loss"] + (logits if e != FP32 else 0.0),
             "gathered_weights": w_head + (w_big if prefetch else 0.0),
-            "reduce_scatter_buffers": weight_gradient_bytes(model.lm_head(), grid, dtype)},
-        "backward: blocks": {"activations": saved["blocks"] + saved["embedding"],
-                             "recompute_activations": saved["recompute"],
-                             "gathered_weights": w_two if prefetch else w_big,
-                             "reduce_scatter_buffers": dw_blocks},
-        "backward: end": {"activations": saved["embedding"],
-                          "reduce_scatter_buffers": end_of_backward_bytes(model, grid)},
+            "reduce_scatter_buffers": weight_gradient_bytes(model.lm_head(), grid, dtype),
+        },
+        "backward: blocks": {
+            "activations": saved["blocks"] + saved["embedding"],
+            "recompute_activations": saved["recompute"],
+            "gathered_weights": w_two if prefetch else w_big,
+            "reduce_scatter_buffers": dw_blocks,
+        },
+        "backward: end": {
+            "activations": saved["embedding"],
+            "reduce_scatter_buffers": end_of_backward_bytes(model, grid),
+        },
         "optimizer step": {"step_buffers": step_buffer_bytes(model, grid, dtype)},
     }
     base = sum(static.values())
     totals = {name: base + sum(terms.values()) for name, terms in phases.items()}
     peak = max(totals, key=lambda k: totals[k])
-    return MemoryBreakdown(components={**static, **zero, **phases[peak]},
-                           gpu_memory_bytes=float(gpu_memory_bytes), peak_phase=peak,
-                           phases=totals)
+    return MemoryBreakdown(
+        components={**static, **zero, **phases[peak]},
+        gpu_memory_bytes=float(gpu_memory_bytes),
+        peak_phase=peak,
+        phases=totals,
+    )

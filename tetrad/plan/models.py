@@ -181,8 +181,12 @@ class ModelSpec:
 
     def num_params(self) -> int:
         """Exact total parameter count."""
-        return (self.n_layers * self.params_per_layer() + self.embedding_params()
-                + self.norm_params() + self.lm_head_params())
+        return (
+            self.n_layers * self.params_per_layer()
+            + self.embedding_params()
+            + self.norm_params()
+            + self.lm_head_params()
+        )
 
     def matmul_params(self) -> int:
         """Weights used in a GEMM per token: block linears (no biases) and the LM head (the
@@ -202,9 +206,11 @@ class ModelSpec:
 
     def summary(self) -> str:
         """One line: name, family, billions of parameters and the sizes."""
-        return (f"{self.name} ({self.family}, {self.num_params() / 1e9:.2f}B): h={self.hidden} "
-                f"L={self.n_layers} heads={self.n_heads}/{self.n_kv_heads} "
-                f"ffn={self.ffn_hidden} V={self.vocab}")
+        return (
+            f"{self.name} ({self.family}, {self.num_params() / 1e9:.2f}B): h={self.hidden} "
+            f"L={self.n_layers} heads={self.n_heads}/{self.n_kv_heads} "
+            f"ffn={self.ffn_hidden} V={self.vocab}"
+        )
 
 
 # ---- presets ---------------------------------------------------------------------------------
@@ -217,12 +223,14 @@ GPT_MAX_POSITIONS = 2048
 
 
 def _gpt(name: str, n_layers: int, hidden: int, n_heads: int) -> ModelSpec:
-    return ModelSpec(name, "gpt", hidden, n_layers, n_heads, n_heads, 4 * hidden, GPT_VOCAB,
-                     GPT_MAX_POSITIONS)
+    return ModelSpec(
+        name, "gpt", hidden, n_layers, n_heads, n_heads, 4 * hidden, GPT_VOCAB, GPT_MAX_POSITIONS
+    )
 
 
-def _llama(name: str, hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int,
-           vocab: int) -> ModelSpec:
+def _llama(
+    name: str, hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, vocab: int
+) -> ModelSpec:
     return ModelSpec(name, "llama", hidden, n_layers, n_heads, n_kv_heads, ffn, vocab)
 
 
@@ -254,12 +262,21 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in _PRESET_LIST}
 
 # Accepted spellings of the size keys: tetrad's ModelConfig names and Hugging Face names.
 _ALIASES = {
-    "dim": "hidden", "hidden_size": "hidden", "h": "hidden",
-    "layers": "n_layers", "num_hidden_layers": "n_layers", "num_layers": "n_layers",
-    "heads": "n_heads", "num_attention_heads": "n_heads",
-    "kv_heads": "n_kv_heads", "num_key_value_heads": "n_kv_heads",
-    "ffn_dim": "ffn_hidden", "intermediate_size": "ffn_hidden", "ffn": "ffn_hidden",
-    "vocab_size": "vocab", "max_position_embeddings": "max_positions",
+    "dim": "hidden",
+    "hidden_size": "hidden",
+    "h": "hidden",
+    "layers": "n_layers",
+    "num_hidden_layers": "n_layers",
+    "num_layers": "n_layers",
+    "heads": "n_heads",
+    "num_attention_heads": "n_heads",
+    "kv_heads": "n_kv_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "ffn_dim": "ffn_hidden",
+    "intermediate_size": "ffn_hidden",
+    "ffn": "ffn_hidden",
+    "vocab_size": "vocab",
+    "max_position_embeddings": "max_positions",
     "tie_word_embeddings": "tied_embeddings",
 }
 _SIZE_KEYS = [f.name for f in fields(ModelSpec) if f.name != "name"]
@@ -302,29 +319,44 @@ def from_hf_config(path: str) -> ModelSpec:
         with open(path, encoding="utf-8") as fh:
             cfg = json.load(fh)
     except (OSError, json.JSONDecodeError) as e:
-        raise PlanError(f"cannot read the model config {path!r} ({e}): give a readable "
-                        "Hugging Face config.json") from None
+        raise PlanError(
+            f"cannot read the model config {path!r} ({e}): give a readable Hugging Face config.json"
+        ) from None
     if not isinstance(cfg, dict):
         raise PlanError(f"{path!r} is not a JSON object: give a Hugging Face config.json")
-    need = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-            "vocab_size"]
+    need = [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "vocab_size",
+    ]
     missing = [k for k in need if k not in cfg]
     if missing:
-        raise PlanError(f"{path!r} lacks {', '.join(missing)}: give a Llama-style config.json "
-                        "or sizes like hidden=4096,n_layers=32,...")
+        raise PlanError(
+            f"{path!r} lacks {', '.join(missing)}: give a Llama-style config.json "
+            "or sizes like hidden=4096,n_layers=32,..."
+        )
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = cfg.get("head_dim")
     if head_dim is not None and heads and int(head_dim) * heads != hidden:
-        raise PlanError(f"{path!r} has head_dim={head_dim} != hidden_size/num_attention_heads: "
-                        "only head_dim * heads == hidden is supported")
+        raise PlanError(
+            f"{path!r} has head_dim={head_dim} != hidden_size/num_attention_heads: "
+            "only head_dim * heads == hidden is supported"
+        )
     name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path)))
     return ModelSpec(
-        name=str(name) or "hf-model", family="llama", hidden=hidden,
-        n_layers=int(cfg["num_hidden_layers"]), n_heads=heads,
+        name=str(name) or "hf-model",
+        family="llama",
+        hidden=hidden,
+        n_layers=int(cfg["num_hidden_layers"]),
+        n_heads=heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        ffn_hidden=int(cfg["intermediate_size"]), vocab=int(cfg["vocab_size"]),
-        max_positions=0, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        ffn_hidden=int(cfg["intermediate_size"]),
+        vocab=int(cfg["vocab_size"]),
+        max_positions=0,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
 
 
@@ -336,8 +368,12 @@ def _from_sizes(base: ModelSpec | None, sizes: dict) -> ModelSpec:
             out = replace(out, name=f"{base.name},{extra}")
         return out
     family = sizes.get("family", "llama")
-    defaults: dict = {"name": "custom", "family": family, "max_positions": 0,
-                      "tied_embeddings": False}
+    defaults: dict = {
+        "name": "custom",
+        "family": family,
+        "max_positions": 0,
+        "tied_embeddings": False,
+    }
     if family == "gpt":
         defaults["max_positions"] = GPT_MAX_POSITIONS
         defaults["vocab"] = GPT_VOCAB
@@ -346,12 +382,13 @@ def _from_sizes(base: ModelSpec | None, sizes: dict) -> ModelSpec:
     if "n_heads" in sizes:
         defaults["n_kv_heads"] = sizes["n_heads"]
     spec = {**defaults, **sizes}
-    missing = [k for k in ("hidden", "n_layers", "n_heads", "ffn_hidden", "vocab")
-               if k not in spec]
+    missing = [k for k in ("hidden", "n_layers", "n_heads", "ffn_hidden", "vocab") if k not in spec]
     if missing:
-        raise PlanError(f"model sizes lack {', '.join(missing)}: give them as key=value "
-                        "(for example hidden=4096,n_layers=32,n_heads=32,ffn_hidden=14336,"
-                        "vocab=128256) or start from a preset")
+        raise PlanError(
+            f"model sizes lack {', '.join(missing)}: give them as key=value "
+            "(for example hidden=4096,n_layers=32,n_heads=32,ffn_hidden=14336,"
+            "vocab=128256) or start from a preset"
+        )
     return ModelSpec(**spec)
 
 
@@ -370,8 +407,10 @@ def get_model(text: str) -> ModelSpec:
     """
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     if not parts:
-        raise PlanError(f"no model given: use a preset ({', '.join(PRESETS)}), a config.json "
-                        "path or sizes like hidden=4096,n_layers=32,...")
+        raise PlanError(
+            f"no model given: use a preset ({', '.join(PRESETS)}), a config.json "
+            "path or sizes like hidden=4096,n_layers=32,..."
+        )
     base = None
     if "=" not in parts[0]:
         first = parts.pop(0)
@@ -380,8 +419,10 @@ def get_model(text: str) -> ModelSpec:
         elif first.endswith(".json") or os.path.sep in first or os.path.exists(first):
             base = from_hf_config(first)
         else:
-            raise PlanError(f"unknown model {first!r}{_near(first, PRESETS)}: use one of "
-                            f"{', '.join(PRESETS)}, a config.json path or key=value sizes")
+            raise PlanError(
+                f"unknown model {first!r}{_near(first, PRESETS)}: use one of "
+                f"{', '.join(PRESETS)}, a config.json path or key=value sizes"
+            )
     sizes: dict = {}
     for p in parts:
         if "=" not in p:
@@ -392,7 +433,9 @@ def get_model(text: str) -> ModelSpec:
             sizes["name"] = value
             continue
         if key not in _SIZE_KEYS:
-            raise PlanError(f"unknown model size {key!r}{_near(key, _SIZE_KEYS)}: known sizes "
-                            f"are {', '.join(_SIZE_KEYS)}")
+            raise PlanError(
+                f"unknown model size {key!r}{_near(key, _SIZE_KEYS)}: known sizes "
+                f"are {', '.join(_SIZE_KEYS)}"
+            )
         sizes[key] = _parse_value(key, value)
     return _from_sizes(base, sizes)

@@ -164,8 +164,15 @@ class Network:
         if got is None:
             q, n = placement(stride, size, self.gpus_per_node)
             hop = self.latency_hop_intra_us if n == 1 else self.latency_hop_inter_us
-            got = Link(size, stride, q, n, self.bandwidth_gbps(stride, size) * GB, hop * 1e-6,
-                       self.latency_base_us * 1e-6 if size > 1 else 0.0)
+            got = Link(
+                size,
+                stride,
+                q,
+                n,
+                self.bandwidth_gbps(stride, size) * GB,
+                hop * 1e-6,
+                self.latency_base_us * 1e-6 if size > 1 else 0.0,
+            )
             self._cache[key] = got
         return got
 
@@ -173,5 +180,10 @@ class Network:
         """Links of the axes of a 4D grid ``(G_data, G_z, G_y, G_x)`` (X innermost) and of the
         whole world."""
         d, z, y, x = grid
-        return {"x": self.link(1, x), "y": self.link(x, y), "z": self.link(x * y, z),
-                "data": self.link(x * y * z, d), "world": self.link(1, d * z * y * x)}
+        return {
+            "x": self.link(1, x),
+            "y": self.link(x, y),
+            "z": self.link(x * y, z),
+            "data": self.link(x * y * z, d),
+            "world": self.link(1, d * z * y * x),
+        }

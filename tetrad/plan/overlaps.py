@@ -24,6 +24,8 @@ def parse_overlaps(text: str | Iterable[str]) -> frozenset[str]:
         return frozenset()
     bad = [n for n in names if n not in OVERLAPS]
     if bad:
-        raise PlanError(f"unknown overlap {bad[0]!r}: use all, none or a comma-separated list "
-                        f"of {', '.join(OVERLAPS)}")
+        raise PlanError(
+            f"unknown overlap {bad[0]!r}: use all, none or a comma-separated list "
+            f"of {', '.join(OVERLAPS)}"
+        )
     return frozenset(names)

@@ -41,10 +41,12 @@ def _tokens(v: float) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]], left: bool = False) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(header)]
-    fmt = "  ".join("{:" + ("<" if i == 0 and left else ">") + str(w) + "}"
-                    for i, w in enumerate(widths))
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)
+    ]
+    fmt = "  ".join(
+        "{:" + ("<" if i == 0 and left else ">") + str(w) + "}" for i, w in enumerate(widths)
+    )
     out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     out += [fmt.format(*r) for r in rows]
     return out
@@ -60,15 +62,35 @@ def rows_table(rows: list[Row]) -> list[str]:
         return []
     classic = rows[0].space == "classic"
     axes = AXES_CLASSIC if classic else AXES_4D
-    head = (["#", "TP,CP,PP,DP" if classic else "D,Z,Y,X", "mb", "acc", "ckpt", "step s",
-             "tok/s", "MFU", "compute"]
-            + [f"exp {a}" for a in axes] + (["bubble"] if classic else [])
-            + ["mem GiB (%)"])
+    head = (
+        [
+            "#",
+            "TP,CP,PP,DP" if classic else "D,Z,Y,X",
+            "mb",
+            "acc",
+            "ckpt",
+            "step s",
+            "tok/s",
+            "MFU",
+            "compute",
+        ]
+        + [f"exp {a}" for a in axes]
+        + (["bubble"] if classic else [])
+        + ["mem GiB (%)"]
+    )
     body = []
     for i, r in enumerate(rows, 1):
-        cells = [str(i), ",".join(str(v) for v in r.grid), str(r.micro_batch), str(r.grad_accum),
-                 "on" if r.activation_checkpointing else "off", f"{r.step_s:.3g}",
-                 _tokens(r.tokens_per_s), f"{100 * r.mfu:.1f}%", _fmt_s(r.compute_s)]
+        cells = [
+            str(i),
+            ",".join(str(v) for v in r.grid),
+            str(r.micro_batch),
+            str(r.grad_accum),
+            "on" if r.activation_checkpointing else "off",
+            f"{r.step_s:.3g}",
+            _tokens(r.tokens_per_s),
+            f"{100 * r.mfu:.1f}%",
+            _fmt_s(r.compute_s),
+        ]
         cells += [_fmt_s(r.exposed_s.get(a, 0.0)) for a in axes]
         if classic:
             cells.append(_fmt_s(r.other_s.get("pipeline_bubble", 0.0)))
@@ -86,15 +108,26 @@ def memory_table(rows: list[Row]) -> list[str]:
         for k, v in r.memory.components.items():
             if v and k not in comps:
                 comps.append(k)
-    short = {"parameters": "params", "gradients": "grads", "optimizer_states": "optim",
-             "activations": "activ", "logits_and_loss": "logits", "embedding_input": "emb_in",
-             "recompute_activations": "recomp", "gathered_weights": "gathered",
-             "reduce_scatter_buffers": "rs_buf", "step_buffers": "step_buf"}
+    short = {
+        "parameters": "params",
+        "gradients": "grads",
+        "optimizer_states": "optim",
+        "activations": "activ",
+        "logits_and_loss": "logits",
+        "embedding_input": "emb_in",
+        "recompute_activations": "recomp",
+        "gathered_weights": "gathered",
+        "reduce_scatter_buffers": "rs_buf",
+        "step_buffers": "step_buf",
+    }
     head = ["#"] + [short.get(c, c) for c in comps] + ["total", "peak at"]
     body = []
     for i, r in enumerate(rows, 1):
-        body.append([str(i)] + [f"{r.memory.components.get(c, 0.0) / GIB:.2f}" for c in comps]
-                    + [f"{r.memory.total / GIB:.2f}", r.memory.peak_phase or "-"])
+        body.append(
+            [str(i)]
+            + [f"{r.memory.components.get(c, 0.0) / GIB:.2f}" for c in comps]
+            + [f"{r.memory.total / GIB:.2f}", r.memory.peak_phase or "-"]
+        )
     return _table(head, body)
 
 
@@ -119,16 +152,22 @@ def format_result(result: SearchResult) -> str:
     lines += ["", "memory of these (GiB):"] + memory_table(result.rows)
     if "classic" in st and st["classic"]:
         cs = st["classic"]
-        lines += ["", f"classic Megatron-style (TP x CP x PP x DP; Fujii et al. memory): "
-                      f"{cs.get('configs', 0)} configurations, {cs.get('fitting', 0)} fit"]
+        lines += [
+            "",
+            f"classic Megatron-style (TP x CP x PP x DP; Fujii et al. memory): "
+            f"{cs.get('configs', 0)} configurations, {cs.get('fitting', 0)} fit",
+        ]
         if result.classic:
             lines += rows_table(result.classic)
         else:
             lines += ["  none fits (TP*CP is kept within a node and PP must divide the layers)"]
-    lines += ["", "times are seconds per optimizer step per rank; exp = exposed (not hidden) "
-              "communication; acc = micro-batches per step; mb = samples per micro-batch of one "
-              "(data, z) cell (classic: per DP rank); search took "
-              f"{st.get('seconds', 0.0):.2f} s"]
+    lines += [
+        "",
+        "times are seconds per optimizer step per rank; exp = exposed (not hidden) "
+        "communication; acc = micro-batches per step; mb = samples per micro-batch of one "
+        "(data, z) cell (classic: per DP rank); search took "
+        f"{st.get('seconds', 0.0):.2f} s",
+    ]
     return "\n".join(lines)
 
 
@@ -151,14 +190,19 @@ def plot(result: SearchResult, path: str, top: int = 10) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlanError("--plot needs matplotlib: pip install matplotlib") from None
-    rows = (result.rows[:top] + result.classic[:max(0, min(3, top))])
-    labels = [("4D " if r.space == "4d" else "MG ") + ",".join(str(v) for v in r.grid)
-              + f" mb{r.micro_batch}{' ckpt' if r.activation_checkpointing else ''}"
-              for r in rows]
+    rows = result.rows[:top] + result.classic[: max(0, min(3, top))]
+    labels = [
+        ("4D " if r.space == "4d" else "MG ")
+        + ",".join(str(v) for v in r.grid)
+        + f" mb{r.micro_batch}{' ckpt' if r.activation_checkpointing else ''}"
+        for r in rows
+    ]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 3.5))
     ypos = list(range(len(rows)))[::-1]
-    parts = [("compute", lambda r: r.compute_s - r.recompute_s),
-             ("recompute", lambda r: r.recompute_s)]
+    parts = [
+        ("compute", lambda r: r.compute_s - r.recompute_s),
+        ("recompute", lambda r: r.recompute_s),
+    ]
     for a in (*AXES_4D, *AXES_CLASSIC):
         parts.append((f"exposed {a}", lambda r, a=a: r.exposed_s.get(a, 0.0)))
     parts.append(("pipeline bubble", lambda r: r.other_s.get("pipeline_bubble", 0.0)))
@@ -171,8 +215,9 @@ def plot(result: SearchResult, path: str, top: int = 10) -> None:
         left = [x + v for x, v in zip(left, vals, strict=True)]
     ax_t.set_yticks(ypos, labels, fontsize=8)
     ax_t.set_xlabel("seconds per optimizer step")
-    ax_t.set_title(f"{result.inputs['model']} on {result.inputs['gpus']} x "
-                   f"{result.inputs['machine']}")
+    ax_t.set_title(
+        f"{result.inputs['model']} on {result.inputs['gpus']} x {result.inputs['machine']}"
+    )
     ax_t.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=4)
     comps: list[str] = []
     for r in rows:
@@ -193,8 +238,9 @@ def plot(result: SearchResult, path: str, top: int = 10) -> None:
     try:
         fig.savefig(path, dpi=120)
     except OSError as e:
-        raise PlanError(f"cannot write the plot {path!r} ({e.strerror}): choose another "
-                        "--plot path") from None
+        raise PlanError(
+            f"cannot write the plot {path!r} ({e.strerror}): choose another --plot path"
+        ) from None
     finally:
         plt.close(fig)
 
@@ -213,17 +259,27 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
         f"({100 * row.memory.fraction:.0f}% of {inp['gpu_memory_gib']:.1f} GiB).",
     ]
     if model.family != "llama":
-        header.append(f"# NOTE: {model.name} is a {model.family} model; tetrad trains the Llama "
-                      "architecture, so the sizes below build a Llama (SwiGLU with ffn_dim, "
-                      "RMSNorm, RoPE) of the same widths.")
+        header.append(
+            f"# NOTE: {model.name} is a {model.family} model; tetrad trains the Llama "
+            "architecture, so the sizes below build a Llama (SwiGLU with ffn_dim, "
+            "RMSNorm, RoPE) of the same widths."
+        )
     settings = {
-        "grid": f"{d},{z},{y},{x}", "micro_batch": row.micro_batch,
-        "global_batch": inp["global_batch"], "seq_len": inp["seq_len"],
+        "grid": f"{d},{z},{y},{x}",
+        "micro_batch": row.micro_batch,
+        "global_batch": inp["global_batch"],
+        "seq_len": inp["seq_len"],
         "activation_checkpointing": row.activation_checkpointing,
-        "overlap": _overlap_value(inp["overlaps"]), "device": "cuda",
-        "model": {"dim": model.hidden, "n_layers": model.n_layers, "n_heads": model.n_heads,
-                  "n_kv_heads": model.n_kv_heads, "ffn_dim": model.ffn_hidden,
-                  "vocab_size": model.vocab},
+        "overlap": _overlap_value(inp["overlaps"]),
+        "device": "cuda",
+        "model": {
+            "dim": model.hidden,
+            "n_layers": model.n_layers,
+            "n_heads": model.n_heads,
+            "n_kv_heads": model.n_kv_heads,
+            "ffn_dim": model.ffn_hidden,
+            "vocab_size": model.vocab,
+        },
     }
     return "\n".join(header) + "\n" + tomli_w.dumps(settings)
 
@@ -250,28 +306,34 @@ def emit_config(row: Row, model: ModelSpec, result: SearchResult, path: str) -> 
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(text)
     except OSError as e:
-        raise PlanError(f"cannot write {path!r} ({e.strerror}): choose another --emit-config "
-                        "path") from None
+        raise PlanError(
+            f"cannot write {path!r} ({e.strerror}): choose another --emit-config path"
+        ) from None
 
 
-def memory_text(mem: MemoryBreakdown, title: str,
-                hint: str = "raise the parallelism, lower the micro-batch or checkpoint "
-                            "activations") -> str:
+def memory_text(
+    mem: MemoryBreakdown,
+    title: str,
+    hint: str = "raise the parallelism, lower the micro-batch or checkpoint activations",
+) -> str:
     """The text of ``tetrad memory``: components in GiB and % of GPU memory, total, verdict
     (``hint``: what to change when it does not fit)."""
     gpu = mem.gpu_memory_bytes
-    rows = [[k, f"{v / GIB:.2f}", f"{100 * v / gpu:.1f}%"]
-            for k, v in mem.components.items() if v]
+    rows = [[k, f"{v / GIB:.2f}", f"{100 * v / gpu:.1f}%"] for k, v in mem.components.items() if v]
     rows.append(["total", f"{mem.total / GIB:.2f}", f"{100 * mem.fraction:.1f}%"])
     lines = [title] + _table(["component", "GiB", "% of GPU"], rows, left=True)
     if mem.peak_phase:
         lines.append(f"peak during: {mem.peak_phase}")
     limit = FIT_FRACTION * gpu / GIB
     if mem.fits:
-        lines.append(f"fits: {mem.total / GIB:.2f} GiB <= {limit:.2f} GiB (80% of "
-                     f"{gpu / GIB:.1f} GiB; Fujii et al. 2024: never ran out of memory below "
-                     "80%)")
+        lines.append(
+            f"fits: {mem.total / GIB:.2f} GiB <= {limit:.2f} GiB (80% of "
+            f"{gpu / GIB:.1f} GiB; Fujii et al. 2024: never ran out of memory below "
+            "80%)"
+        )
     else:
-        lines.append(f"does NOT fit: {mem.total / GIB:.2f} GiB > {limit:.2f} GiB (80% of "
-                     f"{gpu / GIB:.1f} GiB): {hint}")
+        lines.append(
+            f"does NOT fit: {mem.total / GIB:.2f} GiB > {limit:.2f} GiB (80% of "
+            f"{gpu / GIB:.1f} GiB): {hint}"
+        )
     return "\n".join(lines)

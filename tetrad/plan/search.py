@@ -108,14 +108,18 @@ class Row:
         keys = ("data", "z", "y", "x") if self.space == "4d" else CLASSIC_AXES
         return tuple(self.sizes[k] for k in keys)
 
-    def finish(self, model: ModelSpec, machine: Machine, gpus: int, global_batch: int,
-               seq_len: int) -> Row:
+    def finish(
+        self, model: ModelSpec, machine: Machine, gpus: int, global_batch: int, seq_len: int
+    ) -> Row:
         """Fill in tokens/s, MFU and HFU from ``step_s``; returns self."""
         self.tokens_per_s = global_batch * seq_len / self.step_s
         denom = self.step_s * gpus * machine.peak_flops
         self.mfu = model_flops_per_step(model, global_batch, seq_len) / denom
-        rec = recompute_flops_per_step(model, global_batch, seq_len) \
-            if self.activation_checkpointing else 0.0
+        rec = (
+            recompute_flops_per_step(model, global_batch, seq_len)
+            if self.activation_checkpointing
+            else 0.0
+        )
         self.hfu = self.mfu + rec / denom
         return self
 
@@ -126,14 +130,22 @@ class Row:
 
     def to_dict(self) -> dict:
         return {
-            "space": self.space, "sizes": dict(self.sizes), "micro_batch": self.micro_batch,
+            "space": self.space,
+            "sizes": dict(self.sizes),
+            "micro_batch": self.micro_batch,
             "grad_accum": self.grad_accum,
             "activation_checkpointing": self.activation_checkpointing,
-            "step_s": self.step_s, "compute_s": self.compute_s,
-            "recompute_s": self.recompute_s, "exposed_comm_s": dict(self.exposed_s),
-            "comm_s": dict(self.comm_s), "other_s": dict(self.other_s),
-            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "hfu": self.hfu,
-            "comm_model": self.comm_model, "memory": self.memory.to_dict(),
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "recompute_s": self.recompute_s,
+            "exposed_comm_s": dict(self.exposed_s),
+            "comm_s": dict(self.comm_s),
+            "other_s": dict(self.other_s),
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "comm_model": self.comm_model,
+            "memory": self.memory.to_dict(),
         }
 
 
@@ -154,28 +166,31 @@ class SearchResult:
     inputs: dict
 
     def to_dict(self) -> dict:
-        return {"inputs": dict(self.inputs), "stats": dict(self.stats),
-                "four_d": [r.to_dict() for r in self.rows],
-                "classic": [r.to_dict() for r in self.classic]}
+        return {
+            "inputs": dict(self.inputs),
+            "stats": dict(self.stats),
+            "four_d": [r.to_dict() for r in self.rows],
+            "classic": [r.to_dict() for r in self.classic],
+        }
 
 
 def recompute_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> float:
     """FLOPs of recomputing every block's forward once: ``L (2 N_block + 2 S a d)`` per token
     (the forward third of :meth:`ModelSpec.flops_per_token` without the LM head)."""
     block = sum(lin.count * lin.weight_elements for lin in model.linears())
-    return (model.n_layers * (2.0 * block + 2.0 * seq_len * model.q_dim)
-            * global_batch * seq_len)
+    return model.n_layers * (2.0 * block + 2.0 * seq_len * model.q_dim) * global_batch * seq_len
 
 
 def _check_inputs(model: ModelSpec, gpus: int, global_batch: int, seq_len: int) -> None:
-    for name, v in (("gpus", gpus), ("global batch", global_batch), ("sequence length",
-                                                                      seq_len)):
+    for name, v in (("gpus", gpus), ("global batch", global_batch), ("sequence length", seq_len)):
         if int(v) != v or v < 1:
             raise PlanError(f"{name} {v} must be a positive integer")
     if model.max_positions and seq_len > model.max_positions:
-        raise PlanError(f"--seq-len {seq_len} exceeds {model.name}'s {model.max_positions} "
-                        f"learned positions: use --seq-len <= {model.max_positions} or raise "
-                        "max_positions")
+        raise PlanError(
+            f"--seq-len {seq_len} exceeds {model.name}'s {model.max_positions} "
+            f"learned positions: use --seq-len <= {model.max_positions} or raise "
+            "max_positions"
+        )
 
 
 def _nearby_gpu_counts(model: ModelSpec, gpus: int) -> str:
@@ -195,11 +210,21 @@ def _nearby_gpu_counts(model: ModelSpec, gpus: int) -> str:
 # =============================================================================================
 
 
-def search_4d(model: ModelSpec, machine: Machine, gpus: int, global_batch: int, seq_len: int,
-              *, top: int = 10, checkpointing: tuple[bool, ...] = (False, True),
-              micro_batches: tuple[int, ...] | None = None, overlaps="all",
-              comm_model: str = "tetrad", dtype: str = "bf16",
-              gpu_memory_bytes: float | None = None) -> tuple[list[Row], dict]:
+def search_4d(
+    model: ModelSpec,
+    machine: Machine,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    *,
+    top: int = 10,
+    checkpointing: tuple[bool, ...] = (False, True),
+    micro_batches: tuple[int, ...] | None = None,
+    overlaps="all",
+    comm_model: str = "tetrad",
+    dtype: str = "bf16",
+    gpu_memory_bytes: float | None = None,
+) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting 4D configurations and search statistics.
 
     Args:
@@ -218,13 +243,25 @@ def search_4d(model: ModelSpec, machine: Machine, gpus: int, global_batch: int, 
         raise PlanError(f"comm model {comm_model!r} is unknown: use tetrad or axonn")
     t0 = time.perf_counter()
     mem_bytes = float(gpu_memory_bytes or machine.memory_bytes)
-    ctx = Context(model, machine, seq_len, global_batch, overlaps=overlaps,
-                  compute_bytes=2 if dtype == "bf16" else 4)
+    ctx = Context(
+        model,
+        machine,
+        seq_len,
+        global_batch,
+        overlaps=overlaps,
+        compute_bytes=2 if dtype == "bf16" else 4,
+    )
     prefetch = "prefetch" in ctx.overlaps
     allowed = set(micro_batches) if micro_batches else None
     L = model.n_layers
-    stats = {"grids": 0, "valid_grids": 0, "batch_grids": 0, "candidates": 0, "fitting": 0,
-             "evaluated": 0}
+    stats = {
+        "grids": 0,
+        "valid_grids": 0,
+        "batch_grids": 0,
+        "candidates": 0,
+        "fitting": 0,
+        "evaluated": 0,
+    }
     valid: dict = {}
     cands = []  # (lower bound, grid, b, ckpt)
     limit = memory.FIT_FRACTION * mem_bytes
@@ -249,8 +286,7 @@ def search_4d(model: ModelSpec, machine: Machine, gpus: int, global_batch: int, 
         per_cell = global_batch // (gd * gz)
         sizes = [b for b in divisors(per_cell) if allowed is None or b in allowed]
         for ckpt in checkpointing:
-            peak = _memory_line(model, grid, seq_len, mem_bytes, ckpt, dtype, prefetch,
-                                sizes)
+            peak = _memory_line(model, grid, seq_len, mem_bytes, ckpt, dtype, prefetch, sizes)
             for b in sizes:
                 stats["candidates"] += 1
                 if peak(b) > limit:
@@ -260,20 +296,26 @@ def search_4d(model: ModelSpec, machine: Machine, gpus: int, global_batch: int, 
                 fwd, bwd, rec = comp.micro_batch_seconds(L, ckpt)
                 cands.append(((per_cell // b) * (fwd + bwd + rec), grid, b, ckpt))
     if stats["valid_grids"] == 0:
-        raise PlanError(f"no 4D grid of {gpus} GPUs shards {model.name} (sizes must divide "
-                        f"hidden, heads, FFN and vocabulary): use a GPU count such as "
-                        f"{_nearby_gpu_counts(model, gpus)}")
+        raise PlanError(
+            f"no 4D grid of {gpus} GPUs shards {model.name} (sizes must divide "
+            f"hidden, heads, FFN and vocabulary): use a GPU count such as "
+            f"{_nearby_gpu_counts(model, gpus)}"
+        )
     if stats["batch_grids"] == 0:
         least = min(g[0] * g[1] for g in factorizations(gpus, 4) if valid.get(g[1:]))
-        raise PlanError(f"global batch {global_batch} does not split over G_data*G_z on any grid "
-                        f"of {gpus} GPUs that shards {model.name} (the smallest G_data*G_z is "
-                        f"{least}): use a --global-batch that is a multiple of {least}, or "
-                        f"--gpus {_nearby_gpu_counts(model, gpus).split(',')[0]}")
+        raise PlanError(
+            f"global batch {global_batch} does not split over G_data*G_z on any grid "
+            f"of {gpus} GPUs that shards {model.name} (the smallest G_data*G_z is "
+            f"{least}): use a --global-batch that is a multiple of {least}, or "
+            f"--gpus {_nearby_gpu_counts(model, gpus).split(',')[0]}"
+        )
     if not cands:
-        raise PlanError(f"no 4D configuration of {model.name} fits under 80% of "
-                        f"{mem_bytes / 2**30:.0f} GiB per GPU on {gpus} GPUs (batch "
-                        f"{global_batch} x {seq_len}): use more --gpus, a shorter --seq-len, "
-                        "a smaller model or a machine with more memory")
+        raise PlanError(
+            f"no 4D configuration of {model.name} fits under 80% of "
+            f"{mem_bytes / 2**30:.0f} GiB per GPU on {gpus} GPUs (batch "
+            f"{global_batch} x {seq_len}): use more --gpus, a shorter --seq-len, "
+            "a smaller model or a machine with more memory"
+        )
     cands.sort(key=lambda c: c[0])
     best: list = []  # max-heap of (-step, seq, row-data) of size top
     for seq, (lb, grid, b, ckpt) in enumerate(cands):
@@ -298,41 +340,93 @@ def search_4d(model: ModelSpec, machine: Machine, gpus: int, global_batch: int, 
     rows = []
     for neg, _, (grid, b, ckpt, est) in sorted(best, key=lambda t: (-t[0], t[1])):
         step = -neg
-        mem = memory.tetrad(model, grid, b, seq_len, mem_bytes, activation_checkpointing=ckpt,
-                            dtype=dtype, prefetch=prefetch)
+        mem = memory.tetrad(
+            model,
+            grid,
+            b,
+            seq_len,
+            mem_bytes,
+            activation_checkpointing=ckpt,
+            dtype=dtype,
+            prefetch=prefetch,
+        )
         if comm_model == "tetrad":
             est = estimate(ctx, grid, b, ckpt)  # with the optimizer term (local params)
-            compute_s, rec_s, exposed, comm_s, acc = (est.compute_s, est.recompute_s,
-                                                      est.exposed_s, est.comm_s, est.grad_accum)
+            compute_s, rec_s, exposed, comm_s, acc = (
+                est.compute_s,
+                est.recompute_s,
+                est.exposed_s,
+                est.comm_s,
+                est.grad_accum,
+            )
             step = est.step_s
         else:
             ax, compute_s, rec_s, acc = est
             exposed = {a: ax.get(a, 0.0) for a in AXES}
             comm_s = dict(exposed)
-        rows.append(Row("4d", dict(zip(("data", "z", "y", "x"), grid, strict=True)), b, acc,
-                        ckpt, step, compute_s, rec_s, exposed, comm_s, 0.0, 0.0, mem,
-                        comm_model).finish(model, machine, gpus, global_batch, seq_len))
+        rows.append(
+            Row(
+                "4d",
+                dict(zip(("data", "z", "y", "x"), grid, strict=True)),
+                b,
+                acc,
+                ckpt,
+                step,
+                compute_s,
+                rec_s,
+                exposed,
+                comm_s,
+                0.0,
+                0.0,
+                mem,
+                comm_model,
+            ).finish(model, machine, gpus, global_batch, seq_len)
+        )
     rows.sort(key=lambda r: r.step_s)
     stats["seconds"] = time.perf_counter() - t0
     return rows, stats
 
 
-def _memory_line(model: ModelSpec, grid, seq_len: int, mem_bytes: float, ckpt: bool, dtype: str,
-                 prefetch: bool, sizes: list[int]):
+def _memory_line(
+    model: ModelSpec,
+    grid,
+    seq_len: int,
+    mem_bytes: float,
+    ckpt: bool,
+    dtype: str,
+    prefetch: bool,
+    sizes: list[int],
+):
     """``b -> peak bytes`` of :func:`tetrad.plan.memory.tetrad` from two evaluations: every
     phase's total is affine in the micro-batch (activations, logits and recompute sets grow with
     ``m``; weights, gathered blocks and step buffers do not), so the peak is the maximum of the
     phases' lines. ``inf`` for every ``b`` when ``b = 1`` already does not fit."""
     if not sizes:
         return lambda b: float("inf")
-    lo = memory.tetrad(model, grid, 1, seq_len, mem_bytes, activation_checkpointing=ckpt,
-                       dtype=dtype, prefetch=prefetch)
+    lo = memory.tetrad(
+        model,
+        grid,
+        1,
+        seq_len,
+        mem_bytes,
+        activation_checkpointing=ckpt,
+        dtype=dtype,
+        prefetch=prefetch,
+    )
     if not lo.fits:
         return lambda b: float("inf")
     if sizes[-1] == 1:
         return lambda b: lo.total
-    hi = memory.tetrad(model, grid, 2, seq_len, mem_bytes, activation_checkpointing=ckpt,
-                       dtype=dtype, prefetch=prefetch)
+    hi = memory.tetrad(
+        model,
+        grid,
+        2,
+        seq_len,
+        mem_bytes,
+        activation_checkpointing=ckpt,
+        dtype=dtype,
+        prefetch=prefetch,
+    )
     lines = [(lo.phases[k], hi.phases[k] - lo.phases[k]) for k in lo.phases]
     return lambda b: max(a + (b - 1) * s for a, s in lines)
 
@@ -342,15 +436,33 @@ def _memory_line(model: ModelSpec, grid, seq_len: int, mem_bytes: float, ckpt: b
 # =============================================================================================
 
 
-def classic_memory(model: ModelSpec, tp: int, cp: int, pp: int, dp: int, micro_batch: int,
-                   seq_len: int, gpu_memory_bytes: float, num_microbatches: int,
-                   checkpointing: bool) -> memory.MemoryBreakdown:
+def classic_memory(
+    model: ModelSpec,
+    tp: int,
+    cp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    seq_len: int,
+    gpu_memory_bytes: float,
+    num_microbatches: int,
+    checkpointing: bool,
+) -> memory.MemoryBreakdown:
     """:func:`tetrad.plan.memory.fujii2024`; with full recomputation the stored activations of a
     layer become its input, ``2 (s/c) b h / t`` bytes with sequence parallelism (Korthikanti et
     al., arXiv 2205.05198, section 4.3/Table 2 "full recompute"), plus one layer's full set while
     it is recomputed."""
-    mem = memory.fujii2024(model, tp, cp, pp, dp, micro_batch, seq_len, gpu_memory_bytes,
-                           num_microbatches=num_microbatches)
+    mem = memory.fujii2024(
+        model,
+        tp,
+        cp,
+        pp,
+        dp,
+        micro_batch,
+        seq_len,
+        gpu_memory_bytes,
+        num_microbatches=num_microbatches,
+    )
     if checkpointing:
         layer = memory.fujii_layer_activation_bytes(model, tp, cp, micro_batch, seq_len)
         factor = memory.fujii_pipeline_factor(pp, num_microbatches, 1)
@@ -359,9 +471,18 @@ def classic_memory(model: ModelSpec, tp: int, cp: int, pp: int, dp: int, micro_b
     return mem
 
 
-def megatron_estimate(model: ModelSpec, machine: Machine, tp: int, cp: int, pp: int, dp: int,
-                      micro_batch: int, seq_len: int, global_batch: int,
-                      checkpointing: bool) -> dict:
+def megatron_estimate(
+    model: ModelSpec,
+    machine: Machine,
+    tp: int,
+    cp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    seq_len: int,
+    global_batch: int,
+    checkpointing: bool,
+) -> dict:
     """A Megatron-LM-style step time (seconds; bf16, sequence parallelism, 1F1B pipeline,
     distributed optimizer). Rank order TP fastest, then CP, DP, PP (Megatron's default
     ``tp-cp-ep-dp-pp``).
@@ -394,13 +515,22 @@ def megatron_estimate(model: ModelSpec, machine: Machine, tp: int, cp: int, pp: 
     for lin in model.linears():
         f = 2.0 * m * lin.out_features * lin.in_features * lin.count / tp
         gemm += f / (peak * eff(f))
-    att = attention_fwd_flops(model, micro_batch, seq_len, tp) / cp / (
-        peak * machine.attention_efficiency)
+    att = (
+        attention_fwd_flops(model, micro_batch, seq_len, tp)
+        / cp
+        / (peak * machine.attention_efficiency)
+    )
     ew = ELEMENTWISE
     act = ew["act_per_f_gpt"] if model.family == "gpt" else ew["act_per_f_llama"]
-    elem = m * (ew["norm_residual_per_h"] * model.hidden / tp
-                + ew["rope_per_qk"] * (model.q_dim + model.kv_dim) / tp
-                + act * model.ffn_hidden / tp) / hbm
+    elem = (
+        m
+        * (
+            ew["norm_residual_per_h"] * model.hidden / tp
+            + ew["rope_per_qk"] * (model.q_dim + model.kv_dim) / tp
+            + act * model.ffn_hidden / tp
+        )
+        / hbm
+    )
     layer_f = gemm + att + elem
     layer_b = 2.0 * gemm + 2.5 * att + ew["backward_factor"] * elem
     hf = 2.0 * m * model.vocab * model.hidden / tp
@@ -426,15 +556,18 @@ def megatron_estimate(model: ModelSpec, machine: Machine, tp: int, cp: int, pp: 
         per_exp["cp"] = ls * (n_f * max(0.0, t_f_kv - att) + max(0.0, t_b_kv - 2.5 * att))
     if pp > 1:  # one activation forward, one gradient backward
         lp = net.link(tp * cp * dp, 2)
-        per["pp"] = per_exp["pp"] = 2.0 * (lp.base_latency
-                                           + m * model.hidden / tp * c / lp.bandwidth)
+        per["pp"] = per_exp["pp"] = 2.0 * (
+            lp.base_latency + m * model.hidden / tp * c / lp.bandwidth
+        )
     per_mb = t_f + t_b + t_r + sum(per_exp.values())
     bubble = (pp - 1) * per_mb
     comm = {a: acc * v for a, v in per.items()}
     exposed = {a: acc * v for a, v in per_exp.items()}
     # DP x CP distributed optimizer: the stage's parameters, fp32 gradients, bf16 parameters
-    n_local = (model.n_layers * model.params_per_layer() / pp
-               + max(model.embedding_params(), model.lm_head_params())) / tp
+    n_local = (
+        model.n_layers * model.params_per_layer() / pp
+        + max(model.embedding_params(), model.lm_head_params())
+    ) / tp
     groups = dp * cp
     if groups > 1:
         ldp = net.link(tp, groups)
@@ -445,14 +578,29 @@ def megatron_estimate(model: ModelSpec, machine: Machine, tp: int, cp: int, pp: 
     opt = ew["optimizer_per_param"] * n_local / groups / hbm
     compute = acc * (t_f + t_b + t_r) + opt
     step = compute + sum(exposed.values()) + bubble
-    return {"step_s": step, "compute_s": compute, "recompute_s": acc * t_r,
-            "exposed": exposed, "comm": comm, "bubble_s": bubble, "grad_accum": acc}
+    return {
+        "step_s": step,
+        "compute_s": compute,
+        "recompute_s": acc * t_r,
+        "exposed": exposed,
+        "comm": comm,
+        "bubble_s": bubble,
+        "grad_accum": acc,
+    }
 
 
-def search_classic(model: ModelSpec, machine: Machine, gpus: int, global_batch: int,
-                   seq_len: int, *, top: int = 10, checkpointing: tuple[bool, ...] = (False, True),
-                   micro_batches: tuple[int, ...] | None = None,
-                   gpu_memory_bytes: float | None = None) -> tuple[list[Row], dict]:
+def search_classic(
+    model: ModelSpec,
+    machine: Machine,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    *,
+    top: int = 10,
+    checkpointing: tuple[bool, ...] = (False, True),
+    micro_batches: tuple[int, ...] | None = None,
+    gpu_memory_bytes: float | None = None,
+) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting Megatron-style configurations (empty if none fits)."""
     _check_inputs(model, gpus, global_batch, seq_len)
     t0 = time.perf_counter()
@@ -462,8 +610,13 @@ def search_classic(model: ModelSpec, machine: Machine, gpus: int, global_batch: 
     stats = {"configs": 0, "fitting": 0}
     rows: list[Row] = []
     for tp in divisors(gpus):
-        if (tp > gpn or model.n_heads % tp or model.n_kv_heads % tp or model.ffn_hidden % tp
-                or model.hidden % tp):
+        if (
+            tp > gpn
+            or model.n_heads % tp
+            or model.n_kv_heads % tp
+            or model.ffn_hidden % tp
+            or model.hidden % tp
+        ):
             continue
         for cp in divisors(gpus // tp):
             if tp * cp > gpn or seq_len % (2 * cp) and cp > 1:
@@ -480,51 +633,103 @@ def search_classic(model: ModelSpec, machine: Machine, gpus: int, global_batch: 
                             continue
                         stats["configs"] += 1
                         acc = global_batch // (dp * b)
-                        mem = classic_memory(model, tp, cp, pp, dp, b, seq_len, mem_bytes, acc,
-                                             ckpt)
+                        mem = classic_memory(
+                            model, tp, cp, pp, dp, b, seq_len, mem_bytes, acc, ckpt
+                        )
                         if not mem.fits:
                             break
                         stats["fitting"] += 1
-                        est = megatron_estimate(model, machine, tp, cp, pp, dp, b, seq_len,
-                                                global_batch, ckpt)
+                        est = megatron_estimate(
+                            model, machine, tp, cp, pp, dp, b, seq_len, global_batch, ckpt
+                        )
                         step = est["step_s"]
-                        rows.append(Row(
-                            "classic", {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, b, acc, ckpt,
-                            step, est["compute_s"], est["recompute_s"], est["exposed"],
-                            est["comm"], 0.0, 0.0, mem, "megatron",
-                            {"pipeline_bubble": est["bubble_s"]}).finish(
-                                model, machine, gpus, global_batch, seq_len))
+                        rows.append(
+                            Row(
+                                "classic",
+                                {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
+                                b,
+                                acc,
+                                ckpt,
+                                step,
+                                est["compute_s"],
+                                est["recompute_s"],
+                                est["exposed"],
+                                est["comm"],
+                                0.0,
+                                0.0,
+                                mem,
+                                "megatron",
+                                {"pipeline_bubble": est["bubble_s"]},
+                            ).finish(model, machine, gpus, global_batch, seq_len)
+                        )
     rows.sort(key=lambda r: r.step_s)
     stats["seconds"] = time.perf_counter() - t0
     return rows[:top], stats
 
 
-def plan(model: ModelSpec, machine: Machine, gpus: int, global_batch: int, seq_len: int, *,
-         top: int = 10, checkpointing: tuple[bool, ...] = (False, True),
-         micro_batches: tuple[int, ...] | None = None, overlaps="all",
-         comm_model: str = "tetrad", classic: bool = True, dtype: str = "bf16",
-         gpu_memory_bytes: float | None = None) -> SearchResult:
+def plan(
+    model: ModelSpec,
+    machine: Machine,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    *,
+    top: int = 10,
+    checkpointing: tuple[bool, ...] = (False, True),
+    micro_batches: tuple[int, ...] | None = None,
+    overlaps="all",
+    comm_model: str = "tetrad",
+    classic: bool = True,
+    dtype: str = "bf16",
+    gpu_memory_bytes: float | None = None,
+) -> SearchResult:
     """Both searches; see :func:`search_4d` and :func:`search_classic`.
 
     Raises:
         PlanError: bad inputs, or no 4D configuration at all (message says what to change).
     """
     t0 = time.perf_counter()
-    rows, stats = search_4d(model, machine, gpus, global_batch, seq_len, top=top,
-                            checkpointing=checkpointing, micro_batches=micro_batches,
-                            overlaps=overlaps, comm_model=comm_model, dtype=dtype,
-                            gpu_memory_bytes=gpu_memory_bytes)
+    rows, stats = search_4d(
+        model,
+        machine,
+        gpus,
+        global_batch,
+        seq_len,
+        top=top,
+        checkpointing=checkpointing,
+        micro_batches=micro_batches,
+        overlaps=overlaps,
+        comm_model=comm_model,
+        dtype=dtype,
+        gpu_memory_bytes=gpu_memory_bytes,
+    )
     crow, cstats = ([], {})
     if classic:
-        crow, cstats = search_classic(model, machine, gpus, global_batch, seq_len, top=top,
-                                      checkpointing=checkpointing, micro_batches=micro_batches,
-                                      gpu_memory_bytes=gpu_memory_bytes)
-    inputs = {"model": model.name, "model_summary": model.summary(), "machine": machine.name,
-              "machine_summary": machine.summary(), "gpus": gpus, "global_batch": global_batch,
-              "seq_len": seq_len, "overlaps": sorted(Context(model, machine, seq_len,
-                                                             global_batch,
-                                                             overlaps=overlaps).overlaps),
-              "comm_model": comm_model, "dtype": dtype,
-              "gpu_memory_gib": (gpu_memory_bytes or machine.memory_bytes) / 2**30}
+        crow, cstats = search_classic(
+            model,
+            machine,
+            gpus,
+            global_batch,
+            seq_len,
+            top=top,
+            checkpointing=checkpointing,
+            micro_batches=micro_batches,
+            gpu_memory_bytes=gpu_memory_bytes,
+        )
+    inputs = {
+        "model": model.name,
+        "model_summary": model.summary(),
+        "machine": machine.name,
+        "machine_summary": machine.summary(),
+        "gpus": gpus,
+        "global_batch": global_batch,
+        "seq_len": seq_len,
+        "overlaps": sorted(
+            Context(model, machine, seq_len, global_batch, overlaps=overlaps).overlaps
+        ),
+        "comm_model": comm_model,
+        "dtype": dtype,
+        "gpu_memory_gib": (gpu_memory_bytes or machine.memory_bytes) / 2**30,
+    }
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
     return SearchResult(rows, crow, all_stats, inputs)

@@ -124,27 +124,69 @@ def settings(device: str, quick: bool) -> Settings:
     kib, mib = 1 << 10, 1 << 20
     if device == "cuda":
         if quick:
-            return Settings(((1024, 1024, 1024), (4096, 4096, 4096), (8192, 1024, 1024)),
-                            256 * mib, (2, 16, 1024, 128), (1 * kib, 1 * mib, 64 * mib),
-                            0.01, 2, 200)
+            return Settings(
+                ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 1024, 1024)),
+                256 * mib,
+                (2, 16, 1024, 128),
+                (1 * kib, 1 * mib, 64 * mib),
+                0.01,
+                2,
+                200,
+            )
         squares = tuple((n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192))
-        skinny = ((8192, 1024, 1024), (16384, 4096, 1024), (16384, 1024, 4096),
-                  (4096, 14336, 4096), (4096, 4096, 14336), (8192, 16032, 4096),
-                  (2048, 512, 4096), (65536, 128, 128))
-        return Settings(squares + skinny, GIB, (4, 32, 2048, 128),
-                        (1 * kib, 16 * kib, 256 * kib, 4 * mib, 32 * mib, 128 * mib, 512 * mib),
-                        0.05, 3, 1000)
+        skinny = (
+            (8192, 1024, 1024),
+            (16384, 4096, 1024),
+            (16384, 1024, 4096),
+            (4096, 14336, 4096),
+            (4096, 4096, 14336),
+            (8192, 16032, 4096),
+            (2048, 512, 4096),
+            (65536, 128, 128),
+        )
+        return Settings(
+            squares + skinny,
+            GIB,
+            (4, 32, 2048, 128),
+            (1 * kib, 16 * kib, 256 * kib, 4 * mib, 32 * mib, 128 * mib, 512 * mib),
+            0.05,
+            3,
+            1000,
+        )
     if quick:
-        return Settings(((128, 128, 128), (256, 256, 256), (1024, 128, 128), (2048, 256, 256)),
-                        8 * mib, (1, 4, 128, 32), (256, 64 * kib, 1 * mib), 0.01, 2, 200)
+        return Settings(
+            ((128, 128, 128), (256, 256, 256), (1024, 128, 128), (2048, 256, 256)),
+            8 * mib,
+            (1, 4, 128, 32),
+            (256, 64 * kib, 1 * mib),
+            0.01,
+            2,
+            200,
+        )
     squares = tuple((n, n, n) for n in (64, 128, 256, 512, 1024, 2048))
-    skinny = ((1024, 256, 256), (1024, 768, 256), (1024, 256, 768), (4096, 256, 256),
-              (4096, 4096, 256), (8192, 128, 128), (256, 2048, 2048), (4096, 64, 64))
-    return Settings(squares + skinny, 64 * mib, (4, 8, 512, 32),
-                    (64, 1 * kib, 16 * kib, 128 * kib, 1 * mib, 4 * mib, 16 * mib), 0.1, 3, 2000)
+    skinny = (
+        (1024, 256, 256),
+        (1024, 768, 256),
+        (1024, 256, 768),
+        (4096, 256, 256),
+        (4096, 4096, 256),
+        (8192, 128, 128),
+        (256, 2048, 2048),
+        (4096, 64, 64),
+    )
+    return Settings(
+        squares + skinny,
+        64 * mib,
+        (4, 8, 512, 32),
+        (64, 1 * kib, 16 * kib, 128 * kib, 1 * mib, 4 * mib, 16 * mib),
+        0.1,
+        3,
+        2000,
+    )
 
 
 # ---- process group ---------------------------------------------------------------------------
+
 
 def _init_process_group(device: str) -> bool:
     """Initialise the default group from the ``torchrun`` environment if needed (NCCL for
@@ -193,8 +235,12 @@ def _cpu_model() -> str:
     return platform.processor() or "CPU"
 
 
-def _time_per_call(fn: Callable[[], object], dev: torch.device, s: Settings,
-                   agree: Callable[[float], float] = float) -> float:
+def _time_per_call(
+    fn: Callable[[], object],
+    dev: torch.device,
+    s: Settings,
+    agree: Callable[[float], float] = float,
+) -> float:
     """Seconds per call of ``fn``: one warm-up call, one call to size the repeats (so that a
     timed region lasts ``min_time_s``), then the best of ``trials`` timed regions.
 
@@ -221,6 +267,7 @@ def _time_per_call(fn: Callable[[], object], dev: torch.device, s: Settings,
 
 # ---- compute ---------------------------------------------------------------------------------
 
+
 def measure_gemms(dev: torch.device, dtype: torch.dtype, s: Settings) -> list[dict]:
     """Achieved FLOP/s of ``[m, k] @ [k, n]`` for each shape of ``s``: dicts with ``m, n, k,
     flops`` (``2 m n k``), ``seconds`` (one GEMM) and ``flops_per_s``."""
@@ -231,8 +278,9 @@ def measure_gemms(dev: torch.device, dtype: torch.dtype, s: Settings) -> list[di
         c = torch.empty(m, n, device=dev, dtype=dtype)
         sec = _time_per_call(lambda a=a, b=b, c=c: torch.matmul(a, b, out=c), dev, s)
         flops = 2.0 * m * n * k
-        out.append({"m": m, "n": n, "k": k, "flops": flops, "seconds": sec,
-                    "flops_per_s": flops / sec})
+        out.append(
+            {"m": m, "n": n, "k": k, "flops": flops, "seconds": sec, "flops_per_s": flops / sec}
+        )
         del a, b, c
     return out
 
@@ -251,8 +299,7 @@ def measure_attention(dev: torch.device, dtype: torch.dtype, s: Settings) -> tup
     (:func:`tetrad.plan.compute.attention_fwd_flops`: forward ``2 b S^2 d a``, backward 2.5x),
     and the shape used."""
     b, a, seq, d = s.attention
-    q, k, v = (torch.randn(b, a, seq, d, device=dev).to(dtype).requires_grad_()
-               for _ in range(3))
+    q, k, v = (torch.randn(b, a, seq, d, device=dev).to(dtype).requires_grad_() for _ in range(3))
     grad = torch.randn(b, a, seq, d, device=dev).to(dtype)
 
     def step() -> None:
@@ -262,8 +309,14 @@ def measure_attention(dev: torch.device, dtype: torch.dtype, s: Settings) -> tup
 
     sec = _time_per_call(step, dev, s)
     flops = 3.5 * 2.0 * b * seq * seq * d * a
-    return flops / sec, {"batch": b, "heads": a, "seq_len": seq, "head_dim": d,
-                         "seconds": sec, "flops": flops}
+    return flops / sec, {
+        "batch": b,
+        "heads": a,
+        "seq_len": seq,
+        "head_dim": d,
+        "seconds": sec,
+        "flops": flops,
+    }
 
 
 def efficiency_table(gemms: list[dict], peak: float) -> list[list[float]]:
@@ -283,18 +336,27 @@ def efficiency_table(gemms: list[dict], peak: float) -> list[list[float]]:
 
 # ---- collectives -----------------------------------------------------------------------------
 
+
 def layouts(world: int) -> list[tuple[int, int]]:
     """``(stride, size)`` of every grid-axis group layout of ``world`` ranks: ``size > 1`` and
     ``stride * size`` dividing ``world`` (stride 1 first)."""
-    return [(st, g) for g in range(2, world + 1) if world % g == 0
-            for st in range(1, world // g + 1) if (world // g) % st == 0]
+    return [
+        (st, g)
+        for g in range(2, world + 1)
+        if world % g == 0
+        for st in range(1, world // g + 1)
+        if (world // g) % st == 0
+    ]
 
 
 def group_ranks(stride: int, size: int, world: int) -> list[list[int]]:
     """The groups ``{base + i * stride : i < size}`` that partition ``range(world)``."""
     block = stride * size
-    return [[outer * block + i * stride + inner for i in range(size)]
-            for outer in range(world // block) for inner in range(stride)]
+    return [
+        [outer * block + i * stride + inner for i in range(size)]
+        for outer in range(world // block)
+        for inner in range(stride)
+    ]
 
 
 def hops(kind: str, size: int) -> int:
@@ -332,6 +394,7 @@ def measure_collectives(dev: torch.device, s: Settings) -> list[dict]:
                 elems = -(-payload // (4 * size)) * size
                 buf = torch.zeros(elems, dtype=torch.float32, device=dev)
                 if kind == ALL_REDUCE:
+
                     def fn(buf=buf, pg=mine):
                         dist.all_reduce(buf, group=pg)
                 else:
@@ -339,12 +402,20 @@ def measure_collectives(dev: torch.device, s: Settings) -> list[dict]:
 
                     def fn(buf=buf, inp=inp, pg=mine):
                         dist.all_gather_single(buf, inp, group=pg)
+
                 dist.barrier()
                 sec = _time_per_call(fn, dev, s, world_max)
                 nbytes = elems * 4
-                out.append({"kind": kind, "stride": stride, "members": size,
-                            "payload_bytes": nbytes,
-                            "ring_bytes": ring_bytes(kind, nbytes, size), "seconds": sec})
+                out.append(
+                    {
+                        "kind": kind,
+                        "stride": stride,
+                        "members": size,
+                        "payload_bytes": nbytes,
+                        "ring_bytes": ring_bytes(kind, nbytes, size),
+                        "seconds": sec,
+                    }
+                )
         dist.barrier()
         for pg in made:
             dist.destroy_process_group(pg)
@@ -401,6 +472,7 @@ def fit_latency(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 # ---- the machine file ------------------------------------------------------------------------
 
+
 def _sig(x: float, digits: int = 4) -> float:
     """``x`` rounded to ``digits`` significant digits (keeps the TOML readable)."""
     return float(f"{x:.{digits}g}")
@@ -418,8 +490,9 @@ def _check_out(out: str) -> str:
     path = os.path.abspath(out)
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
-        raise CalibrationError(f"output folder {folder!r} does not exist: create it or give "
-                               "another --out")
+        raise CalibrationError(
+            f"output folder {folder!r} does not exist: create it or give another --out"
+        )
     if not os.access(folder, os.W_OK):
         raise CalibrationError(f"output folder {folder!r} is not writable: give another --out")
     return path
@@ -470,8 +543,9 @@ def _calibrate(device: str, out: str, quick: bool) -> dict:
     if rank == 0:
         try:
             if world < 2:
-                raise CalibrationError("calibrate needs at least 2 ranks to measure the "
-                                       "network: use --nproc 2 or more")
+                raise CalibrationError(
+                    "calibrate needs at least 2 ranks to measure the network: use --nproc 2 or more"
+                )
             _check_out(out)
         except CalibrationError as e:
             err = [str(e)]
@@ -495,12 +569,15 @@ def _calibrate(device: str, out: str, quick: bool) -> dict:
         gemms = measure_gemms(dev, dtype, s)
         copy_bps = measure_copy(dev, s)
         att_rate, att_shape = measure_attention(dev, dtype, s)
-        comp = [{"gemms": gemms, "copy": copy_bps, "attention": att_rate,
-                 "attention_shape": att_shape}]
+        comp = [
+            {"gemms": gemms, "copy": copy_bps, "attention": att_rate, "attention_shape": att_shape}
+        ]
     if dev.type == "cuda":
-        rates = torch.tensor([g["flops_per_s"] for g in comp[0]["gemms"]]
-                             + [comp[0]["copy"], comp[0]["attention"]],
-                             dtype=torch.float64, device=dev)
+        rates = torch.tensor(
+            [g["flops_per_s"] for g in comp[0]["gemms"]] + [comp[0]["copy"], comp[0]["attention"]],
+            dtype=torch.float64,
+            device=dev,
+        )
         dist.all_reduce(rates, op=dist.ReduceOp.MIN)
         vals = rates.tolist()
         for g, r in zip(comp[0]["gemms"], vals, strict=False):
@@ -516,10 +593,14 @@ def _calibrate(device: str, out: str, quick: bool) -> dict:
     if rank == 0:
         result = [_describe(dev, out, quick, world, ranks_per_node, cores, threads, comp, colls)]
         path = _check_out(out)
-        text = to_toml(result[0], header=(
-            "Machine description measured by `tetrad calibrate` (tetrad/train/calibrate.py).\n"
-            "Use: tetrad plan --machine FILE ...   Sources of every number: [sources].\n"
-            "[calibration] holds the raw measurements (the planner ignores it)."))
+        text = to_toml(
+            result[0],
+            header=(
+                "Machine description measured by `tetrad calibrate` (tetrad/train/calibrate.py).\n"
+                "Use: tetrad plan --machine FILE ...   Sources of every number: [sources].\n"
+                "[calibration] holds the raw measurements (the planner ignores it)."
+            ),
+        )
         stem = os.path.splitext(os.path.basename(path))[0]
         parse_machine(tomllib.loads(text), stem)  # the planner must accept what we write
         tmp = f"{path}.tmp{os.getpid()}"
@@ -531,8 +612,17 @@ def _calibrate(device: str, out: str, quick: bool) -> dict:
     return result[0]
 
 
-def _describe(dev: torch.device, out: str, quick: bool, world: int, ranks_per_node: int,
-              cores: int, threads: int, comp: dict, colls: list[dict]) -> dict:
+def _describe(
+    dev: torch.device,
+    out: str,
+    quick: bool,
+    world: int,
+    ranks_per_node: int,
+    cores: int,
+    threads: int,
+    comp: dict,
+    colls: list[dict],
+) -> dict:
     """The machine dict from the measurements (rank 0)."""
     date = datetime.date.today().isoformat()
     if dev.type == "cuda":
@@ -551,34 +641,42 @@ def _describe(dev: torch.device, out: str, quick: bool, world: int, ranks_per_no
     if dev.type == "cuda":
         peak = peak_flops(dev)
         if peak:
-            src["peak_tflops"] = (f"{name} datasheet dense bf16 (tetrad.device.GPU_PEAK_FLOPS); "
-                                  f"{pre}: best GEMM {rate / 1e12:.1f} TFLOP/s ({shape})")
+            src["peak_tflops"] = (
+                f"{name} datasheet dense bf16 (tetrad.device.GPU_PEAK_FLOPS); "
+                f"{pre}: best GEMM {rate / 1e12:.1f} TFLOP/s ({shape})"
+            )
         else:
             peak = rate
-            src["peak_tflops"] = (f"{pre}: {name} is not in tetrad.device.GPU_PEAK_FLOPS, so "
-                                  f"the best measured GEMM rate ({shape})")
+            src["peak_tflops"] = (
+                f"{pre}: {name} is not in tetrad.device.GPU_PEAK_FLOPS, so "
+                f"the best measured GEMM rate ({shape})"
+            )
         share = 1.0
     else:
         share = min(cores, world) / world
         peak = rate * share
-        src["peak_tflops"] = (f"{pre}: per-rank peak = best single-rank GEMM rate "
-                              f"{rate / 1e9:.2f} GFLOP/s ({shape}, rank 0 alone) x "
-                              f"min({cores} cores, {world} ranks) / {world} ranks")
+        src["peak_tflops"] = (
+            f"{pre}: per-rank peak = best single-rank GEMM rate "
+            f"{rate / 1e9:.2f} GFLOP/s ({shape}, rank 0 alone) x "
+            f"min({cores} cores, {world} ranks) / {world} ranks"
+        )
     table = efficiency_table(gemms, peak / share)
     src["gemm_efficiency"] = (
         f"{pre}: {len(gemms)} GEMM shapes (square and skinny), median fraction of "
         + ("the datasheet peak" if dev.type == "cuda" else "the best single-rank rate")
-        + " per half decade of FLOPs")
+        + " per half decade of FLOPs"
+    )
     att = min(1.0, max(0.001, comp["attention"] / (peak / share)))
     a = comp["attention_shape"]
     src["attention_efficiency"] = (
         f"{pre}: causal scaled_dot_product_attention forward+backward, b={a['batch']} "
         f"heads={a['heads']} S={a['seq_len']} d={a['head_dim']}, FLOPs as the planner counts "
-        f"them (forward 2 b S^2 d a, backward 2.5x): {comp['attention'] / 1e9:.2f} GFLOP/s")
+        f"them (forward 2 b S^2 d a, backward 2.5x): {comp['attention'] / 1e9:.2f} GFLOP/s"
+    )
     hbm = comp["copy"] * share
-    src["hbm_gbps"] = (f"{pre}: tensor copy, 2 x bytes / time = {comp['copy'] / 1e9:.1f} GB/s"
-                       + ("" if dev.type == "cuda" else
-                          " (rank 0 alone) x min(cores, ranks) / ranks"))
+    src["hbm_gbps"] = f"{pre}: tensor copy, 2 x bytes / time = {comp['copy'] / 1e9:.1f} GB/s" + (
+        "" if dev.type == "cuda" else " (rank 0 alone) x min(cores, ranks) / ranks"
+    )
     mem, how = _device_memory_bytes(dev, ranks_per_node)
     src["memory_gib"] = f"{pre}: {how}"
     src["gpus_per_node"] = f"{pre}: ranks on this node (LOCAL_WORLD_SIZE, else the world)"
@@ -589,31 +687,47 @@ def _describe(dev: torch.device, out: str, quick: bool, world: int, ranks_per_no
         pts = [c for c in colls if c["stride"] == stride and c["members"] == size]
         alphas, bw = fit_alpha_beta(pts)
         q, nodes = placement(stride, size, ranks_per_node)
-        fits.append({"stride": stride, "members": size, "members_per_node": q, "nodes": nodes,
-                     "gbps": _sig(bw / 1e9),
-                     **{f"alpha_{k}_us": _sig(v * 1e6) for k, v in alphas.items()}})
+        fits.append(
+            {
+                "stride": stride,
+                "members": size,
+                "members_per_node": q,
+                "nodes": nodes,
+                "gbps": _sig(bw / 1e9),
+                **{f"alpha_{k}_us": _sig(v * 1e6) for k, v in alphas.items()},
+            }
+        )
     intra = [f for f in fits if f["nodes"] == 1]
     inter = [f for f in fits if f["nodes"] > 1]
     lat_in = [(hops(k, f["members"]), f[f"alpha_{k}_us"] * 1e-6) for f in intra for k in KINDS]
     base, hop_in = fit_latency(lat_in)
     whole = [f for f in intra if f["stride"] == 1 and f["members"] == min(ranks_per_node, world)]
     intra_gbps = whole[0]["gbps"] if whole else max((f["gbps"] for f in intra), default=0.0)
-    net_src = (f"{pre}: all-reduce and all-gather of {len(colls) // max(1, len(fits) * 2)} "
-               "payloads per group layout, all groups at once, alpha-beta ring fit")
+    net_src = (
+        f"{pre}: all-reduce and all-gather of {len(colls) // max(1, len(fits) * 2)} "
+        "payloads per group layout, all groups at once, alpha-beta ring fit"
+    )
     if intra:
-        src["intra_node_gbps"] = (f"{net_src}: the stride-1 group of {whole[0]['members']} "
-                                  "ranks" if whole else f"{net_src}: the best in-node group")
+        src["intra_node_gbps"] = (
+            f"{net_src}: the stride-1 group of {whole[0]['members']} ranks"
+            if whole
+            else f"{net_src}: the best in-node group"
+        )
         src["intra_table"] = f"{net_src}: each in-node (stride, members)"
     if inter:
         inter_pm = min(f["gbps"] / f["members_per_node"] for f in inter)
-        lat_x = [(hops(k, f["members"]), f[f"alpha_{k}_us"] * 1e-6 - base)
-                 for f in inter for k in KINDS]
+        lat_x = [
+            (hops(k, f["members"]), f[f"alpha_{k}_us"] * 1e-6 - base) for f in inter for k in KINDS
+        ]
         num = sum(h * a for h, a in lat_x)
         hop_x = max(0.0, num / sum(h * h for h, _ in lat_x))
-        src["inter_node_gbps_per_member"] = (f"{net_src}: worst group spanning nodes, bandwidth "
-                                             "over its members per node")
-        src["latency"] = (f"{net_src}: per-kind alpha fitted to base + hops x hop (in-node "
-                          "groups), inter-node hop from the groups spanning nodes")
+        src["inter_node_gbps_per_member"] = (
+            f"{net_src}: worst group spanning nodes, bandwidth over its members per node"
+        )
+        src["latency"] = (
+            f"{net_src}: per-kind alpha fitted to base + hops x hop (in-node "
+            "groups), inter-node hop from the groups spanning nodes"
+        )
         if not intra:
             intra_gbps = max(f["gbps"] for f in inter)
             src["intra_node_gbps"] = f"{net_src}: no in-node group measured; the best group"
@@ -622,17 +736,21 @@ def _describe(dev: torch.device, out: str, quick: bool, world: int, ranks_per_no
         hop_x = hop_in
         src["inter_node_gbps_per_member"] = (
             f"{pre}: single node, nothing crosses nodes: set to the worst measured in-node "
-            "bandwidth (not an inter-node measurement)")
-        src["latency"] = (f"{net_src}: per-kind alpha fitted to base + hops x hop; single node: "
-                          "the inter-node hop is set to the in-node one (not measured)")
+            "bandwidth (not an inter-node measurement)"
+        )
+        src["latency"] = (
+            f"{net_src}: per-kind alpha fitted to base + hops x hop; single node: "
+            "the inter-node hop is set to the in-node one (not measured)"
+        )
     network = {
         "intra_node_gbps": _sig(intra_gbps),
         "inter_node_gbps_per_member": _sig(inter_pm),
         "latency_base_us": _sig(base * 1e6),
         "latency_hop_intra_us": _sig(hop_in * 1e6),
         "latency_hop_inter_us": _sig(hop_x * 1e6),
-        "intra_table": [{"stride": f["stride"], "members": f["members"], "gbps": f["gbps"]}
-                        for f in intra],
+        "intra_table": [
+            {"stride": f["stride"], "members": f["members"], "gbps": f["gbps"]} for f in intra
+        ],
     }
     stem = os.path.splitext(os.path.basename(out))[0]
     return {
@@ -647,16 +765,36 @@ def _describe(dev: torch.device, out: str, quick: bool, world: int, ranks_per_no
         "compute": {"gemm_efficiency": table, "attention_efficiency": round(att, 3)},
         "sources": src,
         "calibration": {
-            "date": date, "world": world, "device": dev.type, "device_name": name,
-            "cores": cores, "threads_per_rank": threads, "quick": quick,
-            "gemm": [{"m": g["m"], "n": g["n"], "k": g["k"], "flops": g["flops"],
-                      "seconds": _sig(g["seconds"]), "gflops": _sig(g["flops_per_s"] / 1e9)}
-                     for g in gemms],
+            "date": date,
+            "world": world,
+            "device": dev.type,
+            "device_name": name,
+            "cores": cores,
+            "threads_per_rank": threads,
+            "quick": quick,
+            "gemm": [
+                {
+                    "m": g["m"],
+                    "n": g["n"],
+                    "k": g["k"],
+                    "flops": g["flops"],
+                    "seconds": _sig(g["seconds"]),
+                    "gflops": _sig(g["flops_per_s"] / 1e9),
+                }
+                for g in gemms
+            ],
             "attention_gflops": _sig(comp["attention"] / 1e9),
             "copy_gbps": _sig(comp["copy"] / 1e9),
-            "collectives": [{"kind": c["kind"], "stride": c["stride"], "members": c["members"],
-                             "payload_bytes": c["payload_bytes"],
-                             "seconds": _sig(c["seconds"])} for c in colls],
+            "collectives": [
+                {
+                    "kind": c["kind"],
+                    "stride": c["stride"],
+                    "members": c["members"],
+                    "payload_bytes": c["payload_bytes"],
+                    "seconds": _sig(c["seconds"]),
+                }
+                for c in colls
+            ],
             "fits": fits,
         },
     }
@@ -681,15 +819,18 @@ def summary(result: dict) -> str:
         lines.append(
             f"    G={f['members']} stride={f['stride']} ({where}): {f['gbps']:.4g} GB/s, "
             f"all-reduce {f.get('alpha_all_reduce_us', 0.0):.4g} us, "
-            f"all-gather {f.get('alpha_all_gather_us', 0.0):.4g} us")
-    lines.append(f"  latency: {net['latency_base_us']:.4g} us + {net['latency_hop_intra_us']:.4g} "
-                 "us per ring step")
-    lines.append(f"  wrote {cal.get('path', result['name'])} "
-                 "(use: tetrad plan --machine FILE ...)")
+            f"all-gather {f.get('alpha_all_gather_us', 0.0):.4g} us"
+        )
+    lines.append(
+        f"  latency: {net['latency_base_us']:.4g} us + {net['latency_hop_intra_us']:.4g} "
+        "us per ring step"
+    )
+    lines.append(f"  wrote {cal.get('path', result['name'])} (use: tetrad plan --machine FILE ...)")
     return "\n".join(lines)
 
 
 # ---- command line ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class CalibrateJob:
@@ -709,25 +850,39 @@ def worker(job: CalibrateJob) -> None:
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu (gloo, fp32 GEMMs) or cuda (NCCL, bf16 GEMMs)")
-    p.add_argument("--nproc", type=int, metavar="N",
-                   help="ranks to start (default: the CUDA device count, or 4 on CPU); "
-                   "ignored under torchrun")
-    p.add_argument("--out", default="machine.toml", metavar="FILE",
-                   help="machine TOML to write (default machine.toml)")
-    p.add_argument("--quick", action="store_true",
-                   help="few shapes and payloads: seconds instead of a minute")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (gloo, fp32 GEMMs) or cuda (NCCL, bf16 GEMMs)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="ranks to start (default: the CUDA device count, or 4 on CPU); ignored under torchrun",
+    )
+    p.add_argument(
+        "--out",
+        default="machine.toml",
+        metavar="FILE",
+        help="machine TOML to write (default machine.toml)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="few shapes and payloads: seconds instead of a minute"
+    )
 
 
 def add_command(subparsers) -> None:
     """Register ``calibrate`` on an ``add_subparsers()`` object; dispatch with :func:`run`."""
     p = subparsers.add_parser(
-        "calibrate", help="measure GEMMs and collectives; write a machine TOML for tetrad plan",
+        "calibrate",
+        help="measure GEMMs and collectives; write a machine TOML for tetrad plan",
         description="Measure GEMM throughput, memory bandwidth, attention and collective "
         "bandwidth/latency over grid-like rank groups on this machine, and write a machine "
         "TOML that `tetrad plan --machine FILE` reads. Without torchrun, starts --nproc local "
-        "workers.")
+        "workers.",
+    )
     _add_options(p)
 
 
@@ -752,18 +907,19 @@ def run(args: argparse.Namespace) -> int:
         if nproc is None:
             nproc = gpu_count() if args.device == "cuda" else 4
         if nproc < 2:
-            raise CalibrationError(f"--nproc {nproc}: calibrate needs at least 2 ranks to "
-                                   "measure the network")
+            raise CalibrationError(
+                f"--nproc {nproc}: calibrate needs at least 2 ranks to measure the network"
+            )
         if args.device == "cuda" and gpu_count() < nproc:
-            raise CalibrationError(f"--nproc {nproc} needs {nproc} GPUs, but "
-                                   f"{gpu_count()} are visible")
+            raise CalibrationError(
+                f"--nproc {nproc} needs {nproc} GPUs, but {gpu_count()} are visible"
+            )
     except CalibrationError as e:
         print(f"tetrad: error: {e}", file=sys.stderr)
         return 2
     from tetrad.train.launch import run_local
 
-    print(f"tetrad: calibrating with {nproc} workers ({args.device})", file=sys.stderr,
-          flush=True)
+    print(f"tetrad: calibrating with {nproc} workers ({args.device})", file=sys.stderr, flush=True)
     run_local(CalibrateJob(args.device, out, args.quick), nproc, entrypoint=worker)
     return 0
 

@@ -43,8 +43,10 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         return None
     path = pointer.parent / pointer.read_text().strip()
     if not (path / ".metadata").is_file():
-        raise CheckpointError(f"checkpoint {path} named by {pointer} is missing or incomplete: "
-                              "restore the folder, or delete the pointer to start over")
+        raise CheckpointError(
+            f"checkpoint {path} named by {pointer} is missing or incomplete: "
+            "restore the folder, or delete the pointer to start over"
+        )
     return path
 
 
@@ -62,13 +64,15 @@ class Checkpointer:
         if order not in self._meshes:
             ranks = torch.arange(self.grid.world_size).view(self.grid.sizes)
             perm = [AXES.index(a) for a in order]
-            self._meshes[order] = DeviceMesh(self.grid.device.type, ranks.permute(perm),
-                                             mesh_dim_names=order)
+            self._meshes[order] = DeviceMesh(
+                self.grid.device.type, ranks.permute(perm), mesh_dim_names=order
+            )
         dim_of = {a: d for d, axes in enumerate(placement.split) for a in axes}
         places = [Shard(dim_of[a]) if a in dim_of else Replicate() for a in order]
         full = torch.empty(placement.shape, device="meta")
-        return DTensor.from_local(t, self._meshes[order], places, run_check=False,
-                                  shape=full.shape, stride=full.stride())
+        return DTensor.from_local(
+            t, self._meshes[order], places, run_check=False, shape=full.shape, stride=full.stride()
+        )
 
     def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
         state: dict = {"step": torch.tensor(step)}
@@ -76,8 +80,11 @@ class Checkpointer:
             state[f"model.{name}"] = self._dtensor(p.data, p.placement)
             st = optimizer.state.setdefault(p, {})
             if "exp_avg" not in st:  # before the first step: load into fresh state
-                st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                          exp_avg_sq=torch.zeros_like(p))
+                st.update(
+                    step=torch.tensor(0.0),
+                    exp_avg=torch.zeros_like(p),
+                    exp_avg_sq=torch.zeros_like(p),
+                )
             for k in ("exp_avg", "exp_avg_sq"):
                 state[f"optim.{name}.{k}"] = self._dtensor(st[k], p.placement)
             state[f"optim.{name}.step"] = st["step"]
@@ -109,8 +116,10 @@ class Checkpointer:
             dcp.load(state, checkpoint_id=path)
         except Exception as e:  # DCP raises a CheckpointException carrying every rank's error
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"cannot load checkpoint {path} ({first}): it is corrupt "
-                                  "or from another model; use a fresh --run-dir") from None
+            raise CheckpointError(
+                f"cannot load checkpoint {path} ({first}): it is corrupt "
+                "or from another model; use a fresh --run-dir"
+            ) from None
         for name, p in model.named_parameters():
             p.data.copy_(state[f"model.{name}"].to_local())
             st = optimizer.state[p]

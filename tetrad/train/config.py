@@ -91,8 +91,10 @@ class TrainConfig:
             ConfigError: one line saying which value to change.
         """
         if self.grid == "auto":
-            raise ConfigError("grid 'auto' must be resolved by the planner before training "
-                              "(tetrad train does this; see tetrad.train.auto.choose_grid)")
+            raise ConfigError(
+                "grid 'auto' must be resolved by the planner before training "
+                "(tetrad train does this; see tetrad.train.auto.choose_grid)"
+            )
         d, z, _, _ = self.grid
         shards = d * z * self.micro_batch
         if self.device not in ("cpu", "cuda"):
@@ -128,8 +130,10 @@ class TrainConfig:
         except ValueError:
             a = b = 0
         if not 1 <= a <= b:
-            raise ConfigError(f"profile_steps={self.profile_steps!r} is not A:B with 1 <= A <= B "
-                              "(for example 5:7)")
+            raise ConfigError(
+                f"profile_steps={self.profile_steps!r} is not A:B with 1 <= A <= B "
+                "(for example 5:7)"
+            )
         return a, b
 
     @property

@@ -41,8 +41,10 @@ def read_run_config(run_dir: str | Path) -> dict:
     """
     path = Path(run_dir) / "config.json"
     if not Path(run_dir).is_dir():
-        raise CheckpointError(f"run directory {run_dir} does not exist: pass the --run-dir of a "
-                              "finished `tetrad train`")
+        raise CheckpointError(
+            f"run directory {run_dir} does not exist: pass the --run-dir of a "
+            "finished `tetrad train`"
+        )
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist: {run_dir} is not a tetrad run directory")
     try:
@@ -50,7 +52,7 @@ def read_run_config(run_dir: str | Path) -> dict:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({_first_line(e)})") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model_config"), dict):
-        raise CheckpointError(f"{path} has no \"model_config\" object: is it from tetrad train?")
+        raise CheckpointError(f'{path} has no "model_config" object: is it from tetrad train?')
     return cfg
 
 
@@ -83,8 +85,10 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
         raise CheckpointError(f"bad model_config in {run_dir}/config.json ({e})") from None
     folder = latest_checkpoint(run_dir)
     if folder is None:
-        raise CheckpointError(f"no checkpoint in {run_dir}/checkpoints: train longer, or with "
-                              "--ckpt-every, so that one is written")
+        raise CheckpointError(
+            f"no checkpoint in {run_dir}/checkpoints: train longer, or with "
+            "--ckpt-every, so that one is written"
+        )
 
     from tetrad.models.reference import Llama
 
@@ -98,12 +102,13 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
         raise CheckpointError(
             f"checkpoint {folder} cannot be loaded into model {mcfg} ({_first_line(e)})"
         ) from None
-    model.load_state_dict({k[len("model."):]: v for k, v in state.items()})
+    model.load_state_dict({k[len("model.") :]: v for k, v in state.items()})
     return model.to(device).eval(), tokenizer, run_cfg
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int,
-                generator: torch.Generator) -> int:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator
+) -> int:
     """Sample one token id from ``logits [vocab]``: greedy if ``temperature <= 0``, else
     softmax(logits / temperature) restricted to the ``top_k`` largest (``top_k <= 0``: all)."""
     if temperature <= 0:
@@ -117,9 +122,15 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int,
 
 
 @torch.no_grad()
-def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int = 200,
-             temperature: float = 0.8, top_k: int = 50, seed: int = 0,
-             device: str = "cpu") -> str:
+def generate(
+    run_dir: str | Path,
+    prompt: str = "",
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+    device: str = "cpu",
+) -> str:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens sampled from the run's model.
 
     The model sees at most the last ``seq_len`` tokens (``seq_len`` from ``config.json``,
@@ -151,7 +162,7 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int = 200,
     for _ in range(max_new_tokens):
         x = torch.tensor([ids[-window:]], dtype=torch.long, device=device)
         # the model's vocabulary may be padded past the tokenizer's: never sample padding
-        nxt = sample_next(model(x)[0, -1, :tok.get_vocab_size()], temperature, top_k, gen)
+        nxt = sample_next(model(x)[0, -1, : tok.get_vocab_size()], temperature, top_k, gen)
         if nxt == eot:
             break
         ids.append(nxt)

@@ -76,8 +76,9 @@ def _quiet_torch_logs() -> dict[str, int]:
         return {}
     old = {}
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher",
-                            "torch.multiprocessing")):
+        if name.startswith(
+            ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+        ):
             log = logging.getLogger(name)
             old[name] = log.level
             log.setLevel(logging.CRITICAL)

@@ -40,11 +40,20 @@ def summarize(rows: list[dict], skip: int = 1) -> dict:
 
     axes = [a for a in AXES if any(a in r["comm_bytes"] for r in use)]
     out = {
-        "steps": n, "first_step": use[0]["step"], "last_step": use[-1]["step"],
-        "step_time_s": mean("step_time_s"), "tokens_per_s": mean("tokens_per_s"),
+        "steps": n,
+        "first_step": use[0]["step"],
+        "last_step": use[-1]["step"],
+        "step_time_s": mean("step_time_s"),
+        "tokens_per_s": mean("tokens_per_s"),
         "mfu": mean("mfu"),
-        "axes": {a: {"bytes": mean("comm_bytes", a), "time_s": mean("comm_time_s", a),
-                     "exposed_s": mean("comm_exposed_s", a)} for a in axes},
+        "axes": {
+            a: {
+                "bytes": mean("comm_bytes", a),
+                "time_s": mean("comm_time_s", a),
+                "exposed_s": mean("comm_exposed_s", a),
+            }
+            for a in axes
+        },
     }
     exposed = sum(v["exposed_s"] for v in out["axes"].values())
     out["exposed_s"] = exposed
@@ -68,8 +77,10 @@ def format_report(s: dict) -> str:
     ]
     for axis, v in s["axes"].items():
         hidden = 1 - v["exposed_s"] / v["time_s"] if v["time_s"] else 0.0
-        lines.append(f"  {axis:<6}{v['bytes'] / 1e6:>14.2f}{v['time_s'] * 1e3:>10.1f}"
-                     f"{v['exposed_s'] * 1e3:>12.1f}{100 * hidden:>7.0f}%")
+        lines.append(
+            f"  {axis:<6}{v['bytes'] / 1e6:>14.2f}{v['time_s'] * 1e3:>10.1f}"
+            f"{v['exposed_s'] * 1e3:>12.1f}{100 * hidden:>7.0f}%"
+        )
     return "\n".join(lines)
 
 
@@ -92,10 +103,18 @@ def plot_report(s: dict, path: str | Path) -> None:
     left.legend(fontsize=8)
     axes = list(s["axes"])
     idx = range(len(axes))
-    right.bar([i - 0.2 for i in idx], [s["axes"][a]["time_s"] * 1e3 for a in axes], 0.4,
-              label="issue to completion")
-    right.bar([i + 0.2 for i in idx], [s["axes"][a]["exposed_s"] * 1e3 for a in axes], 0.4,
-              label="exposed (waited)")
+    right.bar(
+        [i - 0.2 for i in idx],
+        [s["axes"][a]["time_s"] * 1e3 for a in axes],
+        0.4,
+        label="issue to completion",
+    )
+    right.bar(
+        [i + 0.2 for i in idx],
+        [s["axes"][a]["exposed_s"] * 1e3 for a in axes],
+        0.4,
+        label="exposed (waited)",
+    )
     right.set_xticks(list(idx), axes)
     right.set_ylabel("ms per step")
     right.set_title("communication per mesh axis")

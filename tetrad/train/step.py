@@ -13,16 +13,19 @@ from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                    eps: float = 1e-8) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8
+) -> torch.optim.AdamW:
     """AdamW over the local shards; weight decay on matrices only (not norms or biases).
 
     AdamW is elementwise, so AdamW on shards equals AdamW on the full tensors.
     """
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": other, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": other, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 
@@ -40,7 +43,7 @@ def local_samples(batch: torch.Tensor, grid: Grid) -> torch.Tensor:
     """This rank's share of a global batch ``[B, ...]``: samples
     ``[r*B/(G_data G_z), (r+1)*B/(G_data G_z))`` with ``r = data*G_z + z``."""
     n = batch.shape[0] // grid.batch_shards
-    return batch[grid.batch_rank * n:(grid.batch_rank + 1) * n]
+    return batch[grid.batch_rank * n : (grid.batch_rank + 1) * n]
 
 
 def autocast(device: torch.device):
@@ -50,8 +53,14 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, grid: Grid,
-               batch: torch.Tensor, micro_batch: int, grad_clip: float) -> tuple[float, float]:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    grid: Grid,
+    batch: torch.Tensor,
+    micro_batch: int,
+    grad_clip: float,
+) -> tuple[float, float]:
     """Forward, backward and update on one global batch.
 
     Args:

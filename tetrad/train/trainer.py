@@ -41,8 +41,10 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
     corpus = prepare_corpus(cfg.data, cfg.tokenizer, cfg.vocab_size, cfg.val_fraction)
     model_cfg = cfg.model_config(corpus.vocab_size)
     if model_cfg.vocab_size < corpus.vocab_size:
-        raise ConfigError(f"model vocab_size={model_cfg.vocab_size} is smaller than the "
-                          f"tokenizer's {corpus.vocab_size}: raise it or drop it from the model")
+        raise ConfigError(
+            f"model vocab_size={model_cfg.vocab_size} is smaller than the "
+            f"tokenizer's {corpus.vocab_size}: raise it or drop it from the model"
+        )
     check_divisible(model_cfg, cfg.grid)
     return corpus, model_cfg
 
@@ -81,11 +83,18 @@ def train(cfg: TrainConfig) -> dict:
     if "domino" in overlaps and not domino_pays(cfg, model_cfg):
         overlaps -= {"domino"}
         if rank0:
-            print(f"tetrad: the planner predicts no gain from the Domino split on "
-                  f"{cfg.machine}: left off")
-    model = Llama(model_cfg, grid, cfg.activation_checkpointing, overlaps,
-                  bucket_bytes=int(cfg.dp_bucket_mb * 2**20),
-                  domino_min_rows=cfg.domino_min_rows)
+            print(
+                f"tetrad: the planner predicts no gain from the Domino split on "
+                f"{cfg.machine}: left off"
+            )
+    model = Llama(
+        model_cfg,
+        grid,
+        cfg.activation_checkpointing,
+        overlaps,
+        bucket_bytes=int(cfg.dp_bucket_mb * 2**20),
+        domino_min_rows=cfg.domino_min_rows,
+    )
     init_parameters(model, cfg.seed, grid)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     ckpt = Checkpointer(run_dir, grid)
@@ -112,17 +121,26 @@ def train(cfg: TrainConfig) -> dict:
     peak = peak[0]
     val = val_batches(corpus.val, cfg.val_batches, cfg.global_batch, cfg.seq_len)
     if rank0:
-        print(f"tetrad: {model_cfg.num_params() / 1e6:.2f}M-parameter Llama on grid {grid} "
-              f"({grid.world_size} ranks, {device_name(grid.device)}), {cfg.grad_accum} "
-              f"micro-batch(es) of {cfg.micro_batch} per step, {tokens_per_step} tokens/step")
-        print(f"tetrad: corpus {corpus.n_files} files, {len(corpus.train):,} train tokens, "
-              f"{len(corpus.val):,} val tokens; unigram entropy {corpus.unigram_entropy:.3f} nats")
+        print(
+            f"tetrad: {model_cfg.num_params() / 1e6:.2f}M-parameter Llama on grid {grid} "
+            f"({grid.world_size} ranks, {device_name(grid.device)}), {cfg.grad_accum} "
+            f"micro-batch(es) of {cfg.micro_batch} per step, {tokens_per_step} tokens/step"
+        )
+        print(
+            f"tetrad: corpus {corpus.n_files} files, {len(corpus.train):,} train tokens, "
+            f"{len(corpus.val):,} val tokens; unigram entropy {corpus.unigram_entropy:.3f} nats"
+        )
         if start:
             print(f"tetrad: resumed from step {start}")
 
     profiler = StepProfiler(cfg.profile_range(), run_dir, grid.device, rank0)
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (rank0 and sys.stderr.isatty()),
-               unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=start,
+        disable=not (rank0 and sys.stderr.isatty()),
+        unit="step",
+        dynamic_ncols=True,
+    )
     metrics_file = (run_dir / "metrics.jsonl").open("a") if rank0 else None
     t_start, val_loss, loss = time.perf_counter(), float("nan"), float("nan")
     for step in range(start, cfg.steps):
@@ -135,20 +153,25 @@ def train(cfg: TrainConfig) -> dict:
         grid.comm.reset()
         model.overlap.counts.clear()
         t0 = time.perf_counter()
-        loss, grad_norm = train_step(model, optimizer, grid, batch, cfg.micro_batch,
-                                     cfg.grad_clip)
+        loss, grad_norm = train_step(model, optimizer, grid, batch, cfg.micro_batch, cfg.grad_clip)
         dt = time.perf_counter() - t0
         comm = grid.comm.reset()
         profiler.after(done)
-        row = {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-               "tokens_per_s": tokens_per_step / dt,
-               "tokens_per_s_per_rank": tokens_per_step / dt / grid.world_size,
-               "mfu": flops_per_step / dt / (peak * grid.world_size) if peak else 0.0,
-               "peak_memory_bytes": peak_memory_bytes(grid.device), "step_time_s": dt,
-               "comm_bytes": {a: s.bytes for a, s in comm.items()},
-               "comm_time_s": {a: s.time_s for a, s in comm.items()},
-               "comm_exposed_s": {a: s.exposed_s for a, s in comm.items()},
-               "overlaps_ran": dict(model.overlap.counts)}
+        row = {
+            "step": done,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / dt,
+            "tokens_per_s_per_rank": tokens_per_step / dt / grid.world_size,
+            "mfu": flops_per_step / dt / (peak * grid.world_size) if peak else 0.0,
+            "peak_memory_bytes": peak_memory_bytes(grid.device),
+            "step_time_s": dt,
+            "comm_bytes": {a: s.bytes for a, s in comm.items()},
+            "comm_time_s": {a: s.time_s for a, s in comm.items()},
+            "comm_exposed_s": {a: s.exposed_s for a, s in comm.items()},
+            "overlaps_ran": dict(model.overlap.counts),
+        }
         if done % cfg.val_every == 0 or done == cfg.steps:
             model.eval()
             val_loss = row["val_loss"] = evaluate(model, grid, val, cfg.micro_batch)
@@ -166,13 +189,22 @@ def train(cfg: TrainConfig) -> dict:
                 bar.write(f"tetrad: checkpoint {path}")
     bar.close()
     profiler.close()
-    summary = {"steps": cfg.steps, "final_loss": loss, "final_val_loss": val_loss,
-               "unigram_entropy": corpus.unigram_entropy,
-               "wall_time_s": time.perf_counter() - t_start, "run_dir": str(run_dir)}
+    summary = {
+        "steps": cfg.steps,
+        "final_loss": loss,
+        "final_val_loss": val_loss,
+        "unigram_entropy": corpus.unigram_entropy,
+        "wall_time_s": time.perf_counter() - t_start,
+        "run_dir": str(run_dir),
+    }
     if rank0:
         metrics_file.close()
-        print("tetrad: done: " + ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+        print(
+            "tetrad: done: "
+            + ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
     return summary
@@ -181,18 +213,21 @@ def train(cfg: TrainConfig) -> dict:
 def _log_line(row: dict) -> str:
     val = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
     exposed = sum(row["comm_exposed_s"].values()) / row["step_time_s"]
-    return (f"step {row['step']:>6} | loss {row['loss']:.4f}{val} | lr {row['lr']:.2e} | "
-            f"{row['tokens_per_s']:,.0f} tok/s ({row['tokens_per_s_per_rank']:,.0f}/rank) | "
-            f"MFU {100 * row['mfu']:.1f}% | mem {row['peak_memory_bytes'] / 2**30:.2f} GiB | "
-            f"comm exposed {100 * exposed:.0f}%")
+    return (
+        f"step {row['step']:>6} | loss {row['loss']:.4f}{val} | lr {row['lr']:.2e} | "
+        f"{row['tokens_per_s']:,.0f} tok/s ({row['tokens_per_s_per_rank']:,.0f}/rank) | "
+        f"MFU {100 * row['mfu']:.1f}% | mem {row['peak_memory_bytes'] / 2**30:.2f} GiB | "
+        f"comm exposed {100 * exposed:.0f}%"
+    )
 
 
 class StepProfiler:
     """``torch.profiler`` over steps ``A..B`` (1-based); rank 0 writes a Chrome trace
     ``RUN_DIR/trace_steps_A-B.json`` (open it in chrome://tracing or Perfetto)."""
 
-    def __init__(self, steps: tuple[int, int] | None, run_dir: Path, device: torch.device,
-                 rank0: bool):
+    def __init__(
+        self, steps: tuple[int, int] | None, run_dir: Path, device: torch.device, rank0: bool
+    ):
         self.steps, self.run_dir, self.rank0, self.prof = steps, run_dir, rank0, None
         acts = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
