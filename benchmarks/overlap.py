@@ -20,8 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tetrad.spec import COMM_AXES
+
 GRIDS = {4: "1,2,1,2", 8: "1,2,2,2"}
-AXES = ("x", "y", "z", "data", "world")
 
 
 def run(grid: str, overlap: str, args, run_dir: Path) -> dict:
@@ -58,9 +59,9 @@ def run(grid: str, overlap: str, args, run_dir: Path) -> dict:
     rows = rows[1:]
     return {
         "step": statistics.mean(r["step_time_s"] for r in rows),
-        "comm": {a: statistics.mean(r["comm_time_s"].get(a, 0.0) for r in rows) for a in AXES},
+        "comm": {a: statistics.mean(r["comm_time_s"].get(a, 0.0) for r in rows) for a in COMM_AXES},
         "exposed": {
-            a: statistics.mean(r["comm_exposed_s"].get(a, 0.0) for r in rows) for a in AXES
+            a: statistics.mean(r["comm_exposed_s"].get(a, 0.0) for r in rows) for a in COMM_AXES
         },
         "tok_s": statistics.mean(r["tokens_per_s"] for r in rows),
         "model_config": json.loads((run_dir / "config.json").read_text())["model_config"],

@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 # benchmarks/overlap.py, beside this script
-from overlap import AXES, add_run_options, describe
+from overlap import add_run_options, describe
 from overlap import run as train
 
 from tetrad.models.config import ModelConfig
@@ -44,6 +44,7 @@ from tetrad.plan.comm import Context, axis_totals, collectives, estimate
 from tetrad.plan.machines import get_machine
 from tetrad.plan.models import ModelSpec
 from tetrad.plan.network import ALL_REDUCE, REDUCE_SCATTER
+from tetrad.spec import COMM_AXES
 from tetrad.train.auto import model_spec
 
 GRIDS = ("1,2,1,2", "2,1,2,1")
@@ -105,8 +106,8 @@ def predict(
         "step": est.step_s,
         "compute": est.compute_s,
         "z_gloo": z_gloo,
-        "comm": {a: per_axis.get(a, {}).get("time_s", 0.0) for a in AXES},
-        "exposed": {a: per_axis.get(a, {}).get("exposed_s", 0.0) for a in AXES},
+        "comm": {a: per_axis.get(a, {}).get("time_s", 0.0) for a in COMM_AXES},
+        "exposed": {a: per_axis.get(a, {}).get("exposed_s", 0.0) for a in COMM_AXES},
     }
 
 
@@ -152,11 +153,13 @@ def main() -> None:
                 runs = res[overlap]
                 meas = {
                     "step": statistics.mean(r["step"] for r in runs),
-                    "comm": {a: statistics.mean(r["comm"][a] for r in runs) for a in AXES},
-                    "exposed": {a: statistics.mean(r["exposed"][a] for r in runs) for a in AXES},
+                    "comm": {a: statistics.mean(r["comm"][a] for r in runs) for a in COMM_AXES},
+                    "exposed": {
+                        a: statistics.mean(r["exposed"][a] for r in runs) for a in COMM_AXES
+                    },
                 }
                 pred = predict(model, machine, sizes, overlap, args)
-                for a in AXES:
+                for a in COMM_AXES:
                     mc, pc = meas["comm"][a], pred["comm"][a]
                     me, pe = meas["exposed"][a], pred["exposed"][a]
                     if not (mc or pc):

@@ -3,7 +3,6 @@ loads and plans with; the fitting helpers recover known alpha-beta parameters.""
 
 import argparse
 import math
-import sys
 
 import pytest
 
@@ -12,12 +11,8 @@ from tetrad.plan.machines import get_machine
 from tetrad.plan.models import get_model
 from tetrad.plan.network import ALL_GATHER, ALL_REDUCE, ring_bytes
 from tetrad.plan.search import plan
+from tetrad.spec import tomllib
 from tetrad.train import calibrate as cal
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 TINY = "dim=64,n_layers=2,n_heads=4,n_kv_heads=2,ffn_dim=128,vocab_size=256"
 

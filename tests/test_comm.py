@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.distributed import run_distributed
 from tetrad.grid import Grid
 from tetrad.parallel import Linear
-from tetrad.parallel.overlap import OVERLAPS, Overlap
+from tetrad.parallel.overlap import Overlap
+from tetrad.spec import OVERLAPS
 
 EXPECTED = {"z": (6, 3072, 1536.0), "x": (2, 1536, 1536.0), "y": (2, 768, 768.0)}
 

@@ -19,7 +19,7 @@ from tetrad.models.config import PRESETS
 from tetrad.models.llama import Llama
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
-from tetrad.parallel.overlap import OVERLAPS
+from tetrad.spec import OVERLAPS
 from tetrad.train.step import build_optimizer, lr_at, train_step
 
 CFG = PRESETS["tiny"]

@@ -20,11 +20,11 @@ from tetrad.plan.comm import (
     collectives,
     estimate,
     layer_bytes,
-    parse_overlaps,
 )
 from tetrad.plan.machines import get_machine
 from tetrad.plan.models import PlanError, get_model
 from tetrad.plan.network import Network, placement, ring_bytes
+from tetrad.spec import OverlapError, parse_overlaps
 
 # h=256, 2 layers, 8 heads of 32, 4 KV heads (kv_dim 128), SwiGLU 512, vocabulary 1024.
 SMALL = "hidden=256,n_layers=2,n_heads=8,n_kv_heads=4,ffn_hidden=512,vocab=1024"
@@ -195,7 +195,7 @@ def test_overlap_none_exposes_everything_and_all_hides_some():
     cols = estimate(ctx_all, grid, 2, True, detail=True).collectives
     assert sum(c.exposed_s for c in cols) == pytest.approx(sum(e1.exposed_s.values()))
     assert sum(c.total_s for c in cols) == pytest.approx(sum(e1.comm_s.values()))
-    with pytest.raises(PlanError, match="unknown overlap"):
+    with pytest.raises(OverlapError, match="unknown overlap"):
         parse_overlaps("prefetch,bogus")
 
 

@@ -18,8 +18,8 @@ from tetrad.plan.memory import (
     weight_gradient_bytes,
 )
 from tetrad.plan.models import PRESETS, PlanError, get_model
+from tetrad.spec import GiB
 
-GiB = 2**30
 L31_8B = PRESETS["llama-3.1-8b"]
 L3_8B = PRESETS["llama-3-8b"]
 L3_70B = PRESETS["llama-3-70b"]

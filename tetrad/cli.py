@@ -18,8 +18,8 @@ from tetrad.plan import cli as plan_cli  # plain Python: `tetrad plan` never imp
 
 def user_errors() -> tuple[type[Exception], ...]:
     """The exceptions that mean "change your input" (printed as one line, exit 2)."""
-    from tetrad.grid import GridError
     from tetrad.models.config import ModelConfigError
+    from tetrad.spec import GridError
     from tetrad.train.checkpoint import CheckpointError
     from tetrad.train.config import ConfigError
     from tetrad.train.data import DataError
@@ -193,7 +193,7 @@ def under_torchrun() -> bool:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from tetrad.grid import GridError, check_world_size
+    from tetrad.spec import GridError, check_world_size
     from tetrad.train.config import load_config
 
     cfg = load_config(args.config, train_overrides(args))

@@ -6,6 +6,9 @@ then Z, then data, so an X group is a run of consecutive ranks and sits inside o
     rank = ((data * G_z + z) * G_y + y) * G_x + x
 
 The grid is an explicit object passed to every layer that communicates; there is no global state.
+It owns the process's :class:`~tetrad.comm.collectives.CommLog`, into which the collectives of
+:mod:`tetrad.comm` record what they send (the collectives know the grid only through their
+``Groups`` protocol, so the dependency runs one way: grid -> comm).
 """
 
 from __future__ import annotations
@@ -18,48 +21,23 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tetrad.comm.collectives import CommLog
 from tetrad.device import local_device
-
-AXES = ("data", "z", "y", "x")
-
-
-class GridError(ValueError):
-    """A grid that does not match the world size or has a non-positive axis."""
-
-
-def parse_grid(text: str | tuple[int, ...] | list[int]) -> tuple[int, int, int, int]:
-    """Parse ``"DATA,Z,Y,X"`` (or a 4-sequence) into ``(G_data, G_z, G_y, G_x)``.
-
-    Raises:
-        GridError: not four positive integers.
-    """
-    if isinstance(text, str):
-        parts = [p.strip() for p in text.split(",")]
-    else:
-        parts = list(text)
-    try:
-        sizes = tuple(int(p) for p in parts)
-    except (TypeError, ValueError):
-        sizes = ()
-    if len(sizes) != 4 or min(sizes) < 1:
-        raise GridError(
-            f"grid {text!r} is not DATA,Z,Y,X with four positive integers (for example 1,2,1,2)"
-        )
-    return sizes  # type: ignore[return-value]
-
-
-def check_world_size(sizes: tuple[int, int, int, int], world_size: int) -> None:
-    """Raise a :class:`GridError` printing the product equation if it is not ``world_size``."""
-    d, z, y, x = sizes
-    if d * z * y * x != world_size:
-        raise GridError(
-            f"grid data*z*y*x = {d}*{z}*{y}*{x} = {d * z * y * x}, but world size is "
-            f"{world_size}: choose a --grid whose product is {world_size}"
-        )
+from tetrad.spec import GRID_AXES, Axis, GridShape, check_world_size
 
 
 def backend_for(device_type: str) -> str:
     """The collective backend for a device type: NCCL for CUDA, gloo for CPU."""
     return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_process_group(device_type: str) -> bool:
+    """Make this rank's device current and initialise the default process group from the
+    ``torchrun`` environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with
+    the backend for ``device_type``, unless one exists; returns whether this call created it."""
+    local_device(device_type)
+    if dist.is_initialized():
+        return False
+    dist.init_process_group(backend_for(device_type))
+    return True
 
 
 @dataclass
@@ -84,7 +62,7 @@ class Grid:
     comm: CommLog = field(default_factory=CommLog)
 
     @classmethod
-    def build(cls, sizes: tuple[int, int, int, int], device_type: str = "cpu") -> Grid:
+    def build(cls, sizes: GridShape, device_type: str = "cpu") -> Grid:
         """Build the grid over the already-initialised default process group.
 
         If no process group exists, one is initialised from the ``torchrun`` environment
@@ -94,24 +72,22 @@ class Grid:
         Raises:
             GridError: the product of ``sizes`` differs from the world size.
         """
-        device = local_device(device_type)
-        if not dist.is_initialized():
-            dist.init_process_group(backend_for(device_type))
+        init_process_group(device_type)
         check_world_size(sizes, dist.get_world_size())
-        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
-        coord = {a: mesh.get_local_rank(a) for a in AXES}
-        return cls(*sizes, mesh=mesh, device=device, coord=coord)
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=GRID_AXES)
+        coord = {a: mesh.get_local_rank(a) for a in GRID_AXES}
+        return cls(*sizes, mesh=mesh, device=local_device(device_type), coord=coord)
 
-    def size(self, axis: str) -> int:
+    def size(self, axis: Axis | str) -> int:
         """Number of ranks along ``axis`` (one of ``data, z, y, x``)."""
         return getattr(self, axis)
 
-    def group(self, axis: str) -> dist.ProcessGroup:
+    def group(self, axis: Axis | str) -> dist.ProcessGroup:
         """The process group of this rank's ``axis`` line (all other coordinates fixed)."""
         return self.mesh.get_group(axis)
 
     @property
-    def sizes(self) -> tuple[int, int, int, int]:
+    def sizes(self) -> GridShape:
         return (self.data, self.z, self.y, self.x)
 
     @property

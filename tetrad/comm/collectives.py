@@ -1,10 +1,14 @@
-"""Collectives over one axis of a :class:`~tetrad.grid.Grid`, and the one place they are counted.
+"""Collectives over one axis of the process grid, and the one place they are counted.
 
 Every collective of the runtime goes through these functions. Each call is recorded in the
 grid's :class:`CommLog` per axis: calls, payload bytes, ring bytes sent per rank, time from issue
 to completion, and the time the caller actually waited (exposed time). On an axis of size 1 each
 function is a no-op that moves and records nothing. Tensors are split or concatenated along
 dim 0. ``axis="world"`` means every rank.
+
+The functions take the grid as :class:`Groups`, the little they need of it (its axis sizes,
+process groups and :class:`CommLog`); :class:`tetrad.grid.Grid` is one, and this module does not
+import it.
 
 With ``async_op=True`` a function returns a :class:`Handle`; the result is valid after
 ``handle.wait()``. A blocking call is an async call waited at once, so all its time is exposed.
@@ -14,10 +18,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from tetrad.spec import Axis
 
 
 @dataclass
@@ -102,13 +110,34 @@ class Handle:
         return self.result
 
 
-def _axis_info(grid, axis: str):
-    if axis == "world":
+class Groups(Protocol):
+    """What the collectives need of a process grid (:class:`tetrad.grid.Grid` is one)."""
+
+    comm: CommLog
+
+    @property
+    def world_size(self) -> int: ...
+
+    def size(self, axis: Axis | str) -> int: ...
+
+    def group(self, axis: Axis | str) -> dist.ProcessGroup: ...
+
+
+def _axis_info(grid: Groups, axis: Axis | str) -> tuple[int, dist.ProcessGroup | None]:
+    if axis == Axis.WORLD:
         return grid.world_size, None
     return grid.size(axis), grid.group(axis)
 
 
-def _issue(grid, axis: str, payload: int, ring: float, launch, result, post=None) -> Handle:
+def _issue(
+    grid: Groups,
+    axis: Axis | str,
+    payload: int,
+    ring: float,
+    launch: Callable[[], dist.Work],
+    result: torch.Tensor,
+    post: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Handle:
     stats = None
     if grid.comm.enabled:
         stats = grid.comm.axes[axis]
@@ -125,7 +154,9 @@ def _issue(grid, axis: str, payload: int, ring: float, launch, result, post=None
     return h
 
 
-def all_reduce(t: torch.Tensor, grid, axis: str, op: str = "sum", async_op: bool = False):
+def all_reduce(
+    t: torch.Tensor, grid: Groups, axis: Axis | str, op: str = "sum", async_op: bool = False
+) -> torch.Tensor | Handle:
     """Reduce ``t`` in place over ``axis`` (``op``: ``"sum"`` or ``"max"``); returns ``t`` (or a
     :class:`Handle` to it). Ring traffic per rank: ``2 (G-1)/G * t.nbytes``."""
     g, group = _axis_info(grid, axis)
@@ -144,7 +175,9 @@ def all_reduce(t: torch.Tensor, grid, axis: str, op: str = "sum", async_op: bool
     return h if async_op else h.wait()
 
 
-def all_gather(t: torch.Tensor, grid, axis: str, async_op: bool = False):
+def all_gather(
+    t: torch.Tensor, grid: Groups, axis: Axis | str, async_op: bool = False
+) -> torch.Tensor | Handle:
     """Concatenate every rank's ``t`` along dim 0 in axis order: ``[G*d0, ...]``.
 
     Ring traffic per rank: ``(G-1)/G`` of the output's bytes.
@@ -166,7 +199,9 @@ def all_gather(t: torch.Tensor, grid, axis: str, async_op: bool = False):
     return h if async_op else h.wait()
 
 
-def reduce_scatter(t: torch.Tensor, grid, axis: str, async_op: bool = False):
+def reduce_scatter(
+    t: torch.Tensor, grid: Groups, axis: Axis | str, async_op: bool = False
+) -> torch.Tensor | Handle:
     """Sum ``t`` over ``axis`` and keep this rank's dim-0 chunk: ``[d0/G, ...]``.
 
     Ring traffic per rank: ``(G-1)/G`` of the input's bytes; that is what is recorded. gloo has

@@ -23,7 +23,8 @@ from torch.utils.checkpoint import checkpoint
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
 from tetrad.parallel import Embedding, Linear, RMSNorm, vocab_parallel_cross_entropy
-from tetrad.parallel.overlap import OVERLAPS, Overlap
+from tetrad.parallel.overlap import Overlap
+from tetrad.spec import OVERLAPS
 
 
 class ParallelLayers:
@@ -149,7 +150,7 @@ class Transformer(nn.Module):
 class Llama(Transformer):
     """The 3D tensor-parallel Llama on ``grid`` (parameters uninitialised: call
     :func:`tetrad.parallel.init_parameters`). ``overlaps``: names from
-    :data:`tetrad.parallel.overlap.OVERLAPS` (default: all)."""
+    :data:`tetrad.spec.OVERLAPS` (default: all)."""
 
     def __init__(
         self,

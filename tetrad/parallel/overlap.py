@@ -26,9 +26,7 @@ from collections.abc import Iterable
 import torch
 
 from tetrad.comm import Handle, all_gather, all_reduce, reduce_scatter
-from tetrad.plan.overlaps import OVERLAPS, parse_overlaps
-
-__all__ = ["OVERLAPS", "Overlap", "parse_overlaps"]
+from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OVERLAPS
 
 
 class Overlap:
@@ -50,8 +48,8 @@ class Overlap:
         self,
         grid,
         enabled: Iterable[str] = OVERLAPS,
-        bucket_bytes: int = 4 << 20,
-        domino_min_rows: int = 256,
+        bucket_bytes: int = DP_BUCKET_BYTES,
+        domino_min_rows: int = DOMINO_MIN_ROWS,
     ):
         self.grid = grid
         self.enabled = frozenset(enabled)

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tetrad.grid import AXES, Grid
+from tetrad.grid import Grid
+from tetrad.spec import GRID_AXES, Axis
 
 # Replicated axes whose ranks see different tokens: gradients are summed over them.
-TOKEN_AXES = ("z", "data")
+TOKEN_AXES = (Axis.Z, Axis.DATA)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Placement:
 
     @property
     def replicated_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in AXES if a not in self.sharded_axes)
+        return tuple(a for a in GRID_AXES if a not in self.sharded_axes)
 
     @property
     def grad_sum_axes(self) -> tuple[str, ...]:

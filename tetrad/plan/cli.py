@@ -12,9 +12,10 @@ import json
 import sys
 
 from tetrad.plan import memory, report
-from tetrad.plan.machines import GIB, get_machine, preset_names
+from tetrad.plan.machines import get_machine, preset_names
 from tetrad.plan.models import PRESETS, PlanError, get_model
 from tetrad.plan.search import plan
+from tetrad.spec import GiB, TetradError, parse_grid
 
 COMMANDS = ("plan", "memory")
 
@@ -165,18 +166,6 @@ def add_commands(subparsers) -> None:
     m.add_argument("--json", action="store_true", help="print the breakdown as JSON")
 
 
-def _parse_grid(text: str) -> tuple[int, int, int, int]:
-    try:
-        vals = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        vals = ()
-    if len(vals) != 4 or min(vals) < 1:
-        raise PlanError(
-            f"--grid {text!r} is not DATA,Z,Y,X with four positive integers (for example 2,1,1,2)"
-        )
-    return vals  # type: ignore[return-value]
-
-
 def _run_plan(args: argparse.Namespace) -> int:
     model = get_model(args.model)
     machine = get_machine(args.machine)
@@ -186,7 +175,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.gpu_memory_gib is not None:
         if args.gpu_memory_gib <= 0:
             raise PlanError(f"--gpu-memory-gib {args.gpu_memory_gib} must be positive")
-        mem = args.gpu_memory_gib * GIB
+        mem = args.gpu_memory_gib * GiB
     ckpt = {"auto": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
     result = plan(
         model,
@@ -218,16 +207,16 @@ def _run_memory(args: argparse.Namespace) -> int:
     if args.gpu_memory_gib is not None:
         if args.gpu_memory_gib <= 0:
             raise PlanError(f"--gpu-memory-gib {args.gpu_memory_gib} must be positive")
-        gpu = args.gpu_memory_gib * GIB
+        gpu = args.gpu_memory_gib * GiB
     elif args.machine:
         gpu = float(get_machine(args.machine).memory_bytes)
     else:
-        gpu = 80.0 * GIB
+        gpu = 80.0 * GiB
     method = args.method or ("tetrad" if args.grid else "fujii2024")
     if method == "tetrad":
         if not args.grid:
             raise PlanError("--method tetrad needs --grid DATA,Z,Y,X (for example 2,1,1,2)")
-        grid = _parse_grid(args.grid)
+        grid = parse_grid(args.grid)
         mem = memory.tetrad(
             model,
             grid,
@@ -285,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "memory":
             return _run_memory(args)
         raise PlanError(f"unknown planner command {args.command!r}: use plan or memory")
-    except PlanError as e:
+    except TetradError as e:
         msg = str(e).strip().splitlines()
         print(f"tetrad: error: {msg[0] if msg else type(e).__name__}", file=sys.stderr)
         return 2

@@ -66,14 +66,16 @@ from tetrad.plan.compute import ELEMENTWISE, BlockCompute, block_compute
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec, PlanError
 from tetrad.plan.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ring_bytes
-from tetrad.plan.overlaps import parse_overlaps
+from tetrad.spec import (
+    COMM_AXES,
+    DOMINO_MIN_ROWS,
+    DP_BUCKET_BYTES,
+    GiB,
+    OverlapError,
+    parse_overlaps,
+)
 
-AXES = ("x", "y", "z", "data", "world")
 FP32 = 4
-BUCKET_BYTES = 4 << 20
-"""The runtime's data-parallel bucket size (tetrad.parallel.overlap.Overlap, 4 MiB)."""
-DOMINO_MIN_ROWS = 256
-"""The runtime's Domino threshold: split only when a micro-batch has ``>= 2 *`` this many rows."""
 
 
 @dataclass(frozen=True)
@@ -157,14 +159,17 @@ class Context:
         *,
         overlaps: str | Iterable[str] = "all",
         compute_bytes: int = 2,
-        bucket_bytes: int = BUCKET_BYTES,
+        bucket_bytes: int = DP_BUCKET_BYTES,
         domino_min_rows: int = DOMINO_MIN_ROWS,
     ):
         if compute_bytes not in (2, 4):
             raise PlanError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
         self.model, self.machine = model, machine
         self.seq_len, self.global_batch = seq_len, global_batch
-        self.overlaps = parse_overlaps(overlaps)
+        try:
+            self.overlaps = parse_overlaps(overlaps)
+        except OverlapError as e:
+            raise PlanError(str(e)) from None
         self.c = compute_bytes
         self.bucket_bytes, self.domino_min_rows = bucket_bytes, domino_min_rows
         self.linears = model.linears()
@@ -281,8 +286,8 @@ def estimate(
     optimizer = ELEMENTWISE["optimizer_per_param"] * local / ctx.machine.hbm_bytes_per_s
     n = len(ctx.lin)
     rec: dict | None = {} if detail else None
-    exposed = dict.fromkeys(AXES, 0.0)
-    total = dict.fromkeys(AXES, 0.0)
+    exposed = dict.fromkeys(COMM_AXES, 0.0)
+    total = dict.fromkeys(COMM_AXES, 0.0)
     ckr = 1 if checkpointing else 0
 
     def add(layer, phase, axis, kind, payload, calls, t, exp, hidden=""):
@@ -661,7 +666,7 @@ def collectives(
     activation_checkpointing: bool = False,
     overlaps: str | Iterable[str] = "all",
     compute_bytes: int = 2,
-    bucket_bytes: int = BUCKET_BYTES,
+    bucket_bytes: int = DP_BUCKET_BYTES,
     domino_min_rows: int = DOMINO_MIN_ROWS,
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
@@ -712,8 +717,6 @@ def axis_totals(cols: Iterable[Collective]) -> dict[str, dict[str, float]]:
 
 AXONN_BYTES = 2
 """AxoNN counts every volume in bf16 elements (``* 2`` bytes)."""
-AXONN_GIB = 1024**3
-"""AxoNN divides bytes by ``1024^3`` and bandwidths are GB/s: GiB over GB/s."""
 
 
 def axonn_linear_volumes(
@@ -749,7 +752,7 @@ def axonn_linear_volumes(
     else:
         out["x"] = 2 * f(gx) * tokens * n / gy
         out["y"] = 2 * 2 * f(gy) * tokens * k / gx
-    return {a: v * AXONN_BYTES / AXONN_GIB for a, v in out.items()}
+    return {a: v * AXONN_BYTES / GiB for a, v in out.items()}  # AxoNN: GiB over GB/s
 
 
 def axonn_comm(

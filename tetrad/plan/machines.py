@@ -35,19 +35,12 @@ import bisect
 import difflib
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from importlib import resources
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 from tetrad.plan.models import PlanError
 from tetrad.plan.network import Network
-
-GIB = 1024**3
+from tetrad.spec import GiB, tomllib
 
 
 @dataclass(frozen=True)
@@ -83,7 +76,7 @@ class Machine:
 
     @property
     def memory_gib(self) -> float:
-        return self.memory_bytes / GIB
+        return self.memory_bytes / GiB
 
     def gemm_efficiency(self, flops: float) -> float:
         """Fraction of peak one GEMM of ``flops`` FLOPs reaches: the table interpolated linearly
@@ -209,7 +202,7 @@ def parse_machine(raw: dict, name: str) -> Machine:
         name=str(raw.get("name", name)),
         gpu=str(raw.get("gpu", "GPU")),
         gpus_per_node=int(gpn),
-        memory_bytes=int(_num(raw, "memory_gib", where) * GIB),
+        memory_bytes=int(_num(raw, "memory_gib", where) * GiB),
         peak_flops=_num(raw, "peak_tflops", where) * 1e12,
         hbm_bytes_per_s=_num(raw, "hbm_gbps", where) * 1e9,
         network=network,

@@ -24,13 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tetrad.plan.models import Linear, ModelSpec, PlanError
+from tetrad.spec import GiB
 
 FIT_FRACTION = 0.8
 """Fujii et al. (arXiv 2411.06465): an estimate at or below 80% of GPU memory never ran out of
 memory in their 454 runs; the 20% covers CUDA context, communicator buffers, allocator
 fragmentation and other temporaries."""
 
-GiB = 1024**3
 FP32 = 4
 
 

@@ -27,10 +27,12 @@ import json
 import os
 from dataclasses import dataclass, fields, replace
 
+from tetrad.spec import TetradError
+
 FAMILIES = ("gpt", "llama")
 
 
-class PlanError(ValueError):
+class PlanError(TetradError):
     """A planner input that is unknown, malformed or inconsistent; the message says what to
     change."""
 

@@ -13,11 +13,9 @@ import tomli_w
 
 from tetrad.plan.memory import FIT_FRACTION, MemoryBreakdown
 from tetrad.plan.models import ModelSpec, PlanError
-from tetrad.plan.overlaps import OVERLAPS
 from tetrad.plan.search import Row, SearchResult
+from tetrad.spec import COMM_AXES, OVERLAPS, GiB
 
-GIB = 1024**3
-AXES_4D = ("x", "y", "z", "data", "world")
 AXES_CLASSIC = ("tp", "cp", "pp", "dp")
 
 
@@ -53,7 +51,7 @@ def _table(header: list[str], rows: list[list[str]], left: bool = False) -> list
 
 
 def _mem_cell(mem: MemoryBreakdown) -> str:
-    return f"{mem.total / GIB:.1f} ({100 * mem.fraction:.0f}%)"
+    return f"{mem.total / GiB:.1f} ({100 * mem.fraction:.0f}%)"
 
 
 def rows_table(rows: list[Row]) -> list[str]:
@@ -61,7 +59,7 @@ def rows_table(rows: list[Row]) -> list[str]:
     if not rows:
         return []
     classic = rows[0].space == "classic"
-    axes = AXES_CLASSIC if classic else AXES_4D
+    axes = AXES_CLASSIC if classic else COMM_AXES
     head = (
         [
             "#",
@@ -125,8 +123,8 @@ def memory_table(rows: list[Row]) -> list[str]:
     for i, r in enumerate(rows, 1):
         body.append(
             [str(i)]
-            + [f"{r.memory.components.get(c, 0.0) / GIB:.2f}" for c in comps]
-            + [f"{r.memory.total / GIB:.2f}", r.memory.peak_phase or "-"]
+            + [f"{r.memory.components.get(c, 0.0) / GiB:.2f}" for c in comps]
+            + [f"{r.memory.total / GiB:.2f}", r.memory.peak_phase or "-"]
         )
     return _table(head, body)
 
@@ -203,7 +201,7 @@ def plot(result: SearchResult, path: str, top: int = 10) -> None:
         ("compute", lambda r: r.compute_s - r.recompute_s),
         ("recompute", lambda r: r.recompute_s),
     ]
-    for a in (*AXES_4D, *AXES_CLASSIC):
+    for a in (*COMM_AXES, *AXES_CLASSIC):
         parts.append((f"exposed {a}", lambda r, a=a: r.exposed_s.get(a, 0.0)))
     parts.append(("pipeline bubble", lambda r: r.other_s.get("pipeline_bubble", 0.0)))
     left = [0.0] * len(rows)
@@ -224,7 +222,7 @@ def plot(result: SearchResult, path: str, top: int = 10) -> None:
         comps += [k for k, v in r.memory.components.items() if v and k not in comps]
     left = [0.0] * len(rows)
     for comp in comps:
-        vals = [r.memory.components.get(comp, 0.0) / GIB for r in rows]
+        vals = [r.memory.components.get(comp, 0.0) / GiB for r in rows]
         ax_m.barh(ypos, vals, left=left, label=comp)
         left = [x + v for x, v in zip(left, vals, strict=True)]
     gib = result.inputs["gpu_memory_gib"]
@@ -255,7 +253,7 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
     header = [
         f"# Written by `tetrad plan`: {inp['model']} on {inp['gpus']} x {inp['machine']}.",
         f"# Predicted {row.step_s:.3f} s per step, {row.tokens_per_s:.0f} tokens/s, "
-        f"MFU {100 * row.mfu:.1f}%, memory {row.memory.total / GIB:.1f} GiB "
+        f"MFU {100 * row.mfu:.1f}%, memory {row.memory.total / GiB:.1f} GiB "
         f"({100 * row.memory.fraction:.0f}% of {inp['gpu_memory_gib']:.1f} GiB).",
     ]
     if model.family != "llama":
@@ -319,21 +317,21 @@ def memory_text(
     """The text of ``tetrad memory``: components in GiB and % of GPU memory, total, verdict
     (``hint``: what to change when it does not fit)."""
     gpu = mem.gpu_memory_bytes
-    rows = [[k, f"{v / GIB:.2f}", f"{100 * v / gpu:.1f}%"] for k, v in mem.components.items() if v]
-    rows.append(["total", f"{mem.total / GIB:.2f}", f"{100 * mem.fraction:.1f}%"])
+    rows = [[k, f"{v / GiB:.2f}", f"{100 * v / gpu:.1f}%"] for k, v in mem.components.items() if v]
+    rows.append(["total", f"{mem.total / GiB:.2f}", f"{100 * mem.fraction:.1f}%"])
     lines = [title] + _table(["component", "GiB", "% of GPU"], rows, left=True)
     if mem.peak_phase:
         lines.append(f"peak during: {mem.peak_phase}")
-    limit = FIT_FRACTION * gpu / GIB
+    limit = FIT_FRACTION * gpu / GiB
     if mem.fits:
         lines.append(
-            f"fits: {mem.total / GIB:.2f} GiB <= {limit:.2f} GiB (80% of "
-            f"{gpu / GIB:.1f} GiB; Fujii et al. 2024: never ran out of memory below "
+            f"fits: {mem.total / GiB:.2f} GiB <= {limit:.2f} GiB (80% of "
+            f"{gpu / GiB:.1f} GiB; Fujii et al. 2024: never ran out of memory below "
             "80%)"
         )
     else:
         lines.append(
-            f"does NOT fit: {mem.total / GIB:.2f} GiB > {limit:.2f} GiB (80% of "
-            f"{gpu / GIB:.1f} GiB): {hint}"
+            f"does NOT fit: {mem.total / GiB:.2f} GiB > {limit:.2f} GiB (80% of "
+            f"{gpu / GiB:.1f} GiB): {hint}"
         )
     return "\n".join(lines)

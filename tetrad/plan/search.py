@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from tetrad.plan import memory
-from tetrad.plan.comm import AXES, Context, axonn_comm, estimate
+from tetrad.plan.comm import Context, axonn_comm, estimate
 from tetrad.plan.compute import (
     ELEMENTWISE,
     attention_fwd_flops,
@@ -36,6 +36,7 @@ from tetrad.plan.compute import (
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec, PlanError
 from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER
+from tetrad.spec import COMM_AXES, GiB
 
 CLASSIC_AXES = ("tp", "cp", "pp", "dp")
 
@@ -312,7 +313,7 @@ def search_4d(
     if not cands:
         raise PlanError(
             f"no 4D configuration of {model.name} fits under 80% of "
-            f"{mem_bytes / 2**30:.0f} GiB per GPU on {gpus} GPUs (batch "
+            f"{mem_bytes / GiB:.0f} GiB per GPU on {gpus} GPUs (batch "
             f"{global_batch} x {seq_len}): use more --gpus, a shorter --seq-len, "
             "a smaller model or a machine with more memory"
         )
@@ -362,7 +363,7 @@ def search_4d(
             step = est.step_s
         else:
             ax, compute_s, rec_s, acc = est
-            exposed = {a: ax.get(a, 0.0) for a in AXES}
+            exposed = {a: ax.get(a, 0.0) for a in COMM_AXES}
             comm_s = dict(exposed)
         rows.append(
             Row(
@@ -729,7 +730,7 @@ def plan(
         ),
         "comm_model": comm_model,
         "dtype": dtype,
-        "gpu_memory_gib": (gpu_memory_bytes or machine.memory_bytes) / 2**30,
+        "gpu_memory_gib": (gpu_memory_bytes or machine.memory_bytes) / GiB,
     }
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
     return SearchResult(rows, crow, all_stats, inputs)

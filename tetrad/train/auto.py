@@ -10,6 +10,7 @@ import dataclasses
 import os
 
 from tetrad.models.config import ModelConfig
+from tetrad.spec import GiB, parse_overlaps
 from tetrad.train.config import ConfigError, TrainConfig
 
 # Machine presets that match a CUDA device name, for --grid auto without --machine.
@@ -118,7 +119,7 @@ def choose_grid(
             f"tetrad: --grid auto on {machine.name} with {world_size} ranks chose "
             f"{best.label()}: predicted step {best.step_s * 1e3:.1f} ms (compute "
             f"{best.compute_s * 1e3:.1f} ms, exposed communication {exposed or 'none'}), "
-            f"memory {best.memory.total / 2**30:.2f} GiB "
+            f"memory {best.memory.total / GiB:.2f} GiB "
             f"({100 * best.memory.fraction:.0f}% of the GPU)"
             + (f"; next: {others}" if others else ""),
             flush=True,
@@ -152,8 +153,6 @@ def domino_pays(cfg: TrainConfig, mc: ModelConfig) -> bool:
 
 
 def _names(text: str) -> set[str]:
-    from tetrad.parallel.overlap import parse_overlaps
-
     return set(parse_overlaps(text))
 
 

@@ -82,13 +82,8 @@ from tetrad.device import (
 from tetrad.grid import backend_for
 from tetrad.plan.machines import parse_machine
 from tetrad.plan.network import ALL_GATHER, ALL_REDUCE, placement, ring_bytes
+from tetrad.spec import GiB, KiB, MiB, tomllib
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-GIB = 1024**3
 KINDS = (ALL_REDUCE, ALL_GATHER)
 
 
@@ -121,7 +116,7 @@ class Settings:
 
 def settings(device: str, quick: bool) -> Settings:
     """The measurement set for ``device`` (``cpu`` or ``cuda``); ``quick``: a few seconds."""
-    kib, mib = 1 << 10, 1 << 20
+    kib, mib = KiB, MiB
     if device == "cuda":
         if quick:
             return Settings(
@@ -146,7 +141,7 @@ def settings(device: str, quick: bool) -> Settings:
         )
         return Settings(
             squares + skinny,
-            GIB,
+            GiB,
             (4, 32, 2048, 128),
             (1 * kib, 16 * kib, 256 * kib, 4 * mib, 32 * mib, 128 * mib, 512 * mib),
             0.05,
@@ -758,7 +753,7 @@ def _describe(
         "description": f"{pre} ({'quick' if quick else 'full'} calibration)",
         "gpu": name,
         "gpus_per_node": ranks_per_node,
-        "memory_gib": _sig(mem / GIB),
+        "memory_gib": _sig(mem / GiB),
         "peak_tflops": _sig(peak / 1e12),
         "hbm_gbps": _sig(hbm / 1e9),
         "network": network,

@@ -24,8 +24,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tetrad.grid import AXES, Grid
+from tetrad.grid import Grid
 from tetrad.parallel.placement import Placement
+from tetrad.spec import GRID_AXES
 
 
 class CheckpointError(ValueError):
@@ -63,7 +64,7 @@ class Checkpointer:
         order = placement.replicated_axes + placement.sharded_axes
         if order not in self._meshes:
             ranks = torch.arange(self.grid.world_size).view(self.grid.sizes)
-            perm = [AXES.index(a) for a in order]
+            perm = [GRID_AXES.index(a) for a in order]
             self._meshes[order] = DeviceMesh(
                 self.grid.device.type, ranks.permute(perm), mesh_dim_names=order
             )

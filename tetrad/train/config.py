@@ -5,18 +5,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-from tetrad.grid import parse_grid
 from tetrad.models.config import ModelConfig, parse_model, with_sizes
-from tetrad.parallel.overlap import parse_overlaps
+from tetrad.spec import parse_grid, parse_overlaps, tomllib
 
 DEMO_GRID = (2, 1, 1, 2)
 

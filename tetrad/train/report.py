@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tetrad.spec import COMM_AXES
 from tetrad.train.config import ConfigError
-
-AXES = ("x", "y", "z", "data", "world")
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
@@ -38,7 +37,7 @@ def summarize(rows: list[dict], skip: int = 1) -> dict:
             return sum(r[key] for r in use) / n
         return sum(r[key].get(axis, 0.0) for r in use) / n
 
-    axes = [a for a in AXES if any(a in r["comm_bytes"] for r in use)]
+    axes = [a for a in COMM_AXES if any(a in r["comm_bytes"] for r in use)]
     out = {
         "steps": n,
         "first_step": use[0]["step"],

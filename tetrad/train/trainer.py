@@ -19,7 +19,7 @@ from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
 from tetrad.models.llama import Llama
 from tetrad.parallel import init_parameters
-from tetrad.parallel.overlap import parse_overlaps
+from tetrad.spec import GiB, MiB, parse_overlaps
 from tetrad.train.auto import domino_pays
 from tetrad.train.checkpoint import Checkpointer, latest_checkpoint
 from tetrad.train.config import ConfigError, TrainConfig
@@ -92,7 +92,7 @@ def train(cfg: TrainConfig) -> dict:
         grid,
         cfg.activation_checkpointing,
         overlaps,
-        bucket_bytes=int(cfg.dp_bucket_mb * 2**20),
+        bucket_bytes=int(cfg.dp_bucket_mb * MiB),
         domino_min_rows=cfg.domino_min_rows,
     )
     init_parameters(model, cfg.seed, grid)
@@ -216,7 +216,7 @@ def _log_line(row: dict) -> str:
     return (
         f"step {row['step']:>6} | loss {row['loss']:.4f}{val} | lr {row['lr']:.2e} | "
         f"{row['tokens_per_s']:,.0f} tok/s ({row['tokens_per_s_per_rank']:,.0f}/rank) | "
-        f"MFU {100 * row['mfu']:.1f}% | mem {row['peak_memory_bytes'] / 2**30:.2f} GiB | "
+        f"MFU {100 * row['mfu']:.1f}% | mem {row['peak_memory_bytes'] / GiB:.2f} GiB | "
         f"comm exposed {100 * exposed:.0f}%"
     )
 

@@ -1,0 +1,167 @@
+"""tetrad's shared vocabulary, defined once for the runtime and the planner (plain Python).
+
+- the axes of the 4D grid and the groups collectives run over (:class:`Axis`);
+- grid shapes ``(G_data, G_z, G_y, G_x)``: parsing and the world-size check;
+- the overlap names and their defaults;
+- devices, byte units, the TOML reader;
+- :class:`TetradError`, the base of every "change your input" error, and the one line the
+  ``tetrad`` command prints for it.
+
+Nothing here imports torch, so ``tetrad plan`` and configuration parsing run anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from collections.abc import Iterable
+from typing import Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = [
+    "COMM_AXES", "DEVICES", "DOMINO_MIN_ROWS", "DP_BUCKET_BYTES", "GRID_AXES", "OVERLAPS",
+    "Axis", "Device", "GiB", "GridError", "GridShape", "KiB", "MiB", "OverlapError",
+    "TetradError", "check_world_size", "error_line", "parse_grid", "parse_overlaps", "tomllib",
+]  # fmt: skip
+
+# ---- byte units ------------------------------------------------------------------------------
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+"""Binary units for memory and buffer sizes. Bandwidths are decimal: GB/s = 1e9 bytes/s."""
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+class TetradError(ValueError):
+    """A mistake in the user's input; the message is one line saying what to change.
+
+    The ``tetrad`` command prints it as :func:`error_line` and exits with status 2.
+    """
+
+
+def error_line(message: object) -> str:
+    """``tetrad: error: <first line of message>``: what the command prints for a mistake."""
+    lines = str(message).strip().splitlines()
+    return f"tetrad: error: {lines[0] if lines else type(message).__name__}"
+
+
+# ---- axes and grid shapes --------------------------------------------------------------------
+
+
+class Axis(str, enum.Enum):
+    """A group of ranks a collective runs over: one axis of the grid, or the whole world.
+
+    A ``str`` (``Axis.X == "x"``), so it names DeviceMesh dimensions and JSON keys as is.
+    """
+
+    DATA = "data"
+    Z = "z"
+    Y = "y"
+    X = "x"
+    WORLD = "world"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+GRID_AXES = (Axis.DATA, Axis.Z, Axis.Y, Axis.X)
+"""The grid's axes, outer to inner: the DeviceMesh dimension order and AxoNN's rank order
+(Singh et al., arXiv 2305.13525): X varies fastest, so an X group is a run of consecutive ranks
+inside one node, ``rank = ((data * G_z + z) * G_y + y) * G_x + x``."""
+
+COMM_AXES = (Axis.X, Axis.Y, Axis.Z, Axis.DATA, Axis.WORLD)
+"""Every group a collective runs over, inner to outer: the order of per-axis reports."""
+
+GridShape = tuple[int, int, int, int]
+"""``(G_data, G_z, G_y, G_x)``, in :data:`GRID_AXES` order."""
+
+
+class GridError(TetradError):
+    """A grid that is not four positive integers or does not match the world size."""
+
+
+def parse_grid(text: str | Iterable[int]) -> GridShape:
+    """Parse ``"DATA,Z,Y,X"`` (or a sequence of four) into ``(G_data, G_z, G_y, G_x)``.
+
+    Raises:
+        GridError: not four positive integers.
+    """
+    parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
+    try:
+        sizes = tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        sizes = ()
+    if len(sizes) != 4 or min(sizes) < 1:
+        raise GridError(
+            f"grid {text!r} is not DATA,Z,Y,X with four positive integers (for example 1,2,1,2)"
+        )
+    return sizes  # type: ignore[return-value]
+
+
+def check_world_size(sizes: GridShape, world_size: int) -> None:
+    """Check ``G_data * G_z * G_y * G_x == world_size``.
+
+    Raises:
+        GridError: the product differs; the message prints the product equation.
+    """
+    d, z, y, x = sizes
+    if d * z * y * x != world_size:
+        raise GridError(
+            f"grid data*z*y*x = {d}*{z}*{y}*{x} = {d * z * y * x}, but world size is "
+            f"{world_size}: choose a --grid whose product is {world_size}"
+        )
+
+
+# ---- overlaps --------------------------------------------------------------------------------
+
+OVERLAPS = ("prefetch", "reduce_scatter", "dx_all_reduce", "dp_all_reduce", "domino")
+"""What the runtime overlaps with computation (:mod:`tetrad.parallel.overlap`, where each is
+described) and the planner models (:mod:`tetrad.plan.comm`)."""
+
+DP_BUCKET_BYTES = 4 * MiB
+"""Data-parallel all-reduce bucket size of the ``dp_all_reduce`` overlap, bytes."""
+
+DOMINO_MIN_ROWS = 256
+"""The ``domino`` overlap splits a forward GEMM only when the micro-batch has at least twice
+this many token rows (below it the extra launch costs more than the split hides)."""
+
+
+class OverlapError(TetradError):
+    """An overlap name that is not one of :data:`OVERLAPS`."""
+
+
+def parse_overlaps(text: str | Iterable[str]) -> frozenset[str]:
+    """``"all"``, ``"none"`` or a comma-separated subset of :data:`OVERLAPS` (or the names).
+
+    Raises:
+        OverlapError: an unknown name (the message lists the known ones).
+    """
+    names = [t.strip() for t in text.split(",")] if isinstance(text, str) else list(text)
+    names = [n for n in names if n]
+    if names == ["all"]:
+        return frozenset(OVERLAPS)
+    if names in (["none"], []):
+        return frozenset()
+    bad = [n for n in names if n not in OVERLAPS]
+    if bad:
+        raise OverlapError(
+            f"unknown overlap {bad[0]!r}: use all, none or a comma-separated list "
+            f"of {', '.join(OVERLAPS)}"
+        )
+    return frozenset(names)
+
+
+# ---- devices ---------------------------------------------------------------------------------
+
+Device = Literal["cpu", "cuda"]
+DEVICES: tuple[Device, ...] = ("cpu", "cuda")
+"""``cpu`` runs on gloo in fp32; ``cuda`` on NCCL with bf16 autocast."""
