@@ -31,6 +31,19 @@ def local_device(device_type: str) -> torch.device:
     return torch.device(device_type)
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def threads_per_rank(ranks: int) -> int:
+    """Threads for each of ``ranks`` CPU processes of one host so that they share its cores:
+    ``max(1, cpu_count // ranks)`` (the value of ``OMP_NUM_THREADS`` for local workers)."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (for timing measurements only, never in training)."""
     if device.type == "cuda":
@@ -69,8 +82,7 @@ def peak_flops(device: torch.device, world_size_on_host: int = 1) -> float:
         a @ a
     per_core = n * 2 * 512**3 / (time.perf_counter() - t0)
     torch.set_num_threads(threads)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return per_core * min(cores or 1, world_size_on_host) / world_size_on_host
+    return per_core * min(cpu_cores(), world_size_on_host) / world_size_on_host
 
 
 def device_name(device: torch.device) -> str:

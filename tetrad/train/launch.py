@@ -23,6 +23,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from tetrad.device import threads_per_rank
+
 
 def train_worker(cfg: Any) -> None:
     """Worker entrypoint: ``tetrad.train.trainer.train(cfg)``, printing a traceback on failure.
@@ -90,16 +92,11 @@ def _restore_logs(old: dict[str, int]) -> None:
         logging.getLogger(name).setLevel(level)
 
 
-def omp_threads(nproc: int) -> int:
-    """Threads per CPU worker so that ``nproc`` workers share the cores: ``cpu_count // nproc``."""
-    return max(1, (os.cpu_count() or 1) // max(1, nproc))
-
-
 def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_worker) -> None:
     """Run ``entrypoint(cfg)`` in ``nproc`` local worker processes (ranks ``0 .. nproc-1``).
 
-    Sets ``OMP_NUM_THREADS`` to :func:`omp_threads` for the workers of a CPU run unless the
-    user set it. Blocks until every worker has finished.
+    Sets ``OMP_NUM_THREADS`` to :func:`tetrad.device.threads_per_rank` for the workers of a CPU
+    run unless the user set it. Blocks until every worker has finished.
 
     Raises:
         SystemExit(1): a worker failed; one line ``tetrad: error: rank R failed: <error>`` has
@@ -109,7 +106,7 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
     old_levels = _quiet_torch_logs()
     added_omp = False
     if getattr(cfg, "device", "cpu") == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(omp_threads(nproc))
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
         added_omp = True
     try:
         with tempfile.TemporaryDirectory(prefix="tetrad_elastic_") as log_dir:

@@ -14,7 +14,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tetrad.device import device_name, gpu_count, peak_flops, peak_memory_bytes
+from tetrad.device import (
+    device_name,
+    gpu_count,
+    peak_flops,
+    peak_memory_bytes,
+    threads_per_rank,
+)
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
 from tetrad.models.llama import Llama
@@ -74,7 +80,7 @@ def train(cfg: TrainConfig) -> dict:
     """
     grid = Grid.build(cfg.grid, cfg.device)
     if grid.device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // grid.world_size))
+        torch.set_num_threads(threads_per_rank(grid.world_size))
     rank0 = dist.get_rank() == 0
     corpus, model_cfg = _preflight_on_rank0(cfg)
     run_dir = Path(cfg.run_dir)
