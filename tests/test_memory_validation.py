@@ -24,8 +24,8 @@ import torch.distributed as dist
 from tests.distributed import run_distributed
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
-from tetrad.models.llama import Llama
 from tetrad.parallel import init_parameters
+from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.memory import saved_activations, tetrad
 from tetrad.plan.models import ModelSpec
 from tetrad.train.step import build_optimizer, local_samples, train_step
@@ -77,7 +77,7 @@ class SavedBytes:
 
 
 def _measure(grid: Grid, ckpt: bool) -> dict:
-    model = Llama(CFG, grid, ckpt)
+    model = ParallelLlama(CFG, grid, ckpt)
     init_parameters(model, SEED, grid)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     g = torch.Generator().manual_seed(SEED)

@@ -16,9 +16,9 @@ import torch
 from tests.distributed import run_distributed
 from tetrad.grid import Grid
 from tetrad.models.config import PRESETS
-from tetrad.models.llama import Llama
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
+from tetrad.parallel.model import ParallelLlama
 from tetrad.spec import OVERLAPS
 from tetrad.train.step import build_optimizer, lr_at, train_step
 
@@ -74,7 +74,7 @@ def parallel_runs(
 
 
 def run_one(grid, sizes, ref_losses, ref_weights, activation_checkpointing, overlaps):
-    model = Llama(CFG, grid, activation_checkpointing, overlaps, **OVERLAP_OPTIONS)
+    model = ParallelLlama(CFG, grid, activation_checkpointing, overlaps, **OVERLAP_OPTIONS)
     init_parameters(model, SEED, grid)
     opt = build_optimizer(model, LR, weight_decay=0.1)
     for step, batch in enumerate(batches()):

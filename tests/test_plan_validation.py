@@ -27,8 +27,8 @@ import torch.distributed as dist
 from tests.distributed import run_distributed
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
-from tetrad.models.llama import Llama
 from tetrad.parallel import init_parameters
+from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.comm import axis_totals, collectives
 from tetrad.plan.machines import get_machine
 from tetrad.plan.memory import DTYPE_BYTES
@@ -65,7 +65,7 @@ def _worker(world_size: int, out_dir: str) -> None:
             0, CFG.vocab_size, (SAMPLES * grid.batch_shards, SEQ + 1), generator=g
         )
         for n_micro, ckpt, ov in CONFIGS:
-            model = Llama(CFG, grid, ckpt, OVERLAPS if ov == "all" else (), **OPTIONS)
+            model = ParallelLlama(CFG, grid, ckpt, OVERLAPS if ov == "all" else (), **OPTIONS)
             init_parameters(model, SEED, grid)
             opt = build_optimizer(model, LR, weight_decay=0.1)
             train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)

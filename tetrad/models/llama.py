@@ -1,51 +1,45 @@
 """Llama (Touvron et al., arXiv 2302.13971 and 2307.09288): pre-norm decoder with RMSNorm, RoPE,
-SwiGLU and grouped-query attention, written once over a layer factory.
+SwiGLU and grouped-query attention.
 
-The same code builds the 3D tensor-parallel model (:class:`ParallelLayers`) and the plain
-single-process reference (:class:`tetrad.models.reference.PlainLayers`). Layouts on the grid:
-
-    residual stream       [B/(G_data G_z), S, h/G_x]        replicated over Y
-    q / k / v, attention  [B/(G_data G_z), S, heads/G_y, d]  (wq, wk, wv: in X, out Y)
-    attention out-proj    transposed (in Y, out X) -> back to the residual layout
-    SwiGLU                w1, w3: in X, out Y; w2 transposed (in Y, out X)
-    logits                [B/(G_data G_z), S, V/G_y]          (LM head: in X, out Y)
+The architecture alone: every layer comes from a :class:`Layers` factory, so the same code is the
+plain single-process reference (:class:`tetrad.models.reference.PlainLayers`) and the 3D
+tensor-parallel model (:class:`tetrad.parallel.model.ParallelLayers`, whose docstring gives the
+layouts on the grid). Nothing here knows the grid.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
-from tetrad.parallel import Embedding, Linear, RMSNorm, vocab_parallel_cross_entropy
-from tetrad.parallel.overlap import Overlap
-from tetrad.spec import OVERLAPS
 
 
-class ParallelLayers:
-    """Builds 3D tensor-parallel layers on ``grid`` sharing one :class:`Overlap`; attention
-    heads are split over Y."""
+class Layers(Protocol):
+    """What the model needs of a layer factory.
 
-    def __init__(self, grid: Grid, overlap: Overlap):
-        self.grid, self.overlap = grid, overlap
-        self.head_split = grid.y
+    ``head_split`` attention heads are split over that many ranks (1 in the reference);
+    ``linear(k, n)`` maps ``[..., k] -> [..., n]`` (``transpose`` marks the second layer of a
+    pair: the attention out-projection and the SwiGLU down-projection); ``token_losses`` gives
+    the per-token cross-entropy (nats) of ``logits [..., V]`` against ``targets [...]``.
+    """
 
-    def linear(self, k: int, n: int, *, transpose: bool = False, std: float = 0.02) -> nn.Module:
-        return Linear(k, n, self.grid, transpose=transpose, init_std=std, overlap=self.overlap)
+    head_split: int
 
-    def embedding(self, vocab: int, dim: int) -> nn.Module:
-        return Embedding(vocab, dim, self.grid, overlap=self.overlap)
+    def linear(
+        self, k: int, n: int, *, transpose: bool = False, std: float = 0.02
+    ) -> nn.Module: ...
 
-    def norm(self, dim: int, eps: float) -> nn.Module:
-        return RMSNorm(dim, self.grid, "x", eps)
+    def embedding(self, vocab: int, dim: int) -> nn.Module: ...
 
-    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.grid, "y")
+    def norm(self, dim: int, eps: float) -> nn.Module: ...
+
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
 
 
 def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
@@ -63,10 +57,10 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention; each Y rank owns ``heads/G_y`` query heads and the
-    ``kv_heads/G_y`` key/value heads they read."""
+    """Causal grouped-query self-attention over this rank's ``heads / head_split`` query heads
+    and the ``kv_heads / head_split`` key/value heads they read."""
 
-    def __init__(self, cfg: ModelConfig, layers):
+    def __init__(self, cfg: ModelConfig, layers: Layers):
         super().__init__()
         d, hd = cfg.dim, cfg.head_dim
         self.n_heads = cfg.n_heads // layers.head_split
@@ -94,7 +88,7 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU (Shazeer, arXiv 2002.05202, eq. 6): ``w2(silu(w1 x) * w3 x)``."""
 
-    def __init__(self, cfg: ModelConfig, layers):
+    def __init__(self, cfg: ModelConfig, layers: Layers):
         super().__init__()
         self.w1 = layers.linear(cfg.dim, cfg.ffn_dim)
         self.w3 = layers.linear(cfg.dim, cfg.ffn_dim)
@@ -109,7 +103,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """``h = x + attention(norm(x)); out = h + ffn(norm(h))``."""
 
-    def __init__(self, cfg: ModelConfig, layers):
+    def __init__(self, cfg: ModelConfig, layers: Layers):
         super().__init__()
         self.attention_norm = layers.norm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, layers)
@@ -122,9 +116,10 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids ``[b, S]`` -> logits ``[b, S, V/G_y]`` (``b`` = this rank's samples)."""
+    """Token ids ``[b, S]`` -> logits ``[b, S, V]`` (``b`` = this rank's samples; the parallel
+    factory's LM head gives this rank's vocabulary slice ``V/G_y``)."""
 
-    def __init__(self, cfg: ModelConfig, layers, activation_checkpointing: bool = False):
+    def __init__(self, cfg: ModelConfig, layers: Layers, activation_checkpointing: bool = False):
         super().__init__()
         self.cfg, self.layer_factory = cfg, layers
         self.activation_checkpointing = activation_checkpointing
@@ -145,21 +140,3 @@ class Transformer(nn.Module):
     def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of the per-token cross-entropies (nats) of this rank's ``[b, S]`` tokens."""
         return self.layer_factory.token_losses(self(tokens), targets).sum()
-
-
-class Llama(Transformer):
-    """The 3D tensor-parallel Llama on ``grid`` (parameters uninitialised: call
-    :func:`tetrad.parallel.init_parameters`). ``overlaps``: names from
-    :data:`tetrad.spec.OVERLAPS` (default: all)."""
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        grid: Grid,
-        activation_checkpointing: bool = False,
-        overlaps=OVERLAPS,
-        **overlap_options,
-    ):
-        self_overlap = Overlap(grid, overlaps, **overlap_options)
-        super().__init__(cfg, ParallelLayers(grid, self_overlap), activation_checkpointing)
-        self.overlap = self_overlap

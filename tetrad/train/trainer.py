@@ -23,8 +23,8 @@ from tetrad.device import (
 )
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
-from tetrad.models.llama import Llama
 from tetrad.parallel import init_parameters
+from tetrad.parallel.model import ParallelLlama
 from tetrad.spec import GiB, MiB, parse_overlaps
 from tetrad.train.auto import domino_pays
 from tetrad.train.checkpoint import Checkpointer, latest_checkpoint
@@ -93,7 +93,7 @@ def train(cfg: TrainConfig) -> dict:
                 f"tetrad: the planner predicts no gain from the Domino split on "
                 f"{cfg.machine}: left off"
             )
-    model = Llama(
+    model = ParallelLlama(
         model_cfg,
         grid,
         cfg.activation_checkpointing,

@@ -1,0 +1,75 @@
+"""The Llama of :mod:`tetrad.models.llama` on the 4D grid: the layer factory that builds it from
+the 3D tensor-parallel layers, and the model it gives.
+
+Layouts on the grid (AxoNN's algorithm, Singh et al., arXiv 2305.13525):
+
+    residual stream       [B/(G_data G_z), S, h/G_x]         replicated over Y
+    q / k / v, attention  [B/(G_data G_z), S, heads/G_y, d]  (wq, wk, wv: in X, out Y)
+    attention out-proj    transposed (in Y, out X) -> back to the residual layout
+    SwiGLU                w1, w3: in X, out Y; w2 transposed (in Y, out X)
+    logits                [B/(G_data G_z), S, V/G_y]           (LM head: in X, out Y)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tetrad.grid import Grid
+from tetrad.models.config import ModelConfig
+from tetrad.models.llama import Transformer
+from tetrad.parallel.embedding import Embedding
+from tetrad.parallel.linear import Linear
+from tetrad.parallel.loss import vocab_parallel_cross_entropy
+from tetrad.parallel.norm import RMSNorm
+from tetrad.parallel.overlap import Overlap
+from tetrad.spec import OVERLAPS, Axis
+
+
+class ParallelLayers:
+    """A :class:`tetrad.models.llama.Layers` factory of 3D tensor-parallel layers on ``grid``,
+    sharing one :class:`Overlap`; attention heads are split over Y."""
+
+    def __init__(self, grid: Grid, overlap: Overlap):
+        self.grid, self.overlap = grid, overlap
+        self.head_split = grid.y
+
+    def linear(self, k: int, n: int, *, transpose: bool = False, std: float = 0.02) -> nn.Module:
+        return Linear(k, n, self.grid, transpose=transpose, init_std=std, overlap=self.overlap)
+
+    def embedding(self, vocab: int, dim: int) -> nn.Module:
+        return Embedding(vocab, dim, self.grid, overlap=self.overlap)
+
+    def norm(self, dim: int, eps: float) -> nn.Module:
+        return RMSNorm(dim, self.grid, Axis.X, eps)
+
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.grid, Axis.Y)
+
+
+class ParallelLlama(Transformer):
+    """The 3D tensor-parallel Llama on ``grid``: tokens ``[B/(G_data G_z), S]`` -> logits
+    ``[B/(G_data G_z), S, V/G_y]``. Parameters are uninitialised: call
+    :func:`tetrad.parallel.init_parameters`.
+
+    Args:
+        overlaps: names from :data:`tetrad.spec.OVERLAPS` (default: all).
+        overlap_options: ``bucket_bytes`` and ``domino_min_rows`` of :class:`Overlap`.
+
+    Attributes:
+        overlap: the :class:`Overlap` the training step drives.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        grid: Grid,
+        activation_checkpointing: bool = False,
+        overlaps: Iterable[str] = OVERLAPS,
+        **overlap_options: int,
+    ):
+        overlap = Overlap(grid, overlaps, **overlap_options)
+        super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing)
+        self.overlap = overlap
