@@ -17,6 +17,7 @@ from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
+from tetrad.spec import Axis
 
 
 class _Embedding3D(torch.autograd.Function):
@@ -24,11 +25,11 @@ class _Embedding3D(torch.autograd.Function):
     def forward(ctx, ids, e_shard, ov: Overlap):
         grid = ov.grid
         e = ov.gather_weight(e_shard, e_shard.dtype)  # [V/G_y, h/G_x]
-        local = ids - grid.coord["y"] * e.shape[0]
+        local = ids - grid.coord[Axis.Y] * e.shape[0]
         outside = (local < 0) | (local >= e.shape[0])
         local = local.masked_fill(outside, 0)
         out = e[local].masked_fill(outside.unsqueeze(-1), 0.0)
-        all_reduce(out, grid, "y")
+        all_reduce(out, grid, Axis.Y)
         ctx.save_for_backward(local, outside)
         ctx.weight, ctx.ov, ctx.rows = e_shard, ov, e.shape[0]  # the Parameter itself
         return out
@@ -66,7 +67,7 @@ class Embedding(nn.Module):
             raise ValueError(f"Embedding {num_embeddings}x{dim} does not divide over grid {grid}")
         self.grid, self.num_embeddings, self.dim = grid, num_embeddings, dim
         self.weight = sharded_parameter(
-            (num_embeddings, dim), (("y", "z"), ("x",)), grid, ("normal", init_std)
+            (num_embeddings, dim), ((Axis.Y, Axis.Z), (Axis.X,)), grid, ("normal", init_std)
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from torch import nn
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
+from tetrad.spec import Axis
 
 
 def sync_gradients(model: nn.Module, grid: Grid, data_reduced: set[int] = frozenset()) -> None:
@@ -27,7 +28,7 @@ def sync_gradients(model: nn.Module, grid: Grid, data_reduced: set[int] = frozen
         if p.grad is not None:
             axes = p.placement.grad_sum_axes
             if id(p) in data_reduced:
-                axes = tuple(a for a in axes if a != "data")
+                axes = tuple(a for a in axes if a != Axis.DATA)
             buckets[axes].append(p.grad)
     for axes, grads in buckets.items():
         axes = tuple(a for a in axes if grid.size(a) > 1)
@@ -55,7 +56,7 @@ def global_grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
             continue
         if all(grid.coord[a] == 0 for a in p.placement.replicated_axes):
             total += p.grad.detach().double().pow(2).sum()
-    all_reduce(total, grid, "world")
+    all_reduce(total, grid, Axis.WORLD)
     return total.sqrt().float()
 
 

@@ -27,6 +27,7 @@ from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
+from tetrad.spec import Axis
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -41,7 +42,7 @@ class _Linear3D(torch.autograd.Function):
     """``y = all-reduce_in(x @ all-gather_Z(W_shard)^T)``; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, w_shard, ov: Overlap, in_axis: str, out_axis: str):
+    def forward(ctx, x, w_shard, ov: Overlap, in_axis: Axis, out_axis: Axis):
         dtype = compute_dtype(x)
         x = x.to(dtype)
         w = ov.gather_weight(w_shard, dtype)
@@ -100,7 +101,7 @@ class Linear(nn.Module):
     ):
         super().__init__()
         self.overlap = overlap if overlap is not None else Overlap(grid, enabled=())
-        self.in_axis, self.out_axis = ("y", "x") if transpose else ("x", "y")
+        self.in_axis, self.out_axis = (Axis.Y, Axis.X) if transpose else (Axis.X, Axis.Y)
         g_in, g_out = grid.size(self.in_axis), grid.size(self.out_axis)
         if in_features % g_in or out_features % (g_out * grid.z):
             raise ValueError(
@@ -110,7 +111,7 @@ class Linear(nn.Module):
         self.grid, self.in_features, self.out_features = grid, in_features, out_features
         self.weight = sharded_parameter(
             (out_features, in_features),
-            ((self.out_axis, "z"), (self.in_axis,)),
+            ((self.out_axis, Axis.Z), (self.in_axis,)),
             grid,
             ("normal", init_std),
         )

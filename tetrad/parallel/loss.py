@@ -12,11 +12,12 @@ import torch
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
+from tetrad.spec import Axis
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, grid: Grid, axis: str):
+    def forward(ctx, logits, targets, grid: Grid, axis: Axis):
         z = logits.float()
         vocab_local = z.shape[-1]
         m = all_reduce(z.max(dim=-1).values, grid, axis, op="max")
@@ -44,7 +45,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, grid: Grid, axis: str = "y"
+    logits: torch.Tensor, targets: torch.Tensor, grid: Grid, axis: Axis = Axis.Y
 ) -> torch.Tensor:
     """Per-token cross-entropy (nats) from vocabulary-sharded logits.
 

@@ -13,13 +13,14 @@ from torch import nn
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel.placement import sharded_parameter
+from tetrad.spec import Axis
 
 
 class _AllReduceSum(torch.autograd.Function):
     """Sum over ``axis`` in forward and in backward (inputs and consumers are both sharded)."""
 
     @staticmethod
-    def forward(ctx, t, grid: Grid, axis: str):
+    def forward(ctx, t, grid: Grid, axis: Axis):
         ctx.grid, ctx.axis = grid, axis
         return all_reduce(t.clone(), grid, axis)
 
@@ -32,7 +33,7 @@ class RMSNorm(nn.Module):
     """RMSNorm of ``[..., dim/G_axis]`` activations; weight ``[dim/G_axis]``, replicated over
     the other axes (its gradient is summed over Z and data by ``sync_gradients``)."""
 
-    def __init__(self, dim: int, grid: Grid, axis: str = "x", eps: float = 1e-5):
+    def __init__(self, dim: int, grid: Grid, axis: Axis = Axis.X, eps: float = 1e-5):
         super().__init__()
         if dim % grid.size(axis):
             raise ValueError(f"RMSNorm dim {dim} is not divisible by G_{axis}={grid.size(axis)}")

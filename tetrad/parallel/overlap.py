@@ -26,7 +26,9 @@ from collections.abc import Iterable
 import torch
 
 from tetrad.comm import Handle, all_gather, all_reduce, reduce_scatter
-from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OVERLAPS
+from tetrad.grid import Grid
+from tetrad.parallel.buckets import GradBuckets
+from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OVERLAPS, Axis
 
 
 class Overlap:
@@ -34,7 +36,8 @@ class Overlap:
 
     The training step drives it: :meth:`begin_micro_batch` before a micro-batch's forward,
     :meth:`end_micro_batch` after its backward (waits outstanding reduce-scatters and, on the
-    last micro-batch, the data-parallel all-reduces). Outside a training step (evaluation) every
+    last micro-batch, the data-parallel all-reduces of :attr:`buckets`, a
+    :class:`~tetrad.parallel.buckets.GradBuckets`). Outside a training step (evaluation) every
     collective is blocking and nothing is prefetched.
 
     Args:
@@ -46,27 +49,24 @@ class Overlap:
 
     def __init__(
         self,
-        grid,
+        grid: Grid,
         enabled: Iterable[str] = OVERLAPS,
         bucket_bytes: int = DP_BUCKET_BYTES,
         domino_min_rows: int = DOMINO_MIN_ROWS,
     ):
         self.grid = grid
         self.enabled = frozenset(enabled)
-        self.bucket_bytes, self.domino_min_rows = bucket_bytes, domino_min_rows
+        self.domino_min_rows = domino_min_rows
         self._in_step = self._last = False
         self._order: list | None = None  # [(param, dtype)] of one micro-batch, in execution order
         self._recording: list | None = None
         self._pos = 0
         self._prefetched: tuple | None = None  # (param, dtype, Handle)
         self._pending_rs: list[tuple[torch.nn.Parameter, Handle]] = []
-        self._bucket: list[torch.nn.Parameter] = []
-        self._bucket_size = 0
-        self._dp: list[tuple[list[torch.nn.Parameter], Handle]] = []
-        self.data_reduced: set[int] = set()  # ids of params whose grads were summed over data
         # What actually ran (prefetch_hits, prefetch_misses, async_reduce_scatters, dp_buckets,
         # domino_splits, async_dx_all_reduces), for logs and tests; reset by the caller.
         self.counts: Counter[str] = Counter()
+        self.buckets = GradBuckets(grid, bucket_bytes, self.counts)
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -76,7 +76,7 @@ class Overlap:
         """Start a training micro-batch (``last``: the step's final one)."""
         self._in_step, self._last, self._pos = True, last, 0
         if last:
-            self.data_reduced = set()
+            self.buckets.clear()
         if self._order is None and self.on("prefetch"):
             self._recording = []
 
@@ -86,13 +86,7 @@ class Overlap:
         while self._pending_rs:
             self._finish_rs(*self._pending_rs.pop(0))
         if self._last:
-            self._launch_bucket()
-            for params, h in self._dp:
-                flat, offset = h.wait(), 0
-                for p in params:
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
-            self._dp = []
+            self.buckets.finish()
         if self._recording is not None:
             self._order, self._recording = self._recording, None
         self._drop_prefetch()
@@ -113,7 +107,7 @@ class Overlap:
             else:
                 self.counts["prefetch_misses"] += 1
         if got is None:
-            got = all_gather(param.detach().to(dtype), self.grid, "z")
+            got = all_gather(param.detach().to(dtype), self.grid, Axis.Z)
         if self._in_step and self.on("prefetch"):
             if self._recording is not None:
                 self._recording.append((param, dtype))
@@ -130,7 +124,7 @@ class Overlap:
         if self._pos < len(order):
             nxt, dt = order[self._pos]
             with torch.no_grad():
-                h = all_gather(nxt.detach().to(dt), self.grid, "z", async_op=True)
+                h = all_gather(nxt.detach().to(dt), self.grid, Axis.Z, async_op=True)
             self._prefetched = (nxt, dt, h)
 
     def _drop_prefetch(self) -> None:
@@ -144,7 +138,7 @@ class Overlap:
         asynchronously when ``reduce_scatter`` overlap is on."""
         if self._in_step and self.on("reduce_scatter"):
             self._pending_rs.append(
-                (param, reduce_scatter(block_grad, self.grid, "z", async_op=True))
+                (param, reduce_scatter(block_grad, self.grid, Axis.Z, async_op=True))
             )
             self.counts["async_reduce_scatters"] += self.grid.z > 1
             while (
@@ -154,7 +148,7 @@ class Overlap:
             ):
                 self._finish_rs(*self._pending_rs.pop(0))
         else:
-            self._grad_ready(param, reduce_scatter(block_grad, self.grid, "z"))
+            self._grad_ready(param, reduce_scatter(block_grad, self.grid, Axis.Z))
 
     def _finish_rs(self, param, handle: Handle) -> None:
         self._grad_ready(param, handle.wait())
@@ -165,21 +159,10 @@ class Overlap:
         else:
             param.grad += shard
         if self._in_step and self._last and self.on("dp_all_reduce") and self.grid.data > 1:
-            self._bucket.append(param)
-            self._bucket_size += shard.numel() * shard.element_size()
-            self.data_reduced.add(id(param))
-            if self._bucket_size >= self.bucket_bytes:
-                self._launch_bucket()
-
-    def _launch_bucket(self) -> None:
-        if self._bucket:
-            flat = torch.cat([p.grad.reshape(-1) for p in self._bucket])
-            self._dp.append((self._bucket, all_reduce(flat, self.grid, "data", async_op=True)))
-            self.counts["dp_buckets"] += 1
-        self._bucket, self._bucket_size = [], 0
+            self.buckets.add(param)
 
     # -- activations -----------------------------------------------------------------------
-    def forward_all_reduce_split(self, axis: str, rows: int) -> bool:
+    def forward_all_reduce_split(self, axis: Axis, rows: int) -> bool:
         """Whether to split a forward GEMM + all-reduce over ``axis`` in two halves."""
         split = (
             self._in_step
@@ -190,7 +173,7 @@ class Overlap:
         self.counts["domino_splits"] += split
         return split
 
-    def backward_all_reduce(self, dx: torch.Tensor, axis: str):
+    def backward_all_reduce(self, dx: torch.Tensor, axis: Axis) -> Handle:
         """Start the dx all-reduce; returns a :class:`Handle` (async when ``dx_all_reduce``)."""
         if self._in_step and self.on("dx_all_reduce"):
             self.counts["async_dx_all_reduces"] += self.grid.size(axis) > 1

@@ -11,6 +11,7 @@ from torch import nn
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
+from tetrad.spec import Axis
 
 
 def build_optimizer(
@@ -84,7 +85,7 @@ def train_step(
         if overlap is not None:
             overlap.end_micro_batch()
         loss += part.detach()
-    sync_gradients(model, grid, overlap.data_reduced if overlap is not None else set())
+    sync_gradients(model, grid, overlap.buckets.reduced if overlap is not None else set())
     norm = clip_grad_norm(model, grid, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -105,5 +106,5 @@ def evaluate(model: nn.Module, grid: Grid, batches: list[torch.Tensor], micro_ba
 
 
 def _sum_over_batch_axes(t: torch.Tensor, grid: Grid) -> torch.Tensor:
-    all_reduce(t, grid, "z")
-    return all_reduce(t, grid, "data")
+    all_reduce(t, grid, Axis.Z)
+    return all_reduce(t, grid, Axis.DATA)
