@@ -1,24 +1,27 @@
 """``tetrad calibrate``: a quick calibration on gloo ranks writes a machine TOML the planner
 loads and plans with; the fitting helpers recover known alpha-beta parameters."""
 
-import argparse
 import math
 
 import pytest
 
 from tests.distributed import run_distributed
+from tetrad import cli
+from tetrad.calibrate import calibrate
+from tetrad.calibrate.fit import fit_alpha_beta, fit_latency
+from tetrad.calibrate.machine_file import to_toml
+from tetrad.calibrate.settings import group_ranks, layouts
 from tetrad.plan.machines import get_machine
 from tetrad.plan.models import get_model
-from tetrad.plan.network import ALL_GATHER, ALL_REDUCE, ring_bytes
+from tetrad.plan.network import ALL_GATHER, ALL_REDUCE, ring_bytes, ring_hops
 from tetrad.plan.search import plan
 from tetrad.spec import tomllib
-from tetrad.train import calibrate as cal
 
 TINY = "dim=64,n_layers=2,n_heads=4,n_kv_heads=2,ffn_dim=128,vocab_size=256"
 
 
 def _calibrate_on_ranks(out: str) -> None:
-    got = cal.calibrate("cpu", out, quick=True)
+    got = calibrate("cpu", out, quick=True)
     # every rank returns the dict rank 0 wrote
     assert got["calibration"]["world"] == 4
     assert got["network"]["intra_table"]
@@ -100,7 +103,7 @@ def test_fit_alpha_beta_recovers_parameters():
         for payload in (64, 4096, 1 << 16, 1 << 20, 1 << 24):
             rb = ring_bytes(kind, payload, 4)
             pts.append({"kind": kind, "ring_bytes": rb, "seconds": alpha[kind] + rb / bw})
-    got_alpha, got_bw = cal.fit_alpha_beta(pts)
+    got_alpha, got_bw = fit_alpha_beta(pts)
     assert got_bw == pytest.approx(bw, rel=1e-6)
     for k, v in alpha.items():
         assert got_alpha[k] == pytest.approx(v, rel=1e-6)
@@ -109,34 +112,31 @@ def test_fit_alpha_beta_recovers_parameters():
         {"kind": ALL_REDUCE, "ring_bytes": b, "seconds": 1e-3 * (1.1 if b < 100 else 1.0)}
         for b in (10, 1000)
     ]
-    a, b = cal.fit_alpha_beta(flat)
+    a, b = fit_alpha_beta(flat)
     assert a[ALL_REDUCE] >= 0 and b == pytest.approx(1000 / 1e-3)
 
 
 def test_fit_latency_and_layouts():
-    base, hop = cal.fit_latency([(1, 12e-6), (2, 14e-6), (3, 16e-6)])
+    base, hop = fit_latency([(1, 12e-6), (2, 14e-6), (3, 16e-6)])
     assert base == pytest.approx(10e-6) and hop == pytest.approx(2e-6)
     # a decreasing trend is clamped: no negative hop
-    base, hop = cal.fit_latency([(1, 20e-6), (2, 10e-6)])
+    base, hop = fit_latency([(1, 20e-6), (2, 10e-6)])
     assert hop == 0.0 and base == pytest.approx(15e-6)
-    assert cal.layouts(4) == [(1, 2), (2, 2), (1, 4)]
-    assert cal.layouts(8) == [(1, 2), (2, 2), (4, 2), (1, 4), (2, 4), (1, 8)]
-    assert cal.group_ranks(2, 2, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert cal.hops(ALL_REDUCE, 8) == 6 and cal.hops(ALL_GATHER, 8) == 7
+    assert layouts(4) == [(1, 2), (2, 2), (1, 4)]
+    assert layouts(8) == [(1, 2), (2, 2), (4, 2), (1, 4), (2, 4), (1, 8)]
+    assert group_ranks(2, 2, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert ring_hops(ALL_REDUCE, 8) == 6 and ring_hops(ALL_GATHER, 8) == 7
 
 
 def test_command_line_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers(dest="command")
-    cal.add_command(sub)
-    args = p.parse_args(["calibrate", "--out", str(tmp_path / "missing" / "m.toml")])
+    missing = str(tmp_path / "missing" / "m.toml")
+    args = cli.build_parser().parse_args(["calibrate", "--out", missing])
     assert args.nproc is None and args.device == "cpu" and not args.quick
-    assert cal.run(args) == 2
+    assert cli.main(["calibrate", "--out", missing]) == 2
     assert "does not exist" in capsys.readouterr().err
-    args = p.parse_args(["calibrate", "--nproc", "1", "--out", str(tmp_path / "m.toml")])
-    assert cal.run(args) == 2
+    assert cli.main(["calibrate", "--nproc", "1", "--out", str(tmp_path / "m.toml")]) == 2
     assert "at least 2 ranks" in capsys.readouterr().err
 
 
@@ -149,4 +149,4 @@ def test_toml_writer_round_trips():
         "pairs": [[1e8, 0.5], [1e9, 0.75]],
         "t": {"s": 'a "quoted" \\ path', "rows": [{"a": 1, "b": 2.5}]},
     }
-    assert tomllib.loads(cal.to_toml(d, header="hello\nworld")) == d
+    assert tomllib.loads(to_toml(d, header="hello\nworld")) == d

@@ -57,6 +57,20 @@ def ring_bytes(kind: str, payload: float, size: int) -> float:
     return 2.0 * frac * payload if kind == ALL_REDUCE else frac * payload
 
 
+def ring_hops(kind: str, size: int) -> int:
+    """Ring steps the latency of one collective over ``size`` ranks is charged for.
+
+    All-reduce ``min(2 (G-1), 2 ceil(log2 G))`` (a ring's reduce-scatter plus all-gather, or the
+    double binary tree NCCL picks for latency-bound all-reduces when it has fewer steps); every
+    other kind ``G-1``. Zero for a single rank.
+    """
+    if size <= 1:
+        return 0
+    if kind == ALL_REDUCE:
+        return min(2 * (size - 1), 2 * math.ceil(math.log2(size)))
+    return size - 1
+
+
 def placement(stride: int, size: int, gpus_per_node: int) -> tuple[int, int]:
     """``(members_per_node, nodes)`` of the group ``{i * stride : i < size}``.
 
@@ -105,12 +119,10 @@ class Link:
         if g <= 1:
             return 0.0
         if kind == ALL_REDUCE:
-            hops = min(2 * (g - 1), 2 * math.ceil(math.log2(g)))
             traffic = 2.0 * (g - 1) / g * payload
         else:
-            hops = g - 1
             traffic = (g - 1) / g * payload
-        return self.base_latency + hops * self.hop_latency + traffic / self.bandwidth
+        return self.base_latency + ring_hops(kind, g) * self.hop_latency + traffic / self.bandwidth
 
     def describe(self) -> str:
         where = "in one node" if self.nodes == 1 else f"{self.members_per_node}/node x {self.nodes}"
