@@ -4,7 +4,7 @@ exposed communication and step time, per axis, with overlap off and on.
 The planner's overlap model (:func:`tetrad.plan.comm.collectives`) walks the same schedule the
 runtime runs (tetrad/parallel/overlap.py). This script
 
-1. calibrates this machine: ``python -m tetrad.train.calibrate --nproc 4`` writes a machine
+1. calibrates this machine: ``python -m tetrad.calibrate --nproc 4`` writes a machine
    TOML (skipped with ``--machine FILE``);
 2. runs ``tetrad train`` (CPU, gloo, 4 ranks) on a fixed model for grids 1,2,1,2 and 2,1,2,1,
    alternating ``--overlap none`` and ``--overlap all``, and reads each run's
@@ -45,17 +45,16 @@ from tetrad.plan.machines import get_machine
 from tetrad.plan.models import ModelSpec
 from tetrad.plan.network import ALL_REDUCE, REDUCE_SCATTER
 from tetrad.spec import COMM_AXES
-from tetrad.train.auto import model_spec
 
 GRIDS = ("1,2,1,2", "2,1,2,1")
 
 
 def calibrate_machine(path: Path, quick: bool) -> None:
-    """Write a machine TOML for this machine with 4 CPU ranks (``tetrad.train.calibrate``)."""
+    """Write a machine TOML for this machine with 4 CPU ranks (``tetrad calibrate``)."""
     cmd = [
         sys.executable,
         "-m",
-        "tetrad.train.calibrate",
+        "tetrad.calibrate",
         "--device",
         "cpu",
         "--nproc",
@@ -69,7 +68,7 @@ def calibrate_machine(path: Path, quick: bool) -> None:
 
 def planner_model(mc: dict) -> ModelSpec:
     """The planner's description of the runtime's Llama (``RUN_DIR/config.json`` sizes)."""
-    return model_spec(ModelConfig(**mc))
+    return ModelConfig(**mc).spec()
 
 
 def predict(

@@ -20,7 +20,7 @@ from tests.distributed import run_distributed
 from tetrad import cli
 from tetrad.models.config import ModelConfig
 from tetrad.train import generate as gen
-from tetrad.train.config import load_config
+from tetrad.train.config import load_config, overrides
 from tetrad.train.launch import run_local, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,13 +170,16 @@ def test_command_line_overrides_toml(tmp_path):
             "--activation-checkpointing",
         ]
     )
-    cfg = load_config(args.config, cli.train_overrides(args))
-    assert cfg.steps == 5 and cfg.grid == (2, 1, 1, 2) and cfg.data == ["b.txt", "c/*.txt"]
-    assert cfg.lr == 0.1 and cfg.resume is True and cfg.model_sizes == {"n_layers": 3}
-    assert cfg.activation_checkpointing is True
-    assert cfg.seq_len == 256  # dataclass default: neither file nor command line set it
-    plain = load_config(None, cli.train_overrides(cli.build_parser().parse_args(["train"])))
-    assert plain.resume is False and plain.activation_checkpointing is False
+    cfg = load_config(args.config, overrides(args))
+    assert cfg.training.steps == 5 and cfg.parallelism.grid == (2, 1, 1, 2)
+    assert cfg.data.paths == ["b.txt", "c/*.txt"]
+    assert cfg.training.lr == 0.1 and cfg.checkpoint.resume is True
+    assert cfg.model.sizes == {"n_layers": 3}
+    assert cfg.parallelism.activation_checkpointing is True
+    assert cfg.training.seq_len == 256  # dataclass default: neither file nor command line set it
+    plain = load_config(None, overrides(cli.build_parser().parse_args(["train"])))
+    assert plain.checkpoint.resume is False
+    assert plain.parallelism.activation_checkpointing is False
 
 
 @pytest.fixture
@@ -198,7 +201,7 @@ def fake_trainer(monkeypatch):
 def test_plain_command_preflights_then_launches(fake_trainer):
     assert cli.main(["train", "--grid", "1,2,1,2", "--steps", "3"]) == 0
     assert [c[0] for c in fake_trainer] == ["preflight", "run_local"]
-    assert fake_trainer[0][1].steps == 3 and fake_trainer[1][1] == 4
+    assert fake_trainer[0][1].training.steps == 3 and fake_trainer[1][1] == 4
 
 
 def test_under_torchrun_trains_directly(fake_trainer, monkeypatch):

@@ -20,13 +20,7 @@ from typing import Literal
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
-    import tomli as tomllib
-
-__all__ = [
-    "COMM_AXES", "DEVICES", "DOMINO_MIN_ROWS", "DP_BUCKET_BYTES", "GRID_AXES", "OVERLAPS",
-    "Axis", "Device", "GiB", "GridError", "GridShape", "KiB", "MiB", "OverlapError",
-    "TetradError", "check_world_size", "error_line", "parse_grid", "parse_overlaps", "tomllib",
-]  # fmt: skip
+    import tomli as tomllib  # noqa: F401 (re-exported: the one TOML reader)
 
 # ---- byte units ------------------------------------------------------------------------------
 

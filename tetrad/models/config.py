@@ -1,4 +1,11 @@
-"""Llama model sizes: presets, user-given sizes, and divisibility checks against a grid."""
+"""Llama model sizes: presets, user-given sizes, and the hand-off to the planner's description.
+
+:class:`ModelConfig` names the sizes as the model code uses them. Everything that follows from
+the sizes alone (parameter count, FLOPs per token, which grids shard the model) is computed once,
+by the planner's :class:`tetrad.plan.models.ModelSpec`, reached through :meth:`ModelConfig.spec`.
+Presets: ``tiny``, ``small`` and ``medium`` here, and every Llama preset of the planner
+(``llama-1b``, ``llama-3-8b``, ...), taken from its table.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,13 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
+from tetrad.plan.memory import grid_problems
+from tetrad.plan.models import PRESETS as PLANNER_PRESETS
+from tetrad.plan.models import ModelSpec, PlanError
+from tetrad.spec import GridShape, TetradError
 
-class ModelConfigError(ValueError):
+
+class ModelConfigError(TetradError):
     """A model size that is unknown, malformed or not divisible by the grid."""
 
 
@@ -21,7 +33,7 @@ class ModelConfig:
         n_heads: query heads; ``head_dim = dim // n_heads``.
         n_kv_heads: key/value heads (grouped-query attention); divides ``n_heads``.
         ffn_dim: SwiGLU inner size.
-        vocab_size: tokens in the vocabulary (0 means: take it from the tokenizer).
+        vocab_size: tokens in the vocabulary (0: not known yet, take it from the tokenizer).
         rope_theta: RoPE base.
         norm_eps: RMSNorm epsilon.
     """
@@ -39,46 +51,92 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def spec(self, name: str = "custom") -> ModelSpec:
+        """The planner's description of this model (family ``llama``, untied LM head).
+
+        Raises:
+            ModelConfigError: sizes that describe no model (a vocabulary of 0, heads that do
+                not divide the hidden size, ...).
+        """
+        if self.vocab_size < 1:
+            raise ModelConfigError(
+                f"vocab_size={self.vocab_size}: the vocabulary is not known yet (it is taken "
+                "from the tokenizer when training starts); give vocab_size=N"
+            )
+        try:
+            return ModelSpec(
+                name=name,
+                family="llama",
+                hidden=self.dim,
+                n_layers=self.n_layers,
+                n_heads=self.n_heads,
+                n_kv_heads=self.n_kv_heads,
+                ffn_hidden=self.ffn_dim,
+                vocab=self.vocab_size,
+                rope_theta=self.rope_theta,
+            )
+        except PlanError as e:
+            raise ModelConfigError(str(e)) from None
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> ModelConfig:
+        """The runtime's sizes of a planner description.
+
+        Raises:
+            ModelConfigError: not a model tetrad trains (a ``gpt`` family model, tied
+                embeddings or learned positions).
+        """
+        if spec.family != "llama" or spec.tied_embeddings or spec.max_positions:
+            raise ModelConfigError(
+                f"{spec.name} is not a Llama with an untied LM head, which is what tetrad "
+                "trains: choose a llama preset or give sizes"
+            )
+        return cls(
+            dim=spec.hidden,
+            n_layers=spec.n_layers,
+            n_heads=spec.n_heads,
+            n_kv_heads=spec.n_kv_heads,
+            ffn_dim=spec.ffn_hidden,
+            vocab_size=spec.vocab,
+            rope_theta=spec.rope_theta,
+        )
+
     def num_params(self) -> int:
-        """Total parameter count (embedding and LM head untied)."""
-        h, kv = self.dim, self.n_kv_heads * self.head_dim
-        per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.ffn_dim + 2 * h
-        return self.n_layers * per_layer + 2 * self.vocab_size * h + h
+        """Total parameter count (embedding and LM head untied): :meth:`ModelSpec.num_params`."""
+        return self.spec().num_params()
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward, no recomputation).
-
-        ``6 * N_matmul + 6 * L * S * h``: the PaLM estimate (Chowdhery et al. 2022, appendix B,
-        ``6N + 12 L H Q T``) with the attention term halved for causal masking. ``N_matmul`` counts
-        every weight used in a GEMM (the LM head included, the embedding lookup excluded).
-        """
-        norms = (2 * self.n_layers + 1) * self.dim
-        n_matmul = self.num_params() - self.vocab_size * self.dim - norms
-        return 6.0 * n_matmul + 6.0 * self.n_layers * seq_len * self.dim
+        """Training FLOPs per token, forward + backward, no recomputation:
+        :meth:`ModelSpec.flops_per_token` (PaLM's ``6N + 12 L H Q T`` with the attention term
+        halved for causal masking)."""
+        return self.spec().flops_per_token(seq_len)
 
 
 PRESETS: dict[str, ModelConfig] = {
     # For tests: every size divisible by 2 on every axis (and by 8 where it matters).
     "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256),
     # For the demo: a few million parameters, trains on 2 CPU cores in minutes.
-    "small": ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
-    "medium": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536),
-    "llama-1b": ModelConfig(
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=8192,
-        vocab_size=32768,
-        rope_theta=500000.0,
+    "small": ModelConfig(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096
     ),
+    "medium": ModelConfig(
+        dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, vocab_size=4096
+    ),
+    **{
+        name: ModelConfig.from_spec(spec)
+        for name, spec in PLANNER_PRESETS.items()
+        if spec.family == "llama"
+    },
 }
+"""Named sizes. A preset's ``vocab_size`` is what the planner assumes; a training run takes the
+vocabulary from its tokenizer unless the user sets ``vocab_size`` (``TrainConfig.model_config``)."""
 
 
-def parse_model(text: str) -> ModelConfig:
+def parse_model(text: str) -> tuple[ModelConfig, frozenset[str]]:
     """Parse ``"PRESET"``, ``"PRESET,key=value,..."`` or ``"key=value,..."`` (on ``small``).
 
     Example: ``small,n_layers=8`` or ``dim=512,n_heads=8,n_kv_heads=2,ffn_dim=1536``.
+    Returns the sizes and the names of the sizes given explicitly.
 
     Raises:
         ModelConfigError: unknown preset or key, or a value that is not a number.
@@ -101,7 +159,7 @@ def parse_model(text: str) -> ModelConfig:
             raise ModelConfigError(f"model size {p!r} is not key=value (for example n_layers=8)")
         k, v = p.split("=", 1)
         sizes[k.strip()] = v.strip()
-    return with_sizes(base, sizes)
+    return with_sizes(base, sizes), frozenset(sizes)
 
 
 def with_sizes(base: ModelConfig, sizes: dict) -> ModelConfig:
@@ -127,41 +185,14 @@ def with_sizes(base: ModelConfig, sizes: dict) -> ModelConfig:
     return dataclasses.replace(base, **out)
 
 
-def check_divisible(cfg: ModelConfig, grid: tuple[int, int, int, int]) -> None:
-    """Check that every weight of ``cfg`` can be sharded on ``grid = (G_data, G_z, G_y, G_x)``.
-
-    Non-transposed weights ``[n, k]`` need ``n % (G_y*G_z) == 0`` and ``k % G_x == 0``;
-    transposed ones the same with X and Y swapped; attention needs whole heads per Y rank.
+def check_divisible(cfg: ModelConfig, grid: GridShape) -> None:
+    """Check that every weight of ``cfg`` can be sharded on ``grid = (G_data, G_z, G_y, G_x)``:
+    the planner's rule, :func:`tetrad.plan.memory.grid_problems`.
 
     Raises:
         ModelConfigError: one line listing every size that does not divide, and what to change.
     """
-    _, gz, gy, gx = grid
-    hd = cfg.head_dim
-    checks = [
-        (cfg.dim % cfg.n_heads == 0, f"dim={cfg.dim} divisible by n_heads={cfg.n_heads}"),
-        (
-            cfg.n_heads % cfg.n_kv_heads == 0,
-            f"n_heads={cfg.n_heads} divisible by n_kv_heads={cfg.n_kv_heads}",
-        ),
-        (cfg.n_heads % gy == 0, f"n_heads={cfg.n_heads} divisible by G_y={gy}"),
-        (cfg.n_kv_heads % gy == 0, f"n_kv_heads={cfg.n_kv_heads} divisible by G_y={gy}"),
-        (cfg.dim % (gx * gz) == 0, f"dim={cfg.dim} divisible by G_x*G_z={gx * gz}"),
-        (
-            (cfg.n_kv_heads * hd) % (gy * gz) == 0,
-            f"n_kv_heads*head_dim={cfg.n_kv_heads * hd} divisible by G_y*G_z={gy * gz}",
-        ),
-        (
-            (cfg.n_heads * hd) % (gy * gz) == 0,
-            f"n_heads*head_dim={cfg.n_heads * hd} divisible by G_y*G_z={gy * gz}",
-        ),
-        (cfg.ffn_dim % (gy * gz) == 0, f"ffn_dim={cfg.ffn_dim} divisible by G_y*G_z={gy * gz}"),
-        (
-            cfg.vocab_size % (gy * gz) == 0,
-            f"vocab_size={cfg.vocab_size} divisible by G_y*G_z={gy * gz}",
-        ),
-    ]
-    bad = [msg for ok, msg in checks if not ok]
+    bad = grid_problems(cfg.spec(), grid)
     if bad:
         raise ModelConfigError(
             "model does not fit the grid: needs "

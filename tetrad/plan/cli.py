@@ -1,8 +1,9 @@
-"""``tetrad plan`` and ``tetrad memory``: argparse wiring for the planner.
+"""``tetrad plan`` and ``tetrad memory``: their options and what they run.
 
-Hook into a parser with :func:`add_commands` and dispatch with :func:`run`; :func:`main` does
-both for tests and scripts (``python -m tetrad.plan.cli plan ...``). Mistakes print one line
-``tetrad: error: <what to change>`` on stderr and return 2.
+:mod:`tetrad.cli` builds the sub-commands with :func:`add_plan_arguments` and
+:func:`add_memory_arguments` and runs :func:`run_plan` / :func:`run_memory`, which raise
+:class:`~tetrad.plan.models.PlanError` (printed as one line by the command) for bad input.
+Plain Python: no torch.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ from tetrad.plan import memory, report
 from tetrad.plan.machines import get_machine, preset_names
 from tetrad.plan.models import PRESETS, PlanError, get_model
 from tetrad.plan.search import plan
-from tetrad.spec import GiB, TetradError, parse_grid
-
-COMMANDS = ("plan", "memory")
+from tetrad.spec import GiB, parse_grid
 
 
 def _positive_int(text: str) -> int:
@@ -42,18 +41,23 @@ def _int_list(text: str) -> tuple[int, ...]:
     return vals
 
 
-def add_commands(subparsers) -> None:
-    """Register ``plan`` and ``memory`` on an ``add_subparsers()`` object."""
+PLAN_HELP = "rank 4D (and Megatron-style) configurations by predicted step time"
+PLAN_DESCRIPTION = (
+    "Enumerate every 4D grid G_data x G_z x G_y x G_x of the GPU count, micro-batch and "
+    "activation-checkpointing choice; drop those estimated above 80%% of GPU memory; rank the "
+    "rest by predicted step time. Also ranks the classic TP x CP x PP x DP space for comparison."
+)
+MEMORY_HELP = "per-GPU memory estimate of one configuration and the 80%% verdict"
+MEMORY_DESCRIPTION = (
+    "Memory per GPU of one configuration: fujii2024 (Fujii et al. 2024, Megatron-style "
+    "TP/CP/PP/DP) or tetrad (this runtime on a 4D grid)."
+)
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``tetrad plan``."""
     models = ", ".join(PRESETS)
     machines = ", ".join(preset_names())
-    p = subparsers.add_parser(
-        "plan",
-        help="rank 4D (and Megatron-style) configurations by predicted step time",
-        description="Enumerate every 4D grid G_data x G_z x G_y x G_x of the GPU count, "
-        "micro-batch and activation-checkpointing choice; drop those estimated above 80%% of GPU "
-        "memory; rank the rest by predicted step time. Also ranks the classic TP x CP x PP x DP "
-        "space for comparison.",
-    )
     p.add_argument(
         "--model", required=True, help=f"preset ({models}), a config.json, or sizes key=value,..."
     )
@@ -122,12 +126,10 @@ def add_commands(subparsers) -> None:
         help="calibrated fraction of peak for every GEMM (default: the machine's table)",
     )
 
-    m = subparsers.add_parser(
-        "memory",
-        help="per-GPU memory estimate of one configuration and the 80%% verdict",
-        description="Memory per GPU of one configuration: fujii2024 (Fujii et al. 2024, "
-        "Megatron-style TP/CP/PP/DP) or tetrad (this runtime on a 4D grid).",
-    )
+
+def add_memory_arguments(m: argparse.ArgumentParser) -> None:
+    """The options of ``tetrad memory``."""
+    models = ", ".join(PRESETS)
     m.add_argument(
         "--model", required=True, help=f"preset ({models}), a config.json, or sizes key=value,..."
     )
@@ -166,7 +168,12 @@ def add_commands(subparsers) -> None:
     m.add_argument("--json", action="store_true", help="print the breakdown as JSON")
 
 
-def _run_plan(args: argparse.Namespace) -> int:
+def run_plan(args: argparse.Namespace) -> int:
+    """``tetrad plan``: print (and optionally plot or emit) the ranked configurations.
+
+    Raises:
+        PlanError: bad input; the message says what to change.
+    """
     model = get_model(args.model)
     machine = get_machine(args.machine)
     if args.gemm_efficiency is not None:
@@ -202,7 +209,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_memory(args: argparse.Namespace) -> int:
+def run_memory(args: argparse.Namespace) -> int:
+    """``tetrad memory``: print the per-GPU memory of one configuration and the verdict.
+
+    Raises:
+        PlanError: bad input; the message says what to change.
+    """
     model = get_model(args.model)
     if args.gpu_memory_gib is not None:
         if args.gpu_memory_gib <= 0:
@@ -263,30 +275,3 @@ def _run_memory(args: argparse.Namespace) -> int:
     else:
         print(report.memory_text(mem, title, "raise TP, CP or PP, or lower the micro-batch"))
     return 0
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``args.command`` (``plan`` or ``memory``); returns the exit status (0, or 2 after a
-    one-line ``tetrad: error: ...`` on stderr)."""
-    try:
-        if args.command == "plan":
-            return _run_plan(args)
-        if args.command == "memory":
-            return _run_memory(args)
-        raise PlanError(f"unknown planner command {args.command!r}: use plan or memory")
-    except TetradError as e:
-        msg = str(e).strip().splitlines()
-        print(f"tetrad: error: {msg[0] if msg else type(e).__name__}", file=sys.stderr)
-        return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (``plan ...`` or ``memory ...``) and run it."""
-    parser = argparse.ArgumentParser(prog="tetrad")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_commands(sub)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

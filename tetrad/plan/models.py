@@ -85,6 +85,8 @@ class ModelSpec:
         vocab: ``V`` (already padded).
         max_positions: rows of the learned position table (GPT); 0 for RoPE models.
         tied_embeddings: the LM head reuses the embedding table (no extra ``V h``).
+        rope_theta: RoPE base (llama); the planner does not use it, the runtime builds its
+            model from the same preset (:meth:`tetrad.models.config.ModelConfig.from_spec`).
     """
 
     name: str
@@ -97,6 +99,7 @@ class ModelSpec:
     vocab: int
     max_positions: int = 0
     tied_embeddings: bool = False
+    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -231,9 +234,22 @@ def _gpt(name: str, n_layers: int, hidden: int, n_heads: int) -> ModelSpec:
 
 
 def _llama(
-    name: str, hidden: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, vocab: int
+    name: str,
+    hidden: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    ffn: int,
+    vocab: int,
+    rope_theta: float = 10000.0,
 ) -> ModelSpec:
-    return ModelSpec(name, "llama", hidden, n_layers, n_heads, n_kv_heads, ffn, vocab)
+    return ModelSpec(
+        name, "llama", hidden, n_layers, n_heads, n_kv_heads, ffn, vocab, rope_theta=rope_theta
+    )
+
+
+LLAMA3_THETA = 500000.0
+"""RoPE base of Llama 3 and 3.1 (Hugging Face configs, ``rope_theta``); Llama 2 uses 10,000."""
 
 
 _PRESET_LIST = [
@@ -252,13 +268,14 @@ _PRESET_LIST = [
     _llama("llama-2-13b", 5120, 40, 40, 40, 13824, 32000),
     _llama("llama-2-70b", 8192, 80, 64, 8, 28672, 32000),
     # Llama 3 / 3.1 (Grattafiori et al., arXiv 2407.21783, table 3; Hugging Face configs).
-    _llama("llama-3-8b", 4096, 32, 32, 8, 14336, 128256),
-    _llama("llama-3-70b", 8192, 80, 64, 8, 28672, 128256),
-    _llama("llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256),
-    _llama("llama-3.1-70b", 8192, 80, 64, 8, 28672, 128256),
-    _llama("llama-3.1-405b", 16384, 126, 128, 8, 53248, 128256),
-    # tetrad's own runtime preset of the same name (tetrad.models.config.PRESETS["llama-1b"]).
-    _llama("llama-1b", 2048, 16, 32, 8, 8192, 32768),
+    _llama("llama-3-8b", 4096, 32, 32, 8, 14336, 128256, LLAMA3_THETA),
+    _llama("llama-3-70b", 8192, 80, 64, 8, 28672, 128256, LLAMA3_THETA),
+    _llama("llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256, LLAMA3_THETA),
+    _llama("llama-3.1-70b", 8192, 80, 64, 8, 28672, 128256, LLAMA3_THETA),
+    _llama("llama-3.1-405b", 16384, 126, 128, 8, 53248, 128256, LLAMA3_THETA),
+    # tetrad's 1B Llama for a single GPU (the runtime's preset too: every llama preset here is
+    # one `tetrad train --model` accepts).
+    _llama("llama-1b", 2048, 16, 32, 8, 8192, 32768, LLAMA3_THETA),
 ]
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in _PRESET_LIST}
 
@@ -292,6 +309,11 @@ def _near(word: str, choices) -> str:
 def _parse_value(key: str, value: str):
     if key == "family":
         return value.lower()
+    if key == "rope_theta":
+        try:
+            return float(value)
+        except ValueError:
+            raise PlanError(f"model size rope_theta={value!r} is not a number") from None
     if key == "tied_embeddings":
         low = value.lower()
         if low in ("1", "true", "yes"):
@@ -359,6 +381,7 @@ def from_hf_config(path: str) -> ModelSpec:
         vocab=int(cfg["vocab_size"]),
         max_positions=0,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
     )
 
 

@@ -6,11 +6,10 @@ docs/planner.md) about this run's model, batch and machine.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from tetrad.models.config import ModelConfig
-from tetrad.spec import GiB, parse_overlaps
+from tetrad.spec import GiB
 from tetrad.train.config import ConfigError, TrainConfig
 
 # Machine presets that match a CUDA device name, for --grid auto without --machine.
@@ -20,9 +19,9 @@ GPU_MACHINES = {"H200": "h200-node", "H100": "dgx-h100", "A100": "dgx-a100-80gb"
 def default_nproc(cfg: TrainConfig) -> int:
     """Processes for ``--grid auto`` outside torchrun: ``--nproc``, else every visible GPU
     (CUDA), else 4 (CPU)."""
-    if cfg.nproc:
-        return cfg.nproc
-    if cfg.device == "cuda":
+    if cfg.parallelism.nproc:
+        return cfg.parallelism.nproc
+    if cfg.training.device == "cuda":
         from tetrad.device import gpu_count
 
         return max(1, gpu_count())
@@ -39,8 +38,8 @@ def machine_for(cfg: TrainConfig):
     from tetrad.plan.machines import get_machine
     from tetrad.plan.models import PlanError
 
-    name = cfg.machine
-    if not name and cfg.device == "cuda":
+    name = cfg.parallelism.machine
+    if not name and cfg.training.device == "cuda":
         from tetrad.device import device_name, local_device
 
         gpu = device_name(local_device("cuda"))
@@ -54,17 +53,6 @@ def machine_for(cfg: TrainConfig):
         return get_machine(name)
     except PlanError as e:
         raise ConfigError(str(e)) from None
-
-
-def model_spec(mc: ModelConfig):
-    """The planner's description of a runtime Llama."""
-    from tetrad.plan.models import get_model
-
-    return get_model(
-        f"dim={mc.dim},n_layers={mc.n_layers},n_heads={mc.n_heads},"
-        f"n_kv_heads={mc.n_kv_heads},ffn_dim={mc.ffn_dim},"
-        f"vocab_size={mc.vocab_size}"
-    )
 
 
 def choose_grid(
@@ -83,37 +71,37 @@ def choose_grid(
     from tetrad.plan.search import plan
 
     machine = machine_for(cfg)
-    mc = cfg.model_config(vocab_size)
+    t, par = cfg.training, cfg.parallelism
+    batch = f"global_batch={t.global_batch} and micro_batch={t.micro_batch}"
     try:
         res = plan(
-            model_spec(mc),
+            cfg.model_config(vocab_size).spec(),
             machine,
             world_size,
-            cfg.global_batch,
-            cfg.seq_len,
+            t.global_batch,
+            t.seq_len,
             top=3,
-            micro_batches=(cfg.micro_batch,),
-            checkpointing=(cfg.activation_checkpointing,),
-            overlaps=cfg.overlap,
+            micro_batches=(t.micro_batch,),
+            checkpointing=(par.activation_checkpointing,),
+            overlaps=par.overlap,
             classic=False,
-            dtype="bf16" if cfg.device == "cuda" else "fp32",
+            dtype=compute_dtype(cfg),
         )
     except PlanError as e:
         raise ConfigError(
-            f"--grid auto found no grid of {world_size} ranks for this model, "
-            f"global_batch={cfg.global_batch} and micro_batch={cfg.micro_batch} "
+            f"--grid auto found no grid of {world_size} ranks for this model, {batch} "
             f"(planner: {e})"
         ) from None
     if not res.rows:
         raise ConfigError(
             f"--grid auto: no grid of {world_size} ranks shards this model, "
-            f"splits global_batch={cfg.global_batch} into micro-batches of "
-            f"{cfg.micro_batch} and fits in 80% of {machine.name}'s memory: "
+            f"splits global_batch={t.global_batch} into micro-batches of "
+            f"{t.micro_batch} and fits in 80% of {machine.name}'s memory: "
             "change --nproc, the batch or the model"
         )
     best = res.rows[0]
     if verbose:
-        exposed = ", ".join(f"{a} {t * 1e3:.1f} ms" for a, t in best.exposed_s.items() if t)
+        exposed = ", ".join(f"{a} {x * 1e3:.1f} ms" for a, x in best.exposed_s.items() if x)
         others = "; ".join(f"{r.label()} {r.step_s * 1e3:.1f} ms" for r in res.rows[1:])
         print(
             f"tetrad: --grid auto on {machine.name} with {world_size} ranks chose "
@@ -124,37 +112,42 @@ def choose_grid(
             + (f"; next: {others}" if others else ""),
             flush=True,
         )
-    return dataclasses.replace(cfg, grid=tuple(best.grid))
+    return cfg.with_grid(tuple(best.grid))
+
+
+def compute_dtype(cfg: TrainConfig) -> str:
+    """The planner's name of the runtime's compute dtype: ``bf16`` on CUDA (autocast), ``fp32``
+    on CPU."""
+    return "bf16" if cfg.training.device == "cuda" else "fp32"
 
 
 def domino_pays(cfg: TrainConfig, mc: ModelConfig) -> bool:
     """Whether the planner predicts a shorter step with the Domino split than without, for
     this run's grid, batch and ``--machine`` (True when no machine is given: the runtime's
     row threshold alone then decides)."""
-    if not cfg.machine:
+    t, par = cfg.training, cfg.parallelism
+    if not par.machine:
         return True
     from tetrad.plan.comm import Context, estimate
+    from tetrad.plan.memory import DTYPE_BYTES
 
-    machine = machine_for(cfg)
-    spec = model_spec(mc)
+    machine, spec = machine_for(cfg), mc.spec()
     times = []
-    for overlaps in (cfg.overlap, ",".join(sorted(_names(cfg.overlap) - {"domino"})) or "none"):
+    for overlaps in (par.overlaps, par.overlaps - {"domino"}):
         ctx = Context(
             spec,
             machine,
-            cfg.seq_len,
-            cfg.global_batch,
+            t.seq_len,
+            t.global_batch,
             overlaps=overlaps,
-            compute_bytes=2 if cfg.device == "cuda" else 4,
-            domino_min_rows=cfg.domino_min_rows,
+            compute_bytes=DTYPE_BYTES[compute_dtype(cfg)],
+            domino_min_rows=par.domino_min_rows,
         )
-        times.append(estimate(ctx, cfg.grid, cfg.micro_batch, cfg.activation_checkpointing).step_s)
+        step = estimate(ctx, par.grid, t.micro_batch, par.activation_checkpointing).step_s
+        times.append(step)
     return times[0] < times[1]
 
 
-def _names(text: str) -> set[str]:
-    return set(parse_overlaps(text))
-
-
 def is_rank0() -> bool:
+    """True on rank 0 of a job, or outside one."""
     return os.environ.get("RANK", "0") == "0"

@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tetrad.grid import Grid
 from tetrad.parallel.placement import Placement
-from tetrad.spec import GRID_AXES
+from tetrad.spec import GRID_AXES, TetradError
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TetradError):
     """A checkpoint that is missing, incomplete or does not match the model."""
 
 

@@ -1,26 +1,63 @@
-"""Training configuration: one dataclass, loaded from TOML, overridden from the command line."""
+"""Training configuration: typed sections, read from TOML, overridden by command-line options.
+
+A TOML file has one table per section; a key is a field of its section, and the ``[model]``
+table also holds model sizes that override the preset (``tetrad plan --emit-config`` writes
+this form, and ``RUN_DIR/config.json`` records it)::
+
+    [model]
+    name = "small"              # a preset, or preset,key=value sizes
+    n_layers = 8                # sizes override the preset
+
+    [data]
+    paths = ["input.txt"]       # files, folders or globs (default: the Python stdlib)
+
+    [parallelism]
+    grid = "2,1,1,2"            # G_data,G_z,G_y,G_x, or "auto"
+
+    [training]
+    steps = 300
+
+    [checkpoint]
+    run_dir = "runs/demo"
+
+    [logging]
+    log_every = 10
+
+The sections are the dataclasses of :mod:`tetrad.train.sections`. Every field is also a
+``tetrad train`` option (:func:`add_arguments` generates them from the fields and their help),
+named by its *option*: the field name, except ``--model`` for
+``model.name`` and ``--data`` for ``data.paths``. A flat file of ``option = value`` keys (the
+form before sections) is still accepted. Command-line options win over the file, which wins over
+the defaults. Plain Python: parsing a configuration never imports torch.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 from tetrad.models.config import ModelConfig, parse_model, with_sizes
-from tetrad.spec import parse_grid, parse_overlaps, tomllib
-
-DEMO_GRID = (2, 1, 1, 2)
-
-
-class ConfigError(ValueError):
-    """A configuration file or value that tetrad cannot use; the message says what to change."""
+from tetrad.spec import DEVICES, GridShape, TetradError, parse_grid, tomllib
+from tetrad.train.sections import (
+    CheckpointSection,
+    ConfigError,
+    DataSection,
+    LoggingSection,
+    ModelSection,
+    ParallelismSection,
+    TrainingSection,
+)
 
 
 @dataclass
 class TrainConfig:
-    """Everything one ``tetrad train`` run needs.
+    """Everything one ``tetrad train`` run needs, in sections.
 
     Batch arithmetic: the ``global_batch`` samples of a step are split over ``G_data * G_z``
     ranks and each rank's share is processed ``micro_batch`` samples at a time, so
@@ -28,53 +65,28 @@ class TrainConfig:
     ``global_batch / (G_data * G_z * micro_batch)`` gradient-accumulation micro-steps.
     """
 
-    model: str = "small"  # preset, or preset/sizes string (see tetrad.models.config.parse_model)
-    model_sizes: dict = field(default_factory=dict)  # the [model] table of a TOML file
-    grid: tuple[int, int, int, int] | str = DEMO_GRID  # (G_data, G_z, G_y, G_x), or "auto"
-    steps: int = 300  # optimizer steps of the whole run
-    micro_batch: int = 4  # samples per rank per micro-step
-    global_batch: int = 16  # samples per optimizer step
-    seq_len: int = 256  # tokens per sample
-    lr: float = 3e-3  # peak learning rate
-    min_lr: float = 3e-4  # learning rate at the end of the cosine decay
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # max global gradient norm (0 disables)
-    seed: int = 1234
-    data: list[str] = field(default_factory=list)  # files, folders or globs; empty: stdlib
-    tokenizer: str = ""  # a tokenizer.json; empty: train a byte-level BPE on the corpus
-    vocab_size: int = 4096  # size of the trained tokenizer
-    val_fraction: float = 0.01  # share of the corpus held out for validation
-    run_dir: str = "runs/demo"
-    device: str = "cpu"  # cpu (gloo, fp32) or cuda (NCCL, bf16 autocast)
-    activation_checkpointing: bool = False
-    log_every: int = 10  # steps between log lines
-    val_every: int = 50  # steps between validations (and at the end)
-    val_batches: int = 4  # global batches per validation
-    ckpt_every: int = 0  # steps between checkpoints (0: only at the end)
-    resume: bool = False  # continue from the latest checkpoint in run_dir
-    peak_flops: float = 0.0  # peak FLOP/s per rank for MFU (0: look up or measure)
-    overlap: str = "all"  # all, none, or a comma-separated list (tetrad.parallel.overlap)
-    dp_bucket_mb: float = 4.0  # data-parallel all-reduce bucket size, MiB
-    domino_min_rows: int = 256  # split a forward GEMM + all-reduce only above 2x this many rows
-    profile_steps: str = ""  # "A:B": torch.profiler trace of steps A..B into run_dir
-    machine: str = ""  # planner machine (preset or `tetrad calibrate` TOML) for grid "auto"
-    nproc: int = 0  # processes for grid "auto" without torchrun (0: GPUs, or 4 on CPU)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
 
-    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
-        """The model sizes: ``model`` string, then the ``[model]`` table, then the vocabulary.
+    def model_config(self, tokenizer_vocab: int | None = None) -> ModelConfig:
+        """The model sizes: the ``model`` string, then the ``[model]`` sizes.
 
-        A vocabulary taken from the tokenizer (model ``vocab_size`` 0) is padded up to a
-        multiple of ``lcm(128, G_y*G_z)`` so the embedding and LM head divide over the grid
-        (as Megatron-LM pads its vocabulary); padding ids never occur in the data.
+        The vocabulary follows the tokenizer (``tokenizer_vocab`` tokens) unless the user set a
+        nonzero ``vocab_size`` explicitly; it is then padded up to a multiple of
+        ``lcm(128, G_y*G_z)`` so the embedding and LM head divide over the grid (as Megatron-LM
+        pads its vocabulary); padding ids never occur in the data.
         """
-        cfg: ModelConfig = with_sizes(parse_model(self.model), self.model_sizes)
-        if vocab_size is not None and cfg.vocab_size == 0:
-            yz = 1 if self.grid == "auto" else self.grid[1] * self.grid[2]
-            multiple = math.lcm(128, yz)
-            cfg = dataclasses.replace(cfg, vocab_size=-(-vocab_size // multiple) * multiple)
+        cfg, explicit = parse_model(self.model.name)
+        cfg = with_sizes(cfg, self.model.sizes)
+        user_vocab = "vocab_size" in explicit | self.model.sizes.keys() and cfg.vocab_size
+        if tokenizer_vocab is not None and not user_vocab:
+            grid = self.parallelism.grid
+            multiple = math.lcm(128, 1 if grid == "auto" else grid[1] * grid[2])
+            cfg = dataclasses.replace(cfg, vocab_size=-(-tokenizer_vocab // multiple) * multiple)
         return cfg
 
     def check(self) -> None:
@@ -83,116 +95,231 @@ class TrainConfig:
         Raises:
             ConfigError: one line saying which value to change.
         """
-        if self.grid == "auto":
+        t, grid = self.training, self.parallelism.grid
+        if grid == "auto":
             raise ConfigError(
                 "grid 'auto' must be resolved by the planner before training "
                 "(tetrad train does this; see tetrad.train.auto.choose_grid)"
             )
-        d, z, _, _ = self.grid
-        shards = d * z * self.micro_batch
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"device {self.device!r} is not cpu or cuda")
+        if t.device not in DEVICES:
+            raise ConfigError(f"device {t.device!r} is not {' or '.join(DEVICES)}")
         for name in ("steps", "micro_batch", "global_batch", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.global_batch % shards:
+            if getattr(t, name) < 1:
+                raise ConfigError(f"{name}={getattr(t, name)} must be at least 1")
+        d, z, _, _ = grid
+        shards = d * z * t.micro_batch
+        if t.global_batch % shards:
             raise ConfigError(
-                f"global_batch={self.global_batch} is not divisible by "
-                f"G_data*G_z*micro_batch = {d}*{z}*{self.micro_batch} = {shards}: "
+                f"global_batch={t.global_batch} is not divisible by "
+                f"G_data*G_z*micro_batch = {d}*{z}*{t.micro_batch} = {shards}: "
                 "change --global-batch or --micro-batch"
             )
-        if not 0.0 < self.val_fraction < 0.5:
-            raise ConfigError(f"val_fraction={self.val_fraction} must lie in (0, 0.5)")
+        if not 0.0 < self.data.val_fraction < 0.5:
+            raise ConfigError(f"val_fraction={self.data.val_fraction} must lie in (0, 0.5)")
         try:
-            parse_overlaps(self.overlap)
-        except ValueError as e:
+            self.parallelism.overlaps  # noqa: B018 (parsing is the check)
+        except TetradError as e:
             raise ConfigError(str(e)) from None
-        if self.profile_steps:
-            self.profile_range()
-
-    def profile_range(self) -> tuple[int, int] | None:
-        """Steps ``(A, B)`` (1-based, inclusive) to profile, or None.
-
-        Raises:
-            ConfigError: not ``A:B`` with ``1 <= A <= B``.
-        """
-        if not self.profile_steps:
-            return None
-        try:
-            a, b = (int(v) for v in self.profile_steps.split(":"))
-        except ValueError:
-            a = b = 0
-        if not 1 <= a <= b:
-            raise ConfigError(
-                f"profile_steps={self.profile_steps!r} is not A:B with 1 <= A <= B "
-                "(for example 5:7)"
-            )
-        return a, b
+        self.logging.profile_range()
 
     @property
     def grad_accum(self) -> int:
         """Micro-steps per optimizer step."""
-        return self.global_batch // (self.grid[0] * self.grid[1] * self.micro_batch)
+        d, z, _, _ = self.parallelism.grid
+        return self.training.global_batch // (d * z * self.training.micro_batch)
+
+    def with_grid(self, grid: GridShape) -> TrainConfig:
+        """A copy with ``parallelism.grid`` replaced."""
+        return dataclasses.replace(
+            self, parallelism=dataclasses.replace(self.parallelism, grid=grid)
+        )
 
 
-def _coerce(name: str, value, kind):
+# ---- fields, options, values -----------------------------------------------------------------
+
+SECTIONS: dict[str, type] = {
+    f.name: f.default_factory
+    for f in dataclasses.fields(TrainConfig)  # type: ignore[misc]
+}
+
+
+@dataclass(frozen=True)
+class _Field:
+    section: str
+    name: str  # the field name (the key inside its TOML table)
+    option: str  # the command-line option and flat key
+    kind: Any  # the resolved type hint
+    help: str  # one line, with the default
+    metavar: str | None
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _fields() -> list[_Field]:
+    out = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if "help" not in meta:
+                continue
+            default = _default(f)
+            if isinstance(default, tuple):
+                default = ",".join(map(str, default))
+            shown = f" (default: {default})" if default not in ("", [], 0) else ""
+            option = meta["option"] or f.name
+            kind = hints[f.name]
+            out.append(_Field(section, f.name, option, kind, meta["help"] + shown, meta["metavar"]))
+    return out
+
+
+FIELDS = _fields()
+BY_OPTION = {f.option: f for f in FIELDS}
+
+
+def _literal_choices(kind: Any) -> tuple | None:
+    if typing.get_origin(kind) is Literal:
+        return typing.get_args(kind)
+    return None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one option per configuration field, grouped by section (unset options are None)."""
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of training settings")
+    groups = {
+        name: parser.add_argument_group(f"[{name}]", (cls.__doc__ or "").strip())
+        for name, cls in SECTIONS.items()
+    }
+    for f in FIELDS:
+        kw: dict[str, Any] = {"dest": f.option, "help": f.help, "default": None}
+        if f.kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(f.kind) is list:
+            kw.update(action="append", metavar=f.metavar)
+        elif _literal_choices(f.kind):
+            kw["choices"] = _literal_choices(f.kind)
+        else:
+            kw.update(type=f.kind if f.kind in (int, float) else str, metavar=f.metavar)
+        groups[f.section].add_argument("--" + f.option.replace("_", "-"), **kw)
+
+
+def overrides(args: argparse.Namespace) -> dict:
+    """The options given on the command line, as :func:`load_config` overrides."""
+    return {f.option: getattr(args, f.option, None) for f in FIELDS}
+
+
+def _coerce(f: _Field, value: Any) -> Any:
+    """``value`` (from TOML or the command line) as the type of field ``f``."""
+    kind, name = f.kind, f.option
     if name == "grid":
         return "auto" if str(value).strip() == "auto" else parse_grid(value)
-    if name == "data":
+    if typing.get_origin(kind) is list:
         return [value] if isinstance(value, str) else [str(v) for v in value]
+    choices = _literal_choices(kind)
+    if choices is not None:
+        if value not in choices:
+            raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+        return value
     if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(value).lower() in ("0", "false", "no", "off"):
-            return False
+        text = str(value).lower()
+        if isinstance(value, bool) or text in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value if isinstance(value, bool) else text in ("1", "true", "yes", "on")
         raise ConfigError(f"{name}={value!r} is not true or false")
-    if kind in (int, float, str):
-        if kind is int and isinstance(value, float) and not value.is_integer():
-            raise ConfigError(f"{name}={value!r} is not a whole number")
-        try:
-            return kind(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name}={value!r} is not a {kind.__name__}") from None
-    return value
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        raise ConfigError(f"{name}={value!r} is not a whole number")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a {kind.__name__}") from None
 
 
-_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+def _unknown(key: str, where: str, choices: list[str]) -> ConfigError:
+    near = difflib.get_close_matches(key, choices, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return ConfigError(f"unknown config key {key!r}{where}{hint}: remove or rename it")
+
+
+class _Builder:
+    """Collects values per section from TOML tables, flat keys and overrides."""
+
+    def __init__(self, path: str | None):
+        self.where = f" in {path}" if path else ""
+        self.values: dict[str, dict] = {name: {} for name in SECTIONS}
+        self.sizes: dict = {}
+
+    def table(self, section: str, table: dict) -> None:
+        """A ``[section]`` table of field names (``[model]``: ``name`` and sizes)."""
+        for key, value in table.items():
+            f = next(
+                (g for g in FIELDS if g.section == section and key in (g.name, g.option)), None
+            )
+            if f is None and section == "model":
+                self.sizes[key] = value
+                continue
+            if f is None:
+                other = next((g for g in FIELDS if key in (g.name, g.option)), None)
+                if other is not None:
+                    raise ConfigError(
+                        f"config key {key!r}{self.where} belongs in [{other.section}] "
+                        f"(as {other.name!r}), not [{section}]: move it"
+                    )
+                names = [g.name for g in FIELDS if g.section == section]
+                raise _unknown(key, f"{self.where} [{section}]", names)
+            self.set(f, value)
+
+    def flat(self, key: str, value: Any) -> None:
+        """A top-level key: a section table, or an option (the flat form)."""
+        name = key.replace("-", "_")
+        if name in SECTIONS and isinstance(value, dict):
+            self.table(name, value)
+        elif name == "model_sizes" and isinstance(value, dict):  # config.json before sections
+            self.sizes.update(value)
+        elif name in BY_OPTION:
+            self.set(BY_OPTION[name], value)
+        else:
+            raise _unknown(key, self.where, [*BY_OPTION, *SECTIONS])
+
+    def set(self, f: _Field, value: Any) -> None:
+        self.values[f.section][f.name] = _coerce(f, value)
+
+    def build(self) -> TrainConfig:
+        self.values["model"]["sizes"] = self.sizes
+        return TrainConfig(**{name: SECTIONS[name](**v) for name, v in self.values.items()})
+
+
+def read_toml(path: str) -> dict:
+    """The parsed TOML file at ``path``.
+
+    Raises:
+        ConfigError: the file is missing or not valid TOML.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist: check the --config path")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
 
 
 def load_config(path: str | None = None, overrides: dict | None = None) -> TrainConfig:
-    """Build a :class:`TrainConfig` from a TOML file and command-line overrides (which win).
+    """Build a :class:`TrainConfig` from a TOML file and option overrides (which win).
 
-    The file holds top-level keys named like the fields (``steps = 100``, ``grid = "1,2,1,2"``)
-    and an optional ``[model]`` table of model sizes (``dim = 512``).
+    Args:
+        path: a TOML file of section tables (or the flat form of ``option = value`` keys).
+        overrides: ``{option: value}`` (``None`` values are ignored), e.g. from
+            :func:`overrides` of parsed command-line options.
 
     Raises:
-        ConfigError: missing or unparsable file, unknown key (with the closest known one),
-            or a value of the wrong type.
+        ConfigError: missing or unparsable file, unknown key (with the closest known one), a
+            key in the wrong section, or a value of the wrong type.
     """
-    raw: dict = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path} does not exist: check the --config path")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    sizes = raw.pop("model_sizes", None) or {}
-    if isinstance(raw.get("model"), dict):
-        sizes = raw.pop("model")
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    values: dict = {"model_sizes": dict(sizes)}
-    for key, value in raw.items():
-        name = key.replace("-", "_")
-        if name not in fields or name == "model_sizes":
-            near = difflib.get_close_matches(name, fields, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            where = f" in {path}" if path else ""
-            raise ConfigError(f"unknown config key {key!r}{where}{hint}: remove or rename it")
-        kind = _KINDS.get(str(fields[name].type), None)
-        values[name] = _coerce(name, value, kind)
-    return TrainConfig(**values)
+    builder = _Builder(path)
+    for key, value in (read_toml(path) if path else {}).items():
+        builder.flat(key, value)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            builder.flat(key, value)
+    return builder.build()

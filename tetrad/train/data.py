@@ -21,13 +21,15 @@ import tempfile
 import numpy as np
 import torch
 
+from tetrad.spec import TetradError
+
 FORMAT_VERSION = 1
 EOT = "<|endoftext|>"
 BPE_TRAIN_BYTES = 8_000_000  # the BPE is trained on at most this much train text (see below)
 ENCODE_CHUNK_BYTES = 4_000_000  # files are encoded in batches of about this much text
 
 
-class DataError(ValueError):
+class DataError(TetradError):
     """Data that tetrad cannot use; the one-line message says what to change."""
 
 

@@ -17,6 +17,7 @@ import torch
 
 from tetrad.device import gpu_count
 from tetrad.models.config import ModelConfig
+from tetrad.spec import DEVICES
 from tetrad.train.checkpoint import CheckpointError, latest_checkpoint
 from tetrad.train.config import ConfigError
 
@@ -147,12 +148,13 @@ def generate(
     """
     if max_new_tokens < 0 or top_k < 0 or temperature < 0:
         raise ConfigError("--max-new-tokens, --top-k and --temperature must not be negative")
-    if device not in ("cpu", "cuda"):
+    if device not in DEVICES:
         raise ConfigError(f"device {device!r} is not cpu or cuda")
     if device == "cuda" and not gpu_count():
         raise ConfigError("--device cuda but no GPU is visible: use --device cpu")
     model, tok, run_cfg = load_model(run_dir, device)
-    window = int(run_cfg.get("seq_len") or 256)
+    # config.json holds the [training] section (older runs: a flat seq_len)
+    window = int(run_cfg.get("training", run_cfg).get("seq_len") or 256)
     eot = tok.token_to_id(EOT)
     ids = tok.encode(prompt, add_special_tokens=False).ids if prompt else []
     if not ids:

@@ -1,10 +1,15 @@
-"""Start the worker processes of a single-machine run with PyTorch's elastic launcher.
+"""How ``tetrad train`` starts: the launch policy, and the local workers.
 
-``tetrad train`` without ``torchrun`` calls :func:`run_local`, which does what
-``torchrun --standalone --nproc_per_node N`` does: a c10d rendezvous on a free local port and
-``N`` spawned workers, each with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ... set, each running
-``tetrad.train.trainer.train(cfg)``. Worker output goes straight to this terminal (no rank
-prefixes); rank 0 prints the progress.
+:func:`launch_train` decides. Under ``torchrun`` (or SLURM, or any launcher that sets ``RANK``
+and ``WORLD_SIZE`` or ``TORCHELASTIC_RUN_ID``) this process is one rank: it checks the grid
+against ``WORLD_SIZE`` and trains. Started by hand, it checks everything that can fail before any
+worker starts (values, GPUs, data, tokenizer, model vs grid; the corpus is tokenised and cached
+here, so the workers only load it) and starts ``G_data*G_z*G_y*G_x`` local workers with
+:func:`run_local`, which does what ``torchrun --standalone --nproc_per_node N`` does: a c10d
+rendezvous on a free local port and ``N`` spawned workers, each with ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` ... set. Worker output goes straight to this terminal (no rank prefixes); rank 0
+prints the progress. ``--grid auto`` is resolved by the planner first
+(:func:`tetrad.train.auto.choose_grid`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,60 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from tetrad.device import threads_per_rank
+from tetrad.device import gpu_count, threads_per_rank
+from tetrad.spec import GridError, check_world_size, error_line
+from tetrad.train.config import TrainConfig
+
+
+def under_torchrun() -> bool:
+    """True when this process is one worker of a ``torchrun`` (or similar) job."""
+    env = os.environ
+    return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
+
+
+def launch_train(cfg: TrainConfig) -> None:
+    """Run ``tetrad train`` for ``cfg`` (see the module docstring).
+
+    Raises:
+        TetradError: a mistake in the configuration, the data or the grid (one line).
+        SystemExit(1): a local worker failed (see :func:`run_local`).
+    """
+    if cfg.parallelism.grid == "auto":
+        cfg = _resolve_auto_grid(cfg)
+    from tetrad.train import trainer
+
+    if under_torchrun():
+        check_world_size(cfg.parallelism.grid, int(os.environ["WORLD_SIZE"]))
+        cfg.check()
+        trainer.train(cfg)
+        return
+    cfg.check()
+    d, z, y, x = cfg.parallelism.grid
+    nproc = d * z * y * x
+    if cfg.training.device == "cuda" and gpu_count() < nproc:
+        raise GridError(
+            f"grid data*z*y*x = {d}*{z}*{y}*{x} = {nproc} needs {nproc} GPUs, but "
+            f"{gpu_count()} are visible: use a smaller --grid or torchrun across nodes"
+        )
+    trainer.preflight(cfg)
+    print(
+        f"tetrad: starting {nproc} workers (grid data={d} z={z} y={y} x={x}, "
+        f"{cfg.training.device})",
+        file=sys.stderr,
+        flush=True,
+    )
+    run_local(cfg, nproc)
+
+
+def _resolve_auto_grid(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the grid the planner chooses for this job's ranks and tokenizer."""
+    from tetrad.train.auto import choose_grid, default_nproc, is_rank0
+    from tetrad.train.data import prepare_corpus
+
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else default_nproc(cfg)
+    d = cfg.data
+    corpus = prepare_corpus(d.paths, d.tokenizer, d.vocab_size, d.val_fraction)
+    return choose_grid(cfg, world, corpus.vocab_size, verbose=is_rank0())
 
 
 def train_worker(cfg: Any) -> None:
@@ -92,6 +150,13 @@ def _restore_logs(old: dict[str, int]) -> None:
         logging.getLogger(name).setLevel(level)
 
 
+def _device(job: Any) -> str:
+    """The device of a job: a :class:`TrainConfig`'s, or a ``device`` attribute's."""
+    if isinstance(job, TrainConfig):
+        return job.training.device
+    return getattr(job, "device", "cpu")
+
+
 def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_worker) -> None:
     """Run ``entrypoint(cfg)`` in ``nproc`` local worker processes (ranks ``0 .. nproc-1``).
 
@@ -105,7 +170,7 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
     """
     old_levels = _quiet_torch_logs()
     added_omp = False
-    if getattr(cfg, "device", "cpu") == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if _device(cfg) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
         added_omp = True
     try:
@@ -124,7 +189,7 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
             try:
                 elastic_launch(config, entrypoint)(cfg)
             except ChildFailedError as e:
-                print(f"tetrad: error: {failure_summary(e)}", file=sys.stderr)
+                print(error_line(failure_summary(e)), file=sys.stderr)
                 raise SystemExit(1) from None
             except SignalException as e:
                 if e.sigval == signal.SIGINT:

@@ -1,0 +1,111 @@
+"""What a training step reports: the ``metrics.jsonl`` row, the log line, the profiler window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tetrad.comm import AxisStats
+from tetrad.spec import GiB
+
+
+@dataclass(frozen=True)
+class StepMeter:
+    """The throughput figures of a run, and its ``metrics.jsonl`` rows.
+
+    Attributes:
+        tokens: tokens per optimizer step (``global_batch * seq_len``).
+        flops: model FLOPs per optimizer step (``flops_per_token * tokens``).
+        peak_flops: peak FLOP/s of one rank (0: unknown, MFU reported as 0).
+        world_size: ranks.
+    """
+
+    tokens: int
+    flops: float
+    peak_flops: float
+    world_size: int
+
+    def row(
+        self,
+        step: int,
+        seconds: float,
+        *,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        peak_memory: int,
+        comm: dict[str, AxisStats],
+        overlaps_ran: dict[str, int],
+    ) -> dict:
+        """The row of optimizer step ``step`` (1-based) that took ``seconds``.
+
+        Keys: ``step, loss, lr, grad_norm, tokens_per_s, tokens_per_s_per_rank, mfu,
+        peak_memory_bytes, step_time_s``, per axis ``comm_bytes`` (ring bytes sent per rank),
+        ``comm_time_s`` and ``comm_exposed_s`` (seconds), and ``overlaps_ran`` (counts).
+        MFU = ``flops / seconds / (peak_flops * world_size)``.
+        """
+        return {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": self.tokens / seconds,
+            "tokens_per_s_per_rank": self.tokens / seconds / self.world_size,
+            "mfu": self.flops / seconds / (self.peak_flops * self.world_size)
+            if self.peak_flops
+            else 0.0,
+            "peak_memory_bytes": peak_memory,
+            "step_time_s": seconds,
+            "comm_bytes": {a: st.bytes for a, st in comm.items()},
+            "comm_time_s": {a: st.time_s for a, st in comm.items()},
+            "comm_exposed_s": {a: st.exposed_s for a, st in comm.items()},
+            "overlaps_ran": overlaps_ran,
+        }
+
+
+def log_line(row: dict) -> str:
+    """The one-line progress report of a :func:`step_row`."""
+    val = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+    exposed = sum(row["comm_exposed_s"].values()) / row["step_time_s"]
+    return (
+        f"step {row['step']:>6} | loss {row['loss']:.4f}{val} | lr {row['lr']:.2e} | "
+        f"{row['tokens_per_s']:,.0f} tok/s ({row['tokens_per_s_per_rank']:,.0f}/rank) | "
+        f"MFU {100 * row['mfu']:.1f}% | mem {row['peak_memory_bytes'] / GiB:.2f} GiB | "
+        f"comm exposed {100 * exposed:.0f}%"
+    )
+
+
+class StepProfiler:
+    """``torch.profiler`` over steps ``A..B`` (1-based); rank 0 writes a Chrome trace
+    ``RUN_DIR/trace_steps_A-B.json`` (open it in chrome://tracing or Perfetto)."""
+
+    def __init__(
+        self, steps: tuple[int, int] | None, run_dir: Path, device: torch.device, rank0: bool
+    ):
+        self.steps, self.run_dir, self.rank0, self.prof = steps, run_dir, rank0, None
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.activities = acts
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0]:
+            self.prof = torch.profiler.profile(activities=self.activities)
+            self.prof.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.prof is not None and step == self.steps[1]:
+            self.close()
+
+    def close(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.__exit__(None, None, None)
+        if self.rank0:
+            a, b = self.steps
+            path = self.run_dir / f"trace_steps_{a}-{b}.json"
+            self.prof.export_chrome_trace(str(path))
+            print(f"tetrad: profiler trace {path}")
+        self.prof = None

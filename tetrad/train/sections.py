@@ -1,0 +1,176 @@
+"""The sections of a training configuration: typed dataclasses, one per TOML table.
+
+Each field is declared with :func:`option`: its default, its one-line help and, where it differs
+from the field name, the name of its ``tetrad train`` option; :mod:`tetrad.train.config` builds
+the command line and reads TOML files from these declarations. Plain Python (no torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tetrad.spec import (
+    DOMINO_MIN_ROWS,
+    DP_BUCKET_BYTES,
+    Device,
+    GridShape,
+    MiB,
+    TetradError,
+    parse_overlaps,
+)
+
+DEMO_GRID: GridShape = (2, 1, 1, 2)
+
+
+class ConfigError(TetradError):
+    """A configuration file or value that tetrad cannot use; the message says what to change."""
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    metavar: str | None = None,
+    name: str | None = None,
+    factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A configuration field: its default, its one-line ``help`` (shown by ``--help``) and,
+    where it differs from the field name, the ``name`` of its command-line option."""
+    meta = {"help": help, "metavar": metavar, "option": name}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelSection:
+    """What to train: a preset or sizes; in TOML, sizes such as n_layers = 8 go in [model] too."""
+
+    name: str = option(
+        "small",
+        name="model",
+        metavar="SPEC",
+        help="preset or sizes, e.g. small, tiny,n_layers=4, dim=512,...",
+    )
+    sizes: dict = field(default_factory=dict)  # the [model] table's sizes (TOML only)
+
+
+@dataclass
+class DataSection:
+    """The text to train on and its tokenizer."""
+
+    paths: list[str] = option(
+        factory=list,
+        name="data",
+        metavar="PATH",
+        help="text file, folder or glob (repeatable); default: the Python stdlib",
+    )
+    tokenizer: str = option(
+        "", metavar="FILE", help="tokenizer.json (default: train a byte-level BPE on the corpus)"
+    )
+    vocab_size: int = option(4096, metavar="N", help="size of the BPE trained when no tokenizer")
+    val_fraction: float = option(0.01, metavar="F", help="share of the corpus held out")
+
+
+@dataclass
+class ParallelismSection:
+    """How the work is split over processes and which collectives overlap computation."""
+
+    grid: GridShape | Literal["auto"] = option(
+        DEMO_GRID,
+        metavar="DATA,Z,Y,X",
+        help="process grid, e.g. 1,2,1,2, or auto (the planner picks it)",
+    )
+    overlap: str = option(
+        "all",
+        metavar="LIST",
+        help="overlapped collectives: all, none, or a list of prefetch,"
+        "reduce_scatter,dx_all_reduce,dp_all_reduce,domino",
+    )
+    dp_bucket_mb: float = option(
+        DP_BUCKET_BYTES / MiB, metavar="MB", help="data-parallel all-reduce bucket size, MiB"
+    )
+    domino_min_rows: int = option(
+        DOMINO_MIN_ROWS, metavar="N", help="split a forward GEMM + all-reduce only with >= 2N rows"
+    )
+    activation_checkpointing: bool = option(
+        False, help="recompute activations in the backward pass to save memory"
+    )
+    machine: str = option(
+        "",
+        metavar="NAME|FILE.toml",
+        help="machine for the planner (grid auto, Domino choice): a preset "
+        "such as dgx-h100 or the file `tetrad calibrate` writes",
+    )
+    nproc: int = option(
+        0, metavar="N", help="processes for grid auto without torchrun (0: GPUs, or 4 on CPU)"
+    )
+
+    @property
+    def overlaps(self) -> frozenset[str]:
+        """The overlap names of :attr:`overlap` (checked by :meth:`TrainConfig.check`)."""
+        return parse_overlaps(self.overlap)
+
+
+@dataclass
+class TrainingSection:
+    """The optimisation: batch, schedule, AdamW, device."""
+
+    steps: int = option(300, metavar="N", help="optimizer steps of the whole run")
+    micro_batch: int = option(4, metavar="N", help="samples per rank per micro-step")
+    global_batch: int = option(16, metavar="N", help="samples per optimizer step")
+    seq_len: int = option(256, metavar="N", help="tokens per sample")
+    lr: float = option(3e-3, metavar="LR", help="peak learning rate")
+    min_lr: float = option(3e-4, metavar="LR", help="learning rate at the end of the cosine")
+    warmup_steps: int = option(30, metavar="N", help="linear warm-up steps")
+    weight_decay: float = option(0.1, metavar="W", help="AdamW weight decay (matrices only)")
+    beta1: float = option(0.9, metavar="B", help="AdamW beta1")
+    beta2: float = option(0.95, metavar="B", help="AdamW beta2")
+    grad_clip: float = option(1.0, metavar="NORM", help="max global gradient norm (0: off)")
+    seed: int = option(1234, metavar="N", help="random seed (initial weights, batches)")
+    device: Device = option("cpu", help="cpu (gloo, fp32) or cuda (NCCL, bf16 autocast)")
+
+
+@dataclass
+class CheckpointSection:
+    """Where the run lives, and its checkpoints."""
+
+    run_dir: str = option("runs/demo", metavar="DIR", help="where logs and checkpoints go")
+    ckpt_every: int = option(0, metavar="N", help="steps between checkpoints (0: only the end)")
+    resume: bool = option(False, help="continue from the latest checkpoint in the run dir")
+
+
+@dataclass
+class LoggingSection:
+    """What is reported, and how often."""
+
+    log_every: int = option(10, metavar="N", help="steps between log lines")
+    val_every: int = option(50, metavar="N", help="steps between validations (and at the end)")
+    val_batches: int = option(4, metavar="N", help="global batches per validation")
+    profile_steps: str = option(
+        "", metavar="A:B", help="write a torch.profiler Chrome trace of steps A..B"
+    )
+    peak_flops: float = option(
+        0.0, metavar="FLOP/S", help="peak FLOP/s per rank for MFU (0: look up or measure)"
+    )
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """Steps ``(A, B)`` (1-based, inclusive) to profile, or None.
+
+        Raises:
+            ConfigError: not ``A:B`` with ``1 <= A <= B``.
+        """
+        if not self.profile_steps:
+            return None
+        try:
+            a, b = (int(v) for v in self.profile_steps.split(":"))
+        except ValueError:
+            a = b = 0
+        if not 1 <= a <= b:
+            raise ConfigError(
+                f"profile_steps={self.profile_steps!r} is not A:B with 1 <= A <= B "
+                "(for example 5:7)"
+            )
+        return a, b
