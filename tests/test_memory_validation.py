@@ -27,28 +27,11 @@ from tetrad.models.config import ModelConfig
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.memory import saved_activations, tetrad
-from tetrad.plan.models import ModelSpec
 from tetrad.train.step import build_optimizer, local_samples, train_step
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 MICRO, SEQ, SEED = 2, 16, 3
 GRIDS = {1: [(1, 1, 1, 1)], 4: [(1, 2, 1, 2), (2, 1, 2, 1)], 8: [(1, 2, 2, 2)]}
-
-
-def spec_from_config(cfg: ModelConfig) -> ModelSpec:
-    """The planner's description of a runtime Llama."""
-    return ModelSpec(
-        name="runtime",
-        family="llama",
-        hidden=cfg.dim,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        n_kv_heads=cfg.n_kv_heads,
-        ffn_hidden=cfg.ffn_dim,
-        vocab=cfg.vocab_size,
-        max_positions=0,
-        tied_embeddings=False,
-    )
 
 
 class SavedBytes:
@@ -128,7 +111,7 @@ def _worker(world_size: int, out_dir: str) -> None:
 
 
 def predicted(sizes, ckpt: bool) -> dict:
-    spec = spec_from_config(CFG)
+    spec = CFG.spec()
     r = tetrad(spec, sizes, MICRO, SEQ, 1e9, activation_checkpointing=ckpt, dtype="fp32")
     s = saved_activations(spec, sizes, MICRO, SEQ, activation_checkpointing=ckpt, dtype="fp32")
     out = {k: r.components[k] for k in ("parameters", "gradients", "optimizer_states")}

@@ -261,9 +261,10 @@ class _Builder:
             if f is None:
                 other = next((g for g in FIELDS if key in (g.name, g.option)), None)
                 if other is not None:
+                    named = f" as {other.name!r}" if other.name != key else ""
                     raise ConfigError(
-                        f"config key {key!r}{self.where} belongs in [{other.section}] "
-                        f"(as {other.name!r}), not [{section}]: move it"
+                        f"config key {key!r}{self.where} belongs in [{other.section}]{named}, "
+                        f"not [{section}]: move it"
                     )
                 names = [g.name for g in FIELDS if g.section == section]
                 raise _unknown(key, f"{self.where} [{section}]", names)
