@@ -12,18 +12,18 @@ import math
 
 import pytest
 
-from tetrad.plan.comm import (
-    Context,
-    axis_totals,
-    axonn_comm,
-    axonn_linear_volumes,
-    collectives,
-    estimate,
-    layer_bytes,
-)
+from tetrad.plan.axonn import axonn_comm, axonn_linear_volumes
+from tetrad.plan.comm import Context, axis_totals, collectives, estimate
 from tetrad.plan.machines import get_machine
 from tetrad.plan.models import PlanError, get_model
-from tetrad.plan.network import Network, placement, ring_bytes
+from tetrad.plan.network import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    Network,
+    placement,
+    ring_bytes,
+)
 from tetrad.spec import OverlapError, parse_overlaps
 
 # h=256, 2 layers, 8 heads of 32, 4 KV heads (kv_dim 128), SwiGLU 512, vocabulary 1024.
@@ -33,6 +33,33 @@ PERL = get_machine("perlmutter")
 
 def by_key(cols):
     return {(c.layer, c.phase, c.axis, c.kind): c for c in cols}
+
+
+def layer_bytes(
+    n: int,
+    k: int,
+    transposed: bool,
+    grid: tuple[int, int, int, int],
+    tokens: int,
+    compute_bytes: int = 2,
+) -> dict[tuple[str, str, str], float]:
+    """Payload bytes of one call of each collective of one Linear ``[n, k]`` on ``grid`` for
+    ``tokens`` tokens per rank (the runtime's layout; keys ``(phase, axis, kind)``; size-1 axes
+    omitted). A hand-check helper: the layout rules above written as a table."""
+    gd, gz, gy, gx = grid
+    sizes = {"x": gx, "y": gy, "z": gz}
+    in_ax, out_ax = ("y", "x") if transposed else ("x", "y")
+    c = compute_bytes
+    out = {}
+    if gz > 1:
+        out[("forward", "z", ALL_GATHER)] = n * k / (gx * gy) * c
+        out[("backward", "z", ALL_GATHER)] = n * k / (gx * gy) * c
+        out[("backward", "z", REDUCE_SCATTER)] = n * k / (gx * gy) * 4
+    if sizes[in_ax] > 1:
+        out[("forward", in_ax, ALL_REDUCE)] = tokens * n / sizes[out_ax] * c
+    if sizes[out_ax] > 1:
+        out[("backward", out_ax, ALL_REDUCE)] = tokens * k / sizes[in_ax] * c
+    return out
 
 
 def test_linear_bytes_all_axes_by_hand():

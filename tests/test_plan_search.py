@@ -5,17 +5,11 @@ import itertools
 import pytest
 
 from tetrad.plan import memory
+from tetrad.plan.classic import search_classic
 from tetrad.plan.comm import Context, estimate
 from tetrad.plan.machines import get_machine
 from tetrad.plan.models import PlanError, get_model
-from tetrad.plan.search import (
-    _memory_line,
-    divisors,
-    factorizations,
-    plan,
-    search_4d,
-    search_classic,
-)
+from tetrad.plan.search import _memory_line, divisors, factorizations, plan, search_4d
 
 H100 = get_machine("dgx-h100")
 PERL = get_machine("perlmutter")

@@ -1,0 +1,257 @@
+"""The classic Megatron-LM space (TP, CP, PP, DP) beside the 4D one, for comparison.
+
+``TP * PP * CP * DP = GPUs`` with ``TP * CP <= GPUs per node`` (Fujii et al.'s search,
+arXiv 2411.06465, ``optimal_setting_search.py``), ``TP`` dividing heads, KV heads, the FFN and
+the hidden size, ``PP`` dividing the layers, ``S % (2 CP) == 0``; memory from
+:func:`tetrad.plan.memory.fujii2024` (:func:`classic_memory` adds full recomputation); time from
+:func:`megatron_estimate`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from tetrad.plan import memory
+from tetrad.plan.compute import ELEMENTWISE, attention_fwd_flops
+from tetrad.plan.machines import Machine
+from tetrad.plan.models import ModelSpec
+from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER
+from tetrad.plan.rows import CLASSIC_AXES, Row, check_inputs, divisors
+
+
+def classic_memory(
+    model: ModelSpec,
+    tp: int,
+    cp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    seq_len: int,
+    gpu_memory_bytes: float,
+    num_microbatches: int,
+    checkpointing: bool,
+) -> memory.MemoryBreakdown:
+    """:func:`tetrad.plan.memory.fujii2024`; with full recomputation the stored activations of a
+    layer become its input, ``2 (s/c) b h / t`` bytes with sequence parallelism (Korthikanti et
+    al., arXiv 2205.05198, section 4.3/Table 2 "full recompute"), plus one layer's full set while
+    it is recomputed."""
+    mem = memory.fujii2024(
+        model,
+        tp,
+        cp,
+        pp,
+        dp,
+        micro_batch,
+        seq_len,
+        gpu_memory_bytes,
+        num_microbatches=num_microbatches,
+    )
+    if checkpointing:
+        layer = memory.fujii_layer_activation_bytes(model, tp, cp, micro_batch, seq_len)
+        factor = memory.fujii_pipeline_factor(pp, num_microbatches, 1)
+        inp = 2.0 * seq_len / cp * micro_batch * model.hidden / tp
+        mem.components["activations"] = model.n_layers * inp * factor + layer
+    return mem
+
+
+def megatron_estimate(
+    model: ModelSpec,
+    machine: Machine,
+    tp: int,
+    cp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    seq_len: int,
+    global_batch: int,
+    checkpointing: bool,
+) -> dict:
+    """A Megatron-LM-style step time (seconds; bf16, sequence parallelism, 1F1B pipeline,
+    distributed optimizer). Rank order TP fastest, then CP, DP, PP (Megatron's default
+    ``tp-cp-ep-dp-pp``).
+
+    - compute per micro-batch and stage: the stage's ``L/p`` layers on ``b S / c`` tokens with
+      GEMMs split over TP (attention also over CP), the LM head and loss on the last stage;
+    - TP (sequence parallel, Korthikanti et al. arXiv 2205.05198 section 4.2.2): per layer 2
+      all-gathers + 2 reduce-scatters of ``b (S/c) h`` bf16 in forward, the same in backward
+      (and again under recomputation), not overlapped;
+    - CP (ring attention): ``c - 1`` exchanges of the local K and V per layer, forward (K, V) and
+      backward (K, V, dK, dV), hidden behind the attention kernels;
+    - PP: one activation send forward and one gradient send backward per micro-batch;
+      1F1B bubble ``(p - 1)`` extra micro-batch slots (Narayanan et al., arXiv 2104.04473,
+      section 2.2: bubble fraction ``(p-1)/m``);
+    - DP x CP: gradient reduce-scatter (fp32) and parameter all-gather (bf16) of the stage's
+      ``N/(t p)`` parameters, overlapped with the last micro-batch's backward and the first's
+      forward (``--overlap-grad-reduce``, ``--overlap-param-gather``).
+
+    Returns:
+        ``step_s``, ``compute_s``, ``recompute_s``, ``exposed`` and ``comm`` per axis
+        (``tp cp pp dp``), ``bubble_s``, ``grad_accum``.
+    """
+    net = machine.network
+    peak, hbm, eff = machine.peak_flops, machine.hbm_bytes_per_s, machine.gemm_efficiency
+    acc = global_batch // (dp * micro_batch)
+    ls = model.n_layers // pp
+    m = micro_batch * seq_len / cp
+    c = 2
+    gemm = 0.0
+    for lin in model.linears():
+        f = 2.0 * m * lin.out_features * lin.in_features * lin.count / tp
+        gemm += f / (peak * eff(f))
+    att = (
+        attention_fwd_flops(model, micro_batch, seq_len, tp)
+        / cp
+        / (peak * machine.attention_efficiency)
+    )
+    ew = ELEMENTWISE
+    act = ew["act_per_f_gpt"] if model.family == "gpt" else ew["act_per_f_llama"]
+    elem = (
+        m
+        * (
+            ew["norm_residual_per_h"] * model.hidden / tp
+            + ew["rope_per_qk"] * (model.q_dim + model.kv_dim) / tp
+            + act * model.ffn_hidden / tp
+        )
+        / hbm
+    )
+    layer_f = gemm + att + elem
+    layer_b = 2.0 * gemm + 2.5 * att + ew["backward_factor"] * elem
+    hf = 2.0 * m * model.vocab * model.hidden / tp
+    head = hf / (peak * eff(hf))
+    loss = (ew["loss_fwd_per_logit"] + ew["loss_bwd_per_logit"]) * m * model.vocab / tp / hbm
+    t_f = ls * layer_f + head
+    t_b = ls * layer_b + 2.0 * head + loss
+    t_r = ls * layer_f if checkpointing else 0.0
+    # per micro-batch and stage: (total, exposed) seconds per axis
+    per = dict.fromkeys(CLASSIC_AXES, 0.0)
+    per_exp = dict.fromkeys(CLASSIC_AXES, 0.0)
+    if tp > 1:  # sequence parallelism: 2 AG + 2 RS per layer per pass, 1 pair for the head
+        lt = net.link(1, tp)
+        pay = m * model.hidden * c
+        pair = lt.time(ALL_GATHER, pay) + lt.time(REDUCE_SCATTER, pay)
+        per["tp"] = per_exp["tp"] = (ls * 2 * (2 + (1 if checkpointing else 0)) + 1) * pair
+    if cp > 1:  # ring attention: c - 1 K/V exchanges per layer, hidden behind attention
+        lc = net.link(tp, cp)
+        kv = 2.0 * m * model.kv_dim / tp * c
+        t_f_kv, t_b_kv = lc.time(ALL_GATHER, kv * cp), lc.time(ALL_GATHER, 2 * kv * cp)
+        n_f = 2 if checkpointing else 1
+        per["cp"] = ls * (n_f * t_f_kv + t_b_kv)
+        per_exp["cp"] = ls * (n_f * max(0.0, t_f_kv - att) + max(0.0, t_b_kv - 2.5 * att))
+    if pp > 1:  # one activation forward, one gradient backward
+        lp = net.link(tp * cp * dp, 2)
+        per["pp"] = per_exp["pp"] = 2.0 * (
+            lp.base_latency + m * model.hidden / tp * c / lp.bandwidth
+        )
+    per_mb = t_f + t_b + t_r + sum(per_exp.values())
+    bubble = (pp - 1) * per_mb
+    comm = {a: acc * v for a, v in per.items()}
+    exposed = {a: acc * v for a, v in per_exp.items()}
+    # DP x CP distributed optimizer: the stage's parameters, fp32 gradients, bf16 parameters
+    n_local = (
+        model.n_layers * model.params_per_layer() / pp
+        + max(model.embedding_params(), model.lm_head_params())
+    ) / tp
+    groups = dp * cp
+    if groups > 1:
+        ldp = net.link(tp, groups)
+        t_rs = ldp.time(REDUCE_SCATTER, n_local * 4)
+        t_ag = ldp.time(ALL_GATHER, n_local * 2)
+        comm["dp"] = t_rs + t_ag
+        exposed["dp"] = max(0.0, t_rs - t_b) + max(0.0, t_ag - t_f)
+    opt = ew["optimizer_per_param"] * n_local / groups / hbm
+    compute = acc * (t_f + t_b + t_r) + opt
+    step = compute + sum(exposed.values()) + bubble
+    return {
+        "step_s": step,
+        "compute_s": compute,
+        "recompute_s": acc * t_r,
+        "exposed": exposed,
+        "comm": comm,
+        "bubble_s": bubble,
+        "grad_accum": acc,
+    }
+
+
+def _classic_grids(
+    model: ModelSpec, gpus: int, gpus_per_node: int, global_batch: int, seq_len: int
+) -> Iterator[tuple[int, int, int, int]]:
+    """Every ``(TP, CP, PP, DP)`` of the classic space (module doc), TP outermost."""
+    for tp in divisors(gpus):
+        if (
+            tp > gpus_per_node
+            or model.n_heads % tp
+            or model.n_kv_heads % tp
+            or model.ffn_hidden % tp
+            or model.hidden % tp
+        ):
+            continue
+        for cp in divisors(gpus // tp):
+            if tp * cp > gpus_per_node or seq_len % (2 * cp) and cp > 1:
+                continue
+            for pp in divisors(gpus // (tp * cp)):
+                if model.n_layers % pp:
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                yield tp, cp, pp, dp
+
+
+def search_classic(
+    model: ModelSpec,
+    machine: Machine,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    *,
+    top: int = 10,
+    checkpointing: tuple[bool, ...] = (False, True),
+    micro_batches: tuple[int, ...] | None = None,
+    gpu_memory_bytes: float | None = None,
+) -> tuple[list[Row], dict]:
+    """The ``top`` fastest fitting Megatron-style configurations (empty if none fits), step
+    seconds from :func:`megatron_estimate`, and counts (``configs``, ``fitting``, ``seconds``).
+    For each grid and checkpointing choice, micro-batches ascend until one does not fit."""
+    check_inputs(model, gpus, global_batch, seq_len)
+    t0 = time.perf_counter()
+    mem_bytes = float(gpu_memory_bytes or machine.memory_bytes)
+    allowed = set(micro_batches) if micro_batches else None
+    stats = {"configs": 0, "fitting": 0}
+    rows: list[Row] = []
+    for tp, cp, pp, dp in _classic_grids(model, gpus, machine.gpus_per_node, global_batch, seq_len):
+        for ckpt in checkpointing:
+            for b in divisors(global_batch // dp):
+                if allowed is not None and b not in allowed:
+                    continue
+                stats["configs"] += 1
+                acc = global_batch // (dp * b)
+                mem = classic_memory(model, tp, cp, pp, dp, b, seq_len, mem_bytes, acc, ckpt)
+                if not mem.fits:
+                    break
+                stats["fitting"] += 1
+                est = megatron_estimate(
+                    model, machine, tp, cp, pp, dp, b, seq_len, global_batch, ckpt
+                )
+                rows.append(
+                    Row(
+                        "classic",
+                        {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
+                        b,
+                        acc,
+                        ckpt,
+                        est["step_s"],
+                        est["compute_s"],
+                        est["recompute_s"],
+                        est["exposed"],
+                        est["comm"],
+                        0.0,
+                        0.0,
+                        mem,
+                        "megatron",
+                        {"pipeline_bubble": est["bubble_s"]},
+                    ).finish(model, machine, gpus, global_batch, seq_len)
+                )
+    rows.sort(key=lambda r: r.step_s)
+    stats["seconds"] = time.perf_counter() - t0
+    return rows[:top], stats

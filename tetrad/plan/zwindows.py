@@ -1,0 +1,295 @@
+"""The Z axis's queue walked through the compute windows of one micro-batch (the ``prefetch`` and
+``reduce_scatter`` overlaps of :mod:`tetrad.plan.comm`, whose module doc states the model).
+
+Collectives on one axis share one communicator, hence one stream, and run in issue order. A
+window is a layer's compute (its GEMMs and the element-wise work up to the next Linear); its Z
+queue holds the reduce-scatter issued at the end of the previous window (``reduce_scatter`` on)
+and then the prefetch of the next weight in execution order (forward, recompute, backward). The
+compute stalls by ``max(0, rs + ag - window)`` seconds, shared between the two in proportion to
+their times; without ``prefetch`` the window hides nothing. Blocks are alike (steady state): the
+top block, ``L - 2`` middle blocks (one walk, weighted ``L - 2``) and the bottom block. The
+embedding's weight is never prefetched; the reduce-scatters left when the bottom block's
+backward ends run behind the embedding's backward.
+
+:class:`ZWindows` gives the exposed seconds per micro-batch, per ``(layer, phase)`` key;
+:func:`z_collectives` records every Z collective of the step with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tetrad.plan.compute import BlockCompute
+from tetrad.plan.layers import FP32, Recorder, Step
+from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER
+
+Key = tuple[str, str]
+"""``(layer, phase)``: ``("wq", "forward")``, ``("output", "backward")`` ..."""
+
+
+def _max0(v: float) -> float:
+    return v if v > 0.0 else 0.0
+
+
+@dataclass(slots=True)
+class ZTimes:
+    """Seconds of one call of each Z collective of one micro-batch.
+
+    Attributes:
+        names: the block Linears, in execution order.
+        gather: per block Linear, its weight all-gather (compute dtype).
+        scatter: per block Linear, its gradient reduce-scatter (fp32).
+        head_gather: the LM head's all-gather.
+        head_scatter: the LM head's reduce-scatter.
+    """
+
+    names: tuple[str, ...]
+    gather: tuple[float, ...]
+    scatter: tuple[float, ...]
+    head_gather: float
+    head_scatter: float
+
+
+class ZWindows:
+    """Exposed seconds of the Z all-gathers and reduce-scatters of one micro-batch.
+
+    After :meth:`run`, ``gather[key]`` and ``scatter[key]`` hold the seconds per micro-batch
+    the compute waits for the all-gathers and reduce-scatters of ``key = (layer, phase)``
+    (reduce-scatters are keyed ``(layer, "backward")``).
+
+    Args:
+        comp: compute seconds of this rank for one micro-batch.
+        times: seconds per call of the Z collectives.
+        n_layers: blocks ``L``.
+        checkpointing: recompute windows run before each block's backward.
+        prefetch: the ``prefetch`` overlap (an all-gather runs during the previous window).
+        async_scatter: the ``reduce_scatter`` overlap (reduce-scatters are queued, not blocking).
+    """
+
+    def __init__(
+        self,
+        comp: BlockCompute,
+        times: ZTimes,
+        n_layers: int,
+        *,
+        checkpointing: bool,
+        prefetch: bool,
+        async_scatter: bool,
+    ):
+        self.comp, self.t, self.n_layers = comp, times, n_layers
+        self.ckpt, self.pre, self.rsa = checkpointing, prefetch, async_scatter
+        n = len(times.names)
+        g = comp.gemm
+        self.fwin = [g[i] + comp.post_fwd[i] for i in range(n)]
+        self.bwin = [2.0 * g[i] + comp.post_bwd[i - 1] for i in range(n)]
+        # (key, seconds) of every block Linear's all-gather per phase and reduce-scatter
+        self.ag = {
+            phase: [((name, phase), t) for name, t in zip(times.names, times.gather, strict=True)]
+            for phase in ("forward", "recompute", "backward")
+        }
+        self.rs = [
+            ((name, "backward"), t) for name, t in zip(times.names, times.scatter, strict=True)
+        ]
+        self.gather: dict[Key, float] = {}
+        self.scatter: dict[Key, float] = {}
+
+    # ---- one window ---------------------------------------------------------------------------
+
+    def window(
+        self, cwin: float, rs: tuple[Key | None, float], ag: tuple[Key, float] | None, mult: float
+    ) -> float:
+        """One window of ``cwin`` seconds (``mult`` such windows): the queued reduce-scatter
+        ``rs = (key, seconds)`` then the prefetch ``ag``; returns the carried-over
+        reduce-scatter seconds when no all-gather waits at the window's end (``ag`` None)."""
+        rs_key, rs_t = rs
+        if not self.rsa:
+            rs_t = 0.0
+        if ag is None:  # nothing waits at the window's end: the reduce-scatter carries over
+            return _max0(rs_t - cwin)
+        ag_key, ag_t = ag
+        avail = cwin if self.pre else 0.0
+        stall = _max0(rs_t + ag_t - avail)
+        if stall > 0.0:
+            tot = rs_t + ag_t
+            if rs_key is not None and rs_t > 0.0:
+                self.scatter[rs_key] = self.scatter.get(rs_key, 0.0) + mult * stall * rs_t / tot
+            self.gather[ag_key] = self.gather.get(ag_key, 0.0) + mult * stall * ag_t / tot
+        return 0.0
+
+    # ---- what comes next in execution order ---------------------------------------------------
+
+    def _after_backward(self) -> tuple[Key, float]:
+        """The all-gather that follows a block's backward: the block below's recompute, or its
+        last Linear's backward."""
+        return self.ag["recompute"][0] if self.ckpt else self.ag["backward"][-1]
+
+    # ---- one block ----------------------------------------------------------------------------
+
+    def _forward(self, mult: float, top: bool) -> None:
+        """Forward windows; the top block's last one prefetches the LM head."""
+        n, ag = len(self.t.names), self.ag["forward"]
+        for i in range(n - 1):
+            self.window(self.fwin[i], (None, 0.0), ag[i + 1], mult)
+        last = (("output", "forward"), self.t.head_gather) if top else ag[0]
+        self.window(self.fwin[n - 1], (None, 0.0), last, mult)
+
+    def _recompute(self, mult: float, rs_above: tuple[Key, float]) -> None:
+        """Recompute windows: the first carries the reduce-scatter of the layer above."""
+        n, ag = len(self.t.names), self.ag["recompute"]
+        for i in range(n):
+            rs = rs_above if i == 0 else (None, 0.0)
+            nxt = ag[i + 1] if i < n - 1 else self.ag["backward"][i]
+            self.window(self.fwin[i], rs, nxt, mult)
+
+    def _backward(self, mult: float, rs_above: tuple[Key, float], bottom: bool) -> float:
+        """Backward windows, last Linear first; returns the bottom block's carried-over
+        reduce-scatter seconds."""
+        n, ag = len(self.t.names), self.ag["backward"]
+        carry = 0.0
+        for i in range(n - 1, -1, -1):
+            if i == n - 1:
+                rs = (None, 0.0) if self.ckpt else rs_above
+            else:
+                rs = self.rs[i + 1]
+            if i >= 1:
+                self.window(self.bwin[i], rs, ag[i - 1], mult)
+            elif bottom:
+                carry = self.window(self.bwin[i], rs, None, mult)
+            else:
+                self.window(self.bwin[i], rs, self._after_backward(), mult)
+        return carry
+
+    def _block(self, mult: float, top: bool, bottom: bool) -> float:
+        """Windows of one block (``mult`` such blocks); returns the carried-over seconds."""
+        self._forward(mult, top)
+        if top:
+            rs_above = (("output", "backward"), self.t.head_scatter)
+        else:
+            rs_above = self.rs[0]
+        if self.ckpt:
+            self._recompute(mult, rs_above)
+        return self._backward(mult, rs_above, bottom)
+
+    # ---- one micro-batch ----------------------------------------------------------------------
+
+    def run(self) -> ZWindows:
+        """Walk one micro-batch: embedding, blocks, LM head, tail; returns self."""
+        comp, t, n = self.comp, self.t, len(self.t.names)
+        # embedding window: block 1's first weight is prefetched behind the lookup and first norm
+        emb_win = comp.embedding_fwd + comp.post_fwd[n - 1] * 0.5
+        self.window(emb_win, (None, 0.0), self.ag["forward"][0], 1.0)
+        L = self.n_layers
+        if L == 1:
+            carry = self._block(1.0, True, True)
+        else:
+            self._block(1.0, True, False)
+            if L > 2:
+                self._block(float(L - 2), False, False)
+            carry = self._block(1.0, False, True)
+        # LM head: its backward gather behind head forward + loss; the next behind its backward
+        head_f = comp.head + comp.loss_fwd + comp.loss_bwd
+        self.window(head_f, (None, 0.0), (("output", "backward"), t.head_gather), 1.0)
+        head_b = 2.0 * comp.head + comp.final_norm_bwd
+        self.window(head_b, (None, 0.0), self._after_backward(), 1.0)
+        if self.rsa:
+            self._tail(carry)
+        return self
+
+    def _tail(self, carry: float) -> None:
+        """Block 1's first reduce-scatter and the carried-over ones behind the embedding's
+        backward; what is left is exposed."""
+        t, n = self.t, len(self.t.names)
+        tail = _max0(carry + t.scatter[0] - self.comp.embedding_bwd)
+        k1 = (t.names[1 % n], "backward")
+        part = tail * carry / (carry + t.scatter[0]) if carry > 0.0 else 0.0
+        self.scatter[k1] = self.scatter.get(k1, 0.0) + part
+        k0 = (t.names[0], "backward")
+        self.scatter[k0] = self.scatter.get(k0, 0.0) + tail - part
+
+
+# ---- recording: every Z collective of the step ---------------------------------------------------
+
+
+@dataclass(slots=True)
+class ZWeight:
+    """One weight's Z collectives: ``shard = n k / (G_x G_y)`` elements all-gathered (compute
+    dtype) in every phase of ``phases`` and reduce-scattered (fp32) in backward; ``calls`` per
+    step of each; ``gather_s`` and ``scatter_s`` seconds per call."""
+
+    name: str
+    shard: float
+    calls: int
+    phases: tuple[str, ...]
+    gather_s: float
+    scatter_s: float
+
+
+def _z_weight(st: Step, name: str, nk: int, calls: int, phases: tuple[str, ...]) -> ZWeight:
+    lz, shard = st.links["z"], nk / st.xy
+    t_ag, t_rs = lz.time(ALL_GATHER, shard * st.c), lz.time(REDUCE_SCATTER, shard * FP32)
+    return ZWeight(name, shard, calls, phases, t_ag, t_rs)
+
+
+def z_collectives(rec: Recorder, st: Step) -> None:
+    """Z all-gathers and reduce-scatters of every block Linear and the LM head, exposed seconds
+    from the window schedule (:class:`ZWindows`); then the tables'."""
+    if st.sizes["z"] == 1:
+        return
+    L, acc, model = st.n_layers, st.acc, st.model
+    phases = ("forward", "recompute", "backward") if st.checkpointing else ("forward", "backward")
+    blocks = [
+        _z_weight(st, lin.name, lin.weight_elements * lin.count, L * acc * lin.count, phases)
+        for lin in st.linears
+    ]
+    head = _z_weight(st, "output", model.hidden * model.vocab, acc, ("forward", "backward"))
+    times = ZTimes(
+        tuple(w.name for w in blocks),
+        tuple(w.gather_s for w in blocks),
+        tuple(w.scatter_s for w in blocks),
+        head.gather_s,
+        head.scatter_s,
+    )
+    sched = ZWindows(
+        st.comp,
+        times,
+        L,
+        checkpointing=st.checkpointing,
+        prefetch=st.prefetch,
+        async_scatter=st.async_scatter,
+    ).run()
+    for w in (*blocks, head):
+        _z_record(rec, st, sched, w)
+    z_tables(rec, st)
+
+
+def _z_record(rec: Recorder, st: Step, sched: ZWindows, w: ZWeight) -> None:
+    """Record one weight's Z collectives with the schedule's exposed seconds; all of them are
+    exposed without ``prefetch`` (the all-gather blocks, and so does a reduce-scatter queued
+    ahead of it), the reduce-scatter's also without ``reduce_scatter``."""
+    acc, pre = st.acc, st.prefetch
+    hid = "previous layer's compute (prefetch)" if pre else ""
+    for phase in w.phases:
+        exp = acc * sched.gather.get((w.name, phase), 0.0) if pre else w.calls * w.gather_s
+        rec.add(w.name, phase, "z", ALL_GATHER, w.shard * st.c, w.calls, w.gather_s, exp, hid)
+    hid = "later backward compute (async)" if st.async_scatter else ""
+    overlapped = st.async_scatter and pre
+    exp = (
+        acc * sched.scatter.get((w.name, "backward"), 0.0) if overlapped else w.calls * w.scatter_s
+    )
+    pay = w.shard * FP32
+    rec.add(w.name, "backward", "z", REDUCE_SCATTER, pay, w.calls, w.scatter_s, exp, hid)
+
+
+def z_tables(rec: Recorder, st: Step) -> None:
+    """Embedding tables (token; GPT: positions): ``rows h / (G_x G_y) * 4`` bytes (fp32, no
+    cast) all-gathered forward and reduce-scattered backward over Z, never overlapped."""
+    model = st.model
+    tables = [("embedding", model.vocab)]
+    if model.max_positions:
+        tables.append(("positions", model.max_positions))
+    lz = st.links["z"]
+    for tab, rows in tables:
+        pay = rows * model.hidden / st.xy * FP32
+        t_g, t_r = lz.time(ALL_GATHER, pay), lz.time(REDUCE_SCATTER, pay)
+        rec.add(tab, "forward", "z", ALL_GATHER, pay, st.acc, t_g, st.acc * t_g)
+        rec.add(tab, "backward", "z", REDUCE_SCATTER, pay, st.acc, t_r, st.acc * t_r)
