@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tetrad.plan.machines import get_machine  # noqa: E402
-from tetrad.plan.models import get_model  # noqa: E402
+from tetrad.plan.presets import get_model  # noqa: E402
 from tetrad.plan.search import plan  # noqa: E402
 
 GPUS = 16384

@@ -12,8 +12,8 @@ from tetrad.calibrate.fit import fit_alpha_beta, fit_latency
 from tetrad.calibrate.machine_file import to_toml
 from tetrad.calibrate.settings import group_ranks, layouts
 from tetrad.plan.machines import get_machine
-from tetrad.plan.models import get_model
 from tetrad.plan.network import ALL_GATHER, ALL_REDUCE, ring_bytes, ring_hops
+from tetrad.plan.presets import get_model
 from tetrad.plan.search import plan
 from tetrad.spec import tomllib
 

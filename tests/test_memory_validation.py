@@ -26,7 +26,8 @@ from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
-from tetrad.plan.memory import saved_activations, tetrad
+from tetrad.plan.activations import saved_activations
+from tetrad.plan.memory import tetrad
 from tetrad.train.step import build_optimizer, local_samples, train_step
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)

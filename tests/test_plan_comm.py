@@ -15,7 +15,7 @@ import pytest
 from tetrad.plan.axonn import axonn_comm, axonn_linear_volumes
 from tetrad.plan.comm import Context, axis_totals, collectives, estimate
 from tetrad.plan.machines import get_machine
-from tetrad.plan.models import PlanError, get_model
+from tetrad.plan.models import PlanError
 from tetrad.plan.network import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -24,6 +24,7 @@ from tetrad.plan.network import (
     placement,
     ring_bytes,
 )
+from tetrad.plan.presets import get_model
 from tetrad.spec import OverlapError, parse_overlaps
 
 # h=256, 2 layers, 8 heads of 32, 4 KV heads (kv_dim 128), SwiGLU 512, vocabulary 1024.

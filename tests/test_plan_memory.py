@@ -4,20 +4,18 @@ import json
 
 import pytest
 
+from tetrad.plan.activations import block_saved_bytes, saved_activations
+from tetrad.plan.fujii import fujii2024
 from tetrad.plan.memory import (
     FIT_FRACTION,
     MemoryBreakdown,
-    block_saved_bytes,
-    check_grid,
-    fujii2024,
     gathered_weight_bytes,
-    grid_problems,
     local_parameter_elements,
-    saved_activations,
     tetrad,
     weight_gradient_bytes,
 )
-from tetrad.plan.models import PRESETS, PlanError, get_model
+from tetrad.plan.models import PlanError, check_grid, grid_problems
+from tetrad.plan.presets import PRESETS, get_model
 from tetrad.spec import GiB
 
 L31_8B = PRESETS["llama-3.1-8b"]

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from tetrad.plan.models import PRESETS, Linear, ModelSpec, PlanError, get_model
+from tetrad.plan.models import Linear, ModelSpec, PlanError
+from tetrad.plan.presets import PRESETS, get_model
 
 # Published totals (Hugging Face model cards / safetensors metadata).
 PUBLISHED = {

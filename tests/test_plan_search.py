@@ -8,7 +8,8 @@ from tetrad.plan import memory
 from tetrad.plan.classic import search_classic
 from tetrad.plan.comm import Context, estimate
 from tetrad.plan.machines import get_machine
-from tetrad.plan.models import PlanError, get_model
+from tetrad.plan.models import PlanError, grid_problems
+from tetrad.plan.presets import get_model
 from tetrad.plan.search import _memory_line, divisors, factorizations, plan, search_4d
 
 H100 = get_machine("dgx-h100")
@@ -34,7 +35,7 @@ def test_rows_fit_divide_and_are_sorted():
         assert 64 % (d * z * r.micro_batch) == 0
         assert r.grad_accum == 64 // (d * z * r.micro_batch)
         assert r.memory.fits and r.memory.fraction <= 0.8
-        assert not memory.grid_problems(model, r.grid)
+        assert not grid_problems(model, r.grid)
         assert r.step_s >= r.compute_s
         assert 0 < r.mfu < r.hfu if r.activation_checkpointing else r.mfu == r.hfu
     assert stats["fitting"] >= stats["evaluated"] > 0
@@ -47,7 +48,7 @@ def test_pruned_search_equals_exhaustive():
     ctx = Context(model, H100, seq, batch)
     every = []
     for grid in factorizations(gpus, 4):
-        if memory.grid_problems(model, grid) or batch % (grid[0] * grid[1]):
+        if grid_problems(model, grid) or batch % (grid[0] * grid[1]):
             continue
         for ckpt, b in itertools.product((False, True), divisors(batch // (grid[0] * grid[1]))):
             mem = memory.tetrad(

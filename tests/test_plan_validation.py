@@ -31,9 +31,8 @@ from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.comm import axis_totals, collectives
 from tetrad.plan.machines import get_machine
-from tetrad.plan.memory import DTYPE_BYTES
-from tetrad.plan.models import get_model
-from tetrad.spec import OVERLAPS
+from tetrad.plan.presets import get_model
+from tetrad.spec import DTYPE_BYTES, OVERLAPS
 from tetrad.train.step import build_optimizer, train_step
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)

@@ -13,9 +13,8 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
-from tetrad.plan.memory import grid_problems
-from tetrad.plan.models import PRESETS as PLANNER_PRESETS
-from tetrad.plan.models import ModelSpec, PlanError
+from tetrad.plan.models import ModelSpec, PlanError, grid_problems
+from tetrad.plan.presets import PRESETS as PLANNER_PRESETS
 from tetrad.spec import GridShape, TetradError
 
 
@@ -187,7 +186,7 @@ def with_sizes(base: ModelConfig, sizes: dict) -> ModelConfig:
 
 def check_divisible(cfg: ModelConfig, grid: GridShape) -> None:
     """Check that every weight of ``cfg`` can be sharded on ``grid = (G_data, G_z, G_y, G_x)``:
-    the planner's rule, :func:`tetrad.plan.memory.grid_problems`.
+    the planner's rule, :func:`tetrad.plan.models.grid_problems`.
 
     Raises:
         ModelConfigError: one line listing every size that does not divide, and what to change.

@@ -3,7 +3,7 @@
 ``TP * PP * CP * DP = GPUs`` with ``TP * CP <= GPUs per node`` (Fujii et al.'s search,
 arXiv 2411.06465, ``optimal_setting_search.py``), ``TP`` dividing heads, KV heads, the FFN and
 the hidden size, ``PP`` dividing the layers, ``S % (2 CP) == 0``; memory from
-:func:`tetrad.plan.memory.fujii2024` (:func:`classic_memory` adds full recomputation); time from
+:func:`tetrad.plan.fujii.fujii2024` (:func:`classic_memory` adds full recomputation); time from
 :func:`megatron_estimate`.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from tetrad.plan import memory
+from tetrad.plan import fujii, memory
 from tetrad.plan.compute import ELEMENTWISE, attention_fwd_flops
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec
@@ -32,11 +32,11 @@ def classic_memory(
     num_microbatches: int,
     checkpointing: bool,
 ) -> memory.MemoryBreakdown:
-    """:func:`tetrad.plan.memory.fujii2024`; with full recomputation the stored activations of a
+    """:func:`tetrad.plan.fujii.fujii2024`; with full recomputation the stored activations of a
     layer become its input, ``2 (s/c) b h / t`` bytes with sequence parallelism (Korthikanti et
     al., arXiv 2205.05198, section 4.3/Table 2 "full recompute"), plus one layer's full set while
     it is recomputed."""
-    mem = memory.fujii2024(
+    mem = fujii.fujii2024(
         model,
         tp,
         cp,
@@ -48,8 +48,8 @@ def classic_memory(
         num_microbatches=num_microbatches,
     )
     if checkpointing:
-        layer = memory.fujii_layer_activation_bytes(model, tp, cp, micro_batch, seq_len)
-        factor = memory.fujii_pipeline_factor(pp, num_microbatches, 1)
+        layer = fujii.fujii_layer_activation_bytes(model, tp, cp, micro_batch, seq_len)
+        factor = fujii.fujii_pipeline_factor(pp, num_microbatches, 1)
         inp = 2.0 * seq_len / cp * micro_batch * model.hidden / tp
         mem.components["activations"] = model.n_layers * inp * factor + layer
     return mem

@@ -12,9 +12,10 @@ import argparse
 import json
 import sys
 
-from tetrad.plan import memory, report
+from tetrad.plan import fujii, memory, report
 from tetrad.plan.machines import get_machine, preset_names
-from tetrad.plan.models import PRESETS, PlanError, get_model
+from tetrad.plan.models import PlanError
+from tetrad.plan.presets import PRESETS, get_model
 from tetrad.plan.search import plan
 from tetrad.spec import GiB, parse_grid
 
@@ -245,7 +246,7 @@ def run_memory(args: argparse.Namespace) -> int:
     else:
         if args.grid:
             raise PlanError("--grid is for --method tetrad; fujii2024 takes --tp --cp --pp --dp")
-        mem = memory.fujii2024(
+        mem = fujii.fujii2024(
             model,
             args.tp,
             args.cp,

@@ -16,10 +16,7 @@ from dataclasses import dataclass
 from tetrad.plan.compute import BlockCompute
 from tetrad.plan.models import Linear, ModelSpec
 from tetrad.plan.network import ALL_REDUCE, Link
-from tetrad.spec import COMM_AXES
-
-FP32 = 4
-"""Bytes of an fp32 element (gradients, norm and loss statistics, embedding tables)."""
+from tetrad.spec import COMM_AXES, FP32
 
 
 def _max0(v: float) -> float:

@@ -2,7 +2,7 @@
 and the classic Megatron-style (TP, PP, CP, DP) space beside it.
 
 4D space (tetrad / AxoNN): every ordered factorisation ``G_data * G_z * G_y * G_x = GPUs`` whose
-sizes shard the model (:func:`tetrad.plan.memory.grid_problems`) and split the global batch
+sizes shard the model (:func:`tetrad.plan.models.grid_problems`) and split the global batch
 (``B % (G_data G_z) == 0``); every micro-batch ``b`` dividing ``B / (G_data G_z)``; activation
 checkpointing on and off. Configurations whose :func:`tetrad.plan.memory.tetrad` estimate is
 above 80% of GPU memory are dropped (Fujii et al., arXiv 2411.06465); memory grows with ``b``,
@@ -13,7 +13,7 @@ communication time (``comm_model="axonn"``, :func:`tetrad.plan.axonn.axonn_comm`
 Classic space (Megatron-LM): ``TP * PP * CP * DP = GPUs`` with ``TP * CP <= GPUs per node``
 (Fujii et al.'s search, ``optimal_setting_search.py``), ``TP`` dividing heads, KV heads and the
 FFN, ``PP`` dividing the layers, ``S % (2 CP) == 0``; memory from
-:func:`tetrad.plan.memory.fujii2024`; time from :func:`tetrad.plan.classic.megatron_estimate`
+:func:`tetrad.plan.fujii.fujii2024`; time from :func:`tetrad.plan.classic.megatron_estimate`
 (the whole space is in :mod:`tetrad.plan.classic`; :class:`Row`, :class:`SearchResult` and the
 enumeration helpers shared by both are in :mod:`tetrad.plan.rows`).
 
@@ -32,7 +32,7 @@ from tetrad.plan.axonn import axonn_comm
 from tetrad.plan.classic import search_classic
 from tetrad.plan.comm import Context, estimate
 from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, PlanError
+from tetrad.plan.models import ModelSpec, PlanError, grid_problems
 from tetrad.plan.rows import Row, SearchResult, check_inputs, divisors, factorizations
 from tetrad.spec import COMM_AXES, GiB
 
@@ -43,7 +43,7 @@ def _nearby_gpu_counts(model: ModelSpec, gpus: int) -> str:
     found = []
     for e in range(0, 21):
         p = 2**e
-        if any(not memory.grid_problems(model, g) for g in factorizations(p, 4)):
+        if any(not grid_problems(model, g) for g in factorizations(p, 4)):
             found.append(p)
     found.sort(key=lambda p: (abs(p - gpus), p))
     return ", ".join(str(f) for f in found[:2]) if found else "a power of two"
@@ -88,7 +88,7 @@ class _Search4D:
             key = (gz, gy, gx)
             ok = self.valid.get(key)
             if ok is None:
-                ok = self.valid[key] = not memory.grid_problems(model, grid)
+                ok = self.valid[key] = not grid_problems(model, grid)
             if not ok:
                 continue
             stats["valid_grids"] += 1

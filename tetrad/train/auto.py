@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from tetrad.models.config import ModelConfig
-from tetrad.spec import GiB
+from tetrad.spec import DTYPE_BYTES, GiB, compute_dtype
 from tetrad.train.config import ConfigError, TrainConfig
 
 # Machine presets that match a CUDA device name, for --grid auto without --machine.
@@ -85,7 +85,7 @@ def choose_grid(
             checkpointing=(par.activation_checkpointing,),
             overlaps=par.overlap,
             classic=False,
-            dtype=compute_dtype(cfg),
+            dtype=compute_dtype(t.device),
         )
     except PlanError as e:
         raise ConfigError(
@@ -115,12 +115,6 @@ def choose_grid(
     return cfg.with_grid(tuple(best.grid))
 
 
-def compute_dtype(cfg: TrainConfig) -> str:
-    """The planner's name of the runtime's compute dtype: ``bf16`` on CUDA (autocast), ``fp32``
-    on CPU."""
-    return "bf16" if cfg.training.device == "cuda" else "fp32"
-
-
 def domino_pays(cfg: TrainConfig, mc: ModelConfig) -> bool:
     """Whether the planner predicts a shorter step with the Domino split than without, for
     this run's grid, batch and ``--machine`` (True when no machine is given: the runtime's
@@ -129,7 +123,6 @@ def domino_pays(cfg: TrainConfig, mc: ModelConfig) -> bool:
     if not par.machine:
         return True
     from tetrad.plan.comm import Context, estimate
-    from tetrad.plan.memory import DTYPE_BYTES
 
     machine, spec = machine_for(cfg), mc.spec()
     times = []
@@ -140,7 +133,7 @@ def domino_pays(cfg: TrainConfig, mc: ModelConfig) -> bool:
             t.seq_len,
             t.global_batch,
             overlaps=overlaps,
-            compute_bytes=DTYPE_BYTES[compute_dtype(cfg)],
+            compute_bytes=DTYPE_BYTES[compute_dtype(t.device)],
             domino_min_rows=par.domino_min_rows,
         )
         step = estimate(ctx, par.grid, t.micro_batch, par.activation_checkpointing).step_s

@@ -1,0 +1,142 @@
+"""Saved activations of one micro-batch on one rank of tetrad's runtime, derived from its
+autograd graph (tetrad/parallel, tetrad/models/llama.py) and checked against autograd's saved
+tensors (tests/test_memory_validation.py). Bytes; symbols as in :mod:`tetrad.plan.memory`.
+"""
+
+from __future__ import annotations
+
+from tetrad.plan.models import ModelSpec, PlanError, grid_sizes
+from tetrad.spec import DTYPE_BYTES, FP32
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of the compute dtype ``dtype`` (:data:`tetrad.spec.DTYPE_BYTES`).
+
+    Raises:
+        PlanError: an unknown dtype.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise PlanError(f"dtype {dtype!r} is unknown: use 'bf16' (CUDA) or 'fp32' (CPU)")
+    return DTYPE_BYTES[dtype]
+
+
+def _norm_saved_bytes(model: ModelSpec, m: int, hx: int, e: int, consumers: int) -> float:
+    """One norm (tetrad/parallel/norm.py) and the cast of its output for its consumers, per rank.
+
+    RMSNorm saves its input ``[m, h/G_x]`` fp32 (``pow``), ``rsqrt`` ``[m, 1]`` fp32 and the
+    normalised ``[m, h/G_x]`` fp32 (for the weight's gradient). Its output is saved by the
+    following Linears as ``x.to(compute dtype)``: one shared fp32 tensor when ``e = 4``, one bf16
+    copy per consumer otherwise (3 for wq/wk/wv, 2 for w1/w3). GPT LayerNorm (not in the
+    runtime): the same with two fp32 statistics ``[m]`` (mean, rstd).
+    """
+    stats = 2 if model.family == "gpt" else 1
+    out = FP32 * m * hx if e == FP32 else consumers * e * m * hx
+    return FP32 * m * hx + stats * FP32 * m + FP32 * m * hx + out
+
+
+def _attention_saved_bytes(model: ModelSpec, m: int, seq_len: int, gy: int, e: int) -> float:
+    """Attention of one block per rank (tetrad/models/llama.py ``Attention``), heads split over Y.
+
+    llama: RoPE saves ``cos`` and ``sin`` ``[S, d/2]`` fp32 for q and for k (4 tensors); SDPA
+    (FlashAttention: no ``S^2`` terms) saves rotated q ``[m, a d/G_y]``, rotated k and v
+    ``[m, k d/G_y]`` each, its output ``[m, a d/G_y]`` and the fp32 log-sum-exp ``[m, a/G_y]``.
+    With ``e = 4`` (CPU) the output is heads-major, so the out-projection input
+    ``o.transpose(1, 2).reshape(..)`` is one more ``[m, a d/G_y]`` copy; CUDA's FlashAttention
+    returns it token-major and the reshape is a view. gpt (not in the runtime): q, k, v are views
+    of one ``[m, 3h/G_y]`` QKV output, no RoPE.
+    """
+    qy, kvy, ay = model.q_dim // gy, model.kv_dim // gy, model.n_heads // gy
+    if model.family == "gpt":
+        qkv, rope = 3 * qy, 0
+    else:
+        qkv, rope = qy + 2 * kvy, 4 * seq_len * (model.head_dim // 2) * FP32
+    out = qy * (2 if e == FP32 else 1)
+    return e * m * (qkv + out) + FP32 * m * ay + rope
+
+
+def _mlp_saved_bytes(model: ModelSpec, m: int, gy: int, e: int) -> float:
+    """MLP of one block per rank, inner width ``f/G_y``.
+
+    llama SwiGLU ``w2(silu(w1 x) * w3 x)``: ``w1 x`` (silu's input), ``silu(w1 x)`` and ``w3 x``
+    (the product's inputs), the product (w2's input): ``4 [m, f/G_y]`` in compute dtype.
+    gpt GeLU: fc1's output (GeLU's input) and GeLU's output (fc2's input): ``2 [m, f/G_y]``.
+    """
+    n = 2 if model.family == "gpt" else 4
+    return n * e * m * (model.ffn_hidden // gy)
+
+
+def block_saved_bytes(
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
+) -> float:
+    """Bytes autograd saves for ONE block on one rank (no checkpointing): two norms with their
+    output casts, attention, MLP, and the residual stream (block input and the mid-block sum
+    ``h``, both ``[m, h/G_x]`` fp32, counted as the two norms' inputs)."""
+    _, _, gy, gx = grid_sizes(grid)
+    e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.hidden // gx
+    attn_consumers = 1 if model.family == "gpt" else 3
+    mlp_consumers = 1 if model.family == "gpt" else 2
+    return (
+        _norm_saved_bytes(model, m, hx, e, attn_consumers)
+        + _attention_saved_bytes(model, m, seq_len, gy, e)
+        + _norm_saved_bytes(model, m, hx, e, mlp_consumers)
+        + _mlp_saved_bytes(model, m, gy, e)
+    )
+
+
+def block_input_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int) -> float:
+    """A block's input ``[m, h/G_x]`` fp32 (the residual stream stays fp32 under autocast): all
+    that non-reentrant ``torch.utils.checkpoint`` keeps of a checkpointed block."""
+    _, _, _, gx = grid_sizes(grid)
+    return float(FP32 * micro_batch * seq_len * (model.hidden // gx))
+
+
+def embedding_saved_bytes(model: ModelSpec, micro_batch: int, seq_len: int) -> float:
+    """The embedding (tetrad/parallel/embedding.py) saves the local ids ``[m]`` int64 and the
+    out-of-block mask ``[m]`` bool: ``9 m`` bytes (its weight shard is a parameter)."""
+    return 9.0 * micro_batch * seq_len
+
+
+def final_norm_saved_bytes(
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
+) -> float:
+    """The final norm and the LM head's saved input (one consumer)."""
+    _, _, _, gx = grid_sizes(grid)
+    return _norm_saved_bytes(
+        model, micro_batch * seq_len, model.hidden // gx, dtype_bytes(dtype), 1
+    )
+
+
+def loss_saved_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int) -> float:
+    """Vocabulary-parallel cross-entropy (tetrad/parallel/loss.py) saves the fp32 softmax
+    ``[m, V/G_y]`` and the local targets ``[m]`` int64 and mask ``[m]`` bool."""
+    _, _, gy, _ = grid_sizes(grid)
+    m = micro_batch * seq_len
+    return FP32 * m * (model.vocab // gy) + 9.0 * m
+
+
+def saved_activations(
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    *,
+    activation_checkpointing: bool = False,
+    dtype: str = "bf16",
+) -> dict[str, float]:
+    """What autograd holds on one rank at the end of one micro-batch's forward, in bytes.
+
+    Returns:
+        ``blocks`` (``L`` blocks' saved tensors, or ``L`` block inputs when checkpointed),
+        ``embedding``, ``final_norm``, ``loss`` (their sum is what saved-tensor hooks see), and
+        ``recompute``: with checkpointing, one block's saved tensors minus its kept input, live
+        while that block is recomputed in backward (0 without checkpointing).
+    """
+    blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
+    inp = block_input_bytes(model, grid, micro_batch, seq_len)
+    return {
+        "blocks": model.n_layers * (inp if activation_checkpointing else blk),
+        "embedding": embedding_saved_bytes(model, micro_batch, seq_len),
+        "final_norm": final_norm_saved_bytes(model, grid, micro_batch, seq_len, dtype),
+        "loss": loss_saved_bytes(model, grid, micro_batch, seq_len),
+        "recompute": blk - inp if activation_checkpointing else 0.0,
+    }
