@@ -245,7 +245,7 @@ def plot(result: SearchResult, path: str, top: int = 10) -> None:
 
 def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
     """A TOML file of ``tetrad train`` settings for a 4D row (``tetrad.train.config.load_config``
-    reads it; the model goes in as a ``[model]`` table of the runtime's size names)."""
+    reads it: ``[model]`` sizes in the runtime's names, ``[parallelism]``, ``[training]``)."""
     if row.space != "4d":
         raise PlanError("--emit-config writes a 4D configuration; the best row is classic")
     inp = result.inputs
@@ -262,21 +262,27 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
             "architecture, so the sizes below build a Llama (SwiGLU with ffn_dim, "
             "RMSNorm, RoPE) of the same widths."
         )
-    settings = {
-        "grid": f"{d},{z},{y},{x}",
-        "micro_batch": row.micro_batch,
-        "global_batch": inp["global_batch"],
-        "seq_len": inp["seq_len"],
-        "activation_checkpointing": row.activation_checkpointing,
-        "overlap": _overlap_value(inp["overlaps"]),
-        "device": "cuda",
-        "model": {
-            "dim": model.hidden,
-            "n_layers": model.n_layers,
-            "n_heads": model.n_heads,
-            "n_kv_heads": model.n_kv_heads,
-            "ffn_dim": model.ffn_hidden,
-            "vocab_size": model.vocab,
+    sizes = {
+        "dim": model.hidden,
+        "n_layers": model.n_layers,
+        "n_heads": model.n_heads,
+        "n_kv_heads": model.n_kv_heads,
+        "ffn_dim": model.ffn_hidden,
+        "vocab_size": model.vocab,
+        "rope_theta": model.rope_theta,
+    }
+    settings = {  # the sections of tetrad.train.config
+        "model": sizes,
+        "parallelism": {
+            "grid": f"{d},{z},{y},{x}",
+            "overlap": _overlap_value(inp["overlaps"]),
+            "activation_checkpointing": row.activation_checkpointing,
+        },
+        "training": {
+            "micro_batch": row.micro_batch,
+            "global_batch": inp["global_batch"],
+            "seq_len": inp["seq_len"],
+            "device": "cuda",
         },
     }
     return "\n".join(header) + "\n" + tomli_w.dumps(settings)
