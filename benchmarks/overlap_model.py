@@ -4,7 +4,7 @@ exposed communication and step time, per axis, with overlap off and on.
 The planner's overlap model (:func:`tetrad.plan.comm.collectives`) walks the same schedule the
 runtime runs (tetrad/parallel/overlap.py). This script
 
-1. calibrates this machine: ``python -m tetrad.calibrate --nproc 4`` writes a machine
+1. calibrates this machine: ``tetrad calibrate --nproc 4`` writes a machine
    TOML (skipped with ``--machine FILE``);
 2. runs ``tetrad train`` (CPU, gloo, 4 ranks) on a fixed model for grids 1,2,1,2 and 2,1,2,1,
    alternating ``--overlap none`` and ``--overlap all``, and reads each run's
@@ -54,7 +54,8 @@ def calibrate_machine(path: Path, quick: bool) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "tetrad.calibrate",
+        "tetrad.cli",
+        "calibrate",
         "--device",
         "cpu",
         "--nproc",
