@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tetrad.plan.compute import BlockCompute
 from tetrad.plan.models import Linear, ModelSpec
 from tetrad.plan.network import ALL_REDUCE, Link
-from tetrad.spec import COMM_AXES, FP32
+from tetrad.spec import COMM_AXES, FP32, Axis
 
 
 def _max0(v: float) -> float:
@@ -285,11 +285,11 @@ def step_scalars(rec: Recorder, st: Step) -> None:
     then data, the loss scalar (4 B) over Z and data, the gradient norm (8 B, float64) over the
     world."""
     pv = st.vector_el * FP32
-    for ax in ("z", "data"):
+    for ax in (Axis.Z, Axis.DATA):
         if st.sizes[ax] > 1:
             t = st.links[ax].time(ALL_REDUCE, pv)
             rec.add("norm_gradients", "step", ax, ALL_REDUCE, pv, 1, t, t)
-    for ax in ("z", "data"):
+    for ax in (Axis.Z, Axis.DATA):
         if st.sizes[ax] > 1:
             t = st.links[ax].time(ALL_REDUCE, FP32)
             rec.add("loss_scalar", "step", ax, ALL_REDUCE, FP32, 1, t, t)
