@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tetrad.calibrate.settings import KINDS, Settings, group_ranks, layouts
+from tetrad.comm.collectives import all_gather_single
 from tetrad.device import synchronize
 from tetrad.plan.network import ALL_REDUCE, ring_bytes
 
@@ -194,7 +195,7 @@ def _collective(
         inp = torch.zeros(elems // size, dtype=torch.float32, device=dev)
 
         def fn(buf=buf, inp=inp, pg=pg):
-            dist.all_gather_single(buf, inp, group=pg)
+            all_gather_single(buf, inp, group=pg)
 
     return fn
 

@@ -27,6 +27,12 @@ import torch.distributed as dist
 
 from tetrad.spec import Axis
 
+# The single-tensor all-gather and reduce-scatter are named ``*_single`` from torch 2.13 (the older
+# ``*_tensor`` names are deprecated there); older builds, such as GPU images with torch 2.11,
+# have only the older names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class AxisStats:
@@ -193,7 +199,7 @@ def all_gather(
         axis,
         nbytes,
         (g - 1) / g * nbytes,
-        lambda: dist.all_gather_single(out, t, group=group, async_op=True),
+        lambda: all_gather_single(out, t, group=group, async_op=True),
         out,
     )
     return h if async_op else h.wait()
@@ -238,7 +244,7 @@ def reduce_scatter(
             axis,
             nbytes,
             ring,
-            lambda: dist.reduce_scatter_single(out, t, group=group, async_op=True),
+            lambda: reduce_scatter_single(out, t, group=group, async_op=True),
             out,
         )
     return h if async_op else h.wait()

@@ -47,15 +47,18 @@ def global_grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
     """The L2 norm of the full (unsharded) gradient, identical on every rank.
 
     Each replicated copy is counted once: a rank adds a parameter's local sum of squares only if
-    its coordinate is 0 on every axis that replicates the parameter; the sum is all-reduced over
-    the world. Call after :func:`sync_gradients`.
+    its coordinate is 0 on every axis that replicates the parameter; the sum (float64) is
+    all-reduced over the world. Call after :func:`sync_gradients`. The per-tensor norms are one
+    multi-tensor operation (``torch._foreach_norm``), as in ``torch.nn.utils.clip_grad_norm_``.
     """
+    grads = [
+        p.grad.detach()
+        for p in model.parameters()
+        if p.grad is not None and all(grid.coord[a] == 0 for a in p.placement.replicated_axes)
+    ]
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        if all(grid.coord[a] == 0 for a in p.placement.replicated_axes):
-            total += p.grad.detach().double().pow(2).sum()
+    if grads:
+        total += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
     all_reduce(total, grid, Axis.WORLD)
     return total.sqrt().float()
 
@@ -64,11 +67,12 @@ def clip_grad_norm(model: nn.Module, grid: Grid, max_norm: float) -> torch.Tenso
     """Scale gradients so the global norm is at most ``max_norm``; return the norm before.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_``: ``coef = min(1, max_norm / (norm + 1e-6))``.
+    The scale stays on the device (no host synchronisation) and is applied with one
+    multi-tensor multiply.
     """
     norm = global_grad_norm(model, grid)
-    if max_norm > 0:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if max_norm > 0 and grads:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return norm

@@ -201,36 +201,60 @@ def _print_start(job: _Job, model_cfg: ModelConfig, start: int) -> None:
         print(f"tetrad: resumed from step {start}")
 
 
-def _step(job: _Job, step: int) -> dict:
-    """Optimizer step ``step`` (0-based): its metrics row."""
+def _step(job: _Job, step: int, batch: torch.Tensor) -> dict:
+    """Optimizer step ``step`` (0-based) on the global ``batch`` (host memory), with no host
+    synchronisation: its record, whose ``loss`` and ``grad_norm`` are still device tensors
+    (read by :func:`_rows`)."""
     t, grid, model = job.cfg.training, job.grid, job.model
     lr = lr_at(step, t.lr, t.min_lr, t.warmup_steps, t.steps)
     for group in job.optimizer.param_groups:
         group["lr"] = lr
-    batch = sample_batch(job.corpus.train, step, t.global_batch, t.seq_len, t.seed)
     grid.comm.reset()
     model.overlap.counts.clear()
-    t0 = time.perf_counter()
     loss, grad_norm = train_step(model, job.optimizer, grid, batch, t.micro_batch, t.grad_clip)
-    seconds = time.perf_counter() - t0
-    return job.meter.row(
-        step + 1,
-        seconds,
-        loss=loss,
-        lr=lr,
-        grad_norm=grad_norm,
-        peak_memory=peak_memory_bytes(grid.device),
-        comm=grid.comm.reset(),
-        overlaps_ran=dict(model.overlap.counts),
-    )
+    return {
+        "step": step + 1,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "comm": grid.comm.reset(),
+        "overlaps_ran": dict(model.overlap.counts),
+    }
+
+
+def _rows(job: _Job, pending: list[dict], since: float) -> list[dict]:
+    """The ``metrics.jsonl`` rows of the steps run since ``since`` (a ``perf_counter`` time):
+    one device-to-host read of their losses and gradient norms (this waits for them), then
+    each step's time is the interval's wall time over its steps, so tokens/s and MFU are exact
+    for the interval."""
+    values = torch.stack([v for p in pending for v in (p["loss"], p["grad_norm"])]).tolist()
+    seconds = (time.perf_counter() - since) / len(pending)
+    peak = peak_memory_bytes(job.grid.device)
+    return [
+        job.meter.row(
+            p["step"],
+            seconds,
+            loss=values[2 * i],
+            lr=p["lr"],
+            grad_norm=values[2 * i + 1],
+            peak_memory=peak,
+            comm=p["comm"],
+            overlaps_ran=p["overlaps_ran"],
+        )
+        for i, p in enumerate(pending)
+    ]
 
 
 def _loop(job: _Job, start: int) -> tuple[float, float]:
     """Steps ``start+1 .. steps`` with validation, logging and checkpoints; returns the last
-    training and validation losses (nats per token)."""
+    training and validation losses (nats per token).
+
+    Steps run back to back; the host waits for the device only at a logging, validation,
+    checkpoint or profiler boundary, where the pending steps' rows are written."""
     t, log, rank0 = job.cfg.training, job.cfg.logging, job.rank0
     val = val_batches(job.corpus.val, log.val_batches, t.global_batch, t.seq_len)
-    profiler = StepProfiler(log.profile_range(), job.run_dir, job.grid.device, rank0)
+    profile = log.profile_range()
+    profiler = StepProfiler(profile, job.run_dir, job.grid.device, rank0)
     bar = tqdm(
         total=t.steps,
         initial=start,
@@ -239,29 +263,39 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
         dynamic_ncols=True,
     )
     metrics = (job.run_dir / "metrics.jsonl").open("a") if rank0 else None
+    every = job.cfg.checkpoint.ckpt_every
     loss = val_loss = float("nan")
+    pending: list[dict] = []
+    since = time.perf_counter()
     for step in range(start, t.steps):
         done = step + 1
+        batch = sample_batch(job.corpus.train, step, t.global_batch, t.seq_len, t.seed)
         profiler.before(done)
-        row = _step(job, step)
+        pending.append(_step(job, step, batch))
         profiler.after(done)
-        loss, last = row["loss"], done == t.steps
-        if done % log.val_every == 0 or last:
+        last, validate = done == t.steps, done % log.val_every == 0
+        save = (every and done % every == 0) or last
+        edge = profile is not None and done + 1 in (profile[0], profile[1] + 1)
+        if not (done % log.log_every == 0 or last or validate or save or edge):
+            continue
+        rows, pending = _rows(job, pending, since), []
+        loss = rows[-1]["loss"]
+        if validate or last:
             job.model.eval()
-            val_loss = row["val_loss"] = evaluate(job.model, job.grid, val, t.micro_batch)
+            val_loss = rows[-1]["val_loss"] = evaluate(job.model, job.grid, val, t.micro_batch)
             job.model.train()
         if rank0:
-            metrics.write(json.dumps(row) + "\n")
+            metrics.write("".join(json.dumps(row) + "\n" for row in rows))
             metrics.flush()
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            bar.update(1)
-            if done % log.log_every == 0 or last or "val_loss" in row:
-                bar.write(log_line(row), file=sys.stdout)
-        every = job.cfg.checkpoint.ckpt_every
-        if (every and done % every == 0) or last:
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rows[-1]['tokens_per_s']:.0f}")
+            bar.update(len(rows))
+            if done % log.log_every == 0 or last or validate:
+                bar.write(log_line(rows[-1]), file=sys.stdout)
+        if save:
             path = job.ckpt.save(job.model, job.optimizer, done)
             if rank0:
                 bar.write(f"tetrad: checkpoint {path}")
+        since = time.perf_counter()
     bar.close()
     profiler.close()
     if metrics is not None:

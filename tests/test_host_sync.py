@@ -1,0 +1,105 @@
+"""A training step never waits for the device: no ``.item()``, ``.tolist()``, ``.cpu()``,
+``.numpy()`` or tensor truth test inside a step; the trainer reads losses only at logging steps.
+
+On CPU every such read is still a call we can count: ``item()`` and truth tests reach the
+dispatcher as ``aten._local_scalar_dense`` (counted by a dispatch mode), the others are patched.
+Not counted: AdamW's step counters, which PyTorch keeps on the host by design except in the
+fused (CUDA) and capturable paths, so reading them never waits for a device.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.distributed import run_distributed
+from tests.test_model import CFG, OVERLAP_OPTIONS, batches
+from tests.test_train import config, corpus  # noqa: F401 (the corpus fixture)
+from tetrad.grid import Grid
+from tetrad.parallel import init_parameters
+from tetrad.parallel.model import ParallelLlama
+from tetrad.spec import OVERLAPS
+from tetrad.train import trainer
+from tetrad.train.step import build_optimizer, train_step
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads of tensor values by the host while active (``self.reads``)."""
+
+    PATCHED = ("tolist", "cpu", "numpy")
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self.reads: list[str] = []
+        self.optimizer = optimizer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            steps = {s["step"].data_ptr() for s in self.optimizer.state.values() if "step" in s}
+            if args[0].data_ptr() not in steps:
+                self.reads.append("item")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.PATCHED}
+        for name, fn in self.saved.items():
+            setattr(torch.Tensor, name, self._counted(name, fn))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(torch.Tensor, name, fn)
+        return super().__exit__(*exc)
+
+    def _counted(self, name, fn):
+        def counted(t, *args, **kwargs):
+            self.reads.append(name)
+            return fn(t, *args, **kwargs)
+
+        return counted
+
+
+def _train_steps(out: str) -> None:
+    grid = Grid.build((1, 1, 2, 2))
+    model = ParallelLlama(CFG, grid, False, OVERLAPS, **OVERLAP_OPTIONS)
+    init_parameters(model, 0, grid)
+    opt = build_optimizer(model, 1e-3, 0.1)
+    with HostReads(opt) as mode:
+        for batch in batches()[:2]:
+            loss, norm = train_step(model, opt, grid, batch, 2, 1.0)
+    assert loss.dim() == 0 and norm.dim() == 0
+    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(mode.reads))
+
+
+def test_train_step_reads_nothing_on_the_host(tmp_path):
+    run_distributed(_train_steps, 4, str(tmp_path))
+    for f in sorted(tmp_path.glob("rank*.json")):
+        assert json.loads(f.read_text()) == [], f"{f.name}: host reads inside train_step"
+
+
+def _train_counting(cfg, out: str) -> None:
+    """``tetrad train`` with every call of the per-step function watched."""
+    per_step = []
+    step = trainer._step
+
+    def watched(job, i, batch):
+        with HostReads(job.optimizer) as mode:
+            record = step(job, i, batch)
+        per_step.append(mode.reads)
+        return record
+
+    trainer._step = watched
+    trainer.train(cfg)
+    Path(out, "reads.json").write_text(json.dumps(per_step))
+
+
+def test_trainer_reads_losses_only_when_logging(corpus, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))
+    cfg = config(corpus, tmp_path / "run", 6, log_every=3)
+    trainer.preflight(cfg)
+    run_distributed(_train_counting, 4, cfg, str(tmp_path))
+    assert json.loads((tmp_path / "reads.json").read_text()) == [[]] * 6
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
