@@ -18,7 +18,7 @@ from tetrad.grid import Grid
 from tetrad.models.config import PRESETS
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
-from tetrad.parallel.model import ParallelLlama
+from tetrad.parallel.model import ParallelLlama, compile_blocks
 from tetrad.spec import OVERLAPS
 from tetrad.train.step import build_optimizer, lr_at, train_step
 
@@ -66,21 +66,26 @@ def parallel_runs(
     activation_checkpointing,
     overlap_sets=(OVERLAPS,),
     grids=None,
+    compiled=False,
 ):
     for sizes in grids or GRIDS[world_size]:
         grid = Grid.build(sizes)
         for overlaps in overlap_sets:
-            run_one(grid, sizes, ref_losses, ref_weights, activation_checkpointing, overlaps)
+            run_one(
+                grid, sizes, ref_losses, ref_weights, activation_checkpointing, overlaps, compiled
+            )
 
 
-def run_one(grid, sizes, ref_losses, ref_weights, activation_checkpointing, overlaps):
+def run_one(grid, sizes, ref_losses, ref_weights, activation_checkpointing, overlaps, compiled):
     model = ParallelLlama(CFG, grid, activation_checkpointing, overlaps, **OVERLAP_OPTIONS)
     init_parameters(model, SEED, grid)
+    if compiled:
+        compile_blocks(model)
     opt = build_optimizer(model, LR, weight_decay=0.1)
     for step, batch in enumerate(batches()):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
-        loss, _ = train_step(model, opt, grid, batch, MICRO, CLIP)
+        loss = float(train_step(model, opt, grid, batch, MICRO, CLIP)[0])
         rel = abs(loss - ref_losses[step]) / ref_losses[step]
         assert rel <= 1e-5, (
             f"grid {sizes} overlaps {sorted(overlaps)} step {step}: "
@@ -93,7 +98,8 @@ def run_one(grid, sizes, ref_losses, ref_weights, activation_checkpointing, over
     assert worst <= 0.05 * LR, f"grid {sizes}: weights differ by {worst / LR:.3g} lr"
     if grid.coord == {"data": 0, "z": 0, "y": 0, "x": 0}:
         print(
-            f"grid {sizes} overlaps {','.join(sorted(overlaps)) or 'none'}: "
+            f"grid {sizes} overlaps {','.join(sorted(overlaps)) or 'none'}"
+            f"{' compiled' if compiled else ''}: "
             f"worst weight difference {worst / LR:.2e} lr"
         )
 
@@ -116,3 +122,10 @@ def test_each_overlap_alone_matches_reference(reference):
     """No overlap, then each overlap alone, on two 8-rank grids (every axis > 1 in one)."""
     sets = [()] + [(name,) for name in OVERLAPS]
     run_distributed(parallel_runs, 8, 8, *reference, False, sets, [(2, 2, 2, 1), (1, 2, 2, 2)])
+
+
+def test_compiled_blocks_match_reference(reference):
+    """``torch.compile`` of every block (collectives eager) on three 4-rank grids: the same
+    tolerances as eager."""
+    grids = [(1, 1, 2, 2), (2, 1, 1, 2), (1, 2, 2, 1)]
+    run_distributed(parallel_runs, 4, 4, *reference, False, (OVERLAPS,), grids, True)

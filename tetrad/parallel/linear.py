@@ -121,6 +121,7 @@ class Linear(nn.Module):
             else None
         )
 
+    @torch.compiler.disable  # collectives and the overlap state stay outside compiled graphs
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k_local = self.in_features // self.grid.size(self.in_axis)
         assert x.shape[-1] == k_local, f"expected [..., {k_local}], got {tuple(x.shape)}"

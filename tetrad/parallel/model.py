@@ -73,3 +73,27 @@ class ParallelLlama(Transformer):
         overlap = Overlap(grid, overlaps, **overlap_options)
         super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing)
         self.overlap = overlap
+
+
+def compile_blocks(model: Transformer) -> None:
+    """``torch.compile`` each transformer block in place (the granularity torchtitan uses).
+
+    The parallel layers' collectives run eagerly (``torch.compiler.disable``), so each block's
+    graphs are the computation between them: RMSNorm's arithmetic, RoPE, attention, SwiGLU's
+    gate and the residual adds, fused by Inductor; the GEMMs stay cuBLAS (or the CPU BLAS).
+    Every collective-bearing layer call is one graph break (count them with
+    :func:`compile_stats`).
+    """
+    for block in model.layers:
+        block.compile()
+
+
+def compile_stats() -> dict[str, int]:
+    """``{"graphs": ..., "graph_breaks": ...}`` compiled so far in this process (from
+    ``torch._dynamo``'s counters)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }

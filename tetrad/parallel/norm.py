@@ -29,6 +29,10 @@ class _AllReduceSum(torch.autograd.Function):
         return all_reduce(g.clone(), ctx.grid, ctx.axis), None, None
 
 
+# The collective stays outside torch.compile's graphs (a graph break).
+_all_reduce_sum = torch.compiler.disable(_AllReduceSum.apply)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm of ``[..., dim/G_axis]`` activations; weight ``[dim/G_axis]``, replicated over
     the other axes (its gradient is summed over Z and data by ``sync_gradients``)."""
@@ -42,5 +46,5 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        sum_sq = _AllReduceSum.apply(xf.pow(2).sum(-1, keepdim=True), self.grid, self.axis)
+        sum_sq = _all_reduce_sum(xf.pow(2).sum(-1, keepdim=True), self.grid, self.axis)
         return (xf * torch.rsqrt(sum_sq / self.dim + self.eps)).type_as(x) * self.weight

@@ -131,6 +131,9 @@ class TrainingSection:
     grad_clip: float = option(1.0, metavar="NORM", help="max global gradient norm (0: off)")
     seed: int = option(1234, metavar="N", help="random seed (initial weights, batches)")
     device: Device = option("cpu", help="cpu (gloo, fp32) or cuda (NCCL, bf16 autocast)")
+    compile: bool = option(
+        False, help="torch.compile each transformer block (the collectives stay eager)"
+    )
 
 
 @dataclass

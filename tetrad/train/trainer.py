@@ -19,7 +19,7 @@ from tetrad.device import device_name, gpu_count, peak_flops, peak_memory_bytes,
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
 from tetrad.parallel import init_parameters
-from tetrad.parallel.model import ParallelLlama
+from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
 from tetrad.spec import MiB
 from tetrad.train.auto import domino_pays
 from tetrad.train.checkpoint import Checkpointer, latest_checkpoint
@@ -88,6 +88,8 @@ def build_model(cfg: TrainConfig, model_cfg: ModelConfig, grid: Grid) -> Paralle
         domino_min_rows=par.domino_min_rows,
     )
     init_parameters(model, cfg.training.seed, grid)
+    if cfg.training.compile:
+        compile_blocks(model)
     return model
 
 
@@ -284,6 +286,13 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
             job.model.eval()
             val_loss = rows[-1]["val_loss"] = evaluate(job.model, job.grid, val, t.micro_batch)
             job.model.train()
+        if rank0 and job.cfg.training.compile and done - len(rows) == start:
+            stats = compile_stats()
+            bar.write(
+                f"tetrad: torch.compile: {stats['graphs']} graphs, {stats['graph_breaks']} "
+                "graph breaks (at the collectives)",
+                file=sys.stdout,
+            )
         if rank0:
             metrics.write("".join(json.dumps(row) + "\n" for row in rows))
             metrics.flush()
