@@ -88,3 +88,16 @@ def test_train_resume_and_generate(corpus, tmp_path, monkeypatch):
 
     text = generate(str(whole), "def ", 20, 0.8, 10, 0, "cpu")
     assert text.startswith("def ") and len(text) > 4
+
+
+def test_mfu_never_exceeds_one():
+    """A step faster than the peak raises the peak to the step's rate instead of MFU > 100%."""
+    from tetrad.train.metrics import StepMeter
+    from tetrad.train.peak import Peak
+
+    meter = StepMeter(tokens=1000, flops=4e9, peak=Peak(1e9, "test"), world_size=2)
+    kw = dict(loss=1.0, lr=1e-3, grad_norm=1.0, peak_memory=0, comm={}, overlaps_ran={})
+    assert meter.row(1, 4.0, **kw)["mfu"] == pytest.approx(0.5)  # 0.5 GFLOP/s per rank
+    assert meter.row(2, 1.0, **kw)["mfu"] == 1.0  # 2 GFLOP/s per rank beats the peak
+    assert meter.peak.flops == 2e9 and "raised" in meter.peak.source
+    assert meter.row(3, 4.0, **kw)["mfu"] == pytest.approx(0.25)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import resource
-import time
 
 import torch
 
@@ -63,26 +62,13 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def peak_flops(device: torch.device, world_size_on_host: int = 1) -> float:
-    """Peak FLOP/s one rank may use, for MFU.
-
-    CUDA: the datasheet dense bf16 figure of :data:`GPU_PEAK_FLOPS` (0 if the GPU is unknown).
-    CPU: there is no datasheet number to trust, so it is measured: a 512x512 fp32 GEMM on one
-    thread, times the cores available, shared among the ``world_size_on_host`` ranks.
-    """
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), 0.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    a = torch.randn(512, 512)
-    a @ a
-    t0, n = time.perf_counter(), 20
-    for _ in range(n):
-        a @ a
-    per_core = n * 2 * 512**3 / (time.perf_counter() - t0)
-    torch.set_num_threads(threads)
-    return per_core * min(cpu_cores(), world_size_on_host) / world_size_on_host
+def datasheet_flops(device: torch.device) -> float:
+    """The GPU's dense bf16 peak FLOP/s from :data:`GPU_PEAK_FLOPS` (0 for an unknown GPU or a
+    CPU: see :mod:`tetrad.train.peak` for how a CPU's peak is measured)."""
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), 0.0)
 
 
 def device_name(device: torch.device) -> str:

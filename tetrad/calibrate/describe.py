@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from tetrad.calibrate.fit import NetworkFit, efficiency_table, fit_network, sig
-from tetrad.device import device_name, peak_flops, total_memory_bytes
+from tetrad.device import datasheet_flops, device_name, total_memory_bytes
 from tetrad.spec import GiB
 
 
@@ -100,7 +100,7 @@ def _peak(run: Run, gemms: list[dict], name: str, pre: str) -> tuple[float, floa
     rate = best["flops_per_s"]
     shape = f"{best['m']}x{best['n']}x{best['k']}"
     if run.dev.type == "cuda":
-        peak = peak_flops(run.dev)
+        peak = datasheet_flops(run.dev)
         if peak:
             return (
                 peak,

@@ -52,17 +52,17 @@ def launch_train(cfg: TrainConfig) -> None:
 
     if under_torchrun():
         check_world_size(cfg.parallelism.grid, int(os.environ["WORLD_SIZE"]))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        if cfg.training.device == "cuda":
+            _check_gpus(local, "ranks on this node")
         cfg.check()
         trainer.train(cfg)
         return
     cfg.check()
     d, z, y, x = cfg.parallelism.grid
     nproc = d * z * y * x
-    if cfg.training.device == "cuda" and gpu_count() < nproc:
-        raise GridError(
-            f"grid data*z*y*x = {d}*{z}*{y}*{x} = {nproc} needs {nproc} GPUs, but "
-            f"{gpu_count()} are visible: use a smaller --grid or torchrun across nodes"
-        )
+    if cfg.training.device == "cuda":
+        _check_gpus(nproc, f"ranks of grid data*z*y*x = {d}*{z}*{y}*{x}")
     trainer.preflight(cfg)
     print(
         f"tetrad: starting {nproc} workers (grid data={d} z={z} y={y} x={x}, "
@@ -71,6 +71,20 @@ def launch_train(cfg: TrainConfig) -> None:
         flush=True,
     )
     run_local(cfg, nproc)
+
+
+def _check_gpus(ranks: int, what: str) -> None:
+    """NCCL drives one GPU per rank and refuses two ranks on one device.
+
+    Raises:
+        GridError: fewer visible GPUs than ``ranks``.
+    """
+    if gpu_count() < ranks:
+        raise GridError(
+            f"{ranks} {what} need {ranks} GPUs (NCCL runs one rank per GPU), but "
+            f"{gpu_count()} are visible: use a grid of at most {gpu_count()} ranks per node, "
+            "more nodes, or --device cpu"
+        )
 
 
 def _resolve_auto_grid(cfg: TrainConfig) -> TrainConfig:

@@ -9,22 +9,25 @@ import torch
 
 from tetrad.comm import AxisStats
 from tetrad.spec import GiB
+from tetrad.train.peak import Peak
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepMeter:
     """The throughput figures of a run, and its ``metrics.jsonl`` rows.
 
     Attributes:
         tokens: tokens per optimizer step (``global_batch * seq_len``).
         flops: model FLOPs per optimizer step (``flops_per_token * tokens``).
-        peak_flops: peak FLOP/s of one rank (0: unknown, MFU reported as 0).
+        peak: peak FLOP/s of one rank and its source (flops 0: unknown, MFU reported as 0);
+            raised to a step's achieved rate per rank when a step beats it, so MFU <= 1 (a
+            measured CPU peak can be beaten; see :mod:`tetrad.train.peak`).
         world_size: ranks.
     """
 
     tokens: int
     flops: float
-    peak_flops: float
+    peak: Peak
     world_size: int
 
     def row(
@@ -44,8 +47,11 @@ class StepMeter:
         Keys: ``step, loss, lr, grad_norm, tokens_per_s, tokens_per_s_per_rank, mfu,
         peak_memory_bytes, step_time_s``, per axis ``comm_bytes`` (ring bytes sent per rank),
         ``comm_time_s`` and ``comm_exposed_s`` (seconds), and ``overlaps_ran`` (counts).
-        MFU = ``flops / seconds / (peak_flops * world_size)``.
+        MFU = ``flops / seconds / (peak * world_size)``.
         """
+        achieved = self.flops / seconds / self.world_size
+        if self.peak.flops and achieved > self.peak.flops:
+            self.peak = Peak(achieved, f"raised to a step's achieved rate (was {self.peak.source})")
         return {
             "step": step,
             "loss": loss,
@@ -53,9 +59,7 @@ class StepMeter:
             "grad_norm": grad_norm,
             "tokens_per_s": self.tokens / seconds,
             "tokens_per_s_per_rank": self.tokens / seconds / self.world_size,
-            "mfu": self.flops / seconds / (self.peak_flops * self.world_size)
-            if self.peak_flops
-            else 0.0,
+            "mfu": achieved / self.peak.flops if self.peak.flops else 0.0,
             "peak_memory_bytes": peak_memory,
             "step_time_s": seconds,
             "comm_bytes": {a: st.bytes for a, st in comm.items()},

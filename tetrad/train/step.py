@@ -7,6 +7,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
@@ -60,11 +61,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA; nothing (fp32) elsewhere."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """On CUDA: bf16 autocast, with attention restricted to the flash kernels
+    (FlashAttention-2's or cuDNN's) so that a shape they do not cover fails loudly instead of
+    falling back to the slow math kernel. Elsewhere nothing (fp32)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+    stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]))
+    return stack
 
 
 def train_step(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import sys
 import time
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tetrad.device import device_name, gpu_count, peak_flops, peak_memory_bytes, threads_per_rank
+from tetrad.device import device_name, gpu_count, peak_memory_bytes, threads_per_rank
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
 from tetrad.parallel import init_parameters
@@ -26,6 +25,7 @@ from tetrad.train.checkpoint import Checkpointer, latest_checkpoint
 from tetrad.train.config import ConfigError, TrainConfig
 from tetrad.train.data import Corpus, prepare_corpus, sample_batch, val_batches
 from tetrad.train.metrics import StepMeter, StepProfiler, log_line
+from tetrad.train.peak import Peak, mfu_peak
 from tetrad.train.step import build_optimizer, evaluate, lr_at, train_step
 
 
@@ -126,12 +126,8 @@ def train(cfg: TrainConfig) -> dict:
     t = cfg.training
     optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2))
     tokens = t.global_batch * t.seq_len
-    meter = StepMeter(
-        tokens,
-        model_cfg.flops_per_token(t.seq_len) * tokens,
-        _peak_flops(cfg, grid),
-        grid.world_size,
-    )
+    peak = mfu_peak(cfg, model_cfg, grid)
+    meter = StepMeter(tokens, model_cfg.flops_per_token(t.seq_len) * tokens, peak, grid.world_size)
     job = _Job(
         cfg,
         grid,
@@ -165,18 +161,6 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
-def _peak_flops(cfg: TrainConfig, grid: Grid) -> float:
-    """Peak FLOP/s per rank for MFU: ``--peak-flops``, else measured (or looked up) by rank 0
-    while the others wait, and shared."""
-    peak = [cfg.logging.peak_flops]
-    if not peak[0]:
-        if dist.get_rank() == 0:
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size))
-            peak = [peak_flops(grid.device, local_world)]
-        dist.broadcast_object_list(peak, src=0)
-    return peak[0]
-
-
 def _write_run_files(job: _Job, model_cfg: ModelConfig, start: int) -> None:
     """``config.json`` (the sections and the resolved ``model_config``), ``tokenizer.json``;
     a fresh ``metrics.jsonl`` unless resuming."""
@@ -199,6 +183,9 @@ def _print_start(job: _Job, model_cfg: ModelConfig, start: int) -> None:
         f"tetrad: corpus {corpus.n_files} files, {len(corpus.train):,} train tokens, "
         f"{len(corpus.val):,} val tokens; unigram entropy {corpus.unigram_entropy:.3f} nats"
     )
+    peak = job.meter.peak
+    if peak.flops:
+        print(f"tetrad: MFU against {peak.flops / 1e9:,.1f} GFLOP/s per rank ({peak.source})")
     if start:
         print(f"tetrad: resumed from step {start}")
 
@@ -247,6 +234,24 @@ def _rows(job: _Job, pending: list[dict], since: float) -> list[dict]:
     ]
 
 
+def _notes(job: _Job, first: bool, peak: Peak) -> list[str]:
+    """Lines for the log at a logging boundary: torch.compile's graphs after the first steps,
+    and the MFU peak when a step raised it above ``peak``."""
+    notes = []
+    if first and job.cfg.training.compile:
+        stats = compile_stats()
+        notes.append(
+            f"tetrad: torch.compile: {stats['graphs']} graphs, {stats['graph_breaks']} "
+            "graph breaks (at the collectives)"
+        )
+    if job.meter.peak is not peak:
+        notes.append(
+            f"tetrad: MFU now against {job.meter.peak.flops / 1e9:,.1f} GFLOP/s per rank "
+            "(a step beat the measured peak)"
+        )
+    return notes
+
+
 def _loop(job: _Job, start: int) -> tuple[float, float]:
     """Steps ``start+1 .. steps`` with validation, logging and checkpoints; returns the last
     training and validation losses (nats per token).
@@ -280,20 +285,16 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
         edge = profile is not None and done + 1 in (profile[0], profile[1] + 1)
         if not (done % log.log_every == 0 or last or validate or save or edge):
             continue
+        peak = job.meter.peak
         rows, pending = _rows(job, pending, since), []
         loss = rows[-1]["loss"]
         if validate or last:
             job.model.eval()
             val_loss = rows[-1]["val_loss"] = evaluate(job.model, job.grid, val, t.micro_batch)
             job.model.train()
-        if rank0 and job.cfg.training.compile and done - len(rows) == start:
-            stats = compile_stats()
-            bar.write(
-                f"tetrad: torch.compile: {stats['graphs']} graphs, {stats['graph_breaks']} "
-                "graph breaks (at the collectives)",
-                file=sys.stdout,
-            )
         if rank0:
+            for note in _notes(job, first=done - len(rows) == start, peak=peak):
+                bar.write(note, file=sys.stdout)
             metrics.write("".join(json.dumps(row) + "\n" for row in rows))
             metrics.flush()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rows[-1]['tokens_per_s']:.0f}")
