@@ -52,7 +52,7 @@ def run(grid: str, overlap: str, args, run_dir: Path) -> dict:
         "--val-every",
         "100000",
         "--log-every",
-        "100000",
+        "1",  # a row per measured step (the trainer times whole logging intervals)
     ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
