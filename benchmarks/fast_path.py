@@ -33,8 +33,10 @@ def run(src: Path, extra: list[str], args: argparse.Namespace, run_dir: Path) ->
     cmd = [sys.executable, "-m", "tetrad.cli", "train", "--model", args.model]
     cmd += ["--grid", args.grid, "--steps", str(args.steps), "--run-dir", str(run_dir)]
     cmd += ["--log-every", str(args.log_every), "--val-every", "100000", *extra]
+    # cwd=src: ``python -m`` puts the working directory first on sys.path, ahead of PYTHONPATH
+    # and of an editable install, so each variant runs its own checkout's tetrad.
     env = os.environ | {"PYTHONPATH": str(src)}
-    subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=src)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = rows[args.log_every :]
     return {
