@@ -87,8 +87,9 @@ def test_linear_bytes_all_axes_by_hand():
         ("w2", "backward", "x", "all_reduce"): 32 * 512 // 2 * 2,  # 16384
         ("w2", "forward", "z", "all_gather"): 256 * 512 // 4 * 2,  # 65536
         ("w2", "backward", "z", "reduce_scatter"): 256 * 512 // 4 * 4,  # 131072
-        # LM head [1024, 256], in X out Y
-        ("output", "forward", "x", "all_reduce"): 32 * 1024 // 2 * 2,  # 32768
+        # LM head [1024, 256]: vocabulary over Y and X (and Z), input gathered over X
+        ("output", "forward", "x", "all_gather"): 32 * 256 * 2,  # 16384, never V-sized
+        ("output", "backward", "x", "reduce_scatter"): 32 * 256 * 2,  # 16384
         ("output", "backward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
         ("output", "forward", "z", "all_gather"): 1024 * 256 // 4 * 2,  # 131072
         ("output", "backward", "z", "reduce_scatter"): 1024 * 256 // 4 * 4,  # 262144
@@ -100,6 +101,7 @@ def test_linear_bytes_all_axes_by_hand():
         ("norm", "forward", "x", "all_reduce"): 32 * 4,
         ("norm", "backward", "x", "all_reduce"): 32 * 4,
         ("loss", "forward", "y", "all_reduce"): 32 * 4,
+        ("loss", "forward", "x", "all_reduce"): 32 * 4,
         # step: every local weight shard fp32 over data: per block (256*256 + 2*128*256 +
         # 256*256 + 2*512*256 + 256*512)/8 = 73728 elements, 2 blocks, head and embedding 32768
         ("gradients", "step", "data", "all_reduce"): (2 * 73728 + 2 * 32768) * 4,
@@ -113,9 +115,10 @@ def test_linear_bytes_all_axes_by_hand():
         assert cols[key].payload_bytes == payload, key
     calls = {
         ("wq", "forward", "x", "all_reduce"): 2,
-        ("output", "forward", "x", "all_reduce"): 1,
+        ("output", "forward", "x", "all_gather"): 1,
         ("norm", "forward", "x", "all_reduce"): 5,
         ("loss", "forward", "y", "all_reduce"): 3,
+        ("loss", "forward", "x", "all_reduce"): 3,
         ("gradients", "step", "data", "all_reduce"): 1,
     }
     for key, n in calls.items():

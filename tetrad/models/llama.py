@@ -25,8 +25,9 @@ class Layers(Protocol):
 
     ``head_split`` attention heads are split over that many ranks (1 in the reference);
     ``linear(k, n)`` maps ``[..., k] -> [..., n]`` (``transpose`` marks the second layer of a
-    pair: the attention out-projection and the SwiGLU down-projection); ``token_losses`` gives
-    the per-token cross-entropy (nats) of ``logits [..., V]`` against ``targets [...]``.
+    pair: the attention out-projection and the SwiGLU down-projection); ``head(dim, V)`` is the
+    LM head ``[..., dim] -> [..., V]``; ``token_losses`` gives the per-token cross-entropy (nats)
+    of ``logits [..., V]`` against ``targets [...]``.
     """
 
     head_split: int
@@ -36,6 +37,8 @@ class Layers(Protocol):
     ) -> nn.Module: ...
 
     def embedding(self, vocab: int, dim: int) -> nn.Module: ...
+
+    def head(self, dim: int, vocab: int) -> nn.Module: ...
 
     def norm(self, dim: int, eps: float) -> nn.Module: ...
 
@@ -117,7 +120,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """Token ids ``[b, S]`` -> logits ``[b, S, V]`` (``b`` = this rank's samples; the parallel
-    factory's LM head gives this rank's vocabulary slice ``V/G_y``)."""
+    factory's LM head gives this rank's vocabulary slice ``V/(G_y G_x)``)."""
 
     def __init__(self, cfg: ModelConfig, layers: Layers, activation_checkpointing: bool = False):
         super().__init__()
@@ -126,7 +129,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = layers.embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, layers) for _ in range(cfg.n_layers))
         self.norm = layers.norm(cfg.dim, cfg.norm_eps)
-        self.output = layers.linear(cfg.dim, cfg.vocab_size)
+        self.output = layers.head(cfg.dim, cfg.vocab_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

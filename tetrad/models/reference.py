@@ -27,6 +27,9 @@ class PlainLayers:
     def embedding(self, vocab: int, dim: int) -> nn.Module:
         return nn.Embedding(vocab, dim)
 
+    def head(self, dim: int, vocab: int) -> nn.Module:
+        return self.linear(dim, vocab)
+
     def norm(self, dim: int, eps: float) -> nn.Module:
         return nn.RMSNorm(dim, eps=eps)
 

@@ -2,6 +2,7 @@
 
 from tetrad.parallel.embedding import Embedding
 from tetrad.parallel.grads import clip_grad_norm, global_grad_norm, sync_gradients
+from tetrad.parallel.head import VocabParallelHead
 from tetrad.parallel.linear import Linear
 from tetrad.parallel.loss import vocab_parallel_cross_entropy
 from tetrad.parallel.norm import RMSNorm
@@ -12,6 +13,7 @@ __all__ = [
     "Linear",
     "Placement",
     "RMSNorm",
+    "VocabParallelHead",
     "clip_grad_norm",
     "global_grad_norm",
     "init_parameters",

@@ -7,7 +7,8 @@ Layouts on the grid (AxoNN's algorithm, Singh et al., arXiv 2305.13525):
     q / k / v, attention  [B/(G_data G_z), S, heads/G_y, d]  (wq, wk, wv: in X, out Y)
     attention out-proj    transposed (in Y, out X) -> back to the residual layout
     SwiGLU                w1, w3: in X, out Y; w2 transposed (in Y, out X)
-    logits                [B/(G_data G_z), S, V/G_y]           (LM head: in X, out Y)
+    logits                [B/(G_data G_z), S, V/(G_y G_x)]     (LM head: input gathered over X,
+                                                               vocabulary over Y and X)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
 from tetrad.models.llama import Transformer
 from tetrad.parallel.embedding import Embedding
+from tetrad.parallel.head import VocabParallelHead
 from tetrad.parallel.linear import Linear
 from tetrad.parallel.loss import vocab_parallel_cross_entropy
 from tetrad.parallel.norm import RMSNorm
@@ -42,16 +44,19 @@ class ParallelLayers:
     def embedding(self, vocab: int, dim: int) -> nn.Module:
         return Embedding(vocab, dim, self.grid, overlap=self.overlap)
 
+    def head(self, dim: int, vocab: int) -> nn.Module:
+        return VocabParallelHead(dim, vocab, self.grid, overlap=self.overlap)
+
     def norm(self, dim: int, eps: float) -> nn.Module:
         return RMSNorm(dim, self.grid, Axis.X, eps)
 
     def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.grid, Axis.Y)
+        return vocab_parallel_cross_entropy(logits, targets, self.grid, (Axis.Y, Axis.X))
 
 
 class ParallelLlama(Transformer):
     """The 3D tensor-parallel Llama on ``grid``: tokens ``[B/(G_data G_z), S]`` -> logits
-    ``[B/(G_data G_z), S, V/G_y]``. Parameters are uninitialised: call
+    ``[B/(G_data G_z), S, V/(G_y G_x)]``. Parameters are uninitialised: call
     :func:`tetrad.parallel.init_parameters`.
 
     Args:

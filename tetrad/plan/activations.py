@@ -99,19 +99,23 @@ def embedding_saved_bytes(model: ModelSpec, micro_batch: int, seq_len: int) -> f
 def final_norm_saved_bytes(
     model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
 ) -> float:
-    """The final norm and the LM head's saved input (one consumer)."""
+    """The final norm and the LM head's saved input (tetrad/parallel/head.py): with ``G_x > 1``
+    the input gathered over X, ``[m, h]`` in the compute dtype (a new tensor); with ``G_x = 1``
+    the norm's output as one Linear consumer saves it."""
     _, _, _, gx = grid_sizes(grid)
-    return _norm_saved_bytes(
-        model, micro_batch * seq_len, model.hidden // gx, dtype_bytes(dtype), 1
-    )
+    m, e, h = micro_batch * seq_len, dtype_bytes(dtype), model.hidden
+    norm = _norm_saved_bytes(model, m, h // gx, e, 1)
+    if gx == 1:
+        return norm
+    return norm - (FP32 if e == FP32 else e) * m * (h // gx) + e * m * h
 
 
 def loss_saved_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int) -> float:
     """Vocabulary-parallel cross-entropy (tetrad/parallel/loss.py) saves the fp32 softmax
-    ``[m, V/G_y]`` and the local targets ``[m]`` int64 and mask ``[m]`` bool."""
-    _, _, gy, _ = grid_sizes(grid)
+    ``[m, V/(G_y G_x)]`` and the local targets ``[m]`` int64 and mask ``[m]`` bool."""
+    _, _, gy, gx = grid_sizes(grid)
     m = micro_batch * seq_len
-    return FP32 * m * (model.vocab // gy) + 9.0 * m
+    return FP32 * m * (model.vocab // (gy * gx)) + 9.0 * m
 
 
 def saved_activations(

@@ -4,7 +4,7 @@ time on the network, and how much of it the runtime's overlap schedule hides.
 Two modes.
 
 ``tetrad`` (:func:`estimate`, :func:`collectives`) predicts exactly the collectives tetrad's
-runtime issues (tetrad/parallel/{linear,embedding,norm,loss,grads,overlap}.py,
+runtime issues (tetrad/parallel/{linear,head,embedding,norm,loss,grads,overlap}.py,
 tetrad/train/step.py). Per micro-batch, ``m = micro_batch * seq_len`` tokens per rank, compute
 dtype ``c`` bytes (2 for bf16 on GPU, 4 on CPU), gradients fp32. For a Linear ``[n, k]`` with input
 axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
@@ -14,10 +14,14 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
     backward  all-gather_Z   W again                    n k / (G_x G_y) * c
               all-reduce_O   dx                         m k / G_I * c
               reduce-scatter_Z dW (fp32)                input   n k / (G_x G_y) * 4
+    LM head   vocabulary over Y and X: W's Z all-gathers and reduce-scatter as a Linear
+              (V h / (G_x G_y)); forward all-gather_X of its input m h * c; backward
+              reduce-scatter_X m h * c, then all-reduce_Y m h / G_x * c (no logits move)
     embedding all-gather_Z   V h / (G_y G_x) * 4 (fp32, no cast); all-reduce_Y m h / G_x * 4;
               backward reduce-scatter_Z V h / (G_y G_x) * 4
     RMSNorm   all-reduce_X   m * 4 forward and backward (2 per block + the final one)
-    loss      3 all-reduce_Y m * 4 (max, sum of exp, target logit), forward only
+    loss      3 all-reduce_Y and 3 all-reduce_X of m * 4 (max, sum of exp, target logit),
+              forward only
     recompute (activation checkpointing) a block's forward collectives once more in backward
     step      all-reduce_data of the Z-sharded weight gradients (sum of local shards, fp32);
               norm-weight gradients all-reduce_Z then all-reduce_data; the loss scalar (4 B)
@@ -40,8 +44,8 @@ modelled). Steady state, every block alike:
   never prefetched.
 - ``reduce_scatter``: the dW reduce-scatter is asynchronous (as above); those still pending at the
   end of the micro-batch's backward are exposed.
-- ``dx_all_reduce``: the backward dx all-reduce runs during the dW GEMM: exposed
-  ``max(0, t - dW)``.
+- ``dx_all_reduce``: the backward dx all-reduce (and the LM head's Y all-reduce) runs during the
+  dW GEMM: exposed ``max(0, t - dW)``.
 - ``domino``: the forward all-reduce of a Linear's output is split in two halves (when ``m >= 2 *
   domino_min_rows``); the first half's all-reduce runs during the second half's GEMM: exposed
   ``t_2 + max(0, t_1 - GEMM/2)``.
@@ -49,7 +53,8 @@ modelled). Steady state, every block alike:
   buckets (``bucket_bytes``) as the reduce-scatters complete; a block's buckets run during the
   backward (and recompute) of the block below; the queue carries over; what is left when the
   backward ends is exposed.
-- always exposed: norm, embedding and loss all-reduces, the step-level collectives.
+- always exposed: norm, embedding and loss all-reduces, the LM head's X all-gather and
+  reduce-scatter, the step-level collectives.
 
 ``axonn`` (:func:`tetrad.plan.axonn.axonn_comm`) reproduces AxoNN's published model
 (Megatron-AxoNN ``examples/comm_model.py``, ``model_v2``; Singh et al., arXiv 2305.13525): per
@@ -60,9 +65,9 @@ no overlap, no embedding, head, norms or loss. Where it deviates from the true l
 Code: :func:`estimate` builds a :class:`~tetrad.plan.layers.Step` (grid, links, ``m``,
 micro-batches, compute times, overlap switches) and calls the functions of :data:`LAYER_KINDS`,
 one per layer kind, each recording into a :class:`~tetrad.plan.layers.Recorder`
-(:mod:`tetrad.plan.layers`; the Z ones in :mod:`tetrad.plan.zwindows`). Block Linears and the
-LM head share ``forward_all_reduce`` (the one place that picks the forward all-reduce's overlap
-model: plain or Domino) and ``backward_all_reduce``. The order of :data:`LAYER_KINDS` is the
+(:mod:`tetrad.plan.layers`; the Z ones in :mod:`tetrad.plan.zwindows`). Block Linears use
+``forward_all_reduce`` (the one place that picks the forward all-reduce's overlap model: plain
+or Domino) and ``backward_all_reduce``. The order of :data:`LAYER_KINDS` is the
 order of the per-axis sums.
 """
 
@@ -179,7 +184,6 @@ class Context:
         self.c = compute_bytes
         self.bucket_bytes, self.domino_min_rows = bucket_bytes, domino_min_rows
         self.linears = model.linears()
-        self.head = model.lm_head()
         self.head_nk = model.vocab * model.hidden
         self.gpt = model.family == "gpt"
         self._buckets: dict = {}
@@ -272,7 +276,6 @@ def _step(
     return Step(
         model=ctx.model,
         linears=ctx.linears,
-        head=ctx.head,
         sizes={"x": gx, "y": gy, "z": gz, "data": gd},
         links=ctx.machine.network.grid_links(grid),
         m=m,

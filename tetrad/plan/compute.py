@@ -51,8 +51,8 @@ runtime's unfused ops, in bytes per token and per local feature:
 - ``rope_per_qk`` (per ``(a + k) d / G_y`` feature): fp32 rotate-half of q and k;
 - ``act_per_f_*`` (per ``f/G_y`` feature): SwiGLU ``silu(w1 x) * w3 x`` reads two and writes two
   bf16 tensors; GeLU one and one;
-- ``loss_*_per_logit`` (per ``V/G_y`` logit): fp32 cast, max, subtract, exp, sum, divide, gather
-  (forward), scatter-add, scale, cast (backward);
+- ``loss_*_per_logit`` (per ``V/(G_y G_x)`` logit): fp32 cast, max, subtract, exp, sum, divide,
+  gather (forward), scatter-add, scale, cast (backward);
 - ``optimizer_per_param``: AdamW reads param, grad, m, v and writes param, m, v (28 B), plus the
   gradient clipping scale (8 B);
 - ``backward_factor``: backward of element-wise work moves about twice the forward's bytes.
@@ -187,7 +187,7 @@ def block_compute(
     post_b[i_act] += ew["backward_factor"] * act
     head = model.lm_head()
     hf = 2.0 * m * head.out_features * head.in_features / txy
-    vy = model.vocab / gy
+    vy = model.vocab / txy  # logits per rank: the LM head splits V over Y and X
     emb_rows = (model.vocab + model.max_positions) / gy
     return BlockCompute(
         gemm=tuple(gemm),

@@ -3,10 +3,10 @@ the module doc of :mod:`tetrad.plan.comm`).
 
 Each function takes a :class:`Recorder` and a :class:`Step` and records the collectives of one
 kind of layer: bytes per call, calls per step, seconds per call (alpha-beta,
-:meth:`tetrad.plan.network.Link.time`) and exposed seconds per step. The block Linears and the
-LM head share :func:`forward_all_reduce` (which picks the overlap model of the forward
-all-reduce: :func:`plain_all_reduce` or :func:`domino_all_reduce`) and
-:func:`backward_all_reduce`. The Z collectives are in :mod:`tetrad.plan.zwindows`.
+:meth:`tetrad.plan.network.Link.time`) and exposed seconds per step. The block Linears use
+:func:`forward_all_reduce` (which picks the overlap model of the forward all-reduce:
+:func:`plain_all_reduce` or :func:`domino_all_reduce`) and :func:`backward_all_reduce`; the LM
+head (:func:`lm_head`) all-reduces no logits. The Z collectives are in :mod:`tetrad.plan.zwindows`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tetrad.plan.compute import BlockCompute
 from tetrad.plan.models import Linear, ModelSpec
-from tetrad.plan.network import ALL_REDUCE, Link
+from tetrad.plan.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Link
 from tetrad.spec import COMM_AXES, FP32, Axis
 
 
@@ -65,7 +65,7 @@ class Step:
     """What one :func:`tetrad.plan.comm.estimate` call needs, computed once.
 
     Attributes:
-        model, linears, head: the model, its block Linears (execution order) and LM head.
+        model, linears: the model and its block Linears (execution order).
         sizes: ``x y z data`` -> group size; ``links``: the same and ``world`` -> :class:`Link`.
         m: tokens per micro-batch per rank (``micro_batch * seq_len``); ``acc``: micro-batches
             per step; ``c``: compute dtype bytes; ``checkpointing``: blocks recomputed.
@@ -78,7 +78,6 @@ class Step:
 
     model: ModelSpec
     linears: list[Linear]
-    head: Linear
     sizes: dict[str, int]
     links: dict[str, Link]
     m: int
@@ -144,7 +143,7 @@ def place(lin: Linear, calls: int, gemm: float, recomputed: bool) -> PlacedLinea
     )
 
 
-# ---- X/Y all-reduces of a Linear (block Linears and the LM head) ------------------------------
+# ---- X/Y collectives of the block Linears and the LM head --------------------------------------
 
 
 def forward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear) -> None:
@@ -201,22 +200,38 @@ def block_linears(rec: Recorder, st: Step) -> None:
 
 
 def lm_head(rec: Recorder, st: Step) -> None:
-    """X/Y all-reduces of the LM head (h -> V, in X out Y), ``acc`` calls, never recomputed."""
-    placed = place(st.head, st.acc, st.comp.head, False)
-    forward_all_reduce(rec, st, placed)
-    backward_all_reduce(rec, st, placed)
+    """The LM head (tetrad/parallel/head.py: vocabulary over Y and X, input gathered over X),
+    ``acc`` calls each, never recomputed; no collective grows with ``V``. Forward: all-gather
+    over X of its input, payload ``m h c`` (the output). Backward: reduce-scatter over X of the
+    input gradient, payload ``m h c`` (the input), then all-reduce over Y of ``m h / G_x * c``
+    (with ``dx_all_reduce`` during the dW GEMM: exposed ``max(0, t - GEMM)``)."""
+    m, h, c, acc = st.m, st.model.hidden, st.c, st.acc
+    gx, gy = st.sizes["x"], st.sizes["y"]
+    if gx > 1:
+        p = m * h * c
+        t = st.links["x"].time(ALL_GATHER, p)
+        rec.add("output", "forward", "x", ALL_GATHER, p, acc, t, acc * t)
+        t = st.links["x"].time(REDUCE_SCATTER, p)
+        rec.add("output", "backward", "x", REDUCE_SCATTER, p, acc, t, acc * t)
+    if gy > 1:
+        p = m * h / gx * c
+        t = st.links["y"].time(ALL_REDUCE, p)
+        e = _max0(t - st.comp.head) if st.dx_overlap else t
+        hid = "dW GEMM" if st.dx_overlap else ""
+        rec.add("output", "backward", "y", ALL_REDUCE, p, acc, t, acc * e, hid)
 
 
 # ---- always-exposed all-reduces: loss, embedding, norms ---------------------------------------
 
 
 def loss(rec: Recorder, st: Step) -> None:
-    """Vocabulary-parallel cross-entropy: 3 all-reduces of ``m * 4`` bytes over Y (max, sum of
-    exp, target logit) per micro-batch, forward only."""
-    if st.sizes["y"] > 1:
-        p = st.m * FP32
-        t = st.links["y"].time(ALL_REDUCE, p)
-        rec.add("loss", "forward", "y", ALL_REDUCE, p, 3 * st.acc, t, 3 * st.acc * t)
+    """Vocabulary-parallel cross-entropy over Y and X: 3 all-reduces of ``m * 4`` bytes (max,
+    sum of exp, target logit) over each of Y and X per micro-batch, forward only."""
+    for ax in (Axis.Y, Axis.X):
+        if st.sizes[ax] > 1:
+            p = st.m * FP32
+            t = st.links[ax].time(ALL_REDUCE, p)
+            rec.add("loss", "forward", ax, ALL_REDUCE, p, 3 * st.acc, t, 3 * st.acc * t)
 
 
 def embedding(rec: Recorder, st: Step) -> None:

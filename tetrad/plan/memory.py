@@ -230,10 +230,10 @@ def tetrad(
     the largest of these phases of a training step (``W`` = a Z-gathered weight block in compute
     dtype, ``dW`` = a weight gradient before its reduce-scatter):
 
-    - ``forward: LM head``: all saved activations + logits ``[m, V/G_y]`` (compute dtype) + the
-      head's ``W`` (twice with ``prefetch``: the runtime prefetches it again for backward);
+    - ``forward: LM head``: all saved activations + logits ``[m, V/(G_y G_x)]`` (compute dtype)
+      + the head's ``W`` (twice with ``prefetch``: the runtime prefetches it again for backward);
     - ``forward: loss``: all saved activations + logits + the loss's fp32 shifted logits and
-      softmax (``(e + 8) m V/G_y`` in all) + the head's prefetched ``W``;
+      softmax (``(e + 8) m V/(G_y G_x)`` in all) + the head's prefetched ``W``;
     - ``backward: LM head``: all saved + the logits gradient (a bf16 copy of the softmax when
       ``e = 2``) + the head's ``W`` and ``dW`` (+ the next block weight prefetched);
     - ``backward: blocks``: the blocks' saved tensors (+ one block's recompute set when
@@ -260,7 +260,7 @@ def tetrad(
     e = dtype_bytes(dtype)
     check_grid(model, grid)
     m = micro_batch * seq_len
-    vy = model.vocab // gy
+    vy = model.vocab // (gy * grid_sizes(grid)[3])  # logits per rank: V over Y and X
     static = {
         "parameters": tetrad_parameter_bytes(model, grid),
         "gradients": tetrad_gradient_bytes(model, grid),

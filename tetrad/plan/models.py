@@ -241,8 +241,8 @@ def grid_problems(model: ModelSpec, grid) -> list[str]:
     Derived from tetrad's layout (tetrad/parallel: the runtime's rule too, through
     :func:`tetrad.models.config.check_divisible`): a non-transposed weight
     ``[n, k]`` needs ``n % (G_y G_z) == 0`` and ``k % G_x == 0``, a transposed one the same with X
-    and Y swapped; heads and KV heads split over Y; the embedding and LM head ``V % (G_y G_z)``;
-    norms ``h % G_x``.
+    and Y swapped; heads and KV heads split over Y; the LM head (vocabulary over Y, X and Z) and
+    so the embedding ``V % (G_y G_x G_z)``; norms ``h % G_x``.
     """
     _, gz, gy, gx = grid_sizes(grid)
     bad: list[str] = []
@@ -254,7 +254,7 @@ def grid_problems(model: ModelSpec, grid) -> list[str]:
     need(model.n_heads % gy == 0, f"n_heads={model.n_heads} divisible by G_y={gy}")
     need(model.n_kv_heads % gy == 0, f"n_kv_heads={model.n_kv_heads} divisible by G_y={gy}")
     need(model.hidden % gx == 0, f"hidden={model.hidden} divisible by G_x={gx}")
-    for lin in [*model.linears(), model.lm_head()]:
+    for lin in model.linears():
         g_out, g_in, a_out, a_in = (
             (gx, gy, "G_x", "G_y") if lin.transposed else (gy, gx, "G_y", "G_x")
         )
@@ -266,7 +266,8 @@ def grid_problems(model: ModelSpec, grid) -> list[str]:
             lin.in_features % g_in == 0,
             f"{lin.name} in={lin.in_features} divisible by {a_in}={g_in}",
         )
-    need(model.vocab % (gy * gz) == 0, f"vocab={model.vocab} divisible by G_y*G_z={gy * gz}")
+    g_vocab = gy * gx * gz
+    need(model.vocab % g_vocab == 0, f"vocab={model.vocab} divisible by G_y*G_x*G_z={g_vocab}")
     return bad
 
 

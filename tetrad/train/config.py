@@ -77,7 +77,7 @@ class TrainConfig:
 
         The vocabulary follows the tokenizer (``tokenizer_vocab`` tokens) unless the user set a
         nonzero ``vocab_size`` explicitly; it is then padded up to a multiple of
-        ``lcm(128, G_y*G_z)`` so the embedding and LM head divide over the grid (as Megatron-LM
+        ``lcm(128, G_z*G_y*G_x)`` so the embedding and LM head divide over the grid (as Megatron-LM
         pads its vocabulary); padding ids never occur in the data.
         """
         cfg, explicit = parse_model(self.model.name)
@@ -85,7 +85,7 @@ class TrainConfig:
         user_vocab = "vocab_size" in explicit | self.model.sizes.keys() and cfg.vocab_size
         if tokenizer_vocab is not None and not user_vocab:
             grid = self.parallelism.grid
-            multiple = math.lcm(128, 1 if grid == "auto" else grid[1] * grid[2])
+            multiple = math.lcm(128, 1 if grid == "auto" else grid[1] * grid[2] * grid[3])
             cfg = dataclasses.replace(cfg, vocab_size=-(-tokenizer_vocab // multiple) * multiple)
         return cfg
 

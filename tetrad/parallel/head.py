@@ -1,0 +1,107 @@
+"""The LM head with its vocabulary split over both tensor axes: logits are never all-reduced.
+
+A plain 3D Linear ``h -> V`` (input over X, output over Y) would all-reduce its output, the
+logits ``[m, V/G_y]``, over X: with a real vocabulary (128K) that is ``V / h`` = 32 times a
+hidden-state all-reduce. Instead the head gathers its *input* over X (``[m, h]``, cheap) and
+splits the vocabulary over Y and X (and, for storage, Z); each rank's logits are its own
+vocabulary block, and the cross-entropy (:mod:`tetrad.parallel.loss`) reduces only per-token
+statistics over Y and X (Megatron-LM's parallel output layer, Shoeybi et al., arXiv 1909.08053,
+section 3, extended to two axes). Weight ``W [V, h]``: rows in ``G_y G_x`` blocks (Y outer),
+each block's rows again over Z; columns whole. Stored shard ``[V/(G_y G_x G_z), h]``.
+
+    forward:   W = all-gather_Z(W_shard)                  [V/(G_y G_x), h]
+               x = all-gather_X(x_local)                   [m, h/G_x] -> [m, h]
+               logits = x W^T                              [m, V/(G_y G_x)], block y G_x + x
+    backward:  dx = all-reduce_Y(reduce-scatter_X(dlogits W))       [m, h/G_x]
+               dW_shard = reduce-scatter_Z(dlogits^T x)
+
+Per micro-batch its X/Y collectives move ``m h`` elements (all-gather and reduce-scatter over
+X, payload ``m h``) and ``m h / G_x`` (all-reduce over Y), whatever ``V``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tetrad.comm import all_gather, reduce_scatter
+from tetrad.grid import Grid
+from tetrad.parallel.linear import compute_dtype
+from tetrad.parallel.overlap import Overlap
+from tetrad.parallel.placement import sharded_parameter
+from tetrad.spec import Axis
+
+
+def gather_hidden(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """``[..., h/G_x]`` -> ``[..., h]``: the all-gather over X of the hidden dimension."""
+    g, lead, hx = grid.x, x.shape[:-1], x.shape[-1]
+    rows = all_gather(x.reshape(-1, hx), grid, Axis.X)  # [G_x m, h/G_x], X rank major
+    return rows.view(g, -1, hx).permute(1, 0, 2).reshape(*lead, g * hx)
+
+
+def scatter_hidden(dx: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """``[..., h]`` -> ``[..., h/G_x]``: sum over X and keep this X rank's hidden slice (a
+    reduce-scatter over X)."""
+    g, lead, h = grid.x, dx.shape[:-1], dx.shape[-1]
+    rows = dx.reshape(-1, g, h // g).transpose(0, 1).reshape(-1, h // g)
+    return reduce_scatter(rows, grid, Axis.X).view(*lead, h // g)
+
+
+class _VocabParallelHead(torch.autograd.Function):
+    """``logits = all-gather_X(x) @ all-gather_Z(W_shard)^T``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, w_shard, ov: Overlap):
+        dtype = compute_dtype(x)
+        w = ov.gather_weight(w_shard, dtype)
+        x_full = gather_hidden(x.to(dtype), ov.grid)
+        ctx.save_for_backward(x_full)
+        ctx.weight, ctx.ov, ctx.dtype = w_shard, ov, dtype  # the Parameter itself (see linear.py)
+        return x_full @ w.t()
+
+    @staticmethod
+    def backward(ctx, dlogits):
+        (x_full,) = ctx.saved_tensors
+        w_shard, ov, dtype = ctx.weight, ctx.ov, ctx.dtype
+        dlogits = dlogits.to(dtype)
+        w = ov.gather_weight(w_shard, dtype)
+        dx = ov.backward_all_reduce(scatter_hidden(dlogits @ w, ov.grid), Axis.Y)  # during dW
+        dw = dlogits.reshape(-1, dlogits.shape[-1]).t() @ x_full.reshape(-1, x_full.shape[-1])
+        ov.reduce_weight_grad(w_shard, dw.to(w_shard.dtype))
+        return dx.wait(), None, None
+
+
+class VocabParallelHead(nn.Module):
+    """Hidden states ``[..., dim/G_x]`` (replicated over Y) -> logits ``[..., V/(G_y G_x)]``,
+    this rank's vocabulary block ``y G_x + x``. Weight stored as ``[V/(G_y G_x G_z), dim]``.
+
+    Raises:
+        ValueError: ``V`` not divisible by ``G_y G_x G_z`` or ``dim`` by ``G_x``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        vocab: int,
+        grid: Grid,
+        init_std: float = 0.02,
+        overlap: Overlap | None = None,
+    ):
+        super().__init__()
+        if vocab % (grid.y * grid.x * grid.z) or dim % grid.x:
+            raise ValueError(
+                f"LM head {dim}->{vocab} needs vocab % (G_y*G_x*G_z) == 0 and dim % G_x == 0 "
+                f"on grid {grid}"
+            )
+        self.overlap = overlap if overlap is not None else Overlap(grid, enabled=())
+        self.grid, self.dim, self.vocab = grid, dim, vocab
+        self.weight = sharded_parameter(
+            (vocab, dim), ((Axis.Y, Axis.X, Axis.Z), ()), grid, ("normal", init_std)
+        )
+
+    @torch.compiler.disable  # collectives and the overlap state stay outside compiled graphs
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _VocabParallelHead.apply(x, self.weight, self.overlap)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}->{self.vocab}, vocabulary over Y and X, input gathered over X"
