@@ -6,7 +6,7 @@ and reads each run's ``metrics.jsonl``: the median tokens/s and MFU over the ste
 first logging interval (which holds torch.compile's compilation). Prints one table with ratios
 to the first variant.
 
-    python benchmarks/fast_path.py [--steps 16] [--repeats 2] [--baseline DIR]
+    python benchmarks/fast_path.py [--steps 16] [--repeats 2] [--baseline DIR] [--no-compile]
 
 ``--baseline DIR`` adds an eager run of another checkout of tetrad (for example
 ``git worktree add /tmp/base <commit>``), run with ``PYTHONPATH=DIR``. CPU figures on a small
@@ -54,8 +54,11 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--baseline", type=Path, help="another tetrad checkout to run eager")
+    p.add_argument("--no-compile", action="store_true", help="leave out the --compile variant")
     args = p.parse_args()
-    variants = {"eager": (REPO, []), "compile": (REPO, ["--compile"])}
+    variants = {"eager": (REPO, [])}
+    if not args.no_compile:
+        variants["compile"] = (REPO, ["--compile"])
     if args.baseline:
         variants = {"baseline eager": (args.baseline, [])} | variants
     got: dict[str, list[dict]] = {name: [] for name in variants}
