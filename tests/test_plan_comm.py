@@ -68,20 +68,15 @@ def test_linear_bytes_all_axes_by_hand():
     model = get_model(SMALL)
     cols = by_key(collectives(model, PERL, (2, 2, 2, 2), 2, 16, 8, overlaps="none"))
     expect = {
-        # wq [256, 256], in X out Y
-        ("wq", "forward", "z", "all_gather"): 256 * 256 // 4 * 2,  # 32768
-        ("wq", "forward", "x", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
-        ("wq", "backward", "z", "all_gather"): 32768,
-        ("wq", "backward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
-        ("wq", "backward", "z", "reduce_scatter"): 256 * 256 // 4 * 4,  # 65536
-        # wk [128, 256]
-        ("wk", "forward", "z", "all_gather"): 128 * 256 // 4 * 2,  # 16384
-        ("wk", "forward", "x", "all_reduce"): 32 * 128 // 2 * 2,  # 4096
-        ("wk", "backward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
-        ("wk", "backward", "z", "reduce_scatter"): 128 * 256 // 4 * 4,  # 32768
-        # w1 [512, 256]
-        ("w1", "forward", "x", "all_reduce"): 32 * 512 // 2 * 2,  # 16384
-        ("w1", "backward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
+        # wqkv [256 + 2 * 128, 256] (q, k and v fused), in X out Y: one dx all-reduce, not three
+        ("wqkv", "forward", "z", "all_gather"): 512 * 256 // 4 * 2,  # 65536
+        ("wqkv", "forward", "x", "all_reduce"): 32 * 512 // 2 * 2,  # 16384
+        ("wqkv", "backward", "z", "all_gather"): 65536,
+        ("wqkv", "backward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
+        ("wqkv", "backward", "z", "reduce_scatter"): 512 * 256 // 4 * 4,  # 131072
+        # w13 [2 * 512, 256] (gate and up fused)
+        ("w13", "forward", "x", "all_reduce"): 32 * 1024 // 2 * 2,  # 32768
+        ("w13", "backward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
         # w2 [256, 512] transposed: in Y, out X
         ("w2", "forward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
         ("w2", "backward", "x", "all_reduce"): 32 * 512 // 2 * 2,  # 16384
@@ -114,7 +109,8 @@ def test_linear_bytes_all_axes_by_hand():
     for key, payload in expect.items():
         assert cols[key].payload_bytes == payload, key
     calls = {
-        ("wq", "forward", "x", "all_reduce"): 2,
+        ("wqkv", "forward", "x", "all_reduce"): 2,
+        ("wqkv", "backward", "y", "all_reduce"): 2,
         ("output", "forward", "x", "all_gather"): 1,
         ("norm", "forward", "x", "all_reduce"): 5,
         ("loss", "forward", "y", "all_reduce"): 3,
@@ -124,8 +120,8 @@ def test_linear_bytes_all_axes_by_hand():
     for key, n in calls.items():
         assert cols[key].calls == n, key
     # the ring bytes: all-reduce 2(G-1)/G, gather/scatter (G-1)/G; the world has 16 ranks
-    assert cols[("wq", "forward", "x", "all_reduce")].ring_bytes == 8192
-    assert cols[("wq", "forward", "z", "all_gather")].ring_bytes == 16384
+    assert cols[("wqkv", "forward", "x", "all_reduce")].ring_bytes == 16384
+    assert cols[("wqkv", "forward", "z", "all_gather")].ring_bytes == 32768
     assert cols[("grad_norm", "step", "world", "all_reduce")].ring_bytes == 2 * 15 / 16 * 8
     # nothing else is issued: embedding has no backward gather, the loss no backward collective
     assert ("embedding", "backward", "z", "all_gather") not in cols
@@ -137,12 +133,12 @@ def test_size_one_axes_and_other_grid():
     model = get_model(SMALL)
     cols = by_key(collectives(model, PERL, (1, 4, 1, 2), 1, 16, 8, overlaps="none"))
     assert {k[2] for k in cols} == {"x", "z", "world"}
-    assert cols[("w3", "forward", "z", "all_gather")].payload_bytes == 512 * 256 // 2 * 2
-    assert cols[("w3", "forward", "z", "all_gather")].ring_bytes == 3 / 4 * 512 * 256
-    assert cols[("w3", "forward", "x", "all_reduce")].payload_bytes == 16 * 512 * 2
+    assert cols[("w13", "forward", "z", "all_gather")].payload_bytes == 1024 * 256 // 2 * 2
+    assert cols[("w13", "forward", "z", "all_gather")].ring_bytes == 3 / 4 * 1024 * 256
+    assert cols[("w13", "forward", "x", "all_reduce")].payload_bytes == 16 * 1024 * 2
     assert cols[("wo", "backward", "x", "all_reduce")].payload_bytes == 16 * 256 * 2
     # acc = 8 / (1 * 4 * 1) = 2 micro-batches, 2 layers
-    assert cols[("w3", "backward", "z", "reduce_scatter")].calls == 4
+    assert cols[("w13", "backward", "z", "reduce_scatter")].calls == 4
     assert cols[("norm_gradients", "step", "z", "all_reduce")].payload_bytes == 5 * 128 * 4
 
 
@@ -170,7 +166,7 @@ def test_checkpointing_repeats_block_forward_collectives():
             model, PERL, (2, 2, 2, 2), 2, 16, 8, overlaps="none", activation_checkpointing=True
         )
     )
-    for name in ("wq", "wk", "wv", "wo", "w1", "w3", "w2"):
+    for name in ("wqkv", "wo", "w13", "w2"):
         for axis, kind in (("z", "all_gather"),) + (
             (("y", "all_reduce"),) if name in ("wo", "w2") else (("x", "all_reduce"),)
         ):
@@ -187,9 +183,9 @@ def test_domino_halves_and_buckets():
     model = get_model(SMALL)
     # m = 32 x 16 = 512 rows >= 2 * 256: split; halves of 256 rows
     cols = by_key(collectives(model, PERL, (2, 1, 2, 2), 32, 16, 64, overlaps="all"))
-    half = cols[("wq (half 1)", "forward", "x", "all_reduce")]
-    assert half.payload_bytes == 256 * 128 * 2 and half.hidden_behind
-    assert ("wq", "forward", "x", "all_reduce") not in cols
+    half = cols[("wqkv (half 1)", "forward", "x", "all_reduce")]
+    assert half.payload_bytes == 256 * 256 * 2 and half.hidden_behind
+    assert ("wqkv", "forward", "x", "all_reduce") not in cols
     # all local shards, (2 * 147456 + 2 * 65536) * 4 = 1,703,936 B, fit one 4 MiB bucket
     grads = cols[("gradients", "backward", "data", "all_reduce")]
     assert grads.calls == 1 and grads.payload_bytes == (2 * 147456 + 2 * 65536) * 4
@@ -197,7 +193,7 @@ def test_domino_halves_and_buckets():
     cols = by_key(
         collectives(model, PERL, (2, 1, 2, 2), 32, 16, 64, overlaps="all", bucket_bytes=1)
     )
-    assert cols[("gradients", "backward", "data", "all_reduce")].calls == 2 * 7 + 2
+    assert cols[("gradients", "backward", "data", "all_reduce")].calls == 2 * 4 + 2
 
 
 def test_axis_totals_sum_calls_and_bytes():

@@ -209,11 +209,11 @@ def test_tetrad_block_activations_by_hand():
     hx, qy, kvy, fy, ay, hd = 2048, 2048, 512, 7168, 16, 128
     rope = 4 * S * (hd // 2) * 4
     # bf16: residual fp32 [x, h], normalised fp32 (x2), rsqrt (x2), bf16 copies of the norm
-    # outputs for wq/wk/wv and w1/w3; q, k, v, SDPA out in bf16, fp32 log-sum-exp; 4 SwiGLU.
+    # outputs for the fused wqkv and w13; q, k, v, SDPA out in bf16, fp32 log-sum-exp; 4 SwiGLU.
     bf16 = (
         4 * 4 * m * hx
         + 2 * 4 * m
-        + 5 * 2 * m * hx
+        + 2 * 2 * m * hx
         + 2 * m * (2 * qy + 2 * kvy)
         + 4 * m * ay
         + rope
@@ -267,27 +267,28 @@ def test_tetrad_checkpointing_and_totals():
 
 
 def test_tetrad_transients():
-    S, w1 = 4096, L31_8B.linears()[4]
+    S, w13 = 4096, L31_8B.linears()[2]  # the fused gate/up [2f, h], the largest block weight
+    f2 = 2 * 14336
     # fp32 with G_z = 1: the shard is used as is, nothing gathered
-    assert gathered_weight_bytes(w1, (1, 1, 2, 2), "fp32") == 0
-    # otherwise the block [f/G_y, h/G_x] in compute dtype
-    assert gathered_weight_bytes(w1, (1, 1, 2, 2), "bf16") == 2 * 14336 * 4096 // 4
-    assert gathered_weight_bytes(w1, (1, 4, 2, 2), "fp32") == 4 * 14336 * 4096 // 4
+    assert gathered_weight_bytes(w13, (1, 1, 2, 2), "fp32") == 0
+    # otherwise the block [2f/G_y, h/G_x] in compute dtype
+    assert gathered_weight_bytes(w13, (1, 1, 2, 2), "bf16") == 2 * f2 * 4096 // 4
+    assert gathered_weight_bytes(w13, (1, 4, 2, 2), "fp32") == 4 * f2 * 4096 // 4
     # dW in compute dtype (+ its fp32 copy, the reduce-scatter input, under bf16)
-    assert weight_gradient_bytes(w1, (1, 4, 2, 2), "bf16") == 6 * 14336 * 4096 // 4
-    assert weight_gradient_bytes(w1, (1, 4, 2, 2), "fp32") == 4 * 14336 * 4096 // 4
+    assert weight_gradient_bytes(w13, (1, 4, 2, 2), "bf16") == 6 * f2 * 4096 // 4
+    assert weight_gradient_bytes(w13, (1, 4, 2, 2), "fp32") == 4 * f2 * 4096 // 4
     r = tetrad(L31_8B, (1, 4, 2, 2), 1, S, 141e9, activation_checkpointing=True)
     blocks = r.phases["backward: blocks"]
     static = r.components["parameters"] * 4
     saved = saved_activations(L31_8B, (1, 4, 2, 2), 1, S, activation_checkpointing=True)
-    # prefetch: two gathered blocks; async reduce-scatter: two dW in flight
+    # prefetch: the two largest gathered blocks (w13, w2); async reduce-scatter: two dW of w13
     assert blocks == pytest.approx(
         static
         + saved["blocks"]
         + saved["embedding"]
         + saved["recompute"]
-        + 2 * 2 * 14336 * 4096 // 4
-        + 2 * 6 * 14336 * 4096 // 4,
+        + 2 * (f2 + 14336) * 4096 // 4
+        + 2 * 6 * f2 * 4096 // 4,
         rel=1e-12,
     )
     no_pf = tetrad(
@@ -300,7 +301,7 @@ def test_tetrad_transients():
         prefetch=False,
         async_reduce_scatter=False,
     )
-    assert blocks - no_pf.phases["backward: blocks"] == 14336 * 4096 // 4 * (2 + 6)
+    assert blocks - no_pf.phases["backward: blocks"] == (2 * 14336 + 6 * f2) * 4096 // 4
     # loss forward: logits (bf16) + fp32 shifted logits + fp32 softmax, prefetched head weight
     fwd = r.phases["forward: loss"] - static - saved["blocks"] - saved["embedding"]
     fwd -= saved["final_norm"] + saved["loss"]

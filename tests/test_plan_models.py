@@ -75,12 +75,9 @@ def test_linears_llama():
     m = PRESETS["llama-3-8b"]
     got = [(lin.name, lin.in_features, lin.out_features, lin.transposed) for lin in m.linears()]
     assert got == [
-        ("wq", 4096, 4096, False),
-        ("wk", 4096, 1024, False),
-        ("wv", 4096, 1024, False),
+        ("wqkv", 4096, 4096 + 2 * 1024, False),
         ("wo", 4096, 4096, True),
-        ("w1", 4096, 14336, False),
-        ("w3", 4096, 14336, False),
+        ("w13", 4096, 2 * 14336, False),
         ("w2", 14336, 4096, True),
     ]
     assert all(lin.count == 1 and not lin.bias for lin in m.linears())

@@ -61,26 +61,33 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention over this rank's ``heads / head_split`` query heads
-    and the ``kv_heads / head_split`` key/value heads they read."""
+    and the ``kv_heads / head_split`` key/value heads they read.
+
+    One projection ``wqkv`` gives q, k and v. Its output features are grouped by KV head: for
+    KV head ``j``, its ``g = heads / kv_heads`` query heads ``j g ... j g + g - 1``, then
+    ``k_j``, then ``v_j``, ``head_dim`` features each (``[kv_heads, g + 2, head_dim]``). Any
+    split of the features into equal contiguous blocks over whole groups (the parallel layers'
+    Y split) gives each rank its query heads with the KV heads they read.
+    """
 
     def __init__(self, cfg: ModelConfig, layers: Layers):
         super().__init__()
         d, hd = cfg.dim, cfg.head_dim
-        self.n_heads = cfg.n_heads // layers.head_split
+        self.group = cfg.n_heads // cfg.n_kv_heads
         self.n_kv_heads = cfg.n_kv_heads // layers.head_split
+        self.n_heads = self.n_kv_heads * self.group
         self.head_dim, self.theta = hd, cfg.rope_theta
-        self.wq = layers.linear(d, cfg.n_heads * hd)
-        self.wk = layers.linear(d, cfg.n_kv_heads * hd)
-        self.wv = layers.linear(d, cfg.n_kv_heads * hd)
+        self.wqkv = layers.linear(d, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
         self.wo = layers.linear(
             cfg.n_heads * hd, d, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        qkv = self.wqkv(x).view(b, s, self.n_kv_heads, self.group + 2, self.head_dim)
+        q = qkv[..., : self.group, :].reshape(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = qkv[..., self.group, :].transpose(1, 2)
+        v = qkv[..., self.group + 1, :].contiguous().transpose(1, 2)  # SDPA keeps v, not qkv
         q, k = rope(q, self.theta), rope(k, self.theta)
         o = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
@@ -89,18 +96,23 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (Shazeer, arXiv 2002.05202, eq. 6): ``w2(silu(w1 x) * w3 x)``."""
+    """SwiGLU (Shazeer, arXiv 2002.05202, eq. 6): ``w2(silu(x W1^T) * x W3^T)``.
+
+    The gate ``W1`` and up ``W3`` projections are one Linear ``w13`` whose output features
+    interleave them (``gate_0, up_0, gate_1, up_1, ...``), so any split into equal contiguous
+    blocks gives each rank matching gate and up features.
+    """
 
     def __init__(self, cfg: ModelConfig, layers: Layers):
         super().__init__()
-        self.w1 = layers.linear(cfg.dim, cfg.ffn_dim)
-        self.w3 = layers.linear(cfg.dim, cfg.ffn_dim)
+        self.w13 = layers.linear(cfg.dim, 2 * cfg.ffn_dim)
         self.w2 = layers.linear(
             cfg.ffn_dim, cfg.dim, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate_up = self.w13(x).unflatten(-1, (-1, 2))
+        return self.w2(F.silu(gate_up[..., 0]) * gate_up[..., 1])
 
 
 class Block(nn.Module):

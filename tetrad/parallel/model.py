@@ -4,9 +4,11 @@ the 3D tensor-parallel layers, and the model it gives.
 Layouts on the grid (AxoNN's algorithm, Singh et al., arXiv 2305.13525):
 
     residual stream       [B/(G_data G_z), S, h/G_x]         replicated over Y
-    q / k / v, attention  [B/(G_data G_z), S, heads/G_y, d]  (wq, wk, wv: in X, out Y)
+    q / k / v, attention  [B/(G_data G_z), S, heads/G_y, d]  (wqkv: in X, out Y; each Y rank
+                                                               holds whole KV groups)
     attention out-proj    transposed (in Y, out X) -> back to the residual layout
-    SwiGLU                w1, w3: in X, out Y; w2 transposed (in Y, out X)
+    SwiGLU                w13 (gate and up interleaved): in X, out Y; w2 transposed (in Y,
+                          out X)
     logits                [B/(G_data G_z), S, V/(G_y G_x)]     (LM head: input gathered over X,
                                                                vocabulary over Y and X)
 """

@@ -26,7 +26,7 @@ def _norm_saved_bytes(model: ModelSpec, m: int, hx: int, e: int, consumers: int)
     RMSNorm saves its input ``[m, h/G_x]`` fp32 (``pow``), ``rsqrt`` ``[m, 1]`` fp32 and the
     normalised ``[m, h/G_x]`` fp32 (for the weight's gradient). Its output is saved by the
     following Linears as ``x.to(compute dtype)``: one shared fp32 tensor when ``e = 4``, one bf16
-    copy per consumer otherwise (3 for wq/wk/wv, 2 for w1/w3). GPT LayerNorm (not in the
+    copy per consumer otherwise (one: the fused wqkv, the fused w13). GPT LayerNorm (not in the
     runtime): the same with two fp32 statistics ``[m]`` (mean, rstd).
     """
     stats = 2 if model.family == "gpt" else 1
@@ -57,8 +57,9 @@ def _attention_saved_bytes(model: ModelSpec, m: int, seq_len: int, gy: int, e: i
 def _mlp_saved_bytes(model: ModelSpec, m: int, gy: int, e: int) -> float:
     """MLP of one block per rank, inner width ``f/G_y``.
 
-    llama SwiGLU ``w2(silu(w1 x) * w3 x)``: ``w1 x`` (silu's input), ``silu(w1 x)`` and ``w3 x``
-    (the product's inputs), the product (w2's input): ``4 [m, f/G_y]`` in compute dtype.
+    llama SwiGLU ``w2(silu(gate) * up)``: the fused ``w13`` output ``[m, 2f/G_y]`` (silu's input
+    and the product's other input are views of it), ``silu(gate)``, the product (w2's input):
+    ``4 [m, f/G_y]`` in compute dtype.
     gpt GeLU: fc1's output (GeLU's input) and GeLU's output (fc2's input): ``2 [m, f/G_y]``.
     """
     n = 2 if model.family == "gpt" else 4
@@ -73,12 +74,10 @@ def block_saved_bytes(
     ``h``, both ``[m, h/G_x]`` fp32, counted as the two norms' inputs)."""
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.hidden // gx
-    attn_consumers = 1 if model.family == "gpt" else 3
-    mlp_consumers = 1 if model.family == "gpt" else 2
-    return (
-        _norm_saved_bytes(model, m, hx, e, attn_consumers)
+    return (  # each norm feeds one (fused) Linear
+        _norm_saved_bytes(model, m, hx, e, 1)
         + _attention_saved_bytes(model, m, seq_len, gy, e)
-        + _norm_saved_bytes(model, m, hx, e, mlp_consumers)
+        + _norm_saved_bytes(model, m, hx, e, 1)
         + _mlp_saved_bytes(model, m, gy, e)
     )
 

@@ -91,10 +91,10 @@ class Collective:
     """One kind of collective of an optimizer step on one rank.
 
     Attributes:
-        layer: ``wq`` ... (block Linears, all blocks together), ``output`` (LM head),
+        layer: ``wqkv`` ... (block Linears, all blocks together), ``output`` (LM head),
             ``embedding``, ``positions`` (GPT), ``norm``, ``loss``, ``gradients``,
             ``norm_gradients``, ``loss_scalar``, ``grad_norm``; a Domino half is
-            ``wq (half 1)``.
+            ``wqkv (half 1)``.
         phase: ``forward``, ``recompute``, ``backward`` or ``step``.
         axis: ``x``, ``y``, ``z``, ``data`` or ``world``.
         kind: ``all_reduce``, ``all_gather`` or ``reduce_scatter``.

@@ -49,7 +49,7 @@ runtime's unfused ops, in bytes per token and per local feature:
   write fp32 normalised, cast to bf16: ~10 B) and two residual adds (fp32 + bf16 -> fp32:
   ~10 B);
 - ``rope_per_qk`` (per ``(a + k) d / G_y`` feature): fp32 rotate-half of q and k;
-- ``act_per_f_*`` (per ``f/G_y`` feature): SwiGLU ``silu(w1 x) * w3 x`` reads two and writes two
+- ``act_per_f_*`` (per ``f/G_y`` feature): SwiGLU ``silu(gate) * up`` reads two and writes two
   bf16 tensors; GeLU one and one;
 - ``loss_*_per_logit`` (per ``V/(G_y G_x)`` logit): fp32 cast, max, subtract, exp, sum, divide,
   gather (forward), scatter-add, scale, cast (backward);

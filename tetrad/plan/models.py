@@ -6,8 +6,9 @@ Plain Python (no torch), so the planner answers instantly anywhere.
 Two families:
 
 - ``llama``: pre-norm decoder with RMSNorm (one weight vector per norm), RoPE (no position
-  table), SwiGLU MLP (``w2(silu(w1 x) * w3 x)``) and grouped-query attention; no biases;
-  untied LM head unless ``tied_embeddings``. This is what tetrad's runtime trains
+  table), SwiGLU MLP (``w2(silu(gate) * up)``, gate and up one Linear ``w13``) and
+  grouped-query attention (q, k and v one Linear ``wqkv``); no biases; untied LM head unless
+  ``tied_embeddings``. This is what tetrad's runtime trains
   (:mod:`tetrad.models.llama`).
 - ``gpt``: AxoNN's GPT (Megatron-LM GPT as used in Singh et al., arXiv 2305.13525 and
   2502.08145): LayerNorm with weight and bias, learned position embeddings (``max_positions``
@@ -41,7 +42,7 @@ class Linear:
     """One GEMM layer ``y = x W^T (+ b)`` with ``W [out_features, in_features]`` (``[n, k]``).
 
     Attributes:
-        name: the layer's name inside a block (``wq``, ``w2``, ``qkv``, ``output``...).
+        name: the layer's name inside a block (``wqkv``, ``w2``, ``qkv``, ``output``...).
         in_features: ``k``.
         out_features: ``n``.
         transposed: AxoNN orientation. Non-transposed layers take X-sharded inputs and give
@@ -141,9 +142,10 @@ class ModelSpec:
     def linears(self) -> list[Linear]:
         """The GEMM layers of ONE block, in execution order.
 
-        llama: ``wq`` (h->a d), ``wk``, ``wv`` (h->k d), ``wo`` (a d->h, transposed), ``w1``,
-        ``w3`` (h->f), ``w2`` (f->h, transposed). gpt: ``qkv`` (h->3h), ``proj`` (h->h,
-        transposed), ``fc1`` (h->4h), ``fc2`` (4h->h, transposed), all with biases.
+        llama: ``wqkv`` (h->(a + 2k) d, q, k and v fused), ``wo`` (a d->h, transposed), ``w13``
+        (h->2f, SwiGLU's gate and up fused), ``w2`` (f->h, transposed). gpt: ``qkv`` (h->3h),
+        ``proj`` (h->h, transposed), ``fc1`` (h->4h), ``fc2`` (4h->h, transposed), all with
+        biases.
         """
         h, f = self.hidden, self.ffn_hidden
         if self.family == "gpt":
@@ -154,12 +156,9 @@ class ModelSpec:
                 Linear("fc2", f, h, True, bias=True),
             ]
         return [
-            Linear("wq", h, self.q_dim, False),
-            Linear("wk", h, self.kv_dim, False),
-            Linear("wv", h, self.kv_dim, False),
+            Linear("wqkv", h, self.q_dim + 2 * self.kv_dim, False),
             Linear("wo", self.q_dim, h, True),
-            Linear("w1", h, f, False),
-            Linear("w3", h, f, False),
+            Linear("w13", h, 2 * f, False),
             Linear("w2", f, h, True),
         ]
 

@@ -24,7 +24,7 @@ from tetrad.plan.layers import FP32, Recorder, Step
 from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER
 
 Key = tuple[str, str]
-"""``(layer, phase)``: ``("wq", "forward")``, ``("output", "backward")`` ..."""
+"""``(layer, phase)``: ``("wqkv", "forward")``, ``("output", "backward")`` ..."""
 
 
 def _max0(v: float) -> float:
