@@ -6,8 +6,8 @@ arXiv 2204.02311, appendix B). The peak per rank is, in this order:
 1. ``--peak-flops`` when given;
 2. the ``peak_tflops`` of a machine file written by ``tetrad calibrate`` (``--machine FILE``);
 3. on CUDA, the GPU's datasheet dense bf16 figure (:data:`tetrad.device.GPU_PEAK_FLOPS`);
-4. on CPU, measured on the GEMM the model runs most, the SwiGLU up-projection of one
-   micro-batch ``[b S, h/G_x] x [h/G_x, ffn/G_y]`` in fp32: rank 0 times it with its threads
+4. on CPU, measured on the GEMM the model runs most, SwiGLU's fused gate/up projection of one
+   micro-batch ``[b S, h/G_x] x [h/G_x, 2 ffn/G_y]`` in fp32: rank 0 times it with its threads
    while the other ranks wait (the best of repeats, so a busy moment does not lower it), and
    the peak per rank is that rate times the rank's share of the host's cores when every rank
    computes, ``min(1, cores / (ranks x threads))``.
@@ -57,7 +57,7 @@ def mfu_peak(cfg: TrainConfig, model_cfg: ModelConfig, grid: Grid) -> Peak:
         return Peak(datasheet_flops(grid.device), f"{name} datasheet dense bf16")
     t = cfg.training
     rows = t.micro_batch * t.seq_len
-    k, n = model_cfg.dim // grid.x, model_cfg.ffn_dim // grid.y
+    k, n = model_cfg.dim // grid.x, 2 * model_cfg.ffn_dim // grid.y  # w13: gate and up
     ranks, threads = (
         int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size)),
         torch.get_num_threads(),
