@@ -271,6 +271,24 @@ def _param_grads(layer: nn.Module, ref: nn.Module, grid: Grid) -> dict[str, floa
     }
 
 
+def _compare_dense(
+    layer: nn.Module, ref: nn.Module, grid: Grid, x: torch.Tensor, n_out: int, precision: str
+) -> dict[str, float]:
+    """``layer`` (the 1,1,1,1 grid) against ``ref`` on input ``x [B, S, k]`` (requires grad)
+    and a random output weighting ``[B, S, n_out]``: output, input and parameter gradients."""
+    r = torch.randn(*x.shape[:-1], n_out, device=x.device)
+    y_ref = ref(x)
+    (y_ref * r).sum().backward()
+    _load(layer, ref, grid)
+    xl = x.detach().clone().requires_grad_()
+    with autocast_for(grid.device, precision):
+        y = layer(xl)
+    (y.float() * r).sum().backward()
+    sync_gradients(layer, grid)
+    errors = {"output": rel_norm(y, y_ref), "input grad": rel_norm(xl.grad, x.grad)}
+    return errors | _param_grads(layer, ref, grid)
+
+
 def check_linear(
     grid: Grid, ls: LayerSizes, precision: str, transpose: bool, bias: bool
 ) -> dict[str, float]:
@@ -281,18 +299,8 @@ def check_linear(
     if bias:
         nn.init.normal_(ref.bias)
     x = torch.randn(ls.batch, ls.seq, ls.hidden, device=dev, requires_grad=True)
-    r = torch.randn(ls.batch, ls.seq, ls.ffn, device=dev)
-    y_ref = ref(x)
-    (y_ref * r).sum().backward()
     layer = Linear(ls.hidden, ls.ffn, grid, transpose=transpose, bias=bias)
-    _load(layer, ref, grid)
-    xl = x.detach().clone().requires_grad_()
-    with autocast_for(dev, precision):
-        y = layer(xl)
-    (y.float() * r).sum().backward()
-    sync_gradients(layer, grid)
-    errors = {"output": rel_norm(y, y_ref), "input grad": rel_norm(xl.grad, x.grad)}
-    return errors | _param_grads(layer, ref, grid)
+    return _compare_dense(layer, ref, grid, x, ls.ffn, precision)
 
 
 def check_embedding(grid: Grid, ls: LayerSizes, precision: str) -> dict[str, float]:
@@ -320,18 +328,8 @@ def check_rmsnorm(grid: Grid, ls: LayerSizes, precision: str) -> dict[str, float
     ref = nn.RMSNorm(ls.hidden, eps=1e-5, device=dev)
     nn.init.normal_(ref.weight)
     x = torch.randn(ls.batch, ls.seq, ls.hidden, device=dev, requires_grad=True)
-    r = torch.randn(ls.batch, ls.seq, ls.hidden, device=dev)
-    y_ref = ref(x)
-    (y_ref * r).sum().backward()
     layer = RMSNorm(ls.hidden, grid, Axis.X, eps=1e-5)
-    _load(layer, ref, grid)
-    xl = x.detach().clone().requires_grad_()
-    with autocast_for(dev, precision):
-        y = layer(xl)
-    (y.float() * r).sum().backward()
-    sync_gradients(layer, grid)
-    errors = {"output": rel_norm(y, y_ref), "input grad": rel_norm(xl.grad, x.grad)}
-    return errors | _param_grads(layer, ref, grid)
+    return _compare_dense(layer, ref, grid, x, ls.hidden, precision)
 
 
 def check_cross_entropy(grid: Grid, ls: LayerSizes, precision: str) -> dict[str, float]:

@@ -26,7 +26,7 @@ from torch import nn
 
 from tetrad.comm import all_gather, reduce_scatter
 from tetrad.grid import Grid
-from tetrad.parallel.linear import compute_dtype
+from tetrad.parallel.linear import compute_dtype, reduce_weight_gradient
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec import Axis
@@ -66,8 +66,7 @@ class _VocabParallelHead(torch.autograd.Function):
         dlogits = dlogits.to(dtype)
         w = ov.gather_weight(w_shard, dtype)
         dx = ov.backward_all_reduce(scatter_hidden(dlogits @ w, ov.grid), Axis.Y)  # during dW
-        dw = dlogits.reshape(-1, dlogits.shape[-1]).t() @ x_full.reshape(-1, x_full.shape[-1])
-        ov.reduce_weight_grad(w_shard, dw.to(w_shard.dtype))
+        reduce_weight_gradient(ov, w_shard, dlogits, x_full)
         return dx.wait(), None, None
 
 

@@ -38,6 +38,15 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def reduce_weight_gradient(
+    ov: Overlap, w_shard: nn.Parameter, dy: torch.Tensor, x: torch.Tensor
+) -> None:
+    """The block gradient ``dy^T x`` (``dy [..., n]``, ``x [..., k]`` -> ``[n, k]``), handed to
+    the overlap as ``w_shard``'s (its Z reduce-scatter fills ``w_shard.grad``)."""
+    dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+    ov.reduce_weight_grad(w_shard, dw.to(w_shard.dtype))
+
+
 class _Linear3D(torch.autograd.Function):
     """``y = all-reduce_in(x @ all-gather_Z(W_shard)^T)``; see the module docstring."""
 
@@ -68,8 +77,7 @@ class _Linear3D(torch.autograd.Function):
         dy = dy.to(dtype)
         w = ov.gather_weight(w_shard, dtype)
         dx = ov.backward_all_reduce(dy @ w, ctx.out_axis)  # runs during the dW GEMM
-        dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        ov.reduce_weight_grad(w_shard, dw.to(w_shard.dtype))
+        reduce_weight_gradient(ov, w_shard, dy, x)
         return dx.wait(), None, None, None, None
 
 
