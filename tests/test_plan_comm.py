@@ -123,8 +123,10 @@ def test_linear_bytes_all_axes_by_hand():
     assert cols[("wqkv", "forward", "x", "all_reduce")].ring_bytes == 16384
     assert cols[("wqkv", "forward", "z", "all_gather")].ring_bytes == 32768
     assert cols[("grad_norm", "step", "world", "all_reduce")].ring_bytes == 2 * 15 / 16 * 8
-    # nothing else is issued: embedding has no backward gather, the loss no backward collective
+    # nothing else is issued: embedding and LM head have no backward gather, the loss no
+    # backward collective
     assert ("embedding", "backward", "z", "all_gather") not in cols
+    assert ("output", "backward", "z", "all_gather") not in cols  # W kept from forward
     assert not [k for k in cols if k[0] == "loss" and k[1] != "forward"]
 
 

@@ -244,8 +244,9 @@ def test_tetrad_checkpointing_and_totals():
     inp = 4 * S * 4096 // 4
     assert plain["blocks"] == 32 * blk and plain["recompute"] == 0
     assert ckpt["blocks"] == 32 * inp and ckpt["recompute"] == blk - inp
-    # the loss's fp32 softmax [m, V/(G_y G_x)] (the LM head splits V over Y and X)
-    assert ckpt["loss"] == plain["loss"] == 4 * S * 128256 // (2 * 4) + 9 * S
+    # the loss's fp32 exp(z - M) [m, V/(G_y G_x)] (the LM head splits V over Y and X), its row
+    # sums (fp32), targets (int64) and mask (bool)
+    assert ckpt["loss"] == plain["loss"] == 4 * S * 128256 // (2 * 4) + 13 * S
     for ac in (False, True):
         r = tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=ac)
         assert r.total == pytest.approx(max(r.phases.values()), rel=1e-12)
@@ -302,10 +303,11 @@ def test_tetrad_transients():
         async_reduce_scatter=False,
     )
     assert blocks - no_pf.phases["backward: blocks"] == (2 * 14336 + 6 * f2) * 4096 // 4
-    # loss forward: logits (bf16) + fp32 shifted logits + fp32 softmax, prefetched head weight
+    # loss forward: logits (bf16) + the saved fp32 exp(z - M), the head weight (kept for its
+    # backward) and the prefetched next block weight (counted as the largest, w13)
     fwd = r.phases["forward: loss"] - static - saved["blocks"] - saved["embedding"]
     fwd -= saved["final_norm"] + saved["loss"]
-    assert fwd == (2 + 4) * S * 128256 // (2 * 2) + 2 * 128256 * 4096 // 4
+    assert fwd == 2 * S * 128256 // (2 * 2) + 2 * (128256 + 2 * 14336) * 4096 // 4
 
 
 def test_tetrad_fits_a_big_model_only_when_sharded():

@@ -15,6 +15,10 @@ each block's rows again over Z; columns whole. Stored shard ``[V/(G_y G_x G_z), 
     backward:  dx = all-reduce_Y(reduce-scatter_X(dlogits W))       [m, h/G_x]
                dW_shard = reduce-scatter_Z(dlogits^T x)
 
+The head is the last layer of forward and the first of backward, with only the loss between,
+so its gathered ``W`` is kept from forward to backward rather than all-gathered again (as
+FSDP2 keeps its root module unsharded after forward): one Z all-gather per micro-batch, not two.
+
 Per micro-batch its X/Y collectives move ``m h`` elements (all-gather and reduce-scatter over
 X, payload ``m h``) and ``m h / G_x`` (all-reduce over Y), whatever ``V``.
 """
@@ -56,15 +60,15 @@ class _VocabParallelHead(torch.autograd.Function):
         w = ov.gather_weight(w_shard, dtype)
         x_full = gather_hidden(x.to(dtype), ov.grid)
         ctx.save_for_backward(x_full)
-        ctx.weight, ctx.ov, ctx.dtype = w_shard, ov, dtype  # the Parameter itself (see linear.py)
+        ctx.weight, ctx.ov = w_shard, ov  # the Parameter itself (see linear.py)
+        ctx.w = w  # kept for backward: no second all-gather (module docstring)
         return x_full @ w.t()
 
     @staticmethod
     def backward(ctx, dlogits):
         (x_full,) = ctx.saved_tensors
-        w_shard, ov, dtype = ctx.weight, ctx.ov, ctx.dtype
-        dlogits = dlogits.to(dtype)
-        w = ov.gather_weight(w_shard, dtype)
+        w_shard, ov, w = ctx.weight, ctx.ov, ctx.w
+        dlogits = dlogits.to(w.dtype)
         dx = ov.backward_all_reduce(scatter_hidden(dlogits @ w, ov.grid), Axis.Y)  # during dW
         reduce_weight_gradient(ov, w_shard, dlogits, x_full)
         return dx.wait(), None, None

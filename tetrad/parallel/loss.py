@@ -6,6 +6,8 @@ logits ``z [T, V/G]`` on each rank (``G`` the product of the axes' sizes) and ``
 all-reduced over the axes: three ``[T]`` fp32 all-reduces per axis, whatever ``V``. The gradient
 on each rank is its own slice of ``softmax(z) - onehot(target)`` and needs no communication
 (Shoeybi et al., Megatron-LM, arXiv 1909.08053, section 3: parallel output embedding + loss).
+Memory: one fp32 ``[T, V/G]`` buffer beyond the logits, ``exp(z - M)``, kept for backward (the
+division by the sum is folded into backward's scaling).
 """
 
 from __future__ import annotations
@@ -20,31 +22,32 @@ from tetrad.spec import Axis
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, grid: Grid, axes: tuple[Axis, ...]):
-        z = logits.float()
-        vocab_local, block = z.shape[-1], 0
+        vocab_local, block = logits.shape[-1], 0
         for a in axes:
             block = block * grid.size(a) + grid.coord[a]
-        m = _all_reduce_over(z.max(dim=-1).values, grid, axes, op="max")
-        z = z - m.unsqueeze(-1)
-        exp = z.exp()
-        sum_exp = _all_reduce_over(exp.sum(dim=-1), grid, axes)
+        m = _all_reduce_over(logits.max(dim=-1).values.float(), grid, axes, op="max")
         local = targets - block * vocab_local
         outside = (local < 0) | (local >= vocab_local)
         local = local.masked_fill(outside, 0)
-        z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        z_target = _all_reduce_over(z_target, grid, axes)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, outside)
+        z_target = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() - m
+        z_target = _all_reduce_over(z_target.masked_fill(outside, 0.0), grid, axes)
+        # one fp32 [..., V/G] buffer, exp(z - M) in place; saved, and turned into the gradient
+        # in place by backward
+        exp = torch.empty_like(logits, dtype=torch.float32)
+        torch.sub(logits, m.unsqueeze(-1), out=exp).exp_()
+        sum_exp = _all_reduce_over(exp.sum(dim=-1), grid, axes)
+        ctx.save_for_backward(exp, sum_exp, local, outside)
         ctx.dtype = logits.dtype
         return sum_exp.log() - z_target
 
     @staticmethod
     def backward(ctx, dloss):
-        softmax, local, outside = ctx.saved_tensors
-        grad = softmax
-        hit = (~outside).to(grad.dtype)
+        # d loss_t / d z_v = softmax_v - [v = target]: one pass scales exp(z - M) by
+        # dloss / sum_exp (the softmax's division folded in), then the target entries
+        exp, sum_exp, local, outside = ctx.saved_tensors
+        grad = exp.mul_((dloss / sum_exp).unsqueeze(-1))
+        hit = dloss.masked_fill(outside, 0.0)
         grad.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))
-        grad.mul_(dloss.unsqueeze(-1))
         return grad.to(ctx.dtype), None, None, None
 
 

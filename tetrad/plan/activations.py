@@ -110,11 +110,12 @@ def final_norm_saved_bytes(
 
 
 def loss_saved_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int) -> float:
-    """Vocabulary-parallel cross-entropy (tetrad/parallel/loss.py) saves the fp32 softmax
-    ``[m, V/(G_y G_x)]`` and the local targets ``[m]`` int64 and mask ``[m]`` bool."""
+    """Vocabulary-parallel cross-entropy (tetrad/parallel/loss.py) saves ``exp(z - M)`` fp32
+    ``[m, V/(G_y G_x)]``, its row sums ``[m]`` fp32, the local targets ``[m]`` int64 and the
+    mask ``[m]`` bool."""
     _, _, gy, gx = grid_sizes(grid)
     m = micro_batch * seq_len
-    return FP32 * m * (model.vocab // (gy * gx)) + 9.0 * m
+    return FP32 * m * (model.vocab // (gy * gx)) + 13.0 * m
 
 
 def saved_activations(

@@ -14,8 +14,9 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
     backward  all-gather_Z   W again                    n k / (G_x G_y) * c
               all-reduce_O   dx                         m k / G_I * c
               reduce-scatter_Z dW (fp32)                input   n k / (G_x G_y) * 4
-    LM head   vocabulary over Y and X: W's Z all-gathers and reduce-scatter as a Linear
-              (V h / (G_x G_y)); forward all-gather_X of its input m h * c; backward
+    LM head   vocabulary over Y and X: W's Z all-gather (forward only: W is kept for
+              backward) and reduce-scatter as a Linear (V h / (G_x G_y)); forward all-gather_X
+              of its input m h * c; backward
               reduce-scatter_X m h * c, then all-reduce_Y m h / G_x * c (no logits move)
     embedding all-gather_Z   V h / (G_y G_x) * 4 (fp32, no cast); all-reduce_Y m h / G_x * 4;
               backward reduce-scatter_Z V h / (G_y G_x) * 4

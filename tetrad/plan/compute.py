@@ -37,7 +37,7 @@ ELEMENTWISE = {
     "rope_per_qk": 12.0,
     "act_per_f_llama": 8.0,
     "act_per_f_gpt": 4.0,
-    "loss_fwd_per_logit": 30.0,
+    "loss_fwd_per_logit": 20.0,
     "loss_bwd_per_logit": 14.0,
     "optimizer_per_param": 36.0,
     "backward_factor": 2.0,
@@ -51,8 +51,9 @@ runtime's unfused ops, in bytes per token and per local feature:
 - ``rope_per_qk`` (per ``(a + k) d / G_y`` feature): fp32 rotate-half of q and k;
 - ``act_per_f_*`` (per ``f/G_y`` feature): SwiGLU ``silu(gate) * up`` reads two and writes two
   bf16 tensors; GeLU one and one;
-- ``loss_*_per_logit`` (per ``V/(G_y G_x)`` logit): fp32 cast, max, subtract, exp, sum, divide,
-  gather (forward), scatter-add, scale, cast (backward);
+- ``loss_*_per_logit`` (per ``V/(G_y G_x)`` logit): max, subtract into one fp32 buffer, exp in
+  place, sum (forward: read 2 + 2 + 4 + 4, write 4 + 4, with bf16 logits); scale in place by
+  ``dloss / sum``, scatter-add, cast (backward);
 - ``optimizer_per_param``: AdamW reads param, grad, m, v and writes param, m, v (28 B), plus the
   gradient clipping scale (8 B);
 - ``backward_factor``: backward of element-wise work moves about twice the forward's bytes.

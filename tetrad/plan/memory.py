@@ -231,9 +231,10 @@ def tetrad(
     dtype, ``dW`` = a weight gradient before its reduce-scatter):
 
     - ``forward: LM head``: all saved activations + logits ``[m, V/(G_y G_x)]`` (compute dtype)
-      + the head's ``W`` (twice with ``prefetch``: the runtime prefetches it again for backward);
-    - ``forward: loss``: all saved activations + logits + the loss's fp32 shifted logits and
-      softmax (``(e + 8) m V/(G_y G_x)`` in all) + the head's prefetched ``W``;
+      + the head's ``W`` (kept until its backward) + with ``prefetch`` the next block weight;
+    - ``forward: loss``: all saved activations + logits + the loss's one fp32 buffer
+      ``exp(z - M)`` (``(e + 4) m V/(G_y G_x)`` in all) + the head's ``W`` (+ the prefetched
+      one);
     - ``backward: LM head``: all saved + the logits gradient (a bf16 copy of the softmax when
       ``e = 2``) + the head's ``W`` and ``dW`` (+ the next block weight prefetched);
     - ``backward: blocks``: the blocks' saved tensors (+ one block's recompute set when
@@ -296,12 +297,12 @@ def tetrad(
         "forward: LM head": {
             "activations": act_all,
             "logits_and_loss": logits,
-            "gathered_weights": w_head * (2 if prefetch else 1),
+            "gathered_weights": w_head + (w_big if prefetch else 0.0),
         },
         "forward: loss": {
             "activations": act_all,
-            "logits_and_loss": saved["loss"] + logits + FP32 * m * vy,
-            "gathered_weights": w_head if prefetch else 0.0,
+            "logits_and_loss": saved["loss"] + logits,
+            "gathered_weights": w_head + (w_big if prefetch else 0.0),
         },
         "backward: LM head": {
             "activations": act_all,

@@ -174,7 +174,7 @@ class ZWindows:
 
     def run(self) -> ZWindows:
         """Walk one micro-batch: embedding, blocks, LM head, tail; returns self."""
-        comp, t, n = self.comp, self.t, len(self.t.names)
+        comp, n = self.comp, len(self.t.names)
         # embedding window: block 1's first weight is prefetched behind the lookup and first norm
         emb_win = comp.embedding_fwd + comp.post_fwd[n - 1] * 0.5
         self.window(emb_win, (None, 0.0), self.ag["forward"][0], 1.0)
@@ -186,11 +186,10 @@ class ZWindows:
             if L > 2:
                 self._block(float(L - 2), False, False)
             carry = self._block(1.0, False, True)
-        # LM head: its backward gather behind head forward + loss; the next behind its backward
-        head_f = comp.head + comp.loss_fwd + comp.loss_bwd
-        self.window(head_f, (None, 0.0), (("output", "backward"), t.head_gather), 1.0)
-        head_b = 2.0 * comp.head + comp.final_norm_bwd
-        self.window(head_b, (None, 0.0), self._after_backward(), 1.0)
+        # LM head: its gathered weight is kept for backward, so the next all-gather (the top
+        # block's backward or recompute) runs behind head forward, loss and head backward
+        head = 3.0 * comp.head + comp.loss_fwd + comp.loss_bwd + comp.final_norm_bwd
+        self.window(head, (None, 0.0), self._after_backward(), 1.0)
         if self.rsa:
             self._tail(carry)
         return self
@@ -241,7 +240,7 @@ def z_collectives(rec: Recorder, st: Step) -> None:
         _z_weight(st, lin.name, lin.weight_elements * lin.count, L * acc * lin.count, phases)
         for lin in st.linears
     ]
-    head = _z_weight(st, "output", model.hidden * model.vocab, acc, ("forward", "backward"))
+    head = _z_weight(st, "output", model.hidden * model.vocab, acc, ("forward",))  # kept for bwd
     times = ZTimes(
         tuple(w.name for w in blocks),
         tuple(w.gather_s for w in blocks),
