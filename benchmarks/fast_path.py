@@ -1,5 +1,5 @@
-"""Tokens/s of the demo job, eager vs ``--compile`` (and optionally an earlier checkout), side
-by side.
+"""Tokens/s of the demo job, eager vs ``--compile`` (and optionally an earlier checkout, or
+other grids), side by side.
 
 Runs ``tetrad train`` on the demo's model and grid for each variant, interleaved and repeated,
 and reads each run's ``metrics.jsonl``: the median tokens/s and MFU over the steps after the
@@ -7,6 +7,10 @@ first logging interval (which holds torch.compile's compilation). Prints one tab
 to the first variant.
 
     python benchmarks/fast_path.py [--steps 16] [--repeats 2] [--baseline DIR] [--no-compile]
+        [--grid G_DATA,G_Z,G_Y,G_X ...]
+
+Several ``--grid`` values make each grid a variant (how the demo's grid was chosen:
+``--no-compile --grid 2,2,1,1 2,1,2,1 2,1,1,2 1,2,2,1 1,2,1,2 1,1,2,2``).
 
 ``--baseline DIR`` adds an eager run of another checkout of tetrad (for example
 ``git worktree add /tmp/base <commit>``), run with ``PYTHONPATH=DIR``. CPU figures on a small
@@ -27,11 +31,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(src: Path, extra: list[str], args: argparse.Namespace, run_dir: Path) -> dict:
+def run(src: Path, grid: str, extra: list[str], args: argparse.Namespace, run_dir: Path) -> dict:
     """One ``tetrad train`` run from the checkout ``src``: medians of ``tokens_per_s`` and
     ``mfu`` over the steps after the first ``--log-every`` interval."""
     cmd = [sys.executable, "-m", "tetrad.cli", "train", "--model", args.model]
-    cmd += ["--grid", args.grid, "--steps", str(args.steps), "--run-dir", str(run_dir)]
+    cmd += ["--grid", grid, "--steps", str(args.steps), "--run-dir", str(run_dir)]
     cmd += ["--log-every", str(args.log_every), "--val-every", "100000", *extra]
     # cwd=src: ``python -m`` puts the working directory first on sys.path, ahead of PYTHONPATH
     # and of an editable install, so each variant runs its own checkout's tetrad.
@@ -49,33 +53,37 @@ def run(src: Path, extra: list[str], args: argparse.Namespace, run_dir: Path) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small")
-    p.add_argument("--grid", default="2,1,1,2")
+    p.add_argument("--grid", nargs="+", default=["2,1,1,2"], help="one or more grids")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--log-every", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--baseline", type=Path, help="another tetrad checkout to run eager")
     p.add_argument("--no-compile", action="store_true", help="leave out the --compile variant")
     args = p.parse_args()
-    variants = {"eager": (REPO, [])}
-    if not args.no_compile:
-        variants["compile"] = (REPO, ["--compile"])
-    if args.baseline:
-        variants = {"baseline eager": (args.baseline, [])} | variants
+    variants: dict[str, tuple[Path, str, list[str]]] = {}
+    for grid in args.grid:
+        tag = f" {grid}" if len(args.grid) > 1 else ""
+        if args.baseline:
+            variants[f"baseline eager{tag}"] = (args.baseline, grid, [])
+        variants[f"eager{tag}"] = (REPO, grid, [])
+        if not args.no_compile:
+            variants[f"compile{tag}"] = (REPO, grid, ["--compile"])
     got: dict[str, list[dict]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            for name, (src, extra) in variants.items():
-                run_dir = Path(tmp) / f"{name.replace(' ', '_')}_{rep}"
-                got[name].append(run(src, extra, args, run_dir))
+            for i, (name, (src, grid, extra)) in enumerate(variants.items()):
+                run_dir = Path(tmp) / f"v{i}_{rep}"
+                got[name].append(run(src, grid, extra, args, run_dir))
                 print(f"  {name} #{rep}: {got[name][-1]}", file=sys.stderr, flush=True)
     first = statistics.median(r["tokens_per_s"] for r in next(iter(got.values())))
-    print(f"model {args.model}, grid {args.grid}, {args.steps} steps x {args.repeats} repeats")
-    print(f"{'variant':<16} {'tokens/s':>9} {'ratio':>6} {'MFU':>6} {'final loss':>10}")
+    grids = " ".join(args.grid)
+    print(f"model {args.model}, grid {grids}, {args.steps} steps x {args.repeats} repeats")
+    print(f"{'variant':<24} {'tokens/s':>9} {'ratio':>6} {'MFU':>6} {'final loss':>10}")
     for name, runs in got.items():
         tok = statistics.median(r["tokens_per_s"] for r in runs)
         mfu = statistics.median(r["mfu"] for r in runs)
         print(
-            f"{name:<16} {tok:>9,.0f} {tok / first:>6.3f} {100 * mfu:>5.1f}% "
+            f"{name:<24} {tok:>9,.0f} {tok / first:>6.3f} {100 * mfu:>5.1f}% "
             f"{runs[-1]['loss']:>10.4f}"
         )
 

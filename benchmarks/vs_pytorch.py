@@ -129,8 +129,10 @@ ROWS: dict[int, list[tuple[GridShape, Stock]]] = {
         ((1, 1, 2, 2), Stock("tp", 4)),
         ((1, 1, 1, 4), Stock("tp", 4)),
         ((1, 1, 4, 1), Stock("tp", 4)),
-        ((2, 1, 1, 2), Stock("fsdp2-tp", 2)),
+        ((1, 2, 2, 1), Stock("fsdp2-tp", 2)),
+        ((2, 1, 2, 1), Stock("fsdp2-tp", 2)),
         ((1, 2, 1, 2), Stock("fsdp2-tp", 2)),
+        ((2, 1, 1, 2), Stock("fsdp2-tp", 2)),
         ((1, 1, 2, 2), Stock("fsdp2-tp", 2)),
     ],
 }

@@ -43,17 +43,17 @@ def reference_run():
     model = Reference(CFG)
     init_parameters(model, SEED)
     opt = build_optimizer(model, LR, weight_decay=0.1)
-    losses = []
+    losses, norms = [], []
     for step, batch in enumerate(batches()):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
         loss = model.loss_sum(batch[:, :-1], batch[:, 1:]) / batch[:, 1:].numel()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+    return (losses, norms), {k: v.detach() for k, v in model.state_dict().items()}
 
 
 OVERLAP_OPTIONS = {"bucket_bytes": 1 << 14, "domino_min_rows": 8}
@@ -61,7 +61,7 @@ OVERLAP_OPTIONS = {"bucket_bytes": 1 << 14, "domino_min_rows": 8}
 
 def parallel_runs(
     world_size,
-    ref_losses,
+    ref_curves,
     ref_weights,
     activation_checkpointing,
     overlap_sets=(OVERLAPS,),
@@ -72,11 +72,11 @@ def parallel_runs(
         grid = Grid.build(sizes)
         for overlaps in overlap_sets:
             run_one(
-                grid, sizes, ref_losses, ref_weights, activation_checkpointing, overlaps, compiled
+                grid, sizes, ref_curves, ref_weights, activation_checkpointing, overlaps, compiled
             )
 
 
-def run_one(grid, sizes, ref_losses, ref_weights, activation_checkpointing, overlaps, compiled):
+def run_one(grid, sizes, ref_curves, ref_weights, activation_checkpointing, overlaps, compiled):
     model = ParallelLlama(CFG, grid, activation_checkpointing, overlaps, **OVERLAP_OPTIONS)
     init_parameters(model, SEED, grid)
     if compiled:
@@ -85,11 +85,14 @@ def run_one(grid, sizes, ref_losses, ref_weights, activation_checkpointing, over
     for step, batch in enumerate(batches()):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
-        loss = float(train_step(model, opt, grid, batch, MICRO, CLIP)[0])
-        rel = abs(loss - ref_losses[step]) / ref_losses[step]
+        loss, norm = map(float, train_step(model, opt, grid, batch, MICRO, CLIP))
+        ref_loss, ref_norm = ref_curves[0][step], ref_curves[1][step]  # (losses, norms)
+        rel = abs(loss - ref_loss) / ref_loss
         assert rel <= 1e-5, (
-            f"grid {sizes} overlaps {sorted(overlaps)} step {step}: "
-            f"loss {loss} vs {ref_losses[step]}"
+            f"grid {sizes} overlaps {sorted(overlaps)} step {step}: loss {loss} vs {ref_loss}"
+        )
+        assert abs(norm - ref_norm) <= 1e-4 * ref_norm, (
+            f"grid {sizes} step {step}: gradient norm {norm} vs {ref_norm}"
         )
     worst = 0.0
     for name, p in model.named_parameters():

@@ -196,6 +196,9 @@ def test_domino_halves_and_buckets():
         collectives(model, PERL, (2, 1, 2, 2), 32, 16, 64, overlaps="all", bucket_bytes=1)
     )
     assert cols[("gradients", "backward", "data", "all_reduce")].calls == 2 * 4 + 2
+    # data parallelism alone: every rank has the whole gradient, no gradient-norm all-reduce
+    cols = by_key(collectives(model, PERL, (8, 1, 1, 1), 1, 16, 8, overlaps="none"))
+    assert {k[2] for k in cols} == {"data"}
 
 
 def test_axis_totals_sum_calls_and_bytes():

@@ -48,18 +48,25 @@ def global_grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
 
     Each replicated copy is counted once: a rank adds a parameter's local sum of squares only if
     its coordinate is 0 on every axis that replicates the parameter; the sum (float64) is
-    all-reduced over the world. Call after :func:`sync_gradients`. The per-tensor norms are one
-    multi-tensor operation (``torch._foreach_norm``), as in ``torch.nn.utils.clip_grad_norm_``.
+    all-reduced over the world. With data parallelism alone (``G_z G_y G_x = 1``) every rank
+    holds the whole, identical gradient (after :func:`sync_gradients`), so each computes the norm
+    itself and nothing is all-reduced (as DDP with ``torch.nn.utils.clip_grad_norm_``). Call
+    after :func:`sync_gradients`. The per-tensor norms are one multi-tensor operation
+    (``torch._foreach_norm``), as in ``torch.nn.utils.clip_grad_norm_``.
     """
+    sharded = grid.z * grid.y * grid.x > 1
+    local = () if sharded else (Axis.DATA,)  # axes whose ranks each count their own copy
     grads = [
         p.grad.detach()
         for p in model.parameters()
-        if p.grad is not None and all(grid.coord[a] == 0 for a in p.placement.replicated_axes)
+        if p.grad is not None
+        and all(grid.coord[a] == 0 for a in p.placement.replicated_axes if a not in local)
     ]
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
     if grads:
         total += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
-    all_reduce(total, grid, Axis.WORLD)
+    if sharded:
+        all_reduce(total, grid, Axis.WORLD)
     return total.sqrt().float()
 
 

@@ -26,7 +26,8 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
     recompute (activation checkpointing) a block's forward collectives once more in backward
     step      all-reduce_data of the Z-sharded weight gradients (sum of local shards, fp32);
               norm-weight gradients all-reduce_Z then all-reduce_data; the loss scalar (4 B)
-              over Z and data; the gradient-norm scalar (8 B, float64) over the world.
+              over Z and data; the gradient-norm scalar (8 B, float64) over the world (none
+              with data parallelism alone).
 
 A size-1 axis issues nothing. Times come from the alpha-beta ring model of
 :mod:`tetrad.plan.network` with each axis's placement.

@@ -298,7 +298,7 @@ def data_gradients(rec: Recorder, st: Step) -> None:
 def step_scalars(rec: Recorder, st: Step) -> None:
     """Step-level, blocking: the Z-replicated vectors' gradients (``vector_el * 4`` bytes) over Z
     then data, the loss scalar (4 B) over Z and data, the gradient norm (8 B, float64) over the
-    world."""
+    world unless only the data axis is above 1 (every rank then has the whole gradient)."""
     pv = st.vector_el * FP32
     for ax in (Axis.Z, Axis.DATA):
         if st.sizes[ax] > 1:
@@ -308,6 +308,6 @@ def step_scalars(rec: Recorder, st: Step) -> None:
         if st.sizes[ax] > 1:
             t = st.links[ax].time(ALL_REDUCE, FP32)
             rec.add("loss_scalar", "step", ax, ALL_REDUCE, FP32, 1, t, t)
-    if st.world > 1:
+    if st.world > st.sizes[Axis.DATA]:
         t = st.links["world"].time(ALL_REDUCE, 8)
         rec.add("grad_norm", "step", "world", ALL_REDUCE, 8, 1, t, t)
