@@ -53,7 +53,7 @@ def run(src: Path, grid: str, extra: list[str], args: argparse.Namespace, run_di
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small")
-    p.add_argument("--grid", nargs="+", default=["2,1,1,2"], help="one or more grids")
+    p.add_argument("--grid", nargs="+", default=["2,2,1,1"], help="one or more grids")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--log-every", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)

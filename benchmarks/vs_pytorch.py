@@ -32,7 +32,8 @@ each data rank takes its share of the batch as one micro-batch (tetrad's data ra
 
 Timing: ``time.perf_counter()`` around each step, ``float(loss)`` included (CPU ops are
 synchronous); per step the maximum over ranks; the median over steps ``warmup+1..steps`` of all
-repeats. Repeats are interleaved: each repeat runs every row, tetrad then stock.
+repeats. Repeats are interleaved: each repeat runs every row, tetrad then stock, every other repeat
+in reverse order (ABBA).
 
 Bytes (per step, rank 0, one extra step after the timed ones): the PAYLOAD of each collective
 call, the larger of its input and output buffers (the nccl-tests "size" convention: the tensor
@@ -648,10 +649,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_all(jobs: list[Job], repeats: int) -> dict[Job, dict]:
-    """Every job ``repeats`` times, interleaved; the pooled summary of each."""
+    """Every job ``repeats`` times, interleaved, every other repeat in reverse order (ABBA: a
+    drift of the machine's speed favours neither side); the pooled summary of each."""
     runs: dict[Job, list[dict]] = {j: [] for j in jobs}
     for rep in range(repeats):
-        for job in jobs:
+        for job in jobs if rep % 2 == 0 else jobs[::-1]:
             r = spawn(job)
             runs[job].append(r)
             took = r.get("error") or f"{statistics.median(r['times'][job.settings.warmup :]):.3f} s"

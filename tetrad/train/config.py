@@ -12,7 +12,7 @@ this form, and ``RUN_DIR/config.json`` records it)::
     paths = ["input.txt"]       # files, folders or globs (default: the Python stdlib)
 
     [parallelism]
-    grid = "2,1,1,2"            # G_data,G_z,G_y,G_x, or "auto"
+    grid = "2,2,1,1"            # G_data,G_z,G_y,G_x, or "auto"
 
     [training]
     steps = 300
