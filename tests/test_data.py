@@ -112,10 +112,34 @@ def test_split_keeps_one_file_each_side(corpus_dir, tmp_path):
             [str(corpus_dir)], vocab_size=VOCAB, val_fraction=frac, cache_dir=tmp_path
         )
         assert len(c.train) > 0 and len(c.val) > 0
-    with pytest.raises(DataError, match="at least two files"):
-        prepare_corpus([str(corpus_dir / "pkg0" / "mod0.py")], cache_dir=tmp_path)
     with pytest.raises(DataError, match="val_fraction"):
         prepare_corpus([str(corpus_dir)], val_fraction=0.0, cache_dir=tmp_path)
+
+
+def test_one_file_is_split_by_tokens(corpus_dir, tmp_path):
+    """One text file (an ``input.txt``): its last ``val_fraction`` of tokens are held out."""
+    one = corpus_dir / "pkg0" / "mod0.py"
+    c = prepare_corpus([str(one)], vocab_size=VOCAB, val_fraction=0.1, cache_dir=tmp_path)
+    stream = np.concatenate([np.asarray(c.train), np.asarray(c.val)])
+    assert len(c.val) == round(len(stream) * 0.1) and len(c.train) > len(c.val)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(c.tokenizer_path))
+    assert tok.decode(stream[:-1].tolist()) == one.read_text(encoding="utf-8")
+    assert stream[-1] == tok.token_to_id("<|endoftext|>")
+
+
+def test_each_unusable_input_has_its_own_message(corpus_dir, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"data path '.*empty' holds no files: put text files"):
+        corpus_files([str(tmp_path / "empty")])
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "a.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "bin" / "b.bin").write_bytes(b"\x02\x00")
+    with pytest.raises(DataError, match=r"holds 2 file\(s\), none of them text"):
+        corpus_files([str(tmp_path / "bin")])
+    with pytest.raises(DataError, match=r"data file '.*blob.bin' is binary"):
+        corpus_files([str(corpus_dir / "pkg0" / "blob.bin")])
 
 
 def test_tokenizer_round_trip(corpus_dir, corpus):

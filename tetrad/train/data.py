@@ -1,8 +1,8 @@
 """Training data: text files -> byte-level BPE token streams (cached) -> fixed-shape batches.
 
 ``prepare_corpus`` turns text files (by default the running interpreter's standard library) into
-flat train/val token-id arrays, split by file and cached on disk, so later calls just memory-map
-them. ``sample_batch``/``val_batches`` cut ``[batch, seq_len + 1]`` windows out of those arrays
+flat train/val token-id arrays, split by file (a single file by tokens) and cached on disk, so
+later calls just memory-map them. ``sample_batch``/``val_batches`` cut ``[batch, seq_len + 1]`` windows out of those arrays
 (inputs ``[:, :-1]``, next-token targets ``[:, 1:]``).
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from tetrad.spec import TetradError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a single file is split by tokens
 EOT = "<|endoftext|>"
 BPE_TRAIN_BYTES = 8_000_000  # the BPE is trained on at most this much train text (see below)
 ENCODE_CHUNK_BYTES = 4_000_000  # files are encoded in batches of about this much text
@@ -38,18 +38,42 @@ def _missing(p: str) -> DataError:
     return DataError(msg)
 
 
-def _text_files(folder_or_file: str) -> list[pathlib.Path]:
-    """Regular files at or below ``folder_or_file`` without a NUL byte in their first 8 KiB."""
+def _is_text(p: pathlib.Path) -> bool:
+    """No NUL byte in the first 8 KiB (how tetrad tells text from binary files)."""
+    with open(p, "rb") as f:
+        return b"\0" not in f.read(8192)
+
+
+def _regular_files(folder_or_file: str) -> list[pathlib.Path]:
+    """``folder_or_file`` itself, or the regular files below the folder (recursively)."""
     found = [pathlib.Path(folder_or_file)]
     if os.path.isdir(folder_or_file):
         found = [pathlib.Path(d, n) for d, _, names in os.walk(folder_or_file) for n in names]
-    out = []
-    for p in found:
-        if p.is_file():
-            with open(p, "rb") as f:
-                if b"\0" not in f.read(8192):
-                    out.append(p)
-    return out
+    return [p for p in found if p.is_file()]
+
+
+def _entry_files(p: str) -> list[pathlib.Path]:
+    """The text files of one ``--data`` entry; DataError naming what is wrong when none."""
+    q = os.path.expanduser(p)
+    if os.path.isfile(q):
+        if not _is_text(pathlib.Path(q)):
+            raise DataError(
+                f"data file {p!r} is binary (a NUL byte in its first 8 KiB): pass text files"
+            )
+        return [pathlib.Path(q)]
+    matches = [q] if os.path.isdir(q) else glob.glob(q, recursive=True)
+    if not matches:
+        raise _missing(p)
+    found = [f for m in matches for f in _regular_files(m)]
+    text = [f for f in found if _is_text(f)]
+    if not found:
+        raise DataError(f"data path {p!r} holds no files: put text files there or pass others")
+    if not text:
+        raise DataError(
+            f"data path {p!r} holds {len(found)} file(s), none of them text (each has a NUL "
+            "byte in its first 8 KiB): pass text files"
+        )
+    return text
 
 
 def corpus_files(paths: list[str]) -> list[pathlib.Path]:
@@ -57,11 +81,12 @@ def corpus_files(paths: list[str]) -> list[pathlib.Path]:
 
     With ``paths`` empty: every ``*.py`` under the running interpreter's standard library
     (``sysconfig.get_paths()["stdlib"]``), excluding ``site-packages``/``dist-packages``.
-    Otherwise each entry is a file (taken as is), a folder (all regular files below it,
-    recursively, skipping binary files: a NUL byte in the first 8 KiB) or a glob pattern
+    Otherwise each entry is a text file, a folder (all regular files below it, recursively,
+    skipping binary files: a NUL byte in the first 8 KiB) or a glob pattern
     (``glob.glob(recursive=True)``; matched folders are expanded, binary files skipped).
 
-    Raises DataError when an entry does not exist, matches nothing, or holds no text file.
+    Raises DataError when an entry does not exist or matches nothing, is a binary file, or
+    holds no file or no text file (each with its own message).
     """
     if not paths:
         root = sysconfig.get_paths()["stdlib"]
@@ -72,19 +97,7 @@ def corpus_files(paths: list[str]) -> list[pathlib.Path]:
         if not files:
             raise _missing(root)
         return sorted({f.resolve() for f in files if f.is_file()})
-    out: set[pathlib.Path] = set()
-    for p in paths:
-        q = os.path.expanduser(p)
-        if os.path.isfile(q):
-            found = [pathlib.Path(q)]
-        elif os.path.isdir(q):
-            found = _text_files(q)
-        else:
-            found = [f for m in glob.glob(q, recursive=True) for f in _text_files(m)]
-        if not found:
-            raise _missing(p)
-        out.update(f.resolve() for f in found)
-    return sorted(out)
+    return sorted({f.resolve() for p in paths for f in _entry_files(p)})
 
 
 @dataclasses.dataclass
@@ -139,6 +152,33 @@ def _entropy(tokens: np.ndarray, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def _split_by_file(files: list[pathlib.Path], val_fraction: float) -> tuple[list[int], list[bool]]:
+    """``(order, is_val)``: the files' indices in sha256 order of their paths relative to their
+    common folder, and which are held out (hash ``% 10_000 < val_fraction * 10_000``; at least
+    one file each side when there are two or more; a single file is all train)."""
+    root = os.path.commonpath([str(f.parent) for f in files])
+    hashes = [
+        int(hashlib.sha256(os.path.relpath(f, root).replace(os.sep, "/").encode()).hexdigest(), 16)
+        for f in files
+    ]
+    is_val = [h % 10_000 < val_fraction * 10_000 for h in hashes]
+    order = sorted(range(len(files)), key=hashes.__getitem__)
+    if len(files) == 1:
+        return order, [False]
+    if not any(is_val):
+        is_val[order[0]] = True
+    if all(is_val):
+        is_val[order[-1]] = False
+    return order, is_val
+
+
+def _hold_out_tail(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """One file: the last ``val_fraction`` of its tokens (at least one) are the validation
+    set."""
+    n_val = max(1, round(len(tokens) * val_fraction))
+    return tokens[:-n_val], tokens[-n_val:]
+
+
 def _load(entry: pathlib.Path) -> Corpus:
     meta = json.loads((entry / "meta.json").read_text())
     return Corpus(
@@ -164,6 +204,8 @@ def prepare_corpus(
     Split by file: a file is held out when ``sha256(its path relative to the files' common
     folder) % 10_000 < val_fraction * 10_000``, so the split does not depend on where the corpus
     lives; at least one file goes to each side (the lowest-hash file is held out if none was).
+    A single file is split by tokens instead: its last ``val_fraction`` of tokens are held out
+    (its tokenizer is trained on the whole file).
     ``tokenizer == ""`` trains a byte-level BPE of ``vocab_size`` ids (``<|endoftext|>`` = id 0)
     on the train files; to bound the time it sees at most ``BPE_TRAIN_BYTES`` (8 MB) of text,
     whole train files taken in sha256 order (a deterministic, well-mixed subset). Otherwise
@@ -174,8 +216,8 @@ def prepare_corpus(
     mtime, ``vocab_size`` and ``val_fraction``; it is written to a temporary folder and renamed
     into place, so it is either complete or absent. A cache hit only memory-maps the arrays.
 
-    Raises DataError for missing inputs, fewer than two files, ``val_fraction`` outside (0, 1),
-    ``vocab_size`` below 257, or an unreadable tokenizer file.
+    Raises DataError for missing, empty or binary inputs (:func:`corpus_files`),
+    ``val_fraction`` outside (0, 1), ``vocab_size`` below 257, or an unreadable tokenizer file.
     """
     from tokenizers import Tokenizer
 
@@ -184,11 +226,6 @@ def prepare_corpus(
     if not tokenizer and vocab_size < 257:
         raise DataError(f"vocab_size {vocab_size} is too small: byte-level BPE needs >= 257")
     files = corpus_files(paths)
-    if len(files) < 2:
-        raise DataError(
-            f"only {len(files)} data file: pass at least two files to --data "
-            "(the validation set is split off by file)"
-        )
     tok_file = pathlib.Path(os.path.expanduser(tokenizer)).resolve() if tokenizer else None
     if tok_file is not None and not tok_file.is_file():
         raise DataError(f"tokenizer {tokenizer!r} does not exist: pass a tokenizer.json file")
@@ -206,17 +243,7 @@ def prepare_corpus(
     if (entry / "meta.json").is_file():
         return _load(entry)
 
-    root = os.path.commonpath([str(f.parent) for f in files])
-    hashes = [
-        int(hashlib.sha256(os.path.relpath(f, root).replace(os.sep, "/").encode()).hexdigest(), 16)
-        for f in files
-    ]
-    is_val = [h % 10_000 < val_fraction * 10_000 for h in hashes]
-    order = sorted(range(len(files)), key=hashes.__getitem__)
-    if not any(is_val):
-        is_val[order[0]] = True
-    if all(is_val):
-        is_val[order[-1]] = False
+    order, is_val = _split_by_file(files, val_fraction)
     train_files = [f for f, v in zip(files, is_val, strict=True) if not v]
     val_files = [f for f, v in zip(files, is_val, strict=True) if v]
 
@@ -239,7 +266,10 @@ def prepare_corpus(
     eot = tok.token_to_id(EOT) or 0
     dtype = np.uint16 if vocab <= 65535 else np.uint32
     train = _encode(tok, train_files, eot, dtype)
-    val = _encode(tok, val_files, eot, dtype)
+    if val_files:
+        val = _encode(tok, val_files, eot, dtype)
+    else:
+        train, val = _hold_out_tail(train, val_fraction)
     meta = dict(
         vocab_size=vocab,
         unigram_entropy=_entropy(train, vocab),
