@@ -328,3 +328,14 @@ def test_grid_problems():
         tetrad(L31_8B, (1, 1, 1), 1, 1024, 80e9)
     with pytest.raises(PlanError, match="dtype"):
         tetrad(L31_8B, (1, 1, 1, 1), 1, 1024, 80e9, dtype="fp8")
+
+
+def test_fujii2024_refuses_sizes_that_do_not_split():
+    """``tetrad memory`` (fujii2024) refuses what ``tetrad train`` and the classic search refuse:
+    heads (and the other TP-split sizes) by TP, layers by PP, the sequence by 2 CP."""
+    with pytest.raises(PlanError, match="n_heads=32 divisible by TP=3"):
+        fujii2024(L31_8B, 3, 1, 1, 1, 1, 8192, 80e9)
+    with pytest.raises(PlanError, match="32 layers do not split"):
+        fujii2024(L31_8B, 1, 1, 5, 1, 1, 8192, 80e9)
+    with pytest.raises(PlanError, match="2\\*CP = 6"):
+        fujii2024(L31_8B, 1, 3, 1, 1, 1, 8192, 80e9)

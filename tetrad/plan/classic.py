@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from tetrad.plan import fujii, memory
 from tetrad.plan.compute import ELEMENTWISE, attention_fwd_flops
 from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec
+from tetrad.plan.models import ModelSpec, tp_problems
 from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.rows import CLASSIC_AXES, Row, check_inputs, divisors
 
@@ -178,13 +178,7 @@ def _classic_grids(
 ) -> Iterator[tuple[int, int, int, int]]:
     """Every ``(TP, CP, PP, DP)`` of the classic space (module doc), TP outermost."""
     for tp in divisors(gpus):
-        if (
-            tp > gpus_per_node
-            or model.n_heads % tp
-            or model.n_kv_heads % tp
-            or model.ffn_hidden % tp
-            or model.hidden % tp
-        ):
+        if tp > gpus_per_node or tp_problems(model, tp):
             continue
         for cp in divisors(gpus // tp):
             if tp * cp > gpus_per_node or seq_len % (2 * cp) and cp > 1:

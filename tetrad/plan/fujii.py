@@ -12,7 +12,7 @@ degrees.
 from __future__ import annotations
 
 from tetrad.plan.memory import MemoryBreakdown, check_positive
-from tetrad.plan.models import ModelSpec, PlanError
+from tetrad.plan.models import ModelSpec, PlanError, tp_problems
 
 
 def fujii_params_on_first_stage(model: ModelSpec, tp: int, pp: int) -> float:
@@ -122,13 +122,25 @@ def fujii2024(
     ``logits_and_loss`` (these three are the paper's "activation").
 
     Raises:
-        PlanError: a non-positive size, or ``L`` not divisible by ``p * v``.
+        PlanError: a non-positive size, a size TP does not split (heads, KV heads, FFN,
+            hidden), ``L`` not divisible by ``p * v``, or ``S`` not by ``2 CP`` (``CP > 1``).
     """
     check_positive(
         tp=tp, cp=cp, pp=pp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, virtual_pp=virtual_pp
     )
     if grad_bytes not in (2, 4):
         raise PlanError(f"grad_bytes={grad_bytes}: use 4 (fp32 main grads) or 2 (bf16)")
+    if bad := tp_problems(model, tp):
+        raise PlanError(
+            f"{model.name} does not split over TP={tp}: needs "
+            + "; ".join(bad)
+            + ": choose another --tp"
+        )
+    if cp > 1 and seq_len % (2 * cp):
+        raise PlanError(
+            f"sequence length {seq_len} does not split into 2*CP = {2 * cp} equal chunks "
+            "(context parallelism's load-balanced split): choose another --cp or --seq-len"
+        )
     if model.n_layers % (pp * virtual_pp):
         raise PlanError(
             f"{model.n_layers} layers do not split into pp*virtual_pp = "

@@ -270,6 +270,18 @@ def grid_problems(model: ModelSpec, grid) -> list[str]:
     return bad
 
 
+def tp_problems(model: ModelSpec, tp: int) -> list[str]:
+    """Sizes of ``model`` that Megatron-style tensor parallelism of degree ``tp`` cannot split
+    (heads, KV heads, FFN width and hidden size over TP); empty if all divide."""
+    sizes = (
+        ("n_heads", model.n_heads),
+        ("n_kv_heads", model.n_kv_heads),
+        ("ffn_hidden", model.ffn_hidden),
+        ("hidden", model.hidden),
+    )
+    return [f"{name}={v} divisible by TP={tp}" for name, v in sizes if v % tp]
+
+
 def check_grid(model: ModelSpec, grid) -> None:
     """Raise :class:`PlanError` listing every size of ``model`` that does not shard on ``grid``."""
     bad = grid_problems(model, grid)

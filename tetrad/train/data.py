@@ -2,8 +2,8 @@
 
 ``prepare_corpus`` turns text files (by default the running interpreter's standard library) into
 flat train/val token-id arrays, split by file (a single file by tokens) and cached on disk, so
-later calls just memory-map them. ``sample_batch``/``val_batches`` cut ``[batch, seq_len + 1]`` windows out of those arrays
-(inputs ``[:, :-1]``, next-token targets ``[:, 1:]``).
+later calls just memory-map them. ``sample_batch``/``val_batches`` cut ``[batch, seq_len + 1]``
+windows out of those arrays (inputs ``[:, :-1]``, next-token targets ``[:, 1:]``).
 """
 
 from __future__ import annotations
