@@ -114,6 +114,14 @@ def test_fit_alpha_beta_recovers_parameters():
     ]
     a, b = fit_alpha_beta(flat)
     assert a[ALL_REDUCE] >= 0 and b == pytest.approx(1000 / 1e-3)
+    # times that grow with bytes by less than the noise (latency-bound sizes): a slope that
+    # explains under 10% of the largest time is not trusted; the best bytes/seconds is used
+    noisy = [
+        {"kind": ALL_REDUCE, "ring_bytes": b, "seconds": 1e-3 + b * 1e-14}
+        for b in (10, 1000, 100_000)
+    ]
+    _, b = fit_alpha_beta(noisy)
+    assert b == pytest.approx(100_000 / (1e-3 + 100_000 * 1e-14))
 
 
 def test_fit_latency_and_layouts():

@@ -69,12 +69,19 @@ def _nnls(rows: list[list[float]], target: list[float]) -> list[float]:
     return x
 
 
+RESOLVED = 0.1
+"""The least share of the largest measurement's time the bandwidth term must explain for the
+fitted bandwidth to be used (:func:`fit_alpha_beta`)."""
+
+
 def fit_alpha_beta(points: list[dict]) -> tuple[dict[str, float], float]:
     """Fit ``seconds = alpha[kind] + ring_bytes / bandwidth`` to measurements of one layout
     (dicts as from :func:`tetrad.calibrate.measure.measure_collectives`), minimising relative
     error, coefficients non-negative. Returns ``({kind: alpha seconds}, bandwidth bytes/s)``;
-    when the times do not grow with the bytes, the bandwidth is the best ``ring_bytes /
-    seconds`` seen."""
+    when the times do not grow with the bytes, or the fitted bandwidth term is under
+    :data:`RESOLVED` of the largest measurement's time (the sizes measured cannot resolve it:
+    latency and noise dominate), the bandwidth is the best ``ring_bytes / seconds`` seen (a
+    lower bound, so the planner errs on the slow side)."""
     kinds = sorted({p["kind"] for p in points})
     rows, target = [], []
     for p in points:
@@ -83,7 +90,8 @@ def fit_alpha_beta(points: list[dict]) -> tuple[dict[str, float], float]:
         target.append(1.0)
     x = _nnls(rows, target)
     inv_bw = x[-1]
-    if inv_bw <= 0.0:
+    big = max(points, key=lambda p: p["ring_bytes"])
+    if big["ring_bytes"] * inv_bw < RESOLVED * big["seconds"]:
         bw = max(p["ring_bytes"] / p["seconds"] for p in points)
     else:
         bw = 1.0 / inv_bw
