@@ -65,9 +65,9 @@ def _entry_files(p: str) -> list[pathlib.Path]:
     if not matches:
         raise _missing(p)
     found = [f for m in matches for f in _regular_files(m)]
-    text = [f for f in found if _is_text(f)]
     if not found:
         raise DataError(f"data path {p!r} holds no files: put text files there or pass others")
+    text = [f for f in found if _is_text(f)]
     if not text:
         raise DataError(
             f"data path {p!r} holds {len(found)} file(s), none of them text (each has a NUL "
@@ -156,6 +156,8 @@ def _split_by_file(files: list[pathlib.Path], val_fraction: float) -> tuple[list
     """``(order, is_val)``: the files' indices in sha256 order of their paths relative to their
     common folder, and which are held out (hash ``% 10_000 < val_fraction * 10_000``; at least
     one file each side when there are two or more; a single file is all train)."""
+    if len(files) == 1:
+        return [0], [False]
     root = os.path.commonpath([str(f.parent) for f in files])
     hashes = [
         int(hashlib.sha256(os.path.relpath(f, root).replace(os.sep, "/").encode()).hexdigest(), 16)
@@ -163,8 +165,6 @@ def _split_by_file(files: list[pathlib.Path], val_fraction: float) -> tuple[list
     ]
     is_val = [h % 10_000 < val_fraction * 10_000 for h in hashes]
     order = sorted(range(len(files)), key=hashes.__getitem__)
-    if len(files) == 1:
-        return order, [False]
     if not any(is_val):
         is_val[order[0]] = True
     if all(is_val):
