@@ -21,7 +21,7 @@ from tetrad import cli
 from tetrad.models.config import ModelConfig
 from tetrad.train import generate as gen
 from tetrad.train.config import load_config, overrides
-from tetrad.train.launch import run_local, train_worker
+from tetrad.train.launch import record_failure, run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300)
@@ -241,16 +241,20 @@ def test_run_local_starts_workers_and_reports_failed_rank(tmp_path, capfd, monke
     assert err.endswith("tetrad: error: rank 1 failed: ValueError: rank one is broken\n")
 
 
-def test_train_worker_prints_traceback(fake_trainer, monkeypatch, capsys):
-    def broken(cfg):
-        raise RuntimeError("no luck")
-
-    monkeypatch.setattr(sys.modules["tetrad.train.trainer"], "train", broken)
+def test_worker_failure_is_one_line_and_a_log(tmp_path, monkeypatch, capsys):
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run")})
     monkeypatch.setenv("RANK", "3")
-    with pytest.raises(RuntimeError):
-        train_worker(load_config(None, {}))
-    err = capsys.readouterr().err
-    assert "[rank 3] worker failed:" in err and "Traceback" in err and "no luck" in err
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise RuntimeError("no luck\nsecond line")
+    except RuntimeError as e:
+        line = record_failure(cfg, e)
+    log = tmp_path / "run" / "logs" / "rank_3.log"
+    assert line == f"RuntimeError: no luck (rank 3; traceback in {log})"
+    assert "Traceback" in log.read_text() and "second line" in log.read_text()
+    assert json.loads(error_file.read_text())["message"]["message"] == line
+    assert capsys.readouterr().err == ""
 
 
 # ---------------------------------------------------------------- generation

@@ -1,20 +1,30 @@
-"""Checkpoints with ``torch.distributed.checkpoint`` (DCP), written atomically.
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): saved synchronously or in the
+background, committed atomically, verified and resharded on load.
 
 Every shard is described to DCP as a DTensor of the parameter's global shape, so DCP stores
-global offsets: a checkpoint can be read back by one process (``tetrad generate``) or by another
-grid. A checkpoint is written into ``step_NNNNNNN.tmp`` and renamed when every rank is done;
-``latest`` names the newest complete one and is replaced atomically, so a crash mid-write leaves
-the previous checkpoint in charge.
+global offsets: a checkpoint can be read back by one process (``tetrad generate``, ``tetrad
+export``) or by any other grid. The folder layout, ``tetrad.json`` and the commit order are in
+:mod:`tetrad.train.checkpoint_dir`.
 
-Layout: ``RUN_DIR/checkpoints/step_0000300/`` (DCP files) and ``RUN_DIR/checkpoints/latest``.
 Keys: ``model.<param>``, ``optim.<param>.exp_avg``, ``optim.<param>.exp_avg_sq``,
-``optim.<param>.step`` and ``step``.
+``optim.<param>.step``, ``step`` and ``rng.<rank>`` (each rank's torch CPU generator state,
+restored when the world size is unchanged). The data position is the step: the batch of step
+``s`` depends only on ``(seed, s)`` (:func:`tetrad.train.data.sample_batch`), whatever the
+data-parallel split, so it carries over to any grid.
+
+With ``async_save``, :meth:`Checkpointer.save` costs the loop only the copy of the shards to host
+memory (DCP's ``async_save``, on its own gloo group); a background thread writes the files and
+hashes this rank's shards; :meth:`Checkpointer.poll` commits the checkpoint at the next step
+boundary where every rank has finished, and :meth:`Checkpointer.wait` before the next save and
+at the end.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,39 +36,68 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tetrad.grid import Grid
 from tetrad.parallel.placement import Placement
-from tetrad.spec import GRID_AXES, TetradError
+from tetrad.spec import GRID_AXES
+from tetrad.train.checkpoint_dir import (
+    CheckpointError,
+    check_files,
+    commit,
+    file_digest,
+    latest_checkpoint,
+    leftovers,
+    rank_files,
+    read_meta,
+    step_dir,
+    write_meta,
+)
+
+__all__ = ["CheckpointError", "Checkpointer", "latest_checkpoint"]
 
 
-class CheckpointError(TetradError):
-    """A checkpoint that is missing, incomplete or does not match the model."""
+@dataclass
+class _Pending:
+    """A save whose files are being written: ``digests`` resolves to this rank's
+    ``{file name: {"bytes", "sha256"}}`` once they are on disk."""
 
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder of a run, or None if it has none.
-
-    Raises:
-        CheckpointError: ``latest`` names a folder that is missing or incomplete.
-    """
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(
-            f"checkpoint {path} named by {pointer} is missing or incomplete: "
-            "restore the folder, or delete the pointer to start over"
-        )
-    return path
+    step: int
+    tmp: Path
+    digests: Future
+    started: float
 
 
 class Checkpointer:
-    """Saves and loads the model and AdamW state of one grid."""
+    """Saves and loads the model and AdamW state of one grid (construct on every rank).
 
-    def __init__(self, run_dir: str | Path, grid: Grid):
+    Args:
+        run_dir: the run directory; checkpoints go to ``run_dir/checkpoints``.
+        grid: this job's grid.
+        meta: what ``tetrad.json`` records besides the step and the files (model config,
+            grid, tokenizer hash, tetrad version, data settings).
+        keep_last: complete checkpoints kept (0: all); older ones are removed only after a
+            newer one is complete.
+        async_save: write in the background (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        grid: Grid,
+        *,
+        meta: dict | None = None,
+        keep_last: int = 0,
+        async_save: bool = False,
+    ):
         self.run_dir = Path(run_dir)
-        self.dir = self.run_dir / "checkpoints"
         self.grid = grid
+        self.meta = meta or {}
+        self.keep_last = keep_last
+        self.async_save = async_save
         self._meshes: dict[tuple[str, ...], DeviceMesh] = {}
+        # DCP's collectives (run by a background thread when saving asynchronously) and ours
+        # each get a gloo group of their own, apart from the training's collectives.
+        self._io = dist.new_group(backend="gloo")
+        self._ctl = dist.new_group(backend="gloo")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tetrad-ckpt")
+        self._pending: _Pending | None = None
 
     def _dtensor(self, t: torch.Tensor, placement: Placement) -> DTensor:
         order = placement.replicated_axes + placement.sharded_axes
@@ -91,30 +130,118 @@ class Checkpointer:
             state[f"optim.{name}.step"] = st["step"]
         return state
 
-    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:
-        """Write the state after ``step`` optimizer steps; returns the checkpoint folder."""
-        final = self.dir / f"step_{step:07d}"
-        tmp = final.with_name(final.name + ".tmp")
+    def _rng_key(self) -> str:
+        return f"rng.{dist.get_rank()}"
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """Start saving the state after ``step`` optimizer steps (collective); :meth:`poll` or
+        :meth:`wait` commits it (a pending earlier save is committed first).
+
+        Synchronous: returns once the files are written. Asynchronous: returns once the shards
+        are copied to host memory, the files are written in the background.
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        tmp = step_dir(self.run_dir, step).with_suffix(".tmp")
         if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for old in leftovers(self.run_dir):
+                shutil.rmtree(old, ignore_errors=True)
             tmp.mkdir(parents=True)
-        dist.barrier()
-        dcp.save(self._state(model, optimizer, step), checkpoint_id=tmp)
-        dist.barrier()
+        dist.barrier(group=self._ctl)
+        state = self._state(model, optimizer, step)
+        state[self._rng_key()] = torch.get_rng_state()
+        if self.async_save:
+            written = dcp.async_save(state, checkpoint_id=tmp, process_group=self._io)
+            digests = self._pool.submit(lambda: (written.result(), self._digests(tmp))[1])
+        else:
+            dcp.save(state, checkpoint_id=tmp, process_group=self._io)
+            digests = Future()
+            digests.set_result(self._digests(tmp))
+        self._pending = _Pending(step, tmp, digests, t0)
+
+    def _digests(self, tmp: Path) -> dict[str, dict]:
+        return {f.name: file_digest(f) for f in rank_files(tmp, dist.get_rank())}
+
+    def poll(self) -> tuple[Path, float] | None:
+        """Commit the pending save if every rank has written its files (collective, does not
+        wait for the files); returns what :meth:`wait` returns, or None."""
+        if self._pending is None:
+            return None
+        done = torch.tensor([int(self._pending.digests.done())])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._ctl)
+        return self.wait() if done.item() else None
+
+    def wait(self) -> tuple[Path, float] | None:
+        """Wait for the pending save and commit it (collective): rank 0 writes ``tetrad.json``
+        with every rank's file digests, renames the folder and moves ``latest``. Returns the
+        complete checkpoint folder and the seconds since the save started, or None if no save
+        was pending.
+
+        Raises:
+            Exception: what writing raised on this rank (e.g. a full disk).
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        mine = pending.digests.result()
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine, group=self._ctl)
+        final = pending.tmp.with_suffix("")
         if dist.get_rank() == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            pointer = self.dir / "latest.tmp"
-            pointer.write_text(final.name + "\n")
-            os.replace(pointer, self.dir / "latest")
-        dist.barrier()
-        return final
+            files = {name: d for rank_digests in every for name, d in rank_digests.items()}
+            write_meta(pending.tmp, self.meta | {"step": pending.step}, files)
+            commit(pending.tmp, self.keep_last)
+        dist.barrier(group=self._ctl)
+        return final, time.perf_counter() - pending.started
+
+    def close(self) -> tuple[Path, float] | None:
+        """Commit a pending save (returns what :meth:`wait` returns) and stop the background
+        thread."""
+        done = self.wait()
+        self._pool.shutdown()
+        return done
+
+    def verify(self, path: Path) -> dict | None:
+        """Check every file of the checkpoint at ``path`` against the sizes and SHA-256 its
+        ``tetrad.json`` recorded, the files spread over the ranks (collective). Returns the
+        metadata (None for a checkpoint without ``tetrad.json``).
+
+        Raises:
+            CheckpointError: on every rank, naming the first missing, truncated or corrupt file.
+        """
+        meta = read_meta(path)
+        if meta is None:
+            return None
+        names = sorted(meta.get("files", {}))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        problem = None
+        try:
+            check_files(path, meta, names[rank::world], digest=True)
+        except CheckpointError as e:
+            problem = str(e)
+        problems: list = [None] * world
+        dist.all_gather_object(problems, problem, group=self._ctl)
+        first = next((p for p in problems if p), None)
+        if first:
+            raise CheckpointError(first)
+        return meta
 
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> int:
-        """Load model and optimizer state in place; returns the step it was saved at."""
+        """Verify the checkpoint at ``path``, then load the model and optimizer state in place
+        (resharded from whatever grid saved it) and, on an unchanged world size, this rank's
+        RNG state. Returns the step it was saved at (collective).
+
+        Raises:
+            CheckpointError: a damaged file (named), or a checkpoint DCP cannot read into this
+                model.
+        """
+        meta = self.verify(path)
         state = self._state(model, optimizer, 0)
+        same_world = meta is not None and _world(meta.get("grid")) == dist.get_world_size()
+        if same_world:
+            state[self._rng_key()] = torch.get_rng_state()
         try:
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, checkpoint_id=path, process_group=self._io)
         except Exception as e:  # DCP raises a CheckpointException carrying every rank's error
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise CheckpointError(
@@ -127,4 +254,13 @@ class Checkpointer:
             for k in ("exp_avg", "exp_avg_sq"):
                 st[k].copy_(state[f"optim.{name}.{k}"].to_local())
             st["step"] = state[f"optim.{name}.step"]
+        if same_world:
+            torch.set_rng_state(state[self._rng_key()])
         return int(state["step"])
+
+
+def _world(grid: object) -> int | None:
+    """The world size of a grid recorded as a list, or None."""
+    if not isinstance(grid, list) or not all(isinstance(g, int) for g in grid):
+        return None
+    return int(torch.tensor(grid).prod())

@@ -114,6 +114,16 @@ class TrainConfig:
                 f"G_data*G_z*micro_batch = {d}*{z}*{t.micro_batch} = {shards}: "
                 "change --global-batch or --micro-batch"
             )
+        _check_training(t)
+        c = self.checkpoint
+        for name in ("checkpoint_every", "keep_last", "max_restarts"):
+            if getattr(c, name) < 0:
+                raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more")
+        for name in ("log_every", "val_every"):
+            if getattr(self.logging, name) < 1:
+                raise ConfigError(f"{name}={getattr(self.logging, name)} must be at least 1")
+        if self.logging.val_batches < 0:
+            raise ConfigError(f"val_batches={self.logging.val_batches} must be 0 or more")
         if not 0.0 < self.data.val_fraction < 0.5:
             raise ConfigError(f"val_fraction={self.data.val_fraction} must lie in (0, 0.5)")
         try:
@@ -133,6 +143,24 @@ class TrainConfig:
         return dataclasses.replace(
             self, parallelism=dataclasses.replace(self.parallelism, grid=grid)
         )
+
+
+def _check_training(t: TrainingSection) -> None:
+    """The optimiser's values: a learning rate above 0, betas in [0, 1), and so on.
+
+    Raises:
+        ConfigError: one line naming the value and its allowed range.
+    """
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        raise ConfigError(f"lr={t.lr} must be a number above 0 (for example 3e-4)")
+    if not (math.isfinite(t.min_lr) and 0 <= t.min_lr <= t.lr):
+        raise ConfigError(f"min_lr={t.min_lr} must lie in [0, lr={t.lr}]")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(t, name) < 1:
+            raise ConfigError(f"{name}={getattr(t, name)} must lie in [0, 1)")
+    for name in ("weight_decay", "grad_clip", "warmup_steps"):
+        if not getattr(t, name) >= 0:
+            raise ConfigError(f"{name}={getattr(t, name)} must be 0 or more")
 
 
 # ---- fields, options, values -----------------------------------------------------------------
@@ -177,6 +205,7 @@ def _fields() -> list[_Field]:
 
 FIELDS = _fields()
 BY_OPTION = {f.option: f for f in FIELDS}
+RENAMED = {"ckpt_every": "checkpoint_every"}  # keys of older config files
 
 
 def _literal_choices(kind: Any) -> tuple | None:
@@ -252,6 +281,7 @@ class _Builder:
     def table(self, section: str, table: dict) -> None:
         """A ``[section]`` table of field names (``[model]``: ``name`` and sizes)."""
         for key, value in table.items():
+            key = RENAMED.get(key, key)
             f = next(
                 (g for g in FIELDS if g.section == section and key in (g.name, g.option)), None
             )
@@ -273,6 +303,7 @@ class _Builder:
     def flat(self, key: str, value: Any) -> None:
         """A top-level key: a section table, or an option (the flat form)."""
         name = key.replace("-", "_")
+        name = RENAMED.get(name, name)
         if name in SECTIONS and isinstance(value, dict):
             self.table(name, value)
         elif name == "model_sizes" and isinstance(value, dict):  # config.json before sections

@@ -14,14 +14,17 @@ prints the progress. ``--grid auto`` is resolved by the planner first
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
 import tempfile
+import time
 import traceback
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -29,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from tetrad.device import gpu_count, threads_per_rank
-from tetrad.spec import GridError, check_world_size, error_line
+from tetrad.spec import GridError, TetradError, check_world_size, error_line
 from tetrad.train.config import TrainConfig
 
 
@@ -99,10 +102,14 @@ def _resolve_auto_grid(cfg: TrainConfig) -> TrainConfig:
 
 
 def train_worker(cfg: Any) -> None:
-    """Worker entrypoint: ``tetrad.train.trainer.train(cfg)``, printing a traceback on failure.
+    """Worker entrypoint: ``tetrad.train.trainer.train(cfg)``; a failure becomes one line.
 
-    Module-level so that spawned workers can unpickle it; imports the trainer lazily. On Ctrl-C
-    the worker exits at once with status 130.
+    Module-level so that spawned workers can unpickle it; imports the trainer lazily. On an
+    error, the full traceback goes to ``RUN_DIR/logs/rank_R.log`` (a temporary folder when the
+    run directory cannot be written) and the one line ``<message> (rank R; traceback in
+    <log>)`` to torchelastic's error file, which the launcher prints (:func:`failure_summary`);
+    the worker then exits with status 1 without printing anything. On Ctrl-C the worker exits
+    at once with status 130.
     """
     try:
         from tetrad.train.trainer import train
@@ -114,18 +121,84 @@ def train_worker(cfg: Any) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
-    except BaseException:
-        rank = os.environ.get("RANK", "?")
-        print(f"[rank {rank}] worker failed:", file=sys.stderr)
-        traceback.print_exc()
+    except Exception as e:
+        record_failure(cfg, e)
+        sys.stdout.flush()
         sys.stderr.flush()
-        raise
+        os._exit(1)  # no interpreter teardown: gloo/NCCL threads may still be blocked
+
+
+def record_failure(cfg: Any, e: BaseException) -> str:
+    """Report the exception ``e`` being handled in this worker: its traceback appended to
+    ``RUN_DIR/logs/rank_R.log``, and its one line written to torchelastic's error file
+    (``TORCHELASTIC_ERROR_FILE``; printed to stderr when there is none). Returns the line."""
+    rank = os.environ.get("RANK", "?")
+    log = _write_traceback(cfg, rank)
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    message = first if isinstance(e, TetradError) else f"{type(e).__name__}: {first}"
+    line = f"{message} (rank {rank}; traceback in {log})"
+    _record_failure(line, _priority(e))
+    return line
+
+
+def _write_traceback(cfg: Any, rank: str) -> Path:
+    """Append this worker's traceback to ``RUN_DIR/logs/rank_R.log``; returns the log's path."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    text = f"--- {stamp}, rank {rank}, restart {restart}\n{traceback.format_exc()}"
+    run_dir = cfg.checkpoint.run_dir if isinstance(cfg, TrainConfig) else ""
+    folders = [Path(run_dir) / "logs"] if run_dir else []
+    for folder in [*folders, Path(tempfile.gettempdir()) / "tetrad-logs"]:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"rank_{rank}.log"
+            with path.open("a") as f:
+                f.write(text)
+            return path
+        except OSError:
+            continue
+    return Path("(nowhere: no writable folder)")
+
+
+# A worker's error, by how likely it is the cause: a mistake tetrad diagnosed, any other
+# error, then a collective failing because another rank died.
+_CAUSE, _OTHER, _PEER = 0, 1, 2
+
+
+def _priority(e: BaseException) -> int:
+    text = str(e)
+    if isinstance(e, TetradError):
+        return _CAUSE
+    peer = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out")
+    return _PEER if any(p in text for p in peer) else _OTHER
+
+
+def _record_failure(line: str, priority: int) -> None:
+    """Write torchelastic's error file (``TORCHELASTIC_ERROR_FILE``, JSON) for this worker,
+    with ``line`` as the message; the launcher reads it back as ``ProcessFailure.message``."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        print(error_line(line), file=sys.stderr)
+        return
+    info = {"py_callstack": "", "timestamp": str(int(time.time())), "tetrad_priority": priority}
+    with open(path, "w") as f:
+        json.dump({"message": {"message": line, "extraInfo": info}}, f)
 
 
 def failure_summary(err: ChildFailedError) -> str:
-    """One line naming the first failed rank and the first line of its error."""
-    rank, failure = err.get_first_failure()
-    return f"rank {rank} failed: {_failure_message(failure)}"
+    """One line: the most telling failure of ``err`` (an error tetrad diagnosed before one of
+    a collective whose peer died; then the earliest; then the lowest rank) and its rank."""
+
+    def key(item: tuple[int, ProcessFailure]) -> tuple:
+        rank, failure = item
+        info = failure.error_file_data.get("message", {})
+        extra = info.get("extraInfo", {}) if isinstance(info, dict) else {}
+        return (extra.get("tetrad_priority", _OTHER), failure.timestamp, rank)
+
+    rank, failure = min(err.failures.items(), key=key)
+    message = _failure_message(failure)
+    return message if "(rank " in message else f"rank {rank} failed: {message}"
 
 
 def _failure_message(failure: ProcessFailure) -> str:
@@ -164,6 +237,11 @@ def _restore_logs(old: dict[str, int]) -> None:
         logging.getLogger(name).setLevel(level)
 
 
+def _max_restarts(job: Any) -> int:
+    """``--max-restarts`` of a :class:`TrainConfig` (0 for other jobs)."""
+    return job.checkpoint.max_restarts if isinstance(job, TrainConfig) else 0
+
+
 def _device(job: Any) -> str:
     """The device of a job: a :class:`TrainConfig`'s, or a ``device`` attribute's."""
     if isinstance(job, TrainConfig):
@@ -175,18 +253,27 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
     """Run ``entrypoint(cfg)`` in ``nproc`` local worker processes (ranks ``0 .. nproc-1``).
 
     Sets ``OMP_NUM_THREADS`` to :func:`tetrad.device.threads_per_rank` for the workers of a CPU
-    run unless the user set it. Blocks until every worker has finished.
+    run unless the user set it. A :class:`TrainConfig` with ``max_restarts`` N > 0 has its
+    workers restarted (all of them) up to N times after a failure; they resume from the latest
+    checkpoint (:mod:`tetrad.train.resume`). Blocks until every worker has finished.
 
     Raises:
-        SystemExit(1): a worker failed; one line ``tetrad: error: rank R failed: <error>`` has
-            been printed to stderr (the worker's traceback is in the output above it).
+        SystemExit(1): a worker failed (beyond the restarts); one line
+            ``tetrad: error: <error> (rank R; traceback in <log>)`` has been printed to stderr
+            (:func:`failure_summary`).
         KeyboardInterrupt: Ctrl-C; the workers have been stopped.
     """
     old_levels = _quiet_torch_logs()
-    added_omp = False
+    added = []
     if _device(cfg) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
-        added_omp = True
+        added.append("OMP_NUM_THREADS")
+    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+        # A store shared by the agent outlives the workers: restarted workers then read the
+        # dead workers' addresses and fail to connect (PyTorch issue 135712). Without sharing,
+        # each attempt's rank 0 hosts a fresh store.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        added.append("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     try:
         with tempfile.TemporaryDirectory(prefix="tetrad_elastic_") as log_dir:
             config = LaunchConfig(
@@ -196,7 +283,7 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
                 rdzv_backend="c10d",
                 rdzv_endpoint="localhost:0",  # c10d picks a free port, like torchrun --standalone
                 run_id=f"tetrad-{uuid.uuid4().hex[:12]}",
-                max_restarts=0,
+                max_restarts=_max_restarts(cfg),
                 start_method="spawn",
                 logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # error files only; no redirects
             )
@@ -211,5 +298,5 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
                 raise SystemExit(128 + int(e.sigval)) from None
     finally:
         _restore_logs(old_levels)
-        if added_omp:
-            os.environ.pop("OMP_NUM_THREADS", None)
+        for name in added:
+            os.environ.pop(name, None)

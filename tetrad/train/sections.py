@@ -138,11 +138,27 @@ class TrainingSection:
 
 @dataclass
 class CheckpointSection:
-    """Where the run lives, and its checkpoints."""
+    """Where the run lives, its checkpoints, and restarts after a failure."""
 
     run_dir: str = option("runs/demo", metavar="DIR", help="where logs and checkpoints go")
-    ckpt_every: int = option(0, metavar="N", help="steps between checkpoints (0: only the end)")
-    resume: bool = option(False, help="continue from the latest checkpoint in the run dir")
+    checkpoint_every: int = option(
+        0, metavar="N", help="steps between checkpoints (0: only at the end)"
+    )
+    keep_last: int = option(
+        0, metavar="K", help="complete checkpoints kept, older ones removed (0: all)"
+    )
+    async_save: bool = option(
+        True, help="write checkpoints in the background (the loop waits only for the copy)"
+    )
+    resume: bool = option(
+        False, help="continue from the run dir's latest checkpoint (an error if it has none)"
+    )
+    max_restarts: int = option(
+        0,
+        metavar="N",
+        help="restart the local workers up to N times after a failure, resuming from the "
+        "latest checkpoint (under torchrun: torchrun --max-restarts)",
+    )
 
 
 @dataclass

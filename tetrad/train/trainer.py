@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import time
@@ -21,27 +22,45 @@ from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
 from tetrad.spec import MiB
 from tetrad.train.auto import domino_pays
-from tetrad.train.checkpoint import Checkpointer, latest_checkpoint
+from tetrad.train.checkpoint import Checkpointer
+from tetrad.train.checkpoint_dir import (
+    check_files,
+    check_resume,
+    leftovers,
+    read_meta,
+    tokenizer_hash,
+)
 from tetrad.train.config import ConfigError, TrainConfig
 from tetrad.train.data import Corpus, prepare_corpus, sample_batch, val_batches
 from tetrad.train.metrics import StepMeter, StepProfiler, log_line
 from tetrad.train.peak import Peak, mfu_peak
+from tetrad.train.resume import (
+    check_run_dir,
+    restart_count,
+    start_checkpoint,
+    tetrad_version,
+    trim_metrics,
+)
 from tetrad.train.step import build_optimizer, evaluate, lr_at, train_step
 
 
 def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
-    """Everything that can fail before workers start: values, data, tokenizer, model vs grid.
+    """Everything that can fail before workers start: values, run directory, data, tokenizer,
+    model vs grid, and the checkpoint a resume would load (its metadata and file sizes).
 
     Tokenises and caches the corpus, so workers only load it.
 
     Raises:
-        ConfigError, DataError, ModelConfigError: one-line messages saying what to change.
+        ConfigError, DataError, ModelConfigError, CheckpointError: one-line messages saying
+            what to change.
     """
     cfg.check()
     if cfg.training.device == "cuda" and not gpu_count():
         raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu")
+    check_run_dir(cfg.checkpoint.run_dir)
     d = cfg.data
     corpus = prepare_corpus(d.paths, d.tokenizer, d.vocab_size, d.val_fraction)
+    _check_seq_len(corpus, cfg.training.seq_len)
     model_cfg = cfg.model_config(corpus.vocab_size)
     if model_cfg.vocab_size < corpus.vocab_size:
         raise ConfigError(
@@ -49,7 +68,26 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
             f"tokenizer's {corpus.vocab_size}: raise it or drop it from the model"
         )
     check_divisible(model_cfg, cfg.parallelism.grid)
+    start = start_checkpoint(cfg)
+    if start is not None:
+        meta = read_meta(start)
+        check_resume(start, meta, model_cfg, tokenizer_hash(corpus.tokenizer_path))
+        if meta is not None:
+            check_files(start, meta, digest=False)  # the ranks compare digests when loading
     return corpus, model_cfg
+
+
+def _check_seq_len(corpus: Corpus, seq_len: int) -> None:
+    """Raises ConfigError when a sample of ``seq_len + 1`` tokens does not fit in the train or
+    the validation tokens."""
+    for name, tokens in (("train", corpus.train), ("validation", corpus.val)):
+        if len(tokens) < seq_len + 1:
+            raise ConfigError(
+                f"--seq-len {seq_len} needs {seq_len + 1:,} tokens per sample but the {name} "
+                f"set has {len(tokens):,}: use --seq-len {max(len(tokens) - 1, 1)} or less"
+                + (", a larger --val-fraction" if name == "validation" else "")
+                + " or more --data"
+            )
 
 
 def _preflight_on_rank0(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
@@ -128,23 +166,30 @@ def train(cfg: TrainConfig) -> dict:
     tokens = t.global_batch * t.seq_len
     peak = mfu_peak(cfg, model_cfg, grid)
     meter = StepMeter(tokens, model_cfg.flops_per_token(t.seq_len) * tokens, peak, grid.world_size)
-    job = _Job(
-        cfg,
-        grid,
-        corpus,
-        model,
-        optimizer,
-        Checkpointer(cfg.checkpoint.run_dir, grid),
-        meter,
-        dist.get_rank() == 0,
+    ck = cfg.checkpoint
+    meta = {
+        "tetrad_version": tetrad_version(),
+        "grid": list(grid.sizes),
+        "model_config": dataclasses.asdict(model_cfg),
+        "tokenizer_sha256": tokenizer_hash(corpus.tokenizer_path),
+        "data": {"seed": t.seed, "global_batch": t.global_batch, "seq_len": t.seq_len},
+    }
+    ckpt = Checkpointer(
+        ck.run_dir, grid, meta=meta, keep_last=ck.keep_last, async_save=ck.async_save
     )
-    latest = latest_checkpoint(job.run_dir) if cfg.checkpoint.resume else None
-    start = job.ckpt.load(model, optimizer, latest) if latest is not None else 0
+    job = _Job(cfg, grid, corpus, model, optimizer, ckpt, meter, dist.get_rank() == 0)
+    path = start_checkpoint(cfg)
+    start = ckpt.load(model, optimizer, path) if path is not None else 0
     if job.rank0:
         _write_run_files(job, model_cfg, start)
         _print_start(job, model_cfg, start)
+        if path is not None:
+            _print_resume(job, path)
+        for old in leftovers(job.run_dir):
+            print(f"tetrad: ignoring {old}: a save a crash interrupted (removed at the next save)")
     t_start = time.perf_counter()
     loss, val_loss = _loop(job, start)
+    _report_save(job, ckpt.close())
     summary = {
         "steps": t.steps,
         "final_loss": loss,
@@ -163,13 +208,34 @@ def train(cfg: TrainConfig) -> dict:
 
 def _write_run_files(job: _Job, model_cfg: ModelConfig, start: int) -> None:
     """``config.json`` (the sections and the resolved ``model_config``), ``tokenizer.json``;
-    a fresh ``metrics.jsonl`` unless resuming."""
+    ``metrics.jsonl`` keeps only the rows of steps up to ``start``."""
     job.run_dir.mkdir(parents=True, exist_ok=True)
     meta = dataclasses.asdict(job.cfg) | {"model_config": dataclasses.asdict(model_cfg)}
-    (job.run_dir / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    tmp = job.run_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, job.run_dir / "config.json")
     shutil.copyfile(job.corpus.tokenizer_path, job.run_dir / "tokenizer.json")
-    if start == 0:
-        (job.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    trim_metrics(job.run_dir, start)
+
+
+def _print_resume(job: _Job, path: Path) -> None:
+    """One line for a restart, and one when the checkpoint comes from another grid."""
+    saved = (read_meta(path) or {}).get("grid")
+    if restart_count():
+        limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+        print(f"tetrad: restart {restart_count()} of {limit}: resuming from {path}")
+    if saved and tuple(saved) != job.grid.sizes:
+        fmt = ",".join
+        print(
+            f"tetrad: resharding {path.name} from grid {fmt(map(str, saved))} to grid "
+            f"{fmt(map(str, job.grid.sizes))} (G_data,G_z,G_y,G_x)"
+        )
+
+
+def _report_save(job: _Job, done: tuple[Path, float] | None) -> None:
+    """Say on rank 0 that a checkpoint is complete."""
+    if done is not None and job.rank0:
+        tqdm.write(f"tetrad: checkpoint {done[0]} complete ({done[1]:.2f} s)", file=sys.stdout)
 
 
 def _print_start(job: _Job, model_cfg: ModelConfig, start: int) -> None:
@@ -219,7 +285,7 @@ def _rows(job: _Job, pending: list[dict], since: float) -> list[dict]:
     values = torch.stack([v for p in pending for v in (p["loss"], p["grad_norm"])]).tolist()
     seconds = (time.perf_counter() - since) / len(pending)
     peak = peak_memory_bytes(job.grid.device)
-    return [
+    rows = [
         job.meter.row(
             p["step"],
             seconds,
@@ -230,8 +296,10 @@ def _rows(job: _Job, pending: list[dict], since: float) -> list[dict]:
             comm=p["comm"],
             overlaps_ran=p["overlaps_ran"],
         )
+        | {"restarts": restart_count()}
         for i, p in enumerate(pending)
     ]
+    return rows
 
 
 def _notes(job: _Job, first: bool, peak: Peak) -> list[str]:
@@ -270,7 +338,7 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
         dynamic_ncols=True,
     )
     metrics = (job.run_dir / "metrics.jsonl").open("a") if rank0 else None
-    every = job.cfg.checkpoint.ckpt_every
+    every = job.cfg.checkpoint.checkpoint_every
     loss = val_loss = float("nan")
     pending: list[dict] = []
     since = time.perf_counter()
@@ -301,10 +369,18 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
             bar.update(len(rows))
             if done % log.log_every == 0 or last or validate:
                 bar.write(log_line(rows[-1]), file=sys.stdout)
+        _report_save(job, job.ckpt.poll())
         if save:
-            path = job.ckpt.save(job.model, job.optimizer, done)
+            t0 = time.perf_counter()
+            job.ckpt.save(job.model, job.optimizer, done)
+            if not job.cfg.checkpoint.async_save:
+                _report_save(job, job.ckpt.wait())
             if rank0:
-                bar.write(f"tetrad: checkpoint {path}")
+                bar.write(
+                    f"tetrad: checkpoint step {done}: the loop waited "
+                    f"{time.perf_counter() - t0:.2f} s",
+                    file=sys.stdout,
+                )
         since = time.perf_counter()
     bar.close()
     profiler.close()
