@@ -1,7 +1,8 @@
 """The ``tetrad`` command: one entry point, one sub-command per job.
 
     tetrad train       train a model: start local workers, or run as one rank under torchrun
-    tetrad generate    sample text from a run directory
+    tetrad generate    sample text from a run directory or an exported folder
+    tetrad export      write a run's full weights, config and tokenizer as safetensors
     tetrad report      where a run's step time went (compute, communication per axis)
     tetrad plan        rank 4D (and Megatron-style) configurations by predicted step time
     tetrad memory      per-GPU memory of one configuration and the 80% verdict
@@ -23,7 +24,7 @@ from typing import NamedTuple
 
 from tetrad.calibrate import cli as calibrate_cli
 from tetrad.plan import cli as plan_cli
-from tetrad.spec import DEVICES, TetradError, error_line
+from tetrad.spec import DEVICES, MiB, TetradError, error_line
 from tetrad.train import config
 
 
@@ -43,7 +44,11 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `tetrad train`")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="run directory written by `tetrad train`, or a folder written by `tetrad export`",
+    )
     p.add_argument("--prompt", default="", help="text to continue (default: empty)")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
@@ -67,6 +72,38 @@ def _generate(args: argparse.Namespace) -> None:
     print(text)
 
 
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `tetrad train`")
+    p.add_argument("out", metavar="OUT", help="folder to create (must not exist, or be empty)")
+    p.add_argument("--to", choices=("safetensors",), default="safetensors", help="format")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="cast every tensor to this type (default: as saved)",
+    )
+    p.add_argument(
+        "--max-shard-mb",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="at most N MiB of weights per .safetensors file (default 2048)",
+    )
+
+
+def _export(args: argparse.Namespace) -> None:
+    from tetrad.train.export import export
+
+    out = export(
+        args.run_dir,
+        args.out,
+        fmt=args.to,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_mb * MiB,
+    )
+    print(f"exported {args.run_dir} to {out}")
+
+
 def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `tetrad train`")
     p.add_argument("--no-plot", action="store_true", help="skip report.png")
@@ -87,10 +124,20 @@ COMMANDS: dict[str, Command] = {
         _train,
     ),
     "generate": Command(
-        "sample text from a trained run directory",
-        "Print PROMPT followed by text sampled from the latest checkpoint of RUN_DIR.",
+        "sample text from a trained run directory or an exported folder",
+        "Print PROMPT followed by text sampled from the latest checkpoint of RUN_DIR, or from "
+        "the weights of a folder written by `tetrad export`.",
         _generate_arguments,
         _generate,
+    ),
+    "export": Command(
+        "write a run's full weights, config and tokenizer to a safetensors folder",
+        "Write the latest checkpoint of RUN_DIR as full (unsharded) weights to OUT: "
+        "model.safetensors (or numbered shards and model.safetensors.index.json), config.json "
+        "and tokenizer.json. Reads one tensor at a time, so memory holds about one shard. "
+        "`tetrad generate OUT` samples from it.",
+        _export_arguments,
+        _export,
     ),
     "report": Command(
         "where a run's step time went (compute, communication)",

@@ -1,10 +1,15 @@
-"""Sample text from a trained run directory, in one process, without any process group.
+"""Sample text from a trained run directory or an exported folder, in one process, without any
+process group.
 
 A run directory (written by ``tetrad train``) holds ``config.json`` (with a ``model_config``
 object), ``tokenizer.json`` and ``checkpoints/latest`` naming the newest complete
 ``torch.distributed.checkpoint`` folder, whose keys are ``"model." + parameter name`` with the
 full (unsharded) shapes. DCP reshards whatever grid saved it into the full tensors of one
 reference :class:`~tetrad.models.reference.Llama`.
+
+An exported folder (written by ``tetrad export``, see :mod:`tetrad.train.export`) holds the same
+``config.json`` and ``tokenizer.json`` and the full weights in ``model.safetensors`` (or shards
+listed by ``model.safetensors.index.json``); they are read one tensor at a time.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 from tetrad.device import gpu_count
 from tetrad.models.config import ModelConfig
 from tetrad.spec import DEVICES
-from tetrad.train.checkpoint import CheckpointError, latest_checkpoint
+from tetrad.train.checkpoint_dir import CheckpointError, verified_latest
 from tetrad.train.config import ConfigError
 
 EOT = "<|endoftext|>"
@@ -57,22 +62,81 @@ def read_run_config(run_dir: str | Path) -> dict:
     return cfg
 
 
+def is_export(folder: str | Path) -> bool:
+    """Whether ``folder`` is a folder written by ``tetrad export`` (it has ``model.safetensors``
+    or ``model.safetensors.index.json``) rather than a run directory."""
+    names = ("model.safetensors", "model.safetensors.index.json")
+    return any((Path(folder) / name).is_file() for name in names)
+
+
+def _load_checkpoint(model: torch.nn.Module, folder: Path, mcfg: ModelConfig) -> None:
+    """Load a DCP checkpoint folder into ``model``'s parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = {"model." + n: torch.empty_like(p) for n, p in model.named_parameters()}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+            dcp.load(state, checkpoint_id=str(folder))
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(
+            f"checkpoint {folder} cannot be loaded into model {mcfg} ({_first_line(e)})"
+        ) from None
+    model.load_state_dict({k[len("model.") :]: v for k, v in state.items()})
+
+
+def _load_export(model: torch.nn.Module, folder: Path, mcfg: ModelConfig) -> None:
+    """Copy the tensors of an exported folder into ``model``'s parameters, one at a time."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = ["model.safetensors"]
+        params = dict(model.named_parameters())
+        seen: set[str] = set()
+        for name in files:
+            with safe_open(str(folder / name), framework="pt") as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    if key not in params or params[key].shape != t.shape:
+                        raise ValueError(f"{key} {list(t.shape)} is not a parameter of the model")
+                    params[key].data.copy_(t)
+                    seen.add(key)
+    except Exception as e:
+        raise CheckpointError(
+            f"export {folder} cannot be loaded into model {mcfg} ({_first_line(e)})"
+        ) from None
+    if seen != set(params):
+        missing = sorted(set(params) - seen)
+        raise CheckpointError(
+            f"export {folder} lacks {len(missing)} parameters of model {mcfg} (first: "
+            f"{missing[0]}): export the run again"
+        )
+
+
 def load_model(run_dir: str | Path, device: str = "cpu"):
-    """Build the reference Llama of a run and load its latest checkpoint into it.
+    """Build the reference Llama of a run directory or an exported folder and load its weights.
+
+    ``run_dir`` is a run directory (its latest checkpoint is loaded) or a folder written by
+    ``tetrad export`` (see :func:`is_export`).
 
     Returns:
         ``(model, tokenizer, run_config)``: the model in eval mode on ``device`` (fp32), the
         HF ``tokenizers.Tokenizer`` and the ``config.json`` dict.
 
     Raises:
-        CheckpointError: no run directory, no checkpoint, or an unreadable/corrupt one.
+        CheckpointError: no run directory, no checkpoint, or an unreadable/corrupt one; an
+            exported folder whose tensors do not match its ``model_config``.
     """
-    import torch.distributed.checkpoint as dcp
     from tokenizers import Tokenizer
-    from torch.distributed.checkpoint.api import CheckpointException
 
+    run_dir = Path(run_dir)
     run_cfg = read_run_config(run_dir)
-    tok_path = Path(run_dir) / "tokenizer.json"
+    tok_path = run_dir / "tokenizer.json"
     try:
         tokenizer = Tokenizer.from_file(str(tok_path))
     except Exception as e:
@@ -84,26 +148,21 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
         mcfg = ModelConfig(**sizes)
     except TypeError as e:
         raise CheckpointError(f"bad model_config in {run_dir}/config.json ({e})") from None
-    folder = latest_checkpoint(run_dir)
-    if folder is None:
+    exported = is_export(run_dir)
+    folder = None if exported else verified_latest(run_dir)
+    if not exported and folder is None:
         raise CheckpointError(
             f"no checkpoint in {run_dir}/checkpoints: train longer, or with "
-            "--ckpt-every, so that one is written"
+            "--checkpoint-every, so that one is written"
         )
 
     from tetrad.models.reference import Llama
 
     model = Llama(mcfg)
-    state = {"model." + n: torch.empty_like(p) for n, p in model.named_parameters()}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-            dcp.load(state, checkpoint_id=str(folder))
-    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        raise CheckpointError(
-            f"checkpoint {folder} cannot be loaded into model {mcfg} ({_first_line(e)})"
-        ) from None
-    model.load_state_dict({k[len("model.") :]: v for k, v in state.items()})
+    if folder is None:
+        _load_export(model, run_dir, mcfg)
+    else:
+        _load_checkpoint(model, folder, mcfg)
     return model.to(device).eval(), tokenizer, run_cfg
 
 
@@ -132,7 +191,8 @@ def generate(
     seed: int = 0,
     device: str = "cpu",
 ) -> str:
-    """Continue ``prompt`` with up to ``max_new_tokens`` tokens sampled from the run's model.
+    """Continue ``prompt`` with up to ``max_new_tokens`` tokens sampled from the model of
+    ``run_dir``: a run directory (its latest checkpoint) or a folder written by ``tetrad export``.
 
     The model sees at most the last ``seq_len`` tokens (``seq_len`` from ``config.json``,
     default 256). An empty prompt starts from ``<|endoftext|>``. Sampling stops early at
