@@ -609,7 +609,15 @@ def train_command(args: argparse.Namespace, prof: Profile, mb: int, run_dir: Pat
     cmd += ["--seq-len", str(args.seq_len), "--micro-batch", str(mb), "--global-batch", str(2 * mb)]
     cmd += ["--steps", str(args.steps), "--warmup-steps", str(min(prof.warmup, args.steps))]
     cmd += ["--log-every", str(prof.log_every), "--val-every", str(max(1000, args.steps))]
-    cmd += ["--val-batches", "1", "--ckpt-every", "0", "--no-resume", "--run-dir", str(run_dir)]
+    cmd += [
+        "--val-batches",
+        "1",
+        "--checkpoint-every",
+        "0",
+        "--no-resume",
+        "--run-dir",
+        str(run_dir),
+    ]
     for path in prof.data:
         cmd += ["--data", path]
     if prof.bpe_vocab:

@@ -152,14 +152,21 @@ def _train_until_killed(cfg, point: str, pid_dir: Path) -> None:
     rank = dist.get_rank()
     (pid_dir / str(rank)).write_text(str(os.getpid()))
     target = "step_0000004"
-    real_async, real_replace, real_rmtree = dcp.async_save, os.replace, shutil.rmtree
+    real_async, real_save = dcp.async_save, dcp.save
+    real_replace, real_rmtree = os.replace, shutil.rmtree
 
-    def async_save(state, *, checkpoint_id, **kw):
-        if target not in str(checkpoint_id) or point not in ("before_write", "mid_write"):
-            return real_async(state, checkpoint_id=checkpoint_id, **kw)
+    def writer(real):
+        def save(state, *, checkpoint_id, **kw):
+            if target not in str(checkpoint_id) or point not in ("before_write", "mid_write"):
+                return real(state, checkpoint_id=checkpoint_id, **kw)
+            crash(state, checkpoint_id, kw["process_group"])
+
+        return save
+
+    def crash(state, checkpoint_id, group):
         if point == "before_write" and rank == 0:
             _kill_all(pid_dir)
-        dcp.save(state, checkpoint_id=checkpoint_id, process_group=kw["process_group"])
+        real_save(state, checkpoint_id=checkpoint_id, process_group=group)
         shard = Path(checkpoint_id) / f"__{rank}_0.distcp"
         with shard.open("r+b") as f:  # a write cut short
             f.truncate(shard.stat().st_size // 2)
@@ -184,7 +191,7 @@ def _train_until_killed(cfg, point: str, pid_dir: Path) -> None:
             _kill_all(pid_dir)
         return real_rmtree(path, *a, **kw)
 
-    ck.dcp.async_save = async_save
+    ck.dcp.async_save, ck.dcp.save = writer(real_async), writer(real_save)
     os.replace, shutil.rmtree = replace, rmtree
     trainer.train(cfg)
 
@@ -192,11 +199,16 @@ def _train_until_killed(cfg, point: str, pid_dir: Path) -> None:
 POINTS = ["before_write", "mid_write", "before_meta", "before_rename", "before_pointer"]
 
 
-@pytest.mark.parametrize("point", [*POINTS, "before_prune"])
-def test_sigkill_during_save_leaves_a_loadable_checkpoint(corpus, tmp_path, reference, point):
+@pytest.mark.parametrize(
+    "point,mode",
+    [(p, "on") for p in [*POINTS, "before_prune"]]
+    + [("mid_write", "off"), ("before_pointer", "off")],
+)
+def test_sigkill_during_save_leaves_a_loadable_checkpoint(corpus, tmp_path, reference, point, mode):
+    """All ranks SIGKILLed at ``point`` of the save of step 4 (asynchronous save: ``mode``)."""
     run_dir, pids = tmp_path / "run", tmp_path / "pids"
     pids.mkdir()
-    cfg = config(corpus, run_dir, 6, GRID2, keep_last=1)
+    cfg = config(corpus, run_dir, 6, GRID2, keep_last=1, async_save=mode)
     trainer.preflight(cfg)
     with pytest.raises(Exception, match="SIGKILL|signal 9"):
         run_distributed(_train_until_killed, 2, cfg, point, pids)
@@ -234,7 +246,7 @@ def _train_killing_rank1_in_step_5(cfg) -> None:
 
 def test_worker_killed_under_max_restarts_completes_the_run(corpus, tmp_path, reference, capfd):
     run_dir = tmp_path / "run"
-    cfg = config(corpus, run_dir, 6, GRID2, max_restarts=1, async_save=False)
+    cfg = config(corpus, run_dir, 6, GRID2, max_restarts=1, async_save="off")
     trainer.preflight(cfg)
     run_local(cfg, 2, entrypoint=_train_killing_rank1_in_step_5)
     out = capfd.readouterr().out

@@ -140,8 +140,8 @@ class Checkpointer:
         Synchronous: returns once the files are written. Asynchronous: returns once the shards
         are copied to host memory, the files are written in the background.
         """
-        t0 = time.perf_counter()
         self.wait()
+        t0 = time.perf_counter()
         tmp = step_dir(self.run_dir, step).with_suffix(".tmp")
         if dist.get_rank() == 0:
             for old in leftovers(self.run_dir):

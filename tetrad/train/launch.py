@@ -59,7 +59,7 @@ def launch_train(cfg: TrainConfig) -> None:
         if cfg.training.device == "cuda":
             _check_gpus(local, "ranks on this node")
         cfg.check()
-        trainer.train(cfg)
+        _train_as_one_rank(cfg)
         return
     cfg.check()
     d, z, y, x = cfg.parallelism.grid
@@ -70,10 +70,30 @@ def launch_train(cfg: TrainConfig) -> None:
     print(
         f"tetrad: starting {nproc} workers (grid data={d} z={z} y={y} x={x}, "
         f"{cfg.training.device})",
-        file=sys.stderr,
         flush=True,
     )
     run_local(cfg, nproc)
+
+
+def _train_as_one_rank(cfg: TrainConfig) -> None:
+    """Train as one rank of a ``torchrun`` job, each failure reported once: a mistake in the
+    input (raised alike on every rank) by rank 0 only, any other error as one line on the rank
+    that raised it, its traceback in ``RUN_DIR/logs`` (torchrun's own summary follows).
+
+    Raises:
+        TetradError: on rank 0 (the CLI prints it); SystemExit(2) on the other ranks.
+    """
+    from tetrad.train import trainer
+
+    try:
+        trainer.train(cfg)
+    except TetradError:
+        if os.environ.get("RANK", "0") != "0":
+            raise SystemExit(2) from None
+        raise
+    except Exception as e:
+        print(error_line(record_failure(cfg, e)), file=sys.stderr, flush=True)
+        os._exit(1)  # no interpreter teardown: gloo/NCCL threads may still be blocked
 
 
 def _check_gpus(ranks: int, what: str) -> None:
@@ -131,7 +151,7 @@ def train_worker(cfg: Any) -> None:
 def record_failure(cfg: Any, e: BaseException) -> str:
     """Report the exception ``e`` being handled in this worker: its traceback appended to
     ``RUN_DIR/logs/rank_R.log``, and its one line written to torchelastic's error file
-    (``TORCHELASTIC_ERROR_FILE``; printed to stderr when there is none). Returns the line."""
+    (``TORCHELASTIC_ERROR_FILE``, where set). Returns the line."""
     rank = os.environ.get("RANK", "?")
     log = _write_traceback(cfg, rank)
     text = str(e).strip().splitlines()
@@ -179,7 +199,6 @@ def _record_failure(line: str, priority: int) -> None:
     with ``line`` as the message; the launcher reads it back as ``ProcessFailure.message``."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        print(error_line(line), file=sys.stderr)
         return
     info = {"py_callstack": "", "timestamp": str(int(time.time())), "tetrad_priority": priority}
     with open(path, "w") as f:

@@ -147,8 +147,11 @@ class CheckpointSection:
     keep_last: int = option(
         0, metavar="K", help="complete checkpoints kept, older ones removed (0: all)"
     )
-    async_save: bool = option(
-        True, help="write checkpoints in the background (the loop waits only for the copy)"
+    async_save: Literal["auto", "on", "off"] = option(
+        "auto",
+        help="write checkpoints in the background, the loop waiting only for the copy to host "
+        "memory: on, off, or auto (on with cuda; off on cpu, where the writing competes with "
+        "training for the cores)",
     )
     resume: bool = option(
         False, help="continue from the run dir's latest checkpoint (an error if it has none)"

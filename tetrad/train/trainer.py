@@ -174,9 +174,8 @@ def train(cfg: TrainConfig) -> dict:
         "tokenizer_sha256": tokenizer_hash(corpus.tokenizer_path),
         "data": {"seed": t.seed, "global_batch": t.global_batch, "seq_len": t.seq_len},
     }
-    ckpt = Checkpointer(
-        ck.run_dir, grid, meta=meta, keep_last=ck.keep_last, async_save=ck.async_save
-    )
+    background = ck.async_save == "on" or (ck.async_save == "auto" and grid.device.type == "cuda")
+    ckpt = Checkpointer(ck.run_dir, grid, meta=meta, keep_last=ck.keep_last, async_save=background)
     job = _Job(cfg, grid, corpus, model, optimizer, ckpt, meter, dist.get_rank() == 0)
     path = start_checkpoint(cfg)
     start = ckpt.load(model, optimizer, path) if path is not None else 0
@@ -373,7 +372,7 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
         if save:
             t0 = time.perf_counter()
             job.ckpt.save(job.model, job.optimizer, done)
-            if not job.cfg.checkpoint.async_save:
+            if not job.ckpt.async_save:
                 _report_save(job, job.ckpt.wait())
             if rank0:
                 bar.write(
