@@ -94,7 +94,7 @@ def _to_tmp(run: Path) -> None:
 
 # (name, extra train arguments or a full command, run-directory damage, words of the message)
 CASES = [
-    ("negative lr", ["--lr", "-1"], None, ["lr=-1.0", "above 0"]),
+    ("negative lr", ["--lr", "-1"], None, ["lr=-1.0", "0 or more"]),
     ("seq_len beyond the corpus", ["--seq-len", "100000"], None, ["--seq-len 100000", "train"]),
     ("run dir is a file", ["--run-dir", "{root}/a_file"], None, ["a_file is a file"]),
     (

@@ -75,7 +75,13 @@ def _generate(args: argparse.Namespace) -> None:
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `tetrad train`")
     p.add_argument("out", metavar="OUT", help="folder to create (must not exist, or be empty)")
-    p.add_argument("--to", choices=("safetensors",), default="safetensors", help="format")
+    p.add_argument(
+        "--to",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="safetensors: tetrad's names and config; hf: a Hugging Face Llama folder "
+        "(transformers' from_pretrained loads it)",
+    )
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),

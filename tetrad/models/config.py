@@ -35,6 +35,10 @@ class ModelConfig:
         vocab_size: tokens in the vocabulary (0: not known yet, take it from the tokenizer).
         rope_theta: RoPE base.
         norm_eps: RMSNorm epsilon.
+        rope_factor: Llama 3.1's RoPE frequency scaling ``factor`` (1: no scaling), with
+            ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
+            ``rope_original_positions`` (``original_max_position_embeddings``); see
+            :func:`tetrad.models.llama.rope_frequencies`.
     """
 
     dim: int = 256
@@ -45,6 +49,10 @@ class ModelConfig:
     vocab_size: int = 0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_positions: int = 8192
 
     @property
     def head_dim(self) -> int:

@@ -45,14 +45,30 @@ class Layers(Protocol):
     def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+def rope_frequencies(d: int, cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    """The ``d/2`` rotation frequencies ``theta^(-2i/d)`` (fp32), rescaled as Llama 3.1 does
+    when ``cfg.rope_factor != 1``: wavelengths above ``original / low_freq_factor`` are slowed
+    by ``factor``, those below ``original / high_freq_factor`` kept, and those between
+    interpolated (Llama 3.1 reference code, ``apply_scaling``; HF ``rope_type="llama3"``)."""
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    if cfg.rope_factor == 1.0:
+        return inv_freq
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_positions
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    between = (wavelen <= original / low) & (wavelen >= original / high)
+    return torch.where(between, (1 - smooth) * slowed / factor + smooth * slowed, slowed)
+
+
+def rope(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding (Su et al., arXiv 2104.09864, eq. 34), rotate-half pairing.
 
     ``x [B, heads, S, d]``: rotates the pair ``(x_i, x_{i+d/2})`` at position ``t`` by
-    ``t * theta^(-2i/d)``.
+    ``t * inv_freq[i]`` (:func:`rope_frequencies`).
     """
-    s, d = x.shape[-2], x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    s = x.shape[-2]
     angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv_freq)
     cos, sin = angles.cos(), angles.sin()
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -76,7 +92,7 @@ class Attention(nn.Module):
         self.group = cfg.n_heads // cfg.n_kv_heads
         self.n_kv_heads = cfg.n_kv_heads // layers.head_split
         self.n_heads = self.n_kv_heads * self.group
-        self.head_dim, self.theta = hd, cfg.rope_theta
+        self.head_dim, self.cfg = hd, cfg
         self.wqkv = layers.linear(d, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
         self.wo = layers.linear(
             cfg.n_heads * hd, d, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
@@ -88,7 +104,8 @@ class Attention(nn.Module):
         q = qkv[..., : self.group, :].reshape(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = qkv[..., self.group, :].transpose(1, 2)
         v = qkv[..., self.group + 1, :].contiguous().transpose(1, 2)  # SDPA keeps v, not qkv
-        q, k = rope(q, self.theta), rope(k, self.theta)
+        inv_freq = rope_frequencies(self.head_dim, self.cfg, x.device)
+        q, k = rope(q, inv_freq), rope(k, inv_freq)
         o = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
         )

@@ -139,6 +139,21 @@ def from_hf_config(path: str) -> ModelSpec:
         ) from None
     if not isinstance(cfg, dict):
         raise PlanError(f"{path!r} is not a JSON object: give a Hugging Face config.json")
+    arch = cfg.get("architectures") or []
+    if cfg.get("model_type", "llama") != "llama" or any("Llama" not in a for a in arch):
+        kind = cfg.get("model_type") or ", ".join(arch)
+        raise PlanError(
+            f"{path!r} describes a {kind} model: tetrad reads Llama models "
+            "(model_type llama, LlamaForCausalLM)"
+        )
+    unsupported = [k for k in ("attention_bias", "mlp_bias") if cfg.get(k)]
+    if cfg.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={cfg['hidden_act']}")
+    if unsupported:
+        raise PlanError(
+            f"{path!r} sets {', '.join(unsupported)}: tetrad's Llama has no biases and SwiGLU "
+            "with SiLU"
+        )
     need = [
         "hidden_size",
         "num_hidden_layers",
@@ -210,7 +225,8 @@ def _from_sizes(base: ModelSpec | None, sizes: dict) -> ModelSpec:
 
 def get_model(text: str) -> ModelSpec:
     """Resolve a model given as a preset name, a Hugging Face ``config.json`` path (or a folder
-    holding one), or ``key=value`` sizes; a preset or path may be followed by overrides.
+    holding one, also written ``hf:FOLDER``), or ``key=value`` sizes; a preset or path may be
+    followed by overrides.
 
     Examples: ``llama-3.1-70b``, ``path/to/config.json``, ``llama-3-8b,n_layers=16``,
     ``hidden=4096,n_layers=32,n_heads=32,n_kv_heads=8,ffn_hidden=14336,vocab=128256``
@@ -232,6 +248,8 @@ def get_model(text: str) -> ModelSpec:
         first = parts.pop(0)
         if first in PRESETS:
             base = PRESETS[first]
+        elif first.startswith("hf:"):
+            base = from_hf_config(first[3:])
         elif first.endswith(".json") or os.path.sep in first or os.path.exists(first):
             base = from_hf_config(first)
         else:

@@ -80,14 +80,35 @@ class TrainConfig:
         ``lcm(128, G_z*G_y*G_x)`` so the embedding and LM head divide over the grid (as Megatron-LM
         pads its vocabulary); padding ids never occur in the data.
         """
-        cfg, explicit = parse_model(self.model.name)
-        cfg = with_sizes(cfg, self.model.sizes)
+        folder = self.hf_folder
+        if folder is not None:
+            from tetrad.models.hf import read_config
+
+            cfg, explicit = read_config(folder)[0], frozenset()
+            tokenizer_vocab = max(tokenizer_vocab or 0, cfg.vocab_size)
+        else:
+            cfg, explicit = parse_model(self.model.name)
+            cfg = with_sizes(cfg, self.model.sizes)
         user_vocab = "vocab_size" in explicit | self.model.sizes.keys() and cfg.vocab_size
         if tokenizer_vocab is not None and not user_vocab:
             grid = self.parallelism.grid
             multiple = math.lcm(128, 1 if grid == "auto" else grid[1] * grid[2] * grid[3])
             cfg = dataclasses.replace(cfg, vocab_size=-(-tokenizer_vocab // multiple) * multiple)
         return cfg
+
+    @property
+    def hf_folder(self) -> Path | None:
+        """The Hugging Face folder of ``--init-from hf:PATH``, or None.
+
+        Raises:
+            ConfigError: ``init_from`` without the ``hf:`` prefix.
+        """
+        spec = self.model.init_from
+        if not spec:
+            return None
+        if not spec.startswith("hf:"):
+            raise ConfigError(f"init_from={spec!r}: give hf:PATH, a Hugging Face Llama folder")
+        return Path(spec[3:])
 
     def check(self) -> None:
         """Validate values that need no model or data.
@@ -146,13 +167,13 @@ class TrainConfig:
 
 
 def _check_training(t: TrainingSection) -> None:
-    """The optimiser's values: a learning rate above 0, betas in [0, 1), and so on.
+    """The optimiser's values: a learning rate of 0 or more, betas in [0, 1), and so on.
 
     Raises:
         ConfigError: one line naming the value and its allowed range.
     """
-    if not (math.isfinite(t.lr) and t.lr > 0):
-        raise ConfigError(f"lr={t.lr} must be a number above 0 (for example 3e-4)")
+    if not (math.isfinite(t.lr) and t.lr >= 0):
+        raise ConfigError(f"lr={t.lr} must be a number, 0 or more (for example 3e-4)")
     if not (math.isfinite(t.min_lr) and 0 <= t.min_lr <= t.lr):
         raise ConfigError(f"min_lr={t.min_lr} must lie in [0, lr={t.lr}]")
     for name in ("beta1", "beta2"):
@@ -318,7 +339,11 @@ class _Builder:
 
     def build(self) -> TrainConfig:
         self.values["model"]["sizes"] = self.sizes
-        return TrainConfig(**{name: SECTIONS[name](**v) for name, v in self.values.items()})
+        cfg = TrainConfig(**{name: SECTIONS[name](**v) for name, v in self.values.items()})
+        folder = cfg.hf_folder
+        if folder is not None and not cfg.data.tokenizer and (folder / "tokenizer.json").is_file():
+            cfg.data.tokenizer = str(folder / "tokenizer.json")  # the model's own vocabulary
+        return cfg
 
 
 def read_toml(path: str) -> dict:

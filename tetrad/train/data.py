@@ -23,8 +23,10 @@ import torch
 
 from tetrad.spec import TetradError
 
-FORMAT_VERSION = 2  # 2: a single file is split by tokens
+FORMAT_VERSION = 3  # 2: a single file is split by tokens; 3: end token of Llama tokenizers
 EOT = "<|endoftext|>"
+# The end-of-document token appended to each file: ours, then those of Llama 3 and Llama 2.
+END_TOKENS = (EOT, "<|end_of_text|>", "</s>")
 BPE_TRAIN_BYTES = 8_000_000  # the BPE is trained on at most this much train text (see below)
 ENCODE_CHUNK_BYTES = 4_000_000  # files are encoded in batches of about this much text
 
@@ -263,7 +265,7 @@ def prepare_corpus(
         tok = _train_bpe(texts, vocab_size)
         del texts
     vocab = tok.get_vocab_size()
-    eot = tok.token_to_id(EOT) or 0
+    eot = next((i for t in END_TOKENS if (i := tok.token_to_id(t)) is not None), 0)
     dtype = np.uint16 if vocab <= 65535 else np.uint32
     train = _encode(tok, train_files, eot, dtype)
     if val_files:

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from tetrad.spec import GiB
 from tetrad.train.checkpoint_dir import CheckpointError, verified_latest
 from tetrad.train.generate import _first_line, read_run_config
 
-FORMATS = ("safetensors",)
+FORMATS = ("safetensors", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,6 +89,35 @@ def _load_one(folder: Path, key: str, shape: torch.Size, dtype: torch.dtype) -> 
     return t
 
 
+def _writer_setup(fmt: str, run_dir: Path, tmp: Path, tokenizer: Path, dtype, tensors) -> Callable:
+    """Write the config and tokenizer files of format ``fmt`` into ``tmp``; returns the map
+    from one tetrad tensor (name, full tensor) to the tensors written for it."""
+    shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+    if fmt == "safetensors":
+        shutil.copyfile(run_dir / "config.json", tmp / "config.json")
+        return lambda name, t: {name: t}
+    from tetrad.models.config import ModelConfig
+    from tetrad.models.hf import hf_config, to_hf
+
+    run_cfg = read_run_config(run_dir)
+    cfg = ModelConfig(**run_cfg["model_config"])
+    base = run_cfg.get("hf_config")
+    vocab = int(base["vocab_size"]) if base else cfg.vocab_size
+    stored = next(iter(tensors.values()))[1]
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[
+        DTYPES[dtype] if dtype else stored
+    ]
+    config = hf_config(cfg, vocab, base, name)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    source = str(run_cfg.get("model", {}).get("init_from", ""))
+    for extra in ("tokenizer_config.json", "special_tokens_map.json"):
+        if source.startswith("hf:") and (Path(source[3:]) / extra).is_file():
+            shutil.copyfile(Path(source[3:]) / extra, tmp / extra)
+    return lambda name, t: to_hf(name, t, cfg, vocab)
+
+
 def _check_output(out: Path) -> None:
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ExportError(f"{out} already exists and is not an empty folder: give a new OUT folder")
@@ -107,7 +137,9 @@ def export(
     Args:
         run_dir: a run directory written by ``tetrad train``.
         out_dir: the folder to create; it must not exist, or be empty.
-        fmt: the output format; only ``"safetensors"``.
+        fmt: ``"safetensors"`` (tetrad's names and ``config.json``) or ``"hf"`` (a Hugging Face
+            Llama folder: :func:`tetrad.models.hf.to_hf` names and layouts, vocabulary padding
+            dropped, ``config.json`` and ``generation_config.json`` for transformers).
         dtype: ``"float32"`` or ``"bfloat16"`` to cast every tensor to; None keeps the
             checkpoint's dtype.
         max_shard_bytes: the most bytes of tensor data in one ``.safetensors`` file (a tensor
@@ -159,21 +191,22 @@ def export(
     try:
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
         tmp.mkdir(parents=True)
-        shutil.copyfile(run_dir / "config.json", tmp / "config.json")
-        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-        weight_map = {}
+        convert = _writer_setup(fmt, run_dir, tmp, tokenizer, dtype, tensors)
+        weight_map, total = {}, 0
         for keys, name in zip(shards, names, strict=True):
             shard = {}
             for k in keys:
                 t = _load_one(folder, k, tensors[k][0], tensors[k][1])
-                shard[k[len("model.") :]] = t.to(out_dtype[k])
+                for out_name, v in convert(k[len("model.") :], t).items():
+                    shard[out_name] = v.to(out_dtype[k]).contiguous()
+                    total += shard[out_name].nbytes
                 del t
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
             shutil.copymode(tmp / "config.json", tmp / name)  # save_file makes it owner-only
             weight_map.update(dict.fromkeys(shard, name))
             del shard
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         os.replace(tmp, out)  # fails if someone wrote into OUT meanwhile
     except OSError as e:

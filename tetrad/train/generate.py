@@ -14,6 +14,7 @@ listed by ``model.safetensors.index.json``); they are read one tensor at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -118,6 +119,39 @@ def _load_export(model: torch.nn.Module, folder: Path, mcfg: ModelConfig) -> Non
         )
 
 
+def _is_hf_folder(folder: Path) -> bool:
+    """A Hugging Face folder: its ``config.json`` has a ``model_type`` and no ``model_config``."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "model_type" in cfg and "model_config" not in cfg
+
+
+def _load_hf_folder(folder: Path, device: str):
+    """:func:`load_model` of a Hugging Face Llama folder (such as ``tetrad export --to hf``)."""
+    from tokenizers import Tokenizer
+
+    from tetrad.models.config import ModelConfigError
+    from tetrad.models.hf import Weights, read_config
+    from tetrad.models.reference import Llama
+
+    try:
+        cfg, raw = read_config(folder)
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        model = Llama(cfg)
+        weights = Weights(folder, cfg, tied=bool(raw.get("tie_word_embeddings", False)))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(weights.read(name, tuple(slice(0, n) for n in p.shape)))
+    except ModelConfigError as e:
+        raise CheckpointError(str(e)) from None
+    except Exception as e:
+        raise CheckpointError(f"cannot load {folder} ({_first_line(e)})") from None
+    run_cfg = {"model_config": dataclasses.asdict(cfg), "hf_config": raw}
+    return model.to(device).eval(), tokenizer, run_cfg
+
+
 def load_model(run_dir: str | Path, device: str = "cpu"):
     """Build the reference Llama of a run directory or an exported folder and load its weights.
 
@@ -134,7 +168,9 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
     """
     from tokenizers import Tokenizer
 
-    run_dir = Path(run_dir)
+    run_dir = Path(str(run_dir).removeprefix("hf:"))
+    if _is_hf_folder(run_dir):
+        return _load_hf_folder(run_dir, device)
     run_cfg = read_run_config(run_dir)
     tok_path = run_dir / "tokenizer.json"
     try:

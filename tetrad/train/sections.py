@@ -55,6 +55,12 @@ class ModelSection:
         help="preset or sizes, e.g. small, tiny,n_layers=4, dim=512,...",
     )
     sizes: dict = field(default_factory=dict)  # the [model] table's sizes (TOML only)
+    init_from: str = option(
+        "",
+        metavar="hf:PATH",
+        help="start from a Hugging Face Llama folder: its sizes, weights and tokenizer.json "
+        "(--model is then ignored)",
+    )
 
 
 @dataclass

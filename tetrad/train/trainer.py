@@ -18,6 +18,7 @@ from tqdm import tqdm
 from tetrad.device import device_name, gpu_count, peak_memory_bytes, threads_per_rank
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
+from tetrad.models.hf import Weights, read_config
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
 from tetrad.spec import MiB
@@ -58,6 +59,10 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
     if cfg.training.device == "cuda" and not gpu_count():
         raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu")
     check_run_dir(cfg.checkpoint.run_dir)
+    folder = cfg.hf_folder
+    if folder is not None:
+        hf_cfg, raw = read_config(folder)
+        Weights(folder, hf_cfg, tied=bool(raw.get("tie_word_embeddings")))  # files present?
     d = cfg.data
     corpus = prepare_corpus(d.paths, d.tokenizer, d.vocab_size, d.val_fraction)
     _check_seq_len(corpus, cfg.training.seq_len)
@@ -67,6 +72,13 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
             f"model vocab_size={model_cfg.vocab_size} is smaller than the "
             f"tokenizer's {corpus.vocab_size}: raise it or drop it from the model"
         )
+    if folder is not None:
+        hf_vocab = read_config(folder)[0].vocab_size
+        if corpus.vocab_size > hf_vocab:
+            raise ConfigError(
+                f"the tokenizer has {corpus.vocab_size:,} tokens but {folder} has a vocabulary "
+                f"of {hf_vocab:,}: use the model's own tokenizer.json (drop --tokenizer)"
+            )
     check_divisible(model_cfg, cfg.parallelism.grid)
     start = start_checkpoint(cfg)
     if start is not None:
@@ -178,6 +190,8 @@ def train(cfg: TrainConfig) -> dict:
     ckpt = Checkpointer(ck.run_dir, grid, meta=meta, keep_last=ck.keep_last, async_save=background)
     job = _Job(cfg, grid, corpus, model, optimizer, ckpt, meter, dist.get_rank() == 0)
     path = start_checkpoint(cfg)
+    if path is None and cfg.hf_folder is not None:
+        _init_from_hf(model, grid, cfg.hf_folder)
     start = ckpt.load(model, optimizer, path) if path is not None else 0
     if job.rank0:
         _write_run_files(job, model_cfg, start)
@@ -205,11 +219,23 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
+def _init_from_hf(model: ParallelLlama, grid: Grid, folder: Path) -> None:
+    """Copy this rank's slice of every weight of a Hugging Face Llama folder into ``model``
+    (each rank reads only its own rows and columns)."""
+    cfg, raw = read_config(folder)
+    weights = Weights(folder, cfg, tied=bool(raw.get("tie_word_embeddings", False)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights.read(name, p.placement.local_slices(grid)))
+
+
 def _write_run_files(job: _Job, model_cfg: ModelConfig, start: int) -> None:
     """``config.json`` (the sections and the resolved ``model_config``), ``tokenizer.json``;
     ``metrics.jsonl`` keeps only the rows of steps up to ``start``."""
     job.run_dir.mkdir(parents=True, exist_ok=True)
     meta = dataclasses.asdict(job.cfg) | {"model_config": dataclasses.asdict(model_cfg)}
+    if job.cfg.hf_folder is not None:  # what `tetrad export --to hf` starts from
+        meta["hf_config"] = read_config(job.cfg.hf_folder)[1]
     tmp = job.run_dir / "config.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, job.run_dir / "config.json")

@@ -1,0 +1,260 @@
+"""Hugging Face Llama folders: sizes from ``config.json``, weights in and out of tetrad's layout.
+
+A folder holds ``config.json`` (``LlamaForCausalLM``), ``model.safetensors`` or shards listed by
+``model.safetensors.index.json``, and usually ``tokenizer.json``. The names map one to one,
+except the two fused projections (:mod:`tetrad.models.llama`)::
+
+    tok_embeddings.weight              model.embed_tokens.weight
+    layers.L.attention_norm.weight     model.layers.L.input_layernorm.weight
+    layers.L.attention.wqkv.weight     model.layers.L.self_attn.{q,k,v}_proj.weight, rows grouped
+                                       per KV head j: q heads j*g .. j*g+g-1, k_j, v_j
+    layers.L.attention.wo.weight       model.layers.L.self_attn.o_proj.weight
+    layers.L.ffn_norm.weight           model.layers.L.post_attention_layernorm.weight
+    layers.L.feed_forward.w13.weight   model.layers.L.mlp.{gate,up}_proj.weight, rows interleaved
+    layers.L.feed_forward.w2.weight    model.layers.L.mlp.down_proj.weight
+    norm.weight                        model.norm.weight
+    output.weight                      lm_head.weight (embed_tokens with tied embeddings)
+
+Both sides rotate q and k with the rotate-half pairing, so no head permutation is needed. tetrad
+pads the vocabulary to divide the grid; padding rows load as zeros and are dropped on export.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from tetrad.models.config import ModelConfig, ModelConfigError
+from tetrad.plan.models import PlanError
+from tetrad.plan.presets import from_hf_config
+
+PREFIX = "hf:"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+_PLAIN = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_folder(spec: str) -> Path | None:
+    """The folder of a model given as ``hf:PATH``, or None for any other model string."""
+    return Path(spec[len(PREFIX) :]) if spec.startswith(PREFIX) else None
+
+
+def read_config(folder: Path) -> tuple[ModelConfig, dict]:
+    """The sizes of a Hugging Face Llama folder, and its raw ``config.json``.
+
+    ``vocab_size`` is the folder's (tetrad pads it to the grid later). Llama 3.1's
+    ``rope_scaling`` (``rope_type`` llama3) is kept; other RoPE scalings are refused.
+
+    Raises:
+        ModelConfigError: a missing or unreadable ``config.json``, another architecture, biases,
+            another activation, a ``head_dim`` other than hidden/heads, or another RoPE scaling.
+    """
+    try:
+        spec = from_hf_config(str(folder))
+    except PlanError as e:
+        raise ModelConfigError(str(e)) from None
+    raw = json.loads((folder / "config.json").read_text())
+    scaling = raw.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    extra = {}
+    if kind == "llama3":
+        extra = dict(
+            rope_factor=float(scaling["factor"]),
+            rope_low_freq_factor=float(scaling["low_freq_factor"]),
+            rope_high_freq_factor=float(scaling["high_freq_factor"]),
+            rope_original_positions=int(scaling["original_max_position_embeddings"]),
+        )
+    elif scaling and kind != "default":
+        raise ModelConfigError(
+            f"{folder}/config.json has rope_scaling of type {kind!r}: tetrad implements Llama "
+            "3.1's (llama3) only"
+        )
+    cfg = ModelConfig(
+        dim=spec.hidden,
+        n_layers=spec.n_layers,
+        n_heads=spec.n_heads,
+        n_kv_heads=spec.n_kv_heads,
+        ffn_dim=spec.ffn_hidden,
+        vocab_size=spec.vocab,
+        rope_theta=spec.rope_theta,
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        **extra,
+    )
+    return cfg, raw
+
+
+class Weights:
+    """The safetensors files of a folder, read slice by slice (``safe_open(...).get_slice``):
+    a rank reads only the rows and columns of its own shards.
+
+    Raises (on construction):
+        ModelConfigError: no ``model.safetensors`` nor index, or a file listed but missing.
+    """
+
+    def __init__(self, folder: Path, cfg: ModelConfig, tied: bool):
+        from safetensors import safe_open
+
+        self.cfg, self.tied, self.folder = cfg, tied, folder
+        index = folder / INDEX
+        if index.is_file():
+            files = json.loads(index.read_text())["weight_map"]
+        elif (folder / SINGLE).is_file():
+            with safe_open(str(folder / SINGLE), framework="pt") as f:
+                files = dict.fromkeys(f.keys(), SINGLE)
+        else:
+            raise ModelConfigError(f"{folder} has neither {SINGLE} nor {INDEX}: no weights to load")
+        for name in set(files.values()):
+            if not (folder / name).is_file():
+                raise ModelConfigError(f"{folder / name} (listed in {INDEX}) is missing")
+        self.files = files
+        self._open: dict[str, object] = {}
+        embed = _PLAIN["tok_embeddings.weight"]
+        self.vocab = self._slice(embed).get_shape()[0] if embed in files else 0
+
+    def _slice(self, name: str):
+        """safetensors' lazy slice of tensor ``name`` (its file opened once)."""
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise ModelConfigError(f"{self.folder} lacks the tensor {name}: is it a Llama folder?")
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.folder / file), framework="pt")
+        return self._open[file].get_slice(name)  # type: ignore[attr-defined]
+
+    def _rows(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
+        """``name[rows, cols]`` (or ``name[rows]`` for a vector) read from its file."""
+        piece = self._slice(name)
+        return piece[rows] if len(piece.get_shape()) == 1 else piece[rows, cols]
+
+    def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        """tetrad's parameter ``name`` (its global tensor) restricted to ``slices``, in fp32.
+
+        Raises:
+            ModelConfigError: a tensor missing from the folder.
+        """
+        rows = slices[0]
+        cols = slices[1] if len(slices) > 1 else slice(None)
+        parts = name.split(".")
+        if name == "norm.weight":
+            return self._rows(_PLAIN[name], rows, cols).float()
+        if name in _PLAIN:
+            source = _PLAIN[name]
+            if name == "output.weight" and self.tied:
+                source = _PLAIN["tok_embeddings.weight"]
+            return self._vocab_rows(source, rows, cols).float()
+        layer, rest = f"model.layers.{parts[1]}.", ".".join(parts[2:])
+        if rest in _LAYER:
+            return self._rows(layer + _LAYER[rest], rows, cols).float()
+        if rest == "attention.wqkv.weight":
+            return torch.cat(list(self._qkv_rows(layer, rows, cols))).float()
+        if rest == "feed_forward.w13.weight":
+            lo, hi = rows.start // 2, (rows.stop + 1) // 2
+            gate = self._rows(layer + "mlp.gate_proj.weight", slice(lo, hi), cols)
+            up = self._rows(layer + "mlp.up_proj.weight", slice(lo, hi), cols)
+            both = torch.stack([gate, up], dim=1).flatten(0, 1)
+            return both[rows.start - 2 * lo : rows.stop - 2 * lo].float()
+        raise ModelConfigError(f"tetrad parameter {name} has no Hugging Face counterpart")
+
+    def _vocab_rows(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
+        """Rows of an embedding-like tensor; rows past the folder's vocabulary are zeros."""
+        real = min(rows.stop, self.vocab)
+        out = torch.zeros(rows.stop - rows.start, self._width(cols))
+        if real > rows.start:
+            out[: real - rows.start] = self._rows(name, slice(rows.start, real), cols)
+        return out
+
+    def _width(self, cols: slice) -> int:
+        stop = self.cfg.dim if cols.stop is None else cols.stop
+        return stop - (cols.start or 0)
+
+    def _qkv_rows(self, layer: str, rows: slice, cols: slice) -> Iterator[torch.Tensor]:
+        """The fused q/k/v rows ``rows`` as runs read from q_proj, k_proj and v_proj."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        g = cfg.n_heads // cfg.n_kv_heads
+        r = rows.start
+        while r < rows.stop:
+            j, within = divmod(r, (g + 2) * hd)
+            slot, off = divmod(within, hd)
+            n = min(hd - off, rows.stop - r)
+            if slot < g:
+                name, base = "self_attn.q_proj.weight", (j * g + slot) * hd
+            else:
+                name = "self_attn.k_proj.weight" if slot == g else "self_attn.v_proj.weight"
+                base = j * hd
+            yield self._rows(layer + name, slice(base + off, base + off + n), cols)
+            r += n
+
+
+def to_hf(name: str, full: torch.Tensor, cfg: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors of tetrad's full parameter ``name`` (vocabulary rows beyond
+    ``vocab`` dropped)."""
+    if name in _PLAIN:
+        return {_PLAIN[name]: full[:vocab] if name != "norm.weight" else full}
+    parts = name.split(".")
+    layer, rest = f"model.layers.{parts[1]}.", ".".join(parts[2:])
+    if rest in _LAYER:
+        return {layer + _LAYER[rest]: full}
+    if rest == "feed_forward.w13.weight":
+        pairs = full.unflatten(0, (-1, 2))
+        return {
+            layer + "mlp.gate_proj.weight": pairs[:, 0],
+            layer + "mlp.up_proj.weight": pairs[:, 1],
+        }
+    if rest == "attention.wqkv.weight":
+        g, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+        groups = full.unflatten(0, (cfg.n_kv_heads, g + 2, hd))
+        return {
+            layer + "self_attn.q_proj.weight": groups[:, :g].flatten(0, 2),
+            layer + "self_attn.k_proj.weight": groups[:, g].flatten(0, 1),
+            layer + "self_attn.v_proj.weight": groups[:, g + 1].flatten(0, 1),
+        }
+    raise ModelConfigError(f"tetrad parameter {name} has no Hugging Face counterpart")
+
+
+def hf_config(cfg: ModelConfig, vocab: int, base: dict | None, dtype: str) -> dict:
+    """``config.json`` of an exported folder: ``base`` (the folder the run started from, if
+    any) with the sizes, untied embeddings (tetrad trains the LM head apart) and ``dtype``."""
+    out = dict(base or {})
+    out.update(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=cfg.dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.ffn_dim,
+        vocab_size=vocab,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+    )
+    if cfg.rope_factor != 1.0:
+        out["rope_scaling"] = dict(
+            rope_type="llama3",
+            factor=cfg.rope_factor,
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_positions,
+        )
+    out.setdefault("max_position_embeddings", max(cfg.rope_original_positions, 2048))
+    return out
