@@ -20,6 +20,7 @@ from tetrad.models.reference import Llama
 from tetrad.parallel.model import ParallelLlama
 from tetrad.train import trainer
 from tetrad.train.config import load_config
+from tetrad.train.preflight import init_from_hf
 from tetrad.train.step import evaluate
 
 transformers = pytest.importorskip("transformers")
@@ -43,7 +44,9 @@ def _tokenizer(folder: Path) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
-def make_llama(folder: Path, *, tied: bool = False, shard: str | None = None) -> Path:
+def make_llama(
+    folder: Path, *, tied: bool = False, shard: str | None = None, vocab: int = VOCAB
+) -> Path:
     """Save a random fp32 LlamaForCausalLM (4 heads, 2 KV heads) and a tokenizer in ``folder``."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -52,7 +55,7 @@ def make_llama(folder: Path, *, tied: bool = False, shard: str | None = None) ->
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_position_embeddings=128,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -105,7 +108,7 @@ def _loss_on_grid(folder: Path, sizes, batch: torch.Tensor, out: Path) -> None:
     grid = Grid.build(sizes)
     cfg = read_config(folder)[0]
     model = ParallelLlama(cfg, grid)
-    trainer._init_from_hf(model, grid, folder)
+    init_from_hf(model, grid, folder)
     model.eval()
     with torch.no_grad():
         loss = evaluate(model, grid, [batch], micro_batch=1)
@@ -184,16 +187,22 @@ def corpus(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_fine_tune_then_export_loads_in_transformers(tmp_path, corpus, tied, monkeypatch):
+@pytest.mark.parametrize(
+    "tied,vocab", [(False, VOCAB), (True, VOCAB), (False, 320)], ids=["untied", "tied", "padded"]
+)
+def test_fine_tune_then_export_loads_in_transformers(tmp_path, corpus, tied, vocab, monkeypatch):
+    """Three steps on grid 1,1,2,2 (with vocab 320, padded to 384 there), export, then
+    transformers' loss on the validation batch equals tetrad's last validation loss."""
     from tetrad.train.data import prepare_corpus, val_batches
     from tetrad.train.export import export
 
     monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))
-    folder = make_llama(tmp_path / "hf", tied=tied)
+    folder = make_llama(tmp_path / "hf", tied=tied, vocab=vocab)
     run_dir = tmp_path / "run"
     cfg = _fine_tune(folder, run_dir, corpus, "1,1,2,2", lr=1e-3)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    model_config = json.loads((run_dir / "config.json").read_text())["model_config"]
+    assert model_config["vocab_size"] == 384 and model_config["unpadded_vocab"] == (vocab % 384)
     out = export(run_dir, tmp_path / "out", fmt="hf", max_shard_bytes=40_000)
     assert (out / "model.safetensors.index.json").is_file()
     d = cfg.data

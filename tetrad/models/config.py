@@ -39,6 +39,8 @@ class ModelConfig:
             ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
             ``rope_original_positions`` (``original_max_position_embeddings``); see
             :func:`tetrad.models.llama.rope_frequencies`.
+        unpadded_vocab: the real vocabulary when ``vocab_size`` is padded to divide the grid
+            (0: no padding); the loss's softmax leaves the padding ids out.
     """
 
     dim: int = 256
@@ -53,6 +55,7 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_positions: int = 8192
+    unpadded_vocab: int = 0
 
     @property
     def head_dim(self) -> int:

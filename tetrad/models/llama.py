@@ -27,7 +27,8 @@ class Layers(Protocol):
     ``linear(k, n)`` maps ``[..., k] -> [..., n]`` (``transpose`` marks the second layer of a
     pair: the attention out-projection and the SwiGLU down-projection); ``head(dim, V)`` is the
     LM head ``[..., dim] -> [..., V]``; ``token_losses`` gives the per-token cross-entropy (nats)
-    of ``logits [..., V]`` against ``targets [...]``.
+    of ``logits [..., V]`` against ``targets [...]``, over the first ``vocab`` ids only when
+    given (the rest is padding).
     """
 
     head_split: int
@@ -42,7 +43,9 @@ class Layers(Protocol):
 
     def norm(self, dim: int, eps: float) -> nn.Module: ...
 
-    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+    def token_losses(
+        self, logits: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
+    ) -> torch.Tensor: ...
 
 
 def rope_frequencies(d: int, cfg: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -171,4 +174,5 @@ class Transformer(nn.Module):
 
     def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of the per-token cross-entropies (nats) of this rank's ``[b, S]`` tokens."""
-        return self.layer_factory.token_losses(self(tokens), targets).sum()
+        vocab = self.cfg.unpadded_vocab or None
+        return self.layer_factory.token_losses(self(tokens), targets, vocab).sum()

@@ -21,7 +21,7 @@ from tetrad.spec import Axis
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, grid: Grid, axes: tuple[Axis, ...]):
+    def forward(ctx, logits, targets, grid: Grid, axes: tuple[Axis, ...], vocab: int | None):
         vocab_local, block = logits.shape[-1], 0
         for a in axes:
             block = block * grid.size(a) + grid.coord[a]
@@ -35,6 +35,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # in place by backward
         exp = torch.empty_like(logits, dtype=torch.float32)
         torch.sub(logits, m.unsqueeze(-1), out=exp).exp_()
+        if vocab is not None and vocab < (block + 1) * vocab_local:  # padding ids: no mass
+            exp[..., max(0, vocab - block * vocab_local) :] = 0.0
         sum_exp = _all_reduce_over(exp.sum(dim=-1), grid, axes)
         ctx.save_for_backward(exp, sum_exp, local, outside)
         ctx.dtype = logits.dtype
@@ -48,7 +50,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = exp.mul_((dloss / sum_exp).unsqueeze(-1))
         hit = dloss.masked_fill(outside, 0.0)
         grad.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))
-        return grad.to(ctx.dtype), None, None, None
+        return grad.to(ctx.dtype), None, None, None, None
 
 
 def _all_reduce_over(t: torch.Tensor, grid: Grid, axes, op: str = "sum") -> torch.Tensor:
@@ -62,6 +64,7 @@ def vocab_parallel_cross_entropy(
     targets: torch.Tensor,
     grid: Grid,
     axes: Axis | tuple[Axis, ...] = (Axis.Y, Axis.X),
+    vocab: int | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy (nats) from vocabulary-sharded logits.
 
@@ -71,8 +74,10 @@ def vocab_parallel_cross_entropy(
             the product of the axes' sizes (any float dtype; computed in fp32).
         targets: ``[...]`` global token ids.
         axes: the axes splitting the vocabulary, outer first (one axis alone is allowed).
+        vocab: the real vocabulary when the logits' is padded: ids ``>= vocab`` get no
+            probability (their ``exp`` is zeroed, so their gradient is 0 too).
     Returns:
         ``[...]`` fp32 losses, identical on every rank of ``axes``.
     """
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    return _VocabParallelCrossEntropy.apply(logits, targets, grid, axes)
+    return _VocabParallelCrossEntropy.apply(logits, targets, grid, axes, vocab)

@@ -52,8 +52,10 @@ class ParallelLayers:
     def norm(self, dim: int, eps: float) -> nn.Module:
         return RMSNorm(dim, self.grid, Axis.X, eps)
 
-    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.grid, (Axis.Y, Axis.X))
+    def token_losses(
+        self, logits: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
+    ) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.grid, (Axis.Y, Axis.X), vocab)
 
 
 class ParallelLlama(Transformer):

@@ -190,6 +190,11 @@ def check_resume(folder: Path, meta: dict | None, model_config: object, tok_hash
     """
     if meta is None:
         return
+    if meta.get("tokenizer_sha256") not in (None, tok_hash):
+        raise CheckpointError(
+            f"checkpoint {folder} was saved with another tokenizer (tokenizer.json differs): "
+            "resume with the run's --data, --tokenizer and --vocab-size, or use a fresh --run-dir"
+        )
     ours = dataclasses.asdict(model_config)  # type: ignore[call-overload]
     saved = meta.get("model_config", {})
     diff = [k for k in ours if k in saved and saved[k] != ours[k]]
@@ -199,9 +204,4 @@ def check_resume(folder: Path, meta: dict | None, model_config: object, tok_hash
         raise CheckpointError(
             f"checkpoint {folder} was saved for a model with {was}; this run has {now}: "
             "resume with the same --model (and sizes), or use a fresh --run-dir"
-        )
-    if meta.get("tokenizer_sha256") not in (None, tok_hash):
-        raise CheckpointError(
-            f"checkpoint {folder} was saved with another tokenizer (tokenizer.json differs): "
-            "resume with the run's --data, --tokenizer and --vocab-size, or use a fresh --run-dir"
         )

@@ -93,7 +93,9 @@ class TrainConfig:
         if tokenizer_vocab is not None and not user_vocab:
             grid = self.parallelism.grid
             multiple = math.lcm(128, 1 if grid == "auto" else grid[1] * grid[2] * grid[3])
-            cfg = dataclasses.replace(cfg, vocab_size=-(-tokenizer_vocab // multiple) * multiple)
+            padded = -(-tokenizer_vocab // multiple) * multiple
+            real = tokenizer_vocab if padded > tokenizer_vocab else 0
+            cfg = dataclasses.replace(cfg, vocab_size=padded, unpadded_vocab=real)
         return cfg
 
     @property

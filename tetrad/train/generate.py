@@ -26,8 +26,7 @@ from tetrad.models.config import ModelConfig
 from tetrad.spec import DEVICES
 from tetrad.train.checkpoint_dir import CheckpointError, verified_latest
 from tetrad.train.config import ConfigError
-
-EOT = "<|endoftext|>"
+from tetrad.train.data import END_TOKENS
 
 
 def _first_line(e: BaseException) -> str:
@@ -231,8 +230,9 @@ def generate(
     ``run_dir``: a run directory (its latest checkpoint) or a folder written by ``tetrad export``.
 
     The model sees at most the last ``seq_len`` tokens (``seq_len`` from ``config.json``,
-    default 256). An empty prompt starts from ``<|endoftext|>``. Sampling stops early at
-    ``<|endoftext|>``. Deterministic for a given ``seed`` and device.
+    default 256). An empty prompt starts from the end-of-document token (``<|endoftext|>``, or
+    a Llama tokenizer's), and sampling stops early at it. Deterministic for a given ``seed``
+    and device.
 
     Returns:
         ``prompt`` followed by the decoded continuation.
@@ -251,7 +251,7 @@ def generate(
     model, tok, run_cfg = load_model(run_dir, device)
     # config.json holds the [training] section (older runs: a flat seq_len)
     window = int(run_cfg.get("training", run_cfg).get("seq_len") or 256)
-    eot = tok.token_to_id(EOT)
+    eot = next((i for t in END_TOKENS if (i := tok.token_to_id(t)) is not None), None)
     ids = tok.encode(prompt, add_special_tokens=False).ids if prompt else []
     if not ids:
         ids = [eot if eot is not None else 0]

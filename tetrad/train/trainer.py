@@ -15,28 +15,26 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tetrad.device import device_name, gpu_count, peak_memory_bytes, threads_per_rank
+from tetrad.device import device_name, peak_memory_bytes, threads_per_rank
 from tetrad.grid import Grid
-from tetrad.models.config import ModelConfig, check_divisible
-from tetrad.models.hf import Weights, read_config
+from tetrad.models.config import ModelConfig
+from tetrad.models.hf import read_config
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
 from tetrad.spec import MiB
 from tetrad.train.auto import domino_pays
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.checkpoint_dir import (
-    check_files,
-    check_resume,
     leftovers,
     read_meta,
     tokenizer_hash,
 )
-from tetrad.train.config import ConfigError, TrainConfig
-from tetrad.train.data import Corpus, prepare_corpus, sample_batch, val_batches
+from tetrad.train.config import TrainConfig
+from tetrad.train.data import Corpus, sample_batch, val_batches
 from tetrad.train.metrics import StepMeter, StepProfiler, log_line
 from tetrad.train.peak import Peak, mfu_peak
+from tetrad.train.preflight import init_from_hf, preflight, preflight_on_rank0
 from tetrad.train.resume import (
-    check_run_dir,
     restart_count,
     start_checkpoint,
     tetrad_version,
@@ -44,77 +42,7 @@ from tetrad.train.resume import (
 )
 from tetrad.train.step import build_optimizer, evaluate, lr_at, train_step
 
-
-def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
-    """Everything that can fail before workers start: values, run directory, data, tokenizer,
-    model vs grid, and the checkpoint a resume would load (its metadata and file sizes).
-
-    Tokenises and caches the corpus, so workers only load it.
-
-    Raises:
-        ConfigError, DataError, ModelConfigError, CheckpointError: one-line messages saying
-            what to change.
-    """
-    cfg.check()
-    if cfg.training.device == "cuda" and not gpu_count():
-        raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu")
-    check_run_dir(cfg.checkpoint.run_dir)
-    folder = cfg.hf_folder
-    if folder is not None:
-        hf_cfg, raw = read_config(folder)
-        Weights(folder, hf_cfg, tied=bool(raw.get("tie_word_embeddings")))  # files present?
-    d = cfg.data
-    corpus = prepare_corpus(d.paths, d.tokenizer, d.vocab_size, d.val_fraction)
-    _check_seq_len(corpus, cfg.training.seq_len)
-    model_cfg = cfg.model_config(corpus.vocab_size)
-    if model_cfg.vocab_size < corpus.vocab_size:
-        raise ConfigError(
-            f"model vocab_size={model_cfg.vocab_size} is smaller than the "
-            f"tokenizer's {corpus.vocab_size}: raise it or drop it from the model"
-        )
-    if folder is not None:
-        hf_vocab = read_config(folder)[0].vocab_size
-        if corpus.vocab_size > hf_vocab:
-            raise ConfigError(
-                f"the tokenizer has {corpus.vocab_size:,} tokens but {folder} has a vocabulary "
-                f"of {hf_vocab:,}: use the model's own tokenizer.json (drop --tokenizer)"
-            )
-    check_divisible(model_cfg, cfg.parallelism.grid)
-    start = start_checkpoint(cfg)
-    if start is not None:
-        meta = read_meta(start)
-        check_resume(start, meta, model_cfg, tokenizer_hash(corpus.tokenizer_path))
-        if meta is not None:
-            check_files(start, meta, digest=False)  # the ranks compare digests when loading
-    return corpus, model_cfg
-
-
-def _check_seq_len(corpus: Corpus, seq_len: int) -> None:
-    """Raises ConfigError when a sample of ``seq_len + 1`` tokens does not fit in the train or
-    the validation tokens."""
-    for name, tokens in (("train", corpus.train), ("validation", corpus.val)):
-        if len(tokens) < seq_len + 1:
-            raise ConfigError(
-                f"--seq-len {seq_len} needs {seq_len + 1:,} tokens per sample but the {name} "
-                f"set has {len(tokens):,}: use --seq-len {max(len(tokens) - 1, 1)} or less"
-                + (", a larger --val-fraction" if name == "validation" else "")
-                + " or more --data"
-            )
-
-
-def _preflight_on_rank0(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
-    """Rank 0 prepares the data first; the others then hit the cache. Errors reach every rank."""
-    err: list = [None]
-    result = None
-    if dist.get_rank() == 0:
-        try:
-            result = preflight(cfg)
-        except ValueError as e:
-            err = [e]
-    dist.broadcast_object_list(err, src=0)
-    if err[0] is not None:
-        raise err[0]
-    return result if result is not None else preflight(cfg)
+__all__ = ["build_model", "preflight", "train"]
 
 
 def build_model(cfg: TrainConfig, model_cfg: ModelConfig, grid: Grid) -> ParallelLlama:
@@ -171,7 +99,7 @@ def train(cfg: TrainConfig) -> dict:
     grid = Grid.build(cfg.parallelism.grid, cfg.training.device)
     if grid.device.type == "cpu":
         torch.set_num_threads(threads_per_rank(grid.world_size))
-    corpus, model_cfg = _preflight_on_rank0(cfg)
+    corpus, model_cfg = preflight_on_rank0(cfg)
     model = build_model(cfg, model_cfg, grid)
     t = cfg.training
     optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2))
@@ -191,7 +119,7 @@ def train(cfg: TrainConfig) -> dict:
     job = _Job(cfg, grid, corpus, model, optimizer, ckpt, meter, dist.get_rank() == 0)
     path = start_checkpoint(cfg)
     if path is None and cfg.hf_folder is not None:
-        _init_from_hf(model, grid, cfg.hf_folder)
+        init_from_hf(model, grid, cfg.hf_folder)
     start = ckpt.load(model, optimizer, path) if path is not None else 0
     if job.rank0:
         _write_run_files(job, model_cfg, start)
@@ -217,16 +145,6 @@ def train(cfg: TrainConfig) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return summary
-
-
-def _init_from_hf(model: ParallelLlama, grid: Grid, folder: Path) -> None:
-    """Copy this rank's slice of every weight of a Hugging Face Llama folder into ``model``
-    (each rank reads only its own rows and columns)."""
-    cfg, raw = read_config(folder)
-    weights = Weights(folder, cfg, tied=bool(raw.get("tie_word_embeddings", False)))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(weights.read(name, p.placement.local_slices(grid)))
 
 
 def _write_run_files(job: _Job, model_cfg: ModelConfig, start: int) -> None:

@@ -1,0 +1,104 @@
+"""Everything checked before training starts, and the weights a run starts from.
+
+:func:`preflight` runs in the launching process before any worker starts (and again on rank 0
+under torchrun), so mistakes stop there with one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tetrad.device import gpu_count
+from tetrad.grid import Grid
+from tetrad.models.config import ModelConfig, check_divisible
+from tetrad.models.hf import Weights, read_config
+from tetrad.parallel.model import ParallelLlama
+from tetrad.train.checkpoint_dir import check_files, check_resume, read_meta, tokenizer_hash
+from tetrad.train.config import ConfigError, TrainConfig
+from tetrad.train.data import Corpus, prepare_corpus
+from tetrad.train.resume import check_run_dir, start_checkpoint
+
+
+def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
+    """Everything that can fail before workers start: values, run directory, data, tokenizer,
+    model vs grid, and the checkpoint a resume would load (its metadata and file sizes).
+
+    Tokenises and caches the corpus, so workers only load it.
+
+    Raises:
+        ConfigError, DataError, ModelConfigError, CheckpointError: one-line messages saying
+            what to change.
+    """
+    cfg.check()
+    if cfg.training.device == "cuda" and not gpu_count():
+        raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu")
+    check_run_dir(cfg.checkpoint.run_dir)
+    folder = cfg.hf_folder
+    if folder is not None:
+        hf_cfg, raw = read_config(folder)
+        Weights(folder, hf_cfg, tied=bool(raw.get("tie_word_embeddings")))  # files present?
+    d = cfg.data
+    corpus = prepare_corpus(d.paths, d.tokenizer, d.vocab_size, d.val_fraction)
+    _check_seq_len(corpus, cfg.training.seq_len)
+    model_cfg = cfg.model_config(corpus.vocab_size)
+    if model_cfg.vocab_size < corpus.vocab_size:
+        raise ConfigError(
+            f"model vocab_size={model_cfg.vocab_size} is smaller than the "
+            f"tokenizer's {corpus.vocab_size}: raise it or drop it from the model"
+        )
+    if folder is not None:
+        hf_vocab = read_config(folder)[0].vocab_size
+        if corpus.vocab_size > hf_vocab:
+            raise ConfigError(
+                f"the tokenizer has {corpus.vocab_size:,} tokens but {folder} has a vocabulary "
+                f"of {hf_vocab:,}: use the model's own tokenizer.json (drop --tokenizer)"
+            )
+    check_divisible(model_cfg, cfg.parallelism.grid)
+    start = start_checkpoint(cfg)
+    if start is not None:
+        meta = read_meta(start)
+        check_resume(start, meta, model_cfg, tokenizer_hash(corpus.tokenizer_path))
+        if meta is not None:
+            check_files(start, meta, digest=False)  # the ranks compare digests when loading
+    return corpus, model_cfg
+
+
+def _check_seq_len(corpus: Corpus, seq_len: int) -> None:
+    """Raises ConfigError when a sample of ``seq_len + 1`` tokens does not fit in the train or
+    the validation tokens."""
+    for name, tokens in (("train", corpus.train), ("validation", corpus.val)):
+        if len(tokens) < seq_len + 1:
+            raise ConfigError(
+                f"--seq-len {seq_len} needs {seq_len + 1:,} tokens per sample but the {name} "
+                f"set has {len(tokens):,}: use --seq-len {max(len(tokens) - 1, 1)} or less"
+                + (", a larger --val-fraction" if name == "validation" else "")
+                + " or more --data"
+            )
+
+
+def preflight_on_rank0(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
+    """Rank 0 prepares the data first; the others then hit the cache. Errors reach every rank."""
+    err: list = [None]
+    result = None
+    if dist.get_rank() == 0:
+        try:
+            result = preflight(cfg)
+        except ValueError as e:
+            err = [e]
+    dist.broadcast_object_list(err, src=0)
+    if err[0] is not None:
+        raise err[0]
+    return result if result is not None else preflight(cfg)
+
+
+def init_from_hf(model: ParallelLlama, grid: Grid, folder: Path) -> None:
+    """Copy this rank's slice of every weight of a Hugging Face Llama folder into ``model``
+    (each rank reads only its own rows and columns)."""
+    cfg, raw = read_config(folder)
+    weights = Weights(folder, cfg, tied=bool(raw.get("tie_word_embeddings", False)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights.read(name, p.placement.local_slices(grid)))
