@@ -21,7 +21,7 @@ from tetrad.parallel.model import ParallelLlama
 from tetrad.train import trainer
 from tetrad.train.config import load_config
 from tetrad.train.preflight import init_from_hf
-from tetrad.train.step import evaluate
+from tetrad.train.step import evaluate, local_samples
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,7 +45,12 @@ def _tokenizer(folder: Path) -> None:
 
 
 def make_llama(
-    folder: Path, *, tied: bool = False, shard: str | None = None, vocab: int = VOCAB
+    folder: Path,
+    *,
+    tied: bool = False,
+    shard: str | None = None,
+    vocab: int = VOCAB,
+    rope_scaling: dict | None = None,
 ) -> Path:
     """Save a random fp32 LlamaForCausalLM (4 heads, 2 KV heads) and a tokenizer in ``folder``."""
     torch.manual_seed(0)
@@ -58,9 +63,10 @@ def make_llama(
         vocab_size=vocab,
         max_position_embeddings=128,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_theta=500000.0,  # not the default: read from rope_parameters in transformers 5
         tie_word_embeddings=tied,
         eos_token_id=0,
+        rope_scaling=rope_scaling,
     )
     model = transformers.LlamaForCausalLM(config).float()
     with torch.no_grad():  # norms away from 1, so a misplaced norm weight shows
@@ -90,21 +96,34 @@ def untied(tmp_path_factory):
     return make_llama(tmp_path_factory.mktemp("untied"))
 
 
-def test_reference_logits_equal_transformers(untied, tmp_path):
-    cfg, raw = read_config(untied)
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,  # tiny: both the scaled and the smoothed band occur
+}
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3-rope"])
+def test_reference_logits_equal_transformers(untied, tmp_path, scaling):
+    folder = untied if scaling is None else make_llama(tmp_path / "hf", rope_scaling=scaling)
+    cfg, raw = read_config(folder)
+    assert (cfg.rope_factor != 1.0) == (scaling is not None)
     model = Llama(cfg)
-    weights = Weights(untied, cfg, tied=False)
+    weights = Weights(folder, cfg, tied=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(weights.read(name, tuple(slice(0, n) for n in p.shape)))
     batch = tokens()
-    logits, _ = hf_loss(untied, batch)
+    logits, _ = hf_loss(folder, batch)
     with torch.no_grad():
         ours = model(batch[:, :-1])
     torch.testing.assert_close(ours, logits, rtol=1e-5, atol=1e-5)
 
 
-def _loss_on_grid(folder: Path, sizes, batch: torch.Tensor, out: Path) -> None:
+def _loss_on_grid(folder: Path, sizes, batch: torch.Tensor, logits, out: Path) -> None:
+    """On every rank: its logits block equals transformers'; rank 0 writes the loss."""
     grid = Grid.build(sizes)
     cfg = read_config(folder)[0]
     model = ParallelLlama(cfg, grid)
@@ -112,16 +131,23 @@ def _loss_on_grid(folder: Path, sizes, batch: torch.Tensor, out: Path) -> None:
     model.eval()
     with torch.no_grad():
         loss = evaluate(model, grid, [batch], micro_batch=1)
+        rows = local_samples(batch, grid)[:, :-1]
+        n = rows.shape[0]
+        block = cfg.vocab_size // (grid.size("y") * grid.size("x"))
+        first = (grid.coord["y"] * grid.size("x") + grid.coord["x"]) * block
+        want = local_samples(logits, grid)[:n, :, first : first + block]
+        torch.testing.assert_close(model(rows), want, rtol=1e-5, atol=1e-5)
     if torch.distributed.get_rank() == 0:
         out.write_text(json.dumps(loss))
 
 
 def _losses_on_grids(folder: Path, batch: torch.Tensor, tmp_path: Path, grids) -> list[float]:
+    logits, _ = hf_loss(folder, batch)
     got = []
     for sizes in grids:
         out = tmp_path / f"loss_{'_'.join(map(str, sizes))}.json"
         world = sizes[0] * sizes[1] * sizes[2] * sizes[3]
-        run_distributed(_loss_on_grid, world, folder, sizes, batch, out)
+        run_distributed(_loss_on_grid, world, folder, sizes, batch, logits, out)
         got.append(json.loads(out.read_text()))
     return got
 
@@ -129,7 +155,7 @@ def _losses_on_grids(folder: Path, batch: torch.Tensor, tmp_path: Path, grids) -
 GRIDS = [(1, 1, 1, 1), (1, 1, 2, 2), (2, 1, 2, 1), (1, 2, 2, 2)]
 
 
-def test_loss_on_every_grid_equals_transformers(untied, tmp_path):
+def test_logits_and_loss_on_every_grid_equal_transformers(untied, tmp_path):
     batch = tokens()
     _, want = hf_loss(untied, batch)
     for sizes, loss in zip(GRIDS, _losses_on_grids(untied, batch, tmp_path, GRIDS), strict=True):
@@ -214,7 +240,7 @@ def test_fine_tune_then_export_loads_in_transformers(tmp_path, corpus, tied, voc
     from tetrad.train.generate import generate
 
     text = generate(str(out), "def ", 8, 0.0, 0, 0, "cpu")
-    assert text.startswith("def ")
+    assert text.startswith("def ") and text == generate(str(run_dir), "def ", 8, 0.0, 0, 0, "cpu")
 
 
 def test_round_trip_with_lr_0_is_exact(tmp_path, corpus, monkeypatch):

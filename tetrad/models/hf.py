@@ -68,7 +68,8 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict]:
     except PlanError as e:
         raise ModelConfigError(str(e)) from None
     raw = json.loads((folder / "config.json").read_text())
-    scaling = raw.get("rope_scaling") or {}
+    # transformers 5 writes rope_parameters (theta included); earlier, rope_theta + rope_scaling
+    scaling = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     extra = {}
     if kind == "llama3":
@@ -90,7 +91,7 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict]:
         n_kv_heads=spec.n_kv_heads,
         ffn_dim=spec.ffn_hidden,
         vocab_size=spec.vocab,
-        rope_theta=spec.rope_theta,
+        rope_theta=float(raw.get("rope_theta", scaling.get("rope_theta", spec.rope_theta))),
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         **extra,
     )
@@ -248,13 +249,19 @@ def hf_config(cfg: ModelConfig, vocab: int, base: dict | None, dtype: str) -> di
         tie_word_embeddings=False,
         torch_dtype=dtype,
     )
+    rope: dict = {"rope_type": "default"}
     if cfg.rope_factor != 1.0:
-        out["rope_scaling"] = dict(
+        rope = dict(
             rope_type="llama3",
             factor=cfg.rope_factor,
             low_freq_factor=cfg.rope_low_freq_factor,
             high_freq_factor=cfg.rope_high_freq_factor,
             original_max_position_embeddings=cfg.rope_original_positions,
         )
+    if "rope_parameters" in out:  # the layout of transformers 5
+        out.pop("rope_theta")
+        out["rope_parameters"] = rope | {"rope_theta": cfg.rope_theta}
+    elif cfg.rope_factor != 1.0:
+        out["rope_scaling"] = rope
     out.setdefault("max_position_embeddings", max(cfg.rope_original_positions, 2048))
     return out

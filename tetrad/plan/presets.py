@@ -187,7 +187,9 @@ def from_hf_config(path: str) -> ModelSpec:
         vocab=int(cfg["vocab_size"]),
         max_positions=0,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=float(
+            cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        ),
     )
 
 
