@@ -8,15 +8,14 @@ import subprocess
 import sys
 import time
 import types
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import tetrad.train
 from tests.distributed import run_distributed
+from tests.run_dirs import bpe_tokenizer, fake_run_dir, save_checkpoint, save_sharded
 from tetrad import cli
 from tetrad.models.config import ModelConfig
 from tetrad.train import generate as gen
@@ -141,7 +140,7 @@ def test_generate_without_checkpoint(tmp_path):
     with pytest.raises(gen.CheckpointError, match="does not exist"):
         gen.generate(tmp_path / "nope")
     (tmp_path / "config.json").write_text(json.dumps({"model_config": {}}))
-    _tokenizer().save(str(tmp_path / "tokenizer.json"))
+    bpe_tokenizer().save(str(tmp_path / "tokenizer.json"))
     assert_one_line_error(tetrad_cmd("generate", str(tmp_path)), "no checkpoint")
 
 
@@ -268,44 +267,10 @@ def llama():
     return Llama
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 20, trainer=trainer)
-    return tok
-
-
-def _run_dir(path: Path, name: str = "step_0000300") -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    model_config = {f: getattr(TINY, f) for f in TINY.__dataclass_fields__}
-    (path / "config.json").write_text(json.dumps({"model_config": model_config, "seq_len": 8}))
-    _tokenizer().save(str(path / "tokenizer.json"))
-    (path / "checkpoints").mkdir(exist_ok=True)
-    (path / "checkpoints" / "latest").write_text(name + "\n")
-    return path / "checkpoints" / name
-
-
-def _save(model: nn.Module, folder: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-        warnings.simplefilter("ignore")
-        dcp.save({"model." + k: v for k, v in model.named_parameters()}, checkpoint_id=str(folder))
-
-
 def test_generate_loads_checkpoint_and_samples(tmp_path, llama):
     torch.manual_seed(0)
     model = llama(TINY)
-    _save(model, _run_dir(tmp_path))
+    save_checkpoint(model, fake_run_dir(tmp_path, TINY))
     loaded, tok, _ = gen.load_model(tmp_path)
     for (n, p), (n2, q) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
         assert n == n2 and torch.equal(p, q)
@@ -318,14 +283,14 @@ def test_generate_loads_checkpoint_and_samples(tmp_path, llama):
 
 def test_generate_cli_prints_prompt_and_continuation(tmp_path, llama, capsys):
     torch.manual_seed(0)
-    _save(llama(TINY), _run_dir(tmp_path))
+    save_checkpoint(llama(TINY), fake_run_dir(tmp_path, TINY))
     assert cli.main(["generate", str(tmp_path), "--prompt", "return", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("return")
 
 
 def test_generate_corrupt_checkpoint(tmp_path, llama):
-    folder = _run_dir(tmp_path)
-    _save(llama(TINY), folder)
+    folder = fake_run_dir(tmp_path, TINY)
+    save_checkpoint(llama(TINY), folder)
     for f in folder.glob("*.distcp"):
         f.unlink()
     with pytest.raises(gen.CheckpointError, match="cannot be loaded"):
@@ -339,8 +304,8 @@ def test_generate_corrupt_checkpoint(tmp_path, llama):
 
 
 def test_generate_wrong_model_size(tmp_path, llama):
-    folder = _run_dir(tmp_path)
-    _save(
+    folder = fake_run_dir(tmp_path, TINY)
+    save_checkpoint(
         llama(ModelConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300)),
         folder,
     )
@@ -348,27 +313,12 @@ def test_generate_wrong_model_size(tmp_path, llama):
         gen.generate(tmp_path, max_new_tokens=1)
 
 
-def _save_sharded(folder: str, names: list[str], shapes: list[tuple[int, ...]]) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (2,))
-    torch.manual_seed(0)
-    full = [torch.randn(s) for s in shapes]
-    state = {
-        "model." + n: distribute_tensor(t, mesh, [Shard(0)])
-        for n, t in zip(names, full, strict=True)
-    }
-    dcp.save(state, checkpoint_id=folder)
-
-
 def test_generate_loads_checkpoint_saved_as_dtensors(tmp_path, llama):
     """Two ranks save row-sharded DTensors; one process without a process group loads them."""
-    folder = _run_dir(tmp_path)
+    folder = fake_run_dir(tmp_path, TINY)
     params = list(llama(TINY).named_parameters())
     run_distributed(
-        _save_sharded, 2, str(folder), [n for n, _ in params], [tuple(p.shape) for _, p in params]
+        save_sharded, 2, str(folder), [n for n, _ in params], [tuple(p.shape) for _, p in params]
     )
     loaded, _, _ = gen.load_model(tmp_path)
     torch.manual_seed(0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tests.distributed import run_distributed
+from tests.run_dirs import fake_run_dir, save_checkpoint, save_sharded
 from tetrad import cli
 from tetrad.models.config import ModelConfig
 from tetrad.models.reference import Llama
@@ -24,53 +24,11 @@ from tetrad.train.export import ExportError, export
 TINY = ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300)
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 20, trainer=trainer)
-    return tok
-
-
-def _run_dir(path: Path, name: str = "step_0000300") -> Path:
-    """A run directory without a checkpoint; returns the folder ``latest`` names."""
-    path.mkdir(parents=True, exist_ok=True)
-    model_config = {f: getattr(TINY, f) for f in TINY.__dataclass_fields__}
-    cfg = {"model_config": model_config, "training": {"seq_len": 8}}
-    (path / "config.json").write_text(json.dumps(cfg))
-    _tokenizer().save(str(path / "tokenizer.json"))
-    (path / "checkpoints").mkdir(exist_ok=True)
-    (path / "checkpoints" / "latest").write_text(name + "\n")
-    return path / "checkpoints" / name
-
-
-def _save(model: nn.Module, folder: Path) -> None:
-    """A checkpoint with the keys `tetrad train` writes: model, optimizer state and step."""
-    import torch.distributed.checkpoint as dcp
-
-    state: dict = {"step": torch.tensor(300)}
-    for n, p in model.named_parameters():
-        state["model." + n] = p.detach()
-        state[f"optim.{n}.exp_avg"] = torch.zeros_like(p)
-        state[f"optim.{n}.step"] = torch.tensor(300.0)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-        warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=str(folder))
-
-
 @pytest.fixture
 def run(tmp_path) -> tuple[Path, nn.Module]:
     torch.manual_seed(0)
     model = Llama(TINY)
-    _save(model, _run_dir(tmp_path / "run"))
+    save_checkpoint(model, fake_run_dir(tmp_path / "run", TINY))
     return tmp_path / "run", model
 
 
@@ -170,7 +128,7 @@ def test_export_cli(run, capsys):
 
 def test_export_errors(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    _run_dir(run_dir)
+    fake_run_dir(run_dir, TINY)
     out = tmp_path / "out"
     assert cli.main(["export", str(run_dir), str(out)]) == 2
     _one_error_line(capsys, "missing or incomplete")
@@ -181,7 +139,7 @@ def test_export_errors(tmp_path, capsys):
     assert cli.main(["export", str(tmp_path / "nope"), str(out)]) == 2
     _one_error_line(capsys, "does not exist")
 
-    _save(Llama(TINY), _run_dir(run_dir))
+    save_checkpoint(Llama(TINY), fake_run_dir(run_dir, TINY))
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     assert cli.main(["export", str(run_dir), str(out)]) == 2
@@ -220,28 +178,13 @@ def test_generate_from_export_with_a_missing_tensor(run):
         gen.load_model(out)
 
 
-def _save_sharded(folder: str, names: list[str], shapes: list[tuple[int, ...]]) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (2,))
-    torch.manual_seed(0)
-    full = [torch.randn(s) for s in shapes]
-    state = {
-        "model." + n: distribute_tensor(t, mesh, [Shard(0)])
-        for n, t in zip(names, full, strict=True)
-    }
-    dcp.save(state, checkpoint_id=folder)
-
-
 def test_export_checkpoint_saved_as_dtensors(tmp_path):
     """Two gloo ranks save row-sharded DTensors; the export holds the full tensors."""
     run_dir = tmp_path / "run"
-    folder = _run_dir(run_dir)
+    folder = fake_run_dir(run_dir, TINY)
     params = list(Llama(TINY).named_parameters())
     run_distributed(
-        _save_sharded, 2, str(folder), [n for n, _ in params], [tuple(p.shape) for _, p in params]
+        save_sharded, 2, str(folder), [n for n, _ in params], [tuple(p.shape) for _, p in params]
     )
     tensors = _exported(export(run_dir, tmp_path / "out", max_shard_bytes=20_000))
     torch.manual_seed(0)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.run_dirs import bpe_tokenizer
 from tetrad.grid import Grid
-from tetrad.models.hf import Weights, read_config
+from tetrad.models.hf import load_weights, read_config
 from tetrad.models.reference import Llama
 from tetrad.parallel.model import ParallelLlama
 from tetrad.train import trainer
@@ -26,22 +27,6 @@ from tetrad.train.step import evaluate, local_samples
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 384, 16  # a multiple of 128: no padding on any grid
-
-
-def _tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    bpe = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 20, trainer=bpe)
-    tok.save(str(folder / "tokenizer.json"))
 
 
 def make_llama(
@@ -74,7 +59,7 @@ def make_llama(
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(folder, max_shard_size=shard or "1GB")
-    _tokenizer(folder)
+    bpe_tokenizer("</s>").save(str(folder / "tokenizer.json"))
     return folder
 
 
@@ -108,13 +93,10 @@ LLAMA3_SCALING = {
 @pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3-rope"])
 def test_reference_logits_equal_transformers(untied, tmp_path, scaling):
     folder = untied if scaling is None else make_llama(tmp_path / "hf", rope_scaling=scaling)
-    cfg, raw = read_config(folder)
+    cfg = read_config(folder)[0]
     assert (cfg.rope_factor != 1.0) == (scaling is not None)
     model = Llama(cfg)
-    weights = Weights(folder, cfg, tied=False)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(weights.read(name, tuple(slice(0, n) for n in p.shape)))
+    load_weights(model, folder)
     batch = tokens()
     logits, _ = hf_loss(folder, batch)
     with torch.no_grad():

@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tests.distributed import run_distributed
+from tests.test_train import config as train_config
 from tetrad.train import trainer
-from tetrad.train.config import load_config
 from tetrad.train.launch import run_local, train_worker
 
 
@@ -41,26 +41,10 @@ def _cache(tmp_path_factory, monkeypatch):
 
 
 def config(corpus, run_dir, steps, grid, **extra):
-    return load_config(
-        None,
-        {
-            "model": "tiny,vocab_size=0",
-            "grid": grid,
-            "steps": steps,
-            "global_batch": 8,
-            "micro_batch": 2,
-            "seq_len": 32,
-            "data": [str(corpus)],
-            "vocab_size": 300,
-            "run_dir": str(run_dir),
-            "val_every": 1000,
-            "log_every": 1,
-            "checkpoint_every": 2,
-            "warmup_steps": 100,
-            "peak_flops": 1e9,
-        }
-        | extra,
-    )
+    """``tests.test_train``'s configuration on ``grid``, validating only at the end, logging
+    (so polling for asynchronous saves) every step, in warm-up throughout."""
+    extra = {"val_every": 1000, "val_batches": 4, "log_every": 1, "warmup_steps": 100} | extra
+    return train_config(corpus, run_dir, steps, grid=grid, **extra)
 
 
 def rows(run_dir: Path) -> list[dict]:

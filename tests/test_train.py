@@ -30,8 +30,7 @@ def corpus(tmp_path_factory):
 def config(corpus, run_dir, steps, resume=False, **extra):
     return load_config(
         None,
-        extra
-        | {
+        {
             "model": "tiny,vocab_size=0",
             "grid": "1,2,1,2",
             "steps": steps,
@@ -47,7 +46,8 @@ def config(corpus, run_dir, steps, resume=False, **extra):
             "warmup_steps": 2,
             "resume": resume,
             "peak_flops": 1e9,
-        },
+        }
+        | extra,
     )
 
 

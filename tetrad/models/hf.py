@@ -21,8 +21,9 @@ pads the vocabulary to divide the grid; padding rows load as zeros and are dropp
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -84,17 +85,9 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict]:
             f"{folder}/config.json has rope_scaling of type {kind!r}: tetrad implements Llama "
             "3.1's (llama3) only"
         )
-    cfg = ModelConfig(
-        dim=spec.hidden,
-        n_layers=spec.n_layers,
-        n_heads=spec.n_heads,
-        n_kv_heads=spec.n_kv_heads,
-        ffn_dim=spec.ffn_hidden,
-        vocab_size=spec.vocab,
-        rope_theta=float(raw.get("rope_theta", scaling.get("rope_theta", spec.rope_theta))),
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        **extra,
-    )
+    # tied embeddings load into tetrad's separate LM head (Weights copies the embedding)
+    sizes = ModelConfig.from_spec(dataclasses.replace(spec, tied_embeddings=False))
+    cfg = dataclasses.replace(sizes, norm_eps=float(raw.get("rms_norm_eps", 1e-6)), **extra)
     return cfg, raw
 
 
@@ -199,6 +192,26 @@ class Weights:
                 base = j * hd
             yield self._rows(layer + name, slice(base + off, base + off + n), cols)
             r += n
+
+
+def load_weights(
+    model: torch.nn.Module,
+    folder: Path,
+    slices: Callable[[torch.nn.Parameter], tuple[slice, ...]] | None = None,
+) -> None:
+    """Copy the weights of the Hugging Face folder into ``model``'s parameters (tetrad names),
+    each parameter ``p`` reading only ``slices(p)`` of its global tensor (default: all of it;
+    a rank of the grid passes its ``p.placement.local_slices(grid)``).
+
+    Raises:
+        ModelConfigError: see :func:`read_config` and :class:`Weights`.
+    """
+    cfg, raw = read_config(folder)
+    weights = Weights(folder, cfg, tied=bool(raw.get("tie_word_embeddings", False)))
+    whole = lambda p: tuple(slice(0, n) for n in p.shape)  # noqa: E731
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights.read(name, (slices or whole)(p)))
 
 
 def to_hf(name: str, full: torch.Tensor, cfg: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:

@@ -132,17 +132,14 @@ def _load_hf_folder(folder: Path, device: str):
     from tokenizers import Tokenizer
 
     from tetrad.models.config import ModelConfigError
-    from tetrad.models.hf import Weights, read_config
+    from tetrad.models.hf import load_weights, read_config
     from tetrad.models.reference import Llama
 
     try:
         cfg, raw = read_config(folder)
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         model = Llama(cfg)
-        weights = Weights(folder, cfg, tied=bool(raw.get("tie_word_embeddings", False)))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(weights.read(name, tuple(slice(0, n) for n in p.shape)))
+        load_weights(model, folder)
     except ModelConfigError as e:
         raise CheckpointError(str(e)) from None
     except Exception as e:

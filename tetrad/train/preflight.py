@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from tetrad.device import gpu_count
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
-from tetrad.models.hf import Weights, read_config
+from tetrad.models.hf import Weights, load_weights, read_config
 from tetrad.parallel.model import ParallelLlama
 from tetrad.train.checkpoint_dir import check_files, check_resume, read_meta, tokenizer_hash
 from tetrad.train.config import ConfigError, TrainConfig
@@ -50,7 +49,7 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
             f"tokenizer's {corpus.vocab_size}: raise it or drop it from the model"
         )
     if folder is not None:
-        hf_vocab = read_config(folder)[0].vocab_size
+        hf_vocab = hf_cfg.vocab_size
         if corpus.vocab_size > hf_vocab:
             raise ConfigError(
                 f"the tokenizer has {corpus.vocab_size:,} tokens but {folder} has a vocabulary "
@@ -97,8 +96,4 @@ def preflight_on_rank0(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
 def init_from_hf(model: ParallelLlama, grid: Grid, folder: Path) -> None:
     """Copy this rank's slice of every weight of a Hugging Face Llama folder into ``model``
     (each rank reads only its own rows and columns)."""
-    cfg, raw = read_config(folder)
-    weights = Weights(folder, cfg, tied=bool(raw.get("tie_word_embeddings", False)))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(weights.read(name, p.placement.local_slices(grid)))
+    load_weights(model, folder, lambda p: p.placement.local_slices(grid))
