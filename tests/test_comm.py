@@ -12,6 +12,11 @@ tokens: each (data, z) cell has m = 8/2 * 3 = 12 token rows. Per rank, by hand:
 
 Payload: Z 6 calls 3072 B, X 2 calls 1536 B, Y 2 calls 768 B. Ring bytes sent (G = 2): all-gather
 and reduce-scatter send half their payload, all-reduce all of it: Z 1536, X 1536, Y 768.
+
+With ``fine`` each X/Y all-reduce is a fused reduce-scatter plus an all-gather of the same
+payload: twice the calls and payload bytes, the same ring bytes. The independent count sees the
+fused ring's point-to-point pieces (sends and receives: ``2 (G-1)/G`` of the payload, which is the
+payload itself for G = 2) and the all-gather's output.
 """
 
 import torch
@@ -65,19 +70,24 @@ def pair_step(overlaps):
     record = grid.comm.reset()
     for axis, (calls, payload, ring) in EXPECTED.items():
         got = record[axis]
-        if "domino" in overlaps and axis in "xy":
+        if "fine" in overlaps and axis in "xy":
+            calls, payload = 2 * calls, 2 * payload  # reduce-scatter (fused) + all-gather
+        elif "domino" in overlaps and axis in "xy":
             calls += 1  # the forward all-reduce is issued in two halves
         assert (got.calls, got.payload_bytes, got.bytes) == (calls, payload, ring), (axis, got)
         assert counter.by_group[grid.group(axis).group_name] == payload, axis
         assert got.time_s >= got.exposed_s >= 0
     assert set(record) == set(EXPECTED)
-    if "domino" in overlaps:
+    if "fine" in overlaps:
+        assert ov.counts["fine_fused"] == 4 and ov.counts["domino_splits"] == 0
+    elif "domino" in overlaps:
         assert ov.counts["domino_splits"] == 2
 
 
 def both():
     pair_step(())
     pair_step(OVERLAPS)
+    pair_step(tuple(o for o in OVERLAPS if o != "fine"))
 
 
 def test_recorded_bytes_match_hand_count_and_c10d():

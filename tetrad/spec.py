@@ -117,7 +117,7 @@ def check_world_size(sizes: GridShape, world_size: int) -> None:
 
 # ---- overlaps --------------------------------------------------------------------------------
 
-OVERLAPS = ("prefetch", "reduce_scatter", "dx_all_reduce", "dp_all_reduce", "domino")
+OVERLAPS = ("prefetch", "reduce_scatter", "dx_all_reduce", "dp_all_reduce", "domino", "fine")
 """What the runtime overlaps with computation (:mod:`tetrad.parallel.overlap`, where each is
 described) and the planner models (:mod:`tetrad.plan.comm`)."""
 
@@ -127,6 +127,12 @@ DP_BUCKET_BYTES = 4 * MiB
 DOMINO_MIN_ROWS = 256
 """The ``domino`` overlap splits a forward GEMM only when the micro-batch has at least twice
 this many token rows (below it the extra launch costs more than the split hides)."""
+
+
+FINE_CHUNKS = 2
+"""Pieces per ring step of the ``fine`` overlap when no ``--machine`` chooses: the fewest that
+overlap anything (with one piece per step each fused ``addmm`` waits for the running sum it
+folds in, so the ring is serial)."""
 
 
 class OverlapError(TetradError):

@@ -7,7 +7,8 @@ over Z. For the non-transposed layer ``in = X, out = Y``:
     (each rank stores W_shard [n/(G_y G_z), k/G_x] of its block)
 
     forward:   W = all-gather_Z(W_shard);  y = all-reduce_X(x W^T) + b
-    backward:  W = all-gather_Z(W_shard);  dx = all-reduce_Y(dy W);
+    backward:  W = all-gather_Z(W_shard);  dx = all-reduce_Y(dy W);   (with the ``fine`` overlap
+               each all-reduce is a reduce-scatter fused with its GEMM, then an all-gather)
                dW_shard = reduce-scatter_Z(dy^T x)
 
 ``transpose=True`` swaps X and Y, so a non-transposed layer followed by a transposed one (QKV ->
@@ -23,7 +24,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
@@ -56,14 +56,7 @@ class _Linear3D(torch.autograd.Function):
         x = x.to(dtype)
         w = ov.gather_weight(w_shard, dtype)
         rows = x.reshape(-1, x.shape[-1])
-        if ov.forward_all_reduce_split(in_axis, rows.shape[0]):
-            # Domino: the first half's all-reduce runs during the second half's GEMM.
-            half = rows.shape[0] // 2
-            h1 = all_reduce(rows[:half] @ w.t(), ov.grid, in_axis, async_op=True)
-            h2 = all_reduce(rows[half:] @ w.t(), ov.grid, in_axis, async_op=True)
-            y = torch.cat([h1.wait(), h2.wait()]).view(*x.shape[:-1], w.shape[0])
-        else:
-            y = all_reduce(x @ w.t(), ov.grid, in_axis)
+        y = ov.forward_gemm_all_reduce(rows, w, in_axis).view(*x.shape[:-1], w.shape[0])
         ctx.save_for_backward(x)
         # The Parameter object itself (a saved tensor comes back as an alias under activation
         # checkpointing): its .grad is filled by the overlap and its identity drives prefetch.
@@ -76,9 +69,10 @@ class _Linear3D(torch.autograd.Function):
         w_shard, ov, dtype = ctx.weight, ctx.ov, ctx.dtype
         dy = dy.to(dtype)
         w = ov.gather_weight(w_shard, dtype)
-        dx = ov.backward_all_reduce(dy @ w, ctx.out_axis)  # runs during the dW GEMM
+        rows = dy.reshape(-1, dy.shape[-1])
+        dx = ov.backward_gemm_all_reduce(rows, w, ctx.out_axis)  # runs during the dW GEMM
         reduce_weight_gradient(ov, w_shard, dy, x)
-        return dx.wait(), None, None, None, None
+        return dx.wait().view(x.shape), None, None, None, None
 
 
 class Linear(nn.Module):

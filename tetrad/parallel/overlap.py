@@ -1,7 +1,8 @@
 """Overlap of collectives with computation: which ones, and the state that makes it happen.
 
-Five overlaps, each switchable (AxoNN, arXiv 2305.13525, "aggressively overlap expensive
-collective operations"; Domino, arXiv 2409.15241, for the forward split):
+Six overlaps, each switchable (AxoNN, arXiv 2305.13525, "aggressively overlap expensive
+collective operations"; Domino, arXiv 2409.15241, for the forward split; T3, arXiv 2401.16677,
+for ``fine``):
 
 ``prefetch``        the Z all-gather of the next weight in *execution* order (recorded on the first
                     training micro-batch, so it covers forward, backward and activation
@@ -12,7 +13,14 @@ collective operations"; Domino, arXiv 2409.15241, for the forward split):
 ``dp_all_reduce``   data-parallel gradient all-reduces are bucketed and issued during the last
                     micro-batch's backward as buckets fill (AxoNN leaves this synchronous);
 ``domino``          the forward activation all-reduce: the micro-batch's rows are split in two so
-                    the first half's all-reduce runs during the second half's GEMM.
+                    the first half's all-reduce runs during the second half's GEMM;
+``fine``            a Linear's all-reduce (forward over its input axis, backward dx over its
+                    output axis) becomes a reduce-scatter fused with the GEMM that produces it
+                    (:func:`tetrad.comm.fused.ring_matmul_reduce_scatter`, ``fine_chunks``
+                    pieces per ring step) and a plain all-gather: T3's layout, which fuses the
+                    reduce-scatter half only. In backward the all-gather runs during the dW GEMM
+                    (with ``dx_all_reduce``). Used when the rows split evenly over the group;
+                    takes precedence over ``domino``.
 
 All collectives are issued from the main thread in program order, so every rank of a group issues
 the same sequence. Waits use the work handles only.
@@ -26,9 +34,10 @@ from collections.abc import Iterable
 import torch
 
 from tetrad.comm import Handle, all_gather, all_reduce, reduce_scatter
+from tetrad.comm.fused import ring_matmul_reduce_scatter
 from tetrad.grid import Grid
 from tetrad.parallel.buckets import GradBuckets
-from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OVERLAPS, Axis
+from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, FINE_CHUNKS, OVERLAPS, Axis
 
 
 class Overlap:
@@ -45,6 +54,7 @@ class Overlap:
         bucket_bytes: data-parallel bucket size in bytes.
         domino_min_rows: split the forward GEMM only when the micro-batch has at least twice
             this many token rows (below it the split's extra launch costs more than it hides).
+        fine_chunks: pieces per ring step of the ``fine`` overlap's fused reduce-scatter.
     """
 
     def __init__(
@@ -53,10 +63,13 @@ class Overlap:
         enabled: Iterable[str] = OVERLAPS,
         bucket_bytes: int = DP_BUCKET_BYTES,
         domino_min_rows: int = DOMINO_MIN_ROWS,
+        fine_chunks: int = FINE_CHUNKS,
     ):
+        if fine_chunks < 1:
+            raise ValueError(f"fine_chunks={fine_chunks}: give at least 1 piece per ring step")
         self.grid = grid
         self.enabled = frozenset(enabled)
-        self.domino_min_rows = domino_min_rows
+        self.domino_min_rows, self.fine_chunks = domino_min_rows, fine_chunks
         self._in_step = self._last = False
         self._order: list | None = None  # [(param, dtype)] of one micro-batch, in execution order
         self._recording: list | None = None
@@ -64,7 +77,8 @@ class Overlap:
         self._prefetched: tuple | None = None  # (param, dtype, Handle)
         self._pending_rs: list[tuple[torch.nn.Parameter, Handle]] = []
         # What actually ran (prefetch_hits, prefetch_misses, async_reduce_scatters, dp_buckets,
-        # domino_splits, async_dx_all_reduces), for logs and tests; reset by the caller.
+        # domino_splits, async_dx_all_reduces, fine_fused), for logs and tests; reset by the
+        # caller.
         self.counts: Counter[str] = Counter()
         self.buckets = GradBuckets(grid, bucket_bytes, self.counts)
 
@@ -161,17 +175,44 @@ class Overlap:
         if self._in_step and self._last and self.on("dp_all_reduce") and self.grid.data > 1:
             self.buckets.add(param)
 
-    # -- activations -----------------------------------------------------------------------
-    def forward_all_reduce_split(self, axis: Axis, rows: int) -> bool:
-        """Whether to split a forward GEMM + all-reduce over ``axis`` in two halves."""
-        split = (
-            self._in_step
-            and self.on("domino")
-            and self.grid.size(axis) > 1
-            and rows >= 2 * self.domino_min_rows
-        )
-        self.counts["domino_splits"] += split
-        return split
+    # -- activations: a Linear's GEMM and its all-reduce -----------------------------------
+    def _fine(self, axis: Axis, rows: int) -> bool:
+        g = self.grid.size(axis)
+        fine = self._in_step and self.on("fine") and g > 1 and rows % g == 0
+        self.counts["fine_fused"] += fine
+        return fine
+
+    def forward_gemm_all_reduce(self, x: torch.Tensor, w: torch.Tensor, axis: Axis) -> torch.Tensor:
+        """``all_reduce_axis(x @ w^T)`` for ``x [rows, k]``, ``w [n, k]`` -> ``[rows, n]``:
+        fused with its GEMM (``fine``), split in halves (``domino``) or plain."""
+        rows = x.shape[0]
+        if self._fine(axis, rows):
+            with torch.autocast(x.device.type, enabled=False):  # operands are in compute dtype
+                part = ring_matmul_reduce_scatter(x, w, self.grid, axis, self.fine_chunks)
+            return all_gather(part, self.grid, axis)
+        if self._in_step and self.on("domino") and self.grid.size(axis) > 1:
+            if rows >= 2 * self.domino_min_rows:
+                # Domino: the first half's all-reduce runs during the second half's GEMM.
+                self.counts["domino_splits"] += 1
+                half = rows // 2
+                h1 = all_reduce(x[:half] @ w.t(), self.grid, axis, async_op=True)
+                h2 = all_reduce(x[half:] @ w.t(), self.grid, axis, async_op=True)
+                return torch.cat([h1.wait(), h2.wait()])
+        return all_reduce(x @ w.t(), self.grid, axis)
+
+    def backward_gemm_all_reduce(self, dy: torch.Tensor, w: torch.Tensor, axis: Axis) -> Handle:
+        """Start ``all_reduce_axis(dy @ w)`` for ``dy [rows, n]``, ``w [n, k]`` -> ``[rows, k]``
+        and return its :class:`Handle`: with ``fine`` the reduce-scatter is fused with the GEMM
+        and the all-gather left in flight; with ``dx_all_reduce`` the all-reduce is left in
+        flight (both run during the caller's dW GEMM); otherwise blocking."""
+        in_flight = self._in_step and self.on("dx_all_reduce")
+        if self._fine(axis, dy.shape[0]):
+            with torch.autocast(dy.device.type, enabled=False):
+                part = ring_matmul_reduce_scatter(dy, w.t(), self.grid, axis, self.fine_chunks)
+            if in_flight:
+                return all_gather(part, self.grid, axis, async_op=True)
+            return Handle(None, all_gather(part, self.grid, axis), None, 0.0)
+        return self.backward_all_reduce(dy @ w, axis)
 
     def backward_all_reduce(self, dx: torch.Tensor, axis: Axis) -> Handle:
         """Start the dx all-reduce; returns a :class:`Handle` (async when ``dx_all_reduce``)."""

@@ -22,6 +22,7 @@ its source next to it); ``--machine path/to/file.toml`` reads a user file with t
     # fraction of peak reached by one GEMM of F FLOPs: [[F, fraction], ...], log-interpolated
     gemm_efficiency = [[1e8, 0.2], [1e10, 0.6], [1e12, 0.75]]
     attention_efficiency = 0.45  # FlashAttention, fraction of peak
+    overlap_slowdown = 0.1       # optional: GEMM slowdown while a transfer runs beside it
 
     [sources]                    # free text: where each number comes from
     peak_tflops = "NVIDIA H100 datasheet"
@@ -32,6 +33,7 @@ Plain Python; nothing from the rest of tetrad.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import difflib
 import math
 import os
@@ -60,6 +62,10 @@ class Machine:
         attention_efficiency: fraction of peak of the FlashAttention kernels.
         description: one line.
         sources: where each number comes from (key -> text).
+        overlap_slowdown: fraction by which a GEMM slows while a collective's transfer runs
+            beside it (compute and memory contention; ``[compute] overlap_slowdown``, measured by
+            ``tetrad calibrate``; 0 when not given). Used by the ``fine`` overlap's model
+            (:mod:`tetrad.plan.fine`).
     """
 
     name: str
@@ -73,6 +79,7 @@ class Machine:
     attention_efficiency: float
     description: str = ""
     sources: dict = field(default_factory=dict, compare=False, hash=False)
+    overlap_slowdown: float = 0.0
 
     @property
     def memory_gib(self) -> float:
@@ -108,18 +115,10 @@ class Machine:
                 f"GEMM efficiency {fraction} must lie in (0, 1]: give a fraction "
                 "of peak such as 0.7"
             )
-        return Machine(
-            self.name,
-            self.gpu,
-            self.gpus_per_node,
-            self.memory_bytes,
-            self.peak_flops,
-            self.hbm_bytes_per_s,
-            self.network,
-            ((1.0, fraction), (2.0, fraction)),
-            self.attention_efficiency,
-            self.description,
-            {**self.sources, "gemm_efficiency": f"constant {fraction} (given)"},
+        return dataclasses.replace(
+            self,
+            gemm_table=((1.0, fraction), (2.0, fraction)),
+            sources={**self.sources, "gemm_efficiency": f"constant {fraction} (given)"},
         )
 
     def summary(self) -> str:
@@ -198,6 +197,11 @@ def parse_machine(raw: dict, name: str) -> Machine:
     att = _num(comp, "attention_efficiency", where)
     if att > 1:
         raise PlanError(f"machine {where}: attention_efficiency={att} must be at most 1")
+    slow = (
+        _num(comp, "overlap_slowdown", where, positive=False) if "overlap_slowdown" in comp else 0.0
+    )
+    if slow < 0:
+        raise PlanError(f"machine {where}: overlap_slowdown={slow} must be at least 0")
     return Machine(
         name=str(raw.get("name", name)),
         gpu=str(raw.get("gpu", "GPU")),
@@ -210,6 +214,7 @@ def parse_machine(raw: dict, name: str) -> Machine:
         attention_efficiency=att,
         description=str(raw.get("description", "")),
         sources=dict(raw.get("sources", {})),
+        overlap_slowdown=slow,
     )
 
 
