@@ -1,8 +1,15 @@
-"""The planner inside tetrad train: --grid auto and the Domino decision (no processes)."""
+"""The planner inside tetrad train: --grid auto, the Domino and fine decisions (no processes)."""
+
+import re
+from importlib import resources
 
 import pytest
 
-from tetrad.train.auto import choose_grid, domino_pays
+from tetrad.plan.comm import Context, estimate
+from tetrad.plan.fine import CHUNK_CANDIDATES
+from tetrad.plan.machines import get_machine
+from tetrad.spec import FINE_CHUNKS, OVERLAPS
+from tetrad.train.auto import choose_grid, domino_pays, fine_chunks
 from tetrad.train.config import ConfigError, load_config
 
 
@@ -38,3 +45,53 @@ def test_domino_decision_follows_the_planner():
     c = cfg(grid="1,1,1,4", machine="dgx-h100")
     assert domino_pays(c, c.model_config()) in (True, False)
     assert domino_pays(cfg(grid="1,1,1,4"), c.model_config())  # no machine: the row rule alone
+
+
+def described_machine(tmp_path, name: str, **network) -> str:
+    """The dgx-h100 preset with some network keys changed, written as ``name.toml``."""
+    text = resources.files("tetrad.plan").joinpath("machines/dgx-h100.toml").read_text()
+    text = text.replace('name = "dgx-h100"', f'name = "{name}"')
+    for key, value in network.items():
+        text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def fine_run(machine: str, overlap: str = "all"):
+    return cfg(model="llama-1b", grid="1,1,2,2", seq_len=1024, machine=machine, overlap=overlap)
+
+
+def predicted_step(c, overlaps) -> float:
+    t, par = c.training, c.parallelism
+    ctx = Context(
+        c.model_config().spec(),
+        get_machine(par.machine),
+        t.seq_len,
+        t.global_batch,
+        overlaps=overlaps,
+        compute_bytes=2,
+    )
+    return estimate(ctx, par.grid, t.micro_batch, False).step_s
+
+
+def test_fine_is_used_exactly_where_the_planner_predicts_a_gain(tmp_path):
+    """Two described machines: a 20 GB/s link with 1 us per call (the GEMMs of llama-1b on
+    grid 1,1,2,2 take about as long as their reduce-scatters: fusion pays) and the same node
+    with 2 ms per call (every ring piece pays it: fusion loses)."""
+    pays = described_machine(tmp_path, "slow-link", intra_node_gbps=20.0, latency_base_us=1.0)
+    loses = described_machine(tmp_path, "high-latency", latency_base_us=2000.0)
+    without = tuple(o for o in OVERLAPS if o != "fine")
+    for machine, gain in ((pays, True), (loses, False)):
+        c = fine_run(machine)
+        chunks = fine_chunks(c, c.model_config())
+        forced = predicted_step(c, OVERLAPS)  # fine named: on, best chunk count
+        assert (forced < predicted_step(c, without)) == gain, machine
+        assert (chunks in CHUNK_CANDIDATES) if gain else chunks == 0, (machine, chunks)
+    # named explicitly it is on whatever the prediction; "all" without a machine leaves it off
+    c = fine_run(loses, "prefetch,fine")
+    assert fine_chunks(c, c.model_config()) in CHUNK_CANDIDATES
+    c = fine_run("")
+    assert fine_chunks(c, c.model_config()) == 0
+    c = fine_run("", "fine")
+    assert fine_chunks(c, c.model_config()) == FINE_CHUNKS

@@ -46,8 +46,10 @@ class _Ring:
             self.stats.bytes += (self.g - 1) / self.g * payload
         self.started, self.sends = time.perf_counter(), []
 
-    def send(self, t: torch.Tensor, tag: int) -> None:
-        self.sends.append(dist.isend(t, self.next, group=self.group, tag=tag))
+    def send(self, t: torch.Tensor, tag: int):
+        work = dist.isend(t, self.next, group=self.group, tag=tag)
+        self.sends.append(work)
+        return work
 
     def recv(self, t: torch.Tensor, tag: int):
         return dist.irecv(t, self.prev, group=self.group, tag=tag)
@@ -125,6 +127,7 @@ def ring_matmul_reduce_scatter(
     r = ring.r
     acc = [torch.empty((m, n), dtype=dtype, device=y.device) for _ in range(2)]
     pending: dict[tuple[int, int], object] = {}
+    sent: dict[int, object] = {}  # piece -> its send of the previous step
     for s in range(g):
         c = (r - s - 1) % g
         cur, nxt_buf = acc[s % 2], acc[(s + 1) % 2]
@@ -136,12 +139,11 @@ def ring_matmul_reduce_scatter(
                 ring.wait(pending.pop((s, q)))
                 cur[a:b].addmm_(rows, w.t())  # the neighbour's running sum + this partial
             if s < g - 1:
-                ring.send(cur[a:b], tag=s * chunks + q)
+                work = ring.send(cur[a:b], tag=s * chunks + q)
+                if q in sent:  # nxt_buf[a:b] went out at the previous step: done before reuse
+                    ring.wait(sent[q])
+                sent[q] = work
                 pending[(s + 1, q)] = ring.recv(nxt_buf[a:b], s * chunks + q)
-        if s < g - 1:  # nxt_buf was cur two steps ago: its sends must be done before reuse
-            for work in ring.sends:
-                ring.wait(work)
-            ring.sends.clear()
     ring.close()
     return acc[(g - 1) % 2]
 

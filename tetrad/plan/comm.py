@@ -51,6 +51,13 @@ modelled). Steady state, every block alike:
 - ``domino``: the forward all-reduce of a Linear's output is split in two halves (when ``m >= 2 *
   domino_min_rows``); the first half's all-reduce runs during the second half's GEMM: exposed
   ``t_2 + max(0, t_1 - GEMM/2)``.
+- ``fine``: each block Linear's forward all-reduce and backward dx all-reduce is a reduce-scatter
+  fused with its GEMM (exposed: the fused ring's time, replayed event by event by
+  :mod:`tetrad.plan.fine`, minus the GEMM) and an all-gather (exposed; in backward during the dW
+  GEMM with ``dx_all_reduce``). Where the rows do not split over the group, as without it. With
+  ``overlaps="all"`` it is used only where it lowers the exposed time, with the best chunk count
+  of :data:`tetrad.plan.fine.CHUNK_CANDIDATES` (:attr:`Estimate.fine_chunks`, what the runtime then
+  runs); named explicitly it is always on.
 - ``dp_all_reduce``: in the last micro-batch the weight gradients are all-reduced over data in
   buckets (``bucket_bytes``) as the reduce-scatters complete; a block's buckets run during the
   backward (and recompute) of the block below; the queue carries over; what is left when the
@@ -80,6 +87,7 @@ from dataclasses import asdict, dataclass
 
 from tetrad.plan import layers
 from tetrad.plan.compute import ELEMENTWISE, BlockCompute, block_compute
+from tetrad.plan.fine import CHUNK_CANDIDATES
 from tetrad.plan.layers import FP32, Recorder, Step
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec, PlanError
@@ -141,6 +149,7 @@ class Estimate:
         comm_s: all communication per axis (exposed + hidden).
         grad_accum: micro-batches per step.
         collectives: per-collective detail (only from :func:`collectives`).
+        fine_chunks: pieces per ring step of the ``fine`` overlap as modelled (0: not used).
     """
 
     step_s: float
@@ -150,6 +159,7 @@ class Estimate:
     comm_s: dict
     grad_accum: int
     collectives: tuple = ()
+    fine_chunks: int = 0
 
 
 class Context:
@@ -157,10 +167,13 @@ class Context:
 
     Args:
         seq_len: tokens per sample ``S``; ``global_batch``: samples per step ``B``.
-        overlaps: names from :data:`tetrad.spec.OVERLAPS` (or "all"/"none").
+        overlaps: names from :data:`tetrad.spec.OVERLAPS` (or "all"/"none"); ``"all"`` uses
+            ``fine`` only where it lowers the exposed time, a list naming it always.
         compute_bytes: 2 (bf16, the runtime on GPU) or 4 (fp32, on CPU).
         bucket_bytes: data-parallel all-reduce bucket, bytes (``dp_all_reduce``).
         domino_min_rows: the ``domino`` split needs ``m >= 2 * domino_min_rows`` token rows.
+        fine_chunks: pieces per ring step of ``fine``; None: the best of
+            :data:`tetrad.plan.fine.CHUNK_CANDIDATES`.
     """
 
     def __init__(
@@ -174,6 +187,7 @@ class Context:
         compute_bytes: int = 2,
         bucket_bytes: int = DP_BUCKET_BYTES,
         domino_min_rows: int = DOMINO_MIN_ROWS,
+        fine_chunks: int | None = None,
     ):
         if compute_bytes not in (2, 4):
             raise PlanError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
@@ -184,6 +198,16 @@ class Context:
         except OverlapError as e:
             raise PlanError(str(e)) from None
         self.c = compute_bytes
+        if fine_chunks is not None and fine_chunks < 1:
+            raise PlanError(f"fine_chunks={fine_chunks}: give at least 1 piece per ring step")
+        if "fine" not in self.overlaps:
+            self.fine: tuple[int, ...] = ()
+        else:
+            self.fine = (fine_chunks,) if fine_chunks else CHUNK_CANDIDATES
+            if isinstance(overlaps, str) and overlaps.strip() == "all":
+                self.fine = (0, *self.fine)
+        peak, eff = machine.peak_flops, machine.gemm_efficiency
+        self.gemm_s = lambda f: f / (peak * eff(f)) if f > 0 else 0.0
         self.bucket_bytes, self.domino_min_rows = bucket_bytes, domino_min_rows
         self.linears = model.linears()
         self.head_nk = model.vocab * model.hidden
@@ -295,6 +319,9 @@ def _step(
         dx_overlap="dx_all_reduce" in ov,
         domino="domino" in ov and m >= 2 * ctx.domino_min_rows,
         dp_overlap=dp,
+        fine=ctx.fine,
+        gemm_s=ctx.gemm_s,
+        slowdown=ctx.machine.overlap_slowdown,
     )
 
 
@@ -328,7 +355,9 @@ def estimate(
     compute = st.acc * (fwd_mb + bwd_mb + rec_mb) + optimizer
     step = compute + sum(rec.exposed.values())
     cols = _collectives(rec, st.sizes, st.world)
-    return Estimate(step, compute, st.acc * rec_mb, rec.exposed, rec.total, st.acc, cols)
+    return Estimate(
+        step, compute, st.acc * rec_mb, rec.exposed, rec.total, st.acc, cols, st.fine_chosen
+    )
 
 
 def _collectives(rec: Recorder, sizes: dict[str, int], world: int) -> tuple[Collective, ...]:
@@ -355,6 +384,7 @@ def collectives(
     compute_bytes: int = 2,
     bucket_bytes: int = DP_BUCKET_BYTES,
     domino_min_rows: int = DOMINO_MIN_ROWS,
+    fine_chunks: int | None = None,
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
     axis, kind, payload bytes per call, calls, ring bytes and seconds per call, the compute it
@@ -375,6 +405,7 @@ def collectives(
         compute_bytes=compute_bytes,
         bucket_bytes=bucket_bytes,
         domino_min_rows=domino_min_rows,
+        fine_chunks=fine_chunks,
     )
     return list(
         estimate(ctx, tuple(grid), micro_batch, activation_checkpointing, detail=True).collectives

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from tetrad.plan.network import REDUCE_SCATTER, Link
 
-FINE_CHUNKS = (1, 2, 4, 8)
+CHUNK_CANDIDATES = (1, 2, 4, 8)
 """Pieces per ring step the planner chooses from."""
 
 
@@ -70,15 +70,16 @@ def ring_reduce_scatter_seconds(
     a, b = _piece_times(gemm_s, flops, payload, link, chunks, slowdown)
     cpu = link_free = 0.0
     arrive = [0.0] * chunks  # when piece j of the previous step arrived from the neighbour
+    sent = [0.0] * chunks  # when piece j's send of the previous step finished
     for s in range(g):
         for j in range(chunks):
             start = max(cpu, arrive[j]) if s else cpu
             cpu = start + a
             if s < g - 1:
                 link_free = max(cpu, link_free) + b
-                arrive[j] = link_free
-        if s < g - 1:  # the step's sends finish before their buffer is reused
-            cpu = max(cpu, link_free)
+                if s:  # its buffer rows are reused only after the previous step's send
+                    cpu = max(cpu, sent[j])
+                sent[j] = arrive[j] = link_free
     return cpu
 
 
@@ -114,7 +115,7 @@ def best_chunks(
     payload: float,
     link: Link,
     slowdown: float = 0.0,
-    candidates: tuple[int, ...] = FINE_CHUNKS,
+    candidates: tuple[int, ...] = CHUNK_CANDIDATES,
 ) -> tuple[int, float]:
     """``(chunks, seconds)`` of the fastest GEMM -> reduce-scatter among ``candidates``."""
     got = [

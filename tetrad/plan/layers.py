@@ -11,9 +11,11 @@ head (:func:`lm_head`) all-reduces no logits. The Z collectives are in :mod:`tet
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tetrad.plan.compute import BlockCompute
+from tetrad.plan.fine import ring_reduce_scatter_seconds
 from tetrad.plan.models import Linear, ModelSpec
 from tetrad.plan.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Link
 from tetrad.spec import COMM_AXES, FP32, Axis
@@ -59,6 +61,20 @@ class Recorder:
                 old[1] += calls
                 old[4] += exposed
 
+    def merge(self, other: Recorder) -> None:
+        """Add ``other``'s seconds and rows to this record."""
+        for ax in COMM_AXES:
+            self.total[ax] += other.total[ax]
+            self.exposed[ax] += other.exposed[ax]
+        if self.rows is not None and other.rows is not None:
+            for key, (payload, calls, t, hid, exp) in other.rows.items():
+                old = self.rows.get(key)
+                if old is None:
+                    self.rows[key] = [payload, calls, t, hid, exp]
+                else:
+                    old[1] += calls
+                    old[4] += exp
+
 
 @dataclass(slots=True)  # not frozen: built per estimate, and frozen init costs ~1 us a record
 class Step:
@@ -74,6 +90,10 @@ class Step:
             the LM head, the embedding tables, the Z-replicated vectors of the whole model).
         bucket_calls: data-parallel buckets per step (``dp_overlap`` only).
         prefetch ... dp_overlap: the overlaps in force (``domino`` only when ``m`` is large).
+        fine: the ``fine`` overlap's chunk counts to try (0: ``fine`` off); the block Linears
+            are recorded with the one of least exposed time, kept in ``fine_chosen``.
+        gemm_s: seconds of one GEMM of the given FLOPs; ``slowdown``: the machine's
+            ``overlap_slowdown`` (both for :mod:`tetrad.plan.fine`).
     """
 
     model: ModelSpec
@@ -95,6 +115,10 @@ class Step:
     dx_overlap: bool
     domino: bool
     dp_overlap: bool
+    fine: tuple[int, ...] = ()
+    gemm_s: Callable[[float], float] | None = None
+    slowdown: float = 0.0
+    fine_chosen: int = 0
 
     @property
     def n_layers(self) -> int:
@@ -120,7 +144,8 @@ class PlacedLinear:
     Attributes:
         in_axis: its input's axis (the forward all-reduce's); ``out_axis``: the backward dx's.
         calls: calls per step of each of its X/Y collectives.
-        gemm: seconds of one of its GEMMs (forward = dx = dW) per micro-batch.
+        gemm: seconds of one of its GEMMs (forward = dx = dW) per micro-batch; ``flops``: its
+            FLOPs.
         phases: the phases that run its forward: ``("forward",)`` or with ``"recompute"``.
     """
 
@@ -131,27 +156,69 @@ class PlacedLinear:
     k: int
     calls: int
     gemm: float
+    flops: float
     phases: tuple[str, ...]
 
 
-def place(lin: Linear, calls: int, gemm: float, recomputed: bool) -> PlacedLinear:
+def place(lin: Linear, calls: int, gemm: float, flops: float, recomputed: bool) -> PlacedLinear:
     """``lin`` with its axes: X in, Y out; swapped when transposed."""
     in_ax, out_ax = ("y", "x") if lin.transposed else ("x", "y")
     phases = ("forward", "recompute") if recomputed else ("forward",)
     return PlacedLinear(
-        lin.name, in_ax, out_ax, lin.out_features, lin.in_features, calls, gemm, phases
+        lin.name, in_ax, out_ax, lin.out_features, lin.in_features, calls, gemm, flops, phases
     )
 
 
 # ---- X/Y collectives of the block Linears and the LM head --------------------------------------
 
 
-def forward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear) -> None:
+def forward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear, fine: int = 0) -> None:
     """The all-reduce of ``lin``'s output ``m n / G_out * c`` bytes over its input axis, in every
-    forward phase. The one place that picks its overlap model."""
-    if st.sizes[lin.in_axis] > 1:
-        overlap = domino_all_reduce if st.domino else plain_all_reduce
-        overlap(rec, st, lin)
+    forward phase. The one place that picks its overlap model (``fine``: chunks, 0 for off)."""
+    g = st.sizes[lin.in_axis]
+    if g > 1:
+        if fine and st.m % g == 0:
+            p = st.m * lin.n / st.sizes[lin.out_axis] * st.c
+            for phase in lin.phases:
+                fine_all_reduce(rec, st, lin, phase, lin.in_axis, p, fine, False)
+        else:
+            overlap = domino_all_reduce if st.domino else plain_all_reduce
+            overlap(rec, st, lin)
+
+
+def fine_all_reduce(
+    rec: Recorder,
+    st: Step,
+    lin: PlacedLinear,
+    phase: str,
+    axis: str,
+    p: float,
+    chunks: int,
+    ag_behind_dw: bool,
+) -> None:
+    """``fine`` (T3's layout): a reduce-scatter of ``p`` bytes fused with the GEMM that produces
+    it, exposed ``fused - GEMM`` (:func:`tetrad.plan.fine.ring_reduce_scatter_seconds`: the
+    ring's waits and the pieces' lower GEMM efficiency), then an all-gather of ``p`` bytes,
+    exposed, or ``max(0, t - GEMM)`` when it runs during the dW GEMM (``ag_behind_dw``)."""
+    link, calls = st.links[axis], lin.calls
+    fused = ring_reduce_scatter_seconds(st.gemm_s, lin.flops, p, link, chunks, st.slowdown)
+    t_rs, t_ag = link.time(REDUCE_SCATTER, p), link.time(ALL_GATHER, p)
+    e_ag = _max0(t_ag - lin.gemm) if ag_behind_dw else t_ag
+    hid = f"its GEMM ({chunks} pieces per ring step)"
+    rec.add(
+        lin.name, phase, axis, REDUCE_SCATTER, p, calls, t_rs, calls * _max0(fused - lin.gemm), hid
+    )
+    rec.add(
+        lin.name,
+        phase,
+        axis,
+        ALL_GATHER,
+        p,
+        calls,
+        t_ag,
+        calls * e_ag,
+        "dW GEMM" if ag_behind_dw else "",
+    )
 
 
 def plain_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear) -> None:
@@ -179,11 +246,16 @@ def domino_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear) -> None:
         rec.add(f"{lin.name} (half 2)", phase, ax, ALL_REDUCE, p2, calls, t2, calls * t2)
 
 
-def backward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear) -> None:
+def backward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear, fine: int = 0) -> None:
     """The dx all-reduce ``m k / G_in * c`` bytes over the output axis; with ``dx_all_reduce``
-    it runs during the dW GEMM: exposed ``max(0, t - GEMM)`` seconds."""
-    if st.sizes[lin.out_axis] > 1:
+    it runs during the dW GEMM: exposed ``max(0, t - GEMM)`` seconds (``fine``: chunks of
+    :func:`fine_all_reduce`, 0 for off)."""
+    g = st.sizes[lin.out_axis]
+    if g > 1:
         p = st.m * lin.k / st.sizes[lin.in_axis] * st.c
+        if fine and st.m % g == 0:
+            fine_all_reduce(rec, st, lin, "backward", lin.out_axis, p, fine, st.dx_overlap)
+            return
         t = st.links[lin.out_axis].time(ALL_REDUCE, p)
         e = _max0(t - lin.gemm) if st.dx_overlap else t
         hid = "dW GEMM" if st.dx_overlap else ""
@@ -191,12 +263,30 @@ def backward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear) -> None:
 
 
 def block_linears(rec: Recorder, st: Step) -> None:
-    """X/Y all-reduces of every block Linear, ``L acc count`` calls each (and recompute)."""
+    """X/Y all-reduces of every block Linear, ``L acc count`` calls each (and recompute). With
+    several ``fine`` candidates, each is recorded aside and the least exposed one kept."""
     calls = st.n_layers * st.acc
-    for lin, gemm in zip(st.linears, st.comp.gemm, strict=True):
-        placed = place(lin, calls * lin.count, gemm, st.checkpointing)
-        forward_all_reduce(rec, st, placed)
-        backward_all_reduce(rec, st, placed)
+    placed = [
+        place(lin, calls * lin.count, gemm, flops, st.checkpointing)
+        for lin, gemm, flops in zip(st.linears, st.comp.gemm, st.comp.gemm_flops, strict=True)
+    ]
+    if len(st.fine) <= 1:
+        st.fine_chosen = st.fine[0] if st.fine else 0
+        for lin in placed:
+            forward_all_reduce(rec, st, lin, st.fine_chosen)
+            backward_all_reduce(rec, st, lin, st.fine_chosen)
+        return
+    best = None
+    for chunks in st.fine:
+        trial = Recorder(rec.rows is not None)
+        for lin in placed:
+            forward_all_reduce(trial, st, lin, chunks)
+            backward_all_reduce(trial, st, lin, chunks)
+        exposed = sum(trial.exposed.values())
+        if best is None or exposed < best[0]:
+            best = (exposed, chunks, trial)
+    st.fine_chosen = best[1]
+    rec.merge(best[2])
 
 
 def lm_head(rec: Recorder, st: Step) -> None:

@@ -1,4 +1,5 @@
-"""The planner inside ``tetrad train``: ``--grid auto``, and whether the Domino split pays.
+"""The planner inside ``tetrad train``: ``--grid auto``, and whether the Domino split and the
+fine-grained fusion (``fine``) pay.
 
 Both ask :mod:`tetrad.plan` (the analytical model of communication, compute and memory; see
 docs/planner.md) about this run's model, batch and machine.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 
 from tetrad.models.config import ModelConfig
-from tetrad.spec import DTYPE_BYTES, GiB, compute_dtype
+from tetrad.spec import DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype
 from tetrad.train.config import ConfigError, TrainConfig
 
 # Machine presets that match a CUDA device name, for --grid auto without --machine.
@@ -115,30 +116,53 @@ def choose_grid(
     return cfg.with_grid(tuple(best.grid))
 
 
+def _estimate(cfg: TrainConfig, mc: ModelConfig, overlaps, fine_chunks: int | None):
+    from tetrad.plan.comm import Context, estimate
+
+    t, par = cfg.training, cfg.parallelism
+    ctx = Context(
+        mc.spec(),
+        machine_for(cfg),
+        t.seq_len,
+        t.global_batch,
+        overlaps=overlaps,
+        compute_bytes=DTYPE_BYTES[compute_dtype(t.device)],
+        domino_min_rows=par.domino_min_rows,
+        fine_chunks=fine_chunks,
+    )
+    return estimate(ctx, par.grid, t.micro_batch, par.activation_checkpointing)
+
+
 def domino_pays(cfg: TrainConfig, mc: ModelConfig) -> bool:
     """Whether the planner predicts a shorter step with the Domino split than without, for
     this run's grid, batch and ``--machine`` (True when no machine is given: the runtime's
     row threshold alone then decides)."""
-    t, par = cfg.training, cfg.parallelism
+    par = cfg.parallelism
     if not par.machine:
         return True
-    from tetrad.plan.comm import Context, estimate
+    rest = par.overlaps - {"fine"}
+    return (
+        _estimate(cfg, mc, rest, None).step_s < _estimate(cfg, mc, rest - {"domino"}, None).step_s
+    )
 
-    machine, spec = machine_for(cfg), mc.spec()
-    times = []
-    for overlaps in (par.overlaps, par.overlaps - {"domino"}):
-        ctx = Context(
-            spec,
-            machine,
-            t.seq_len,
-            t.global_batch,
-            overlaps=overlaps,
-            compute_bytes=DTYPE_BYTES[compute_dtype(t.device)],
-            domino_min_rows=par.domino_min_rows,
-        )
-        step = estimate(ctx, par.grid, t.micro_batch, par.activation_checkpointing).step_s
-        times.append(step)
-    return times[0] < times[1]
+
+def fine_chunks(cfg: TrainConfig, mc: ModelConfig) -> int:
+    """Pieces per ring step of the ``fine`` overlap for this run, 0 for off.
+
+    Named in ``--overlap``: on, with ``--fine-chunks`` or the planner's best count on
+    ``--machine`` (:data:`tetrad.spec.FINE_CHUNKS` without one). In ``all``: only where the
+    planner predicts less exposed communication on ``--machine`` than without it
+    (:attr:`tetrad.plan.comm.Estimate.fine_chunks`), with its chunk count (or
+    ``--fine-chunks``); off without a machine."""
+    par = cfg.parallelism
+    if "fine" not in par.overlaps:
+        return 0
+    named = "fine" in par.named_overlaps
+    if not par.machine:
+        return (par.fine_chunks or FINE_CHUNKS) if named else 0
+    # a set naming fine forces it; "all" lets the planner leave it off (chunk count 0)
+    overlaps = par.overlaps if named else "all"
+    return _estimate(cfg, mc, overlaps, par.fine_chunks or None).fine_chunks
 
 
 def is_rank0() -> bool:

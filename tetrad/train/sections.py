@@ -93,7 +93,14 @@ class ParallelismSection:
         "all",
         metavar="LIST",
         help="overlapped collectives: all, none, or a list of prefetch,"
-        "reduce_scatter,dx_all_reduce,dp_all_reduce,domino",
+        "reduce_scatter,dx_all_reduce,dp_all_reduce,domino,fine (all: domino and fine only "
+        "where the planner predicts a gain on --machine)",
+    )
+    fine_chunks: int = option(
+        0,
+        metavar="N",
+        help="pieces per ring step of the fine overlap (0: the planner's choice on --machine, "
+        "else 2)",
     )
     dp_bucket_mb: float = option(
         DP_BUCKET_BYTES / MiB, metavar="MB", help="data-parallel all-reduce bucket size, MiB"
@@ -107,7 +114,7 @@ class ParallelismSection:
     machine: str = option(
         "",
         metavar="NAME|FILE.toml",
-        help="machine for the planner (grid auto, Domino choice): a preset "
+        help="machine for the planner (grid auto, Domino and fine choice): a preset "
         "such as dgx-h100 or the file `tetrad calibrate` writes",
     )
     nproc: int = option(
@@ -118,6 +125,12 @@ class ParallelismSection:
     def overlaps(self) -> frozenset[str]:
         """The overlap names of :attr:`overlap` (checked by :meth:`TrainConfig.check`)."""
         return parse_overlaps(self.overlap)
+
+    @property
+    def named_overlaps(self) -> frozenset[str]:
+        """The overlaps named one by one in :attr:`overlap` (empty for ``all`` and ``none``)."""
+        names = {t.strip() for t in self.overlap.split(",")}
+        return frozenset() if names & {"all", "none"} else frozenset(names)
 
 
 @dataclass

@@ -21,8 +21,8 @@ from tetrad.models.config import ModelConfig
 from tetrad.models.hf import read_config
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
-from tetrad.spec import MiB
-from tetrad.train.auto import domino_pays
+from tetrad.spec import FINE_CHUNKS, MiB
+from tetrad.train.auto import domino_pays, fine_chunks
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.checkpoint_dir import (
     leftovers,
@@ -57,6 +57,20 @@ def build_model(cfg: TrainConfig, model_cfg: ModelConfig, grid: Grid) -> Paralle
                 f"tetrad: the planner predicts no gain from the Domino split on {par.machine}: "
                 "left off"
             )
+    chunks = fine_chunks(cfg, model_cfg)
+    if "fine" in overlaps and not chunks:
+        overlaps -= {"fine"}
+        if dist.get_rank() == 0:
+            why = (
+                f"the planner predicts no gain on {par.machine}"
+                if par.machine
+                else "no --machine to predict a gain (name it in --overlap to force it)"
+            )
+            print(f"tetrad: fine-grained GEMM + reduce-scatter fusion left off: {why}")
+    elif chunks and dist.get_rank() == 0:
+        print(
+            f"tetrad: fine-grained GEMM + reduce-scatter fusion on, {chunks} pieces per ring step"
+        )
     model = ParallelLlama(
         model_cfg,
         grid,
@@ -64,6 +78,7 @@ def build_model(cfg: TrainConfig, model_cfg: ModelConfig, grid: Grid) -> Paralle
         overlaps,
         bucket_bytes=int(par.dp_bucket_mb * MiB),
         domino_min_rows=par.domino_min_rows,
+        fine_chunks=chunks or FINE_CHUNKS,
     )
     init_parameters(model, cfg.training.seed, grid)
     if cfg.training.compile:
