@@ -132,3 +132,9 @@ def test_compiled_blocks_match_reference(reference):
     tolerances as eager."""
     grids = [(1, 1, 2, 2), (2, 1, 1, 2), (1, 2, 2, 1)]
     run_distributed(parallel_runs, 4, 4, *reference, False, (OVERLAPS,), grids, True)
+
+
+def test_fine_on_a_four_wide_tensor_axis_matches_reference(reference):
+    """``fine`` alone and with every overlap where its rings have more than one sending step
+    (G_x = 4; the tiny model's 2 key/value heads allow no G_y = 4): the same tolerances."""
+    run_distributed(parallel_runs, 4, 4, *reference, False, (("fine",), OVERLAPS), [(1, 1, 1, 4)])

@@ -275,6 +275,14 @@ def describe(run: Run, comp: dict, colls: list[dict]) -> dict:
     name, what = _device_names(run)
     pre = f"measured by tetrad calibrate on {date}, {run.world} ranks, {what}"
     figures, src = compute_figures(run, comp, name, pre)
+    if "overlap" in comp:
+        ov = comp["overlap"]
+        figures["compute"]["overlap_slowdown"] = round(ov["slowdown"], 3)
+        src["overlap_slowdown"] = (
+            f"{pre}: a GEMM {ov['gemm_s'] * 1e3:.3f} ms alone, {ov['gemm_with_comm_s'] * 1e3:.3f} "
+            f"ms while a {ov['payload_bytes'] / 2**20:.0f} MiB all-reduce over all ranks ran "
+            "beside it (slowest rank)"
+        )
     src["gpus_per_node"] = f"{pre}: ranks on this node (LOCAL_WORLD_SIZE, else the world)"
     net = fit_network(colls, run.world, run.ranks_per_node)
     src.update(network_sources(net, len(colls), pre))

@@ -13,7 +13,11 @@ import torch.distributed as dist
 from tetrad.calibrate.checks import CalibrationError, check_device, check_out, check_ranks
 from tetrad.calibrate.describe import Run, describe
 from tetrad.calibrate.machine_file import summary, write_machine_file
-from tetrad.calibrate.measure import measure_collectives, measure_compute
+from tetrad.calibrate.measure import (
+    measure_collectives,
+    measure_compute,
+    measure_overlap_slowdown,
+)
 from tetrad.calibrate.settings import settings
 from tetrad.device import cpu_cores, local_device, threads_per_rank
 from tetrad.grid import init_process_group
@@ -86,6 +90,9 @@ def _calibrate(device: str, out: str, quick: bool) -> dict:
 
     comp = measure_compute(dev, dtype, s)
     colls = measure_collectives(dev, s)
+    if world > 1:
+        shape = (512, 512, 512) if quick or dev.type == "cpu" else (4096, 4096, 4096)
+        comp["overlap"] = measure_overlap_slowdown(dev, dtype, s, shape)
 
     result: list = [None]
     if dist.get_rank() == 0:

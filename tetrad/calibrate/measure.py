@@ -6,6 +6,9 @@
 - **Memory bandwidth** (:func:`measure_copy`): a large tensor copy, ``2 * bytes / time``.
 - **Attention** (:func:`measure_attention`): causal ``scaled_dot_product_attention`` forward and
   backward, counted as the planner does (forward ``2 b S^2 d a``, backward 2.5x).
+- **Contention** (:func:`measure_overlap_slowdown`): a GEMM timed alone and while an
+  all-reduce over the world is in flight, on every rank at once; the ratio minus one is the
+  ``fine`` overlap's ``overlap_slowdown`` (:mod:`tetrad.plan.fine`).
 - **Collectives** (:func:`measure_collectives`): all-reduce and all-gather of several payloads
   over groups laid out like the grid's axes (:func:`~tetrad.calibrate.settings.layouts`), all
   groups of a layout at once, as an axis of the grid does; mean over back-to-back calls, slowest
@@ -234,3 +237,77 @@ def measure_collectives(dev: torch.device, s: Settings) -> list[dict]:
         for pg in made:
             dist.destroy_process_group(pg)
     return out
+
+
+# ---- contention ------------------------------------------------------------------------------
+
+
+def _gemm_seconds(fn: Callable[[], object], dev: torch.device, reps: int) -> float:
+    """Seconds of ``reps`` calls of ``fn`` on the compute stream (CUDA events: a collective on
+    its own stream is not waited for)."""
+    if dev.type == "cuda":
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        e1.synchronize()
+        return e0.elapsed_time(e1) / 1e3
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return time.perf_counter() - t0
+
+
+def measure_overlap_slowdown(
+    dev: torch.device,
+    dtype: torch.dtype,
+    s: Settings,
+    shape: tuple[int, int, int] = (1024, 1024, 1024),
+    group: dist.ProcessGroup | None = None,
+) -> dict:
+    """How much a GEMM ``[m, k] @ [k, n]`` slows while an all-reduce over ``group`` (default:
+    the world) runs beside it: the GEMMs are timed alone, then again while one all-reduce sized
+    to outlast them is in flight (best of ``s.trials``; the slowest rank counts).
+
+    Returns:
+        ``{"slowdown": t_with / t_alone - 1 (at least 0), "gemm_s": one GEMM alone (seconds),
+        "gemm_with_comm_s", "payload_bytes": the all-reduce's buffer}``.
+    """
+    m, n, k = shape
+    a = torch.randn(m, k, device=dev).to(dtype)
+    b = torch.randn(k, n, device=dev).to(dtype)
+    c = torch.empty(m, n, device=dev, dtype=dtype)
+
+    def gemm() -> None:
+        torch.matmul(a, b, out=c)
+
+    one = _world_max(time_per_call(gemm, dev, s), dev)
+    reps = max(2, math.ceil(s.min_time_s / max(one, 1e-9)))
+    buf = torch.zeros(1 << 20, device=dev, dtype=torch.float32)  # 4 MiB, grown to outlast
+    while True:
+        synchronize(dev)
+        t0 = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        synchronize(dev)
+        comm = _world_max(time.perf_counter() - t0, dev)
+        if comm >= 1.5 * reps * one or buf.numel() >= 1 << 28:
+            break
+        buf = torch.zeros(buf.numel() * 4, device=dev, dtype=torch.float32)
+    alone = with_comm = math.inf
+    for _ in range(s.trials):
+        synchronize(dev)
+        dist.barrier(group=group)
+        alone = min(alone, _world_max(_gemm_seconds(gemm, dev, reps), dev) / reps)
+        synchronize(dev)
+        dist.barrier(group=group)
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        t = _gemm_seconds(gemm, dev, reps) / reps
+        work.wait()
+        with_comm = min(with_comm, _world_max(t, dev))
+    return {
+        "slowdown": max(0.0, with_comm / alone - 1.0),
+        "gemm_s": alone,
+        "gemm_with_comm_s": with_comm,
+        "payload_bytes": buf.numel() * buf.element_size(),
+    }

@@ -51,6 +51,12 @@ class _Ring:
         self.sends.append(work)
         return work
 
+    def wait_send(self, work) -> None:
+        """Wait for one send now (each send is waited exactly once: on gloo a second wait
+        blocks for a send that never comes)."""
+        self.sends.remove(work)
+        self.wait(work)
+
     def recv(self, t: torch.Tensor, tag: int):
         return dist.irecv(t, self.prev, group=self.group, tag=tag)
 
@@ -141,7 +147,7 @@ def ring_matmul_reduce_scatter(
             if s < g - 1:
                 work = ring.send(cur[a:b], tag=s * chunks + q)
                 if q in sent:  # nxt_buf[a:b] went out at the previous step: done before reuse
-                    ring.wait(sent[q])
+                    ring.wait_send(sent[q])
                 sent[q] = work
                 pending[(s + 1, q)] = ring.recv(nxt_buf[a:b], s * chunks + q)
     ring.close()

@@ -17,6 +17,7 @@ from tetrad.plan.machines import get_machine, preset_names
 from tetrad.plan.models import PlanError
 from tetrad.plan.presets import PRESETS, get_model
 from tetrad.plan.search import plan
+from tetrad.plan.sublayers import format_sublayers, sublayers
 from tetrad.spec import GiB, parse_grid
 
 
@@ -63,13 +64,19 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--model", required=True, help=f"preset ({models}), a config.json, or sizes key=value,..."
     )
     p.add_argument("--machine", required=True, help=f"preset ({machines}) or a machine TOML file")
-    p.add_argument("--gpus", type=_positive_int, required=True, metavar="N")
+    p.add_argument("--gpus", type=_positive_int, metavar="N", help="GPUs (required to rank)")
     p.add_argument(
         "--global-batch",
         type=_positive_int,
-        required=True,
         metavar="N",
-        help="samples per optimizer step",
+        help="samples per optimizer step (required to rank)",
+    )
+    p.add_argument(
+        "--sublayers",
+        type=_int_list,
+        metavar="TP,...",
+        help="instead of ranking: T3-style GEMM -> reduce-scatter sublayer times (sequential, "
+        "fused, ideal) of the model at these tensor-parallel degrees, --seq-len tokens",
     )
     p.add_argument(
         "--seq-len",
@@ -100,7 +107,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         default="all",
         metavar="LIST",
         help="overlaps the runtime will use: all (default), none, or a list of "
-        "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino",
+        "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino,fine",
     )
     p.add_argument(
         "--checkpointing",
@@ -179,6 +186,14 @@ def run_plan(args: argparse.Namespace) -> int:
     machine = get_machine(args.machine)
     if args.gemm_efficiency is not None:
         machine = machine.with_gemm_efficiency(args.gemm_efficiency)
+    if args.sublayers:
+        rows = sublayers(model, machine, args.sublayers, args.seq_len)
+        print(format_sublayers(model, machine, rows))
+        return 0
+    missing = [f for f in ("gpus", "global_batch") if getattr(args, f) is None]
+    if missing:
+        flags = " and ".join("--" + f.replace("_", "-") for f in missing)
+        raise PlanError(f"tetrad plan needs {flags} to rank configurations (or --sublayers TP)")
     mem = None
     if args.gpu_memory_gib is not None:
         if args.gpu_memory_gib <= 0:

@@ -54,6 +54,11 @@ _PRESET_LIST = [
     _gpt("gpt-160b", 84, 12288, 96),
     _gpt("gpt-320b", 96, 16384, 128),
     _gpt("gpt-640b", 192, 16384, 128),
+    # T3's evaluation models (Pati et al., arXiv 2401.16677): Megatron-LM's 8.3B GPT-2
+    # (Shoeybi et al., arXiv 1909.08053, Table 2) and Microsoft's Turing-NLG 17B (78 layers,
+    # hidden 4256, 28 heads).
+    _gpt("mega-gpt-2", 72, 3072, 32),
+    _gpt("t-nlg", 78, 4256, 28),
     # Llama 2 (Touvron et al., arXiv 2307.09288; Hugging Face configs).
     _llama("llama-2-7b", 4096, 32, 32, 32, 11008, 32000),
     _llama("llama-2-13b", 5120, 40, 40, 40, 13824, 32000),
