@@ -121,6 +121,11 @@ OVERLAPS = ("prefetch", "reduce_scatter", "dx_all_reduce", "dp_all_reduce", "dom
 """What the runtime overlaps with computation (:mod:`tetrad.parallel.overlap`, where each is
 described) and the planner models (:mod:`tetrad.plan.comm`)."""
 
+DEFAULT_OVERLAPS = tuple(o for o in OVERLAPS if o != "fine")
+"""The overlaps of a model built without naming any (``ParallelLlama``, ``Overlap``): all but
+``fine``, which is on only where named or where the planner predicts a gain
+(:func:`tetrad.train.auto.fine_chunks`), as ``tetrad train --overlap all`` without a machine."""
+
 DP_BUCKET_BYTES = 4 * MiB
 """Data-parallel all-reduce bucket size of the ``dp_all_reduce`` overlap, bytes."""
 

@@ -29,7 +29,7 @@ from tetrad.parallel.linear import Linear
 from tetrad.parallel.loss import vocab_parallel_cross_entropy
 from tetrad.parallel.norm import RMSNorm
 from tetrad.parallel.overlap import Overlap
-from tetrad.spec import OVERLAPS, Axis
+from tetrad.spec import DEFAULT_OVERLAPS, Axis
 
 
 class ParallelLayers:
@@ -64,7 +64,7 @@ class ParallelLlama(Transformer):
     :func:`tetrad.parallel.init_parameters`.
 
     Args:
-        overlaps: names from :data:`tetrad.spec.OVERLAPS` (default: all).
+        overlaps: names from :data:`tetrad.spec.OVERLAPS` (default: all but ``fine``).
         overlap_options: ``bucket_bytes`` and ``domino_min_rows`` of :class:`Overlap`.
 
     Attributes:
@@ -76,7 +76,7 @@ class ParallelLlama(Transformer):
         cfg: ModelConfig,
         grid: Grid,
         activation_checkpointing: bool = False,
-        overlaps: Iterable[str] = OVERLAPS,
+        overlaps: Iterable[str] = DEFAULT_OVERLAPS,
         **overlap_options: int,
     ):
         overlap = Overlap(grid, overlaps, **overlap_options)

@@ -37,7 +37,7 @@ from tetrad.comm import Handle, all_gather, all_reduce, reduce_scatter
 from tetrad.comm.fused import ring_matmul_reduce_scatter
 from tetrad.grid import Grid
 from tetrad.parallel.buckets import GradBuckets
-from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, FINE_CHUNKS, OVERLAPS, Axis
+from tetrad.spec import DEFAULT_OVERLAPS, DOMINO_MIN_ROWS, DP_BUCKET_BYTES, FINE_CHUNKS, Axis
 
 
 class Overlap:
@@ -50,7 +50,7 @@ class Overlap:
     collective is blocking and nothing is prefetched.
 
     Args:
-        enabled: names from :data:`OVERLAPS`.
+        enabled: names from :data:`tetrad.spec.OVERLAPS` (default: all but ``fine``).
         bucket_bytes: data-parallel bucket size in bytes.
         domino_min_rows: split the forward GEMM only when the micro-batch has at least twice
             this many token rows (below it the split's extra launch costs more than it hides).
@@ -60,7 +60,7 @@ class Overlap:
     def __init__(
         self,
         grid: Grid,
-        enabled: Iterable[str] = OVERLAPS,
+        enabled: Iterable[str] = DEFAULT_OVERLAPS,
         bucket_bytes: int = DP_BUCKET_BYTES,
         domino_min_rows: int = DOMINO_MIN_ROWS,
         fine_chunks: int = FINE_CHUNKS,
