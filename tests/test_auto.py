@@ -95,3 +95,8 @@ def test_fine_is_used_exactly_where_the_planner_predicts_a_gain(tmp_path):
     assert fine_chunks(c, c.model_config()) == 0
     c = fine_run("", "fine")
     assert fine_chunks(c, c.model_config()) == FINE_CHUNKS
+
+
+def test_negative_fine_chunks_is_refused():
+    with pytest.raises(ConfigError, match="fine_chunks=-1 must be 0"):
+        cfg(grid="1,1,1,4", fine_chunks=-1).check()

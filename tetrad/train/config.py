@@ -142,6 +142,11 @@ class TrainConfig:
         for name in ("checkpoint_every", "keep_last", "max_restarts"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more")
+        if self.parallelism.fine_chunks < 0:
+            raise ConfigError(
+                f"fine_chunks={self.parallelism.fine_chunks} must be 0 (the planner's choice) "
+                "or a number of pieces per ring step such as 2"
+            )
         for name in ("log_every", "val_every"):
             if getattr(self.logging, name) < 1:
                 raise ConfigError(f"{name}={getattr(self.logging, name)} must be at least 1")
