@@ -86,14 +86,16 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from tetrad.plan import layers
-from tetrad.plan.compute import ELEMENTWISE, BlockCompute, block_compute
-from tetrad.plan.fine import CHUNK_CANDIDATES
-from tetrad.plan.layers import FP32, Recorder, Step
+from tetrad.plan.compute import ELEMENTWISE
+from tetrad.plan.context import Context
+from tetrad.plan.layers import Recorder, Step
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec, PlanError
 from tetrad.plan.network import ring_bytes
 from tetrad.plan.zwindows import z_collectives
-from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OverlapError, parse_overlaps
+from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES
+
+__all__ = ["Collective", "Context", "Estimate", "axis_totals", "collectives", "estimate"]
 
 
 @dataclass(frozen=True)
@@ -160,112 +162,6 @@ class Estimate:
     grad_accum: int
     collectives: tuple = ()
     fine_chunks: int = 0
-
-
-class Context:
-    """Per (model, machine, settings) constants of :func:`estimate`, computed once per search.
-
-    Args:
-        seq_len: tokens per sample ``S``; ``global_batch``: samples per step ``B``.
-        overlaps: names from :data:`tetrad.spec.OVERLAPS` (or "all"/"none"); ``"all"`` uses
-            ``fine`` only where it lowers the exposed time, a list naming it always.
-        compute_bytes: 2 (bf16, the runtime on GPU) or 4 (fp32, on CPU).
-        bucket_bytes: data-parallel all-reduce bucket, bytes (``dp_all_reduce``).
-        domino_min_rows: the ``domino`` split needs ``m >= 2 * domino_min_rows`` token rows.
-        fine_chunks: pieces per ring step of ``fine``; None: the best of
-            :data:`tetrad.plan.fine.CHUNK_CANDIDATES`.
-    """
-
-    def __init__(
-        self,
-        model: ModelSpec,
-        machine: Machine,
-        seq_len: int,
-        global_batch: int,
-        *,
-        overlaps: str | Iterable[str] = "all",
-        compute_bytes: int = 2,
-        bucket_bytes: int = DP_BUCKET_BYTES,
-        domino_min_rows: int = DOMINO_MIN_ROWS,
-        fine_chunks: int | None = None,
-    ):
-        if compute_bytes not in (2, 4):
-            raise PlanError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
-        self.model, self.machine = model, machine
-        self.seq_len, self.global_batch = seq_len, global_batch
-        try:
-            self.overlaps = parse_overlaps(overlaps)
-        except OverlapError as e:
-            raise PlanError(str(e)) from None
-        self.c = compute_bytes
-        if fine_chunks is not None and fine_chunks < 1:
-            raise PlanError(f"fine_chunks={fine_chunks}: give at least 1 piece per ring step")
-        if "fine" not in self.overlaps:
-            self.fine: tuple[int, ...] = ()
-        else:
-            self.fine = (fine_chunks,) if fine_chunks else CHUNK_CANDIDATES
-            if isinstance(overlaps, str) and overlaps.strip() == "all":
-                self.fine = (0, *self.fine)
-        peak, eff = machine.peak_flops, machine.gemm_efficiency
-        self.gemm_s = lambda f: f / (peak * eff(f)) if f > 0 else 0.0
-        self.bucket_bytes, self.domino_min_rows = bucket_bytes, domino_min_rows
-        self.linears = model.linears()
-        self.head_nk = model.vocab * model.hidden
-        self.gpt = model.family == "gpt"
-        self._buckets: dict = {}
-        self._compute: dict = {}
-
-    def compute(self, grid: tuple[int, int, int, int], micro_batch: int) -> BlockCompute:
-        """Compute seconds (cached per ``(G_y, G_x, micro_batch)``; the optimizer term is left to
-        :func:`estimate`, it depends on ``G_z``)."""
-        key = (grid[2], grid[3], micro_batch)
-        got = self._compute.get(key)
-        if got is None:
-            got = block_compute(
-                self.model, self.machine, grid, micro_batch, self.seq_len, linears=self.linears
-            )
-            self._compute[key] = got
-        return got
-
-    def weight_shards(self, gx: int, gy: int, gz: int) -> tuple[list[float], float, float, float]:
-        """Local weight-shard elements in backward (gradient-ready) order and totals:
-        ``(order, block_elements, head_elements, embedding_elements)``."""
-        shard = gx * gy * gz
-        block = [lin.weight_elements * lin.count / shard for lin in reversed(self.linears)]
-        head = self.head_nk / shard
-        emb = (self.model.vocab + self.model.max_positions) * self.model.hidden / shard
-        return block, sum(block), head, emb
-
-    def bucket_calls(self, gx: int, gy: int, gz: int) -> int:
-        """Data-parallel all-reduce calls of the bucketed overlap (the runtime's rule: append
-        each gradient as it becomes ready, launch when the bucket reaches ``bucket_bytes``,
-        launch the rest at the end)."""
-        key = (gx, gy, gz)
-        got = self._buckets.get(key)
-        if got is None:
-            block, _, head, emb = self.weight_shards(gx, gy, gz)
-            sizes = [head] + block * self.model.n_layers + [emb]
-            if min(sizes) * FP32 >= self.bucket_bytes:
-                got = len(sizes)
-            else:
-                got, acc = 0, 0.0
-                for s in sizes:
-                    acc += s * FP32
-                    if acc >= self.bucket_bytes:
-                        got, acc = got + 1, 0.0
-                got += acc > 0
-            self._buckets[key] = got
-        return got
-
-    def vector_elements(self, gx: int, gy: int) -> float:
-        """Local elements of the parameters replicated over Z (norm weights; GPT: LayerNorm
-        biases and Linear biases): their gradients are all-reduced over Z and data."""
-        norm = self.model.norm_params() / gx
-        bias = sum(
-            (lin.out_features * lin.count if lin.bias else 0) / (gx if lin.transposed else gy)
-            for lin in self.linears
-        )
-        return self.model.n_layers * (2 * norm + bias) + norm
 
 
 LAYER_KINDS = (

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tetrad.plan.compute import BlockCompute
-from tetrad.plan.fine import ring_reduce_scatter_seconds
+from tetrad.plan.fine import fine_all_reduce
 from tetrad.plan.models import Linear, ModelSpec
 from tetrad.plan.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Link
 from tetrad.spec import COMM_AXES, FP32, Axis
@@ -184,41 +184,6 @@ def forward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear, fine: int = 0
         else:
             overlap = domino_all_reduce if st.domino else plain_all_reduce
             overlap(rec, st, lin)
-
-
-def fine_all_reduce(
-    rec: Recorder,
-    st: Step,
-    lin: PlacedLinear,
-    phase: str,
-    axis: str,
-    p: float,
-    chunks: int,
-    ag_behind_dw: bool,
-) -> None:
-    """``fine`` (T3's layout): a reduce-scatter of ``p`` bytes fused with the GEMM that produces
-    it, exposed ``fused - GEMM`` (:func:`tetrad.plan.fine.ring_reduce_scatter_seconds`: the
-    ring's waits and the pieces' lower GEMM efficiency), then an all-gather of ``p`` bytes,
-    exposed, or ``max(0, t - GEMM)`` when it runs during the dW GEMM (``ag_behind_dw``)."""
-    link, calls = st.links[axis], lin.calls
-    fused = ring_reduce_scatter_seconds(st.gemm_s, lin.flops, p, link, chunks, st.slowdown)
-    t_rs, t_ag = link.time(REDUCE_SCATTER, p), link.time(ALL_GATHER, p)
-    e_ag = _max0(t_ag - lin.gemm) if ag_behind_dw else t_ag
-    hid = f"its GEMM ({chunks} pieces per ring step)"
-    rec.add(
-        lin.name, phase, axis, REDUCE_SCATTER, p, calls, t_rs, calls * _max0(fused - lin.gemm), hid
-    )
-    rec.add(
-        lin.name,
-        phase,
-        axis,
-        ALL_GATHER,
-        p,
-        calls,
-        t_ag,
-        calls * e_ag,
-        "dW GEMM" if ag_behind_dw else "",
-    )
 
 
 def plain_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear) -> None:
