@@ -32,6 +32,10 @@ GPT_TABLE = {
     "gpt-160b": (84, 12288, 96),
     "gpt-320b": (96, 16384, 128),
     "gpt-640b": (192, 16384, 128),
+    # T3's models (arXiv 2401.16677): Megatron-LM's 8.3B GPT-2 (arXiv 1909.08053, Table 2) and
+    # Turing-NLG 17B, in the same GPT layout.
+    "mega-gpt-2": (72, 3072, 32),
+    "t-nlg": (78, 4256, 28),
 }
 
 
