@@ -65,7 +65,8 @@ class ParallelLlama(Transformer):
 
     Args:
         overlaps: names from :data:`tetrad.spec.OVERLAPS` (default: all but ``fine``).
-        overlap_options: ``bucket_bytes`` and ``domino_min_rows`` of :class:`Overlap`.
+        overlap_options: ``bucket_bytes``, ``domino_min_rows`` and ``fine_chunks`` of
+            :class:`Overlap`.
 
     Attributes:
         overlap: the :class:`Overlap` the training step drives.

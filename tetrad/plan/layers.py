@@ -53,13 +53,15 @@ class Recorder:
         self.total[axis] += calls * t
         self.exposed[axis] += exposed
         if self.rows is not None and calls:
-            key = (layer, phase, axis, kind)
-            old = self.rows.get(key)
-            if old is None:
-                self.rows[key] = [payload, calls, t, hidden, exposed]
-            else:
-                old[1] += calls
-                old[4] += exposed
+            self._row((layer, phase, axis, kind), payload, calls, t, hidden, exposed)
+
+    def _row(self, key: tuple, payload: float, calls: int, t: float, hidden: str, exposed: float):
+        old = self.rows.get(key)
+        if old is None:
+            self.rows[key] = [payload, calls, t, hidden, exposed]
+        else:
+            old[1] += calls
+            old[4] += exposed
 
     def merge(self, other: Recorder) -> None:
         """Add ``other``'s seconds and rows to this record."""
@@ -67,13 +69,8 @@ class Recorder:
             self.total[ax] += other.total[ax]
             self.exposed[ax] += other.exposed[ax]
         if self.rows is not None and other.rows is not None:
-            for key, (payload, calls, t, hid, exp) in other.rows.items():
-                old = self.rows.get(key)
-                if old is None:
-                    self.rows[key] = [payload, calls, t, hid, exp]
-                else:
-                    old[1] += calls
-                    old[4] += exp
+            for key, row in other.rows.items():
+                self._row(key, *row)
 
 
 @dataclass(slots=True)  # not frozen: built per estimate, and frozen init costs ~1 us a record

@@ -19,10 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tetrad.plan.fine import best_chunks
+from tetrad.plan.fine import best_chunks, sublayer_seconds
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec, PlanError
-from tetrad.plan.network import REDUCE_SCATTER
 
 T3_REPORTED = {"T3-MCA": (1.30, 1.47), "T3": (1.20, 1.39)}
 """Sublayer speed-ups over sequential T3 reports: ``(geomean, max)``."""
@@ -94,23 +93,10 @@ def sublayers(
                 )
             flops = 2.0 * tokens * (k // tp) * model.hidden
             payload = tokens * model.hidden * c
-            chunks, fused = best_chunks(gemm_s, flops, payload, link, machine.overlap_slowdown)
-            g, coll = gemm_s(flops), link.time(REDUCE_SCATTER, payload)
-            out.append(
-                Sublayer(
-                    name,
-                    tp,
-                    tokens,
-                    k,
-                    model.hidden,
-                    g,
-                    coll,
-                    g + coll,
-                    fused,
-                    max(g, coll),
-                    chunks,
-                )
-            )
+            slow = machine.overlap_slowdown
+            chunks, _ = best_chunks(gemm_s, flops, payload, link, slow)
+            times = sublayer_seconds(gemm_s, flops, payload, link, chunks, slow)
+            out.append(Sublayer(name, tp, tokens, k, model.hidden, **times, chunks=chunks))
     return out
 
 
