@@ -3,15 +3,23 @@
 ``y = x / sqrt(mean_h(x^2) + eps) * w`` (Zhang and Sennrich 2019, arXiv 1910.07467, eq. 4) with
 the sum of squares all-reduced over the sharding axis. That all-reduce's backward is again an
 all-reduce: each rank's output shard contributes its own part of d(loss)/d(sum of squares).
+
+The statistic (with the collective) and the element-wise apply are separate: under selective
+activation checkpointing (:mod:`tetrad.models.recompute`) only the apply is recomputed in
+backward, from the kept input and ``rstd``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
+from tetrad.models.recompute import cheap
+from tetrad.parallel.linear import compute_dtype
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec import Axis
 
@@ -45,6 +53,16 @@ class RMSNorm(nn.Module):
         self.weight = sharded_parameter((dim,), ((axis,),), grid, ("ones",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        sum_sq = _all_reduce_sum(xf.pow(2).sum(-1, keepdim=True), self.grid, self.axis)
-        return (xf * torch.rsqrt(sum_sq / self.dim + self.eps)).type_as(x) * self.weight
+        """``x [..., dim/G_axis]`` -> the same shape in the compute dtype (the autocast dtype
+        under autocast, so the next Linear's cast is a no-op and saves this very tensor)."""
+        sum_sq = _all_reduce_sum(x.float().pow(2).sum(-1, keepdim=True), self.grid, self.axis)
+        rstd = torch.rsqrt(sum_sq / self.dim + self.eps)  # [..., 1] fp32: kept in every mode
+        apply = functools.partial(normalise, dtype=compute_dtype(x))
+        return cheap(apply, x, rstd, self.weight)  # recomputed in selective mode
+
+
+def normalise(x: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor, dtype: torch.dtype):
+    """RMSNorm's element-wise part: ``((x rstd) w)`` cast to ``dtype`` (``x [..., n]``, ``rstd
+    [..., 1]`` fp32, ``w [n]``); the product is taken in fp32 and rounded to ``x``'s dtype
+    before the weight, as the fused form did."""
+    return ((x.float() * rstd).type_as(x) * w).to(dtype)

@@ -1,0 +1,120 @@
+"""Selective activation recomputation (Korthikanti et al., arXiv 2205.05198, section 5: keep what
+is expensive to recompute, recompute what is cheap and memory-hungry).
+
+Inside :func:`selective` (``Transformer.forward`` enters it around each block when the mode is
+``selective`` and grad is on), :func:`cheap` runs an element-wise function (RMSNorm's apply,
+RoPE, SwiGLU, a heads-to-tokens copy) as a tiny checkpoint: it saves only the function's inputs
+and recomputes it in backward. Its output is tagged with a :class:`Recipe` ``(fn, inputs)``, and
+the ``saved_tensors_hooks`` pair that :func:`selective` installs packs a tagged tensor as its
+recipe instead of its data: the consumer (the next Linear saving its input for ``dW``, SDPA
+saving rotated q and k) keeps no copy, and the tensor is rebuilt from the recipe when backward
+unpacks it. Untagged tensors are kept as they are.
+
+No collective and no GEMM is ever re-run: only functions passed to :func:`cheap` are recomputed
+(torch's selective-checkpoint machinery would re-run the parallel Linear, whose custom autograd
+Function holds collectives). Outside :func:`selective`, :func:`cheap` is ``fn(*inputs)``, so the
+``none`` and ``full`` modes are unchanged.
+
+The recomputation restores the forward's autocast state (dtype decisions are the same in both
+passes); functions must be deterministic (no dropout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+observer: Callable[[torch.Tensor], None] | None = None
+"""Called with every tensor that selective mode's pack hook keeps as is (tests set it to measure
+what is kept; an outer ``saved_tensors_hooks`` does not see tensors packed by the inner one)."""
+
+_active = 0  # depth of selective() contexts
+
+
+class Recipe:
+    """How to rebuild a tagged tensor: ``fn(*inputs)`` under the forward's autocast state."""
+
+    __slots__ = ("fn", "inputs", "autocast")
+
+    def __init__(self, fn: Callable[..., torch.Tensor], inputs: tuple, autocast: tuple):
+        self.fn, self.inputs, self.autocast = fn, inputs, autocast
+
+    def run(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """``fn(*inputs)`` (default: the recorded inputs) under the recorded autocast state."""
+        device, enabled, dtype = self.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return self.fn(*(inputs or self.inputs))
+
+
+def _autocast_state(inputs: tuple) -> tuple[str, bool, torch.dtype]:
+    device = next((t.device.type for t in inputs if isinstance(t, torch.Tensor)), "cpu")
+    return device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+
+
+class _Cheap(torch.autograd.Function):
+    """``fn(*inputs)`` saving only ``inputs``; backward recomputes ``fn`` and differentiates it."""
+
+    @staticmethod
+    def forward(ctx, recipe: Recipe, *inputs):
+        ctx.recipe = recipe
+        ctx.save_for_backward(*inputs)
+        return recipe.run(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:]
+        leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs, strict=True)]
+        with torch.enable_grad():
+            out = ctx.recipe.run(*leaves)
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+        return (None, *(next(grads) if t.requires_grad else None for t in leaves))
+
+
+def cheap(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    """``fn(*inputs)``; inside :func:`selective` with grad on, recomputed in backward instead of
+    kept (see the module docstring).
+
+    ``fn`` must be element-wise-cheap, free of collectives and deterministic; ``inputs`` are
+    tensors (non-tensor parameters go into ``fn``, e.g. with ``functools.partial``), and they are
+    kept for backward.
+    """
+    if not _active or not torch.is_grad_enabled():
+        return fn(*inputs)
+    recipe = Recipe(fn, inputs, _autocast_state(inputs))
+    out = _Cheap.apply(recipe, *inputs)
+    out._tetrad_recipe = recipe
+    return out
+
+
+def _pack(t: torch.Tensor) -> Any:
+    recipe = getattr(t, "_tetrad_recipe", None)
+    if recipe is not None:
+        return recipe
+    if observer is not None:
+        observer(t)
+    return t
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, Recipe):
+        with torch.no_grad():
+            return packed.run()
+    return packed
+
+
+@contextlib.contextmanager
+def selective() -> Iterator[None]:
+    """Selective mode for the forward inside: :func:`cheap` recomputes, and saved tensors tagged
+    by it are packed as their recipes."""
+    global _active
+    _active += 1
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+    finally:
+        _active -= 1
