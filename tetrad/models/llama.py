@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tetrad.models.config import ModelConfig
+from tetrad.models.recompute import cheap
 
 
 class Layers(Protocol):
@@ -131,8 +132,14 @@ class FeedForward(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.w13(x).unflatten(-1, (-1, 2))
-        return self.w2(F.silu(gate_up[..., 0]) * gate_up[..., 1])
+        # selective mode keeps the w13 output and recomputes the product in backward
+        return self.w2(cheap(swiglu, self.w13(x)))
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of interleaved ``[..., 2f]`` features -> ``[..., f]``."""
+    pairs = gate_up.unflatten(-1, (-1, 2))
+    return F.silu(pairs[..., 0]) * pairs[..., 1]
 
 
 class Block(nn.Module):
