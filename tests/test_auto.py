@@ -20,8 +20,8 @@ def cfg(**over):
 
 def test_grid_auto_picks_a_valid_grid_of_the_world_size(capsys):
     chosen = choose_grid(cfg(machine="dgx-h100"), 4, vocab_size=256)
-    d, z, y, x = chosen.parallelism.grid
-    assert d * z * y * x == 4
+    d, c, z, y, x = chosen.parallelism.grid
+    assert d * c * z * y * x == 4
     chosen.check()  # the batch splits and the grid is concrete now
     assert "chose D,Z,Y,X=" in capsys.readouterr().out
 

@@ -170,7 +170,7 @@ def test_command_line_overrides_toml(tmp_path):
         ]
     )
     cfg = load_config(args.config, overrides(args))
-    assert cfg.training.steps == 5 and cfg.parallelism.grid == (2, 1, 1, 2)
+    assert cfg.training.steps == 5 and cfg.parallelism.grid == (2, 1, 1, 1, 2)
     assert cfg.data.paths == ["b.txt", "c/*.txt"]
     assert cfg.training.lr == 0.1 and cfg.checkpoint.resume is True
     assert cfg.model.sizes == {"n_layers": 3}

@@ -99,10 +99,10 @@ def run_one(grid, sizes, ref_curves, ref_weights, activation_checkpointing, over
         expected = ref_weights[name][p.placement.local_slices(grid)]
         worst = max(worst, (p.detach() - expected).abs().max().item())
     assert worst <= 0.05 * LR, f"grid {sizes}: weights differ by {worst / LR:.3g} lr"
-    if grid.coord == {"data": 0, "z": 0, "y": 0, "x": 0}:
+    if not any(grid.coord.values()):
         print(
             f"grid {sizes} overlaps {','.join(sorted(overlaps)) or 'none'}"
-            f"{' compiled' if compiled else ''}: "
+            f"{' compiled' if compiled else ''} checkpointing {model.activation_checkpointing}: "
             f"worst weight difference {worst / LR:.2e} lr"
         )
 
@@ -138,3 +138,24 @@ def test_fine_on_a_four_wide_tensor_axis_matches_reference(reference):
     """``fine`` alone and with every overlap where its rings have more than one sending step
     (G_x = 4; the tiny model's 2 key/value heads allow no G_y = 4): the same tolerances."""
     run_distributed(parallel_runs, 4, 4, *reference, False, (("fine",), OVERLAPS), [(1, 1, 1, 4)])
+
+
+CONTEXT_GRIDS = {  # (G_data, G_context, G_z, G_y, G_x): context with each other axis
+    4: [(1, 2, 1, 1, 2), (1, 2, 1, 2, 1), (1, 2, 2, 1, 1), (2, 2, 1, 1, 1), (1, 4, 1, 1, 1)],
+    8: [(1, 4, 1, 1, 2), (1, 4, 2, 1, 1), (2, 4, 1, 1, 1), (1, 2, 1, 2, 2)],
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(CONTEXT_GRIDS))
+def test_context_parallel_matches_reference(world_size, reference):
+    """Sequences split over G_context = 2 and 4 ranks (load-balanced chunks, K/V all-gather)
+    combined with data, Z, Y and X, with every overlap and with none: the same tolerances."""
+    grids = CONTEXT_GRIDS[world_size]
+    run_distributed(
+        parallel_runs, world_size, world_size, *reference, "none", (OVERLAPS, ()), grids
+    )
+
+
+def test_context_parallel_with_full_checkpointing_matches_reference(reference):
+    grids = [(1, 2, 1, 1, 2), (1, 2, 2, 1, 1)]
+    run_distributed(parallel_runs, 4, 4, *reference, "full", (OVERLAPS,), grids)

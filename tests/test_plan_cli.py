@@ -71,9 +71,9 @@ def test_emit_config_loads_in_tetrad_train(tmp_path, capsys):
     assert rc == 0 and "wrote config" in err
     cfg = load_config(str(path))
     cfg.check()
-    d, z, y, x = cfg.parallelism.grid
+    d, c, z, y, x = cfg.parallelism.grid
     t = cfg.training
-    assert d * z * y * x == 1024 and t.global_batch == 2048 and t.seq_len == 2048
+    assert d * c * z * y * x == 1024 and t.global_batch == 2048 and t.seq_len == 2048
     assert cfg.parallelism.overlap == "all"
     model = cfg.model_config()
     assert (model.dim, model.n_layers, model.n_heads, model.vocab_size) == (12288, 42, 96, 51200)

@@ -81,12 +81,22 @@ def _run(cfg, world):
 # ---------------------------------------------------------------- resharding
 
 
-GRIDS = ["1,1,2,2", "2,2,1,1", "1,2,1,2", "2,1,2,1", "1,1,1,1", "2,2,1,2"]
+GRIDS = [  # DATA,Z,Y,X or DATA,CONTEXT,Z,Y,X: G_context changes 1 -> 2 -> 1 -> 4 -> 1
+    "1,1,2,2",
+    "2,2,1,1",
+    "1,2,1,1,2",
+    "1,2,1,2",
+    "1,4,1,1,1",
+    "2,1,2,1",
+    "1,1,1,1",
+    "2,2,1,2",
+]
 
 
 def test_resharding_chain_matches_uninterrupted(corpus, tmp_path):
     """Two steps on each grid in turn, each resuming the previous grid's checkpoint (model and
-    AdamW states resharded by DCP; the data position is the step), against one run."""
+    AdamW states resharded by DCP, also across a change of G_context; the data position is the
+    step), against one run."""
     whole, chain = tmp_path / "whole", tmp_path / "chain"
     n = 2 * len(GRIDS)
     _run(config(corpus, whole, n, "1,1,1,1"), 1)
@@ -101,7 +111,7 @@ def test_resharding_chain_matches_uninterrupted(corpus, tmp_path):
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=k)
     meta = json.loads((chain / name / "tetrad.json").read_text())
-    assert meta["grid"] == [2, 2, 1, 2] and meta["step"] == n
+    assert meta["grid"] == [2, 1, 2, 1, 2] and meta["step"] == n
 
 
 # ---------------------------------------------------------------- SIGKILL during a save

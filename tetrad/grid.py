@@ -1,9 +1,13 @@
-"""The 4D process grid ``G_data x G_z x G_y x G_x`` over a named DeviceMesh.
+"""The process grid ``G_data x G_context x G_z x G_y x G_x`` over a named DeviceMesh.
 
 Rank order follows AxoNN (arXiv 2305.13525, section on the 4D grid): X varies fastest, then Y,
-then Z, then data, so an X group is a run of consecutive ranks and sits inside one node::
+then Z, then context, then data, so an X group is a run of consecutive ranks and sits inside one
+node::
 
-    rank = ((data * G_z + z) * G_y + y) * G_x + x
+    rank = (((data * G_context + context) * G_z + z) * G_y + y) * G_x + x
+
+Context parallelism splits each sequence over ``G_context`` ranks (:mod:`tetrad.parallel.context`);
+with ``G_context = 1`` this is AxoNN's 4D grid.
 
 The grid is an explicit object passed to every layer that communicates; there is no global state.
 It owns the process's :class:`~tetrad.comm.collectives.CommLog`, into which the collectives of
@@ -21,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tetrad.comm.collectives import CommLog
 from tetrad.device import local_device
-from tetrad.spec import GRID_AXES, Axis, GridShape, check_world_size
+from tetrad.spec import GRID_AXES, Axis, GridShape, check_world_size, parse_grid
 
 
 def backend_for(device_type: str) -> str:
@@ -42,17 +46,19 @@ def init_process_group(device_type: str) -> bool:
 
 @dataclass
 class Grid:
-    """A validated ``G_data x G_z x G_y x G_x`` grid of processes.
+    """A validated ``G_data x G_context x G_z x G_y x G_x`` grid of processes.
 
     Attributes:
-        data, z, y, x: axis sizes ``G_data, G_z, G_y, G_x``.
-        mesh: the DeviceMesh with dims named ``("data", "z", "y", "x")``.
+        data, context, z, y, x: axis sizes ``G_data, G_context, G_z, G_y, G_x``.
+        mesh: the DeviceMesh with dims named ``("data", "context", "z", "y", "x")``.
         device: this rank's device (``cpu`` or ``cuda:LOCAL_RANK``).
         coord: this rank's coordinate on each axis, e.g. ``coord["x"]``.
         comm: the record of every collective this rank issued, per axis.
+        data_group: with ``G_context > 1``, the data x context group (gradient sums).
     """
 
     data: int
+    context: int
     z: int
     y: int
     x: int
@@ -60,10 +66,12 @@ class Grid:
     device: torch.device
     coord: dict[str, int] = field(default_factory=dict)
     comm: CommLog = field(default_factory=CommLog)
+    data_group: dist.ProcessGroup | None = None
 
     @classmethod
     def build(cls, sizes: GridShape, device_type: str = "cpu") -> Grid:
-        """Build the grid over the already-initialised default process group.
+        """Build the grid over the already-initialised default process group; ``sizes`` are
+        ``(G_data, G_context, G_z, G_y, G_x)`` or ``(G_data, G_z, G_y, G_x)``.
 
         If no process group exists, one is initialised from the ``torchrun`` environment
         (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with the backend for
@@ -73,26 +81,38 @@ class Grid:
             GridError: the product of ``sizes`` differs from the world size.
         """
         init_process_group(device_type)
+        sizes = parse_grid(sizes)
         check_world_size(sizes, dist.get_world_size())
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=GRID_AXES)
         coord = {a: mesh.get_local_rank(a) for a in GRID_AXES}
-        return cls(*sizes, mesh=mesh, device=local_device(device_type), coord=coord)
+        data_group = None
+        if sizes[1] > 1:  # the data x context group, created on every rank at once
+            data_group = mesh["data", "context"]._flatten("data_context").get_group()
+        return cls(
+            *sizes, mesh=mesh, device=local_device(device_type), coord=coord, data_group=data_group
+        )
 
     def size(self, axis: Axis | str) -> int:
-        """Number of ranks along ``axis`` (one of ``data, z, y, x``)."""
+        """Number of ranks in the group of a collective over ``axis``: the axis size, except
+        ``data``: ``G_data G_context`` (see :class:`~tetrad.spec.Axis`)."""
+        if axis == Axis.DATA:
+            return self.data * self.context
         return getattr(self, axis)
 
     def group(self, axis: Axis | str) -> dist.ProcessGroup:
-        """The process group of this rank's ``axis`` line (all other coordinates fixed)."""
+        """The process group of this rank's ``axis`` line (all other coordinates fixed); for
+        ``data`` the data x context plane."""
+        if axis == Axis.DATA and self.context > 1:
+            return self.data_group
         return self.mesh.get_group(axis)
 
     @property
     def sizes(self) -> GridShape:
-        return (self.data, self.z, self.y, self.x)
+        return (self.data, self.context, self.z, self.y, self.x)
 
     @property
     def world_size(self) -> int:
-        return self.data * self.z * self.y * self.x
+        return self.data * self.context * self.z * self.y * self.x
 
     @property
     def batch_shards(self) -> int:
@@ -105,4 +125,5 @@ class Grid:
         return self.coord["data"] * self.z + self.coord["z"]
 
     def __str__(self) -> str:
-        return f"data={self.data} z={self.z} y={self.y} x={self.x}"
+        c = f" context={self.context}" if self.context > 1 else ""
+        return f"data={self.data}{c} z={self.z} y={self.y} x={self.x}"

@@ -1,7 +1,8 @@
 """tetrad's shared vocabulary, defined once for the runtime and the planner (plain Python).
 
-- the axes of the 4D grid and the groups collectives run over (:class:`Axis`);
-- grid shapes ``(G_data, G_z, G_y, G_x)``: parsing and the world-size check;
+- the axes of the grid and the groups collectives run over (:class:`Axis`);
+- grid shapes ``(G_data, G_context, G_z, G_y, G_x)``: parsing and the world-size check;
+- the activation-checkpointing modes;
 - the overlap names and their defaults;
 - devices, byte units, the TOML reader;
 - :class:`TetradError`, the base of every "change your input" error, and the one line the
@@ -13,6 +14,7 @@ Nothing here imports torch, so ``tetrad plan`` and configuration parsing run any
 from __future__ import annotations
 
 import enum
+import math
 import sys
 from collections.abc import Iterable
 from typing import Literal
@@ -53,9 +55,14 @@ class Axis(str, enum.Enum):
     """A group of ranks a collective runs over: one axis of the grid, or the whole world.
 
     A ``str`` (``Axis.X == "x"``), so it names DeviceMesh dimensions and JSON keys as is.
+    As a group of collectives, ``DATA`` is every rank that holds the same parameter shards and
+    sees other tokens outside Z: ``G_data G_context`` ranks (Megatron-LM's data-parallel group
+    with context parallelism), over which gradients and losses are summed; ``CONTEXT`` is the
+    ``G_context`` ranks holding the chunks of the same sequences (the K/V all-gather).
     """
 
     DATA = "data"
+    CONTEXT = "context"
     Z = "z"
     Y = "y"
     X = "x"
@@ -67,52 +74,90 @@ class Axis(str, enum.Enum):
     __format__ = str.__format__
 
 
-GRID_AXES = (Axis.DATA, Axis.Z, Axis.Y, Axis.X)
+GRID_AXES = (Axis.DATA, Axis.CONTEXT, Axis.Z, Axis.Y, Axis.X)
 """The grid's axes, outer to inner: the DeviceMesh dimension order and AxoNN's rank order
-(Singh et al., arXiv 2305.13525): X varies fastest, so an X group is a run of consecutive ranks
-inside one node, ``rank = ((data * G_z + z) * G_y + y) * G_x + x``."""
+(Singh et al., arXiv 2305.13525) with context parallelism between data and Z: X varies fastest,
+so an X group is a run of consecutive ranks inside one node,
+``rank = (((data * G_context + context) * G_z + z) * G_y + y) * G_x + x``. The data-parallel
+gradient group (data x context) is then ``G_data G_context`` ranks at stride ``G_z G_y G_x``."""
 
-COMM_AXES = (Axis.X, Axis.Y, Axis.Z, Axis.DATA, Axis.WORLD)
+COMM_AXES = (Axis.X, Axis.Y, Axis.Z, Axis.CONTEXT, Axis.DATA, Axis.WORLD)
 """Every group a collective runs over, inner to outer: the order of per-axis reports."""
 
-GridShape = tuple[int, int, int, int]
-"""``(G_data, G_z, G_y, G_x)``, in :data:`GRID_AXES` order."""
+GridShape = tuple[int, int, int, int, int]
+"""``(G_data, G_context, G_z, G_y, G_x)``, in :data:`GRID_AXES` order."""
 
 
 class GridError(TetradError):
-    """A grid that is not four positive integers or does not match the world size."""
+    """A grid that is not four or five positive integers or does not match the world size."""
 
 
 def parse_grid(text: str | Iterable[int]) -> GridShape:
-    """Parse ``"DATA,Z,Y,X"`` (or a sequence of four) into ``(G_data, G_z, G_y, G_x)``.
+    """Parse ``"DATA,CONTEXT,Z,Y,X"`` or ``"DATA,Z,Y,X"`` (``G_context = 1``), or a sequence
+    of five or four, into ``(G_data, G_context, G_z, G_y, G_x)``.
 
     Raises:
-        GridError: not four positive integers.
+        GridError: not four or five positive integers.
     """
     parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
     try:
         sizes = tuple(int(p) for p in parts)
     except (TypeError, ValueError):
         sizes = ()
-    if len(sizes) != 4 or min(sizes) < 1:
+    if len(sizes) not in (4, 5) or min(sizes) < 1:
         raise GridError(
-            f"grid {text!r} is not DATA,Z,Y,X with four positive integers (for example 1,2,1,2)"
+            f"grid {text!r} is not DATA,CONTEXT,Z,Y,X or DATA,Z,Y,X with positive integers "
+            "(for example 1,2,1,1,2 or 1,2,1,2)"
         )
-    return sizes  # type: ignore[return-value]
+    return sizes if len(sizes) == 5 else (sizes[0], 1, *sizes[1:])  # type: ignore[return-value]
 
 
 def check_world_size(sizes: GridShape, world_size: int) -> None:
-    """Check ``G_data * G_z * G_y * G_x == world_size``.
+    """Check ``G_data * G_context * G_z * G_y * G_x == world_size``.
 
     Raises:
         GridError: the product differs; the message prints the product equation.
     """
-    d, z, y, x = sizes
-    if d * z * y * x != world_size:
+    sizes = parse_grid(sizes)
+    names = [a.value for a in GRID_AXES]
+    if sizes[1] == 1:  # the 4D grid: no context term in the message
+        names, sizes = names[:1] + names[2:], sizes[:1] + sizes[2:]
+    product = math.prod(sizes)
+    if product != world_size:
         raise GridError(
-            f"grid data*z*y*x = {d}*{z}*{y}*{x} = {d * z * y * x}, but world size is "
-            f"{world_size}: choose a --grid whose product is {world_size}"
+            f"grid {'*'.join(names)} = {'*'.join(map(str, sizes))} = {product}, but world "
+            f"size is {world_size}: choose a --grid whose product is {world_size}"
         )
+
+
+# ---- activation checkpointing -----------------------------------------------------------------
+
+CHECKPOINTING = ("none", "selective", "full")
+"""Activation-checkpointing modes: ``none`` keeps every saved tensor; ``selective`` keeps the
+GEMM and attention outputs and recomputes RMSNorm, RoPE and SwiGLU in backward (Korthikanti et
+al., arXiv 2205.05198, section 5: recompute what is cheap and memory-hungry); ``full`` keeps
+only each block's input and recomputes the block."""
+
+
+class CheckpointingError(TetradError):
+    """An activation-checkpointing mode that is not one of :data:`CHECKPOINTING`."""
+
+
+def parse_checkpointing(value: str | bool) -> str:
+    """A mode of :data:`CHECKPOINTING` from its name or a bool (``True`` = ``full``).
+
+    Raises:
+        CheckpointingError: an unknown name.
+    """
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    name = str(value).strip().lower()
+    name = {"on": "full", "off": "none", "true": "full", "false": "none"}.get(name, name)
+    if name not in CHECKPOINTING:
+        raise CheckpointingError(
+            f"activation checkpointing {value!r} is unknown: use {', '.join(CHECKPOINTING)}"
+        )
+    return name
 
 
 # ---- overlaps --------------------------------------------------------------------------------

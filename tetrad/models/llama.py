@@ -17,14 +17,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tetrad.models import recompute
 from tetrad.models.config import ModelConfig
 from tetrad.models.recompute import cheap
+from tetrad.spec import parse_checkpointing
 
 
 class Layers(Protocol):
     """What the model needs of a layer factory.
 
     ``head_split`` attention heads are split over that many ranks (1 in the reference);
+    ``positions(s, device)`` gives the sequence positions ``[s]`` (int64) of this rank's ``s``
+    tokens of each sample (``0 .. s-1`` unless the sequence is split over ranks);
+    ``attention(q, k, v)`` is causal attention of this rank's queries ``[b, heads, s, d]`` over
+    keys and values ``[b, kv_heads, s, d]`` (grouped-query when the head counts differ);
     ``linear(k, n)`` maps ``[..., k] -> [..., n]`` (``transpose`` marks the second layer of a
     pair: the attention out-projection and the SwiGLU down-projection); ``head(dim, V)`` is the
     LM head ``[..., dim] -> [..., V]``; ``token_losses`` gives the per-token cross-entropy (nats)
@@ -39,6 +45,10 @@ class Layers(Protocol):
     ) -> nn.Module: ...
 
     def embedding(self, vocab: int, dim: int) -> nn.Module: ...
+
+    def positions(self, s: int, device: torch.device) -> torch.Tensor: ...
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
     def head(self, dim: int, vocab: int) -> nn.Module: ...
 
@@ -66,14 +76,13 @@ def rope_frequencies(d: int, cfg: ModelConfig, device: torch.device) -> torch.Te
     return torch.where(between, (1 - smooth) * slowed / factor + smooth * slowed, slowed)
 
 
-def rope(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding (Su et al., arXiv 2104.09864, eq. 34), rotate-half pairing.
 
-    ``x [B, heads, S, d]``: rotates the pair ``(x_i, x_{i+d/2})`` at position ``t`` by
-    ``t * inv_freq[i]`` (:func:`rope_frequencies`).
+    ``x [B, heads, s, d]``: rotates the pair ``(x_i, x_{i+d/2})`` of the token at position
+    ``positions[t]`` (``[s]``) by ``positions[t] * inv_freq[i]`` (:func:`rope_frequencies`).
     """
-    s = x.shape[-2]
-    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     cos, sin = angles.cos(), angles.sin()
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
@@ -97,23 +106,44 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.n_kv_heads // layers.head_split
         self.n_heads = self.n_kv_heads * self.group
         self.head_dim, self.cfg = hd, cfg
+        self.core = layers.attention
         self.wqkv = layers.linear(d, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
         self.wo = layers.linear(
             cfg.n_heads * hd, d, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.wqkv(x).view(b, s, self.n_kv_heads, self.group + 2, self.head_dim)
-        q = qkv[..., : self.group, :].reshape(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = qkv[..., self.group, :].transpose(1, 2)
-        v = qkv[..., self.group + 1, :].contiguous().transpose(1, 2)  # SDPA keeps v, not qkv
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        qkv = self.wqkv(x)
         inv_freq = rope_frequencies(self.head_dim, self.cfg, x.device)
-        q, k = rope(q, inv_freq), rope(k, inv_freq)
-        o = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
-        )
-        return self.wo(o.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+        # RoPE and the head split are recomputed from the kept wqkv output in selective mode.
+        q = cheap(self._rotated_queries, qkv, inv_freq, positions)
+        k = cheap(self._rotated_keys, qkv, inv_freq, positions)
+        v = cheap(self._values, qkv)
+        o = self.core(q, k, v)
+        return self.wo(cheap(self._merge_heads, o))
+
+    def _split(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``[b, s, (heads + 2 kv_heads) d]`` -> ``[b, s, kv_heads, group + 2, d]`` (a view)."""
+        return qkv.unflatten(-1, (self.n_kv_heads, self.group + 2, self.head_dim))
+
+    def _rotated_queries(self, qkv, inv_freq, positions) -> torch.Tensor:
+        """Rotated q ``[b, heads, s, d]`` from the wqkv output ``qkv [b, s, ...]``."""
+        b, s = qkv.shape[:2]
+        q = self._split(qkv)[..., : self.group, :].reshape(b, s, self.n_heads, self.head_dim)
+        return rope(q.transpose(1, 2), inv_freq, positions)
+
+    def _rotated_keys(self, qkv, inv_freq, positions) -> torch.Tensor:
+        """Rotated k ``[b, kv_heads, s, d]``."""
+        return rope(self._split(qkv)[..., self.group, :].transpose(1, 2), inv_freq, positions)
+
+    def _values(self, qkv: torch.Tensor) -> torch.Tensor:
+        """v ``[b, kv_heads, s, d]``, a copy: SDPA keeps v, not all of qkv."""
+        return self._split(qkv)[..., self.group + 1, :].contiguous().transpose(1, 2)
+
+    @staticmethod
+    def _merge_heads(o: torch.Tensor) -> torch.Tensor:
+        """``[b, heads, s, d]`` -> ``[b, s, heads d]`` (a copy when ``o`` is heads-major)."""
+        return o.transpose(1, 2).flatten(2)
 
 
 class FeedForward(nn.Module):
@@ -152,19 +182,34 @@ class Block(nn.Module):
         self.ffn_norm = layers.norm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg, layers)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), positions)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
-    """Token ids ``[b, S]`` -> logits ``[b, S, V]`` (``b`` = this rank's samples; the parallel
-    factory's LM head gives this rank's vocabulary slice ``V/(G_y G_x)``)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention, ``q [b, heads, s, d]``, ``k, v [b, kv_heads, s, d]`` ->
+    ``[b, heads, s, d]`` (SDPA: FlashAttention where the device has it)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
-    def __init__(self, cfg: ModelConfig, layers: Layers, activation_checkpointing: bool = False):
+
+class Transformer(nn.Module):
+    """Token ids ``[b, s]`` -> logits ``[b, s, V]`` (``b``, ``s`` = this rank's samples and
+    tokens of each; the parallel factory's LM head gives this rank's vocabulary slice
+    ``V/(G_y G_x)``).
+
+    ``activation_checkpointing``: a mode of :data:`tetrad.spec.CHECKPOINTING` (or a bool,
+    ``True`` = ``full``).
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, layers: Layers, activation_checkpointing: str | bool = "none"
+    ):
         super().__init__()
         self.cfg, self.layer_factory = cfg, layers
-        self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing = parse_checkpointing(activation_checkpointing)
         self.tok_embeddings = layers.embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, layers) for _ in range(cfg.n_layers))
         self.norm = layers.norm(cfg.dim, cfg.norm_eps)
@@ -172,14 +217,19 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
+        positions = self.layer_factory.positions(tokens.shape[1], tokens.device)
+        mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
         for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, use_reentrant=False)
+            if mode == "full":
+                h = checkpoint(layer, h, positions, use_reentrant=False)
+            elif mode == "selective":  # tetrad.models.recompute: no GEMM or collective re-runs
+                with recompute.selective():
+                    h = layer(h, positions)
             else:
-                h = layer(h)
+                h = layer(h, positions)
         return self.output(self.norm(h))
 
     def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Sum of the per-token cross-entropies (nats) of this rank's ``[b, S]`` tokens."""
+        """Sum of the per-token cross-entropies (nats) of this rank's ``[b, s]`` tokens."""
         vocab = self.cfg.unpadded_vocab or None
         return self.layer_factory.token_losses(self(tokens), targets, vocab).sum()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.models.config import ModelConfig
-from tetrad.models.llama import Transformer
+from tetrad.models.llama import Transformer, causal_attention
 
 
 class PlainLayers:
@@ -26,6 +26,12 @@ class PlainLayers:
 
     def embedding(self, vocab: int, dim: int) -> nn.Module:
         return nn.Embedding(vocab, dim)
+
+    def positions(self, s: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(s, device=device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v)
 
     def head(self, dim: int, vocab: int) -> nn.Module:
         return self.linear(dim, vocab)
@@ -45,5 +51,5 @@ class Llama(Transformer):
     """Plain Llama: tokens ``[B, S]`` -> logits ``[B, S, V]`` (call
     :func:`tetrad.parallel.init_parameters` to get the same weights as any parallel run)."""
 
-    def __init__(self, cfg: ModelConfig, activation_checkpointing: bool = False):
+    def __init__(self, cfg: ModelConfig, activation_checkpointing: str | bool = "none"):
         super().__init__(cfg, PlainLayers(), activation_checkpointing)

@@ -13,7 +13,8 @@ from tetrad.spec import Axis
 
 
 def sync_gradients(model: nn.Module, grid: Grid, data_reduced: set[int] = frozenset()) -> None:
-    """Sum every gradient over the replicated axes whose ranks saw other tokens (Z, data).
+    """Sum every gradient over the replicated axes whose ranks saw other tokens (Z, and data,
+    whose group includes the context axis: :class:`tetrad.spec.Axis`).
 
     Linear and embedding weights are sharded over Z (their reduce-scatter already summed Z), so
     they are summed over data only; biases and norm weights over Z and data. Axes X and Y need
@@ -55,7 +56,7 @@ def global_grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
     (``torch._foreach_norm``), as in ``torch.nn.utils.clip_grad_norm_``.
     """
     sharded = grid.z * grid.y * grid.x > 1
-    local = () if sharded else (Axis.DATA,)  # axes whose ranks each count their own copy
+    local = () if sharded else (Axis.DATA, Axis.CONTEXT)  # each of their ranks counts its own
     grads = [
         p.grad.detach()
         for p in model.parameters()

@@ -3,6 +3,7 @@ the 3D tensor-parallel layers, and the model it gives.
 
 Layouts on the grid (AxoNN's algorithm, Singh et al., arXiv 2305.13525):
 
+    (S: this rank's S/G_context tokens of each sequence, :mod:`tetrad.parallel.context`)
     residual stream       [B/(G_data G_z), S, h/G_x]         replicated over Y
     q / k / v, attention  [B/(G_data G_z), S, heads/G_y, d]  (wqkv: in X, out Y; each Y rank
                                                                holds whole KV groups)
@@ -22,7 +23,8 @@ from torch import nn
 
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
-from tetrad.models.llama import Transformer
+from tetrad.models.llama import Transformer, causal_attention
+from tetrad.parallel.context import ContextAttention, local_positions
 from tetrad.parallel.embedding import Embedding
 from tetrad.parallel.head import VocabParallelHead
 from tetrad.parallel.linear import Linear
@@ -34,11 +36,16 @@ from tetrad.spec import DEFAULT_OVERLAPS, Axis
 
 class ParallelLayers:
     """A :class:`tetrad.models.llama.Layers` factory of 3D tensor-parallel layers on ``grid``,
-    sharing one :class:`Overlap`; attention heads are split over Y."""
+    sharing one :class:`Overlap`; attention heads are split over Y, sequences over context
+    (:mod:`tetrad.parallel.context`)."""
 
     def __init__(self, grid: Grid, overlap: Overlap):
         self.grid, self.overlap = grid, overlap
         self.head_split = grid.y
+        self.attention = causal_attention if grid.context == 1 else ContextAttention(grid)
+
+    def positions(self, s: int, device: torch.device) -> torch.Tensor:
+        return local_positions(s, self.grid, device)
 
     def linear(self, k: int, n: int, *, transpose: bool = False, std: float = 0.02) -> nn.Module:
         return Linear(k, n, self.grid, transpose=transpose, init_std=std, overlap=self.overlap)
@@ -59,11 +66,13 @@ class ParallelLayers:
 
 
 class ParallelLlama(Transformer):
-    """The 3D tensor-parallel Llama on ``grid``: tokens ``[B/(G_data G_z), S]`` -> logits
-    ``[B/(G_data G_z), S, V/(G_y G_x)]``. Parameters are uninitialised: call
+    """The 3D tensor-parallel Llama on ``grid``: tokens ``[B/(G_data G_z), S/G_context]``
+    (:func:`tetrad.parallel.context.split_sequence`) -> logits
+    ``[B/(G_data G_z), S/G_context, V/(G_y G_x)]``. Parameters are uninitialised: call
     :func:`tetrad.parallel.init_parameters`.
 
     Args:
+        activation_checkpointing: a mode of :data:`tetrad.spec.CHECKPOINTING` (or a bool).
         overlaps: names from :data:`tetrad.spec.OVERLAPS` (default: all but ``fine``).
         overlap_options: ``bucket_bytes``, ``domino_min_rows`` and ``fine_chunks`` of
             :class:`Overlap`.
@@ -76,7 +85,7 @@ class ParallelLlama(Transformer):
         self,
         cfg: ModelConfig,
         grid: Grid,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: str | bool = "none",
         overlaps: Iterable[str] = DEFAULT_OVERLAPS,
         **overlap_options: int,
     ):

@@ -172,7 +172,12 @@ class Overlap:
             param.grad = shard
         else:
             param.grad += shard
-        if self._in_step and self._last and self.on("dp_all_reduce") and self.grid.data > 1:
+        if (
+            self._in_step
+            and self._last
+            and self.on("dp_all_reduce")
+            and self.grid.size(Axis.DATA) > 1
+        ):
             self.buckets.add(param)
 
     # -- activations: a Linear's GEMM and its all-reduce -----------------------------------

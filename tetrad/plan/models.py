@@ -219,12 +219,23 @@ class ModelSpec:
 # ---- which grids shard a model -----------------------------------------------------------
 
 
+PLAN_AXES = ("data", "z", "y", "x")
+"""The axes of the grids the planner ranks, outer to inner (the runtime's
+:data:`tetrad.spec.GRID_AXES` with ``G_context = 1``)."""
+
+
 def grid_sizes(grid: Iterable[int]) -> tuple[int, int, int, int]:
-    """``(G_data, G_z, G_y, G_x)`` as four positive integers.
+    """``(G_data, G_z, G_y, G_x)`` as four positive integers, from those four or from
+    ``(G_data, G_context, G_z, G_y, G_x)`` with ``G_context = 1``.
 
     Raises:
         PlanError: not four positive integers.
     """
+    grid = tuple(grid)
+    if len(grid) == 5:
+        if int(grid[1]) != 1:
+            raise PlanError(f"grid {grid!r}: the planner does not model G_context > 1 yet")
+        grid = (grid[0], *grid[2:])
     try:
         gd, gz, gy, gx = (int(g) for g in grid)
     except (TypeError, ValueError):

@@ -32,9 +32,9 @@ from tetrad.plan.axonn import axonn_comm
 from tetrad.plan.classic import search_classic
 from tetrad.plan.comm import Context, estimate
 from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, PlanError, grid_problems
+from tetrad.plan.models import PLAN_AXES, ModelSpec, PlanError, grid_problems
 from tetrad.plan.rows import Row, SearchResult, check_inputs, divisors, factorizations
-from tetrad.spec import COMM_AXES, GRID_AXES, GiB
+from tetrad.spec import COMM_AXES, GiB
 
 
 def _nearby_gpu_counts(model: ModelSpec, gpus: int) -> str:
@@ -206,7 +206,7 @@ class _Search4D:
             comm_s = dict(exposed)
         return Row(
             "4d",
-            dict(zip(GRID_AXES, grid, strict=True)),
+            dict(zip(PLAN_AXES, grid, strict=True)),
             b,
             acc,
             ckpt,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from tetrad.models.config import ModelConfig
-from tetrad.spec import DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype
+from tetrad.spec import DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype, parse_grid
 from tetrad.train.config import ConfigError, TrainConfig
 
 # Machine presets that match a CUDA device name, for --grid auto without --machine.
@@ -113,7 +113,7 @@ def choose_grid(
             + (f"; next: {others}" if others else ""),
             flush=True,
         )
-    return cfg.with_grid(tuple(best.grid))
+    return cfg.with_grid(parse_grid(best.grid))
 
 
 def _estimate(cfg: TrainConfig, mc: ModelConfig, overlaps, fine_chunks: int | None):

@@ -92,7 +92,7 @@ class TrainConfig:
         user_vocab = "vocab_size" in explicit | self.model.sizes.keys() and cfg.vocab_size
         if tokenizer_vocab is not None and not user_vocab:
             grid = self.parallelism.grid
-            multiple = math.lcm(128, 1 if grid == "auto" else grid[1] * grid[2] * grid[3])
+            multiple = math.lcm(128, 1 if grid == "auto" else grid[2] * grid[3] * grid[4])
             padded = -(-tokenizer_vocab // multiple) * multiple
             real = tokenizer_vocab if padded > tokenizer_vocab else 0
             cfg = dataclasses.replace(cfg, vocab_size=padded, unpadded_vocab=real)
@@ -129,13 +129,18 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "global_batch", "seq_len"):
             if getattr(t, name) < 1:
                 raise ConfigError(f"{name}={getattr(t, name)} must be at least 1")
-        d, z, _, _ = grid
+        d, c, z, _, _ = grid
         shards = d * z * t.micro_batch
         if t.global_batch % shards:
             raise ConfigError(
                 f"global_batch={t.global_batch} is not divisible by "
                 f"G_data*G_z*micro_batch = {d}*{z}*{t.micro_batch} = {shards}: "
                 "change --global-batch or --micro-batch"
+            )
+        if t.seq_len % (2 * c) and c > 1:
+            raise ConfigError(
+                f"seq_len={t.seq_len} is not divisible by 2*G_context = {2 * c} (each context "
+                "rank holds two chunks of every sequence): change --seq-len or the grid"
             )
         _check_training(t)
         c = self.checkpoint
@@ -163,7 +168,7 @@ class TrainConfig:
     @property
     def grad_accum(self) -> int:
         """Micro-steps per optimizer step."""
-        d, z, _, _ = self.parallelism.grid
+        d, _, z, _, _ = self.parallelism.grid
         return self.training.global_batch // (d * z * self.training.micro_batch)
 
     def with_grid(self, grid: GridShape) -> TrainConfig:

@@ -62,13 +62,13 @@ def launch_train(cfg: TrainConfig) -> None:
         _train_as_one_rank(cfg)
         return
     cfg.check()
-    d, z, y, x = cfg.parallelism.grid
-    nproc = d * z * y * x
+    d, c, z, y, x = cfg.parallelism.grid
+    nproc = d * c * z * y * x
     if cfg.training.device == "cuda":
-        _check_gpus(nproc, f"ranks of grid data*z*y*x = {d}*{z}*{y}*{x}")
+        _check_gpus(nproc, f"ranks of grid data*context*z*y*x = {d}*{c}*{z}*{y}*{x}")
     trainer.preflight(cfg)
     print(
-        f"tetrad: starting {nproc} workers (grid data={d} z={z} y={y} x={x}, "
+        f"tetrad: starting {nproc} workers (grid data={d} context={c} z={z} y={y} x={x}, "
         f"{cfg.training.device})",
         flush=True,
     )

@@ -21,7 +21,7 @@ from tetrad.spec import (
     parse_overlaps,
 )
 
-DEMO_GRID: GridShape = (2, 2, 1, 1)  # the fastest 4-process grid for `small` on 2 cores
+DEMO_GRID: GridShape = (2, 1, 2, 1, 1)  # the fastest 4-process grid for `small` on 2 cores
 
 
 class ConfigError(TetradError):
@@ -87,7 +87,8 @@ class ParallelismSection:
     grid: GridShape | Literal["auto"] = option(
         DEMO_GRID,
         metavar="DATA,Z,Y,X",
-        help="process grid, e.g. 1,2,1,2, or auto (the planner picks it)",
+        help="process grid DATA,Z,Y,X or DATA,CONTEXT,Z,Y,X, e.g. 1,2,1,2, or auto (the planner "
+        "picks it)",
     )
     overlap: str = option(
         "all",

@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
+from tetrad.parallel.context import split_sequence
 from tetrad.spec import Axis
 
 
@@ -52,6 +53,12 @@ def local_samples(batch: torch.Tensor, grid: Grid) -> torch.Tensor:
     ``[r*B/(G_data G_z), (r+1)*B/(G_data G_z))`` with ``r = data*G_z + z``."""
     n = batch.shape[0] // grid.batch_shards
     return batch[grid.batch_rank * n : (grid.batch_rank + 1) * n]
+
+
+def inputs_targets(mb: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets ``[b, S/G_context]`` of this rank from its samples ``[b, S+1]``
+    (its two sequence chunks, :func:`tetrad.parallel.context.split_sequence`)."""
+    return split_sequence(mb[:, :-1], grid), split_sequence(mb[:, 1:], grid)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -101,7 +108,7 @@ def train_step(
         if overlap is not None:
             overlap.begin_micro_batch(last=i == len(micro_batches) - 1)
         with autocast(grid.device):
-            part = model.loss_sum(mb[:, :-1], mb[:, 1:]) / n_tokens
+            part = model.loss_sum(*inputs_targets(mb, grid)) / n_tokens
         part.backward()
         if overlap is not None:
             overlap.end_micro_batch()
@@ -122,10 +129,10 @@ def evaluate(model: nn.Module, grid: Grid, batches: list[torch.Tensor], micro_ba
         n_tokens += batch[:, 1:].numel()
         for mb in to_device(local_samples(batch, grid), grid.device).split(micro_batch):
             with autocast(grid.device):
-                total += model.loss_sum(mb[:, :-1], mb[:, 1:]).float()
+                total += model.loss_sum(*inputs_targets(mb, grid)).float()
     return _sum_over_batch_axes(total, grid).item() / n_tokens
 
 
 def _sum_over_batch_axes(t: torch.Tensor, grid: Grid) -> torch.Tensor:
     all_reduce(t, grid, Axis.Z)
-    return all_reduce(t, grid, Axis.DATA)
+    return all_reduce(t, grid, Axis.DATA)  # data x context
