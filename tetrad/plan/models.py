@@ -252,9 +252,10 @@ def grid_problems(model: ModelSpec, grid) -> list[str]:
     :func:`tetrad.models.config.check_divisible`): a non-transposed weight
     ``[n, k]`` needs ``n % (G_y G_z) == 0`` and ``k % G_x == 0``, a transposed one the same with X
     and Y swapped; heads and KV heads split over Y; the LM head (vocabulary over Y, X and Z) and
-    so the embedding ``V % (G_y G_x G_z)``; norms ``h % G_x``.
+    so the embedding ``V % (G_y G_x G_z)``; norms ``h % G_x``. ``grid``: four sizes or five
+    (with ``G_context``, which splits no weight).
     """
-    _, gz, gy, gx = grid_sizes(grid)
+    gz, gy, gx = (int(g) for g in tuple(grid)[-3:])
     bad: list[str] = []
 
     def need(ok: bool, msg: str) -> None:

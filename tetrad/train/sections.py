@@ -18,6 +18,7 @@ from tetrad.spec import (
     GridShape,
     MiB,
     TetradError,
+    parse_checkpointing,
     parse_overlaps,
 )
 
@@ -86,7 +87,7 @@ class ParallelismSection:
 
     grid: GridShape | Literal["auto"] = option(
         DEMO_GRID,
-        metavar="DATA,Z,Y,X",
+        metavar="DATA,[CONTEXT,]Z,Y,X",
         help="process grid DATA,Z,Y,X or DATA,CONTEXT,Z,Y,X, e.g. 1,2,1,2, or auto (the planner "
         "picks it)",
     )
@@ -109,8 +110,11 @@ class ParallelismSection:
     domino_min_rows: int = option(
         DOMINO_MIN_ROWS, metavar="N", help="split a forward GEMM + all-reduce only with >= 2N rows"
     )
-    activation_checkpointing: bool = option(
-        False, help="recompute activations in the backward pass to save memory"
+    activation_checkpointing: str = option(
+        "none",
+        metavar="none|selective|full",
+        help="recompute activations in backward to save memory: selective (norms, RoPE, "
+        "SwiGLU; no GEMM or collective) or full (every block); true/false mean full/none",
     )
     machine: str = option(
         "",
@@ -121,6 +125,11 @@ class ParallelismSection:
     nproc: int = option(
         0, metavar="N", help="processes for grid auto without torchrun (0: GPUs, or 4 on CPU)"
     )
+
+    def __post_init__(self) -> None:
+        # one of tetrad.spec.CHECKPOINTING from a name, on/off or a TOML bool
+        # (raises tetrad.spec.CheckpointingError, which says what to give)
+        self.activation_checkpointing = parse_checkpointing(self.activation_checkpointing)
 
     @property
     def overlaps(self) -> frozenset[str]:
