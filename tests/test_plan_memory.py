@@ -16,7 +16,7 @@ from tetrad.plan.memory import (
 )
 from tetrad.plan.models import PlanError, check_grid, grid_problems
 from tetrad.plan.presets import PRESETS, get_model
-from tetrad.spec import GiB
+from tetrad.spec import CheckpointingError, GiB
 
 L31_8B = PRESETS["llama-3.1-8b"]
 L3_8B = PRESETS["llama-3-8b"]
@@ -243,11 +243,12 @@ def test_tetrad_checkpointing_and_totals():
     blk = block_saved_bytes(L31_8B, grid, 1, S, "bf16")
     inp = 4 * S * 4096 // 4
     assert plain["blocks"] == 32 * blk and plain["recompute"] == 0
-    assert ckpt["blocks"] == 32 * inp and ckpt["recompute"] == blk - inp
+    # the block inputs and the one positions tensor [S] int64 every checkpoint keeps
+    assert ckpt["blocks"] == 32 * inp + 8 * S and ckpt["recompute"] == blk - inp
     # the loss's fp32 exp(z - M) [m, V/(G_y G_x)] (the LM head splits V over Y and X), its row
     # sums (fp32), targets (int64) and mask (bool)
     assert ckpt["loss"] == plain["loss"] == 4 * S * 128256 // (2 * 4) + 13 * S
-    for ac in (False, True):
+    for ac in (False, True, "none", "selective", "full"):
         r = tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=ac)
         assert r.total == pytest.approx(max(r.phases.values()), rel=1e-12)
         assert r.phases[r.peak_phase] == pytest.approx(r.total, rel=1e-12)
@@ -261,10 +262,30 @@ def test_tetrad_checkpointing_and_totals():
             "reduce_scatter_buffers",
             "recompute_activations",
         }
-    assert (
-        tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=True).total
-        < tetrad(L31_8B, grid, 1, S, 141e9).total
-    )
+    totals = [
+        tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=mode).total
+        for mode in ("full", "selective", "none")
+    ]
+    assert totals == sorted(totals) and totals[0] < totals[1] < totals[2]
+
+
+def test_tetrad_selective_block_by_hand():
+    """Selective checkpointing keeps per block the two fp32 norm inputs and their rstd, the
+    wqkv output, inv_freq, SDPA's output and log-sum-exp and the w13 output (bf16); the
+    positions [S] int64 once; in backward the largest rebuilt set (here SwiGLU's)."""
+    grid, S, b = (2, 1, 2, 4), 4096, 2
+    m, hx, qy, kvy, ay, fy, d = b * S, 4096 // 4, 4096 // 2, 1024 // 2, 32 // 2, 14336 // 2, 128
+    per_block = 2 * (4 * m * hx + 4 * m) + 2 * m * (qy + 2 * kvy) + 2 * m * qy + 4 * m * ay
+    per_block += 2 * m * 2 * fy + 4 * d // 2
+    sel = saved_activations(L31_8B, grid, b, S, activation_checkpointing="selective")
+    assert sel["blocks"] == 32 * per_block + 8 * S
+    assert sel["recompute"] == max(2 * m * (qy + 2 * kvy), 2 * 2 * m * fy, 10 * m * hx)
+    plain = saved_activations(L31_8B, grid, b, S, activation_checkpointing="none")
+    assert {k: sel[k] for k in ("embedding", "final_norm", "loss")} == {
+        k: plain[k] for k in ("embedding", "final_norm", "loss")
+    }
+    with pytest.raises(CheckpointingError):
+        saved_activations(L31_8B, grid, b, S, activation_checkpointing="partial")
 
 
 def test_tetrad_transients():

@@ -6,7 +6,7 @@ tensors (tests/test_memory_validation.py). Bytes; symbols as in :mod:`tetrad.pla
 from __future__ import annotations
 
 from tetrad.plan.models import ModelSpec, PlanError, grid_sizes
-from tetrad.spec import DTYPE_BYTES, FP32
+from tetrad.spec import DTYPE_BYTES, FP32, parse_checkpointing
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -82,6 +82,50 @@ def block_saved_bytes(
     )
 
 
+def selective_block_saved_bytes(
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
+) -> float:
+    """Bytes ONE block keeps on one rank under selective checkpointing (tetrad/models/recompute.py;
+    Korthikanti et al., arXiv 2205.05198, section 5): the tensors that are expensive to recompute
+    or cheap to keep; the element-wise outputs they feed are rebuilt from them in backward.
+
+    Per norm: its fp32 input ``[m, h/G_x]`` (the block input ``x``, the mid-block sum ``h``) and
+    ``rstd [m, 1]`` fp32 (GPT's LayerNorm: mean and rstd, ``[m]`` each); the normalised output
+    is rebuilt. Attention: the wqkv output ``[m, (a d + 2 k d)/G_y]`` (rotated q and k and the v
+    copy are rebuilt from it), ``inv_freq [d/2]`` fp32 (RoPE's input, ``2d`` bytes), SDPA's
+    output ``[m, a d/G_y]`` and fp32 log-sum-exp ``[m, a/G_y]`` (the out-projection's
+    token-major input is rebuilt from the output). MLP: the w13 output ``[m, 2f/G_y]`` (llama:
+    ``silu(gate) * up`` is rebuilt; gpt: fc1's ``[m, f/G_y]``, GeLU rebuilt). The positions
+    ``[S]`` int64 shared by all blocks: :func:`saved_activations`.
+    """
+    _, _, gy, gx = grid_sizes(grid)
+    e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.hidden // gx
+    qy, kvy, ay = model.q_dim // gy, model.kv_dim // gy, model.n_heads // gy
+    stats = 2 if model.family == "gpt" else 1
+    norms = 2 * (FP32 * m * hx + stats * FP32 * m)
+    if model.family == "gpt":
+        qkv, rope, mlp = 3 * qy, 0, model.ffn_hidden // gy
+    else:
+        qkv, rope, mlp = qy + 2 * kvy, FP32 * (model.head_dim // 2), 2 * (model.ffn_hidden // gy)
+    return norms + e * m * (qkv + qy + mlp) + FP32 * m * ay + rope
+
+
+def selective_recompute_bytes(
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
+) -> float:
+    """The largest set rebuilt at once in a selective block's backward (one rank, bytes): the
+    rotated q, k and v copy for SDPA's backward ``e m (a d + 2 k d)/G_y``; SwiGLU's
+    recomputation with grad, ``silu(gate)`` and the product, ``2 e m f/G_y``; or the norm's,
+    the fp32 normalised input and product and the cast output, ``(8 + e) m h/G_x`` (``8 m
+    h/G_x`` when ``e = 4``: the cast is a no-op). Not checked against the runtime (transient)."""
+    _, _, gy, gx = grid_sizes(grid)
+    e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.hidden // gx
+    attention = e * m * (model.q_dim + 2 * model.kv_dim) // gy
+    mlp = 2 * e * m * (model.ffn_hidden // gy)
+    norm = (8 + (e if e != FP32 else 0)) * m * hx
+    return float(max(attention, mlp, norm))
+
+
 def block_input_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int) -> float:
     """A block's input ``[m, h/G_x]`` fp32 (the residual stream stays fp32 under autocast): all
     that non-reentrant ``torch.utils.checkpoint`` keeps of a checkpointed block."""
@@ -124,23 +168,43 @@ def saved_activations(
     micro_batch: int,
     seq_len: int,
     *,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: str | bool = "none",
     dtype: str = "bf16",
 ) -> dict[str, float]:
     """What autograd holds on one rank at the end of one micro-batch's forward, in bytes.
 
+    ``activation_checkpointing``: ``none``, ``selective`` or ``full``
+    (:data:`tetrad.spec.CHECKPOINTING`; a bool means ``full``/``none``).
+
     Returns:
-        ``blocks`` (``L`` blocks' saved tensors, or ``L`` block inputs when checkpointed),
-        ``embedding``, ``final_norm``, ``loss`` (their sum is what saved-tensor hooks see), and
-        ``recompute``: with checkpointing, one block's saved tensors minus its kept input, live
-        while that block is recomputed in backward (0 without checkpointing).
+        ``blocks`` (``L`` blocks' saved tensors; selective: ``L``
+        :func:`selective_block_saved_bytes`; full: ``L`` block inputs; both plus the positions
+        ``[S]`` int64, one tensor kept for all blocks), ``embedding``, ``final_norm``, ``loss``
+        (their sum is what saved-tensor hooks see), and ``recompute``: live while one block is
+        rebuilt in backward (full: its saved tensors minus its kept input; selective:
+        :func:`selective_recompute_bytes`; none: 0).
+
+    Raises:
+        tetrad.spec.CheckpointingError: an unknown mode.
     """
+    mode = parse_checkpointing(activation_checkpointing)
     blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
     inp = block_input_bytes(model, grid, micro_batch, seq_len)
+    # the positions [S] int64, one tensor for all blocks: an input of each full checkpoint, and
+    # of RoPE's recipes under selective (none: RoPE's angles are built from it and not kept)
+    positions = 8.0 * seq_len if model.family == "llama" else 0.0
+    if mode == "full":
+        blocks, recompute = model.n_layers * inp + positions, blk - inp
+    elif mode == "selective":
+        sel = selective_block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
+        blocks = model.n_layers * sel + positions
+        recompute = selective_recompute_bytes(model, grid, micro_batch, seq_len, dtype)
+    else:
+        blocks, recompute = model.n_layers * blk, 0.0
     return {
-        "blocks": model.n_layers * (inp if activation_checkpointing else blk),
+        "blocks": blocks,
         "embedding": embedding_saved_bytes(model, micro_batch, seq_len),
         "final_norm": final_norm_saved_bytes(model, grid, micro_batch, seq_len, dtype),
         "loss": loss_saved_bytes(model, grid, micro_batch, seq_len),
-        "recompute": blk - inp if activation_checkpointing else 0.0,
+        "recompute": recompute,
     }

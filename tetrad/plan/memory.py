@@ -218,7 +218,7 @@ def tetrad(
     seq_len: int,
     gpu_memory_bytes: float,
     *,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: str | bool = "none",
     dtype: str = "bf16",
     prefetch: bool = True,
     async_reduce_scatter: bool = True,
@@ -237,12 +237,15 @@ def tetrad(
       one);
     - ``backward: LM head``: all saved + the logits gradient (a bf16 copy of the softmax when
       ``e = 2``) + the head's ``W`` and ``dW`` (+ the next block weight prefetched);
-    - ``backward: blocks``: the blocks' saved tensors (+ one block's recompute set when
-      checkpointed) + ``W`` of the largest block Linear (the two largest with ``prefetch``) +
-      its ``dW`` (two in flight with ``async_reduce_scatter`` and ``G_z > 1``);
+    - ``backward: blocks``: the blocks' saved tensors (+ one block's recompute set under
+      ``full`` or ``selective`` checkpointing) + ``W`` of the largest block Linear (the two
+      largest with ``prefetch``) + its ``dW`` (two in flight with ``async_reduce_scatter`` and
+      ``G_z > 1``);
     - ``backward: end``: :func:`end_of_backward_bytes` (data-parallel buckets, embedding grad);
     - ``optimizer step``: :func:`step_buffer_bytes`.
 
+    ``activation_checkpointing``: ``none``, ``selective`` or ``full`` (or a bool: ``full`` /
+    ``none``); the saved sets are :func:`tetrad.plan.activations.saved_activations`'s.
     ``prefetch`` and ``async_reduce_scatter`` mirror the runtime's ``prefetch`` and
     ``reduce_scatter`` overlaps (tetrad/parallel/overlap.py, on by default).
 
@@ -255,6 +258,7 @@ def tetrad(
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
+        tetrad.spec.CheckpointingError: an unknown checkpointing mode.
     """
     gz, gy = grid_sizes(grid)[1:3]
     check_positive(micro_batch=micro_batch, seq_len=seq_len)
