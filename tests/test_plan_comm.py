@@ -181,6 +181,31 @@ def test_checkpointing_repeats_block_forward_collectives():
     assert not [k for k in ckpt if k[1] == "recompute" and k[0] in ("output", "embedding")]
 
 
+def test_selective_checkpointing_recomputes_elementwise_work_only():
+    """Selective re-runs no collective (the same list as none) and charges the norm applies,
+    RoPE and SwiGLU twice each, memory bound (tetrad/plan/compute.py)."""
+    model = get_model(SMALL)
+    grid, b, seq = (2, 2, 2, 2), 2, 16
+    plain = collectives(model, PERL, grid, b, seq, 8, overlaps="none")
+    sel = collectives(
+        model, PERL, grid, b, seq, 8, overlaps="none", activation_checkpointing="selective"
+    )
+    assert sel == plain
+    ctx = Context(model, PERL, seq, 8, overlaps="none")
+    comp = ctx.compute(grid, b)
+    m, hbm = b * seq, PERL.hbm_bytes_per_s
+    norms = 2 * 10 * m * 256 / 2  # two norm applies, ~10 B per h/G_x feature
+    rope = 12 * m * (256 + 128) / 2
+    act = 8 * m * 512 / 2
+    assert comp.selective == pytest.approx(2 * (norms + rope + act) / hbm, rel=1e-12)
+    none, full, selective = (estimate(ctx, grid, b, c) for c in ("none", "full", "selective"))
+    acc, n = none.grad_accum, model.n_layers
+    assert none.recompute_s == 0 and full.recompute_s == pytest.approx(acc * n * comp.block_fwd)
+    assert selective.recompute_s == pytest.approx(acc * n * comp.selective)
+    assert selective.exposed_s == none.exposed_s
+    assert none.step_s < selective.step_s < full.step_s
+
+
 def test_domino_halves_and_buckets():
     model = get_model(SMALL)
     # m = 32 x 16 = 512 rows >= 2 * 256: split; halves of 256 rows

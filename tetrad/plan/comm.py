@@ -23,7 +23,8 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
     RMSNorm   all-reduce_X   m * 4 forward and backward (2 per block + the final one)
     loss      3 all-reduce_Y and 3 all-reduce_X of m * 4 (max, sum of exp, target logit),
               forward only
-    recompute (activation checkpointing) a block's forward collectives once more in backward
+    recompute (``full`` activation checkpointing) a block's forward collectives once more in
+              backward; ``selective`` re-runs element-wise work only, no collective
     step      all-reduce_data of the Z-sharded weight gradients (sum of local shards, fp32);
               norm-weight gradients all-reduce_Z then all-reduce_data; the loss scalar (4 B)
               over Z and data; the gradient-norm scalar (8 B, float64) over the world (none
@@ -93,7 +94,7 @@ from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec, PlanError
 from tetrad.plan.network import ring_bytes
 from tetrad.plan.zwindows import z_collectives
-from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES
+from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, parse_checkpointing
 
 __all__ = ["Collective", "Context", "Estimate", "axis_totals", "collectives", "estimate"]
 
@@ -178,9 +179,10 @@ LAYER_KINDS = (
 
 
 def _step(
-    ctx: Context, grid: tuple[int, int, int, int], micro_batch: int, checkpointing: bool
+    ctx: Context, grid: tuple[int, int, int, int], micro_batch: int, checkpointing: str | bool
 ) -> Step:
-    """The :class:`Step` of ``grid = (G_data, G_z, G_y, G_x)``.
+    """The :class:`Step` of ``grid = (G_data, G_z, G_y, G_x)`` (``checkpointing``: a mode of
+    :data:`tetrad.spec.CHECKPOINTING`; only ``full`` re-runs collectives).
 
     Raises:
         PlanError: the global batch does not split into micro-batches on this grid.
@@ -203,7 +205,7 @@ def _step(
         m=m,
         acc=ctx.global_batch // cells,
         c=ctx.c,
-        checkpointing=checkpointing,
+        checkpointing=parse_checkpointing(checkpointing) == "full",
         comp=ctx.compute(grid, micro_batch),
         block_el=block_el,
         head_el=head_el,
@@ -225,7 +227,7 @@ def estimate(
     ctx: Context,
     grid: tuple[int, int, int, int],
     micro_batch: int,
-    checkpointing: bool,
+    checkpointing: str | bool,
     *,
     detail: bool = False,
 ) -> Estimate:
@@ -235,11 +237,12 @@ def estimate(
 
     Args:
         micro_batch: samples per micro-batch of one (data, z) cell.
-        checkpointing: activation checkpointing of every block.
+        checkpointing: ``none``, ``selective`` or ``full`` (a bool: ``full``/``none``).
         detail: also return the per-collective list (slower; for reports and benchmarks).
 
     Raises:
         PlanError: the global batch does not split into micro-batches on this grid.
+        tetrad.spec.CheckpointingError: an unknown checkpointing mode.
     """
     st = _step(ctx, grid, micro_batch, checkpointing)
     rec = Recorder(detail)
@@ -275,7 +278,7 @@ def collectives(
     seq_len: int,
     global_batch: int,
     *,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: str | bool = "none",
     overlaps: str | Iterable[str] = "all",
     compute_bytes: int = 2,
     bucket_bytes: int = DP_BUCKET_BYTES,

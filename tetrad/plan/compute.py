@@ -21,6 +21,12 @@ vocabulary-parallel softmax, the embedding lookup, AdamW) is memory bound: bytes
 bandwidth, with byte counts per token estimated from the runtime's unfused PyTorch ops (rough:
 see :data:`ELEMENTWISE`).
 
+Activation checkpointing (:data:`tetrad.spec.CHECKPOINTING`): ``full`` re-runs each block's
+forward in backward (GEMMs, attention, element-wise, and its collectives: tetrad/plan/layers.py);
+``selective`` (tetrad/models/recompute.py; Korthikanti et al., arXiv 2205.05198, section 5)
+re-runs only the element-wise parts whose outputs it does not keep (the two RMSNorm applies, RoPE,
+SwiGLU), each twice: once to rebuild the tensor its consumer saved, once to differentiate it.
+
 Model FLOPs (for MFU) are the runtime's definition, :meth:`ModelSpec.flops_per_token` (``6 N +
 6 L S h``), so recomputation and FlashAttention's extra backward matmul do not count.
 """
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec
+from tetrad.spec import parse_checkpointing
 
 ELEMENTWISE = {
     "norm_residual_per_h": 40.0,
@@ -83,6 +90,8 @@ class BlockCompute:
         embedding_fwd, embedding_bwd: lookup and scatter-add into a zeroed ``[V/G_y, h/G_x]``.
         final_norm_fwd, final_norm_bwd: the last norm.
         optimizer: AdamW + clipping over the local shards, per step.
+        selective: one block's extra seconds under selective checkpointing (the norm applies,
+            RoPE and the activation, twice each; memory bound).
     """
 
     gemm: tuple[float, ...]
@@ -98,6 +107,7 @@ class BlockCompute:
     final_norm_fwd: float
     final_norm_bwd: float
     optimizer: float
+    selective: float = 0.0
 
     @property
     def block_fwd(self) -> float:
@@ -109,8 +119,16 @@ class BlockCompute:
         """One block's backward seconds (dx and dW GEMMs, element-wise backward)."""
         return 2.0 * sum(self.gemm) + sum(self.post_bwd)
 
-    def micro_batch_seconds(self, n_layers: int, checkpointing: bool) -> tuple[float, float, float]:
-        """``(forward, backward, recompute)`` seconds of one micro-batch."""
+    def micro_batch_seconds(
+        self, n_layers: int, checkpointing: str | bool
+    ) -> tuple[float, float, float]:
+        """``(forward, backward, recompute)`` seconds of one micro-batch; ``checkpointing``:
+        ``none``, ``selective`` or ``full`` (a bool: ``full``/``none``); recompute is ``L``
+        block forwards (full), ``L`` :attr:`selective` (selective) or 0.
+
+        Raises:
+            tetrad.spec.CheckpointingError: an unknown mode.
+        """
         fwd = (
             n_layers * self.block_fwd
             + self.embedding_fwd
@@ -125,8 +143,9 @@ class BlockCompute:
             + 2.0 * self.head
             + self.loss_bwd
         )
-        rec = n_layers * self.block_fwd if checkpointing else 0.0
-        return fwd, bwd, rec
+        mode = parse_checkpointing(checkpointing)
+        per_block = {"full": self.block_fwd, "selective": self.selective, "none": 0.0}[mode]
+        return fwd, bwd, n_layers * per_block
 
 
 def _post_slots(model: ModelSpec) -> tuple[int, int]:
@@ -204,6 +223,7 @@ def block_compute(
         final_norm_fwd=half_norm / 2.0,
         final_norm_bwd=ew["backward_factor"] * half_norm / 2.0,
         optimizer=ew["optimizer_per_param"] * local_params / hbm,
+        selective=2.0 * (half_norm + rope + act),  # two norm applies = one half_norm
     )
 
 

@@ -81,7 +81,8 @@ class Step:
         model, linears: the model and its block Linears (execution order).
         sizes: ``x y z data`` -> group size; ``links``: the same and ``world`` -> :class:`Link`.
         m: tokens per micro-batch per rank (``micro_batch * seq_len``); ``acc``: micro-batches
-            per step; ``c``: compute dtype bytes; ``checkpointing``: blocks recomputed.
+            per step; ``c``: compute dtype bytes; ``checkpointing``: blocks recomputed with
+            their collectives (``full`` checkpointing; ``selective`` re-runs no collective).
         comp: compute seconds of one micro-batch.
         block_el, head_el, emb_el, vector_el: local parameter elements (one block's weights,
             the LM head, the embedding tables, the Z-replicated vectors of the whole model).
