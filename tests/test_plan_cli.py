@@ -47,6 +47,20 @@ def test_plan_json(capsys):
     assert {"x", "y", "z", "data"} <= set(row["exposed_comm_s"])
 
 
+def test_plan_checkpointing_modes(capsys):
+    """auto tries none, selective and full; one mode (or on/off, aliases of full/none) only
+    that one; the JSON rows carry the mode's name."""
+    seen = set()
+    for flag, want in (("selective", {"selective"}), ("on", {"full"}), ("off", {"none"})):
+        rc, out, _ = run(PLAN + ["--json", "--top", "20", "--checkpointing", flag], capsys)
+        rows = json.loads(out)["four_d"]
+        assert rc == 0 and {r["activation_checkpointing"] for r in rows} == want
+        seen |= want
+    rc, out, _ = run(PLAN + ["--checkpointing", "selective"], capsys)
+    assert rc == 0 and " selective " in out
+    assert seen == {"none", "selective", "full"}
+
+
 def test_emit_config_loads_in_tetrad_train(tmp_path, capsys):
     from tetrad.train.config import load_config
 
@@ -146,6 +160,14 @@ def test_memory_tetrad_grid(capsys):
     )
     assert rc == 0 and "tetrad runtime" in out and "% of GPU" in out
     assert ("fits:" in out) != ("does NOT fit" in out)
+    totals = {}
+    flags = {"none": [], "selective": ["selective"], "full": []}  # no value: full
+    for mode, value in flags.items():
+        option = [] if mode == "none" else ["--activation-checkpointing", *value]
+        argv = ["memory", "--model", "llama-1b", "--grid", "2,1,2,2", "--json", *option]
+        rc, out, _ = run(argv, capsys)
+        totals[mode] = json.loads(out)["total_gib"]
+    assert totals["full"] < totals["selective"] < totals["none"]
 
 
 @pytest.mark.parametrize(

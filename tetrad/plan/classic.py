@@ -5,6 +5,12 @@ arXiv 2411.06465, ``optimal_setting_search.py``), ``TP`` dividing heads, KV head
 the hidden size, ``PP`` dividing the layers, ``S % (2 CP) == 0``; memory from
 :func:`tetrad.plan.fujii.fujii2024` (:func:`classic_memory` adds full recomputation); time from
 :func:`megatron_estimate`.
+
+Checkpointing: ``none`` and ``full`` as Megatron-LM runs them. Megatron's ``selective``
+recomputes the attention core (Korthikanti et al., arXiv 2205.05198, section 5), whose ``S^2``
+tensors FlashAttention never stores, and Fujii et al.'s formulas already assume FlashAttention:
+it is the same memory and time as ``none``, so the search tries it only when ``none`` is not
+asked for.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from tetrad.plan.compute import ELEMENTWISE, attention_fwd_flops
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec, tp_problems
 from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER
-from tetrad.plan.rows import CLASSIC_AXES, Row, check_inputs, divisors
+from tetrad.plan.rows import CLASSIC_AXES, Row, check_inputs, checkpointing_modes, divisors
+from tetrad.spec import CHECKPOINTING, parse_checkpointing
 
 
 def classic_memory(
@@ -30,12 +37,13 @@ def classic_memory(
     seq_len: int,
     gpu_memory_bytes: float,
     num_microbatches: int,
-    checkpointing: bool,
+    checkpointing: str | bool,
 ) -> memory.MemoryBreakdown:
     """:func:`tetrad.plan.fujii.fujii2024`; with full recomputation the stored activations of a
     layer become its input, ``2 (s/c) b h / t`` bytes with sequence parallelism (Korthikanti et
     al., arXiv 2205.05198, section 4.3/Table 2 "full recompute"), plus one layer's full set while
-    it is recomputed."""
+    it is recomputed. ``checkpointing``: ``none``, ``selective`` (as ``none``, module doc) or
+    ``full`` (a bool: ``full``/``none``)."""
     mem = fujii.fujii2024(
         model,
         tp,
@@ -47,7 +55,7 @@ def classic_memory(
         gpu_memory_bytes,
         num_microbatches=num_microbatches,
     )
-    if checkpointing:
+    if parse_checkpointing(checkpointing) == "full":
         layer = fujii.fujii_layer_activation_bytes(model, tp, cp, micro_batch, seq_len)
         factor = fujii.fujii_pipeline_factor(pp, num_microbatches, 1)
         inp = 2.0 * seq_len / cp * micro_batch * model.hidden / tp
@@ -65,7 +73,7 @@ def megatron_estimate(
     micro_batch: int,
     seq_len: int,
     global_batch: int,
-    checkpointing: bool,
+    checkpointing: str | bool,
 ) -> dict:
     """A Megatron-LM-style step time (seconds; bf16, sequence parallelism, 1F1B pipeline,
     distributed optimizer). Rank order TP fastest, then CP, DP, PP (Megatron's default
@@ -85,10 +93,14 @@ def megatron_estimate(
       ``N/(t p)`` parameters, overlapped with the last micro-batch's backward and the first's
       forward (``--overlap-grad-reduce``, ``--overlap-param-gather``).
 
+    ``checkpointing``: ``full`` recomputes each layer's forward and its TP and CP collectives;
+    ``none`` and ``selective`` (module doc) recompute nothing.
+
     Returns:
         ``step_s``, ``compute_s``, ``recompute_s``, ``exposed`` and ``comm`` per axis
         (``tp cp pp dp``), ``bubble_s``, ``grad_accum``.
     """
+    full = parse_checkpointing(checkpointing) == "full"
     net = machine.network
     peak, hbm, eff = machine.peak_flops, machine.hbm_bytes_per_s, machine.gemm_efficiency
     acc = global_batch // (dp * micro_batch)
@@ -122,7 +134,7 @@ def megatron_estimate(
     loss = (ew["loss_fwd_per_logit"] + ew["loss_bwd_per_logit"]) * m * model.vocab / tp / hbm
     t_f = ls * layer_f + head
     t_b = ls * layer_b + 2.0 * head + loss
-    t_r = ls * layer_f if checkpointing else 0.0
+    t_r = ls * layer_f if full else 0.0
     # per micro-batch and stage: (total, exposed) seconds per axis
     per = dict.fromkeys(CLASSIC_AXES, 0.0)
     per_exp = dict.fromkeys(CLASSIC_AXES, 0.0)
@@ -130,12 +142,12 @@ def megatron_estimate(
         lt = net.link(1, tp)
         pay = m * model.hidden * c
         pair = lt.time(ALL_GATHER, pay) + lt.time(REDUCE_SCATTER, pay)
-        per["tp"] = per_exp["tp"] = (ls * 2 * (2 + (1 if checkpointing else 0)) + 1) * pair
+        per["tp"] = per_exp["tp"] = (ls * 2 * (2 + (1 if full else 0)) + 1) * pair
     if cp > 1:  # ring attention: c - 1 K/V exchanges per layer, hidden behind attention
         lc = net.link(tp, cp)
         kv = 2.0 * m * model.kv_dim / tp * c
         t_f_kv, t_b_kv = lc.time(ALL_GATHER, kv * cp), lc.time(ALL_GATHER, 2 * kv * cp)
-        n_f = 2 if checkpointing else 1
+        n_f = 2 if full else 1
         per["cp"] = ls * (n_f * t_f_kv + t_b_kv)
         per_exp["cp"] = ls * (n_f * max(0.0, t_f_kv - att) + max(0.0, t_b_kv - 2.5 * att))
     if pp > 1:  # one activation forward, one gradient backward
@@ -200,21 +212,29 @@ def search_classic(
     seq_len: int,
     *,
     top: int = 10,
-    checkpointing: tuple[bool, ...] = (False, True),
+    checkpointing: tuple[str | bool, ...] = CHECKPOINTING,
     micro_batches: tuple[int, ...] | None = None,
     gpu_memory_bytes: float | None = None,
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting Megatron-style configurations (empty if none fits), step
     seconds from :func:`megatron_estimate`, and counts (``configs``, ``fitting``, ``seconds``).
-    For each grid and checkpointing choice, micro-batches ascend until one does not fit."""
+    For each grid and checkpointing mode (``selective`` only without ``none``: module doc),
+    micro-batches ascend until one does not fit.
+
+    Raises:
+        PlanError: bad inputs; tetrad.spec.CheckpointingError: an unknown mode.
+    """
     check_inputs(model, gpus, global_batch, seq_len)
     t0 = time.perf_counter()
     mem_bytes = float(gpu_memory_bytes or machine.memory_bytes)
     allowed = set(micro_batches) if micro_batches else None
     stats = {"configs": 0, "fitting": 0}
+    modes = checkpointing_modes(checkpointing)
+    if "none" in modes:
+        modes = tuple(c for c in modes if c != "selective")
     rows: list[Row] = []
     for tp, cp, pp, dp in _classic_grids(model, gpus, machine.gpus_per_node, global_batch, seq_len):
-        for ckpt in checkpointing:
+        for ckpt in modes:
             for b in divisors(global_batch // dp):
                 if allowed is not None and b not in allowed:
                     continue

@@ -18,7 +18,7 @@ from tetrad.plan.models import PlanError
 from tetrad.plan.presets import PRESETS, get_model
 from tetrad.plan.search import plan
 from tetrad.plan.sublayers import format_sublayers, sublayers
-from tetrad.spec import GiB, parse_grid
+from tetrad.spec import CHECKPOINTING, GiB, parse_checkpointing, parse_grid
 
 
 def _positive_int(text: str) -> int:
@@ -46,8 +46,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 PLAN_HELP = "rank 4D (and Megatron-style) configurations by predicted step time"
 PLAN_DESCRIPTION = (
     "Enumerate every 4D grid G_data x G_z x G_y x G_x of the GPU count, micro-batch and "
-    "activation-checkpointing choice; drop those estimated above 80%% of GPU memory; rank the "
-    "rest by predicted step time. Also ranks the classic TP x CP x PP x DP space for comparison."
+    "activation-checkpointing mode (none, selective, full); drop those estimated above 80%% of "
+    "GPU memory; rank the rest by predicted step time. Also ranks the classic TP x CP x PP x DP "
+    "space for comparison."
 )
 MEMORY_HELP = "per-GPU memory estimate of one configuration and the 80%% verdict"
 MEMORY_DESCRIPTION = (
@@ -111,9 +112,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--checkpointing",
-        choices=("auto", "on", "off"),
+        choices=("auto", *CHECKPOINTING, "on", "off"),
         default="auto",
-        help="activation checkpointing: try both (auto, default), or only on/off",
+        help="activation checkpointing: try none, selective and full (auto, default), or only "
+        "one (on = full, off = none)",
     )
     p.add_argument(
         "--micro-batch",
@@ -158,7 +160,12 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--grid", metavar="DATA,Z,Y,X", help="4D grid for --method tetrad")
     m.add_argument(
-        "--activation-checkpointing", action="store_true", help="tetrad: checkpoint every block"
+        "--activation-checkpointing",
+        nargs="?",
+        const="full",
+        default="none",
+        metavar="none|selective|full",
+        help="tetrad: recompute activations in backward (no value: full)",
     )
     m.add_argument(
         "--num-microbatches",
@@ -199,7 +206,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.gpu_memory_gib <= 0:
             raise PlanError(f"--gpu-memory-gib {args.gpu_memory_gib} must be positive")
         mem = args.gpu_memory_gib * GiB
-    ckpt = {"auto": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
+    ckpt = CHECKPOINTING if args.checkpointing == "auto" else (args.checkpointing,)
     result = plan(
         model,
         machine,
@@ -245,18 +252,18 @@ def run_memory(args: argparse.Namespace) -> int:
         if not args.grid:
             raise PlanError("--method tetrad needs --grid DATA,Z,Y,X (for example 2,1,1,2)")
         grid = parse_grid(args.grid)
+        ckpt = parse_checkpointing(args.activation_checkpointing)
         mem = memory.tetrad(
             model,
             grid,
             args.micro_batch,
             args.seq_len,
             gpu,
-            activation_checkpointing=args.activation_checkpointing,
+            activation_checkpointing=ckpt,
         )
         title = (
             f"{model.summary()}\ntetrad runtime, grid D,Z,Y,X={','.join(map(str, grid))}, "
-            f"micro-batch {args.micro_batch} x {args.seq_len} tokens, checkpointing "
-            f"{'on' if args.activation_checkpointing else 'off'}"
+            f"micro-batch {args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}"
         )
     else:
         if args.grid:
@@ -278,16 +285,15 @@ def run_memory(args: argparse.Namespace) -> int:
         )
     if args.json:
         print(json.dumps({"model": model.name, "method": method, **mem.to_dict()}, indent=2))
-    elif method == "tetrad" and args.activation_checkpointing:
-        print(report.memory_text(mem, title, "raise G_z*G_y*G_x or lower the micro-batch"))
     elif method == "tetrad":
-        print(
-            report.memory_text(
-                mem,
-                title,
-                "raise G_z*G_y*G_x, lower the micro-batch or add --activation-checkpointing",
-            )
-        )
+        advice = {
+            "none": "raise G_z*G_y*G_x, lower the micro-batch or add "
+            "--activation-checkpointing selective (or full)",
+            "selective": "raise G_z*G_y*G_x, lower the micro-batch or use "
+            "--activation-checkpointing full",
+            "full": "raise G_z*G_y*G_x or lower the micro-batch",
+        }[ckpt]
+        print(report.memory_text(mem, title, advice))
     else:
         print(report.memory_text(mem, title, "raise TP, CP or PP, or lower the micro-batch"))
     return 0

@@ -83,7 +83,7 @@ def rows_table(rows: list[Row]) -> list[str]:
             ",".join(str(v) for v in r.grid),
             str(r.micro_batch),
             str(r.grad_accum),
-            "on" if r.activation_checkpointing else "off",
+            r.activation_checkpointing,
             f"{r.step_s:.3g}",
             _tokens(r.tokens_per_s),
             f"{100 * r.mfu:.1f}%",
@@ -192,7 +192,8 @@ def plot(result: SearchResult, path: str, top: int = 10) -> None:
     labels = [
         ("4D " if r.space == "4d" else "MG ")
         + ",".join(str(v) for v in r.grid)
-        + f" mb{r.micro_batch}{' ckpt' if r.activation_checkpointing else ''}"
+        + f" mb{r.micro_batch}"
+        + ("" if r.activation_checkpointing == "none" else f" {r.activation_checkpointing}")
         for r in rows
     ]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 3.5))

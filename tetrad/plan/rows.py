@@ -8,12 +8,14 @@ space); plain Python.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tetrad.plan import memory
 from tetrad.plan.compute import model_flops_per_step
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import PLAN_AXES, ModelSpec, PlanError
+from tetrad.spec import parse_checkpointing
 
 CLASSIC_AXES = ("tp", "cp", "pp", "dp")
 """The axes of the classic space, in :attr:`Row.grid` order."""
@@ -48,7 +50,8 @@ class Row:
         sizes: ``{"data", "z", "y", "x"}`` or ``{"tp", "cp", "pp", "dp"}`` -> size.
         micro_batch: samples per micro-batch (per (data, z) cell; per DP x CP rank in classic).
         grad_accum: micro-batches per step.
-        activation_checkpointing: full recomputation of every block.
+        activation_checkpointing: ``none``, ``selective`` (element-wise parts recomputed) or
+            ``full`` (every block recomputed); :data:`tetrad.spec.CHECKPOINTING`.
         step_s: predicted seconds per optimizer step.
         compute_s: compute seconds (GEMMs, attention, element-wise, optimizer; recompute incl.).
         recompute_s: of which recomputation.
@@ -67,7 +70,7 @@ class Row:
     sizes: dict
     micro_batch: int
     grad_accum: int
-    activation_checkpointing: bool
+    activation_checkpointing: str
     step_s: float
     compute_s: float
     recompute_s: float
@@ -89,13 +92,14 @@ class Row:
     def finish(
         self, model: ModelSpec, machine: Machine, gpus: int, global_batch: int, seq_len: int
     ) -> Row:
-        """Fill in tokens/s, MFU and HFU from ``step_s``; returns self."""
+        """Fill in tokens/s, MFU and HFU from ``step_s``; returns self (HFU adds the recomputed
+        forward under ``full``; selective recomputes no FLOPs, only element-wise work)."""
         self.tokens_per_s = global_batch * seq_len / self.step_s
         denom = self.step_s * gpus * machine.peak_flops
         self.mfu = model_flops_per_step(model, global_batch, seq_len) / denom
         rec = (
             recompute_flops_per_step(model, global_batch, seq_len)
-            if self.activation_checkpointing
+            if self.activation_checkpointing == "full"
             else 0.0
         )
         self.hfu = self.mfu + rec / denom
@@ -160,6 +164,16 @@ def recompute_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) 
     (the forward third of :meth:`ModelSpec.flops_per_token` without the LM head)."""
     block = sum(lin.count * lin.weight_elements for lin in model.linears())
     return model.n_layers * (2.0 * block + 2.0 * seq_len * model.q_dim) * global_batch * seq_len
+
+
+def checkpointing_modes(checkpointing: Iterable[str | bool]) -> tuple[str, ...]:
+    """Distinct modes of :data:`tetrad.spec.CHECKPOINTING` from names or bools (``True`` =
+    ``full``), in the given order.
+
+    Raises:
+        tetrad.spec.CheckpointingError: an unknown name.
+    """
+    return tuple(dict.fromkeys(parse_checkpointing(c) for c in checkpointing))
 
 
 def check_inputs(model: ModelSpec, gpus: int, global_batch: int, seq_len: int) -> None:

@@ -4,9 +4,10 @@ and the classic Megatron-style (TP, PP, CP, DP) space beside it.
 4D space (tetrad / AxoNN): every ordered factorisation ``G_data * G_z * G_y * G_x = GPUs`` whose
 sizes shard the model (:func:`tetrad.plan.models.grid_problems`) and split the global batch
 (``B % (G_data G_z) == 0``); every micro-batch ``b`` dividing ``B / (G_data G_z)``; activation
-checkpointing on and off. Configurations whose :func:`tetrad.plan.memory.tetrad` estimate is
-above 80% of GPU memory are dropped (Fujii et al., arXiv 2411.06465); memory grows with ``b``,
-so the micro-batch loop stops at the first that does not fit. The survivors are ranked by
+checkpointing ``none``, ``selective`` and ``full`` (:data:`tetrad.spec.CHECKPOINTING`).
+Configurations whose :func:`tetrad.plan.memory.tetrad` estimate is above 80% of GPU memory are
+dropped (Fujii et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops
+at the first that does not fit. The survivors are ranked by
 :func:`tetrad.plan.comm.estimate` (``comm_model="tetrad"``) or by compute plus AxoNN's
 communication time (``comm_model="axonn"``, :func:`tetrad.plan.axonn.axonn_comm`).
 
@@ -33,8 +34,15 @@ from tetrad.plan.classic import search_classic
 from tetrad.plan.comm import Context, estimate
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import PLAN_AXES, ModelSpec, PlanError, grid_problems
-from tetrad.plan.rows import Row, SearchResult, check_inputs, divisors, factorizations
-from tetrad.spec import COMM_AXES, GiB
+from tetrad.plan.rows import (
+    Row,
+    SearchResult,
+    check_inputs,
+    checkpointing_modes,
+    divisors,
+    factorizations,
+)
+from tetrad.spec import CHECKPOINTING, COMM_AXES, GiB
 
 
 def _nearby_gpu_counts(model: ModelSpec, gpus: int) -> str:
@@ -47,11 +55,6 @@ def _nearby_gpu_counts(model: ModelSpec, gpus: int) -> str:
             found.append(p)
     found.sort(key=lambda p: (abs(p - gpus), p))
     return ", ".join(str(f) for f in found[:2]) if found else "a power of two"
-
-
-# =============================================================================================
-# 4D search
-# =============================================================================================
 
 
 # =============================================================================================
@@ -77,7 +80,7 @@ class _Search4D:
         keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "evaluated")
         self.stats = dict.fromkeys(keys, 0)
 
-    def candidates(self, checkpointing: tuple[bool, ...], allowed: set | None) -> list:
+    def candidates(self, checkpointing: tuple[str, ...], allowed: set | None) -> list:
         """``(lower bound seconds, grid, micro_batch, checkpointing)`` of every fitting
         configuration; the lower bound is its compute time."""
         model, gb, stats = self.ctx.model, self.ctx.global_batch, self.stats
@@ -98,7 +101,7 @@ class _Search4D:
             cands += self._grid_candidates(grid, checkpointing, allowed)
         return cands
 
-    def _grid_candidates(self, grid, checkpointing: tuple[bool, ...], allowed: set | None) -> list:
+    def _grid_candidates(self, grid, checkpointing: tuple[str, ...], allowed: set | None) -> list:
         ctx, stats = self.ctx, self.stats
         L = ctx.model.n_layers
         gd, gz, gy, gx = grid
@@ -166,7 +169,7 @@ class _Search4D:
                 heapq.heapreplace(best, item)
         return best
 
-    def _time(self, grid, b: int, ckpt: bool) -> tuple[float, object]:
+    def _time(self, grid, b: int, ckpt: str) -> tuple[float, object]:
         """Step seconds and what the row needs: an :class:`Estimate` (tetrad), or AxoNN's
         ``(comm per axis, compute, recompute, micro-batches)`` (axonn)."""
         ctx = self.ctx
@@ -179,7 +182,7 @@ class _Search4D:
         step = acc * (fwd + bwd + rec) + ax["total"]
         return step, (ax, acc * (fwd + bwd + rec), acc * rec, acc)
 
-    def row(self, step: float, grid, b: int, ckpt: bool, est) -> Row:
+    def row(self, step: float, grid, b: int, ckpt: str, est) -> Row:
         """The :class:`Row` of one ranked configuration (with its memory estimate)."""
         ctx = self.ctx
         mem = memory.tetrad(
@@ -230,7 +233,7 @@ def search_4d(
     seq_len: int,
     *,
     top: int = 10,
-    checkpointing: tuple[bool, ...] = (False, True),
+    checkpointing: tuple[str | bool, ...] = CHECKPOINTING,
     micro_batches: tuple[int, ...] | None = None,
     overlaps="all",
     comm_model: str = "tetrad",
@@ -240,7 +243,8 @@ def search_4d(
     """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics.
 
     Args:
-        checkpointing: activation-checkpointing choices to try.
+        checkpointing: activation-checkpointing modes to try (``none``, ``selective``,
+            ``full``; bools mean ``full``/``none``).
         micro_batches: allowed micro-batch sizes (default: every divisor).
         overlaps: the runtime's overlaps assumed on (``"all"``, ``"none"`` or names).
         comm_model: ``"tetrad"`` (runtime-exact, alpha-beta, overlap) or ``"axonn"``.
@@ -264,7 +268,8 @@ def search_4d(
         compute_bytes=2 if dtype == "bf16" else 4,
     )
     search = _Search4D(ctx, gpus, mem_bytes, comm_model, dtype)
-    cands = search.candidates(checkpointing, set(micro_batches) if micro_batches else None)
+    modes = checkpointing_modes(checkpointing)
+    cands = search.candidates(modes, set(micro_batches) if micro_batches else None)
     search.check_found(cands)
     best = search.rank(cands, top)
     rows = [
@@ -281,7 +286,7 @@ def _memory_line(
     grid,
     seq_len: int,
     mem_bytes: float,
-    ckpt: bool,
+    ckpt: str,
     dtype: str,
     prefetch: bool,
     sizes: list[int],
@@ -328,7 +333,7 @@ def plan(
     seq_len: int,
     *,
     top: int = 10,
-    checkpointing: tuple[bool, ...] = (False, True),
+    checkpointing: tuple[str | bool, ...] = CHECKPOINTING,
     micro_batches: tuple[int, ...] | None = None,
     overlaps="all",
     comm_model: str = "tetrad",

@@ -61,9 +61,9 @@ def choose_grid(
 ) -> TrainConfig:
     """Return ``cfg`` with the grid the planner ranks first for ``world_size`` ranks.
 
-    The micro-batch, activation checkpointing and overlaps stay as configured; the planner ranks
-    every 4D grid of ``world_size`` that shards the model, splits the batch and fits in 80% of
-    the machine's memory by predicted step time.
+    The micro-batch, activation checkpointing (``none``, ``selective`` or ``full``) and overlaps
+    stay as configured; the planner ranks every 4D grid of ``world_size`` that shards the model,
+    splits the batch and fits in 80% of the machine's memory by predicted step time.
 
     Raises:
         ConfigError: no machine, or no grid fits (the message says what to change).
@@ -99,6 +99,10 @@ def choose_grid(
             f"splits global_batch={t.global_batch} into micro-batches of "
             f"{t.micro_batch} and fits in 80% of {machine.name}'s memory: "
             "change --nproc, the batch or the model"
+            + {"full": "", "selective": ", or use --activation-checkpointing full"}.get(
+                par.activation_checkpointing,
+                ", or use --activation-checkpointing selective or full",
+            )
         )
     best = res.rows[0]
     if verbose:
@@ -106,7 +110,8 @@ def choose_grid(
         others = "; ".join(f"{r.label()} {r.step_s * 1e3:.1f} ms" for r in res.rows[1:])
         print(
             f"tetrad: --grid auto on {machine.name} with {world_size} ranks chose "
-            f"{best.label()}: predicted step {best.step_s * 1e3:.1f} ms (compute "
+            f"{best.label()} (checkpointing {best.activation_checkpointing}): predicted step "
+            f"{best.step_s * 1e3:.1f} ms (compute "
             f"{best.compute_s * 1e3:.1f} ms, exposed communication {exposed or 'none'}), "
             f"memory {best.memory.total / GiB:.2f} GiB "
             f"({100 * best.memory.fraction:.0f}% of the GPU)"
