@@ -167,6 +167,7 @@ def test_command_line_overrides_toml(tmp_path):
             "--data",
             "c/*.txt",
             "--activation-checkpointing",
+            "full",
         ]
     )
     cfg = load_config(args.config, overrides(args))
@@ -174,11 +175,11 @@ def test_command_line_overrides_toml(tmp_path):
     assert cfg.data.paths == ["b.txt", "c/*.txt"]
     assert cfg.training.lr == 0.1 and cfg.checkpoint.resume is True
     assert cfg.model.sizes == {"n_layers": 3}
-    assert cfg.parallelism.activation_checkpointing is True
+    assert cfg.parallelism.activation_checkpointing == "full"
     assert cfg.training.seq_len == 256  # dataclass default: neither file nor command line set it
     plain = load_config(None, overrides(cli.build_parser().parse_args(["train"])))
     assert plain.checkpoint.resume is False
-    assert plain.parallelism.activation_checkpointing is False
+    assert plain.parallelism.activation_checkpointing == "none"
 
 
 @pytest.fixture

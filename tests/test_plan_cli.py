@@ -34,7 +34,7 @@ def run(argv, capsys):
 def test_plan_table(capsys):
     rc, out, err = run(PLAN, capsys)
     assert rc == 0 and not err
-    assert "D,Z,Y,X" in out and "TP,CP,PP,DP" in out and "MFU" in out
+    assert "D,C,Z,Y,X" in out and "TP,CP,PP,DP" in out and "MFU" in out
     assert "memory of these (GiB)" in out and "exp z" in out
 
 

@@ -30,8 +30,8 @@ def test_rows_fit_divide_and_are_sorted():
     assert 0 < len(rows) <= 8
     assert [r.step_s for r in rows] == sorted(r.step_s for r in rows)
     for r in rows:
-        d, z, y, x = r.grid
-        assert d * z * y * x == 64
+        d, c, z, y, x = r.grid
+        assert d * c * z * y * x == 64 and 2048 % (2 * c) == 0
         assert 64 % (d * z * r.micro_batch) == 0
         assert r.grad_accum == 64 // (d * z * r.micro_batch)
         assert r.memory.fits and r.memory.fraction <= 0.8
@@ -48,11 +48,11 @@ def test_pruned_search_equals_exhaustive():
     rows, _ = search_4d(model, H100, gpus, batch, seq, top=5)
     ctx = Context(model, H100, seq, batch)
     every = []
-    for grid in factorizations(gpus, 4):
-        if grid_problems(model, grid) or batch % (grid[0] * grid[1]):
+    for grid in factorizations(gpus, 5):  # (G_data, G_context, G_z, G_y, G_x)
+        if grid_problems(model, grid) or batch % (grid[0] * grid[2]) or seq % (2 * grid[1]):
             continue
         modes = ("none", "selective", "full")
-        for ckpt, b in itertools.product(modes, divisors(batch // (grid[0] * grid[1]))):
+        for ckpt, b in itertools.product(modes, divisors(batch // (grid[0] * grid[2]))):
             mem = memory.tetrad(
                 model, grid, b, seq, H100.memory_bytes, activation_checkpointing=ckpt
             )
@@ -112,7 +112,7 @@ def test_plan_reports_both_spaces():
     assert res.rows and res.classic
     d = res.to_dict()
     assert d["four_d"][0]["memory"]["fits"] and d["inputs"]["gpus"] == 64
-    assert set(d["four_d"][0]["exposed_comm_s"]) == {"x", "y", "z", "data", "world"}
+    assert set(d["four_d"][0]["exposed_comm_s"]) == {"x", "y", "z", "context", "data", "world"}
 
 
 def test_errors_say_what_to_change():

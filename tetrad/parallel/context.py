@@ -20,8 +20,11 @@ k and v ``[b, kv_heads/G_y, s, d]``; the gathered K/V ``[b, kv_heads/G_y, S, d]`
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tetrad.comm import all_gather, reduce_scatter
 from tetrad.grid import Grid
@@ -122,11 +125,21 @@ class ContextAttention:
         keys, values = full[:, 0].permute(1, 2, 0, 3), full[:, 1].permute(1, 2, 0, 3)
         gqa = q.shape[1] != kvh
         outs = []
-        for half, mask in zip(q.split(c, dim=2), masks, strict=True):
-            n = mask.shape[1]
-            outs.append(
-                F.scaled_dot_product_attention(
-                    half, keys[:, :, :n], values[:, :, :n], attn_mask=mask, enable_gqa=gqa
-                ).transpose(1, 2)
-            )
+        with _masked_kernels(q.device):
+            for half, mask in zip(q.split(c, dim=2), masks, strict=True):
+                n = mask.shape[1]
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        half, keys[:, :, :n], values[:, :, :n], attn_mask=mask, enable_gqa=gqa
+                    ).transpose(1, 2)
+                )
         return torch.cat(outs, dim=1).transpose(1, 2)  # [b, heads, s, d], token-major
+
+
+def _masked_kernels(device: torch.device) -> contextlib.AbstractContextManager:
+    """On CUDA the SDPA kernels that take an additive mask (memory-efficient attention, cuDNN);
+    the training step otherwise allows only the flash kernels, which take none. Not yet run on
+    a GPU. Elsewhere nothing: the CPU flash kernel takes the mask."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])

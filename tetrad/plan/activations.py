@@ -5,7 +5,12 @@ tensors (tests/test_memory_validation.py). Bytes; symbols as in :mod:`tetrad.pla
 
 from __future__ import annotations
 
-from tetrad.plan.models import ModelSpec, PlanError, grid_sizes
+from tetrad.plan.context_parallel import (
+    context_block_delta,
+    context_shared_bytes,
+    local_seq_len,
+)
+from tetrad.plan.models import ModelSpec, PlanError, context_size, grid_sizes
 from tetrad.spec import DTYPE_BYTES, FP32, parse_checkpointing
 
 
@@ -188,7 +193,11 @@ def saved_activations(
         tetrad.spec.CheckpointingError: an unknown mode.
     """
     mode = parse_checkpointing(activation_checkpointing)
+    gc, full_len = context_size(grid), seq_len
+    seq_len = local_seq_len(seq_len, gc)  # this rank's tokens per sample
     blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
+    if gc > 1:
+        blk += context_block_delta(model, grid, micro_batch, full_len, dtype, "none")
     inp = block_input_bytes(model, grid, micro_batch, seq_len)
     # the positions [S] int64, one tensor for all blocks: an input of each full checkpoint, and
     # of RoPE's recipes under selective (none: RoPE's angles are built from it and not kept)
@@ -197,10 +206,14 @@ def saved_activations(
         blocks, recompute = model.n_layers * inp + positions, blk - inp
     elif mode == "selective":
         sel = selective_block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
+        if gc > 1:
+            sel += context_block_delta(model, grid, micro_batch, full_len, dtype, "selective")
         blocks = model.n_layers * sel + positions
         recompute = selective_recompute_bytes(model, grid, micro_batch, seq_len, dtype)
     else:
         blocks, recompute = model.n_layers * blk, 0.0
+    if mode != "full":  # the context masks and chunk order, one set for all blocks
+        blocks += context_shared_bytes(full_len, gc, dtype_bytes(dtype))
     return {
         "blocks": blocks,
         "embedding": embedding_saved_bytes(model, micro_batch, seq_len),

@@ -10,8 +10,8 @@ norms or loss. Where it deviates from tetrad's true layout (and from
 from __future__ import annotations
 
 from tetrad.plan.machines import Machine
-from tetrad.plan.models import PLAN_AXES, ModelSpec
-from tetrad.spec import GiB
+from tetrad.plan.models import ModelSpec
+from tetrad.spec import GRID_AXES, GiB
 
 AXONN_BYTES = 2
 """AxoNN counts every volume in bf16 elements (``* 2`` bytes)."""
@@ -83,7 +83,7 @@ def axonn_comm(
     net = machine.network
     tokens = global_batch * seq_len / (gd * gz)
     strides = {"x": (1, gx), "y": (gx, gy), "z": (gx * gy, gz), "data": (gx * gy * gz, gd)}
-    out = dict.fromkeys(reversed(PLAN_AXES), 0.0)
+    out = dict.fromkeys(reversed(GRID_AXES), 0.0)
     for lin in model.linears():
         vols = axonn_linear_volumes(
             lin.out_features, lin.in_features, lin.transposed, tokens, grid, grad_acc

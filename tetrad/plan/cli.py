@@ -262,7 +262,7 @@ def run_memory(args: argparse.Namespace) -> int:
             activation_checkpointing=ckpt,
         )
         title = (
-            f"{model.summary()}\ntetrad runtime, grid D,Z,Y,X={','.join(map(str, grid))}, "
+            f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))}, "
             f"micro-batch {args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}"
         )
     else:

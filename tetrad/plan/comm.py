@@ -23,6 +23,11 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
     RMSNorm   all-reduce_X   m * 4 forward and backward (2 per block + the final one)
     loss      3 all-reduce_Y and 3 all-reduce_X of m * 4 (max, sum of exp, target logit),
               forward only
+    context   all-gather_context of K and V, payload (output) b S 2 kv_dim / G_y * c per block
+              and micro-batch, forward (and recompute); backward reduce-scatter_context of
+              their gradients, the same payload (input); blocking
+              (:mod:`tetrad.plan.context_parallel`; with G_context > 1, ``m = b S / G_context``
+              and the data group is data x context, G_data G_context ranks)
     recompute (``full`` activation checkpointing) a block's forward collectives once more in
               backward; ``selective`` re-runs element-wise work only, no collective
     step      all-reduce_data of the Z-sharded weight gradients (sum of local shards, fp32);
@@ -89,9 +94,10 @@ from dataclasses import asdict, dataclass
 from tetrad.plan import layers
 from tetrad.plan.compute import ELEMENTWISE
 from tetrad.plan.context import Context
+from tetrad.plan.context_parallel import kv_gather_payload, local_seq_len
 from tetrad.plan.layers import Recorder, Step
 from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, PlanError
+from tetrad.plan.models import ModelSpec, PlanError, with_context
 from tetrad.plan.network import ring_bytes
 from tetrad.plan.zwindows import z_collectives
 from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, parse_checkpointing
@@ -167,6 +173,7 @@ class Estimate:
 
 LAYER_KINDS = (
     layers.block_linears,
+    layers.context_kv,
     layers.lm_head,
     layers.loss,
     layers.embedding,
@@ -181,27 +188,28 @@ LAYER_KINDS = (
 def _step(
     ctx: Context, grid: tuple[int, int, int, int], micro_batch: int, checkpointing: str | bool
 ) -> Step:
-    """The :class:`Step` of ``grid = (G_data, G_z, G_y, G_x)`` (``checkpointing``: a mode of
-    :data:`tetrad.spec.CHECKPOINTING`; only ``full`` re-runs collectives).
+    """The :class:`Step` of ``grid = (G_data, [G_context,] G_z, G_y, G_x)`` (``checkpointing``: a
+    mode of :data:`tetrad.spec.CHECKPOINTING`; only ``full`` re-runs collectives): ``m`` counts
+    this rank's ``S / G_context`` tokens per sample; the data group is data x context.
 
     Raises:
         PlanError: the global batch does not split into micro-batches on this grid.
     """
-    gd, gz, gy, gx = grid
+    gd, gc, gz, gy, gx = with_context(grid)
     cells = gd * gz * micro_batch
     if ctx.global_batch % cells:
         raise PlanError(
             f"global batch {ctx.global_batch} is not divisible by G_data*G_z*"
             f"micro_batch = {gd}*{gz}*{micro_batch}: change the batch or the grid"
         )
-    ov, m = ctx.overlaps, micro_batch * ctx.seq_len
+    ov, m = ctx.overlaps, micro_batch * local_seq_len(ctx.seq_len, gc)
     _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
     dp = "dp_all_reduce" in ov
     return Step(
         model=ctx.model,
         linears=ctx.linears,
-        sizes={"x": gx, "y": gy, "z": gz, "data": gd},
-        links=ctx.machine.network.grid_links(grid),
+        sizes={"x": gx, "y": gy, "z": gz, "context": gc, "data": gd * gc},
+        links=ctx.machine.network.grid_links((gd, gc, gz, gy, gx)),
         m=m,
         acc=ctx.global_batch // cells,
         c=ctx.c,
@@ -211,7 +219,7 @@ def _step(
         head_el=head_el,
         emb_el=emb_el,
         vector_el=ctx.vector_elements(gx, gy),
-        bucket_calls=ctx.bucket_calls(gx, gy, gz) if dp and gd > 1 else 0,
+        bucket_calls=ctx.bucket_calls(gx, gy, gz) if dp and gd * gc > 1 else 0,
         prefetch="prefetch" in ov,
         async_scatter="reduce_scatter" in ov,
         dx_overlap="dx_all_reduce" in ov,
@@ -220,6 +228,9 @@ def _step(
         fine=ctx.fine,
         gemm_s=ctx.gemm_s,
         slowdown=ctx.machine.overlap_slowdown,
+        kv_payload=kv_gather_payload(ctx.model, micro_batch, ctx.seq_len, gy, ctx.c)
+        if gc > 1
+        else 0.0,
     )
 
 

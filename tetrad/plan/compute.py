@@ -35,8 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tetrad.plan.context_parallel import attention_fwd_flops, local_seq_len
 from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec
+from tetrad.plan.models import ModelSpec, with_context
 from tetrad.spec import parse_checkpointing
 
 ELEMENTWISE = {
@@ -65,12 +66,6 @@ runtime's unfused ops, in bytes per token and per local feature:
   gradient clipping scale (8 B);
 - ``backward_factor``: backward of element-wise work moves about twice the forward's bytes.
 """
-
-
-def attention_fwd_flops(model: ModelSpec, micro_batch: int, seq_len: int, gy: int) -> float:
-    """Causal attention forward FLOPs on one rank: ``2 b S^2 d a / G_y`` (half of ``4 b S^2 d a``
-    for the causal mask)."""
-    return 2.0 * micro_batch * seq_len * seq_len * model.head_dim * model.n_heads / gy
 
 
 @dataclass(frozen=True)
@@ -167,18 +162,20 @@ def block_compute(
     linears=None,
     gemm_efficiency=None,
 ) -> BlockCompute:
-    """Compute times of one rank on ``grid = (G_data, G_z, G_y, G_x)``; see the module doc.
+    """Compute times of one rank on ``grid = (G_data, [G_context,] G_z, G_y, G_x)``; see the
+    module doc (context parallelism: ``m = b S / G_context`` and
+    :func:`tetrad.plan.context_parallel.attention_fwd_flops`).
 
     Args:
         local_params: this rank's parameter elements (for the optimizer time).
         linears: ``model.linears()`` (pass it when calling in a loop).
         gemm_efficiency: a callable flops -> fraction (default: the machine's table).
     """
-    _, _, gy, gx = grid
+    _, gc, _, gy, gx = with_context(grid)
     lins = linears if linears is not None else model.linears()
     eff = gemm_efficiency or machine.gemm_efficiency
     peak, hbm = machine.peak_flops, machine.hbm_bytes_per_s
-    m = micro_batch * seq_len
+    m = micro_batch * local_seq_len(seq_len, gc)
     txy = gx * gy
     gemm, flops = [], []
     for lin in lins:
@@ -188,7 +185,7 @@ def block_compute(
     ew = ELEMENTWISE
     hx, fy = model.hidden / gx, model.ffn_hidden / gy
     qk = (model.q_dim + model.kv_dim) / gy
-    att = attention_fwd_flops(model, micro_batch, seq_len, gy) / (
+    att = attention_fwd_flops(model, micro_batch, seq_len, gy, gc) / (
         peak * machine.attention_efficiency
     )
     rope = 0.0 if model.family == "gpt" else ew["rope_per_qk"] * m * qk / hbm

@@ -9,7 +9,7 @@ from tetrad.plan.compute import BlockCompute, block_compute
 from tetrad.plan.fine import CHUNK_CANDIDATES
 from tetrad.plan.layers import FP32
 from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, PlanError
+from tetrad.plan.models import ModelSpec, PlanError, context_size
 from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OverlapError, parse_overlaps
 
 
@@ -67,9 +67,9 @@ class Context:
         self._compute: dict = {}
 
     def compute(self, grid: tuple[int, int, int, int], micro_batch: int) -> BlockCompute:
-        """Compute seconds (cached per ``(G_y, G_x, micro_batch)``; the optimizer term is left to
-        :func:`estimate`, it depends on ``G_z``)."""
-        key = (grid[2], grid[3], micro_batch)
+        """Compute seconds (cached per ``(G_context, G_y, G_x, micro_batch)``; the optimizer
+        term is left to :func:`estimate`, it depends on ``G_z``). ``grid``: four or five sizes."""
+        key = (context_size(grid), grid[-2], grid[-1], micro_batch)
         got = self._compute.get(key)
         if got is None:
             got = block_compute(

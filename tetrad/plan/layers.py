@@ -88,6 +88,7 @@ class Step:
             the LM head, the embedding tables, the Z-replicated vectors of the whole model).
         bucket_calls: data-parallel buckets per step (``dp_overlap`` only).
         prefetch ... dp_overlap: the overlaps in force (``domino`` only when ``m`` is large).
+        kv_payload: bytes of one context K/V all-gather (0 without context parallelism).
         fine: the ``fine`` overlap's chunk counts to try (0: ``fine`` off); the block Linears
             are recorded with the one of least exposed time, kept in ``fine_chosen``.
         gemm_s: seconds of one GEMM of the given FLOPs; ``slowdown``: the machine's
@@ -117,6 +118,7 @@ class Step:
     gemm_s: Callable[[float], float] | None = None
     slowdown: float = 0.0
     fine_chosen: int = 0
+    kv_payload: float = 0.0
 
     @property
     def n_layers(self) -> int:
@@ -132,7 +134,7 @@ class Step:
     def world(self) -> int:
         """Ranks of the grid."""
         s = self.sizes
-        return s["data"] * s["z"] * s["y"] * s["x"]
+        return s["data"] * s["z"] * s["y"] * s["x"]  # data: the data x context group
 
 
 @dataclass(slots=True)
@@ -250,6 +252,22 @@ def block_linears(rec: Recorder, st: Step) -> None:
             best = (exposed, chunks, trial)
     st.fine_chosen = best[1]
     rec.merge(best[2])
+
+
+def context_kv(rec: Recorder, st: Step) -> None:
+    """Context parallelism (tetrad/parallel/context.py): per block and micro-batch an all-gather
+    of K and V over context (``kv_payload``, the output), again in recompute under full
+    checkpointing, and a reduce-scatter of their gradients in backward (the same payload, the
+    input); blocking."""
+    if st.sizes["context"] == 1:
+        return
+    p, link, n = st.kv_payload, st.links["context"], st.n_layers * st.acc
+    t = link.time(ALL_GATHER, p)
+    rec.add("attention_kv", "forward", "context", ALL_GATHER, p, n, t, n * t)
+    if st.checkpointing:
+        rec.add("attention_kv", "recompute", "context", ALL_GATHER, p, n, t, n * t)
+    t = link.time(REDUCE_SCATTER, p)
+    rec.add("attention_kv", "backward", "context", REDUCE_SCATTER, p, n, t, n * t)
 
 
 def lm_head(rec: Recorder, st: Step) -> None:

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tetrad.plan.activations import dtype_bytes, saved_activations
-from tetrad.plan.models import Linear, ModelSpec, PlanError, check_grid, grid_sizes
+from tetrad.plan.context_parallel import local_seq_len
+from tetrad.plan.models import Linear, ModelSpec, PlanError, check_grid, context_size, grid_sizes
 from tetrad.spec import FP32, GiB
 
 FIT_FRACTION = 0.8
@@ -185,7 +186,7 @@ def end_of_backward_bytes(model: ModelSpec, grid) -> float:
     of the bucket's gradients, one flat fp32 copy of all matrices, held until the last
     micro-batch's backward ends; before the overlap rework ``sync_gradients`` made the same
     copy), plus :func:`embedding_grad_bytes`."""
-    gd = grid_sizes(grid)[0]
+    gd = grid_sizes(grid)[0] * context_size(grid)  # the data x context group
     matrices = local_parameter_elements(model, grid)["matrices"]
     return (FP32 * matrices if gd > 1 else 0.0) + embedding_grad_bytes(model, grid)
 
@@ -201,6 +202,7 @@ def step_buffer_bytes(model: ModelSpec, grid, dtype: str = "bf16") -> float:
       8 bytes per element of the largest shard.
     """
     gd, gz, _, _ = grid_sizes(grid)
+    gd *= context_size(grid)  # the data x context group
     n = local_parameter_elements(model, grid)
     sync = FP32 * n["vectors"] if gd * gz > 1 else 0
     clip = 16 * n["largest"]
@@ -264,7 +266,7 @@ def tetrad(
     check_positive(micro_batch=micro_batch, seq_len=seq_len)
     e = dtype_bytes(dtype)
     check_grid(model, grid)
-    m = micro_batch * seq_len
+    m = micro_batch * local_seq_len(seq_len, context_size(grid))  # this rank's tokens
     vy = model.vocab // (gy * grid_sizes(grid)[3])  # logits per rank: V over Y and X
     static = {
         "parameters": tetrad_parameter_bytes(model, grid),

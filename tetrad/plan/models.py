@@ -219,22 +219,28 @@ class ModelSpec:
 # ---- which grids shard a model -----------------------------------------------------------
 
 
-PLAN_AXES = ("data", "z", "y", "x")
-"""The axes of the grids the planner ranks, outer to inner (the runtime's
-:data:`tetrad.spec.GRID_AXES` with ``G_context = 1``)."""
+def context_size(grid: Iterable[int]) -> int:
+    """``G_context`` of a five-size grid ``(G_data, G_context, G_z, G_y, G_x)``; 1 for four
+    sizes ``(G_data, G_z, G_y, G_x)``."""
+    grid = tuple(grid)
+    return int(grid[1]) if len(grid) == 5 else 1
+
+
+def with_context(grid: Iterable[int]) -> tuple[int, int, int, int, int]:
+    """The five sizes of a four- or five-size grid (``G_context = 1`` for four)."""
+    grid = tuple(int(g) for g in grid)
+    return grid if len(grid) == 5 else (grid[0], 1, *grid[1:])  # type: ignore[return-value]
 
 
 def grid_sizes(grid: Iterable[int]) -> tuple[int, int, int, int]:
     """``(G_data, G_z, G_y, G_x)`` as four positive integers, from those four or from
-    ``(G_data, G_context, G_z, G_y, G_x)`` with ``G_context = 1``.
+    ``(G_data, G_context, G_z, G_y, G_x)`` (:func:`context_size` reads ``G_context``).
 
     Raises:
         PlanError: not four positive integers.
     """
     grid = tuple(grid)
     if len(grid) == 5:
-        if int(grid[1]) != 1:
-            raise PlanError(f"grid {grid!r}: the planner does not model G_context > 1 yet")
         grid = (grid[0], *grid[2:])
     try:
         gd, gz, gy, gx = (int(g) for g in grid)

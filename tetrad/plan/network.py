@@ -188,14 +188,16 @@ class Network:
             self._cache[key] = got
         return got
 
-    def grid_links(self, grid: tuple[int, int, int, int]) -> dict[str, Link]:
-        """Links of the axes of a 4D grid ``(G_data, G_z, G_y, G_x)`` (X innermost) and of the
-        whole world."""
-        d, z, y, x = grid
+    def grid_links(self, grid: tuple[int, ...]) -> dict[str, Link]:
+        """Links of the axes of a grid ``(G_data, [G_context,] G_z, G_y, G_x)`` (X innermost)
+        and of the whole world. The data group is data x context (``G_data G_context`` ranks
+        at stride ``G_z G_y G_x``, :class:`tetrad.spec.Axis`)."""
+        d, c, z, y, x = grid if len(grid) == 5 else (grid[0], 1, *grid[1:])
         return {
             "x": self.link(1, x),
             "y": self.link(x, y),
             "z": self.link(x * y, z),
-            "data": self.link(x * y * z, d),
-            "world": self.link(1, d * z * y * x),
+            "context": self.link(x * y * z, c),
+            "data": self.link(x * y * z, d * c),
+            "world": self.link(1, d * c * z * y * x),
         }

@@ -63,7 +63,7 @@ def rows_table(rows: list[Row]) -> list[str]:
     head = (
         [
             "#",
-            "TP,CP,PP,DP" if classic else "D,Z,Y,X",
+            "TP,CP,PP,DP" if classic else "D,C,Z,Y,X",
             "mb",
             "acc",
             "ckpt",
@@ -250,7 +250,6 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
     if row.space != "4d":
         raise PlanError("--emit-config writes a 4D configuration; the best row is classic")
     inp = result.inputs
-    d, z, y, x = row.grid
     header = [
         f"# Written by `tetrad plan`: {inp['model']} on {inp['gpus']} x {inp['machine']}.",
         f"# Predicted {row.step_s:.3f} s per step, {row.tokens_per_s:.0f} tokens/s, "
@@ -275,7 +274,7 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
     settings = {  # the sections of tetrad.train.config
         "model": sizes,
         "parallelism": {
-            "grid": f"{d},{z},{y},{x}",
+            "grid": ",".join(map(str, row.grid)),  # DATA,CONTEXT,Z,Y,X
             "overlap": _overlap_value(inp["overlaps"]),
             "activation_checkpointing": row.activation_checkpointing,
         },

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from tetrad.plan import memory
 from tetrad.plan.compute import model_flops_per_step
 from tetrad.plan.machines import Machine
-from tetrad.plan.models import PLAN_AXES, ModelSpec, PlanError
-from tetrad.spec import parse_checkpointing
+from tetrad.plan.models import ModelSpec, PlanError
+from tetrad.spec import GRID_AXES, parse_checkpointing
 
 CLASSIC_AXES = ("tp", "cp", "pp", "dp")
 """The axes of the classic space, in :attr:`Row.grid` order."""
@@ -86,7 +86,7 @@ class Row:
     @property
     def grid(self) -> tuple[int, ...]:
         """``(G_data, G_z, G_y, G_x)`` or ``(TP, CP, PP, DP)``."""
-        keys = PLAN_AXES if self.space == "4d" else CLASSIC_AXES
+        keys = GRID_AXES if self.space == "4d" else CLASSIC_AXES
         return tuple(self.sizes[k] for k in keys)
 
     def finish(

@@ -1,9 +1,12 @@
 """Search: every 4D grid, micro-batch and checkpointing choice, ranked by predicted step time;
 and the classic Megatron-style (TP, PP, CP, DP) space beside it.
 
-4D space (tetrad / AxoNN): every ordered factorisation ``G_data * G_z * G_y * G_x = GPUs`` whose
-sizes shard the model (:func:`tetrad.plan.models.grid_problems`) and split the global batch
-(``B % (G_data G_z) == 0``); every micro-batch ``b`` dividing ``B / (G_data G_z)``; activation
+4D space (tetrad / AxoNN, with context parallelism a fifth axis): every ordered factorisation
+``G_data * G_context * G_z * G_y * G_x = GPUs`` whose sizes shard the model
+(:func:`tetrad.plan.models.grid_problems`), split the sequence (``S % (2 G_context) == 0``,
+:func:`tetrad.plan.context_parallel.context_problems`; ``G_context = 1`` only with
+``comm_model="axonn"``) and split the global batch (``B % (G_data G_z) == 0``); every
+micro-batch ``b`` dividing ``B / (G_data G_z)``; activation
 checkpointing ``none``, ``selective`` and ``full`` (:data:`tetrad.spec.CHECKPOINTING`).
 Configurations whose :func:`tetrad.plan.memory.tetrad` estimate is above 80% of GPU memory are
 dropped (Fujii et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops
@@ -32,8 +35,9 @@ from tetrad.plan import memory
 from tetrad.plan.axonn import axonn_comm
 from tetrad.plan.classic import search_classic
 from tetrad.plan.comm import Context, estimate
+from tetrad.plan.context_parallel import context_problems
 from tetrad.plan.machines import Machine
-from tetrad.plan.models import PLAN_AXES, ModelSpec, PlanError, grid_problems
+from tetrad.plan.models import ModelSpec, PlanError, grid_problems, grid_sizes
 from tetrad.plan.rows import (
     Row,
     SearchResult,
@@ -42,7 +46,7 @@ from tetrad.plan.rows import (
     divisors,
     factorizations,
 )
-from tetrad.spec import CHECKPOINTING, COMM_AXES, GiB
+from tetrad.spec import CHECKPOINTING, COMM_AXES, GRID_AXES, GiB
 
 
 def _nearby_gpu_counts(model: ModelSpec, gpus: int) -> str:
@@ -85,9 +89,11 @@ class _Search4D:
         configuration; the lower bound is its compute time."""
         model, gb, stats = self.ctx.model, self.ctx.global_batch, self.stats
         cands = []
-        for grid in factorizations(self.gpus, 4):
+        for grid in factorizations(self.gpus, 5):
+            gd, gc, gz, gy, gx = grid
+            if gc > 1 and (self.comm_model == "axonn" or context_problems(self.ctx.seq_len, gc)):
+                continue  # AxoNN's model has no context axis; the sequence must split
             stats["grids"] += 1
-            gd, gz, gy, gx = grid
             key = (gz, gy, gx)
             ok = self.valid.get(key)
             if ok is None:
@@ -104,7 +110,7 @@ class _Search4D:
     def _grid_candidates(self, grid, checkpointing: tuple[str, ...], allowed: set | None) -> list:
         ctx, stats = self.ctx, self.stats
         L = ctx.model.n_layers
-        gd, gz, gy, gx = grid
+        gd, _, gz, gy, gx = grid
         # exact floor: fp32 parameters + gradients + two AdamW states = 16 B per local element
         _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
         static = 16.0 * (L * block_el + head_el + emb_el + ctx.vector_elements(gx, gy))
@@ -137,7 +143,11 @@ class _Search4D:
                 f"{_nearby_gpu_counts(model, gpus)}"
             )
         if self.stats["batch_grids"] == 0:
-            least = min(g[0] * g[1] for g in factorizations(gpus, 4) if self.valid.get(g[1:]))
+            least = min(
+                g[0] * g[2]
+                for g in factorizations(gpus, 5)
+                if self.valid.get(g[2:]) and not context_problems(self.ctx.seq_len, g[1])
+            )
             raise PlanError(
                 f"global batch {gb} does not split over G_data*G_z on any grid "
                 f"of {gpus} GPUs that shards {model.name} (the smallest G_data*G_z is "
@@ -176,9 +186,11 @@ class _Search4D:
         if self.comm_model == "tetrad":
             est = estimate(ctx, grid, b, ckpt)
             return est.step_s, est
-        acc = ctx.global_batch // (grid[0] * grid[1] * b)
+        acc = ctx.global_batch // (grid[0] * grid[2] * b)
         fwd, bwd, rec = ctx.compute(grid, b).micro_batch_seconds(ctx.model.n_layers, ckpt)
-        ax = axonn_comm(ctx.model, ctx.machine, grid, ctx.global_batch, ctx.seq_len, acc)
+        ax = axonn_comm(
+            ctx.model, ctx.machine, grid_sizes(grid), ctx.global_batch, ctx.seq_len, acc
+        )
         step = acc * (fwd + bwd + rec) + ax["total"]
         return step, (ax, acc * (fwd + bwd + rec), acc * rec, acc)
 
@@ -209,7 +221,7 @@ class _Search4D:
             comm_s = dict(exposed)
         return Row(
             "4d",
-            dict(zip(PLAN_AXES, grid, strict=True)),
+            dict(zip(GRID_AXES, grid, strict=True)),
             b,
             acc,
             ckpt,
