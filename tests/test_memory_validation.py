@@ -32,11 +32,15 @@ from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.activations import saved_activations
 from tetrad.plan.memory import tetrad
-from tetrad.train.step import build_optimizer, local_samples, train_step
+from tetrad.train.step import build_optimizer, inputs_targets, local_samples, train_step
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 MICRO, SEQ, SEED = 2, 16, 3
-GRIDS = {1: [(1, 1, 1, 1)], 4: [(1, 2, 1, 2), (2, 1, 2, 1)], 8: [(1, 2, 2, 2)]}
+GRIDS = {  # (G_data, G_z, G_y, G_x) or (G_data, G_context, G_z, G_y, G_x)
+    1: [(1, 1, 1, 1)],
+    4: [(1, 2, 1, 2), (2, 1, 2, 1), (1, 2, 1, 1, 2)],
+    8: [(1, 2, 2, 2), (2, 2, 1, 2, 1), (1, 4, 1, 1, 2)],
+}
 MODES = ("none", "selective", "full")
 
 
@@ -76,11 +80,12 @@ def _measure(grid: Grid, mode: str) -> dict:
     mb = local_samples(batch, grid)
     out = {"parameters": sum(p.numel() * p.element_size() for p in model.parameters())}
 
+    tokens, targets = inputs_targets(mb, grid)
     with SavedBytes(params) as saved:
-        loss = model.loss_sum(mb[:, :-1], mb[:, 1:])
+        loss = model.loss_sum(tokens, targets)
     out["activations"] = saved.total
     with SavedBytes(params) as saved_bf16, torch.autocast("cpu", dtype=torch.bfloat16):
-        model.loss_sum(mb[:, :-1], mb[:, 1:])
+        model.loss_sum(tokens, targets)
     out["activations_bf16"] = saved_bf16.total
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -88,10 +93,10 @@ def _measure(grid: Grid, mode: str) -> dict:
 
     if mode == "full":  # one block's forward as the recomputation runs it, its input excluded
         with torch.no_grad():
-            x = model.tok_embeddings(mb[:, :-1])
+            x = model.tok_embeddings(tokens)
         x.requires_grad_(True)
         with SavedBytes(params | {x.untyped_storage().data_ptr()}) as block:
-            model.layers[0](x, model.layer_factory.positions(SEQ, x.device))
+            model.layers[0](x, model.layer_factory.positions(tokens.shape[1], x.device))
         out["recompute"] = block.total
 
     if mode != "none":  # AdamW's states do not depend on checkpointing: measured once
@@ -130,7 +135,7 @@ def predicted(sizes, mode: str) -> dict:
     # output token-major; the CPU kernel returns it heads-major, so each block also saves the
     # out-projection input [m, a d/G_y] as a bf16 copy (selective rebuilds it instead).
     b = saved_activations(spec, sizes, MICRO, SEQ, activation_checkpointing=mode, dtype="bf16")
-    copies = mode == "none"
+    copies = mode == "none" and len(sizes) == 4  # with context: token-major, in the model
     cpu_copy = spec.n_layers * 2 * MICRO * SEQ * spec.q_dim // sizes[2] if copies else 0
     out["activations_bf16"] = b["blocks"] + b["embedding"] + b["final_norm"] + b["loss"] + cpu_copy
     return out

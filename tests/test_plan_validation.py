@@ -32,7 +32,7 @@ from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.comm import axis_totals, collectives
 from tetrad.plan.machines import get_machine
 from tetrad.plan.presets import get_model
-from tetrad.spec import DTYPE_BYTES, OVERLAPS
+from tetrad.spec import DTYPE_BYTES, OVERLAPS, parse_grid
 from tetrad.train.step import build_optimizer, train_step
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
@@ -42,8 +42,11 @@ SPEC = (
 )
 SEQ, SAMPLES, SEED, LR, CLIP = 16, 2, 5, 1e-3, 1.0  # SAMPLES per (data, z) cell per step
 OPTIONS = {"bucket_bytes": 1 << 14, "domino_min_rows": 8}
-# (G_data, G_z, G_y, G_x); one spawn per world size
-GRIDS = {4: [(2, 1, 1, 2)], 8: [(1, 2, 2, 2), (2, 2, 2, 1)]}
+# (G_data, G_z, G_y, G_x) or (G_data, G_context, G_z, G_y, G_x); one spawn per world size
+GRIDS = {
+    4: [(2, 1, 1, 2), (1, 2, 1, 1, 2)],
+    8: [(1, 2, 2, 2), (2, 2, 2, 1), (1, 2, 2, 2, 1), (2, 4, 1, 1, 1)],
+}
 # (micro-batches per step, activation checkpointing, overlaps)
 CONFIGS = [(n, ckpt, ov) for n in (1, 2) for ckpt in (False, True) for ov in ("all", "none")]
 CONFIGS += [(1, True, "all but fine"), (2, False, "all but fine")]
@@ -86,7 +89,7 @@ def _worker(world_size: int, out_dir: str) -> None:
 
 def predicted(sizes, n_micro: int, ckpt: bool, overlaps: str) -> dict:
     """The planner's per-axis calls, payload bytes and ring bytes of one optimizer step."""
-    cells = sizes[0] * sizes[1]
+    cells = sizes[0] * sizes[-3]  # G_data G_z
     cols = collectives(
         get_model(SPEC),
         get_machine("perlmutter"),
@@ -130,7 +133,7 @@ def test_grids_cover_every_axis():
         a
         for grids in GRIDS.values()
         for sizes in grids
-        for a, size in zip(("data", "z", "y", "x"), sizes, strict=True)
+        for a, size in zip(("data", "context", "z", "y", "x"), parse_grid(sizes), strict=True)
         if size > 1
     }
-    assert axes == {"data", "z", "y", "x"}
+    assert axes == {"data", "context", "z", "y", "x"}

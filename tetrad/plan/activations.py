@@ -212,8 +212,11 @@ def saved_activations(
         recompute = selective_recompute_bytes(model, grid, micro_batch, seq_len, dtype)
     else:
         blocks, recompute = model.n_layers * blk, 0.0
-    if mode != "full":  # the context masks and chunk order, one set for all blocks
-        blocks += context_shared_bytes(full_len, gc, dtype_bytes(dtype))
+    shared = context_shared_bytes(full_len, gc, dtype_bytes(dtype))
+    if mode == "full":  # the context masks and chunk order: saved by each recomputed block
+        recompute += shared
+    else:  # one set for all blocks
+        blocks += shared
     return {
         "blocks": blocks,
         "embedding": embedding_saved_bytes(model, micro_batch, seq_len),

@@ -85,7 +85,8 @@ def context_block_delta(
     parallelism the CPU kernel's heads-major output costs the same copy, CUDA's does not).
     ``none``: the local rotated k and the v copy (``2 m kv_dim / G_y``) are not kept (they feed
     the all-gather only). ``selective``: the concatenation is the kept input of the rebuilt
-    head merge.
+    head merge, and the rotated q is kept too (SDPA saves its two halves, views that carry no
+    rebuild recipe): ``2 m a d / G_y`` more.
     """
     from tetrad.plan.activations import dtype_bytes  # (activations imports this module)
     from tetrad.plan.models import grid_sizes
@@ -98,7 +99,7 @@ def context_block_delta(
     out = 0 if e == 4 else e * m * qy
     if mode == "none":
         return float(gathered - 2 * e * m * kvy + out)
-    return float(gathered + e * m * qy)
+    return float(gathered + 2 * e * m * qy)
 
 
 def ring_exposed_seconds(gather_s: float, attention_s: float, gc: int) -> float:
