@@ -343,7 +343,10 @@ def block_plan(block: nn.Module) -> dict:
     one_input = PrepareModuleInput(
         input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
     )
-    plan = {"attention": one_input, "feed_forward": one_input}
+    with_positions = PrepareModuleInput(  # attention also takes the plain positions tensor
+        input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None)
+    )
+    plan = {"attention": with_positions, "feed_forward": one_input}
     for part, out in (("attention", "wo"), ("feed_forward", "w2")):
         for name, child in getattr(block, part).named_children():
             if isinstance(child, nn.Linear):

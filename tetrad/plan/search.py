@@ -143,11 +143,10 @@ class _Search4D:
                 f"{_nearby_gpu_counts(model, gpus)}"
             )
         if self.stats["batch_grids"] == 0:
-            least = min(
-                g[0] * g[2]
-                for g in factorizations(gpus, 5)
-                if self.valid.get(g[2:]) and not context_problems(self.ctx.seq_len, g[1])
-            )
+            ok = [
+                g for g in factorizations(gpus, 5) if not context_problems(self.ctx.seq_len, g[1])
+            ]
+            least = min(g[0] * g[2] for g in ok if self.valid.get(g[2:]))
             raise PlanError(
                 f"global batch {gb} does not split over G_data*G_z on any grid "
                 f"of {gpus} GPUs that shards {model.name} (the smallest G_data*G_z is "
@@ -309,30 +308,17 @@ def _memory_line(
     phases' lines. ``inf`` for every ``b`` when ``b = 1`` already does not fit."""
     if not sizes:
         return lambda b: float("inf")
-    lo = memory.tetrad(
-        model,
-        grid,
-        1,
-        seq_len,
-        mem_bytes,
-        activation_checkpointing=ckpt,
-        dtype=dtype,
-        prefetch=prefetch,
-    )
+
+    def at(b: int) -> memory.MemoryBreakdown:
+        options = {"activation_checkpointing": ckpt, "dtype": dtype, "prefetch": prefetch}
+        return memory.tetrad(model, grid, b, seq_len, mem_bytes, **options)
+
+    lo = at(1)
     if not lo.fits:
         return lambda b: float("inf")
     if sizes[-1] == 1:
         return lambda b: lo.total
-    hi = memory.tetrad(
-        model,
-        grid,
-        2,
-        seq_len,
-        mem_bytes,
-        activation_checkpointing=ckpt,
-        dtype=dtype,
-        prefetch=prefetch,
-    )
+    hi = at(2)
     lines = [(lo.phases[k], hi.phases[k] - lo.phases[k]) for k in lo.phases]
     return lambda b: max(a + (b - 1) * s for a, s in lines)
 
