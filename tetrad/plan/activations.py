@@ -193,11 +193,11 @@ def saved_activations(
         tetrad.spec.CheckpointingError: an unknown mode.
     """
     mode = parse_checkpointing(activation_checkpointing)
-    gc, full_len = context_size(grid), seq_len
+    gc, full_len, e = context_size(grid), seq_len, dtype_bytes(dtype)
     seq_len = local_seq_len(seq_len, gc)  # this rank's tokens per sample
     blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
     if gc > 1:
-        blk += context_block_delta(model, grid, micro_batch, full_len, dtype, "none")
+        blk += context_block_delta(model, grid, micro_batch, full_len, e, "none")
     inp = block_input_bytes(model, grid, micro_batch, seq_len)
     # the positions [S] int64, one tensor for all blocks: an input of each full checkpoint, and
     # of RoPE's recipes under selective (none: RoPE's angles are built from it and not kept)
@@ -207,12 +207,12 @@ def saved_activations(
     elif mode == "selective":
         sel = selective_block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
         if gc > 1:
-            sel += context_block_delta(model, grid, micro_batch, full_len, dtype, "selective")
+            sel += context_block_delta(model, grid, micro_batch, full_len, e, "selective")
         blocks = model.n_layers * sel + positions
         recompute = selective_recompute_bytes(model, grid, micro_batch, seq_len, dtype)
     else:
         blocks, recompute = model.n_layers * blk, 0.0
-    shared = context_shared_bytes(full_len, gc, dtype_bytes(dtype))
+    shared = context_shared_bytes(full_len, gc, e)
     if mode == "full":  # the context masks and chunk order: saved by each recomputed block
         recompute += shared
     else:  # one set for all blocks

@@ -28,7 +28,7 @@ what it would hide, for the docs' comparison).
 
 from __future__ import annotations
 
-from tetrad.plan.models import ModelSpec
+from tetrad.plan.models import ModelSpec, context_size, grid_sizes
 
 
 def local_seq_len(seq_len: int, gc: int) -> int:
@@ -75,10 +75,11 @@ def context_shared_bytes(seq_len: int, gc: int, e: int) -> float:
 
 
 def context_block_delta(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str, mode: str
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, e: int, mode: str
 ) -> float:
     """What context parallelism adds to one block's saved tensors on one rank (bytes), against
-    the same block on ``m = b S / G_context`` tokens without it (``seq_len``: the whole ``S``).
+    the same block on ``m = b S / G_context`` tokens without it (``seq_len``: the whole ``S``;
+    ``e``: compute-dtype bytes; ``grid``: five sizes).
 
     Both modes keep the gathered K/V, ``2 b S kv_dim / G_y`` elements, and the attention output
     once more (SDPA's two halves and their token-major concatenation; without context
@@ -88,11 +89,7 @@ def context_block_delta(
     head merge, and the rotated q is kept too (SDPA saves its two halves, views that carry no
     rebuild recipe): ``2 m a d / G_y`` more.
     """
-    from tetrad.plan.activations import dtype_bytes  # (activations imports this module)
-    from tetrad.plan.models import grid_sizes
-
-    gy = grid_sizes(grid)[2]
-    e, gc = dtype_bytes(dtype), int(tuple(grid)[1])
+    gc, gy = context_size(grid), grid_sizes(grid)[2]
     m = micro_batch * seq_len // gc
     kvy, qy = model.kv_dim // gy, model.q_dim // gy
     gathered = e * micro_batch * seq_len * 2 * kvy
