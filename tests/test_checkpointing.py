@@ -75,3 +75,21 @@ def test_cheap_outside_selective_is_a_plain_call():
     x = torch.randn(3, requires_grad=True)
     y = recompute.cheap(torch.sin, x)
     assert not hasattr(y, "_tetrad_recipe") and y.grad_fn.name() == "SinBackward0"
+
+
+def test_selective_runs_each_cheap_function_twice():
+    """Once in forward, once in backward: the rebuild for the consumer (here a matmul saving its
+    input) records the graph that the cheap function's own backward then differentiates."""
+    calls = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return t.sin()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 2, requires_grad=True)
+    with recompute.selective():
+        y = recompute.cheap(fn, x) @ w
+    y.sum().backward()
+    assert len(calls) == 2
+    torch.testing.assert_close(x.grad, torch.ones(4, 2) @ w.detach().T * x.detach().cos())

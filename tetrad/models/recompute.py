@@ -8,7 +8,9 @@ and recomputes it in backward. Its output is tagged with a :class:`Recipe` ``(fn
 the ``saved_tensors_hooks`` pair that :func:`selective` installs packs a tagged tensor as its
 recipe instead of its data: the consumer (the next Linear saving its input for ``dW``, SDPA
 saving rotated q and k) keeps no copy, and the tensor is rebuilt from the recipe when backward
-unpacks it. Untagged tensors are kept as they are.
+unpacks it. That rebuild records its graph, and the function's own backward (which autograd
+runs right after the consumer's) differentiates it, so each cheap function runs twice in all:
+once in forward, once in backward. Untagged tensors are kept as they are.
 
 No collective and no GEMM is ever re-run: only functions passed to :func:`cheap` are recomputed
 (torch's selective-checkpoint machinery would re-run the parallel Linear, whose custom autograd
@@ -37,16 +39,24 @@ _active = 0  # depth of selective() contexts
 class Recipe:
     """How to rebuild a tagged tensor: ``fn(*inputs)`` under the forward's autocast state."""
 
-    __slots__ = ("fn", "inputs", "autocast")
+    __slots__ = ("fn", "inputs", "autocast", "rebuilt")
 
     def __init__(self, fn: Callable[..., torch.Tensor], inputs: tuple, autocast: tuple):
         self.fn, self.inputs, self.autocast = fn, inputs, autocast
+        self.rebuilt: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     def run(self, *inputs: torch.Tensor) -> torch.Tensor:
         """``fn(*inputs)`` (default: the recorded inputs) under the recorded autocast state."""
         device, enabled, dtype = self.autocast
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             return self.fn(*(inputs or self.inputs))
+
+    def run_with_grad(self, inputs: tuple, needs: tuple) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``fn`` on detached copies of ``inputs`` (those flagged in ``needs`` require grad),
+        recording its graph: ``(leaves, output)``."""
+        leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs, strict=True)]
+        with torch.enable_grad():
+            return leaves, self.run(*leaves)
 
 
 def _autocast_state(inputs: tuple) -> tuple[str, bool, torch.dtype]:
@@ -65,11 +75,11 @@ class _Cheap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        inputs = ctx.saved_tensors
-        needs = ctx.needs_input_grad[1:]
-        leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs, strict=True)]
-        with torch.enable_grad():
-            out = ctx.recipe.run(*leaves)
+        recipe = ctx.recipe
+        if recipe.rebuilt is not None:  # the consumer's unpack rebuilt it with its graph
+            (leaves, out), recipe.rebuilt = recipe.rebuilt, None
+        else:
+            leaves, out = recipe.run_with_grad(ctx.saved_tensors, ctx.needs_input_grad[1:])
         wanted = [t for t in leaves if t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         return (None, *(next(grads) if t.requires_grad else None for t in leaves))
@@ -101,10 +111,12 @@ def _pack(t: torch.Tensor) -> Any:
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    if isinstance(packed, Recipe):
-        with torch.no_grad():
-            return packed.run()
-    return packed
+    if not isinstance(packed, Recipe):
+        return packed
+    if packed.rebuilt is None:  # kept for the recipe's own backward, which comes next
+        needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in packed.inputs)
+        packed.rebuilt = packed.run_with_grad(packed.inputs, needs)
+    return packed.rebuilt[1].detach()
 
 
 @contextlib.contextmanager

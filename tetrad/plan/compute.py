@@ -25,7 +25,7 @@ Activation checkpointing (:data:`tetrad.spec.CHECKPOINTING`): ``full`` re-runs e
 forward in backward (GEMMs, attention, element-wise, and its collectives: tetrad/plan/layers.py);
 ``selective`` (tetrad/models/recompute.py; Korthikanti et al., arXiv 2205.05198, section 5)
 re-runs only the element-wise parts whose outputs it does not keep (the two RMSNorm applies, RoPE,
-SwiGLU), each twice: once to rebuild the tensor its consumer saved, once to differentiate it.
+SwiGLU), once each: the rebuild for the consumer records the graph its own backward uses.
 
 Model FLOPs (for MFU) are the runtime's definition, :meth:`ModelSpec.flops_per_token` (``6 N +
 6 L S h``), so recomputation and FlashAttention's extra backward matmul do not count.
@@ -86,7 +86,7 @@ class BlockCompute:
         final_norm_fwd, final_norm_bwd: the last norm.
         optimizer: AdamW + clipping over the local shards, per step.
         selective: one block's extra seconds under selective checkpointing (the norm applies,
-            RoPE and the activation, twice each; memory bound).
+            RoPE and the activation, once each; memory bound).
     """
 
     gemm: tuple[float, ...]
@@ -220,7 +220,7 @@ def block_compute(
         final_norm_fwd=half_norm / 2.0,
         final_norm_bwd=ew["backward_factor"] * half_norm / 2.0,
         optimizer=ew["optimizer_per_param"] * local_params / hbm,
-        selective=2.0 * (half_norm + rope + act),  # two norm applies = one half_norm
+        selective=half_norm + rope + act,  # two norm applies = one half_norm
     )
 
 
