@@ -27,9 +27,7 @@ def test_selective_matches_reference(reference):
     run_distributed(parallel_runs, 4, 4, *reference, "selective", (OVERLAPS, ()), grids)
 
 
-def test_selective_with_context_parallelism_matches_reference(reference):
-    grids = [(1, 2, 1, 1, 2)]  # (data, context, z, y, x)
-    run_distributed(parallel_runs, 4, 4, *reference, "selective", (OVERLAPS,), grids)
+# with context parallelism: tests/test_model.py::test_context_parallel_matches_reference
 
 
 def _grads(mode: str, autocast: bool) -> tuple[torch.Tensor, dict, list]:

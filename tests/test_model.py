@@ -19,7 +19,7 @@ from tetrad.models.config import PRESETS
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama, compile_blocks
-from tetrad.spec import OVERLAPS
+from tetrad.spec import CHECKPOINTING, OVERLAPS
 from tetrad.train.step import build_optimizer, lr_at, train_step
 
 CFG = PRESETS["tiny"]
@@ -146,16 +146,11 @@ CONTEXT_GRIDS = {  # (G_data, G_context, G_z, G_y, G_x): context with each other
 }
 
 
+@pytest.mark.parametrize("mode", CHECKPOINTING)
 @pytest.mark.parametrize("world_size", sorted(CONTEXT_GRIDS))
-def test_context_parallel_matches_reference(world_size, reference):
+def test_context_parallel_matches_reference(world_size, mode, reference):
     """Sequences split over G_context = 2 and 4 ranks (load-balanced chunks, K/V all-gather)
-    combined with data, Z, Y and X, with every overlap and with none: the same tolerances."""
+    combined with data, Z, Y and X, with every overlap and with none, under each activation
+    checkpointing mode: the same tolerances."""
     grids = CONTEXT_GRIDS[world_size]
-    run_distributed(
-        parallel_runs, world_size, world_size, *reference, "none", (OVERLAPS, ()), grids
-    )
-
-
-def test_context_parallel_with_full_checkpointing_matches_reference(reference):
-    grids = [(1, 2, 1, 1, 2), (1, 2, 2, 1, 1)]
-    run_distributed(parallel_runs, 4, 4, *reference, "full", (OVERLAPS,), grids)
+    run_distributed(parallel_runs, world_size, world_size, *reference, mode, (OVERLAPS, ()), grids)
