@@ -6,7 +6,8 @@ fp32) each rank trains a small Llama for two optimizer steps on several grids (e
 at least one grid, several axes > 1 at once) and, for each grid, every combination of
 
 - 1 or 2 micro-batches per step (gradient accumulation),
-- activation checkpointing off and on,
+- activation checkpointing off and on (``none``, ``full``), and ``selective`` with 1 micro-batch
+  and all overlaps, 2 and none,
 - overlaps ``all`` and ``none`` (small data-parallel buckets and a low Domino threshold, so that
   several buckets and both Domino halves really run on these tiny shapes).
 
@@ -50,6 +51,7 @@ GRIDS = {
 # (micro-batches per step, activation checkpointing, overlaps)
 CONFIGS = [(n, ckpt, ov) for n in (1, 2) for ckpt in (False, True) for ov in ("all", "none")]
 CONFIGS += [(1, True, "all but fine"), (2, False, "all but fine")]
+CONFIGS += [(1, "selective", "all"), (2, "selective", "none")]
 OVERLAP_SETS = {
     "all": OVERLAPS,  # a list naming fine: always on, in the runtime and the planner
     "all but fine": tuple(o for o in OVERLAPS if o != "fine"),
