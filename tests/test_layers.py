@@ -11,6 +11,7 @@ from torch import nn
 
 from tests.distributed import run_distributed
 from tetrad.grid import Grid
+from tetrad.models.config import ModelConfig, ModelConfigError
 from tetrad.parallel import (
     Embedding,
     Linear,
@@ -18,6 +19,7 @@ from tetrad.parallel import (
     sync_gradients,
     vocab_parallel_cross_entropy,
 )
+from tetrad.parallel.model import ParallelLlama
 
 GRIDS = {
     1: [(1, 1, 1, 1)],
@@ -137,9 +139,19 @@ def check_rmsnorm(grid):
     close(layer.weight.grad, ref.weight.grad[c], "RMSNorm weight grad")
 
 
+def check_model_sizes(grid):
+    """A model whose KV heads do not split over G_y is refused with what to change (not a
+    reshape error from deep inside attention)."""
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=1, ffn_dim=64, vocab_size=64)
+    with pytest.raises(ModelConfigError, match=f"n_kv_heads=1 divisible by G_y={grid.y}"):
+        ParallelLlama(cfg, grid)
+
+
 def all_layers(world_size):
     for sizes in GRIDS[world_size]:
         grid = Grid.build(sizes)
+        if grid.y > 1:
+            check_model_sizes(grid)
         for transpose in (False, True):
             for bias in (False, True):
                 check_linear(grid, transpose, bias)

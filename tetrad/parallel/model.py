@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tetrad.grid import Grid
-from tetrad.models.config import ModelConfig
+from tetrad.models.config import ModelConfig, check_divisible
 from tetrad.models.llama import Transformer, causal_attention
 from tetrad.parallel.context import ContextAttention, local_positions
 from tetrad.parallel.embedding import Embedding
@@ -79,6 +79,10 @@ class ParallelLlama(Transformer):
 
     Attributes:
         overlap: the :class:`Overlap` the training step drives.
+
+    Raises:
+        ModelConfigError: a size of ``cfg`` that does not shard on ``grid`` (heads or KV heads
+            by ``G_y``, a weight dimension by its axes), listing what to change.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class ParallelLlama(Transformer):
         overlaps: Iterable[str] = DEFAULT_OVERLAPS,
         **overlap_options: int,
     ):
+        check_divisible(cfg, grid.sizes)
         overlap = Overlap(grid, overlaps, **overlap_options)
         super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing)
         self.overlap = overlap
