@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from tetrad.plan import fujii, memory
 from tetrad.plan.compute import ELEMENTWISE, attention_fwd_flops
+from tetrad.plan.context_parallel import context_problems
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec, tp_problems
 from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER
@@ -193,7 +194,7 @@ def _classic_grids(
         if tp > gpus_per_node or tp_problems(model, tp):
             continue
         for cp in divisors(gpus // tp):
-            if tp * cp > gpus_per_node or seq_len % (2 * cp) and cp > 1:
+            if tp * cp > gpus_per_node or context_problems(seq_len, cp):
                 continue
             for pp in divisors(gpus // (tp * cp)):
                 if model.n_layers % pp:

@@ -11,6 +11,7 @@ degrees.
 
 from __future__ import annotations
 
+from tetrad.plan.context_parallel import context_problems
 from tetrad.plan.memory import MemoryBreakdown, check_positive
 from tetrad.plan.models import ModelSpec, PlanError, tp_problems
 
@@ -136,7 +137,7 @@ def fujii2024(
             + "; ".join(bad)
             + ": choose another --tp"
         )
-    if cp > 1 and seq_len % (2 * cp):
+    if context_problems(seq_len, cp):
         raise PlanError(
             f"sequence length {seq_len} does not split into 2*CP = {2 * cp} equal chunks "
             "(context parallelism's load-balanced split): choose another --cp or --seq-len"

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tetrad.models.config import ModelConfig, parse_model, with_sizes
+from tetrad.plan.context_parallel import context_problems
 from tetrad.spec import DEVICES, GridShape, TetradError, parse_grid, tomllib
 from tetrad.train.sections import (
     CheckpointSection,
@@ -137,7 +138,7 @@ class TrainConfig:
                 f"G_data*G_z*micro_batch = {d}*{z}*{t.micro_batch} = {shards}: "
                 "change --global-batch or --micro-batch"
             )
-        if t.seq_len % (2 * c) and c > 1:
+        if context_problems(t.seq_len, c):
             raise ConfigError(
                 f"seq_len={t.seq_len} is not divisible by 2*G_context = {2 * c} (each context "
                 "rank holds two chunks of every sequence): change --seq-len or the grid"
