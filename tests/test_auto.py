@@ -8,7 +8,8 @@ import pytest
 from tetrad.plan.comm import Context, estimate
 from tetrad.plan.fine import CHUNK_CANDIDATES
 from tetrad.plan.machines import get_machine
-from tetrad.spec import FINE_CHUNKS, OVERLAPS
+from tetrad.plan.search import plan
+from tetrad.spec import FINE_CHUNKS, OVERLAPS, compute_dtype
 from tetrad.train.auto import choose_grid, domino_pays, fine_chunks
 from tetrad.train.config import ConfigError, load_config
 
@@ -23,7 +24,7 @@ def test_grid_auto_picks_a_valid_grid_of_the_world_size(capsys):
     d, c, z, y, x = chosen.parallelism.grid
     assert d * c * z * y * x == 4
     chosen.check()  # the batch splits and the grid is concrete now
-    assert "chose D,Z,Y,X=" in capsys.readouterr().out
+    assert "chose D,C,Z,Y,X=" in capsys.readouterr().out
 
 
 def test_grid_auto_needs_a_machine_on_cpu():
@@ -34,6 +35,37 @@ def test_grid_auto_needs_a_machine_on_cpu():
 def test_grid_auto_says_when_nothing_fits():
     with pytest.raises(ConfigError, match="no grid of 4 ranks.*global_batch=6"):
         choose_grid(cfg(machine="dgx-h100", global_batch=6, micro_batch=4), 4, vocab_size=256)
+
+
+def test_auto_checkpointing_is_chosen_with_the_grid():
+    """Llama-3.1-8B at 8,192 tokens on 8 H100s: no grid fits without recomputation, so a named
+    ``none`` is refused, and ``auto`` takes the planner's best mode (and says so)."""
+    big = {"model": "llama-3.1-8b", "global_batch": 64, "micro_batch": 4, "seq_len": 8192}
+    big |= {"machine": "dgx-h100"}
+    with pytest.raises(ConfigError, match="activation-checkpointing selective"):
+        choose_grid(cfg(**big, activation_checkpointing="none"), 8, 128256, verbose=False)
+    chosen = choose_grid(cfg(**big, activation_checkpointing="auto"), 8, 128256, verbose=False)
+    mc = chosen.model_config(128256)
+    best = plan(
+        mc.spec(),
+        get_machine("dgx-h100"),
+        8,
+        64,
+        8192,
+        top=1,
+        micro_batches=(4,),
+        overlaps=chosen.parallelism.overlap,
+        classic=False,
+        dtype=compute_dtype(chosen.training.device),
+    )
+    assert chosen.parallelism.activation_checkpointing == best.rows[0].activation_checkpointing
+    assert chosen.parallelism.grid == tuple(best.rows[0].grid)
+    chosen.check()  # a concrete grid and mode now
+
+
+def test_auto_checkpointing_needs_grid_auto():
+    with pytest.raises(ConfigError, match="--grid auto"):
+        cfg(grid="1,1,1,4", activation_checkpointing="auto").check()
 
 
 def test_unresolved_auto_grid_is_refused():

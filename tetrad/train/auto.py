@@ -7,10 +7,11 @@ docs/planner.md) about this run's model, batch and machine.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from tetrad.models.config import ModelConfig
-from tetrad.spec import DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype, parse_grid
+from tetrad.spec import CHECKPOINTING, DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype, parse_grid
 from tetrad.train.config import ConfigError, TrainConfig
 
 # Machine presets that match a CUDA device name, for --grid auto without --machine.
@@ -61,9 +62,11 @@ def choose_grid(
 ) -> TrainConfig:
     """Return ``cfg`` with the grid the planner ranks first for ``world_size`` ranks.
 
-    The micro-batch, activation checkpointing (``none``, ``selective`` or ``full``) and overlaps
-    stay as configured; the planner ranks every 4D grid of ``world_size`` that shards the model,
-    splits the batch and fits in 80% of the machine's memory by predicted step time.
+    The planner ranks every grid of ``world_size`` (data, context, Z, Y, X) that shards the
+    model, splits the batch and fits in 80% of the machine's memory by predicted step time.
+    Activation checkpointing ``auto`` is chosen with the grid among ``none``, ``selective`` and
+    ``full`` (the returned config names the winner's mode); a named mode, the micro-batch and
+    the overlaps stay as configured.
 
     Raises:
         ConfigError: no machine, or no grid fits (the message says what to change).
@@ -74,6 +77,13 @@ def choose_grid(
     machine = machine_for(cfg)
     t, par = cfg.training, cfg.parallelism
     batch = f"global_batch={t.global_batch} and micro_batch={t.micro_batch}"
+    mode = par.activation_checkpointing
+    modes = CHECKPOINTING if mode == "auto" else (mode,)
+    hint = {
+        "full": "",
+        "auto": "",
+        "selective": ", or use --activation-checkpointing full",
+    }.get(mode, ", or use --activation-checkpointing selective (or full, or auto)")
     try:
         res = plan(
             cfg.model_config(vocab_size).spec(),
@@ -83,7 +93,7 @@ def choose_grid(
             t.seq_len,
             top=3,
             micro_batches=(t.micro_batch,),
-            checkpointing=(par.activation_checkpointing,),
+            checkpointing=modes,
             overlaps=par.overlap,
             classic=False,
             dtype=compute_dtype(t.device),
@@ -91,23 +101,27 @@ def choose_grid(
     except PlanError as e:
         raise ConfigError(
             f"--grid auto found no grid of {world_size} ranks for this model, {batch} "
-            f"(planner: {e})"
+            f"(planner: {e}){hint}"
         ) from None
     if not res.rows:
         raise ConfigError(
             f"--grid auto: no grid of {world_size} ranks shards this model, "
             f"splits global_batch={t.global_batch} into micro-batches of "
             f"{t.micro_batch} and fits in 80% of {machine.name}'s memory: "
-            "change --nproc, the batch or the model"
-            + {"full": "", "selective": ", or use --activation-checkpointing full"}.get(
-                par.activation_checkpointing,
-                ", or use --activation-checkpointing selective or full",
-            )
+            "change --nproc, the batch or the model" + hint
         )
-    best = res.rows[0]
+    # a tie (within 0.1%, as for a model too small to time) goes to the least recomputation
+    best = min(
+        (r for r in res.rows if r.step_s <= res.rows[0].step_s * 1.001),
+        key=lambda r: CHECKPOINTING.index(r.activation_checkpointing),
+    )
     if verbose:
         exposed = ", ".join(f"{a} {x * 1e3:.1f} ms" for a, x in best.exposed_s.items() if x)
-        others = "; ".join(f"{r.label()} {r.step_s * 1e3:.1f} ms" for r in res.rows[1:])
+        others = "; ".join(
+            f"{r.label()} {r.activation_checkpointing} {r.step_s * 1e3:.1f} ms"
+            for r in res.rows
+            if r is not best
+        )
         print(
             f"tetrad: --grid auto on {machine.name} with {world_size} ranks chose "
             f"{best.label()} (checkpointing {best.activation_checkpointing}): predicted step "
@@ -118,7 +132,13 @@ def choose_grid(
             + (f"; next: {others}" if others else ""),
             flush=True,
         )
-    return cfg.with_grid(parse_grid(best.grid))
+    chosen = cfg.with_grid(parse_grid(best.grid))
+    if mode == "auto":
+        par = dataclasses.replace(
+            chosen.parallelism, activation_checkpointing=best.activation_checkpointing
+        )
+        chosen = dataclasses.replace(chosen, parallelism=par)
+    return chosen
 
 
 def _estimate(cfg: TrainConfig, mc: ModelConfig, overlaps, fine_chunks: int | None):

@@ -112,9 +112,10 @@ class ParallelismSection:
     )
     activation_checkpointing: str = option(
         "none",
-        metavar="none|selective|full",
+        metavar="none|selective|full|auto",
         help="recompute activations in backward to save memory: selective (norms, RoPE, "
-        "SwiGLU; no GEMM or collective) or full (every block); true/false mean full/none",
+        "SwiGLU; no GEMM or collective) or full (every block); true/false mean full/none; "
+        "auto (with grid auto): the planner chooses it with the grid",
     )
     machine: str = option(
         "",
@@ -127,9 +128,12 @@ class ParallelismSection:
     )
 
     def __post_init__(self) -> None:
-        # one of tetrad.spec.CHECKPOINTING from a name, on/off or a TOML bool
+        # one of tetrad.spec.CHECKPOINTING from a name, on/off or a TOML bool, or "auto"
         # (raises tetrad.spec.CheckpointingError, which says what to give)
-        self.activation_checkpointing = parse_checkpointing(self.activation_checkpointing)
+        if str(self.activation_checkpointing).strip().lower() == "auto":
+            self.activation_checkpointing = "auto"
+        else:
+            self.activation_checkpointing = parse_checkpointing(self.activation_checkpointing)
 
     @property
     def overlaps(self) -> frozenset[str]:
