@@ -86,7 +86,7 @@ def choose_grid(
     }.get(mode, ", or use --activation-checkpointing selective (or full, or auto)")
     try:
         res = plan(
-            cfg.model_config(vocab_size).spec(),
+            cfg.model_config(vocab_size).spec(cfg.model.name),
             machine,
             world_size,
             t.global_batch,
