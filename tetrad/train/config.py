@@ -120,7 +120,7 @@ class TrainConfig:
             ConfigError: one line saying which value to change.
         """
         t, grid = self.training, self.parallelism.grid
-        _check_resolved(self.parallelism)
+        self.parallelism.check_resolved()
         if t.device not in DEVICES:
             raise ConfigError(f"device {t.device!r} is not {' or '.join(DEVICES)}")
         for name in ("steps", "micro_batch", "global_batch", "seq_len"):
@@ -172,24 +172,6 @@ class TrainConfig:
         """A copy with ``parallelism.grid`` replaced."""
         return dataclasses.replace(
             self, parallelism=dataclasses.replace(self.parallelism, grid=grid)
-        )
-
-
-def _check_resolved(par: ParallelismSection) -> None:
-    """The planner's choices are made: no ``auto`` grid or checkpointing mode is left.
-
-    Raises:
-        ConfigError: ``auto`` still there (or ``auto`` checkpointing without ``--grid auto``).
-    """
-    if par.grid == "auto":
-        raise ConfigError(
-            "grid 'auto' must be resolved by the planner before training "
-            "(tetrad train does this; see tetrad.train.auto.choose_grid)"
-        )
-    if par.activation_checkpointing == "auto":
-        raise ConfigError(
-            "activation_checkpointing 'auto' is chosen with the grid by --grid auto: "
-            "use --grid auto, or name none, selective or full"
         )
 
 

@@ -135,6 +135,23 @@ class ParallelismSection:
         else:
             self.activation_checkpointing = parse_checkpointing(self.activation_checkpointing)
 
+    def check_resolved(self) -> None:
+        """The planner's choices are made: no ``auto`` grid or checkpointing mode is left.
+
+        Raises:
+            ConfigError: ``auto`` still there (or ``auto`` checkpointing with a fixed grid).
+        """
+        if self.grid == "auto":
+            raise ConfigError(
+                "grid 'auto' must be resolved by the planner before training "
+                "(tetrad train does this; see tetrad.train.auto.choose_grid)"
+            )
+        if self.activation_checkpointing == "auto":
+            raise ConfigError(
+                "activation_checkpointing 'auto' is chosen with the grid by --grid auto: "
+                "use --grid auto, or name none, selective or full"
+            )
+
     @property
     def overlaps(self) -> frozenset[str]:
         """The overlap names of :attr:`overlap` (checked by :meth:`TrainConfig.check`)."""
