@@ -106,10 +106,9 @@ class Row:
         return self
 
     def label(self) -> str:
-        """``D,C,Z,Y,X=...`` (``D,Z,Y,X=...`` for a 4-number grid) or ``TP,CP,PP,DP=...``."""
+        """``D,C,Z,Y,X=...`` or ``TP,CP,PP,DP=...``."""
         if self.space == "4d":
-            axes = "D,C,Z,Y,X" if len(self.grid) == 5 else "D,Z,Y,X"
-            return f"{axes}=" + ",".join(str(v) for v in self.grid)
+            return "D,C,Z,Y,X=" + ",".join(str(v) for v in self.grid)
         return "TP,CP,PP,DP=" + ",".join(str(v) for v in self.grid)
 
     def to_dict(self) -> dict:

@@ -132,13 +132,11 @@ def choose_grid(
             + (f"; next: {others}" if others else ""),
             flush=True,
         )
-    chosen = cfg.with_grid(parse_grid(best.grid))
-    if mode == "auto":
-        par = dataclasses.replace(
-            chosen.parallelism, activation_checkpointing=best.activation_checkpointing
-        )
-        chosen = dataclasses.replace(chosen, parallelism=par)
-    return chosen
+    # the winner's mode is the named one unless it was auto
+    par = dataclasses.replace(
+        par, grid=parse_grid(best.grid), activation_checkpointing=best.activation_checkpointing
+    )
+    return dataclasses.replace(cfg, parallelism=par)
 
 
 def _estimate(cfg: TrainConfig, mc: ModelConfig, overlaps, fine_chunks: int | None):

@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 from tetrad.models.config import ModelConfig, parse_model, with_sizes
 from tetrad.plan.context_parallel import context_problems
-from tetrad.spec import DEVICES, GridShape, TetradError, parse_grid, tomllib
+from tetrad.spec import DEVICES, TetradError, parse_grid, tomllib
 from tetrad.train.sections import (
     CheckpointSection,
     ConfigError,
@@ -167,12 +167,6 @@ class TrainConfig:
         """Micro-steps per optimizer step."""
         d, _, z, _, _ = self.parallelism.grid
         return self.training.global_batch // (d * z * self.training.micro_batch)
-
-    def with_grid(self, grid: GridShape) -> TrainConfig:
-        """A copy with ``parallelism.grid`` replaced."""
-        return dataclasses.replace(
-            self, parallelism=dataclasses.replace(self.parallelism, grid=grid)
-        )
 
 
 def _check_training(t: TrainingSection) -> None:
