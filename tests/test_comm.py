@@ -92,3 +92,27 @@ def both():
 
 def test_recorded_bytes_match_hand_count_and_c10d():
     run_distributed(both, 8)
+
+
+def buckets_during_backward():
+    grid = Grid.build((2, 1, 1, 1))
+    ov = Overlap(grid, ("dp_all_reduce", "reduce_scatter"), bucket_bytes=1)
+    l1, l2 = Linear(16, 32, grid, overlap=ov), Linear(32, 16, grid, transpose=True, overlap=ov)
+    for p in (l1.weight, l2.weight):
+        torch.nn.init.normal_(p)
+    x = torch.randn(4, 3, 16, requires_grad=True)
+    ov.begin_micro_batch(last=True)
+    y = l2(l1(x)).sum()
+    launched_in_backward = []
+    # x's gradient is the last thing backward computes, before end_micro_batch
+    x.register_hook(lambda g: launched_in_backward.append(ov.counts["dp_buckets"]))
+    y.backward()
+    ov.end_micro_batch()
+    assert ov.counts["dp_buckets"] == 2
+    assert launched_in_backward == [2]
+
+
+def test_data_parallel_buckets_start_during_backward():
+    """With G_z = 1 (no reduce-scatter to wait for) a weight gradient's data-parallel bucket is
+    launched as soon as the gradient exists, not at the end of backward."""
+    run_distributed(buckets_during_backward, 2)
