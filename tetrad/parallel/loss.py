@@ -25,7 +25,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_local, block = logits.shape[-1], 0
         for a in axes:
             block = block * grid.size(a) + grid.coord[a]
-        m = _all_reduce_over(logits.max(dim=-1).values.float(), grid, axes, op="max")
+        m = _all_reduce_over(logits.amax(dim=-1).float(), grid, axes, op="max")
         local = targets - block * vocab_local
         outside = (local < 0) | (local >= vocab_local)
         local = local.masked_fill(outside, 0)
