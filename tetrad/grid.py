@@ -67,6 +67,7 @@ class Grid:
     coord: dict[str, int] = field(default_factory=dict)
     comm: CommLog = field(default_factory=CommLog)
     data_group: dist.ProcessGroup | None = None
+    _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def build(cls, sizes: GridShape, device_type: str = "cpu") -> Grid:
@@ -104,7 +105,9 @@ class Grid:
         ``data`` the data x context plane."""
         if axis == Axis.DATA and self.context > 1:
             return self.data_group
-        return self.mesh.get_group(axis)
+        if axis not in self._groups:  # DeviceMesh.get_group costs ~10 us; called per collective
+            self._groups[axis] = self.mesh.get_group(axis)
+        return self._groups[axis]
 
     @property
     def sizes(self) -> GridShape:

@@ -132,7 +132,8 @@ class Groups(Protocol):
 def _axis_info(grid: Groups, axis: Axis | str) -> tuple[int, dist.ProcessGroup | None]:
     if axis == Axis.WORLD:
         return grid.world_size, None
-    return grid.size(axis), grid.group(axis)
+    g = grid.size(axis)
+    return g, (grid.group(axis) if g > 1 else None)
 
 
 def _issue(

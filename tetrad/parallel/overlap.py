@@ -69,6 +69,7 @@ class Overlap:
             raise ValueError(f"fine_chunks={fine_chunks}: give at least 1 piece per ring step")
         self.grid = grid
         self.enabled = frozenset(enabled)
+        self._prefetching = self.on("prefetch") and grid.z > 1  # G_z = 1: nothing to gather
         self.domino_min_rows, self.fine_chunks = domino_min_rows, fine_chunks
         self._in_step = self._last = False
         self._order: list | None = None  # [(param, dtype)] of one micro-batch, in execution order
@@ -91,7 +92,7 @@ class Overlap:
         self._in_step, self._last, self._pos = True, last, 0
         if last:
             self.buckets.clear()
-        if self._order is None and self.on("prefetch"):
+        if self._order is None and self._prefetching:
             self._recording = []
 
     def end_micro_batch(self) -> None:
@@ -122,7 +123,7 @@ class Overlap:
                 self.counts["prefetch_misses"] += 1
         if got is None:
             got = all_gather(param.detach().to(dtype), self.grid, Axis.Z)
-        if self._in_step and self.on("prefetch"):
+        if self._in_step and self._prefetching:
             if self._recording is not None:
                 self._recording.append((param, dtype))
             elif self._order is not None:
