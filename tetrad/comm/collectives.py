@@ -98,6 +98,10 @@ class Handle:
         self.work, self.result, self.stats, self.issued = work, result, stats, issued
         self.log, self.done_at, self.post = log, None, post
 
+    def done(self) -> bool:
+        """Whether :meth:`wait` would return at once (always, for a no-op on a size-1 axis)."""
+        return self.work is None or self.work.is_completed()
+
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             t0 = time.perf_counter()

@@ -158,7 +158,7 @@ class Overlap:
             self.counts["async_reduce_scatters"] += self.grid.z > 1
             # hand on, in order, every gradient whose reduce-scatter is done (at once with
             # G_z = 1: no collective, so its data-parallel bucket can start now)
-            while self._pending_rs and _done(self._pending_rs[0][1]):
+            while self._pending_rs and self._pending_rs[0][1].done():
                 self._finish_rs(*self._pending_rs.pop(0))
         else:
             self._grad_ready(param, reduce_scatter(block_grad, self.grid, Axis.Z))
@@ -224,7 +224,3 @@ class Overlap:
             self.counts["async_dx_all_reduces"] += self.grid.size(axis) > 1
             return all_reduce(dx, self.grid, axis, async_op=True)
         return Handle(None, all_reduce(dx, self.grid, axis), None, 0.0)
-
-
-def _done(handle: Handle) -> bool:
-    return handle.work is None or handle.work.is_completed()
