@@ -95,6 +95,13 @@ def _to_tmp(run: Path) -> None:
 # (name, extra train arguments or a full command, run-directory damage, words of the message)
 CASES = [
     ("negative lr", ["--lr", "-1"], None, ["lr=-1.0", "0 or more"]),
+    (
+        "selective on more blocks than the model has",
+        ["--activation-checkpointing", "selective:3"],
+        None,
+        ["only 2 blocks", "selective:2"],
+    ),
+    ("selective:K without a count", ["--activation-checkpointing", "selective:"], None, ["K >= 1"]),
     ("seq_len beyond the corpus", ["--seq-len", "100000"], None, ["--seq-len 100000", "train"]),
     ("run dir is a file", ["--run-dir", "{root}/a_file"], None, ["a_file is a file"]),
     (

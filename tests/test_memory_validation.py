@@ -8,11 +8,11 @@ On gloo ranks (CPU, fp32), for several grids, each rank measures:
   ``step`` counters are 0-d host tensors, not counted by the model: checked here);
 - activation bytes: unique storages passed to ``torch.autograd.graph.saved_tensors_hooks`` during
   one micro-batch's forward, parameters excluded, in each checkpointing mode (``none``,
-  ``selective``, ``full``); under ``selective`` the blocks' kept tensors are those that
-  :mod:`tetrad.models.recompute`'s own pack hook keeps (its ``observer``: an outer hook does not
-  see them); with ``full`` also the recompute set: one block's saved storages minus its input;
-  and the same forward under CPU bf16 autocast (the runtime's Linears follow autocast), against
-  the model's bf16 estimate.
+  ``selective``, ``selective:1``, ``full``); under ``selective`` the blocks' kept tensors are
+  those that :mod:`tetrad.models.recompute`'s own pack hook keeps (its ``observer``: an outer
+  hook does not see them); with ``full`` also the recompute set: one block's saved storages minus
+  its input; and the same forward under CPU bf16 autocast (the runtime's Linears follow
+  autocast), against the model's bf16 estimate.
 
 Model states and activations must equal :func:`tetrad.plan.memory.tetrad` and
 :func:`tetrad.plan.activations.saved_activations` to the byte.
@@ -32,6 +32,7 @@ from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.activations import saved_activations
 from tetrad.plan.memory import tetrad
+from tetrad.spec import checkpointed_blocks
 from tetrad.train.step import build_optimizer, inputs_targets, local_samples, train_step
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
@@ -41,7 +42,7 @@ GRIDS = {  # (G_data, G_z, G_y, G_x) or (G_data, G_context, G_z, G_y, G_x)
     4: [(1, 2, 1, 2), (2, 1, 2, 1), (1, 2, 1, 1, 2)],
     8: [(1, 2, 2, 2), (2, 2, 1, 2, 1), (1, 4, 1, 1, 2)],
 }
-MODES = ("none", "selective", "full")
+MODES = ("none", "selective", "selective:1", "full")  # selective:1: the top block only
 
 
 class SavedBytes:
@@ -135,8 +136,9 @@ def predicted(sizes, mode: str) -> dict:
     # output token-major; the CPU kernel returns it heads-major, so each block also saves the
     # out-projection input [m, a d/G_y] as a bf16 copy (selective rebuilds it instead).
     b = saved_activations(spec, sizes, MICRO, SEQ, activation_checkpointing=mode, dtype="bf16")
-    copies = mode == "none" and len(sizes) == 4  # with context: token-major, in the model
-    cpu_copy = spec.n_layers * 2 * MICRO * SEQ * spec.q_dim // sizes[2] if copies else 0
+    plain_blocks = spec.n_layers - checkpointed_blocks(mode, spec.n_layers)[1]
+    copies = len(sizes) == 4  # with context: token-major, in the model
+    cpu_copy = plain_blocks * 2 * MICRO * SEQ * spec.q_dim // sizes[2] if copies else 0
     out["activations_bf16"] = b["blocks"] + b["embedding"] + b["final_norm"] + b["loss"] + cpu_copy
     return out
 

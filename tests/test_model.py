@@ -121,6 +121,12 @@ def test_activation_checkpointing_matches_reference(reference):
     run_distributed(parallel_runs, 4, 4, *reference, True)
 
 
+def test_partial_selective_checkpointing_matches_reference(reference):
+    """``selective:1``: the top block selective, the bottom one without checkpointing."""
+    grids = [(1, 2, 2, 1), (2, 1, 1, 2)]
+    run_distributed(parallel_runs, 4, 4, *reference, "selective:1", (OVERLAPS,), grids)
+
+
 def test_each_overlap_alone_matches_reference(reference):
     """No overlap, then each overlap alone, on two 8-rank grids (every axis > 1 in one)."""
     sets = [()] + [(name,) for name in OVERLAPS]

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from tetrad.plan import memory
 from tetrad.plan.activations import block_saved_bytes, saved_activations
 from tetrad.plan.fujii import fujii2024
 from tetrad.plan.memory import (
@@ -16,7 +17,7 @@ from tetrad.plan.memory import (
 )
 from tetrad.plan.models import PlanError, check_grid, grid_problems
 from tetrad.plan.presets import PRESETS, get_model
-from tetrad.spec import CheckpointingError, GiB
+from tetrad.spec import CheckpointingError, GiB, recompute_order
 
 L31_8B = PRESETS["llama-3.1-8b"]
 L3_8B = PRESETS["llama-3-8b"]
@@ -286,6 +287,29 @@ def test_tetrad_selective_block_by_hand():
     }
     with pytest.raises(CheckpointingError):
         saved_activations(L31_8B, grid, b, S, activation_checkpointing="partial")
+    # selective:K: the last K blocks selective, the other 32 - K as without checkpointing
+    part = saved_activations(L31_8B, grid, b, S, activation_checkpointing="selective:5")
+    assert part["blocks"] == 5 * per_block + 27 * plain["blocks"] / 32 + 8 * S
+    assert part["recompute"] == sel["recompute"]
+    for bad in ("selective:0", "selective:x", "full:3", "selective:33"):
+        with pytest.raises(CheckpointingError, match="selective"):
+            saved_activations(L31_8B, grid, b, S, activation_checkpointing=bad)
+
+
+def test_fewest_selective_blocks_fit_and_one_fewer_does_not():
+    """Llama-3.1-8B on 64 H100s, S 8192: ``none`` does not fit on 4,1,16,1,1, ``selective``
+    does; the search's ``selective:K`` is the smallest K that fits (K - 1 does not), and the
+    compute model charges K blocks' recompute."""
+    grid, gpu, S = (4, 1, 16, 1, 1), 79.6 * GiB, 8192
+
+    def fits(mode):
+        return memory.tetrad(L31_8B, grid, 1, S, gpu, activation_checkpointing=mode).fits
+
+    assert not fits("none") and fits("selective")
+    mode = memory.fewest_selective(L31_8B, grid, 1, S, gpu)
+    k = int(mode.split(":")[1])
+    assert 1 < k < 32 and fits(mode) and not fits(f"selective:{k - 1}")
+    assert recompute_order("none") < recompute_order(mode) < recompute_order("selective")
 
 
 def test_tetrad_transients():

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from tetrad.models import recompute
 from tetrad.models.config import ModelConfig
 from tetrad.models.recompute import cheap
-from tetrad.spec import parse_checkpointing
+from tetrad.spec import checkpointed_blocks, parse_checkpointing
 
 
 class Layers(Protocol):
@@ -200,8 +200,12 @@ class Transformer(nn.Module):
     tokens of each; the parallel factory's LM head gives this rank's vocabulary slice
     ``V/(G_y G_x)``).
 
-    ``activation_checkpointing``: a mode of :data:`tetrad.spec.CHECKPOINTING` (or a bool,
-    ``True`` = ``full``).
+    ``activation_checkpointing``: a mode of :data:`tetrad.spec.CHECKPOINTING`, or
+    ``selective:K`` (the last ``K`` blocks selective, the others ``none``), or a bool (``True`` =
+    ``full``).
+
+    Raises:
+        tetrad.spec.CheckpointingError: an unknown mode, or ``K`` above ``cfg.n_layers``.
     """
 
     def __init__(
@@ -210,6 +214,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.layer_factory = cfg, layers
         self.activation_checkpointing = parse_checkpointing(activation_checkpointing)
+        mode, k = checkpointed_blocks(self.activation_checkpointing, cfg.n_layers)
+        self.block_modes = ("none",) * (cfg.n_layers - k) + (mode,) * k
         self.tok_embeddings = layers.embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, layers) for _ in range(cfg.n_layers))
         self.norm = layers.norm(cfg.dim, cfg.norm_eps)
@@ -218,15 +224,15 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         positions = self.layer_factory.positions(tokens.shape[1], tokens.device)
-        mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
-        for layer in self.layers:
-            if mode == "full":
+        grad = torch.is_grad_enabled()
+        for layer, mode in zip(self.layers, self.block_modes, strict=True):
+            if not grad or mode == "none":
+                h = layer(h, positions)
+            elif mode == "full":
                 h = checkpoint(layer, h, positions, use_reentrant=False)
-            elif mode == "selective":  # tetrad.models.recompute: no GEMM or collective re-runs
+            else:  # selective (tetrad.models.recompute): no GEMM or collective re-runs
                 with recompute.selective():
                     h = layer(h, positions)
-            else:
-                h = layer(h, positions)
         return self.output(self.norm(h))
 
     def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

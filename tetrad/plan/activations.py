@@ -11,7 +11,7 @@ from tetrad.plan.context_parallel import (
     local_seq_len,
 )
 from tetrad.plan.models import ModelSpec, PlanError, context_size, grid_sizes
-from tetrad.spec import DTYPE_BYTES, FP32, parse_checkpointing
+from tetrad.spec import DTYPE_BYTES, FP32, checkpointed_blocks
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -178,21 +178,23 @@ def saved_activations(
 ) -> dict[str, float]:
     """What autograd holds on one rank at the end of one micro-batch's forward, in bytes.
 
-    ``activation_checkpointing``: ``none``, ``selective`` or ``full``
-    (:data:`tetrad.spec.CHECKPOINTING`; a bool means ``full``/``none``).
+    ``activation_checkpointing``: ``none``, ``selective``, ``full``
+    (:data:`tetrad.spec.CHECKPOINTING`; a bool means ``full``/``none``) or ``selective:K``.
 
     Returns:
         ``blocks`` (``L`` blocks' saved tensors; selective: ``L``
-        :func:`selective_block_saved_bytes`; full: ``L`` block inputs; both plus the positions
+        :func:`selective_block_saved_bytes`; ``selective:K``: ``K`` of those and ``L - K``
+        :func:`block_saved_bytes`; full: ``L`` block inputs; all but none plus the positions
         ``[S]`` int64, one tensor kept for all blocks), ``embedding``, ``final_norm``, ``loss``
         (their sum is what saved-tensor hooks see), and ``recompute``: live while one block is
-        rebuilt in backward (full: its saved tensors minus its kept input; selective:
-        :func:`selective_recompute_bytes`; none: 0).
+        rebuilt in backward (full: its saved tensors minus its kept input; selective and
+        ``selective:K``: :func:`selective_recompute_bytes`, the top block's, rebuilt while every
+        block's tensors are still saved; none: 0).
 
     Raises:
-        tetrad.spec.CheckpointingError: an unknown mode.
+        tetrad.spec.CheckpointingError: an unknown mode, or ``K`` above the model's blocks.
     """
-    mode = parse_checkpointing(activation_checkpointing)
+    mode, k = checkpointed_blocks(activation_checkpointing, model.n_layers)
     gc, full_len, e = context_size(grid), seq_len, dtype_bytes(dtype)
     seq_len = local_seq_len(seq_len, gc)  # this rank's tokens per sample
     blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
@@ -208,7 +210,7 @@ def saved_activations(
         sel = selective_block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
         if gc > 1:
             sel += context_block_delta(model, grid, micro_batch, full_len, e, "selective")
-        blocks = model.n_layers * sel + positions
+        blocks = k * sel + (model.n_layers - k) * blk + positions
         recompute = selective_recompute_bytes(model, grid, micro_batch, seq_len, dtype)
     else:
         blocks, recompute = model.n_layers * blk, 0.0

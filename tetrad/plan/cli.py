@@ -164,8 +164,9 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         nargs="?",
         const="full",
         default="none",
-        metavar="none|selective|full",
-        help="tetrad: recompute activations in backward (no value: full)",
+        metavar="none|selective|selective:K|full",
+        help="tetrad: recompute activations in backward (no value: full; selective:K: the last "
+        "K blocks selective)",
     )
     m.add_argument(
         "--num-microbatches",
@@ -292,7 +293,7 @@ def run_memory(args: argparse.Namespace) -> int:
             "selective": "raise G_z*G_y*G_x, lower the micro-batch or use "
             "--activation-checkpointing full",
             "full": "raise G_z*G_y*G_x or lower the micro-batch",
-        }[ckpt]
+        }[ckpt.partition(":")[0]]
         print(report.memory_text(mem, title, advice))
     else:
         print(report.memory_text(mem, title, "raise TP, CP or PP, or lower the micro-batch"))

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from tetrad.plan.context_parallel import attention_fwd_flops, local_seq_len
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec, with_context
-from tetrad.spec import parse_checkpointing
+from tetrad.spec import checkpointed_blocks
 
 ELEMENTWISE = {
     "norm_residual_per_h": 40.0,
@@ -118,8 +118,9 @@ class BlockCompute:
         self, n_layers: int, checkpointing: str | bool
     ) -> tuple[float, float, float]:
         """``(forward, backward, recompute)`` seconds of one micro-batch; ``checkpointing``:
-        ``none``, ``selective`` or ``full`` (a bool: ``full``/``none``); recompute is ``L``
-        block forwards (full), ``L`` :attr:`selective` (selective) or 0.
+        ``none``, ``selective``, ``selective:K`` or ``full`` (a bool: ``full``/``none``);
+        recompute is ``L`` block forwards (full), ``K`` :attr:`selective` (``K = L`` for
+        selective) or 0.
 
         Raises:
             tetrad.spec.CheckpointingError: an unknown mode.
@@ -138,9 +139,9 @@ class BlockCompute:
             + 2.0 * self.head
             + self.loss_bwd
         )
-        mode = parse_checkpointing(checkpointing)
+        mode, k = checkpointed_blocks(checkpointing, n_layers)
         per_block = {"full": self.block_fwd, "selective": self.selective, "none": 0.0}[mode]
-        return fwd, bwd, n_layers * per_block
+        return fwd, bwd, k * per_block
 
 
 def _post_slots(model: ModelSpec) -> tuple[int, int]:

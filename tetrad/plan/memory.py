@@ -19,6 +19,7 @@ vocabulary, ``S`` sequence length, ``b`` micro-batch (samples per (data, z) cell
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tetrad.plan.activations import dtype_bytes, saved_activations
@@ -240,14 +241,15 @@ def tetrad(
     - ``backward: LM head``: all saved + the logits gradient (a bf16 copy of the softmax when
       ``e = 2``) + the head's ``W`` and ``dW`` (+ the next block weight prefetched);
     - ``backward: blocks``: the blocks' saved tensors (+ one block's recompute set under
-      ``full`` or ``selective`` checkpointing) + ``W`` of the largest block Linear (the two
-      largest with ``prefetch``) + its ``dW`` (two in flight with ``async_reduce_scatter`` and
-      ``G_z > 1``);
+      ``full``, ``selective`` or ``selective:K``, whose top block is rebuilt first) + ``W`` of
+      the largest block Linear (the two largest with ``prefetch``) + its ``dW`` (two in flight
+      with ``async_reduce_scatter`` and ``G_z > 1``);
     - ``backward: end``: :func:`end_of_backward_bytes` (data-parallel buckets, embedding grad);
     - ``optimizer step``: :func:`step_buffer_bytes`.
 
-    ``activation_checkpointing``: ``none``, ``selective`` or ``full`` (or a bool: ``full`` /
-    ``none``); the saved sets are :func:`tetrad.plan.activations.saved_activations`'s.
+    ``activation_checkpointing``: ``none``, ``selective``, ``selective:K`` or ``full`` (or a
+    bool: ``full`` / ``none``); the saved sets are
+    :func:`tetrad.plan.activations.saved_activations`'s.
     ``prefetch`` and ``async_reduce_scatter`` mirror the runtime's ``prefetch`` and
     ``reduce_scatter`` overlaps (tetrad/parallel/overlap.py, on by default).
 
@@ -337,3 +339,48 @@ def tetrad(
         peak_phase=peak,
         phases=totals,
     )
+
+
+def fewest_selective(
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    gpu_memory_bytes: float,
+    dtype: str = "bf16",
+    prefetch: bool = True,
+) -> str:
+    """``selective:K`` with the fewest blocks ``K`` whose :func:`tetrad` estimate fits (80%),
+    or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits.
+
+    Every phase's total is affine in ``K`` for ``1 <= K <= L`` (each selective block replaces
+    its saved tensors by its selective set; the positions and the recompute set are there from
+    ``K = 1``), so two estimates give each phase's line and the smallest ``K`` below the limit,
+    checked exactly.
+
+    Raises:
+        PlanError: ``selective`` itself does not fit (the caller checks that first), or a bad
+            grid, size or dtype.
+    """
+    L, limit = model.n_layers, FIT_FRACTION * gpu_memory_bytes
+
+    def at(mode: str) -> MemoryBreakdown:
+        return tetrad(
+            model, grid, micro_batch, seq_len, gpu_memory_bytes,
+            activation_checkpointing=mode, dtype=dtype, prefetch=prefetch,
+        )  # fmt: skip
+
+    everywhere = at("selective")
+    if not everywhere.fits:
+        raise PlanError(f"{model.name} does not fit with selective checkpointing on every block")
+    one = at("selective:1") if L > 1 else everywhere
+    if one.fits:
+        return "selective:1" if L > 1 else "selective"
+    k = 1
+    for name, t1 in one.phases.items():
+        if t1 > limit:  # falls to everywhere.phases[name] <= limit at K = L
+            drop = (t1 - everywhere.phases[name]) / (L - 1)
+            k = max(k, 1 + math.ceil((t1 - limit) / drop * (1 - 1e-12)))
+    while k < L and not at(f"selective:{k}").fits:
+        k += 1
+    return "selective" if k >= L else f"selective:{k}"

@@ -7,7 +7,9 @@ and the classic Megatron-style (TP, PP, CP, DP) space beside it.
 :func:`tetrad.plan.context_parallel.context_problems`; ``G_context = 1`` only with
 ``comm_model="axonn"``) and split the global batch (``B % (G_data G_z) == 0``); every
 micro-batch ``b`` dividing ``B / (G_data G_z)``; activation
-checkpointing ``none``, ``selective`` and ``full`` (:data:`tetrad.spec.CHECKPOINTING`).
+checkpointing ``none``, ``selective`` and ``full`` (:data:`tetrad.spec.CHECKPOINTING`), where
+``none`` does not fit ``selective`` on the fewest blocks that fit (``selective:K``,
+:func:`tetrad.plan.memory.fewest_selective`).
 Configurations whose :func:`tetrad.plan.memory.tetrad` estimate is above 80% of GPU memory are
 dropped (Fujii et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops
 at the first that does not fit. The survivors are ranked by
@@ -118,18 +120,22 @@ class _Search4D:
             return []
         per_cell = ctx.global_batch // (gd * gz)
         sizes = [b for b in divisors(per_cell) if allowed is None or b in allowed]
-        out = []
+        out, model, mem, dt, pre = [], ctx.model, self.mem_bytes, self.dtype, self.prefetch
         for ckpt in checkpointing:
-            peak = _memory_line(
-                ctx.model, grid, ctx.seq_len, self.mem_bytes, ckpt, self.dtype, self.prefetch, sizes
-            )
+            peak = _memory_line(model, grid, ctx.seq_len, mem, ckpt, dt, pre, sizes)
+            plain = None  # selective where none does not fit: only as many blocks as needed
+            if ckpt == "selective" and L > 1:
+                plain = _memory_line(model, grid, ctx.seq_len, mem, "none", dt, pre, sizes)
             for b in sizes:
                 stats["candidates"] += 1
                 if peak(b) > self.limit:
                     break
                 stats["fitting"] += 1
-                fwd, bwd, rec = ctx.compute(grid, b).micro_batch_seconds(L, ckpt)
-                out.append(((per_cell // b) * (fwd + bwd + rec), grid, b, ckpt))
+                mode = ckpt
+                if plain is not None and plain(b) > self.limit:
+                    mode = memory.fewest_selective(model, grid, b, ctx.seq_len, mem, dt, pre)
+                fwd, bwd, rec = ctx.compute(grid, b).micro_batch_seconds(L, mode)
+                out.append(((per_cell // b) * (fwd + bwd + rec), grid, b, mode))
         return out
 
     def check_found(self, cands: list) -> None:

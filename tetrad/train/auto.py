@@ -11,7 +11,15 @@ import dataclasses
 import os
 
 from tetrad.models.config import ModelConfig
-from tetrad.spec import CHECKPOINTING, DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype, parse_grid
+from tetrad.spec import (
+    CHECKPOINTING,
+    DTYPE_BYTES,
+    FINE_CHUNKS,
+    GiB,
+    compute_dtype,
+    parse_grid,
+    recompute_order,
+)
 from tetrad.train.config import ConfigError, TrainConfig
 
 # Machine presets that match a CUDA device name, for --grid auto without --machine.
@@ -64,9 +72,9 @@ def choose_grid(
 
     The planner ranks every grid of ``world_size`` (data, context, Z, Y, X) that shards the
     model, splits the batch and fits in 80% of the machine's memory by predicted step time.
-    Activation checkpointing ``auto`` is chosen with the grid among ``none``, ``selective`` and
-    ``full`` (the returned config names the winner's mode); a named mode, the micro-batch and
-    the overlaps stay as configured.
+    Activation checkpointing ``auto`` is chosen with the grid among ``none``, ``selective`` (on
+    the fewest blocks that fit: ``selective:K``) and ``full`` (the returned config names the
+    winner's mode); a named mode, the micro-batch and the overlaps stay as configured.
 
     Raises:
         ConfigError: no machine, or no grid fits (the message says what to change).
@@ -83,7 +91,9 @@ def choose_grid(
         "full": "",
         "auto": "",
         "selective": ", or use --activation-checkpointing full",
-    }.get(mode, ", or use --activation-checkpointing selective (or full, or auto)")
+    }.get(
+        mode.partition(":")[0], ", or use --activation-checkpointing selective (or full, or auto)"
+    )
     try:
         res = plan(
             cfg.model_config(vocab_size).spec(cfg.model.name),
@@ -113,7 +123,7 @@ def choose_grid(
     # a tie (within 0.1%, as for a model too small to time) goes to the least recomputation
     best = min(
         (r for r in res.rows if r.step_s <= res.rows[0].step_s * 1.001),
-        key=lambda r: CHECKPOINTING.index(r.activation_checkpointing),
+        key=lambda r: recompute_order(r.activation_checkpointing),
     )
     if verbose:
         exposed = ", ".join(f"{a} {x * 1e3:.1f} ms" for a, x in best.exposed_s.items() if x)

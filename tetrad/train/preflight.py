@@ -15,6 +15,7 @@ from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
 from tetrad.models.hf import Weights, load_weights, read_config
 from tetrad.parallel.model import ParallelLlama
+from tetrad.spec import checkpointed_blocks
 from tetrad.train.checkpoint_dir import check_files, check_resume, read_meta, tokenizer_hash
 from tetrad.train.config import ConfigError, TrainConfig
 from tetrad.train.data import Corpus, prepare_corpus
@@ -28,8 +29,8 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
     Tokenises and caches the corpus, so workers only load it.
 
     Raises:
-        ConfigError, DataError, ModelConfigError, CheckpointError: one-line messages saying
-            what to change.
+        ConfigError, DataError, ModelConfigError, CheckpointError, CheckpointingError: one-line
+            messages saying what to change.
     """
     cfg.check()
     if cfg.training.device == "cuda" and not gpu_count():
@@ -56,6 +57,8 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
                 f"of {hf_vocab:,}: use the model's own tokenizer.json (drop --tokenizer)"
             )
     check_divisible(model_cfg, cfg.parallelism.grid)
+    if cfg.parallelism.activation_checkpointing != "auto":  # selective:K needs K <= n_layers
+        checkpointed_blocks(cfg.parallelism.activation_checkpointing, model_cfg.n_layers)
     start = start_checkpoint(cfg)
     if start is not None:
         meta = read_meta(start)

@@ -112,10 +112,11 @@ class ParallelismSection:
     )
     activation_checkpointing: str = option(
         "none",
-        metavar="none|selective|full|auto",
+        metavar="none|selective|selective:K|full|auto",
         help="recompute activations in backward to save memory: selective (norms, RoPE, "
-        "SwiGLU; no GEMM or collective) or full (every block); true/false mean full/none; "
-        "auto (with grid auto): the planner chooses it with the grid",
+        "SwiGLU; no GEMM or collective), selective:K (the last K blocks selective, the others "
+        "none) or full (every block); true/false mean full/none; auto (with grid auto): the "
+        "planner chooses it with the grid",
     )
     machine: str = option(
         "",
