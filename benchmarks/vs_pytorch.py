@@ -31,9 +31,9 @@ each data rank takes its share of the batch as one micro-batch (tetrad's data ra
 ``G_data G_z``). Every run is its own spawn of fresh processes, one thread each.
 
 Timing: ``time.perf_counter()`` around each step, ``float(loss)`` included (CPU ops are
-synchronous); per step the maximum over ranks; the median over steps ``warmup+1..steps`` of all
-repeats. Repeats are interleaved: each repeat runs every row, tetrad then stock, every other repeat
-in reverse order (ABBA).
+synchronous), the ranks started together by a barrier; per step the maximum over ranks; the
+median over steps ``warmup+1..steps`` of all repeats. Repeats are interleaved: each repeat runs
+every row, tetrad then stock, every other repeat in reverse order (ABBA).
 
 Bytes (per step, rank 0, one extra step after the timed ones): the PAYLOAD of each collective
 call, the larger of its input and output buffers (the nccl-tests "size" convention: the tensor
@@ -228,9 +228,11 @@ def spawn(job: Job) -> dict:
 
 def measure(step: Callable[[], float], steps: int) -> dict:
     """Run ``step`` (returns the loss) ``steps`` times: per-step seconds (maximum over ranks)
-    and losses."""
+    and losses. A barrier before each step starts every rank's clock together, so a rank's
+    lag in one step is not counted in the next."""
     times, losses = [], []
     for _ in range(steps):
+        dist.barrier()
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
