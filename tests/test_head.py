@@ -2,13 +2,16 @@
 embedding's and the loss's) are a hand count that does not grow with the vocabulary.
 
 On the grid (1, 1, 2, 2) (X and Y > 1, Z = 1: no weight all-gathers), one forward and backward
-of embedding -> LM head -> cross-entropy over ``m`` tokens per rank, ``h`` hidden, fp32 (4 B):
+of embedding -> LM head -> cross-entropy over ``m`` tokens per rank, ``h`` hidden, fp32 (4 B),
+both as training runs it (the head and the loss fused, :func:`tetrad.parallel.lm_head_loss`,
+in row blocks of 5 tokens here) and as logits then :func:`vocab_parallel_cross_entropy`:
 
     Y: embedding all-reduce m h/G_x, head dx all-reduce m h/G_x, 3 loss all-reduces m
     X: head input all-gather m h (output), head dx reduce-scatter m h (input), 3 loss
        all-reduces m
 
-The same counts for V = 256 and V = 4096: only the local logits grow with V, never a collective.
+The same counts for V = 256 and V = 4096 and a padded vocabulary: only the local logits grow
+with V, never a collective.
 """
 
 import json
@@ -20,41 +23,62 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed import run_distributed
+from tetrad import spec
 from tetrad.grid import Grid
-from tetrad.parallel import Embedding, VocabParallelHead, vocab_parallel_cross_entropy
+from tetrad.parallel import (
+    Embedding,
+    VocabParallelHead,
+    lm_head_loss,
+    vocab_parallel_cross_entropy,
+)
 
 B, S, H = 4, 8, 16  # whole batch on every rank (G_data = G_z = 1): m = B S tokens
+CASES = [(256, None, False), (256, None, True), (4096, None, True), (256, 250, True)]
+"""(vocabulary, real vocabulary of a padded one, fused)"""
 
 
-def _step(grid: Grid, vocab: int, ids: torch.Tensor, check: bool) -> dict:
+def _layers(grid: Grid, vocab: int):
     torch.manual_seed(0)
     emb_ref, head_ref = nn.Embedding(vocab, H), nn.Linear(H, vocab, bias=False)
     emb, head = Embedding(vocab, H, grid), VocabParallelHead(H, vocab, grid)
     with torch.no_grad():
         emb.weight.copy_(emb_ref.weight[emb.weight.placement.local_slices(grid)])
         head.weight.copy_(head_ref.weight[head.weight.placement.local_slices(grid)])
+    return emb, head, emb_ref, head_ref
+
+
+def _loss(grid, emb, head, ids, real, fused):
+    x, targets = emb(ids[:, :-1]), ids[:, 1:]
+    if fused:
+        return lm_head_loss(head, x, targets, real)
+    return vocab_parallel_cross_entropy(head(x), targets, grid, vocab=real).sum()
+
+
+def _step(grid: Grid, vocab: int, real: int | None, fused: bool, ids: torch.Tensor) -> dict:
+    emb, head, emb_ref, head_ref = _layers(grid, vocab)
     grid.comm.reset()
-    losses = vocab_parallel_cross_entropy(head(emb(ids[:, :-1])), ids[:, 1:], grid)
-    losses.sum().backward()
+    loss = _loss(grid, emb, head, ids, real, fused)
+    loss.backward()
     counts = {a: (st.calls, st.payload_bytes) for a, st in grid.comm.reset().items()}
-    if check:
-        ref = F.cross_entropy(
-            head_ref(emb_ref(ids[:, :-1])).flatten(0, 1), ids[:, 1:].flatten(), reduction="none"
-        )
-        ref.sum().backward()
-        torch.testing.assert_close(losses.flatten(), ref, rtol=1e-5, atol=1e-5)
-        for layer, r in ((emb, emb_ref), (head, head_ref)):
-            expected = r.weight.grad[layer.weight.placement.local_slices(grid)]
-            torch.testing.assert_close(layer.weight.grad, expected, rtol=1e-5, atol=1e-5)
+    logits = head_ref(emb_ref(ids[:, :-1]))[..., :real]
+    ref = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    for layer, r in ((emb, emb_ref), (head, head_ref)):
+        expected = r.weight.grad[layer.weight.placement.local_slices(grid)]
+        torch.testing.assert_close(layer.weight.grad, expected, rtol=1e-5, atol=1e-5)
     return counts
 
 
 def _worker(out: str) -> None:
     grid = Grid.build((1, 1, 2, 2))
     got = {}
-    for vocab in (256, 4096):
-        ids = torch.randint(0, vocab, (B, S + 1), generator=torch.Generator().manual_seed(1))
-        got[vocab] = _step(grid, vocab, ids, check=True)
+    for vocab, real, fused in CASES:
+        v_local = vocab // (grid.y * grid.x)
+        spec.LOSS_CHUNK_BYTES["cpu"] = 4 * v_local * 5  # row blocks of 5 of the 32 tokens
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, real or vocab, (B, S + 1), generator=gen)
+        got[f"{vocab} {real} {fused}"] = _step(grid, vocab, real, fused, ids)
     if dist.get_rank() == 0:
         Path(out, "counts.json").write_text(json.dumps(got))
 
@@ -62,11 +86,32 @@ def _worker(out: str) -> None:
 def test_head_matches_torch_and_moves_no_logits(tmp_path):
     run_distributed(_worker, 4, str(tmp_path))
     got = json.loads((tmp_path / "counts.json").read_text())
+    assert len(got) == len(CASES)
     m, f = B * S, 4
     gx = 2
     expected = {
         "y": [5, f * (m * H // gx + m * H // gx + 3 * m)],
         "x": [5, f * (m * H + m * H + 3 * m)],
     }
-    for vocab, counts in got.items():
-        assert counts == expected, f"V={vocab}: {counts} != {expected}"
+    for case, counts in got.items():
+        assert counts == expected, f"{case}: {counts} != {expected}"
+
+
+def _bf16_worker() -> None:
+    """Under CPU bf16 autocast the fused path equals logits then cross-entropy to bf16
+    precision (logits, softmax blocks and gradient GEMMs in bf16, statistics in fp32)."""
+    grid = Grid.build((1, 1, 2, 2))
+    ids = torch.randint(0, 256, (B, S + 1), generator=torch.Generator().manual_seed(2))
+    got = []
+    for fused in (False, True):
+        emb, head, _, _ = _layers(grid, 256)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(grid, emb, head, ids, None, fused)
+        loss.backward()
+        got.append((loss.detach(), emb.weight.grad, head.weight.grad))
+    for a, b in zip(*got, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+def test_fused_head_and_loss_in_bf16():
+    run_distributed(_bf16_worker, 4)

@@ -246,9 +246,9 @@ def test_tetrad_checkpointing_and_totals():
     assert plain["blocks"] == 32 * blk and plain["recompute"] == 0
     # the block inputs and the one positions tensor [S] int64 every checkpoint keeps
     assert ckpt["blocks"] == 32 * inp + 8 * S and ckpt["recompute"] == blk - inp
-    # the loss's fp32 exp(z - M) [m, V/(G_y G_x)] (the LM head splits V over Y and X), its row
-    # sums (fp32), targets (int64) and mask (bool)
-    assert ckpt["loss"] == plain["loss"] == 4 * S * 128256 // (2 * 4) + 13 * S
+    # the fused LM head and loss keeps its dW [V/(G_y G_x), h] in bf16 (the LM head splits V
+    # over Y and X), whatever the tokens
+    assert ckpt["loss"] == plain["loss"] == 2 * 128256 // (2 * 4) * 4096
     for ac in (False, True, "none", "selective", "full"):
         r = tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=ac)
         assert r.total == pytest.approx(max(r.phases.values()), rel=1e-12)
@@ -348,11 +348,21 @@ def test_tetrad_transients():
         async_reduce_scatter=False,
     )
     assert blocks - no_pf.phases["backward: blocks"] == (2 * 14336 + 6 * f2) * 4096 // 4
-    # loss forward: logits (bf16) + the saved fp32 exp(z - M), the head weight (kept for its
-    # backward) and the prefetched next block weight (counted as the largest, w13)
-    fwd = r.phases["forward: loss"] - static - saved["blocks"] - saved["embedding"]
+    # the fused LM head and loss in forward, V/(G_y G_x) = 32064 logits per token: one block of
+    # all 8192 rows (1 GiB of fp32 logits holds 8372) as bf16 logits, fp32 softmax and its bf16
+    # copy; the micro-batch's bf16 logits kept for the second pass (V is split); the input
+    # gathered over X [m, h] bf16; three fp32 statistics per token; the head weight and the
+    # prefetched next block weight (counted as the largest, w13)
+    fwd = r.phases["forward: LM head"] - static - saved["blocks"] - saved["embedding"]
     fwd -= saved["final_norm"] + saved["loss"]
-    assert fwd == 2 * S * 128256 // (2 * 2) + 2 * (128256 + 2 * 14336) * 4096 // 4
+    v = 128256 // 4
+    logits = S * v * (2 + 4 + 2) + 2 * S * v + 2 * S * 4096 + 12 * S
+    assert fwd == logits + 2 * (128256 + 2 * 14336) * 4096 // 4
+    # backward: the scaled dx [m, h] bf16 and dW's fp32 copy (the reduce-scatter input); the
+    # head weight is no longer held
+    bwd = r.phases["backward: LM head"] - static - saved["blocks"] - saved["embedding"]
+    bwd -= saved["final_norm"] + saved["loss"]
+    assert bwd == 2 * S * 4096 + 4 * v * 4096 + 2 * 2 * 14336 * 4096 // 4
 
 
 def test_tetrad_fits_a_big_model_only_when_sharded():

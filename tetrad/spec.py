@@ -227,6 +227,20 @@ DOMINO_MIN_ROWS = 256
 """The ``domino`` overlap splits a forward GEMM only when the micro-batch has at least twice
 this many token rows (below it the extra launch costs more than the split hides)."""
 
+LOSS_CHUNK_BYTES = {"cpu": 8 * MiB, "cuda": 1 * GiB}
+"""Per device type, the largest fp32 block of logits ``[rows, V/(G_y G_x)]`` that the fused LM
+head and cross-entropy (:func:`tetrad.parallel.loss.lm_head_loss`) forms at once, bytes: small
+on the CPU (the block stays in cache from its GEMM through the softmax and the gradient's two
+GEMMs), large on GPUs (few, large GEMMs and few partial weight-gradient sums)."""
+
+
+def loss_chunk_rows(vocab_local: int, rows: int, device: str = "cuda") -> int:
+    """Token rows per block of the fused LM head and cross-entropy: as many as fit
+    :data:`LOSS_CHUNK_BYTES` of the device type (``cuda`` for any accelerator) at
+    ``vocab_local`` fp32 logits each, at least 1 and at most ``rows``."""
+    budget = LOSS_CHUNK_BYTES.get(device, LOSS_CHUNK_BYTES["cuda"])
+    return max(1, min(rows, budget // (4 * vocab_local)))
+
 
 FINE_CHUNKS = 2
 """Pieces per ring step of the ``fine`` overlap when no ``--machine`` chooses: the fewest that

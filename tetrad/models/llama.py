@@ -33,9 +33,9 @@ class Layers(Protocol):
     keys and values ``[b, kv_heads, s, d]`` (grouped-query when the head counts differ);
     ``linear(k, n)`` maps ``[..., k] -> [..., n]`` (``transpose`` marks the second layer of a
     pair: the attention out-projection and the SwiGLU down-projection); ``head(dim, V)`` is the
-    LM head ``[..., dim] -> [..., V]``; ``token_losses`` gives the per-token cross-entropy (nats)
-    of ``logits [..., V]`` against ``targets [...]``, over the first ``vocab`` ids only when
-    given (the rest is padding).
+    LM head ``[..., dim] -> [..., V]``; ``loss_sum(head, x, targets, vocab)`` gives the sum over
+    tokens of the cross-entropy (nats) of ``head(x)`` against ``targets [...]``, over the first
+    ``vocab`` ids only when given (the rest is padding); it may never form all the logits.
     """
 
     head_split: int
@@ -54,8 +54,8 @@ class Layers(Protocol):
 
     def norm(self, dim: int, eps: float) -> nn.Module: ...
 
-    def token_losses(
-        self, logits: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
+    def loss_sum(
+        self, head: nn.Module, x: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
     ) -> torch.Tensor: ...
 
 
@@ -222,6 +222,10 @@ class Transformer(nn.Module):
         self.output = layers.head(cfg.dim, cfg.vocab_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.output(self.hidden(tokens))
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final norm's output ``[b, s, dim]``: what the LM head reads."""
         h = self.tok_embeddings(tokens)
         positions = self.layer_factory.positions(tokens.shape[1], tokens.device)
         grad = torch.is_grad_enabled()
@@ -233,9 +237,9 @@ class Transformer(nn.Module):
             else:  # selective (tetrad.models.recompute): no GEMM or collective re-runs
                 with recompute.selective():
                     h = layer(h, positions)
-        return self.output(self.norm(h))
+        return self.norm(h)
 
     def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of the per-token cross-entropies (nats) of this rank's ``[b, s]`` tokens."""
         vocab = self.cfg.unpadded_vocab or None
-        return self.layer_factory.token_losses(self(tokens), targets, vocab).sum()
+        return self.layer_factory.loss_sum(self.output, self.hidden(tokens), targets, vocab)

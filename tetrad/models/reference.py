@@ -39,12 +39,11 @@ class PlainLayers:
     def norm(self, dim: int, eps: float) -> nn.Module:
         return nn.RMSNorm(dim, eps=eps)
 
-    def token_losses(
-        self, logits: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
+    def loss_sum(
+        self, head: nn.Module, x: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
     ) -> torch.Tensor:
-        logits = logits[..., :vocab]
-        flat = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="none")
-        return flat.view_as(targets)
+        logits = head(x)[..., :vocab]
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
 
 
 class Llama(Transformer):

@@ -6,8 +6,25 @@ logits ``z [T, V/G]`` on each rank (``G`` the product of the axes' sizes) and ``
 all-reduced over the axes: three ``[T]`` fp32 all-reduces per axis, whatever ``V``. The gradient
 on each rank is its own slice of ``softmax(z) - onehot(target)`` and needs no communication
 (Shoeybi et al., Megatron-LM, arXiv 1909.08053, section 3: parallel output embedding + loss).
-Memory: one fp32 ``[T, V/G]`` buffer beyond the logits, ``exp(z - M)``, kept for backward (the
-division by the sum is folded into backward's scaling).
+
+Two entry points:
+
+- :func:`vocab_parallel_cross_entropy`: per-token losses from logits someone computed. Memory:
+  one fp32 ``[T, V/G]`` buffer beyond the logits, ``exp(z - M)``, kept for backward (the
+  division by the sum is folded into backward's scaling).
+- :func:`lm_head_loss`, what training uses: the LM head and the loss fused, the sum of the
+  losses of this rank's tokens. The logits are formed a block of rows at a time
+  (:func:`tetrad.spec.loss_chunk_rows`), and each block's gradient ``softmax - onehot`` is
+  turned into its share of ``dx = g W`` and ``dW = g^T x`` at once, in forward (``dW`` summed
+  over the blocks by the GEMM's own accumulation, in the compute dtype): no ``[T, V/G]``
+  tensor is kept for backward (fused linear cross-entropy; Wijmans et al., "Cut Your Losses in
+  Large-Vocabulary Language Models", arXiv 2411.09009, make the same observation). The loss is
+  a sum, so its gradient is one scalar ``s``: backward scales ``dx`` and ``dW`` by ``s`` and
+  sends them on as the LM head's backward did (reduce-scatter over X and all-reduce over Y of
+  ``dx``, reduce-scatter over Z of ``dW``). With the vocabulary split over Y or X the
+  statistics ``M`` and the sum of exponentials are global only after their all-reduces, so the
+  logits of the whole micro-batch are kept (compute dtype) during forward and the gradient
+  blocks formed in a second pass over them.
 """
 
 from __future__ import annotations
@@ -16,27 +33,53 @@ import torch
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
-from tetrad.spec import Axis
+from tetrad.parallel.head import VocabParallelHead, gather_hidden, scatter_hidden
+from tetrad.parallel.linear import compute_dtype
+from tetrad.spec import Axis, loss_chunk_rows
+
+HEAD_AXES = (Axis.Y, Axis.X)
+"""The axes that split the LM head's vocabulary, Y outer (tetrad/parallel/head.py)."""
+
+
+def _block(grid: Grid, axes: tuple[Axis, ...]) -> int:
+    """This rank's vocabulary block index over ``axes`` (the first outer)."""
+    block = 0
+    for a in axes:
+        block = block * grid.size(a) + grid.coord[a]
+    return block
+
+
+def _local_targets(targets: torch.Tensor, first: int, rows: int):
+    """``(local ids, outside)``: targets relative to this rank's vocabulary block ``[first,
+    first + rows)`` (0 where outside) and the mask of those outside it."""
+    local = targets - first
+    outside = (local < 0) | (local >= rows)
+    return local.masked_fill(outside, 0), outside
+
+
+def _padding_start(vocab: int | None, first: int, rows: int) -> int | None:
+    """The first local column that is vocabulary padding (ids ``>= vocab``), or None."""
+    if vocab is None or vocab >= first + rows:
+        return None
+    return max(0, vocab - first)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, grid: Grid, axes: tuple[Axis, ...], vocab: int | None):
-        vocab_local, block = logits.shape[-1], 0
-        for a in axes:
-            block = block * grid.size(a) + grid.coord[a]
+        vocab_local = logits.shape[-1]
+        first = _block(grid, axes) * vocab_local
         m = _all_reduce_over(logits.amax(dim=-1).float(), grid, axes, op="max")
-        local = targets - block * vocab_local
-        outside = (local < 0) | (local >= vocab_local)
-        local = local.masked_fill(outside, 0)
+        local, outside = _local_targets(targets, first, vocab_local)
         z_target = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() - m
         z_target = _all_reduce_over(z_target.masked_fill(outside, 0.0), grid, axes)
         # one fp32 [..., V/G] buffer, exp(z - M) in place; saved, and turned into the gradient
         # in place by backward
         exp = torch.empty_like(logits, dtype=torch.float32)
         torch.sub(logits, m.unsqueeze(-1), out=exp).exp_()
-        if vocab is not None and vocab < (block + 1) * vocab_local:  # padding ids: no mass
-            exp[..., max(0, vocab - block * vocab_local) :] = 0.0
+        pad = _padding_start(vocab, first, vocab_local)
+        if pad is not None:  # padding ids: no mass
+            exp[..., pad:] = 0.0
         sum_exp = _all_reduce_over(exp.sum(dim=-1), grid, axes)
         ctx.save_for_backward(exp, sum_exp, local, outside)
         ctx.dtype = logits.dtype
@@ -63,7 +106,7 @@ def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
     grid: Grid,
-    axes: Axis | tuple[Axis, ...] = (Axis.Y, Axis.X),
+    axes: Axis | tuple[Axis, ...] = HEAD_AXES,
     vocab: int | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy (nats) from vocabulary-sharded logits.
@@ -81,3 +124,133 @@ def vocab_parallel_cross_entropy(
     """
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     return _VocabParallelCrossEntropy.apply(logits, targets, grid, axes, vocab)
+
+
+# ---- the LM head and the loss, fused -----------------------------------------------------------
+
+
+class _Blocks:
+    """One micro-batch's logits, a block of rows at a time: ``x [m, h]``, ``w [V/G, h]`` (both
+    in the compute dtype), local targets; reusable buffers for one block's logits and their fp32
+    softmax."""
+
+    def __init__(self, x, w, local, outside, pad: int | None, rows: int):
+        self.x, self.w, self.local, self.pad = x, w, local, pad
+        self.hit = (~outside).to(torch.float32).neg_().unsqueeze(-1)  # -1 at the target
+        n = min(rows, x.shape[0])
+        self.rows = rows
+        self.z = torch.empty(n, w.shape[0], dtype=x.dtype, device=x.device)
+        fp32 = x.dtype == torch.float32
+        self.p = self.z if fp32 else torch.empty_like(self.z, dtype=torch.float32)
+
+    def spans(self):
+        m = self.x.shape[0]
+        return ((s, min(m, s + self.rows)) for s in range(0, m, self.rows))
+
+    def logits(self, s: int, e: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x[s:e] W^T`` (into ``out``, else this block's buffer)."""
+        out = self.z[: e - s] if out is None else out
+        return torch.mm(self.x[s:e], self.w.t(), out=out)
+
+    def exp(self, z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """``exp(z - m)`` fp32 in the softmax buffer (padding columns 0)."""
+        p = torch.sub(z, m.unsqueeze(-1), out=self.p[: z.shape[0]]).exp_()
+        if self.pad is not None:
+            p[:, self.pad :] = 0.0
+        return p
+
+    def gradient(self, s: int, e: int, p: torch.Tensor, sum_exp: torch.Tensor, dx, dw) -> None:
+        """``g = p / sum_exp - onehot`` for rows ``s:e``; ``dx[s:e] = g W``, ``dw += g^T x``."""
+        p.mul_(sum_exp.reciprocal().unsqueeze(-1))
+        p.scatter_add_(-1, self.local[s:e].unsqueeze(-1), self.hit[s:e])
+        g = p if p.dtype == self.x.dtype else p.to(self.x.dtype)
+        torch.mm(g, self.w, out=dx[s:e])
+        if s == 0:
+            torch.mm(g.t(), self.x[s:e], out=dw)
+        else:  # the GEMM adds the blocks so far in its fp32 accumulation
+            dw.addmm_(g.t(), self.x[s:e])
+
+
+class _LMHeadLoss(torch.autograd.Function):
+    """``sum_t CE(all-gather_X(x_t) all-gather_Z(W_shard)^T, target_t)``; module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, w_shard, targets, ov, vocab: int | None, rows: int, need_grad: bool):
+        grid, dtype = ov.grid, compute_dtype(x)
+        w = ov.gather_weight(w_shard, dtype)  # [V/(G_y G_x), h]
+        x_full = gather_hidden(x.to(dtype), grid)  # [..., h]
+        xm = x_full.reshape(-1, x_full.shape[-1])
+        v_local, split = w.shape[0], grid.y * grid.x > 1
+        first = _block(grid, HEAD_AXES) * v_local
+        local, outside = _local_targets(targets.reshape(-1), first, v_local)
+        m_rows = xm.shape[0]
+        stats = torch.empty(3, m_rows, dtype=torch.float32, device=x.device)
+        row_max, sum_exp, z_target = stats  # this rank's, until the all-reduces
+        if need_grad:
+            dx = torch.empty_like(xm)
+            dw = torch.empty(v_local, xm.shape[1], dtype=dtype, device=x.device)
+        kept = None  # with the vocabulary split the gradient needs the global statistics
+        if split and need_grad:
+            kept = torch.empty(m_rows, v_local, dtype=dtype, device=x.device)
+        with torch.autocast(x.device.type, enabled=False):  # operands are in compute dtype
+            blocks = _Blocks(xm, w, local, outside, _padding_start(vocab, first, v_local), rows)
+            for s, e in blocks.spans():
+                z = blocks.logits(s, e, None if kept is None else kept[s:e])
+                row_max[s:e] = z.amax(dim=-1)
+                z_target[s:e] = z.gather(-1, local[s:e].unsqueeze(-1)).squeeze(-1)
+                p = blocks.exp(z, row_max[s:e])
+                sum_exp[s:e] = p.sum(dim=-1)
+                if need_grad and not split:  # the statistics are already global
+                    blocks.gradient(s, e, p, sum_exp[s:e], dx, dw)
+            z_target.masked_fill_(outside, 0.0)
+            if split:  # M, then the sum of exp(z - M), then the target logit, over Y and X
+                local_max = row_max.clone()
+                _all_reduce_over(row_max, grid, HEAD_AXES, op="max")
+                sum_exp.mul_((local_max - row_max).exp_())
+                _all_reduce_over(sum_exp, grid, HEAD_AXES)
+                _all_reduce_over(z_target, grid, HEAD_AXES)
+                if need_grad:
+                    for s, e in blocks.spans():
+                        p = blocks.exp(kept[s:e], row_max[s:e])
+                        blocks.gradient(s, e, p, sum_exp[s:e], dx, dw)
+        if need_grad:
+            ctx.save_for_backward(dx, dw)
+            ctx.weight, ctx.ov, ctx.shape = w_shard, ov, x_full.shape
+        return (sum_exp.log() + row_max - z_target).sum()
+
+    @staticmethod
+    def backward(ctx, dloss):
+        dx, dw = ctx.saved_tensors
+        ov = ctx.ov
+        dx = scatter_hidden((dx * dloss.to(dx.dtype)).view(ctx.shape), ov.grid)
+        handle = ov.backward_all_reduce(dx, Axis.Y)  # during the dW scaling
+        if dw.dtype == ctx.weight.dtype:
+            dw.mul_(dloss)
+        else:  # scaled into the fp32 reduce-scatter input in one pass
+            dw = torch.mul(dw, dloss, out=torch.empty_like(dw, dtype=ctx.weight.dtype))
+        ov.reduce_weight_grad(ctx.weight, dw)
+        return handle.wait(), None, None, None, None, None, None
+
+
+@torch.compiler.disable  # collectives and the overlap state stay outside compiled graphs
+def lm_head_loss(
+    head: VocabParallelHead, x: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
+) -> torch.Tensor:
+    """Sum over this rank's tokens of the cross-entropy (nats) of ``head(x)`` against
+    ``targets``, without forming the logits of all tokens at once (module docstring).
+
+    Args:
+        head: the LM head (its weight, grid and overlap).
+        x: hidden states ``[b, s, dim/G_x]``, replicated over Y.
+        targets: ``[b, s]`` global token ids.
+        vocab: the real vocabulary when the head's is padded (ids ``>= vocab`` get no
+            probability).
+    Returns:
+        0-dim fp32 tensor, identical on every rank of Y and X. Its gradient fills
+        ``head.weight.grad`` through the overlap and flows to ``x`` as the head's would.
+    """
+    grid = head.grid
+    v_local = head.vocab // (grid.y * grid.x)
+    rows = loss_chunk_rows(v_local, targets.numel(), x.device.type)
+    need_grad = torch.is_grad_enabled() and (x.requires_grad or head.weight.requires_grad)
+    return _LMHeadLoss.apply(x, head.weight, targets, head.overlap, vocab, rows, need_grad)

@@ -28,7 +28,7 @@ from tetrad.parallel.context import ContextAttention, local_positions
 from tetrad.parallel.embedding import Embedding
 from tetrad.parallel.head import VocabParallelHead
 from tetrad.parallel.linear import Linear
-from tetrad.parallel.loss import vocab_parallel_cross_entropy
+from tetrad.parallel.loss import lm_head_loss
 from tetrad.parallel.norm import RMSNorm
 from tetrad.parallel.overlap import Overlap
 from tetrad.spec import DEFAULT_OVERLAPS, Axis
@@ -59,10 +59,10 @@ class ParallelLayers:
     def norm(self, dim: int, eps: float) -> nn.Module:
         return RMSNorm(dim, self.grid, Axis.X, eps)
 
-    def token_losses(
-        self, logits: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
+    def loss_sum(
+        self, head: nn.Module, x: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
     ) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.grid, (Axis.Y, Axis.X), vocab)
+        return lm_head_loss(head, x, targets, vocab)  # the head and the loss fused
 
 
 class ParallelLlama(Transformer):

@@ -147,9 +147,12 @@ def embedding_saved_bytes(model: ModelSpec, micro_batch: int, seq_len: int) -> f
 def final_norm_saved_bytes(
     model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
 ) -> float:
-    """The final norm and the LM head's saved input (tetrad/parallel/head.py): with ``G_x > 1``
-    the input gathered over X, ``[m, h]`` in the compute dtype (a new tensor); with ``G_x = 1``
-    the norm's output as one Linear consumer saves it."""
+    """The final norm and the input gradient the fused LM head and loss keep for backward
+    (tetrad/parallel/loss.py ``lm_head_loss``): the norm's input, ``rstd`` and normalised
+    tensor (its output is not saved: the head forms its share of the input gradient, ``[m, h]``
+    in the compute dtype, in forward instead). Byte for byte this is what a Linear consumer
+    saving the output (``G_x = 1``) or its X-gathered ``[m, h]`` copy (``G_x > 1``) would
+    keep."""
     _, _, _, gx = grid_sizes(grid)
     m, e, h = micro_batch * seq_len, dtype_bytes(dtype), model.hidden
     norm = _norm_saved_bytes(model, m, h // gx, e, 1)
@@ -158,13 +161,13 @@ def final_norm_saved_bytes(
     return norm - (FP32 if e == FP32 else e) * m * (h // gx) + e * m * h
 
 
-def loss_saved_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int) -> float:
-    """Vocabulary-parallel cross-entropy (tetrad/parallel/loss.py) saves ``exp(z - M)`` fp32
-    ``[m, V/(G_y G_x)]``, its row sums ``[m]`` fp32, the local targets ``[m]`` int64 and the
-    mask ``[m]`` bool."""
+def loss_saved_bytes(model: ModelSpec, grid, dtype: str = "bf16") -> float:
+    """The fused LM head and cross-entropy (tetrad/parallel/loss.py ``lm_head_loss``) keeps its
+    weight gradient, summed over the micro-batch's row blocks in forward, ``[V/(G_y G_x), h]``
+    in the compute dtype (whatever the micro-batch: no ``[m, V]`` tensor outlives the
+    forward)."""
     _, _, gy, gx = grid_sizes(grid)
-    m = micro_batch * seq_len
-    return FP32 * m * (model.vocab // (gy * gx)) + 13.0 * m
+    return float(dtype_bytes(dtype) * (model.vocab // (gy * gx)) * model.hidden)
 
 
 def saved_activations(
@@ -223,6 +226,6 @@ def saved_activations(
         "blocks": blocks,
         "embedding": embedding_saved_bytes(model, micro_batch, seq_len),
         "final_norm": final_norm_saved_bytes(model, grid, micro_batch, seq_len, dtype),
-        "loss": loss_saved_bytes(model, grid, micro_batch, seq_len),
+        "loss": loss_saved_bytes(model, grid, dtype),
         "recompute": recompute,
     }

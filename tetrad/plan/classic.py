@@ -132,7 +132,9 @@ def megatron_estimate(
     layer_b = 2.0 * gemm + 2.5 * att + ew["backward_factor"] * elem
     hf = 2.0 * m * model.vocab * model.hidden / tp
     head = hf / (peak * eff(hf))
-    loss = (ew["loss_fwd_per_logit"] + ew["loss_bwd_per_logit"]) * m * model.vocab / tp / hbm
+    # Megatron's unfused vocabulary-parallel cross-entropy moves about the bytes of tetrad's
+    # fused one (softmax forward, gradient in backward)
+    loss = ew["loss_fwd_per_logit"] * m * model.vocab / tp / hbm
     t_f = ls * layer_f + head
     t_b = ls * layer_b + 2.0 * head + loss
     t_r = ls * layer_f if full else 0.0

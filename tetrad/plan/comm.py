@@ -52,8 +52,9 @@ modelled). Steady state, every block alike:
   never prefetched.
 - ``reduce_scatter``: the dW reduce-scatter is asynchronous (as above); those still pending at the
   end of the micro-batch's backward are exposed.
-- ``dx_all_reduce``: the backward dx all-reduce (and the LM head's Y all-reduce) runs during the
-  dW GEMM: exposed ``max(0, t - dW)``.
+- ``dx_all_reduce``: the backward dx all-reduce runs during the dW GEMM: exposed ``max(0, t -
+  dW)`` (the LM head's Y all-reduce during the scaling of its ``dW``, which the fused loss
+  formed in forward).
 - ``domino``: the forward all-reduce of a Linear's output is split in two halves (when ``m >= 2 *
   domino_min_rows``); the first half's all-reduce runs during the second half's GEMM: exposed
   ``t_2 + max(0, t_1 - GEMM/2)``.

@@ -38,15 +38,18 @@ from dataclasses import dataclass
 from tetrad.plan.context_parallel import attention_fwd_flops, local_seq_len
 from tetrad.plan.machines import Machine
 from tetrad.plan.models import ModelSpec, with_context
-from tetrad.spec import checkpointed_blocks
+from tetrad.spec import checkpointed_blocks, loss_chunk_rows
 
 ELEMENTWISE = {
     "norm_residual_per_h": 40.0,
     "rope_per_qk": 12.0,
     "act_per_f_llama": 8.0,
     "act_per_f_gpt": 4.0,
-    "loss_fwd_per_logit": 20.0,
-    "loss_bwd_per_logit": 14.0,
+    "loss_fwd_per_logit": 34.0,
+    "loss_split_per_logit": 14.0,
+    "loss_dw_per_block": 4.0,
+    "loss_bwd_per_dx": 4.0,
+    "loss_bwd_per_dw": 6.0,
     "optimizer_per_param": 36.0,
     "backward_factor": 2.0,
 }
@@ -59,9 +62,15 @@ runtime's unfused ops, in bytes per token and per local feature:
 - ``rope_per_qk`` (per ``(a + k) d / G_y`` feature): fp32 rotate-half of q and k;
 - ``act_per_f_*`` (per ``f/G_y`` feature): SwiGLU ``silu(gate) * up`` reads two and writes two
   bf16 tensors; GeLU one and one;
-- ``loss_*_per_logit`` (per ``V/(G_y G_x)`` logit): max, subtract into one fp32 buffer, exp in
-  place, sum (forward: read 2 + 2 + 4 + 4, write 4 + 4, with bf16 logits); scale in place by
-  ``dloss / sum``, scatter-add, cast (backward);
+- ``loss_fwd_per_logit`` (per ``V/(G_y G_x)`` logit; the fused LM head and loss,
+  tetrad/parallel/loss.py, all in forward): max of the bf16 logits (read 2), subtract into the
+  fp32 softmax buffer (read 2, write 4), exp in place (8), sum (4), scale by ``1 / sum`` (8),
+  cast to bf16 for the gradient GEMMs (read 4, write 2); ``loss_split_per_logit``: the second
+  pass when the vocabulary is split over Y or X (read the kept logits, subtract, exp: 14);
+  ``loss_dw_per_block`` (per ``dW`` element and row block after the first): the GEMM's
+  accumulation reads and writes the running bf16 sum; backward ``loss_bwd_per_dx`` (per ``dx``
+  element: scale, read 2, write 2) and ``loss_bwd_per_dw`` (per ``dW`` element: scaled into its
+  fp32 copy, read 2, write 4);
 - ``optimizer_per_param``: AdamW reads param, grad, m, v and writes param, m, v (28 B), plus the
   gradient clipping scale (8 B);
 - ``backward_factor``: backward of element-wise work moves about twice the forward's bytes.
@@ -79,9 +88,14 @@ class BlockCompute:
             Linear (attention core after the last Linear before the first transposed one, the
             activation before the second transposed one, norm + residual after transposed ones).
         post_bwd: the backward of ``post_fwd``.
-        head: the LM head's GEMM seconds (one of forward, dx, dW).
+        head: the LM head's GEMM seconds (one of logits, dx, dW: the three run in forward,
+            fused with the loss).
         head_flops: its FLOPs.
-        loss_fwd, loss_bwd: vocabulary-parallel cross-entropy, seconds.
+        loss_fwd: the fused loss's element-wise forward (softmax, gradient, the row blocks'
+            ``dW`` sum), seconds.
+        loss_bwd: its backward: ``dx`` and ``dW`` scaled by the loss's gradient, seconds.
+        head_dw_scale: of ``loss_bwd``, the ``dW`` part (the head's Y all-reduce runs during
+            it).
         embedding_fwd, embedding_bwd: lookup and scatter-add into a zeroed ``[V/G_y, h/G_x]``.
         final_norm_fwd, final_norm_bwd: the last norm.
         optimizer: AdamW + clipping over the local shards, per step.
@@ -103,6 +117,7 @@ class BlockCompute:
     final_norm_bwd: float
     optimizer: float
     selective: float = 0.0
+    head_dw_scale: float = 0.0
 
     @property
     def block_fwd(self) -> float:
@@ -129,16 +144,10 @@ class BlockCompute:
             n_layers * self.block_fwd
             + self.embedding_fwd
             + self.final_norm_fwd
-            + self.head
+            + 3.0 * self.head
             + self.loss_fwd
         )
-        bwd = (
-            n_layers * self.block_bwd
-            + self.embedding_bwd
-            + self.final_norm_bwd
-            + 2.0 * self.head
-            + self.loss_bwd
-        )
+        bwd = n_layers * self.block_bwd + self.embedding_bwd + self.final_norm_bwd + self.loss_bwd
         mode, k = checkpointed_blocks(checkpointing, n_layers)
         per_block = {"full": self.block_fwd, "selective": self.selective, "none": 0.0}[mode]
         return fwd, bwd, k * per_block
@@ -205,7 +214,11 @@ def block_compute(
     post_b[i_act] += ew["backward_factor"] * act
     head = model.lm_head()
     hf = 2.0 * m * head.out_features * head.in_features / txy
-    vy = model.vocab / txy  # logits per rank: the LM head splits V over Y and X
+    vy = model.vocab // txy  # logits per rank: the LM head splits V over Y and X
+    blocks = -(-m // loss_chunk_rows(vy, m))  # row blocks of the fused loss (GPU budget)
+    per_logit = ew["loss_fwd_per_logit"] + (ew["loss_split_per_logit"] if txy > 1 else 0.0)
+    dw_el = vy * model.hidden
+    dw_scale = ew["loss_bwd_per_dw"] * dw_el / hbm
     emb_rows = (model.vocab + model.max_positions) / gy
     return BlockCompute(
         gemm=tuple(gemm),
@@ -214,14 +227,15 @@ def block_compute(
         post_bwd=tuple(post_b),
         head=hf / (peak * eff(hf)),
         head_flops=hf,
-        loss_fwd=ew["loss_fwd_per_logit"] * m * vy / hbm,
-        loss_bwd=ew["loss_bwd_per_logit"] * m * vy / hbm,
+        loss_fwd=(per_logit * m * vy + ew["loss_dw_per_block"] * (blocks - 1) * dw_el) / hbm,
+        loss_bwd=ew["loss_bwd_per_dx"] * m * model.hidden / hbm + dw_scale,
         embedding_fwd=8.0 * m * hx / hbm,
         embedding_bwd=(8.0 * m * hx + 4.0 * emb_rows * hx) / hbm,
         final_norm_fwd=half_norm / 2.0,
         final_norm_bwd=ew["backward_factor"] * half_norm / 2.0,
         optimizer=ew["optimizer_per_param"] * local_params / hbm,
         selective=half_norm + rope + act,  # two norm applies = one half_norm
+        head_dw_scale=dw_scale,
     )
 
 

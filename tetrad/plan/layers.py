@@ -275,7 +275,8 @@ def lm_head(rec: Recorder, st: Step) -> None:
     ``acc`` calls each, never recomputed; no collective grows with ``V``. Forward: all-gather
     over X of its input, payload ``m h c`` (the output). Backward: reduce-scatter over X of the
     input gradient, payload ``m h c`` (the input), then all-reduce over Y of ``m h / G_x * c``
-    (with ``dx_all_reduce`` during the dW GEMM: exposed ``max(0, t - GEMM)``)."""
+    (with ``dx_all_reduce`` during the scaling of the head's ``dW``, which the fused loss formed
+    in forward: exposed ``max(0, t - scaling)``)."""
     m, h, c, acc = st.m, st.model.hidden, st.c, st.acc
     gx, gy = st.sizes["x"], st.sizes["y"]
     if gx > 1:
@@ -287,8 +288,8 @@ def lm_head(rec: Recorder, st: Step) -> None:
     if gy > 1:
         p = m * h / gx * c
         t = st.links["y"].time(ALL_REDUCE, p)
-        e = _max0(t - st.comp.head) if st.dx_overlap else t
-        hid = "dW GEMM" if st.dx_overlap else ""
+        e = _max0(t - st.comp.head_dw_scale) if st.dx_overlap else t
+        hid = "dW scaling" if st.dx_overlap else ""
         rec.add("output", "backward", "y", ALL_REDUCE, p, acc, t, acc * e, hid)
 
 

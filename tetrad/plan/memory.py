@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from tetrad.plan.activations import dtype_bytes, saved_activations
 from tetrad.plan.context_parallel import local_seq_len
 from tetrad.plan.models import Linear, ModelSpec, PlanError, check_grid, context_size, grid_sizes
-from tetrad.spec import FP32, GiB
+from tetrad.spec import FP32, GiB, loss_chunk_rows
 
 FIT_FRACTION = 0.8
 """Fujii et al. (arXiv 2411.06465): an estimate at or below 80% of GPU memory never ran out of
@@ -174,6 +174,23 @@ def weight_gradient_bytes(lin: Linear, grid, dtype: str = "bf16") -> float:
     return float(per * lin.count * lin.weight_elements // (gx * gy))
 
 
+def lm_head_logits_bytes(model: ModelSpec, grid, m: int, e: int) -> float:
+    """Transients of the fused LM head and loss (tetrad/parallel/loss.py ``lm_head_loss``) at
+    their largest, in forward: one block of ``n`` rows (:func:`tetrad.spec.loss_chunk_rows`,
+    the GPU budget) of logits ``[n, V/(G_y G_x)]`` in the compute dtype, their fp32 softmax and
+    its compute-dtype copy for the gradient GEMMs (one buffer in all when ``e = 4``); with the
+    vocabulary split over Y or X the micro-batch's logits ``e m V/(G_y G_x)``, kept for the
+    second pass; with ``G_x > 1`` the input gathered over X ``e m h``; the per-token maximum,
+    sum and target logit ``12 m``."""
+    _, _, gy, gx = grid_sizes(grid)
+    vy = model.vocab // (gy * gx)
+    n = loss_chunk_rows(vy, m)
+    block = n * vy * (e if e == FP32 else 2 * e + FP32)
+    kept = e * m * vy if gy * gx > 1 else 0
+    gathered = e * m * model.hidden if gx > 1 else 0
+    return float(block + kept + gathered + 12 * m)
+
+
 def embedding_grad_bytes(model: ModelSpec, grid) -> float:
     """The embedding's backward builds its full-block gradient ``[V/G_y, h/G_x]`` fp32 before the
     Z reduce-scatter (tetrad/parallel/embedding.py)."""
@@ -233,13 +250,13 @@ def tetrad(
     the largest of these phases of a training step (``W`` = a Z-gathered weight block in compute
     dtype, ``dW`` = a weight gradient before its reduce-scatter):
 
-    - ``forward: LM head``: all saved activations + logits ``[m, V/(G_y G_x)]`` (compute dtype)
-      + the head's ``W`` (kept until its backward) + with ``prefetch`` the next block weight;
-    - ``forward: loss``: all saved activations + logits + the loss's one fp32 buffer
-      ``exp(z - M)`` (``(e + 4) m V/(G_y G_x)`` in all) + the head's ``W`` (+ the prefetched
-      one);
-    - ``backward: LM head``: all saved + the logits gradient (a bf16 copy of the softmax when
-      ``e = 2``) + the head's ``W`` and ``dW`` (+ the next block weight prefetched);
+    - ``forward: LM head``, inside the fused LM head and loss (:func:`lm_head_logits_bytes`):
+      all saved activations (the head's ``dx`` and ``dW`` among them) + one row block's logits
+      and softmax + with the vocabulary split over Y or X the micro-batch's logits ``e m
+      V/(G_y G_x)`` + the head's X-gathered input + its ``W`` + with ``prefetch`` the next
+      block weight;
+    - ``backward: LM head``: all saved + the scaled ``dx`` ``e m h`` + the fp32 copy of ``dW``
+      (the reduce-scatter input) when ``e = 2`` (+ the next block weight prefetched);
     - ``backward: blocks``: the blocks' saved tensors (+ one block's recompute set under
       ``full``, ``selective`` or ``selective:K``, whose top block is rebuilt first) + ``W`` of
       the largest block Linear (the two largest with ``prefetch``) + its ``dW`` (two in flight
@@ -287,12 +304,12 @@ def tetrad(
     by_size = sorted(model.linears(), key=lambda lin: lin.weight_elements, reverse=True)
     big = by_size[0]
     w_head = gathered_weight_bytes(model.lm_head(), grid, dtype)
+    dw_head_fp32 = FP32 * vy * model.hidden if e != FP32 else 0.0
     w_big = gathered_weight_bytes(big, grid, dtype)
     w_two = sum(gathered_weight_bytes(lin, grid, dtype) for lin in by_size[:2])
     dw_blocks = weight_gradient_bytes(big, grid, dtype) * (
         2 if async_reduce_scatter and gz > 1 else 1
     )
-    logits = float(e * m * vy)
     zero = {
         "activations": 0.0,
         "logits_and_loss": 0.0,
@@ -304,19 +321,14 @@ def tetrad(
     phases = {
         "forward: LM head": {
             "activations": act_all,
-            "logits_and_loss": logits,
-            "gathered_weights": w_head + (w_big if prefetch else 0.0),
-        },
-        "forward: loss": {
-            "activations": act_all,
-            "logits_and_loss": saved["loss"] + logits,
+            "logits_and_loss": saved["loss"] + lm_head_logits_bytes(model, grid, m, e),
             "gathered_weights": w_head + (w_big if prefetch else 0.0),
         },
         "backward: LM head": {
             "activations": act_all,
-            "logits_and_loss": saved["loss"] + (logits if e != FP32 else 0.0),
-            "gathered_weights": w_head + (w_big if prefetch else 0.0),
-            "reduce_scatter_buffers": weight_gradient_bytes(model.lm_head(), grid, dtype),
+            "logits_and_loss": saved["loss"] + e * m * model.hidden,
+            "gathered_weights": w_big if prefetch else 0.0,
+            "reduce_scatter_buffers": dw_head_fp32,
         },
         "backward: blocks": {
             "activations": saved["blocks"] + saved["embedding"],
