@@ -147,7 +147,8 @@ def tetrad_gradient_bytes(model: ModelSpec, grid) -> float:
 def tetrad_optimizer_bytes(model: ModelSpec, grid) -> float:
     """AdamW ``exp_avg`` and ``exp_avg_sq``: two fp32 copies of every local shard (torch.optim.AdamW
     built by tetrad.train.step.build_optimizer). The per-parameter ``step`` counters are not
-    counted: without ``fused``/``capturable`` torch keeps them as 0-d fp32 tensors on the host."""
+    counted: 0-d fp32 tensors, 4 bytes per parameter tensor (on its device with the fused
+    kernel)."""
     return 2.0 * tetrad_parameter_bytes(model, grid)
 
 
@@ -215,17 +216,16 @@ def step_buffer_bytes(model: ModelSpec, grid, dtype: str = "bf16") -> float:
     - ``sync_gradients`` of the vectors (norm weights, biases): one flat fp32 copy when
       ``G_z G_data > 1``;
     - ``clip_grad_norm``: ``p.grad.double().pow(2)``: 16 bytes per element of the largest shard;
-    - AdamW: bf16/CUDA (foreach): ``_foreach_sqrt(exp_avg_sq)``, 4 bytes per element of the
-      weight-decay group (all matrices); fp32/CPU (single tensor): ``exp_avg_sq.sqrt() / c``,
-      8 bytes per element of the largest shard.
+    - AdamW: none (torch's fused kernel, on CPU and CUDA, updates in place).
+
+    ``dtype`` is accepted for symmetry with the other estimates; no term depends on it.
     """
     gd, gz, _, _ = grid_sizes(grid)
     gd *= context_size(grid)  # the data x context group
     n = local_parameter_elements(model, grid)
     sync = FP32 * n["vectors"] if gd * gz > 1 else 0
     clip = 16 * n["largest"]
-    adam = FP32 * n["matrices"] if dtype_bytes(dtype) != FP32 else 8 * n["largest"]
-    return float(max(sync, clip, adam))
+    return float(max(sync, clip))
 
 
 # ---- the estimate ---------------------------------------------------------------------------
