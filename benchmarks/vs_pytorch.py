@@ -25,7 +25,8 @@ Stock modes, parallelised only with stock APIs:
 - ``FSDP2xTP(n)``: a 2D mesh ``("dp", "tp")``: TP as above on ``tp``, then ``fully_shard`` on
   ``dp``.
 
-Both sides: AdamW (lr 3e-3, betas (0.9, 0.95), weight decay 0.1 on matrices only, ``foreach``),
+Both sides: AdamW (lr 3e-3, betas (0.9, 0.95), weight decay 0.1 on matrices only, torch's fused
+kernel, ``fused=True``, as tetrad's trainer and torchtitan's default use it),
 gradient clipping at 1.0, the loss is the mean cross-entropy over all tokens of the global batch,
 each data rank takes its share of the batch as one micro-batch (tetrad's data ranks are
 ``G_data G_z``). Every run is its own spawn of fresh processes, one thread each.
@@ -369,13 +370,14 @@ def replicate(module: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def stock_optimizer(model: nn.Module, s: Settings) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only, multi-tensor (``foreach``)."""
+    """AdamW with weight decay on matrices only, torch's fused kernel (``fused=True``, also on
+    DTensor parameters), as :func:`tetrad.train.step.build_optimizer` builds tetrad's."""
     params = list(model.parameters())
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": s.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def stock_step(
