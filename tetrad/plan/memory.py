@@ -210,15 +210,13 @@ def end_of_backward_bytes(model: ModelSpec, grid) -> float:
     return (FP32 * matrices if gd > 1 else 0.0) + embedding_grad_bytes(model, grid)
 
 
-def step_buffer_bytes(model: ModelSpec, grid, dtype: str = "bf16") -> float:
+def step_buffer_bytes(model: ModelSpec, grid) -> float:
     """Largest temporary of the optimizer step, after backward (tetrad/train/step.py):
 
     - ``sync_gradients`` of the vectors (norm weights, biases): one flat fp32 copy when
       ``G_z G_data > 1``;
     - ``clip_grad_norm``: ``p.grad.double().pow(2)``: 16 bytes per element of the largest shard;
     - AdamW: none (torch's fused kernel, on CPU and CUDA, updates in place).
-
-    ``dtype`` is accepted for symmetry with the other estimates; no term depends on it.
     """
     gd, gz, _, _ = grid_sizes(grid)
     gd *= context_size(grid)  # the data x context group
@@ -340,7 +338,7 @@ def tetrad(
             "activations": saved["embedding"],
             "reduce_scatter_buffers": end_of_backward_bytes(model, grid),
         },
-        "optimizer step": {"step_buffers": step_buffer_bytes(model, grid, dtype)},
+        "optimizer step": {"step_buffers": step_buffer_bytes(model, grid)},
     }
     base = sum(static.values())
     totals = {name: base + sum(terms.values()) for name, terms in phases.items()}
