@@ -25,9 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed import run_distributed
 from tetrad.grid import Grid
-from tetrad.parallel import Linear
+from tetrad.parallel import Linear, RMSNorm
 from tetrad.parallel.overlap import Overlap
-from tetrad.spec import OVERLAPS
+from tetrad.spec import OVERLAPS, Axis
 
 EXPECTED = {"z": (6, 3072, 1536.0), "x": (2, 1536, 1536.0), "y": (2, 768, 768.0)}
 
@@ -116,3 +116,31 @@ def test_data_parallel_buckets_start_during_backward():
     """With G_z = 1 (no reduce-scatter to wait for) a weight gradient's data-parallel bucket is
     launched as soon as the gradient exists, not at the end of backward."""
     run_distributed(buckets_during_backward, 2)
+
+
+def norm_weights_in_last_bucket():
+    grid = Grid.build((2, 1, 1, 1))
+    ov = Overlap(grid, ("dp_all_reduce", "reduce_scatter"), bucket_bytes=1)
+    lin, norm = Linear(16, 16, grid, overlap=ov), RMSNorm(16, grid, Axis.X)
+    ov.late = [norm.weight]
+    torch.manual_seed(7)  # the same weights on both ranks
+    torch.nn.init.normal_(lin.weight)
+    torch.nn.init.normal_(norm.weight)
+    torch.manual_seed(dist.get_rank())  # each data rank sees other tokens
+    x = torch.randn(4, 3, 16)
+    ov.begin_micro_batch(last=True)
+    lin(norm(x)).square().sum().backward()
+    local = norm.weight.grad.clone(), lin.weight.grad.clone()
+    ov.end_micro_batch()
+    assert ov.counts["dp_buckets"] == 2  # the weight's bucket during backward, the norm's after
+    assert ov.buckets.reduced == {id(lin.weight), id(norm.weight)}
+    for p, mine in zip((norm.weight, lin.weight), local, strict=True):
+        want = mine.clone()
+        dist.all_reduce(want)
+        torch.testing.assert_close(p.grad, want)
+
+
+def test_norm_weights_join_the_last_data_parallel_bucket():
+    """With G_z = 1 the norm weights' gradients (left to autograd) are summed over data in the
+    last bucket, not by a separate all-reduce after backward."""
+    run_distributed(norm_weights_in_last_bucket, 2)

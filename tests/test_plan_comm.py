@@ -213,14 +213,20 @@ def test_domino_halves_and_buckets():
     half = cols[("wqkv (half 1)", "forward", "x", "all_reduce")]
     assert half.payload_bytes == 256 * 256 * 2 and half.hidden_behind
     assert ("wqkv", "forward", "x", "all_reduce") not in cols
-    # all local shards, (2 * 147456 + 2 * 65536) * 4 = 1,703,936 B, fit one 4 MiB bucket
+    # all local shards, (2 * 147456 + 2 * 65536) * 4 = 1,703,936 B, and with G_z = 1 the five
+    # norm weights of h/G_x = 128 fit one 4 MiB bucket; no separate norm all-reduce over data
     grads = cols[("gradients", "backward", "data", "all_reduce")]
-    assert grads.calls == 1 and grads.payload_bytes == (2 * 147456 + 2 * 65536) * 4
-    # tiny buckets: one per gradient as soon as each exceeds the bucket
+    assert grads.calls == 1
+    assert grads.payload_bytes == (2 * 147456 + 2 * 65536 + 5 * 128) * 4
+    assert ("norm_gradients", "step", "data", "all_reduce") not in cols
+    # tiny buckets: one per gradient as soon as each exceeds the bucket, the norms in one more
     cols = by_key(
         collectives(model, PERL, (2, 1, 2, 2), 32, 16, 64, overlaps="all", bucket_bytes=1)
     )
-    assert cols[("gradients", "backward", "data", "all_reduce")].calls == 2 * 4 + 2
+    assert cols[("gradients", "backward", "data", "all_reduce")].calls == 2 * 4 + 2 + 1
+    # G_z > 1: the norms are summed over Z then data after backward, as before
+    cols = by_key(collectives(model, PERL, (2, 2, 2, 1), 16, 16, 64, overlaps="all"))
+    assert cols[("norm_gradients", "step", "data", "all_reduce")].payload_bytes == 5 * 256 * 4
 
 
 def test_data_parallel_alone_has_no_gradient_norm_all_reduce():

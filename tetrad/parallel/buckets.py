@@ -3,14 +3,18 @@
 Gradients are appended to a bucket as they become ready (in backward order); a full bucket
 (``bucket_bytes``) is flattened into one buffer and all-reduced over the data axis
 asynchronously, so the reduction of late layers runs while earlier layers compute their
-backward. :meth:`GradBuckets.finish` launches what is left, waits for every bucket and copies the
-sums back into ``param.grad``. (The structure follows picotron's ``data_parallel/bucket.py``;
-AxoNN leaves this all-reduce synchronous.)
+backward. :meth:`GradBuckets.finish` adds the gradients that autograd accumulates itself (norm
+weights: no hook tells when they are complete, so they join the last bucket), launches what is
+left, waits for every bucket and makes each ``param.grad`` a view of its bucket's reduced buffer
+(no copy back; DDP's ``gradient_as_bucket_view`` keeps gradients in its buckets likewise). (The
+structure follows picotron's ``data_parallel/bucket.py``; AxoNN leaves this all-reduce
+synchronous.)
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -48,19 +52,26 @@ class GradBuckets:
 
     def add(self, param: nn.Parameter) -> None:
         """Queue ``param.grad`` (complete for this step); launch the bucket when it is full."""
-        self._bucket.append(param)
-        self._bucket_size += param.grad.numel() * param.grad.element_size()
-        self.reduced.add(id(param))
+        self._queue(param)
         if self._bucket_size >= self.bucket_bytes:
             self._launch()
 
-    def finish(self) -> None:
-        """Launch the last bucket, wait for all, and write the sums into ``param.grad``."""
+    def _queue(self, param: nn.Parameter) -> None:
+        self._bucket.append(param)
+        self._bucket_size += param.grad.numel() * param.grad.element_size()
+        self.reduced.add(id(param))
+
+    def finish(self, late: Iterable[nn.Parameter] = ()) -> None:
+        """Add ``late`` (gradients complete now; all of them to the last bucket, however full),
+        launch the last bucket, wait for all, and make each ``param.grad`` a view of the sums."""
+        for p in late:
+            if p.grad is not None:
+                self._queue(p)
         self._launch()
         for params, handle in self._launched:
             flat, offset = handle.wait(), 0
             for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
         self._launched = []
 

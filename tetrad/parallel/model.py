@@ -97,6 +97,7 @@ class ParallelLlama(Transformer):
         overlap = Overlap(grid, overlaps, **overlap_options)
         super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing)
         self.overlap = overlap
+        overlap.late = [p for p in self.parameters() if Axis.Z in p.placement.grad_sum_axes]
 
 
 def compile_blocks(model: Transformer) -> None:

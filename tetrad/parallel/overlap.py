@@ -82,6 +82,10 @@ class Overlap:
         # caller.
         self.counts: Counter[str] = Counter()
         self.buckets = GradBuckets(grid, bucket_bytes, self.counts)
+        # Parameters replicated over Z (norm weights), set by the model: autograd accumulates
+        # their gradients, which join the last data-parallel bucket when G_z = 1 (their sum is
+        # then over data only).
+        self.late: list[torch.nn.Parameter] = []
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -101,11 +105,16 @@ class Overlap:
         while self._pending_rs:
             self._finish_rs(*self._pending_rs.pop(0))
         if self._last:
-            self.buckets.finish()
+            self.buckets.finish(self.late if self.folds_late() else ())
         if self._recording is not None:
             self._order, self._recording = self._recording, None
         self._drop_prefetch()
         self._in_step = False
+
+    def folds_late(self) -> bool:
+        """Whether :attr:`late`'s gradients go in the last data-parallel bucket: with the
+        ``dp_all_reduce`` overlap, ``G_data G_context > 1`` and ``G_z = 1``."""
+        return self.on("dp_all_reduce") and self.grid.size(Axis.DATA) > 1 and self.grid.z == 1
 
     # -- weights: all-gather over Z ------------------------------------------------------
     def gather_weight(self, param: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor:

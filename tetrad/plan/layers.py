@@ -126,6 +126,13 @@ class Step:
         return self.model.n_layers
 
     @property
+    def vectors_in_buckets(self) -> bool:
+        """Whether the vectors' data-parallel sum rides in the last bucket (the runtime's
+        :meth:`tetrad.parallel.overlap.Overlap.folds_late`: ``dp_overlap``, data > 1, ``G_z =
+        1``)."""
+        return self.dp_overlap and self.sizes["data"] > 1 and self.sizes["z"] == 1
+
+    @property
     def xy(self) -> int:
         """``G_x G_y``: a weight's shard over X and Y."""
         return self.sizes["x"] * self.sizes["y"]
@@ -338,11 +345,14 @@ def data_gradients(rec: Recorder, st: Step) -> None:
     """All-reduce over data of the local weight-gradient shards ``(L block + head + embedding)
     * 4`` bytes: once at the step (blocking), or with ``dp_all_reduce`` in ``bucket_calls``
     buckets during the last micro-batch's backward, a block's buckets behind the backward (and
-    recompute) of the block below, the queue carried over; what is left is exposed (seconds)."""
+    recompute) of the block below, the queue carried over; what is left is exposed (seconds).
+    With ``G_z = 1`` the vectors (``vector_el * 4`` bytes) join the last bucket, exposed with
+    the embedding's gradient (:attr:`Step.vectors_in_buckets`)."""
     if st.sizes["data"] == 1:
         return
     ld, L = st.links["data"], st.n_layers
-    w_total = (L * st.block_el + st.head_el + st.emb_el) * FP32
+    vec = st.vector_el if st.vectors_in_buckets else 0.0
+    w_total = (L * st.block_el + st.head_el + st.emb_el + vec) * FP32
     if not st.dp_overlap:
         t = ld.time(ALL_REDUCE, w_total)
         rec.add("gradients", "step", "data", ALL_REDUCE, w_total, 1, t, t)
@@ -352,7 +362,7 @@ def data_gradients(rec: Recorder, st: Step) -> None:
     per_byte = (ld.time(ALL_REDUCE, w_total) - lat) / w_total
     rate = calls / w_total * lat + per_byte  # seconds per byte, latency spread over the bytes
     big_d = st.block_el * FP32 * rate
-    big_h, big_e = st.head_el * FP32 * rate, st.emb_el * FP32 * rate
+    big_h, big_e = st.head_el * FP32 * rate, (st.emb_el + vec) * FP32 * rate
     slack = st.comp.block_bwd + (st.comp.block_fwd if st.checkpointing else 0.0)
     x = _max0(big_h - slack)
     if L > 1:
@@ -369,11 +379,12 @@ def data_gradients(rec: Recorder, st: Step) -> None:
 
 def step_scalars(rec: Recorder, st: Step) -> None:
     """Step-level, blocking: the Z-replicated vectors' gradients (``vector_el * 4`` bytes) over Z
-    then data, the loss scalar (4 B) over Z and data, the gradient norm (8 B, float64) over the
-    world unless only the data axis is above 1 (every rank then has the whole gradient)."""
+    then data (not over data when they rode in the last bucket: :attr:`Step.vectors_in_buckets`),
+    the loss scalar (4 B) over Z and data, the gradient norm (8 B, float64) over the world unless
+    only the data axis is above 1 (every rank then has the whole gradient)."""
     pv = st.vector_el * FP32
     for ax in (Axis.Z, Axis.DATA):
-        if st.sizes[ax] > 1:
+        if st.sizes[ax] > 1 and not (ax == Axis.DATA and st.vectors_in_buckets):
             t = st.links[ax].time(ALL_REDUCE, pv)
             rec.add("norm_gradients", "step", ax, ALL_REDUCE, pv, 1, t, t)
     for ax in (Axis.Z, Axis.DATA):

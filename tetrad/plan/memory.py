@@ -202,26 +202,29 @@ def embedding_grad_bytes(model: ModelSpec, grid) -> float:
 def end_of_backward_bytes(model: ModelSpec, grid) -> float:
     """Temporaries at the end of backward, when the embedding's gradient is built: with
     ``G_data > 1`` the data-parallel all-reduce buffers of every weight gradient (``torch.cat``
-    of the bucket's gradients, one flat fp32 copy of all matrices, held until the last
-    micro-batch's backward ends; before the overlap rework ``sync_gradients`` made the same
-    copy), plus :func:`embedding_grad_bytes`."""
+    of the bucket's gradients, one flat fp32 copy of all matrices, and with ``G_z = 1`` of the
+    vectors, which join the last bucket; the gradients become views of these buffers when the
+    last micro-batch's backward ends), plus :func:`embedding_grad_bytes`. (Without the
+    ``dp_all_reduce`` overlap ``sync_gradients`` makes the same copies after backward.)"""
+    gz = grid_sizes(grid)[1]
     gd = grid_sizes(grid)[0] * context_size(grid)  # the data x context group
-    matrices = local_parameter_elements(model, grid)["matrices"]
-    return (FP32 * matrices if gd > 1 else 0.0) + embedding_grad_bytes(model, grid)
+    n = local_parameter_elements(model, grid)
+    flat = n["matrices"] + (n["vectors"] if gz == 1 else 0)
+    return (FP32 * flat if gd > 1 else 0.0) + embedding_grad_bytes(model, grid)
 
 
 def step_buffer_bytes(model: ModelSpec, grid) -> float:
     """Largest temporary of the optimizer step, after backward (tetrad/train/step.py):
 
     - ``sync_gradients`` of the vectors (norm weights, biases): one flat fp32 copy when
-      ``G_z G_data > 1``;
+      ``G_z > 1`` (with ``G_z = 1`` their data-parallel sum rode in the last bucket:
+      :func:`end_of_backward_bytes`);
     - ``clip_grad_norm``: ``p.grad.double().pow(2)``: 16 bytes per element of the largest shard;
     - AdamW: none (torch's fused kernel, on CPU and CUDA, updates in place).
     """
-    gd, gz, _, _ = grid_sizes(grid)
-    gd *= context_size(grid)  # the data x context group
+    gz = grid_sizes(grid)[1]
     n = local_parameter_elements(model, grid)
-    sync = FP32 * n["vectors"] if gd * gz > 1 else 0
+    sync = FP32 * n["vectors"] if gz > 1 else 0
     clip = 16 * n["largest"]
     return float(max(sync, clip))
 
