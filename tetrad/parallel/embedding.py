@@ -27,9 +27,12 @@ class _Embedding3D(torch.autograd.Function):
         e = ov.gather_weight(e_shard, e_shard.dtype)  # [V/G_y, h/G_x]
         local = ids - grid.coord[Axis.Y] * e.shape[0]
         outside = (local < 0) | (local >= e.shape[0])
-        local = local.masked_fill(outside, 0)
-        out = e[local].masked_fill(outside.unsqueeze(-1), 0.0)
-        all_reduce(out, grid, Axis.Y)
+        if grid.y == 1:  # one block holds all V ids: nothing to mask, no sum over Y
+            out = e[local]
+        else:
+            local = local.masked_fill(outside, 0)
+            out = e[local].masked_fill(outside.unsqueeze(-1), 0.0)
+            all_reduce(out, grid, Axis.Y)
         ctx.save_for_backward(local, outside)
         ctx.weight, ctx.ov, ctx.rows = e_shard, ov, e.shape[0]  # the Parameter itself
         return out
@@ -38,7 +41,9 @@ class _Embedding3D(torch.autograd.Function):
     def backward(ctx, dout):
         local, outside = ctx.saved_tensors
         e_shard = ctx.weight
-        dout = dout.masked_fill(outside.unsqueeze(-1), 0.0).to(e_shard.dtype)
+        if ctx.ov.grid.y > 1:  # rows of ids in other Y blocks add nothing here
+            dout = dout.masked_fill(outside.unsqueeze(-1), 0.0)
+        dout = dout.to(e_shard.dtype)
         de = torch.zeros(ctx.rows, dout.shape[-1], dtype=e_shard.dtype, device=dout.device)
         de.index_add_(0, local.reshape(-1), dout.reshape(-1, dout.shape[-1]))
         ctx.ov.reduce_weight_grad(e_shard, de)
