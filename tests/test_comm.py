@@ -109,7 +109,15 @@ def buckets_during_backward():
     y.backward()
     ov.end_micro_batch()
     assert ov.counts["dp_buckets"] == 2
-    assert launched_in_backward == [2]
+    assert launched_in_backward == [2]  # no step size known: every full bucket goes at once
+    # told the step's two gradients, the last one's bucket waits for end_micro_batch
+    ov.buckets.expected, launched_in_backward = 2, []
+    ov.counts.clear()
+    ov.begin_micro_batch(last=True)
+    l2(l1(x)).sum().backward()
+    assert launched_in_backward == [1]
+    ov.end_micro_batch()
+    assert ov.counts["dp_buckets"] == 2
 
 
 def test_data_parallel_buckets_start_during_backward():
@@ -122,7 +130,7 @@ def norm_weights_in_last_bucket():
     grid = Grid.build((2, 1, 1, 1))
     ov = Overlap(grid, ("dp_all_reduce", "reduce_scatter"), bucket_bytes=1)
     lin, norm = Linear(16, 16, grid, overlap=ov), RMSNorm(16, grid, Axis.X)
-    ov.late = [norm.weight]
+    ov.late, ov.buckets.expected = [norm.weight], 1
     torch.manual_seed(7)  # the same weights on both ranks
     torch.nn.init.normal_(lin.weight)
     torch.nn.init.normal_(norm.weight)
@@ -132,7 +140,7 @@ def norm_weights_in_last_bucket():
     lin(norm(x)).square().sum().backward()
     local = norm.weight.grad.clone(), lin.weight.grad.clone()
     ov.end_micro_batch()
-    assert ov.counts["dp_buckets"] == 2  # the weight's bucket during backward, the norm's after
+    assert ov.counts["dp_buckets"] == 1  # the last weight's bucket waited for the norm's
     assert ov.buckets.reduced == {id(lin.weight), id(norm.weight)}
     for p, mine in zip((norm.weight, lin.weight), local, strict=True):
         want = mine.clone()

@@ -3,9 +3,11 @@
 Gradients are appended to a bucket as they become ready (in backward order); a full bucket
 (``bucket_bytes``) is flattened into one buffer and all-reduced over the data axis
 asynchronously, so the reduction of late layers runs while earlier layers compute their
-backward. :meth:`GradBuckets.finish` adds the gradients that autograd accumulates itself (norm
-weights: no hook tells when they are complete, so they join the last bucket), launches what is
-left, waits for every bucket and makes each ``param.grad`` a view of its bucket's reduced buffer
+backward. The bucket that receives the step's last weight gradient (the embedding's, at the very
+end of backward) is not launched when full but by :meth:`GradBuckets.finish`, which adds to it
+the gradients that autograd accumulates itself (norm weights: no hook tells when they are
+complete), launches it, waits for every bucket and makes each ``param.grad`` a view of its
+bucket's reduced buffer
 (no copy back; DDP's ``gradient_as_bucket_view`` keeps gradients in its buckets likewise). (The
 structure follows picotron's ``data_parallel/bucket.py``; AxoNN leaves this all-reduce
 synchronous.)
@@ -34,6 +36,9 @@ class GradBuckets:
     Attributes:
         reduced: ids of the parameters whose gradients were summed over data since
             :meth:`clear` (gradient sync then skips the data axis for them).
+        expected: weight gradients :meth:`add` receives per step (set by the model; None:
+            unknown). The bucket that the last of them completes waits for :meth:`finish`, so
+            the late gradients ride in it instead of a call of their own.
     """
 
     def __init__(
@@ -42,18 +47,22 @@ class GradBuckets:
         self.grid, self.bucket_bytes = grid, bucket_bytes
         self.counts = counts if counts is not None else Counter()
         self.reduced: set[int] = set()
+        self.expected: int | None = None
+        self._added = 0
         self._bucket: list[nn.Parameter] = []
         self._bucket_size = 0
         self._launched: list[tuple[list[nn.Parameter], Handle]] = []
 
     def clear(self) -> None:
         """Start a new optimizer step: nothing reduced yet."""
-        self.reduced = set()
+        self.reduced, self._added = set(), 0
 
     def add(self, param: nn.Parameter) -> None:
-        """Queue ``param.grad`` (complete for this step); launch the bucket when it is full."""
+        """Queue ``param.grad`` (complete for this step); launch the bucket when it is full,
+        unless ``param`` is the step's last weight gradient (:attr:`expected`)."""
         self._queue(param)
-        if self._bucket_size >= self.bucket_bytes:
+        self._added += 1
+        if self._bucket_size >= self.bucket_bytes and self._added != self.expected:
             self._launch()
 
     def _queue(self, param: nn.Parameter) -> None:

@@ -97,7 +97,9 @@ class ParallelLlama(Transformer):
         overlap = Overlap(grid, overlaps, **overlap_options)
         super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing)
         self.overlap = overlap
-        overlap.late = [p for p in self.parameters() if Axis.Z in p.placement.grad_sum_axes]
+        params = list(self.parameters())
+        overlap.late = [p for p in params if Axis.Z in p.placement.grad_sum_axes]
+        overlap.buckets.expected = len(params) - len(overlap.late)
 
 
 def compile_blocks(model: Transformer) -> None:

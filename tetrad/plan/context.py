@@ -90,23 +90,18 @@ class Context:
     def bucket_calls(self, gx: int, gy: int, gz: int) -> int:
         """Data-parallel all-reduce calls of the bucketed overlap (the runtime's rule,
         :class:`tetrad.parallel.buckets.GradBuckets`: append each weight gradient as it becomes
-        ready, launch when the bucket reaches ``bucket_bytes``; at the end, with ``G_z = 1``,
-        add the vectors to the last bucket however full, and launch the rest)."""
+        ready and launch the bucket when it reaches ``bucket_bytes``, except the bucket of the
+        last gradient (the embedding's), which is launched at the end of backward with the
+        vectors added when ``G_z = 1``)."""
         key = (gx, gy, gz)
         got = self._buckets.get(key)
         if got is None:
-            block, _, head, emb = self.weight_shards(gx, gy, gz)
-            sizes = [head] + block * self.model.n_layers + [emb]
-            vectors = self.vector_elements(gx, gy) if gz == 1 else 0.0
-            if min(sizes) * FP32 >= self.bucket_bytes:
-                got = len(sizes) + (vectors > 0)
-            else:
-                got, acc = 0, 0.0
-                for s in sizes:
-                    acc += s * FP32
-                    if acc >= self.bucket_bytes:
-                        got, acc = got + 1, 0.0
-                got += acc + vectors > 0
+            block, _, head, _ = self.weight_shards(gx, gy, gz)
+            got, acc = 1, 0.0  # 1: the last bucket
+            for s in [head] + block * self.model.n_layers:
+                acc += s * FP32
+                if acc >= self.bucket_bytes:
+                    got, acc = got + 1, 0.0
             self._buckets[key] = got
         return got
 
