@@ -7,10 +7,9 @@ backward. The bucket that receives the step's last weight gradient (the embeddin
 end of backward) is not launched when full but by :meth:`GradBuckets.finish`, which adds to it
 the gradients that autograd accumulates itself (norm weights: no hook tells when they are
 complete), launches it, waits for every bucket and makes each ``param.grad`` a view of its
-bucket's reduced buffer
-(no copy back; DDP's ``gradient_as_bucket_view`` keeps gradients in its buckets likewise). (The
-structure follows picotron's ``data_parallel/bucket.py``; AxoNN leaves this all-reduce
-synchronous.)
+bucket's reduced buffer (no copy back; DDP's ``gradient_as_bucket_view`` keeps gradients in its
+buckets likewise). (The structure follows picotron's ``data_parallel/bucket.py``; AxoNN leaves
+this all-reduce synchronous.)
 """
 
 from __future__ import annotations
