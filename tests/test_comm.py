@@ -152,3 +152,46 @@ def test_norm_weights_join_the_last_data_parallel_bucket():
     """With G_z = 1 the norm weights' gradients (left to autograd) are summed over data in the
     last bucket, not by a separate all-reduce after backward."""
     run_distributed(norm_weights_in_last_bucket, 2)
+
+
+def gradients_in_bucket_buffers():
+    grid = Grid.build((2, 1, 1, 1))
+    ov = Overlap(grid, ("dp_all_reduce", "reduce_scatter"), bucket_bytes=1)
+    l1, l2 = Linear(16, 32, grid, overlap=ov), Linear(32, 16, grid, transpose=True, overlap=ov)
+    norm = RMSNorm(16, grid, Axis.X)
+    ov.late, ov.buckets.expected = [norm.weight], 2
+    ov.buckets.plan([l1.weight, l2.weight], [norm.weight])  # wrong: backward meets l2 first
+    torch.manual_seed(7)  # the same weights on both ranks
+    for p in (l1.weight, l2.weight, norm.weight):
+        torch.nn.init.normal_(p)
+    torch.manual_seed(dist.get_rank())  # each data rank sees other tokens
+    x = torch.randn(4, 3, 16)
+    params = (l2.weight, l1.weight, norm.weight)
+
+    def step() -> tuple[list[bool], list[int]]:
+        ov.begin_micro_batch(last=True)
+        l2(l1(norm(x))).square().sum().backward()
+        local = [p.grad.clone() for p in params]
+        before = [p.grad.untyped_storage().data_ptr() for p in params]
+        ov.end_micro_batch()
+        for p, mine in zip(params, local, strict=True):
+            want = mine.clone()
+            dist.all_reduce(want)
+            torch.testing.assert_close(p.grad, want)
+        after = [p.grad.untyped_storage().data_ptr() for p in params]
+        for p in params:
+            p.grad = None
+        return [a == b for a, b in zip(before, after, strict=True)], after
+
+    kept, _ = step()  # the order differs from the plan: flattened as before, plan remade
+    assert kept == [False, False, False]
+    kept, storage = step()  # the GEMMs wrote into the buckets; the norm's gradient copied in
+    assert kept == [True, True, False]
+    assert storage[0] != storage[1] == storage[2]  # buckets [l2] and [l1, norm]
+
+
+def test_weight_gradients_are_written_into_their_buckets():
+    """With G_z = 1 the weight-gradient GEMMs write into the planned data-parallel buckets (no
+    flattening copy); a plan that does not match backward's order falls back to the copy and
+    is remade from the order seen."""
+    run_distributed(gradients_in_bucket_buffers, 2)

@@ -8,8 +8,19 @@ end of backward) is not launched when full but by :meth:`GradBuckets.finish`, wh
 the gradients that autograd accumulates itself (norm weights: no hook tells when they are
 complete), launches it, waits for every bucket and makes each ``param.grad`` a view of its
 bucket's reduced buffer (no copy back; DDP's ``gradient_as_bucket_view`` keeps gradients in its
-buckets likewise). (The structure follows picotron's ``data_parallel/bucket.py``; AxoNN leaves
-this all-reduce synchronous.)
+buckets likewise).
+
+No copy in either, where the layers can help: :meth:`GradBuckets.plan` lays the buckets out in
+advance for gradients arriving in a given order (the model passes its parameters in reverse
+order, which is backward's), and :meth:`GradBuckets.slot` then hands a layer the place of its
+gradient in its bucket's buffer, into which the weight-gradient GEMM writes directly. A bucket
+whose gradients all sit in place is all-reduced as it is; the late gradients are copied into
+their places; later micro-batches of a step accumulate in place; a bucket that does not match
+the plan (another order) is flattened with ``torch.cat`` as before, and the plan is remade from
+the order seen. (DDP likewise assigns buckets by reverse parameter order and rebuilds them after
+the first step.)
+(The structure follows picotron's ``data_parallel/bucket.py``; AxoNN leaves this all-reduce
+synchronous.)
 """
 
 from __future__ import annotations
@@ -51,10 +62,58 @@ class GradBuckets:
         self._bucket: list[nn.Parameter] = []
         self._bucket_size = 0
         self._launched: list[tuple[list[nn.Parameter], Handle]] = []
+        self._late: list[nn.Parameter] = []
+        self._plan: list[list[tuple[nn.Parameter, int]]] = []  # per bucket: (param, offset)
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
+        self._flats: dict[int, torch.Tensor] = {}  # bucket -> its buffer, once a slot is taken
 
     def clear(self) -> None:
         """Start a new optimizer step: nothing reduced yet."""
         self.reduced, self._added = set(), 0
+
+    def plan(self, order: list[nn.Parameter], late: list[nn.Parameter] = ()) -> None:
+        """Lay out the buckets for weight gradients that :meth:`add` receives in ``order``
+        (the rule of :meth:`add`, with :attr:`expected` ``= len(order)``), ``late`` at the end
+        of the last bucket (:meth:`finish`). Parameters of mixed dtypes or devices: no plan."""
+        self._plan, self._where, self._late = [], {}, list(late)
+        params = [*order, *late]
+        if len({(p.dtype, p.device) for p in params}) > 1:
+            return
+        bucket, size = [], 0
+        for i, p in enumerate(order):
+            bucket.append(p)
+            size += p.numel() * p.element_size()
+            if size >= self.bucket_bytes and i + 1 != len(order):
+                self._plan.append(self._offsets(bucket))
+                bucket, size = [], 0
+        self._plan.append(self._offsets([*bucket, *late]))
+        for b, entries in enumerate(self._plan):
+            for p, offset in entries:
+                self._where[id(p)] = (b, offset)
+
+    @staticmethod
+    def _offsets(params: list[nn.Parameter]) -> list[tuple[nn.Parameter, int]]:
+        offsets, offset = [], 0
+        for p in params:
+            offsets.append((p, offset))
+            offset += p.numel()
+        return offsets
+
+    def slot(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The place of ``param``'s gradient in its planned bucket's buffer, shaped like
+        ``param`` (the buffer is allocated when its first slot is taken and lives until
+        :meth:`finish`, as the gradients); None when ``param`` is not in the plan or already has
+        a gradient (one written elsewhere is copied in at launch)."""
+        where = self._where.get(id(param))
+        if where is None or param.grad is not None:
+            return None
+        b, offset = where
+        flat = self._flats.get(b)
+        if flat is None:
+            p, last = self._plan[b][-1]
+            flat = torch.empty(last + p.numel(), dtype=param.dtype, device=param.device)
+            self._flats[b] = flat
+        return flat[offset : offset + param.numel()].view_as(param)
 
     def add(self, param: nn.Parameter) -> None:
         """Queue ``param.grad`` (complete for this step); launch the bucket when it is full,
@@ -76,17 +135,40 @@ class GradBuckets:
             if p.grad is not None:
                 self._queue(p)
         self._launch()
+        seen = []
         for params, handle in self._launched:
             flat, offset = handle.wait(), 0
             for p in params:
                 p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
-        self._launched = []
+            seen += params
+        if self._plan and [id(p) for p in seen] != [id(p) for p in self._planned()]:
+            late = {id(p) for p in self._late}
+            self.plan([p for p in seen if id(p) not in late], self._late)
+        self._launched, self._flats = [], {}
+
+    def _planned(self) -> list[nn.Parameter]:
+        return [p for entries in self._plan for p, _ in entries]
 
     def _launch(self) -> None:
         if self._bucket:
-            flat = torch.cat([p.grad.reshape(-1) for p in self._bucket])
+            flat = self._in_place(len(self._launched))
+            if flat is None:
+                flat = torch.cat([p.grad.reshape(-1) for p in self._bucket])
             handle = all_reduce(flat, self.grid, Axis.DATA, async_op=True)
             self._launched.append((self._bucket, handle))
             self.counts["dp_buckets"] += 1
         self._bucket, self._bucket_size = [], 0
+
+    def _in_place(self, b: int) -> torch.Tensor | None:
+        """Bucket ``b``'s planned buffer with every gradient of the pending bucket in its place
+        (those not written there are copied in), or None when the bucket is not the planned
+        one (or no slot of it was taken)."""
+        flat = self._flats.pop(b, None)
+        if flat is None or [id(p) for p in self._bucket] != [id(p) for p, _ in self._plan[b]]:
+            return None
+        for p, offset in self._plan[b]:
+            place = flat[offset : offset + p.numel()]
+            if p.grad.data_ptr() != place.data_ptr():
+                place.copy_(p.grad.reshape(-1))
+        return flat

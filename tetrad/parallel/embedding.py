@@ -44,7 +44,11 @@ class _Embedding3D(torch.autograd.Function):
         if ctx.ov.grid.y > 1:  # rows of ids in other Y blocks add nothing here
             dout = dout.masked_fill(outside.unsqueeze(-1), 0.0)
         dout = dout.to(e_shard.dtype)
-        de = torch.zeros(ctx.rows, dout.shape[-1], dtype=e_shard.dtype, device=dout.device)
+        de = ctx.ov.grad_slot(e_shard)  # its place in the data-parallel bucket, if offered
+        if de is None:
+            de = torch.zeros(ctx.rows, dout.shape[-1], dtype=e_shard.dtype, device=dout.device)
+        else:
+            de.zero_()
         de.index_add_(0, local.reshape(-1), dout.reshape(-1, dout.shape[-1]))
         ctx.ov.reduce_weight_grad(e_shard, de)
         return None, None, None

@@ -42,9 +42,17 @@ def reduce_weight_gradient(
     ov: Overlap, w_shard: nn.Parameter, dy: torch.Tensor, x: torch.Tensor
 ) -> None:
     """The block gradient ``dy^T x`` (``dy [..., n]``, ``x [..., k]`` -> ``[n, k]``), handed to
-    the overlap as ``w_shard``'s (its Z reduce-scatter fills ``w_shard.grad``)."""
-    dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-    ov.reduce_weight_grad(w_shard, dw.to(w_shard.dtype))
+    the overlap as ``w_shard``'s (its Z reduce-scatter fills ``w_shard.grad``); written straight
+    into its data-parallel bucket where the overlap offers a place (:meth:`Overlap.grad_slot`)."""
+    a, b = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
+    slot = ov.grad_slot(w_shard)
+    if slot is None:
+        dw = (a @ b).to(w_shard.dtype)
+    elif a.dtype == slot.dtype:
+        dw = torch.mm(a, b, out=slot)
+    else:  # the cast to the parameter dtype lands in the slot
+        dw = slot.copy_(a @ b)
+    ov.reduce_weight_grad(w_shard, dw)
 
 
 class _Linear3D(torch.autograd.Function):

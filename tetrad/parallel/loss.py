@@ -224,7 +224,10 @@ class _LMHeadLoss(torch.autograd.Function):
         ov = ctx.ov
         dx = scatter_hidden((dx * dloss.to(dx.dtype)).view(ctx.shape), ov.grid)
         handle = ov.backward_all_reduce(dx, Axis.Y)  # during the dW scaling
-        if dw.dtype == ctx.weight.dtype:
+        slot = ov.grad_slot(ctx.weight)  # its place in the data-parallel bucket, if offered
+        if slot is not None:
+            dw = torch.mul(dw, dloss, out=slot)
+        elif dw.dtype == ctx.weight.dtype:
             dw.mul_(dloss)
         else:  # scaled into the fp32 reduce-scatter input in one pass
             dw = torch.mul(dw, dloss, out=torch.empty_like(dw, dtype=ctx.weight.dtype))

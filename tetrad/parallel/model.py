@@ -100,6 +100,10 @@ class ParallelLlama(Transformer):
         params = list(self.parameters())
         overlap.late = [p for p in params if Axis.Z in p.placement.grad_sum_axes]
         overlap.buckets.expected = len(params) - len(overlap.late)
+        if overlap.folds_late():  # backward meets the weights in reverse order
+            late = {id(p) for p in overlap.late}
+            order = [p for p in reversed(params) if id(p) not in late]
+            overlap.buckets.plan(order, overlap.late)
 
 
 def compile_blocks(model: Transformer) -> None:

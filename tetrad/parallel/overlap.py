@@ -157,6 +157,17 @@ class Overlap:
             self._prefetched = None
 
     # -- weight gradients: reduce-scatter over Z, then all-reduce over data --------------
+    def grad_slot(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """Where a layer may write ``param``'s full-block weight gradient directly: its place
+        in its data-parallel bucket (:meth:`GradBuckets.slot`, shaped like ``param``) during a
+        training step whose buckets take the gradients as they are (:meth:`folds_late`:
+        ``G_z = 1``, no reduce-scatter between), when ``param`` has no gradient yet (later
+        micro-batches then accumulate into the slot); None otherwise. Hand the written slot on
+        with :meth:`reduce_weight_grad` as usual."""
+        if self._in_step and self.folds_late():
+            return self.buckets.slot(param)
+        return None
+
     def reduce_weight_grad(self, param: torch.nn.Parameter, block_grad: torch.Tensor) -> None:
         """Sum a full-block weight gradient over Z into ``param.grad`` (this rank's rows),
         asynchronously when ``reduce_scatter`` overlap is on."""

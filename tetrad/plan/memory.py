@@ -194,23 +194,37 @@ def lm_head_logits_bytes(model: ModelSpec, grid, m: int, e: int) -> float:
 
 def embedding_grad_bytes(model: ModelSpec, grid) -> float:
     """The embedding's backward builds its full-block gradient ``[V/G_y, h/G_x]`` fp32 before the
-    Z reduce-scatter (tetrad/parallel/embedding.py)."""
-    _, _, gy, gx = grid_sizes(grid)
-    return float(FP32 * model.vocab * model.hidden // (gx * gy))
+    Z reduce-scatter (tetrad/parallel/embedding.py); with ``G_z = 1`` that block is the gradient
+    itself (counted with the gradients), so nothing on top."""
+    _, gz, gy, gx = grid_sizes(grid)
+    return float(FP32 * model.vocab * model.hidden // (gx * gy)) if gz > 1 else 0.0
 
 
-def end_of_backward_bytes(model: ModelSpec, grid) -> float:
-    """Temporaries at the end of backward, when the embedding's gradient is built: with
-    ``G_data > 1`` the data-parallel all-reduce buffers of every weight gradient (``torch.cat``
-    of the bucket's gradients, one flat fp32 copy of all matrices, and with ``G_z = 1`` of the
-    vectors, which join the last bucket; the gradients become views of these buffers when the
-    last micro-batch's backward ends), plus :func:`embedding_grad_bytes`. (Without the
-    ``dp_all_reduce`` overlap ``sync_gradients`` makes the same copies after backward.)"""
+def end_of_backward_bytes(model: ModelSpec, grid, dp_overlap: bool = True) -> float:
+    """Temporaries at the end of backward, when the embedding's gradient is built, plus
+    :func:`embedding_grad_bytes`. With ``G_data > 1`` the data-parallel all-reduce buffers:
+
+    - ``G_z = 1`` with the ``dp_all_reduce`` overlap: the weight-gradient GEMMs write into the
+      buckets' buffers (:meth:`tetrad.parallel.buckets.GradBuckets.slot`), which are the
+      gradients; only the vectors (norm weights), which autograd accumulates, are copied into
+      the last bucket;
+    - ``G_z > 1``: ``torch.cat`` of each bucket's reduce-scattered gradients, one flat fp32 copy
+      of all matrices (the vectors are summed over Z and data after backward:
+      :func:`step_buffer_bytes`);
+    - without the overlap ``sync_gradients`` flattens the gradients after backward, one group
+      at a time (matrices, vectors): the matrices' copy, counted here.
+
+    The gradients become views of these buffers when the last micro-batch's backward ends."""
     gz = grid_sizes(grid)[1]
     gd = grid_sizes(grid)[0] * context_size(grid)  # the data x context group
     n = local_parameter_elements(model, grid)
-    flat = n["matrices"] + (n["vectors"] if gz == 1 else 0)
-    return (FP32 * flat if gd > 1 else 0.0) + embedding_grad_bytes(model, grid)
+    if gd == 1:
+        flat = 0
+    elif gz == 1 and dp_overlap:
+        flat = n["vectors"]
+    else:
+        flat = n["matrices"]
+    return FP32 * flat + embedding_grad_bytes(model, grid)
 
 
 def step_buffer_bytes(model: ModelSpec, grid) -> float:
@@ -243,6 +257,7 @@ def tetrad(
     dtype: str = "bf16",
     prefetch: bool = True,
     async_reduce_scatter: bool = True,
+    dp_overlap: bool = True,
 ) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
 
@@ -268,8 +283,9 @@ def tetrad(
     ``activation_checkpointing``: ``none``, ``selective``, ``selective:K`` or ``full`` (or a
     bool: ``full`` / ``none``); the saved sets are
     :func:`tetrad.plan.activations.saved_activations`'s.
-    ``prefetch`` and ``async_reduce_scatter`` mirror the runtime's ``prefetch`` and
-    ``reduce_scatter`` overlaps (tetrad/parallel/overlap.py, on by default).
+    ``prefetch``, ``async_reduce_scatter`` and ``dp_overlap`` mirror the runtime's
+    ``prefetch``, ``reduce_scatter`` and ``dp_all_reduce`` overlaps (tetrad/parallel/overlap.py,
+    on by default).
 
     Components (0 when not alive at the peak phase): ``parameters``, ``gradients``,
     ``optimizer_states``, ``activations`` (blocks, embedding, final norm), ``logits_and_loss``,
@@ -339,7 +355,7 @@ def tetrad(
         },
         "backward: end": {
             "activations": saved["embedding"],
-            "reduce_scatter_buffers": end_of_backward_bytes(model, grid),
+            "reduce_scatter_buffers": end_of_backward_bytes(model, grid, dp_overlap),
         },
         "optimizer step": {"step_buffers": step_buffer_bytes(model, grid)},
     }
