@@ -112,8 +112,8 @@ def local_parameter_elements(model: ModelSpec, grid) -> dict[str, int]:
     LayerNorm: weight and bias, ``2h/G_x``), replicated over Y, Z and data.
 
     Returns:
-        ``{"matrices": ..., "vectors": ..., "largest": ...}``: elements of all 2-D shards
-        (AdamW's weight-decay group), of all 1-D shards, and of the largest single shard.
+        ``{"matrices": ..., "vectors": ...}``: elements of all 2-D shards (AdamW's
+        weight-decay group) and of all 1-D shards.
     """
     _, gz, gy, gx = grid_sizes(grid)
     check_grid(model, grid)
@@ -128,7 +128,7 @@ def local_parameter_elements(model: ModelSpec, grid) -> dict[str, int]:
     norm = model.norm_params() // gx
     bias = sum(_vector_elements(lin, gx, gy) for lin in model.linears())
     vectors = model.n_layers * (2 * norm + bias) + norm
-    return {"matrices": matrices, "vectors": vectors, "largest": max(block + tables)}
+    return {"matrices": matrices, "vectors": vectors}
 
 
 def tetrad_parameter_bytes(model: ModelSpec, grid) -> float:
@@ -233,14 +233,12 @@ def step_buffer_bytes(model: ModelSpec, grid) -> float:
     - ``sync_gradients`` of the vectors (norm weights, biases): one flat fp32 copy when
       ``G_z > 1`` (with ``G_z = 1`` their data-parallel sum rode in the last bucket:
       :func:`end_of_backward_bytes`);
-    - ``clip_grad_norm``: ``p.grad.double().pow(2)``: 16 bytes per element of the largest shard;
+    - ``clip_grad_norm``: none (``torch._foreach_norm``: one scalar per gradient; the scaling
+      multiplies in place);
     - AdamW: none (torch's fused kernel, on CPU and CUDA, updates in place).
     """
     gz = grid_sizes(grid)[1]
-    n = local_parameter_elements(model, grid)
-    sync = FP32 * n["vectors"] if gz > 1 else 0
-    clip = 16 * n["largest"]
-    return float(max(sync, clip))
+    return float(FP32 * local_parameter_elements(model, grid)["vectors"] if gz > 1 else 0)
 
 
 # ---- the estimate ---------------------------------------------------------------------------
