@@ -214,7 +214,7 @@ def test_domino_halves_and_buckets():
     assert half.payload_bytes == 256 * 256 * 2 and half.hidden_behind
     assert ("wqkv", "forward", "x", "all_reduce") not in cols
     # all local shards, (2 * 147456 + 2 * 65536) * 4 = 1,703,936 B, and with G_z = 1 the five
-    # norm weights of h/G_x = 128 fit one 4 MiB bucket; no separate norm all-reduce over data
+    # norm weights of h/G_x = 128 fit one 25 MiB bucket; no separate norm all-reduce over data
     grads = cols[("gradients", "backward", "data", "all_reduce")]
     assert grads.calls == 1
     assert grads.payload_bytes == (2 * 147456 + 2 * 65536 + 5 * 128) * 4
