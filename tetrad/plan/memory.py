@@ -193,37 +193,25 @@ def lm_head_logits_bytes(model: ModelSpec, grid, m: int, e: int) -> float:
 
 
 def embedding_grad_bytes(model: ModelSpec, grid) -> float:
-    """The embedding's backward builds its full-block gradient ``[V/G_y, h/G_x]`` fp32 before the
-    Z reduce-scatter (tetrad/parallel/embedding.py); with ``G_z = 1`` that block is the gradient
-    itself (counted with the gradients), so nothing on top."""
+    """The embedding's full-block gradient ``[V/G_y, h/G_x]`` fp32 before the Z reduce-scatter
+    (tetrad/parallel/embedding.py); none with ``G_z = 1``, where the block is the gradient."""
     _, gz, gy, gx = grid_sizes(grid)
     return float(FP32 * model.vocab * model.hidden // (gx * gy)) if gz > 1 else 0.0
 
 
 def end_of_backward_bytes(model: ModelSpec, grid, dp_overlap: bool = True) -> float:
-    """Temporaries at the end of backward, when the embedding's gradient is built, plus
-    :func:`embedding_grad_bytes`. With ``G_data > 1`` the data-parallel all-reduce buffers:
-
-    - ``G_z = 1`` with the ``dp_all_reduce`` overlap: the weight-gradient GEMMs write into the
-      buckets' buffers (:meth:`tetrad.parallel.buckets.GradBuckets.slot`), which are the
-      gradients; only the vectors (norm weights), which autograd accumulates, are copied into
-      the last bucket;
-    - ``G_z > 1``: ``torch.cat`` of each bucket's reduce-scattered gradients, one flat fp32 copy
-      of all matrices (the vectors are summed over Z and data after backward:
-      :func:`step_buffer_bytes`);
-    - without the overlap ``sync_gradients`` flattens the gradients after backward, one group
-      at a time (matrices, vectors): the matrices' copy, counted here.
-
-    The gradients become views of these buffers when the last micro-batch's backward ends."""
+    """Temporaries at the end of backward, plus :func:`embedding_grad_bytes`: with ``G_data > 1``
+    the data-parallel buffers. With ``G_z = 1`` and the ``dp_all_reduce`` overlap the
+    weight-gradient GEMMs write into the buckets, which are the gradients
+    (:meth:`tetrad.parallel.buckets.GradBuckets.slot`): only the vectors (norm weights, left to
+    autograd) are copied into the last one. With ``G_z > 1``, ``torch.cat`` of each bucket's
+    reduce-scattered gradients: a flat fp32 copy of all matrices (the vectors follow after
+    backward, :func:`step_buffer_bytes`); without the overlap ``sync_gradients`` flattens one
+    group at a time after backward, the matrices' copy the largest."""
     gz = grid_sizes(grid)[1]
     gd = grid_sizes(grid)[0] * context_size(grid)  # the data x context group
     n = local_parameter_elements(model, grid)
-    if gd == 1:
-        flat = 0
-    elif gz == 1 and dp_overlap:
-        flat = n["vectors"]
-    else:
-        flat = n["matrices"]
+    flat = 0 if gd == 1 else n["vectors"] if gz == 1 and dp_overlap else n["matrices"]
     return FP32 * flat + embedding_grad_bytes(model, grid)
 
 
@@ -233,10 +221,8 @@ def step_buffer_bytes(model: ModelSpec, grid) -> float:
     - ``sync_gradients`` of the vectors (norm weights, biases): one flat fp32 copy when
       ``G_z > 1`` (with ``G_z = 1`` their data-parallel sum rode in the last bucket:
       :func:`end_of_backward_bytes`);
-    - ``clip_grad_norm``: none (``torch._foreach_norm``: one scalar per gradient; the scaling
-      multiplies in place);
-    - AdamW: none (torch's fused kernel, on CPU and CUDA, updates in place).
-    """
+    - none for ``clip_grad_norm`` (``torch._foreach_norm``, a scalar per gradient; the scaling
+      in place) and AdamW (torch's fused kernel, on CPU and CUDA, in place)."""
     gz = grid_sizes(grid)[1]
     return float(FP32 * local_parameter_elements(model, grid)["vectors"] if gz > 1 else 0)
 
