@@ -66,6 +66,7 @@ class GradBuckets:
         self._plan: list[list[tuple[nn.Parameter, int]]] = []  # per bucket: (param, offset)
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
         self._flats: dict[int, torch.Tensor] = {}  # bucket -> its buffer, once a slot is taken
+        self._off_plan = False  # a bucket this step was not the planned one
 
     def clear(self) -> None:
         """Start a new optimizer step: nothing reduced yet."""
@@ -142,13 +143,10 @@ class GradBuckets:
                 p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
             seen += params
-        if self._plan and [id(p) for p in seen] != [id(p) for p in self._planned()]:
+        if self._off_plan:  # lay the buckets out as backward met the gradients this time
             late = {id(p) for p in self._late}
             self.plan([p for p in seen if id(p) not in late], self._late)
-        self._launched, self._flats = [], {}
-
-    def _planned(self) -> list[nn.Parameter]:
-        return [p for entries in self._plan for p, _ in entries]
+        self._launched, self._flats, self._off_plan = [], {}, False
 
     def _launch(self) -> None:
         if self._bucket:
@@ -166,6 +164,7 @@ class GradBuckets:
         one (or no slot of it was taken)."""
         flat = self._flats.pop(b, None)
         if flat is None or [id(p) for p in self._bucket] != [id(p) for p, _ in self._plan[b]]:
+            self._off_plan = bool(self._plan)
             return None
         for p, offset in self._plan[b]:
             place = flat[offset : offset + p.numel()]
