@@ -167,16 +167,24 @@ def gradients_in_bucket_buffers():
     torch.manual_seed(dist.get_rank())  # each data rank sees other tokens
     x = torch.randn(4, 3, 16)
     params = (l2.weight, l1.weight, norm.weight)
+    # The reference: the same layers without overlap, their local gradients summed over data.
+    # (The overlapped gradients cannot be cloned after backward: a bucket launched during
+    # backward is being all-reduced in place while the test would read it.)
+    r1, r2 = Linear(16, 32, grid), Linear(32, 16, grid, transpose=True)
+    rnorm = RMSNorm(16, grid, Axis.X)
+    for r, p in zip((r2.weight, r1.weight, rnorm.weight), params, strict=True):
+        r.data.copy_(p.data)
+    r2(r1(rnorm(x))).square().sum().backward()
+    wants = [r.grad for r in (r2.weight, r1.weight, rnorm.weight)]
+    for want in wants:
+        dist.all_reduce(want)
 
     def step() -> tuple[list[bool], list[int]]:
         ov.begin_micro_batch(last=True)
         l2(l1(norm(x))).square().sum().backward()
-        local = [p.grad.clone() for p in params]
         before = [p.grad.untyped_storage().data_ptr() for p in params]
         ov.end_micro_batch()
-        for p, mine in zip(params, local, strict=True):
-            want = mine.clone()
-            dist.all_reduce(want)
+        for p, want in zip(params, wants, strict=True):
             torch.testing.assert_close(p.grad, want)
         after = [p.grad.untyped_storage().data_ptr() for p in params]
         for p in params:
