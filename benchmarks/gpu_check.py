@@ -1,8 +1,8 @@
 """One-GPU acceptance check of tetrad: equivalence, throughput, memory and step-time prediction.
 
-On a machine with one GPU (about 8 minutes, at most 15; tetrad run from the checkout)::
+On a machine with one GPU (about 5 minutes, at most 10; tetrad run from the checkout)::
 
-    PYTHONPATH=. python benchmarks/gpu_check.py [--out runs/gpu_check] [--steps 50]
+    PYTHONPATH=. python benchmarks/gpu_check.py [--out runs/gpu_check] [--steps 20]
 
 On CPU, as a smoke test with tiny sizes (about a minute; ``tests/test_gpu_check.py`` runs it)::
 
@@ -26,8 +26,10 @@ On CPU, as a smoke test with tiny sizes (about a minute; ``tests/test_gpu_check.
     memory), the global batch two micro-batches. From ``RUN_DIR/metrics.jsonl``: medians of
     tokens/s, MFU (against the datasheet bf16 peak on CUDA) and step time over the steps after
     the first logging interval (it holds torch.compile's compilation), and the peak memory
-    (``torch.cuda.max_memory_allocated``). Each run's whole output is kept in
-    ``OUT/train_<variant>.log``; its checkpoints are deleted.
+    (``torch.cuda.max_memory_allocated``). Steps 17-18 run under ``--profile-steps``; the
+    report adds each run's device time by kernel category (:mod:`tetrad.train.trace`). Each
+    run's whole output is kept in ``OUT/train_<variant>.log``; its checkpoints and trace are
+    deleted.
 (c) **Memory**: the planner's predicted peak (``tetrad memory``) against the measured one.
 (d) **Step time**: ``tetrad calibrate --quick`` writes a machine file (it needs two ranks, so on
     a one-GPU machine it fails and the machine preset stands in: said in the output); the
@@ -144,24 +146,26 @@ class Profile:
     bpe_vocab: int | None
     budget_s: float
     run_timeout_s: float
+    profile_steps: tuple[int, int]
 
 
 PROFILES = {
     "cuda": Profile(
         model="llama-1b,vocab_size=32768",
         seq_len=2048,
-        steps=50,
-        log_every=10,
+        steps=20,
+        log_every=5,
         warmup=5,
         micro_batches=(1, 2, 4, 8, 16),
         check_model="medium",
         check_batch=4,
         check_seq=512,
         layers=LayerSizes(batch=4, seq=256, hidden=1024, ffn=2816, vocab=8192),
-        data=(),  # the default corpus: the Python standard library
+        data=(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py"),),  # ~7 MB
         bpe_vocab=None,
-        budget_s=840.0,
-        run_timeout_s=420.0,
+        budget_s=330.0,
+        run_timeout_s=170.0,
+        profile_steps=(17, 18),
     ),
     "cpu": Profile(
         model="tiny,vocab_size=512",
@@ -178,6 +182,7 @@ PROFILES = {
         bpe_vocab=512,
         budget_s=300.0,
         run_timeout_s=150.0,
+        profile_steps=(17, 18),
     ),
 }
 """CUDA: the real check. CPU: tiny sizes, a small corpus, every code path in about a minute."""
@@ -571,13 +576,17 @@ def device_memory_bytes(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def memory_estimate(model: str, micro_batch: int, seq_len: int, gpu_bytes: int) -> dict:
-    """``tetrad memory --method tetrad --grid 1,1,1,1 ... --json`` (run in this process): the
-    planner's breakdown (bytes) and verdict (``fits``: total <= 80% of ``gpu_bytes``)."""
+def memory_estimate(
+    model: str, micro_batch: int, seq_len: int, gpu_bytes: int, recompute: str = "none"
+) -> dict:
+    """``tetrad memory --method tetrad --grid 1,1,1,1 --activation-checkpointing RECOMPUTE
+    ... --json`` (run in this process): the planner's breakdown (bytes) and verdict (``fits``:
+    total <= 80% of ``gpu_bytes``)."""
     from tetrad.cli import main as tetrad_main
 
     argv = ["memory", "--method", "tetrad", "--grid", ",".join(map(str, GRID))]
     argv += ["--model", planner_model_text(model), "--micro-batch", str(micro_batch)]
+    argv += ["--activation-checkpointing", recompute]
     argv += ["--seq-len", str(seq_len), "--gpu-memory-gib", f"{gpu_bytes / GiB:.4f}", "--json"]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -609,6 +618,9 @@ def train_command(args: argparse.Namespace, prof: Profile, mb: int, run_dir: Pat
     cmd += ["--seq-len", str(args.seq_len), "--micro-batch", str(mb), "--global-batch", str(2 * mb)]
     cmd += ["--steps", str(args.steps), "--warmup-steps", str(min(prof.warmup, args.steps))]
     cmd += ["--log-every", str(prof.log_every), "--val-every", str(max(1000, args.steps))]
+    a, b = prof.profile_steps
+    if b < args.steps:  # a profiled window before the last step (which validates and saves)
+        cmd += ["--profile-steps", f"{a}:{b}"]
     cmd += [
         "--val-batches",
         "1",
@@ -699,6 +711,10 @@ def train_run(args: argparse.Namespace, prof: Profile, name: str, mb: int, deadl
     res |= {"rc": rc, "wall_s": wall, "oom": "out of memory" in text.lower()}
     res["compile_line"] = next((ln for ln in lines if "tetrad: torch.compile:" in ln), None)
     res["mfu_peak_line"] = next((ln for ln in lines if "tetrad: MFU against" in ln), None)
+    summaries = sorted(run_dir.glob("trace_steps_*.txt"))
+    res["profile"] = summaries[0].read_text() if summaries else None
+    for trace in run_dir.glob("trace_steps_*.json"):
+        trace.unlink()  # hundreds of MB; the summary above is what the report keeps
     metrics = run_dir / "metrics.jsonl"
     if rc != 0 or not metrics.is_file():
         why = "timed out" if rc is None else f"exit status {rc}"
@@ -1011,7 +1027,12 @@ def markdown(result: dict) -> str:
     table = ["| check | setting | measured | expected | result |", "|---|---|---|---|---|"]
     table += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows]
     problems = "".join(f"\n- {p}" for p in result["problems"])
-    return head + "\n".join(table) + ("\n\nProblems:" + problems if problems else "") + "\n"
+    text = head + "\n".join(table) + ("\n\nProblems:" + problems if problems else "") + "\n"
+    for name, run in (result.get("training") or {}).get("runs", {}).items():
+        if run.get("profile"):
+            text += f"\n## Profile of the {name} run (tetrad.train.trace)\n\n```\n"
+            text += run["profile"] + "```\n"
+    return text
 
 
 def problems_of(result: dict) -> list[str]:
@@ -1046,7 +1067,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--out", default="runs/gpu_check", help="output folder")
     p.add_argument("--model", help="tetrad train --model (cuda: llama-1b,vocab_size=32768)")
-    p.add_argument("--steps", type=int, help="training steps per run (cuda: 50)")
+    p.add_argument("--steps", type=int, help="training steps per run (default 20)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (cuda: 2048)")
     p.add_argument("--micro-batch", type=int, help="skip the choice by the memory planner")
     p.add_argument("--skip-train", action="store_true", help="no training runs")

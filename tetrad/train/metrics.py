@@ -9,6 +9,7 @@ import torch
 
 from tetrad.comm import AxisStats
 from tetrad.spec import GiB
+from tetrad.train import trace
 from tetrad.train.peak import Peak
 
 
@@ -83,7 +84,8 @@ def log_line(row: dict) -> str:
 
 class StepProfiler:
     """``torch.profiler`` over steps ``A..B`` (1-based); rank 0 writes a Chrome trace
-    ``RUN_DIR/trace_steps_A-B.json`` (open it in chrome://tracing or Perfetto)."""
+    ``RUN_DIR/trace_steps_A-B.json`` (open it in chrome://tracing or Perfetto) and its summary
+    ``trace_steps_A-B.txt`` (device time by kernel category, :mod:`tetrad.train.trace`)."""
 
     def __init__(
         self, steps: tuple[int, int] | None, run_dir: Path, device: torch.device, rank0: bool
@@ -111,5 +113,7 @@ class StepProfiler:
             a, b = self.steps
             path = self.run_dir / f"trace_steps_{a}-{b}.json"
             self.prof.export_chrome_trace(str(path))
-            print(f"tetrad: profiler trace {path}")
+            text = trace.summary(path, b - a + 1)
+            path.with_suffix(".txt").write_text(text)
+            print(f"tetrad: profiler trace {path}; device time by kernel category:\n{text}")
         self.prof = None

@@ -1,0 +1,177 @@
+"""Peak memory and throughput of training steps on one GPU, against ``tetrad memory``.
+
+    PYTHONPATH=. python benchmarks/gpu_memory.py [--out runs/gpu_memory] [--cases 1b,8b]
+
+Each case (model, seq, micro-batch, recompute) runs in this process on the grid 1,1,1,1 (a
+world of one, NCCL): ``ParallelLlama`` with that recompute mode, fused AdamW, global batch two
+micro-batches under bf16 autocast, exactly :func:`tetrad.train.step.train_step` as ``tetrad
+train --device cuda`` runs it. Weights are drawn on the GPU (one ``normal_`` per tensor,
+std 0.02): ``init_parameters`` draws row by row on the host (about 30 s per 1e9 parameters),
+and only the values differ. Two warm-up steps (the first allocates AdamW's states), then the
+peak is reset and ``--steps`` steps are timed between two synchronisations.
+
+Per case: measured peak (``torch.cuda.max_memory_allocated``, bytes) against the planner's
+``tetrad memory --method tetrad --activation-checkpointing MODE`` (ratio measured/predicted),
+tokens/s, and MFU = model FLOPs per token (:meth:`ModelConfig.flops_per_token`, no recompute
+counted) x tokens/s / the datasheet dense bf16 peak (:func:`tetrad.device.datasheet_flops`).
+A case out of memory is recorded as such (with the planner's figure) and the next one runs.
+
+Cases ``1b``: llama-1b (vocabulary 32768), seq 2048, micro-batches 4 and 8, recompute none,
+selective and full. ``8b``: Llama-3.1-8B, seq 4096, micro-batch 1, selective and full (needs
+the H200's 141 GB; the planner's verdict is printed either way). Writes ``OUT/gpu_memory.json``
+and ``OUT/gpu_memory.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check's helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_check import device_memory_bytes, memory_estimate, world_of_one  # noqa: E402
+
+from tetrad.device import datasheet_flops, device_name, peak_memory_bytes  # noqa: E402
+from tetrad.models.config import parse_model  # noqa: E402
+from tetrad.parallel.model import ParallelLlama  # noqa: E402
+from tetrad.spec import GiB  # noqa: E402
+from tetrad.train.step import build_optimizer, train_step  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measurement: ``model`` as ``tetrad train --model`` takes it."""
+
+    model: str
+    seq_len: int
+    micro_batch: int
+    recompute: str
+
+
+CASES = {
+    "1b": [
+        Case("llama-1b,vocab_size=32768", 2048, mb, mode)
+        for mb in (4, 8)
+        for mode in ("none", "selective", "full")
+    ],
+    "8b": [Case("llama-3.1-8b,vocab_size=128256", 4096, 1, m) for m in ("selective", "full")],
+    "tiny": [Case("tiny", 64, 2, m) for m in ("none", "selective", "full")],  # CPU smoke test
+}
+
+
+def run_case(grid, case: Case, steps: int, gpu_bytes: int) -> dict:
+    """Measure one case; frees its model and optimizer afterwards."""
+    est = memory_estimate(case.model, case.micro_batch, case.seq_len, gpu_bytes, case.recompute)
+    out = {**case.__dict__, "predicted_bytes": est["total_bytes"], "fits": est["fits"]}
+    out["predicted_peak_phase"] = est.get("peak_phase")
+    cfg, _ = parse_model(case.model)
+    model = opt = None
+    try:
+        model = ParallelLlama(cfg, grid, case.recompute)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
+        opt = build_optimizer(model, 3e-4, 0.1)
+        gen = torch.Generator().manual_seed(0)
+        shape = (2 * case.micro_batch, case.seq_len + 1)
+        batch = torch.randint(0, cfg.vocab_size, shape, generator=gen)
+        for _ in range(2):
+            train_step(model, opt, grid, batch, case.micro_batch, 1.0)
+        sync(grid.device)
+        if grid.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss, _ = train_step(model, opt, grid, batch, case.micro_batch, 1.0)
+        sync(grid.device)
+        seconds = (time.perf_counter() - t0) / steps
+        tokens = shape[0] * case.seq_len
+        measured = peak_memory_bytes(grid.device)
+        peak = datasheet_flops(grid.device) or float("nan")
+        out |= {
+            "ok": True,
+            "loss": float(loss),
+            "measured_bytes": measured,
+            "ratio": measured / est["total_bytes"],
+            "step_s": seconds,
+            "tokens_per_s": tokens / seconds,
+            "mfu": cfg.flops_per_token(case.seq_len) * tokens / seconds / peak,
+        }
+    except torch.OutOfMemoryError as e:
+        out |= {"ok": False, "error": "out of memory: " + str(e).splitlines()[0][:160]}
+    finally:
+        del model, opt
+        gc.collect()
+        if grid.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
+    """The table of every case."""
+    head = (
+        f"# gpu_memory: {name}, {gpu_bytes / GiB:.1f} GiB, torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}\n\n"
+        "| model | seq | micro-batch | recompute | predicted | measured peak | measured / "
+        "predicted | step | tokens/s | MFU |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        pred = f"{r['predicted_bytes'] / GiB:.2f} GiB ({'fits' if r['fits'] else 'over 80%'})"
+        if not r["ok"]:
+            cells = [r["error"], "", "", "", ""]
+        else:
+            cells = [
+                f"{r['measured_bytes'] / GiB:.2f} GiB",
+                f"{r['ratio']:.3f}",
+                f"{r['step_s']:.3f} s",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{100 * r['mfu']:.1f}%",
+            ]
+        row = [r["model"].split(",")[0], str(r["seq_len"]), str(r["micro_batch"]), r["recompute"]]
+        lines.append("| " + " | ".join(row + [pred] + cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/gpu_memory")
+    p.add_argument("--cases", default="1b,8b", help="comma-separated: 1b, 8b")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per case")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA device is visible: use --device cpu --cases tiny")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu_bytes = device_memory_bytes(args.device)
+    rows = []
+    with world_of_one(args.device) as grid:
+        for key in args.cases.split(","):
+            for case in CASES[key]:
+                rows.append(run_case(grid, case, args.steps, gpu_bytes))
+                print(json.dumps(rows[-1]), flush=True)
+    name = device_name(grid.device)
+    (out / "gpu_memory.json").write_text(json.dumps(rows, indent=2) + "\n")
+    text = markdown(rows, name, gpu_bytes)
+    (out / "gpu_memory.md").write_text(text)
+    print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
