@@ -15,6 +15,8 @@ Per case: measured peak (``torch.cuda.max_memory_allocated``, bytes) against the
 tokens/s, and MFU = model FLOPs per token (:meth:`ModelConfig.flops_per_token`, no recompute
 counted) x tokens/s / the datasheet dense bf16 peak (:func:`tetrad.device.datasheet_flops`).
 A case out of memory is recorded as such (with the planner's figure) and the next one runs.
+The allocator runs with ``expandable_segments:True`` unless ``PYTORCH_CUDA_ALLOC_CONF`` is set
+(the peak allocated is the same either way; fixed segments fragment near the card's limit).
 
 Cases ``1b``: llama-1b (vocabulary 32768), seq 2048, micro-batches 4 and 8, recompute none,
 selective and full. ``8b``: Llama-3.1-8B, seq 4096, micro-batch 1, selective and full (needs
@@ -27,12 +29,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+# Before CUDA starts: the 8b cases peak at 137.4 GiB of the H200's 139.8 and fail to allocate
+# with the default allocator's fixed segments (fragmentation), as torchtitan's launcher also sets.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

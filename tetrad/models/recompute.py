@@ -75,7 +75,12 @@ class _Cheap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        recipe = ctx.recipe
+        # Every consumer has run its backward by now: drop the recipe and its inputs. Autograd
+        # frees a node's saved tensors after its backward, but not the attributes set on ctx,
+        # and the graph's nodes live until the whole backward ends: a recipe kept here would
+        # hold its inputs (a block's kept activations) until then.
+        recipe, ctx.recipe = ctx.recipe, None
+        recipe.inputs = ()
         if recipe.rebuilt is not None:  # the consumer's unpack rebuilt it with its graph
             (leaves, out), recipe.rebuilt = recipe.rebuilt, None
         else:

@@ -68,6 +68,7 @@ class _VocabParallelHead(torch.autograd.Function):
     def backward(ctx, dlogits):
         (x_full,) = ctx.saved_tensors
         w_shard, ov, w = ctx.weight, ctx.ov, ctx.w
+        ctx.w = None  # ctx attributes outlive backward with the graph: release the weight now
         dlogits = dlogits.to(w.dtype)
         dx = ov.backward_all_reduce(scatter_hidden(dlogits @ w, ov.grid), Axis.Y)  # during dW
         reduce_weight_gradient(ov, w_shard, dlogits, x_full)

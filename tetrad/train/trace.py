@@ -15,8 +15,8 @@ from collections import defaultdict
 from pathlib import Path
 
 CATEGORIES = (
-    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|wgmma", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),  # before gemm: cuDNN's
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|wgmma", re.I)),  # use wgmma
     ("collective", re.compile(r"nccl", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor", re.I)),
     ("fused (torch.compile)", re.compile(r"^triton", re.I)),
