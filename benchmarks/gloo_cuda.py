@@ -192,6 +192,18 @@ def worker(rank: int, port: int, grids: list[tuple[int, ...]], device_type: str,
     dist.destroy_process_group()
 
 
+def report(r: dict) -> bool:
+    """Print one rank's verdicts; True when any check failed."""
+    failed = False
+    for name, verdict in r["probe"].items():
+        print(f"gloo_cuda: rank {r['rank']} probe {name}: {verdict}", flush=True)
+        failed |= verdict != "ok"
+    for grid, verdict in r["equivalence"].items():
+        print(f"gloo_cuda: rank {r['rank']} grid {grid}: {verdict}", flush=True)
+        failed |= not verdict.startswith("ok")
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grids", nargs="+", default=["2,1,1,1", "1,2,1,1", "1,1,2,1", "1,1,1,2"])
@@ -210,26 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for proc in procs:
         proc.start()
-    results = []
-    for _ in procs:
+    failed = False
+    for _ in procs:  # printed as they arrive: a rank may hang in the point-to-point probe
         try:
-            results.append(queue.get(timeout=300))
+            failed |= report(queue.get(timeout=300))
         except queue_module.Empty:
-            print("gloo_cuda: a rank gave no result within 300 s (hung or died)")
+            print("gloo_cuda: a rank gave no result within 300 s (hung or died)", flush=True)
+            failed = True
             break
     for proc in procs:
-        proc.join(timeout=30)
+        proc.join(timeout=15)
         if proc.is_alive():
             proc.kill()
-    results.sort(key=lambda r: r["rank"])
-    failed = len(results) < len(procs)
-    for r in results:
-        for name, verdict in r["probe"].items():
-            print(f"gloo_cuda: rank {r['rank']} probe {name}: {verdict}")
-            failed |= verdict != "ok"
-        for grid, verdict in r["equivalence"].items():
-            print(f"gloo_cuda: rank {r['rank']} grid {grid}: {verdict}")
-            failed |= not verdict.startswith("ok")
     print("gloo_cuda: ok" if not failed else "gloo_cuda: some checks failed")
     return 1 if failed else 0
 
