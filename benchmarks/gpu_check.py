@@ -94,6 +94,7 @@ from tetrad.plan.comm import Context, estimate
 from tetrad.plan.machines import Machine, get_machine
 from tetrad.spec import DTYPE_BYTES, Axis, GiB, compute_dtype
 from tetrad.train import step as train_step_module
+from tetrad.train.metrics import read_rows
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 1234
@@ -719,7 +720,7 @@ def train_run(args: argparse.Namespace, prof: Profile, name: str, mb: int, deadl
     if rc != 0 or not metrics.is_file():
         why = "timed out" if rc is None else f"exit status {rc}"
         return res | {"error": f"{why}: " + " | ".join(lines[-8:])}
-    rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    rows, _ = read_rows(metrics)
     return res | {"ok": bool(rows)} | (summarize_metrics(rows, prof.log_every) if rows else {})
 
 

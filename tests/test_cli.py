@@ -20,7 +20,8 @@ from tetrad import cli
 from tetrad.models.config import ModelConfig
 from tetrad.train import generate as gen
 from tetrad.train.config import load_config, overrides
-from tetrad.train.launch import record_failure, run_local
+from tetrad.train.failures import record_failure
+from tetrad.train.launch import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300)

@@ -91,44 +91,57 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict]:
     return cfg, raw
 
 
+def open_safetensors(path: Path):
+    """``safe_open(path)`` (PyTorch tensors), which reads the file's header.
+
+    Raises:
+        ModelConfigError: the header cannot be read (a truncated or corrupt file), naming it.
+    """
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors' SafetensorError, or an OSError
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelConfigError(
+            f"{path} is not a readable safetensors file ({why}): download or export it again"
+        ) from None
+
+
 class Weights:
     """The safetensors files of a folder, read slice by slice (``safe_open(...).get_slice``):
     a rank reads only the rows and columns of its own shards.
 
     Raises (on construction):
-        ModelConfigError: no ``model.safetensors`` nor index, or a file listed but missing.
+        ModelConfigError: no ``model.safetensors`` nor index, a file listed but missing, or a
+            file whose safetensors header cannot be read (each file's header is read here).
     """
 
     def __init__(self, folder: Path, cfg: ModelConfig, tied: bool):
-        from safetensors import safe_open
-
         self.cfg, self.tied, self.folder = cfg, tied, folder
+        self._open: dict[str, object] = {}
         index = folder / INDEX
         if index.is_file():
             files = json.loads(index.read_text())["weight_map"]
         elif (folder / SINGLE).is_file():
-            with safe_open(str(folder / SINGLE), framework="pt") as f:
-                files = dict.fromkeys(f.keys(), SINGLE)
+            self._open[SINGLE] = open_safetensors(folder / SINGLE)
+            files = dict.fromkeys(self._open[SINGLE].keys(), SINGLE)  # type: ignore[attr-defined]
         else:
             raise ModelConfigError(f"{folder} has neither {SINGLE} nor {INDEX}: no weights to load")
         for name in set(files.values()):
             if not (folder / name).is_file():
                 raise ModelConfigError(f"{folder / name} (listed in {INDEX}) is missing")
+            if name not in self._open:
+                self._open[name] = open_safetensors(folder / name)
         self.files = files
-        self._open: dict[str, object] = {}
         embed = _PLAIN["tok_embeddings.weight"]
         self.vocab = self._slice(embed).get_shape()[0] if embed in files else 0
 
     def _slice(self, name: str):
         """safetensors' lazy slice of tensor ``name`` (its file opened once)."""
-        from safetensors import safe_open
-
         if name not in self.files:
             raise ModelConfigError(f"{self.folder} lacks the tensor {name}: is it a Llama folder?")
-        file = self.files[name]
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.folder / file), framework="pt")
-        return self._open[file].get_slice(name)  # type: ignore[attr-defined]
+        return self._open[self.files[name]].get_slice(name)  # type: ignore[attr-defined]
 
     def _rows(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
         """``name[rows, cols]`` (or ``name[rows]`` for a vector) read from its file."""

@@ -14,26 +14,36 @@ prints the progress. ``--grid auto`` is resolved by the planner first
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from tetrad.device import gpu_count, threads_per_rank
 from tetrad.spec import GridError, TetradError, check_world_size, error_line
 from tetrad.train.config import TrainConfig
+from tetrad.train.failures import failure_summary, record_failure
+from tetrad.train.resume import check_run_dir
+from tetrad.train.run_lock import RunDirLock
+from tetrad.train.stop import Stopped, exit_code, signal_name
+
+SHUTDOWN_S = 300
+"""Seconds the launcher lets its workers finish a step and save after a signal before it
+kills them (torchelastic's default is 30)."""
+HANDLED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+"""Signals the launcher forwards to its workers (torchelastic's default set plus SIGUSR1,
+which SLURM's ``--signal=USR1@T`` sends; unhandled, it would kill the launcher)."""
 
 
 def under_torchrun() -> bool:
@@ -59,20 +69,35 @@ def launch_train(cfg: TrainConfig) -> None:
         if cfg.training.device == "cuda":
             _check_gpus(local, "ranks on this node")
         cfg.check()
-        _train_as_one_rank(cfg)
+        with _run_lock(cfg, os.environ.get("RANK", "0") == "0"):
+            _train_as_one_rank(cfg)
         return
     cfg.check()
     d, c, z, y, x = cfg.parallelism.grid
     nproc = d * c * z * y * x
     if cfg.training.device == "cuda":
         _check_gpus(nproc, f"ranks of grid data*context*z*y*x = {d}*{c}*{z}*{y}*{x}")
-    trainer.preflight(cfg)
-    print(
-        f"tetrad: starting {nproc} workers (grid data={d} context={c} z={z} y={y} x={x}, "
-        f"{cfg.training.device})",
-        flush=True,
-    )
-    run_local(cfg, nproc)
+    with _run_lock(cfg, True):
+        trainer.preflight(cfg)
+        print(
+            f"tetrad: starting {nproc} workers (grid data={d} context={c} z={z} y={y} x={x}, "
+            f"{cfg.training.device})",
+            flush=True,
+        )
+        run_local(cfg, nproc)
+
+
+def _run_lock(cfg: TrainConfig, holder: bool) -> contextlib.AbstractContextManager:
+    """The run directory's lock (:mod:`tetrad.train.run_lock`) where this process holds it for
+    the job: the launcher started by hand, global rank 0 under ``torchrun``.
+
+    Raises (on entry):
+        ConfigError: the directory is not a writable folder, or another run holds it.
+    """
+    if not holder:
+        return contextlib.nullcontext()
+    check_run_dir(cfg.checkpoint.run_dir)
+    return RunDirLock(cfg.checkpoint.run_dir)
 
 
 def _train_as_one_rank(cfg: TrainConfig) -> None:
@@ -87,6 +112,9 @@ def _train_as_one_rank(cfg: TrainConfig) -> None:
 
     try:
         trainer.train(cfg)
+    except Stopped as e:  # rank 0 printed the line; the checkpoint is complete
+        sys.stdout.flush()
+        os._exit(exit_code(e.signum))
     except TetradError:
         if os.environ.get("RANK", "0") != "0":
             raise SystemExit(2) from None
@@ -128,13 +156,18 @@ def train_worker(cfg: Any) -> None:
     error, the full traceback goes to ``RUN_DIR/logs/rank_R.log`` (a temporary folder when the
     run directory cannot be written) and the one line ``<message> (rank R; traceback in
     <log>)`` to torchelastic's error file, which the launcher prints (:func:`failure_summary`);
-    the worker then exits with status 1 without printing anything. On Ctrl-C the worker exits
-    at once with status 130.
+    the worker then exits with status 1 without printing anything. Stopped by a signal after
+    its checkpoint (:mod:`tetrad.train.stop`), it exits with 143 (130 after Ctrl-C); on a
+    Ctrl-C before the training loop, at once with 130.
     """
     try:
         from tetrad.train.trainer import train
 
         train(cfg)
+    except Stopped as e:  # checkpoint saved, line printed by rank 0 (tetrad.train.stop)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code(e.signum))
     except KeyboardInterrupt:
         # Ctrl-C reaches every worker; leave at once and quietly (a normal interpreter exit
         # with live gloo/NCCL threads aborts with "terminate called without an active exception").
@@ -146,90 +179,6 @@ def train_worker(cfg: Any) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # no interpreter teardown: gloo/NCCL threads may still be blocked
-
-
-def record_failure(cfg: Any, e: BaseException) -> str:
-    """Report the exception ``e`` being handled in this worker: its traceback appended to
-    ``RUN_DIR/logs/rank_R.log``, and its one line written to torchelastic's error file
-    (``TORCHELASTIC_ERROR_FILE``, where set). Returns the line."""
-    rank = os.environ.get("RANK", "?")
-    log = _write_traceback(cfg, rank)
-    text = str(e).strip().splitlines()
-    first = text[0] if text else ""
-    message = first if isinstance(e, TetradError) else f"{type(e).__name__}: {first}"
-    line = f"{message} (rank {rank}; traceback in {log})"
-    _record_failure(line, _priority(e))
-    return line
-
-
-def _write_traceback(cfg: Any, rank: str) -> Path:
-    """Append this worker's traceback to ``RUN_DIR/logs/rank_R.log``; returns the log's path."""
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    text = f"--- {stamp}, rank {rank}, restart {restart}\n{traceback.format_exc()}"
-    run_dir = cfg.checkpoint.run_dir if isinstance(cfg, TrainConfig) else ""
-    folders = [Path(run_dir) / "logs"] if run_dir else []
-    for folder in [*folders, Path(tempfile.gettempdir()) / "tetrad-logs"]:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"rank_{rank}.log"
-            with path.open("a") as f:
-                f.write(text)
-            return path
-        except OSError:
-            continue
-    return Path("(nowhere: no writable folder)")
-
-
-# A worker's error, by how likely it is the cause: a mistake tetrad diagnosed, any other
-# error, then a collective failing because another rank died.
-_CAUSE, _OTHER, _PEER = 0, 1, 2
-
-
-def _priority(e: BaseException) -> int:
-    text = str(e)
-    if isinstance(e, TetradError):
-        return _CAUSE
-    peer = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out")
-    return _PEER if any(p in text for p in peer) else _OTHER
-
-
-def _record_failure(line: str, priority: int) -> None:
-    """Write torchelastic's error file (``TORCHELASTIC_ERROR_FILE``, JSON) for this worker,
-    with ``line`` as the message; the launcher reads it back as ``ProcessFailure.message``."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    info = {"py_callstack": "", "timestamp": str(int(time.time())), "tetrad_priority": priority}
-    with open(path, "w") as f:
-        json.dump({"message": {"message": line, "extraInfo": info}}, f)
-
-
-def failure_summary(err: ChildFailedError) -> str:
-    """One line: the most telling failure of ``err`` (an error tetrad diagnosed before one of
-    a collective whose peer died; then the earliest; then the lowest rank) and its rank."""
-
-    def key(item: tuple[int, ProcessFailure]) -> tuple:
-        rank, failure = item
-        info = failure.error_file_data.get("message", {})
-        extra = info.get("extraInfo", {}) if isinstance(info, dict) else {}
-        return (extra.get("tetrad_priority", _OTHER), failure.timestamp, rank)
-
-    rank, failure = min(err.failures.items(), key=key)
-    message = _failure_message(failure)
-    return message if "(rank " in message else f"rank {rank} failed: {message}"
-
-
-def _failure_message(failure: ProcessFailure) -> str:
-    msg = failure.message
-    if isinstance(msg, dict):
-        msg = msg.get("message", "")
-    msg = str(msg).strip()
-    if failure.error_file_data.get("message") == "<NONE>" or not msg or msg.startswith("To enable"):
-        if failure.exitcode < 0:
-            return f"killed by signal {failure.signal_name()} (exit code {failure.exitcode})"
-        return f"exited with code {failure.exitcode}"
-    return msg.splitlines()[0]
 
 
 def _quiet_torch_logs() -> dict[str, int]:
@@ -259,6 +208,49 @@ def _restore_logs(old: dict[str, int]) -> None:
 def _max_restarts(job: Any) -> int:
     """``--max-restarts`` of a :class:`TrainConfig` (0 for other jobs)."""
     return job.checkpoint.max_restarts if isinstance(job, TrainConfig) else 0
+
+
+def _signal_options() -> dict[str, Any]:
+    """:data:`HANDLED` and :data:`SHUTDOWN_S` as :class:`LaunchConfig` options, those this
+    torch has (2.13 has both)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(LaunchConfig)}
+    wanted = {"signals_to_handle": HANDLED, "shutdown_timeout": SHUTDOWN_S}
+    return {k: v for k, v in wanted.items() if k in names}
+
+
+def _stop_record(job: Any, since: float) -> dict | None:
+    """``RUN_DIR/logs/stopped.json`` written by rank 0 after a signal's checkpoint (see
+    :mod:`tetrad.train.stop`) at or after ``since`` (a ``time.time()``), or None."""
+    if not isinstance(job, TrainConfig):
+        return None
+    path = Path(job.checkpoint.run_dir) / "logs" / "stopped.json"
+    try:
+        if path.stat().st_mtime >= since:
+            return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _say_unsaved(job: Any, since: float, sigval: int) -> None:
+    """After a signal: nothing when rank 0 already said where the run stopped, else one line
+    saying that no checkpoint was saved for the stop and which one a resume would load."""
+    if _stop_record(job, since) is not None or not isinstance(job, TrainConfig):
+        return
+    from tetrad.train.checkpoint_dir import CheckpointError, latest_checkpoint
+
+    try:
+        latest = latest_checkpoint(job.checkpoint.run_dir)
+    except CheckpointError:
+        latest = None
+    where = (
+        f"continue from {latest.name} with --resume"
+        if latest is not None
+        else "no checkpoint yet: start the run again"
+    )
+    print(f"tetrad: stopped by {signal_name(sigval)} before a checkpoint was saved; {where}")
 
 
 def _device(job: Any) -> str:
@@ -305,16 +297,20 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
                 max_restarts=_max_restarts(cfg),
                 start_method="spawn",
                 logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # error files only; no redirects
+                **_signal_options(),
             )
+            started = time.time()
             try:
                 elastic_launch(config, entrypoint)(cfg)
             except ChildFailedError as e:
+                stopped = _stop_record(cfg, started)
+                if stopped and all(f.exitcode in (130, 143) for f in e.failures.values()):
+                    raise SystemExit(max(f.exitcode for f in e.failures.values())) from None
                 print(error_line(failure_summary(e)), file=sys.stderr)
                 raise SystemExit(1) from None
             except SignalException as e:
-                if e.sigval == signal.SIGINT:
-                    raise KeyboardInterrupt from None
-                raise SystemExit(128 + int(e.sigval)) from None
+                _say_unsaved(cfg, started, e.sigval)
+                raise SystemExit(exit_code(e.sigval)) from None
     finally:
         _restore_logs(old_levels)
         for name in added:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,26 @@ class StepMeter:
             "comm_exposed_s": {a: st.exposed_s for a, st in comm.items()},
             "overlaps_ran": overlaps_ran,
         }
+
+
+def read_rows(path: str | Path) -> tuple[list[dict], int]:
+    """The rows of a ``metrics.jsonl`` and the number of lines skipped: a line a crash cut
+    short (typically the last one, without its newline) or that is otherwise not a JSON
+    object. Blank lines are neither rows nor skipped."""
+    rows, skipped = [], 0
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            skipped += 1
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            skipped += 1
+    return rows, skipped
 
 
 def log_line(row: dict) -> str:

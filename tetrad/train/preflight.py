@@ -19,7 +19,7 @@ from tetrad.spec import checkpointed_blocks
 from tetrad.train.checkpoint_dir import check_files, check_resume, read_meta, tokenizer_hash
 from tetrad.train.config import ConfigError, TrainConfig
 from tetrad.train.data import Corpus, prepare_corpus
-from tetrad.train.resume import check_run_dir, start_checkpoint
+from tetrad.train.resume import check_run_dir, restart_count, start_checkpoint
 
 
 def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
@@ -65,7 +65,21 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
         check_resume(start, meta, model_cfg, tokenizer_hash(corpus.tokenizer_path))
         if meta is not None:
             check_files(start, meta, digest=False)  # the ranks compare digests when loading
+        _check_steps_left(cfg, start, meta)
     return corpus, model_cfg
+
+
+def _check_steps_left(cfg: TrainConfig, start: Path, meta: dict | None) -> None:
+    """Raises ConfigError when ``--resume`` would start at or after ``--steps`` (nothing to
+    train). A restarted worker is not asked: its run may simply be complete."""
+    step = (meta or {}).get("step")
+    if step is None or restart_count() or step < cfg.training.steps:
+        return
+    raise ConfigError(
+        f"--resume: the latest checkpoint {start.name} is at step {step}, at or beyond "
+        f"--steps {cfg.training.steps}: pass --steps above {step} to train further (the "
+        "learning-rate schedule follows --steps)"
+    )
 
 
 def _check_seq_len(corpus: Corpus, seq_len: int) -> None:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tetrad.spec import COMM_AXES
 from tetrad.train.config import ConfigError
+from tetrad.train.metrics import read_rows
 
 
-def load_metrics(run_dir: str | Path) -> list[dict]:
-    """The rows of ``RUN_DIR/metrics.jsonl``.
+def load_metrics(run_dir: str | Path) -> tuple[list[dict], int]:
+    """The rows of ``RUN_DIR/metrics.jsonl`` and the number of lines skipped (a last line a
+    crash cut short: :func:`tetrad.train.metrics.read_rows`).
 
     Raises:
         ConfigError: no such file, or no rows with communication records in it.
@@ -18,11 +19,11 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: pass the --run-dir of a tetrad train run")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, skipped = read_rows(path)
     rows = [r for r in rows if "comm_exposed_s" in r]
     if not rows:
         raise ConfigError(f"{path} has no steps with communication records")
-    return rows
+    return rows, skipped
 
 
 def summarize(rows: list[dict], skip: int = 1) -> dict:
@@ -125,8 +126,14 @@ def plot_report(s: dict, path: str | Path) -> None:
 
 def report(run_dir: str | Path, plot: bool = True) -> str:
     """Summarize a run; with ``plot`` also write ``RUN_DIR/report.png``. Returns the text."""
-    s = summarize(load_metrics(run_dir))
+    rows, skipped = load_metrics(run_dir)
+    s = summarize(rows)
     text = format_report(s)
+    if skipped:
+        text += (
+            f"\n\n(skipped {skipped} line(s) of metrics.jsonl that are not complete rows: a "
+            "crash cuts the last one short)"
+        )
     if plot:
         out = Path(run_dir) / "report.png"
         plot_report(s, out)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tetrad.train.checkpoint_dir import CheckpointError, latest_checkpoint
 from tetrad.train.config import ConfigError, TrainConfig
+from tetrad.train.metrics import read_rows
 
 
 def restart_count() -> int:
@@ -83,13 +84,8 @@ def trim_metrics(run_dir: Path, start: int) -> None:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return
-    kept = []
-    for line in path.read_text().splitlines(keepends=True):
-        try:
-            if json.loads(line).get("step", 0) <= start:
-                kept.append(line)
-        except ValueError:  # a line a crash cut short
-            continue
+    rows, _ = read_rows(path)  # without the lines a crash cut short
+    kept = [json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= start]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)

@@ -207,6 +207,11 @@ class CheckpointSection:
     resume: bool = option(
         False, help="continue from the run dir's latest checkpoint (an error if it has none)"
     )
+    save_on_signal: bool = option(
+        True,
+        help="on SIGTERM, SIGUSR1 or Ctrl-C, finish the step, save a checkpoint and stop "
+        "(exit code 143, or 130 after Ctrl-C; a second Ctrl-C stops at once)",
+    )
     max_restarts: int = option(
         0,
         metavar="N",

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.checkpoint_dir import (
     leftovers,
     read_meta,
+    step_dir,
     tokenizer_hash,
 )
 from tetrad.train.config import TrainConfig
@@ -41,6 +43,7 @@ from tetrad.train.resume import (
     trim_metrics,
 )
 from tetrad.train.step import build_optimizer, evaluate, lr_at, train_step
+from tetrad.train.stop import Stopped, StopSignals, signal_name
 
 __all__ = ["build_model", "preflight", "train"]
 
@@ -98,6 +101,7 @@ class _Job:
     ckpt: Checkpointer
     meter: StepMeter
     rank0: bool
+    stop: StopSignals
 
     @property
     def run_dir(self) -> Path:
@@ -111,6 +115,7 @@ def train(cfg: TrainConfig) -> dict:
     JSON object per step: see :meth:`tetrad.train.metrics.StepMeter.row`, and ``val_loss``
     where validation ran) and checkpoints under ``RUN_DIR/checkpoints``.
     """
+    stop = StopSignals(cfg.checkpoint.save_on_signal)  # first: a signal from now on is kept
     grid = Grid.build(cfg.parallelism.grid, cfg.training.device)
     if grid.device.type == "cpu":
         torch.set_num_threads(threads_per_rank(grid.world_size))
@@ -131,7 +136,7 @@ def train(cfg: TrainConfig) -> dict:
     }
     background = ck.async_save == "on" or (ck.async_save == "auto" and grid.device.type == "cuda")
     ckpt = Checkpointer(ck.run_dir, grid, meta=meta, keep_last=ck.keep_last, async_save=background)
-    job = _Job(cfg, grid, corpus, model, optimizer, ckpt, meter, dist.get_rank() == 0)
+    job = _Job(cfg, grid, corpus, model, optimizer, ckpt, meter, dist.get_rank() == 0, stop)
     path = start_checkpoint(cfg)
     if path is None and cfg.hf_folder is not None:
         init_from_hf(model, grid, cfg.hf_folder)
@@ -144,7 +149,13 @@ def train(cfg: TrainConfig) -> dict:
         for old in leftovers(job.run_dir):
             print(f"tetrad: ignoring {old}: a save a crash interrupted (removed at the next save)")
     t_start = time.perf_counter()
-    loss, val_loss = _loop(job, start)
+    try:
+        loss, val_loss = _loop(job, start)
+    except Stopped as e:
+        _stopped(job, e)
+        raise
+    finally:
+        stop.close()
     _report_save(job, ckpt.close())
     summary = {
         "steps": t.steps,
@@ -160,6 +171,20 @@ def train(cfg: TrainConfig) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def _stopped(job: _Job, e: Stopped) -> None:
+    """After the checkpoint of a signal's stop: the line and ``RUN_DIR/logs/stopped.json``
+    (read by the launcher) on rank 0, then the process group's end."""
+    if job.rank0:
+        print(str(e), flush=True)
+        record = {"signal": signal_name(e.signum), "step": e.step, "checkpoint": e.checkpoint}
+        logs = job.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / "stopped.json").write_text(json.dumps(record) + "\n")
+    job.ckpt.close()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _write_run_files(job: _Job, model_cfg: ModelConfig, start: int) -> None:
@@ -288,6 +313,9 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
     val = val_batches(job.corpus.val, log.val_batches, t.global_batch, t.seq_len)
     profile = log.profile_range()
     profiler = StepProfiler(profile, job.run_dir, job.grid.device, rank0)
+    # tqdm's default lock is a multiprocessing one (a named semaphore); a worker that exits
+    # without interpreter teardown would leave it to the resource tracker's leak warning.
+    tqdm.set_lock(threading.RLock())
     bar = tqdm(
         total=t.steps,
         initial=start,
@@ -306,8 +334,9 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
         profiler.before(done)
         pending.append(_step(job, step, batch))
         profiler.after(done)
+        stop = job.stop.agreed()
         last, validate = done == t.steps, done % log.val_every == 0
-        save = (every and done % every == 0) or last
+        save = (every and done % every == 0) or last or stop
         edge = profile is not None and done + 1 in (profile[0], profile[1] + 1)
         if not (done % log.log_every == 0 or last or validate or save or edge):
             continue
@@ -331,7 +360,7 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
         if save:
             t0 = time.perf_counter()
             job.ckpt.save(job.model, job.optimizer, done)
-            if not job.ckpt.async_save:
+            if stop or not job.ckpt.async_save:
                 _report_save(job, job.ckpt.wait())
             if rank0:
                 bar.write(
@@ -339,9 +368,16 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
                     f"{time.perf_counter() - t0:.2f} s",
                     file=sys.stdout,
                 )
+        if stop:
+            _close_loop(bar, profiler, metrics)
+            raise Stopped(stop, done, step_dir(job.run_dir, done).name)
         since = time.perf_counter()
+    _close_loop(bar, profiler, metrics)
+    return loss, val_loss
+
+
+def _close_loop(bar: tqdm, profiler: StepProfiler, metrics) -> None:
     bar.close()
     profiler.close()
     if metrics is not None:
         metrics.close()
-    return loss, val_loss
