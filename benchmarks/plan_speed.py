@@ -21,9 +21,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tetrad.plan.machines import get_machine  # noqa: E402
-from tetrad.plan.presets import get_model  # noqa: E402
-from tetrad.plan.search import plan  # noqa: E402
+from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.model.presets import get_model
+from tetrad.plan.search.plan import plan
 
 GPUS = 16384
 CASES = [

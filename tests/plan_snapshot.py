@@ -12,18 +12,18 @@ The questions, for 6 models x 4 machines x 3 GPU counts (:data:`MODELS`, :data:`
 - ``configs``: for 3 grids spread over the valid (data, context, Z, Y, X) grids, 2 micro-batches
   and the checkpointing modes ``none``, ``selective`` (or ``selective:K``, alternating) and
   ``full``, each under one of :data:`OVERLAP_CHOICES` in turn (every 5th in fp32): the step
-  estimate (:func:`tetrad.plan.comm.estimate`: step, compute and recompute seconds, exposed and
-  all communication seconds per axis, micro-batches, the ``fine`` chunk count) and the memory
-  estimate (:func:`tetrad.plan.memory.tetrad`: each phase's bytes, the peak phase and its
-  components); plus one grid under every overlap choice; every 8th also the per-axis totals of
-  the detailed collectives (:func:`tetrad.plan.comm.axis_totals`).
-- ``plans``: the ranked top 5 of :func:`tetrad.plan.search.plan` (4D and classic rows, or the
+  estimate (:func:`tetrad.plan.comm.estimate.estimate`: step, compute and recompute seconds,
+  exposed and all communication seconds per axis, micro-batches, the ``fine`` chunk count) and
+  the memory estimate (:func:`tetrad.plan.memory.runtime.tetrad`: each phase's bytes, the peak
+  phase and its components); plus one grid under every overlap choice; every 8th also the
+  per-axis totals of the detailed collectives (:func:`tetrad.plan.comm.estimate.axis_totals`).
+- ``plans``: the ranked top 5 of :func:`tetrad.plan.search.plan.plan` (4D and classic rows, or the
   error message), with the default options, and per question one variant in turn: no overlap,
   AxoNN's communication model, one checkpointing mode, allowed micro-batches, fp32, a smaller
   memory.
 - ``large``: the issue's question at scale, gpt-80b on Perlmutter with a global batch of 16,384
   on 4,096 and 16,384 GPUs, top 10 (:data:`LARGE`).
-- ``sublayers``: the T3 sublayer table (:func:`tetrad.plan.sublayers.sublayers`; the fused
+- ``sublayers``: the T3 sublayer table (:func:`tetrad.plan.comm.sublayers.sublayers`; the fused
   ring's replay) per model and machine at TP 2, 4 and 8.
 
 Seconds are stored with 12 significant digits (the test compares to 1e-9), bytes exactly.
@@ -42,15 +42,17 @@ import os
 import sys
 import time
 
-from tetrad.plan import memory
-from tetrad.plan.comm import Context, axis_totals, estimate
-from tetrad.plan.context_parallel import context_problems
-from tetrad.plan.machines import get_machine
-from tetrad.plan.models import PlanError, grid_problems
-from tetrad.plan.presets import get_model
-from tetrad.plan.rows import divisors, factorizations
-from tetrad.plan.search import plan
-from tetrad.plan.sublayers import sublayers
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.context_parallel import context_problems
+from tetrad.plan.comm.estimate import axis_totals, estimate
+from tetrad.plan.comm.sublayers import sublayers
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.memory.runtime import tetrad
+from tetrad.plan.model.grids import grid_problems
+from tetrad.plan.model.presets import get_model
+from tetrad.plan.search.plan import plan
+from tetrad.plan.search.space import divisors, factorizations
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plan_snapshot.json.gz")
 MODELS = ("gpt-5b", "gpt-20b", "gpt-80b", "llama-1b", "llama-3.1-8b", "llama-2-70b")
@@ -110,7 +112,7 @@ def _config(model, machine, grid, b: int, ckpt: str, overlaps: str, fp32: bool, 
     ctx = Context(model, machine, SEQ_LEN, batch, overlaps=overlaps, compute_bytes=4 if fp32 else 2)
     est = estimate(ctx, grid, b, ckpt, detail=detail)
     ov = ctx.overlaps
-    mem = memory.tetrad(
+    mem = tetrad(
         model,
         grid,
         b,

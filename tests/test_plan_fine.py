@@ -1,15 +1,15 @@
-"""The planner's model of the fused GEMM + collective rings (tetrad.plan.fine) and
+"""The planner's model of the fused GEMM + collective rings (tetrad.plan.comm.fine) and
 ``tetrad plan --sublayers``: closed forms where the replay has one, and the CLI (no processes)."""
 
 import pytest
 
 from tetrad.cli import main
-from tetrad.plan.fine import (
+from tetrad.plan.comm.fine import (
     ring_all_gather_seconds,
     ring_reduce_scatter_seconds,
     sublayer_seconds,
 )
-from tetrad.plan.network import Link
+from tetrad.plan.machine.network import Link
 
 LINK = Link(4, 1, 4, 1, bandwidth=1e9, hop_latency=0.0, base_latency=1e-6)
 

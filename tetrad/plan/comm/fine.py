@@ -27,12 +27,8 @@ Ideal overlap (T3's bound): ``max(t_GEMM, t_collective)``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER, Link
-
-if TYPE_CHECKING:
-    from tetrad.plan.layers import PlacedLinear, Recorder, Step
+from tetrad.plan.machine.network import REDUCE_SCATTER, Link
 
 CHUNK_CANDIDATES = (1, 2, 4, 8)
 """Pieces per ring step the planner chooses from."""
@@ -65,7 +61,7 @@ def ring_reduce_scatter_seconds(
     Args:
         gemm_s: seconds of one GEMM of the given FLOPs on this machine.
         flops: FLOPs of the whole GEMM ``2 (G m) n k``; payload: its output bytes ``G m n c``.
-        link: the group's :class:`~tetrad.plan.network.Link` (``G = link.size``).
+        link: the group's :class:`~tetrad.plan.machine.network.Link` (``G = link.size``).
         chunks: pieces per ring step ``q``; slowdown: compute contention factor.
     """
     g = link.size
@@ -150,46 +146,3 @@ def sublayer_seconds(
         "fused": fused,
         "ideal": max(gemm, coll),
     }
-
-
-def fine_all_reduce(
-    rec: Recorder,
-    st: Step,
-    lin: PlacedLinear,
-    phase: str,
-    axis: str,
-    p: float,
-    chunks: int,
-    ag_behind_dw: bool,
-) -> None:
-    """``fine`` (T3's layout): a reduce-scatter of ``p`` bytes fused with the GEMM that produces
-    it, exposed ``fused - GEMM`` (:func:`tetrad.plan.fine.ring_reduce_scatter_seconds`: the
-    ring's waits and the pieces' lower GEMM efficiency), then an all-gather of ``p`` bytes,
-    exposed, or ``max(0, t - GEMM)`` when it runs during the dW GEMM (``ag_behind_dw``)."""
-    link, calls = st.links[axis], lin.calls
-    fused = ring_reduce_scatter_seconds(st.gemm_s, lin.flops, p, link, chunks, st.slowdown)
-    t_rs, t_ag = link.time(REDUCE_SCATTER, p), link.time(ALL_GATHER, p)
-    e_ag = max(0.0, t_ag - lin.gemm) if ag_behind_dw else t_ag
-    hid = f"its GEMM ({chunks} pieces per ring step)"
-    rec.add(
-        lin.name,
-        phase,
-        axis,
-        REDUCE_SCATTER,
-        p,
-        calls,
-        t_rs,
-        calls * max(0.0, fused - lin.gemm),
-        hid,
-    )
-    rec.add(
-        lin.name,
-        phase,
-        axis,
-        ALL_GATHER,
-        p,
-        calls,
-        t_ag,
-        calls * e_ag,
-        "dW GEMM" if ag_behind_dw else "",
-    )

@@ -1,20 +1,22 @@
 """The constants of one planner question (model, machine, batch, overlaps), computed once per
-search and shared by every :func:`tetrad.plan.comm.estimate` call."""
+search and shared by every :func:`tetrad.plan.comm.estimate.estimate` call."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tetrad.plan.compute import BlockCompute, block_compute
-from tetrad.plan.fine import CHUNK_CANDIDATES
-from tetrad.plan.layers import FP32
-from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, PlanError, context_size
-from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OverlapError, parse_overlaps
+from tetrad.plan.comm.fine import CHUNK_CANDIDATES
+from tetrad.plan.compute.block import BlockCompute, block_compute
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.spec import Machine
+from tetrad.plan.model.grids import context_size
+from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, FP32, OverlapError, parse_overlaps
 
 
 class Context:
-    """Per (model, machine, settings) constants of :func:`estimate`, computed once per search.
+    """Per (model, machine, settings) constants of :func:`tetrad.plan.comm.estimate.estimate`,
+    computed once per search.
 
     Args:
         seq_len: tokens per sample ``S``; ``global_batch``: samples per step ``B``.
@@ -24,7 +26,7 @@ class Context:
         bucket_bytes: data-parallel all-reduce bucket, bytes (``dp_all_reduce``).
         domino_min_rows: the ``domino`` split needs ``m >= 2 * domino_min_rows`` token rows.
         fine_chunks: pieces per ring step of ``fine``; None: the best of
-            :data:`tetrad.plan.fine.CHUNK_CANDIDATES`.
+            :data:`tetrad.plan.comm.fine.CHUNK_CANDIDATES`.
     """
 
     def __init__(
@@ -68,7 +70,8 @@ class Context:
 
     def compute(self, grid: tuple[int, int, int, int], micro_batch: int) -> BlockCompute:
         """Compute seconds (cached per ``(G_context, G_y, G_x, micro_batch)``; the optimizer
-        term is left to :func:`estimate`, it depends on ``G_z``). ``grid``: four or five sizes."""
+        term is left to :func:`~tetrad.plan.comm.estimate.estimate`, it depends on ``G_z``).
+        ``grid``: four or five sizes."""
         key = (context_size(grid), grid[-2], grid[-1], micro_batch)
         got = self._compute.get(key)
         if got is None:

@@ -1,27 +1,23 @@
-"""Search: every 4D grid, micro-batch and checkpointing choice, ranked by predicted step time;
-and the classic Megatron-style (TP, PP, CP, DP) space beside it.
+"""The 4D search: every grid, micro-batch and checkpointing choice, ranked by predicted step
+time (:func:`search_4d`).
 
 4D space (tetrad / AxoNN, with context parallelism a fifth axis): every ordered factorisation
 ``G_data * G_context * G_z * G_y * G_x = GPUs`` whose sizes shard the model
-(:func:`tetrad.plan.models.grid_problems`), split the sequence (``S % (2 G_context) == 0``,
-:func:`tetrad.plan.context_parallel.context_problems`; ``G_context = 1`` only with
+(:func:`tetrad.plan.model.grids.grid_problems`), split the sequence (``S % (2 G_context) ==
+0``, :func:`tetrad.plan.comm.context_parallel.context_problems`; ``G_context = 1`` only with
 ``comm_model="axonn"``) and split the global batch (``B % (G_data G_z) == 0``); every
-micro-batch ``b`` dividing ``B / (G_data G_z)``; activation
-checkpointing ``none``, ``selective`` and ``full`` (:data:`tetrad.spec.CHECKPOINTING`), where
-``none`` does not fit ``selective`` on the fewest blocks that fit (``selective:K``,
-:func:`tetrad.plan.memory.fewest_selective`).
-Configurations whose :func:`tetrad.plan.memory.tetrad` estimate is above 80% of GPU memory are
-dropped (Fujii et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops
-at the first that does not fit. The survivors are ranked by
-:func:`tetrad.plan.comm.estimate` (``comm_model="tetrad"``) or by compute plus AxoNN's
-communication time (``comm_model="axonn"``, :func:`tetrad.plan.axonn.axonn_comm`).
+micro-batch ``b`` dividing ``B / (G_data G_z)``; activation checkpointing ``none``,
+``selective`` and ``full`` (:data:`tetrad.spec.CHECKPOINTING`), where ``none`` does not fit
+``selective`` on the fewest blocks that fit (``selective:K``,
+:func:`tetrad.plan.memory.runtime.fewest_selective`). Configurations whose
+:func:`tetrad.plan.memory.runtime.tetrad` estimate is above 80% of GPU memory are dropped (Fujii
+et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops at the first
+that does not fit. The survivors are ranked by :func:`tetrad.plan.comm.estimate.estimate`
+(``comm_model="tetrad"``) or by compute plus AxoNN's communication time (``comm_model="axonn"``,
+:func:`tetrad.plan.comm.axonn.axonn_comm`).
 
-Classic space (Megatron-LM): ``TP * PP * CP * DP = GPUs`` with ``TP * CP <= GPUs per node``
-(Fujii et al.'s search, ``optimal_setting_search.py``), ``TP`` dividing heads, KV heads and the
-FFN, ``PP`` dividing the layers, ``S % (2 CP) == 0``; memory from
-:func:`tetrad.plan.fujii.fujii2024`; time from :func:`tetrad.plan.classic.megatron_estimate`
-(the whole space is in :mod:`tetrad.plan.classic`; :class:`Row`, :class:`SearchResult` and the
-enumeration helpers shared by both are in :mod:`tetrad.plan.rows`).
+The classic Megatron-style space beside it: :mod:`tetrad.plan.search.classic`; both together:
+:func:`tetrad.plan.search.plan.plan`.
 
 Speed: bandwidths are cached per (stride, size), compute per (G_y, G_x, b), grid validity per
 (G_z, G_y, G_x); a candidate is fully evaluated only if its compute time alone (a lower bound)
@@ -33,21 +29,19 @@ from __future__ import annotations
 import heapq
 import time
 
-from tetrad.plan import memory
-from tetrad.plan.axonn import axonn_comm
-from tetrad.plan.classic import search_classic
-from tetrad.plan.comm import Context, estimate
-from tetrad.plan.context_parallel import context_problems
-from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, PlanError, grid_problems, grid_sizes
-from tetrad.plan.rows import (
-    Row,
-    SearchResult,
-    check_inputs,
-    checkpointing_modes,
-    divisors,
-    factorizations,
-)
+from tetrad.plan.comm.axonn import axonn_comm
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.context_parallel import context_problems
+from tetrad.plan.comm.estimate import estimate
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.spec import Machine
+from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
+from tetrad.plan.memory.runtime import fewest_selective
+from tetrad.plan.memory.runtime import tetrad as tetrad_memory
+from tetrad.plan.model.grids import grid_problems, grid_sizes
+from tetrad.plan.model.spec import ModelSpec
+from tetrad.plan.search.rows import Row
+from tetrad.plan.search.space import check_inputs, checkpointing_modes, divisors, factorizations
 from tetrad.spec import CHECKPOINTING, COMM_AXES, GRID_AXES, GiB
 
 
@@ -81,7 +75,7 @@ class _Search4D:
         self.ctx, self.gpus, self.mem_bytes = ctx, gpus, mem_bytes
         self.comm_model, self.dtype = comm_model, dtype
         self.prefetch = "prefetch" in ctx.overlaps
-        self.limit = memory.FIT_FRACTION * mem_bytes
+        self.limit = FIT_FRACTION * mem_bytes
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
         keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "evaluated")
         self.stats = dict.fromkeys(keys, 0)
@@ -133,7 +127,7 @@ class _Search4D:
                 stats["fitting"] += 1
                 mode = ckpt
                 if plain is not None and plain(b) > self.limit:
-                    mode = memory.fewest_selective(model, grid, b, ctx.seq_len, mem, dt, pre)
+                    mode = fewest_selective(model, grid, b, ctx.seq_len, mem, dt, pre)
                 fwd, bwd, rec = ctx.compute(grid, b).micro_batch_seconds(L, mode)
                 out.append(((per_cell // b) * (fwd + bwd + rec), grid, b, mode))
         return out
@@ -185,8 +179,8 @@ class _Search4D:
         return best
 
     def _time(self, grid, b: int, ckpt: str) -> tuple[float, object]:
-        """Step seconds and what the row needs: an :class:`Estimate` (tetrad), or AxoNN's
-        ``(comm per axis, compute, recompute, micro-batches)`` (axonn)."""
+        """Step seconds and what the row needs: an :class:`~tetrad.plan.comm.estimate.Estimate`
+        (tetrad), or AxoNN's ``(comm per axis, compute, recompute, micro-batches)`` (axonn)."""
         ctx = self.ctx
         if self.comm_model == "tetrad":
             est = estimate(ctx, grid, b, ckpt)
@@ -202,7 +196,7 @@ class _Search4D:
     def row(self, step: float, grid, b: int, ckpt: str, est) -> Row:
         """The :class:`Row` of one ranked configuration (with its memory estimate)."""
         ctx = self.ctx
-        mem = memory.tetrad(
+        mem = tetrad_memory(
             ctx.model,
             grid,
             b,
@@ -308,16 +302,16 @@ def _memory_line(
     prefetch: bool,
     sizes: list[int],
 ):
-    """``b -> peak bytes`` of :func:`tetrad.plan.memory.tetrad` from two evaluations: every
+    """``b -> peak bytes`` of :func:`tetrad.plan.memory.runtime.tetrad` from two evaluations: every
     phase's total is affine in the micro-batch (activations, logits and recompute sets grow with
     ``m``; weights, gathered blocks and step buffers do not), so the peak is the maximum of the
     phases' lines. ``inf`` for every ``b`` when ``b = 1`` already does not fit."""
     if not sizes:
         return lambda b: float("inf")
 
-    def at(b: int) -> memory.MemoryBreakdown:
+    def at(b: int) -> MemoryBreakdown:
         options = {"activation_checkpointing": ckpt, "dtype": dtype, "prefetch": prefetch}
-        return memory.tetrad(model, grid, b, seq_len, mem_bytes, **options)
+        return tetrad_memory(model, grid, b, seq_len, mem_bytes, **options)
 
     lo = at(1)
     if not lo.fits:
@@ -327,71 +321,3 @@ def _memory_line(
     hi = at(2)
     lines = [(lo.phases[k], hi.phases[k] - lo.phases[k]) for k in lo.phases]
     return lambda b: max(a + (b - 1) * s for a, s in lines)
-
-
-def plan(
-    model: ModelSpec,
-    machine: Machine,
-    gpus: int,
-    global_batch: int,
-    seq_len: int,
-    *,
-    top: int = 10,
-    checkpointing: tuple[str | bool, ...] = CHECKPOINTING,
-    micro_batches: tuple[int, ...] | None = None,
-    overlaps="all",
-    comm_model: str = "tetrad",
-    classic: bool = True,
-    dtype: str = "bf16",
-    gpu_memory_bytes: float | None = None,
-) -> SearchResult:
-    """Both searches; see :func:`search_4d` and :func:`search_classic`.
-
-    Raises:
-        PlanError: bad inputs, or no 4D configuration at all (message says what to change).
-    """
-    t0 = time.perf_counter()
-    rows, stats = search_4d(
-        model,
-        machine,
-        gpus,
-        global_batch,
-        seq_len,
-        top=top,
-        checkpointing=checkpointing,
-        micro_batches=micro_batches,
-        overlaps=overlaps,
-        comm_model=comm_model,
-        dtype=dtype,
-        gpu_memory_bytes=gpu_memory_bytes,
-    )
-    crow, cstats = ([], {})
-    if classic:
-        crow, cstats = search_classic(
-            model,
-            machine,
-            gpus,
-            global_batch,
-            seq_len,
-            top=top,
-            checkpointing=checkpointing,
-            micro_batches=micro_batches,
-            gpu_memory_bytes=gpu_memory_bytes,
-        )
-    inputs = {
-        "model": model.name,
-        "model_summary": model.summary(),
-        "machine": machine.name,
-        "machine_summary": machine.summary(),
-        "gpus": gpus,
-        "global_batch": global_batch,
-        "seq_len": seq_len,
-        "overlaps": sorted(
-            Context(model, machine, seq_len, global_batch, overlaps=overlaps).overlaps
-        ),
-        "comm_model": comm_model,
-        "dtype": dtype,
-        "gpu_memory_gib": (gpu_memory_bytes or machine.memory_bytes) / GiB,
-    }
-    all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
-    return SearchResult(rows, crow, all_stats, inputs)

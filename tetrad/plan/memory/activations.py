@@ -1,16 +1,19 @@
 """Saved activations of one micro-batch on one rank of tetrad's runtime, derived from its
 autograd graph (tetrad/parallel, tetrad/models/llama.py) and checked against autograd's saved
-tensors (tests/test_memory_validation.py). Bytes; symbols as in :mod:`tetrad.plan.memory`.
+tensors (tests/test_memory_validation.py). Bytes; symbols as in
+:mod:`tetrad.plan.memory.runtime`.
 """
 
 from __future__ import annotations
 
-from tetrad.plan.context_parallel import (
+from tetrad.plan.comm.context_parallel import (
     context_block_delta,
     context_shared_bytes,
     local_seq_len,
 )
-from tetrad.plan.models import ModelSpec, PlanError, context_size, grid_sizes
+from tetrad.plan.errors import PlanError
+from tetrad.plan.model.grids import context_size, grid_sizes
+from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import DTYPE_BYTES, FP32, checkpointed_blocks
 
 

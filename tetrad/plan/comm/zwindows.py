@@ -1,5 +1,6 @@
 """The Z axis's queue walked through the compute windows of one micro-batch (the ``prefetch`` and
-``reduce_scatter`` overlaps of :mod:`tetrad.plan.comm`, whose module doc states the model).
+``reduce_scatter`` overlaps of :mod:`tetrad.plan.comm.estimate`, whose module doc states the
+model).
 
 Collectives on one axis share one communicator, hence one stream, and run in issue order. A
 window is a layer's compute (its GEMMs and the element-wise work up to the next Linear); its Z
@@ -19,9 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.plan.compute import BlockCompute
-from tetrad.plan.layers import FP32, Recorder, Step
-from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER
+from tetrad.plan.comm.record import Recorder, Step
+from tetrad.plan.compute.block import BlockCompute
+from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
+from tetrad.spec import FP32
 
 Key = tuple[str, str]
 """``(layer, phase)``: ``("wqkv", "forward")``, ``("output", "backward")`` ..."""
