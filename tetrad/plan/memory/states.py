@@ -4,6 +4,8 @@ embedding,norm}.py). Bytes; symbols as in :mod:`tetrad.plan.memory.runtime`."""
 
 from __future__ import annotations
 
+import functools
+
 from tetrad.plan.model.grids import check_grid, grid_sizes
 from tetrad.plan.model.spec import Linear, ModelSpec
 from tetrad.spec import FP32
@@ -27,7 +29,17 @@ def local_parameter_elements(model: ModelSpec, grid) -> dict[str, int]:
     Returns:
         ``{"matrices": ..., "vectors": ...}``: elements of all 2-D shards (AdamW's
         weight-decay group) and of all 1-D shards.
+
+    Raises:
+        PlanError: a bad grid, or a size that does not shard on it.
     """
+    matrices, vectors = _local_elements(model, tuple(grid))
+    return {"matrices": matrices, "vectors": vectors}
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_elements(model: ModelSpec, grid: tuple[int, ...]) -> tuple[int, int]:
+    """``(matrices, vectors)`` of :func:`local_parameter_elements`, once per model and grid."""
     _, gz, gy, gx = grid_sizes(grid)
     check_grid(model, grid)
     shard = gx * gy * gz
@@ -41,7 +53,7 @@ def local_parameter_elements(model: ModelSpec, grid) -> dict[str, int]:
     norm = model.norm_params() // gx
     bias = sum(_vector_elements(lin, gx, gy) for lin in model.linears())
     vectors = model.n_layers * (2 * norm + bias) + norm
-    return {"matrices": matrices, "vectors": vectors}
+    return matrices, vectors
 
 
 def tetrad_parameter_bytes(model: ModelSpec, grid) -> float:

@@ -3,6 +3,7 @@ divisibility rule of tetrad's layout. Plain Python."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from tetrad.plan.errors import PlanError
@@ -51,7 +52,12 @@ def grid_problems(model: ModelSpec, grid) -> list[str]:
     so the embedding ``V % (G_y G_x G_z)``; norms ``h % G_x``. ``grid``: four sizes or five
     (with ``G_context``, which splits no weight).
     """
-    gz, gy, gx = (int(g) for g in tuple(grid)[-3:])
+    return list(_grid_problems(model, *(int(g) for g in tuple(grid)[-3:])))
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_problems(model: ModelSpec, gz: int, gy: int, gx: int) -> tuple[str, ...]:
+    """:func:`grid_problems`, once per model and ``(G_z, G_y, G_x)``."""
     bad: list[str] = []
 
     def need(ok: bool, msg: str) -> None:
@@ -75,7 +81,7 @@ def grid_problems(model: ModelSpec, grid) -> list[str]:
         )
     g_vocab = gy * gx * gz
     need(model.vocab % g_vocab == 0, f"vocab={model.vocab} divisible by G_y*G_x*G_z={g_vocab}")
-    return bad
+    return tuple(bad)
 
 
 def tp_problems(model: ModelSpec, tp: int) -> list[str]:

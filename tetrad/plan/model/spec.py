@@ -25,6 +25,7 @@ Parameter counts (``h`` hidden, ``L`` layers, ``a`` heads, ``k`` KV heads, ``d =
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from tetrad.plan.errors import PlanError
@@ -142,20 +143,7 @@ class ModelSpec:
         ``proj`` (h->h, transposed), ``fc1`` (h->4h), ``fc2`` (4h->h, transposed), all with
         biases.
         """
-        h, f = self.hidden, self.ffn_hidden
-        if self.family == "gpt":
-            return [
-                Linear("qkv", h, 3 * self.q_dim, False, bias=True),
-                Linear("proj", self.q_dim, h, True, bias=True),
-                Linear("fc1", h, f, False, bias=True),
-                Linear("fc2", f, h, True, bias=True),
-            ]
-        return [
-            Linear("wqkv", h, self.q_dim + 2 * self.kv_dim, False),
-            Linear("wo", self.q_dim, h, True),
-            Linear("w13", h, 2 * f, False),
-            Linear("w2", f, h, True),
-        ]
+        return list(_block_linears(self))
 
     def lm_head(self) -> Linear:
         """The LM head ``output`` (h->V, non-transposed, no bias): logits come out Y-sharded."""
@@ -209,3 +197,22 @@ class ModelSpec:
             f"L={self.n_layers} heads={self.n_heads}/{self.n_kv_heads} "
             f"ffn={self.ffn_hidden} V={self.vocab}"
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _block_linears(model: ModelSpec) -> tuple[Linear, ...]:
+    """:meth:`ModelSpec.linears`, built once per model (the planner asks for them per candidate)."""
+    h, f = model.hidden, model.ffn_hidden
+    if model.family == "gpt":
+        return (
+            Linear("qkv", h, 3 * model.q_dim, False, bias=True),
+            Linear("proj", model.q_dim, h, True, bias=True),
+            Linear("fc1", h, f, False, bias=True),
+            Linear("fc2", f, h, True, bias=True),
+        )
+    return (
+        Linear("wqkv", h, model.q_dim + 2 * model.kv_dim, False),
+        Linear("wo", model.q_dim, h, True),
+        Linear("w13", h, 2 * f, False),
+        Linear("w2", f, h, True),
+    )
