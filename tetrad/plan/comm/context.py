@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tetrad.plan.comm.fine import CHUNK_CANDIDATES
+from tetrad.plan.comm.fine import CHUNK_CANDIDATES, ring_reduce_scatter_seconds
 from tetrad.plan.compute.block import BlockCompute, block_compute
 from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.network import Link
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.model.grids import context_size
 from tetrad.plan.model.spec import ModelSpec
@@ -67,6 +68,21 @@ class Context:
         self.gpt = model.family == "gpt"
         self._buckets: dict = {}
         self._compute: dict = {}
+        self._fused: dict = {}
+
+    def fused_s(self, flops: float, payload: float, link: Link, chunks: int) -> float:
+        """Seconds of the fused GEMM -> reduce-scatter ring of ``flops`` FLOPs and ``payload``
+        bytes over ``link`` in ``chunks`` pieces per step
+        (:func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`), memoised: a block Linear's
+        shape recurs across grids, micro-batches and chunk trials, and the ring depends on
+        nothing else (a link is one ``(stride, size)`` of this machine's network)."""
+        key = (flops, payload, link.stride, link.size, chunks)
+        got = self._fused.get(key)
+        if got is None:
+            slow = self.machine.overlap_slowdown
+            got = ring_reduce_scatter_seconds(self.gemm_s, flops, payload, link, chunks, slow)
+            self._fused[key] = got
+        return got
 
     def compute(self, grid: tuple[int, int, int, int], micro_batch: int) -> BlockCompute:
         """Compute seconds (cached per ``(G_context, G_y, G_x, micro_batch)``; the optimizer

@@ -230,8 +230,7 @@ def _step(
         domino="domino" in ov and m >= 2 * ctx.domino_min_rows,
         dp_overlap=dp,
         fine=ctx.fine,
-        gemm_s=ctx.gemm_s,
-        slowdown=ctx.machine.overlap_slowdown,
+        fused_s=ctx.fused_s,
         kv_payload=kv_gather_payload(ctx.model, micro_batch, ctx.seq_len, gy, ctx.c)
         if gc > 1
         else 0.0,

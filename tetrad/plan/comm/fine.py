@@ -15,11 +15,31 @@ neighbour at step ``s - 1``):
                                              payload ``P`` (every isend/irecv pays the per-call
                                              latency)
 
-and the runtime's program order, replayed event by event (:func:`ring_reduce_scatter_seconds`,
-:func:`ring_all_gather_seconds`): one transfer at a time per rank, the compute stream in program
+and the runtime's program order: one transfer at a time per rank, the compute stream in program
 order, waits where the runtime waits. With ``q = 1`` the reduce-scatter is serial (each step's
 ``addmm`` folds in the neighbour's running sum, so it waits for it); pieces let a piece travel
 while the next one computes.
+
+The reduce-scatter's time has a closed form (:func:`reduce_scatter_ring_seconds`). Number the
+``G q`` pieces ``k = s q + j`` in program order: compute ``C_k`` follows ``C_{k-1}`` and the
+arrival of the piece's running sum ``T_{k-q}``; transfer ``T_k`` (``k < (G-1) q``) follows
+``C_k`` and ``T_{k-1}``. The ring ends with the last compute, the longest path through this
+graph, node ``C`` weighing ``a`` and node ``T`` weighing ``b``. A path that makes ``r`` round
+trips ``C -> T -> C`` (each jumping ``q`` pieces ahead) and visits ``t`` transfers weighs ``a
+(G q - r q + 2 r - t) + b t`` with ``1 <= r <= G - 1`` and ``r <= t <= (G - r) q + r - 1``
+(``r = 0``: every compute, ``a G q``); both bounds are reached, and the weight is linear in
+``(r, t)`` over that polygon, so the longest path is at one of its corners:
+
+    T_RS = max(a G q,                      r = 0
+               a (G q - q + 1) + b,        r = 1,     t = 1
+               a (q + G - 1) + b (G - 1),  r = G - 1, t = G - 1
+               2 a + b (G - 1) q,          r = 1,     t = (G - 1) q
+               a G + b (q + G - 2))        r = G - 1, t = q + G - 2
+
+(``q = 1``: ``a G + b (G - 1)``, serial.) :func:`replay_reduce_scatter` replays the runtime's
+events one by one, the oracle the closed form is tested against
+(tests/test_plan_fine.py). The all-gather -> GEMM ring is replayed
+(:func:`ring_all_gather_seconds`; the search does not use it).
 
 Ideal overlap (T3's bound): ``max(t_GEMM, t_collective)``.
 """
@@ -48,6 +68,38 @@ def _piece_times(
     return a, b
 
 
+def reduce_scatter_ring_seconds(a: float, b: float, g: int, q: int) -> float:
+    """Seconds of the fused GEMM -> reduce-scatter ring in closed form (module doc): ``g >= 2``
+    ring steps of ``q`` pieces, ``a`` seconds to compute a piece, ``b`` to send one."""
+    return max(
+        a * g * q,
+        a * (g * q - q + 1) + b,
+        a * (q + g - 1) + b * (g - 1),
+        2.0 * a + b * (g - 1) * q,
+        a * g + b * (q + g - 2),
+    )
+
+
+def replay_reduce_scatter(a: float, b: float, g: int, q: int) -> float:
+    """The same ring replayed event by event in the runtime's program order (the oracle of
+    :func:`reduce_scatter_ring_seconds`): one transfer at a time, the compute stream in order,
+    a piece's step waiting for its running sum from the neighbour, its rows reused only after
+    the previous step's send."""
+    cpu = link_free = 0.0
+    arrive = [0.0] * q  # when piece j of the previous step arrived from the neighbour
+    sent = [0.0] * q  # when piece j's send of the previous step finished
+    for s in range(g):
+        for j in range(q):
+            start = max(cpu, arrive[j]) if s else cpu
+            cpu = start + a
+            if s < g - 1:
+                link_free = max(cpu, link_free) + b
+                if s:  # its buffer rows are reused only after the previous step's send
+                    cpu = max(cpu, sent[j])
+                sent[j] = arrive[j] = link_free
+    return cpu
+
+
 def ring_reduce_scatter_seconds(
     gemm_s: Callable[[float], float],
     flops: float,
@@ -56,7 +108,8 @@ def ring_reduce_scatter_seconds(
     chunks: int = 1,
     slowdown: float = 0.0,
 ) -> float:
-    """Seconds of :func:`tetrad.comm.fused.ring_matmul_reduce_scatter` (GEMM -> reduce-scatter).
+    """Seconds of :func:`tetrad.comm.fused.ring_matmul_reduce_scatter` (GEMM -> reduce-scatter),
+    :func:`reduce_scatter_ring_seconds` of the pieces' times (module doc).
 
     Args:
         gemm_s: seconds of one GEMM of the given FLOPs on this machine.
@@ -68,19 +121,7 @@ def ring_reduce_scatter_seconds(
     if g <= 1:
         return gemm_s(flops)
     a, b = _piece_times(gemm_s, flops, payload, link, chunks, slowdown)
-    cpu = link_free = 0.0
-    arrive = [0.0] * chunks  # when piece j of the previous step arrived from the neighbour
-    sent = [0.0] * chunks  # when piece j's send of the previous step finished
-    for s in range(g):
-        for j in range(chunks):
-            start = max(cpu, arrive[j]) if s else cpu
-            cpu = start + a
-            if s < g - 1:
-                link_free = max(cpu, link_free) + b
-                if s:  # its buffer rows are reused only after the previous step's send
-                    cpu = max(cpu, sent[j])
-                sent[j] = arrive[j] = link_free
-    return cpu
+    return reduce_scatter_ring_seconds(a, b, g, chunks)
 
 
 def ring_all_gather_seconds(

@@ -6,7 +6,6 @@ in the module doc of :mod:`tetrad.plan.comm.estimate`."""
 
 from __future__ import annotations
 
-from tetrad.plan.comm.fine import ring_reduce_scatter_seconds
 from tetrad.plan.comm.record import PlacedLinear, Recorder, Step, place
 from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 
@@ -108,11 +107,12 @@ def fine_all_reduce(
     ag_behind_dw: bool,
 ) -> None:
     """``fine`` (T3's layout): a reduce-scatter of ``p`` bytes fused with the GEMM that produces
-    it, exposed ``fused - GEMM`` (:func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`: the
-    ring's waits and the pieces' lower GEMM efficiency), then an all-gather of ``p`` bytes,
+    it, exposed ``fused - GEMM`` (:func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`
+    through :attr:`Step.fused_s <tetrad.plan.comm.record.Step>`: the ring's waits and the
+    pieces' lower GEMM efficiency), then an all-gather of ``p`` bytes,
     exposed, or ``max(0, t - GEMM)`` when it runs during the dW GEMM (``ag_behind_dw``)."""
     link, calls = st.links[axis], lin.calls
-    fused = ring_reduce_scatter_seconds(st.gemm_s, lin.flops, p, link, chunks, st.slowdown)
+    fused = st.fused_s(lin.flops, p, link, chunks)
     t_rs, t_ag = link.time(REDUCE_SCATTER, p), link.time(ALL_GATHER, p)
     e_ag = max(0.0, t_ag - lin.gemm) if ag_behind_dw else t_ag
     hid = f"its GEMM ({chunks} pieces per ring step)"

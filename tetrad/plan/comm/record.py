@@ -80,8 +80,9 @@ class Step:
         kv_payload: bytes of one context K/V all-gather (0 without context parallelism).
         fine: the ``fine`` overlap's chunk counts to try (0: ``fine`` off); the block Linears
             are recorded with the one of least exposed time, kept in ``fine_chosen``.
-        gemm_s: seconds of one GEMM of the given FLOPs; ``slowdown``: the machine's
-            ``overlap_slowdown`` (both for :mod:`tetrad.plan.comm.fine`).
+        fused_s: seconds of the fused GEMM -> reduce-scatter ring ``(flops, payload bytes,
+            link, chunks)`` on this machine (:meth:`tetrad.plan.comm.context.Context.fused_s`:
+            :func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`, memoised per shape).
     """
 
     model: ModelSpec
@@ -104,8 +105,7 @@ class Step:
     domino: bool
     dp_overlap: bool
     fine: tuple[int, ...] = ()
-    gemm_s: Callable[[float], float] | None = None
-    slowdown: float = 0.0
+    fused_s: Callable[[float, float, Link, int], float] | None = None
     fine_chosen: int = 0
     kv_payload: float = 0.0
 
