@@ -69,6 +69,11 @@ class Context:
         self._buckets: dict = {}
         self._compute: dict = {}
         self._fused: dict = {}
+        self._seconds: dict = {}
+        self._shards: dict = {}
+        self._vectors: dict = {}
+        self.xy_records: dict = {}
+        """Memo of :func:`tetrad.plan.comm.estimate.xy_record`."""
 
     def fused_s(self, flops: float, payload: float, link: Link, chunks: int) -> float:
         """Seconds of the fused GEMM -> reduce-scatter ring of ``flops`` FLOPs and ``payload``
@@ -97,14 +102,32 @@ class Context:
             self._compute[key] = got
         return got
 
-    def weight_shards(self, gx: int, gy: int, gz: int) -> tuple[list[float], float, float, float]:
+    def micro_batch_seconds(
+        self, grid: tuple[int, ...], micro_batch: int, checkpointing: str
+    ) -> tuple[float, float, float]:
+        """:meth:`~tetrad.plan.compute.block.BlockCompute.micro_batch_seconds` of
+        :meth:`compute` (memoised per its key and the mode)."""
+        key = (context_size(grid), grid[-2], grid[-1], micro_batch, checkpointing)
+        got = self._seconds.get(key)
+        if got is None:
+            comp = self.compute(grid, micro_batch)
+            got = self._seconds[key] = comp.micro_batch_seconds(self.model.n_layers, checkpointing)
+        return got
+
+    def weight_shards(
+        self, gx: int, gy: int, gz: int
+    ) -> tuple[tuple[float, ...], float, float, float]:
         """Local weight-shard elements in backward (gradient-ready) order and totals:
-        ``(order, block_elements, head_elements, embedding_elements)``."""
-        shard = gx * gy * gz
-        block = [lin.weight_elements * lin.count / shard for lin in reversed(self.linears)]
-        head = self.head_nk / shard
-        emb = (self.model.vocab + self.model.max_positions) * self.model.hidden / shard
-        return block, sum(block), head, emb
+        ``(order, block_elements, head_elements, embedding_elements)`` (memoised)."""
+        key = (gx, gy, gz)
+        got = self._shards.get(key)
+        if got is None:
+            shard = gx * gy * gz
+            block = tuple(lin.weight_elements * lin.count / shard for lin in reversed(self.linears))
+            head = self.head_nk / shard
+            emb = (self.model.vocab + self.model.max_positions) * self.model.hidden / shard
+            got = self._shards[key] = (block, sum(block), head, emb)
+        return got
 
     def bucket_calls(self, gx: int, gy: int, gz: int) -> int:
         """Data-parallel all-reduce calls of the bucketed overlap (the runtime's rule,
@@ -117,7 +140,7 @@ class Context:
         if got is None:
             block, _, head, _ = self.weight_shards(gx, gy, gz)
             got, acc = 1, 0.0  # 1: the last bucket
-            for s in [head] + block * self.model.n_layers:
+            for s in (head, *block * self.model.n_layers):
                 acc += s * FP32
                 if acc >= self.bucket_bytes:
                     got, acc = got + 1, 0.0
@@ -126,10 +149,13 @@ class Context:
 
     def vector_elements(self, gx: int, gy: int) -> float:
         """Local elements of the parameters replicated over Z (norm weights; GPT: LayerNorm
-        biases and Linear biases): their gradients are all-reduced over Z and data."""
-        norm = self.model.norm_params() / gx
-        bias = sum(
-            (lin.out_features * lin.count if lin.bias else 0) / (gx if lin.transposed else gy)
-            for lin in self.linears
-        )
-        return self.model.n_layers * (2 * norm + bias) + norm
+        biases and Linear biases): their gradients are all-reduced over Z and data (memoised)."""
+        got = self._vectors.get((gx, gy))
+        if got is None:
+            norm = self.model.norm_params() / gx
+            bias = sum(
+                (lin.out_features * lin.count if lin.bias else 0) / (gx if lin.transposed else gy)
+                for lin in self.linears
+            )
+            got = self._vectors[(gx, gy)] = self.model.n_layers * (2 * norm + bias) + norm
+        return got

@@ -188,8 +188,17 @@ LAYER_KINDS = (
 )
 """The layer kinds :func:`estimate` records, in order (the order of the per-axis sums)."""
 
+XY_KINDS = (linears.block_linears, layers.lm_head, layers.loss, layers.embedding, layers.norms)
+"""The kinds that record on the X and Y axes only. They depend on the grid only through
+``(G_context, G_y, G_x)``, the micro-batch, the micro-batches per step and whether blocks are
+recomputed with their collectives, so their record is memoised (:func:`xy_record`); the other
+kinds record on no X or Y axis, so running them after it sums every axis in the order of
+:data:`LAYER_KINDS`, to the last bit."""
+OTHER_KINDS = tuple(kind for kind in LAYER_KINDS if kind not in XY_KINDS)
+"""The kinds of :data:`LAYER_KINDS` that are not in :data:`XY_KINDS`, in order."""
 
-def _step(
+
+def make_step(
     ctx: Context, grid: tuple[int, int, int, int], micro_batch: int, checkpointing: str | bool
 ) -> Step:
     """The :class:`Step` of ``grid = (G_data, [G_context,] G_z, G_y, G_x)`` (``checkpointing``: a
@@ -259,10 +268,15 @@ def estimate(
         PlanError: the global batch does not split into micro-batches on this grid.
         tetrad.spec.CheckpointingError: an unknown checkpointing mode.
     """
-    st = _step(ctx, grid, micro_batch, checkpointing)
-    rec = Recorder(detail)
-    for kind in LAYER_KINDS:
-        kind(rec, st)
+    st = make_step(ctx, grid, micro_batch, checkpointing)
+    if detail:  # every row, in the order of LAYER_KINDS
+        rec = Recorder(True)
+        for kind in LAYER_KINDS:
+            kind(rec, st)
+    else:
+        rec = xy_record(ctx, st).copy()
+        for kind in OTHER_KINDS:
+            kind(rec, st)
     local = st.n_layers * st.block_el + st.head_el + st.emb_el + st.vector_el
     optimizer = ELEMENTWISE["optimizer_per_param"] * local / ctx.machine.hbm_bytes_per_s
     fwd_mb, bwd_mb, rec_mb = st.comp.micro_batch_seconds(st.n_layers, checkpointing)
@@ -272,6 +286,23 @@ def estimate(
     return Estimate(
         step, compute, st.acc * rec_mb, rec.exposed, rec.total, st.acc, cols, st.fine_chosen
     )
+
+
+def xy_record(ctx: Context, st: Step) -> Recorder:
+    """The record (no detail) of the :data:`XY_KINDS` of ``st``, memoised in ``ctx`` per
+    ``(G_context, G_y, G_x, m, micro-batches, full recompute)``: a block Linear's X/Y
+    collectives recur across the ``(G_data, G_z)`` splits of a grid's product. Sets
+    ``st.fine_chosen``; the returned record is shared: copy it before adding to it."""
+    s = st.sizes
+    key = (s["context"], s["y"], s["x"], st.m, st.acc, st.checkpointing)
+    got = ctx.xy_records.get(key)
+    if got is None:
+        rec = Recorder(False)
+        for kind in XY_KINDS:
+            kind(rec, st)
+        got = ctx.xy_records[key] = (rec, st.fine_chosen)
+    st.fine_chosen = got[1]
+    return got[0]
 
 
 def _collectives(rec: Recorder, sizes: dict[str, int], world: int) -> tuple[Collective, ...]:

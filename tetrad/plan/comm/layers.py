@@ -111,30 +111,53 @@ def data_gradients(rec: Recorder, st: Step) -> None:
     if st.sizes["data"] == 1:
         return
     ld, L = st.links["data"], st.n_layers
-    vec = st.vector_el if st.vectors_in_buckets else 0.0
-    w_total = (L * st.block_el + st.head_el + st.emb_el + vec) * FP32
+    w_total = gradient_bytes(st)
     if not st.dp_overlap:
         t = ld.time(ALL_REDUCE, w_total)
         rec.add("gradients", "step", "data", ALL_REDUCE, w_total, 1, t, t)
         return
     calls = st.bucket_calls
+    slack = st.comp.block_bwd + (st.comp.block_fwd if st.checkpointing else 0.0)
+    exp = bucket_exposed(*bucket_seconds(st), slack, L)
+    t = ld.time(ALL_REDUCE, w_total / calls)
+    hid = "backward of the blocks below (last micro-batch, buckets)"
+    rec.add("gradients", "backward", "data", ALL_REDUCE, w_total / calls, calls, t, exp, hid)
+
+
+def gradient_bytes(st: Step) -> float:
+    """Bytes of the data-parallel all-reduce: the local weight-gradient shards, fp32, and the
+    vectors when they ride in the last bucket."""
+    vec = st.vector_el if st.vectors_in_buckets else 0.0
+    return (st.n_layers * st.block_el + st.head_el + st.emb_el + vec) * FP32
+
+
+def bucket_seconds(st: Step) -> tuple[float, float, float]:
+    """All-reduce seconds of one block's, the LM head's and the embedding's (with the vectors
+    riding along) share of the ``dp_all_reduce`` buckets: their bytes at the bucketed
+    all-reduce's seconds per byte, the per-call latency spread over the bytes."""
+    ld, calls, w_total = st.links["data"], st.bucket_calls, gradient_bytes(st)
+    vec = st.vector_el if st.vectors_in_buckets else 0.0
     lat = ld.time(ALL_REDUCE, 0.0)
     per_byte = (ld.time(ALL_REDUCE, w_total) - lat) / w_total
     rate = calls / w_total * lat + per_byte  # seconds per byte, latency spread over the bytes
     big_d = st.block_el * FP32 * rate
-    big_h, big_e = st.head_el * FP32 * rate, (st.emb_el + vec) * FP32 * rate
-    slack = st.comp.block_bwd + (st.comp.block_fwd if st.checkpointing else 0.0)
+    return big_d, st.head_el * FP32 * rate, (st.emb_el + vec) * FP32 * rate
+
+
+def bucket_exposed(big_d: float, big_h: float, big_e: float, slack: float, n_layers: int) -> float:
+    """Exposed seconds of the bucketed data-parallel all-reduce (:func:`data_gradients`) from
+    the buckets' seconds of a block, the LM head and the embedding (:func:`bucket_seconds`) and
+    the compute of a block's backward (and recompute) they hide behind, ``slack``: the head's
+    buckets behind the top block, each block's behind the block below, the queue carried over;
+    the bottom block's and the embedding's are exposed."""
     x = _max0(big_h - slack)
-    if L > 1:
+    if n_layers > 1:
         x = (
-            x + (L - 1) * (big_d - slack)
+            x + (n_layers - 1) * (big_d - slack)
             if big_d >= slack
-            else _max0(x - (L - 1) * (slack - big_d))
+            else _max0(x - (n_layers - 1) * (slack - big_d))
         )
-    exp = x + big_d + big_e
-    t = ld.time(ALL_REDUCE, w_total / calls)
-    hid = "backward of the blocks below (last micro-batch, buckets)"
-    rec.add("gradients", "backward", "data", ALL_REDUCE, w_total / calls, calls, t, exp, hid)
+    return x + big_d + big_e
 
 
 def step_scalars(rec: Recorder, st: Step) -> None:

@@ -52,6 +52,14 @@ class Recorder:
             old[1] += calls
             old[4] += exposed
 
+    def copy(self) -> Recorder:
+        """A record with the same seconds (and rows) that can be added to independently."""
+        out = Recorder(self.rows is not None)
+        out.total, out.exposed = dict(self.total), dict(self.exposed)
+        if self.rows is not None:
+            out.rows = {key: list(row) for key, row in self.rows.items()}
+        return out
+
     def merge(self, other: Recorder) -> None:
         """Add ``other``'s seconds and rows to this record."""
         for ax in COMM_AXES:

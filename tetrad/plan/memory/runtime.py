@@ -20,7 +20,9 @@ vocabulary, ``S`` sequence length, ``b`` micro-batch (samples per (data, z) cell
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.errors import PlanError
@@ -95,17 +97,11 @@ def tetrad(
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
         tetrad.spec.CheckpointingError: an unknown checkpointing mode.
     """
-    gz, gy = grid_sizes(grid)[1:3]
     check_positive(micro_batch=micro_batch, seq_len=seq_len)
     e = dtype_bytes(dtype)
     check_grid(model, grid)
+    g = _grid_buffers(model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap)
     m = micro_batch * local_seq_len(seq_len, context_size(grid))  # this rank's tokens
-    vy = model.vocab // (gy * grid_sizes(grid)[3])  # logits per rank: V over Y and X
-    static = {
-        "parameters": tetrad_parameter_bytes(model, grid),
-        "gradients": tetrad_gradient_bytes(model, grid),
-        "optimizer_states": tetrad_optimizer_bytes(model, grid),
-    }
     saved = saved_activations(
         model,
         grid,
@@ -115,15 +111,6 @@ def tetrad(
         dtype=dtype,
     )
     act_all = saved["blocks"] + saved["embedding"] + saved["final_norm"]
-    by_size = sorted(model.linears(), key=lambda lin: lin.weight_elements, reverse=True)
-    big = by_size[0]
-    w_head = gathered_weight_bytes(model.lm_head(), grid, dtype)
-    dw_head_fp32 = FP32 * vy * model.hidden if e != FP32 else 0.0
-    w_big = gathered_weight_bytes(big, grid, dtype)
-    w_two = sum(gathered_weight_bytes(lin, grid, dtype) for lin in by_size[:2])
-    dw_blocks = weight_gradient_bytes(big, grid, dtype) * (
-        2 if async_reduce_scatter and gz > 1 else 1
-    )
     zero = {
         "activations": 0.0,
         "logits_and_loss": 0.0,
@@ -136,26 +123,27 @@ def tetrad(
         "forward: LM head": {
             "activations": act_all,
             "logits_and_loss": saved["loss"] + lm_head_logits_bytes(model, grid, m, e),
-            "gathered_weights": w_head + (w_big if prefetch else 0.0),
+            "gathered_weights": g.head_forward,
         },
         "backward: LM head": {
             "activations": act_all,
             "logits_and_loss": saved["loss"] + e * m * model.hidden,
-            "gathered_weights": w_big if prefetch else 0.0,
-            "reduce_scatter_buffers": dw_head_fp32,
+            "gathered_weights": g.head_backward,
+            "reduce_scatter_buffers": g.head_gradient,
         },
         "backward: blocks": {
             "activations": saved["blocks"] + saved["embedding"],
             "recompute_activations": saved["recompute"],
-            "gathered_weights": w_two if prefetch else w_big,
-            "reduce_scatter_buffers": dw_blocks,
+            "gathered_weights": g.blocks,
+            "reduce_scatter_buffers": g.block_gradients,
         },
         "backward: end": {
             "activations": saved["embedding"],
-            "reduce_scatter_buffers": end_of_backward_bytes(model, grid, dp_overlap),
+            "reduce_scatter_buffers": g.end_of_backward,
         },
-        "optimizer step": {"step_buffers": step_buffer_bytes(model, grid)},
+        "optimizer step": {"step_buffers": g.step},
     }
+    static = dict(g.static)
     base = sum(static.values())
     totals = {name: base + sum(terms.values()) for name, terms in phases.items()}
     peak = max(totals, key=lambda k: totals[k])
@@ -164,6 +152,69 @@ def tetrad(
         gpu_memory_bytes=float(gpu_memory_bytes),
         peak_phase=peak,
         phases=totals,
+    )
+
+
+@dataclass(frozen=True)
+class _GridBuffers:
+    """The bytes of :func:`tetrad` that depend on the grid and the options but not on the
+    micro-batch or the checkpointing mode.
+
+    Attributes:
+        static: ``(name, bytes)`` of the parameters, gradients and optimizer states.
+        head_forward: gathered weights inside the LM head's forward (its ``W``, with
+            ``prefetch`` the next block weight); ``head_backward``: in its backward.
+        head_gradient: the fp32 copy of the head's ``dW`` (compute dtype bf16).
+        blocks: gathered weights in the blocks' backward; ``block_gradients``: their ``dW``.
+        end_of_backward: :func:`end_of_backward_bytes`; ``step``: :func:`step_buffer_bytes`.
+    """
+
+    static: tuple[tuple[str, float], ...]
+    head_forward: float
+    head_backward: float
+    head_gradient: float
+    blocks: float
+    block_gradients: float
+    end_of_backward: float
+    step: float
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _grid_buffers(
+    model: ModelSpec,
+    grid: tuple,
+    dtype: str,
+    prefetch: bool,
+    async_reduce_scatter: bool,
+    dp_overlap: bool,
+) -> _GridBuffers:
+    """:class:`_GridBuffers` once per grid and options (the search asks :func:`tetrad` for
+    several micro-batches and modes of each grid)."""
+    gz, gy, gx = grid_sizes(grid)[1:]
+    e = dtype_bytes(dtype)
+    vy = model.vocab // (gy * gx)  # logits per rank: V over Y and X
+    by_size = sorted(model.linears(), key=lambda lin: lin.weight_elements, reverse=True)
+    big = by_size[0]
+    w_head = gathered_weight_bytes(model.lm_head(), grid, dtype)
+    w_big = gathered_weight_bytes(big, grid, dtype)
+    w_two = sum(gathered_weight_bytes(lin, grid, dtype) for lin in by_size[:2])
+    dw_blocks = weight_gradient_bytes(big, grid, dtype) * (
+        2 if async_reduce_scatter and gz > 1 else 1
+    )
+    static = (
+        ("parameters", tetrad_parameter_bytes(model, grid)),
+        ("gradients", tetrad_gradient_bytes(model, grid)),
+        ("optimizer_states", tetrad_optimizer_bytes(model, grid)),
+    )
+    return _GridBuffers(
+        static=static,
+        head_forward=w_head + (w_big if prefetch else 0.0),
+        head_backward=w_big if prefetch else 0.0,
+        head_gradient=FP32 * vy * model.hidden if e != FP32 else 0.0,
+        blocks=w_two if prefetch else w_big,
+        block_gradients=dw_blocks,
+        end_of_backward=end_of_backward_bytes(model, grid, dp_overlap),
+        step=step_buffer_bytes(model, grid),
     )
 
 

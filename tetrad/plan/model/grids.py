@@ -31,6 +31,15 @@ def grid_sizes(grid: Iterable[int]) -> tuple[int, int, int, int]:
         PlanError: not four positive integers.
     """
     grid = tuple(grid)
+    try:
+        return _grid_sizes(grid)
+    except TypeError:  # an unhashable size: checked without the cache
+        return _grid_sizes.__wrapped__(grid)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _grid_sizes(grid: tuple) -> tuple[int, int, int, int]:
+    """:func:`grid_sizes` of a tuple, checked once per grid (the memory model asks per term)."""
     if len(grid) == 5:
         grid = (grid[0], *grid[2:])
     try:

@@ -19,9 +19,15 @@ that does not fit. The survivors are ranked by :func:`tetrad.plan.comm.estimate.
 The classic Megatron-style space beside it: :mod:`tetrad.plan.search.classic`; both together:
 :func:`tetrad.plan.search.plan.plan`.
 
-Speed: bandwidths are cached per (stride, size), compute per (G_y, G_x, b), grid validity per
-(G_z, G_y, G_x); a candidate is fully evaluated only if its compute time alone (a lower bound)
-can still enter the top list.
+Speed, by design: memory is evaluated once per (grid, checkpointing mode) as a line in the
+micro-batch (:func:`_memory_line`) and rejects a configuration before anything is timed; the
+fitting ones are taken in ascending order of their compute time, a lower bound of their step
+time, until it reaches the slowest of the best found so far; of the rest, a configuration is
+timed only if its lower bound with the exposed communication it cannot avoid
+(:class:`tetrad.plan.comm.bounds.StepBounds`) is still below it. Every cost that depends on a
+shape only (a Linear's collectives, the fused rings, compute per ``(G_context, G_y, G_x,
+b)``, grid validity, bandwidths per ``(stride, size)``) is memoised. The statistics count
+configurations enumerated (``candidates``), fitting, ``pruned`` and timed (``evaluated``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import heapq
 import time
 
 from tetrad.plan.comm.axonn import axonn_comm
+from tetrad.plan.comm.bounds import MARGIN, StepBounds
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.comm.estimate import estimate
@@ -77,8 +84,8 @@ class _Search4D:
         self.prefetch = "prefetch" in ctx.overlaps
         self.limit = FIT_FRACTION * mem_bytes
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
-        keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "evaluated")
-        self.stats = dict.fromkeys(keys, 0)
+        keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "pruned")
+        self.stats = dict.fromkeys((*keys, "evaluated"), 0)
 
     def candidates(self, checkpointing: tuple[str, ...], allowed: set | None) -> list:
         """``(lower bound seconds, grid, micro_batch, checkpointing)`` of every fitting
@@ -115,11 +122,18 @@ class _Search4D:
         per_cell = ctx.global_batch // (gd * gz)
         sizes = [b for b in divisors(per_cell) if allowed is None or b in allowed]
         out, model, mem, dt, pre = [], ctx.model, self.mem_bytes, self.dtype, self.prefetch
+        lines: dict = {}  # mode -> its memory line, once per grid
+
+        def line(mode: str):
+            if mode not in lines:
+                lines[mode] = _memory_line(model, grid, ctx.seq_len, mem, mode, dt, pre, sizes)
+            return lines[mode]
+
         for ckpt in checkpointing:
-            peak = _memory_line(model, grid, ctx.seq_len, mem, ckpt, dt, pre, sizes)
+            peak = line(ckpt)
             plain = None  # selective where none does not fit: only as many blocks as needed
             if ckpt == "selective" and L > 1:
-                plain = _memory_line(model, grid, ctx.seq_len, mem, "none", dt, pre, sizes)
+                plain = line("none")
             for b in sizes:
                 stats["candidates"] += 1
                 if peak(b) > self.limit:
@@ -128,7 +142,7 @@ class _Search4D:
                 mode = ckpt
                 if plain is not None and plain(b) > self.limit:
                     mode = fewest_selective(model, grid, b, ctx.seq_len, mem, dt, pre)
-                fwd, bwd, rec = ctx.compute(grid, b).micro_batch_seconds(L, mode)
+                fwd, bwd, rec = ctx.micro_batch_seconds(grid, b, mode)
                 out.append(((per_cell // b) * (fwd + bwd + rec), grid, b, mode))
         return out
 
@@ -163,12 +177,19 @@ class _Search4D:
 
     def rank(self, cands: list, top: int) -> list:
         """The ``top`` fastest as ``(-step seconds, order, (grid, b, ckpt, estimate))``, timing
-        candidates by ascending lower bound until none can enter the top."""
+        candidates by ascending compute time (a lower bound) until none can enter the top, and
+        with the tetrad model skipping those whose bound with the unavoidable exposed
+        communication (:class:`~tetrad.plan.comm.bounds.StepBounds`) cannot either."""
         cands.sort(key=lambda c: c[0])
         best: list = []  # max-heap of (-step, seq, row-data) of size top
+        bounds = StepBounds(self.ctx) if self.comm_model == "tetrad" else None
         for seq, (lb, grid, b, ckpt) in enumerate(cands):
-            if len(best) >= top and lb >= -best[0][0]:
-                break
+            if len(best) >= top:
+                slowest = -best[0][0]
+                if lb >= slowest:
+                    break  # sorted: no later candidate's compute alone is below it
+                if bounds is not None and _bounded_out(bounds, grid, b, ckpt, lb, slowest):
+                    continue
             self.stats["evaluated"] += 1
             step, est = self._time(grid, b, ckpt)
             item = (-step, seq, (grid, b, ckpt, est))
@@ -176,6 +197,7 @@ class _Search4D:
                 heapq.heappush(best, item)
             elif step < -best[0][0]:
                 heapq.heapreplace(best, item)
+        self.stats["pruned"] = self.stats["fitting"] - self.stats["evaluated"]
         return best
 
     def _time(self, grid, b: int, ckpt: str) -> tuple[float, object]:
@@ -290,6 +312,15 @@ def search_4d(
     rows.sort(key=lambda r: r.step_s)
     search.stats["seconds"] = time.perf_counter() - t0
     return rows, search.stats
+
+
+def _bounded_out(bounds: StepBounds, grid, b: int, ckpt: str, compute_s: float, slowest: float):
+    """Whether the step of ``(grid, b, ckpt)`` is surely not below ``slowest`` seconds: one of
+    its bounds (:class:`~tetrad.plan.comm.bounds.StepBounds`, cheapest first), shrunk by
+    :data:`MARGIN`, is not."""
+    keep = 1.0 - MARGIN
+    floor = bounds.cheap(grid, b, ckpt, compute_s)
+    return floor * keep >= slowest or bounds.with_xy(floor, grid, b, ckpt) * keep >= slowest
 
 
 def _memory_line(
