@@ -97,6 +97,83 @@ def tetrad(
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
         tetrad.spec.CheckpointingError: an unknown checkpointing mode.
     """
+    g, phases = _phases(
+        model,
+        grid,
+        micro_batch,
+        seq_len,
+        activation_checkpointing,
+        dtype,
+        prefetch,
+        async_reduce_scatter,
+        dp_overlap,
+    )
+    zero = {
+        "activations": 0.0,
+        "logits_and_loss": 0.0,
+        "recompute_activations": 0.0,
+        "gathered_weights": 0.0,
+        "reduce_scatter_buffers": 0.0,
+        "step_buffers": 0.0,
+    }
+    static = dict(g.static)
+    base = sum(static.values())
+    totals = {name: base + sum(terms.values()) for name, terms in phases.items()}
+    peak = max(totals, key=lambda k: totals[k])
+    return MemoryBreakdown(
+        components={**static, **zero, **phases[peak]},
+        gpu_memory_bytes=float(gpu_memory_bytes),
+        peak_phase=peak,
+        phases=totals,
+    )
+
+
+def phase_totals(
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    *,
+    activation_checkpointing: str | bool = "none",
+    dtype: str = "bf16",
+    prefetch: bool = True,
+    async_reduce_scatter: bool = True,
+    dp_overlap: bool = True,
+) -> dict[str, float]:
+    """The total bytes at each phase of :func:`tetrad` (its ``phases``; the peak is their
+    maximum) without the breakdown by component: what the search's memory lines need.
+
+    Raises:
+        PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
+        tetrad.spec.CheckpointingError: an unknown checkpointing mode.
+    """
+    g, phases = _phases(
+        model,
+        grid,
+        micro_batch,
+        seq_len,
+        activation_checkpointing,
+        dtype,
+        prefetch,
+        async_reduce_scatter,
+        dp_overlap,
+    )
+    base = sum(v for _, v in g.static)
+    return {name: base + sum(terms.values()) for name, terms in phases.items()}
+
+
+def _phases(
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    activation_checkpointing: str | bool,
+    dtype: str,
+    prefetch: bool,
+    async_reduce_scatter: bool,
+    dp_overlap: bool,
+) -> tuple[_GridBuffers, dict[str, dict[str, float]]]:
+    """The grid's buffers and each phase's live components (bytes) of :func:`tetrad`."""
     check_positive(micro_batch=micro_batch, seq_len=seq_len)
     e = dtype_bytes(dtype)
     check_grid(model, grid)
@@ -111,14 +188,6 @@ def tetrad(
         dtype=dtype,
     )
     act_all = saved["blocks"] + saved["embedding"] + saved["final_norm"]
-    zero = {
-        "activations": 0.0,
-        "logits_and_loss": 0.0,
-        "recompute_activations": 0.0,
-        "gathered_weights": 0.0,
-        "reduce_scatter_buffers": 0.0,
-        "step_buffers": 0.0,
-    }
     phases = {
         "forward: LM head": {
             "activations": act_all,
@@ -143,16 +212,7 @@ def tetrad(
         },
         "optimizer step": {"step_buffers": g.step},
     }
-    static = dict(g.static)
-    base = sum(static.values())
-    totals = {name: base + sum(terms.values()) for name, terms in phases.items()}
-    peak = max(totals, key=lambda k: totals[k])
-    return MemoryBreakdown(
-        components={**static, **zero, **phases[peak]},
-        gpu_memory_bytes=float(gpu_memory_bytes),
-        peak_phase=peak,
-        phases=totals,
-    )
+    return g, phases
 
 
 @dataclass(frozen=True)
@@ -241,29 +301,24 @@ def fewest_selective(
     """
     L, limit = model.n_layers, FIT_FRACTION * gpu_memory_bytes
 
-    def at(mode: str) -> MemoryBreakdown:
-        return tetrad(
-            model,
-            grid,
-            micro_batch,
-            seq_len,
-            gpu_memory_bytes,
-            activation_checkpointing=mode,
-            dtype=dtype,
-            prefetch=prefetch,
-        )
+    def at(mode: str) -> dict[str, float]:
+        options = {"activation_checkpointing": mode, "dtype": dtype, "prefetch": prefetch}
+        return phase_totals(model, grid, micro_batch, seq_len, **options)
+
+    def fits(phases: dict[str, float]) -> bool:  # MemoryBreakdown.fits: the peak within 80%
+        return max(phases.values()) <= limit
 
     everywhere = at("selective")
-    if not everywhere.fits:
+    if not fits(everywhere):
         raise PlanError(f"{model.name} does not fit with selective checkpointing on every block")
     one = at("selective:1") if L > 1 else everywhere
-    if one.fits:
+    if fits(one):
         return "selective:1" if L > 1 else "selective"
     k = 1
-    for name, t1 in one.phases.items():
-        if t1 > limit:  # falls to everywhere.phases[name] <= limit at K = L
-            drop = (t1 - everywhere.phases[name]) / (L - 1)
+    for name, t1 in one.items():
+        if t1 > limit:  # falls to everywhere[name] <= limit at K = L
+            drop = (t1 - everywhere[name]) / (L - 1)
             k = max(k, 1 + math.ceil((t1 - limit) / drop * (1 - 1e-12)))
-    while k < L and not at(f"selective:{k}").fits:
+    while k < L and not fits(at(f"selective:{k}")):
         k += 1
     return "selective" if k >= L else f"selective:{k}"

@@ -42,8 +42,8 @@ from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import Machine
-from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
-from tetrad.plan.memory.runtime import fewest_selective
+from tetrad.plan.memory.breakdown import FIT_FRACTION
+from tetrad.plan.memory.runtime import fewest_selective, phase_totals
 from tetrad.plan.memory.runtime import tetrad as tetrad_memory
 from tetrad.plan.model.grids import grid_problems, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
@@ -340,15 +340,16 @@ def _memory_line(
     if not sizes:
         return lambda b: float("inf")
 
-    def at(b: int) -> MemoryBreakdown:
+    def at(b: int) -> dict[str, float]:
         options = {"activation_checkpointing": ckpt, "dtype": dtype, "prefetch": prefetch}
-        return tetrad_memory(model, grid, b, seq_len, mem_bytes, **options)
+        return phase_totals(model, grid, b, seq_len, **options)
 
     lo = at(1)
-    if not lo.fits:
+    peak = max(lo.values())  # MemoryBreakdown.total: the peak phase's
+    if peak > FIT_FRACTION * mem_bytes:
         return lambda b: float("inf")
     if sizes[-1] == 1:
-        return lambda b: lo.total
+        return lambda b: peak
     hi = at(2)
-    lines = [(lo.phases[k], hi.phases[k] - lo.phases[k]) for k in lo.phases]
+    lines = [(lo[k], hi[k] - lo[k]) for k in lo]
     return lambda b: max(a + (b - 1) * s for a, s in lines)
