@@ -16,7 +16,7 @@ sequential (GEMM then collective), fused (``tetrad.comm.fused.ring_matmul_reduce
 the chunk count the model picks), ideal ``max(GEMM, collective)``, speed-up over sequential and
 the fraction of the ideal gain reached ``(seq - fused) / (seq - ideal)``.
 
-Predicted: :func:`tetrad.plan.fine.ring_reduce_scatter_seconds` (the planner's replay of the
+Predicted: :func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds` (the planner's replay of the
 fused ring) fed with this run's own measurements of its parts: each piece's GEMM alone (the
 chunking overhead table), one ring exchange of a piece (latency and bandwidth fitted over the
 piece sizes) and the contention factor of :func:`tetrad.calibrate.measure.
@@ -50,8 +50,8 @@ from tetrad.calibrate.settings import settings  # noqa: E402
 from tetrad.comm import reduce_scatter  # noqa: E402
 from tetrad.comm.fused import ring_matmul_reduce_scatter  # noqa: E402
 from tetrad.grid import Grid  # noqa: E402
-from tetrad.plan.fine import CHUNK_CANDIDATES, ring_reduce_scatter_seconds  # noqa: E402
-from tetrad.plan.network import Link  # noqa: E402
+from tetrad.plan.comm.fine import CHUNK_CANDIDATES, ring_reduce_scatter_seconds
+from tetrad.plan.machine.network import Link
 from tetrad.spec import Axis  # noqa: E402
 
 MODELS = {"Mega-GPT-2": 3072, "T-NLG": 4256}

@@ -90,8 +90,9 @@ from tetrad.parallel import (
     vocab_parallel_cross_entropy,
 )
 from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
-from tetrad.plan.comm import Context, estimate
-from tetrad.plan.machines import Machine, get_machine
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.estimate import estimate
+from tetrad.plan.machine.spec import Machine, get_machine
 from tetrad.spec import DTYPE_BYTES, Axis, GiB, compute_dtype
 from tetrad.train import step as train_step_module
 from tetrad.train.metrics import read_rows
@@ -867,7 +868,10 @@ def planner_part(
     if figures is None:
         notes.append("the in-process compute measurement failed (see errors)")
     note = "; ".join(notes) or None
-    api = "tetrad.plan.comm.estimate(tetrad.plan.comm.Context(...), grid, micro_batch, False)"
+    api = (
+        "tetrad.plan.comm.estimate.estimate(tetrad.plan.comm.context.Context(...), grid, "
+        "micro_batch, False)"
+    )
     return {"api": api, "calibrate": calib, "predictions": preds, "note": note}
 
 

@@ -1,8 +1,8 @@
 """The planner's overlap model against the runtime: predicted vs measured communication time,
 exposed communication and step time, per axis, with overlap off and on.
 
-The planner's overlap model (:func:`tetrad.plan.comm.collectives`) walks the same schedule the
-runtime runs (tetrad/parallel/overlap.py). This script
+The planner's overlap model (:func:`tetrad.plan.comm.estimate.collectives`) walks the same
+schedule the runtime runs (tetrad/parallel/overlap.py). This script
 
 1. calibrates this machine: ``tetrad calibrate --nproc 4`` writes a machine
    TOML (skipped with ``--machine FILE``);
@@ -40,10 +40,11 @@ from overlap import add_run_options, describe
 from overlap import run as train
 
 from tetrad.models.config import ModelConfig
-from tetrad.plan.comm import Context, axis_totals, collectives, estimate
-from tetrad.plan.machines import get_machine
-from tetrad.plan.models import ModelSpec
-from tetrad.plan.network import ALL_REDUCE, REDUCE_SCATTER
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.estimate import axis_totals, collectives, estimate
+from tetrad.plan.machine.network import ALL_REDUCE, REDUCE_SCATTER
+from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import COMM_AXES
 
 GRIDS = ("1,2,1,2", "2,1,2,1")

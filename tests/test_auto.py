@@ -5,10 +5,11 @@ from importlib import resources
 
 import pytest
 
-from tetrad.plan.comm import Context, estimate
-from tetrad.plan.fine import CHUNK_CANDIDATES
-from tetrad.plan.machines import get_machine
-from tetrad.plan.search import plan
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.estimate import estimate
+from tetrad.plan.comm.fine import CHUNK_CANDIDATES
+from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.search.plan import plan
 from tetrad.spec import FINE_CHUNKS, OVERLAPS, compute_dtype
 from tetrad.train.auto import choose_grid, domino_pays, fine_chunks
 from tetrad.train.config import ConfigError, load_config
@@ -81,7 +82,7 @@ def test_domino_decision_follows_the_planner():
 
 def described_machine(tmp_path, name: str, **network) -> str:
     """The dgx-h100 preset with some network keys changed, written as ``name.toml``."""
-    text = resources.files("tetrad.plan").joinpath("machines/dgx-h100.toml").read_text()
+    text = resources.files("tetrad.plan.machine").joinpath("presets/dgx-h100.toml").read_text()
     text = text.replace('name = "dgx-h100"', f'name = "{name}"')
     for key, value in network.items():
         text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)

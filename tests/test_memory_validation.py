@@ -14,8 +14,8 @@ On gloo ranks (CPU, fp32), for several grids, each rank measures:
   its input; and the same forward under CPU bf16 autocast (the runtime's Linears follow
   autocast), against the model's bf16 estimate.
 
-Model states and activations must equal :func:`tetrad.plan.memory.tetrad` and
-:func:`tetrad.plan.activations.saved_activations` to the byte.
+Model states and activations must equal :func:`tetrad.plan.memory.runtime.tetrad` and
+:func:`tetrad.plan.memory.activations.saved_activations` to the byte.
 """
 
 import json
@@ -30,8 +30,8 @@ from tetrad.models import recompute
 from tetrad.models.config import ModelConfig
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
-from tetrad.plan.activations import saved_activations
-from tetrad.plan.memory import tetrad
+from tetrad.plan.memory.activations import saved_activations
+from tetrad.plan.memory.runtime import tetrad
 from tetrad.spec import checkpointed_blocks
 from tetrad.train.step import build_optimizer, inputs_targets, local_samples, train_step
 

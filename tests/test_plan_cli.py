@@ -245,7 +245,7 @@ def test_bad_input_one_line_error(argv, needle, capsys):
 
 def test_planner_imports_no_torch():
     code = (
-        "import sys; import tetrad.plan.cli, tetrad.plan.search, tetrad.plan.report; "
+        "import sys; import tetrad.plan.cli, tetrad.plan.search.plan, tetrad.plan.search.report; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'matplotlib')"
         " or m in ('tetrad.train', 'tetrad.parallel', 'tetrad.grid')]; "
         "assert not bad, bad"

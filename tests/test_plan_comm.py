@@ -2,7 +2,7 @@
 the network placement model against AxoNN's measured tables, AxoNN's published model, overlap.
 
 Every expected number below is written out from the layout rules (docs/architecture.md and
-tetrad/plan/comm.py): a Linear ``[n, k]`` on grid ``(G_data, G_z, G_y, G_x)`` gathers
+tetrad/plan/comm/estimate.py): a Linear ``[n, k]`` on grid ``(G_data, G_z, G_y, G_x)`` gathers
 ``n k / (G_x G_y)`` weight elements over Z (bf16), all-reduces ``m n / G_out`` forward over its
 input axis, ``m k / G_in`` backward over its output axis, and reduce-scatters ``n k / (G_x G_y)``
 fp32 gradient elements over Z.
@@ -12,11 +12,11 @@ import math
 
 import pytest
 
-from tetrad.plan.axonn import axonn_comm, axonn_linear_volumes
-from tetrad.plan.comm import Context, axis_totals, collectives, estimate
-from tetrad.plan.machines import get_machine
-from tetrad.plan.models import PlanError
-from tetrad.plan.network import (
+from tetrad.plan.comm.axonn import axonn_comm, axonn_linear_volumes
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.estimate import axis_totals, collectives, estimate
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.network import (
     ALL_GATHER,
     ALL_REDUCE,
     REDUCE_SCATTER,
@@ -24,7 +24,8 @@ from tetrad.plan.network import (
     placement,
     ring_bytes,
 )
-from tetrad.plan.presets import get_model
+from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.model.presets import get_model
 from tetrad.spec import OverlapError, parse_overlaps
 
 # h=256, 2 layers, 8 heads of 32, 4 KV heads (kv_dim 128), SwiGLU 512, vocabulary 1024.
@@ -183,7 +184,7 @@ def test_checkpointing_repeats_block_forward_collectives():
 
 def test_selective_checkpointing_recomputes_elementwise_work_only():
     """Selective re-runs no collective (the same list as none) and charges the norm applies,
-    RoPE and SwiGLU once each, memory bound (tetrad/plan/compute.py)."""
+    RoPE and SwiGLU once each, memory bound (tetrad/plan/compute/block.py)."""
     model = get_model(SMALL)
     grid, b, seq = (2, 2, 2, 2), 2, 16
     plain = collectives(model, PERL, grid, b, seq, 8, overlaps="none")

@@ -4,19 +4,15 @@ import json
 
 import pytest
 
-from tetrad.plan import memory
-from tetrad.plan.activations import block_saved_bytes, saved_activations
-from tetrad.plan.fujii import fujii2024
-from tetrad.plan.memory import (
-    FIT_FRACTION,
-    MemoryBreakdown,
-    gathered_weight_bytes,
-    local_parameter_elements,
-    tetrad,
-    weight_gradient_bytes,
-)
-from tetrad.plan.models import PlanError, check_grid, grid_problems
-from tetrad.plan.presets import PRESETS, get_model
+from tetrad.plan.errors import PlanError
+from tetrad.plan.memory.activations import block_saved_bytes, saved_activations
+from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
+from tetrad.plan.memory.buffers import gathered_weight_bytes, weight_gradient_bytes
+from tetrad.plan.memory.fujii import fujii2024
+from tetrad.plan.memory.runtime import fewest_selective, tetrad
+from tetrad.plan.memory.states import local_parameter_elements
+from tetrad.plan.model.grids import check_grid, grid_problems
+from tetrad.plan.model.presets import PRESETS, get_model
 from tetrad.spec import CheckpointingError, GiB, recompute_order
 
 L31_8B = PRESETS["llama-3.1-8b"]
@@ -303,10 +299,10 @@ def test_fewest_selective_blocks_fit_and_one_fewer_does_not():
     grid, gpu, S = (4, 1, 16, 1, 1), 79.6 * GiB, 8192
 
     def fits(mode):
-        return memory.tetrad(L31_8B, grid, 1, S, gpu, activation_checkpointing=mode).fits
+        return tetrad(L31_8B, grid, 1, S, gpu, activation_checkpointing=mode).fits
 
     assert not fits("none") and fits("selective")
-    mode = memory.fewest_selective(L31_8B, grid, 1, S, gpu)
+    mode = fewest_selective(L31_8B, grid, 1, S, gpu)
     k = int(mode.split(":")[1])
     assert 1 < k < 32 and fits(mode) and not fits(f"selective:{k - 1}")
     assert recompute_order("none") < recompute_order(mode) < recompute_order("selective")

@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from tetrad.plan.models import Linear, ModelSpec, PlanError
-from tetrad.plan.presets import PRESETS, get_model
+from tetrad.plan.errors import PlanError
+from tetrad.plan.model.presets import PRESETS, get_model
+from tetrad.plan.model.spec import Linear, ModelSpec
 
 # Published totals (Hugging Face model cards / safetensors metadata).
 PUBLISHED = {
@@ -202,7 +203,7 @@ def test_spec_is_frozen():
 
 def test_plan_imports_no_torch():
     code = (
-        "import sys, tetrad.plan, tetrad.plan.models, tetrad.plan.memory; "
+        "import sys, tetrad.plan, tetrad.plan.model.spec, tetrad.plan.memory.runtime; "
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
         "assert not bad, bad"
     )

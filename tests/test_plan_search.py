@@ -4,13 +4,17 @@ import itertools
 
 import pytest
 
-from tetrad.plan import memory
-from tetrad.plan.classic import search_classic
-from tetrad.plan.comm import Context, estimate
-from tetrad.plan.machines import get_machine
-from tetrad.plan.models import PlanError, grid_problems
-from tetrad.plan.presets import get_model
-from tetrad.plan.search import _memory_line, divisors, factorizations, plan, search_4d
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.estimate import estimate
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.memory.runtime import tetrad
+from tetrad.plan.model.grids import grid_problems
+from tetrad.plan.model.presets import get_model
+from tetrad.plan.search.classic import search_classic
+from tetrad.plan.search.four_d import _memory_line, search_4d
+from tetrad.plan.search.plan import plan
+from tetrad.plan.search.space import divisors, factorizations
 
 H100 = get_machine("dgx-h100")
 PERL = get_machine("perlmutter")
@@ -53,9 +57,7 @@ def test_pruned_search_equals_exhaustive():
             continue
         modes = ("none", "selective", "full")
         for ckpt, b in itertools.product(modes, divisors(batch // (grid[0] * grid[2]))):
-            mem = memory.tetrad(
-                model, grid, b, seq, H100.memory_bytes, activation_checkpointing=ckpt
-            )
+            mem = tetrad(model, grid, b, seq, H100.memory_bytes, activation_checkpointing=ckpt)
             if mem.fits:
                 every.append((estimate(ctx, grid, b, ckpt).step_s, grid, b, ckpt))
     every.sort()
@@ -71,17 +73,15 @@ def test_memory_line_is_exact(ckpt):
     grid, seq, mem = (4, 4, 2, 8), 2048, PERL.memory_bytes
     line = _memory_line(model, grid, seq, mem, ckpt, "bf16", True, [1, 2, 4, 8, 16])
     for b in (1, 3, 4, 16):
-        exact = memory.tetrad(model, grid, b, seq, mem, activation_checkpointing=ckpt)
+        exact = tetrad(model, grid, b, seq, mem, activation_checkpointing=ckpt)
         assert line(b) == pytest.approx(exact.total, rel=1e-12)
 
 
 def test_config_above_80_percent_is_flagged_and_dropped():
     model = get_model("gpt-80b")
-    big = memory.tetrad(model, (64, 16, 1, 1), 1, 2048, PERL.memory_bytes)
+    big = tetrad(model, (64, 16, 1, 1), 1, 2048, PERL.memory_bytes)
     assert big.fraction > 0.8 and not big.fits
-    small = memory.tetrad(
-        model, (1, 64, 4, 4), 1, 2048, PERL.memory_bytes, activation_checkpointing=True
-    )
+    small = tetrad(model, (1, 64, 4, 4), 1, 2048, PERL.memory_bytes, activation_checkpointing=True)
     assert small.fits
     rows, _ = search_4d(model, PERL, 1024, 2048, 2048, top=50)
     assert all(r.memory.fits for r in rows)

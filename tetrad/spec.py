@@ -213,7 +213,7 @@ def recompute_order(mode: str | bool) -> tuple[int, float]:
 
 OVERLAPS = ("prefetch", "reduce_scatter", "dx_all_reduce", "dp_all_reduce", "domino", "fine")
 """What the runtime overlaps with computation (:mod:`tetrad.parallel.overlap`, where each is
-described) and the planner models (:mod:`tetrad.plan.comm`)."""
+described) and the planner models (:mod:`tetrad.plan.comm.estimate`)."""
 
 DEFAULT_OVERLAPS = tuple(o for o in OVERLAPS if o != "fine")
 """The overlaps of a model built without naming any (``ParallelLlama``, ``Overlap``): all but

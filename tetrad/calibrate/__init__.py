@@ -19,7 +19,7 @@ Every rank of a job calls :func:`calibrate` (under ``torchrun``, or in the worke
   ``s * G`` dividing the world, the world is split into the groups ``{base + i * s : i < G}``
   (``s = 1``: consecutive ranks, an inner axis such as X; larger ``s``: strided, an outer axis
   such as Z or data), and all groups run their collective at once, as an axis of the grid does.
-  Per layout the alpha-beta ring model of :mod:`tetrad.plan.network` is fitted (one bus
+  Per layout the alpha-beta ring model of :mod:`tetrad.plan.machine.network` is fitted (one bus
   bandwidth per layout, one ``alpha`` per kind), then the ``alpha`` values are fitted to
   ``latency_base + hops * latency_hop`` with the planner's hop counts
   (:mod:`~tetrad.calibrate.fit`).
@@ -27,7 +27,7 @@ Every rank of a job calls :func:`calibrate` (under ``torchrun``, or in the worke
 Rank 0 writes the TOML (every number with its source in ``[sources]``, the raw measurements in
 a ``[calibration]`` table that the planner ignores; :mod:`~tetrad.calibrate.machine_file`) and
 every rank returns the same dict. Load the file with ``tetrad plan --machine FILE``
-(:func:`tetrad.plan.machines.get_machine`).
+(:func:`tetrad.plan.machine.spec.get_machine`).
 
 The gloo backend emulates reduce-scatter with an all-reduce, and the planner sends every kind
 of collective through one bandwidth, so reduce-scatter is not measured separately.

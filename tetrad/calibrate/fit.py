@@ -1,6 +1,6 @@
 """The fits of ``tetrad calibrate``: the GEMM efficiency table and the network model.
 
-Per group layout the alpha-beta ring model of :mod:`tetrad.plan.network` is fitted to the
+Per group layout the alpha-beta ring model of :mod:`tetrad.plan.machine.network` is fitted to the
 collective times by weighted least squares (relative error, coefficients kept non-negative)::
 
     t = alpha_kind + ring_bytes / bandwidth
@@ -8,7 +8,7 @@ collective times by weighted least squares (relative error, coefficients kept no
 
 one bus bandwidth per layout and one ``alpha`` per kind. The ``alpha`` values are then fitted
 to ``latency_base + hops * latency_hop`` with the planner's hop counts
-(:func:`tetrad.plan.network.ring_hops`: all-reduce ``min(2 (G-1), 2 ceil(log2 G))``,
+(:func:`tetrad.plan.machine.network.ring_hops`: all-reduce ``min(2 (G-1), 2 ceil(log2 G))``,
 all-gather ``G-1``).
 
 Groups inside one node (ranks ``0 .. LOCAL_WORLD_SIZE-1`` share a node) give the in-node
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tetrad.calibrate.settings import KINDS, layouts
-from tetrad.plan.network import placement, ring_hops
+from tetrad.plan.machine.network import placement, ring_hops
 
 
 def sig(x: float, digits: int = 4) -> float:

@@ -1,7 +1,7 @@
 """The machine TOML that ``tetrad calibrate`` writes (plain Python): the TOML text, the atomic
 write after checking that the planner accepts it, and the summary printed at the end.
 
-Load the file with ``tetrad plan --machine FILE`` (:func:`tetrad.plan.machines.get_machine`).
+Load the file with ``tetrad plan --machine FILE`` (:func:`tetrad.plan.machine.spec.get_machine`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import tomli_w
 
 from tetrad.calibrate.checks import check_out
-from tetrad.plan.machines import parse_machine
+from tetrad.plan.machine.spec import parse_machine
 from tetrad.spec import tomllib
 
 HEADER = (
@@ -31,7 +31,7 @@ def to_toml(d: dict, header: str = "") -> str:
 def write_machine_file(machine: dict, out: str) -> str:
     """Write ``machine`` (as from :func:`tetrad.calibrate.describe.describe`) to ``out`` as
     TOML under :data:`HEADER`, atomically (a temporary file renamed over ``out``), after
-    checking that the planner parses it (:func:`tetrad.plan.machines.parse_machine`, named after
+    checking that the planner parses it (:func:`tetrad.plan.machine.spec.parse_machine`, named after
     the file's stem). Returns the absolute path written.
 
     Raises:

@@ -8,7 +8,7 @@
   backward, counted as the planner does (forward ``2 b S^2 d a``, backward 2.5x).
 - **Contention** (:func:`measure_overlap_slowdown`): a GEMM timed alone and while an
   all-reduce over the world is in flight, on every rank at once; the ratio minus one is the
-  ``fine`` overlap's ``overlap_slowdown`` (:mod:`tetrad.plan.fine`).
+  ``fine`` overlap's ``overlap_slowdown`` (:mod:`tetrad.plan.comm.fine`).
 - **Collectives** (:func:`measure_collectives`): all-reduce and all-gather of several payloads
   over groups laid out like the grid's axes (:func:`~tetrad.calibrate.settings.layouts`), all
   groups of a layout at once, as an axis of the grid does; mean over back-to-back calls, slowest
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from tetrad.calibrate.settings import KINDS, Settings, group_ranks, layouts
 from tetrad.comm.collectives import all_gather_single
 from tetrad.device import synchronize
-from tetrad.plan.network import ALL_REDUCE, ring_bytes
+from tetrad.plan.machine.network import ALL_REDUCE, ring_bytes
 
 
 def time_per_call(
@@ -96,8 +96,8 @@ def measure_copy(dev: torch.device, s: Settings) -> float:
 
 def measure_attention(dev: torch.device, dtype: torch.dtype, s: Settings) -> tuple[float, dict]:
     """FLOP/s of causal attention forward + backward counted as the planner counts it
-    (:func:`tetrad.plan.compute.attention_fwd_flops`: forward ``2 b S^2 d a``, backward 2.5x),
-    and the shape used."""
+    (:func:`tetrad.plan.comm.context_parallel.attention_fwd_flops`: forward ``2 b S^2 d a``,
+    backward 2.5x), and the shape used."""
     b, a, seq, d = s.attention
     q, k, v = (torch.randn(b, a, seq, d, device=dev).to(dtype).requires_grad_() for _ in range(3))
     grad = torch.randn(b, a, seq, d, device=dev).to(dtype)

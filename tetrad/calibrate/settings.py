@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.plan.network import ALL_GATHER, ALL_REDUCE
+from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE
 from tetrad.spec import GiB, KiB, MiB
 
 KINDS = (ALL_REDUCE, ALL_GATHER)

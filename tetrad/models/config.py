@@ -2,7 +2,8 @@
 
 :class:`ModelConfig` names the sizes as the model code uses them. Everything that follows from
 the sizes alone (parameter count, FLOPs per token, which grids shard the model) is computed once,
-by the planner's :class:`tetrad.plan.models.ModelSpec`, reached through :meth:`ModelConfig.spec`.
+by the planner's :class:`tetrad.plan.model.spec.ModelSpec`, reached through
+:meth:`ModelConfig.spec`.
 Presets: ``tiny``, ``small`` and ``medium`` here, and every Llama preset of the planner
 (``llama-1b``, ``llama-3-8b``, ...), taken from its table.
 """
@@ -13,8 +14,10 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
-from tetrad.plan.models import ModelSpec, PlanError, grid_problems
-from tetrad.plan.presets import PRESETS as PLANNER_PRESETS
+from tetrad.plan.errors import PlanError
+from tetrad.plan.model.grids import grid_problems
+from tetrad.plan.model.presets import PRESETS as PLANNER_PRESETS
+from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import GridShape, TetradError
 
 
@@ -197,7 +200,7 @@ def with_sizes(base: ModelConfig, sizes: dict) -> ModelConfig:
 
 def check_divisible(cfg: ModelConfig, grid: GridShape) -> None:
     """Check that every weight of ``cfg`` can be sharded on ``grid = (G_data, G_z, G_y, G_x)``:
-    the planner's rule, :func:`tetrad.plan.models.grid_problems`.
+    the planner's rule, :func:`tetrad.plan.model.grids.grid_problems`.
 
     Raises:
         ModelConfigError: one line listing every size that does not divide, and what to change.

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from tetrad.models.config import ModelConfig, ModelConfigError
-from tetrad.plan.models import PlanError
-from tetrad.plan.presets import from_hf_config
+from tetrad.plan.errors import PlanError
+from tetrad.plan.model.hf_config import from_hf_config
 
 PREFIX = "hf:"
 INDEX = "model.safetensors.index.json"

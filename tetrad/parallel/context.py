@@ -9,7 +9,7 @@ attends over ``(2 G_context + 1) c`` keys.
 Attention all-gathers keys and values over the context axis (Llama 3's choice: with grouped-query
 attention K and V are ``2 kv_heads / heads`` of the query's size, so one all-gather is cheaper
 than a ring of point-to-point exchanges; the planner compares the two,
-:mod:`tetrad.plan.context_parallel`) and each local chunk attends over the keys up to its end
+:mod:`tetrad.plan.comm.context_parallel`) and each local chunk attends over the keys up to its end
 with a lower-right causal mask. Backward sums the key/value gradients with a reduce-scatter
 over context. Everything else in a block is token-wise, so only RoPE needs the chunks' global
 positions; gradients are summed over data x context (:class:`tetrad.spec.Axis`).

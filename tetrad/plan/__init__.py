@@ -1,1 +1,16 @@
-"""The planner: model sizes, per-GPU memory, and (elsewhere) the search over 4D grids."""
+"""The planner: ranks 4D (data x context x Z x Y x X) configurations of tetrad's runtime, and the
+classic Megatron-style space beside them, by predicted step time and memory. Plain Python (no
+torch), so it answers at once anywhere.
+
+Sub-packages, by concept (docs/planner.md describes the model):
+
+- :mod:`tetrad.plan.model`: model sizes and layers, presets, Hugging Face configs, which grids
+  shard a model;
+- :mod:`tetrad.plan.machine`: machine descriptions and presets, the network model;
+- :mod:`tetrad.plan.compute`: compute time and FLOPs;
+- :mod:`tetrad.plan.comm`: every collective of a step, its time and the overlaps that hide it;
+- :mod:`tetrad.plan.memory`: memory per GPU (tetrad's runtime, Fujii et al.);
+- :mod:`tetrad.plan.search`: the searches, ranked rows and the report;
+- :mod:`tetrad.plan.cli`: ``tetrad plan`` and ``tetrad memory``; :mod:`tetrad.plan.errors`:
+  :class:`~tetrad.plan.errors.PlanError`.
+"""

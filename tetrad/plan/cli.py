@@ -2,7 +2,7 @@
 
 :mod:`tetrad.cli` builds the sub-commands with :func:`add_plan_arguments` and
 :func:`add_memory_arguments` and runs :func:`run_plan` / :func:`run_memory`, which raise
-:class:`~tetrad.plan.models.PlanError` (printed as one line by the command) for bad input.
+:class:`~tetrad.plan.errors.PlanError` (printed as one line by the command) for bad input.
 Plain Python: no torch.
 """
 
@@ -12,12 +12,14 @@ import argparse
 import json
 import sys
 
-from tetrad.plan import fujii, memory, report
-from tetrad.plan.machines import get_machine, preset_names
-from tetrad.plan.models import PlanError
-from tetrad.plan.presets import PRESETS, get_model
-from tetrad.plan.search import plan
-from tetrad.plan.sublayers import format_sublayers, sublayers
+from tetrad.plan.comm.sublayers import format_sublayers, sublayers
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.spec import get_machine, preset_names
+from tetrad.plan.memory import fujii
+from tetrad.plan.memory.runtime import tetrad as tetrad_memory
+from tetrad.plan.model.presets import PRESETS, get_model
+from tetrad.plan.search import report
+from tetrad.plan.search.plan import plan
 from tetrad.spec import CHECKPOINTING, GiB, parse_checkpointing, parse_grid
 
 
@@ -254,7 +256,7 @@ def run_memory(args: argparse.Namespace) -> int:
             raise PlanError("--method tetrad needs --grid DATA,Z,Y,X (for example 2,1,1,2)")
         grid = parse_grid(args.grid)
         ckpt = parse_checkpointing(args.activation_checkpointing)
-        mem = memory.tetrad(
+        mem = tetrad_memory(
             model,
             grid,
             args.micro_batch,

@@ -39,14 +39,14 @@ def default_nproc(cfg: TrainConfig) -> int:
 
 
 def machine_for(cfg: TrainConfig):
-    """The planner's :class:`~tetrad.plan.machines.Machine` for this run: ``--machine`` (a preset
-    or the TOML file ``tetrad calibrate`` wrote), else a preset matching the CUDA device.
+    """The planner's :class:`~tetrad.plan.machine.spec.Machine` for this run: ``--machine`` (a
+    preset or the TOML file ``tetrad calibrate`` wrote), else a preset matching the CUDA device.
 
     Raises:
         ConfigError: no machine given and none can be inferred, or the machine is unknown.
     """
-    from tetrad.plan.machines import get_machine
-    from tetrad.plan.models import PlanError
+    from tetrad.plan.errors import PlanError
+    from tetrad.plan.machine.spec import get_machine
 
     name = cfg.parallelism.machine
     if not name and cfg.training.device == "cuda":
@@ -79,8 +79,8 @@ def choose_grid(
     Raises:
         ConfigError: no machine, or no grid fits (the message says what to change).
     """
-    from tetrad.plan.models import PlanError
-    from tetrad.plan.search import plan
+    from tetrad.plan.errors import PlanError
+    from tetrad.plan.search.plan import plan
 
     machine = machine_for(cfg)
     t, par = cfg.training, cfg.parallelism
@@ -150,7 +150,8 @@ def choose_grid(
 
 
 def _estimate(cfg: TrainConfig, mc: ModelConfig, overlaps, fine_chunks: int | None):
-    from tetrad.plan.comm import Context, estimate
+    from tetrad.plan.comm.context import Context
+    from tetrad.plan.comm.estimate import estimate
 
     t, par = cfg.training, cfg.parallelism
     ctx = Context(
@@ -185,7 +186,7 @@ def fine_chunks(cfg: TrainConfig, mc: ModelConfig) -> int:
     Named in ``--overlap``: on, with ``--fine-chunks`` or the planner's best count on
     ``--machine`` (:data:`tetrad.spec.FINE_CHUNKS` without one). In ``all``: only where the
     planner predicts less exposed communication on ``--machine`` than without it
-    (:attr:`tetrad.plan.comm.Estimate.fine_chunks`), with its chunk count (or
+    (:attr:`tetrad.plan.comm.estimate.Estimate.fine_chunks`), with its chunk count (or
     ``--fine-chunks``); off without a machine."""
     par = cfg.parallelism
     if "fine" not in par.overlaps:

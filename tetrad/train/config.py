@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tetrad.models.config import ModelConfig, parse_model, with_sizes
-from tetrad.plan.context_parallel import context_problems
+from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.spec import DEVICES, TetradError, parse_grid, tomllib
 from tetrad.train.sections import (
     CheckpointSection,

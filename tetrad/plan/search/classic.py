@@ -3,8 +3,8 @@
 ``TP * PP * CP * DP = GPUs`` with ``TP * CP <= GPUs per node`` (Fujii et al.'s search,
 arXiv 2411.06465, ``optimal_setting_search.py``), ``TP`` dividing heads, KV heads, the FFN and
 the hidden size, ``PP`` dividing the layers, ``S % (2 CP) == 0``; memory from
-:func:`tetrad.plan.fujii.fujii2024` (:func:`classic_memory` adds full recomputation); time from
-:func:`megatron_estimate`.
+:func:`tetrad.plan.memory.fujii.fujii2024` (:func:`classic_memory` adds full recomputation); time
+from :func:`megatron_estimate`.
 
 Checkpointing: ``none`` and ``full`` as Megatron-LM runs them. Megatron's ``selective``
 recomputes the attention core (Korthikanti et al., arXiv 2205.05198, section 5), whose ``S^2``
@@ -18,13 +18,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from tetrad.plan import fujii, memory
-from tetrad.plan.compute import ELEMENTWISE, attention_fwd_flops
-from tetrad.plan.context_parallel import context_problems
-from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, tp_problems
-from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER
-from tetrad.plan.rows import CLASSIC_AXES, Row, check_inputs, checkpointing_modes, divisors
+from tetrad.plan.comm.context_parallel import attention_fwd_flops, context_problems
+from tetrad.plan.compute.elementwise import ELEMENTWISE
+from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
+from tetrad.plan.machine.spec import Machine
+from tetrad.plan.memory import fujii
+from tetrad.plan.memory.breakdown import MemoryBreakdown
+from tetrad.plan.model.grids import tp_problems
+from tetrad.plan.model.spec import ModelSpec
+from tetrad.plan.search.rows import CLASSIC_AXES, Row
+from tetrad.plan.search.space import check_inputs, checkpointing_modes, divisors
 from tetrad.spec import CHECKPOINTING, parse_checkpointing
 
 
@@ -39,9 +42,9 @@ def classic_memory(
     gpu_memory_bytes: float,
     num_microbatches: int,
     checkpointing: str | bool,
-) -> memory.MemoryBreakdown:
-    """:func:`tetrad.plan.fujii.fujii2024`; with full recomputation the stored activations of a
-    layer become its input, ``2 (s/c) b h / t`` bytes with sequence parallelism (Korthikanti et
+) -> MemoryBreakdown:
+    """:func:`tetrad.plan.memory.fujii.fujii2024`; with full recomputation the stored activations of
+    a layer become its input, ``2 (s/c) b h / t`` bytes with sequence parallelism (Korthikanti et
     al., arXiv 2205.05198, section 4.3/Table 2 "full recompute"), plus one layer's full set while
     it is recomputed. ``checkpointing``: ``none``, ``selective`` (as ``none``, module doc) or
     ``full`` (a bool: ``full``/``none``)."""

@@ -1,44 +1,23 @@
-"""What both planner searches share: the ranked :class:`Row` (which explains itself: step time,
-compute, exposed communication per axis, memory, tokens/s, MFU and HFU), the
-:class:`SearchResult`, the divisor enumerations and the input checks.
+"""What both planner searches give: the ranked :class:`Row` (which explains itself: step time,
+compute, exposed communication per axis, memory, tokens/s, MFU and HFU) and the
+:class:`SearchResult`.
 
-Used by :mod:`tetrad.plan.search` (4D space) and :mod:`tetrad.plan.classic` (Megatron-style
-space); plain Python.
+Used by :mod:`tetrad.plan.search.four_d` (4D space) and :mod:`tetrad.plan.search.classic`
+(Megatron-style space); plain Python.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tetrad.plan import memory
-from tetrad.plan.compute import model_flops_per_step
-from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, PlanError
-from tetrad.spec import GRID_AXES, parse_checkpointing
+from tetrad.plan.compute.flops import model_flops_per_step, recompute_flops_per_step
+from tetrad.plan.machine.spec import Machine
+from tetrad.plan.memory.breakdown import MemoryBreakdown
+from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec import GRID_AXES
 
 CLASSIC_AXES = ("tp", "cp", "pp", "dp")
 """The axes of the classic space, in :attr:`Row.grid` order."""
-
-
-def divisors(n: int) -> list[int]:
-    """Positive divisors of ``n``, ascending."""
-    small, large = [], []
-    i = 1
-    while i * i <= n:
-        if n % i == 0:
-            small.append(i)
-            if i * i != n:
-                large.append(n // i)
-        i += 1
-    return small + large[::-1]
-
-
-def factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
-    """Every ordered tuple of ``parts`` positive integers whose product is ``n``."""
-    if parts == 1:
-        return [(n,)]
-    return [(d, *rest) for d in divisors(n) for rest in factorizations(n // d, parts - 1)]
 
 
 @dataclass
@@ -78,7 +57,7 @@ class Row:
     comm_s: dict
     tokens_per_s: float
     mfu: float
-    memory: memory.MemoryBreakdown
+    memory: MemoryBreakdown
     comm_model: str
     other_s: dict = field(default_factory=dict)
     hfu: float = 0.0
@@ -157,38 +136,3 @@ class SearchResult:
             "four_d": [r.to_dict() for r in self.rows],
             "classic": [r.to_dict() for r in self.classic],
         }
-
-
-def recompute_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> float:
-    """FLOPs of recomputing every block's forward once: ``L (2 N_block + 2 S a d)`` per token
-    (the forward third of :meth:`ModelSpec.flops_per_token` without the LM head)."""
-    block = sum(lin.count * lin.weight_elements for lin in model.linears())
-    return model.n_layers * (2.0 * block + 2.0 * seq_len * model.q_dim) * global_batch * seq_len
-
-
-def checkpointing_modes(checkpointing: Iterable[str | bool]) -> tuple[str, ...]:
-    """Distinct modes of :data:`tetrad.spec.CHECKPOINTING` from names or bools (``True`` =
-    ``full``), in the given order.
-
-    Raises:
-        tetrad.spec.CheckpointingError: an unknown name.
-    """
-    return tuple(dict.fromkeys(parse_checkpointing(c) for c in checkpointing))
-
-
-def check_inputs(model: ModelSpec, gpus: int, global_batch: int, seq_len: int) -> None:
-    """Check the question of both searches.
-
-    Raises:
-        PlanError: a non-positive GPU count, batch or sequence length, or a sequence longer than
-            the model's learned positions.
-    """
-    for name, v in (("gpus", gpus), ("global batch", global_batch), ("sequence length", seq_len)):
-        if int(v) != v or v < 1:
-            raise PlanError(f"{name} {v} must be a positive integer")
-    if model.max_positions and seq_len > model.max_positions:
-        raise PlanError(
-            f"--seq-len {seq_len} exceeds {model.name}'s {model.max_positions} "
-            f"learned positions: use --seq-len <= {model.max_positions} or raise "
-            "max_positions"
-        )

@@ -1,16 +1,21 @@
 """Saved activations of one micro-batch on one rank of tetrad's runtime, derived from its
 autograd graph (tetrad/parallel, tetrad/models/llama.py) and checked against autograd's saved
-tensors (tests/test_memory_validation.py). Bytes; symbols as in :mod:`tetrad.plan.memory`.
+tensors (tests/test_memory_validation.py). Bytes; symbols as in
+:mod:`tetrad.plan.memory.runtime`.
 """
 
 from __future__ import annotations
 
-from tetrad.plan.context_parallel import (
+import functools
+
+from tetrad.plan.comm.context_parallel import (
     context_block_delta,
     context_shared_bytes,
     local_seq_len,
 )
-from tetrad.plan.models import ModelSpec, PlanError, context_size, grid_sizes
+from tetrad.plan.errors import PlanError
+from tetrad.plan.model.grids import context_size, grid_sizes
+from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import DTYPE_BYTES, FP32, checkpointed_blocks
 
 
@@ -197,7 +202,19 @@ def saved_activations(
     Raises:
         tetrad.spec.CheckpointingError: an unknown mode, or ``K`` above the model's blocks.
     """
-    mode, k = checkpointed_blocks(activation_checkpointing, model.n_layers)
+    _, _, gy, gx = grid_sizes(grid)
+    shape = (1, context_size(grid), 1, gy, gx)  # nothing here depends on G_data or G_z
+    ckpt = activation_checkpointing
+    return dict(_saved_activations(model, shape, micro_batch, seq_len, ckpt, dtype))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _saved_activations(
+    model: ModelSpec, grid: tuple, micro_batch: int, seq_len: int, ckpt: str | bool, dtype: str
+) -> tuple[tuple[str, float], ...]:
+    """:func:`saved_activations` once per model, ``(G_context, G_y, G_x)``, micro-batch,
+    sequence, mode and dtype (``grid``: ``(1, G_context, 1, G_y, G_x)``)."""
+    mode, k = checkpointed_blocks(ckpt, model.n_layers)
     gc, full_len, e = context_size(grid), seq_len, dtype_bytes(dtype)
     seq_len = local_seq_len(seq_len, gc)  # this rank's tokens per sample
     blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
@@ -222,10 +239,10 @@ def saved_activations(
         recompute += shared
     else:  # one set for all blocks
         blocks += shared
-    return {
-        "blocks": blocks,
-        "embedding": embedding_saved_bytes(model, micro_batch, seq_len),
-        "final_norm": final_norm_saved_bytes(model, grid, micro_batch, seq_len, dtype),
-        "loss": loss_saved_bytes(model, grid, dtype),
-        "recompute": recompute,
-    }
+    return (
+        ("blocks", blocks),
+        ("embedding", embedding_saved_bytes(model, micro_batch, seq_len)),
+        ("final_norm", final_norm_saved_bytes(model, grid, micro_batch, seq_len, dtype)),
+        ("loss", loss_saved_bytes(model, grid, dtype)),
+        ("recompute", recompute),
+    )

@@ -4,13 +4,13 @@ Reproduces Megatron-AxoNN ``examples/comm_model.py`` (``model_v2``; Singh et al.
 2305.13525): per block Linear, volume terms in bf16 elements, GiB over the measured bandwidth of
 the axis's placement, summed over axes and layers; no latency, no overlap, no embedding, LM head,
 norms or loss. Where it deviates from tetrad's true layout (and from
-:func:`tetrad.plan.comm.estimate`), see :func:`axonn_comm`.
+:func:`tetrad.plan.comm.estimate.estimate`), see :func:`axonn_comm`.
 """
 
 from __future__ import annotations
 
-from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec
+from tetrad.plan.machine.spec import Machine
+from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import GRID_AXES, GiB
 
 AXONN_BYTES = 2
@@ -65,11 +65,12 @@ def axonn_comm(
 
     Reproduces Megatron-AxoNN ``examples/comm_model.py`` (``model_v2`` summed over a block's
     Linears, times ``num_layers``): volume (GiB) / bandwidth (GB/s) of the axis's placement
-    (``get_bw(ip, my)``, here :meth:`Network.bandwidth_gbps`), summed over axes. For AxoNN's GPT
-    block (QKV h->3h, out-proj h->h transposed, FC1 h->4h, FC2 4h->h transposed) this is their
-    model exactly; for other models the block's Linears are used with the same rule.
+    (``get_bw(ip, my)``, here :meth:`tetrad.plan.machine.network.Network.bandwidth_gbps`),
+    summed over axes. For AxoNN's GPT block (QKV h->3h, out-proj h->h transposed, FC1 h->4h,
+    FC2 4h->h transposed) this is their model exactly; for other models the block's Linears are
+    used with the same rule.
 
-    Deviations from the true layout (and from :func:`tetrad.plan.comm.estimate`):
+    Deviations from the true layout (and from :func:`tetrad.plan.comm.estimate.estimate`):
 
     - transposed Linears put K on the Y term instead of X (:func:`axonn_linear_volumes`): FC2's
       X traffic is under-counted 4x, its Y traffic over-counted 4x;

@@ -15,11 +15,31 @@ neighbour at step ``s - 1``):
                                              payload ``P`` (every isend/irecv pays the per-call
                                              latency)
 
-and the runtime's program order, replayed event by event (:func:`ring_reduce_scatter_seconds`,
-:func:`ring_all_gather_seconds`): one transfer at a time per rank, the compute stream in program
+and the runtime's program order: one transfer at a time per rank, the compute stream in program
 order, waits where the runtime waits. With ``q = 1`` the reduce-scatter is serial (each step's
 ``addmm`` folds in the neighbour's running sum, so it waits for it); pieces let a piece travel
 while the next one computes.
+
+The reduce-scatter's time has a closed form (:func:`reduce_scatter_ring_seconds`). Number the
+``G q`` pieces ``k = s q + j`` in program order: compute ``C_k`` follows ``C_{k-1}`` and the
+arrival of the piece's running sum ``T_{k-q}``; transfer ``T_k`` (``k < (G-1) q``) follows
+``C_k`` and ``T_{k-1}``. The ring ends with the last compute, the longest path through this
+graph, node ``C`` weighing ``a`` and node ``T`` weighing ``b``. A path that makes ``r`` round
+trips ``C -> T -> C`` (each jumping ``q`` pieces ahead) and visits ``t`` transfers weighs ``a
+(G q - r q + 2 r - t) + b t`` with ``1 <= r <= G - 1`` and ``r <= t <= (G - r) q + r - 1``
+(``r = 0``: every compute, ``a G q``); both bounds are reached, and the weight is linear in
+``(r, t)`` over that polygon, so the longest path is at one of its corners:
+
+    T_RS = max(a G q,                      r = 0
+               a (G q - q + 1) + b,        r = 1,     t = 1
+               a (q + G - 1) + b (G - 1),  r = G - 1, t = G - 1
+               2 a + b (G - 1) q,          r = 1,     t = (G - 1) q
+               a G + b (q + G - 2))        r = G - 1, t = q + G - 2
+
+(``q = 1``: ``a G + b (G - 1)``, serial.) :func:`replay_reduce_scatter` replays the runtime's
+events one by one, the oracle the closed form is tested against
+(tests/test_plan_fine.py). The all-gather -> GEMM ring is replayed
+(:func:`ring_all_gather_seconds`; the search does not use it).
 
 Ideal overlap (T3's bound): ``max(t_GEMM, t_collective)``.
 """
@@ -27,12 +47,8 @@ Ideal overlap (T3's bound): ``max(t_GEMM, t_collective)``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER, Link
-
-if TYPE_CHECKING:
-    from tetrad.plan.layers import PlacedLinear, Recorder, Step
+from tetrad.plan.machine.network import REDUCE_SCATTER, Link
 
 CHUNK_CANDIDATES = (1, 2, 4, 8)
 """Pieces per ring step the planner chooses from."""
@@ -52,31 +68,28 @@ def _piece_times(
     return a, b
 
 
-def ring_reduce_scatter_seconds(
-    gemm_s: Callable[[float], float],
-    flops: float,
-    payload: float,
-    link: Link,
-    chunks: int = 1,
-    slowdown: float = 0.0,
-) -> float:
-    """Seconds of :func:`tetrad.comm.fused.ring_matmul_reduce_scatter` (GEMM -> reduce-scatter).
+def reduce_scatter_ring_seconds(a: float, b: float, g: int, q: int) -> float:
+    """Seconds of the fused GEMM -> reduce-scatter ring in closed form (module doc): ``g >= 2``
+    ring steps of ``q`` pieces, ``a`` seconds to compute a piece, ``b`` to send one."""
+    return max(
+        a * g * q,
+        a * (g * q - q + 1) + b,
+        a * (q + g - 1) + b * (g - 1),
+        2.0 * a + b * (g - 1) * q,
+        a * g + b * (q + g - 2),
+    )
 
-    Args:
-        gemm_s: seconds of one GEMM of the given FLOPs on this machine.
-        flops: FLOPs of the whole GEMM ``2 (G m) n k``; payload: its output bytes ``G m n c``.
-        link: the group's :class:`~tetrad.plan.network.Link` (``G = link.size``).
-        chunks: pieces per ring step ``q``; slowdown: compute contention factor.
-    """
-    g = link.size
-    if g <= 1:
-        return gemm_s(flops)
-    a, b = _piece_times(gemm_s, flops, payload, link, chunks, slowdown)
+
+def replay_reduce_scatter(a: float, b: float, g: int, q: int) -> float:
+    """The same ring replayed event by event in the runtime's program order (the oracle of
+    :func:`reduce_scatter_ring_seconds`): one transfer at a time, the compute stream in order,
+    a piece's step waiting for its running sum from the neighbour, its rows reused only after
+    the previous step's send."""
     cpu = link_free = 0.0
-    arrive = [0.0] * chunks  # when piece j of the previous step arrived from the neighbour
-    sent = [0.0] * chunks  # when piece j's send of the previous step finished
+    arrive = [0.0] * q  # when piece j of the previous step arrived from the neighbour
+    sent = [0.0] * q  # when piece j's send of the previous step finished
     for s in range(g):
-        for j in range(chunks):
+        for j in range(q):
             start = max(cpu, arrive[j]) if s else cpu
             cpu = start + a
             if s < g - 1:
@@ -85,6 +98,30 @@ def ring_reduce_scatter_seconds(
                     cpu = max(cpu, sent[j])
                 sent[j] = arrive[j] = link_free
     return cpu
+
+
+def ring_reduce_scatter_seconds(
+    gemm_s: Callable[[float], float],
+    flops: float,
+    payload: float,
+    link: Link,
+    chunks: int = 1,
+    slowdown: float = 0.0,
+) -> float:
+    """Seconds of :func:`tetrad.comm.fused.ring_matmul_reduce_scatter` (GEMM -> reduce-scatter),
+    :func:`reduce_scatter_ring_seconds` of the pieces' times (module doc).
+
+    Args:
+        gemm_s: seconds of one GEMM of the given FLOPs on this machine.
+        flops: FLOPs of the whole GEMM ``2 (G m) n k``; payload: its output bytes ``G m n c``.
+        link: the group's :class:`~tetrad.plan.machine.network.Link` (``G = link.size``).
+        chunks: pieces per ring step ``q``; slowdown: compute contention factor.
+    """
+    g = link.size
+    if g <= 1:
+        return gemm_s(flops)
+    a, b = _piece_times(gemm_s, flops, payload, link, chunks, slowdown)
+    return reduce_scatter_ring_seconds(a, b, g, chunks)
 
 
 def ring_all_gather_seconds(
@@ -150,46 +187,3 @@ def sublayer_seconds(
         "fused": fused,
         "ideal": max(gemm, coll),
     }
-
-
-def fine_all_reduce(
-    rec: Recorder,
-    st: Step,
-    lin: PlacedLinear,
-    phase: str,
-    axis: str,
-    p: float,
-    chunks: int,
-    ag_behind_dw: bool,
-) -> None:
-    """``fine`` (T3's layout): a reduce-scatter of ``p`` bytes fused with the GEMM that produces
-    it, exposed ``fused - GEMM`` (:func:`tetrad.plan.fine.ring_reduce_scatter_seconds`: the
-    ring's waits and the pieces' lower GEMM efficiency), then an all-gather of ``p`` bytes,
-    exposed, or ``max(0, t - GEMM)`` when it runs during the dW GEMM (``ag_behind_dw``)."""
-    link, calls = st.links[axis], lin.calls
-    fused = ring_reduce_scatter_seconds(st.gemm_s, lin.flops, p, link, chunks, st.slowdown)
-    t_rs, t_ag = link.time(REDUCE_SCATTER, p), link.time(ALL_GATHER, p)
-    e_ag = max(0.0, t_ag - lin.gemm) if ag_behind_dw else t_ag
-    hid = f"its GEMM ({chunks} pieces per ring step)"
-    rec.add(
-        lin.name,
-        phase,
-        axis,
-        REDUCE_SCATTER,
-        p,
-        calls,
-        t_rs,
-        calls * max(0.0, fused - lin.gemm),
-        hid,
-    )
-    rec.add(
-        lin.name,
-        phase,
-        axis,
-        ALL_GATHER,
-        p,
-        calls,
-        t_ag,
-        calls * e_ag,
-        "dW GEMM" if ag_behind_dw else "",
-    )

@@ -1,31 +1,33 @@
-"""Search: every 4D grid, micro-batch and checkpointing choice, ranked by predicted step time;
-and the classic Megatron-style (TP, PP, CP, DP) space beside it.
+"""The 4D search: every grid, micro-batch and checkpointing choice, ranked by predicted step
+time (:func:`search_4d`).
 
 4D space (tetrad / AxoNN, with context parallelism a fifth axis): every ordered factorisation
 ``G_data * G_context * G_z * G_y * G_x = GPUs`` whose sizes shard the model
-(:func:`tetrad.plan.models.grid_problems`), split the sequence (``S % (2 G_context) == 0``,
-:func:`tetrad.plan.context_parallel.context_problems`; ``G_context = 1`` only with
+(:func:`tetrad.plan.model.grids.grid_problems`), split the sequence (``S % (2 G_context) ==
+0``, :func:`tetrad.plan.comm.context_parallel.context_problems`; ``G_context = 1`` only with
 ``comm_model="axonn"``) and split the global batch (``B % (G_data G_z) == 0``); every
-micro-batch ``b`` dividing ``B / (G_data G_z)``; activation
-checkpointing ``none``, ``selective`` and ``full`` (:data:`tetrad.spec.CHECKPOINTING`), where
-``none`` does not fit ``selective`` on the fewest blocks that fit (``selective:K``,
-:func:`tetrad.plan.memory.fewest_selective`).
-Configurations whose :func:`tetrad.plan.memory.tetrad` estimate is above 80% of GPU memory are
-dropped (Fujii et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops
-at the first that does not fit. The survivors are ranked by
-:func:`tetrad.plan.comm.estimate` (``comm_model="tetrad"``) or by compute plus AxoNN's
-communication time (``comm_model="axonn"``, :func:`tetrad.plan.axonn.axonn_comm`).
+micro-batch ``b`` dividing ``B / (G_data G_z)``; activation checkpointing ``none``,
+``selective`` and ``full`` (:data:`tetrad.spec.CHECKPOINTING`), where ``none`` does not fit
+``selective`` on the fewest blocks that fit (``selective:K``,
+:func:`tetrad.plan.memory.runtime.fewest_selective`). Configurations whose
+:func:`tetrad.plan.memory.runtime.tetrad` estimate is above 80% of GPU memory are dropped (Fujii
+et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops at the first
+that does not fit. The survivors are ranked by :func:`tetrad.plan.comm.estimate.estimate`
+(``comm_model="tetrad"``) or by compute plus AxoNN's communication time (``comm_model="axonn"``,
+:func:`tetrad.plan.comm.axonn.axonn_comm`).
 
-Classic space (Megatron-LM): ``TP * PP * CP * DP = GPUs`` with ``TP * CP <= GPUs per node``
-(Fujii et al.'s search, ``optimal_setting_search.py``), ``TP`` dividing heads, KV heads and the
-FFN, ``PP`` dividing the layers, ``S % (2 CP) == 0``; memory from
-:func:`tetrad.plan.fujii.fujii2024`; time from :func:`tetrad.plan.classic.megatron_estimate`
-(the whole space is in :mod:`tetrad.plan.classic`; :class:`Row`, :class:`SearchResult` and the
-enumeration helpers shared by both are in :mod:`tetrad.plan.rows`).
+The classic Megatron-style space beside it: :mod:`tetrad.plan.search.classic`; both together:
+:func:`tetrad.plan.search.plan.plan`.
 
-Speed: bandwidths are cached per (stride, size), compute per (G_y, G_x, b), grid validity per
-(G_z, G_y, G_x); a candidate is fully evaluated only if its compute time alone (a lower bound)
-can still enter the top list.
+Speed, by design: memory is evaluated once per (grid, checkpointing mode) as a line in the
+micro-batch (:func:`_memory_line`) and rejects a configuration before anything is timed; the
+fitting ones are taken in ascending order of their compute time, a lower bound of their step
+time, until it reaches the slowest of the best found so far; of the rest, a configuration is
+timed only if its lower bound with the exposed communication it cannot avoid
+(:class:`tetrad.plan.comm.bounds.StepBounds`) is still below it. Every cost that depends on a
+shape only (a Linear's collectives, the fused rings, compute per ``(G_context, G_y, G_x,
+b)``, grid validity, bandwidths per ``(stride, size)``) is memoised. The statistics count
+configurations enumerated (``candidates``), fitting, ``pruned`` and timed (``evaluated``).
 """
 
 from __future__ import annotations
@@ -33,21 +35,20 @@ from __future__ import annotations
 import heapq
 import time
 
-from tetrad.plan import memory
-from tetrad.plan.axonn import axonn_comm
-from tetrad.plan.classic import search_classic
-from tetrad.plan.comm import Context, estimate
-from tetrad.plan.context_parallel import context_problems
-from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, PlanError, grid_problems, grid_sizes
-from tetrad.plan.rows import (
-    Row,
-    SearchResult,
-    check_inputs,
-    checkpointing_modes,
-    divisors,
-    factorizations,
-)
+from tetrad.plan.comm.axonn import axonn_comm
+from tetrad.plan.comm.bounds import MARGIN, StepBounds
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.context_parallel import context_problems
+from tetrad.plan.comm.estimate import estimate
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.spec import Machine
+from tetrad.plan.memory.breakdown import FIT_FRACTION
+from tetrad.plan.memory.runtime import fewest_selective, phase_totals
+from tetrad.plan.memory.runtime import tetrad as tetrad_memory
+from tetrad.plan.model.grids import grid_problems, grid_sizes
+from tetrad.plan.model.spec import ModelSpec
+from tetrad.plan.search.rows import Row
+from tetrad.plan.search.space import check_inputs, checkpointing_modes, divisors, factorizations
 from tetrad.spec import CHECKPOINTING, COMM_AXES, GRID_AXES, GiB
 
 
@@ -81,10 +82,10 @@ class _Search4D:
         self.ctx, self.gpus, self.mem_bytes = ctx, gpus, mem_bytes
         self.comm_model, self.dtype = comm_model, dtype
         self.prefetch = "prefetch" in ctx.overlaps
-        self.limit = memory.FIT_FRACTION * mem_bytes
+        self.limit = FIT_FRACTION * mem_bytes
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
-        keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "evaluated")
-        self.stats = dict.fromkeys(keys, 0)
+        keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "pruned")
+        self.stats = dict.fromkeys((*keys, "evaluated"), 0)
 
     def candidates(self, checkpointing: tuple[str, ...], allowed: set | None) -> list:
         """``(lower bound seconds, grid, micro_batch, checkpointing)`` of every fitting
@@ -121,11 +122,18 @@ class _Search4D:
         per_cell = ctx.global_batch // (gd * gz)
         sizes = [b for b in divisors(per_cell) if allowed is None or b in allowed]
         out, model, mem, dt, pre = [], ctx.model, self.mem_bytes, self.dtype, self.prefetch
+        lines: dict = {}  # mode -> its memory line, once per grid
+
+        def line(mode: str):
+            if mode not in lines:
+                lines[mode] = _memory_line(model, grid, ctx.seq_len, mem, mode, dt, pre, sizes)
+            return lines[mode]
+
         for ckpt in checkpointing:
-            peak = _memory_line(model, grid, ctx.seq_len, mem, ckpt, dt, pre, sizes)
+            peak = line(ckpt)
             plain = None  # selective where none does not fit: only as many blocks as needed
             if ckpt == "selective" and L > 1:
-                plain = _memory_line(model, grid, ctx.seq_len, mem, "none", dt, pre, sizes)
+                plain = line("none")
             for b in sizes:
                 stats["candidates"] += 1
                 if peak(b) > self.limit:
@@ -133,8 +141,8 @@ class _Search4D:
                 stats["fitting"] += 1
                 mode = ckpt
                 if plain is not None and plain(b) > self.limit:
-                    mode = memory.fewest_selective(model, grid, b, ctx.seq_len, mem, dt, pre)
-                fwd, bwd, rec = ctx.compute(grid, b).micro_batch_seconds(L, mode)
+                    mode = fewest_selective(model, grid, b, ctx.seq_len, mem, dt, pre)
+                fwd, bwd, rec = ctx.micro_batch_seconds(grid, b, mode)
                 out.append(((per_cell // b) * (fwd + bwd + rec), grid, b, mode))
         return out
 
@@ -169,12 +177,19 @@ class _Search4D:
 
     def rank(self, cands: list, top: int) -> list:
         """The ``top`` fastest as ``(-step seconds, order, (grid, b, ckpt, estimate))``, timing
-        candidates by ascending lower bound until none can enter the top."""
+        candidates by ascending compute time (a lower bound) until none can enter the top, and
+        with the tetrad model skipping those whose bound with the unavoidable exposed
+        communication (:class:`~tetrad.plan.comm.bounds.StepBounds`) cannot either."""
         cands.sort(key=lambda c: c[0])
         best: list = []  # max-heap of (-step, seq, row-data) of size top
+        bounds = StepBounds(self.ctx) if self.comm_model == "tetrad" else None
         for seq, (lb, grid, b, ckpt) in enumerate(cands):
-            if len(best) >= top and lb >= -best[0][0]:
-                break
+            if len(best) >= top:
+                slowest = -best[0][0]
+                if lb >= slowest:
+                    break  # sorted: no later candidate's compute alone is below it
+                if bounds is not None and _bounded_out(bounds, grid, b, ckpt, lb, slowest):
+                    continue
             self.stats["evaluated"] += 1
             step, est = self._time(grid, b, ckpt)
             item = (-step, seq, (grid, b, ckpt, est))
@@ -182,11 +197,12 @@ class _Search4D:
                 heapq.heappush(best, item)
             elif step < -best[0][0]:
                 heapq.heapreplace(best, item)
+        self.stats["pruned"] = self.stats["fitting"] - self.stats["evaluated"]
         return best
 
     def _time(self, grid, b: int, ckpt: str) -> tuple[float, object]:
-        """Step seconds and what the row needs: an :class:`Estimate` (tetrad), or AxoNN's
-        ``(comm per axis, compute, recompute, micro-batches)`` (axonn)."""
+        """Step seconds and what the row needs: an :class:`~tetrad.plan.comm.estimate.Estimate`
+        (tetrad), or AxoNN's ``(comm per axis, compute, recompute, micro-batches)`` (axonn)."""
         ctx = self.ctx
         if self.comm_model == "tetrad":
             est = estimate(ctx, grid, b, ckpt)
@@ -202,7 +218,7 @@ class _Search4D:
     def row(self, step: float, grid, b: int, ckpt: str, est) -> Row:
         """The :class:`Row` of one ranked configuration (with its memory estimate)."""
         ctx = self.ctx
-        mem = memory.tetrad(
+        mem = tetrad_memory(
             ctx.model,
             grid,
             b,
@@ -298,6 +314,15 @@ def search_4d(
     return rows, search.stats
 
 
+def _bounded_out(bounds: StepBounds, grid, b: int, ckpt: str, compute_s: float, slowest: float):
+    """Whether the step of ``(grid, b, ckpt)`` is surely not below ``slowest`` seconds: one of
+    its bounds (:class:`~tetrad.plan.comm.bounds.StepBounds`, cheapest first), shrunk by
+    :data:`MARGIN`, is not."""
+    keep = 1.0 - MARGIN
+    floor = bounds.cheap(grid, b, ckpt, compute_s)
+    return floor * keep >= slowest or bounds.with_xy(floor, grid, b, ckpt) * keep >= slowest
+
+
 def _memory_line(
     model: ModelSpec,
     grid,
@@ -308,90 +333,23 @@ def _memory_line(
     prefetch: bool,
     sizes: list[int],
 ):
-    """``b -> peak bytes`` of :func:`tetrad.plan.memory.tetrad` from two evaluations: every
+    """``b -> peak bytes`` of :func:`tetrad.plan.memory.runtime.tetrad` from two evaluations: every
     phase's total is affine in the micro-batch (activations, logits and recompute sets grow with
     ``m``; weights, gathered blocks and step buffers do not), so the peak is the maximum of the
     phases' lines. ``inf`` for every ``b`` when ``b = 1`` already does not fit."""
     if not sizes:
         return lambda b: float("inf")
 
-    def at(b: int) -> memory.MemoryBreakdown:
+    def at(b: int) -> dict[str, float]:
         options = {"activation_checkpointing": ckpt, "dtype": dtype, "prefetch": prefetch}
-        return memory.tetrad(model, grid, b, seq_len, mem_bytes, **options)
+        return phase_totals(model, grid, b, seq_len, **options)
 
     lo = at(1)
-    if not lo.fits:
+    peak = max(lo.values())  # MemoryBreakdown.total: the peak phase's
+    if peak > FIT_FRACTION * mem_bytes:
         return lambda b: float("inf")
     if sizes[-1] == 1:
-        return lambda b: lo.total
+        return lambda b: peak
     hi = at(2)
-    lines = [(lo.phases[k], hi.phases[k] - lo.phases[k]) for k in lo.phases]
+    lines = [(lo[k], hi[k] - lo[k]) for k in lo]
     return lambda b: max(a + (b - 1) * s for a, s in lines)
-
-
-def plan(
-    model: ModelSpec,
-    machine: Machine,
-    gpus: int,
-    global_batch: int,
-    seq_len: int,
-    *,
-    top: int = 10,
-    checkpointing: tuple[str | bool, ...] = CHECKPOINTING,
-    micro_batches: tuple[int, ...] | None = None,
-    overlaps="all",
-    comm_model: str = "tetrad",
-    classic: bool = True,
-    dtype: str = "bf16",
-    gpu_memory_bytes: float | None = None,
-) -> SearchResult:
-    """Both searches; see :func:`search_4d` and :func:`search_classic`.
-
-    Raises:
-        PlanError: bad inputs, or no 4D configuration at all (message says what to change).
-    """
-    t0 = time.perf_counter()
-    rows, stats = search_4d(
-        model,
-        machine,
-        gpus,
-        global_batch,
-        seq_len,
-        top=top,
-        checkpointing=checkpointing,
-        micro_batches=micro_batches,
-        overlaps=overlaps,
-        comm_model=comm_model,
-        dtype=dtype,
-        gpu_memory_bytes=gpu_memory_bytes,
-    )
-    crow, cstats = ([], {})
-    if classic:
-        crow, cstats = search_classic(
-            model,
-            machine,
-            gpus,
-            global_batch,
-            seq_len,
-            top=top,
-            checkpointing=checkpointing,
-            micro_batches=micro_batches,
-            gpu_memory_bytes=gpu_memory_bytes,
-        )
-    inputs = {
-        "model": model.name,
-        "model_summary": model.summary(),
-        "machine": machine.name,
-        "machine_summary": machine.summary(),
-        "gpus": gpus,
-        "global_batch": global_batch,
-        "seq_len": seq_len,
-        "overlaps": sorted(
-            Context(model, machine, seq_len, global_batch, overlaps=overlaps).overlaps
-        ),
-        "comm_model": comm_model,
-        "dtype": dtype,
-        "gpu_memory_gib": (gpu_memory_bytes or machine.memory_bytes) / GiB,
-    }
-    all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
-    return SearchResult(rows, crow, all_stats, inputs)

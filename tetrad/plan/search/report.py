@@ -11,9 +11,10 @@ import os
 
 import tomli_w
 
-from tetrad.plan.memory import FIT_FRACTION, MemoryBreakdown
-from tetrad.plan.models import ModelSpec, PlanError
-from tetrad.plan.search import Row, SearchResult
+from tetrad.plan.errors import PlanError
+from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
+from tetrad.plan.model.spec import ModelSpec
+from tetrad.plan.search.rows import Row, SearchResult
 from tetrad.spec import COMM_AXES, OVERLAPS, GiB
 
 AXES_CLASSIC = ("tp", "cp", "pp", "dp")

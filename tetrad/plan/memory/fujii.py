@@ -5,15 +5,17 @@ Memory Consumption Estimator" (arXiv 2411.06465), as implemented by the first au
 (okoge-kaz/Megatron-LM, ``megatron/training/theoretical_memory_usage.py``, commits
 85347a6b / 55d369bf). Reproduces the authors' unit-test values (docs/memory.md,
 tests/test_plan_memory.py). Plain Python; every function returns bytes (or parameters where
-it says so). Symbols as in :mod:`tetrad.plan.memory`; ``t c p d`` are the TP, CP, PP and DP
+it says so). Symbols as in :mod:`tetrad.plan.memory.runtime`; ``t c p d`` are the TP, CP, PP and DP
 degrees.
 """
 
 from __future__ import annotations
 
-from tetrad.plan.context_parallel import context_problems
-from tetrad.plan.memory import MemoryBreakdown, check_positive
-from tetrad.plan.models import ModelSpec, PlanError, tp_problems
+from tetrad.plan.comm.context_parallel import context_problems
+from tetrad.plan.errors import PlanError
+from tetrad.plan.memory.breakdown import MemoryBreakdown, check_positive
+from tetrad.plan.model.grids import tp_problems
+from tetrad.plan.model.spec import ModelSpec
 
 
 def fujii_params_on_first_stage(model: ModelSpec, tp: int, pp: int) -> float:

@@ -40,7 +40,7 @@ KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
 
 GB = 1e9
 """Bytes per GB: bandwidths are given in GB/s = 1e9 bytes/s (AxoNN's mode uses 2^30, see
-:mod:`tetrad.plan.comm`)."""
+:mod:`tetrad.plan.comm.axonn`)."""
 
 
 def ring_bytes(kind: str, payload: float, size: int) -> float:

@@ -1,5 +1,6 @@
 """The Z axis's queue walked through the compute windows of one micro-batch (the ``prefetch`` and
-``reduce_scatter`` overlaps of :mod:`tetrad.plan.comm`, whose module doc states the model).
+``reduce_scatter`` overlaps of :mod:`tetrad.plan.comm.estimate`, whose module doc states the
+model).
 
 Collectives on one axis share one communicator, hence one stream, and run in issue order. A
 window is a layer's compute (its GEMMs and the element-wise work up to the next Linear); its Z
@@ -19,9 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.plan.compute import BlockCompute
-from tetrad.plan.layers import FP32, Recorder, Step
-from tetrad.plan.network import ALL_GATHER, REDUCE_SCATTER
+from tetrad.plan.comm.record import Recorder, Step
+from tetrad.plan.compute.block import BlockCompute
+from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
+from tetrad.spec import FP32
 
 Key = tuple[str, str]
 """``(layer, phase)``: ``("wqkv", "forward")``, ``("output", "backward")`` ..."""
@@ -234,6 +236,22 @@ def z_collectives(rec: Recorder, st: Step) -> None:
     from the window schedule (:class:`ZWindows`); then the tables'."""
     if st.sizes["z"] == 1:
         return
+    blocks, head, times = _z_weights(st)
+    sched = ZWindows(
+        st.comp,
+        times,
+        st.n_layers,
+        checkpointing=st.checkpointing,
+        prefetch=st.prefetch,
+        async_scatter=st.async_scatter,
+    ).run()
+    for w in (*blocks, head):
+        _z_record(rec, st, sched, w)
+    z_tables(rec, st)
+
+
+def _z_weights(st: Step) -> tuple[list[ZWeight], ZWeight, ZTimes]:
+    """The Z collectives of every block Linear and of the LM head, and their seconds per call."""
     L, acc, model = st.n_layers, st.acc, st.model
     phases = ("forward", "recompute", "backward") if st.checkpointing else ("forward", "backward")
     blocks = [
@@ -248,17 +266,37 @@ def z_collectives(rec: Recorder, st: Step) -> None:
         head.gather_s,
         head.scatter_s,
     )
-    sched = ZWindows(
-        st.comp,
-        times,
-        L,
-        checkpointing=st.checkpointing,
-        prefetch=st.prefetch,
-        async_scatter=st.async_scatter,
-    ).run()
-    for w in (*blocks, head):
-        _z_record(rec, st, sched, w)
-    z_tables(rec, st)
+    return blocks, head, times
+
+
+# ---- a lower bound without the walk (the search's pruning) -------------------------------------
+
+
+def z_queue_seconds(st: Step) -> float:
+    """Seconds of the Z collectives one micro-batch queues on the Z stream (0 with ``G_z = 1``):
+    each block Linear's all-gather in every phase and its reduce-scatter, ``L`` blocks, and the
+    LM head's all-gather and reduce-scatter.
+
+    With :func:`window_seconds` it bounds the walk from below: every one of them runs inside a
+    window (or, the reduce-scatters left at the end, behind the embedding's backward), where
+    the compute waits ``max(0, queued - window)``; so a micro-batch's exposed Z seconds are at
+    least ``queued - sum of the windows`` (and all of the queue without ``prefetch``)."""
+    if st.sizes["z"] == 1:
+        return 0.0
+    _, _, t = _z_weights(st)
+    phases = 3 if st.checkpointing else 2
+    block = sum(phases * g + s for g, s in zip(t.gather, t.scatter, strict=True))
+    return st.n_layers * block + t.head_gather + t.head_scatter
+
+
+def window_seconds(comp: BlockCompute, n_layers: int, checkpointing: bool) -> float:
+    """Compute seconds of one micro-batch's windows in :meth:`ZWindows.run`: the embedding's,
+    every block's forward (recompute with ``checkpointing``) and backward, the LM head's, and
+    the embedding's backward behind which the last reduce-scatters run."""
+    block = comp.block_fwd * (2 if checkpointing else 1) + comp.block_bwd
+    head = 3.0 * comp.head + comp.loss_fwd + comp.loss_bwd + comp.final_norm_bwd
+    embedding = comp.embedding_fwd + comp.post_fwd[-1] * 0.5 + comp.embedding_bwd
+    return n_layers * block + head + embedding
 
 
 def _z_record(rec: Recorder, st: Step, sched: ZWindows, w: ZWeight) -> None:

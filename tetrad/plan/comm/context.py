@@ -1,20 +1,23 @@
 """The constants of one planner question (model, machine, batch, overlaps), computed once per
-search and shared by every :func:`tetrad.plan.comm.estimate` call."""
+search and shared by every :func:`tetrad.plan.comm.estimate.estimate` call."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tetrad.plan.compute import BlockCompute, block_compute
-from tetrad.plan.fine import CHUNK_CANDIDATES
-from tetrad.plan.layers import FP32
-from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, PlanError, context_size
-from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OverlapError, parse_overlaps
+from tetrad.plan.comm.fine import CHUNK_CANDIDATES, ring_reduce_scatter_seconds
+from tetrad.plan.compute.block import BlockCompute, block_compute
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.network import Link
+from tetrad.plan.machine.spec import Machine
+from tetrad.plan.model.grids import context_size
+from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, FP32, OverlapError, parse_overlaps
 
 
 class Context:
-    """Per (model, machine, settings) constants of :func:`estimate`, computed once per search.
+    """Per (model, machine, settings) constants of :func:`tetrad.plan.comm.estimate.estimate`,
+    computed once per search.
 
     Args:
         seq_len: tokens per sample ``S``; ``global_batch``: samples per step ``B``.
@@ -24,7 +27,7 @@ class Context:
         bucket_bytes: data-parallel all-reduce bucket, bytes (``dp_all_reduce``).
         domino_min_rows: the ``domino`` split needs ``m >= 2 * domino_min_rows`` token rows.
         fine_chunks: pieces per ring step of ``fine``; None: the best of
-            :data:`tetrad.plan.fine.CHUNK_CANDIDATES`.
+            :data:`tetrad.plan.comm.fine.CHUNK_CANDIDATES`.
     """
 
     def __init__(
@@ -65,10 +68,31 @@ class Context:
         self.gpt = model.family == "gpt"
         self._buckets: dict = {}
         self._compute: dict = {}
+        self._fused: dict = {}
+        self._seconds: dict = {}
+        self._shards: dict = {}
+        self._vectors: dict = {}
+        self.xy_records: dict = {}
+        """Memo of :func:`tetrad.plan.comm.estimate.xy_record`."""
+
+    def fused_s(self, flops: float, payload: float, link: Link, chunks: int) -> float:
+        """Seconds of the fused GEMM -> reduce-scatter ring of ``flops`` FLOPs and ``payload``
+        bytes over ``link`` in ``chunks`` pieces per step
+        (:func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`), memoised: a block Linear's
+        shape recurs across grids, micro-batches and chunk trials, and the ring depends on
+        nothing else (a link is one ``(stride, size)`` of this machine's network)."""
+        key = (flops, payload, link.stride, link.size, chunks)
+        got = self._fused.get(key)
+        if got is None:
+            slow = self.machine.overlap_slowdown
+            got = ring_reduce_scatter_seconds(self.gemm_s, flops, payload, link, chunks, slow)
+            self._fused[key] = got
+        return got
 
     def compute(self, grid: tuple[int, int, int, int], micro_batch: int) -> BlockCompute:
         """Compute seconds (cached per ``(G_context, G_y, G_x, micro_batch)``; the optimizer
-        term is left to :func:`estimate`, it depends on ``G_z``). ``grid``: four or five sizes."""
+        term is left to :func:`~tetrad.plan.comm.estimate.estimate`, it depends on ``G_z``).
+        ``grid``: four or five sizes."""
         key = (context_size(grid), grid[-2], grid[-1], micro_batch)
         got = self._compute.get(key)
         if got is None:
@@ -78,14 +102,32 @@ class Context:
             self._compute[key] = got
         return got
 
-    def weight_shards(self, gx: int, gy: int, gz: int) -> tuple[list[float], float, float, float]:
+    def micro_batch_seconds(
+        self, grid: tuple[int, ...], micro_batch: int, checkpointing: str
+    ) -> tuple[float, float, float]:
+        """:meth:`~tetrad.plan.compute.block.BlockCompute.micro_batch_seconds` of
+        :meth:`compute` (memoised per its key and the mode)."""
+        key = (context_size(grid), grid[-2], grid[-1], micro_batch, checkpointing)
+        got = self._seconds.get(key)
+        if got is None:
+            comp = self.compute(grid, micro_batch)
+            got = self._seconds[key] = comp.micro_batch_seconds(self.model.n_layers, checkpointing)
+        return got
+
+    def weight_shards(
+        self, gx: int, gy: int, gz: int
+    ) -> tuple[tuple[float, ...], float, float, float]:
         """Local weight-shard elements in backward (gradient-ready) order and totals:
-        ``(order, block_elements, head_elements, embedding_elements)``."""
-        shard = gx * gy * gz
-        block = [lin.weight_elements * lin.count / shard for lin in reversed(self.linears)]
-        head = self.head_nk / shard
-        emb = (self.model.vocab + self.model.max_positions) * self.model.hidden / shard
-        return block, sum(block), head, emb
+        ``(order, block_elements, head_elements, embedding_elements)`` (memoised)."""
+        key = (gx, gy, gz)
+        got = self._shards.get(key)
+        if got is None:
+            shard = gx * gy * gz
+            block = tuple(lin.weight_elements * lin.count / shard for lin in reversed(self.linears))
+            head = self.head_nk / shard
+            emb = (self.model.vocab + self.model.max_positions) * self.model.hidden / shard
+            got = self._shards[key] = (block, sum(block), head, emb)
+        return got
 
     def bucket_calls(self, gx: int, gy: int, gz: int) -> int:
         """Data-parallel all-reduce calls of the bucketed overlap (the runtime's rule,
@@ -98,7 +140,7 @@ class Context:
         if got is None:
             block, _, head, _ = self.weight_shards(gx, gy, gz)
             got, acc = 1, 0.0  # 1: the last bucket
-            for s in [head] + block * self.model.n_layers:
+            for s in (head, *block * self.model.n_layers):
                 acc += s * FP32
                 if acc >= self.bucket_bytes:
                     got, acc = got + 1, 0.0
@@ -107,10 +149,13 @@ class Context:
 
     def vector_elements(self, gx: int, gy: int) -> float:
         """Local elements of the parameters replicated over Z (norm weights; GPT: LayerNorm
-        biases and Linear biases): their gradients are all-reduced over Z and data."""
-        norm = self.model.norm_params() / gx
-        bias = sum(
-            (lin.out_features * lin.count if lin.bias else 0) / (gx if lin.transposed else gy)
-            for lin in self.linears
-        )
-        return self.model.n_layers * (2 * norm + bias) + norm
+        biases and Linear biases): their gradients are all-reduced over Z and data (memoised)."""
+        got = self._vectors.get((gx, gy))
+        if got is None:
+            norm = self.model.norm_params() / gx
+            bias = sum(
+                (lin.out_features * lin.count if lin.bias else 0) / (gx if lin.transposed else gy)
+                for lin in self.linears
+            )
+            got = self._vectors[(gx, gy)] = self.model.n_layers * (2 * norm + bias) + norm
+        return got

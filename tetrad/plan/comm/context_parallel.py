@@ -28,7 +28,8 @@ what it would hide, for the docs' comparison).
 
 from __future__ import annotations
 
-from tetrad.plan.models import ModelSpec, context_size, grid_sizes
+from tetrad.plan.model.grids import context_size, grid_sizes
+from tetrad.plan.model.spec import ModelSpec
 
 
 def local_seq_len(seq_len: int, gc: int) -> int:

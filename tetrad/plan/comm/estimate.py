@@ -26,7 +26,7 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
     context   all-gather_context of K and V, payload (output) b S 2 kv_dim / G_y * c per block
               and micro-batch, forward (and recompute); backward reduce-scatter_context of
               their gradients, the same payload (input); blocking
-              (:mod:`tetrad.plan.context_parallel`; with G_context > 1, ``m = b S / G_context``
+              (:mod:`tetrad.plan.comm.context_parallel`; with G_context > 1, ``m = b S / G_context``
               and the data group is data x context, G_data G_context ranks)
     recompute (``full`` activation checkpointing) a block's forward collectives once more in
               backward; ``selective`` re-runs element-wise work only, no collective
@@ -36,12 +36,12 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
               with data parallelism alone).
 
 A size-1 axis issues nothing. Times come from the alpha-beta ring model of
-:mod:`tetrad.plan.network` with each axis's placement.
+:mod:`tetrad.plan.machine.network` with each axis's placement.
 
-Overlap (the runtime's :mod:`tetrad.parallel.overlap`, names :data:`OVERLAPS`; ``none`` exposes
-everything). Collectives on one axis share one communicator, hence one stream, and run in issue
-order; collectives on different axes run concurrently (link contention between axes is not
-modelled). Steady state, every block alike:
+Overlap (the runtime's :mod:`tetrad.parallel.overlap`, names :data:`tetrad.spec.OVERLAPS`;
+``none`` exposes everything). Collectives on one axis share one communicator, hence one stream,
+and run in issue order; collectives on different axes run concurrently (link contention between
+axes is not modelled). Steady state, every block alike:
 
 - ``prefetch``: the Z all-gather of the next weight in execution order (forward, recompute and
   backward) runs during the current layer's window (its GEMMs and the element-wise work up to the
@@ -60,11 +60,11 @@ modelled). Steady state, every block alike:
   ``t_2 + max(0, t_1 - GEMM/2)``.
 - ``fine``: each block Linear's forward all-reduce and backward dx all-reduce is a reduce-scatter
   fused with its GEMM (exposed: the fused ring's time, replayed event by event by
-  :mod:`tetrad.plan.fine`, minus the GEMM) and an all-gather (exposed; in backward during the dW
-  GEMM with ``dx_all_reduce``). Where the rows do not split over the group, as without it. With
-  ``overlaps="all"`` it is used only where it lowers the exposed time, with the best chunk count
-  of :data:`tetrad.plan.fine.CHUNK_CANDIDATES` (:attr:`Estimate.fine_chunks`, what the runtime then
-  runs); named explicitly it is always on.
+  :mod:`tetrad.plan.comm.fine`, minus the GEMM) and an all-gather (exposed; in backward during
+  the dW GEMM with ``dx_all_reduce``). Where the rows do not split over the group, as without
+  it. With ``overlaps="all"`` it is used only where it lowers the exposed time, with the best
+  chunk count of :data:`tetrad.plan.comm.fine.CHUNK_CANDIDATES` (:attr:`Estimate.fine_chunks`,
+  what the runtime then runs); named explicitly it is always on.
 - ``dp_all_reduce``: in the last micro-batch the weight gradients are all-reduced over data in
   buckets (``bucket_bytes``) as the reduce-scatters complete; a block's buckets run during the
   backward (and recompute) of the block below; the queue carries over; what is left when the
@@ -72,19 +72,20 @@ modelled). Steady state, every block alike:
 - always exposed: norm, embedding and loss all-reduces, the LM head's X all-gather and
   reduce-scatter, the step-level collectives.
 
-``axonn`` (:func:`tetrad.plan.axonn.axonn_comm`) reproduces AxoNN's published model
+``axonn`` (:func:`tetrad.plan.comm.axonn.axonn_comm`) reproduces AxoNN's published model
 (Megatron-AxoNN ``examples/comm_model.py``, ``model_v2``; Singh et al., arXiv 2305.13525): per
 block Linear, volume terms in bf16 elements, GiB over the measured bandwidth, summed, no latency,
 no overlap, no embedding, head, norms or loss. Where it deviates from the true layout, see
-:func:`tetrad.plan.axonn.axonn_comm`.
+:func:`tetrad.plan.comm.axonn.axonn_comm`.
 
-Code: :func:`estimate` builds a :class:`~tetrad.plan.layers.Step` (grid, links, ``m``,
+Code: :func:`estimate` builds a :class:`~tetrad.plan.comm.record.Step` (grid, links, ``m``,
 micro-batches, compute times, overlap switches) and calls the functions of :data:`LAYER_KINDS`,
-one per layer kind, each recording into a :class:`~tetrad.plan.layers.Recorder`
-(:mod:`tetrad.plan.layers`; the Z ones in :mod:`tetrad.plan.zwindows`). Block Linears use
-``forward_all_reduce`` (the one place that picks the forward all-reduce's overlap model: plain
-or Domino) and ``backward_all_reduce``. The order of :data:`LAYER_KINDS` is the
-order of the per-axis sums.
+one per layer kind, each recording into a :class:`~tetrad.plan.comm.record.Recorder`: the block
+Linears' X/Y collectives in :mod:`tetrad.plan.comm.linears` (``forward_all_reduce``, the one
+place that picks the forward all-reduce's overlap model: plain, Domino or ``fine``, and
+``backward_all_reduce``), the Z ones in :mod:`tetrad.plan.comm.zwindows`, the others in
+:mod:`tetrad.plan.comm.layers`. The order of :data:`LAYER_KINDS` is the order of the per-axis
+sums.
 """
 
 from __future__ import annotations
@@ -92,18 +93,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from tetrad.plan import layers
-from tetrad.plan.compute import ELEMENTWISE
-from tetrad.plan.context import Context
-from tetrad.plan.context_parallel import kv_gather_payload, local_seq_len
-from tetrad.plan.layers import Recorder, Step
-from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, PlanError, with_context
-from tetrad.plan.network import ring_bytes
-from tetrad.plan.zwindows import z_collectives
+from tetrad.plan.comm import layers, linears
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.context_parallel import kv_gather_payload, local_seq_len
+from tetrad.plan.comm.record import Recorder, Step
+from tetrad.plan.comm.zwindows import z_collectives
+from tetrad.plan.compute.elementwise import ELEMENTWISE
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.network import ring_bytes
+from tetrad.plan.machine.spec import Machine
+from tetrad.plan.model.grids import with_context
+from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, parse_checkpointing
 
-__all__ = ["Collective", "Context", "Estimate", "axis_totals", "collectives", "estimate"]
+__all__ = ["Collective", "Estimate", "axis_totals", "collectives", "estimate"]
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,7 @@ class Estimate:
 
 
 LAYER_KINDS = (
-    layers.block_linears,
+    linears.block_linears,
     layers.context_kv,
     layers.lm_head,
     layers.loss,
@@ -185,8 +188,17 @@ LAYER_KINDS = (
 )
 """The layer kinds :func:`estimate` records, in order (the order of the per-axis sums)."""
 
+XY_KINDS = (linears.block_linears, layers.lm_head, layers.loss, layers.embedding, layers.norms)
+"""The kinds that record on the X and Y axes only. They depend on the grid only through
+``(G_context, G_y, G_x)``, the micro-batch, the micro-batches per step and whether blocks are
+recomputed with their collectives, so their record is memoised (:func:`xy_record`); the other
+kinds record on no X or Y axis, so running them after it sums every axis in the order of
+:data:`LAYER_KINDS`, to the last bit."""
+OTHER_KINDS = tuple(kind for kind in LAYER_KINDS if kind not in XY_KINDS)
+"""The kinds of :data:`LAYER_KINDS` that are not in :data:`XY_KINDS`, in order."""
 
-def _step(
+
+def make_step(
     ctx: Context, grid: tuple[int, int, int, int], micro_batch: int, checkpointing: str | bool
 ) -> Step:
     """The :class:`Step` of ``grid = (G_data, [G_context,] G_z, G_y, G_x)`` (``checkpointing``: a
@@ -227,8 +239,7 @@ def _step(
         domino="domino" in ov and m >= 2 * ctx.domino_min_rows,
         dp_overlap=dp,
         fine=ctx.fine,
-        gemm_s=ctx.gemm_s,
-        slowdown=ctx.machine.overlap_slowdown,
+        fused_s=ctx.fused_s,
         kv_payload=kv_gather_payload(ctx.model, micro_batch, ctx.seq_len, gy, ctx.c)
         if gc > 1
         else 0.0,
@@ -244,8 +255,9 @@ def estimate(
     detail: bool = False,
 ) -> Estimate:
     """Predicted step time (seconds) of ``grid = (G_data, G_z, G_y, G_x)`` (see the module doc):
-    compute of ``acc`` micro-batches (:meth:`BlockCompute.micro_batch_seconds`), the optimizer
-    over the local parameters, and the exposed seconds of every collective.
+    compute of ``acc`` micro-batches
+    (:meth:`~tetrad.plan.compute.block.BlockCompute.micro_batch_seconds`), the optimizer over the
+    local parameters, and the exposed seconds of every collective.
 
     Args:
         micro_batch: samples per micro-batch of one (data, z) cell.
@@ -256,10 +268,15 @@ def estimate(
         PlanError: the global batch does not split into micro-batches on this grid.
         tetrad.spec.CheckpointingError: an unknown checkpointing mode.
     """
-    st = _step(ctx, grid, micro_batch, checkpointing)
-    rec = Recorder(detail)
-    for kind in LAYER_KINDS:
-        kind(rec, st)
+    st = make_step(ctx, grid, micro_batch, checkpointing)
+    if detail:  # every row, in the order of LAYER_KINDS
+        rec = Recorder(True)
+        for kind in LAYER_KINDS:
+            kind(rec, st)
+    else:
+        rec = xy_record(ctx, st).copy()
+        for kind in OTHER_KINDS:
+            kind(rec, st)
     local = st.n_layers * st.block_el + st.head_el + st.emb_el + st.vector_el
     optimizer = ELEMENTWISE["optimizer_per_param"] * local / ctx.machine.hbm_bytes_per_s
     fwd_mb, bwd_mb, rec_mb = st.comp.micro_batch_seconds(st.n_layers, checkpointing)
@@ -269,6 +286,23 @@ def estimate(
     return Estimate(
         step, compute, st.acc * rec_mb, rec.exposed, rec.total, st.acc, cols, st.fine_chosen
     )
+
+
+def xy_record(ctx: Context, st: Step) -> Recorder:
+    """The record (no detail) of the :data:`XY_KINDS` of ``st``, memoised in ``ctx`` per
+    ``(G_context, G_y, G_x, m, micro-batches, full recompute)``: a block Linear's X/Y
+    collectives recur across the ``(G_data, G_z)`` splits of a grid's product. Sets
+    ``st.fine_chosen``; the returned record is shared: copy it before adding to it."""
+    s = st.sizes
+    key = (s["context"], s["y"], s["x"], st.m, st.acc, st.checkpointing)
+    got = ctx.xy_records.get(key)
+    if got is None:
+        rec = Recorder(False)
+        for kind in XY_KINDS:
+            kind(rec, st)
+        got = ctx.xy_records[key] = (rec, st.fine_chosen)
+    st.fine_chosen = got[1]
+    return got[0]
 
 
 def _collectives(rec: Recorder, sizes: dict[str, int], world: int) -> tuple[Collective, ...]:

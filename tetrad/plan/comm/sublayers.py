@@ -6,7 +6,7 @@ projection (FC-2, ``f``); backward input gradients of the QKV projection (IP, ``
 of the MLP up projection (FC-1, ``f``; the gate too for SwiGLU, ``2 f``). Per rank a sublayer
 is ``[m, k/TP] @ [k/TP, h] -> [m, h]`` in ``c``-byte elements, then a reduce-scatter of the
 ``m h c`` bytes over ``TP`` ranks. For each: the GEMM, the ring reduce-scatter, sequential (their
-sum), tetrad's fused ring (:func:`tetrad.plan.fine.best_chunks`) and the ideal
+sum), tetrad's fused ring (:func:`tetrad.plan.comm.fine.best_chunks`) and the ideal
 ``max(GEMM, reduce-scatter)``.
 
 T3 reports sublayer speed-ups over sequential of geomean 30%, max 47% (T3-MCA; abstract) and
@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tetrad.plan.fine import best_chunks, sublayer_seconds
-from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, PlanError
+from tetrad.plan.comm.fine import best_chunks, sublayer_seconds
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.spec import Machine
+from tetrad.plan.model.spec import ModelSpec
 
 T3_REPORTED = {"T3-MCA": (1.30, 1.47), "T3": (1.20, 1.39)}
 """Sublayer speed-ups over sequential T3 reports: ``(geomean, max)``."""
@@ -72,7 +73,8 @@ def sublayers(
     model: ModelSpec, machine: Machine, tps: tuple[int, ...], tokens: int, c: int = 2
 ) -> list[Sublayer]:
     """The predicted sublayers of ``model`` at each tensor-parallel degree in ``tps`` (a ring of
-    consecutive GPUs, :meth:`tetrad.plan.network.Network.link` with stride 1), ``tokens`` rows.
+    consecutive GPUs, :meth:`tetrad.plan.machine.network.Network.link` with stride 1),
+    ``tokens`` rows.
 
     Raises:
         PlanError: a degree that does not divide the sizes or the tokens.

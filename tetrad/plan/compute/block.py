@@ -15,14 +15,15 @@ Chowdhery et al. arXiv 2204.02311, appendix B, counts the same half), so the for
 (Dao, arXiv 2307.08691, section 3.1.2: it recomputes ``Q K^T``): 2.5x the forward.
 
 Time of a GEMM = FLOPs / (peak * efficiency(FLOPs)), the efficiency from the machine's GEMM table
-(:meth:`tetrad.plan.machines.Machine.gemm_efficiency`); attention at the machine's
+(:meth:`tetrad.plan.machine.spec.Machine.gemm_efficiency`); attention at the machine's
 ``attention_efficiency``. Element-wise work (norms, residual adds, RoPE, SwiGLU/GeLU, the
 vocabulary-parallel softmax, the embedding lookup, AdamW) is memory bound: bytes moved / HBM
 bandwidth, with byte counts per token estimated from the runtime's unfused PyTorch ops (rough:
 see :data:`ELEMENTWISE`).
 
 Activation checkpointing (:data:`tetrad.spec.CHECKPOINTING`): ``full`` re-runs each block's
-forward in backward (GEMMs, attention, element-wise, and its collectives: tetrad/plan/layers.py);
+forward in backward (GEMMs, attention, element-wise, and its collectives:
+tetrad/plan/comm/linears.py);
 ``selective`` (tetrad/models/recompute.py; Korthikanti et al., arXiv 2205.05198, section 5)
 re-runs only the element-wise parts whose outputs it does not keep (the two RMSNorm applies, RoPE,
 SwiGLU), once each: the rebuild for the consumer records the graph its own backward uses.
@@ -35,46 +36,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.plan.context_parallel import attention_fwd_flops, local_seq_len
-from tetrad.plan.machines import Machine
-from tetrad.plan.models import ModelSpec, with_context
+from tetrad.plan.comm.context_parallel import attention_fwd_flops, local_seq_len
+from tetrad.plan.compute.elementwise import ELEMENTWISE
+from tetrad.plan.machine.spec import Machine
+from tetrad.plan.model.grids import with_context
+from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import checkpointed_blocks, loss_chunk_rows
-
-ELEMENTWISE = {
-    "norm_residual_per_h": 40.0,
-    "rope_per_qk": 12.0,
-    "act_per_f_llama": 8.0,
-    "act_per_f_gpt": 4.0,
-    "loss_fwd_per_logit": 34.0,
-    "loss_split_per_logit": 14.0,
-    "loss_dw_per_block": 4.0,
-    "loss_bwd_per_dx": 4.0,
-    "loss_bwd_per_dw": 6.0,
-    "optimizer_per_param": 36.0,
-    "backward_factor": 2.0,
-}
-"""Bytes moved per element by the memory-bound parts (forward unless noted), rough counts of the
-runtime's unfused ops, in bytes per token and per local feature:
-
-- ``norm_residual_per_h`` (per ``h/G_x`` feature, per block): two RMSNorms (read fp32 input,
-  write fp32 normalised, cast to bf16: ~10 B) and two residual adds (fp32 + bf16 -> fp32:
-  ~10 B);
-- ``rope_per_qk`` (per ``(a + k) d / G_y`` feature): fp32 rotate-half of q and k;
-- ``act_per_f_*`` (per ``f/G_y`` feature): SwiGLU ``silu(gate) * up`` reads two and writes two
-  bf16 tensors; GeLU one and one;
-- ``loss_fwd_per_logit`` (per ``V/(G_y G_x)`` logit; the fused LM head and loss,
-  tetrad/parallel/loss.py, all in forward): max of the bf16 logits (read 2), subtract into the
-  fp32 softmax buffer (read 2, write 4), exp in place (8), sum (4), scale by ``1 / sum`` (8),
-  cast to bf16 for the gradient GEMMs (read 4, write 2); ``loss_split_per_logit``: the second
-  pass when the vocabulary is split over Y or X (read the kept logits, subtract, exp: 14);
-  ``loss_dw_per_block`` (per ``dW`` element and row block after the first): the GEMM's
-  accumulation reads and writes the running bf16 sum; backward ``loss_bwd_per_dx`` (per ``dx``
-  element: scale, read 2, write 2) and ``loss_bwd_per_dw`` (per ``dW`` element: scaled into its
-  fp32 copy, read 2, write 4);
-- ``optimizer_per_param``: AdamW reads param, grad, m, v and writes param, m, v (28 B), plus the
-  gradient clipping scale (8 B);
-- ``backward_factor``: backward of element-wise work moves about twice the forward's bytes.
-"""
 
 
 @dataclass(frozen=True)
@@ -174,7 +141,7 @@ def block_compute(
 ) -> BlockCompute:
     """Compute times of one rank on ``grid = (G_data, [G_context,] G_z, G_y, G_x)``; see the
     module doc (context parallelism: ``m = b S / G_context`` and
-    :func:`tetrad.plan.context_parallel.attention_fwd_flops`).
+    :func:`tetrad.plan.comm.context_parallel.attention_fwd_flops`).
 
     Args:
         local_params: this rank's parameter elements (for the optimizer time).
@@ -236,24 +203,4 @@ def block_compute(
         optimizer=ew["optimizer_per_param"] * local_params / hbm,
         selective=half_norm + rope + act,  # two norm applies = one half_norm
         head_dw_scale=dw_scale,
-    )
-
-
-def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> float:
-    """Model FLOPs of one optimizer step: ``flops_per_token(S) * B * S`` (the runtime's MFU
-    numerator; recomputation excluded)."""
-    return model.flops_per_token(seq_len) * global_batch * seq_len
-
-
-def mfu(
-    model: ModelSpec,
-    machine: Machine,
-    gpus: int,
-    global_batch: int,
-    seq_len: int,
-    step_seconds: float,
-) -> float:
-    """Model FLOPs utilisation: model FLOPs per step / (step time * GPUs * peak)."""
-    return model_flops_per_step(model, global_batch, seq_len) / (
-        step_seconds * gpus * machine.peak_flops
     )

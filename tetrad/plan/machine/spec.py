@@ -1,7 +1,8 @@
 """Machine descriptions: GPUs per node, memory, peak FLOP/s, HBM bandwidth, network, GEMM table.
 
-A machine is a TOML file. Presets ship in ``tetrad/plan/machines/*.toml`` (each number there has
-its source next to it); ``--machine path/to/file.toml`` reads a user file with the same keys::
+A machine is a TOML file. Presets ship in ``tetrad/plan/machine/presets/*.toml`` (each number
+there has its source next to it); ``--machine path/to/file.toml`` reads a user file with the
+same keys::
 
     name = "my-cluster"
     gpu = "NVIDIA H100 SXM5 80GB"
@@ -40,8 +41,8 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 
-from tetrad.plan.models import PlanError
-from tetrad.plan.network import Network
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.network import Network
 from tetrad.spec import GiB, tomllib
 
 
@@ -56,7 +57,7 @@ class Machine:
         memory_bytes: usable memory per GPU, bytes.
         peak_flops: dense bf16 peak per GPU, FLOP/s.
         hbm_bytes_per_s: memory bandwidth per GPU, bytes/s.
-        network: the :class:`~tetrad.plan.network.Network`.
+        network: the :class:`~tetrad.plan.machine.network.Network`.
         gemm_table: ``((flops, fraction), ...)`` ascending in flops: fraction of ``peak_flops``
             one GEMM of that many FLOPs reaches.
         attention_efficiency: fraction of peak of the FlashAttention kernels.
@@ -65,7 +66,7 @@ class Machine:
         overlap_slowdown: fraction by which a GEMM slows while a collective's transfer runs
             beside it (compute and memory contention; ``[compute] overlap_slowdown``, measured by
             ``tetrad calibrate``; 0 when not given). Used by the ``fine`` overlap's model
-            (:mod:`tetrad.plan.fine`).
+            (:mod:`tetrad.plan.comm.fine`).
     """
 
     name: str
@@ -129,7 +130,7 @@ class Machine:
 
 
 def _presets_dir():
-    return resources.files("tetrad.plan").joinpath("machines")
+    return resources.files("tetrad.plan.machine").joinpath("presets")
 
 
 def preset_names() -> list[str]:
@@ -139,7 +140,7 @@ def preset_names() -> list[str]:
 
 def _num(raw: dict, key: str, where: str, *, positive: bool = True) -> float:
     if key not in raw:
-        raise PlanError(f"machine {where} lacks {key!r}: add it (see tetrad/plan/machines.py)")
+        raise PlanError(f"machine {where} lacks {key!r}: add it (see tetrad/plan/machine/spec.py)")
     v = raw[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise PlanError(f"machine {where}: {key}={v!r} is not a number")

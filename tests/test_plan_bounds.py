@@ -1,0 +1,82 @@
+"""The search's lower bounds (tetrad.plan.comm.bounds) never exceed the estimate they stand for,
+and the Z queue's floor never exceeds the Z seconds the window walk exposes."""
+
+import pytest
+
+from tetrad.plan.comm.bounds import StepBounds
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.context_parallel import context_problems
+from tetrad.plan.comm.estimate import estimate, make_step
+from tetrad.plan.comm.record import Recorder
+from tetrad.plan.comm.zwindows import window_seconds, z_collectives, z_queue_seconds, z_tables
+from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.model.grids import grid_problems
+from tetrad.plan.model.presets import get_model
+from tetrad.plan.search.space import divisors, factorizations
+
+OVERLAPS = (
+    "all",
+    "none",
+    "prefetch",
+    "prefetch,reduce_scatter",
+    "reduce_scatter,dx_all_reduce,dp_all_reduce",
+    "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino,fine",
+)
+CASES = [
+    # (model, machine, GPUs, global batch, sequence)
+    ("gpt-20b", "perlmutter", 64, 128, 2048),
+    ("llama-3.1-8b", "dgx-h100", 32, 64, 4096),
+    ("llama-1b", "t3-sim", 16, 32, 1024),
+    ("llama-2-70b", "frontier", 64, 64, 2048),
+]
+
+
+def configurations(model, gpus: int, batch: int, seq: int):
+    """Every valid grid (context included) with its micro-batches and three modes."""
+    for grid in factorizations(gpus, 5):
+        if grid_problems(model, grid) or context_problems(seq, grid[1]):
+            continue
+        if batch % (grid[0] * grid[2]):
+            continue
+        for b in divisors(batch // (grid[0] * grid[2]))[:3]:
+            for ckpt in ("none", "selective:1", "full"):
+                yield grid, b, ckpt
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bounds_never_exceed_the_estimate(case):
+    name, machine, gpus, batch, seq = case
+    model, mc = get_model(name), get_machine(machine)
+    n = 0
+    for overlaps in OVERLAPS:
+        ctx = Context(model, mc, seq, batch, overlaps=overlaps)
+        bounds = StepBounds(ctx)
+        for grid, b, ckpt in configurations(model, gpus, batch, seq):
+            fwd, bwd, rec = ctx.micro_batch_seconds(grid, b, ckpt)
+            compute = (batch // (grid[0] * grid[2] * b)) * (fwd + bwd + rec)
+            cheap = bounds.cheap(grid, b, ckpt, compute)
+            full = bounds.with_xy(cheap, grid, b, ckpt)
+            step = estimate(ctx, grid, b, ckpt).step_s
+            assert compute <= cheap <= full <= step * (1 + 1e-12), (overlaps, grid, b, ckpt)
+            n += 1
+    assert n > 500
+
+
+@pytest.mark.parametrize("overlaps", OVERLAPS)
+def test_z_queue_floor_is_below_the_walk(overlaps):
+    model, mc = get_model("gpt-20b"), get_machine("perlmutter")
+    ctx = Context(model, mc, 2048, 256, overlaps=overlaps)
+    tight = 0
+    for grid, b, ckpt in configurations(model, 64, 256, 2048):
+        if grid[2] == 1:
+            continue
+        st = make_step(ctx, grid, b, ckpt)
+        walked, tables = Recorder(False), Recorder(False)
+        z_collectives(walked, st)
+        z_tables(tables, st)
+        exposed = walked.exposed["z"] - tables.exposed["z"]
+        windows = window_seconds(st.comp, st.n_layers, st.checkpointing)
+        floor = st.acc * max(0.0, z_queue_seconds(st) - windows)
+        assert floor <= exposed * (1 + 1e-12) + 1e-15, (grid, b, ckpt)
+        tight += floor > 0.5 * exposed > 0
+    assert tight > 0  # the floor is not vacuous

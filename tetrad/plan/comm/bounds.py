@@ -1,0 +1,115 @@
+"""Lower bounds of a configuration's step time, for the search's pruning: cheap, never above
+:func:`tetrad.plan.comm.estimate.estimate`'s ``step_s``, and tight enough that most
+configurations need no estimate.
+
+A step is compute plus exposed communication (:mod:`tetrad.plan.comm.estimate`). Every exposed
+term is at least 0, so any subset of them added to the compute bounds the step from below.
+:class:`StepBounds` gives two, the second tighter and dearer:
+
+- :meth:`~StepBounds.cheap`, from memoised terms: per grid the optimizer, the step-level
+  scalars and the data-parallel gradient all-reduce (blocking, or its buckets' seconds, which
+  :func:`tetrad.plan.comm.layers.bucket_exposed` turns into exposed seconds given the
+  compute they hide behind); per ``(G_z, G_y, G_x)`` the embedding tables' Z collectives of a
+  micro-batch, never overlapped (:func:`tetrad.plan.comm.zwindows.z_tables`), and the Z
+  weights' queue, of which a micro-batch exposes at least what its compute windows cannot
+  hold (:func:`tetrad.plan.comm.zwindows.z_queue_seconds`);
+- :meth:`~StepBounds.with_xy`: the context K/V collectives and every X and Y collective,
+  memoised per ``(G_context, G_y, G_x)``, micro-batch, micro-batches and recompute
+  (:func:`tetrad.plan.comm.estimate.xy_record`, which the estimate reuses).
+
+The search compares a bound with the slowest of its best configurations so far only after
+shrinking it by :data:`MARGIN`, so rounding (the bound adds its terms in another order than the
+estimate) can never drop a configuration that belongs to the ranking.
+"""
+
+from __future__ import annotations
+
+from tetrad.plan.comm import layers
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.estimate import make_step, xy_record
+from tetrad.plan.comm.record import Recorder, Step
+from tetrad.plan.comm.zwindows import window_seconds, z_queue_seconds, z_tables
+from tetrad.plan.compute.elementwise import ELEMENTWISE
+from tetrad.plan.machine.network import ALL_REDUCE
+from tetrad.spec import parse_checkpointing
+
+MARGIN = 1e-9
+"""Relative amount a bound is shrunk by before it prunes (far above the rounding of its sums,
+far below any difference between configurations that matters)."""
+
+
+class StepBounds:
+    """Lower bounds of the step seconds of one planner question's configurations.
+
+    Args:
+        ctx: the question (model, machine, batch, overlaps).
+    """
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self._grid: dict = {}  # grid -> (optimizer + scalars seconds, data-parallel terms)
+        self._z: dict = {}  # (G_z, G_y, G_x, full) -> (tables, queue) seconds per micro-batch
+
+    def _grid_terms(self, st: Step, grid: tuple) -> tuple[float, tuple[float, ...]]:
+        """Per grid: the optimizer and the step-level scalars, seconds per step; and the
+        data-parallel all-reduce: ``()`` (none), ``(seconds,)`` (blocking) or the buckets'
+        seconds of a block, the LM head and the embedding (``dp_all_reduce``)."""
+        got = self._grid.get(grid)
+        if got is None:
+            local = st.n_layers * st.block_el + st.head_el + st.emb_el + st.vector_el
+            optimizer = (
+                ELEMENTWISE["optimizer_per_param"] * local / self.ctx.machine.hbm_bytes_per_s
+            )
+            rec = Recorder(False)
+            layers.step_scalars(rec, st)
+            if st.sizes["data"] == 1:
+                data: tuple[float, ...] = ()
+            elif st.dp_overlap:
+                data = layers.bucket_seconds(st)
+            else:
+                data = (st.links["data"].time(ALL_REDUCE, layers.gradient_bytes(st)),)
+            got = self._grid[grid] = (optimizer + sum(rec.exposed.values()), data)
+        return got
+
+    def _z_terms(self, st: Step) -> tuple[float, float]:
+        """Per ``(G_z, G_y, G_x)`` and recompute: the embedding tables' Z collectives and the
+        Z weights' queue, seconds per micro-batch."""
+        key = (st.sizes["z"], st.sizes["y"], st.sizes["x"], st.checkpointing)
+        got = self._z.get(key)
+        if got is None:
+            rec = Recorder(False)
+            if st.sizes["z"] > 1:
+                z_tables(rec, st)
+            got = self._z[key] = (sum(rec.exposed.values()) / st.acc, z_queue_seconds(st))
+        return got
+
+    def cheap(self, grid: tuple, micro_batch: int, checkpointing: str, compute_s: float) -> float:
+        """The compute ``compute_s`` (all micro-batches of ``grid = (G_data, G_context, G_z,
+        G_y, G_x)``, no optimizer) plus the memoised terms of the module doc, seconds.
+
+        Raises:
+            PlanError: the global batch does not split into micro-batches on this grid.
+        """
+        ctx, full = self.ctx, parse_checkpointing(checkpointing) == "full"
+        z, terms = self._z.get((*grid[2:], full)), self._grid.get(grid)
+        if z is None or terms is None:
+            st = make_step(ctx, grid, micro_batch, checkpointing)
+            terms, z = self._grid_terms(st, grid), self._z_terms(st)
+        step_terms, data = terms
+        tables, queue = z
+        comp, L = ctx.compute(grid, micro_batch), ctx.model.n_layers
+        if len(data) == 3:  # buckets behind a block's backward (and recompute)
+            slack = comp.block_bwd + (comp.block_fwd if full else 0.0)
+            data = (layers.bucket_exposed(*data, slack, L),)
+        z_weights = max(0.0, queue - window_seconds(comp, L, full))
+        acc = ctx.global_batch // (grid[0] * grid[2] * micro_batch)
+        return compute_s + step_terms + sum(data) + acc * (tables + z_weights)
+
+    def with_xy(self, floor: float, grid: tuple, micro_batch: int, checkpointing: str) -> float:
+        """``floor`` (:meth:`cheap`) plus the context K/V collectives and every X and Y
+        collective's exposed seconds (memoised, and reused by the estimate), seconds."""
+        st = make_step(self.ctx, grid, micro_batch, checkpointing)
+        rec = Recorder(False)
+        layers.context_kv(rec, st)
+        exposed = sum(rec.exposed.values()) + sum(xy_record(self.ctx, st).exposed.values())
+        return floor + exposed

@@ -1,0 +1,179 @@
+"""The collectives of one optimizer step other than the block Linears' X/Y all-reduces
+(:mod:`tetrad.plan.comm.linears`) and the Z ones (:mod:`tetrad.plan.comm.zwindows`): context
+K/V, the LM head, the loss, the embedding, the norms, the data-parallel gradients and the
+step-level scalars, one function per layer kind (the model is stated in the module doc of
+:mod:`tetrad.plan.comm.estimate`).
+
+Each function takes a :class:`~tetrad.plan.comm.record.Recorder` and a
+:class:`~tetrad.plan.comm.record.Step` and records the collectives of one kind of layer: bytes
+per call, calls per step, seconds per call (alpha-beta,
+:meth:`tetrad.plan.machine.network.Link.time`) and exposed seconds per step.
+"""
+
+from __future__ import annotations
+
+from tetrad.plan.comm.record import Recorder, Step
+from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from tetrad.spec import FP32, Axis
+
+
+def _max0(v: float) -> float:
+    return v if v > 0.0 else 0.0
+
+
+def context_kv(rec: Recorder, st: Step) -> None:
+    """Context parallelism (tetrad/parallel/context.py): per block and micro-batch an all-gather
+    of K and V over context (``kv_payload``, the output), again in recompute under full
+    checkpointing, and a reduce-scatter of their gradients in backward (the same payload, the
+    input); blocking."""
+    if st.sizes["context"] == 1:
+        return
+    p, link, n = st.kv_payload, st.links["context"], st.n_layers * st.acc
+    t = link.time(ALL_GATHER, p)
+    rec.add("attention_kv", "forward", "context", ALL_GATHER, p, n, t, n * t)
+    if st.checkpointing:
+        rec.add("attention_kv", "recompute", "context", ALL_GATHER, p, n, t, n * t)
+    t = link.time(REDUCE_SCATTER, p)
+    rec.add("attention_kv", "backward", "context", REDUCE_SCATTER, p, n, t, n * t)
+
+
+def lm_head(rec: Recorder, st: Step) -> None:
+    """The LM head (tetrad/parallel/head.py: vocabulary over Y and X, input gathered over X),
+    ``acc`` calls each, never recomputed; no collective grows with ``V``. Forward: all-gather
+    over X of its input, payload ``m h c`` (the output). Backward: reduce-scatter over X of the
+    input gradient, payload ``m h c`` (the input), then all-reduce over Y of ``m h / G_x * c``
+    (with ``dx_all_reduce`` during the scaling of the head's ``dW``, which the fused loss formed
+    in forward: exposed ``max(0, t - scaling)``)."""
+    m, h, c, acc = st.m, st.model.hidden, st.c, st.acc
+    gx, gy = st.sizes["x"], st.sizes["y"]
+    if gx > 1:
+        p = m * h * c
+        t = st.links["x"].time(ALL_GATHER, p)
+        rec.add("output", "forward", "x", ALL_GATHER, p, acc, t, acc * t)
+        t = st.links["x"].time(REDUCE_SCATTER, p)
+        rec.add("output", "backward", "x", REDUCE_SCATTER, p, acc, t, acc * t)
+    if gy > 1:
+        p = m * h / gx * c
+        t = st.links["y"].time(ALL_REDUCE, p)
+        e = _max0(t - st.comp.head_dw_scale) if st.dx_overlap else t
+        hid = "dW scaling" if st.dx_overlap else ""
+        rec.add("output", "backward", "y", ALL_REDUCE, p, acc, t, acc * e, hid)
+
+
+# ---- always-exposed all-reduces: loss, embedding, norms ---------------------------------------
+
+
+def loss(rec: Recorder, st: Step) -> None:
+    """Vocabulary-parallel cross-entropy over Y and X: 3 all-reduces of ``m * 4`` bytes (max,
+    sum of exp, target logit) over each of Y and X per micro-batch, forward only."""
+    for ax in (Axis.Y, Axis.X):
+        if st.sizes[ax] > 1:
+            p = st.m * FP32
+            t = st.links[ax].time(ALL_REDUCE, p)
+            rec.add("loss", "forward", ax, ALL_REDUCE, p, 3 * st.acc, t, 3 * st.acc * t)
+
+
+def embedding(rec: Recorder, st: Step) -> None:
+    """Embedding lookups (token table, GPT: position table): all-reduce ``m h / G_x * 4`` bytes
+    (fp32) over Y per table and micro-batch."""
+    if st.sizes["y"] > 1:
+        p = st.m * st.model.hidden / st.sizes["x"] * FP32
+        t = st.links["y"].time(ALL_REDUCE, p)
+        rec.add("embedding", "forward", "y", ALL_REDUCE, p, st.acc, t, st.acc * t)
+        if st.model.max_positions:
+            rec.add("positions", "forward", "y", ALL_REDUCE, p, st.acc, t, st.acc * t)
+
+
+def norms(rec: Recorder, st: Step) -> None:
+    """Norm statistics: all-reduce ``m * 4`` bytes (GPT LayerNorm: ``m * 8``) over X, ``2 L + 1``
+    per micro-batch forward and backward, ``2 L`` in recompute."""
+    if st.sizes["x"] > 1:
+        p = st.m * FP32 * (2 if st.model.family == "gpt" else 1)
+        t = st.links["x"].time(ALL_REDUCE, p)
+        L, acc = st.n_layers, st.acc
+        nf = (2 * L + 1) * acc
+        rec.add("norm", "forward", "x", ALL_REDUCE, p, nf, t, nf * t)
+        if st.checkpointing:
+            rec.add("norm", "recompute", "x", ALL_REDUCE, p, 2 * L * acc, t, 2 * L * acc * t)
+        rec.add("norm", "backward", "x", ALL_REDUCE, p, nf, t, nf * t)
+
+
+# ---- data-parallel gradients and step-level collectives ----------------------------------------
+
+
+def data_gradients(rec: Recorder, st: Step) -> None:
+    """All-reduce over data of the local weight-gradient shards ``(L block + head + embedding)
+    * 4`` bytes: once at the step (blocking), or with ``dp_all_reduce`` in ``bucket_calls``
+    buckets during the last micro-batch's backward, a block's buckets behind the backward (and
+    recompute) of the block below, the queue carried over; what is left is exposed (seconds).
+    With ``G_z = 1`` the vectors (``vector_el * 4`` bytes) join the last bucket, exposed with
+    the embedding's gradient (:attr:`Step.vectors_in_buckets`)."""
+    if st.sizes["data"] == 1:
+        return
+    ld, L = st.links["data"], st.n_layers
+    w_total = gradient_bytes(st)
+    if not st.dp_overlap:
+        t = ld.time(ALL_REDUCE, w_total)
+        rec.add("gradients", "step", "data", ALL_REDUCE, w_total, 1, t, t)
+        return
+    calls = st.bucket_calls
+    slack = st.comp.block_bwd + (st.comp.block_fwd if st.checkpointing else 0.0)
+    exp = bucket_exposed(*bucket_seconds(st), slack, L)
+    t = ld.time(ALL_REDUCE, w_total / calls)
+    hid = "backward of the blocks below (last micro-batch, buckets)"
+    rec.add("gradients", "backward", "data", ALL_REDUCE, w_total / calls, calls, t, exp, hid)
+
+
+def gradient_bytes(st: Step) -> float:
+    """Bytes of the data-parallel all-reduce: the local weight-gradient shards, fp32, and the
+    vectors when they ride in the last bucket."""
+    vec = st.vector_el if st.vectors_in_buckets else 0.0
+    return (st.n_layers * st.block_el + st.head_el + st.emb_el + vec) * FP32
+
+
+def bucket_seconds(st: Step) -> tuple[float, float, float]:
+    """All-reduce seconds of one block's, the LM head's and the embedding's (with the vectors
+    riding along) share of the ``dp_all_reduce`` buckets: their bytes at the bucketed
+    all-reduce's seconds per byte, the per-call latency spread over the bytes."""
+    ld, calls, w_total = st.links["data"], st.bucket_calls, gradient_bytes(st)
+    vec = st.vector_el if st.vectors_in_buckets else 0.0
+    lat = ld.time(ALL_REDUCE, 0.0)
+    per_byte = (ld.time(ALL_REDUCE, w_total) - lat) / w_total
+    rate = calls / w_total * lat + per_byte  # seconds per byte, latency spread over the bytes
+    big_d = st.block_el * FP32 * rate
+    return big_d, st.head_el * FP32 * rate, (st.emb_el + vec) * FP32 * rate
+
+
+def bucket_exposed(big_d: float, big_h: float, big_e: float, slack: float, n_layers: int) -> float:
+    """Exposed seconds of the bucketed data-parallel all-reduce (:func:`data_gradients`) from
+    the buckets' seconds of a block, the LM head and the embedding (:func:`bucket_seconds`) and
+    the compute of a block's backward (and recompute) they hide behind, ``slack``: the head's
+    buckets behind the top block, each block's behind the block below, the queue carried over;
+    the bottom block's and the embedding's are exposed."""
+    x = _max0(big_h - slack)
+    if n_layers > 1:
+        x = (
+            x + (n_layers - 1) * (big_d - slack)
+            if big_d >= slack
+            else _max0(x - (n_layers - 1) * (slack - big_d))
+        )
+    return x + big_d + big_e
+
+
+def step_scalars(rec: Recorder, st: Step) -> None:
+    """Step-level, blocking: the Z-replicated vectors' gradients (``vector_el * 4`` bytes) over Z
+    then data (not over data when they rode in the last bucket: :attr:`Step.vectors_in_buckets`),
+    the loss scalar (4 B) over Z and data, the gradient norm (8 B, float64) over the world unless
+    only the data axis is above 1 (every rank then has the whole gradient)."""
+    pv = st.vector_el * FP32
+    for ax in (Axis.Z, Axis.DATA):
+        if st.sizes[ax] > 1 and not (ax == Axis.DATA and st.vectors_in_buckets):
+            t = st.links[ax].time(ALL_REDUCE, pv)
+            rec.add("norm_gradients", "step", ax, ALL_REDUCE, pv, 1, t, t)
+    for ax in (Axis.Z, Axis.DATA):
+        if st.sizes[ax] > 1:
+            t = st.links[ax].time(ALL_REDUCE, FP32)
+            rec.add("loss_scalar", "step", ax, ALL_REDUCE, FP32, 1, t, t)
+    if st.world > st.sizes[Axis.DATA]:
+        t = st.links["world"].time(ALL_REDUCE, 8)
+        rec.add("grad_norm", "step", "world", ALL_REDUCE, 8, 1, t, t)

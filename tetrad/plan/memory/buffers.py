@@ -1,0 +1,98 @@
+"""Transient buffers of one rank of tetrad's runtime: Z-gathered weights, weight gradients before
+their reduce-scatter, the fused LM head's logits, the embedding's gradient block, the
+data-parallel buffers at the end of backward and the optimizer step's. Bytes; symbols as in
+:mod:`tetrad.plan.memory.runtime`."""
+
+from __future__ import annotations
+
+from tetrad.plan.memory.activations import dtype_bytes
+from tetrad.plan.memory.states import local_parameter_elements
+from tetrad.plan.model.grids import context_size, grid_sizes
+from tetrad.plan.model.spec import Linear, ModelSpec
+from tetrad.spec import FP32, loss_chunk_rows
+
+
+def gathered_weight_bytes(lin: Linear, grid, dtype: str = "bf16") -> float:
+    """The Z all-gathered weight block ``n k / (G_x G_y)`` in compute dtype (tetrad/parallel/
+    linear.py: ``all_gather_Z(w_shard.to(dtype))``). 0 in fp32 with ``G_z = 1``: the shard
+    itself is used."""
+    _, gz, gy, gx = grid_sizes(grid)
+    e = dtype_bytes(dtype)
+    if gz == 1 and e == FP32:
+        return 0.0
+    return float(e * lin.count * lin.weight_elements // (gx * gy))
+
+
+def weight_gradient_bytes(lin: Linear, grid, dtype: str = "bf16") -> float:
+    """The local weight gradient ``dy^T x`` ``[n/G_y, k/G_x]`` before the Z reduce-scatter: in
+    compute dtype, plus its fp32 copy (the reduce-scatter input) when the compute dtype is bf16."""
+    _, _, gy, gx = grid_sizes(grid)
+    e = dtype_bytes(dtype)
+    per = e + (FP32 if e != FP32 else 0)
+    return float(per * lin.count * lin.weight_elements // (gx * gy))
+
+
+def lm_head_logits_bytes(model: ModelSpec, grid, m: int, e: int) -> float:
+    """Transients of the fused LM head and loss (tetrad/parallel/loss.py ``lm_head_loss``) at
+    their largest, in forward: one block of ``n`` rows (:func:`tetrad.spec.loss_chunk_rows`,
+    the GPU budget) of logits ``[n, V/(G_y G_x)]`` in the compute dtype, their fp32 softmax and
+    its compute-dtype copy for the gradient GEMMs (one buffer in all when ``e = 4``); with the
+    vocabulary split over Y or X the micro-batch's logits ``e m V/(G_y G_x)``, kept for the
+    second pass; with ``G_x > 1`` the input gathered over X ``e m h``; the per-token maximum,
+    sum and target logit ``12 m``."""
+    _, _, gy, gx = grid_sizes(grid)
+    vy = model.vocab // (gy * gx)
+    n = loss_chunk_rows(vy, m)
+    block = n * vy * (e if e == FP32 else 2 * e + FP32)
+    kept = e * m * vy if gy * gx > 1 else 0
+    gathered = e * m * model.hidden if gx > 1 else 0
+    return float(block + kept + gathered + 12 * m)
+
+
+def embedding_grad_bytes(model: ModelSpec, grid) -> float:
+    """The embedding's backward builds its full-block gradient ``[V/G_y, h/G_x]`` fp32 before the
+    Z reduce-scatter (tetrad/parallel/embedding.py); with ``G_z = 1`` that block is the gradient
+    itself (counted with the gradients), so nothing on top."""
+    _, gz, gy, gx = grid_sizes(grid)
+    return float(FP32 * model.vocab * model.hidden // (gx * gy)) if gz > 1 else 0.0
+
+
+def end_of_backward_bytes(model: ModelSpec, grid, dp_overlap: bool = True) -> float:
+    """Temporaries at the end of backward, when the embedding's gradient is built, plus
+    :func:`embedding_grad_bytes`. With ``G_data > 1`` the data-parallel all-reduce buffers:
+
+    - ``G_z = 1`` with the ``dp_all_reduce`` overlap: the weight-gradient GEMMs write into the
+      buckets' buffers (:meth:`tetrad.parallel.buckets.GradBuckets.slot`), which are the
+      gradients; only the vectors (norm weights), which autograd accumulates, are copied into
+      the last bucket;
+    - ``G_z > 1``: ``torch.cat`` of each bucket's reduce-scattered gradients, one flat fp32 copy
+      of all matrices (the vectors are summed over Z and data after backward:
+      :func:`step_buffer_bytes`);
+    - without the overlap ``sync_gradients`` flattens the gradients after backward, one group
+      at a time (matrices, vectors): the matrices' copy, counted here.
+
+    The gradients become views of these buffers when the last micro-batch's backward ends."""
+    gz = grid_sizes(grid)[1]
+    gd = grid_sizes(grid)[0] * context_size(grid)  # the data x context group
+    n = local_parameter_elements(model, grid)
+    if gd == 1:
+        flat = 0
+    elif gz == 1 and dp_overlap:
+        flat = n["vectors"]
+    else:
+        flat = n["matrices"]
+    return FP32 * flat + embedding_grad_bytes(model, grid)
+
+
+def step_buffer_bytes(model: ModelSpec, grid) -> float:
+    """Largest temporary of the optimizer step, after backward (tetrad/train/step.py):
+
+    - ``sync_gradients`` of the vectors (norm weights, biases): one flat fp32 copy when
+      ``G_z > 1`` (with ``G_z = 1`` their data-parallel sum rode in the last bucket:
+      :func:`end_of_backward_bytes`);
+    - ``clip_grad_norm``: none (``torch._foreach_norm``: one scalar per gradient; the scaling
+      multiplies in place);
+    - AdamW: none (torch's fused kernel, on CPU and CUDA, updates in place).
+    """
+    gz = grid_sizes(grid)[1]
+    return float(FP32 * local_parameter_elements(model, grid)["vectors"] if gz > 1 else 0)

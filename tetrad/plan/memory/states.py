@@ -1,0 +1,77 @@
+"""Model states of one rank of tetrad's runtime, exact: its parameter shards (fp32), their
+gradients (fp32) and AdamW's two states, from tetrad's 3D layout (tetrad/parallel/{linear,
+embedding,norm}.py). Bytes; symbols as in :mod:`tetrad.plan.memory.runtime`."""
+
+from __future__ import annotations
+
+import functools
+
+from tetrad.plan.model.grids import check_grid, grid_sizes
+from tetrad.plan.model.spec import Linear, ModelSpec
+from tetrad.spec import FP32
+
+
+def _vector_elements(lin: Linear, gx: int, gy: int) -> int:
+    """Local bias elements ``n / G_out`` (replicated over the input axis, Z and data)."""
+    if not lin.bias:
+        return 0
+    return lin.count * lin.out_features // (gx if lin.transposed else gy)
+
+
+def local_parameter_elements(model: ModelSpec, grid) -> dict[str, int]:
+    """Elements of this rank's parameter shards, by kind; the same on every rank.
+
+    Derived from tetrad's layout (tetrad/parallel/{linear,embedding,norm}.py): every Linear and
+    Embedding weight ``[n, k]`` is stored as ``n k / (G_x G_y G_z)`` elements whatever its
+    orientation; biases ``n/G_y`` (``n/G_x`` when transposed); norm weights ``h/G_x`` (GPT
+    LayerNorm: weight and bias, ``2h/G_x``), replicated over Y, Z and data.
+
+    Returns:
+        ``{"matrices": ..., "vectors": ...}``: elements of all 2-D shards (AdamW's
+        weight-decay group) and of all 1-D shards.
+
+    Raises:
+        PlanError: a bad grid, or a size that does not shard on it.
+    """
+    matrices, vectors = _local_elements(model, tuple(grid))
+    return {"matrices": matrices, "vectors": vectors}
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_elements(model: ModelSpec, grid: tuple[int, ...]) -> tuple[int, int]:
+    """``(matrices, vectors)`` of :func:`local_parameter_elements`, once per model and grid."""
+    _, gz, gy, gx = grid_sizes(grid)
+    check_grid(model, grid)
+    shard = gx * gy * gz
+    block = [lin.weight_elements // shard for lin in model.linears() for _ in range(lin.count)]
+    tables = [model.vocab * model.hidden // shard]
+    if model.max_positions:
+        tables.append(model.max_positions * model.hidden // shard)
+    if not model.tied_embeddings:
+        tables.append(model.lm_head().weight_elements // shard)
+    matrices = model.n_layers * sum(block) + sum(tables)
+    norm = model.norm_params() // gx
+    bias = sum(_vector_elements(lin, gx, gy) for lin in model.linears())
+    vectors = model.n_layers * (2 * norm + bias) + norm
+    return matrices, vectors
+
+
+def tetrad_parameter_bytes(model: ModelSpec, grid) -> float:
+    """fp32 master weights of this rank's shards: ``4 * local elements`` (the runtime keeps
+    parameters in fp32; bf16 autocast casts them per GEMM)."""
+    n = local_parameter_elements(model, grid)
+    return float(FP32 * (n["matrices"] + n["vectors"]))
+
+
+def tetrad_gradient_bytes(model: ModelSpec, grid) -> float:
+    """fp32 ``.grad`` of every local shard, same size as the parameters. Counted for the whole
+    step (conservative when a step has one micro-batch: then they appear during backward)."""
+    return tetrad_parameter_bytes(model, grid)
+
+
+def tetrad_optimizer_bytes(model: ModelSpec, grid) -> float:
+    """AdamW ``exp_avg`` and ``exp_avg_sq``: two fp32 copies of every local shard (torch.optim.AdamW
+    built by tetrad.train.step.build_optimizer). The per-parameter ``step`` counters are not
+    counted: 0-d fp32 tensors, 4 bytes per parameter tensor (on its device with the fused
+    kernel)."""
+    return 2.0 * tetrad_parameter_bytes(model, grid)

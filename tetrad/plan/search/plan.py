@@ -1,0 +1,82 @@
+"""Both searches of ``tetrad plan``: the 4D space (:mod:`tetrad.plan.search.four_d`) and the
+classic Megatron-style space beside it (:mod:`tetrad.plan.search.classic`)."""
+
+from __future__ import annotations
+
+import time
+
+from tetrad.plan.comm.context import Context
+from tetrad.plan.machine.spec import Machine
+from tetrad.plan.model.spec import ModelSpec
+from tetrad.plan.search.classic import search_classic
+from tetrad.plan.search.four_d import search_4d
+from tetrad.plan.search.rows import SearchResult
+from tetrad.spec import CHECKPOINTING, GiB
+
+
+def plan(
+    model: ModelSpec,
+    machine: Machine,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    *,
+    top: int = 10,
+    checkpointing: tuple[str | bool, ...] = CHECKPOINTING,
+    micro_batches: tuple[int, ...] | None = None,
+    overlaps="all",
+    comm_model: str = "tetrad",
+    classic: bool = True,
+    dtype: str = "bf16",
+    gpu_memory_bytes: float | None = None,
+) -> SearchResult:
+    """Both searches; see :func:`search_4d` and :func:`search_classic`.
+
+    Raises:
+        PlanError: bad inputs, or no 4D configuration at all (message says what to change).
+    """
+    t0 = time.perf_counter()
+    rows, stats = search_4d(
+        model,
+        machine,
+        gpus,
+        global_batch,
+        seq_len,
+        top=top,
+        checkpointing=checkpointing,
+        micro_batches=micro_batches,
+        overlaps=overlaps,
+        comm_model=comm_model,
+        dtype=dtype,
+        gpu_memory_bytes=gpu_memory_bytes,
+    )
+    crow, cstats = ([], {})
+    if classic:
+        crow, cstats = search_classic(
+            model,
+            machine,
+            gpus,
+            global_batch,
+            seq_len,
+            top=top,
+            checkpointing=checkpointing,
+            micro_batches=micro_batches,
+            gpu_memory_bytes=gpu_memory_bytes,
+        )
+    inputs = {
+        "model": model.name,
+        "model_summary": model.summary(),
+        "machine": machine.name,
+        "machine_summary": machine.summary(),
+        "gpus": gpus,
+        "global_batch": global_batch,
+        "seq_len": seq_len,
+        "overlaps": sorted(
+            Context(model, machine, seq_len, global_batch, overlaps=overlaps).overlaps
+        ),
+        "comm_model": comm_model,
+        "dtype": dtype,
+        "gpu_memory_gib": (gpu_memory_bytes or machine.memory_bytes) / GiB,
+    }
+    all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
+    return SearchResult(rows, crow, all_stats, inputs)

@@ -1,0 +1,58 @@
+"""The spaces both planner searches enumerate: divisors and ordered factorisations of the GPU
+count, the checkpointing modes to try, and the checks of the question. Plain Python."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tetrad.plan.errors import PlanError
+from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec import parse_checkpointing
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, ascending."""
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i * i != n:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+def factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
+    """Every ordered tuple of ``parts`` positive integers whose product is ``n``."""
+    if parts == 1:
+        return [(n,)]
+    return [(d, *rest) for d in divisors(n) for rest in factorizations(n // d, parts - 1)]
+
+
+def checkpointing_modes(checkpointing: Iterable[str | bool]) -> tuple[str, ...]:
+    """Distinct modes of :data:`tetrad.spec.CHECKPOINTING` from names or bools (``True`` =
+    ``full``), in the given order.
+
+    Raises:
+        tetrad.spec.CheckpointingError: an unknown name.
+    """
+    return tuple(dict.fromkeys(parse_checkpointing(c) for c in checkpointing))
+
+
+def check_inputs(model: ModelSpec, gpus: int, global_batch: int, seq_len: int) -> None:
+    """Check the question of both searches.
+
+    Raises:
+        PlanError: a non-positive GPU count, batch or sequence length, or a sequence longer than
+            the model's learned positions.
+    """
+    for name, v in (("gpus", gpus), ("global batch", global_batch), ("sequence length", seq_len)):
+        if int(v) != v or v < 1:
+            raise PlanError(f"{name} {v} must be a positive integer")
+    if model.max_positions and seq_len > model.max_positions:
+        raise PlanError(
+            f"--seq-len {seq_len} exceeds {model.name}'s {model.max_positions} "
+            f"learned positions: use --seq-len <= {model.max_positions} or raise "
+            "max_positions"
+        )
