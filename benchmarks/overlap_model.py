@@ -41,7 +41,8 @@ from overlap import run as train
 
 from tetrad.models.config import ModelConfig
 from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import axis_totals, collectives, estimate
+from tetrad.plan.comm.estimate import collectives, estimate
+from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.machine.network import ALL_REDUCE, REDUCE_SCATTER
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.model.spec import ModelSpec

@@ -36,9 +36,14 @@ def one(run_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "tetrad.cli", "train", "--run-dir", str(run_dir), "--steps", "300"]
     env = os.environ | {"PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     metrics = run_dir / "metrics.jsonl"
     while not (metrics.is_file() and metrics.read_text().strip()):
         if proc.poll() is not None:

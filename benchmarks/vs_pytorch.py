@@ -49,7 +49,8 @@ DDP's reducer, FSDP2) and every functional collective (DTensor redistributions,
 Run from the repository root (several minutes on 2 cores)::
 
     python benchmarks/vs_pytorch.py [--model small] [--seq 256] [--batch 16] [--steps 12]
-        [--warmup 3] [--repeats 2] [--worlds 2,4] [--modes ddp,fsdp2,tp,fsdp2-tp] [--json FILE]
+        [--warmup 3] [--repeats 2] [--worlds 2,4] [--modes ddp,fsdp2,tp,fsdp2-tp]
+        [--orientation auto|xy|both] [--json FILE]
 
 The exit status is 1 if a first-step loss differs from tetrad's by more than 1e-4 relative (the
 comparison would not be apples to apples) or a run failed.
@@ -95,6 +96,9 @@ from tetrad.models.config import ModelConfig, parse_model
 from tetrad.models.reference import Llama
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.estimate import best_orientation
+from tetrad.plan.machine.spec import get_machine
 from tetrad.spec import GridShape
 from tetrad.train.step import build_optimizer, train_step
 
@@ -169,13 +173,35 @@ class Job:
     settings: Settings
     grid: GridShape | None = None
     stock: Stock | None = None
+    orientation: str = "xy"
 
     def label(self) -> str:
-        return f"tetrad {fmt_grid(self.grid)}" if self.grid else f"stock {self.stock}"
+        return (
+            f"tetrad {fmt_grid(self.grid, self.orientation)}"
+            if self.grid
+            else f"stock {self.stock}"
+        )
 
 
-def fmt_grid(sizes: GridShape) -> str:
-    return ",".join(map(str, sizes))
+def fmt_grid(sizes: GridShape, orientation: str = "xy") -> str:
+    return ",".join(map(str, sizes)) + (" yx" if orientation == "yx" else "")
+
+
+def auto_orientation(s: Settings, grid: GridShape) -> str:
+    """The orientation ``tetrad train`` runs ``grid`` in without ``--machine`` (fewer bytes on
+    the X and Y roles: :func:`tetrad.plan.comm.estimate.best_orientation`)."""
+    ctx = Context(s.cfg.spec(), get_machine("dgx-h100"), s.seq, s.batch, compute_bytes=4)
+    return best_orientation(ctx, grid, s.batch // (grid[0] * grid[1]), "none")
+
+
+def tetrad_jobs(world: int, s: Settings, grid: GridShape, how: str) -> list[Job]:
+    """The tetrad runs of one row: ``how`` = ``auto`` (the orientation tetrad train picks),
+    ``xy`` (the pairs never turned: the runtime before orientations), or ``both`` (xy, and the
+    auto one where it differs: before and after, side by side)."""
+    turns = {"auto": [auto_orientation(s, grid)], "xy": ["xy"]}.get(how)
+    if turns is None:
+        turns = list(dict.fromkeys(["xy", auto_orientation(s, grid)]))
+    return [Job(world, s, grid=grid, orientation=t) for t in turns]
 
 
 # ---- spawning ----------------------------------------------------------------------------------
@@ -245,7 +271,7 @@ def measure(step: Callable[[], float], steps: int) -> dict:
 def run_tetrad(job: Job) -> dict:
     """tetrad's training step on ``job.grid``; bytes from the grid's :class:`CommLog`."""
     s = job.settings
-    grid = Grid.build(job.grid)
+    grid = Grid.build(job.grid, "cpu", job.orientation)
     model = ParallelLlama(s.cfg, grid)
     init_parameters(model, s.seed, grid)
     opt = build_optimizer(model, s.lr, s.weight_decay)
@@ -487,12 +513,12 @@ class CollectiveCounter(TorchDispatchMode):
 # ---- the schedule and the report ---------------------------------------------------------------
 
 
-def schedule(worlds: list[int], modes: set[str], s: Settings) -> list[Job]:
+def schedule(worlds: list[int], modes: set[str], s: Settings, how: str) -> list[Job]:
     """One repeat: for each world, for each row, tetrad then stock (each job once)."""
     jobs: list[Job] = []
     for world in worlds:
         for grid, stock in rows_for(world, modes):
-            for job in (Job(world, s, grid=grid), Job(world, s, stock=stock)):
+            for job in (*tetrad_jobs(world, s, grid, how), Job(world, s, stock=stock)):
                 if job not in jobs:
                     jobs.append(job)
     return jobs
@@ -530,14 +556,15 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "-"
 
 
-def table_row(grid: GridShape, stock: Stock, t: dict, p: dict, ref: dict) -> list[str]:
+def table_row(job: Job, stock: Stock, t: dict, p: dict, ref: dict) -> list[str]:
     """One printed row: tetrad grid vs stock mode (``ref``: the loss everything must match)."""
+    name = fmt_grid(job.grid, job.orientation)
     if "error" in t or "error" in p:
         err = t.get("error") or p.get("error")
-        return [fmt_grid(grid), "-", str(stock), "-", "-", "-", "-", "-", "-", "-", f"FAIL {err}"]
+        return [name, "-", str(stock), "-", "-", "-", "-", "-", "-", "-", f"FAIL {err}"]
     ok = loss_ok(t, ref) and loss_ok(p, ref)
     return [
-        fmt_grid(grid),
+        name,
         f"{t['median_s']:.3f}",
         str(stock),
         f"{p['median_s']:.3f}",
@@ -602,23 +629,26 @@ def best_line(results: dict[Job, dict], world: int) -> str:
     bs = min(stock, key=lambda j: done[j]["median_s"])
     t, p = done[bt]["median_s"], done[bs]["median_s"]
     return (
-        f"world {world}: best tetrad {fmt_grid(bt.grid)} {t:.3f} s/step vs best stock "
+        f"world {world}: best tetrad {fmt_grid(bt.grid, bt.orientation)} {t:.3f} s/step vs "
+        f"best stock "
         f"{bs.stock} {p:.3f} s/step: time ratio {t / p:.2f}"
     )
 
 
-def report(results: dict[Job, dict], s: Settings, worlds: list[int], modes: set[str]) -> bool:
+def report(
+    results: dict[Job, dict], s: Settings, worlds: list[int], modes: set[str], how: str
+) -> bool:
     """Print the tables; returns whether every run finished and every first loss matches."""
     all_ok = True
     for world in worlds:
-        rows = rows_for(world, modes)
-        done = [results[Job(world, s, grid=g)] for g, _ in rows]
+        rows = [(j, st) for g, st in rows_for(world, modes) for j in tetrad_jobs(world, s, g, how)]
+        done = [results[j] for j, _ in rows]
         ref = next((r for r in done if "error" not in r), {"error": "no tetrad run"})
         table = []
-        for grid, stock in rows:
-            t = results[Job(world, s, grid=grid)]
+        for job, stock in rows:
+            t = results[job]
             p = results[Job(world, s, stock=stock)]
-            table.append(table_row(grid, stock, t, p, ref))
+            table.append(table_row(job, stock, t, p, ref))
             all_ok &= loss_ok(t, ref) and loss_ok(p, ref)
         print(f"\nworld size {world}")
         print(format_table(table))
@@ -642,6 +672,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worlds", default="2,4", help="comma-separated world sizes (2, 4)")
     p.add_argument("--modes", default=",".join(STOCK_KINDS), help="stock modes to compare with")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--orientation",
+        choices=("auto", "xy", "both"),
+        default="auto",
+        help="tetrad's layer pairs: as tetrad train turns them (auto), never turned (xy), or "
+        "both side by side where they differ",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args(argv)
     a.worlds = [int(w) for w in a.worlds.split(",")]
@@ -688,8 +725,8 @@ def main(argv: list[str] | None = None) -> int:
         f"model {args.model}: {cfg}; seq {s.seq}, global batch {s.batch}, {s.steps} steps "
         f"(medians over steps {s.warmup + 1}-{s.steps}), {args.repeats} repeats; CPU gloo fp32"
     )
-    results = run_all(schedule(args.worlds, args.modes, s), args.repeats)
-    ok = report(results, s, args.worlds, args.modes)
+    results = run_all(schedule(args.worlds, args.modes, s, args.orientation), args.repeats)
+    ok = report(results, s, args.worlds, args.modes, args.orientation)
     if args.json:
         args.json.write_text(json.dumps(to_json(results, s, args), indent=1))
     if not ok:

@@ -1,7 +1,8 @@
 """The planner's answers on a fixed set of questions, for the ranking snapshot test.
 
 The planner must model the runtime exactly, so a change that makes it faster or moves its code
-must not change a single answer. :func:`compute` asks the planner's public functions a fixed set
+must not change a single answer (a change of the model itself takes the snapshot again, and its
+commit says what moved). :func:`compute` asks the planner's public functions a fixed set
 of questions and returns the answers as plain JSON data; ``tests/data/plan_snapshot.json.gz``
 holds the answers of the code before such a change, and ``tests/test_plan_snapshot.py``
 recomputes and compares them (same top-K order, seconds to 1e-9 relative, bytes exact).
@@ -16,7 +17,7 @@ The questions, for 6 models x 4 machines x 3 GPU counts (:data:`MODELS`, :data:`
   exposed and all communication seconds per axis, micro-batches, the ``fine`` chunk count) and
   the memory estimate (:func:`tetrad.plan.memory.runtime.tetrad`: each phase's bytes, the peak
   phase and its components); plus one grid under every overlap choice; every 8th also the
-  per-axis totals of the detailed collectives (:func:`tetrad.plan.comm.estimate.axis_totals`).
+  per-axis totals of the detailed collectives (:func:`tetrad.plan.comm.listing.axis_totals`).
 - ``plans``: the ranked top 5 of :func:`tetrad.plan.search.plan.plan` (4D and classic rows, or the
   error message), with the default options, and per question one variant in turn: no overlap,
   AxoNN's communication model, one checkpointing mode, allowed micro-batches, fp32, a smaller
@@ -44,7 +45,8 @@ import time
 
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import context_problems
-from tetrad.plan.comm.estimate import axis_totals, estimate
+from tetrad.plan.comm.estimate import estimate
+from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.comm.sublayers import sublayers
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import get_machine

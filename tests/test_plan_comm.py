@@ -14,7 +14,8 @@ import pytest
 
 from tetrad.plan.comm.axonn import axonn_comm, axonn_linear_volumes
 from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import axis_totals, collectives, estimate
+from tetrad.plan.comm.estimate import collectives, estimate
+from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.network import (
     ALL_GATHER,

@@ -11,9 +11,12 @@ at least one grid, several axes > 1 at once) and, for each grid, every combinati
 - overlaps ``all`` and ``none`` (small data-parallel buckets and a low Domino threshold, so that
   several buckets and both Domino halves really run on these tiny shapes).
 
+Two grids also run turned (orientation ``yx``: the X dimension plays the Y role of the layer
+pairs), where both sides name the ``--grid``'s axes.
+
 The first step records the prefetch order of the overlap schedule; the record is reset before
 the second step and read after it. For every rank, per axis, the counted calls, payload bytes and
-ring bytes must equal :func:`tetrad.plan.comm.estimate.axis_totals` of
+ring bytes must equal :func:`tetrad.plan.comm.listing.axis_totals` of
 :func:`tetrad.plan.comm.estimate.collectives` exactly (fp32 compute dtype, the runtime's overlap
 options), and the set of axes must be the same on both sides: the planner predicts no collective
 on an axis the runtime left silent, and the runtime uses no axis the planner missed.
@@ -30,7 +33,8 @@ from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
-from tetrad.plan.comm.estimate import axis_totals, collectives
+from tetrad.plan.comm.estimate import collectives
+from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.model.presets import get_model
 from tetrad.spec import DTYPE_BYTES, OVERLAPS, parse_grid
@@ -43,10 +47,17 @@ SPEC = (
 )
 SEQ, SAMPLES, SEED, LR, CLIP = 16, 2, 5, 1e-3, 1.0  # SAMPLES per (data, z) cell per step
 OPTIONS = {"bucket_bytes": 1 << 14, "domino_min_rows": 8}
-# (G_data, G_z, G_y, G_x) or (G_data, G_context, G_z, G_y, G_x); one spawn per world size
+# ((G_data, G_z, G_y, G_x) or (G_data, G_context, G_z, G_y, G_x), orientation); one spawn per
+# world size. Under yx the X dimension plays the Y role: both sides name the --grid's axes.
 GRIDS = {
-    4: [(2, 1, 1, 2), (1, 2, 1, 1, 2)],
-    8: [(1, 2, 2, 2), (2, 2, 2, 1), (1, 2, 2, 2, 1), (2, 4, 1, 1, 1)],
+    4: [((2, 1, 1, 2), "xy"), ((1, 2, 1, 1, 2), "xy"), ((2, 1, 1, 2), "yx")],
+    8: [
+        ((1, 2, 2, 2), "xy"),
+        ((2, 2, 2, 1), "xy"),
+        ((1, 2, 2, 2, 1), "xy"),
+        ((2, 4, 1, 1, 1), "xy"),
+        ((1, 2, 2, 2), "yx"),
+    ],
 }
 # (micro-batches per step, activation checkpointing, overlaps)
 CONFIGS = [(n, ckpt, ov) for n in (1, 2) for ckpt in (False, True) for ov in ("all", "none")]
@@ -60,16 +71,19 @@ OVERLAP_SETS = {
 FIELDS = ("calls", "payload_bytes", "bytes")
 
 
-def _key(sizes, n_micro, ckpt, overlaps) -> str:
-    return f"grid={sizes} micro_batches={n_micro} checkpointing={ckpt} overlaps={overlaps}"
+def _key(sizes, orientation, n_micro, ckpt, overlaps) -> str:
+    return (
+        f"grid={sizes} {orientation} micro_batches={n_micro} checkpointing={ckpt} "
+        f"overlaps={overlaps}"
+    )
 
 
 def _worker(world_size: int, out_dir: str) -> None:
     """Two training steps per (grid, config); this rank's counts of the second one to JSON."""
     rank = dist.get_rank()
     got = {}
-    for sizes in GRIDS[world_size]:
-        grid = Grid.build(sizes)
+    for sizes, orientation in GRIDS[world_size]:
+        grid = Grid.build(sizes, "cpu", orientation)
         g = torch.Generator().manual_seed(SEED)
         batch = torch.randint(
             0, CFG.vocab_size, (SAMPLES * grid.batch_shards, SEQ + 1), generator=g
@@ -82,14 +96,14 @@ def _worker(world_size: int, out_dir: str) -> None:
             grid.comm.reset()
             train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)
             stats = grid.comm.reset()
-            got[_key(sizes, n_micro, ckpt, ov)] = {
+            got[_key(sizes, orientation, n_micro, ckpt, ov)] = {
                 axis: [s.calls, s.payload_bytes, s.bytes] for axis, s in stats.items()
             }
     with open(f"{out_dir}/{rank}.json", "w") as fh:
         json.dump(got, fh)
 
 
-def predicted(sizes, n_micro: int, ckpt: bool, overlaps: str) -> dict:
+def predicted(sizes, orientation: str, n_micro: int, ckpt: bool, overlaps: str) -> dict:
     """The planner's per-axis calls, payload bytes and ring bytes of one optimizer step."""
     cells = sizes[0] * sizes[-3]  # G_data G_z
     cols = collectives(
@@ -102,6 +116,7 @@ def predicted(sizes, n_micro: int, ckpt: bool, overlaps: str) -> dict:
         activation_checkpointing=ckpt,
         overlaps=OVERLAP_SETS[overlaps],
         compute_bytes=DTYPE_BYTES["fp32"],
+        orientation=orientation,
         **OPTIONS,
     )
     return {axis: [t[f] for f in FIELDS] for axis, t in axis_totals(cols).items()}
@@ -111,10 +126,10 @@ def predicted(sizes, n_micro: int, ckpt: bool, overlaps: str) -> dict:
 def test_comm_model_predicts_runtime_collectives(world_size, tmp_path):
     run_distributed(_worker, world_size, world_size, str(tmp_path))
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world_size)]
-    for sizes in GRIDS[world_size]:
+    for sizes, orientation in GRIDS[world_size]:
         for n_micro, ckpt, ov in CONFIGS:
-            key = _key(sizes, n_micro, ckpt, ov)
-            want = predicted(sizes, n_micro, ckpt, ov)
+            key = _key(sizes, orientation, n_micro, ckpt, ov)
+            want = predicted(sizes, orientation, n_micro, ckpt, ov)
             for rank, got in enumerate(ranks):
                 got = got[key]
                 if rank == 0:
@@ -134,7 +149,7 @@ def test_grids_cover_every_axis():
     axes = {
         a
         for grids in GRIDS.values()
-        for sizes in grids
+        for sizes, _ in grids
         for a, size in zip(("data", "context", "z", "y", "x"), parse_grid(sizes), strict=True)
         if size > 1
     }

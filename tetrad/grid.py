@@ -9,6 +9,12 @@ node::
 Context parallelism splits each sequence over ``G_context`` ranks (:mod:`tetrad.parallel.context`);
 with ``G_context = 1`` this is AxoNN's 4D grid.
 
+The sizes ``x`` and ``y`` are those of the *roles* of AxoNN's layer pair
+(:data:`tetrad.spec.ORIENTATIONS`): under the orientation ``yx`` the ``--grid``'s X dimension
+plays the Y role and its Y dimension the X role. The DeviceMesh names its dimensions by role, so
+``grid.group("x")`` and ``grid.coord["x"]`` are the X role's everywhere; :attr:`Grid.physical`
+is the ``--grid`` as given.
+
 The grid is an explicit object passed to every layer that communicates; there is no global state.
 It owns the process's :class:`~tetrad.comm.collectives.CommLog`, into which the collectives of
 :mod:`tetrad.comm` record what they send (the collectives know the grid only through their
@@ -25,7 +31,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tetrad.comm.collectives import CommLog
 from tetrad.device import local_device
-from tetrad.spec import GRID_AXES, Axis, GridShape, check_world_size, parse_grid
+from tetrad.spec import (
+    GRID_AXES,
+    Axis,
+    GridShape,
+    check_world_size,
+    parse_grid,
+    physical_axis,
+    role_sizes,
+)
 
 
 def backend_for(device_type: str) -> str:
@@ -49,8 +63,9 @@ class Grid:
     """A validated ``G_data x G_context x G_z x G_y x G_x`` grid of processes.
 
     Attributes:
-        data, context, z, y, x: axis sizes ``G_data, G_context, G_z, G_y, G_x``.
-        mesh: the DeviceMesh with dims named ``("data", "context", "z", "y", "x")``.
+        data, context, z, y, x: axis sizes ``G_data, G_context, G_z, G_y, G_x`` of the roles.
+        mesh: the DeviceMesh over the ``--grid``'s dimensions, named by the roles they play:
+            ``("data", "context", "z", "y", "x")``, or ``(..., "x", "y")`` under ``yx``.
         device: this rank's device (``cpu`` or ``cuda:LOCAL_RANK``).
         coord: this rank's coordinate on each axis, e.g. ``coord["x"]``.
         comm: the record of every collective this rank issued, per axis.
@@ -67,31 +82,42 @@ class Grid:
     coord: dict[str, int] = field(default_factory=dict)
     comm: CommLog = field(default_factory=CommLog)
     data_group: dist.ProcessGroup | None = None
+    orientation: str = "xy"
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
-    def build(cls, sizes: GridShape, device_type: str = "cpu") -> Grid:
+    def build(cls, sizes: GridShape, device_type: str = "cpu", orientation: str = "xy") -> Grid:
         """Build the grid over the already-initialised default process group; ``sizes`` are
-        ``(G_data, G_context, G_z, G_y, G_x)`` or ``(G_data, G_z, G_y, G_x)``.
+        the ``--grid``, ``(G_data, G_context, G_z, G_y, G_x)`` or ``(G_data, G_z, G_y, G_x)``,
+        and ``orientation`` one of :data:`tetrad.spec.ORIENTATIONS`.
 
         If no process group exists, one is initialised from the ``torchrun`` environment
         (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with the backend for
         ``device_type``.
 
         Raises:
-            GridError: the product of ``sizes`` differs from the world size.
+            GridError: the product of ``sizes`` differs from the world size, or an unknown
+                orientation.
         """
         init_process_group(device_type)
         sizes = parse_grid(sizes)
         check_world_size(sizes, dist.get_world_size())
-        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=GRID_AXES)
+        names = tuple(physical_axis(a, orientation) for a in GRID_AXES)  # the roles, in order
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
         coord = {a: mesh.get_local_rank(a) for a in GRID_AXES}
         data_group = None
         if sizes[1] > 1:  # the data x context group, created on every rank at once
             data_group = mesh["data", "context"]._flatten("data_context").get_group()
-        return cls(
-            *sizes, mesh=mesh, device=local_device(device_type), coord=coord, data_group=data_group
+        grid = cls(
+            *role_sizes(sizes, orientation),
+            mesh=mesh,
+            device=local_device(device_type),
+            coord=coord,
+            data_group=data_group,
+            orientation=orientation,
         )
+        grid.comm.names = {a: physical_axis(a, orientation) for a in ("x", "y")}
+        return grid
 
     def size(self, axis: Axis | str) -> int:
         """Number of ranks in the group of a collective over ``axis``: the axis size, except
@@ -111,7 +137,13 @@ class Grid:
 
     @property
     def sizes(self) -> GridShape:
+        """The roles' sizes ``(G_data, G_context, G_z, G_y, G_x)`` (what the layers split by)."""
         return (self.data, self.context, self.z, self.y, self.x)
+
+    @property
+    def physical(self) -> GridShape:
+        """The ``--grid`` this grid was built from (the mesh's sizes, X innermost)."""
+        return role_sizes(self.sizes, self.orientation)
 
     @property
     def world_size(self) -> int:
@@ -128,5 +160,7 @@ class Grid:
         return self.coord["data"] * self.z + self.coord["z"]
 
     def __str__(self) -> str:
-        c = f" context={self.context}" if self.context > 1 else ""
-        return f"data={self.data}{c} z={self.z} y={self.y} x={self.x}"
+        d, c, z, y, x = self.physical
+        ctx = f" context={c}" if c > 1 else ""
+        turned = " (orientation yx)" if self.orientation == "yx" else ""
+        return f"data={d}{ctx} z={z} y={y} x={x}{turned}"

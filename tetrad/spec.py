@@ -81,6 +81,15 @@ so an X group is a run of consecutive ranks inside one node,
 ``rank = (((data * G_context + context) * G_z + z) * G_y + y) * G_x + x``. The data-parallel
 gradient group (data x context) is then ``G_data G_context`` ranks at stride ``G_z G_y G_x``."""
 
+ORIENTATIONS = ("xy", "yx")
+"""Which mesh dimension plays which role of AxoNN's layer pair. ``xy``: the ``--grid``'s X
+dimension (the innermost, ranks ``x`` apart by 1) is the X role (a pair's first layer, QKV or
+gate/up, splits its input over X and its output over Y), its Y dimension the Y role. ``yx``: the
+roles swap, so the first layer splits its output (its wide side) over the grid's X dimension:
+with one tensor axis that is Megatron's column-then-row layout, whatever the axis is called.
+The runtime, the planner and the checkpoints work in roles; reports and ``--grid`` name the
+mesh dimensions (:func:`physical_axis`)."""
+
 COMM_AXES = (Axis.X, Axis.Y, Axis.Z, Axis.CONTEXT, Axis.DATA, Axis.WORLD)
 """Every group a collective runs over, inner to outer: the order of per-axis reports."""
 
@@ -110,6 +119,32 @@ def parse_grid(text: str | Iterable[int]) -> GridShape:
             "(for example 1,2,1,1,2 or 1,2,1,2)"
         )
     return sizes if len(sizes) == 5 else (sizes[0], 1, *sizes[1:])  # type: ignore[return-value]
+
+
+def check_orientation(orientation: str) -> str:
+    """``orientation`` if it is one of :data:`ORIENTATIONS`.
+
+    Raises:
+        GridError: any other value.
+    """
+    if orientation not in ORIENTATIONS:
+        raise GridError(f"orientation {orientation!r} is not one of {', '.join(ORIENTATIONS)}")
+    return orientation
+
+
+def role_sizes(sizes: GridShape, orientation: str) -> GridShape:
+    """The sizes of the roles ``(G_data, G_context, G_z, G_y, G_x)`` of the mesh sizes ``sizes``
+    (the ``--grid``) under ``orientation``: the last two swap for ``yx``. Its own inverse."""
+    d, c, z, y, x = sizes
+    return (d, c, z, x, y) if check_orientation(orientation) == "yx" else (d, c, z, y, x)
+
+
+def physical_axis(axis: str, orientation: str) -> str:
+    """The mesh dimension (``--grid`` axis) that plays role ``axis`` under ``orientation``:
+    ``x`` and ``y`` swap for ``yx``, every other axis is itself. Its own inverse."""
+    if orientation == "yx" and axis in ("x", "y"):
+        return "y" if axis == "x" else "x"
+    return str(axis)
 
 
 def check_world_size(sizes: GridShape, world_size: int) -> None:

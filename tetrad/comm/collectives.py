@@ -66,6 +66,12 @@ class CommLog:
     axes: dict[str, AxisStats] = field(default_factory=lambda: defaultdict(AxisStats))
     enabled: bool = True
     in_flight: list = field(default_factory=list)  # issued, not yet seen complete
+    names: dict[str, str] = field(default_factory=dict)
+    """Role -> the mesh dimension it is recorded under (the grid's orientation); others as is."""
+
+    def stats(self, axis: str) -> AxisStats:
+        """The totals of the collectives over role ``axis`` (recorded under its mesh name)."""
+        return self.axes[self.names.get(axis, axis)]
 
     def sweep(self, now: float) -> None:
         """Stamp the completion time of in-flight collectives that have finished."""
@@ -151,7 +157,7 @@ def _issue(
 ) -> Handle:
     stats = None
     if grid.comm.enabled:
-        stats = grid.comm.axes[axis]
+        stats = grid.comm.stats(axis)
         stats.calls += 1
         stats.payload_bytes += payload
         stats.bytes += ring

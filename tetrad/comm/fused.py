@@ -39,7 +39,7 @@ class _Ring:
         self.r = dist.get_group_rank(self.group, me) if self.group is not None else me
         glob = (lambda i: dist.get_global_rank(self.group, i)) if self.group is not None else int
         self.next, self.prev = glob((self.r + 1) % self.g), glob((self.r - 1) % self.g)
-        self.stats = grid.comm.axes[axis] if grid.comm.enabled else None
+        self.stats = grid.comm.stats(axis) if grid.comm.enabled else None
         if self.stats is not None:
             self.stats.calls += 1
             self.stats.payload_bytes += payload

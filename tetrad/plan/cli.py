@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.estimate import best_orientation
 from tetrad.plan.comm.sublayers import format_sublayers, sublayers
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import get_machine, preset_names
@@ -20,7 +22,14 @@ from tetrad.plan.memory.runtime import tetrad as tetrad_memory
 from tetrad.plan.model.presets import PRESETS, get_model
 from tetrad.plan.search import report
 from tetrad.plan.search.plan import plan
-from tetrad.spec import CHECKPOINTING, GiB, parse_checkpointing, parse_grid
+from tetrad.spec import (
+    CHECKPOINTING,
+    ORIENTATIONS,
+    GiB,
+    parse_checkpointing,
+    parse_grid,
+    role_sizes,
+)
 
 
 def _positive_int(text: str) -> int:
@@ -162,6 +171,13 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--grid", metavar="DATA,Z,Y,X", help="4D grid for --method tetrad")
     m.add_argument(
+        "--orientation",
+        choices=("auto", *ORIENTATIONS),
+        default="auto",
+        help="tetrad: which grid dimension plays which role of the layer pairs (default auto: "
+        "the one tetrad train picks without --machine, fewer bytes on X and Y)",
+    )
+    m.add_argument(
         "--activation-checkpointing",
         nargs="?",
         const="full",
@@ -256,17 +272,22 @@ def run_memory(args: argparse.Namespace) -> int:
             raise PlanError("--method tetrad needs --grid DATA,Z,Y,X (for example 2,1,1,2)")
         grid = parse_grid(args.grid)
         ckpt = parse_checkpointing(args.activation_checkpointing)
+        turn = args.orientation
+        if turn == "auto":
+            ctx = Context(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])
+            turn = best_orientation(ctx, grid, 1, ckpt)  # the bytes do not depend on the machine
         mem = tetrad_memory(
             model,
-            grid,
+            role_sizes(grid, turn),
             args.micro_batch,
             args.seq_len,
             gpu,
             activation_checkpointing=ckpt,
         )
         title = (
-            f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))}, "
-            f"micro-batch {args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}"
+            f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))} "
+            f"({turn}), micro-batch {args.micro_batch} x {args.seq_len} tokens, "
+            f"checkpointing {ckpt}"
         )
     else:
         if args.grid:

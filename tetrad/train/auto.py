@@ -144,7 +144,10 @@ def choose_grid(
         )
     # the winner's mode is the named one unless it was auto
     par = dataclasses.replace(
-        par, grid=parse_grid(best.grid), activation_checkpointing=best.activation_checkpointing
+        par,
+        grid=parse_grid(best.grid),
+        activation_checkpointing=best.activation_checkpointing,
+        orientation=best.orientation,
     )
     return dataclasses.replace(cfg, parallelism=par)
 
@@ -164,7 +167,49 @@ def _estimate(cfg: TrainConfig, mc: ModelConfig, overlaps, fine_chunks: int | No
         domino_min_rows=par.domino_min_rows,
         fine_chunks=fine_chunks,
     )
-    return estimate(ctx, par.grid, t.micro_batch, par.activation_checkpointing)
+    return estimate(
+        ctx,
+        par.grid,
+        t.micro_batch,
+        par.activation_checkpointing,
+        orientation=par.orientation,
+    )
+
+
+def with_orientation(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``--orientation auto`` resolved (:data:`tetrad.spec.ORIENTATIONS`): the
+    orientation whose X and Y collectives send fewer bytes, or with ``--machine`` the one with
+    the shorter predicted step (:func:`tetrad.plan.comm.estimate.best_orientation`); ``xy``
+    when ``G_x = G_y = 1``. Every rank computes the same answer.
+
+    Raises:
+        ConfigError: an unknown ``--machine``.
+    """
+    from tetrad.plan.comm.context import Context
+    from tetrad.plan.comm.estimate import best_orientation
+    from tetrad.plan.machine.spec import get_machine
+
+    par, t = cfg.parallelism, cfg.training
+    if par.orientation != "auto" or par.grid == "auto":
+        return cfg
+    chosen = "xy"
+    if par.grid[3] > 1 or par.grid[4] > 1:
+        machine = machine_for(cfg) if par.machine else get_machine("dgx-h100")  # bytes only
+        # the tokenizer's vocabulary is not known before preflight; no X or Y collective
+        # depends on it, so the BPE size stands in (every rank alike)
+        ctx = Context(
+            cfg.model_config(cfg.data.vocab_size).spec(),
+            machine,
+            t.seq_len,
+            t.global_batch,
+            overlaps=par.overlaps,
+            compute_bytes=DTYPE_BYTES[compute_dtype(t.device)],
+            domino_min_rows=par.domino_min_rows,
+        )
+        by = "time" if par.machine else "bytes"
+        ckpt = par.activation_checkpointing
+        chosen = best_orientation(ctx, par.grid, t.micro_batch, ckpt, by)
+    return dataclasses.replace(cfg, parallelism=dataclasses.replace(par, orientation=chosen))
 
 
 def domino_pays(cfg: TrainConfig, mc: ModelConfig) -> bool:

@@ -36,7 +36,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tetrad.grid import Grid
 from tetrad.parallel.placement import Placement
-from tetrad.spec import GRID_AXES
 from tetrad.train.checkpoint_dir import (
     CheckpointError,
     check_files,
@@ -101,9 +100,10 @@ class Checkpointer:
 
     def _dtensor(self, t: torch.Tensor, placement: Placement) -> DTensor:
         order = placement.replicated_axes + placement.sharded_axes
-        if order not in self._meshes:
-            ranks = torch.arange(self.grid.world_size).view(self.grid.sizes)
-            perm = [GRID_AXES.index(a) for a in order]
+        if order not in self._meshes:  # the ranks laid out as the --grid, dims in role order
+            ranks = torch.arange(self.grid.world_size).view(self.grid.physical)
+            names = self.grid.mesh.mesh_dim_names
+            perm = [names.index(a) for a in order]
             self._meshes[order] = DeviceMesh(
                 self.grid.device.type, ranks.permute(perm), mesh_dim_names=order
             )

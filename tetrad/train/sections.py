@@ -91,6 +91,13 @@ class ParallelismSection:
         help="process grid DATA,Z,Y,X or DATA,CONTEXT,Z,Y,X, e.g. 1,2,1,2, or auto (the planner "
         "picks it)",
     )
+    orientation: Literal["auto", "xy", "yx"] = option(
+        "auto",
+        help="which grid dimension plays which role of the layer pairs: xy (a pair's first "
+        "layer splits its input over X), yx (its output over X: with X alone, Megatron's "
+        "column-then-row layout), or auto (the one whose X and Y collectives send fewer "
+        "bytes; with --machine, the faster)",
+    )
     overlap: str = option(
         "all",
         metavar="LIST",

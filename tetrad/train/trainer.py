@@ -23,7 +23,7 @@ from tetrad.models.hf import read_config
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
 from tetrad.spec import FINE_CHUNKS, MiB
-from tetrad.train.auto import domino_pays, fine_chunks
+from tetrad.train.auto import domino_pays, fine_chunks, with_orientation
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.checkpoint_dir import (
     leftovers,
@@ -116,7 +116,9 @@ def train(cfg: TrainConfig) -> dict:
     where validation ran) and checkpoints under ``RUN_DIR/checkpoints``.
     """
     stop = StopSignals(cfg.checkpoint.save_on_signal)  # first: a signal from now on is kept
-    grid = Grid.build(cfg.parallelism.grid, cfg.training.device)
+    cfg = with_orientation(cfg)
+    par = cfg.parallelism
+    grid = Grid.build(par.grid, cfg.training.device, par.orientation)
     if grid.device.type == "cpu":
         torch.set_num_threads(threads_per_rank(grid.world_size))
     corpus, model_cfg = preflight_on_rank0(cfg)
@@ -129,7 +131,8 @@ def train(cfg: TrainConfig) -> dict:
     ck = cfg.checkpoint
     meta = {
         "tetrad_version": tetrad_version(),
-        "grid": list(grid.sizes),
+        "grid": list(grid.physical),
+        "orientation": grid.orientation,
         "model_config": dataclasses.asdict(model_cfg),
         "tokenizer_sha256": tokenizer_hash(corpus.tokenizer_path),
         "data": {"seed": t.seed, "global_batch": t.global_batch, "seq_len": t.seq_len},
@@ -203,15 +206,17 @@ def _write_run_files(job: _Job, model_cfg: ModelConfig, start: int) -> None:
 
 def _print_resume(job: _Job, path: Path) -> None:
     """One line for a restart, and one when the checkpoint comes from another grid."""
-    saved = (read_meta(path) or {}).get("grid")
+    meta = read_meta(path) or {}
+    saved, turn = meta.get("grid"), meta.get("orientation", "xy")
     if restart_count():
         limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
         print(f"tetrad: restart {restart_count()} of {limit}: resuming from {path}")
-    if saved and tuple(saved) != job.grid.sizes:
+    grid = job.grid
+    if saved and (tuple(saved) != grid.physical or turn != grid.orientation):
         fmt = ",".join
         print(
-            f"tetrad: resharding {path.name} from grid {fmt(map(str, saved))} to grid "
-            f"{fmt(map(str, job.grid.sizes))} (G_data,G_z,G_y,G_x)"
+            f"tetrad: resharding {path.name} from grid {fmt(map(str, saved))} ({turn}) to grid "
+            f"{fmt(map(str, grid.physical))} ({grid.orientation}) (G_data,G_context,G_z,G_y,G_x)"
         )
 
 

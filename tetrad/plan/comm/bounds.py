@@ -31,7 +31,7 @@ from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.comm.zwindows import window_seconds, z_queue_seconds, z_tables
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.network import ALL_REDUCE
-from tetrad.spec import parse_checkpointing
+from tetrad.spec import parse_checkpointing, role_sizes
 
 MARGIN = 1e-9
 """Relative amount a bound is shrunk by before it prunes (far above the rounding of its sums,
@@ -83,21 +83,30 @@ class StepBounds:
             got = self._z[key] = (sum(rec.exposed.values()) / st.acc, z_queue_seconds(st))
         return got
 
-    def cheap(self, grid: tuple, micro_batch: int, checkpointing: str, compute_s: float) -> float:
-        """The compute ``compute_s`` (all micro-batches of ``grid = (G_data, G_context, G_z,
-        G_y, G_x)``, no optimizer) plus the memoised terms of the module doc, seconds.
+    def cheap(
+        self,
+        grid: tuple,
+        micro_batch: int,
+        checkpointing: str,
+        compute_s: float,
+        orientation: str = "xy",
+    ) -> float:
+        """The compute ``compute_s`` (all micro-batches of the ``--grid`` ``grid = (G_data,
+        G_context, G_z, G_y, G_x)`` in ``orientation``, no optimizer) plus the memoised terms of
+        the module doc, seconds.
 
         Raises:
             PlanError: the global batch does not split into micro-batches on this grid.
         """
         ctx, full = self.ctx, parse_checkpointing(checkpointing) == "full"
-        z, terms = self._z.get((*grid[2:], full)), self._grid.get(grid)
+        roles = role_sizes(grid, orientation)
+        z, terms = self._z.get((*roles[2:], full)), self._grid.get((grid, orientation))
         if z is None or terms is None:
-            st = make_step(ctx, grid, micro_batch, checkpointing)
-            terms, z = self._grid_terms(st, grid), self._z_terms(st)
+            st = make_step(ctx, grid, micro_batch, checkpointing, orientation)
+            terms, z = self._grid_terms(st, (grid, orientation)), self._z_terms(st)
         step_terms, data = terms
         tables, queue = z
-        comp, L = ctx.compute(grid, micro_batch), ctx.model.n_layers
+        comp, L = ctx.compute(roles, micro_batch), ctx.model.n_layers
         if len(data) == 3:  # buckets behind a block's backward (and recompute)
             slack = comp.block_bwd + (comp.block_fwd if full else 0.0)
             data = (layers.bucket_exposed(*data, slack, L),)
@@ -105,10 +114,17 @@ class StepBounds:
         acc = ctx.global_batch // (grid[0] * grid[2] * micro_batch)
         return compute_s + step_terms + sum(data) + acc * (tables + z_weights)
 
-    def with_xy(self, floor: float, grid: tuple, micro_batch: int, checkpointing: str) -> float:
+    def with_xy(
+        self,
+        floor: float,
+        grid: tuple,
+        micro_batch: int,
+        checkpointing: str,
+        orientation: str = "xy",
+    ) -> float:
         """``floor`` (:meth:`cheap`) plus the context K/V collectives and every X and Y
         collective's exposed seconds (memoised, and reused by the estimate), seconds."""
-        st = make_step(self.ctx, grid, micro_batch, checkpointing)
+        st = make_step(self.ctx, grid, micro_batch, checkpointing, orientation)
         rec = Recorder(False)
         layers.context_kv(rec, st)
         exposed = sum(rec.exposed.values()) + sum(xy_record(self.ctx, st).exposed.values())

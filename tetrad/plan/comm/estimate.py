@@ -91,63 +91,29 @@ sums.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from tetrad.plan.comm import layers, linears
+from tetrad.plan.comm import layers, linears, orientation
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import kv_gather_payload, local_seq_len
+from tetrad.plan.comm.listing import Collective, listed
 from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.comm.zwindows import z_collectives
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.network import ring_bytes
 from tetrad.plan.machine.spec import Machine
-from tetrad.plan.model.grids import with_context
+from tetrad.plan.model.grids import grid_problems, with_context
 from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, parse_checkpointing
+from tetrad.spec import (
+    DOMINO_MIN_ROWS,
+    DP_BUCKET_BYTES,
+    ORIENTATIONS,
+    parse_checkpointing,
+    physical_axis,
+    role_sizes,
+)
 
-__all__ = ["Collective", "Estimate", "axis_totals", "collectives", "estimate"]
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One kind of collective of an optimizer step on one rank.
-
-    Attributes:
-        layer: ``wqkv`` ... (block Linears, all blocks together), ``output`` (LM head),
-            ``embedding``, ``positions`` (GPT), ``norm``, ``loss``, ``gradients``,
-            ``norm_gradients``, ``loss_scalar``, ``grad_norm``; a Domino half is
-            ``wqkv (half 1)``.
-        phase: ``forward``, ``recompute``, ``backward`` or ``step``.
-        axis: ``x``, ``y``, ``z``, ``data`` or ``world``.
-        kind: ``all_reduce``, ``all_gather`` or ``reduce_scatter``.
-        payload_bytes: buffer bytes of one call (all-gather: output; reduce-scatter: input).
-        calls: calls per optimizer step.
-        ring_bytes: bytes one rank sends per call (ring algorithm).
-        time_s: seconds per call (alpha-beta, this axis's placement).
-        hidden_behind: the compute it overlaps, empty when blocking.
-        exposed_s: seconds per optimizer step the compute waits for it (all calls).
-    """
-
-    layer: str
-    phase: str
-    axis: str
-    kind: str
-    payload_bytes: float
-    calls: int
-    ring_bytes: float
-    time_s: float
-    hidden_behind: str
-    exposed_s: float
-
-    @property
-    def total_s(self) -> float:
-        """Seconds of all calls of the step."""
-        return self.calls * self.time_s
-
-    def to_dict(self) -> dict:
-        """The fields and ``total_s`` (bytes, seconds), JSON-ready."""
-        return {**asdict(self), "total_s": self.total_s}
+__all__ = ["Estimate", "best_orientation", "collectives", "estimate", "make_step"]
 
 
 @dataclass(frozen=True)
@@ -163,6 +129,8 @@ class Estimate:
         grad_accum: micro-batches per step.
         collectives: per-collective detail (only from :func:`collectives`).
         fine_chunks: pieces per ring step of the ``fine`` overlap as modelled (0: not used).
+        orientation: the roles' orientation (:data:`tetrad.spec.ORIENTATIONS`); the per-axis
+            dicts and the collectives name the ``--grid``'s dimensions.
     """
 
     step_s: float
@@ -173,6 +141,7 @@ class Estimate:
     grad_accum: int
     collectives: tuple = ()
     fine_chunks: int = 0
+    orientation: str = "xy"
 
 
 LAYER_KINDS = (
@@ -199,16 +168,26 @@ OTHER_KINDS = tuple(kind for kind in LAYER_KINDS if kind not in XY_KINDS)
 
 
 def make_step(
-    ctx: Context, grid: tuple[int, int, int, int], micro_batch: int, checkpointing: str | bool
+    ctx: Context,
+    grid: tuple[int, int, int, int],
+    micro_batch: int,
+    checkpointing: str | bool,
+    orientation: str = "xy",
 ) -> Step:
-    """The :class:`Step` of ``grid = (G_data, [G_context,] G_z, G_y, G_x)`` (``checkpointing``: a
-    mode of :data:`tetrad.spec.CHECKPOINTING`; only ``full`` re-runs collectives): ``m`` counts
-    this rank's ``S / G_context`` tokens per sample; the data group is data x context.
+    """The :class:`Step` of the ``--grid`` ``grid = (G_data, [G_context,] G_z, G_y, G_x)`` under
+    ``orientation`` (its ``sizes`` are the roles', its links the mesh dimensions' that play
+    them; ``checkpointing``: a mode of :data:`tetrad.spec.CHECKPOINTING`; only ``full`` re-runs
+    collectives): ``m`` counts this rank's ``S / G_context`` tokens per sample; the data group
+    is data x context.
 
     Raises:
         PlanError: the global batch does not split into micro-batches on this grid.
     """
-    gd, gc, gz, gy, gx = with_context(grid)
+    physical = with_context(grid)
+    gd, gc, gz, gy, gx = roles = role_sizes(physical, orientation)
+    links = ctx.machine.network.grid_links(physical)
+    if orientation == "yx":
+        links = links | {"x": links["y"], "y": links["x"]}
     cells = gd * gz * micro_batch
     if ctx.global_batch % cells:
         raise PlanError(
@@ -222,12 +201,12 @@ def make_step(
         model=ctx.model,
         linears=ctx.linears,
         sizes={"x": gx, "y": gy, "z": gz, "context": gc, "data": gd * gc},
-        links=ctx.machine.network.grid_links((gd, gc, gz, gy, gx)),
+        links=links,
         m=m,
         acc=ctx.global_batch // cells,
         c=ctx.c,
         checkpointing=parse_checkpointing(checkpointing) == "full",
-        comp=ctx.compute(grid, micro_batch),
+        comp=ctx.compute(roles, micro_batch),
         block_el=block_el,
         head_el=head_el,
         emb_el=emb_el,
@@ -243,7 +222,41 @@ def make_step(
         kv_payload=kv_gather_payload(ctx.model, micro_batch, ctx.seq_len, gy, ctx.c)
         if gc > 1
         else 0.0,
+        orientation=orientation,
     )
+
+
+def best_orientation(
+    ctx: Context,
+    grid: tuple[int, ...],
+    micro_batch: int,
+    checkpointing: str | bool,
+    by: str = "bytes",
+) -> str:
+    """The orientation of ``grid`` (the ``--grid``) among those whose roles shard the model
+    (heads split over the Y role, :func:`tetrad.plan.model.grids.grid_problems`): ``by="bytes"``
+    the one whose X and Y collectives send fewer bytes
+    (:func:`tetrad.plan.comm.orientation.choose`, independent of the machine), ``by="time"``
+    the one with the shorter step on ``ctx``'s machine. ``xy`` when ``G_x = G_y = 1``, on a
+    tie, or when neither shards the model.
+
+    Raises:
+        PlanError: the global batch does not split into micro-batches on this grid.
+    """
+    physical = with_context(grid)
+    if physical[3] == physical[4] == 1:
+        return "xy"
+    fits = [o for o in ORIENTATIONS if not grid_problems(ctx.model, role_sizes(physical, o))]
+    if len(fits) < 2:
+        return fits[0] if fits else "xy"
+    if by == "time":
+        steps = [
+            estimate(ctx, grid, micro_batch, checkpointing, orientation=o).step_s for o in fits
+        ]
+        return "yx" if steps[1] < steps[0] else "xy"
+    xy = make_step(ctx, grid, micro_batch, checkpointing, "xy")
+    yx = make_step(ctx, grid, micro_batch, checkpointing, "yx")
+    return orientation.choose(xy, yx)
 
 
 def estimate(
@@ -252,9 +265,11 @@ def estimate(
     micro_batch: int,
     checkpointing: str | bool,
     *,
+    orientation: str = "xy",
     detail: bool = False,
 ) -> Estimate:
-    """Predicted step time (seconds) of ``grid = (G_data, G_z, G_y, G_x)`` (see the module doc):
+    """Predicted step time (seconds) of the ``--grid`` ``grid = (G_data, [G_context,] G_z, G_y,
+    G_x)`` under ``orientation`` (``auto``: :func:`best_orientation`; see the module doc):
     compute of ``acc`` micro-batches
     (:meth:`~tetrad.plan.compute.block.BlockCompute.micro_batch_seconds`), the optimizer over the
     local parameters, and the exposed seconds of every collective.
@@ -268,7 +283,9 @@ def estimate(
         PlanError: the global batch does not split into micro-batches on this grid.
         tetrad.spec.CheckpointingError: an unknown checkpointing mode.
     """
-    st = make_step(ctx, grid, micro_batch, checkpointing)
+    if orientation == "auto":
+        orientation = best_orientation(ctx, grid, micro_batch, checkpointing)
+    st = make_step(ctx, grid, micro_batch, checkpointing, orientation)
     if detail:  # every row, in the order of LAYER_KINDS
         rec = Recorder(True)
         for kind in LAYER_KINDS:
@@ -282,9 +299,12 @@ def estimate(
     fwd_mb, bwd_mb, rec_mb = st.comp.micro_batch_seconds(st.n_layers, checkpointing)
     compute = st.acc * (fwd_mb + bwd_mb + rec_mb) + optimizer
     step = compute + sum(rec.exposed.values())
-    cols = _collectives(rec, st.sizes, st.world)
+    cols = listed(rec, st.sizes, st.world, orientation)
+    exposed, total = (
+        {physical_axis(a, orientation): v for a, v in d.items()} for d in (rec.exposed, rec.total)
+    )
     return Estimate(
-        step, compute, st.acc * rec_mb, rec.exposed, rec.total, st.acc, cols, st.fine_chosen
+        step, compute, st.acc * rec_mb, exposed, total, st.acc, cols, st.fine_chosen, orientation
     )
 
 
@@ -294,7 +314,7 @@ def xy_record(ctx: Context, st: Step) -> Recorder:
     collectives recur across the ``(G_data, G_z)`` splits of a grid's product. Sets
     ``st.fine_chosen``; the returned record is shared: copy it before adding to it."""
     s = st.sizes
-    key = (s["context"], s["y"], s["x"], st.m, st.acc, st.checkpointing)
+    key = (s["context"], s["y"], s["x"], st.m, st.acc, st.checkpointing, st.orientation)
     got = ctx.xy_records.get(key)
     if got is None:
         rec = Recorder(False)
@@ -303,17 +323,6 @@ def xy_record(ctx: Context, st: Step) -> Recorder:
         got = ctx.xy_records[key] = (rec, st.fine_chosen)
     st.fine_chosen = got[1]
     return got[0]
-
-
-def _collectives(rec: Recorder, sizes: dict[str, int], world: int) -> tuple[Collective, ...]:
-    """The recorder's rows as :class:`Collective` (empty without detail)."""
-    if rec.rows is None:
-        return ()
-    out = []
-    for (layer, phase, axis, kind), (payload, calls, t, hid, exp) in rec.rows.items():
-        ring = ring_bytes(kind, payload, sizes.get(axis, world))
-        out.append(Collective(layer, phase, axis, kind, payload, calls, ring, t, hid, exp))
-    return tuple(out)
 
 
 def collectives(
@@ -330,13 +339,14 @@ def collectives(
     bucket_bytes: int = DP_BUCKET_BYTES,
     domino_min_rows: int = DOMINO_MIN_ROWS,
     fine_chunks: int | None = None,
+    orientation: str = "xy",
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
     axis, kind, payload bytes per call, calls, ring bytes and seconds per call, the compute it
     hides behind and its exposed seconds per step (module doc). ``grid = (G_data, G_z, G_y,
     G_x)``; ``micro_batch`` samples per (data, z) cell. ``compute_bytes``: 2 on GPU (bf16
     autocast), 4 on CPU; ``bucket_bytes`` and ``domino_min_rows``: the runtime's
-    ``Overlap`` options.
+    ``Overlap`` options; ``orientation``: as :func:`estimate`'s.
 
     Raises:
         PlanError: the batch does not split on the grid, or a bad overlap name.
@@ -352,23 +362,12 @@ def collectives(
         domino_min_rows=domino_min_rows,
         fine_chunks=fine_chunks,
     )
-    return list(
-        estimate(ctx, tuple(grid), micro_batch, activation_checkpointing, detail=True).collectives
+    est = estimate(
+        ctx,
+        tuple(grid),
+        micro_batch,
+        activation_checkpointing,
+        orientation=orientation,
+        detail=True,
     )
-
-
-def axis_totals(cols: Iterable[Collective]) -> dict[str, dict[str, float]]:
-    """Per axis: ``calls``, ``payload_bytes`` and ring ``bytes`` per step, the quantities the
-    runtime's ``tetrad.comm.CommLog`` records (``AxisStats``)."""
-    out: dict[str, dict[str, float]] = {}
-    for col in cols:
-        a = out.setdefault(
-            col.axis,
-            {"calls": 0, "payload_bytes": 0.0, "bytes": 0.0, "time_s": 0.0, "exposed_s": 0.0},
-        )
-        a["calls"] += col.calls
-        a["payload_bytes"] += col.calls * col.payload_bytes
-        a["bytes"] += col.calls * col.ring_bytes
-        a["time_s"] += col.total_s
-        a["exposed_s"] += col.exposed_s
-    return out
+    return list(est.collectives)

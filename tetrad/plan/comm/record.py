@@ -88,6 +88,8 @@ class Step:
         kv_payload: bytes of one context K/V all-gather (0 without context parallelism).
         fine: the ``fine`` overlap's chunk counts to try (0: ``fine`` off); the block Linears
             are recorded with the one of least exposed time, kept in ``fine_chosen``.
+        orientation: which mesh dimension plays which role (:data:`tetrad.spec.ORIENTATIONS`);
+            ``sizes`` and ``links`` are the roles'.
         fused_s: seconds of the fused GEMM -> reduce-scatter ring ``(flops, payload bytes,
             link, chunks)`` on this machine (:meth:`tetrad.plan.comm.context.Context.fused_s`:
             :func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`, memoised per shape).
@@ -116,6 +118,7 @@ class Step:
     fused_s: Callable[[float, float, Link, int], float] | None = None
     fine_chosen: int = 0
     kv_payload: float = 0.0
+    orientation: str = "xy"
 
     @property
     def n_layers(self) -> int:

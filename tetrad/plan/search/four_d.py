@@ -19,6 +19,10 @@ that does not fit. The survivors are ranked by :func:`tetrad.plan.comm.estimate.
 The classic Megatron-style space beside it: :mod:`tetrad.plan.search.classic`; both together:
 :func:`tetrad.plan.search.plan.plan`.
 
+Each grid with ``G_x`` and ``G_y`` above 1 is tried in both orientations of the layer pairs
+(:data:`tetrad.spec.ORIENTATIONS`, where the roles shard the model); the rows say which
+(``yx``). With one tensor axis the two orientations are the two grids that name it X or Y.
+
 Speed, by design: memory is evaluated once per (grid, checkpointing mode) as a line in the
 micro-batch (:func:`_memory_line`) and rejects a configuration before anything is timed; the
 fitting ones are taken in ascending order of their compute time, a lower bound of their step
@@ -49,7 +53,7 @@ from tetrad.plan.model.grids import grid_problems, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.space import check_inputs, checkpointing_modes, divisors, factorizations
-from tetrad.spec import CHECKPOINTING, COMM_AXES, GRID_AXES, GiB
+from tetrad.spec import CHECKPOINTING, COMM_AXES, GRID_AXES, ORIENTATIONS, GiB, role_sizes
 
 
 def _nearby_gpu_counts(model: ModelSpec, gpus: int) -> str:
@@ -84,6 +88,7 @@ class _Search4D:
         self.prefetch = "prefetch" in ctx.overlaps
         self.limit = FIT_FRACTION * mem_bytes
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
+        self.turns: dict = {}  # (G_z, G_y, G_x) -> the orientations that shard the model
         keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "pruned")
         self.stats = dict.fromkeys((*keys, "evaluated"), 0)
 
@@ -99,8 +104,11 @@ class _Search4D:
             stats["grids"] += 1
             key = (gz, gy, gx)
             ok = self.valid.get(key)
-            if ok is None:
-                ok = self.valid[key] = not grid_problems(model, grid)
+            if ok is None:  # in an orientation it is tried in (heads split over the Y role)
+                ok = any(
+                    not grid_problems(model, role_sizes(grid, o)) for o in self.orientations(grid)
+                )
+                self.valid[key] = ok
             if not ok:
                 continue
             stats["valid_grids"] += 1
@@ -110,10 +118,39 @@ class _Search4D:
             cands += self._grid_candidates(grid, checkpointing, allowed)
         return cands
 
+    def orientations(self, grid: tuple) -> tuple[str, ...]:
+        """The orientations ``grid`` is tried in: with ``G_x`` and ``G_y`` both above 1, those
+        whose roles shard the model (heads split over the Y role), each ranked on its own
+        (which is faster depends on the links as well as the bytes); else ``xy`` alone: with
+        one tensor axis, ``yx`` is the same layout of ranks as ``xy`` on the grid with that
+        axis named the other way, which the search enumerates too; and AxoNN's model has only
+        ``xy``."""
+        gy, gx = grid[3], grid[4]
+        if self.comm_model != "tetrad" or gx == 1 or gy == 1:
+            return ("xy",)
+        key = (grid[2], gy, gx)
+        got = self.turns.get(key)
+        if got is None:
+            model = self.ctx.model
+            got = tuple(o for o in ORIENTATIONS if not grid_problems(model, role_sizes(grid, o)))
+            self.turns[key] = got
+        return got
+
     def _grid_candidates(self, grid, checkpointing: tuple[str, ...], allowed: set | None) -> list:
+        out = []
+        for turn in self.orientations(grid):
+            out += self._oriented_candidates(grid, turn, checkpointing, allowed)
+        return out
+
+    def _oriented_candidates(
+        self, grid, turn: str, checkpointing: tuple[str, ...], allowed: set | None
+    ) -> list:
+        """The fitting ``(compute seconds, grid, b, mode, turn)`` of ``grid`` in orientation
+        ``turn`` (memory and compute follow the roles' sizes)."""
         ctx, stats = self.ctx, self.stats
         L = ctx.model.n_layers
-        gd, _, gz, gy, gx = grid
+        roles = role_sizes(grid, turn)
+        gd, _, gz, gy, gx = roles
         # exact floor: fp32 parameters + gradients + two AdamW states = 16 B per local element
         _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
         static = 16.0 * (L * block_el + head_el + emb_el + ctx.vector_elements(gx, gy))
@@ -122,11 +159,11 @@ class _Search4D:
         per_cell = ctx.global_batch // (gd * gz)
         sizes = [b for b in divisors(per_cell) if allowed is None or b in allowed]
         out, model, mem, dt, pre = [], ctx.model, self.mem_bytes, self.dtype, self.prefetch
-        lines: dict = {}  # mode -> its memory line, once per grid
+        lines: dict = {}  # mode -> its memory line, once per grid and orientation
 
         def line(mode: str):
             if mode not in lines:
-                lines[mode] = _memory_line(model, grid, ctx.seq_len, mem, mode, dt, pre, sizes)
+                lines[mode] = _memory_line(model, roles, ctx.seq_len, mem, mode, dt, pre, sizes)
             return lines[mode]
 
         for ckpt in checkpointing:
@@ -141,9 +178,9 @@ class _Search4D:
                 stats["fitting"] += 1
                 mode = ckpt
                 if plain is not None and plain(b) > self.limit:
-                    mode = fewest_selective(model, grid, b, ctx.seq_len, mem, dt, pre)
-                fwd, bwd, rec = ctx.micro_batch_seconds(grid, b, mode)
-                out.append(((per_cell // b) * (fwd + bwd + rec), grid, b, mode))
+                    mode = fewest_selective(model, roles, b, ctx.seq_len, mem, dt, pre)
+                fwd, bwd, rec = ctx.micro_batch_seconds(roles, b, mode)
+                out.append(((per_cell // b) * (fwd + bwd + rec), grid, b, mode, turn))
         return out
 
     def check_found(self, cands: list) -> None:
@@ -176,23 +213,24 @@ class _Search4D:
             )
 
     def rank(self, cands: list, top: int) -> list:
-        """The ``top`` fastest as ``(-step seconds, order, (grid, b, ckpt, estimate))``, timing
+        """The ``top`` fastest as ``(-step seconds, order, (grid, b, ckpt, orientation,
+        estimate))``, timing
         candidates by ascending compute time (a lower bound) until none can enter the top, and
         with the tetrad model skipping those whose bound with the unavoidable exposed
         communication (:class:`~tetrad.plan.comm.bounds.StepBounds`) cannot either."""
         cands.sort(key=lambda c: c[0])
         best: list = []  # max-heap of (-step, seq, row-data) of size top
         bounds = StepBounds(self.ctx) if self.comm_model == "tetrad" else None
-        for seq, (lb, grid, b, ckpt) in enumerate(cands):
+        for seq, (lb, grid, b, ckpt, turn) in enumerate(cands):
             if len(best) >= top:
                 slowest = -best[0][0]
                 if lb >= slowest:
                     break  # sorted: no later candidate's compute alone is below it
-                if bounds is not None and _bounded_out(bounds, grid, b, ckpt, lb, slowest):
+                if bounds is not None and _bounded_out(bounds, grid, b, ckpt, turn, lb, slowest):
                     continue
             self.stats["evaluated"] += 1
-            step, est = self._time(grid, b, ckpt)
-            item = (-step, seq, (grid, b, ckpt, est))
+            step, est = self._time(grid, b, ckpt, turn)
+            item = (-step, seq, (grid, b, ckpt, turn, est))
             if len(best) < top:
                 heapq.heappush(best, item)
             elif step < -best[0][0]:
@@ -200,12 +238,12 @@ class _Search4D:
         self.stats["pruned"] = self.stats["fitting"] - self.stats["evaluated"]
         return best
 
-    def _time(self, grid, b: int, ckpt: str) -> tuple[float, object]:
+    def _time(self, grid, b: int, ckpt: str, turn: str) -> tuple[float, object]:
         """Step seconds and what the row needs: an :class:`~tetrad.plan.comm.estimate.Estimate`
         (tetrad), or AxoNN's ``(comm per axis, compute, recompute, micro-batches)`` (axonn)."""
         ctx = self.ctx
         if self.comm_model == "tetrad":
-            est = estimate(ctx, grid, b, ckpt)
+            est = estimate(ctx, grid, b, ckpt, orientation=turn)
             return est.step_s, est
         acc = ctx.global_batch // (grid[0] * grid[2] * b)
         fwd, bwd, rec = ctx.compute(grid, b).micro_batch_seconds(ctx.model.n_layers, ckpt)
@@ -215,12 +253,12 @@ class _Search4D:
         step = acc * (fwd + bwd + rec) + ax["total"]
         return step, (ax, acc * (fwd + bwd + rec), acc * rec, acc)
 
-    def row(self, step: float, grid, b: int, ckpt: str, est) -> Row:
+    def row(self, step: float, grid, b: int, ckpt: str, turn: str, est) -> Row:
         """The :class:`Row` of one ranked configuration (with its memory estimate)."""
         ctx = self.ctx
         mem = tetrad_memory(
             ctx.model,
-            grid,
+            role_sizes(grid, turn),
             b,
             ctx.seq_len,
             self.mem_bytes,
@@ -255,6 +293,7 @@ class _Search4D:
             0.0,
             mem,
             self.comm_model,
+            orientation=turn,
         ).finish(ctx.model, ctx.machine, self.gpus, ctx.global_batch, ctx.seq_len)
 
 
@@ -306,21 +345,23 @@ def search_4d(
     search.check_found(cands)
     best = search.rank(cands, top)
     rows = [
-        search.row(-neg, grid, b, ckpt, est)
-        for neg, _, (grid, b, ckpt, est) in sorted(best, key=lambda t: (-t[0], t[1]))
+        search.row(-neg, grid, b, ckpt, turn, est)
+        for neg, _, (grid, b, ckpt, turn, est) in sorted(best, key=lambda t: (-t[0], t[1]))
     ]
     rows.sort(key=lambda r: r.step_s)
     search.stats["seconds"] = time.perf_counter() - t0
     return rows, search.stats
 
 
-def _bounded_out(bounds: StepBounds, grid, b: int, ckpt: str, compute_s: float, slowest: float):
-    """Whether the step of ``(grid, b, ckpt)`` is surely not below ``slowest`` seconds: one of
-    its bounds (:class:`~tetrad.plan.comm.bounds.StepBounds`, cheapest first), shrunk by
-    :data:`MARGIN`, is not."""
+def _bounded_out(
+    bounds: StepBounds, grid, b: int, ckpt: str, turn: str, compute_s: float, slowest: float
+) -> bool:
+    """Whether the step of ``(grid, b, ckpt)`` in orientation ``turn`` is surely not below
+    ``slowest`` seconds: one of its bounds (:class:`~tetrad.plan.comm.bounds.StepBounds`,
+    cheapest first), shrunk by :data:`MARGIN`, is not."""
     keep = 1.0 - MARGIN
-    floor = bounds.cheap(grid, b, ckpt, compute_s)
-    return floor * keep >= slowest or bounds.with_xy(floor, grid, b, ckpt) * keep >= slowest
+    floor = bounds.cheap(grid, b, ckpt, compute_s, turn)
+    return floor * keep >= slowest or bounds.with_xy(floor, grid, b, ckpt, turn) * keep >= slowest
 
 
 def _memory_line(

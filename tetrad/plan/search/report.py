@@ -64,7 +64,7 @@ def rows_table(rows: list[Row]) -> list[str]:
     head = (
         [
             "#",
-            "TP,CP,PP,DP" if classic else "D,C,Z,Y,X",
+            "TP,CP,PP,DP" if classic else "D,C,Z,Y,X (turn)",
             "mb",
             "acc",
             "ckpt",
@@ -81,7 +81,7 @@ def rows_table(rows: list[Row]) -> list[str]:
     for i, r in enumerate(rows, 1):
         cells = [
             str(i),
-            ",".join(str(v) for v in r.grid),
+            ",".join(str(v) for v in r.grid) + (" yx" if r.orientation == "yx" else ""),
             str(r.micro_batch),
             str(r.grad_accum),
             r.activation_checkpointing,
@@ -164,7 +164,8 @@ def format_result(result: SearchResult) -> str:
         "",
         "times are seconds per optimizer step per rank; exp = exposed (not hidden) "
         "communication; acc = micro-batches per step; mb = samples per micro-batch of one "
-        "(data, z) cell (classic: per DP rank); search took "
+        "(data, z) cell (classic: per DP rank); yx = the grid's X dimension plays the Y role "
+        "of the layer pairs (their first layer splits its output over X); search took "
         f"{st.get('seconds', 0.0):.2f} s",
     ]
     return "\n".join(lines)
@@ -276,6 +277,7 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
         "model": sizes,
         "parallelism": {
             "grid": ",".join(map(str, row.grid)),  # DATA,CONTEXT,Z,Y,X
+            "orientation": row.orientation,
             "overlap": _overlap_value(inp["overlaps"]),
             "activation_checkpointing": row.activation_checkpointing,
         },

@@ -43,6 +43,9 @@ class Row:
         other_s: other named terms (classic: ``pipeline_bubble``).
         hfu: hardware FLOPs utilisation (model FLOPs plus the recomputed forward), the measure
             AxoNN and Megatron-LM report as "% of peak".
+        orientation: 4D: which mesh dimension plays which role of the layer pairs
+            (:data:`tetrad.spec.ORIENTATIONS`); ``sizes`` and the per-axis seconds name the
+            ``--grid``'s dimensions.
     """
 
     space: str
@@ -61,6 +64,7 @@ class Row:
     comm_model: str
     other_s: dict = field(default_factory=dict)
     hfu: float = 0.0
+    orientation: str = "xy"
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -85,9 +89,10 @@ class Row:
         return self
 
     def label(self) -> str:
-        """``D,C,Z,Y,X=...`` or ``TP,CP,PP,DP=...``."""
+        """``D,C,Z,Y,X=...`` (`` yx`` added when turned) or ``TP,CP,PP,DP=...``."""
         if self.space == "4d":
-            return "D,C,Z,Y,X=" + ",".join(str(v) for v in self.grid)
+            turned = " yx" if self.orientation == "yx" else ""
+            return "D,C,Z,Y,X=" + ",".join(str(v) for v in self.grid) + turned
         return "TP,CP,PP,DP=" + ",".join(str(v) for v in self.grid)
 
     def to_dict(self) -> dict:
@@ -109,7 +114,7 @@ class Row:
             "hfu": self.hfu,
             "comm_model": self.comm_model,
             "memory": self.memory.to_dict(),
-        }
+        } | ({"orientation": self.orientation} if self.space == "4d" else {})
 
 
 @dataclass
