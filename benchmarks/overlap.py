@@ -56,7 +56,9 @@ def run(grid: str, overlap: str, args, run_dir: Path) -> dict:
     ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = rows[1:]
+    if [r["step"] for r in rows] != list(range(1, args.steps + 1)):  # one timed row per step
+        raise RuntimeError(f"{run_dir}: metrics.jsonl is not one row per step 1..{args.steps}")
+    rows = rows[1:]  # step 1 records the prefetch order
     return {
         "step": statistics.mean(r["step_time_s"] for r in rows),
         "comm": {a: statistics.mean(r["comm_time_s"].get(a, 0.0) for r in rows) for a in COMM_AXES},

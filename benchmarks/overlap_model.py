@@ -7,9 +7,12 @@ schedule the runtime runs (tetrad/parallel/overlap.py). This script
 1. calibrates this machine: ``tetrad calibrate --nproc 4`` writes a machine
    TOML (skipped with ``--machine FILE``);
 2. runs ``tetrad train`` (CPU, gloo, 4 ranks) on a fixed model for grids 1,2,1,2 and 2,1,2,1,
-   alternating ``--overlap none`` and ``--overlap all``, and reads each run's
-   ``metrics.jsonl`` (rank 0's per-axis ``comm_time_s`` and ``comm_exposed_s``, and
-   ``step_time_s``; the first step, which records the prefetch order, is skipped);
+   alternating ``--overlap none`` and ``--overlap all``, with ``--log-every 1`` (the trainer
+   times whole logging intervals, so only then is each row one step's time), and reads each
+   run's ``metrics.jsonl`` (rank 0's per-axis ``comm_time_s`` and ``comm_exposed_s``, and
+   ``step_time_s``): the means of steps 2..N, the first step, which records the prefetch
+   order, left out (``benchmarks/overlap.py``'s ``run``, which checks there is one row per
+   step);
 3. asks the planner for the same configuration on the calibrated machine (the runtime's model
    sizes from ``RUN_DIR/config.json``, fp32 compute, no activation checkpointing) and prints one
    table: per axis measured vs predicted communication and exposed time, then measured vs

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tetrad.train
+from tests import cli_fork
 from tests.distributed import run_distributed
 from tests.run_dirs import bpe_tokenizer, fake_run_dir, save_checkpoint, save_sharded
 from tetrad import cli
@@ -36,6 +37,13 @@ def _has_preflight() -> bool:
 
 
 def tetrad_cmd(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m tetrad.cli *args``, run as a child forked from tests/cli_fork.py's server
+    (which has imported torch and tetrad once); ``tetrad_subprocess`` starts a new interpreter."""
+    return cli_fork.run(*args, env=env)
+
+
+def tetrad_subprocess(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m tetrad.cli *args`` in a new interpreter (what a user runs)."""
     base = {
         k: v
         for k, v in os.environ.items()
@@ -65,7 +73,7 @@ def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
 
 
 def test_help(capsys):
-    r = tetrad_cmd("--help")
+    r = tetrad_subprocess("--help")
     assert r.returncode == 0 and "usage: tetrad" in r.stdout and "train" in r.stdout, r.stderr
     for args, needle in ((["train", "--help"], "--grid"), (["generate", "--help"], "RUN_DIR")):
         with pytest.raises(SystemExit) as e:
@@ -75,6 +83,22 @@ def test_help(capsys):
 
 def test_invalid_grid():
     assert_one_line_error(tetrad_cmd("train", "--grid", "1,2,x,1"), "'1,2,x,1'", "DATA,Z,Y,X")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("--help",), ("train", "--grid", "1,2,x,1"), ("generate", "/nonexistent/run")],
+    ids=["help", "error", "generate-error"],
+)
+def test_forked_command_is_the_command(args):
+    """tests/cli_fork.py's forked command: the exit status, stdout and stderr of a new
+    interpreter running ``python -m tetrad.cli`` (what the other tests here rely on)."""
+    forked, fresh = tetrad_cmd(*args), tetrad_subprocess(*args)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        fresh.returncode,
+        fresh.stdout,
+        fresh.stderr,
+    )
 
 
 def test_grid_does_not_match_world_size():

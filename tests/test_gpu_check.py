@@ -17,7 +17,9 @@ def test_gpu_check_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = os.environ | {"TETRAD_CACHE": str(tmp_path / "cache")}
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out)],
+        # 10 steps (the CPU profile runs 20): two logging intervals of 5, so the medians still
+        # leave out the first interval (torch.compile's compilation)
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out), "--steps", "10"],
         capture_output=True,
         text=True,
         env=env,
@@ -42,6 +44,7 @@ def test_gpu_check_on_cpu(tmp_path):
     for name in ("eager", "compile"):
         run = train[name]
         assert run["ok"], run
+        assert run["steps_logged"] == 10 and run["steps_in_median"] == 5, run
         assert run["tokens_per_s"] > 0 and 0 < run["mfu"] <= 1 and run["peak_memory_bytes"] > 0
         assert Path(run["log"]).is_file()
         assert not (out / f"run_{name}" / "checkpoints").exists()

@@ -13,16 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import hf_ranks
 from tests.distributed import run_distributed
 from tests.run_dirs import bpe_tokenizer
-from tetrad.grid import Grid
 from tetrad.models.hf import load_weights, read_config
 from tetrad.models.reference import Llama
-from tetrad.parallel.model import ParallelLlama
 from tetrad.train import trainer
 from tetrad.train.config import load_config
-from tetrad.train.preflight import init_from_hf
-from tetrad.train.step import evaluate, local_samples
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,32 +101,13 @@ def test_reference_logits_equal_transformers(untied, tmp_path, scaling):
     torch.testing.assert_close(ours, logits, rtol=1e-5, atol=1e-5)
 
 
-def _loss_on_grid(folder: Path, sizes, batch: torch.Tensor, logits, out: Path) -> None:
-    """On every rank: its logits block equals transformers'; rank 0 writes the loss."""
-    grid = Grid.build(sizes)
-    cfg = read_config(folder)[0]
-    model = ParallelLlama(cfg, grid)
-    init_from_hf(model, grid, folder)
-    model.eval()
-    with torch.no_grad():
-        loss = evaluate(model, grid, [batch], micro_batch=1)
-        rows = local_samples(batch, grid)[:, :-1]
-        n = rows.shape[0]
-        block = cfg.vocab_size // (grid.size("y") * grid.size("x"))
-        first = (grid.coord["y"] * grid.size("x") + grid.coord["x"]) * block
-        want = local_samples(logits, grid)[:n, :, first : first + block]
-        torch.testing.assert_close(model(rows), want, rtol=1e-5, atol=1e-5)
-    if torch.distributed.get_rank() == 0:
-        out.write_text(json.dumps(loss))
-
-
 def _losses_on_grids(folder: Path, batch: torch.Tensor, tmp_path: Path, grids) -> list[float]:
     logits, _ = hf_loss(folder, batch)
     got = []
     for sizes in grids:
         out = tmp_path / f"loss_{'_'.join(map(str, sizes))}.json"
         world = sizes[0] * sizes[1] * sizes[2] * sizes[3]
-        run_distributed(_loss_on_grid, world, folder, sizes, batch, logits, out)
+        run_distributed(hf_ranks.loss_on_grid, world, folder, sizes, batch, logits, out)
         got.append(json.loads(out.read_text()))
     return got
 
@@ -158,10 +136,6 @@ def test_tied_and_sharded_folders_load(tmp_path, tied, shard):
 # ---------------------------------------------------------------- fine-tune and export
 
 
-def _train(cfg):
-    trainer.train(cfg)
-
-
 def _fine_tune(folder: Path, run_dir: Path, corpus: Path, grid: str, lr: float, steps: int = 3):
     cfg = load_config(
         None,
@@ -184,7 +158,7 @@ def _fine_tune(folder: Path, run_dir: Path, corpus: Path, grid: str, lr: float, 
     )
     trainer.preflight(cfg)
     world = eval(grid.replace(",", "*"))
-    run_distributed(_train, world, cfg)
+    run_distributed(hf_ranks.train, world, cfg)
     return cfg
 
 
