@@ -44,15 +44,6 @@ def test_turned_grids_match_reference(world_size, reference):
 # ---------------------------------------------------------------- checkpoints across orientations
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "None"]
-    lines = [" ".join(words[(i * 7 + j * 3) % 10] for j in range(9)) + "\n" for i in range(900)]
-    (root / "input.txt").write_text("".join(lines))
-    return root / "input.txt"
-
-
 def _config(corpus, run_dir, steps: int, grid: str, **extra):
     extra = {"val_every": 1000, "log_every": 1, "warmup_steps": 100, "checkpoint_every": 0} | extra
     return train_config(corpus, run_dir, steps, grid=grid, **extra)

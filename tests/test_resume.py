@@ -26,15 +26,6 @@ from tetrad.train import trainer
 from tetrad.train.launch import run_local, train_worker
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "None"]
-    lines = [" ".join(words[(i * 7 + j * 3) % 10] for j in range(9)) + "\n" for i in range(900)]
-    (root / "input.txt").write_text("".join(lines))
-    return root / "input.txt"
-
-
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("TETRAD_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))

@@ -27,15 +27,6 @@ GRID = "2,1,2,1"
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "None"]
-    lines = [" ".join(words[(i * 7 + j * 3) % 10] for j in range(9)) + "\n" for i in range(900)]
-    (root / "input.txt").write_text("".join(lines))
-    return root / "input.txt"
-
-
-@pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
