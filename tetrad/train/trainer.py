@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from tetrad.data.corpus import Corpus
+from tetrad.data.loader import sample_batch, val_batches
 from tetrad.device import device_name, peak_memory_bytes, threads_per_rank
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
@@ -32,7 +34,6 @@ from tetrad.train.checkpoint_dir import (
     tokenizer_hash,
 )
 from tetrad.train.config import TrainConfig
-from tetrad.train.data import Corpus, sample_batch, val_batches
 from tetrad.train.metrics import StepMeter, StepProfiler, log_line
 from tetrad.train.peak import Peak, mfu_peak
 from tetrad.train.preflight import init_from_hf, preflight, preflight_on_rank0
