@@ -244,9 +244,11 @@ def _train_each(configs) -> None:
         trainer.train(cfg)
 
 
-def test_train_on_each_format(world, tmp_path, monkeypatch):
+def test_train_on_each_format_and_tensorboard(world, tmp_path, monkeypatch):
     """Two steps on every format and on a prepared folder (one rank); the record formats share
-    their split, so their losses agree exactly."""
+    their split, so their losses agree exactly; TensorBoard gets the metrics' scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from tests.distributed import run_distributed
     from tetrad.train.config import load_config
 
@@ -272,6 +274,7 @@ def test_train_on_each_format(world, tmp_path, monkeypatch):
                 "val_batches": 1,
                 "warmup_steps": 1,
                 "peak_flops": 1e9,
+                "tensorboard": name == "prepared",
             },
         )
     run_distributed(_train_each, 1, list(configs.values()))
@@ -282,6 +285,15 @@ def test_train_on_each_format(world, tmp_path, monkeypatch):
         assert [r["step"] for r in rows[name]] == [1, 2], name
     losses = {n: [r["loss"] for r in rows[n]] + [rows[n][1]["val_loss"]] for n in rows}
     assert all(losses[n] == losses["jsonl"] for n in inputs if n != "text"), losses
+    acc = EventAccumulator(str(tmp_path / "prepared" / "tensorboard"), {"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "val/loss", "train/lr", "train/grad_norm", "perf/mfu"} <= tags
+    assert {"perf/tokens_per_s", "memory/peak_bytes", "perf/step_time_s"} <= tags
+    got = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    want = [(r["step"], r["loss"]) for r in rows["prepared"]]
+    assert got == [(s, pytest.approx(v, rel=1e-6)) for s, v in want]
+    assert [e.step for e in acc.Scalars("val/loss")] == [2]
 
 
 def test_prepare_command(world, tmp_path, capsys):

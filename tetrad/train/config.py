@@ -24,6 +24,7 @@ this form, and ``RUN_DIR/config.json`` records it)::
 
     [logging]
     log_every = 10
+    tensorboard = true          # also write TensorBoard scalars to RUN_DIR/tensorboard
 
 The sections are the dataclasses of :mod:`tetrad.train.sections`. Every field is also a
 ``tetrad train`` option (:func:`add_arguments` generates them from the fields and their help),

@@ -31,7 +31,8 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
 
     Raises:
         ConfigError, DataError, ModelConfigError, CheckpointError, CheckpointingError: one-line
-            messages saying what to change.
+            messages saying what to change (ConfigError also for ``--tensorboard`` without the
+            tensorboard package).
     """
     cfg.check()
     if cfg.training.device == "cuda" and not gpu_count():
@@ -41,6 +42,8 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
     if folder is not None:
         hf_cfg, raw = read_config(folder)
         Weights(folder, hf_cfg, tied=bool(raw.get("tie_word_embeddings")))  # files present?
+    if cfg.logging.tensorboard:
+        check_tensorboard()
     corpus = load_corpus(cfg)
     _check_seq_len(corpus, cfg.training.seq_len)
     model_cfg = cfg.model_config(corpus.vocab_size)
@@ -88,6 +91,18 @@ def load_corpus(cfg: TrainConfig) -> Corpus:
         workers=d.workers,
         progress=sys.stderr.isatty(),
     )
+
+
+def check_tensorboard() -> None:
+    """Raises ConfigError when ``torch.utils.tensorboard`` cannot be imported (the
+    ``tensorboard`` package is missing)."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "--tensorboard needs the tensorboard package: pip install tensorboard, or drop "
+            "--tensorboard"
+        ) from None
 
 
 def _check_steps_left(cfg: TrainConfig, start: Path, meta: dict | None) -> None:

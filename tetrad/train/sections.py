@@ -249,6 +249,9 @@ class LoggingSection:
     peak_flops: float = option(
         0.0, metavar="FLOP/S", help="peak FLOP/s per rank for MFU (0: look up or measure)"
     )
+    tensorboard: bool = option(
+        False, help="also write the metrics as TensorBoard scalars to RUN_DIR/tensorboard"
+    )
 
     def profile_range(self) -> tuple[int, int] | None:
         """Steps ``(A, B)`` (1-based, inclusive) to profile, or None.
