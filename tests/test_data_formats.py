@@ -310,3 +310,12 @@ def test_prepare_command(world, tmp_path, capsys):
     assert cli.main(["prepare", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("tetrad: error: data path '")
+
+
+def test_a_preparation_inside_its_input_folder_is_not_read_as_input(world, tmp_path):
+    _, _, tok, paths, _ = world
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "docs.jsonl").write_bytes(paths["jsonl"].read_bytes())
+    first = prepare([str(folder)], folder / "prepared", str(tok))
+    assert prepare([str(folder)], folder / "prepared", str(tok)) == first  # same job: as is

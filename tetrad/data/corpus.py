@@ -22,7 +22,8 @@ import numpy as np
 from tetrad.data.errors import DataError
 from tetrad.data.loader import TokenStream
 from tetrad.data.prepare import plan_job, prepare_sources, summary_line
-from tetrad.data.shards import SHARD_BYTES, TOKENIZER, is_prepared, open_prepared
+from tetrad.data.shards import SHARD_BYTES, TOKENIZER, open_prepared
+from tetrad.data.sources import is_prepared
 from tetrad.data.split import held_out, token_ranges
 from tetrad.data.tokenizer import file_sha256
 

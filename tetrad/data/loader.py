@@ -71,7 +71,7 @@ class TokenStream:
 
     def __getitem__(self, key):
         if isinstance(key, slice):
-            return self.take(np.arange(len(self))[key])
+            return self.take(np.arange(*key.indices(len(self))))
         if isinstance(key, (int, np.integer)):
             return self.take(np.array(key + len(self) if key < 0 else key))[()]
         return self.take(key)

@@ -33,7 +33,7 @@ from tetrad.data import shards as sh
 from tetrad.data.encode import Encoded, Settings, encode, init_worker
 from tetrad.data.errors import DataError
 from tetrad.data.readers import START, Batch, Cursor, batches, kind_of
-from tetrad.data.sources import TEXT, Source, find_sources
+from tetrad.data.sources import INDEX, JOB, TEXT, Source, find_sources, is_prepared
 from tetrad.data.split import path_keys
 from tetrad.data.tokenizer import (
     bpe_sample,
@@ -111,7 +111,7 @@ def _start_job(folder: pathlib.Path, job: dict, tokenizer: str, sources: list[So
     Raises:
         DataError: ``folder`` holds another job, or other files.
     """
-    old = sh.read_json(folder / sh.JOB)
+    old = sh.read_json(folder / JOB)
     if old is not None:
         if old != job:
             raise DataError(
@@ -131,7 +131,7 @@ def _start_job(folder: pathlib.Path, job: dict, tokenizer: str, sources: list[So
         )
         tok = train_bpe(texts, t["bpe_vocab_size"])
     tok.save(str(folder / sh.TOKENIZER))
-    sh.write_json(folder / sh.JOB, job)
+    sh.write_json(folder / JOB, job)
 
 
 def _encoded(
@@ -237,7 +237,7 @@ def _run(
         "bytes": total,
         "seconds": time.perf_counter() - t0,
     } | {k: t[k] for k in sh.TOTALS if k != "done_bytes"}
-    sh.write_json(folder / sh.INDEX, index)
+    sh.write_json(folder / INDEX, index)
     return index
 
 
@@ -255,7 +255,7 @@ def prepare_sources(
     and whether this call wrote it (False: ``folder`` was complete already)."""
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder, wait):
-        index = sh.read_json(folder / sh.INDEX)
+        index = sh.read_json(folder / INDEX)
         if index is not None:
             if index.get("job") == job:
                 return index, False
@@ -329,7 +329,7 @@ def plan_job(
     """
     check_settings(val_fraction, encoding_errors, workers, shard_bytes, text_field)
     for p in inputs:
-        if sh.is_prepared(os.path.expanduser(p)):
+        if is_prepared(os.path.expanduser(p)):
             raise DataError(
                 f"{p!r} is a prepared folder: pass it alone to --data, not with other inputs"
             )

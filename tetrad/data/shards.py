@@ -31,10 +31,11 @@ import numpy as np
 
 from tetrad.data.encode import Encoded
 from tetrad.data.errors import DataError
+from tetrad.data.sources import INDEX, PREPARED_FORMAT
 
-FORMAT = "tetrad-tokens"
+FORMAT = PREPARED_FORMAT
 VERSION = 1
-INDEX, JOB, TOKENIZER, SHARDS = "index.json", "job.json", "tokenizer.json", "shards"
+TOKENIZER, SHARDS = "tokenizer.json", "shards"
 SHARD_BYTES = 256 << 20
 """Default shard size: a shard closes at the first batch boundary at or beyond this many bytes
 of tokens."""
@@ -65,12 +66,6 @@ def read_json(path: pathlib.Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None
-
-
-def is_prepared(folder: str | os.PathLike) -> bool:
-    """Whether ``folder`` is a prepared folder, complete (``index.json``) or not (``job.json``)."""
-    p = pathlib.Path(folder)
-    return any((read_json(p / n) or {}).get("format") == FORMAT for n in (INDEX, JOB))
 
 
 def shard_file(folder: pathlib.Path, i: int, ext: str) -> pathlib.Path:

@@ -11,8 +11,10 @@ pattern. Formats, by file name:
 - any other file: text, one document per file, unless it has a NUL byte in its first 8 KiB
   (binary: skipped in folders and globs, refused when named).
 
-A prepared folder (``tetrad prepare``'s ``--out``) is recognised by its ``index.json`` and is
-handled by :mod:`tetrad.data.corpus`, not here.
+A prepared folder (``tetrad prepare``'s ``--out``) is recognised by its ``index.json`` (or, while
+unfinished, ``job.json``): :func:`is_prepared`. It is loaded by :mod:`tetrad.data.corpus`, and
+skipped inside the folders expanded here (a preparation written inside its own input folder is
+not read back as input).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ SUFFIXES = {".jsonl": JSONL, ".jsonl.gz": JSONL_GZ, ".jsonl.zst": JSONL_ZST, ".p
 """File-name endings (lower case) of the record formats; other files are text or binary."""
 RECORD_FORMATS = (JSONL, JSONL_GZ, JSONL_ZST, PARQUET, DATASETS)
 USABLE = "text, .jsonl(.gz/.zst) or .parquet files, or a datasets folder"
+PREPARED_FORMAT = "tetrad-tokens"  # the "format" of a prepared folder's index.json/job.json
+INDEX, JOB = "index.json", "job.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +71,18 @@ class Source:
             st = f.stat()
             out.append([str(f), st.st_size, st.st_mtime_ns])
         return out
+
+
+def is_prepared(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` is a prepared folder, complete (``index.json``) or not (``job.json``)."""
+    for name in (INDEX, JOB):
+        try:
+            obj = json.loads(pathlib.Path(folder, name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(obj, dict) and obj.get("format") == PREPARED_FORMAT:
+            return True
+    return False
 
 
 def _missing(p: str) -> DataError:
@@ -134,7 +150,9 @@ def _walk(folder: pathlib.Path) -> tuple[list[Source], int]:
     for dirpath, dirnames, names in os.walk(folder):
         here = pathlib.Path(dirpath)
         for d in list(dirnames):
-            if is_datasets_folder(here / d):
+            if is_prepared(here / d):
+                dirnames.remove(d)
+            elif is_datasets_folder(here / d):
                 dirnames.remove(d)
                 sub = (here / d).resolve()
                 found.append(Source(sub, DATASETS, _datasets_files(sub)))
