@@ -22,6 +22,7 @@ import fcntl
 import multiprocessing
 import os
 import pathlib
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -203,7 +204,7 @@ def _run(
         initial=writer.totals["done_bytes"],
         unit="B",
         unit_scale=True,
-        disable=None if progress else True,  # None: off when stderr is not a terminal
+        disable=not (progress and sys.stderr.isatty()),
         desc="tetrad prepare",
         dynamic_ncols=True,
     )
@@ -287,9 +288,9 @@ def prepare(
     ``tokenizer``: a ``tokenizer.json``; empty: a byte-level BPE of ``vocab_size`` ids is
     trained on at most 8 MB of train documents (``val_fraction`` says which are held out; see
     :func:`tetrad.data.tokenizer.bpe_sample`). ``workers``: tokenizing processes (0: this
-    process). ``shard_bytes``: shard size, bytes. ``progress``: a tqdm bar on stderr (input
-    bytes, MB/s, ETA, documents and tokens). A complete ``out`` of the same job is returned as
-    is; an unfinished one is resumed.
+    process). ``shard_bytes``: shard size, bytes. ``progress``: a tqdm bar on stderr when it
+    is a terminal (input bytes, MB/s, ETA, documents and tokens). A complete ``out`` of the same
+    job is returned as is; an unfinished one is resumed.
 
     Raises:
         DataError: bad inputs (:func:`~tetrad.data.sources.find_sources`), settings
