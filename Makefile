@@ -13,7 +13,7 @@ $(BIN)/tetrad: pyproject.toml
 
 demo: $(BIN)/tetrad
 	rm -rf runs/demo  # the demo starts over (tetrad train refuses to overwrite a run)
-	$(BIN)/tetrad train --run-dir runs/demo
+	$(BIN)/tetrad train --run-dir runs/demo --tensorboard
 	$(BIN)/tetrad generate runs/demo --prompt "def " --max-new-tokens 120
 
 test: lint

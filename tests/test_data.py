@@ -1,4 +1,5 @@
-"""Tests of tetrad.train.data on small generated corpora (the stdlib run is measured by hand)."""
+"""Tests of tetrad.data on small generated text corpora (the stdlib run is measured by hand; the
+other formats, preparation and resume: tests/test_data_formats.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from tetrad.train.data import (
-    Corpus,
-    DataError,
-    corpus_files,
-    prepare_corpus,
-    sample_batch,
-    val_batches,
-)
+from tetrad.data.corpus import Corpus, prepare_corpus
+from tetrad.data.errors import DataError
+from tetrad.data.loader import sample_batch, val_batches
+from tetrad.data.sources import corpus_files
 
 VOCAB = 300
 
@@ -158,17 +155,18 @@ def test_cache_hit(corpus_dir, tmp_path):
     t0 = time.perf_counter()
     c2 = prepare_corpus([str(corpus_dir)], vocab_size=VOCAB, val_fraction=0.2, cache_dir=tmp_path)
     assert time.perf_counter() - t0 < 1.0
-    assert isinstance(c2.train, np.memmap)
+    assert all(isinstance(s, np.memmap) for s in c2.train.shards)
     np.testing.assert_array_equal(c1.train, c2.train)
     np.testing.assert_array_equal(c1.val, c2.val)
     assert c1.tokenizer_path == c2.tokenizer_path and c1.unigram_entropy == c2.unigram_entropy
     entries = [p for p in tmp_path.iterdir()]
-    assert len(entries) == 1 and not entries[0].name.startswith(".")  # no temp dir left
+    assert len(entries) == 1 and not entries[0].name.startswith(".")
     assert {p.name for p in entries[0].iterdir()} == {
+        ".lock",
         "tokenizer.json",
-        "train.npy",
-        "val.npy",
-        "meta.json",
+        "job.json",
+        "index.json",
+        "shards",
     }
     # Different inputs -> a different entry; the loaded tokenizer is reused as is.
     c3 = prepare_corpus(
@@ -223,15 +221,16 @@ def test_val_batches():
 
 
 def test_crash_leaves_no_loadable_entry(corpus_dir, tmp_path, monkeypatch):
-    import tetrad.train.data as data
+    import tetrad.data.shards as shards
 
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(data.np, "save", boom)
+    monkeypatch.setattr(shards.np, "savez", boom)
     with pytest.raises(OSError, match="disk full"):
         prepare_corpus([str(corpus_dir)], vocab_size=VOCAB, val_fraction=0.2, cache_dir=tmp_path)
-    assert list(tmp_path.iterdir()) == []  # temp dir removed, no entry
+    (entry,) = tmp_path.iterdir()
+    assert not (entry / "index.json").exists()  # unfinished: never loaded, resumed next time
     monkeypatch.undo()
     c = prepare_corpus([str(corpus_dir)], vocab_size=VOCAB, val_fraction=0.2, cache_dir=tmp_path)
     assert len(c.train) > 0 and len(c.val) > 0

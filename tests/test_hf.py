@@ -175,7 +175,8 @@ def corpus(tmp_path_factory):
 def test_fine_tune_then_export_loads_in_transformers(tmp_path, corpus, tied, vocab, monkeypatch):
     """Three steps on grid 1,1,2,2 (with vocab 320, padded to 384 there), export, then
     transformers' loss on the validation batch equals tetrad's last validation loss."""
-    from tetrad.train.data import prepare_corpus, val_batches
+    from tetrad.data.corpus import prepare_corpus
+    from tetrad.data.loader import val_batches
     from tetrad.train.export import export
 
     monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))

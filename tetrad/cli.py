@@ -1,6 +1,7 @@
 """The ``tetrad`` command: one entry point, one sub-command per job.
 
     tetrad train       train a model: start local workers, or run as one rank under torchrun
+    tetrad prepare     tokenize text, JSONL, Parquet or datasets inputs into token shards
     tetrad generate    sample text from a run directory or an exported folder
     tetrad export      write a run's full weights, config and tokenizer as safetensors
     tetrad report      where a run's step time went (compute, communication per axis)
@@ -18,6 +19,8 @@ the function running it (which imports what it needs, so building the parser and
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -41,6 +44,95 @@ def _train(args: argparse.Namespace) -> None:
     from tetrad.train.launch import launch_train
 
     launch_train(config.load_config(args.config, config.overrides(args)))
+
+
+def _prepare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "data",
+        nargs="+",
+        metavar="DATA",
+        help="text, .jsonl, .jsonl.gz, .jsonl.zst or .parquet files, folders of them, datasets "
+        "folders (save_to_disk) or globs",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="FILE",
+        help="tokenizer.json (default: train a byte-level BPE of --vocab-size on the data)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="folder to write: new or empty, or an unfinished preparation of the same inputs "
+        "and settings (resumed)",
+    )
+    cpus = len(os.sched_getaffinity(0))
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=cpus,
+        metavar="N",
+        help=f"tokenizing processes (default: one per usable CPU, {cpus} here; 0: this process)",
+    )
+    p.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="JSONL field, Parquet or datasets column holding the text (default: text)",
+    )
+    p.add_argument(
+        "--encoding-errors",
+        choices=("replace", "strict"),
+        default="replace",
+        help="bytes that are not UTF-8: replace by U+FFFD and count them (default), or stop "
+        "naming the file and byte offset",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="size of the BPE trained without --tokenizer (default 4096)",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.01,
+        metavar="F",
+        help="share of documents the BPE is not trained on, without --tokenizer (default "
+        "0.01; the split itself is tetrad train's --val-fraction)",
+    )
+    p.add_argument(
+        "--shard-mb",
+        type=float,
+        default=256,
+        metavar="MB",
+        help="MiB of tokens per shard (default 256)",
+    )
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    from tetrad.data.prepare import plan_job, prepare_sources, summary_line
+
+    sources, job = plan_job(
+        args.data,
+        args.tokenizer,
+        args.vocab_size,
+        args.val_fraction,
+        args.text_field,
+        args.encoding_errors,
+        args.workers,
+        int(args.shard_mb * MiB),
+    )
+    out = os.path.expanduser(args.out)
+    index, wrote = prepare_sources(
+        sources, pathlib.Path(out), job, args.tokenizer, workers=args.workers, progress=True
+    )
+    if wrote:
+        print(summary_line(index, out))
+    else:
+        print(f"tetrad: {out} already holds this preparation ({index['tokens']:,} tokens)")
 
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,6 +220,15 @@ COMMANDS: dict[str, Command] = {
         "Without torchrun, starts DATA*Z*Y*X local worker processes.",
         config.add_arguments,
         _train,
+    ),
+    "prepare": Command(
+        "tokenize text, JSONL, Parquet or datasets inputs into token shards for tetrad train",
+        "Tokenize DATA with worker processes (HF tokenizers batch encoding) into memory-mapped "
+        "token shards and an index in DIR, holding a few batches in memory whatever the corpus "
+        "size; a killed run resumes from its last complete shard when run again. `tetrad train "
+        "--data DIR` trains on DIR as is.",
+        _prepare_arguments,
+        _prepare,
     ),
     "generate": Command(
         "sample text from a trained run directory or an exported folder",

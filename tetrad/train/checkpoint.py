@@ -9,7 +9,7 @@ export``) or by any other grid. The folder layout, ``tetrad.json`` and the commi
 Keys: ``model.<param>``, ``optim.<param>.exp_avg``, ``optim.<param>.exp_avg_sq``,
 ``optim.<param>.step``, ``step`` and ``rng.<rank>`` (each rank's torch CPU generator state,
 restored when the world size is unchanged). The data position is the step: the batch of step
-``s`` depends only on ``(seed, s)`` (:func:`tetrad.train.data.sample_batch`), whatever the
+``s`` depends only on ``(seed, s)`` (:func:`tetrad.data.loader.sample_batch`), whatever the
 data-parallel split, so it carries over to any grid.
 
 With ``async_save``, :meth:`Checkpointer.save` costs the loop only the copy of the shards to host

@@ -9,7 +9,9 @@ this form, and ``RUN_DIR/config.json`` records it)::
     n_layers = 8                # sizes override the preset
 
     [data]
-    paths = ["input.txt"]       # files, folders or globs (default: the Python stdlib)
+    paths = ["input.txt"]       # files, folders or globs (default: the Python stdlib), or
+                                # one folder written by `tetrad prepare`
+    text_field = "text"         # JSONL field / Parquet or datasets column of the text
 
     [parallelism]
     grid = "2,2,1,1"            # G_data,G_z,G_y,G_x, or "auto"
@@ -22,6 +24,7 @@ this form, and ``RUN_DIR/config.json`` records it)::
 
     [logging]
     log_every = 10
+    tensorboard = true          # also write TensorBoard scalars to RUN_DIR/tensorboard
 
 The sections are the dataclasses of :mod:`tetrad.train.sections`. Every field is also a
 ``tetrad train`` option (:func:`add_arguments` generates them from the fields and their help),
@@ -156,6 +159,8 @@ class TrainConfig:
             raise ConfigError(f"val_batches={self.logging.val_batches} must be 0 or more")
         if not 0.0 < self.data.val_fraction < 0.5:
             raise ConfigError(f"val_fraction={self.data.val_fraction} must lie in (0, 0.5)")
+        if self.data.workers < 0:
+            raise ConfigError(f"workers={self.data.workers} must be 0 (this process) or more")
         try:
             self.parallelism.overlaps  # noqa: B018 (parsing is the check)
         except TetradError as e:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
+from tetrad.data.tokenizer import END_TOKENS
 from tetrad.device import gpu_count
 from tetrad.models.config import ModelConfig
 from tetrad.spec import DEVICES
 from tetrad.train.checkpoint_dir import CheckpointError, verified_latest
 from tetrad.train.config import ConfigError
-from tetrad.train.data import END_TOKENS
 
 
 def _first_line(e: BaseException) -> str:

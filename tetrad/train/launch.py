@@ -141,11 +141,10 @@ def _check_gpus(ranks: int, what: str) -> None:
 def _resolve_auto_grid(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with the grid the planner chooses for this job's ranks and tokenizer."""
     from tetrad.train.auto import choose_grid, default_nproc, is_rank0
-    from tetrad.train.data import prepare_corpus
+    from tetrad.train.preflight import load_corpus
 
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else default_nproc(cfg)
-    d = cfg.data
-    corpus = prepare_corpus(d.paths, d.tokenizer, d.vocab_size, d.val_fraction)
+    corpus = load_corpus(cfg)
     return choose_grid(cfg, world, corpus.vocab_size, verbose=is_rank0())
 
 

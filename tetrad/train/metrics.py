@@ -1,4 +1,5 @@
-"""What a training step reports: the ``metrics.jsonl`` row, the log line, the profiler window."""
+"""What a training step reports: the ``metrics.jsonl`` row, the log line, TensorBoard scalars,
+the profiler window."""
 
 from __future__ import annotations
 
@@ -89,6 +90,71 @@ def read_rows(path: str | Path) -> tuple[list[dict], int]:
         else:
             skipped += 1
     return rows, skipped
+
+
+TENSORBOARD = "tensorboard"
+"""The folder of ``RUN_DIR`` that ``--tensorboard`` writes its event files to."""
+
+
+def scalars(row: dict) -> dict[str, float]:
+    """The TensorBoard scalars of a :meth:`StepMeter.row` (``val_loss`` where it has one): tag ->
+    value. Tags: ``train/loss, train/lr, train/grad_norm, val/loss`` (nats per token),
+    ``perf/tokens_per_s, perf/tokens_per_s_per_rank, perf/mfu, perf/step_time_s`` (seconds),
+    ``memory/peak_bytes``, and per mesh axis ``A``: ``comm_exposed_s/A, comm_time_s/A``
+    (seconds) and ``comm_bytes/A`` (bytes sent per rank)."""
+    out = {
+        "train/loss": row["loss"],
+        "train/lr": row["lr"],
+        "train/grad_norm": row["grad_norm"],
+        "perf/tokens_per_s": row["tokens_per_s"],
+        "perf/tokens_per_s_per_rank": row["tokens_per_s_per_rank"],
+        "perf/mfu": row["mfu"],
+        "perf/step_time_s": row["step_time_s"],
+        "memory/peak_bytes": row["peak_memory_bytes"],
+    }
+    if "val_loss" in row:
+        out["val/loss"] = row["val_loss"]
+    for key in ("comm_exposed_s", "comm_time_s", "comm_bytes"):
+        out |= {f"{key}/{axis}": v for axis, v in row[key].items()}
+    return out
+
+
+class MetricsLog:
+    """Where rank 0 writes the rows of the steps: ``RUN_DIR/metrics.jsonl`` (appended) and,
+    with ``tensorboard``, TensorBoard scalars (:func:`scalars`) in ``RUN_DIR/tensorboard``
+    through ``torch.utils.tensorboard.SummaryWriter``, flushed at every write so a stopped or
+    failed run keeps them. A run resumed from step ``start`` purges the TensorBoard events of
+    steps after ``start`` (TensorBoard's ``purge_step``), as ``metrics.jsonl`` is trimmed.
+
+    Raises (on creation):
+        ImportError: ``tensorboard`` requested but the tensorboard package is missing
+            (:func:`tetrad.train.preflight.check_tensorboard` says so first, in one line).
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool, start: int):
+        self.file = (run_dir / "metrics.jsonl").open("a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(
+                str(run_dir / TENSORBOARD), purge_step=start + 1 if start else None
+            )
+
+    def write(self, rows: list[dict]) -> None:
+        """Append ``rows`` (and their scalars, at their ``step``)."""
+        self.file.write("".join(json.dumps(row) + "\n" for row in rows))
+        self.file.flush()
+        if self.tb is not None:
+            for row in rows:
+                for tag, value in scalars(row).items():
+                    self.tb.add_scalar(tag, value, row["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def log_line(row: dict) -> str:

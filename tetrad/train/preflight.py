@@ -6,10 +6,12 @@ under torchrun), so mistakes stop there with one line.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
+from tetrad.data.corpus import Corpus, prepare_corpus
 from tetrad.device import gpu_count
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
@@ -18,7 +20,6 @@ from tetrad.parallel.model import ParallelLlama
 from tetrad.spec import checkpointed_blocks
 from tetrad.train.checkpoint_dir import check_files, check_resume, read_meta, tokenizer_hash
 from tetrad.train.config import ConfigError, TrainConfig
-from tetrad.train.data import Corpus, prepare_corpus
 from tetrad.train.resume import check_run_dir, restart_count, start_checkpoint
 
 
@@ -30,7 +31,8 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
 
     Raises:
         ConfigError, DataError, ModelConfigError, CheckpointError, CheckpointingError: one-line
-            messages saying what to change.
+            messages saying what to change (ConfigError also for ``--tensorboard`` without the
+            tensorboard package).
     """
     cfg.check()
     if cfg.training.device == "cuda" and not gpu_count():
@@ -40,8 +42,9 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
     if folder is not None:
         hf_cfg, raw = read_config(folder)
         Weights(folder, hf_cfg, tied=bool(raw.get("tie_word_embeddings")))  # files present?
-    d = cfg.data
-    corpus = prepare_corpus(d.paths, d.tokenizer, d.vocab_size, d.val_fraction)
+    if cfg.logging.tensorboard:
+        check_tensorboard()
+    corpus = load_corpus(cfg)
     _check_seq_len(corpus, cfg.training.seq_len)
     model_cfg = cfg.model_config(corpus.vocab_size)
     if model_cfg.vocab_size < corpus.vocab_size:
@@ -67,6 +70,39 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
             check_files(start, meta, digest=False)  # the ranks compare digests when loading
         _check_steps_left(cfg, start, meta)
     return corpus, model_cfg
+
+
+def load_corpus(cfg: TrainConfig) -> Corpus:
+    """The corpus of ``cfg``'s ``[data]`` section (:func:`tetrad.data.corpus.prepare_corpus`:
+    a prepared folder, or ``--data`` tokenized into the cache with a progress bar on a
+    terminal).
+
+    Raises:
+        DataError: one line saying what to change.
+    """
+    d = cfg.data
+    return prepare_corpus(
+        d.paths,
+        d.tokenizer,
+        d.vocab_size,
+        d.val_fraction,
+        text_field=d.text_field,
+        encoding_errors=d.encoding_errors,
+        workers=d.workers,
+        progress=sys.stderr.isatty(),
+    )
+
+
+def check_tensorboard() -> None:
+    """Raises ConfigError when ``torch.utils.tensorboard`` cannot be imported (the
+    ``tensorboard`` package is missing)."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "--tensorboard needs the tensorboard package: pip install tensorboard, or drop "
+            "--tensorboard"
+        ) from None
 
 
 def _check_steps_left(cfg: TrainConfig, start: Path, meta: dict | None) -> None:

@@ -72,13 +72,29 @@ class DataSection:
         factory=list,
         name="data",
         metavar="PATH",
-        help="text file, folder or glob (repeatable); default: the Python stdlib",
+        help="text, .jsonl, .jsonl.gz, .jsonl.zst or .parquet file, folder of them, datasets "
+        "folder (save_to_disk), folder written by tetrad prepare, or glob (repeatable); default: "
+        "the Python stdlib",
     )
     tokenizer: str = option(
         "", metavar="FILE", help="tokenizer.json (default: train a byte-level BPE on the corpus)"
     )
     vocab_size: int = option(4096, metavar="N", help="size of the BPE trained when no tokenizer")
     val_fraction: float = option(0.01, metavar="F", help="share of the corpus held out")
+    text_field: str = option(
+        "text", metavar="NAME", help="JSONL field, Parquet or datasets column holding the text"
+    )
+    encoding_errors: Literal["replace", "strict"] = option(
+        "replace",
+        help="bytes that are not UTF-8: replace (by U+FFFD, counted) or strict (stop, naming "
+        "the file and byte offset)",
+    )
+    workers: int = option(
+        0,
+        metavar="N",
+        help="processes tokenizing --data when it is not a prepared folder (0: this process, "
+        "with the tokenizer's threads)",
+    )
 
 
 @dataclass
@@ -239,6 +255,9 @@ class LoggingSection:
     )
     peak_flops: float = option(
         0.0, metavar="FLOP/S", help="peak FLOP/s per rank for MFU (0: look up or measure)"
+    )
+    tensorboard: bool = option(
+        False, help="also write the metrics as TensorBoard scalars to RUN_DIR/tensorboard"
     )
 
     def profile_range(self) -> tuple[int, int] | None:

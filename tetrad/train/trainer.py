@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from tetrad.data.corpus import Corpus
+from tetrad.data.loader import sample_batch, val_batches
 from tetrad.device import device_name, peak_memory_bytes, threads_per_rank
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
@@ -32,8 +34,7 @@ from tetrad.train.checkpoint_dir import (
     tokenizer_hash,
 )
 from tetrad.train.config import TrainConfig
-from tetrad.train.data import Corpus, sample_batch, val_batches
-from tetrad.train.metrics import StepMeter, StepProfiler, log_line
+from tetrad.train.metrics import MetricsLog, StepMeter, StepProfiler, log_line
 from tetrad.train.peak import Peak, mfu_peak
 from tetrad.train.preflight import init_from_hf, preflight, preflight_on_rank0
 from tetrad.train.resume import (
@@ -113,7 +114,9 @@ def train(cfg: TrainConfig) -> dict:
 
     Writes ``RUN_DIR/config.json``, ``RUN_DIR/tokenizer.json``, ``RUN_DIR/metrics.jsonl`` (one
     JSON object per step: see :meth:`tetrad.train.metrics.StepMeter.row`, and ``val_loss``
-    where validation ran) and checkpoints under ``RUN_DIR/checkpoints``.
+    where validation ran), with ``--tensorboard`` the same as TensorBoard scalars in
+    ``RUN_DIR/tensorboard`` (:class:`tetrad.train.metrics.MetricsLog`), and checkpoints under
+    ``RUN_DIR/checkpoints``.
     """
     stop = StopSignals(cfg.checkpoint.save_on_signal)  # first: a signal from now on is kept
     cfg = with_orientation(cfg)
@@ -328,7 +331,7 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
         unit="step",
         dynamic_ncols=True,
     )
-    metrics = (job.run_dir / "metrics.jsonl").open("a") if rank0 else None
+    metrics = MetricsLog(job.run_dir, log.tensorboard, start) if rank0 else None
     every = job.cfg.checkpoint.checkpoint_every
     loss = val_loss = float("nan")
     pending: list[dict] = []
@@ -355,8 +358,7 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
         if rank0:
             for note in _notes(job, first=done - len(rows) == start, peak=peak):
                 bar.write(note, file=sys.stdout)
-            metrics.write("".join(json.dumps(row) + "\n" for row in rows))
-            metrics.flush()
+            metrics.write(rows)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rows[-1]['tokens_per_s']:.0f}")
             bar.update(len(rows))
             if done % log.log_every == 0 or last or validate:
@@ -381,7 +383,7 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
     return loss, val_loss
 
 
-def _close_loop(bar: tqdm, profiler: StepProfiler, metrics) -> None:
+def _close_loop(bar: tqdm, profiler: StepProfiler, metrics: MetricsLog | None) -> None:
     bar.close()
     profiler.close()
     if metrics is not None:
