@@ -1,6 +1,7 @@
 """Peak memory and throughput of training steps on one GPU, against ``tetrad memory``.
 
     PYTHONPATH=. python benchmarks/gpu_memory.py [--out runs/gpu_memory] [--cases 1b,8b]
+        [--modes none,selective,full] [--compile]
 
 Each case (model, seq, micro-batch, recompute) runs in this process on the grid 1,1,1,1 (a
 world of one, NCCL): ``ParallelLlama`` with that recompute mode, fused AdamW, global batch two
@@ -48,7 +49,7 @@ from gpu_check import device_memory_bytes, memory_estimate, world_of_one  # noqa
 
 from tetrad.device import datasheet_flops, device_name, peak_memory_bytes  # noqa: E402
 from tetrad.models.config import parse_model  # noqa: E402
-from tetrad.parallel.model import ParallelLlama  # noqa: E402
+from tetrad.parallel.model import ParallelLlama, compile_blocks  # noqa: E402
 from tetrad.spec import GiB  # noqa: E402
 from tetrad.train.step import build_optimizer, train_step  # noqa: E402
 
@@ -74,10 +75,12 @@ CASES = {
 }
 
 
-def run_case(grid, case: Case, steps: int, gpu_bytes: int) -> dict:
-    """Measure one case; frees its model and optimizer afterwards."""
+def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = False) -> dict:
+    """Measure one case (``compiled``: every block under ``torch.compile``, as ``tetrad train
+    --compile``); frees its model and optimizer afterwards."""
     est = memory_estimate(case.model, case.micro_batch, case.seq_len, gpu_bytes, case.recompute)
-    out = {**case.__dict__, "predicted_bytes": est["total_bytes"], "fits": est["fits"]}
+    out = {**case.__dict__, "compiled": compiled}
+    out |= {"predicted_bytes": est["total_bytes"], "fits": est["fits"]}
     out["predicted_peak_phase"] = est.get("peak_phase")
     cfg, _ = parse_model(case.model)
     model = opt = None
@@ -86,6 +89,8 @@ def run_case(grid, case: Case, steps: int, gpu_bytes: int) -> dict:
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
+        if compiled:
+            compile_blocks(model)
         opt = build_optimizer(model, 3e-4, 0.1)
         gen = torch.Generator().manual_seed(0)
         shape = (2 * case.micro_batch, case.seq_len + 1)
@@ -149,7 +154,8 @@ def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
                 f"{r['tokens_per_s']:,.0f}",
                 f"{100 * r['mfu']:.1f}%",
             ]
-        row = [r["model"].split(",")[0], str(r["seq_len"]), str(r["micro_batch"]), r["recompute"]]
+        mode = r["recompute"] + (" + compile" if r.get("compiled") else "")
+        row = [r["model"].split(",")[0], str(r["seq_len"]), str(r["micro_batch"]), mode]
         lines.append("| " + " | ".join(row + [pred] + cells) + " |")
     return head + "\n".join(lines) + "\n"
 
@@ -160,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="1b,8b", help="comma-separated: 1b, 8b")
     p.add_argument("--steps", type=int, default=3, help="timed steps per case")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test")
+    p.add_argument("--modes", default="none,selective,full", help="recompute modes to run")
+    p.add_argument("--compile", action="store_true", help="torch.compile every block")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA device is visible: use --device cpu --cases tiny")
@@ -170,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     with world_of_one(args.device) as grid:
         for key in args.cases.split(","):
             for case in CASES[key]:
-                rows.append(run_case(grid, case, args.steps, gpu_bytes))
+                if case.recompute not in args.modes.split(","):
+                    continue
+                rows.append(run_case(grid, case, args.steps, gpu_bytes, args.compile))
                 print(json.dumps(rows[-1]), flush=True)
     name = device_name(grid.device)
     (out / "gpu_memory.json").write_text(json.dumps(rows, indent=2) + "\n")

@@ -140,6 +140,13 @@ def test_compiled_blocks_match_reference(reference):
     run_distributed(parallel_runs, 4, 4, *reference, False, (OVERLAPS,), grids, True)
 
 
+def test_compiled_blocks_with_selective_recompute_match_reference(reference):
+    """``--compile`` with selective recompute: the recomputed functions run eagerly inside the
+    compiled blocks (on torch 2.11 Dynamo gave the keys the queries' graph); the same
+    tolerances."""
+    run_distributed(parallel_runs, 4, 4, *reference, "selective", (OVERLAPS,), [(1, 2, 1, 2)], True)
+
+
 def test_fine_on_a_four_wide_tensor_axis_matches_reference(reference):
     """``fine`` alone and with every overlap where its rings have more than one sending step
     (G_x = 4; the tiny model's 2 key/value heads allow no G_y = 4): the same tolerances."""

@@ -100,6 +100,15 @@ def cheap(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tenso
     """
     if not _active or not torch.is_grad_enabled():
         return fn(*inputs)
+    return _recomputed(fn, *inputs)
+
+
+@torch.compiler.disable
+def _recomputed(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    """:func:`cheap`'s selective path, run eagerly inside compiled blocks: Dynamo tracing
+    ``_Cheap.apply`` with a fresh :class:`Recipe` recompiles once per wrapped function (torch
+    2.13: past its recompile limit) or, on torch 2.11 on CUDA, reused the graph of another
+    function (rotated queries given for keys), so the recipe is built and applied outside it."""
     recipe = Recipe(fn, inputs, _autocast_state(inputs))
     out = _Cheap.apply(recipe, *inputs)
     out._tetrad_recipe = recipe
