@@ -17,7 +17,7 @@ import enum
 import math
 import sys
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, NoReturn
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -61,6 +61,7 @@ class Axis(str, enum.Enum):
     ``G_context`` ranks holding the chunks of the same sequences (the K/V all-gather).
     """
 
+    PIPE = "pipe"
     DATA = "data"
     CONTEXT = "context"
     Z = "z"
@@ -98,27 +99,91 @@ GridShape = tuple[int, int, int, int, int]
 
 
 class GridError(TetradError):
-    """A grid that is not four or five positive integers or does not match the world size."""
+    """A grid that is not four, five or six positive integers (or named sizes), or does not
+    match the world size."""
+
+
+GRID_NAMES = ("pipe", "data", "context", "z", "y", "x")
+"""The axes' names in ``--grid``'s named form (``pipe=4,data=2,z=8,y=2,x=2``), outer to inner."""
+
+
+def parse_pipeline_grid(text: str | Iterable[int]) -> tuple[int, GridShape]:
+    """Parse a ``--grid`` with a pipeline axis into ``(G_pipe, (G_data, G_context, G_z, G_y,
+    G_x))``: ``"PIPE,DATA,CONTEXT,Z,Y,X"`` (six entries), the four or five entries of
+    :func:`parse_grid` (``G_pipe = 1``), or the named form ``"pipe=4,data=2,z=8,y=2,x=2"``
+    (names of :data:`GRID_NAMES` in any order, unnamed axes 1).
+
+    Raises:
+        GridError: not one of these forms with positive integers.
+    """
+    if isinstance(text, str) and "=" in text:
+        return _parse_named_grid(text)
+    parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
+    if len(parts) == 6:
+        sizes = _positive_ints(parts)
+        if sizes:
+            return sizes[0], sizes[1:]  # type: ignore[return-value]
+        _bad_grid(text)
+    return 1, parse_grid(parts if not isinstance(text, str) else text)
 
 
 def parse_grid(text: str | Iterable[int]) -> GridShape:
     """Parse ``"DATA,CONTEXT,Z,Y,X"`` or ``"DATA,Z,Y,X"`` (``G_context = 1``), or a sequence
-    of five or four, into ``(G_data, G_context, G_z, G_y, G_x)``.
+    of five or four, or the named form without ``pipe`` (``"data=2,z=2"``), into
+    ``(G_data, G_context, G_z, G_y, G_x)``.
 
     Raises:
-        GridError: not four or five positive integers.
+        GridError: not four or five positive integers, or a pipeline axis above 1 (where the
+            caller takes none: use :func:`parse_pipeline_grid`).
     """
+    if isinstance(text, str) and ("=" in text or len(text.split(",")) == 6):
+        pipe, sizes = parse_pipeline_grid(text)
+        if pipe > 1:
+            raise GridError(f"grid {text!r}: a pipeline axis (pipe={pipe}) is not accepted here")
+        return sizes
     parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
+    sizes = _positive_ints(parts)
+    if len(sizes) not in (4, 5):
+        _bad_grid(text)
+    return sizes if len(sizes) == 5 else (sizes[0], 1, *sizes[1:])  # type: ignore[return-value]
+
+
+def format_grid(pipe: int, sizes: GridShape) -> str:
+    """The ``--grid`` text of ``(G_pipe, sizes)``: ``DATA,Z,Y,X`` or ``DATA,CONTEXT,Z,Y,X``
+    without a pipeline axis, ``PIPE,DATA,CONTEXT,Z,Y,X`` with one."""
+    if pipe > 1:
+        return ",".join(map(str, (pipe, *sizes)))
+    d, c, z, y, x = sizes
+    return ",".join(map(str, (d, z, y, x) if c == 1 else sizes))
+
+
+def _positive_ints(parts: list) -> tuple[int, ...]:
     try:
         sizes = tuple(int(p) for p in parts)
     except (TypeError, ValueError):
-        sizes = ()
-    if len(sizes) not in (4, 5) or min(sizes) < 1:
-        raise GridError(
-            f"grid {text!r} is not DATA,CONTEXT,Z,Y,X or DATA,Z,Y,X with positive integers "
-            "(for example 1,2,1,1,2 or 1,2,1,2)"
-        )
-    return sizes if len(sizes) == 5 else (sizes[0], 1, *sizes[1:])  # type: ignore[return-value]
+        return ()
+    return sizes if sizes and min(sizes) >= 1 else ()
+
+
+def _parse_named_grid(text: str) -> tuple[int, GridShape]:
+    sizes = dict.fromkeys(GRID_NAMES, 1)
+    seen = set()
+    for item in text.split(","):
+        name, _, value = (p.strip() for p in item.partition("="))
+        ints = _positive_ints([value])
+        if name not in sizes or name in seen or not ints:
+            _bad_grid(text)
+        sizes[name] = ints[0]
+        seen.add(name)
+    pipe, *rest = (sizes[n] for n in GRID_NAMES)
+    return pipe, tuple(rest)  # type: ignore[return-value]
+
+
+def _bad_grid(text: object) -> NoReturn:
+    raise GridError(
+        f"grid {text!r} is not DATA,Z,Y,X, DATA,CONTEXT,Z,Y,X or PIPE,DATA,CONTEXT,Z,Y,X with "
+        "positive integers, nor named sizes such as pipe=2,data=2,y=2 (for example 1,2,1,2)"
+    )
 
 
 def check_orientation(orientation: str) -> str:

@@ -1,0 +1,94 @@
+"""Which blocks each pipeline stage holds: contiguous runs of transformer blocks, balanced by
+cost, with the embedding counted on the first stage and the final norm, LM head and loss on
+the last (torchtitan counts them as extra layers, Megatron-Core's ``account-for-embedding/loss``
+options do the same).
+
+A split is a tuple of ``(start, stop)`` block ranges, one per stage in pipeline order (with
+``v`` virtual stages per rank there are ``G_pipe v`` stages; stage ``s`` runs on pipeline rank
+``s mod G_pipe``, the "loop" placement of interleaved 1F1B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tetrad.spec import TetradError
+
+
+class PipelineSplitError(TetradError):
+    """A pipeline that cannot be split: more stages than blocks, or an explicit split that
+    does not cover the blocks in order."""
+
+
+def balanced_split(
+    block_cost: Sequence[float], first_extra: float, last_extra: float, stages: int
+) -> tuple[tuple[int, int], ...]:
+    """The contiguous split of ``len(block_cost)`` blocks into ``stages`` non-empty stages that
+    minimises the largest stage cost, where stage 0 also pays ``first_extra`` (the embedding)
+    and the last stage ``last_extra`` (final norm, LM head and loss); among splits with the
+    same maximum, the one whose earlier stages are shortest (in 1F1B earlier stages hold more
+    in-flight micro-batches, so lighter early stages need less memory).
+
+    Costs are in any one unit (seconds, FLOP). Exact: dynamic programming over
+    ``(stage, first block)``, ``O(stages * L^2)`` for ``L`` blocks.
+
+    Raises:
+        PipelineSplitError: ``stages`` < 1 or above the number of blocks.
+    """
+    n = len(block_cost)
+    if not 1 <= stages <= n:
+        raise PipelineSplitError(
+            f"{stages} pipeline stages for {n} blocks: every stage needs at least one block; "
+            f"choose pipe x virtual stages <= {n}"
+        )
+    prefix = [0.0]
+    for c in block_cost:
+        prefix.append(prefix[-1] + c)
+
+    def cost(s: int, a: int, b: int) -> float:
+        extra = (first_extra if s == 0 else 0.0) + (last_extra if s == stages - 1 else 0.0)
+        return prefix[b] - prefix[a] + extra
+
+    # best[s][a]: the smallest maximum over stages s.. when stage s starts at block a
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[n] * (n + 1) for _ in range(stages + 1)]
+    best[stages][n] = 0.0
+    for s in range(stages - 1, -1, -1):
+        for a in range(s, n - (stages - 1 - s)):
+            stop_max = n - (stages - 1 - s)
+            for b in range(a + 1, stop_max + 1):
+                worst = max(cost(s, a, b), best[s + 1][b])
+                if worst < best[s][a] - 1e-12 * max(1.0, worst):
+                    best[s][a], cut[s][a] = worst, b
+    split, a = [], 0
+    for s in range(stages):
+        b = cut[s][a]
+        split.append((a, b))
+        a = b
+    return tuple(split)
+
+
+def check_split(split: Sequence[tuple[int, int]], n_blocks: int) -> tuple[tuple[int, int], ...]:
+    """``split`` if its ranges are non-empty, contiguous and cover ``0..n_blocks``.
+
+    Raises:
+        PipelineSplitError: naming the first range that is not.
+    """
+    a = 0
+    for i, (start, stop) in enumerate(split):
+        if start != a or stop <= start:
+            raise PipelineSplitError(
+                f"pipeline split {list(split)}: stage {i} is blocks {start}..{stop}, expected "
+                f"a non-empty range starting at {a}"
+            )
+        a = stop
+    if a != n_blocks:
+        raise PipelineSplitError(f"pipeline split {list(split)} ends at {a}, not {n_blocks}")
+    return tuple((int(s), int(e)) for s, e in split)
+
+
+def stages_of_rank(pipe_rank: int, pipe: int, virtual: int) -> tuple[int, ...]:
+    """The stages pipeline rank ``pipe_rank`` runs, "loop" placement: ``pipe_rank + k G_pipe``
+    for ``k < virtual``."""
+    return tuple(pipe_rank + k * pipe for k in range(virtual))
