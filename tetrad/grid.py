@@ -60,12 +60,15 @@ def init_process_group(device_type: str) -> bool:
 
 @dataclass
 class Grid:
-    """A validated ``G_data x G_context x G_z x G_y x G_x`` grid of processes.
+    """A validated ``G_pipe x G_data x G_context x G_z x G_y x G_x`` grid of processes.
 
     Attributes:
         data, context, z, y, x: axis sizes ``G_data, G_context, G_z, G_y, G_x`` of the roles.
+        pipe: ``G_pipe``, the pipeline stages (outermost; 1: no pipeline); every attribute but
+            ``pipe`` and ``world_size`` describes one stage's grid.
         mesh: the DeviceMesh over the ``--grid``'s dimensions, named by the roles they play:
-            ``("data", "context", "z", "y", "x")``, or ``(..., "x", "y")`` under ``yx``.
+            ``("data", "context", "z", "y", "x")``, or ``(..., "x", "y")`` under ``yx``, with
+            ``"pipe"`` in front when ``G_pipe > 1``.
         device: this rank's device (``cpu`` or ``cuda:LOCAL_RANK``).
         coord: this rank's coordinate on each axis, e.g. ``coord["x"]``.
         comm: the record of every collective this rank issued, per axis.
@@ -83,13 +86,17 @@ class Grid:
     comm: CommLog = field(default_factory=CommLog)
     data_group: dist.ProcessGroup | None = None
     orientation: str = "xy"
+    pipe: int = 1
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
-    def build(cls, sizes: GridShape, device_type: str = "cpu", orientation: str = "xy") -> Grid:
+    def build(
+        cls, sizes: GridShape, device_type: str = "cpu", orientation: str = "xy", pipe: int = 1
+    ) -> Grid:
         """Build the grid over the already-initialised default process group; ``sizes`` are
         the ``--grid``, ``(G_data, G_context, G_z, G_y, G_x)`` or ``(G_data, G_z, G_y, G_x)``,
-        and ``orientation`` one of :data:`tetrad.spec.ORIENTATIONS`.
+        ``orientation`` one of :data:`tetrad.spec.ORIENTATIONS` and ``pipe`` the pipeline
+        stages ``G_pipe`` (outermost: ``rank = pipe_rank * world / G_pipe + the 5D rank``).
 
         If no process group exists, one is initialised from the ``torchrun`` environment
         (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with the backend for
@@ -101,10 +108,14 @@ class Grid:
         """
         init_process_group(device_type)
         sizes = parse_grid(sizes)
-        check_world_size(sizes, dist.get_world_size())
+        check_world_size(sizes, dist.get_world_size(), pipe)
         names = tuple(physical_axis(a, orientation) for a in GRID_AXES)  # the roles, in order
-        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+        if pipe > 1:
+            mesh = init_device_mesh(device_type, (pipe, *sizes), mesh_dim_names=("pipe", *names))
+        else:
+            mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
         coord = {a: mesh.get_local_rank(a) for a in GRID_AXES}
+        coord[Axis.PIPE] = mesh.get_local_rank("pipe") if pipe > 1 else 0
         data_group = None
         if sizes[1] > 1:  # the data x context group, created on every rank at once
             data_group = mesh["data", "context"]._flatten("data_context").get_group()
@@ -115,6 +126,7 @@ class Grid:
             coord=coord,
             data_group=data_group,
             orientation=orientation,
+            pipe=pipe,
         )
         grid.comm.names = {a: physical_axis(a, orientation) for a in ("x", "y")}
         return grid
@@ -147,7 +159,8 @@ class Grid:
 
     @property
     def world_size(self) -> int:
-        return self.data * self.context * self.z * self.y * self.x
+        """Every rank of the grid: ``G_pipe G_data G_context G_z G_y G_x``."""
+        return self.pipe * self.data * self.context * self.z * self.y * self.x
 
     @property
     def batch_shards(self) -> int:
@@ -163,4 +176,5 @@ class Grid:
         d, c, z, y, x = self.physical
         ctx = f" context={c}" if c > 1 else ""
         turned = " (orientation yx)" if self.orientation == "yx" else ""
-        return f"data={d}{ctx} z={z} y={y} x={x}{turned}"
+        pipe = f"pipe={self.pipe} " if self.pipe > 1 else ""
+        return f"{pipe}data={d}{ctx} z={z} y={y} x={x}{turned}"

@@ -212,8 +212,8 @@ def physical_axis(axis: str, orientation: str) -> str:
     return str(axis)
 
 
-def check_world_size(sizes: GridShape, world_size: int) -> None:
-    """Check ``G_data * G_context * G_z * G_y * G_x == world_size``.
+def check_world_size(sizes: GridShape, world_size: int, pipe: int = 1) -> None:
+    """Check ``G_pipe * G_data * G_context * G_z * G_y * G_x == world_size``.
 
     Raises:
         GridError: the product differs; the message prints the product equation.
@@ -222,6 +222,8 @@ def check_world_size(sizes: GridShape, world_size: int) -> None:
     names = [a.value for a in GRID_AXES]
     if sizes[1] == 1:  # the 4D grid: no context term in the message
         names, sizes = names[:1] + names[2:], sizes[:1] + sizes[2:]
+    if pipe > 1:
+        names, sizes = ["pipe", *names], (pipe, *sizes)
     product = math.prod(sizes)
     if product != world_size:
         raise GridError(

@@ -10,6 +10,7 @@ layouts on the grid). Nothing here knows the grid.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -195,6 +196,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     )
 
 
+@dataclass(frozen=True)
+class ModelPart:
+    """A contiguous slice of the model, as a pipeline stage holds it: blocks ``[start, stop)``,
+    with the token embedding when ``first`` and the final norm and LM head when ``last``
+    (torchtitan's model parts; parameter names stay those of the whole model)."""
+
+    start: int
+    stop: int
+    first: bool = True
+    last: bool = True
+
+    @classmethod
+    def whole(cls, n_layers: int) -> ModelPart:
+        return cls(0, n_layers)
+
+
 class Transformer(nn.Module):
     """Token ids ``[b, s]`` -> logits ``[b, s, V]`` (``b``, ``s`` = this rank's samples and
     tokens of each; the parallel factory's LM head gives this rank's vocabulary slice
@@ -202,34 +219,45 @@ class Transformer(nn.Module):
 
     ``activation_checkpointing``: a mode of :data:`tetrad.spec.CHECKPOINTING`, or
     ``selective:K`` (the last ``K`` blocks selective, the others ``none``), or a bool (``True`` =
-    ``full``).
+    ``full``). ``part``: the slice of the model to build (default: all of it); a part without
+    the embedding takes the residual stream ``[b, s, dim]`` instead of token ids, one without
+    the head has ``norm`` and ``output`` None.
 
     Raises:
         tetrad.spec.CheckpointingError: an unknown mode, or ``K`` above ``cfg.n_layers``.
     """
 
     def __init__(
-        self, cfg: ModelConfig, layers: Layers, activation_checkpointing: str | bool = "none"
+        self,
+        cfg: ModelConfig,
+        layers: Layers,
+        activation_checkpointing: str | bool = "none",
+        part: ModelPart | None = None,
     ):
         super().__init__()
         self.cfg, self.layer_factory = cfg, layers
+        self.part = part = part or ModelPart.whole(cfg.n_layers)
         self.activation_checkpointing = parse_checkpointing(activation_checkpointing)
         mode, k = checkpointed_blocks(self.activation_checkpointing, cfg.n_layers)
-        self.block_modes = ("none",) * (cfg.n_layers - k) + (mode,) * k
-        self.tok_embeddings = layers.embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, layers) for _ in range(cfg.n_layers))
-        self.norm = layers.norm(cfg.dim, cfg.norm_eps)
-        self.output = layers.head(cfg.dim, cfg.vocab_size)
+        modes = ("none",) * (cfg.n_layers - k) + (mode,) * k
+        self.block_modes = modes[part.start : part.stop]
+        self.tok_embeddings = layers.embedding(cfg.vocab_size, cfg.dim) if part.first else None
+        ids = range(part.start, part.stop)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, layers) for i in ids})
+        self.norm = layers.norm(cfg.dim, cfg.norm_eps) if part.last else None
+        self.output = layers.head(cfg.dim, cfg.vocab_size) if part.last else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.output(self.hidden(tokens))
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The final norm's output ``[b, s, dim]``: what the LM head reads."""
-        h = self.tok_embeddings(tokens)
+        """The final norm's output ``[b, s, dim]``: what the LM head reads (a part without the
+        head: its last block's output; without the embedding, ``tokens`` is the residual
+        stream ``[b, s, dim]``)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         positions = self.layer_factory.positions(tokens.shape[1], tokens.device)
         grad = torch.is_grad_enabled()
-        for layer, mode in zip(self.layers, self.block_modes, strict=True):
+        for layer, mode in zip(self.layers.values(), self.block_modes, strict=True):
             if not grad or mode == "none":
                 h = layer(h, positions)
             elif mode == "full":
@@ -237,7 +265,7 @@ class Transformer(nn.Module):
             else:  # selective (tetrad.models.recompute): no GEMM or collective re-runs
                 with recompute.selective():
                     h = layer(h, positions)
-        return self.norm(h)
+        return self.norm(h) if self.norm is not None else h
 
     def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of the per-token cross-entropies (nats) of this rank's ``[b, s]`` tokens."""

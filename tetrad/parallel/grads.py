@@ -53,9 +53,10 @@ def global_grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
     holds the whole, identical gradient (after :func:`sync_gradients`), so each computes the norm
     itself and nothing is all-reduced (as DDP with ``torch.nn.utils.clip_grad_norm_``). Call
     after :func:`sync_gradients`. The per-tensor norms are one multi-tensor operation
-    (``torch._foreach_norm``), as in ``torch.nn.utils.clip_grad_norm_``.
+    (``torch._foreach_norm``), as in ``torch.nn.utils.clip_grad_norm_``. With pipeline stages
+    ``model`` holds this rank's parts and the world sum adds the stages.
     """
-    sharded = grid.z * grid.y * grid.x > 1
+    sharded = grid.z * grid.y * grid.x > 1 or grid.pipe > 1  # stages hold different weights
     local = () if sharded else (Axis.DATA, Axis.CONTEXT)  # each of their ranks counts its own
     grads = [
         p.grad.detach()

@@ -23,7 +23,7 @@ from torch import nn
 
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible
-from tetrad.models.llama import Transformer, causal_attention
+from tetrad.models.llama import ModelPart, Transformer, causal_attention
 from tetrad.parallel.context import ContextAttention, local_positions
 from tetrad.parallel.embedding import Embedding
 from tetrad.parallel.head import VocabParallelHead
@@ -74,6 +74,7 @@ class ParallelLlama(Transformer):
     Args:
         activation_checkpointing: a mode of :data:`tetrad.spec.CHECKPOINTING` (or a bool).
         overlaps: names from :data:`tetrad.spec.OVERLAPS` (default: all but ``fine``).
+        part: the slice of the model to build (a pipeline stage's); default the whole.
         overlap_options: ``bucket_bytes``, ``domino_min_rows`` and ``fine_chunks`` of
             :class:`Overlap`.
 
@@ -91,11 +92,12 @@ class ParallelLlama(Transformer):
         grid: Grid,
         activation_checkpointing: str | bool = "none",
         overlaps: Iterable[str] = DEFAULT_OVERLAPS,
+        part: ModelPart | None = None,
         **overlap_options: int,
     ):
         check_divisible(cfg, grid.sizes)
         overlap = Overlap(grid, overlaps, **overlap_options)
-        super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing)
+        super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing, part)
         self.overlap = overlap
         params = list(self.parameters())
         overlap.late = [p for p in params if Axis.Z in p.placement.grad_sum_axes]
@@ -115,7 +117,7 @@ def compile_blocks(model: Transformer) -> None:
     Every collective-bearing layer call is one graph break (count them with
     :func:`compile_stats`).
     """
-    for block in model.layers:
+    for block in model.layers.values():
         block.compile()
 
 

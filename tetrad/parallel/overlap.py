@@ -72,7 +72,10 @@ class Overlap:
         self._prefetching = self.on("prefetch") and grid.z > 1  # G_z = 1: nothing to gather
         self.domino_min_rows, self.fine_chunks = domino_min_rows, fine_chunks
         self._in_step = self._last = False
-        self._order: list | None = None  # [(param, dtype)] of one micro-batch, in execution order
+        # [(param, dtype)] of one micro-batch per phase, in execution order
+        self._orders: dict[str, list] = {}
+        self._order: list | None = None  # the current phase's
+        self._phase = "step"
         self._recording: list | None = None
         self._pos = 0
         self._prefetched: tuple | None = None  # (param, dtype, Handle)
@@ -91,11 +94,16 @@ class Overlap:
         return name in self.enabled
 
     # -- step protocol -------------------------------------------------------------------
-    def begin_micro_batch(self, last: bool) -> None:
-        """Start a training micro-batch (``last``: the step's final one)."""
+    def begin_micro_batch(self, last: bool, phase: str = "step") -> None:
+        """Start a training micro-batch (``last``: the step's final one). ``phase``: ``step``
+        (forward and backward together), or ``forward`` / ``backward`` when a pipeline
+        schedule runs them apart (each phase's order of Z all-gathers is recorded apart); with
+        phases, ``last`` marks the final micro-batch's backward."""
         self._in_step, self._last, self._pos = True, last, 0
         if last:
             self.buckets.clear()
+        self._phase = phase
+        self._order = self._orders.get(phase)
         if self._order is None and self._prefetching:
             self._recording = []
 
@@ -107,7 +115,7 @@ class Overlap:
         if self._last:
             self.buckets.finish(self.late if self.folds_late() else ())
         if self._recording is not None:
-            self._order, self._recording = self._recording, None
+            self._orders[self._phase], self._recording = self._recording, None
         self._drop_prefetch()
         self._in_step = False
 

@@ -101,8 +101,10 @@ class Checkpointer:
     def _dtensor(self, t: torch.Tensor, placement: Placement) -> DTensor:
         order = placement.replicated_axes + placement.sharded_axes
         if order not in self._meshes:  # the ranks laid out as the --grid, dims in role order
-            ranks = torch.arange(self.grid.world_size).view(self.grid.physical)
-            names = self.grid.mesh.mesh_dim_names
+            # this pipeline stage's ranks (all of them without a pipeline axis)
+            ranks = torch.arange(self.grid.world_size).view(self.grid.pipe, *self.grid.physical)
+            ranks = ranks[self.grid.coord["pipe"]]
+            names = tuple(n for n in self.grid.mesh.mesh_dim_names if n != "pipe")
             perm = [names.index(a) for a in order]
             self._meshes[order] = DeviceMesh(
                 self.grid.device.type, ranks.permute(perm), mesh_dim_names=order

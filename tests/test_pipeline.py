@@ -1,0 +1,130 @@
+"""Pipeline grids against the single-process reference: losses, gradient norms and updated
+weights of several AdamW steps (the tolerances of ``tests/test_model.py``), for each schedule
+and composed with data, context, Z, Y and X."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_model import BATCH, CLIP, LR, MICRO, OVERLAP_OPTIONS, SEED, SEQ, STEPS
+from tetrad.grid import Grid
+from tetrad.models.config import PRESETS
+from tetrad.models.reference import Llama as Reference
+from tetrad.parallel import init_parameters
+from tetrad.pipeline.schedule import Pipeline, check_schedule
+from tetrad.pipeline.split import PipelineSplitError, balanced_split
+from tetrad.pipeline.step import pipeline_train_step
+from tetrad.spec import OVERLAPS
+from tetrad.train.step import build_optimizer, lr_at
+
+CFG = dataclasses.replace(PRESETS["tiny"], n_layers=4)
+
+
+def batches():
+    g = torch.Generator().manual_seed(SEED)
+    return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = Reference(CFG)
+    init_parameters(model, SEED)
+    opt = build_optimizer(model, LR, weight_decay=0.1)
+    losses, norms = [], []
+    for step, batch in enumerate(batches()):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
+        loss = model.loss_sum(batch[:, :-1], batch[:, 1:]) / batch[:, 1:].numel()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        val = sum(model.loss_sum(b[:, :-1], b[:, 1:]).item() for b in batches()[:2])
+    val /= 2 * BATCH * SEQ
+    return (losses, norms, val), {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def pipeline_runs(world_size, ref_curves, ref_weights, cases):
+    for pipe, sizes, schedule, virtual, checkpointing, overlaps in cases:
+        grid = Grid.build(sizes, pipe=pipe)
+        m = BATCH // (grid.data * grid.z) // MICRO
+        pipeline = Pipeline(
+            CFG,
+            grid,
+            schedule,
+            virtual,
+            m,
+            activation_checkpointing=checkpointing,
+            overlaps=overlaps,
+            **OVERLAP_OPTIONS,
+        )
+        for part in pipeline.parts:
+            init_parameters(part, SEED, grid)
+        opt = build_optimizer(pipeline.parts, LR, weight_decay=0.1)
+        label = f"pipe {pipe} grid {sizes} {schedule} v{virtual} {checkpointing} {sorted(overlaps)}"
+        for step, batch in enumerate(batches()):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
+            loss, norm = map(float, pipeline_train_step(pipeline, opt, batch, CLIP))
+            ref_loss, ref_norm = ref_curves[0][step], ref_curves[1][step]
+            assert abs(loss - ref_loss) <= 1e-5 * ref_loss, f"{label} step {step}: {loss}"
+            assert abs(norm - ref_norm) <= 1e-4 * ref_norm, f"{label} step {step}: norm {norm}"
+        worst = 0.0
+        for name, p in pipeline.parts.named_parameters():
+            expected = ref_weights[name][p.placement.local_slices(grid)]
+            worst = max(worst, (p.detach() - expected).abs().max().item())
+        assert worst <= 0.05 * LR, f"{label}: weights differ by {worst / LR:.3g} lr"
+        if any(grid.coord.values()):
+            continue
+        print(f"{label}: worst weight difference {worst / LR:.2e} lr")
+
+
+ALL, NONE = tuple(OVERLAPS), ()
+CASES = {
+    2: [
+        (2, (1, 1, 1, 1, 1), "gpipe", 1, "none", ALL),
+        (2, (1, 1, 1, 1, 1), "1f1b", 1, "none", ALL),
+        (2, (1, 1, 1, 1, 1), "interleaved-1f1b", 2, "selective", ALL),
+    ],
+    4: [
+        (4, (1, 1, 1, 1, 1), "1f1b", 1, "none", ALL),
+        (2, (2, 1, 1, 1, 1), "1f1b", 1, "full", ALL),
+        (2, (1, 1, 2, 1, 1), "1f1b", 1, "none", ALL),
+        (2, (1, 1, 2, 1, 1), "interleaved-1f1b", 2, "selective", NONE),
+        (2, (1, 1, 1, 2, 1), "gpipe", 1, "selective", ALL),
+        (2, (1, 1, 1, 1, 2), "1f1b", 1, "none", NONE),
+        (2, (1, 2, 1, 1, 1), "1f1b", 1, "none", ALL),
+    ],
+    8: [
+        (2, (1, 1, 2, 2, 1), "1f1b", 1, "selective", ALL),
+        (2, (2, 1, 1, 1, 2), "interleaved-1f1b", 2, "none", ALL),
+        (4, (1, 1, 2, 1, 1), "gpipe", 1, "full", ALL),
+        (2, (1, 2, 1, 2, 1), "gpipe", 1, "none", ALL),
+    ],
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_pipeline_matches_reference(world_size, reference):
+    run_distributed(pipeline_runs, world_size, world_size, *reference, CASES[world_size])
+
+
+def test_balanced_split_counts_embedding_and_head():
+    assert balanced_split([1.0] * 8, 0.0, 0.0, 4) == ((0, 2), (2, 4), (4, 6), (6, 8))
+    # a heavy head moves blocks off the last stage; uneven splits are allowed
+    assert balanced_split([1.0] * 8, 1.0, 2.0, 4) == ((0, 1), (1, 4), (4, 7), (7, 8))
+    with pytest.raises(PipelineSplitError, match="at least one block"):
+        balanced_split([1.0] * 3, 0.0, 0.0, 4)
+
+
+def test_schedule_checks_name_what_to_change():
+    with pytest.raises(PipelineSplitError, match="choose one of gpipe, 1f1b"):
+        check_schedule("zb", 2, 1, 4)
+    with pytest.raises(PipelineSplitError, match="needs at least 4"):
+        check_schedule("1f1b", 4, 1, 2)
+    with pytest.raises(PipelineSplitError, match="2 or more virtual stages"):
+        check_schedule("interleaved-1f1b", 2, 1, 4)

@@ -1,0 +1,149 @@
+"""This rank's pipeline: its stage parts, their ``PipelineStage``s and the schedule that runs
+them (``torch.distributed.pipelining``: GPipe, 1F1B, interleaved 1F1B).
+
+Losses follow torchtitan's rule for gradient accumulation under a pipeline: the schedule's
+``loss_fn`` returns each micro-batch's *sum* of token cross-entropies divided by the global
+batch's token count and the schedule does not rescale (``scale_grads=False``), so the summed
+gradients are those of the mean loss over the global batch whatever the micro-batch count
+(the default ``scale_grads=True`` divides once more by the micro-batch count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from tetrad.grid import Grid
+from tetrad.models.config import ModelConfig
+from tetrad.models.llama import ModelPart
+from tetrad.parallel.model import ParallelLlama
+from tetrad.pipeline.split import PipelineSplitError, balanced_split, stages_of_rank
+from tetrad.pipeline.stage import TetradStage
+from tetrad.spec import Axis
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+}
+"""``--pipeline-schedule`` names and their ``torch.distributed.pipelining`` classes."""
+
+
+class RankParts(nn.ModuleList):
+    """This rank's model parts, in stage order. Parameter names are the whole model's
+    (``layers.5.attention.wqkv.weight``, no ``0.`` prefix), so initialisation, checkpoints and
+    Hugging Face names do not depend on the split."""
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        for part in self:
+            yield from part.named_parameters(prefix, recurse, remove_duplicate)
+
+
+def check_schedule(schedule: str, pipe: int, virtual: int, micro_batches: int) -> None:
+    """Check that ``schedule`` runs ``micro_batches`` per step on ``pipe`` ranks with
+    ``virtual`` stages each.
+
+    Raises:
+        PipelineSplitError: an unknown schedule, virtual stages with a single-stage schedule (or
+            none with the interleaved one), fewer micro-batches than stages for 1F1B, or a
+            micro-batch count the interleaved schedule cannot split into rounds.
+    """
+    if schedule not in SCHEDULES:
+        raise PipelineSplitError(
+            f"--pipeline-schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}"
+        )
+    interleaved = schedule == "interleaved-1f1b"
+    if interleaved != (virtual > 1):
+        raise PipelineSplitError(
+            f"--virtual-stages {virtual} with --pipeline-schedule {schedule}: interleaved-1f1b "
+            "needs 2 or more virtual stages per rank, gpipe and 1f1b exactly 1"
+        )
+    if schedule != "gpipe" and micro_batches < pipe:
+        raise PipelineSplitError(
+            f"{micro_batches} micro-batches per step for {pipe} pipeline stages: {schedule} "
+            f"needs at least {pipe}; lower --micro-batch or raise --global-batch"
+        )
+    if interleaved and micro_batches % pipe:
+        raise PipelineSplitError(
+            f"{micro_batches} micro-batches per step: interleaved-1f1b needs a multiple of the "
+            f"{pipe} pipeline stages"
+        )
+
+
+class Pipeline:
+    """This rank's share of a pipelined model and its schedule.
+
+    Args:
+        cfg, grid: the model and the grid (``grid.pipe`` stages).
+        schedule: a name of :data:`SCHEDULES`.
+        virtual: stages per rank (``v``; 2 or more for ``interleaved-1f1b``).
+        micro_batches: ``m``, micro-batches per step (this rank's ``B/(G_data G_z)`` samples
+            over the micro-batch size).
+        split: ``(start, stop)`` blocks per stage (default: :func:`balanced_split` with every
+            block costing 1 and the embedding and the head with its loss 1 each).
+        model_kwargs: passed to each :class:`ParallelLlama` part (checkpointing, overlaps).
+
+    Attributes:
+        parts: :class:`RankParts`, this rank's parts (the optimizer's and checkpoints' model).
+        stages: their :class:`TetradStage`, in stage order.
+        n_tokens: the global batch's token count, set before each step (the loss divisor).
+
+    Raises:
+        PipelineSplitError: see :func:`check_schedule` and :func:`balanced_split`.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        grid: Grid,
+        schedule: str,
+        virtual: int,
+        micro_batches: int,
+        split: tuple[tuple[int, int], ...] | None = None,
+        **model_kwargs,
+    ):
+        check_schedule(schedule, grid.pipe, virtual, micro_batches)
+        n_stages = grid.pipe * virtual
+        self.split = split or balanced_split([1.0] * cfg.n_layers, 1.0, 1.0, n_stages)
+        self.grid, self.n_tokens = grid, 1
+        group = grid.mesh.get_group(Axis.PIPE)
+        self.parts, self.stages = RankParts(), []
+        for s in stages_of_rank(grid.coord[Axis.PIPE], grid.pipe, virtual):
+            start, stop = self.split[s]
+            part = ModelPart(start, stop, first=s == 0, last=s == n_stages - 1)
+            model = ParallelLlama(cfg, grid, part=part, **model_kwargs)
+            self.parts.append(model)
+            self.stages.append(TetradStage(model, s, n_stages, grid.device, group))
+        self.last = self.parts[-1] if self.stages[-1].is_last else None
+        cls = SCHEDULES[schedule]
+        first = self.stages if cls is ScheduleInterleaved1F1B else self.stages[0]
+        self.schedule = cls(first, micro_batches, loss_fn=self._loss, scale_grads=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stages[0].is_first
+
+    def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        model = self.last
+        vocab = model.cfg.unpadded_vocab or None
+        return model.layer_factory.loss_sum(model.output, hidden, targets, vocab) / self.n_tokens
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Run the schedule's forward and backward over this rank's samples: ``inputs`` and
+        ``targets`` ``[B/(G_data G_z), S/G_context]`` (used on the first and last stage).
+        Returns this rank's loss share (the sum over its micro-batches of token-summed
+        cross-entropy / :attr:`n_tokens`; 0 off the last stage), a 0-dim tensor. With grad
+        disabled, forward only (the schedule's ``eval``)."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        run = self.schedule.step if torch.is_grad_enabled() else self.schedule.eval
+        if self.last is not None:
+            run(*args, target=targets, losses=losses, return_outputs=False)
+            return torch.stack([t.detach().float() for t in losses]).sum()
+        run(*args, return_outputs=False)
+        return torch.zeros((), device=self.grid.device)

@@ -1,0 +1,77 @@
+"""A pipeline stage of tetrad's parallel Llama for ``torch.distributed.pipelining``.
+
+Each stage is a :class:`~tetrad.models.llama.ModelPart` of the model built on the stage's own
+5D grid (everything within a stage is as without a pipeline). The schedule runs a micro-batch's
+forward and backward apart (1F1B interleaves them), so the stage tells the model's
+:class:`~tetrad.parallel.overlap.Overlap` which phase runs: its Z all-gathers are recorded and
+prefetched per phase, and the data-parallel buckets fill during the stage's last backward, so
+gradient reductions start as soon as the stage's share of the backward ends (overlapped with the
+other stages' cool-down).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from tetrad.models.llama import Transformer
+
+
+class StageForward(nn.Module):
+    """The stage's computation as ``PipelineStage`` calls it: ``x`` -> ``part.hidden(x)``.
+
+    ``x``: token ids ``[b, S/G_context]`` on the first stage, else the residual stream
+    ``[b, S/G_context, h/G_x]``; returns the residual stream, or on the last stage the final
+    norm's output (the LM head and loss run in the schedule's ``loss_fn``)."""
+
+    def __init__(self, part: Transformer):
+        super().__init__()
+        self.part = part
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.part.hidden(x)
+
+
+class TetradStage(PipelineStage):
+    """``PipelineStage`` over a model part that drives the part's overlap per phase.
+
+    Args:
+        part: the stage's :class:`~tetrad.parallel.model.ParallelLlama` part (its ``overlap``
+            is driven; a model without one runs as is).
+        stage_index, num_stages, device, group: as ``PipelineStage`` (``group``: this rank's
+            pipeline line, the ranks with its data, context, Z, Y and X coordinates).
+    """
+
+    def __init__(self, part: Transformer, stage_index: int, num_stages: int, device, group):
+        super().__init__(StageForward(part), stage_index, num_stages, device, group=group)
+        self.overlap = getattr(part, "overlap", None)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        # The first step infers the boundary shapes with a real forward and backward, whose
+        # gradients land in the parameters (torch clears them for FSDP modules only).
+        super()._post_metadata_inference_cleanup()
+        for p in self.submod.parameters():
+            p.grad = None
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs=None, *rest: Any, **kw):
+        if self.overlap is None or not torch.is_grad_enabled():
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
+        self.overlap.begin_micro_batch(last=False, phase="forward")
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
+        finally:
+            self.overlap.end_micro_batch()
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss=None, full_backward=True, last_backward=False
+    ):
+        if self.overlap is None:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        self.overlap.begin_micro_batch(last=last_backward, phase="backward")
+        try:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        finally:
+            self.overlap.end_micro_batch()

@@ -1,0 +1,60 @@
+"""One optimizer step, and evaluation, of a pipelined model: the pipeline analogues of
+:func:`tetrad.train.step.train_step` and :func:`tetrad.train.step.evaluate`."""
+
+from __future__ import annotations
+
+import torch
+
+from tetrad.comm import all_reduce
+from tetrad.grid import Grid
+from tetrad.parallel import clip_grad_norm, sync_gradients
+from tetrad.pipeline.schedule import Pipeline
+from tetrad.spec import Axis
+from tetrad.train.step import autocast, inputs_targets, local_samples, to_device
+
+
+def pipeline_train_step(
+    pipeline: Pipeline, optimizer: torch.optim.Optimizer, batch: torch.Tensor, grad_clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward, backward and update on one global batch ``[B, S+1]`` (the same on every rank)
+    through the pipeline's schedule; this rank's ``B/(G_data G_z)`` samples are its
+    micro-batches.
+
+    Returns:
+        ``(loss, grad_norm)``, 0-dim tensors, identical on every rank: the mean
+        cross-entropy (nats) over the ``B*S`` tokens, and the global gradient norm before
+        clipping (all stages).
+    """
+    grid = pipeline.grid
+    pipeline.n_tokens = batch[:, 1:].numel()
+    local = to_device(local_samples(batch, grid), grid.device)
+    with autocast(grid.device):
+        loss = pipeline.step(*inputs_targets(local, grid))
+    for part in pipeline.parts:
+        sync_gradients(part, grid, part.overlap.buckets.reduced)
+    norm = clip_grad_norm(pipeline.parts, grid, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return _sum_over_pipe_and_batch_axes(loss, grid), norm
+
+
+@torch.no_grad()
+def pipeline_evaluate(pipeline: Pipeline, batches: list[torch.Tensor]) -> float:
+    """Mean cross-entropy (nats per token) over the global batches ``[B, S+1]``, forward only
+    through the schedule (every batch of the training step's shape)."""
+    grid = pipeline.grid
+    total = torch.zeros((), device=grid.device)
+    n_tokens = 0
+    pipeline.n_tokens = 1
+    for batch in batches:
+        n_tokens += batch[:, 1:].numel()
+        local = to_device(local_samples(batch, grid), grid.device)
+        with autocast(grid.device):
+            total += pipeline.step(*inputs_targets(local, grid))
+    return _sum_over_pipe_and_batch_axes(total, grid).item() / n_tokens
+
+
+def _sum_over_pipe_and_batch_axes(t: torch.Tensor, grid: Grid) -> torch.Tensor:
+    all_reduce(t, grid, Axis.PIPE)  # only the last stage's is not 0
+    all_reduce(t, grid, Axis.Z)
+    return all_reduce(t, grid, Axis.DATA)  # data x context
