@@ -360,7 +360,7 @@ def build_stock(mode: Stock, s: Settings, world: int) -> StockModel:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
     """FSDP2: ``fully_shard`` each block, then the root."""
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
@@ -373,7 +373,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
     parallelize_module(model, mesh, top)
-    for block in model.layers:
+    for block in model.layers.values():
         parallelize_module(block, mesh, block_plan(block))
         block.attention.n_heads //= tp
         block.attention.n_kv_heads //= tp

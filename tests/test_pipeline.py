@@ -3,18 +3,20 @@ weights of several AdamW steps (the tolerances of ``tests/test_model.py``), for 
 and composed with data, context, Z, Y and X."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from tests.distributed import run_distributed
 from tests.test_model import BATCH, CLIP, LR, MICRO, OVERLAP_OPTIONS, SEED, SEQ, STEPS
+from tests.test_orientation import _config, _losses, _run
 from tetrad.grid import Grid
 from tetrad.models.config import PRESETS
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
-from tetrad.pipeline.schedule import Pipeline, check_schedule
-from tetrad.pipeline.split import PipelineSplitError, balanced_split
+from tetrad.pipeline.schedule import Pipeline
+from tetrad.pipeline.split import PipelineSplitError, balanced_split, check_schedule
 from tetrad.pipeline.step import pipeline_train_step
 from tetrad.spec import OVERLAPS
 from tetrad.train.step import build_optimizer, lr_at
@@ -128,3 +130,24 @@ def test_schedule_checks_name_what_to_change():
         check_schedule("1f1b", 4, 1, 2)
     with pytest.raises(PipelineSplitError, match="2 or more virtual stages"):
         check_schedule("interleaved-1f1b", 2, 1, 4)
+
+
+# ---------------------------------------------------------------- tetrad train, checkpoints
+
+
+def test_train_resumes_across_stage_counts(corpus, tmp_path, monkeypatch):
+    """``tetrad train`` on pipe=2 x data=2 (validation and checkpoints through the schedule),
+    resumed after step 2 on 4 stages, on 2 stages x Z and with no pipeline: the uninterrupted
+    run's losses (DCP keys are the whole model's parameter names)."""
+    monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))
+    model = {"model": "tiny,n_layers=4,vocab_size=0"}
+    whole = tmp_path / "whole"
+    _run(_config(corpus, whole, 4, "pipe=2,data=2", **model, val_every=2), 4)
+    assert (whole / "checkpoints" / "step_0000004").is_dir()
+    for to_grid in ("pipe=4", "pipe=2,z=2", "2,1,2,1"):
+        run = tmp_path / to_grid
+        _run(_config(corpus, run, 2, "pipe=2,data=2", **model), 4)
+        meta = json.loads((run / "checkpoints" / "step_0000002" / "tetrad.json").read_text())
+        assert meta["pipe"] == 2 and meta["grid"] == [2, 1, 1, 1, 1]
+        _run(_config(corpus, run, 4, to_grid, resume=True, **model), 4)
+        assert _losses(run) == pytest.approx(_losses(whole), abs=1e-5), to_grid

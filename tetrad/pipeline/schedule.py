@@ -20,15 +20,13 @@ from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
 from tetrad.models.llama import ModelPart
 from tetrad.parallel.model import ParallelLlama
-from tetrad.pipeline.split import PipelineSplitError, balanced_split, stages_of_rank
+from tetrad.pipeline.split import SCHEDULE_NAMES, balanced_split, check_schedule, stages_of_rank
 from tetrad.pipeline.stage import TetradStage
 from tetrad.spec import Axis
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-}
+SCHEDULES = dict(
+    zip(SCHEDULE_NAMES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B), strict=True)
+)
 """``--pipeline-schedule`` names and their ``torch.distributed.pipelining`` classes."""
 
 
@@ -42,37 +40,6 @@ class RankParts(nn.ModuleList):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         for part in self:
             yield from part.named_parameters(prefix, recurse, remove_duplicate)
-
-
-def check_schedule(schedule: str, pipe: int, virtual: int, micro_batches: int) -> None:
-    """Check that ``schedule`` runs ``micro_batches`` per step on ``pipe`` ranks with
-    ``virtual`` stages each.
-
-    Raises:
-        PipelineSplitError: an unknown schedule, virtual stages with a single-stage schedule (or
-            none with the interleaved one), fewer micro-batches than stages for 1F1B, or a
-            micro-batch count the interleaved schedule cannot split into rounds.
-    """
-    if schedule not in SCHEDULES:
-        raise PipelineSplitError(
-            f"--pipeline-schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}"
-        )
-    interleaved = schedule == "interleaved-1f1b"
-    if interleaved != (virtual > 1):
-        raise PipelineSplitError(
-            f"--virtual-stages {virtual} with --pipeline-schedule {schedule}: interleaved-1f1b "
-            "needs 2 or more virtual stages per rank, gpipe and 1f1b exactly 1"
-        )
-    if schedule != "gpipe" and micro_batches < pipe:
-        raise PipelineSplitError(
-            f"{micro_batches} micro-batches per step for {pipe} pipeline stages: {schedule} "
-            f"needs at least {pipe}; lower --micro-batch or raise --global-batch"
-        )
-    if interleaved and micro_batches % pipe:
-        raise PipelineSplitError(
-            f"{micro_batches} micro-batches per step: interleaved-1f1b needs a multiple of the "
-            f"{pipe} pipeline stages"
-        )
 
 
 class Pipeline:

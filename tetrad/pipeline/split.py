@@ -14,6 +14,10 @@ from collections.abc import Sequence
 
 from tetrad.spec import TetradError
 
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
+"""``--pipeline-schedule`` values: ``torch.distributed.pipelining``'s ScheduleGPipe,
+Schedule1F1B and ScheduleInterleaved1F1B."""
+
 
 class PipelineSplitError(TetradError):
     """A pipeline that cannot be split: more stages than blocks, or an explicit split that
@@ -92,3 +96,34 @@ def stages_of_rank(pipe_rank: int, pipe: int, virtual: int) -> tuple[int, ...]:
     """The stages pipeline rank ``pipe_rank`` runs, "loop" placement: ``pipe_rank + k G_pipe``
     for ``k < virtual``."""
     return tuple(pipe_rank + k * pipe for k in range(virtual))
+
+
+def check_schedule(schedule: str, pipe: int, virtual: int, micro_batches: int) -> None:
+    """Check that ``schedule`` runs ``micro_batches`` per step on ``pipe`` ranks with
+    ``virtual`` stages each.
+
+    Raises:
+        PipelineSplitError: an unknown schedule, virtual stages with a single-stage schedule (or
+            none with the interleaved one), fewer micro-batches than stages for 1F1B, or a
+            micro-batch count the interleaved schedule cannot split into rounds.
+    """
+    if schedule not in SCHEDULE_NAMES:
+        raise PipelineSplitError(
+            f"--pipeline-schedule {schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}"
+        )
+    interleaved = schedule == "interleaved-1f1b"
+    if interleaved != (virtual > 1):
+        raise PipelineSplitError(
+            f"--virtual-stages {virtual} with --pipeline-schedule {schedule}: interleaved-1f1b "
+            "needs 2 or more virtual stages per rank, gpipe and 1f1b exactly 1"
+        )
+    if schedule != "gpipe" and micro_batches < pipe:
+        raise PipelineSplitError(
+            f"{micro_batches} micro-batches per step for {pipe} pipeline stages: {schedule} "
+            f"needs at least {pipe}; lower --micro-batch or raise --global-batch"
+        )
+    if interleaved and micro_batches % pipe:
+        raise PipelineSplitError(
+            f"{micro_batches} micro-batches per step: interleaved-1f1b needs a multiple of the "
+            f"{pipe} pipeline stages"
+        )

@@ -98,17 +98,23 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tetrad-ckpt")
         self._pending: _Pending | None = None
 
+    def _mesh(self, order: tuple[str, ...]) -> DeviceMesh:
+        """The ranks of this rank's stage laid out as the ``--grid``, dims in role ``order``."""
+        if order not in self._meshes:
+            # with a pipeline axis: every rank builds the whole mesh (its groups are created
+            # collectively), then keeps its own stage's slice
+            ranks = torch.arange(self.grid.world_size).view(self.grid.pipe, *self.grid.physical)
+            names = ("pipe", *(n for n in self.grid.mesh.mesh_dim_names if n != "pipe"))
+            perm = [names.index(a) for a in ("pipe", *order)]
+            mesh = DeviceMesh(
+                self.grid.device.type, ranks.permute(perm), mesh_dim_names=("pipe", *order)
+            )
+            self._meshes[order] = mesh[order]
+        return self._meshes[order]
+
     def _dtensor(self, t: torch.Tensor, placement: Placement) -> DTensor:
         order = placement.replicated_axes + placement.sharded_axes
-        if order not in self._meshes:  # the ranks laid out as the --grid, dims in role order
-            # this pipeline stage's ranks (all of them without a pipeline axis)
-            ranks = torch.arange(self.grid.world_size).view(self.grid.pipe, *self.grid.physical)
-            ranks = ranks[self.grid.coord["pipe"]]
-            names = tuple(n for n in self.grid.mesh.mesh_dim_names if n != "pipe")
-            perm = [names.index(a) for a in order]
-            self._meshes[order] = DeviceMesh(
-                self.grid.device.type, ranks.permute(perm), mesh_dim_names=order
-            )
+        self._mesh(order)
         dim_of = {a: d for d, axes in enumerate(placement.split) for a in axes}
         places = [Shard(dim_of[a]) if a in dim_of else Replicate() for a in order]
         full = torch.empty(placement.shape, device="meta")
@@ -116,7 +122,21 @@ class Checkpointer:
             t, self._meshes[order], places, run_check=False, shape=full.shape, stride=full.stride()
         )
 
+    def _make_meshes(self, model: nn.Module) -> None:
+        """Build the DeviceMesh of every placement order of the model, in one order on every
+        rank (building a mesh creates process groups, a collective over the world): pipeline
+        stages hold different parameters, so the orders are gathered first."""
+        mine = sorted(
+            {p.placement.replicated_axes + p.placement.sharded_axes for p in model.parameters()}
+        )
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine, group=self._ctl)
+        for order in sorted({tuple(o) for orders in every for o in orders}):
+            self._mesh(order)
+
     def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+        if not self._meshes:
+            self._make_meshes(model)
         state: dict = {"step": torch.tensor(step)}
         for name, p in model.named_parameters():
             state[f"model.{name}"] = self._dtensor(p.data, p.placement)

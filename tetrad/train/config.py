@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 from tetrad.models.config import ModelConfig, parse_model, with_sizes
 from tetrad.plan.comm.context_parallel import context_problems
-from tetrad.spec import DEVICES, TetradError, parse_grid, tomllib
+from tetrad.spec import DEVICES, TetradError, parse_grid, parse_pipeline_grid, tomllib
 from tetrad.train.sections import (
     CheckpointSection,
     ConfigError,
@@ -56,6 +56,8 @@ from tetrad.train.sections import (
     ModelSection,
     ParallelismSection,
     TrainingSection,
+    check_pipeline,
+    check_training,
 )
 
 
@@ -142,7 +144,8 @@ class TrainConfig:
                 f"seq_len={t.seq_len} is not divisible by 2*G_context = {2 * c} (each context "
                 "rank holds two chunks of every sequence): change --seq-len or the grid"
             )
-        _check_training(t)
+        check_training(t)
+        check_pipeline(self.parallelism, self.grad_accum)
         c = self.checkpoint
         for name in ("checkpoint_every", "keep_last", "max_restarts"):
             if getattr(c, name) < 0:
@@ -172,24 +175,6 @@ class TrainConfig:
         """Micro-steps per optimizer step."""
         d, _, z, _, _ = self.parallelism.grid
         return self.training.global_batch // (d * z * self.training.micro_batch)
-
-
-def _check_training(t: TrainingSection) -> None:
-    """The optimiser's values: a learning rate of 0 or more, betas in [0, 1), and so on.
-
-    Raises:
-        ConfigError: one line naming the value and its allowed range.
-    """
-    if not (math.isfinite(t.lr) and t.lr >= 0):
-        raise ConfigError(f"lr={t.lr} must be a number, 0 or more (for example 3e-4)")
-    if not (math.isfinite(t.min_lr) and 0 <= t.min_lr <= t.lr):
-        raise ConfigError(f"min_lr={t.min_lr} must lie in [0, lr={t.lr}]")
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(t, name) < 1:
-            raise ConfigError(f"{name}={getattr(t, name)} must lie in [0, 1)")
-    for name in ("weight_decay", "grad_clip", "warmup_steps"):
-        if not getattr(t, name) >= 0:
-            raise ConfigError(f"{name}={getattr(t, name)} must be 0 or more")
 
 
 # ---- fields, options, values -----------------------------------------------------------------
@@ -343,6 +328,9 @@ class _Builder:
             raise _unknown(key, self.where, [*BY_OPTION, *SECTIONS])
 
     def set(self, f: _Field, value: Any) -> None:
+        if f.option == "grid" and str(value).strip() != "auto":  # it may carry G_pipe
+            pipe, value = parse_pipeline_grid(value)
+            self.values["parallelism"]["pipe"] = pipe
         self.values[f.section][f.name] = _coerce(f, value)
 
     def build(self) -> TrainConfig:

@@ -64,7 +64,7 @@ def launch_train(cfg: TrainConfig) -> None:
     from tetrad.train import trainer
 
     if under_torchrun():
-        check_world_size(cfg.parallelism.grid, int(os.environ["WORLD_SIZE"]))
+        check_world_size(cfg.parallelism.grid, int(os.environ["WORLD_SIZE"]), cfg.parallelism.pipe)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         if cfg.training.device == "cuda":
             _check_gpus(local, "ranks on this node")
@@ -73,15 +73,16 @@ def launch_train(cfg: TrainConfig) -> None:
             _train_as_one_rank(cfg)
         return
     cfg.check()
-    d, c, z, y, x = cfg.parallelism.grid
-    nproc = d * c * z * y * x
+    p, (d, c, z, y, x) = cfg.parallelism.pipe, cfg.parallelism.grid
+    nproc = p * d * c * z * y * x
     if cfg.training.device == "cuda":
-        _check_gpus(nproc, f"ranks of grid data*context*z*y*x = {d}*{c}*{z}*{y}*{x}")
+        _check_gpus(nproc, f"ranks of grid pipe*data*context*z*y*x = {p}*{d}*{c}*{z}*{y}*{x}")
     with _run_lock(cfg, True):
         trainer.preflight(cfg)
+        pipe = f"pipe={p} " if p > 1 else ""
         print(
-            f"tetrad: starting {nproc} workers (grid data={d} context={c} z={z} y={y} x={x}, "
-            f"{cfg.training.device})",
+            f"tetrad: starting {nproc} workers (grid {pipe}data={d} context={c} z={z} y={y} "
+            f"x={x}, {cfg.training.device})",
             flush=True,
         )
         run_local(cfg, nproc)

@@ -9,33 +9,35 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from tqdm import tqdm
 
-from tetrad.data.corpus import Corpus
 from tetrad.data.loader import sample_batch, val_batches
-from tetrad.device import device_name, peak_memory_bytes, threads_per_rank
+from tetrad.device import peak_memory_bytes, threads_per_rank
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
 from tetrad.models.hf import read_config
 from tetrad.parallel import init_parameters
-from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
+from tetrad.parallel.model import ParallelLlama, compile_blocks
+from tetrad.pipeline.schedule import Pipeline
+from tetrad.pipeline.step import pipeline_evaluate, pipeline_train_step
 from tetrad.spec import FINE_CHUNKS, MiB
+from tetrad.train.announce import notes, print_resume, print_start, report_save
 from tetrad.train.auto import domino_pays, fine_chunks, with_orientation
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.checkpoint_dir import (
     leftovers,
-    read_meta,
     step_dir,
     tokenizer_hash,
 )
 from tetrad.train.config import TrainConfig
+from tetrad.train.job import Job
 from tetrad.train.metrics import MetricsLog, StepMeter, StepProfiler, log_line
-from tetrad.train.peak import Peak, mfu_peak
+from tetrad.train.peak import mfu_peak
 from tetrad.train.preflight import init_from_hf, preflight, preflight_on_rank0
 from tetrad.train.resume import (
     restart_count,
@@ -75,38 +77,34 @@ def build_model(cfg: TrainConfig, model_cfg: ModelConfig, grid: Grid) -> Paralle
         print(
             f"tetrad: fine-grained GEMM + reduce-scatter fusion on, {chunks} pieces per ring step"
         )
-    model = ParallelLlama(
-        model_cfg,
-        grid,
-        par.activation_checkpointing,
-        overlaps,
+    kwargs = dict(
+        activation_checkpointing=par.activation_checkpointing,
+        overlaps=overlaps,
         bucket_bytes=int(par.dp_bucket_mb * MiB),
         domino_min_rows=par.domino_min_rows,
         fine_chunks=chunks or FINE_CHUNKS,
     )
-    init_parameters(model, cfg.training.seed, grid)
-    if cfg.training.compile:
-        compile_blocks(model)
+    if grid.pipe > 1:
+        micro_batches = cfg.grad_accum
+        schedule, virtual = par.pipeline_schedule, par.virtual_stages
+        model = Pipeline(model_cfg, grid, schedule, virtual, micro_batches, **kwargs)
+    else:
+        model = ParallelLlama(model_cfg, grid, **kwargs)
+    for part in parts_of(model):
+        init_parameters(part, cfg.training.seed, grid)
+        if cfg.training.compile:
+            compile_blocks(part)
     return model
 
 
-@dataclass
-class _Job:
-    """What the loop of :func:`train` works with."""
+def parts_of(model: ParallelLlama | Pipeline) -> list[ParallelLlama]:
+    """The model parts this rank holds: the model, or a pipeline's stage parts."""
+    return list(model.parts) if isinstance(model, Pipeline) else [model]
 
-    cfg: TrainConfig
-    grid: Grid
-    corpus: Corpus
-    model: ParallelLlama
-    optimizer: torch.optim.Optimizer
-    ckpt: Checkpointer
-    meter: StepMeter
-    rank0: bool
-    stop: StopSignals
 
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.cfg.checkpoint.run_dir)
+def weights_of(model: ParallelLlama | Pipeline) -> nn.Module:
+    """The module whose parameters this rank trains and saves (whole-model names)."""
+    return model.parts if isinstance(model, Pipeline) else model
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -121,13 +119,14 @@ def train(cfg: TrainConfig) -> dict:
     stop = StopSignals(cfg.checkpoint.save_on_signal)  # first: a signal from now on is kept
     cfg = with_orientation(cfg)
     par = cfg.parallelism
-    grid = Grid.build(par.grid, cfg.training.device, par.orientation)
+    grid = Grid.build(par.grid, cfg.training.device, par.orientation, par.pipe)
     if grid.device.type == "cpu":
         torch.set_num_threads(threads_per_rank(grid.world_size))
     corpus, model_cfg = preflight_on_rank0(cfg)
     model = build_model(cfg, model_cfg, grid)
     t = cfg.training
-    optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2))
+    weights = weights_of(model)
+    optimizer = build_optimizer(weights, t.lr, t.weight_decay, (t.beta1, t.beta2))
     tokens = t.global_batch * t.seq_len
     peak = mfu_peak(cfg, model_cfg, grid)
     meter = StepMeter(tokens, model_cfg.flops_per_token(t.seq_len) * tokens, peak, grid.world_size)
@@ -135,6 +134,7 @@ def train(cfg: TrainConfig) -> dict:
     meta = {
         "tetrad_version": tetrad_version(),
         "grid": list(grid.physical),
+        "pipe": grid.pipe,
         "orientation": grid.orientation,
         "model_config": dataclasses.asdict(model_cfg),
         "tokenizer_sha256": tokenizer_hash(corpus.tokenizer_path),
@@ -142,16 +142,16 @@ def train(cfg: TrainConfig) -> dict:
     }
     background = ck.async_save == "on" or (ck.async_save == "auto" and grid.device.type == "cuda")
     ckpt = Checkpointer(ck.run_dir, grid, meta=meta, keep_last=ck.keep_last, async_save=background)
-    job = _Job(cfg, grid, corpus, model, optimizer, ckpt, meter, dist.get_rank() == 0, stop)
+    job = Job(cfg, grid, corpus, model, optimizer, ckpt, meter, dist.get_rank() == 0, stop)
     path = start_checkpoint(cfg)
     if path is None and cfg.hf_folder is not None:
-        init_from_hf(model, grid, cfg.hf_folder)
-    start = ckpt.load(model, optimizer, path) if path is not None else 0
+        init_from_hf(weights, grid, cfg.hf_folder)
+    start = ckpt.load(weights, optimizer, path) if path is not None else 0
     if job.rank0:
         _write_run_files(job, model_cfg, start)
-        _print_start(job, model_cfg, start)
+        print_start(job, model_cfg, start)
         if path is not None:
-            _print_resume(job, path)
+            print_resume(job, path)
         for old in leftovers(job.run_dir):
             print(f"tetrad: ignoring {old}: a save a crash interrupted (removed at the next save)")
     t_start = time.perf_counter()
@@ -162,7 +162,7 @@ def train(cfg: TrainConfig) -> dict:
         raise
     finally:
         stop.close()
-    _report_save(job, ckpt.close())
+    report_save(job, ckpt.close())
     summary = {
         "steps": t.steps,
         "final_loss": loss,
@@ -179,7 +179,7 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
-def _stopped(job: _Job, e: Stopped) -> None:
+def _stopped(job: Job, e: Stopped) -> None:
     """After the checkpoint of a signal's stop: the line and ``RUN_DIR/logs/stopped.json``
     (read by the launcher) on rank 0, then the process group's end."""
     if job.rank0:
@@ -193,7 +193,7 @@ def _stopped(job: _Job, e: Stopped) -> None:
     dist.destroy_process_group()
 
 
-def _write_run_files(job: _Job, model_cfg: ModelConfig, start: int) -> None:
+def _write_run_files(job: Job, model_cfg: ModelConfig, start: int) -> None:
     """``config.json`` (the sections and the resolved ``model_config``), ``tokenizer.json``;
     ``metrics.jsonl`` keeps only the rows of steps up to ``start``."""
     job.run_dir.mkdir(parents=True, exist_ok=True)
@@ -207,47 +207,7 @@ def _write_run_files(job: _Job, model_cfg: ModelConfig, start: int) -> None:
     trim_metrics(job.run_dir, start)
 
 
-def _print_resume(job: _Job, path: Path) -> None:
-    """One line for a restart, and one when the checkpoint comes from another grid."""
-    meta = read_meta(path) or {}
-    saved, turn = meta.get("grid"), meta.get("orientation", "xy")
-    if restart_count():
-        limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-        print(f"tetrad: restart {restart_count()} of {limit}: resuming from {path}")
-    grid = job.grid
-    if saved and (tuple(saved) != grid.physical or turn != grid.orientation):
-        fmt = ",".join
-        print(
-            f"tetrad: resharding {path.name} from grid {fmt(map(str, saved))} ({turn}) to grid "
-            f"{fmt(map(str, grid.physical))} ({grid.orientation}) (G_data,G_context,G_z,G_y,G_x)"
-        )
-
-
-def _report_save(job: _Job, done: tuple[Path, float] | None) -> None:
-    """Say on rank 0 that a checkpoint is complete."""
-    if done is not None and job.rank0:
-        tqdm.write(f"tetrad: checkpoint {done[0]} complete ({done[1]:.2f} s)", file=sys.stdout)
-
-
-def _print_start(job: _Job, model_cfg: ModelConfig, start: int) -> None:
-    grid, corpus, t = job.grid, job.corpus, job.cfg.training
-    print(
-        f"tetrad: {model_cfg.num_params() / 1e6:.2f}M-parameter Llama on grid {grid} "
-        f"({grid.world_size} ranks, {device_name(grid.device)}), {job.cfg.grad_accum} "
-        f"micro-batch(es) of {t.micro_batch} per step, {job.meter.tokens} tokens/step"
-    )
-    print(
-        f"tetrad: corpus {corpus.n_files} files, {len(corpus.train):,} train tokens, "
-        f"{len(corpus.val):,} val tokens; unigram entropy {corpus.unigram_entropy:.3f} nats"
-    )
-    peak = job.meter.peak
-    if peak.flops:
-        print(f"tetrad: MFU against {peak.flops / 1e9:,.1f} GFLOP/s per rank ({peak.source})")
-    if start:
-        print(f"tetrad: resumed from step {start}")
-
-
-def _step(job: _Job, step: int, batch: torch.Tensor) -> dict:
+def _step(job: Job, step: int, batch: torch.Tensor) -> dict:
     """Optimizer step ``step`` (0-based) on the global ``batch`` (host memory), with no host
     synchronisation: its record, whose ``loss`` and ``grad_norm`` are still device tensors
     (read by :func:`_rows`)."""
@@ -256,19 +216,24 @@ def _step(job: _Job, step: int, batch: torch.Tensor) -> dict:
     for group in job.optimizer.param_groups:
         group["lr"] = lr
     grid.comm.reset()
-    model.overlap.counts.clear()
-    loss, grad_norm = train_step(model, job.optimizer, grid, batch, t.micro_batch, t.grad_clip)
+    overlaps = [part.overlap for part in parts_of(model)]
+    for overlap in overlaps:
+        overlap.counts.clear()
+    if isinstance(model, Pipeline):
+        loss, grad_norm = pipeline_train_step(model, job.optimizer, batch, t.grad_clip)
+    else:
+        loss, grad_norm = train_step(model, job.optimizer, grid, batch, t.micro_batch, t.grad_clip)
     return {
         "step": step + 1,
         "loss": loss,
         "grad_norm": grad_norm,
         "lr": lr,
         "comm": grid.comm.reset(),
-        "overlaps_ran": dict(model.overlap.counts),
+        "overlaps_ran": dict(sum((o.counts for o in overlaps), Counter())),
     }
 
 
-def _rows(job: _Job, pending: list[dict], since: float) -> list[dict]:
+def _rows(job: Job, pending: list[dict], since: float) -> list[dict]:
     """The ``metrics.jsonl`` rows of the steps run since ``since`` (a ``perf_counter`` time):
     one device-to-host read of their losses and gradient norms (this waits for them), then
     each step's time is the interval's wall time over its steps, so tokens/s and MFU are exact
@@ -293,25 +258,7 @@ def _rows(job: _Job, pending: list[dict], since: float) -> list[dict]:
     return rows
 
 
-def _notes(job: _Job, first: bool, peak: Peak) -> list[str]:
-    """Lines for the log at a logging boundary: torch.compile's graphs after the first steps,
-    and the MFU peak when a step raised it above ``peak``."""
-    notes = []
-    if first and job.cfg.training.compile:
-        stats = compile_stats()
-        notes.append(
-            f"tetrad: torch.compile: {stats['graphs']} graphs, {stats['graph_breaks']} "
-            "graph breaks (at the collectives)"
-        )
-    if job.meter.peak is not peak:
-        notes.append(
-            f"tetrad: MFU now against {job.meter.peak.flops / 1e9:,.1f} GFLOP/s per rank "
-            "(a step beat the measured peak)"
-        )
-    return notes
-
-
-def _loop(job: _Job, start: int) -> tuple[float, float]:
+def _loop(job: Job, start: int) -> tuple[float, float]:
     """Steps ``start+1 .. steps`` with validation, logging and checkpoints; returns the last
     training and validation losses (nats per token).
 
@@ -352,23 +299,21 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
         rows, pending = _rows(job, pending, since), []
         loss = rows[-1]["loss"]
         if validate or last:
-            job.model.eval()
-            val_loss = rows[-1]["val_loss"] = evaluate(job.model, job.grid, val, t.micro_batch)
-            job.model.train()
+            val_loss = rows[-1]["val_loss"] = _evaluate(job, val)
         if rank0:
-            for note in _notes(job, first=done - len(rows) == start, peak=peak):
+            for note in notes(job, first=done - len(rows) == start, peak=peak):
                 bar.write(note, file=sys.stdout)
             metrics.write(rows)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rows[-1]['tokens_per_s']:.0f}")
             bar.update(len(rows))
             if done % log.log_every == 0 or last or validate:
                 bar.write(log_line(rows[-1]), file=sys.stdout)
-        _report_save(job, job.ckpt.poll())
+        report_save(job, job.ckpt.poll())
         if save:
             t0 = time.perf_counter()
-            job.ckpt.save(job.model, job.optimizer, done)
+            job.ckpt.save(weights_of(job.model), job.optimizer, done)
             if stop or not job.ckpt.async_save:
-                _report_save(job, job.ckpt.wait())
+                report_save(job, job.ckpt.wait())
             if rank0:
                 bar.write(
                     f"tetrad: checkpoint step {done}: the loop waited "
@@ -381,6 +326,18 @@ def _loop(job: _Job, start: int) -> tuple[float, float]:
         since = time.perf_counter()
     _close_loop(bar, profiler, metrics)
     return loss, val_loss
+
+
+def _evaluate(job: Job, val: list[torch.Tensor]) -> float:
+    """Validation loss (nats per token) over the ``val`` batches, in eval mode."""
+    weights = weights_of(job.model)
+    weights.eval()
+    if isinstance(job.model, Pipeline):
+        loss = pipeline_evaluate(job.model, val)
+    else:
+        loss = evaluate(job.model, job.grid, val, job.cfg.training.micro_batch)
+    weights.train()
+    return loss
 
 
 def _close_loop(bar: tqdm, profiler: StepProfiler, metrics: MetricsLog | None) -> None:
