@@ -23,6 +23,7 @@ Not counted (as without a pipeline, the 20% margin): the point-to-point receive 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.breakdown import MemoryBreakdown
@@ -50,6 +51,26 @@ def _table_elements(model: ModelSpec, grid) -> tuple[int, int]:
     return emb, head
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _stage_parts(
+    model: ModelSpec,
+    blocks: int,
+    grid: tuple,
+    micro_batch: int,
+    seq_len: int,
+    ckpt: str,
+    dtype: str,
+    prefetch: bool,
+) -> tuple:
+    """The runtime model's static components, phases and saved activations of a ``blocks``
+    model (memoised: the ranks of a pipeline share them)."""
+    sm = dataclasses.replace(model, n_layers=blocks)
+    opts = {"activation_checkpointing": ckpt, "dtype": dtype}
+    static, phases = phase_components(sm, grid, micro_batch, seq_len, prefetch=prefetch, **opts)
+    saved = saved_activations(sm, grid, micro_batch, seq_len, **opts)
+    return static, phases, saved
+
+
 def stage_memory(
     model: ModelSpec,
     grid,
@@ -70,10 +91,17 @@ def stage_memory(
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
     """
-    sm = dataclasses.replace(model, n_layers=prank.blocks)
-    opts = {"activation_checkpointing": activation_checkpointing, "dtype": dtype}
-    static, phases = phase_components(sm, grid, micro_batch, seq_len, prefetch=prefetch, **opts)
-    saved = saved_activations(sm, grid, micro_batch, seq_len, **opts)
+    static, phases, saved = _stage_parts(
+        model,
+        prank.blocks,
+        tuple(grid),
+        micro_batch,
+        seq_len,
+        activation_checkpointing,
+        dtype,
+        prefetch,
+    )
+    static = dict(static)
     emb_el, head_el = _table_elements(model, grid)
     drop = (0 if prank.first else emb_el) + (0 if prank.last else head_el)
     add = head_el if prank.last and model.tied_embeddings else 0

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tetrad.plan.comm import layers
+from tetrad.plan.comm import layers, linears
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import LAYER_KINDS, make_step
 from tetrad.plan.comm.record import Recorder
@@ -130,6 +130,28 @@ def stage_context(ctx: Context, blocks: int) -> Context:
     return got
 
 
+def block_xy(ctx: Context, grid, micro_batch: int, ckpt: str, turn: str) -> tuple[dict, dict]:
+    """``(exposed, all)`` seconds per axis of one block's Linear X/Y collectives per
+    micro-batch (:func:`tetrad.plan.comm.linears.block_linears` records ``L`` blocks times
+    ``m`` micro-batches of the same), memoised per ``(G_context, G_y, G_x, b, m, mode,
+    orientation)``, on which alone they depend (X and Y are the innermost axes)."""
+    physical = with_context(grid)
+    acc = ctx.global_batch // (physical[0] * physical[2] * micro_batch)
+    key = (physical[1], physical[3], physical[4], micro_batch, acc, ckpt, turn)
+    memo = ctx.__dict__.setdefault("_block_xy", {})
+    got = memo.get(key)
+    if got is None:
+        st = make_step(ctx, grid, micro_batch, ckpt, turn)
+        rec = Recorder(False)
+        linears.block_linears(rec, st)
+        n = st.n_layers * st.acc
+        got = memo[key] = (
+            {a: v / n for a, v in rec.exposed.items()},
+            {a: v / n for a, v in rec.total.items()},
+        )
+    return got
+
+
 def rank_time(
     ctx: Context, grid, micro_batch: int, ckpt: str, turn: str, prank: PipeRank, cfg: PipeConfig
 ) -> RankTime:
@@ -141,7 +163,11 @@ def rank_time(
     if not prank.first:
         st.emb_el = 0.0
     mb, tail = Recorder(False), Recorder(False)
-    skip = set()
+    per_block = block_xy(ctx, grid, micro_batch, ckpt, turn)
+    for d, src in ((mb.exposed, per_block[0]), (mb.total, per_block[1])):
+        for a, v in src.items():
+            d[a] += prank.blocks * st.acc * v
+    skip = {linears.block_linears}
     if not prank.last:
         skip |= {layers.lm_head, layers.loss}
     if not prank.first:
@@ -205,7 +231,15 @@ def pipeline_estimate(
     """
     comp = ctx.compute(role_sizes(with_context(grid), turn), micro_batch)
     ranks = split_ranks(ctx.model.n_layers, split_costs(comp, ckpt), cfg.pipe, cfg.virtual)
-    times = [rank_time(ctx, grid, micro_batch, ckpt, turn, r, cfg) for r in ranks]
+    memo = ctx.__dict__.setdefault("_rank_times", {})
+    times = []
+    for r in ranks:
+        key = (grid, micro_batch, ckpt, turn, r.blocks, r.first, r.last)
+        key += boundaries_of_rank(cfg.pipe, r.rank, cfg.virtual)
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = rank_time(ctx, grid, micro_batch, ckpt, turn, r, cfg)
+        times.append(got)
     physical = with_context(grid)
     acc = ctx.global_batch // (physical[0] * physical[2] * micro_batch)
     slow = max(range(len(times)), key=lambda i: times[i].per_micro_batch)
@@ -252,15 +286,19 @@ def pipeline_estimate(
 
 
 _SPLITS: dict = {}
+SPLIT_QUANTUM = 0.05
+"""Blocks' worth to which the embedding's and the head's costs are rounded for the split."""
 
 
 def split_ranks(
     n_layers: int, costs: tuple[float, float, float], pipe: int, virtual: int
 ) -> tuple[PipeRank, ...]:
     """:func:`tetrad.plan.pipe.stages.pipe_ranks`, memoised on the embedding's and head's cost
-    in blocks to 1/1000 (the split depends on the cost ratios only)."""
+    in blocks rounded to :data:`SPLIT_QUANTUM` (the split depends on the cost ratios only; the
+    runtime, splitting by its exact costs, differs only within that much of a tie)."""
     block, emb, head = costs
-    key = (n_layers, round(emb / block, 3), round(head / block, 3), pipe, virtual)
+    q = SPLIT_QUANTUM
+    key = (n_layers, round(emb / block / q) * q, round(head / block / q) * q, pipe, virtual)
     got = _SPLITS.get(key)
     if got is None:
         got = _SPLITS[key] = pipe_ranks(n_layers, (1.0, key[1], key[2]), pipe, virtual)
