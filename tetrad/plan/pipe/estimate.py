@@ -41,7 +41,7 @@ from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.model.grids import with_context
 from tetrad.plan.pipe.schedule import boundaries_of_rank, bubble_seconds, p2p_bytes
 from tetrad.plan.pipe.stages import PipeRank, pipe_ranks, split_costs
-from tetrad.spec import COMM_AXES, physical_axis, role_sizes
+from tetrad.spec import COMM_AXES, parse_checkpointing, physical_axis, role_sizes
 
 STEP_KINDS = (layers.data_gradients, layers.step_scalars)
 """The layer kinds recorded once per step (after the last backward), not per micro-batch."""
@@ -133,11 +133,11 @@ def stage_context(ctx: Context, blocks: int) -> Context:
 def block_xy(ctx: Context, grid, micro_batch: int, ckpt: str, turn: str) -> tuple[dict, dict]:
     """``(exposed, all)`` seconds per axis of one block's Linear X/Y collectives per
     micro-batch (:func:`tetrad.plan.comm.linears.block_linears` records ``L`` blocks times
-    ``m`` micro-batches of the same), memoised per ``(G_context, G_y, G_x, b, m, mode,
-    orientation)``, on which alone they depend (X and Y are the innermost axes)."""
+    ``m`` micro-batches of the same), memoised per ``(G_context, G_y, G_x, b, full
+    recompute, orientation)``, on which alone they depend (X and Y are the innermost axes)."""
     physical = with_context(grid)
-    acc = ctx.global_batch // (physical[0] * physical[2] * micro_batch)
-    key = (physical[1], physical[3], physical[4], micro_batch, acc, ckpt, turn)
+    full = parse_checkpointing(ckpt) == "full"
+    key = (physical[1], physical[3], physical[4], micro_batch, full, turn)
     memo = ctx.__dict__.setdefault("_block_xy", {})
     got = memo.get(key)
     if got is None:

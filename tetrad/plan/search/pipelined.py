@@ -224,7 +224,7 @@ class PipeSearch:
         the windows of the embedding and head (a rank of ``k`` blocks exposes at least
         ``max(0, k z_block - z_ends)`` Z seconds per micro-batch:
         :func:`tetrad.plan.comm.zwindows.z_queue_seconds`)."""
-        key = (grid, turn, b, mode)
+        key = (grid[1:], turn, b, mode)  # per micro-batch: the same for every G_data
         got = self.floor_memo.get(key)
         if got is None:
             ctx, L = self.ctx, self.ctx.model.n_layers

@@ -104,7 +104,17 @@ class Row:
         if self.space == "4d":
             turned = " yx" if self.orientation == "yx" else ""
             return self.pipe_label() + "D,C,Z,Y,X=" + ",".join(str(v) for v in self.grid) + turned
-        return "TP,CP,PP,DP=" + ",".join(str(v) for v in self.grid)
+        return "TP,CP,PP,DP=" + ",".join(str(v) for v in self.grid) + self.classic_suffix()
+
+    def classic_suffix(self) -> str:
+        """Classic: `` vp5`` (interleaved, virtual stages) or `` L11/10/10/11`` (an uneven
+        split), else empty."""
+        if self.space != "classic":
+            return ""
+        if self.virtual_stages > 1:
+            return f" vp{self.virtual_stages}"
+        layers = self.other_s.get("stage_layers")
+        return " L" + "/".join(map(str, layers)) if layers else ""
 
     def pipe_label(self) -> str:
         """``P=4 v=2 interleaved-1f1b | `` with a pipeline, else empty."""
@@ -140,6 +150,8 @@ class Row:
 
     def _pipe_dict(self) -> dict:
         """The pipeline's keys (only with ``G_pipe > 1``, so rows without one are as before)."""
+        if self.space == "classic" and self.virtual_stages > 1:
+            return {"pipeline": {"virtual_stages": self.virtual_stages}}
         if self.pipe == 1:
             return {}
         return {
