@@ -17,16 +17,16 @@ Pruning, exact (no configuration that could enter the top-K is skipped):
    ``B / (G_data G_z)`` samples, ``B G_context G_y G_x / GPUs`` samples' worth of whole-model
    work whatever ``G_pipe`` is; with every GEMM at the machine's best efficiency (attention and
    element-wise work are linear in the tokens) this is a lower bound of the step;
-2. per ``(G_pipe, G_context, G_y, G_x, b, mode)``: the whole model's compute of one micro-batch
-   over ``G_pipe`` (the slowest rank is at least the average) times ``m + (G_pipe - 1) / v``
-   with the largest ``v`` allowed (the bubble), visited in ascending order of it; then the
-   same with the blocks' exposed X/Y collectives added (the lesser orientation; each rank
-   records exactly its blocks' share);
+2. per ``(G_pipe, G_context, G_y, G_x, b, mode)``: the slowest rank's compute of one
+   micro-batch, at least the average (the whole model's over ``G_pipe``) and at least
+   ``ceil(L / G_pipe)`` blocks', times ``m + (G_pipe - 1) / v`` with the largest ``v`` allowed
+   (the bubble), visited in ascending order of it; then with those blocks' exposed X/Y
+   collectives added (the lesser orientation; each rank records exactly its blocks');
 3. per configuration: ``(m + (p - 1) / v)`` times the slowest rank of the runtime's split, its
    compute, its blocks' X/Y and context collectives, the Z seconds its windows cannot hide
    (as :class:`tetrad.plan.comm.bounds.StepBounds`) and its point-to-point receives (the
-   estimate without the step-level terms), first for the average rank and the largest ``v``
-   per grid; then memory, then the estimate.
+   estimate without the step-level terms), first for a rank of ``ceil(L / G_pipe)`` blocks and
+   the largest ``v`` per grid; then memory, then the estimate.
 
 Groups are visited in ascending order of bound 1 and stop at the first whose bound is not below
 the slowest of the top-K so far.
@@ -162,9 +162,15 @@ class PipeSearch:
                 continue
             m = per_cell // b
             fwd, bwd, rec = ctx.micro_batch_seconds((1, gc, 1, gy, gx), b, mode)
-            lb = self._bubble_factor(pipe, m) * (fwd + bwd + rec) / pipe
+            block = split_costs(ctx.compute((1, gc, 1, gy, gx), b), mode)[0]
+            slowest = max((fwd + bwd + rec) / pipe, self._most_blocks(pipe) * block)
+            lb = self._bubble_factor(pipe, m) * slowest
             out.append((lb, pipe, q, gc, gy, gx, b, mode))
         return out
+
+    def _most_blocks(self, pipe: int) -> int:
+        """The fewest blocks the slowest of ``pipe`` ranks can hold: ``ceil(L / p)``."""
+        return -(-self.ctx.model.n_layers // pipe)
 
     def _xy_bound(self, lb, pipe, q, gc, gy, gx, b, mode) -> float:
         """Bound 2 with the blocks' exposed X/Y collectives (the lesser orientation) added to
@@ -175,7 +181,7 @@ class PipeSearch:
             turns.append(((q, gc, 1, gx, gy), "yx"))
         xy = min(sum(block_xy(ctx, g, b, mode, t)[0].values()) for g, t in turns)
         m = ctx.global_batch // (q * b)
-        return lb + self._bubble_factor(pipe, m) * ctx.model.n_layers * xy / pipe
+        return lb + self._bubble_factor(pipe, m) * self._most_blocks(pipe) * xy
 
     def _turns(self, roles: tuple) -> list:
         """``(--grid, orientation)`` of the roles ``roles``: the grid itself in ``xy``, and
@@ -251,8 +257,8 @@ class PipeSearch:
         model's terms of :meth:`_block_floor`) times ``m + (p - 1) / v`` with the largest
         ``v``."""
         block, _, zb, ze = self._block_floor(grid, turn, b, mode)
-        L = self.ctx.model.n_layers
-        return self._bubble_factor(pipe, m) * (L * block + max(0.0, L * zb - pipe * ze)) / pipe
+        k = self._most_blocks(pipe)
+        return self._bubble_factor(pipe, m) * (k * block + max(0.0, k * zb - ze))
 
     def _config_floor(self, grid, turn, b, mode, cfg: PipeConfig, m: int) -> float:
         """Bound 3 (module doc): ``(m + (p - 1) / v)`` times the slowest rank of the runtime's
