@@ -52,7 +52,7 @@ def _table_elements(model: ModelSpec, grid) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _stage_parts(
+def stage_parts(
     model: ModelSpec,
     blocks: int,
     grid: tuple,
@@ -91,7 +91,7 @@ def stage_memory(
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
     """
-    static, phases, saved = _stage_parts(
+    static, phases, saved = stage_parts(
         model,
         prank.blocks,
         tuple(grid),

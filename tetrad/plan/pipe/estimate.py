@@ -286,7 +286,7 @@ def pipeline_estimate(
 
 
 _SPLITS: dict = {}
-SPLIT_QUANTUM = 0.05
+SPLIT_QUANTUM = 0.25
 """Blocks' worth to which the embedding's and the head's costs are rounded for the split."""
 
 

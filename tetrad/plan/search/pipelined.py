@@ -22,11 +22,11 @@ Pruning, exact (no configuration that could enter the top-K is skipped):
    ``ceil(L / G_pipe)`` blocks', times ``m + (G_pipe - 1) / v`` with the largest ``v`` allowed
    (the bubble), visited in ascending order of it; then with those blocks' exposed X/Y
    collectives added (the lesser orientation; each rank records exactly its blocks');
-3. per configuration: ``(m + (p - 1) / v)`` times the slowest rank of the runtime's split, its
-   compute, its blocks' X/Y and context collectives, the Z seconds its windows cannot hide
-   (as :class:`tetrad.plan.comm.bounds.StepBounds`) and its point-to-point receives (the
-   estimate without the step-level terms), first for a rank of ``ceil(L / G_pipe)`` blocks and
-   the largest ``v`` per grid; then memory, then the estimate.
+3. per configuration: ``(m + (p - 1) / v)`` times a rank of ``ceil(L / G_pipe)`` blocks, their
+   compute, X/Y and context collectives, the Z seconds its windows cannot hide (as
+   :class:`tetrad.plan.comm.bounds.StepBounds`) and the fewest point-to-point receives of a
+   rank (the estimate without the step-level terms), first with the largest ``v`` per grid;
+   then memory, then the estimate.
 
 Groups are visited in ascending order of bound 1 and stop at the first whose bound is not below
 the slowest of the top-K so far.
@@ -44,7 +44,7 @@ from tetrad.plan.comm.record import Recorder
 from tetrad.plan.comm.zwindows import window_seconds, z_queue_seconds
 from tetrad.plan.compute.block import block_compute
 from tetrad.plan.memory.breakdown import FIT_FRACTION
-from tetrad.plan.memory.pipeline import pipeline_memory
+from tetrad.plan.memory.pipeline import stage_parts, pipeline_memory
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.pipe.estimate import (
     PipeConfig,
@@ -54,7 +54,7 @@ from tetrad.plan.pipe.estimate import (
     split_ranks,
     stage_context,
 )
-from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes, schedule_problems
+from tetrad.plan.pipe.schedule import p2p_bytes, schedule_problems
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.space import divisors
@@ -261,25 +261,18 @@ class PipeSearch:
         return self._bubble_factor(pipe, m) * (k * block + max(0.0, k * zb - ze))
 
     def _config_floor(self, grid, turn, b, mode, cfg: PipeConfig, m: int) -> float:
-        """Bound 3 (module doc): ``(m + (p - 1) / v)`` times the slowest rank of the runtime's
-        split: its compute, its blocks' X/Y, context and Z floor and its point-to-point
-        receives (the estimate without the step-level terms)."""
+        """Bound 3 (module doc): ``(m + (p - 1) / v)`` times a rank of ``ceil(L / p)`` blocks:
+        their compute, X/Y, context and Z floor, and the fewest point-to-point receives of a
+        rank (``2 v - 1``; the estimate without the step-level terms)."""
         ctx, p = self.ctx, cfg.pipe
-        block, costs, zb, ze = self._block_floor(grid, turn, b, mode)
-        ranks = split_ranks(ctx.model.n_layers, costs, p, cfg.virtual)
+        block, _, zb, ze = self._block_floor(grid, turn, b, mode)
         roles = role_sizes(grid, turn)
         nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, roles[1], roles[4], ctx.c)
         world5 = grid[0] * grid[1] * grid[2] * grid[3] * grid[4]
         link = ctx.machine.network.link(world5, 2)
         one = link.base_latency + nbytes / link.bandwidth
-        slowest = max(
-            r.blocks * block
-            + max(0.0, r.blocks * zb - ze)
-            + (costs[1] if r.first else 0.0)
-            + (costs[2] if r.last else 0.0)
-            + sum(boundaries_of_rank(p, r.rank, cfg.virtual)) * one
-            for r in ranks
-        )
+        k = self._most_blocks(p)
+        slowest = k * block + max(0.0, k * zb - ze) + (2 * cfg.virtual - 1) * one
         v = cfg.virtual if cfg.schedule == "interleaved-1f1b" else 1
         return (m + (p - 1) / v) * slowest
 
@@ -321,9 +314,26 @@ class PipeSearch:
             prefetch=s.prefetch,
         )
 
+    def _memory_floor(self, grid, turn, b, mode, cfg: PipeConfig) -> float:
+        """Bytes the most loaded rank holds at least: ``k = ceil(L / p)`` blocks' AdamW states
+        (16 bytes per element) and one micro-batch's saved activations of ``ceil(k / v)`` of them
+        (one stage in flight)."""
+        roles = role_sizes(grid, turn)
+        _, block_el, _, _ = self.ctx.weight_shards(roles[4], roles[3], roles[2])
+        k = self._most_blocks(cfg.pipe)
+        one = stage_parts(
+            self.ctx.model, 1, roles, b, self.ctx.seq_len, mode, self.s.dtype, self.s.prefetch
+        )[2]["blocks"]
+        return 16.0 * k * block_el + -(-k // cfg.virtual) * one
+
     def _fits(self, grid, turn, b, mode, cfg):
         key = (grid, turn, b, mode, cfg)
         got = self.fit_memo.get(key, 0)
+        if (
+            got == 0
+            and self._memory_floor(grid, turn, b, mode, cfg) > FIT_FRACTION * self.s.mem_bytes
+        ):
+            got = self.fit_memo[key] = None
         if got == 0:
             worst, _ = self.memory(grid, turn, b, mode, cfg)
             got = self.fit_memo[key] = (
