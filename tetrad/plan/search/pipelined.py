@@ -44,7 +44,7 @@ from tetrad.plan.comm.record import Recorder
 from tetrad.plan.comm.zwindows import window_seconds, z_queue_seconds
 from tetrad.plan.compute.block import block_compute
 from tetrad.plan.memory.breakdown import FIT_FRACTION
-from tetrad.plan.memory.pipeline import stage_parts, pipeline_memory
+from tetrad.plan.memory.pipeline import pipeline_memory, stage_parts
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.pipe.estimate import (
     PipeConfig,
