@@ -79,6 +79,7 @@ def test_emit_config_loads_in_tetrad_train(tmp_path, capsys):
             "--global-batch",
             "2048",
             "--no-classic",
+            "--no-pipeline",
             "--emit-config",
             str(path),
         ],
@@ -251,3 +252,32 @@ def test_planner_imports_no_torch():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_emit_config_with_a_pipeline(tmp_path, capsys):
+    """The best gpt-80b plan on 1,024 Perlmutter GPUs has a pipeline: ``grid`` in the
+    ``PIPE,DATA,CONTEXT,Z,Y,X`` form and the ``pipeline_schedule`` and ``virtual_stages`` keys."""
+    from tetrad.spec import parse_pipeline_grid, tomllib
+
+    path = tmp_path / "best.toml"
+    argv = ["plan", "--model", "gpt-80b", "--machine", "perlmutter", "--gpus", "1024"]
+    rc, out, err = run(argv + ["--global-batch", "2048", "--emit-config", str(path)], capsys)
+    assert rc == 0 and "wrote config" in err and "[P v sched]" in out
+    par = tomllib.loads(path.read_text())["parallelism"]
+    pipe, sizes = parse_pipeline_grid(par["grid"])
+    assert pipe > 1 and len(par["grid"].split(",")) == 6
+    assert pipe * sizes[0] * sizes[1] * sizes[2] * sizes[3] * sizes[4] == 1024
+    assert par["pipeline_schedule"] in ("gpipe", "1f1b", "interleaved-1f1b")
+    assert par["virtual_stages"] >= 1
+
+
+def test_memory_on_a_pipeline_grid(capsys):
+    base = ["memory", "--model", "llama-3-70b", "--seq-len", "2048"]
+    rc, named, _ = run(base + ["--grid", "pipe=8,data=8,y=2,x=4"], capsys)
+    assert rc == 0 and "1f1b" in named and "pipeline ranks" in named
+    rc, listed, _ = run(base + ["--grid", "8,8,1,1,2,4"], capsys)
+    assert rc == 0 and listed == named
+    rc, out, err = run(
+        base + ["--grid", "8,8,1,1,2,4", "--pipeline-schedule", "interleaved-1f1b"], capsys
+    )
+    assert rc != 0 and "virtual stages >= 2" in (out + err)

@@ -20,6 +20,8 @@ from tetrad.plan.machine.spec import get_machine, preset_names
 from tetrad.plan.memory import fujii
 from tetrad.plan.memory.runtime import tetrad as tetrad_memory
 from tetrad.plan.model.presets import PRESETS, get_model
+from tetrad.plan.pipe.cli import pipeline_memory_text
+from tetrad.plan.pipe.schedule import SCHEDULES
 from tetrad.plan.search import report
 from tetrad.plan.search.plan import plan
 from tetrad.spec import (
@@ -27,7 +29,7 @@ from tetrad.spec import (
     ORIENTATIONS,
     GiB,
     parse_checkpointing,
-    parse_grid,
+    parse_pipeline_grid,
     role_sizes,
 )
 
@@ -138,6 +140,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--no-classic", action="store_true", help="skip the Megatron-style TP x CP x PP x DP search"
     )
     p.add_argument(
+        "--no-pipeline",
+        action="store_true",
+        help="search the 5D grids only (no pipeline axis G_pipe x virtual stages x schedule)",
+    )
+    p.add_argument(
         "--gpu-memory-gib", type=float, metavar="GIB", help="GPU memory (default: the machine's)"
     )
     p.add_argument(
@@ -169,7 +176,25 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         choices=("fujii2024", "tetrad"),
         help="estimator (default: tetrad when --grid is given, else fujii2024)",
     )
-    m.add_argument("--grid", metavar="DATA,Z,Y,X", help="4D grid for --method tetrad")
+    m.add_argument(
+        "--grid",
+        metavar="DATA,Z,Y,X",
+        help="grid for --method tetrad: DATA,Z,Y,X, DATA,CONTEXT,Z,Y,X, PIPE,DATA,CONTEXT,Z,Y,X "
+        "or named (pipe=4,data=2,z=8,y=2,x=2)",
+    )
+    m.add_argument(
+        "--pipeline-schedule",
+        choices=SCHEDULES,
+        default="1f1b",
+        help="tetrad with a pipeline axis: the schedule (default 1f1b; in-flight micro-batches)",
+    )
+    m.add_argument(
+        "--virtual-stages",
+        type=_positive_int,
+        default=1,
+        metavar="V",
+        help="tetrad with a pipeline axis: stages per pipeline rank (interleaved-1f1b)",
+    )
     m.add_argument(
         "--orientation",
         choices=("auto", *ORIENTATIONS),
@@ -190,7 +215,8 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         "--num-microbatches",
         type=_positive_int,
         metavar="N",
-        help="fujii2024: micro-batches per step (pipeline in-flight factor)",
+        help="micro-batches per step (pipeline in-flight factor; tetrad with a pipeline axis: "
+        "default 8 x pipe)",
     )
     m.add_argument(
         "--gpu-memory-gib",
@@ -239,6 +265,7 @@ def run_plan(args: argparse.Namespace) -> int:
         comm_model=args.comm_model,
         classic=not args.no_classic,
         gpu_memory_bytes=mem,
+        pipeline=not args.no_pipeline,
     )
     if args.emit_config:
         report.emit_config(result.rows[0], model, result, args.emit_config)
@@ -270,25 +297,28 @@ def run_memory(args: argparse.Namespace) -> int:
     if method == "tetrad":
         if not args.grid:
             raise PlanError("--method tetrad needs --grid DATA,Z,Y,X (for example 2,1,1,2)")
-        grid = parse_grid(args.grid)
+        pipe, grid = parse_pipeline_grid(args.grid)
         ckpt = parse_checkpointing(args.activation_checkpointing)
         turn = args.orientation
         if turn == "auto":
             ctx = Context(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])
             turn = best_orientation(ctx, grid, 1, ckpt)  # the bytes do not depend on the machine
-        mem = tetrad_memory(
-            model,
-            role_sizes(grid, turn),
-            args.micro_batch,
-            args.seq_len,
-            gpu,
-            activation_checkpointing=ckpt,
-        )
-        title = (
-            f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))} "
-            f"({turn}), micro-batch {args.micro_batch} x {args.seq_len} tokens, "
-            f"checkpointing {ckpt}"
-        )
+        if pipe > 1:
+            mem, title = pipeline_memory_text(args, model, pipe, grid, turn, ckpt, gpu)
+        else:
+            mem = tetrad_memory(
+                model,
+                role_sizes(grid, turn),
+                args.micro_batch,
+                args.seq_len,
+                gpu,
+                activation_checkpointing=ckpt,
+            )
+            title = (
+                f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))} "
+                f"({turn}), micro-batch {args.micro_batch} x {args.seq_len} tokens, "
+                f"checkpointing {ckpt}"
+            )
     else:
         if args.grid:
             raise PlanError("--grid is for --method tetrad; fujii2024 takes --tp --cp --pp --dp")

@@ -162,6 +162,28 @@ def phase_totals(
     return {name: base + sum(terms.values()) for name, terms in phases.items()}
 
 
+def phase_components(
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    *,
+    activation_checkpointing: str | bool = "none",
+    dtype: str = "bf16",
+    prefetch: bool = True,
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """``(static components, {phase: live components})`` of :func:`tetrad`, bytes: what the
+    pipeline's per-stage memory (:mod:`tetrad.plan.pipe.memory`) adjusts.
+
+    Raises:
+        PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
+    """
+    g, phases = _phases(
+        model, grid, micro_batch, seq_len, activation_checkpointing, dtype, prefetch, True, True
+    )
+    return dict(g.static), phases
+
+
 def _phases(
     model: ModelSpec,
     grid,

@@ -15,6 +15,7 @@ asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -42,12 +43,19 @@ def classic_memory(
     gpu_memory_bytes: float,
     num_microbatches: int,
     checkpointing: str | bool,
+    virtual_pp: int = 1,
+    stage_layers: tuple[int, ...] = (),
 ) -> MemoryBreakdown:
     """:func:`tetrad.plan.memory.fujii.fujii2024`; with full recomputation the stored activations of
     a layer become its input, ``2 (s/c) b h / t`` bytes with sequence parallelism (Korthikanti et
     al., arXiv 2205.05198, section 4.3/Table 2 "full recompute"), plus one layer's full set while
     it is recomputed. ``checkpointing``: ``none``, ``selective`` (as ``none``, module doc) or
-    ``full`` (a bool: ``full``/``none``)."""
+    ``full`` (a bool: ``full``/``none``). ``virtual_pp``: interleaved 1F1B's chunks per rank
+    (Fujii's factor ``1 + (p-1)/(p v)``). ``stage_layers``: an uneven split (Megatron-Core's
+    first/last-stage layer counts), estimated as the even split of ``p`` times its largest
+    stage (an upper bound: the first stage holds at most that many layers)."""
+    if stage_layers and model.n_layers % pp:
+        model = dataclasses.replace(model, n_layers=pp * max(stage_layers))
     mem = fujii.fujii2024(
         model,
         tp,
@@ -58,10 +66,11 @@ def classic_memory(
         seq_len,
         gpu_memory_bytes,
         num_microbatches=num_microbatches,
+        virtual_pp=virtual_pp,
     )
     if parse_checkpointing(checkpointing) == "full":
         layer = fujii.fujii_layer_activation_bytes(model, tp, cp, micro_batch, seq_len)
-        factor = fujii.fujii_pipeline_factor(pp, num_microbatches, 1)
+        factor = fujii.fujii_pipeline_factor(pp, num_microbatches, virtual_pp)
         inp = 2.0 * seq_len / cp * micro_batch * model.hidden / tp
         mem.components["activations"] = model.n_layers * inp * factor + layer
     return mem
@@ -78,6 +87,8 @@ def megatron_estimate(
     seq_len: int,
     global_batch: int,
     checkpointing: str | bool,
+    virtual_pp: int = 1,
+    stage_layers: tuple[int, ...] = (),
 ) -> dict:
     """A Megatron-LM-style step time (seconds; bf16, sequence parallelism, 1F1B pipeline,
     distributed optimizer). Rank order TP fastest, then CP, DP, PP (Megatron's default
@@ -108,7 +119,7 @@ def megatron_estimate(
     net = machine.network
     peak, hbm, eff = machine.peak_flops, machine.hbm_bytes_per_s, machine.gemm_efficiency
     acc = global_batch // (dp * micro_batch)
-    ls = model.n_layers // pp
+    ls = max(stage_layers) if stage_layers else model.n_layers // pp
     m = micro_batch * seq_len / cp
     c = 2
     gemm = 0.0
@@ -140,6 +151,11 @@ def megatron_estimate(
     loss = ew["loss_fwd_per_logit"] * m * model.vocab / tp / hbm
     t_f = ls * layer_f + head
     t_b = ls * layer_b + 2.0 * head + loss
+    if stage_layers and pp > 1:  # the last stage's layers + head vs the largest other
+        last = stage_layers[-1]
+        rest = max(stage_layers[:-1])
+        t_f = max(rest * layer_f, last * layer_f + head)
+        t_b = max(rest * layer_b, last * layer_b + 2.0 * head + loss)
     t_r = ls * layer_f if full else 0.0
     # per micro-batch and stage: (total, exposed) seconds per axis
     per = dict.fromkeys(CLASSIC_AXES, 0.0)
@@ -158,11 +174,11 @@ def megatron_estimate(
         per_exp["cp"] = ls * (n_f * max(0.0, t_f_kv - att) + max(0.0, t_b_kv - 2.5 * att))
     if pp > 1:  # one activation forward, one gradient backward
         lp = net.link(tp * cp * dp, 2)
-        per["pp"] = per_exp["pp"] = 2.0 * (
-            lp.base_latency + m * model.hidden / tp * c / lp.bandwidth
+        per["pp"] = per_exp["pp"] = (
+            2.0 * virtual_pp * (lp.base_latency + m * model.hidden / tp * c / lp.bandwidth)
         )
     per_mb = t_f + t_b + t_r + sum(per_exp.values())
-    bubble = (pp - 1) * per_mb
+    bubble = (pp - 1) * per_mb / virtual_pp
     comm = {a: acc * v for a, v in per.items()}
     exposed = {a: acc * v for a, v in per_exp.items()}
     # DP x CP distributed optimizer: the stage's parameters, fp32 gradients, bf16 parameters
@@ -191,8 +207,54 @@ def megatron_estimate(
     }
 
 
+VIRTUAL_CHOICES = (2, 3, 4, 5, 6, 8)
+"""Virtual stages per rank the classic space tries (NVIDIA's Llama-3 recipes: VP 5 and 8)."""
+
+
+def uneven_split(n_layers: int, pp: int) -> tuple[int, ...]:
+    """Megatron-Core's uneven split of ``L`` layers over ``p`` stages
+    (``--decoder-first-pipeline-num-layers``, ``--decoder-last-pipeline-num-layers``): the
+    ``p - 2`` middle stages get the same ``n`` layers, the smallest with ``2 <= L - (p - 2) n <=
+    2 n``; the first and the last share the rest, the last (with the LM head) the fewer. Two
+    stages: ``ceil(L/2)`` and ``floor(L/2)``. Empty when there is no such ``n`` (every stage
+    needs a layer)."""
+    if pp == 1:
+        return (n_layers,)
+    if pp == 2:
+        return (n_layers - n_layers // 2, n_layers // 2)
+    n = -(-n_layers // pp)
+    while n_layers - (pp - 2) * n > 2 * n:
+        n += 1
+    rest = n_layers - (pp - 2) * n
+    if rest < 2:
+        return ()
+    return (rest - rest // 2, *([n] * (pp - 2)), rest // 2)
+
+
+def pipeline_variants(
+    n_layers: int, pp: int, interleave: bool, uneven: bool
+) -> list[tuple[int, tuple[int, ...]]]:
+    """``(virtual stages, stage layers)`` the classic space tries for ``p = pp``: the even split
+    (``()``) when ``p`` divides the layers, else :func:`uneven_split` (with ``uneven``); and
+    interleaved 1F1B with ``v`` of :data:`VIRTUAL_CHOICES` where ``p v`` divides the layers
+    (with ``interleave``; Megatron's ``--num-layers-per-virtual-pipeline-stage``)."""
+    out: list[tuple[int, tuple[int, ...]]] = []
+    if n_layers % pp == 0:
+        out.append((1, ()))
+    elif uneven and pp <= n_layers and (layers := uneven_split(n_layers, pp)):
+        out.append((1, layers))
+    if interleave and pp > 1:
+        out += [(v, ()) for v in VIRTUAL_CHOICES if n_layers % (pp * v) == 0]
+    return out
+
+
 def _classic_grids(
-    model: ModelSpec, gpus: int, gpus_per_node: int, global_batch: int, seq_len: int
+    model: ModelSpec,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    seq_len: int,
+    uneven: bool = True,
 ) -> Iterator[tuple[int, int, int, int]]:
     """Every ``(TP, CP, PP, DP)`` of the classic space (module doc), TP outermost."""
     for tp in divisors(gpus):
@@ -202,7 +264,7 @@ def _classic_grids(
             if tp * cp > gpus_per_node or context_problems(seq_len, cp):
                 continue
             for pp in divisors(gpus // (tp * cp)):
-                if model.n_layers % pp:
+                if model.n_layers % pp and not (uneven and pp <= model.n_layers):
                     continue
                 dp = gpus // (tp * cp * pp)
                 if global_batch % dp:
@@ -221,11 +283,13 @@ def search_classic(
     checkpointing: tuple[str | bool, ...] = CHECKPOINTING,
     micro_batches: tuple[int, ...] | None = None,
     gpu_memory_bytes: float | None = None,
+    pipeline: bool = True,
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting Megatron-style configurations (empty if none fits), step
     seconds from :func:`megatron_estimate`, and counts (``configs``, ``fitting``, ``seconds``).
     For each grid and checkpointing mode (``selective`` only without ``none``: module doc),
-    micro-batches ascend until one does not fit.
+    micro-batches ascend until one does not fit. ``pipeline``: also interleaved 1F1B and
+    uneven splits (:func:`pipeline_variants`; without it, 1F1B on even splits only).
 
     Raises:
         PlanError: bad inputs; tetrad.spec.CheckpointingError: an unknown mode.
@@ -239,39 +303,74 @@ def search_classic(
     if "none" in modes:
         modes = tuple(c for c in modes if c != "selective")
     rows: list[Row] = []
-    for tp, cp, pp, dp in _classic_grids(model, gpus, machine.gpus_per_node, global_batch, seq_len):
+    grids = _classic_grids(
+        model, gpus, machine.gpus_per_node, global_batch, seq_len, uneven=pipeline
+    )
+    for tp, cp, pp, dp in grids:
         for ckpt in modes:
-            for b in divisors(global_batch // dp):
-                if allowed is not None and b not in allowed:
-                    continue
-                stats["configs"] += 1
-                acc = global_batch // (dp * b)
-                mem = classic_memory(model, tp, cp, pp, dp, b, seq_len, mem_bytes, acc, ckpt)
-                if not mem.fits:
-                    break
-                stats["fitting"] += 1
-                est = megatron_estimate(
-                    model, machine, tp, cp, pp, dp, b, seq_len, global_batch, ckpt
-                )
-                rows.append(
-                    Row(
-                        "classic",
-                        {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
-                        b,
-                        acc,
-                        ckpt,
-                        est["step_s"],
-                        est["compute_s"],
-                        est["recompute_s"],
-                        est["exposed"],
-                        est["comm"],
-                        0.0,
-                        0.0,
-                        mem,
-                        "megatron",
-                        {"pipeline_bubble": est["bubble_s"]},
-                    ).finish(model, machine, gpus, global_batch, seq_len)
+            for v, layers in pipeline_variants(model.n_layers, pp, pipeline, pipeline):
+                rows += _classic_rows(
+                    model,
+                    machine,
+                    (tp, cp, pp, dp),
+                    ckpt,
+                    v,
+                    layers,
+                    global_batch,
+                    seq_len,
+                    mem_bytes,
+                    allowed,
+                    stats,
+                    gpus,
                 )
     rows.sort(key=lambda r: r.step_s)
     stats["seconds"] = time.perf_counter() - t0
     return rows[:top], stats
+
+
+def _classic_rows(
+    model, machine, sizes, ckpt, v, layers, global_batch, seq_len, mem_bytes, allowed, stats, gpus
+) -> list[Row]:
+    """The fitting rows of one grid, mode and pipeline variant, micro-batches ascending until
+    one does not fit (interleaving: only where ``m % PP == 0``, Megatron's rule)."""
+    tp, cp, pp, dp = sizes
+    out = []
+    for b in divisors(global_batch // dp):
+        if allowed is not None and b not in allowed:
+            continue
+        acc = global_batch // (dp * b)
+        if v > 1 and acc % pp:
+            continue
+        stats["configs"] += 1
+        mem = classic_memory(model, tp, cp, pp, dp, b, seq_len, mem_bytes, acc, ckpt, v, layers)
+        if not mem.fits:
+            break
+        stats["fitting"] += 1
+        est = megatron_estimate(
+            model, machine, tp, cp, pp, dp, b, seq_len, global_batch, ckpt, v, layers
+        )
+        other = {"pipeline_bubble": est["bubble_s"]}
+        if layers:
+            other["stage_layers"] = list(layers)
+        out.append(
+            Row(
+                "classic",
+                {"tp": tp, "cp": cp, "pp": pp, "dp": dp},
+                b,
+                acc,
+                ckpt,
+                est["step_s"],
+                est["compute_s"],
+                est["recompute_s"],
+                est["exposed"],
+                est["comm"],
+                0.0,
+                0.0,
+                mem,
+                "megatron",
+                other,
+                virtual_stages=v,
+                schedule="interleaved-1f1b" if v > 1 else "",
+            ).finish(model, machine, gpus, global_batch, seq_len)
+        )
+    return out

@@ -51,26 +51,16 @@ from tetrad.plan.memory.runtime import fewest_selective, phase_totals
 from tetrad.plan.memory.runtime import tetrad as tetrad_memory
 from tetrad.plan.model.grids import grid_problems, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
+from tetrad.plan.search.pipelined import PipeSearch, is_pipeline, pipeline_row
 from tetrad.plan.search.rows import Row
-from tetrad.plan.search.space import check_inputs, checkpointing_modes, divisors, factorizations
+from tetrad.plan.search.space import (
+    check_inputs,
+    checkpointing_modes,
+    divisors,
+    factorizations,
+    nearby_gpu_counts,
+)
 from tetrad.spec import CHECKPOINTING, COMM_AXES, GRID_AXES, ORIENTATIONS, GiB, role_sizes
-
-
-def _nearby_gpu_counts(model: ModelSpec, gpus: int) -> str:
-    """The powers of two nearest ``gpus`` that have a grid sharding ``model`` with
-    ``G_y G_x > 1`` possible (for error messages), nearest first."""
-    found = []
-    for e in range(0, 21):
-        p = 2**e
-        if any(not grid_problems(model, g) for g in factorizations(p, 4)):
-            found.append(p)
-    found.sort(key=lambda p: (abs(p - gpus), p))
-    return ", ".join(str(f) for f in found[:2]) if found else "a power of two"
-
-
-# =============================================================================================
-# 4D search
-# =============================================================================================
 
 
 class _Search4D:
@@ -191,7 +181,7 @@ class _Search4D:
             raise PlanError(
                 f"no 4D grid of {gpus} GPUs shards {model.name} (sizes must divide "
                 f"hidden, heads, FFN and vocabulary): use a GPU count such as "
-                f"{_nearby_gpu_counts(model, gpus)}"
+                f"{nearby_gpu_counts(model, gpus)}"
             )
         if self.stats["batch_grids"] == 0:
             ok = [
@@ -202,7 +192,7 @@ class _Search4D:
                 f"global batch {gb} does not split over G_data*G_z on any grid "
                 f"of {gpus} GPUs that shards {model.name} (the smallest G_data*G_z is "
                 f"{least}): use a --global-batch that is a multiple of {least}, or "
-                f"--gpus {_nearby_gpu_counts(model, gpus).split(',')[0]}"
+                f"--gpus {nearby_gpu_counts(model, gpus).split(',')[0]}"
             )
         if not cands:
             raise PlanError(
@@ -311,8 +301,11 @@ def search_4d(
     comm_model: str = "tetrad",
     dtype: str = "bf16",
     gpu_memory_bytes: float | None = None,
+    pipeline: bool = True,
 ) -> tuple[list[Row], dict]:
-    """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics.
+    """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics;
+    with ``pipeline`` (and the tetrad comm model) pipeline grids too
+    (:mod:`tetrad.plan.search.pipelined`).
 
     Args:
         checkpointing: activation-checkpointing modes to try (``none``, ``selective``,
@@ -341,11 +334,20 @@ def search_4d(
     )
     search = _Search4D(ctx, gpus, mem_bytes, comm_model, dtype)
     modes = checkpointing_modes(checkpointing)
-    cands = search.candidates(modes, set(micro_batches) if micro_batches else None)
-    search.check_found(cands)
+    allowed = set(micro_batches) if micro_batches else None
+    cands = search.candidates(modes, allowed)
+    pipes = PipeSearch(search, modes, allowed) if pipeline and comm_model == "tetrad" else None
+    if pipes is None or not search.stats["valid_grids"]:
+        search.check_found(cands)
     best = search.rank(cands, top)
+    if pipes is not None:
+        pipes.extend(best, top, len(cands))
+        if not best:
+            search.check_found(cands)
     rows = [
-        search.row(-neg, grid, b, ckpt, turn, est)
+        pipeline_row(search, -neg, grid, b, ckpt, turn, est)
+        if is_pipeline(est)
+        else search.row(-neg, grid, b, ckpt, turn, est)
         for neg, _, (grid, b, ckpt, turn, est) in sorted(best, key=lambda t: (-t[0], t[1]))
     ]
     rows.sort(key=lambda r: r.step_s)

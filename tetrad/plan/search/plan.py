@@ -29,8 +29,11 @@ def plan(
     classic: bool = True,
     dtype: str = "bf16",
     gpu_memory_bytes: float | None = None,
+    pipeline: bool = True,
+    classic_pipeline: bool = True,
 ) -> SearchResult:
-    """Both searches; see :func:`search_4d` and :func:`search_classic`.
+    """Both searches; see :func:`search_4d` (``pipeline``: with the pipeline axis) and
+    :func:`search_classic` (``classic_pipeline``: with interleaving and uneven splits).
 
     Raises:
         PlanError: bad inputs, or no 4D configuration at all (message says what to change).
@@ -49,6 +52,7 @@ def plan(
         comm_model=comm_model,
         dtype=dtype,
         gpu_memory_bytes=gpu_memory_bytes,
+        pipeline=pipeline,
     )
     crow, cstats = ([], {})
     if classic:
@@ -62,6 +66,7 @@ def plan(
             checkpointing=checkpointing,
             micro_batches=micro_batches,
             gpu_memory_bytes=gpu_memory_bytes,
+            pipeline=classic_pipeline,
         )
     inputs = {
         "model": model.name,

@@ -15,7 +15,7 @@ from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.rows import Row, SearchResult
-from tetrad.spec import COMM_AXES, OVERLAPS, GiB
+from tetrad.spec import COMM_AXES, OVERLAPS, GiB, format_grid
 
 AXES_CLASSIC = ("tp", "cp", "pp", "dp")
 
@@ -60,11 +60,12 @@ def rows_table(rows: list[Row]) -> list[str]:
     if not rows:
         return []
     classic = rows[0].space == "classic"
-    axes = AXES_CLASSIC if classic else COMM_AXES
+    piped = not classic and any(r.pipe > 1 for r in rows)
+    axes = AXES_CLASSIC if classic else COMM_AXES + (("pipe",) if piped else ())
     head = (
         [
             "#",
-            "TP,CP,PP,DP" if classic else "D,C,Z,Y,X (turn)",
+            "TP,CP,PP,DP" if classic else ("[P v sched] " if piped else "") + "D,C,Z,Y,X (turn)",
             "mb",
             "acc",
             "ckpt",
@@ -74,14 +75,17 @@ def rows_table(rows: list[Row]) -> list[str]:
             "compute",
         ]
         + [f"exp {a}" for a in axes]
-        + (["bubble"] if classic else [])
+        + (["bubble"] if classic or piped else [])
         + ["mem GiB (%)"]
     )
     body = []
     for i, r in enumerate(rows, 1):
         cells = [
             str(i),
-            ",".join(str(v) for v in r.grid) + (" yx" if r.orientation == "yx" else ""),
+            _pipe_cell(r)
+            + ",".join(str(v) for v in r.grid)
+            + (" yx" if r.orientation == "yx" else "")
+            + r.classic_suffix(),
             str(r.micro_batch),
             str(r.grad_accum),
             r.activation_checkpointing,
@@ -91,11 +95,20 @@ def rows_table(rows: list[Row]) -> list[str]:
             _fmt_s(r.compute_s),
         ]
         cells += [_fmt_s(r.exposed_s.get(a, 0.0)) for a in axes]
-        if classic:
+        if classic or piped:
             cells.append(_fmt_s(r.other_s.get("pipeline_bubble", 0.0)))
         cells.append(_mem_cell(r.memory))
         body.append(cells)
     return _table(head, body)
+
+
+def _pipe_cell(r: Row) -> str:
+    """``P4 v2 interleaved-1f1b | `` for a 4D row with a pipeline (classic rows: their PP is in
+    the grid; with ``v > 1`` the interleaved schedule is named)."""
+    if r.space == "classic" or r.pipe == 1:
+        return ""
+    v = f" v{r.virtual_stages}" if r.virtual_stages > 1 else ""
+    return f"P{r.pipe}{v} {r.schedule} | "
 
 
 def memory_table(rows: list[Row]) -> list[str]:
@@ -145,7 +158,13 @@ def format_result(result: SearchResult) -> str:
         f"4D grids (tetrad/AxoNN, G_data x G_z x G_y x G_x): {f4.get('grids', 0)} grids, "
         f"{f4.get('valid_grids', 0)} shard the model, {f4.get('fitting', 0)} configurations fit "
         f"under {100 * FIT_FRACTION:.0f}% of {inp['gpu_memory_gib']:.1f} GiB, "
-        f"{f4.get('evaluated', 0)} timed",
+        f"{f4.get('evaluated', 0)} timed"
+        + (
+            f"; pipeline (G_pipe x virtual stages x schedule on top): "
+            f"{f4.get('pipe_candidates', 0)} bounded, {f4.get('pipe_evaluated', 0)} timed"
+            if "pipe_candidates" in f4
+            else ""
+        ),
     ]
     lines += rows_table(result.rows)
     lines += ["", "memory of these (GiB):"] + memory_table(result.rows)
@@ -276,7 +295,11 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
     settings = {  # the sections of tetrad.train.config
         "model": sizes,
         "parallelism": {
-            "grid": ",".join(map(str, row.grid)),  # DATA,CONTEXT,Z,Y,X
+            # DATA,CONTEXT,Z,Y,X, or PIPE,DATA,CONTEXT,Z,Y,X with a pipeline
+            "grid": format_grid(row.pipe, row.grid)
+            if row.pipe > 1
+            else ",".join(map(str, row.grid)),
+            **_pipeline_keys(row),
             "orientation": row.orientation,
             "overlap": _overlap_value(inp["overlaps"]),
             "activation_checkpointing": row.activation_checkpointing,
@@ -289,6 +312,15 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
         },
     }
     return "\n".join(header) + "\n" + tomli_w.dumps(settings)
+
+
+def _pipeline_keys(row: Row) -> dict:
+    """``pipeline_schedule`` (:data:`tetrad.plan.pipe.schedule.SCHEDULES`) and
+    ``virtual_stages`` of a row with a pipeline (none without one, so those files load in a
+    runtime without the pipeline axis)."""
+    if row.pipe == 1:
+        return {}
+    return {"pipeline_schedule": row.schedule, "virtual_stages": row.virtual_stages}
 
 
 def _overlap_value(names: list[str]) -> str:

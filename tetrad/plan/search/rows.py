@@ -46,6 +46,13 @@ class Row:
         orientation: 4D: which mesh dimension plays which role of the layer pairs
             (:data:`tetrad.spec.ORIENTATIONS`); ``sizes`` and the per-axis seconds name the
             ``--grid``'s dimensions.
+        pipe: 4D: ``G_pipe`` (1: no pipeline; then ``sizes`` is the whole grid); with a
+            pipeline ``exposed_s["pipe"]`` is the point-to-point time and
+            ``other_s["pipeline_bubble"]`` the bubble.
+        virtual_stages: 4D: stages per pipeline rank ``v``; schedule: the pipeline schedule
+            (:data:`tetrad.plan.pipe.schedule.SCHEDULES`, empty without a pipeline).
+        stage_memory: 4D with a pipeline: every pipeline rank's memory (``memory`` is the
+            worst's).
     """
 
     space: str
@@ -65,6 +72,10 @@ class Row:
     other_s: dict = field(default_factory=dict)
     hfu: float = 0.0
     orientation: str = "xy"
+    pipe: int = 1
+    virtual_stages: int = 1
+    schedule: str = ""
+    stage_memory: list = field(default_factory=list)
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -92,29 +103,65 @@ class Row:
         """``D,C,Z,Y,X=...`` (`` yx`` added when turned) or ``TP,CP,PP,DP=...``."""
         if self.space == "4d":
             turned = " yx" if self.orientation == "yx" else ""
-            return "D,C,Z,Y,X=" + ",".join(str(v) for v in self.grid) + turned
-        return "TP,CP,PP,DP=" + ",".join(str(v) for v in self.grid)
+            return self.pipe_label() + "D,C,Z,Y,X=" + ",".join(str(v) for v in self.grid) + turned
+        return "TP,CP,PP,DP=" + ",".join(str(v) for v in self.grid) + self.classic_suffix()
+
+    def classic_suffix(self) -> str:
+        """Classic: `` vp5`` (interleaved, virtual stages) or `` L11/10/10/11`` (an uneven
+        split), else empty."""
+        if self.space != "classic":
+            return ""
+        if self.virtual_stages > 1:
+            return f" vp{self.virtual_stages}"
+        layers = self.other_s.get("stage_layers")
+        return " L" + "/".join(map(str, layers)) if layers else ""
+
+    def pipe_label(self) -> str:
+        """``P=4 v=2 interleaved-1f1b | `` with a pipeline, else empty."""
+        if self.pipe == 1:
+            return ""
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"P={self.pipe}{v} {self.schedule} | "
 
     def to_dict(self) -> dict:
         """JSON-ready fields (seconds, tokens/s, fractions, the memory breakdown in bytes)."""
+        return (
+            {
+                "space": self.space,
+                "sizes": dict(self.sizes),
+                "micro_batch": self.micro_batch,
+                "grad_accum": self.grad_accum,
+                "activation_checkpointing": self.activation_checkpointing,
+                "step_s": self.step_s,
+                "compute_s": self.compute_s,
+                "recompute_s": self.recompute_s,
+                "exposed_comm_s": dict(self.exposed_s),
+                "comm_s": dict(self.comm_s),
+                "other_s": dict(self.other_s),
+                "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu,
+                "hfu": self.hfu,
+                "comm_model": self.comm_model,
+                "memory": self.memory.to_dict(),
+            }
+            | ({"orientation": self.orientation} if self.space == "4d" else {})
+            | self._pipe_dict()
+        )
+
+    def _pipe_dict(self) -> dict:
+        """The pipeline's keys (only with ``G_pipe > 1``, so rows without one are as before)."""
+        if self.space == "classic" and self.virtual_stages > 1:
+            return {"pipeline": {"virtual_stages": self.virtual_stages}}
+        if self.pipe == 1:
+            return {}
         return {
-            "space": self.space,
-            "sizes": dict(self.sizes),
-            "micro_batch": self.micro_batch,
-            "grad_accum": self.grad_accum,
-            "activation_checkpointing": self.activation_checkpointing,
-            "step_s": self.step_s,
-            "compute_s": self.compute_s,
-            "recompute_s": self.recompute_s,
-            "exposed_comm_s": dict(self.exposed_s),
-            "comm_s": dict(self.comm_s),
-            "other_s": dict(self.other_s),
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
-            "hfu": self.hfu,
-            "comm_model": self.comm_model,
-            "memory": self.memory.to_dict(),
-        } | ({"orientation": self.orientation} if self.space == "4d" else {})
+            "pipeline": {
+                "pipe": self.pipe,
+                "virtual_stages": self.virtual_stages,
+                "schedule": self.schedule,
+                "stage_memory": [m.to_dict() for m in self.stage_memory],
+            }
+        }
 
 
 @dataclass
@@ -132,6 +179,13 @@ class SearchResult:
     classic: list[Row]
     stats: dict
     inputs: dict
+
+    def pipe_label(self) -> str:
+        """``P=4 v=2 interleaved-1f1b | `` with a pipeline, else empty."""
+        if self.pipe == 1:
+            return ""
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"P={self.pipe}{v} {self.schedule} | "
 
     def to_dict(self) -> dict:
         """JSON-ready: inputs, stats, the 4D rows and the classic rows."""

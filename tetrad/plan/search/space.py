@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tetrad.plan.errors import PlanError
+from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import parse_checkpointing
 
@@ -56,3 +57,15 @@ def check_inputs(model: ModelSpec, gpus: int, global_batch: int, seq_len: int) -
             f"learned positions: use --seq-len <= {model.max_positions} or raise "
             "max_positions"
         )
+
+
+def nearby_gpu_counts(model: ModelSpec, gpus: int) -> str:
+    """The powers of two nearest ``gpus`` that have a grid sharding ``model`` with
+    ``G_y G_x > 1`` possible (for error messages), nearest first."""
+    found = []
+    for e in range(0, 21):
+        p = 2**e
+        if any(not grid_problems(model, g) for g in factorizations(p, 4)):
+            found.append(p)
+    found.sort(key=lambda p: (abs(p - gpus), p))
+    return ", ".join(str(f) for f in found[:2]) if found else "a power of two"

@@ -1,0 +1,64 @@
+"""Which blocks each pipeline rank holds, as the runtime splits them: the stages of
+:func:`tetrad.pipeline.split.balanced_split` (the runtime's own function, not a copy) with the
+planner's per-block compute seconds as cost, the embedding counted on stage 0 and the final
+norm, LM head and loss on the last stage; ``p v`` stages, "loop" placement (rank ``r`` runs
+stages ``r, r + p, ...``, :func:`tetrad.pipeline.split.stages_of_rank`). Plain Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tetrad.pipeline.split import balanced_split, stages_of_rank
+from tetrad.plan.compute.block import BlockCompute
+from tetrad.spec import checkpointed_blocks
+
+
+@dataclass(frozen=True)
+class PipeRank:
+    """One pipeline rank's share of the model.
+
+    Attributes:
+        rank: pipeline coordinate ``r`` (0 .. ``p - 1``).
+        blocks: transformer blocks over all of its ``v`` stages.
+        first: it runs stage 0 (holds the embedding).
+        last: it runs the last stage (final norm, LM head, loss).
+        chunk_blocks: blocks of each of its stages, in execution order of the loop placement.
+    """
+
+    rank: int
+    blocks: int
+    first: bool
+    last: bool
+    chunk_blocks: tuple[int, ...]
+
+
+def split_costs(comp: BlockCompute, checkpointing: str) -> tuple[float, float, float]:
+    """``(block, embedding, head)`` seconds of one micro-batch, forward + backward (+ the
+    block's recompute under ``checkpointing``): the costs the runtime balances stages by."""
+    mode, _ = checkpointed_blocks(checkpointing, 1)
+    rec = {"full": comp.block_fwd, "selective": comp.selective, "none": 0.0}[mode]
+    block = comp.block_fwd + comp.block_bwd + rec
+    emb = comp.embedding_fwd + comp.embedding_bwd
+    head = (
+        3.0 * comp.head + comp.loss_fwd + comp.loss_bwd + comp.final_norm_fwd + comp.final_norm_bwd
+    )
+    return block, emb, head
+
+
+def pipe_ranks(
+    n_layers: int, costs: tuple[float, float, float], pipe: int, virtual: int
+) -> tuple[PipeRank, ...]:
+    """The ``p`` ranks of ``balanced_split([block] * L, embedding, head, p v)``.
+
+    Raises:
+        tetrad.pipeline.split.PipelineSplitError: ``p v`` above the blocks.
+    """
+    block, emb, head = costs
+    split = balanced_split([block] * n_layers, emb, head, pipe * virtual)
+    last = pipe * virtual - 1
+    out = []
+    for r in range(pipe):
+        stages = stages_of_rank(r, pipe, virtual)
+        chunks = tuple(split[s][1] - split[s][0] for s in stages)
+        out.append(PipeRank(r, sum(chunks), 0 in stages, last in stages, chunks))
+    return tuple(out)
