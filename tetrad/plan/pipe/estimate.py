@@ -39,7 +39,12 @@ from tetrad.plan.comm.estimate import LAYER_KINDS, make_step
 from tetrad.plan.comm.record import Recorder
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.model.grids import with_context
-from tetrad.plan.pipe.schedule import boundaries_of_rank, bubble_seconds, p2p_bytes
+from tetrad.plan.pipe.schedule import (
+    RESIDUAL_BYTES,
+    boundaries_of_rank,
+    bubble_seconds,
+    p2p_bytes,
+)
 from tetrad.plan.pipe.stages import PipeRank, pipe_ranks, split_costs
 from tetrad.spec import COMM_AXES, parse_checkpointing, physical_axis, role_sizes
 
@@ -188,7 +193,12 @@ def rank_time(
     opt = ELEMENTWISE["optimizer_per_param"] * local / ctx.machine.hbm_bytes_per_s
     # the residual stream [b, S / G_context, h / G_x] (G_x of the X role)
     nbytes = p2p_bytes(
-        micro_batch, ctx.seq_len, ctx.model.hidden, st.sizes["context"], st.sizes["x"], ctx.c
+        micro_batch,
+        ctx.seq_len,
+        ctx.model.hidden,
+        st.sizes["context"],
+        st.sizes["x"],
+        RESIDUAL_BYTES,
     )
     world5 = 1
     for g in with_context(grid):
@@ -268,7 +278,7 @@ def pipeline_estimate(
         ctx.model.hidden,
         physical[1],
         role_sizes(physical, turn)[4],
-        ctx.c,
+        RESIDUAL_BYTES,
     )
     return PipeEstimate(
         step,

@@ -54,7 +54,7 @@ from tetrad.plan.pipe.estimate import (
     split_ranks,
     stage_context,
 )
-from tetrad.plan.pipe.schedule import p2p_bytes, schedule_problems
+from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, p2p_bytes, schedule_problems
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.space import divisors
@@ -267,7 +267,7 @@ class PipeSearch:
         ctx, p = self.ctx, cfg.pipe
         block, _, zb, ze = self._block_floor(grid, turn, b, mode)
         roles = role_sizes(grid, turn)
-        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, roles[1], roles[4], ctx.c)
+        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, roles[1], roles[4], RESIDUAL_BYTES)
         world5 = grid[0] * grid[1] * grid[2] * grid[3] * grid[4]
         link = ctx.machine.network.link(world5, 2)
         one = link.base_latency + nbytes / link.bandwidth
