@@ -146,6 +146,9 @@ def choose_grid(
     par = dataclasses.replace(
         par,
         grid=parse_grid(best.grid),
+        pipe=best.pipe,
+        pipeline_schedule=best.schedule or par.pipeline_schedule,
+        virtual_stages=best.virtual_stages,
         activation_checkpointing=best.activation_checkpointing,
         orientation=best.orientation,
     )
