@@ -37,14 +37,15 @@ def batches():
     return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def reference_run():
-    """Plain PyTorch: full model, whole global batch at once, torch's own clipping."""
+def reference_run(cfg=CFG, global_batches=None):
+    """Plain PyTorch: full model, whole global batch at once, torch's own clipping (default:
+    the tiny model on :func:`batches`)."""
     torch.manual_seed(0)
-    model = Reference(CFG)
+    model = Reference(cfg)
     init_parameters(model, SEED)
     opt = build_optimizer(model, LR, weight_decay=0.1)
     losses, norms = [], []
-    for step, batch in enumerate(batches()):
+    for step, batch in enumerate(global_batches or batches()):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
         loss = model.loss_sum(batch[:, :-1], batch[:, 1:]) / batch[:, 1:].numel()

@@ -9,11 +9,20 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_model import BATCH, CLIP, LR, MICRO, OVERLAP_OPTIONS, SEED, SEQ, STEPS
+from tests.test_model import (
+    BATCH,
+    CLIP,
+    LR,
+    MICRO,
+    OVERLAP_OPTIONS,
+    SEED,
+    SEQ,
+    STEPS,
+    reference_run,
+)
 from tests.test_orientation import _config, _losses, _run
 from tetrad.grid import Grid
 from tetrad.models.config import PRESETS
-from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.split import PipelineSplitError, balanced_split, check_schedule
@@ -31,23 +40,7 @@ def batches():
 
 @pytest.fixture(scope="module")
 def reference():
-    model = Reference(CFG)
-    init_parameters(model, SEED)
-    opt = build_optimizer(model, LR, weight_decay=0.1)
-    losses, norms = [], []
-    for step, batch in enumerate(batches()):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
-        loss = model.loss_sum(batch[:, :-1], batch[:, 1:]) / batch[:, 1:].numel()
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    with torch.no_grad():
-        val = sum(model.loss_sum(b[:, :-1], b[:, 1:]).item() for b in batches()[:2])
-    val /= 2 * BATCH * SEQ
-    return (losses, norms, val), {k: v.detach() for k, v in model.state_dict().items()}
+    return reference_run(CFG, batches())
 
 
 def pipeline_runs(world_size, ref_curves, ref_weights, cases):
