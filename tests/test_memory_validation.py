@@ -97,7 +97,7 @@ def _measure(grid: Grid, mode: str) -> dict:
             x = model.tok_embeddings(tokens)
         x.requires_grad_(True)
         with SavedBytes(params | {x.untyped_storage().data_ptr()}) as block:
-            model.layers[0](x, model.layer_factory.positions(tokens.shape[1], x.device))
+            model.layers["0"](x, model.layer_factory.positions(tokens.shape[1], x.device))
         out["recompute"] = block.total
 
     if mode != "none":  # AdamW's states do not depend on checkpointing: measured once

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from tests.distributed import run_distributed
 from tests.test_model import (
@@ -28,6 +29,7 @@ from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.split import PipelineSplitError, balanced_split, check_schedule
 from tetrad.pipeline.step import pipeline_train_step
 from tetrad.spec import OVERLAPS
+from tetrad.train.export import export
 from tetrad.train.step import build_optimizer, lr_at
 
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=4)
@@ -137,6 +139,9 @@ def test_train_resumes_across_stage_counts(corpus, tmp_path, monkeypatch):
     whole = tmp_path / "whole"
     _run(_config(corpus, whole, 4, "pipe=2,data=2", **model, val_every=2), 4)
     assert (whole / "checkpoints" / "step_0000004").is_dir()
+    export(whole, tmp_path / "hf", fmt="hf")  # full weights from a pipeline run's checkpoint
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert len(list(f.keys())) == 4 * 9 + 3  # every block's 9 tensors, embedding, norm, head
     for to_grid in ("pipe=4", "pipe=2,z=2", "2,1,2,1"):
         run = tmp_path / to_grid
         _run(_config(corpus, run, 2, "pipe=2,data=2", **model), 4)
