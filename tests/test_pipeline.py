@@ -28,6 +28,7 @@ from tetrad.parallel import init_parameters
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.split import PipelineSplitError, balanced_split, check_schedule
 from tetrad.pipeline.step import pipeline_train_step
+from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, p2p_bytes
 from tetrad.spec import OVERLAPS
 from tetrad.train.export import export
 from tetrad.train.step import build_optimizer, lr_at
@@ -108,6 +109,34 @@ CASES = {
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_pipeline_matches_reference(world_size, reference):
     run_distributed(pipeline_runs, world_size, world_size, *reference, CASES[world_size])
+
+
+def pipeline_bytes_runs(world_size, cases):
+    for pipe, sizes, schedule, virtual in cases:
+        grid = Grid.build(sizes, pipe=pipe)
+        m = BATCH // (grid.data * grid.z) // MICRO
+        pipeline = Pipeline(CFG, grid, schedule, virtual, m)
+        for part in pipeline.parts:
+            init_parameters(part, SEED, grid)
+        opt = build_optimizer(pipeline.parts, LR, weight_decay=0.1)
+        for batch in batches()[:2]:
+            grid.comm.reset()  # the first step also infers the boundary shapes
+            pipeline_train_step(pipeline, opt, batch, CLIP)
+        sent = grid.comm.reset()["pipe"]
+        stages = pipeline.stages
+        sends = sum(not s.is_last for s in stages) + sum(not s.is_first for s in stages)
+        per = p2p_bytes(MICRO, SEQ, CFG.dim, grid.context, grid.x, RESIDUAL_BYTES)
+        loss = 2 * (pipe - 1) / pipe * 4  # the step's fp32 loss all-reduced over the stages
+        assert sent.bytes == per * m * sends + loss, f"pipe {pipe} {sizes} {schedule}"
+        assert sent.calls == m * sends + 1
+
+
+def test_pipeline_bytes_equal_the_planner():
+    """Point-to-point bytes per step on the ``pipe`` record equal the planner's
+    ``p2p_bytes`` per boundary and micro-batch, times the rank's sends (plus the loss's
+    all-reduce over the stages)."""
+    cases = [(2, (1, 1, 1, 1, 2), "1f1b", 1), (2, (1, 2, 1, 1, 1), "interleaved-1f1b", 2)]
+    run_distributed(pipeline_bytes_runs, 4, 4, cases)
 
 
 def test_balanced_split_counts_embedding_and_head():

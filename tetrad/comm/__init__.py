@@ -6,7 +6,16 @@ from tetrad.comm.collectives import (
     Handle,
     all_gather,
     all_reduce,
+    count_sends,
     reduce_scatter,
 )
 
-__all__ = ["AxisStats", "CommLog", "Handle", "all_gather", "all_reduce", "reduce_scatter"]
+__all__ = [
+    "AxisStats",
+    "CommLog",
+    "Handle",
+    "all_gather",
+    "all_reduce",
+    "count_sends",
+    "reduce_scatter",
+]

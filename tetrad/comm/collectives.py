@@ -171,6 +171,19 @@ def _issue(
     return h
 
 
+def count_sends(grid: Groups, axis: Axis | str, tensors: list[torch.Tensor]) -> None:
+    """Record point-to-point sends that another library issues (the pipeline schedule's
+    activations and gradients between stages) on ``axis``: one call and the tensor's bytes,
+    payload and sent alike, per tensor; no time (their waits are the schedule's)."""
+    if not grid.comm.enabled or not tensors:
+        return
+    stats = grid.comm.stats(axis)
+    for t in tensors:
+        stats.calls += 1
+        stats.payload_bytes += t.numel() * t.element_size()
+        stats.bytes += t.numel() * t.element_size()
+
+
 def all_reduce(
     t: torch.Tensor, grid: Groups, axis: Axis | str, op: str = "sum", async_op: bool = False
 ) -> torch.Tensor | Handle:

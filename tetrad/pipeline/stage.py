@@ -14,10 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from tetrad.comm import count_sends
 from tetrad.models.llama import Transformer
+from tetrad.spec import Axis
 
 
 class StageForward(nn.Module):
@@ -48,6 +51,24 @@ class TetradStage(PipelineStage):
     def __init__(self, part: Transformer, stage_index: int, num_stages: int, device, group):
         super().__init__(StageForward(part), stage_index, num_stages, device, group=group)
         self.overlap = getattr(part, "overlap", None)
+        self.grid = getattr(part.layer_factory, "grid", None)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        self._count(ops)
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        self._count(ops)
+        return ops
+
+    def _count(self, ops: list[dist.P2POp]) -> None:
+        """The sends to another rank on the grid's ``pipe`` record (a stage's neighbour on
+        the same rank gets its tensors without a send)."""
+        if self.grid is not None:
+            sends = [op.tensor for op in ops if op.op in (dist.isend, dist.send)]
+            count_sends(self.grid, Axis.PIPE, sends)
 
     def _post_metadata_inference_cleanup(self) -> None:
         # The first step infers the boundary shapes with a real forward and backward, whose
