@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.models.config import ModelConfig
-from tetrad.models.llama import Transformer, causal_attention
+from tetrad.models.llama import ModelPart, Transformer, causal_attention
 
 
 class PlainLayers:
@@ -48,7 +48,13 @@ class PlainLayers:
 
 class Llama(Transformer):
     """Plain Llama: tokens ``[B, S]`` -> logits ``[B, S, V]`` (call
-    :func:`tetrad.parallel.init_parameters` to get the same weights as any parallel run)."""
+    :func:`tetrad.parallel.init_parameters` to get the same weights as any parallel run);
+    ``part``: a slice of it (a hand-split pipeline stage, as stock PyTorch users build one)."""
 
-    def __init__(self, cfg: ModelConfig, activation_checkpointing: str | bool = "none"):
-        super().__init__(cfg, PlainLayers(), activation_checkpointing)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        activation_checkpointing: str | bool = "none",
+        part: ModelPart | None = None,
+    ):
+        super().__init__(cfg, PlainLayers(), activation_checkpointing, part)
