@@ -79,7 +79,6 @@ def test_emit_config_loads_in_tetrad_train(tmp_path, capsys):
             "--global-batch",
             "2048",
             "--no-classic",
-            "--no-pipeline",
             "--emit-config",
             str(path),
         ],
@@ -255,13 +254,15 @@ def test_planner_imports_no_torch():
 
 
 def test_emit_config_with_a_pipeline(tmp_path, capsys):
-    """The best gpt-80b plan on 1,024 Perlmutter GPUs has a pipeline: ``grid`` in the
-    ``PIPE,DATA,CONTEXT,Z,Y,X`` form and the ``pipeline_schedule`` and ``virtual_stages`` keys."""
+    """With ``--pipeline`` the best gpt-80b plan on 1,024 Perlmutter GPUs has a pipeline:
+    ``grid`` in the ``PIPE,DATA,CONTEXT,Z,Y,X`` form and the ``pipeline_schedule`` and
+    ``virtual_stages`` keys, a file ``tetrad train`` reads."""
     from tetrad.spec import parse_pipeline_grid, tomllib
 
     path = tmp_path / "best.toml"
     argv = ["plan", "--model", "gpt-80b", "--machine", "perlmutter", "--gpus", "1024"]
-    rc, out, err = run(argv + ["--global-batch", "2048", "--emit-config", str(path)], capsys)
+    argv += ["--global-batch", "2048", "--pipeline", "--emit-config", str(path)]
+    rc, out, err = run(argv, capsys)
     assert rc == 0 and "wrote config" in err and "[P v sched]" in out
     par = tomllib.loads(path.read_text())["parallelism"]
     pipe, sizes = parse_pipeline_grid(par["grid"])
@@ -269,6 +270,11 @@ def test_emit_config_with_a_pipeline(tmp_path, capsys):
     assert pipe * sizes[0] * sizes[1] * sizes[2] * sizes[3] * sizes[4] == 1024
     assert par["pipeline_schedule"] in ("gpipe", "1f1b", "interleaved-1f1b")
     assert par["virtual_stages"] >= 1
+    from tetrad.train.config import load_config
+
+    cfg = load_config(str(path))  # tetrad train takes it as it is
+    cfg.check()
+    assert cfg.parallelism.pipe == pipe and cfg.parallelism.grid == sizes
 
 
 def test_memory_on_a_pipeline_grid(capsys):
