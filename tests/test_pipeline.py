@@ -25,6 +25,7 @@ from tests.test_orientation import _config, _losses, _run
 from tetrad.grid import Grid
 from tetrad.models.config import PRESETS
 from tetrad.parallel import init_parameters
+from tetrad.parallel.model import compile_blocks
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.split import PipelineSplitError, balanced_split, check_schedule
 from tetrad.pipeline.step import pipeline_train_step
@@ -46,7 +47,7 @@ def reference():
     return reference_run(CFG, batches())
 
 
-def pipeline_runs(world_size, ref_curves, ref_weights, cases):
+def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False):
     for pipe, sizes, schedule, virtual, checkpointing, overlaps in cases:
         grid = Grid.build(sizes, pipe=pipe)
         m = BATCH // (grid.data * grid.z) // MICRO
@@ -62,6 +63,8 @@ def pipeline_runs(world_size, ref_curves, ref_weights, cases):
         )
         for part in pipeline.parts:
             init_parameters(part, SEED, grid)
+            if compiled:
+                compile_blocks(part)
         opt = build_optimizer(pipeline.parts, LR, weight_decay=0.1)
         label = f"pipe {pipe} grid {sizes} {schedule} v{virtual} {checkpointing} {sorted(overlaps)}"
         for step, batch in enumerate(batches()):
@@ -109,6 +112,16 @@ CASES = {
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_pipeline_matches_reference(world_size, reference):
     run_distributed(pipeline_runs, world_size, world_size, *reference, CASES[world_size])
+
+
+def test_compiled_stages_match_reference(reference):
+    """``--compile`` (every block of every stage) under 1F1B with selective recompute and
+    under interleaved 1F1B: the same tolerances."""
+    cases = [
+        (2, (1, 1, 1, 1, 2), "1f1b", 1, "selective", ALL),
+        (2, (1, 1, 2, 1, 1), "interleaved-1f1b", 2, "none", ALL),
+    ]
+    run_distributed(pipeline_runs, 4, 4, *reference, cases, True)
 
 
 def pipeline_bytes_runs(world_size, cases):
