@@ -29,7 +29,7 @@ from tetrad.parallel.model import compile_blocks
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.split import PipelineSplitError, balanced_split, check_schedule
 from tetrad.pipeline.step import pipeline_train_step
-from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, p2p_bytes
+from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, in_flight_chunks, p2p_bytes
 from tetrad.spec import OVERLAPS
 from tetrad.train.export import export
 from tetrad.train.step import build_optimizer, lr_at
@@ -150,6 +150,48 @@ def test_pipeline_bytes_equal_the_planner():
     all-reduce over the stages)."""
     cases = [(2, (1, 1, 1, 1, 2), "1f1b", 1), (2, (1, 2, 1, 1, 1), "interleaved-1f1b", 2)]
     run_distributed(pipeline_bytes_runs, 4, 4, cases)
+
+
+def _counting(forward, stages, peak):
+    """``forward`` that keeps in ``peak[0]`` the most forward caches ``stages`` held."""
+
+    def run(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        peak[0] = max(peak[0], sum(len(s.fwd_cache) for s in stages))
+        return out
+
+    return run
+
+
+def in_flight_runs(world_size, cases):
+    for pipe, schedule, virtual, m, micro in cases:
+        grid = Grid.build((1, 1, 1, 1, 1), pipe=pipe)
+        pipeline = Pipeline(CFG, grid, schedule, virtual, m)
+        for part in pipeline.parts:
+            init_parameters(part, SEED, grid)
+        opt = build_optimizer(pipeline.parts, LR, weight_decay=0.1)
+        peak = [0]
+        for stage in pipeline.stages:  # the micro-batches whose activations the rank holds
+            stage.forward_one_chunk = _counting(stage.forward_one_chunk, pipeline.stages, peak)
+        for batch in batches()[:2]:  # the second step: the first also infers the shapes
+            peak[0] = 0
+            pipeline_train_step(pipeline, opt, batch[: m * micro], CLIP)
+        rank = grid.coord["pipe"]
+        planned = in_flight_chunks(schedule, pipe, rank, virtual, m)
+        assert peak[0] == planned, f"{schedule} p={pipe} v={virtual} m={m} rank {rank}: {peak[0]}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_in_flight_micro_batches_equal_the_planner(world_size):
+    """The micro-batches whose activations each rank holds at its peak (the forward caches of
+    ``torch.distributed.pipelining``'s stages) equal the planner's ``in_flight_chunks``, the
+    activation term of its per-stage memory: GPipe ``m v``, 1F1B ``min(m, p - r)``,
+    interleaved Megatron's warm-up + 1."""
+    cases = {
+        2: [(2, "gpipe", 1, 4, 2), (2, "1f1b", 1, 8, 1), (2, "interleaved-1f1b", 2, 8, 1)],
+        4: [(4, "1f1b", 1, 8, 1), (4, "gpipe", 1, 4, 2)],
+    }
+    run_distributed(in_flight_runs, world_size, world_size, cases[world_size])
 
 
 def test_balanced_split_counts_embedding_and_head():
