@@ -77,6 +77,7 @@ class PipeSearch:
         self.allowed = allowed
         self.fit_memo: dict = {}
         self.floor_memo: dict = {}
+        self.comm_memo: dict = {}
         self.stats = search.stats
         for k in ("pipe_groups", "pipe_candidates", "pipe_fitting", "pipe_evaluated"):
             self.stats.setdefault(k, 0)
@@ -135,7 +136,8 @@ class PipeSearch:
                 break
             if (
                 len(best) >= top
-                and self._xy_bound(lb, pipe, q, gc, gy, gx, b, mode) * (1 - MARGIN) >= -best[0][0]
+                and self._xy_bound(lb, pipe, q, gc, gy, gx, b, mode, -best[0][0]) * (1 - MARGIN)
+                >= -best[0][0]
             ):
                 continue
             for gz in divisors(q):
@@ -172,16 +174,21 @@ class PipeSearch:
         """The fewest blocks the slowest of ``pipe`` ranks can hold: ``ceil(L / p)``."""
         return -(-self.ctx.model.n_layers // pipe)
 
-    def _xy_bound(self, lb, pipe, q, gc, gy, gx, b, mode) -> float:
+    def _xy_bound(self, lb, pipe, q, gc, gy, gx, b, mode, limit=float("inf")) -> float:
         """Bound 2 with the blocks' exposed X/Y collectives (the lesser orientation) added to
-        the compute of ``lb``."""
+        the compute of ``lb``; the first below ``limit`` (less MARGIN) ends it: no pruning."""
         ctx = self.ctx
         turns = [((q, gc, 1, gy, gx), "xy")]
         if gy > 1 and gx > 1:
             turns.append(((q, gc, 1, gx, gy), "yx"))
-        xy = min(sum(block_xy(ctx, g, b, mode, t)[0].values()) for g, t in turns)
         m = ctx.global_batch // (q * b)
-        return lb + self._bubble_factor(pipe, m) * self._most_blocks(pipe) * xy
+        scale = self._bubble_factor(pipe, m) * self._most_blocks(pipe)
+        out = float("inf")
+        for g, t in turns:
+            out = min(out, lb + scale * sum(block_xy(ctx, g, b, mode, t)[0].values()))
+            if out * (1 - MARGIN) < limit:
+                break
+        return out
 
     def _turns(self, roles: tuple) -> list:
         """``(--grid, orientation)`` of the roles ``roles``: the grid itself in ``xy``, and
@@ -233,13 +240,22 @@ class PipeSearch:
         key = (grid[1:], turn, b, mode)  # per micro-batch: the same for every G_data
         got = self.floor_memo.get(key)
         if got is None:
-            ctx, L = self.ctx, self.ctx.model.n_layers
+            comp, comm, z_block, z_ends = self._comm_floor(grid, turn, b, mode == "full")
+            costs = split_costs(comp, mode)
+            got = self.floor_memo[key] = (costs[0] + comm, costs, z_block, z_ends)
+        return got
+
+    def _comm_floor(self, grid, turn: str, b: int, full: bool) -> tuple:
+        """``(compute, X/Y and context seconds, z_block, z_ends)`` of :meth:`_block_floor`: the
+        terms that depend on the mode only through ``full`` (as in ``make_step``)."""
+        got = self.comm_memo.get(key := (grid[1:], turn, b, full))
+        if got is None:
+            ctx, L, mode = self.ctx, self.ctx.model.n_layers, "full" if full else "none"
             st = make_step(ctx, grid, b, mode, turn)
             rec = Recorder(False)
             layers.context_kv(rec, st)
             xy = sum(block_xy(ctx, grid, b, mode, turn)[0].values())
             comp = ctx.compute(role_sizes(grid, turn), b)
-            costs = split_costs(comp, mode)
             kv = sum(rec.exposed.values()) / (st.acc * L)
             z_block, z_ends = 0.0, 0.0
             if st.sizes["z"] > 1 and L > 1:
@@ -248,8 +264,7 @@ class PipeSearch:
                 z_block = zq - window_seconds(comp, 1, st.checkpointing)
                 z_block += window_seconds(comp, 0, st.checkpointing)
                 z_ends = window_seconds(comp, 0, st.checkpointing)
-            got = (costs[0] + xy + kv, costs, z_block, z_ends)
-            self.floor_memo[key] = got
+            got = self.comm_memo[key] = (comp, xy + kv, z_block, z_ends)
         return got
 
     def _grid_floor(self, grid, turn, b, mode, pipe: int, m: int) -> float:
