@@ -137,7 +137,10 @@ def test_search_bounds_never_above_the_estimate():
                 m = 2048 // (grid[0] * grid[2])
                 est = pipeline_estimate(ctx, cfg, grid, 1, mode)
                 assert ps._config_floor(grid, "xy", 1, mode, cfg, m) <= est.step_s
-                assert ps._grid_floor(grid, "xy", 1, mode, cfg.pipe, m) <= est.step_s
+                full = ps._grid_floor(grid, "xy", 1, mode, cfg.pipe, m)
+                assert full <= est.step_s
+                # with a limit it may leave out the Z term: never above the full floor
+                assert ps._grid_floor(grid, "xy", 1, mode, cfg.pipe, m, 0.0) <= full
 
 
 def test_search_with_pipelines_keeps_the_5d_rows():

@@ -36,12 +36,8 @@ from __future__ import annotations
 
 import heapq
 
-from tetrad.plan.comm import layers
 from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.context_parallel import context_problems
-from tetrad.plan.comm.estimate import make_step
-from tetrad.plan.comm.record import Recorder
-from tetrad.plan.comm.zwindows import window_seconds, z_queue_seconds
 from tetrad.plan.compute.block import block_compute
 from tetrad.plan.memory.breakdown import FIT_FRACTION
 from tetrad.plan.memory.pipeline import pipeline_memory, stage_parts
@@ -52,10 +48,10 @@ from tetrad.plan.pipe.estimate import (
     block_xy,
     pipeline_estimate,
     split_ranks,
-    stage_context,
 )
 from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, p2p_bytes, schedule_problems
 from tetrad.plan.pipe.stages import split_costs
+from tetrad.plan.search.pipe_floor import BlockFloors
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.space import divisors
 from tetrad.spec import GRID_AXES, role_sizes
@@ -66,7 +62,7 @@ VIRTUAL_CHOICES = (2, 3, 4, 5, 6, 8)
 MODE_ORDER = ("none", "selective", "full")
 
 
-class PipeSearch:
+class PipeSearch(BlockFloors):
     """The pipeline part of one 4D search, sharing its :class:`~tetrad.plan.comm.context.Context`,
     memory limit and statistics (``search``: a :class:`tetrad.plan.search.four_d._Search4D`)."""
 
@@ -77,6 +73,8 @@ class PipeSearch:
         self.allowed = allowed
         self.fit_memo: dict = {}
         self.floor_memo: dict = {}
+        self.comm_memo: dict = {}
+        self.z_memo: dict = {}
         self.stats = search.stats
         for k in ("pipe_groups", "pipe_candidates", "pipe_fitting", "pipe_evaluated"):
             self.stats.setdefault(k, 0)
@@ -135,7 +133,8 @@ class PipeSearch:
                 break
             if (
                 len(best) >= top
-                and self._xy_bound(lb, pipe, q, gc, gy, gx, b, mode) * (1 - MARGIN) >= -best[0][0]
+                and self._xy_bound(lb, pipe, q, gc, gy, gx, b, mode, -best[0][0]) * (1 - MARGIN)
+                >= -best[0][0]
             ):
                 continue
             for gz in divisors(q):
@@ -172,16 +171,21 @@ class PipeSearch:
         """The fewest blocks the slowest of ``pipe`` ranks can hold: ``ceil(L / p)``."""
         return -(-self.ctx.model.n_layers // pipe)
 
-    def _xy_bound(self, lb, pipe, q, gc, gy, gx, b, mode) -> float:
+    def _xy_bound(self, lb, pipe, q, gc, gy, gx, b, mode, limit=float("inf")) -> float:
         """Bound 2 with the blocks' exposed X/Y collectives (the lesser orientation) added to
-        the compute of ``lb``."""
+        the compute of ``lb``; the first below ``limit`` (less MARGIN) ends it: no pruning."""
         ctx = self.ctx
         turns = [((q, gc, 1, gy, gx), "xy")]
         if gy > 1 and gx > 1:
             turns.append(((q, gc, 1, gx, gy), "yx"))
-        xy = min(sum(block_xy(ctx, g, b, mode, t)[0].values()) for g, t in turns)
         m = ctx.global_batch // (q * b)
-        return lb + self._bubble_factor(pipe, m) * self._most_blocks(pipe) * xy
+        scale = self._bubble_factor(pipe, m) * self._most_blocks(pipe)
+        out = float("inf")
+        for g, t in turns:
+            out = min(out, lb + scale * sum(block_xy(ctx, g, b, mode, t)[0].values()))
+            if out * (1 - MARGIN) < limit:
+                break
+        return out
 
     def _turns(self, roles: tuple) -> list:
         """``(--grid, orientation)`` of the roles ``roles``: the grid itself in ``xy``, and
@@ -201,7 +205,7 @@ class PipeSearch:
         m = self.ctx.global_batch // (roles[0] * roles[2] * b)
         for grid, turn in self._turns(roles):
             if len(best) >= top:
-                floor = self._grid_floor(grid, turn, b, mode, pipe, m)
+                floor = self._grid_floor(grid, turn, b, mode, pipe, m, -best[0][0])
                 if floor * (1 - MARGIN) >= -best[0][0]:
                     continue
             for cfg in self._configs(pipe, m):
@@ -223,42 +227,16 @@ class PipeSearch:
                 elif est.step_s < -best[0][0]:
                     heapq.heapreplace(best, item)
 
-    def _block_floor(self, grid, turn: str, b: int, mode: str) -> tuple:
-        """Bound 3's terms on ``grid``: ``(block, costs, z_block, z_ends)``: one block's compute
-        and exposed X/Y and context collectives per micro-batch; the split's costs
-        (:func:`tetrad.plan.pipe.stages.split_costs`); one block's Z queue less its windows and
-        the windows of the embedding and head (a rank of ``k`` blocks exposes at least
-        ``max(0, k z_block - z_ends)`` Z seconds per micro-batch:
-        :func:`tetrad.plan.comm.zwindows.z_queue_seconds`)."""
-        key = (grid[1:], turn, b, mode)  # per micro-batch: the same for every G_data
-        got = self.floor_memo.get(key)
-        if got is None:
-            ctx, L = self.ctx, self.ctx.model.n_layers
-            st = make_step(ctx, grid, b, mode, turn)
-            rec = Recorder(False)
-            layers.context_kv(rec, st)
-            xy = sum(block_xy(ctx, grid, b, mode, turn)[0].values())
-            comp = ctx.compute(role_sizes(grid, turn), b)
-            costs = split_costs(comp, mode)
-            kv = sum(rec.exposed.values()) / (st.acc * L)
-            z_block, z_ends = 0.0, 0.0
-            if st.sizes["z"] > 1 and L > 1:
-                one = make_step(stage_context(ctx, 1), grid, b, mode, turn)
-                zq = (z_queue_seconds(st) - z_queue_seconds(one)) / (L - 1)
-                z_block = zq - window_seconds(comp, 1, st.checkpointing)
-                z_block += window_seconds(comp, 0, st.checkpointing)
-                z_ends = window_seconds(comp, 0, st.checkpointing)
-            got = (costs[0] + xy + kv, costs, z_block, z_ends)
-            self.floor_memo[key] = got
-        return got
-
-    def _grid_floor(self, grid, turn, b, mode, pipe: int, m: int) -> float:
+    def _grid_floor(self, grid, turn, b, mode, pipe: int, m: int, limit=float("inf")) -> float:
         """Bound 3 of every schedule of ``grid``: the average rank (``1/p`` of the whole
         model's terms of :meth:`_block_floor`) times ``m + (p - 1) / v`` with the largest
-        ``v``."""
-        block, _, zb, ze = self._block_floor(grid, turn, b, mode)
-        k = self._most_blocks(pipe)
-        return self._bubble_factor(pipe, m) * (k * block + max(0.0, k * zb - ze))
+        ``v``; without the Z term where that is already not below ``limit`` (less MARGIN)."""
+        block, k = self._base_floor(grid, turn, b, mode)[0], self._most_blocks(pipe)
+        bf = self._bubble_factor(pipe, m)
+        if bf * (k * block) * (1 - MARGIN) >= limit:
+            return bf * (k * block)
+        zb, ze = self._z_floor(grid, turn, b, mode == "full")
+        return bf * (k * block + max(0.0, k * zb - ze))
 
     def _config_floor(self, grid, turn, b, mode, cfg: PipeConfig, m: int) -> float:
         """Bound 3 (module doc): ``(m + (p - 1) / v)`` times a rank of ``ceil(L / p)`` blocks:
