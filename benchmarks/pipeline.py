@@ -80,17 +80,29 @@ Pipeline.loss_busy = 0.0
 Pipeline._loss = _timed(Pipeline._loss, "loss_busy")  # the LM head and loss, last stage
 
 
-def _case(model: str, pipe: int, schedule: str, virtual: int, steps: int, out) -> None:
+def _pipeline(model: str, pipe: int, schedule: str, virtual: int):
+    """``(cfg, grid, pipeline, optimizer, batches)``: tetrad's ``pipe``-stage grid (every other
+    axis 1) on ``model``, initialised, and an endless source of random global batches."""
     cfg, _ = parse_model(model)
     grid = Grid.build((1, 1, 1, 1, 1), pipe=pipe)
     pipeline = Pipeline(cfg, grid, schedule, virtual, MICRO_BATCHES)
     for part in pipeline.parts:
         init_parameters(part, 0, grid)
     opt = build_optimizer(pipeline.parts, 1e-4, 0.1)
+    return cfg, grid, pipeline, opt, _batches(cfg)
+
+
+def _batches(cfg):
     gen = torch.Generator().manual_seed(0)
+    while True:
+        yield torch.randint(0, cfg.vocab_size, (MICRO_BATCHES * MICRO, SEQ + 1), generator=gen)
+
+
+def _case(model: str, pipe: int, schedule: str, virtual: int, steps: int, out) -> None:
+    _, _, pipeline, opt, batches = _pipeline(model, pipe, schedule, virtual)
     rows = []
     for _ in range(steps):
-        batch = torch.randint(0, cfg.vocab_size, (MICRO_BATCHES * MICRO, SEQ + 1), generator=gen)
+        batch = next(batches)
         for stage in [pipeline, *pipeline.stages]:
             stage.busy = 0.0
         pipeline.loss_busy = 0.0
@@ -154,10 +166,10 @@ def _stock_case(model: str, pipe: int, schedule_name: str, steps: int, out) -> N
     cls = SCHEDULES[schedule_name]
     schedule = cls(stage, MICRO_BATCHES, loss_fn=loss_fn, scale_grads=False)
     opt = build_optimizer(part, 1e-4, 0.1)
-    gen = torch.Generator().manual_seed(0)
+    batches = _batches(cfg)
     times, sent = [], []
     for _ in range(steps):
-        batch = torch.randint(0, cfg.vocab_size, (MICRO_BATCHES * MICRO, SEQ + 1), generator=gen)
+        batch = next(batches)
         stage.sent = 0
         dist.barrier()
         t0 = time.perf_counter()
@@ -171,16 +183,10 @@ def _stock_case(model: str, pipe: int, schedule_name: str, steps: int, out) -> N
 
 def _tetrad_timed_case(model: str, pipe: int, schedule: str, steps: int, out) -> None:
     """tetrad's pipe grid, the same model, schedule and micro-batches: whole steps timed."""
-    cfg, _ = parse_model(model)
-    grid = Grid.build((1, 1, 1, 1, 1), pipe=pipe)
-    pipeline = Pipeline(cfg, grid, schedule, 1, MICRO_BATCHES)
-    for part in pipeline.parts:
-        init_parameters(part, 0, grid)
-    opt = build_optimizer(pipeline.parts, 1e-4, 0.1)
-    gen = torch.Generator().manual_seed(0)
+    _, grid, pipeline, opt, batches = _pipeline(model, pipe, schedule, 1)
     times, sent = [], []
     for _ in range(steps):
-        batch = torch.randint(0, cfg.vocab_size, (MICRO_BATCHES * MICRO, SEQ + 1), generator=gen)
+        batch = next(batches)
         grid.comm.reset()
         dist.barrier()
         t0 = time.perf_counter()

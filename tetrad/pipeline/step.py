@@ -10,7 +10,13 @@ from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.spec import Axis
-from tetrad.train.step import autocast, inputs_targets, local_samples, to_device
+from tetrad.train.step import (
+    autocast,
+    inputs_targets,
+    local_samples,
+    sum_over_batch_axes,
+    to_device,
+)
 
 
 def pipeline_train_step(
@@ -56,5 +62,4 @@ def pipeline_evaluate(pipeline: Pipeline, batches: list[torch.Tensor]) -> float:
 
 def _sum_over_pipe_and_batch_axes(t: torch.Tensor, grid: Grid) -> torch.Tensor:
     all_reduce(t, grid, Axis.PIPE)  # only the last stage's is not 0
-    all_reduce(t, grid, Axis.Z)
-    return all_reduce(t, grid, Axis.DATA)  # data x context
+    return sum_over_batch_axes(t, grid)

@@ -119,7 +119,7 @@ def train_step(
     norm = clip_grad_norm(model, grid, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return _sum_over_batch_axes(loss, grid), norm
+    return sum_over_batch_axes(loss, grid), norm
 
 
 @torch.no_grad()
@@ -132,9 +132,11 @@ def evaluate(model: nn.Module, grid: Grid, batches: list[torch.Tensor], micro_ba
         for mb in to_device(local_samples(batch, grid), grid.device).split(micro_batch):
             with autocast(grid.device):
                 total += model.loss_sum(*inputs_targets(mb, grid)).float()
-    return _sum_over_batch_axes(total, grid).item() / n_tokens
+    return sum_over_batch_axes(total, grid).item() / n_tokens
 
 
-def _sum_over_batch_axes(t: torch.Tensor, grid: Grid) -> torch.Tensor:
+def sum_over_batch_axes(t: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """``t`` (a 0-dim loss sum) summed in place over the axes whose ranks see other samples or
+    tokens: Z, then data x context."""
     all_reduce(t, grid, Axis.Z)
     return all_reduce(t, grid, Axis.DATA)  # data x context
