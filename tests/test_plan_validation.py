@@ -154,3 +154,43 @@ def test_grids_cover_every_axis():
         if size > 1
     }
     assert axes == {"data", "context", "z", "y", "x"}
+
+
+def _bf16_worker(out_dir: str) -> None:
+    """Two steps on ``G_z = 2`` under CPU bf16 autocast; this rank's counts of the second."""
+    grid = Grid.build((1, 2, 1, 1), "cpu")
+    batch = torch.randint(0, CFG.vocab_size, (SAMPLES * grid.batch_shards, SEQ + 1))
+    model = ParallelLlama(CFG, grid, False, OVERLAPS, **OPTIONS)
+    init_parameters(model, SEED, grid)
+    opt = build_optimizer(model, LR, weight_decay=0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        train_step(model, opt, grid, batch, SAMPLES // 2, CLIP)
+        grid.comm.reset()
+        train_step(model, opt, grid, batch, SAMPLES // 2, CLIP)
+    stats = grid.comm.reset()
+    counts = {axis: [s.calls, s.payload_bytes, s.bytes] for axis, s in stats.items()}
+    with open(f"{out_dir}/{dist.get_rank()}.json", "w") as fh:
+        json.dump(counts, fh)
+
+
+def test_comm_model_predicts_bf16_z_collectives(tmp_path):
+    """Under bf16 autocast every Z all-gather (the Linears' weights and the embedding table)
+    carries bf16 and every gradient reduce-scatter fp32, as the planner's ``bf16`` model says."""
+    run_distributed(_bf16_worker, 2, str(tmp_path))
+    sizes = (1, 2, 1, 1)
+    cols = collectives(
+        get_model(SPEC),
+        get_machine("perlmutter"),
+        sizes,
+        SAMPLES // 2,
+        SEQ,
+        SAMPLES * 2,
+        activation_checkpointing=False,
+        overlaps=OVERLAPS,
+        compute_bytes=DTYPE_BYTES["bf16"],
+        **OPTIONS,
+    )
+    want = {axis: [t[f] for f in FIELDS] for axis, t in axis_totals(cols).items()}
+    for rank in range(2):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert got == want, f"rank {rank}: runtime {got}, planner {want}"

@@ -4,7 +4,8 @@ The table ``E [V, h]`` is laid out like a transposed Linear whose input is the o
 vocabulary rows over Y (each block's rows again over Z), hidden columns over X. Stored shard:
 ``[V/(G_y G_z), h/G_x]``.
 
-    forward:   E = all-gather_Z(E_shard);  out = all-reduce_Y(lookup of ids in this Y block)
+    forward:   E = all-gather_Z(E_shard) (compute dtype);  out = all-reduce_Y(lookup of ids in
+               this Y block), in the residual stream's dtype (fp32)
     backward:  dE_shard = reduce-scatter_Z(scatter-add of d_out into this Y block's rows)
 """
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
+from tetrad.parallel.linear import compute_dtype
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec import Axis
@@ -23,15 +25,18 @@ from tetrad.spec import Axis
 class _Embedding3D(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, e_shard, ov: Overlap):
-        grid = ov.grid
-        e = ov.gather_weight(e_shard, e_shard.dtype)  # [V/G_y, h/G_x]
+        grid, dtype = ov.grid, compute_dtype(e_shard)
+        # [V/G_y, h/G_x]: over Z gathered in the compute dtype, as every Linear weight is
+        e = ov.gather_weight(e_shard, dtype) if grid.z > 1 else e_shard
         local = ids - grid.coord[Axis.Y] * e.shape[0]
         outside = (local < 0) | (local >= e.shape[0])
-        if grid.y == 1:  # one block holds all V ids: nothing to mask, no sum over Y
-            out = e[local]
-        else:
+        if grid.y > 1:  # one block holds all V ids with G_y = 1: nothing to mask
             local = local.masked_fill(outside, 0)
-            out = e[local].masked_fill(outside.unsqueeze(-1), 0.0)
+        # rows in the compute dtype on every grid (the same values whatever G_z), then in the
+        # residual stream's dtype
+        out = e[local].to(dtype).to(e_shard.dtype)
+        if grid.y > 1:  # rows of other Y blocks' ids are zero here; the sum over Y fills them
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
             all_reduce(out, grid, Axis.Y)
         ctx.save_for_backward(local, outside)
         ctx.weight, ctx.ov, ctx.rows = e_shard, ov, e.shape[0]  # the Parameter itself

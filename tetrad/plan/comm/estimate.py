@@ -18,7 +18,7 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
               backward) and reduce-scatter as a Linear (V h / (G_x G_y)); forward all-gather_X
               of its input m h * c; backward
               reduce-scatter_X m h * c, then all-reduce_Y m h / G_x * c (no logits move)
-    embedding all-gather_Z   V h / (G_y G_x) * 4 (fp32, no cast); all-reduce_Y m h / G_x * 4;
+    embedding all-gather_Z   V h / (G_y G_x) * c (as a Linear's weight); all-reduce_Y m h / G_x * 4;
               backward reduce-scatter_Z V h / (G_y G_x) * 4
     RMSNorm   all-reduce_X   m * 4 forward and backward (2 per block + the final one)
     loss      3 all-reduce_Y and 3 all-reduce_X of m * 4 (max, sum of exp, target logit),

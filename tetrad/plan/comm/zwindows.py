@@ -318,15 +318,16 @@ def _z_record(rec: Recorder, st: Step, sched: ZWindows, w: ZWeight) -> None:
 
 
 def z_tables(rec: Recorder, st: Step) -> None:
-    """Embedding tables (token; GPT: positions): ``rows h / (G_x G_y) * 4`` bytes (fp32, no
-    cast) all-gathered forward and reduce-scattered backward over Z, never overlapped."""
+    """Embedding tables (token; GPT: positions): ``rows h / (G_x G_y)`` elements all-gathered
+    forward (compute dtype, as the Linears' weights) and reduce-scattered backward (fp32) over
+    Z, never overlapped."""
     model = st.model
     tables = [("embedding", model.vocab)]
     if model.max_positions:
         tables.append(("positions", model.max_positions))
     lz = st.links["z"]
     for tab, rows in tables:
-        pay = rows * model.hidden / st.xy * FP32
-        t_g, t_r = lz.time(ALL_GATHER, pay), lz.time(REDUCE_SCATTER, pay)
-        rec.add(tab, "forward", "z", ALL_GATHER, pay, st.acc, t_g, st.acc * t_g)
-        rec.add(tab, "backward", "z", REDUCE_SCATTER, pay, st.acc, t_r, st.acc * t_r)
+        shard = rows * model.hidden / st.xy
+        t_g, t_r = lz.time(ALL_GATHER, shard * st.c), lz.time(REDUCE_SCATTER, shard * FP32)
+        rec.add(tab, "forward", "z", ALL_GATHER, shard * st.c, st.acc, t_g, st.acc * t_g)
+        rec.add(tab, "backward", "z", REDUCE_SCATTER, shard * FP32, st.acc, t_r, st.acc * t_r)
