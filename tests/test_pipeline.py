@@ -29,8 +29,8 @@ from tetrad.parallel.model import compile_blocks
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.split import PipelineSplitError, balanced_split, check_schedule
 from tetrad.pipeline.step import pipeline_train_step
-from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, in_flight_chunks, p2p_bytes
-from tetrad.spec import OVERLAPS
+from tetrad.plan.pipe.schedule import in_flight_chunks, p2p_bytes
+from tetrad.spec import DTYPE_BYTES, OVERLAPS
 from tetrad.train.export import export
 from tetrad.train.step import build_optimizer, lr_at
 
@@ -125,20 +125,22 @@ def test_compiled_stages_match_reference(reference):
 
 
 def pipeline_bytes_runs(world_size, cases):
-    for pipe, sizes, schedule, virtual in cases:
+    for pipe, sizes, schedule, virtual, dtype in cases:
         grid = Grid.build(sizes, pipe=pipe)
         m = BATCH // (grid.data * grid.z) // MICRO
         pipeline = Pipeline(CFG, grid, schedule, virtual, m)
         for part in pipeline.parts:
             init_parameters(part, SEED, grid)
         opt = build_optimizer(pipeline.parts, LR, weight_decay=0.1)
+        bf16 = dtype == "bf16"
         for batch in batches()[:2]:
             grid.comm.reset()  # the first step also infers the boundary shapes
-            pipeline_train_step(pipeline, opt, batch, CLIP)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                pipeline_train_step(pipeline, opt, batch, CLIP)
         sent = grid.comm.reset()["pipe"]
         stages = pipeline.stages
         sends = sum(not s.is_last for s in stages) + sum(not s.is_first for s in stages)
-        per = p2p_bytes(MICRO, SEQ, CFG.dim, grid.context, grid.x, RESIDUAL_BYTES)
+        per = p2p_bytes(MICRO, SEQ, CFG.dim, grid.context, grid.x, DTYPE_BYTES[dtype])
         loss = 2 * (pipe - 1) / pipe * 4  # the step's fp32 loss all-reduced over the stages
         assert sent.bytes == per * m * sends + loss, f"pipe {pipe} {sizes} {schedule}"
         assert sent.calls == m * sends + 1
@@ -147,8 +149,14 @@ def pipeline_bytes_runs(world_size, cases):
 def test_pipeline_bytes_equal_the_planner():
     """Point-to-point bytes per step on the ``pipe`` record equal the planner's
     ``p2p_bytes`` per boundary and micro-batch, times the rank's sends (plus the loss's
-    all-reduce over the stages)."""
-    cases = [(2, (1, 1, 1, 1, 2), "1f1b", 1), (2, (1, 2, 1, 1, 1), "interleaved-1f1b", 2)]
+    all-reduce over the stages): in fp32, and under bf16 autocast, where the residual stream
+    crosses the boundaries in bf16."""
+    cases = [
+        (2, (1, 1, 1, 1, 2), "1f1b", 1, "fp32"),
+        (2, (1, 2, 1, 1, 1), "interleaved-1f1b", 2, "fp32"),
+        (2, (1, 1, 1, 1, 2), "1f1b", 1, "bf16"),
+        (2, (1, 1, 2, 1, 1), "interleaved-1f1b", 2, "bf16"),
+    ]
     run_distributed(pipeline_bytes_runs, 4, 4, cases)
 
 

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from tetrad.comm import count_sends
 from tetrad.models.llama import Transformer
+from tetrad.parallel.linear import compute_dtype
 from tetrad.spec import Axis
 
 
@@ -28,14 +29,26 @@ class StageForward(nn.Module):
 
     ``x``: token ids ``[b, S/G_context]`` on the first stage, else the residual stream
     ``[b, S/G_context, h/G_x]``; returns the residual stream, or on the last stage the final
-    norm's output (the LM head and loss run in the schedule's ``loss_fn``)."""
+    norm's output (the LM head and loss run in the schedule's ``loss_fn``).
 
-    def __init__(self, part: Transformer):
+    The residual stream crosses a stage boundary in the compute dtype (bf16 under CUDA
+    autocast, as Megatron-LM's activations; fp32 on CPU) and continues in the parameters'
+    dtype (fp32) on the next stage: half the point-to-point bytes of an fp32 boundary.
+
+    Args:
+        part: the stage's model part.
+        sends: whether the output goes to a next stage (every stage but the last).
+    """
+
+    def __init__(self, part: Transformer, sends: bool = True):
         super().__init__()
-        self.part = part
+        self.part, self.sends = part, sends
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.part.hidden(x)
+        if x.is_floating_point():  # the residual stream, received in the compute dtype
+            x = x.to(next(self.part.parameters()).dtype)
+        h = self.part.hidden(x)
+        return h.to(compute_dtype(h)) if self.sends else h
 
 
 class TetradStage(PipelineStage):
@@ -49,7 +62,8 @@ class TetradStage(PipelineStage):
     """
 
     def __init__(self, part: Transformer, stage_index: int, num_stages: int, device, group):
-        super().__init__(StageForward(part), stage_index, num_stages, device, group=group)
+        forward = StageForward(part, sends=stage_index < num_stages - 1)
+        super().__init__(forward, stage_index, num_stages, device, group=group)
         self.overlap = getattr(part, "overlap", None)
         self.grid = getattr(part.layer_factory, "grid", None)
 
