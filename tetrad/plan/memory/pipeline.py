@@ -7,8 +7,8 @@ Per pipeline rank ``r`` holding ``k`` blocks over its ``v`` stages
 (:class:`tetrad.plan.pipe.stages.PipeRank`):
 
 - parameters, gradients and AdamW states (16 bytes per local element) of its blocks, plus the
-  embedding tables on the rank of stage 0 and the LM head on the rank of the last stage (a tied
-  head is counted as the embedding's copy there);
+  embedding tables on the rank of stage 0 and the final norm and LM head on the rank of the last
+  stage (a tied head is counted as the embedding's copy there);
 - every phase of the runtime's model on a ``k``-block model; the LM head's two phases only on
   the last stage's rank, the embedding's saved input only on stage 0's;
 - ``n_r / v - 1`` more micro-batches' saved activations (its blocks', and the embedding's on
@@ -39,16 +39,16 @@ ENDS = ("backward: end", "optimizer step")
 """Phases after the last micro-batch's backward: no other micro-batch is in flight."""
 
 
-def _table_elements(model: ModelSpec, grid) -> tuple[int, int]:
-    """``(embedding, LM head)`` local elements, as :mod:`tetrad.plan.memory.states` counts
-    them (``n k / (G_x G_y G_z)`` per table)."""
+def _table_elements(model: ModelSpec, grid) -> tuple[int, int, int]:
+    """``(embedding, LM head, final norm)`` local elements, as :mod:`tetrad.plan.memory.states`
+    counts them (``n k / (G_x G_y G_z)`` per table, ``h / G_x`` for the norm)."""
     _, gz, gy, gx = grid_sizes(grid)
     shard = gx * gy * gz
     emb = model.vocab * model.hidden // shard
     if model.max_positions:
         emb += model.max_positions * model.hidden // shard
     head = model.vocab * model.hidden // shard
-    return emb, head
+    return emb, head, model.norm_params() // gx
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -102,9 +102,9 @@ def stage_memory(
         prefetch,
     )
     static = dict(static)
-    emb_el, head_el = _table_elements(model, grid)
-    drop = (0 if prank.first else emb_el) + (0 if prank.last else head_el)
-    add = head_el if prank.last and model.tied_embeddings else 0
+    emb_el, head_el, final_norm = _table_elements(model, grid)
+    drop = (0 if prank.first else emb_el) + (0 if prank.last else head_el + final_norm)
+    add = head_el if prank.last and not prank.first and model.tied_embeddings else 0
     for name, per in (("parameters", 4), ("gradients", 4), ("optimizer_states", 8)):
         static[name] += per * (add - drop)
     emb_saved = saved["embedding"] if prank.first else 0.0
