@@ -14,11 +14,11 @@ Per pipeline rank ``r`` holding ``k`` blocks over its ``v`` stages
 - in every phase up to the end of backward, the saved activations of the chunk passes (one
   micro-batch through one stage) its schedule keeps in flight at its peak, in place of that one
   micro-batch's (:func:`in_flight_bytes`): per pass its stage's blocks' saved tensors (with the
-  positions and context masks each stage's forward builds), the embedding's on stage 0, the
-  final norm's and the LM head's saved weight gradient on the last stage. Which passes are in
-  flight: GPipe all ``m``; 1F1B ``min(m, p - r)`` of its one stage
-  (:func:`tetrad.plan.pipe.schedule.in_flight_chunks`); interleaved 1F1B torch's order played
-  out (:func:`in_flight_sets`), whose most passes are that count too. The head's weight
+  positions each stage's forward builds; the context masks once per stage, which its attention
+  caches), the embedding's on stage 0, the final norm's and the LM head's saved weight gradient
+  on the last stage. Which passes are in flight: GPipe all ``m``; 1F1B ``min(m, p - r)`` of its
+  one stage (:func:`tetrad.plan.pipe.schedule.in_flight_chunks`); interleaved 1F1B torch's order
+  played out (:func:`in_flight_sets`), whose most passes are that count too. The head's weight
   gradient is counted in the runtime model's ``logits_and_loss`` for the current micro-batch
   and in ``activations`` for the others (GPipe's last rank holds one per micro-batch);
 - ``pipeline_buffers`` (``p > 1``): the receive buffers of ``torch.distributed.pipelining``'s
@@ -38,8 +38,9 @@ import dataclasses
 import functools
 import operator
 
+from tetrad.plan.comm.context_parallel import context_shared_bytes
 from tetrad.plan.errors import PlanError
-from tetrad.plan.memory.activations import saved_activations
+from tetrad.plan.memory.activations import dtype_bytes, saved_activations
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.runtime import phase_components
 from tetrad.plan.model.grids import context_size, grid_sizes
@@ -191,12 +192,18 @@ def in_flight_bytes(
     saved, held, out = _chunks(model, grid, micro_batch, seq_len, prank, opts)
     v = len(prank.chunk_blocks)
     sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
+    # the context masks and chunk order: built once per stage and shared by its passes
+    shared = 0.0
+    if opts[0].partition(":")[0] != "full":
+        shared = context_shared_bytes(seq_len, context_size(grid), dtype_bytes(opts[1]))
+    saved = [s - shared for s in saved]
     best = sets[0]
     if len(sets) > 1:
         per = list(map(operator.add, saved, held))
-        best = max(sets, key=lambda c: sum(map(operator.mul, c, per)))
+        best = max(sets, key=lambda c: sum(map(operator.mul, c, per)) + shared * sum(map(bool, c)))
+    in_flight = sum(map(operator.mul, best, saved)) + shared * sum(map(bool, best))
     persistent = micro_batches * sum(boundaries_of_rank(pipe, prank.rank, v)) * out
-    return sum(map(operator.mul, best, saved)), sum(map(operator.mul, best, held)), persistent
+    return in_flight, sum(map(operator.mul, best, held)), persistent
 
 
 COMPONENTS = (
