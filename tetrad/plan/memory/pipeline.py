@@ -7,30 +7,50 @@ Per pipeline rank ``r`` holding ``k`` blocks over its ``v`` stages
 (:class:`tetrad.plan.pipe.stages.PipeRank`):
 
 - parameters, gradients and AdamW states (16 bytes per local element) of its blocks, plus the
-  embedding tables on the rank of stage 0 and the LM head on the rank of the last stage (a tied
-  head is counted as the embedding's copy there);
+  embedding tables on the rank of stage 0 and the final norm and LM head on the rank of the last
+  stage (a tied head is counted as the embedding's copy there);
 - every phase of the runtime's model on a ``k``-block model; the LM head's two phases only on
   the last stage's rank, the embedding's saved input only on stage 0's;
-- ``n_r / v - 1`` more micro-batches' saved activations (its blocks', and the embedding's on
-  stage 0) in every phase up to the end of backward, where ``n_r`` is
-  :func:`tetrad.plan.pipe.schedule.in_flight_chunks` (GPipe ``m v``; 1F1B ``min(m, p - r)``;
-  interleaved Megatron's warm-up + 1), in chunk passes of ``1/v`` of its blocks each.
+- in every phase up to the end of backward, the saved activations of the chunk passes (one
+  micro-batch through one stage) its schedule keeps in flight at its peak, in place of that one
+  micro-batch's (:func:`in_flight_bytes`): per pass its stage's blocks' saved tensors (with the
+  positions each stage's forward builds; the context masks once per stage, which its attention
+  caches), the embedding's on stage 0, the final norm's and the LM head's saved weight gradient
+  on the last stage. Which passes are in flight: GPipe all ``m``; 1F1B ``min(m, p - r)`` of its
+  one stage (:func:`tetrad.plan.pipe.schedule.in_flight_chunks`); interleaved 1F1B torch's order
+  played out (:func:`in_flight_sets`), whose most passes are that count too. The head's weight
+  gradient is counted in the runtime model's ``logits_and_loss`` for the current micro-batch
+  and in ``activations`` for the others (GPipe's last rank holds one per micro-batch);
+- ``pipeline_buffers`` (``p > 1``): the receive buffers of ``torch.distributed.pipelining``'s
+  stages, one ``[b, S/G_context, h/G_x]`` fp32 tensor per micro-batch, stage and direction
+  (``m`` each, allocated at the first step and kept: a stage 0 receives no activation, the last
+  stage no gradient), and up to the end of backward each in-flight pass's stage output, which
+  the stage keeps for its backward (only stage 0's count: on the other stages the input buffer,
+  saved in ``activations``, stands for it).
 
-Not counted (as without a pipeline, the 20% margin): the point-to-point receive buffers (two
-``[b, S/G_context, h/G_x]`` tensors per stage).
+Checked against the runtime on gloo ranks (tests/test_pipeline_memory.py): model states, saved
+activations at the peak, receive buffers and held outputs, to the byte.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
-from tetrad.plan.memory.activations import saved_activations
+from tetrad.plan.comm.context_parallel import context_shared_bytes
+from tetrad.plan.errors import PlanError
+from tetrad.plan.memory.activations import dtype_bytes, saved_activations
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.runtime import phase_components
-from tetrad.plan.model.grids import grid_sizes
+from tetrad.plan.model.grids import context_size, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
-from tetrad.plan.pipe.schedule import in_flight_chunks
+from tetrad.plan.pipe.schedule import (
+    RESIDUAL_BYTES,
+    boundaries_of_rank,
+    in_flight_chunks,
+    p2p_bytes,
+)
 from tetrad.plan.pipe.stages import PipeRank
 
 HEAD_PHASES = ("forward: LM head", "backward: LM head")
@@ -39,16 +59,16 @@ ENDS = ("backward: end", "optimizer step")
 """Phases after the last micro-batch's backward: no other micro-batch is in flight."""
 
 
-def _table_elements(model: ModelSpec, grid) -> tuple[int, int]:
-    """``(embedding, LM head)`` local elements, as :mod:`tetrad.plan.memory.states` counts
-    them (``n k / (G_x G_y G_z)`` per table)."""
+def _table_elements(model: ModelSpec, grid) -> tuple[int, int, int]:
+    """``(embedding, LM head, final norm)`` local elements, as :mod:`tetrad.plan.memory.states`
+    counts them (``n k / (G_x G_y G_z)`` per table, ``h / G_x`` for the norm)."""
     _, gz, gy, gx = grid_sizes(grid)
     shard = gx * gy * gz
     emb = model.vocab * model.hidden // shard
     if model.max_positions:
         emb += model.max_positions * model.hidden // shard
     head = model.vocab * model.hidden // shard
-    return emb, head
+    return emb, head, model.norm_params() // gx
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -71,6 +91,132 @@ def stage_parts(
     return static, phases, saved
 
 
+def interleaved_order(pipe: int, rank: int, virtual: int, micro_batches: int):
+    """``(forward, k)`` for each chunk pass of pipeline rank ``rank`` under torch's
+    ``ScheduleInterleaved1F1B`` (``_get_1f1b_rank_ops``), in execution order: ``k`` is the
+    rank's local stage (``0 .. v - 1``); rounds of ``m / max(1, m // p)`` micro-batches, warm-up
+    ``min((v - 1) per_round + 2 (p - 1 - r), m v)`` forwards, then one forward and one backward
+    per step (forwards in stage order, backwards from the last local stage), then the rest of
+    the backwards."""
+    per = micro_batches // max(1, micro_batches // pipe)
+    total = micro_batches * virtual
+    warmup = min((virtual - 1) * per + 2 * (pipe - 1 - rank), total)
+    for step in range(total + warmup):
+        if step < total:
+            yield True, (step // per) % virtual
+        if step >= warmup:
+            yield False, virtual - 1 - ((step - warmup) // per) % virtual
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def in_flight_sets(
+    schedule: str, pipe: int, rank: int, virtual: int, micro_batches: int
+) -> tuple[tuple[int, ...], ...]:
+    """The micro-batches in flight per local stage of pipeline rank ``rank`` (``c[k]`` for its
+    ``k``-th stage, execution order) after each of its forward chunk passes, the sets that no
+    other set covers (any of them can be the peak, whatever the stages' sizes). GPipe holds
+    all ``m`` of every stage, 1F1B (one stage) ``min(m, p - r)``: both
+    :func:`tetrad.plan.pipe.schedule.in_flight_chunks`; interleaved 1F1B is played out
+    (:func:`interleaved_order`; its largest total is ``in_flight_chunks``)."""
+    if schedule != "interleaved-1f1b":
+        n = in_flight_chunks(schedule, pipe, rank, virtual, micro_batches)
+        return ((n // virtual,) * virtual,)
+    counts, seen = [0] * virtual, set()
+    for forward, k in interleaved_order(pipe, rank, virtual, micro_batches):
+        counts[k] += 1 if forward else -1
+        if forward:
+            seen.add(tuple(counts))
+    # the warm-up's sets grow into the first steady one; after each steady forward the rank
+    # holds the most passes: those sets cover all others (and none covers another)
+    most = max(map(sum, seen))
+    return tuple(sorted(c for c in seen if sum(c) == most))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _saved(
+    model: ModelSpec, blocks: int, grid: tuple, micro_batch: int, seq_len: int, ckpt, dtype
+) -> dict[str, float]:
+    """:func:`saved_activations` of a ``blocks`` model (one stage), memoised."""
+    sm = dataclasses.replace(model, n_layers=blocks)
+    return saved_activations(
+        sm, grid, micro_batch, seq_len, activation_checkpointing=ckpt, dtype=dtype
+    )
+
+
+def _chunks(
+    model: ModelSpec, grid: tuple, micro_batch: int, seq_len: int, prank: PipeRank, opts: tuple
+) -> tuple[list[float], list[float], float]:
+    """``(saved, held, out)``: for one micro-batch through each of the rank's stages (execution
+    order), the bytes autograd saves (its blocks', with the embedding's on stage 0 and the final
+    norm's and the LM head's on the last stage) and those the schedule holds besides until the
+    pass's backward; ``out`` is one boundary tensor ``[b, S/G_context, h/G_x]`` fp32.
+
+    Held: the stage's output (kept in the stage's forward cache). On every stage but stage 0 the
+    input is a persistent receive buffer, counted in the buffers and, while its pass is in
+    flight, saved as the first block's input: the two cancel, so only stage 0 holds ``out``."""
+    out = p2p_bytes(
+        micro_batch, seq_len, model.hidden, context_size(grid), grid_sizes(grid)[3], RESIDUAL_BYTES
+    )
+    v = len(prank.chunk_blocks)
+    saved, held = [], []
+    for k, blocks in enumerate(prank.chunk_blocks):
+        if blocks == prank.blocks:  # one stage: the rank model's (memoised with its phases)
+            s = stage_parts(model, blocks, grid, micro_batch, seq_len, *opts)[2]
+        else:
+            s = _saved(model, blocks, grid, micro_batch, seq_len, *opts[:2])
+        first, last = prank.first and k == 0, prank.last and k == v - 1
+        ends = (s["embedding"] if first else 0.0) + (s["final_norm"] + s["loss"] if last else 0.0)
+        saved.append(s["blocks"] + ends)
+        held.append(out if first else 0.0)
+    return saved, held, out
+
+
+def in_flight_bytes(
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    prank: PipeRank,
+    schedule: str,
+    pipe: int,
+    micro_batches: int,
+    opts: tuple,
+) -> tuple[float, float, float]:
+    """``(saved, held, persistent)`` bytes of pipeline rank ``prank`` at its peak: the saved
+    tensors of the chunk passes in flight (:func:`in_flight_sets`, the set with the most bytes),
+    what the schedule holds besides for them (:func:`_chunks`), and the receive buffers, one
+    ``[b, S/G_context, h/G_x]`` fp32 per micro-batch, stage and direction
+    (:func:`tetrad.plan.pipe.schedule.boundaries_of_rank`), allocated once and kept.
+    ``opts``: ``(checkpointing, dtype, prefetch)``."""
+    grid = tuple(grid)
+    saved, held, out = _chunks(model, grid, micro_batch, seq_len, prank, opts)
+    v = len(prank.chunk_blocks)
+    sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
+    # the context masks and chunk order: built once per stage and shared by its passes
+    shared = 0.0
+    if opts[0].partition(":")[0] != "full":
+        shared = context_shared_bytes(seq_len, context_size(grid), dtype_bytes(opts[1]))
+    saved = [s - shared for s in saved]
+    best = sets[0]
+    if len(sets) > 1:
+        per = list(map(operator.add, saved, held))
+        best = max(sets, key=lambda c: sum(map(operator.mul, c, per)) + shared * sum(map(bool, c)))
+    in_flight = sum(map(operator.mul, best, saved)) + shared * sum(map(bool, best))
+    persistent = micro_batches * sum(boundaries_of_rank(pipe, prank.rank, v)) * out
+    return in_flight, sum(map(operator.mul, best, held)), persistent
+
+
+COMPONENTS = (
+    "activations",
+    "logits_and_loss",
+    "recompute_activations",
+    "gathered_weights",
+    "reduce_scatter_buffers",
+    "step_buffers",
+)
+"""The runtime model's components besides the model states (0 where not alive at the peak)."""
+
+
 def stage_memory(
     model: ModelSpec,
     grid,
@@ -78,37 +224,57 @@ def stage_memory(
     seq_len: int,
     gpu_memory_bytes: float,
     prank: PipeRank,
-    in_flight: int,
-    virtual: int,
+    schedule: str,
+    pipe: int,
+    micro_batches: int,
     *,
     activation_checkpointing: str = "none",
     dtype: str = "bf16",
     prefetch: bool = True,
 ) -> MemoryBreakdown:
-    """The memory of pipeline rank ``prank`` (module doc) with ``in_flight`` chunk passes in
-    flight, ``grid`` the 5D roles' sizes.
+    """The memory of pipeline rank ``prank`` of ``pipe`` under ``schedule`` with
+    ``micro_batches`` per step (module doc), ``grid`` the 5D roles' sizes.
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
     """
-    static, phases, saved = stage_parts(
-        model,
-        prank.blocks,
-        tuple(grid),
-        micro_batch,
-        seq_len,
-        activation_checkpointing,
-        dtype,
-        prefetch,
-    )
+    grid = tuple(grid)
+    opts = (activation_checkpointing, dtype, prefetch)
+    static, phases, saved = stage_parts(model, prank.blocks, grid, micro_batch, seq_len, *opts)
     static = dict(static)
-    emb_el, head_el = _table_elements(model, grid)
-    drop = (0 if prank.first else emb_el) + (0 if prank.last else head_el)
-    add = head_el if prank.last and model.tied_embeddings else 0
+    emb_el, head_el, final_norm = _table_elements(model, grid)
+    drop = (0 if prank.first else emb_el) + (0 if prank.last else head_el + final_norm)
+    add = head_el if prank.last and not prank.first and model.tied_embeddings else 0
     for name, per in (("parameters", 4), ("gradients", 4), ("optimizer_states", 8)):
         static[name] += per * (add - drop)
-    emb_saved = saved["embedding"] if prank.first else 0.0
-    extra = (in_flight / virtual - 1.0) * (saved["blocks"] + emb_saved)
+    flight = in_flight_bytes(
+        model, grid, micro_batch, seq_len, prank, schedule, pipe, micro_batches, opts
+    )
+    live = _live_phases(phases, saved, prank, flight, pipe > 1)
+    base = sum(static.values())
+    totals = {name: base + sum(c.values()) for name, c in live.items()}
+    peak = max(totals, key=lambda k: totals[k])
+    zero = dict.fromkeys(COMPONENTS + (("pipeline_buffers",) if pipe > 1 else ()), 0.0)
+    return MemoryBreakdown(
+        components={**static, **zero, **live[peak]},
+        gpu_memory_bytes=float(gpu_memory_bytes),
+        peak_phase=f"stage rank {prank.rank}: {peak}",
+        phases=totals,
+    )
+
+
+def _live_phases(
+    phases: dict, saved: dict, prank: PipeRank, flight: tuple, buffers: bool
+) -> dict[str, dict[str, float]]:
+    """Each phase's live components (module doc): the runtime model's ``phases`` of one
+    micro-batch through the rank's blocks (``saved``: its saved activations), the other
+    in-flight passes' saved tensors added to ``activations`` up to the end of backward, and with
+    ``buffers`` the receive buffers and held outputs (``flight``: :func:`in_flight_bytes`) as
+    ``pipeline_buffers``."""
+    in_flight, held, persistent = flight
+    one = saved["blocks"] + (saved["embedding"] if prank.first else 0.0)
+    if prank.last:
+        one += saved["final_norm"] + saved["loss"]
     live: dict[str, dict[str, float]] = {}
     for name, comps in phases.items():
         if name in HEAD_PHASES and not prank.last:
@@ -117,28 +283,11 @@ def stage_memory(
         if "activations" in comps and not prank.first:
             comps["activations"] -= saved["embedding"]
         if name not in ENDS:
-            comps["activations"] = comps.get("activations", 0.0) + extra
+            comps["activations"] = comps.get("activations", 0.0) + in_flight - one
+        if buffers:
+            comps["pipeline_buffers"] = persistent + (0.0 if name in ENDS else held)
         live[name] = comps
-    base = sum(static.values())
-    totals = {name: base + sum(c.values()) for name, c in live.items()}
-    peak = max(totals, key=lambda k: totals[k])
-    zero = dict.fromkeys(
-        (
-            "activations",
-            "logits_and_loss",
-            "recompute_activations",
-            "gathered_weights",
-            "reduce_scatter_buffers",
-            "step_buffers",
-        ),
-        0.0,
-    )
-    return MemoryBreakdown(
-        components={**static, **zero, **live[peak]},
-        gpu_memory_bytes=float(gpu_memory_bytes),
-        peak_phase=f"stage rank {prank.rank}: {peak}",
-        phases=totals,
-    )
+    return live
 
 
 def pipeline_memory(
@@ -157,28 +306,30 @@ def pipeline_memory(
     prefetch: bool = True,
 ) -> tuple[MemoryBreakdown, list[MemoryBreakdown]]:
     """``(worst rank's breakdown, every rank's)`` of a pipeline of ``len(ranks)`` ranks under
-    ``schedule`` with ``micro_batches`` per step (module doc).
+    ``schedule`` with ``micro_batches`` per step (module doc); ``virtual``, the stages per
+    rank, is each rank's ``len(chunk_blocks)``.
 
     Raises:
-        PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
+        PlanError: a bad grid, a size that does not shard on it, an unknown dtype, or ranks
+            without ``virtual`` stages each.
     """
-    pipe = len(ranks)
-    out = []
-    for r in ranks:
-        n = in_flight_chunks(schedule, pipe, r.rank, virtual, micro_batches)
-        out.append(
-            stage_memory(
-                model,
-                grid,
-                micro_batch,
-                seq_len,
-                gpu_memory_bytes,
-                r,
-                n,
-                virtual,
-                activation_checkpointing=activation_checkpointing,
-                dtype=dtype,
-                prefetch=prefetch,
-            )
+    if any(len(r.chunk_blocks) != virtual for r in ranks):
+        raise PlanError(f"pipeline ranks {ranks} do not have {virtual} stages each")
+    out = [
+        stage_memory(
+            model,
+            grid,
+            micro_batch,
+            seq_len,
+            gpu_memory_bytes,
+            r,
+            schedule,
+            len(ranks),
+            micro_batches,
+            activation_checkpointing=activation_checkpointing,
+            dtype=dtype,
+            prefetch=prefetch,
         )
+        for r in ranks
+    ]
     return max(out, key=lambda mb: mb.total), out

@@ -1,0 +1,319 @@
+"""The planner's per-rank memory of pipeline grids against what each pipeline rank of the
+runtime really allocates, saves and holds (:func:`tetrad.plan.memory.pipeline.pipeline_memory`).
+
+On gloo ranks (CPU, fp32), for pipeline grids of 2 and 4 ranks (alone and with data, context,
+Z, Y or X; GPipe, 1F1B, interleaved 1F1B; checkpointing none, full and selective), every rank
+measures over the second training step (the first also infers the boundary shapes), for its
+stages:
+
+- parameter bytes: its parts' parameters' ``nbytes``;
+- gradient bytes: ``.grad`` ``nbytes`` when the optimizer step begins;
+- optimizer-state bytes: AdamW's ``exp_avg`` + ``exp_avg_sq`` after the step;
+- peak saved activations: the most bytes of unique storages held for backward at once. Every
+  tensor autograd saves in forward is packed into a :class:`_Held`, whose lifetime is the saved
+  reference (autograd drops it when the node's backward runs); parameters are left out, and so
+  are tensors saved during backward (full's and selective's recomputation: the planner's
+  ``recompute_activations``). Under ``selective`` the blocks' kept tensors are packed by
+  :mod:`tetrad.models.recompute`'s own hook, which is wrapped the same way;
+- receive buffers: the bytes of the stages' receive buffers after the step (one per
+  micro-batch and direction, kept);
+- peak held: the most bytes of saved storages, receive buffers and the stage outputs that the
+  stages keep for their backward (``fwd_cache``), unique storages, at once.
+
+All must equal the planner's to the byte: model states its rank breakdown's components, the
+saved and held peaks and the buffers :func:`tetrad.plan.memory.pipeline.in_flight_bytes` (in
+the breakdown, the saved peak is ``activations`` up to the end of backward, with the LM head's
+saved weight gradient of the current micro-batch in ``logits_and_loss``; the rest is
+``pipeline_buffers``).
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining.schedules import _ComputationType
+
+from tests.distributed import run_distributed
+from tetrad.grid import Grid
+from tetrad.models import recompute
+from tetrad.models.config import PRESETS
+from tetrad.parallel import init_parameters
+from tetrad.pipeline.schedule import Pipeline
+from tetrad.pipeline.split import stages_of_rank
+from tetrad.pipeline.step import pipeline_train_step
+from tetrad.plan.memory.activations import saved_activations
+from tetrad.plan.memory.pipeline import (
+    HEAD_PHASES,
+    in_flight_bytes,
+    in_flight_sets,
+    interleaved_order,
+    pipeline_memory,
+)
+from tetrad.plan.pipe.schedule import in_flight_chunks
+from tetrad.plan.pipe.stages import PipeRank
+from tetrad.spec import Axis
+from tetrad.train.step import build_optimizer
+
+CFG = dataclasses.replace(PRESETS["tiny"], n_layers=4)
+MICRO, SEQ, SEED = 2, 16, 3
+CASES = {  # (pipe, (G_data, G_context, G_z, G_y, G_x), schedule, virtual, micro-batches, mode)
+    2: [
+        (2, (1, 1, 1, 1, 1), "1f1b", 1, 4, "none"),
+        (2, (1, 1, 1, 1, 1), "gpipe", 1, 3, "full"),
+        (2, (1, 1, 1, 1, 1), "interleaved-1f1b", 2, 4, "none"),
+        (2, (1, 1, 1, 1, 1), "interleaved-1f1b", 2, 4, "full"),
+    ],
+    4: [
+        (4, (1, 1, 1, 1, 1), "1f1b", 1, 4, "none"),
+        (2, (1, 1, 2, 1, 1), "1f1b", 1, 2, "full"),
+        (2, (2, 1, 1, 1, 1), "gpipe", 1, 2, "none"),
+        (2, (1, 1, 1, 2, 1), "interleaved-1f1b", 2, 2, "selective"),
+        (2, (1, 2, 1, 1, 1), "1f1b", 1, 2, "none"),
+        (2, (1, 2, 1, 1, 1), "interleaved-1f1b", 2, 2, "none"),
+        (2, (1, 1, 1, 1, 2), "interleaved-1f1b", 2, 4, "full"),
+    ],
+}
+STATES = ("parameters", "gradients", "optimizer_states")
+
+
+class _Held:
+    """A saved tensor as autograd keeps it: its storage counts while autograd holds this."""
+
+    __slots__ = ("live", "key", "t")
+
+    def __init__(self, live: "LiveBytes", t: torch.Tensor, key: int):
+        self.live, self.key, self.t = live, key, t
+
+    def __del__(self):
+        self.live.release(self.key)
+
+
+def _unpack(packed):
+    return packed.t if isinstance(packed, _Held) else packed
+
+
+class LiveBytes:
+    """Bytes of the unique storages autograd holds for backward now (:attr:`now`), at most
+    (:attr:`saved_peak`), and at most together with the storages ``others()`` gives
+    (``{data_ptr: nbytes}``: buffers the schedule holds), :attr:`held_peak`. Parameters
+    (``exclude``) and tensors saved during backward are left out."""
+
+    def __init__(self, exclude: set[int], others):
+        self.exclude, self.others = exclude, others
+        self.refs: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.now = self.saved_peak = self.held_peak = 0
+
+    def pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self.exclude or not st.nbytes() or torch._C._current_graph_task_id() != -1:
+            return t
+        if key not in self.refs:
+            self.refs[key], self.size[key] = 0, st.nbytes()
+            self.now += st.nbytes()
+            self.saved_peak = max(self.saved_peak, self.now)
+            self.sample()
+        self.refs[key] += 1
+        return _Held(self, t, key)
+
+    def sample(self) -> None:
+        """Update :attr:`held_peak` with what is alive now."""
+        extra = sum(n for k, n in self.others().items() if k not in self.refs)
+        self.held_peak = max(self.held_peak, self.now + extra)
+
+    def release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.now -= self.size.pop(key)
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        self._ctx.__enter__()
+        self._inner = inner_pack, inner_unpack = recompute._pack, recompute._unpack
+
+        def pack(t):  # selective mode's hook: wrap what it keeps as it is
+            out = inner_pack(t)
+            return self.pack(t) if out is t else out
+
+        recompute._pack = pack
+        recompute._unpack = lambda p: inner_unpack(_unpack(p))
+        return self
+
+    def __exit__(self, *exc):
+        recompute._pack, recompute._unpack = self._inner
+        self._ctx.__exit__(*exc)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _storages(tensors) -> dict[int, int]:
+    out = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+def _recv_buffers(stages) -> list[torch.Tensor]:
+    """The stages' receive buffers (one per micro-batch and direction)."""
+    infos = [i for s in stages for r in (s.args_recv_info, s.grad_recv_info) for i in r.values()]
+    return [i.buffer for group in infos for i in group if i.buffer is not None]
+
+
+def _held(stages) -> dict[int, int]:
+    """Storages the stages hold besides saved tensors: receive buffers, kept outputs."""
+    outputs = [t for s in stages for out, _ in s.fwd_cache.values() for t in out]
+    return _storages(_recv_buffers(stages) + outputs)
+
+
+class _Recording:
+    """The optimizer, recording the gradient bytes when its step begins."""
+
+    def __init__(self, opt: torch.optim.Optimizer, params: list):
+        self.opt, self.params, self.gradients = opt, params, None
+
+    def step(self):
+        assert all(p.grad is not None for p in self.params)
+        self.gradients = _nbytes(p.grad for p in self.params)
+        self.opt.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+
+def _sampling(forward, live: LiveBytes):
+    """``forward_one_chunk`` that samples the held bytes once the stage keeps its output."""
+
+    def run(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        live.sample()
+        return out
+
+    return run
+
+
+def _order(pipeline: Pipeline, rank: int) -> list[tuple[bool, int]]:
+    """``(forward, local stage)`` of each chunk pass the interleaved schedule runs on ``rank``."""
+    pipe = pipeline.grid.pipe
+    ops = [a for a in pipeline.schedule.pipeline_order[rank] if a is not None]
+    return [(a.computation_type == _ComputationType.FORWARD, a.stage_index // pipe) for a in ops]
+
+
+def _measure(pipe, sizes, schedule, virtual, m, mode) -> dict:
+    grid = Grid.build(sizes, pipe=pipe)
+    pipeline = Pipeline(CFG, grid, schedule, virtual, m, activation_checkpointing=mode)
+    for part in pipeline.parts:
+        init_parameters(part, SEED, grid)
+    params = list(pipeline.parts.parameters())
+    opt = _Recording(build_optimizer(pipeline.parts, 1e-3, weight_decay=0.1), params)
+    g = torch.Generator().manual_seed(SEED)
+    batch = torch.randint(0, CFG.vocab_size, (m * MICRO * grid.data * grid.z, SEQ + 1), generator=g)
+    pipeline_train_step(pipeline, opt, batch, 1.0)  # the first step also infers the shapes
+    live = LiveBytes(set(_storages(params)), lambda: _held(pipeline.stages))
+    for stage in pipeline.stages:
+        stage.forward_one_chunk = _sampling(stage.forward_one_chunk, live)
+    with live:
+        pipeline_train_step(pipeline, opt, batch, 1.0)
+    assert live.now == 0, f"{live.now} saved bytes outlive the step"
+    states = [opt.opt.state[p] for p in params]
+    rank = grid.coord[Axis.PIPE]
+    return {
+        "rank": rank,
+        "split": pipeline.split,
+        "order": _order(pipeline, rank) if virtual > 1 else None,
+        "parameters": _nbytes(params),
+        "gradients": opt.gradients,
+        "optimizer_states": _nbytes(s[k] for s in states for k in ("exp_avg", "exp_avg_sq")),
+        "saved_peak": live.saved_peak,
+        "recv_buffers": _nbytes(_recv_buffers(pipeline.stages)),
+        "held_peak": live.held_peak,
+    }
+
+
+def _name(case) -> str:
+    pipe, sizes, schedule, virtual, m, mode = case
+    return f"p{pipe}_{'-'.join(map(str, sizes))}_{schedule}_v{virtual}_m{m}_{mode}"
+
+
+def _worker(world_size: int, out_dir: str) -> None:
+    for case in CASES[world_size]:
+        result = _measure(*case)
+        with open(f"{out_dir}/{_name(case)}_{dist.get_rank()}.json", "w") as fh:
+            json.dump(result, fh)
+
+
+def _ranks(split, pipe: int, virtual: int) -> tuple[PipeRank, ...]:
+    """The planner's ranks of the runtime's split."""
+    last = pipe * virtual - 1
+    out = []
+    for r in range(pipe):
+        stages = stages_of_rank(r, pipe, virtual)
+        chunks = tuple(split[s][1] - split[s][0] for s in stages)
+        out.append(PipeRank(r, sum(chunks), 0 in stages, last in stages, chunks))
+    return tuple(out)
+
+
+def planned(case, split, rank: int) -> dict:
+    """The planner's bytes of pipeline rank ``rank`` for ``case`` on the runtime's ``split``."""
+    pipe, sizes, schedule, virtual, m, mode = case
+    spec, opts = CFG.spec(), {"activation_checkpointing": mode, "dtype": "fp32"}
+    ranks = _ranks(split, pipe, virtual)
+    _, per = pipeline_memory(spec, sizes, MICRO, SEQ, 1e9, ranks, schedule, virtual, m, **opts)
+    mem, prank = per[rank], ranks[rank]
+    saved, held, persistent = in_flight_bytes(
+        spec, sizes, MICRO, SEQ, prank, schedule, pipe, m, (mode, "fp32", True)
+    )
+    out = {k: mem.components[k] for k in STATES}
+    out.update(saved_peak=saved, recv_buffers=persistent, held_peak=saved + held + persistent)
+    # the breakdown carries them: activations (+ the head's saved weight gradient of the
+    # current micro-batch in its phases) and pipeline_buffers, at every phase up to backward
+    phase = mem.peak_phase.partition(": ")[2]
+    head = saved_activations(spec, sizes, MICRO, SEQ, **opts)["loss"] if phase in HEAD_PHASES else 0
+    out["peak_phase"], out["peak_activations"] = phase, mem.components["activations"] + head
+    out["peak_buffers"] = mem.components["pipeline_buffers"]
+    return out
+
+
+MEASURED = ("saved_peak", "recv_buffers", "held_peak", *STATES)
+
+
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_pipeline_memory_matches_runtime(world_size, tmp_path):
+    run_distributed(_worker, world_size, world_size, str(tmp_path))
+    for case in CASES[world_size]:
+        for grid_rank in range(world_size):
+            got = json.loads((tmp_path / f"{_name(case)}_{grid_rank}.json").read_text())
+            rank, split = got["rank"], [tuple(s) for s in got["split"]]
+            want = planned(case, split, rank)
+            line = ", ".join(f"{k} {got[k]}/{want[k]:.0f}" for k in MEASURED)
+            if grid_rank == rank * world_size // case[0]:  # the first of each pipeline rank
+                print(f"{_name(case)} rank {rank} measured/planned bytes: {line}")
+            for k in MEASURED:
+                assert got[k] == want[k], f"{_name(case)} rank {rank} {k}: {line}"
+            if want["peak_phase"] not in ("backward: end", "optimizer step"):
+                assert want["peak_buffers"] == want["held_peak"] - want["saved_peak"]
+            if want["peak_phase"] != "backward: blocks" or rank < case[0] - 1:
+                assert want["peak_activations"] == want["saved_peak"], want
+            if got["order"] is not None:  # torch's interleaved order, as the planner plays it
+                _, _, _, v, m, _ = case
+                assert [tuple(o) for o in got["order"]] == list(
+                    interleaved_order(case[0], rank, v, m)
+                )
+
+
+@pytest.mark.parametrize("pipe", [2, 3, 4, 8])
+@pytest.mark.parametrize("virtual", [2, 3, 5])
+def test_interleaved_in_flight_sets_reach_the_planners_count(pipe, virtual):
+    """Playing torch's interleaved order out reaches :func:`in_flight_chunks` passes at most,
+    on every rank and micro-batch count."""
+    for m in range(pipe, 4 * pipe + 1, pipe):
+        for r in range(pipe):
+            sets = in_flight_sets("interleaved-1f1b", pipe, r, virtual, m)
+            assert max(map(sum, sets)) == in_flight_chunks("interleaved-1f1b", pipe, r, virtual, m)
+            assert all(len(c) == virtual and min(c) >= 0 for c in sets)
