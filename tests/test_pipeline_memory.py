@@ -15,16 +15,20 @@ stages:
   are tensors saved during backward (full's and selective's recomputation: the planner's
   ``recompute_activations``). Under ``selective`` the blocks' kept tensors are packed by
   :mod:`tetrad.models.recompute`'s own hook, which is wrapped the same way;
-- receive buffers: the bytes of the stages' receive buffers after the step (one per
-  micro-batch and direction, kept);
+- receive buffers after the step: none (:class:`tetrad.pipeline.stage.TetradStage` allocates
+  each when its receive is posted and releases it after its micro-batch's backward);
 - peak held: the most bytes of saved storages, receive buffers and the stage outputs that the
-  stages keep for their backward (``fwd_cache``), unique storages, at once.
+  stages keep for their backward (``fwd_cache``), unique storages, at once, sampled whenever a
+  tensor is saved, a forward ends or a receive is posted.
 
-All must equal the planner's to the byte: model states its rank breakdown's components, the
-saved and held peaks and the buffers :func:`tetrad.plan.memory.pipeline.in_flight_bytes` (in
-the breakdown, the saved peak is ``activations`` up to the end of backward, with the LM head's
-saved weight gradient of the current micro-batch in ``logits_and_loss``; the rest is
-``pipeline_buffers``).
+Model states and the saved peak must equal the planner's to the byte (its rank breakdown's
+components and :func:`tetrad.plan.memory.pipeline.in_flight_bytes`; in the breakdown the saved
+peak is ``activations`` up to the end of backward, with the LM head's saved weight gradient of
+the current micro-batch in ``logits_and_loss``; the rest is ``pipeline_buffers``). The held
+peak is never above the planner's, and below it by at most the receives the planner counts as
+posted ahead (one boundary tensor ``[b, S/G_context, h/G_x]`` per stage and direction the rank
+receives in): at the peak torch has not always posted them yet (and in fp32 one may be the very
+tensor the first block saves).
 """
 
 import dataclasses
@@ -51,9 +55,9 @@ from tetrad.plan.memory.pipeline import (
     interleaved_order,
     pipeline_memory,
 )
-from tetrad.plan.pipe.schedule import in_flight_chunks
+from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
 from tetrad.plan.pipe.stages import PipeRank
-from tetrad.spec import Axis
+from tetrad.spec import DTYPE_BYTES, Axis
 from tetrad.train.step import build_optimizer
 
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=4)
@@ -64,6 +68,11 @@ CASES = {  # (pipe, (G_data, G_context, G_z, G_y, G_x), schedule, virtual, micro
         (2, (1, 1, 1, 1, 1), "gpipe", 1, 3, "full"),
         (2, (1, 1, 1, 1, 1), "interleaved-1f1b", 2, 4, "none"),
         (2, (1, 1, 1, 1, 1), "interleaved-1f1b", 2, 4, "full"),
+        # bf16 autocast: what crosses a boundary is bf16 (CPU's SDPA returns its output
+        # heads-major, one more saved copy per plain block than CUDA's, which the planner
+        # describes: so full and selective, whose blocks keep no SDPA output)
+        (2, (1, 1, 1, 1, 1), "1f1b", 1, 4, "full", "bf16"),
+        (2, (1, 1, 1, 1, 1), "interleaved-1f1b", 2, 4, "selective", "bf16"),
     ],
     4: [
         (4, (1, 1, 1, 1, 1), "1f1b", 1, 4, "none"),
@@ -205,7 +214,7 @@ def _order(pipeline: Pipeline, rank: int) -> list[tuple[bool, int]]:
     return [(a.computation_type == _ComputationType.FORWARD, a.stage_index // pipe) for a in ops]
 
 
-def _measure(pipe, sizes, schedule, virtual, m, mode) -> dict:
+def _measure(pipe, sizes, schedule, virtual, m, mode, dtype="fp32") -> dict:
     grid = Grid.build(sizes, pipe=pipe)
     pipeline = Pipeline(CFG, grid, schedule, virtual, m, activation_checkpointing=mode)
     for part in pipeline.parts:
@@ -214,11 +223,19 @@ def _measure(pipe, sizes, schedule, virtual, m, mode) -> dict:
     opt = _Recording(build_optimizer(pipeline.parts, 1e-3, weight_decay=0.1), params)
     g = torch.Generator().manual_seed(SEED)
     batch = torch.randint(0, CFG.vocab_size, (m * MICRO * grid.data * grid.z, SEQ + 1), generator=g)
-    pipeline_train_step(pipeline, opt, batch, 1.0)  # the first step also infers the shapes
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    with autocast:
+        pipeline_train_step(pipeline, opt, batch, 1.0)  # the first step also infers the shapes
     live = LiveBytes(set(_storages(params)), lambda: _held(pipeline.stages))
     for stage in pipeline.stages:
         stage.forward_one_chunk = _sampling(stage.forward_one_chunk, live)
-    with live:
+        # receive buffers come to life when their receives are posted
+        stage.get_fwd_recv_ops = _sampling(stage.get_fwd_recv_ops, live)
+        stage.get_bwd_recv_ops = _sampling(stage.get_bwd_recv_ops, live)
+        # receive buffers come to life when their receives are posted
+        stage.get_fwd_recv_ops = _sampling(stage.get_fwd_recv_ops, live)
+        stage.get_bwd_recv_ops = _sampling(stage.get_bwd_recv_ops, live)
+    with live, autocast:
         pipeline_train_step(pipeline, opt, batch, 1.0)
     assert live.now == 0, f"{live.now} saved bytes outlive the step"
     states = [opt.opt.state[p] for p in params]
@@ -231,14 +248,15 @@ def _measure(pipe, sizes, schedule, virtual, m, mode) -> dict:
         "gradients": opt.gradients,
         "optimizer_states": _nbytes(s[k] for s in states for k in ("exp_avg", "exp_avg_sq")),
         "saved_peak": live.saved_peak,
-        "recv_buffers": _nbytes(_recv_buffers(pipeline.stages)),
+        "recv_buffers": _nbytes(_recv_buffers(pipeline.stages)),  # after the step
         "held_peak": live.held_peak,
     }
 
 
 def _name(case) -> str:
-    pipe, sizes, schedule, virtual, m, mode = case
-    return f"p{pipe}_{'-'.join(map(str, sizes))}_{schedule}_v{virtual}_m{m}_{mode}"
+    pipe, sizes, schedule, virtual, m, mode, *dtype = case
+    name = f"p{pipe}_{'-'.join(map(str, sizes))}_{schedule}_v{virtual}_m{m}_{mode}"
+    return "_".join([name, *dtype])
 
 
 def _worker(world_size: int, out_dir: str) -> None:
@@ -261,16 +279,19 @@ def _ranks(split, pipe: int, virtual: int) -> tuple[PipeRank, ...]:
 
 def planned(case, split, rank: int) -> dict:
     """The planner's bytes of pipeline rank ``rank`` for ``case`` on the runtime's ``split``."""
-    pipe, sizes, schedule, virtual, m, mode = case
-    spec, opts = CFG.spec(), {"activation_checkpointing": mode, "dtype": "fp32"}
+    pipe, sizes, schedule, virtual, m, mode, *rest = case
+    dtype = rest[0] if rest else "fp32"
+    spec, opts = CFG.spec(), {"activation_checkpointing": mode, "dtype": dtype}
     ranks = _ranks(split, pipe, virtual)
     _, per = pipeline_memory(spec, sizes, MICRO, SEQ, 1e9, ranks, schedule, virtual, m, **opts)
     mem, prank = per[rank], ranks[rank]
     saved, held, persistent = in_flight_bytes(
-        spec, sizes, MICRO, SEQ, prank, schedule, pipe, m, (mode, "fp32", True)
+        spec, sizes, MICRO, SEQ, prank, schedule, pipe, m, (mode, dtype, True)
     )
     out = {k: mem.components[k] for k in STATES}
-    out.update(saved_peak=saved, recv_buffers=persistent, held_peak=saved + held + persistent)
+    out.update(saved_peak=saved, recv_buffers=0, held_peak=saved + held + persistent)
+    boundary = p2p_bytes(MICRO, SEQ, CFG.dim, sizes[-4], sizes[-1], DTYPE_BYTES[dtype])
+    out["posted"] = sum(boundaries_of_rank(pipe, rank, virtual)) * boundary
     # the breakdown carries them: activations (+ the head's saved weight gradient of the
     # current micro-batch in its phases) and pipeline_buffers, at every phase up to backward
     phase = mem.peak_phase.partition(": ")[2]
@@ -294,14 +315,16 @@ def test_pipeline_memory_matches_runtime(world_size, tmp_path):
             line = ", ".join(f"{k} {got[k]}/{want[k]:.0f}" for k in MEASURED)
             if grid_rank == rank * world_size // case[0]:  # the first of each pipeline rank
                 print(f"{_name(case)} rank {rank} measured/planned bytes: {line}")
+            slack = {"held_peak": want["posted"]}  # receives not posted yet (module doc)
             for k in MEASURED:
-                assert got[k] == want[k], f"{_name(case)} rank {rank} {k}: {line}"
+                low = want[k] - slack.get(k, 0)
+                assert low <= got[k] <= want[k], f"{_name(case)} rank {rank} {k}: {line}"
             if want["peak_phase"] not in ("backward: end", "optimizer step"):
                 assert want["peak_buffers"] == want["held_peak"] - want["saved_peak"]
             if want["peak_phase"] != "backward: blocks" or rank < case[0] - 1:
                 assert want["peak_activations"] == want["saved_peak"], want
             if got["order"] is not None:  # torch's interleaved order, as the planner plays it
-                _, _, _, v, m, _ = case
+                _, _, _, v, m, *_ = case
                 assert [tuple(o) for o in got["order"]] == list(
                     interleaved_order(case[0], rank, v, m)
                 )

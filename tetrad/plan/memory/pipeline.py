@@ -21,15 +21,16 @@ Per pipeline rank ``r`` holding ``k`` blocks over its ``v`` stages
   played out (:func:`in_flight_sets`), whose most passes are that count too. The head's weight
   gradient is counted in the runtime model's ``logits_and_loss`` for the current micro-batch
   and in ``activations`` for the others (GPipe's last rank holds one per micro-batch);
-- ``pipeline_buffers`` (``p > 1``): the receive buffers of ``torch.distributed.pipelining``'s
-  stages, one ``[b, S/G_context, h/G_x]`` fp32 tensor per micro-batch, stage and direction
-  (``m`` each, allocated at the first step and kept: a stage 0 receives no activation, the last
-  stage no gradient), and up to the end of backward each in-flight pass's stage output, which
-  the stage keeps for its backward (only stage 0's count: on the other stages the input buffer,
-  saved in ``activations``, stands for it).
+- ``pipeline_buffers`` (``p > 1``): the live receive buffers, ``[b, S/G_context, h/G_x]`` in
+  the compute dtype, each allocated when its receive is posted and dropped after its
+  micro-batch's backward (:class:`tetrad.pipeline.stage.TetradStage`; torch alone would keep
+  one per micro-batch, stage and direction for the whole run): the in-flight passes' inputs
+  and one posted ahead per stage and direction; and up to the end of backward each in-flight
+  pass's stage output, which the stage keeps for its backward (:func:`in_flight_bytes`).
 
 Checked against the runtime on gloo ranks (tests/test_pipeline_memory.py): model states, saved
-activations at the peak, receive buffers and held outputs, to the byte.
+activations at the peak to the byte; receive buffers and held outputs never above the planner's,
+below it by at most the receives it counts as posted ahead.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from tetrad.plan.memory.runtime import phase_components
 from tetrad.plan.model.grids import context_size, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.pipe.schedule import (
-    RESIDUAL_BYTES,
     boundaries_of_rank,
     in_flight_chunks,
     p2p_bytes,
@@ -149,15 +149,25 @@ def _chunks(
     """``(saved, held, out)``: for one micro-batch through each of the rank's stages (execution
     order), the bytes autograd saves (its blocks', with the embedding's on stage 0 and the final
     norm's and the LM head's on the last stage) and those the schedule holds besides until the
-    pass's backward; ``out`` is one boundary tensor ``[b, S/G_context, h/G_x]`` fp32.
+    pass's backward; ``out`` is one boundary tensor ``[b, S/G_context, h/G_x]`` in the compute
+    dtype (what crosses a stage boundary).
 
-    Held: the stage's output (kept in the stage's forward cache). On every stage but stage 0 the
-    input is a persistent receive buffer, counted in the buffers and, while its pass is in
-    flight, saved as the first block's input: the two cancel, so only stage 0 holds ``out``."""
+    Held: the stage's output, kept in the stage's forward cache. In fp32 (no cast at the
+    boundaries) a later stage's input receive buffer is the very tensor its first block saves,
+    counted among the receive buffers (:func:`in_flight_bytes`) and in the saved bytes, and its
+    output is the next stage's tensor, not saved here: the two cancel, so only stage 0 holds
+    ``out``. In bf16 the received input is cast to fp32 (the copy is what is saved) and the
+    output cast to bf16: every stage but the last holds its ``out``."""
     out = p2p_bytes(
-        micro_batch, seq_len, model.hidden, context_size(grid), grid_sizes(grid)[3], RESIDUAL_BYTES
+        micro_batch,
+        seq_len,
+        model.hidden,
+        context_size(grid),
+        grid_sizes(grid)[3],
+        dtype_bytes(opts[1]),
     )
     v = len(prank.chunk_blocks)
+    cast = dtype_bytes(opts[1]) != dtype_bytes("fp32")
     saved, held = [], []
     for k, blocks in enumerate(prank.chunk_blocks):
         if blocks == prank.blocks:  # one stage: the rank model's (memoised with its phases)
@@ -167,7 +177,7 @@ def _chunks(
         first, last = prank.first and k == 0, prank.last and k == v - 1
         ends = (s["embedding"] if first else 0.0) + (s["final_norm"] + s["loss"] if last else 0.0)
         saved.append(s["blocks"] + ends)
-        held.append(out if first else 0.0)
+        held.append(out if first or (cast and not last) else 0.0)
     return saved, held, out
 
 
@@ -184,9 +194,13 @@ def in_flight_bytes(
 ) -> tuple[float, float, float]:
     """``(saved, held, persistent)`` bytes of pipeline rank ``prank`` at its peak: the saved
     tensors of the chunk passes in flight (:func:`in_flight_sets`, the set with the most bytes),
-    what the schedule holds besides for them (:func:`_chunks`), and the receive buffers, one
-    ``[b, S/G_context, h/G_x]`` fp32 per micro-batch, stage and direction
-    (:func:`tetrad.plan.pipe.schedule.boundaries_of_rank`), allocated once and kept.
+    what the schedule holds besides for them (:func:`_chunks`), and the live receive buffers,
+    ``[b, S/G_context, h/G_x]`` in the compute dtype each: :class:`tetrad.pipeline.stage.
+    TetradStage` allocates one when its receive is posted and drops it after its micro-batch's
+    backward, so they are the inputs of the passes in flight on stages other than stage 0 and
+    one receive posted ahead per stage and direction the rank receives in
+    (:func:`tetrad.plan.pipe.schedule.boundaries_of_rank`; at the peak some of those are
+    not posted yet: the runtime holds up to those fewer, never more; tested).
     ``opts``: ``(checkpointing, dtype, prefetch)``."""
     grid = tuple(grid)
     saved, held, out = _chunks(model, grid, micro_batch, seq_len, prank, opts)
@@ -202,7 +216,11 @@ def in_flight_bytes(
         per = list(map(operator.add, saved, held))
         best = max(sets, key=lambda c: sum(map(operator.mul, c, per)) + shared * sum(map(bool, c)))
     in_flight = sum(map(operator.mul, best, saved)) + shared * sum(map(bool, best))
-    persistent = micro_batches * sum(boundaries_of_rank(pipe, prank.rank, v)) * out
+    # receive buffers live from their posting to their pass's backward: the inputs of the
+    # passes in flight on stages other than stage 0 (torch's forward cache keeps them), and at
+    # most one posted ahead per stage and direction the rank receives in
+    inputs = sum(n for k, n in enumerate(best) if not (prank.first and k == 0))
+    persistent = (inputs + sum(boundaries_of_rank(pipe, prank.rank, v))) * out
     return in_flight, sum(map(operator.mul, best, held)), persistent
 
 
