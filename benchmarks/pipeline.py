@@ -269,6 +269,8 @@ def _report(runs: dict, pipes: list[int]) -> None:
             f"{s['planned']:.3f} s | {s['measured']:.3f} s | "
             f"{s['measured'] / s['planned']:.2f} ({lo:.2f}-{hi:.2f}) |"
         )
+    if (os.cpu_count() or 1) < max(pipes):
+        print(f"({os.cpu_count()} cores: the wall clock of {max(pipes)} ranks shares cores)")
     print("\nPer rank and micro-batch, CPU ms: forward (loss included) / backward")
     print("| p | schedule | v | " + " | ".join(f"rank {r}" for r in range(max(pipes))) + " |")
     print("|---|---|---|" + "---|" * max(pipes))
@@ -276,8 +278,6 @@ def _report(runs: dict, pipes: list[int]) -> None:
         cells = [f"{f * 1e3:.1f} / {b * 1e3:.1f}" for f, b in zip(s["fwd"], s["bwd"], strict=True)]
         cells += [""] * (max(pipes) - p)
         print(f"| {p} | {schedule} | {v} | " + " | ".join(cells) + " |")
-    if (os.cpu_count() or 1) < max(pipes):
-        print(f"({os.cpu_count()} cores: the wall clock of {max(pipes)} ranks shares cores)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,12 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in CASES if c[0] in pipes]
     print(f"model {args.model}, {MICRO_BATCHES} micro-batches of {MICRO} x {SEQ} tokens per step")
     runs: dict = {c: [] for c in cases}
+    load = os.getloadavg()[0]
     for _ in range(args.runs):
         for c in cases:
             runs[c].append(_spawn(c[0], (_case, args.model, *c, args.steps)))
     if args.json:
         rows = [{"case": c, "fields": timing.FIELDS, "runs": r} for c, r in runs.items()]
         Path(args.json).write_text(json.dumps(rows))
+    after = os.getloadavg()[0]
+    print(f"load average (1 min): {load:.2f} before, {after:.2f} after; {os.cpu_count()} cores")
     _report(runs, sorted({c[0] for c in cases}))
     return 0
 
