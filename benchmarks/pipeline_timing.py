@@ -11,7 +11,8 @@ gradient reductions or the optimizer after it). Per step each rank records (:dat
 - ``fwd_wall``, ``bwd_wall``, ``fwd_cpu``, ``bwd_cpu``: its stages' forwards (with the loss)
   and backwards, in wall seconds and in CPU seconds of the rank's thread
   (``time.thread_time``: not counting the time the thread waits or another process holds its
-  core);
+  core; all of the rank's compute, as the ranks run one intra-op thread,
+  ``torch.set_num_threads(1)``, and CPU autograd runs on the calling thread);
 - ``step_wall``: the schedule's step, wall seconds;
 - ``step_clock``: the rank's CPU clock at the end of the step. Each rank's clock starts at 0
   with the step and runs with its thread's CPU time (compute, the schedule's Python, posting
