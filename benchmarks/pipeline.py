@@ -1,34 +1,48 @@
 """Measured against planned pipeline bubble on CPU ranks (gloo), per schedule; and tetrad's
 pipeline grid against the stock analogue.
 
-    PYTHONPATH=. python benchmarks/pipeline.py [--model small,n_layers=8] [--steps 6]
+    PYTHONPATH=. python benchmarks/pipeline.py [--pipe 2,4] [--runs 3] [--steps 6] [--json F]
+    PYTHONPATH=. python benchmarks/pipeline.py --from-json F
     PYTHONPATH=. python benchmarks/pipeline.py --vs-stock [--repeats 3]
+
+For each case (``p`` pipeline ranks, one process each, every other axis 1; GPipe, 1F1B and
+interleaved 1F1B with ``v = 2``) the ``small`` Llama with 8 blocks (``--model``) trains
+``--steps`` steps of ``m = 8`` micro-batches of 2 x 128 tokens through
+:class:`tetrad.pipeline.schedule.Pipeline`, in ``--runs`` fresh runs, the cases interleaved.
+Each rank records per step (:mod:`pipeline_timing`, beside this file): its stages' forwards
+(``forward_one_chunk``, which the schedule calls after the chunk's receives), the last stage's
+LM head and loss, and backwards, in wall and thread-CPU seconds; the schedule's step in wall
+seconds; and the step's CPU clock: each rank's thread-CPU seconds since the step began, raised
+on every received activation or gradient to the sender's clock (sent with it), so that the
+largest end clock is the longest chain of CPU work and receives of the schedule that ran, the
+step as it would run with a core per rank, without the transfers' own time.
+
+In each clock, the busiest rank's forwards, loss and backwards ``B`` give ``t_fb = B / m``; the
+planned bubble is the planner's :func:`tetrad.plan.pipe.schedule.bubble_seconds`
+(``(p-1) t_fb``, ``/ v`` interleaved; Narayanan et al., arXiv 2104.04473, section 2.2), the
+measured one the step minus ``B``. Medians over each run's steps after the first (which infers
+the boundary shapes), then over the runs; the range is the runs' measured/planned ratios.
+``per-rank model`` is :func:`pipeline_timing.rank_model_step` minus ``B`` from the measured
+per-rank forward and backward times: GPipe paces its all-forward phase by the slowest forward
+and its all-backward phase by the slowest backward, which may be on different ranks (the
+planner's formula assumes one rank slowest in both), and 1F1B's bubble is the other ranks'
+work, ``(p-1) t_fb`` only when the ranks are equal. The last table gives those per-rank times.
+
+The CPU clock is the measurement for 4 ranks on 2 cores, or a loaded machine: a rank that waits
+uses no CPU and one that shares its core counts only its own CPU seconds (which sharing
+lengthens by a few per cent through the caches). The wall clock is meaningful only with a free
+core per rank.
 
 ``--vs-stock``: tetrad's grid ``pipe=2`` against the same Llama split by hand into two stock
 ``PipelineStage``s (``tetrad.models.reference``: ``torch.nn`` layers, the same split, loss
 and schedule, AdamW and a global gradient norm over the stages), 1F1B and GPipe, in fresh
 processes, interleaved and repeated: median step times and the bytes each sends per step.
-
-For each case (pipeline ranks ``p``, schedule, virtual stages ``v``; every other axis 1) the
-``small`` Llama with 8 blocks trains ``--steps`` steps of 8 micro-batches through
-:class:`tetrad.pipeline.schedule.Pipeline`. Each rank times its stages' computation (the
-``forward_one_chunk`` and ``backward_one_chunk`` calls of ``torch.distributed.pipelining``,
-receives included, sends not waited, and the last stage's LM head and loss) and the
-schedule's step (forward and backward of every micro-batch; the gradient reductions and the
-optimizer after it are not counted). Per step,
-the slowest rank's busy time ``B`` gives one micro-batch's forward plus backward through it,
-``t_fb = B / m``; the planner's bubble (:func:`tetrad.plan.pipe.schedule.bubble_seconds`:
-``(p-1) t_fb``, ``/ v`` interleaved; Narayanan et al., arXiv 2104.04473, section 2.2) is
-compared with the measured one, the schedule's step time minus ``B``. Medians over the steps
-after the first (which infers the boundary shapes).
-
-On a 2-core machine 4 ranks share 2 cores, so a waiting rank lends its core to a busy one: the
-4-rank rows measure contention as much as the schedule (said in the output).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -40,8 +54,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # pipeline_timing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import pipeline_timing as timing  # noqa: E402
 from torch.distributed.pipelining import PipelineStage  # noqa: E402
 
 from tetrad.grid import Grid  # noqa: E402
@@ -51,33 +67,12 @@ from tetrad.models.reference import Llama  # noqa: E402
 from tetrad.parallel import init_parameters  # noqa: E402
 from tetrad.pipeline.schedule import SCHEDULES, Pipeline  # noqa: E402
 from tetrad.pipeline.split import balanced_split  # noqa: E402
-from tetrad.pipeline.stage import StageForward, TetradStage  # noqa: E402
+from tetrad.pipeline.stage import StageForward  # noqa: E402
 from tetrad.pipeline.step import pipeline_train_step  # noqa: E402
-from tetrad.plan.pipe.schedule import bubble_seconds  # noqa: E402
 from tetrad.train.step import build_optimizer  # noqa: E402
 
-CASES = [(2, "gpipe", 1), (2, "1f1b", 1), (2, "interleaved-1f1b", 2), (4, "1f1b", 1)]
+CASES = [(p, s, v) for p in (2, 4) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))]
 MICRO_BATCHES, MICRO, SEQ = 8, 2, 128
-
-
-def _timed(method, counter: str = "busy"):
-    def run(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
-
-    return run
-
-
-TetradStage.busy = 0.0
-TetradStage.forward_one_chunk = _timed(TetradStage.forward_one_chunk)
-TetradStage.backward_one_chunk = _timed(TetradStage.backward_one_chunk)
-Pipeline.busy = 0.0
-Pipeline.step = _timed(Pipeline.step)  # the schedule alone, not the optimizer's part
-Pipeline.loss_busy = 0.0
-Pipeline._loss = _timed(Pipeline._loss, "loss_busy")  # the LM head and loss, last stage
 
 
 def _pipeline(model: str, pipe: int, schedule: str, virtual: int):
@@ -99,22 +94,21 @@ def _batches(cfg):
 
 
 def _case(model: str, pipe: int, schedule: str, virtual: int, steps: int, out) -> None:
+    """Train ``steps`` steps; rank 0 puts ``[step][rank][field]`` (:data:`timing.FIELDS`)."""
+    timing.instrument()
     _, _, pipeline, opt, batches = _pipeline(model, pipe, schedule, virtual)
     rows = []
     for _ in range(steps):
         batch = next(batches)
-        for stage in [pipeline, *pipeline.stages]:
-            stage.busy = 0.0
-        pipeline.loss_busy = 0.0
+        timing.reset()
         dist.barrier()
         pipeline_train_step(pipeline, opt, batch, 1.0)
-        work = sum(s.busy for s in pipeline.stages) + pipeline.loss_busy
-        busy = torch.tensor([work, pipeline.busy])
-        every = [torch.zeros(2) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, busy)
-        rows.append(torch.stack(every))
+        mine = torch.tensor([timing.TOTALS[k] for k in timing.FIELDS], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        rows.append(torch.stack(every).tolist())
     if dist.get_rank() == 0:
-        out.put([r.tolist() for r in rows[1:]])
+        out.put(rows[1:])
 
 
 class _CountingStage(PipelineStage):
@@ -240,10 +234,60 @@ def vs_stock(model: str, steps: int, repeats: int) -> None:
         )
 
 
+def _report(runs: dict, pipes: list[int]) -> None:
+    """The tables of the module doc."""
+    m = MICRO_BATCHES
+    cpu = {c: timing.summary(r, c, m, "cpu") for c, r in runs.items()}
+    wall = {c: timing.summary(r, c, m, "wall") for c, r in runs.items()}
+    n = len(next(iter(runs.values())))
+    print(f"\nCPU clock (a core per rank), medians of {n} runs' step medians; ratio range: runs")
+    print(
+        "| p | schedule | v | step | busiest rank | planned bubble | measured bubble | "
+        "measured / planned | per-rank model | measured / model |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (p, schedule, v), s in cpu.items():
+        lo, hi = s["ratios"][0], s["ratios"][-1]
+        model = (
+            f"{s['model']:.3f} s | {s['measured'] / s['model']:.2f}" if "model" in s else "- | -"
+        )
+        print(
+            f"| {p} | {schedule} | {v} | {s['step']:.3f} s | {s['busy']:.3f} s | "
+            f"{s['planned']:.3f} s | {s['measured']:.3f} s | "
+            f"**{s['measured'] / s['planned']:.2f}** ({lo:.2f}-{hi:.2f}) | {model} |"
+        )
+    print("\nWall clock (meaningful only with a free core per rank)")
+    print(
+        "| p | schedule | v | step | busiest rank | planned bubble | measured bubble | "
+        "measured / planned |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for (p, schedule, v), s in wall.items():
+        lo, hi = s["ratios"][0], s["ratios"][-1]
+        print(
+            f"| {p} | {schedule} | {v} | {s['step']:.3f} s | {s['busy']:.3f} s | "
+            f"{s['planned']:.3f} s | {s['measured']:.3f} s | "
+            f"{s['measured'] / s['planned']:.2f} ({lo:.2f}-{hi:.2f}) |"
+        )
+    if (os.cpu_count() or 1) < max(pipes):
+        print(f"({os.cpu_count()} cores: the wall clock of {max(pipes)} ranks shares cores)")
+    print("\nPer rank and micro-batch, CPU ms: forward (loss included) / backward")
+    print("| p | schedule | v | " + " | ".join(f"rank {r}" for r in range(max(pipes))) + " |")
+    print("|---|---|---|" + "---|" * max(pipes))
+    for (p, schedule, v), s in cpu.items():
+        cells = [f"{f * 1e3:.1f} / {b * 1e3:.1f}" for f, b in zip(s["fwd"], s["bwd"], strict=True)]
+        cells += [""] * (max(pipes) - p)
+        print(f"| {p} | {schedule} | {v} | " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small,n_layers=8")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--runs", type=int, default=3, help="fresh runs per case, interleaved")
+    p.add_argument("--pipe", default="2,4", help="pipeline ranks to measure")
+    p.add_argument("--json", help="write every rank's records of every step here")
+    p.add_argument("--from-json", help="print the tables of records written by --json")
     p.add_argument("--vs-stock", action="store_true", help="the stock comparison only")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (--vs-stock)")
     args = p.parse_args(argv)
@@ -251,29 +295,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model {args.model}, {MICRO_BATCHES} micro-batches of {MICRO} x {SEQ} tokens")
         vs_stock(args.model, args.steps, args.repeats)
         return 0
-    ctx = mp.get_context("spawn")
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        _report({tuple(c["case"]): c["runs"] for c in saved}, [c["case"][0] for c in saved])
+        return 0
+    pipes = [int(x) for x in args.pipe.split(",")]
+    cases = [c for c in CASES if c[0] in pipes]
     print(f"model {args.model}, {MICRO_BATCHES} micro-batches of {MICRO} x {SEQ} tokens per step")
-    print("| p | schedule | v | step | busiest rank | planned bubble | measured bubble | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for pipe, schedule, virtual in CASES:
-        out = ctx.SimpleQueue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        case = (_case, args.model, pipe, schedule, virtual, args.steps)
-        mp.start_processes(_worker, (pipe, port, case, out), nprocs=pipe, start_method="spawn")
-        rows = [torch.tensor(r) for r in out.get()]
-        step = statistics.median(float(r[:, 1].max()) for r in rows)
-        busy = statistics.median(float(r[:, 0].max()) for r in rows)
-        planned = bubble_seconds(schedule, pipe, virtual, busy / MICRO_BATCHES)
-        measured = step - busy
-        print(
-            f"| {pipe} | {schedule} | {virtual} | {step:.3f} s | {busy:.3f} s | "
-            f"{planned:.3f} s | {measured:.3f} s | {measured / planned:.2f} |",
-            flush=True,
-        )
-    if (os.cpu_count() or 1) < 4:
-        print(f"({os.cpu_count()} cores: the 4-rank row shares cores between ranks)")
+    runs: dict = {c: [] for c in cases}
+    load = os.getloadavg()[0]
+    for _ in range(args.runs):
+        for c in cases:
+            runs[c].append(_spawn(c[0], (_case, args.model, *c, args.steps)))
+    if args.json:
+        rows = [{"case": c, "fields": timing.FIELDS, "runs": r} for c, r in runs.items()]
+        Path(args.json).write_text(json.dumps(rows))
+    after = os.getloadavg()[0]
+    print(f"load average (1 min): {load:.2f} before, {after:.2f} after; {os.cpu_count()} cores")
+    _report(runs, sorted({c[0] for c in cases}))
     return 0
 
 
