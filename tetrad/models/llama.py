@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tetrad.models import recompute
 from tetrad.models.config import ModelConfig
+from tetrad.models.moe import MoEFeedForward
 from tetrad.models.recompute import cheap
 from tetrad.spec import checkpointed_blocks, parse_checkpointing
 
@@ -37,6 +38,11 @@ class Layers(Protocol):
     LM head ``[..., dim] -> [..., V]``; ``loss_sum(head, x, targets, vocab)`` gives the sum over
     tokens of the cross-entropy (nats) of ``head(x)`` against ``targets [...]``, over the first
     ``vocab`` ids only when given (the rest is padding); it may never form all the logits.
+
+    Mixture of experts (:mod:`tetrad.models.moe`): ``router(dim, E)`` maps ``[T, dim]`` to
+    router logits ``[T, E]``; ``experts(E, dim, F, out_std)`` is the routed experts,
+    ``(x [T, dim], ids [T, k], weights [T, k]) -> [T, dim]`` (dispatch, expert GEMMs and
+    combine: the module an expert-parallel runtime provides).
     """
 
     head_split: int
@@ -58,6 +64,10 @@ class Layers(Protocol):
     def loss_sum(
         self, head: nn.Module, x: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
     ) -> torch.Tensor: ...
+
+    def router(self, dim: int, n_experts: int) -> nn.Module: ...
+
+    def experts(self, n_experts: int, dim: int, ffn_dim: int, out_std: float) -> nn.Module: ...
 
 
 def rope_frequencies(d: int, cfg: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -155,11 +165,12 @@ class FeedForward(nn.Module):
     blocks gives each rank matching gate and up features.
     """
 
-    def __init__(self, cfg: ModelConfig, layers: Layers):
+    def __init__(self, cfg: ModelConfig, layers: Layers, ffn_dim: int | None = None):
         super().__init__()
-        self.w13 = layers.linear(cfg.dim, 2 * cfg.ffn_dim)
+        ffn_dim = ffn_dim or cfg.ffn_dim  # another width: an MoE block's shared expert
+        self.w13 = layers.linear(cfg.dim, 2 * ffn_dim)
         self.w2 = layers.linear(
-            cfg.ffn_dim, cfg.dim, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
+            ffn_dim, cfg.dim, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,14 +185,19 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """``h = x + attention(norm(x)); out = h + ffn(norm(h))``."""
+    """``h = x + attention(norm(x)); out = h + ffn(norm(h))``; ``ffn`` the SwiGLU, or the
+    mixture of experts (:class:`tetrad.models.moe.MoEFeedForward`) when ``moe``."""
 
-    def __init__(self, cfg: ModelConfig, layers: Layers):
+    def __init__(self, cfg: ModelConfig, layers: Layers, moe: bool = False):
         super().__init__()
         self.attention_norm = layers.norm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, layers)
         self.ffn_norm = layers.norm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg, layers)
+        if moe:
+            shared = FeedForward(cfg, layers, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
+            self.feed_forward = MoEFeedForward(cfg, layers, shared)
+        else:
+            self.feed_forward = FeedForward(cfg, layers)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), positions)
@@ -243,7 +259,7 @@ class Transformer(nn.Module):
         self.block_modes = modes[part.start : part.stop]
         self.tok_embeddings = layers.embedding(cfg.vocab_size, cfg.dim) if part.first else None
         ids = range(part.start, part.stop)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, layers) for i in ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, layers, cfg.moe_block(i)) for i in ids})
         self.norm = layers.norm(cfg.dim, cfg.norm_eps) if part.last else None
         self.output = layers.head(cfg.dim, cfg.vocab_size) if part.last else None
 
@@ -266,6 +282,18 @@ class Transformer(nn.Module):
                 with recompute.selective():
                     h = layer(h, positions)
         return self.norm(h) if self.norm is not None else h
+
+    def aux_loss_sum(self) -> torch.Tensor | None:
+        """The load-balancing loss of the last forward, summed over its MoE blocks (each
+        ``aux_loss_coef`` x :func:`tetrad.models.moe.load_balance_loss`: a sum over this rank's
+        sequences, to divide by the global number of sequences); None for a dense model, a
+        coefficient of 0 or a forward without grad."""
+        parts = [
+            b.feed_forward.aux_loss
+            for b in self.layers.values()
+            if getattr(b.feed_forward, "aux_loss", None) is not None
+        ]
+        return torch.stack(parts).sum() if parts else None
 
     def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of the per-token cross-entropies (nats) of this rank's ``[b, s]`` tokens."""
