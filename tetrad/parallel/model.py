@@ -123,6 +123,7 @@ class ParallelLlama(Transformer):
         overlap = Overlap(grid, overlaps, **overlap_options)
         super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing, part)
         self.overlap = overlap
+        self._place_buffers(grid)
         params = list(self.parameters())
         overlap.late = [p for p in params if Axis.Z in p.placement.grad_sum_axes]
         overlap.buckets.expected = len(params) - len(overlap.late)
@@ -130,6 +131,18 @@ class ParallelLlama(Transformer):
             late = {id(p) for p in overlap.late}
             order = [p for p in reversed(params) if id(p) not in late]
             overlap.buckets.plan(order, overlap.late)
+
+    def _place_buffers(self, grid: Grid) -> None:
+        """Move the buffers the model code made (MoE routers' selection biases) to the grid's
+        device; each persistent one is whole on every rank (``placement``, so checkpoints save
+        it)."""
+        for module in self.modules():
+            for name, b in list(module._buffers.items()):
+                if b is None:
+                    continue
+                b = module._buffers[name] = b.to(grid.device)
+                if name not in module._non_persistent_buffers_set:
+                    b.placement = Placement(tuple(b.shape), ())
 
 
 def compile_blocks(model: Transformer) -> None:

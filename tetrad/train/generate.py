@@ -70,11 +70,12 @@ def is_export(folder: str | Path) -> bool:
 
 
 def _load_checkpoint(model: torch.nn.Module, folder: Path, mcfg: ModelConfig) -> None:
-    """Load a DCP checkpoint folder into ``model``'s parameters."""
+    """Load a DCP checkpoint folder into ``model``'s parameters (and persistent buffers: MoE
+    routers' selection biases)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    state = {"model." + n: torch.empty_like(p) for n, p in model.named_parameters()}
+    state = {"model." + n: torch.empty_like(t) for n, t in model.state_dict().items()}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
