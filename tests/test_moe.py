@@ -126,15 +126,23 @@ def test_load_balance_loss_is_one_when_balanced_and_larger_when_not():
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_checkpointing_modes_match_none(mode):
+    """With Qwen3's q/k norms too: their weights are inputs of the recomputed RoPE."""
+    cfg = dataclasses.replace(CFG, qk_norm=True)
     tokens = torch.randint(0, CFG.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
     results = []
     for m in ("none", mode):
-        model = Llama(CFG, activation_checkpointing=m)
+        model = Llama(cfg, activation_checkpointing=m)
         init_parameters(model, 3)
+        torch.manual_seed(5)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "_norm" in name and "attention." in name:
+                    p.uniform_(0.5, 1.5)
         lm = model.loss_sum(tokens[:, :-1], tokens[:, 1:])
         aux = model.aux_loss_sum()
         (lm / tokens[:, 1:].numel() + aux / 4).backward()
         results.append((lm.detach(), aux.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert model.layers["1"].attention.q_norm.weight.grad.abs().sum() > 0
     (lm0, aux0, g0), (lm1, aux1, g1) = results
     assert torch.equal(lm0, lm1) and torch.equal(aux0, aux1)
     for a, b in zip(g0, g1, strict=True):

@@ -21,9 +21,10 @@ from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.train.step import build_optimizer, lr_at, train_step_losses
 
-# sigmoid scores with a selection bias in one config, softmax and a shared expert in the other
+# sigmoid scores with a selection bias in one config; softmax, a shared expert, a dense block and
+# Qwen3's q/k norms in the other
 CONFIGS = {
-    "softmax": dataclasses.replace(PRESETS["moe-tiny"], bias_update_rate=0.0),
+    "softmax-qk-norm": dataclasses.replace(PRESETS["moe-tiny"], qk_norm=True),
     "sigmoid-bias": dataclasses.replace(
         PRESETS["moe-tiny"],
         router_score="sigmoid",

@@ -66,6 +66,8 @@ class ModelConfig:
             default ``aux_loss``: depends on the micro-batch split).
         bias_update_rate: aux-loss-free balancing rate ``gamma`` (DeepSeek-V3, arXiv
             2412.19437 section 2.1.2: 0.001); 0: no selection bias.
+        qk_norm: RMSNorm of each query and key head (weights ``[head_dim]``) before RoPE, as
+            Qwen3 (:class:`tetrad.models.llama.Attention`).
     """
 
     dim: int = 256
@@ -93,6 +95,7 @@ class ModelConfig:
     aux_loss_coef: float = 0.0
     aux_loss_scope: str = "sequence"
     bias_update_rate: float = 0.0
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         bad = moe_problems(self)
@@ -273,7 +276,8 @@ vocabulary from its tokenizer unless the user sets ``vocab_size`` (``TrainConfig
 
 
 def check_moe_grid(cfg: ModelConfig, grid: GridShape, pipe: int = 1) -> None:
-    """Refuse a grid the MoE runtime does not support yet (:func:`moe_grid_problem`).
+    """Refuse a grid the MoE runtime (or ``qk_norm``) does not support yet
+    (:func:`tetrad.models.moe_config.moe_grid_problem`).
 
     Raises:
         ModelConfigError: one line naming the grid to use instead.

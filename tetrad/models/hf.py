@@ -46,6 +46,8 @@ _LAYER = {
     "attention.wo.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's q/k norms
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
 
 

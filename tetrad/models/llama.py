@@ -42,7 +42,8 @@ class Layers(Protocol):
     Mixture of experts (:mod:`tetrad.models.moe`): ``router(dim, E)`` maps ``[T, dim]`` to
     router logits ``[T, E]``; ``experts(E, dim, F, out_std)`` is the routed experts,
     ``(x [T, dim], ids [T, k], weights [T, k]) -> [T, dim]`` (dispatch, expert GEMMs and
-    combine: the module an expert-parallel runtime provides).
+    combine: the module an expert-parallel runtime provides). ``head_norm(d, eps)`` is the
+    per-head RMSNorm of queries and keys (``qk_norm``): a module whose ``weight [d]`` is used.
     """
 
     head_split: int
@@ -66,6 +67,8 @@ class Layers(Protocol):
     ) -> torch.Tensor: ...
 
     def router(self, dim: int, n_experts: int) -> nn.Module: ...
+
+    def head_norm(self, dim: int, eps: float) -> nn.Module: ...
 
     def experts(self, n_experts: int, dim: int, ffn_dim: int, out_std: float) -> nn.Module: ...
 
@@ -122,13 +125,17 @@ class Attention(nn.Module):
         self.wo = layers.linear(
             cfg.n_heads * hd, d, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
         )
+        if cfg.qk_norm:  # Qwen3: RMSNorm of each q and k head before RoPE
+            self.q_norm = layers.head_norm(hd, cfg.norm_eps)
+            self.k_norm = layers.head_norm(hd, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(x)
         inv_freq = rope_frequencies(self.head_dim, self.cfg, x.device)
+        qn, kn = ((self.q_norm.weight,), (self.k_norm.weight,)) if self.cfg.qk_norm else ((), ())
         # RoPE and the head split are recomputed from the kept wqkv output in selective mode.
-        q = cheap(self._rotated_queries, qkv, inv_freq, positions)
-        k = cheap(self._rotated_keys, qkv, inv_freq, positions)
+        q = cheap(self._rotated_queries, qkv, inv_freq, positions, *qn)
+        k = cheap(self._rotated_keys, qkv, inv_freq, positions, *kn)
         v = cheap(self._values, qkv)
         o = self.core(q, k, v)
         return self.wo(cheap(self._merge_heads, o))
@@ -137,15 +144,19 @@ class Attention(nn.Module):
         """``[b, s, (heads + 2 kv_heads) d]`` -> ``[b, s, kv_heads, group + 2, d]`` (a view)."""
         return qkv.unflatten(-1, (self.n_kv_heads, self.group + 2, self.head_dim))
 
-    def _rotated_queries(self, qkv, inv_freq, positions) -> torch.Tensor:
-        """Rotated q ``[b, heads, s, d]`` from the wqkv output ``qkv [b, s, ...]``."""
+    def _rotated_queries(self, qkv, inv_freq, positions, *norm) -> torch.Tensor:
+        """Rotated q ``[b, heads, s, d]`` from the wqkv output ``qkv [b, s, ...]`` (each head
+        RMS-normalised with weight ``norm[0]`` first when given)."""
         b, s = qkv.shape[:2]
         q = self._split(qkv)[..., : self.group, :].reshape(b, s, self.n_heads, self.head_dim)
+        q = head_rms_norm(q, norm[0], self.cfg.norm_eps) if norm else q
         return rope(q.transpose(1, 2), inv_freq, positions)
 
-    def _rotated_keys(self, qkv, inv_freq, positions) -> torch.Tensor:
-        """Rotated k ``[b, kv_heads, s, d]``."""
-        return rope(self._split(qkv)[..., self.group, :].transpose(1, 2), inv_freq, positions)
+    def _rotated_keys(self, qkv, inv_freq, positions, *norm) -> torch.Tensor:
+        """Rotated k ``[b, kv_heads, s, d]`` (normalised first with ``norm[0]``, as q)."""
+        k = self._split(qkv)[..., self.group, :]
+        k = head_rms_norm(k, norm[0], self.cfg.norm_eps) if norm else k
+        return rope(k.transpose(1, 2), inv_freq, positions)
 
     def _values(self, qkv: torch.Tensor) -> torch.Tensor:
         """v ``[b, kv_heads, s, d]``, a copy: SDPA keeps v, not all of qkv."""
@@ -155,6 +166,14 @@ class Attention(nn.Module):
     def _merge_heads(o: torch.Tensor) -> torch.Tensor:
         """``[b, heads, s, d]`` -> ``[b, s, heads d]`` (a copy when ``o`` is heads-major)."""
         return o.transpose(1, 2).flatten(2)
+
+
+def head_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x [..., d]`` with weight ``w [d]`` (Zhang and Sennrich,
+    arXiv 1910.07467, eq. 4): normalised in fp32, rounded to ``x``'s dtype, then scaled (the
+    order of transformers' Qwen3 ``q_norm`` / ``k_norm``)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
 
 
 class FeedForward(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tetrad.plan.model.grids import with_context
 from tetrad.spec import GridShape
 
 if TYPE_CHECKING:
@@ -42,11 +43,15 @@ def moe_grid_problem(cfg: ModelConfig, grid: GridShape, pipe: int = 1) -> str | 
 
     Experts are replicated on every rank (their gradients summed over data and Z like every
     replicated weight, :func:`tetrad.parallel.grads.sync_gradients`), so an MoE model runs on
-    data parallelism and Z only (``--grid DATA,1,Z,1,1``, no pipeline).
+    data parallelism and Z only (``--grid DATA,1,Z,1,1``, no pipeline). Per-head q/k norm
+    weights (``qk_norm``) are whole on every rank while heads split over Y, so they need
+    ``G_y = 1`` (dense models too).
     """
+    data, context, z, y, x = (int(g) for g in with_context(grid))
+    if cfg.qk_norm and y > 1:  # the head norms' gradients would need a sum over Y
+        return f"q/k norms (qk_norm) run with G_y = 1 for now (got G_y={y}): move Y to Z or data"
     if not cfg.is_moe:
         return None
-    data, context, z, y, x = (int(g) for g in grid)
     if (context, y, x, pipe) != (1, 1, 1, 1):
         return (
             f"MoE models run on data parallelism and Z only for now (got G_pipe={pipe}, "

@@ -46,6 +46,9 @@ class PlainLayers:
         logits = head(x)[..., :vocab]
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
 
+    def head_norm(self, dim: int, eps: float) -> nn.Module:
+        return nn.RMSNorm(dim, eps=eps)
+
     def router(self, dim: int, n_experts: int) -> nn.Module:
         return self.linear(dim, n_experts)
 

@@ -77,6 +77,10 @@ class ParallelLayers:
         parallelism yet."""
         return self._replicated(GroupedExperts(n_experts, dim, ffn_dim, out_std))
 
+    def head_norm(self, dim: int, eps: float) -> nn.Module:
+        """Per-head q/k RMSNorm weight ``[head_dim]``, whole on every rank (G_y = 1)."""
+        return self._replicated(nn.RMSNorm(dim, eps=eps))
+
     def _replicated(self, module: nn.Module) -> nn.Module:
         """``module`` on the grid's device, every parameter placed whole on every rank (its
         gradient summed over Z and data by :func:`tetrad.parallel.grads.sync_gradients`)."""
@@ -84,7 +88,7 @@ class ParallelLayers:
         for p in module.parameters():
             p.placement = Placement(tuple(p.shape), ())
             if not hasattr(p, "init"):
-                p.init = ("normal", 0.02)
+                p.init = ("normal", 0.02) if p.dim() > 1 else ("ones",)
         return module
 
 
