@@ -26,6 +26,12 @@ class ModelConfigError(TetradError):
     """A model size that is unknown, malformed or not divisible by the grid."""
 
 
+def trainable(spec: ModelSpec) -> bool:
+    """Whether tetrad's Llama implements ``spec``'s attention: heads of ``hidden / heads``, no
+    multi-head latent attention."""
+    return spec.head_dim * spec.n_heads == spec.hidden and not spec.kv_lora_rank
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Sizes of a Llama-architecture decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention).
@@ -177,10 +183,11 @@ class ModelConfig:
                 f"{spec.name} is not a Llama with an untied LM head, which is what tetrad "
                 "trains: choose a llama preset or give sizes"
             )
-        if spec.head_dim * spec.n_heads != spec.hidden:
+        if not trainable(spec):
             raise ModelConfigError(
-                f"{spec.name} has attention heads of {spec.head_dim} (not hidden/heads = "
-                f"{spec.hidden // spec.n_heads}), which tetrad's Llama does not implement yet"
+                f"{spec.name} has multi-head latent attention or heads of {spec.head_dim} (not "
+                f"hidden/heads = {spec.hidden // spec.n_heads}), which tetrad's Llama does not "
+                "implement yet"
             )
         moe = (
             dict(
@@ -268,7 +275,7 @@ PRESETS: dict[str, ModelConfig] = {
     **{
         name: ModelConfig.from_spec(spec)
         for name, spec in PLANNER_PRESETS.items()
-        if spec.family == "llama" and spec.head_dim * spec.n_heads == spec.hidden
+        if spec.family == "llama" and trainable(spec)
     },
 }
 """Named sizes. A preset's ``vocab_size`` is what the planner assumes; a training run takes the

@@ -97,6 +97,11 @@ class ModelSpec:
         dense_layers: the first blocks keep the dense FFN (DeepSeek-V3: 3).
         moe_every: block ``i`` is an MoE block when ``(i + 1) % moe_every == 0`` and
             ``i >= dense_layers`` (Qwen3-MoE's ``decoder_sparse_step``).
+        kv_lora_rank: multi-head latent attention (DeepSeek-V2/V3, arXiv 2405.04434 section
+            2.1) when > 0: keys and values from a ``kv_lora_rank`` latent, queries from a
+            ``q_lora_rank`` latent (0: a direct projection), ``rope_head_dim`` rotary features
+            per head besides ``head_dim`` (the non-rotary part), values of ``v_head_dim``; the
+            planner counts its parameters and FLOPs (tetrad's runtime does not implement it).
     """
 
     name: str
@@ -117,6 +122,10 @@ class ModelSpec:
     shared_ffn: int = 0
     dense_layers: int = 0
     moe_every: int = 1
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -191,8 +200,19 @@ class ModelSpec:
         return self.n_layers - self.moe_layers
 
     def attention_linears(self) -> list[Linear]:
-        """The attention GEMMs of one block (``wqkv``, ``wo``)."""
-        return [lin for lin in self.linears() if lin.name in ("wqkv", "wo", "qkv", "proj")]
+        """The attention GEMMs of one block (``wqkv``, ``wo``, or MLA's)."""
+        return [lin for lin in self.linears() if lin.name not in ("w13", "w2", "fc1", "fc2")]
+
+    def latent_norm_params(self) -> int:
+        """MLA's norms of the query and key/value latents per block (0 without MLA)."""
+        return self.q_lora_rank + self.kv_lora_rank if self.kv_lora_rank else 0
+
+    def attention_width(self) -> int:
+        """Per-token width of the score and value products, ``a d`` (MLA: the mean of the
+        query/key width ``a (d + d_rope)`` and the value width ``a d_v``)."""
+        if not self.kv_lora_rank:
+            return self.q_dim
+        return self.n_heads * (self.head_dim + self.rope_head_dim + self.v_head_dim) // 2
 
     def shared_linears(self) -> list[Linear]:
         """The shared expert's GEMMs of one MoE block (sharded like the dense FFN's)."""
@@ -217,6 +237,7 @@ class ModelSpec:
             + self.router_params()
             + self.expert_params()
             + 2 * self.norm_params()
+            + self.latent_norm_params()
         )
 
     def active_moe_matmul_params(self) -> int:
@@ -253,8 +274,13 @@ class ModelSpec:
         return 2 * self.hidden if self.family == "gpt" else self.hidden
 
     def params_per_layer(self) -> int:
-        """Parameters of one block: its linears (with biases) and its two norms."""
-        return sum(lin.params for lin in self.linears()) + 2 * self.norm_params()
+        """Parameters of one block: its linears (with biases) and its two norms (and MLA's
+        latent norms)."""
+        return (
+            sum(lin.params for lin in self.linears())
+            + 2 * self.norm_params()
+            + self.latent_norm_params()
+        )
 
     def embedding_params(self) -> int:
         """Token table ``V h`` plus the learned position table ``P h`` (GPT)."""
@@ -290,7 +316,7 @@ class ModelSpec:
         attention term halved for causal masking; the same rule as
         ``tetrad.models.config.ModelConfig.flops_per_token``.
         """
-        return 6.0 * self.matmul_params() + 6.0 * self.n_layers * seq_len * self.q_dim
+        return 6.0 * self.matmul_params() + 6.0 * self.n_layers * seq_len * self.attention_width()
 
     def summary(self) -> str:
         """One line: name, family, billions of parameters and the sizes."""
@@ -318,9 +344,30 @@ def _block_linears(model: ModelSpec) -> tuple[Linear, ...]:
             Linear("fc1", h, f, False, bias=True),
             Linear("fc2", f, h, True, bias=True),
         )
+    ffn = (Linear("w13", h, 2 * f, False), Linear("w2", f, h, True))
+    if model.kv_lora_rank:
+        return (*_mla_linears(model), *ffn)
     return (
         Linear("wqkv", h, model.q_dim + 2 * model.kv_dim, False),
         Linear("wo", model.q_dim, h, True),
-        Linear("w13", h, 2 * f, False),
-        Linear("w2", f, h, True),
+        *ffn,
+    )
+
+
+def _mla_linears(model: ModelSpec) -> tuple[Linear, ...]:
+    """Multi-head latent attention's GEMMs (DeepSeek-V3 ``inference/model.py``, ``MLA``):
+    ``wq_a`` h->q_lora, ``wq_b`` q_lora->a (d + d_rope) (or ``wq`` h->a (d + d_rope)),
+    ``wkv_a`` h->kv_lora + d_rope, ``wkv_b`` kv_lora->a (d + d_v), ``wo`` a d_v->h."""
+    h, a, d = model.hidden, model.n_heads, model.head_dim
+    r, v, q, kv = model.rope_head_dim, model.v_head_dim, model.q_lora_rank, model.kv_lora_rank
+    queries = (
+        (Linear("wq_a", h, q, False), Linear("wq_b", q, a * (d + r), True))
+        if q
+        else (Linear("wq", h, a * (d + r), False),)
+    )
+    return (
+        *queries,
+        Linear("wkv_a", h, kv + r, False),
+        Linear("wkv_b", kv, a * (d + v), True),
+        Linear("wo", a * v, h, True),
     )
