@@ -22,8 +22,16 @@ PUBLISHED = {
 }
 
 
+EXACT = {  # our counts (Qwen3's q/k norm weights, 48 x 2 x 128 = 12,288, are left out)
+    "mixtral-8x7b": 46_702_792_704,
+    "qwen3-30b-a3b": 30_532_110_336,
+    "deepseek-v3": 671_026_404_352,
+}
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_preset_sizes(name):
+    assert PRESETS[name].num_params() == EXACT[name]
     m = PRESETS[name]
     total, experts, active = PUBLISHED[name]
     assert m.num_params() / 1e9 == pytest.approx(total, abs=0.05)

@@ -3,19 +3,37 @@ values describe a model, and which grids the MoE runtime supports. Plain Python.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tetrad.plan.model.grids import with_context
 from tetrad.spec import GridShape
 
-if TYPE_CHECKING:
-    from tetrad.models.config import ModelConfig
+
+class MoESizes(Protocol):
+    """The fields these checks read (a :class:`tetrad.models.config.ModelConfig`)."""
+
+    n_experts: int
+    top_k: int
+    expert_ffn_dim: int
+    shared_ffn_dim: int
+    moe_every: int
+    dense_layers: int
+    router_score: str
+    route_scale: float
+    aux_loss_coef: float
+    aux_loss_scope: str
+    bias_update_rate: float
+    qk_norm: bool
+
+    @property
+    def is_moe(self) -> bool: ...
+
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 AUX_LOSS_SCOPES = ("sequence", "batch")
 
 
-def moe_problems(cfg: ModelConfig) -> list[str]:
+def moe_problems(cfg: MoESizes) -> list[str]:
     """What is wrong with the mixture-of-experts fields of ``cfg`` (empty: nothing; a dense
     model with the default fields has nothing wrong)."""
     bad = []
@@ -36,7 +54,7 @@ def moe_problems(cfg: ModelConfig) -> list[str]:
     return bad
 
 
-def moe_grid_problem(cfg: ModelConfig, grid: GridShape, pipe: int = 1) -> str | None:
+def moe_grid_problem(cfg: MoESizes, grid: GridShape, pipe: int = 1) -> str | None:
     """Why the MoE runtime cannot run ``cfg`` on ``grid = (G_data, G_context, G_z, G_y, G_x)``
     with ``pipe`` stages, in one line that names the grid to use instead; None when it can (and
     for every dense model).
