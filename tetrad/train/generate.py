@@ -97,7 +97,7 @@ def _load_export(model: torch.nn.Module, folder: Path, mcfg: ModelConfig) -> Non
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         else:
             files = ["model.safetensors"]
-        params = dict(model.named_parameters())
+        params = model.state_dict(keep_vars=True)  # parameters and persistent buffers
         seen: set[str] = set()
         for name in files:
             with safe_open(str(folder / name), framework="pt") as f:
