@@ -1,14 +1,16 @@
-"""Hugging Face Mixtral and Qwen3-MoE: sizes from ``config.json`` and whole state dicts in and
-out of tetrad's layout (transformers 5's fused 3-D expert tensors).
+"""Hugging Face Mixtral and Qwen3-MoE folders: sizes from ``config.json``, expert weights in and
+out of tetrad's layout (:mod:`tetrad.models.hf` reads and writes the rest, and calls in here).
 
-Names, beyond the Llama ones of :mod:`tetrad.models.hf` (``L`` a block, ``mlp`` Mixtral's and
-Qwen3-MoE's MoE block in transformers 5; Hub checkpoints of transformers 4 name Mixtral's
-``block_sparse_moe`` with per-expert ``w1/w2/w3``, converted by transformers on load)::
+Folders keep the Hub's per-expert tensors (transformers 5 writes them so and fuses them into
+``mlp.experts.gate_up_proj [E, 2F, h]`` / ``down_proj [E, h, F]`` when loading; the fused state
+dicts: :mod:`tetrad.models.hf_moe_state`). Names, beyond the Llama ones (``L`` a block, ``j`` an
+expert, ``P`` = ``block_sparse_moe`` for Mixtral and ``mlp`` for Qwen3-MoE)::
 
-    layers.L.feed_forward.router.gate.weight  [E, h]    model.layers.L.mlp.gate.weight
-    layers.L.feed_forward.experts.w1          [E, F, h] model.layers.L.mlp.experts.gate_up_proj
-    layers.L.feed_forward.experts.w3          [E, F, h]     [E, 2F, h]: rows :F (gate), F: (up)
-    layers.L.feed_forward.experts.w2          [E, h, F] model.layers.L.mlp.experts.down_proj
+    layers.L.feed_forward.router.gate.weight  [E, h]    model.layers.L.P.gate.weight
+    layers.L.feed_forward.experts.w1          [E, F, h] model.layers.L.P.experts.j.w1.weight
+                                                        (Qwen3: .gate_proj.weight), [F, h] each
+    layers.L.feed_forward.experts.w3          [E, F, h] ...experts.j.w3.weight (.up_proj)
+    layers.L.feed_forward.experts.w2          [E, h, F] ...experts.j.w2.weight (.down_proj)
     layers.L.attention.{q,k}_norm.weight      [d]       model.layers.L.self_attn.{q,k}_norm.weight
                                                         (Qwen3)
 
@@ -23,12 +25,11 @@ load_balance_loss`), where transformers' pools every layer's tokens and gives ``
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import torch
 
 from tetrad.models.config import ModelConfig, ModelConfigError
-from tetrad.models.hf import to_hf
 
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -109,16 +110,21 @@ def moe_hf_config(cfg: ModelConfig, kind: str, vocab: int) -> dict:
 
     Raises:
         ModelConfigError: ``cfg`` is not expressible in that family (a shared expert, a sigmoid
-            router, route scaling; Mixtral: dense blocks or no renormalisation; Qwen3: no q/k
-            norm).
+            router, route scaling, a selection bias; Mixtral: dense blocks or no
+            renormalisation; Qwen3: no q/k norm).
     """
     bad = cfg.shared_ffn_dim or cfg.router_score != "softmax" or cfg.route_scale != 1.0
+    bad = bad or cfg.bias_update_rate > 0  # a selection bias neither family has
     if kind == "mixtral":
         bad = bad or cfg.moe_blocks() != cfg.n_layers or not cfg.router_renorm or cfg.qk_norm
     elif kind == "qwen3_moe":
         bad = bad or not cfg.qk_norm
     if bad or kind not in ARCHITECTURES or not cfg.is_moe:
-        raise ModelConfigError(f"this model has no {kind} equivalent in transformers")
+        raise ModelConfigError(
+            f"this model has no {kind} equivalent in transformers (Mixtral: softmax router, "
+            "renormalised, every block MoE; Qwen3-MoE: q/k norms; neither has shared experts, "
+            "route scaling or selection biases): export it as safetensors"
+        )
     out = dict(
         architectures=[ARCHITECTURES[kind]],
         model_type=kind,
@@ -151,77 +157,73 @@ def moe_hf_config(cfg: ModelConfig, kind: str, vocab: int) -> dict:
     )
 
 
-def _moe_part(name: str) -> tuple[str, str] | None:
-    """``(hf layer prefix, tetrad MoE suffix)`` of an MoE parameter name, else None."""
+def hub_kind(cfg: ModelConfig) -> str:
+    """The family an MoE ``cfg`` is written as: ``qwen3_moe`` with q/k norms, else
+    ``mixtral``."""
+    return "qwen3_moe" if cfg.qk_norm else "mixtral"
+
+
+_BLOCK = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
+_EXPERT = {
+    "mixtral": {"w1": "w1", "w2": "w2", "w3": "w3"},
+    "qwen3_moe": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
+}
+
+
+def moe_part(name: str) -> tuple[str, str] | None:
+    """``(block index, what)`` of an MoE parameter name (``what``: ``router.gate.weight`` or
+    ``experts.w1`` / ``w2`` / ``w3``), None for any other name."""
     parts = name.split(".")
-    rest = ".".join(parts[2:])
-    if len(parts) > 3 and rest.startswith("feed_forward.") and parts[3] in ("router", "experts"):
-        return f"model.layers.{parts[1]}.mlp.", rest[len("feed_forward.") :]
+    if len(parts) > 3 and parts[2] == "feed_forward" and parts[3] in ("router", "experts"):
+        return parts[1], ".".join(parts[3:])
     return None
 
 
-def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], vocab: int) -> dict:
-    """transformers' state dict of tetrad's full ``state`` (parameter name -> tensor; the
-    selection biases of buffers are not exported: Mixtral and Qwen3-MoE have none).
+def _hub_names(cfg: ModelConfig, layer: str, what: str) -> list[str]:
+    """The Hub tensors of tetrad's MoE parameter ``what`` in block ``layer`` (one per expert
+    for the expert weights).
 
     Raises:
-        ModelConfigError: a parameter without a counterpart (a shared expert).
+        ModelConfigError: a parameter without a counterpart (a router bias).
     """
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        moe = _moe_part(name)
-        if moe is None:
-            out.update(to_hf(name, t, cfg, vocab))
-            continue
-        prefix, rest = moe
-        if rest == "router.gate.weight":
-            out[prefix + "gate.weight"] = t
-        elif rest == "experts.w1":
-            w3 = state[name[: -len("w1")] + "w3"]
-            out[prefix + "experts.gate_up_proj"] = torch.cat([t, w3], dim=1)
-        elif rest == "experts.w2":
-            out[prefix + "experts.down_proj"] = t
-        elif rest != "experts.w3":  # w3 went out with w1
-            raise ModelConfigError(f"tetrad parameter {name} has no Hugging Face counterpart")
-    return out
+    kind = hub_kind(cfg)
+    prefix = f"model.layers.{layer}.{_BLOCK[kind]}."
+    if what == "router.gate.weight":
+        return [prefix + "gate.weight"]
+    if what.startswith("experts.w") and what[-2:] in _EXPERT[kind]:
+        own = _EXPERT[kind][what[-2:]]
+        return [f"{prefix}experts.{j}.{own}.weight" for j in range(cfg.n_experts)]
+    raise ModelConfigError(
+        f"tetrad parameter layers.{layer}.feed_forward.{what} has no Hugging Face counterpart"
+    )
 
 
-def from_hf_state(
-    cfg: ModelConfig, hf: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]
-) -> dict[str, torch.Tensor]:
-    """tetrad's full parameters (``shapes``: name -> shape, e.g. of a reference model) from
-    transformers' state dict ``hf``, fp32. A Llama parameter is read through its export map
-    (:func:`tetrad.models.hf.to_hf` applied to the element indices, so the two directions
-    cannot disagree); padding rows of the vocabulary stay zero.
-
-    Raises:
-        KeyError: a tensor missing from ``hf``.
-    """
-    out = {}
-    for name, shape in shapes.items():
-        moe = _moe_part(name)
-        if moe is None:
-            out[name] = _through_export(name, shape, cfg, hf)
-            continue
-        prefix, rest = moe
-        f = cfg.expert_dim
-        if rest == "router.gate.weight":
-            t = hf[prefix + "gate.weight"]
-        elif rest in ("experts.w1", "experts.w3"):
-            rows = slice(0, f) if rest == "experts.w1" else slice(f, 2 * f)
-            t = hf[prefix + "experts.gate_up_proj"][:, rows]
-        else:
-            t = hf[prefix + "experts.down_proj"]
-        out[name] = t.float().clone()
-    return out
+def moe_to_hub(name: str, full: torch.Tensor, cfg: ModelConfig) -> dict | None:
+    """The Hub tensors of tetrad's full MoE parameter ``name`` (expert ``j`` of ``[E, ...]``
+    is ``full[j]``); None when ``name`` is not an MoE parameter."""
+    part = moe_part(name)
+    if part is None:
+        return None
+    names = _hub_names(cfg, *part)
+    if len(names) == 1:
+        return {names[0]: full}
+    return dict(zip(names, full.unbind(0), strict=True))
 
 
-def _through_export(
-    name: str, shape: tuple[int, ...], cfg: ModelConfig, hf: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    """Parameter ``name`` rebuilt from ``hf`` by inverting :func:`to_hf`'s re-layout."""
-    index = torch.arange(math.prod(shape)).view(shape)
-    flat = torch.zeros(math.prod(shape))
-    for hf_name, where in to_hf(name, index, cfg, cfg.unpadded_vocab or cfg.vocab_size).items():
-        flat[where.reshape(-1)] = hf[hf_name].reshape(-1).float()
-    return flat.view(shape)
+def read_moe(
+    read: Callable[[str, slice, slice], torch.Tensor],
+    name: str,
+    slices: tuple[slice, ...],
+    cfg: ModelConfig,
+) -> torch.Tensor | None:
+    """tetrad's MoE parameter ``name`` restricted to ``slices``, read through ``read(hub name,
+    rows, cols)`` (one expert's rows and columns at a time); None when ``name`` is not an MoE
+    parameter."""
+    part = moe_part(name)
+    if part is None:
+        return None
+    names = _hub_names(cfg, *part)
+    if len(names) == 1:
+        return read(names[0], slices[0], slices[1])
+    experts = range(slices[0].start, slices[0].stop)
+    return torch.stack([read(names[j], slices[1], slices[2]) for j in experts])

@@ -101,11 +101,6 @@ def _writer_setup(fmt: str, run_dir: Path, tmp: Path, tokenizer: Path, dtype, te
 
     run_cfg = read_run_config(run_dir)
     cfg = ModelConfig(**run_cfg["model_config"])
-    if cfg.is_moe:
-        raise ExportError(
-            "tetrad export --to hf does not write mixture-of-experts models yet "
-            "(tetrad.models.hf_moe converts their state dicts): use --to safetensors"
-        )
     base = run_cfg.get("hf_config")
     vocab = int(base["vocab_size"]) if base else cfg.vocab_size
     stored = next(iter(tensors.values()))[1]
