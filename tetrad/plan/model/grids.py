@@ -77,7 +77,7 @@ def _grid_problems(model: ModelSpec, gz: int, gy: int, gx: int) -> tuple[str, ..
     need(model.n_heads % gy == 0, f"n_heads={model.n_heads} divisible by G_y={gy}")
     need(model.n_kv_heads % gy == 0, f"n_kv_heads={model.n_kv_heads} divisible by G_y={gy}")
     need(model.hidden % gx == 0, f"hidden={model.hidden} divisible by G_x={gx}")
-    for lin in model.linears():
+    for lin in model.linears() + model.shared_linears():
         g_out, g_in, a_out, a_in = (
             (gx, gy, "G_x", "G_y") if lin.transposed else (gy, gx, "G_y", "G_x")
         )
