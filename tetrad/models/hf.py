@@ -17,6 +17,8 @@ except the two fused projections (:mod:`tetrad.models.llama`)::
 
 Both sides rotate q and k with the rotate-half pairing, so no head permutation is needed. tetrad
 pads the vocabulary to divide the grid; padding rows load as zeros and are dropped on export.
+Mixtral and Qwen3-MoE folders: the same, with the experts' names and sizes of
+:mod:`tetrad.models.hf_moe`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ from pathlib import Path
 import torch
 
 from tetrad.models.config import ModelConfig, ModelConfigError
+from tetrad.models.hf_moe import (
+    ARCHITECTURES,
+    hub_kind,
+    moe_config,
+    moe_hf_config,
+    moe_to_hub,
+    read_moe,
+)
 from tetrad.plan.errors import PlanError
 from tetrad.plan.model.hf_config import from_hf_config
 
@@ -46,6 +56,8 @@ _LAYER = {
     "attention.wo.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's q/k norms
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
 
 
@@ -64,6 +76,9 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict]:
         ModelConfigError: a missing or unreadable ``config.json``, another architecture, biases,
             another activation, a ``head_dim`` other than hidden/heads, or another RoPE scaling.
     """
+    moe = _moe_raw(folder)
+    if moe is not None:
+        return moe_config(moe), moe
     try:
         spec = from_hf_config(str(folder))
     except PlanError as e:
@@ -89,6 +104,16 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict]:
     sizes = ModelConfig.from_spec(dataclasses.replace(spec, tied_embeddings=False))
     cfg = dataclasses.replace(sizes, norm_eps=float(raw.get("rms_norm_eps", 1e-6)), **extra)
     return cfg, raw
+
+
+def _moe_raw(folder: Path) -> dict | None:
+    """The ``config.json`` of a Mixtral or Qwen3-MoE folder (:data:`ARCHITECTURES`), else
+    None (a missing or unreadable file is left to the Llama reader's message)."""
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) and raw.get("model_type") in ARCHITECTURES else None
 
 
 def open_safetensors(path: Path):
@@ -154,6 +179,9 @@ class Weights:
         Raises:
             ModelConfigError: a tensor missing from the folder.
         """
+        moe = read_moe(self._rows, name, slices, self.cfg)
+        if moe is not None:
+            return moe.float()
         rows = slices[0]
         cols = slices[1] if len(slices) > 1 else slice(None)
         parts = name.split(".")
@@ -229,7 +257,10 @@ def load_weights(
 
 def to_hf(name: str, full: torch.Tensor, cfg: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
     """The Hugging Face tensors of tetrad's full parameter ``name`` (vocabulary rows beyond
-    ``vocab`` dropped)."""
+    ``vocab`` dropped; an MoE parameter gives one tensor per expert)."""
+    moe = moe_to_hub(name, full, cfg)
+    if moe is not None:
+        return moe
     if name in _PLAIN:
         return {_PLAIN[name]: full[:vocab] if name != "norm.weight" else full}
     parts = name.split(".")
@@ -257,6 +288,8 @@ def hf_config(cfg: ModelConfig, vocab: int, base: dict | None, dtype: str) -> di
     """``config.json`` of an exported folder: ``base`` (the folder the run started from, if
     any) with the sizes, untied embeddings (tetrad trains the LM head apart) and ``dtype``."""
     out = dict(base or {})
+    if cfg.is_moe:  # Mixtral or Qwen3-MoE (raises if neither expresses cfg)
+        return out | moe_hf_config(cfg, hub_kind(cfg), vocab) | {"torch_dtype": dtype}
     out.update(
         architectures=["LlamaForCausalLM"],
         model_type="llama",

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tetrad.models import recompute
 from tetrad.models.config import ModelConfig
+from tetrad.models.moe import MoEFeedForward
 from tetrad.models.recompute import cheap
 from tetrad.spec import checkpointed_blocks, parse_checkpointing
 
@@ -37,6 +38,12 @@ class Layers(Protocol):
     LM head ``[..., dim] -> [..., V]``; ``loss_sum(head, x, targets, vocab)`` gives the sum over
     tokens of the cross-entropy (nats) of ``head(x)`` against ``targets [...]``, over the first
     ``vocab`` ids only when given (the rest is padding); it may never form all the logits.
+
+    Mixture of experts (:mod:`tetrad.models.moe`): ``router(dim, E)`` maps ``[T, dim]`` to
+    router logits ``[T, E]``; ``experts(E, dim, F, out_std)`` is the routed experts,
+    ``(x [T, dim], ids [T, k], weights [T, k]) -> [T, dim]`` (dispatch, expert GEMMs and
+    combine: the module an expert-parallel runtime provides). ``head_norm(d, eps)`` is the
+    per-head RMSNorm of queries and keys (``qk_norm``): a module whose ``weight [d]`` is used.
     """
 
     head_split: int
@@ -58,6 +65,12 @@ class Layers(Protocol):
     def loss_sum(
         self, head: nn.Module, x: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
     ) -> torch.Tensor: ...
+
+    def router(self, dim: int, n_experts: int) -> nn.Module: ...
+
+    def head_norm(self, dim: int, eps: float) -> nn.Module: ...
+
+    def experts(self, n_experts: int, dim: int, ffn_dim: int, out_std: float) -> nn.Module: ...
 
 
 def rope_frequencies(d: int, cfg: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -112,13 +125,17 @@ class Attention(nn.Module):
         self.wo = layers.linear(
             cfg.n_heads * hd, d, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
         )
+        if cfg.qk_norm:  # Qwen3: RMSNorm of each q and k head before RoPE
+            self.q_norm = layers.head_norm(hd, cfg.norm_eps)
+            self.k_norm = layers.head_norm(hd, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(x)
         inv_freq = rope_frequencies(self.head_dim, self.cfg, x.device)
+        qn, kn = ((self.q_norm.weight,), (self.k_norm.weight,)) if self.cfg.qk_norm else ((), ())
         # RoPE and the head split are recomputed from the kept wqkv output in selective mode.
-        q = cheap(self._rotated_queries, qkv, inv_freq, positions)
-        k = cheap(self._rotated_keys, qkv, inv_freq, positions)
+        q = cheap(self._rotated_queries, qkv, inv_freq, positions, *qn)
+        k = cheap(self._rotated_keys, qkv, inv_freq, positions, *kn)
         v = cheap(self._values, qkv)
         o = self.core(q, k, v)
         return self.wo(cheap(self._merge_heads, o))
@@ -127,15 +144,19 @@ class Attention(nn.Module):
         """``[b, s, (heads + 2 kv_heads) d]`` -> ``[b, s, kv_heads, group + 2, d]`` (a view)."""
         return qkv.unflatten(-1, (self.n_kv_heads, self.group + 2, self.head_dim))
 
-    def _rotated_queries(self, qkv, inv_freq, positions) -> torch.Tensor:
-        """Rotated q ``[b, heads, s, d]`` from the wqkv output ``qkv [b, s, ...]``."""
+    def _rotated_queries(self, qkv, inv_freq, positions, *norm) -> torch.Tensor:
+        """Rotated q ``[b, heads, s, d]`` from the wqkv output ``qkv [b, s, ...]`` (each head
+        RMS-normalised with weight ``norm[0]`` first when given)."""
         b, s = qkv.shape[:2]
         q = self._split(qkv)[..., : self.group, :].reshape(b, s, self.n_heads, self.head_dim)
+        q = head_rms_norm(q, norm[0], self.cfg.norm_eps) if norm else q
         return rope(q.transpose(1, 2), inv_freq, positions)
 
-    def _rotated_keys(self, qkv, inv_freq, positions) -> torch.Tensor:
-        """Rotated k ``[b, kv_heads, s, d]``."""
-        return rope(self._split(qkv)[..., self.group, :].transpose(1, 2), inv_freq, positions)
+    def _rotated_keys(self, qkv, inv_freq, positions, *norm) -> torch.Tensor:
+        """Rotated k ``[b, kv_heads, s, d]`` (normalised first with ``norm[0]``, as q)."""
+        k = self._split(qkv)[..., self.group, :]
+        k = head_rms_norm(k, norm[0], self.cfg.norm_eps) if norm else k
+        return rope(k.transpose(1, 2), inv_freq, positions)
 
     def _values(self, qkv: torch.Tensor) -> torch.Tensor:
         """v ``[b, kv_heads, s, d]``, a copy: SDPA keeps v, not all of qkv."""
@@ -147,6 +168,14 @@ class Attention(nn.Module):
         return o.transpose(1, 2).flatten(2)
 
 
+def head_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x [..., d]`` with weight ``w [d]`` (Zhang and Sennrich,
+    arXiv 1910.07467, eq. 4): normalised in fp32, rounded to ``x``'s dtype, then scaled (the
+    order of transformers' Qwen3 ``q_norm`` / ``k_norm``)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
+
+
 class FeedForward(nn.Module):
     """SwiGLU (Shazeer, arXiv 2002.05202, eq. 6): ``w2(silu(x W1^T) * x W3^T)``.
 
@@ -155,11 +184,12 @@ class FeedForward(nn.Module):
     blocks gives each rank matching gate and up features.
     """
 
-    def __init__(self, cfg: ModelConfig, layers: Layers):
+    def __init__(self, cfg: ModelConfig, layers: Layers, ffn_dim: int | None = None):
         super().__init__()
-        self.w13 = layers.linear(cfg.dim, 2 * cfg.ffn_dim)
+        ffn_dim = ffn_dim or cfg.ffn_dim  # another width: an MoE block's shared expert
+        self.w13 = layers.linear(cfg.dim, 2 * ffn_dim)
         self.w2 = layers.linear(
-            cfg.ffn_dim, cfg.dim, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
+            ffn_dim, cfg.dim, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,14 +204,19 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """``h = x + attention(norm(x)); out = h + ffn(norm(h))``."""
+    """``h = x + attention(norm(x)); out = h + ffn(norm(h))``; ``ffn`` the SwiGLU, or the
+    mixture of experts (:class:`tetrad.models.moe.MoEFeedForward`) when ``moe``."""
 
-    def __init__(self, cfg: ModelConfig, layers: Layers):
+    def __init__(self, cfg: ModelConfig, layers: Layers, moe: bool = False):
         super().__init__()
         self.attention_norm = layers.norm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, layers)
         self.ffn_norm = layers.norm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg, layers)
+        if moe:
+            shared = FeedForward(cfg, layers, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
+            self.feed_forward = MoEFeedForward(cfg, layers, shared)
+        else:
+            self.feed_forward = FeedForward(cfg, layers)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), positions)
@@ -243,7 +278,7 @@ class Transformer(nn.Module):
         self.block_modes = modes[part.start : part.stop]
         self.tok_embeddings = layers.embedding(cfg.vocab_size, cfg.dim) if part.first else None
         ids = range(part.start, part.stop)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, layers) for i in ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, layers, cfg.moe_block(i)) for i in ids})
         self.norm = layers.norm(cfg.dim, cfg.norm_eps) if part.last else None
         self.output = layers.head(cfg.dim, cfg.vocab_size) if part.last else None
 
@@ -266,6 +301,18 @@ class Transformer(nn.Module):
                 with recompute.selective():
                     h = layer(h, positions)
         return self.norm(h) if self.norm is not None else h
+
+    def aux_loss_sum(self) -> torch.Tensor | None:
+        """The load-balancing loss of the last forward, summed over its MoE blocks (each
+        ``aux_loss_coef`` x :func:`tetrad.models.moe.load_balance_loss`: a sum over this rank's
+        sequences, to divide by the global number of sequences); None for a dense model, a
+        coefficient of 0 or a forward without grad."""
+        parts = [
+            b.feed_forward.aux_loss
+            for b in self.layers.values()
+            if getattr(b.feed_forward, "aux_loss", None) is not None
+        ]
+        return torch.stack(parts).sum() if parts else None
 
     def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of the per-token cross-entropies (nats) of this rank's ``[b, s]`` tokens."""

@@ -12,6 +12,7 @@ from torch import nn
 
 from tetrad.models.config import ModelConfig
 from tetrad.models.llama import ModelPart, Transformer, causal_attention
+from tetrad.models.moe import GroupedExperts
 
 
 class PlainLayers:
@@ -44,6 +45,15 @@ class PlainLayers:
     ) -> torch.Tensor:
         logits = head(x)[..., :vocab]
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
+
+    def head_norm(self, dim: int, eps: float) -> nn.Module:
+        return nn.RMSNorm(dim, eps=eps)
+
+    def router(self, dim: int, n_experts: int) -> nn.Module:
+        return self.linear(dim, n_experts)
+
+    def experts(self, n_experts: int, dim: int, ffn_dim: int, out_std: float) -> nn.Module:
+        return GroupedExperts(n_experts, dim, ffn_dim, out_std)
 
 
 class Llama(Transformer):

@@ -12,6 +12,8 @@ Layouts on the grid (AxoNN's algorithm, Singh et al., arXiv 2305.13525):
                           out X)
     logits                [B/(G_data G_z), S, V/(G_y G_x)]     (LM head: input gathered over X,
                                                                vocabulary over Y and X)
+    MoE router, experts   whole on every rank (G_y = G_x = 1: :func:`check_moe_grid`); their
+                          gradients are summed over Z and data like the norm weights'
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 from torch import nn
 
 from tetrad.grid import Grid
-from tetrad.models.config import ModelConfig, check_divisible
+from tetrad.models.config import ModelConfig, check_divisible, check_moe_grid
 from tetrad.models.llama import ModelPart, Transformer, causal_attention
+from tetrad.models.moe import GroupedExperts
 from tetrad.parallel.context import ContextAttention, local_positions
 from tetrad.parallel.embedding import Embedding
 from tetrad.parallel.head import VocabParallelHead
@@ -31,6 +34,7 @@ from tetrad.parallel.linear import Linear
 from tetrad.parallel.loss import lm_head_loss
 from tetrad.parallel.norm import RMSNorm
 from tetrad.parallel.overlap import Overlap
+from tetrad.parallel.placement import Placement
 from tetrad.spec import DEFAULT_OVERLAPS, Axis
 
 
@@ -64,6 +68,29 @@ class ParallelLayers:
     ) -> torch.Tensor:
         return lm_head_loss(head, x, targets, vocab)  # the head and the loss fused
 
+    def router(self, dim: int, n_experts: int) -> nn.Module:
+        """The MoE router ``[T, dim] -> [T, E]``, weight ``[E, dim]`` whole on every rank."""
+        return self._replicated(nn.Linear(dim, n_experts, bias=False))
+
+    def experts(self, n_experts: int, dim: int, ffn_dim: int, out_std: float) -> nn.Module:
+        """The routed experts (:class:`GroupedExperts`), whole on every rank: no expert
+        parallelism yet."""
+        return self._replicated(GroupedExperts(n_experts, dim, ffn_dim, out_std))
+
+    def head_norm(self, dim: int, eps: float) -> nn.Module:
+        """Per-head q/k RMSNorm weight ``[head_dim]``, whole on every rank (G_y = 1)."""
+        return self._replicated(nn.RMSNorm(dim, eps=eps))
+
+    def _replicated(self, module: nn.Module) -> nn.Module:
+        """``module`` on the grid's device, every parameter placed whole on every rank (its
+        gradient summed over Z and data by :func:`tetrad.parallel.grads.sync_gradients`)."""
+        module.to(self.grid.device)
+        for p in module.parameters():
+            p.placement = Placement(tuple(p.shape), ())
+            if not hasattr(p, "init"):
+                p.init = ("normal", 0.02) if p.dim() > 1 else ("ones",)
+        return module
+
 
 class ParallelLlama(Transformer):
     """The 3D tensor-parallel Llama on ``grid``: tokens ``[B/(G_data G_z), S/G_context]``
@@ -96,9 +123,11 @@ class ParallelLlama(Transformer):
         **overlap_options: int,
     ):
         check_divisible(cfg, grid.sizes)
+        check_moe_grid(cfg, grid.sizes, grid.pipe)
         overlap = Overlap(grid, overlaps, **overlap_options)
         super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing, part)
         self.overlap = overlap
+        self._place_buffers(grid)
         params = list(self.parameters())
         overlap.late = [p for p in params if Axis.Z in p.placement.grad_sum_axes]
         overlap.buckets.expected = len(params) - len(overlap.late)
@@ -106,6 +135,18 @@ class ParallelLlama(Transformer):
             late = {id(p) for p in overlap.late}
             order = [p for p in reversed(params) if id(p) not in late]
             overlap.buckets.plan(order, overlap.late)
+
+    def _place_buffers(self, grid: Grid) -> None:
+        """Move the buffers the model code made (MoE routers' selection biases) to the grid's
+        device; each persistent one is whole on every rank (``placement``, so checkpoints save
+        it)."""
+        for module in self.modules():
+            for name, b in list(module._buffers.items()):
+                if b is None:
+                    continue
+                b = module._buffers[name] = b.to(grid.device)
+                if name not in module._non_persistent_buffers_set:
+                    b.placement = Placement(tuple(b.shape), ())
 
 
 def compile_blocks(model: Transformer) -> None:

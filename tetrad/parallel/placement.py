@@ -9,6 +9,8 @@ checkpoints read only this.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -85,11 +87,12 @@ def _row_seed(seed: int, name: str, row: int) -> int:
 def init_parameters(model: nn.Module, seed: int, grid: Grid | None = None) -> None:
     """Fill every parameter from ``(seed, parameter name)`` only, whatever the grid.
 
-    Each parameter carries ``init``: ``("normal", std)`` for a 2-D weight, ``("ones",)`` or
-    ``("zeros",)``. Row ``r`` of a normal weight is drawn from a generator seeded by
-    ``(seed, name, r)``, so a rank draws only the rows of its own shard (never the whole model)
-    and a parameter's full value is the same on every grid. Parameters without ``placement``
-    are full tensors.
+    Each parameter carries ``init``: ``("normal", std)`` for a weight of 2 or more dims,
+    ``("ones",)`` or ``("zeros",)``. A normal weight is drawn as rows of its global tensor
+    viewed ``[prod(shape[:-1]), shape[-1]]`` (an expert weight ``[E, F, h]`` has ``E F`` rows);
+    row ``r`` from a generator seeded by ``(seed, name, r)``, so a rank draws only the rows of
+    its own shard (never the whole model) and a parameter's full value is the same on every
+    grid. Parameters without ``placement`` are full tensors.
     """
     for name, p in model.named_parameters():
         kind = getattr(p, "init", ("normal", 0.02) if p.dim() == 2 else ("ones",))
@@ -100,14 +103,28 @@ def init_parameters(model: nn.Module, seed: int, grid: Grid | None = None) -> No
         else:
             placement = getattr(p, "placement", None)
             shape = placement.shape if placement is not None else tuple(p.shape)
-            rows, cols = (
+            slices = (
                 placement.local_slices(grid)
                 if placement is not None
-                else (slice(0, shape[0]), slice(0, shape[1]))
+                else tuple(slice(0, n) for n in shape)
             )
-            gen = torch.Generator()
-            block = torch.empty(rows.stop - rows.start, shape[1])
-            for i, r in enumerate(range(rows.start, rows.stop)):
-                gen.manual_seed(_row_seed(seed, name, r))
-                block[i].normal_(0.0, kind[1], generator=gen)
-            p.copy_(block[:, cols])
+            p.copy_(_normal_rows(seed, name, shape, slices, kind[1]))
+
+
+def _normal_rows(
+    seed: int, name: str, shape: tuple[int, ...], slices: tuple[slice, ...], std: float
+) -> torch.Tensor:
+    """The ``slices`` of the seeded normal tensor of ``shape`` (see :func:`init_parameters`):
+    every row whose leading indices fall in ``slices[:-1]`` is drawn whole, then cut to
+    ``slices[-1]``."""
+    lead = [range(s.start, s.stop) for s in slices[:-1]]
+    strides = [math.prod(shape[d + 1 : -1]) for d in range(len(lead))]
+    out = torch.empty(*(len(r) for r in lead), shape[-1])
+    rows = out.view(-1, shape[-1])
+    gen = torch.Generator()
+    for i, index in enumerate(itertools.product(*lead)):
+        gen.manual_seed(
+            _row_seed(seed, name, sum(j * st for j, st in zip(index, strides, strict=True)))
+        )
+        rows[i].normal_(0.0, std, generator=gen)
+    return out[..., slices[-1]]

@@ -236,6 +236,12 @@ def run_plan(args: argparse.Namespace) -> int:
         PlanError: bad input; the message says what to change.
     """
     model = get_model(args.model)
+    if model.is_moe:
+        raise PlanError(
+            f"tetrad plan does not model mixture-of-experts models yet ({model.name}: no expert "
+            "all-to-all, no expert sharding): size one grid with tetrad memory --model "
+            f"{args.model} --grid DATA,1,Z,1,1"
+        )
     machine = get_machine(args.machine)
     if args.gemm_efficiency is not None:
         machine = machine.with_gemm_efficiency(args.gemm_efficiency)

@@ -43,8 +43,14 @@ def report_save(job: Job, done: tuple[Path, float] | None) -> None:
 
 def print_start(job: Job, model_cfg: ModelConfig, start: int) -> None:
     grid, corpus, t = job.grid, job.corpus, job.cfg.training
+    size = f"{model_cfg.num_params() / 1e6:.2f}M-parameter"
+    if model_cfg.is_moe:
+        size += (
+            f" ({model_cfg.active_params() / 1e6:.2f}M active, {model_cfg.n_experts} experts, "
+            f"top-{model_cfg.top_k})"
+        )
     print(
-        f"tetrad: {model_cfg.num_params() / 1e6:.2f}M-parameter Llama on grid {grid} "
+        f"tetrad: {size} Llama on grid {grid} "
         f"({grid.world_size} ranks, {device_name(grid.device)}), {job.cfg.grad_accum} "
         f"micro-batch(es) of {t.micro_batch} per step, {job.meter.tokens} tokens/step"
     )

@@ -82,6 +82,11 @@ def choose_grid(
     from tetrad.plan.errors import PlanError
     from tetrad.plan.search.plan import plan
 
+    if cfg.model_config(vocab_size).is_moe:
+        raise ConfigError(
+            "--grid auto does not plan mixture-of-experts models yet: give --grid "
+            "DATA,1,Z,1,1 (experts are whole on every rank: data parallelism and Z only)"
+        )
     machine = machine_for(cfg)
     t, par = cfg.training, cfg.parallelism
     batch = f"global_batch={t.global_batch} and micro_batch={t.micro_batch}"

@@ -127,7 +127,10 @@ class Checkpointer:
         rank (building a mesh creates process groups, a collective over the world): pipeline
         stages hold different parameters, so the orders are gathered first."""
         mine = sorted(
-            {p.placement.replicated_axes + p.placement.sharded_axes for p in model.parameters()}
+            {
+                t.placement.replicated_axes + t.placement.sharded_axes
+                for _, t in _placed_tensors(model)
+            }
         )
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine, group=self._ctl)
@@ -138,6 +141,8 @@ class Checkpointer:
         if not self._meshes:
             self._make_meshes(model)
         state: dict = {"step": torch.tensor(step)}
+        for name, b in _placed_buffers(model):
+            state[f"model.{name}"] = self._dtensor(b, b.placement)
         for name, p in model.named_parameters():
             state[f"model.{name}"] = self._dtensor(p.data, p.placement)
             st = optimizer.state.setdefault(p, {})
@@ -270,6 +275,8 @@ class Checkpointer:
                 f"cannot load checkpoint {path} ({first}): it is corrupt "
                 "or from another model; use a fresh --run-dir"
             ) from None
+        for name, b in _placed_buffers(model):
+            b.copy_(state[f"model.{name}"].to_local())
         for name, p in model.named_parameters():
             p.data.copy_(state[f"model.{name}"].to_local())
             st = optimizer.state[p]
@@ -279,6 +286,17 @@ class Checkpointer:
         if same_world:
             torch.set_rng_state(state[self._rng_key()])
         return int(state["step"])
+
+
+def _placed_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers saved with the parameters: those with a ``placement`` (MoE routers'
+    selection biases, :meth:`tetrad.parallel.model.ParallelLlama._place_buffers`)."""
+    return [(n, b) for n, b in model.named_buffers() if hasattr(b, "placement")]
+
+
+def _placed_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and placed buffers, with their names."""
+    return [*model.named_parameters(), *_placed_buffers(model)]
 
 
 def _world(grid: object) -> int | None:

@@ -70,11 +70,12 @@ def is_export(folder: str | Path) -> bool:
 
 
 def _load_checkpoint(model: torch.nn.Module, folder: Path, mcfg: ModelConfig) -> None:
-    """Load a DCP checkpoint folder into ``model``'s parameters."""
+    """Load a DCP checkpoint folder into ``model``'s parameters (and persistent buffers: MoE
+    routers' selection biases)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    state = {"model." + n: torch.empty_like(p) for n, p in model.named_parameters()}
+    state = {"model." + n: torch.empty_like(t) for n, t in model.state_dict().items()}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
@@ -96,7 +97,7 @@ def _load_export(model: torch.nn.Module, folder: Path, mcfg: ModelConfig) -> Non
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         else:
             files = ["model.safetensors"]
-        params = dict(model.named_parameters())
+        params = model.state_dict(keep_vars=True)  # parameters and persistent buffers
         seen: set[str] = set()
         for name in files:
             with safe_open(str(folder / name), framework="pt") as f:

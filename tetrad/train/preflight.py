@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tetrad.data.corpus import Corpus, prepare_corpus
 from tetrad.device import gpu_count
 from tetrad.grid import Grid
-from tetrad.models.config import ModelConfig, check_divisible
+from tetrad.models.config import ModelConfig, check_divisible, check_moe_grid
 from tetrad.models.hf import Weights, load_weights, read_config
 from tetrad.parallel.model import ParallelLlama
 from tetrad.spec import checkpointed_blocks
@@ -60,6 +60,7 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
                 f"of {hf_vocab:,}: use the model's own tokenizer.json (drop --tokenizer)"
             )
     check_divisible(model_cfg, cfg.parallelism.grid)
+    check_moe_grid(model_cfg, cfg.parallelism.grid, cfg.parallelism.pipe)
     if cfg.parallelism.activation_checkpointing != "auto":  # selective:K needs K <= n_layers
         checkpointed_blocks(cfg.parallelism.activation_checkpointing, model_cfg.n_layers)
     start = start_checkpoint(cfg)

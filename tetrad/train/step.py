@@ -13,6 +13,7 @@ from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
 from tetrad.parallel.context import split_sequence
+from tetrad.parallel.experts import update_expert_biases
 from tetrad.spec import Axis
 
 
@@ -99,27 +100,57 @@ def train_step(
     Returns:
         ``(loss, grad_norm)`` as 0-dim tensors on the grid's device (read them with
         ``float()`` or ``.tolist()`` when needed; on a GPU that waits for the step): the mean
-        cross-entropy (nats) over all ``B*S`` tokens of the global batch, and the global
-        gradient norm before clipping.
+        cross-entropy (nats) over all ``B*S`` tokens of the global batch (without an MoE
+        model's load-balancing term: :func:`train_step_losses`), and the global gradient norm
+        before clipping.
     """
-    n_tokens = batch[:, 1:].numel()
+    loss, _, norm = train_step_losses(model, optimizer, grid, batch, micro_batch, grad_clip)
+    return loss, norm
+
+
+def train_step_losses(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    grid: Grid,
+    batch: torch.Tensor,
+    micro_batch: int,
+    grad_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`train_step`, returning ``(lm_loss, aux_loss, grad_norm)``.
+
+    The loss differentiated is ``lm_loss + aux_loss``: ``lm_loss`` the mean cross-entropy over
+    the ``B*S`` tokens, ``aux_loss`` the MoE load-balancing term, the sum over MoE blocks of
+    ``aux_loss_coef`` x the mean over the ``B`` sequences of the block's Switch loss
+    (:func:`tetrad.models.moe.load_balance_loss`; 0 for a dense model). After the update, MoE
+    routers with a selection bias update it from the step's expert loads
+    (:func:`tetrad.parallel.experts.update_expert_biases`).
+    """
+    n_tokens, n_seqs = batch[:, 1:].numel(), batch.shape[0]
     micro_batches = to_device(local_samples(batch, grid), grid.device).split(micro_batch)
     overlap = getattr(model, "overlap", None)
     loss = torch.zeros((), device=grid.device)
+    aux, moe = torch.zeros((), device=grid.device), False
     for i, mb in enumerate(micro_batches):
         if overlap is not None:
             overlap.begin_micro_batch(last=i == len(micro_batches) - 1)
         with autocast(grid.device):
             part = model.loss_sum(*inputs_targets(mb, grid)) / n_tokens
-        part.backward()
+            aux_sum = model.aux_loss_sum() if hasattr(model, "aux_loss_sum") else None
+        total = part if aux_sum is None else part + aux_sum / n_seqs
+        total.backward()
         if overlap is not None:
             overlap.end_micro_batch()
         loss += part.detach()
+        if aux_sum is not None:
+            aux, moe = aux + aux_sum.detach() / n_seqs, True
     sync_gradients(model, grid, overlap.buckets.reduced if overlap is not None else set())
     norm = clip_grad_norm(model, grid, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return sum_over_batch_axes(loss, grid), norm
+    update_expert_biases(model, grid)
+    if moe:  # a dense model's step issues the one loss all-reduce it always did
+        aux = sum_over_batch_axes(aux, grid)
+    return sum_over_batch_axes(loss, grid), aux, norm
 
 
 @torch.no_grad()

@@ -45,7 +45,7 @@ from tetrad.train.resume import (
     tetrad_version,
     trim_metrics,
 )
-from tetrad.train.step import build_optimizer, evaluate, lr_at, train_step
+from tetrad.train.step import build_optimizer, evaluate, lr_at, train_step_losses
 from tetrad.train.stop import Stopped, StopSignals, signal_name
 
 __all__ = ["build_model", "preflight", "train"]
@@ -219,11 +219,15 @@ def _step(job: Job, step: int, batch: torch.Tensor) -> dict:
     overlaps = [part.overlap for part in parts_of(model)]
     for overlap in overlaps:
         overlap.counts.clear()
+    extra: dict = {}
     if isinstance(model, Pipeline):
         loss, grad_norm = pipeline_train_step(model, job.optimizer, batch, t.grad_clip)
     else:
-        loss, grad_norm = train_step(model, job.optimizer, grid, batch, t.micro_batch, t.grad_clip)
-    return {
+        loss, aux, grad_norm = train_step_losses(
+            model, job.optimizer, grid, batch, t.micro_batch, t.grad_clip
+        )
+        extra = {"aux_loss": aux} if parts_of(model)[0].cfg.is_moe else {}
+    return extra | {
         "step": step + 1,
         "loss": loss,
         "grad_norm": grad_norm,
@@ -239,6 +243,7 @@ def _rows(job: Job, pending: list[dict], since: float) -> list[dict]:
     each step's time is the interval's wall time over its steps, so tokens/s and MFU are exact
     for the interval."""
     values = torch.stack([v for p in pending for v in (p["loss"], p["grad_norm"])]).tolist()
+    aux = [float(p["aux_loss"]) for p in pending if "aux_loss" in p]  # MoE: read apart
     seconds = (time.perf_counter() - since) / len(pending)
     peak = peak_memory_bytes(job.grid.device)
     rows = [
@@ -253,6 +258,7 @@ def _rows(job: Job, pending: list[dict], since: float) -> list[dict]:
             overlaps_ran=p["overlaps_ran"],
         )
         | {"restarts": restart_count()}
+        | ({"aux_loss": aux[i]} if aux else {})
         for i, p in enumerate(pending)
     ]
     return rows

@@ -23,9 +23,14 @@ def fujii_params_on_first_stage(model: ModelSpec, tp: int, pp: int) -> float:
 
     ``p = 1``: ``(L P_layer + embedding + LM head) / t + final norm``;
     ``p > 1``: ``((L/p) P_layer + embedding) / t`` (the last stage is not modelled).
-    ``P_layer`` is the exact per-block count; the embedding includes GPT's position table.
+    ``P_layer`` is the exact per-block count (the mean block of an MoE model, every expert
+    counted and split by TP as Megatron's expert TP = TP without expert parallelism); the
+    embedding includes GPT's position table.
     """
     per_layer = model.params_per_layer()
+    if model.is_moe:
+        blocks = model.num_params() - model.embedding_params() - model.lm_head_params()
+        per_layer = (blocks - model.norm_params()) / model.n_layers
     if pp == 1:
         return (
             model.n_layers * per_layer + model.embedding_params() + model.lm_head_params()

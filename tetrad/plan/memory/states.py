@@ -44,16 +44,28 @@ def _local_elements(model: ModelSpec, grid: tuple[int, ...]) -> tuple[int, int]:
     check_grid(model, grid)
     shard = gx * gy * gz
     block = [lin.weight_elements // shard for lin in model.linears() for _ in range(lin.count)]
+    moe = _moe_matrix_elements(model, shard)
     tables = [model.vocab * model.hidden // shard]
     if model.max_positions:
         tables.append(model.max_positions * model.hidden // shard)
     if not model.tied_embeddings:
         tables.append(model.lm_head().weight_elements // shard)
-    matrices = model.n_layers * sum(block) + sum(tables)
+    matrices = model.dense_blocks * sum(block) + moe + sum(tables)
     norm = model.norm_params() // gx
     bias = sum(_vector_elements(lin, gx, gy) for lin in model.linears())
     vectors = model.n_layers * (2 * norm + bias) + norm
     return matrices, vectors
+
+
+def _moe_matrix_elements(model: ModelSpec, shard: int) -> int:
+    """Matrix elements of the MoE blocks on one rank: attention and shared-expert Linears
+    sharded as every Linear (``/ (G_x G_y G_z)``), router ``E h`` and experts ``3 E h f_e``
+    whole (tetrad/parallel/model.py: no expert parallelism yet)."""
+    if not model.is_moe:
+        return 0
+    lins = model.attention_linears() + model.shared_linears()
+    sharded = sum(lin.count * (lin.weight_elements // shard) for lin in lins)
+    return model.moe_layers * (sharded + model.router_params() + model.expert_params())
 
 
 def tetrad_parameter_bytes(model: ModelSpec, grid) -> float:

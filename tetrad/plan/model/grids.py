@@ -58,8 +58,9 @@ def grid_problems(model: ModelSpec, grid) -> list[str]:
     :func:`tetrad.models.config.check_divisible`): a non-transposed weight
     ``[n, k]`` needs ``n % (G_y G_z) == 0`` and ``k % G_x == 0``, a transposed one the same with X
     and Y swapped; heads and KV heads split over Y; the LM head (vocabulary over Y, X and Z) and
-    so the embedding ``V % (G_y G_x G_z)``; norms ``h % G_x``. ``grid``: four sizes or five
-    (with ``G_context``, which splits no weight).
+    so the embedding ``V % (G_y G_x G_z)``; norms ``h % G_x``; an MoE model ``G_y = G_x = 1``
+    (its router and experts are whole on every rank: :mod:`tetrad.parallel.model`).
+    ``grid``: four sizes or five (with ``G_context``, which splits no weight).
     """
     return list(_grid_problems(model, *(int(g) for g in tuple(grid)[-3:])))
 
@@ -76,7 +77,7 @@ def _grid_problems(model: ModelSpec, gz: int, gy: int, gx: int) -> tuple[str, ..
     need(model.n_heads % gy == 0, f"n_heads={model.n_heads} divisible by G_y={gy}")
     need(model.n_kv_heads % gy == 0, f"n_kv_heads={model.n_kv_heads} divisible by G_y={gy}")
     need(model.hidden % gx == 0, f"hidden={model.hidden} divisible by G_x={gx}")
-    for lin in model.linears():
+    for lin in model.linears() + model.shared_linears():
         g_out, g_in, a_out, a_in = (
             (gx, gy, "G_x", "G_y") if lin.transposed else (gy, gx, "G_y", "G_x")
         )
@@ -88,6 +89,10 @@ def _grid_problems(model: ModelSpec, gz: int, gy: int, gx: int) -> tuple[str, ..
             lin.in_features % g_in == 0,
             f"{lin.name} in={lin.in_features} divisible by {a_in}={g_in}",
         )
+    need(
+        not model.is_moe or gy == gx == 1,
+        f"G_y={gy} and G_x={gx} equal to 1 (MoE experts are whole on every rank)",
+    )
     g_vocab = gy * gx * gz
     need(model.vocab % g_vocab == 0, f"vocab={model.vocab} divisible by G_y*G_x*G_z={g_vocab}")
     return tuple(bad)

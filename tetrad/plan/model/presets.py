@@ -74,6 +74,62 @@ _PRESET_LIST = [
     # tetrad's 1B Llama for a single GPU (the runtime's preset too: every llama preset here is
     # one `tetrad train --model` accepts).
     _llama("llama-1b", 2048, 16, 32, 8, 8192, 32768, LLAMA3_THETA),
+    # Mixtures of experts (config.json values; docs: /work/shared/notes section 3). Mixtral
+    # 8x7B (Jiang et al., arXiv 2401.04088): every block 8 experts of 14336, top-2.
+    ModelSpec(
+        "mixtral-8x7b",
+        "llama",
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        32000,
+        rope_theta=1e6,
+        n_experts=8,
+        top_k=2,
+        expert_ffn=14336,
+    ),
+    # Qwen3-30B-A3B: 128 experts of 768, top-8, heads of 128 (h/a = 64); q/k norms not counted
+    # (2 x 128 per block). intermediate_size 6144 is unused (no dense block).
+    ModelSpec(
+        "qwen3-30b-a3b",
+        "llama",
+        2048,
+        48,
+        32,
+        4,
+        6144,
+        151936,
+        rope_theta=1e6,
+        attn_head_dim=128,
+        n_experts=128,
+        top_k=8,
+        expert_ffn=768,
+    ),
+    # DeepSeek-V3 (arXiv 2412.19437; inference/configs/config_671B.json): MLA attention, the
+    # first 3 blocks dense (18432), then 256 experts of 2048, top-8, one shared expert of
+    # 2048; the multi-token-prediction module is not counted (671B, 37B active).
+    ModelSpec(
+        "deepseek-v3",
+        "llama",
+        7168,
+        61,
+        128,
+        128,
+        18432,
+        129280,
+        attn_head_dim=128,
+        n_experts=256,
+        top_k=8,
+        expert_ffn=2048,
+        shared_ffn=2048,
+        dense_layers=3,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        rope_head_dim=64,
+        v_head_dim=128,
+    ),
 ]
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in _PRESET_LIST}
 

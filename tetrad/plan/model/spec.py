@@ -21,6 +21,11 @@ Parameter counts (``h`` hidden, ``L`` layers, ``a`` heads, ``k`` KV heads, ``d =
 
     llama: L (2 h (a d) + 2 h (k d) + 3 h f + 2h) + h + V h + V h (LM head, if untied)
     gpt:   L (12 h^2 + 13 h) + (V + P) h + 2h + V h (LM head)          (with f = 4h)
+
+Mixture of experts (llama only; ``E`` routed experts of width ``f_e``, top-``k``, a shared
+expert of width ``f_s``, ``L_m`` MoE blocks): an MoE block replaces ``3 h f`` by the router
+``E h``, the experts ``3 E h f_e`` and the shared expert ``3 h f_s``. FLOPs count the
+*active* weights: ``E h + 3 k h f_e + 3 h f_s`` per MoE block (each token runs ``k`` experts).
 """
 
 from __future__ import annotations
@@ -83,6 +88,20 @@ class ModelSpec:
         tied_embeddings: the LM head reuses the embedding table (no extra ``V h``).
         rope_theta: RoPE base (llama); the planner does not use it, the runtime builds its
             model from the same preset (:meth:`tetrad.models.config.ModelConfig.from_spec`).
+        attn_head_dim: attention head size when it is not ``h / a`` (Qwen3: 128 with
+            ``h / a = 64``); 0: ``h / a``.
+        n_experts: routed experts ``E`` per MoE block (0: dense).
+        top_k: experts per token ``k``.
+        expert_ffn: inner width ``f_e`` of one routed expert.
+        shared_ffn: inner width ``f_s`` of the shared expert (0: none).
+        dense_layers: the first blocks keep the dense FFN (DeepSeek-V3: 3).
+        moe_every: block ``i`` is an MoE block when ``(i + 1) % moe_every == 0`` and
+            ``i >= dense_layers`` (Qwen3-MoE's ``decoder_sparse_step``).
+        kv_lora_rank: multi-head latent attention (DeepSeek-V2/V3, arXiv 2405.04434 section
+            2.1) when > 0: keys and values from a ``kv_lora_rank`` latent, queries from a
+            ``q_lora_rank`` latent (0: a direct projection), ``rope_head_dim`` rotary features
+            per head besides ``head_dim`` (the non-rotary part), values of ``v_head_dim``; the
+            planner counts its parameters and FLOPs (tetrad's runtime does not implement it).
     """
 
     name: str
@@ -96,6 +115,17 @@ class ModelSpec:
     max_positions: int = 0
     tied_embeddings: bool = False
     rope_theta: float = 10000.0
+    attn_head_dim: int = 0
+    n_experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    dense_layers: int = 0
+    moe_every: int = 1
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -117,18 +147,108 @@ class ModelSpec:
             )
         if self.family == "gpt" and self.n_kv_heads != self.n_heads:
             raise PlanError("a gpt model has n_kv_heads == n_heads: drop n_kv_heads")
+        if self.n_experts:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        """Raise :class:`PlanError` for MoE sizes that describe no model."""
+        if self.family != "llama":
+            raise PlanError("mixture-of-experts sizes need family llama")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise PlanError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if (
+            self.expert_ffn <= 0
+            or self.moe_every < 1
+            or min(self.shared_ffn, self.dense_layers) < 0
+        ):
+            raise PlanError(
+                f"MoE sizes expert_ffn={self.expert_ffn} (> 0), moe_every={self.moe_every} "
+                f"(>= 1), shared_ffn={self.shared_ffn}, dense_layers={self.dense_layers} (>= 0)"
+            )
 
     # ---- sizes -------------------------------------------------------------------------------
 
     @property
     def head_dim(self) -> int:
-        """``d = h / a``."""
-        return self.hidden // self.n_heads
+        """``d = h / a`` (or ``attn_head_dim`` when given)."""
+        return self.attn_head_dim or self.hidden // self.n_heads
 
     @property
     def q_dim(self) -> int:
-        """Width of the query projection ``a * d`` (equals ``h``)."""
+        """Width of the query projection ``a * d`` (equals ``h`` unless ``attn_head_dim``)."""
         return self.n_heads * self.head_dim
+
+    # ---- mixture of experts ------------------------------------------------------------------
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any block is an MoE block."""
+        return self.moe_layers > 0
+
+    def moe_block(self, i: int) -> bool:
+        """Whether block ``i`` (0-based) is an MoE block (see ``moe_every``)."""
+        return self.n_experts > 0 and i >= self.dense_layers and (i + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        """MoE blocks ``L_m``."""
+        return sum(self.moe_block(i) for i in range(self.n_layers))
+
+    @property
+    def dense_blocks(self) -> int:
+        """Blocks with the dense ``ffn_hidden`` SwiGLU: ``L - L_m``."""
+        return self.n_layers - self.moe_layers
+
+    def attention_linears(self) -> list[Linear]:
+        """The attention GEMMs of one block (``wqkv``, ``wo``, or MLA's)."""
+        return [lin for lin in self.linears() if lin.name not in ("w13", "w2", "fc1", "fc2")]
+
+    def latent_norm_params(self) -> int:
+        """MLA's norms of the query and key/value latents per block (0 without MLA)."""
+        return self.q_lora_rank + self.kv_lora_rank if self.kv_lora_rank else 0
+
+    def attention_width(self) -> int:
+        """Per-token width of the score and value products, ``a d`` (MLA: the mean of the
+        query/key width ``a (d + d_rope)`` and the value width ``a d_v``)."""
+        if not self.kv_lora_rank:
+            return self.q_dim
+        return self.n_heads * (self.head_dim + self.rope_head_dim + self.v_head_dim) // 2
+
+    def shared_linears(self) -> list[Linear]:
+        """The shared expert's GEMMs of one MoE block (sharded like the dense FFN's)."""
+        if not self.shared_ffn:
+            return []
+        h, f = self.hidden, self.shared_ffn
+        return [Linear("shared.w13", h, 2 * f, False), Linear("shared.w2", f, h, True)]
+
+    def router_params(self) -> int:
+        """Router weight of one MoE block ``E h``."""
+        return self.n_experts * self.hidden
+
+    def expert_params(self) -> int:
+        """Routed-expert weights of one MoE block ``3 E h f_e`` (total, not active)."""
+        return 3 * self.n_experts * self.hidden * self.expert_ffn
+
+    def moe_params_per_layer(self) -> int:
+        """Parameters of one MoE block: attention, router, experts, shared expert, two norms."""
+        lins = self.attention_linears() + self.shared_linears()
+        return (
+            sum(lin.params for lin in lins)
+            + self.router_params()
+            + self.expert_params()
+            + 2 * self.norm_params()
+            + self.latent_norm_params()
+        )
+
+    def active_moe_matmul_params(self) -> int:
+        """Weights one token multiplies in an MoE block: attention, router, its ``k`` experts
+        ``3 k h f_e`` and the shared expert."""
+        lins = self.attention_linears() + self.shared_linears()
+        return (
+            sum(lin.count * lin.weight_elements for lin in lins)
+            + self.router_params()
+            + 3 * self.top_k * self.hidden * self.expert_ffn
+        )
 
     @property
     def kv_dim(self) -> int:
@@ -154,8 +274,13 @@ class ModelSpec:
         return 2 * self.hidden if self.family == "gpt" else self.hidden
 
     def params_per_layer(self) -> int:
-        """Parameters of one block: its linears (with biases) and its two norms."""
-        return sum(lin.params for lin in self.linears()) + 2 * self.norm_params()
+        """Parameters of one block: its linears (with biases) and its two norms (and MLA's
+        latent norms)."""
+        return (
+            sum(lin.params for lin in self.linears())
+            + 2 * self.norm_params()
+            + self.latent_norm_params()
+        )
 
     def embedding_params(self) -> int:
         """Token table ``V h`` plus the learned position table ``P h`` (GPT)."""
@@ -166,9 +291,10 @@ class ModelSpec:
         return 0 if self.tied_embeddings else self.vocab * self.hidden
 
     def num_params(self) -> int:
-        """Exact total parameter count."""
+        """Exact total parameter count (every expert counted)."""
         return (
-            self.n_layers * self.params_per_layer()
+            self.dense_blocks * self.params_per_layer()
+            + self.moe_layers * (self.moe_params_per_layer() if self.is_moe else 0)
             + self.embedding_params()
             + self.norm_params()
             + self.lm_head_params()
@@ -176,9 +302,11 @@ class ModelSpec:
 
     def matmul_params(self) -> int:
         """Weights used in a GEMM per token: block linears (no biases) and the LM head (the
-        embedding lookup is not a GEMM)."""
+        embedding lookup is not a GEMM); in MoE blocks the active ones only
+        (:meth:`active_moe_matmul_params`)."""
         block = sum(lin.count * lin.weight_elements for lin in self.linears())
-        return self.n_layers * block + self.vocab * self.hidden
+        moe = self.moe_layers * self.active_moe_matmul_params() if self.is_moe else 0
+        return self.dense_blocks * block + moe + self.vocab * self.hidden
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, forward + backward, no recomputation:
@@ -188,14 +316,20 @@ class ModelSpec:
         attention term halved for causal masking; the same rule as
         ``tetrad.models.config.ModelConfig.flops_per_token``.
         """
-        return 6.0 * self.matmul_params() + 6.0 * self.n_layers * seq_len * self.q_dim
+        return 6.0 * self.matmul_params() + 6.0 * self.n_layers * seq_len * self.attention_width()
 
     def summary(self) -> str:
         """One line: name, family, billions of parameters and the sizes."""
+        moe = (
+            f" experts={self.n_experts}x{self.expert_ffn} top-{self.top_k} "
+            f"(MoE blocks {self.moe_layers})"
+            if self.is_moe
+            else ""
+        )
         return (
             f"{self.name} ({self.family}, {self.num_params() / 1e9:.2f}B): h={self.hidden} "
             f"L={self.n_layers} heads={self.n_heads}/{self.n_kv_heads} "
-            f"ffn={self.ffn_hidden} V={self.vocab}"
+            f"ffn={self.ffn_hidden} V={self.vocab}{moe}"
         )
 
 
@@ -210,9 +344,30 @@ def _block_linears(model: ModelSpec) -> tuple[Linear, ...]:
             Linear("fc1", h, f, False, bias=True),
             Linear("fc2", f, h, True, bias=True),
         )
+    ffn = (Linear("w13", h, 2 * f, False), Linear("w2", f, h, True))
+    if model.kv_lora_rank:
+        return (*_mla_linears(model), *ffn)
     return (
         Linear("wqkv", h, model.q_dim + 2 * model.kv_dim, False),
         Linear("wo", model.q_dim, h, True),
-        Linear("w13", h, 2 * f, False),
-        Linear("w2", f, h, True),
+        *ffn,
+    )
+
+
+def _mla_linears(model: ModelSpec) -> tuple[Linear, ...]:
+    """Multi-head latent attention's GEMMs (DeepSeek-V3 ``inference/model.py``, ``MLA``):
+    ``wq_a`` h->q_lora, ``wq_b`` q_lora->a (d + d_rope) (or ``wq`` h->a (d + d_rope)),
+    ``wkv_a`` h->kv_lora + d_rope, ``wkv_b`` kv_lora->a (d + d_v), ``wo`` a d_v->h."""
+    h, a, d = model.hidden, model.n_heads, model.head_dim
+    r, v, q, kv = model.rope_head_dim, model.v_head_dim, model.q_lora_rank, model.kv_lora_rank
+    queries = (
+        (Linear("wq_a", h, q, False), Linear("wq_b", q, a * (d + r), True))
+        if q
+        else (Linear("wq", h, a * (d + r), False),)
+    )
+    return (
+        *queries,
+        Linear("wkv_a", h, kv + r, False),
+        Linear("wkv_b", kv, a * (d + v), True),
+        Linear("wo", a * v, h, True),
     )

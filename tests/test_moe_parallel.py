@@ -1,0 +1,116 @@
+"""The MoE Llama on the grid against the single-process reference (2 gloo ranks).
+
+Experts are replicated on every rank, so data parallelism and Z are the supported axes: a few
+AdamW steps (gradient accumulation, clipping, warm-up) on the same global batches must give the
+reference's LM loss and load-balancing loss to 1e-5 relative, its gradient norm to 1e-4, and
+its updated weights (and aux-loss-free selection biases) to 0.05 lr, as tests/test_model.py
+requires of the dense model. Every other grid is refused at construction with one line.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tetrad.grid import Grid
+from tetrad.models.config import PRESETS, ModelConfigError, check_divisible
+from tetrad.models.moe import Router
+from tetrad.models.reference import Llama as Reference
+from tetrad.parallel import init_parameters
+from tetrad.parallel.model import ParallelLlama
+from tetrad.train.step import build_optimizer, lr_at, train_step_losses
+
+# sigmoid scores with a selection bias in one config; softmax, a shared expert, a dense block and
+# Qwen3's q/k norms in the other
+CONFIGS = {
+    "softmax-qk-norm": dataclasses.replace(PRESETS["moe-tiny"], qk_norm=True),
+    "sigmoid-bias": dataclasses.replace(
+        PRESETS["moe-tiny"],
+        router_score="sigmoid",
+        route_scale=2.5,
+        bias_update_rate=0.01,
+        shared_ffn_dim=0,
+        dense_layers=0,
+    ),
+}
+STEPS, BATCH, SEQ, MICRO, LR, CLIP, SEED = 3, 8, 16, 2, 3e-3, 1.0, 7
+
+
+def batches(cfg):
+    g = torch.Generator().manual_seed(SEED)
+    return [torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def set_lr(opt, step):
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
+
+
+def reference_run(cfg):
+    """Plain PyTorch, whole batch at once: loss = mean CE + aux sum / sequences."""
+    torch.manual_seed(0)
+    model = Reference(cfg)
+    init_parameters(model, SEED)
+    opt = build_optimizer(model, LR, weight_decay=0.1)
+    curves = []
+    for step, batch in enumerate(batches(cfg)):
+        set_lr(opt, step)
+        lm = model.loss_sum(batch[:, :-1], batch[:, 1:]) / batch[:, 1:].numel()
+        aux = model.aux_loss_sum() / batch.shape[0]
+        (lm + aux).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item()
+        opt.step()
+        opt.zero_grad()
+        for r in model.modules():
+            if isinstance(r, Router) and r.bias is not None:
+                r.update_bias(r.tokens_per_expert.clone())
+        curves.append((lm.item(), aux.item(), norm))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return curves, state
+
+
+def parallel_run(name, curves, ref_state, grids):
+    cfg = CONFIGS[name]
+    for sizes in grids:
+        grid = Grid.build(sizes)
+        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "reduce_scatter"))
+        init_parameters(model, SEED, grid)
+        opt = build_optimizer(model, LR, weight_decay=0.1)
+        for step, batch in enumerate(batches(cfg)):
+            set_lr(opt, step)
+            got = [float(t) for t in train_step_losses(model, opt, grid, batch, MICRO, CLIP)]
+            for what, g, r, tol in zip(
+                ("lm", "aux", "norm"), got, curves[step], (1e-5, 1e-5, 1e-4), strict=True
+            ):
+                assert abs(g - r) <= tol * abs(r), f"{name} {sizes} step {step} {what}: {g} vs {r}"
+        worst = 0.0
+        for key, t in model.state_dict().items():
+            p = dict(model.named_parameters()).get(key)
+            want = (
+                ref_state[key][p.placement.local_slices(grid)] if p is not None else ref_state[key]
+            )
+            worst = max(worst, (t - want).abs().max().item())
+        assert worst <= 0.05 * LR, f"{name} {sizes}: weights differ by {worst / LR:.3g} lr"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_data_and_z_match_reference(name):
+    curves, state = reference_run(CONFIGS[name])
+    assert curves[0][1] > 0  # the load-balancing term is really on
+    run_distributed(parallel_run, 2, name, curves, state, [(2, 1, 1, 1), (1, 2, 1, 1)])
+
+
+@pytest.mark.parametrize(
+    "grid, hint",
+    [
+        ((1, 1, 1, 2, 1), "--grid 2,1,1,1,1"),
+        ((1, 1, 1, 1, 2), "--grid 2,1,1,1,1"),
+        ((1, 2, 1, 1, 1), "--grid 2,1,1,1,1"),
+    ],
+)
+def test_unsupported_grids_refused_in_one_line(grid, hint):
+    with pytest.raises(ModelConfigError) as e:
+        check_divisible(PRESETS["moe-tiny"], grid)
+    assert hint in str(e.value) and "\n" not in str(e.value)
+    check_divisible(PRESETS["tiny"], grid)  # dense models are not affected

@@ -1,0 +1,79 @@
+"""The planner's mixture-of-experts models: sizes of the published presets, active-parameter
+FLOPs, the runtime's expert memory (whole on every rank), and one-line refusals where the
+planner cannot model them yet."""
+
+import pytest
+
+from tetrad.cli import main
+from tetrad.models.config import PRESETS as RUNTIME
+from tetrad.models.config import ModelConfig
+from tetrad.plan.errors import PlanError
+from tetrad.plan.memory.states import local_parameter_elements
+from tetrad.plan.model.grids import check_grid
+from tetrad.plan.model.presets import PRESETS, get_model
+
+# (total, routed experts, active incl. embedding) in billions: the model cards (Mixtral 46.7B /
+# 12.9B active; Qwen3-30B-A3B 30.5B / 3.3B; DeepSeek-V3 671B / 37B) and the notes' table
+# (3 h f E per MoE block: 45.1B, 29.0B, 653.9B)
+PUBLISHED = {
+    "mixtral-8x7b": (46.7, 45.1, 12.9),
+    "qwen3-30b-a3b": (30.5, 29.0, 3.3),
+    "deepseek-v3": (671.0, 653.9, 37.5),
+}
+
+
+EXACT = {  # our counts (Qwen3's q/k norm weights, 48 x 2 x 128 = 12,288, are left out)
+    "mixtral-8x7b": 46_702_792_704,
+    "qwen3-30b-a3b": 30_532_110_336,
+    "deepseek-v3": 671_026_404_352,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_sizes(name):
+    assert PRESETS[name].num_params() == EXACT[name]
+    m = PRESETS[name]
+    total, experts, active = PUBLISHED[name]
+    assert m.num_params() / 1e9 == pytest.approx(total, abs=0.05)
+    assert m.moe_layers * m.expert_params() / 1e9 == pytest.approx(experts, abs=0.05)
+    assert (m.matmul_params() + m.vocab * m.hidden) / 1e9 == pytest.approx(active, abs=0.1)
+
+
+def test_flops_count_active_experts():
+    """Qwen3-30B-A3B by hand: 48 blocks of attention (2048 -> (32 + 2 x 4) x 128, 4096 -> 2048),
+    router 128 x 2048 and 8 of 128 experts (3 x 2048 x 768 each), and the LM head."""
+    m, s = PRESETS["qwen3-30b-a3b"], 4096
+    attention = 2048 * 40 * 128 + 4096 * 2048
+    block = attention + 128 * 2048 + 8 * 3 * 2048 * 768
+    want = 6 * (48 * block + 151936 * 2048) + 6 * 48 * s * 32 * 128
+    assert m.flops_per_token(s) == want
+
+
+def test_runtime_memory_counts_every_expert_whole():
+    m = PRESETS["qwen3-30b-a3b"]
+    n = local_parameter_elements(m, (8, 1, 1, 1))
+    assert n["matrices"] + n["vectors"] == m.num_params()
+    z = local_parameter_elements(m, (1, 2, 1, 1))  # Z halves the Linears and tables only
+    whole = m.moe_layers * (m.router_params() + m.expert_params())
+    assert z["matrices"] == whole + (n["matrices"] - whole) // 2
+    with pytest.raises(PlanError, match="G_y=2 and G_x=1 equal to 1"):
+        check_grid(m, (1, 1, 2, 1))
+
+
+def test_runtime_presets_round_trip_and_refuse_what_they_lack():
+    assert "mixtral-8x7b" in RUNTIME and "deepseek-v3" not in RUNTIME
+    assert "qwen3-30b-a3b" not in RUNTIME  # heads of 128 with h/a = 64
+    for name in ("moe-tiny", "moe-small"):
+        cfg = RUNTIME[name]
+        back = ModelConfig.from_spec(cfg.spec())
+        assert back.spec() == cfg.spec()
+    assert get_model("mixtral-8x7b,n_layers=4").moe_layers == 4
+
+
+def test_plan_refuses_moe_in_one_line(capsys):
+    argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "64", "--global-batch", "512"]
+    assert main([*argv, "--machine", "dgx-h100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "tetrad memory --model qwen3-30b-a3b --grid" in err
+    assert main(["memory", "--model", "qwen3-30b-a3b", "--grid", "8,1,1,1"]) == 0
+    assert "113.74" in capsys.readouterr().out  # 30.53B fp32 parameters, whole on each rank

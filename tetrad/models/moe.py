@@ -1,0 +1,264 @@
+"""Mixture-of-experts feed-forward: a top-k router, dropless routed SwiGLU experts, an optional
+shared expert, the load-balancing loss and DeepSeek-V3's aux-loss-free selection bias.
+
+Written once over the layer factory (:class:`tetrad.models.llama.Layers`): the router comes from
+``layers.router`` and the routed experts from ``layers.experts`` (:class:`GroupedExperts` in
+the reference and, replicated, on the grid), so an expert-parallel runtime replaces only that
+module (dispatch, expert GEMMs, combine). Nothing here knows the grid.
+
+Per MoE block, tokens ``x [T, h]`` (``T = b s``, this rank's):
+
+    router      logits = x G^T  [T, E];  s = softmax(logits) or sigmoid(logits) (fp32)
+                ids = top-k(s + bias) [T, k]   (bias: aux-loss-free balancing, selection only)
+                w = s[ids] (/ sum_k s[ids] when renormalised) * route_scale   [T, k] fp32
+    experts     y_t = sum_j w_tj SwiGLU_{ids_tj}(x_t), SwiGLU_e(x) = W2_e (silu(W1_e x) * W3_e x)
+    shared      y_t += SwiGLU_shared(x_t)   (when ``shared_ffn_dim``)
+
+Sources: Mixtral (Jiang et al., arXiv 2401.04088, eq. 1-2; softmax over all E then top-k and
+renormalise, as transformers' ``MixtralTopKRouter``), Qwen3-MoE (``norm_topk_prob``),
+DeepSeek-V3 (arXiv 2412.19437, eq. 12-16: sigmoid scores, bias for selection only, weights from
+the unbiased scores, ``route_scale``). Not implemented: DeepSeek-V3's group-limited routing, token
+dropping (capacity factors), the router z-loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tetrad.models.config import ModelConfig
+
+
+class Router(nn.Module):
+    """Top-k router: ``x [T, h]`` -> ``(ids [T, k] int64, weights [T, k] fp32, probs [T, E]
+    fp32)``; ``probs`` are the per-token expert probabilities the load-balancing loss reads
+    (softmax scores, or sigmoid scores divided by their sum, DeepSeek-V3 eq. 19).
+
+    ``gate`` is ``layers.router(h, E)`` (weight ``[E, h]``). With ``cfg.bias_update_rate > 0``
+    the buffer ``bias [E]`` (fp32, zeros) is added to the scores for the choice of experts only,
+    and ``tokens_per_expert [E]`` (fp32, not saved) counts the token slots each expert received
+    in training forwards since the last :meth:`update_bias`.
+    """
+
+    def __init__(self, cfg: ModelConfig, gate: nn.Module):
+        super().__init__()
+        self.gate, self.cfg = gate, cfg
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        if cfg.bias_update_rate > 0:
+            self.register_buffer("bias", torch.zeros(cfg.n_experts))
+            self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=False)
+        else:
+            self.bias = self.tokens_per_expert = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.gate(x).float()
+        if self.cfg.router_score == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            probs = scores
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(-1, keepdim=True)
+        choose = scores if self.bias is None else scores.detach() + self.bias
+        ids = torch.topk(choose, self.top_k, dim=-1, sorted=True).indices
+        weights = scores.gather(-1, ids)
+        if self.cfg.router_renorm:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if self.cfg.route_scale != 1.0:
+            weights = weights * self.cfg.route_scale
+        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled():
+            self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=self.n_experts)
+        return ids, weights, probs
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 section 2.1.2): raise the
+        bias of experts that got fewer than the mean of ``counts [E]`` (token slots of the whole
+        step, summed over every rank that saw other tokens) by ``gamma = bias_update_rate``,
+        lower the others, then subtract the mean change so the biases stay zero-mean (as
+        torchtitan's ``_update_expert_bias``). Only the sign of ``mean - count`` matters, so
+        counts doubled by full activation recomputation give the same update. Resets
+        ``tokens_per_expert``.
+        """
+        if self.bias is None:
+            return
+        delta = self.cfg.bias_update_rate * torch.sign(counts.float().mean() - counts.float())
+        self.bias += delta - delta.mean()
+        self.tokens_per_expert.zero_()
+
+
+def load_balance_loss(
+    probs: torch.Tensor, ids: torch.Tensor, n_experts: int, scope: str = "sequence"
+) -> torch.Tensor:
+    """The Switch/GShard load-balancing loss (Fedus et al., arXiv 2101.03961, eq. 4-6), summed
+    over groups of tokens: ``sum_g E sum_i f_gi P_gi`` with ``f_gi`` = token slots routed to
+    expert ``i`` / ``(T_g k)`` and ``P_gi`` = mean probability of ``i`` over the group's ``T_g``
+    tokens. Balanced routing gives 1 per group (Megatron's normalisation,
+    ``switch_load_balancing_loss_func``; transformers' ``load_balancing_loss_func`` gives
+    ``k``); DeepSeek-V3's sequence-wise loss (arXiv 2412.19437, eq. 17-20) is the same with one
+    group per sequence.
+
+    Args:
+        probs: ``[b, s, E]`` fp32 per-token expert probabilities (:class:`Router`).
+        ids: ``[b, s, k]`` chosen experts.
+        scope: ``sequence`` (one group per sequence: the sum over this rank's ``b``
+            sequences) or ``batch`` (one group of all ``b s`` tokens, counted ``b`` times, so
+            that dividing by the global number of sequences averages either way).
+
+    Returns:
+        A 0-dim fp32 tensor; differentiable through ``probs`` (``f`` is a count).
+    """
+    b, s, k = ids.shape
+    if scope == "batch":
+        probs, ids = probs.reshape(1, b * s, -1), ids.reshape(1, b * s, k)
+    groups, tokens = ids.shape[:2]
+    slots = torch.zeros(groups, n_experts, device=ids.device)
+    slots.scatter_add_(
+        1, ids.reshape(groups, -1), torch.ones(groups, tokens * k, device=ids.device)
+    )
+    f = slots / (tokens * k)
+    per_group = n_experts * (f * probs.mean(1)).sum(-1)
+    return per_group.sum() * (b if scope == "batch" else 1)
+
+
+def sort_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``T k`` token slots of ``ids [T, k]`` in expert order: ``(order [T k], counts [E])``
+    where ``order`` lists flat slot indices (slot ``t k + j`` is token ``t``'s ``j``-th choice),
+    stably sorted by expert (deterministic), and ``counts`` the slots per expert."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    return order, counts
+
+
+def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def can_grouped_mm(x: torch.Tensor, *dims: int) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` runs on ``x`` with these inner sizes: the
+    function exists (torch >= 2.10), a CPU tensor or a CUDA device of compute capability 8.0 or
+    more, bf16/fp16/fp32, and every row stride a multiple of 16 bytes
+    (``aten/src/ATen/native/GroupedMMUtils.h``)."""
+    if not hasattr(F, "grouped_mm") or x.dtype not in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ):
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 8:
+        return False
+    if x.device.type not in ("cpu", "cuda"):
+        return False
+    return all(d * x.element_size() % 16 == 0 for d in dims)
+
+
+def expert_swiglu(
+    xs: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    grouped: bool | None = None,
+) -> torch.Tensor:
+    """SwiGLU of each expert on its rows: ``xs [N, h]`` sorted by expert (``counts [E]`` rows
+    each, summing to ``N``), ``w1, w3 [E, F, h]``, ``w2 [E, h, F]`` -> ``[N, h]`` in
+    ``xs``'s dtype.
+
+    ``grouped``: use ``F.grouped_mm`` (one kernel per weight, ``offs`` = int32 group ends;
+    empty groups allowed) or a loop of per-expert GEMMs; None: grouped where
+    :func:`can_grouped_mm`. Both give the same values in fp32 (tests/test_moe.py).
+    """
+    if grouped is None:
+        grouped = can_grouped_mm(xs, w1.shape[-1], w1.shape[-2])
+    if grouped:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gate = F.grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
+        up = F.grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
+        return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        rows = xs[start : start + n]
+        outs.append((F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())) @ w2[e].t())
+        start += n
+    return torch.cat(outs) if outs else xs.new_zeros(0, w2.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """``E`` routed SwiGLU experts, dropless, on one rank: ``(x [T, h], ids [T, k], weights
+    [T, k] fp32)`` -> ``[T, h]`` in ``x``'s dtype (the compute dtype under autocast).
+
+    Weights in torchtitan's layout: ``w1, w3 [E, F, h]`` (gate, up), ``w2 [E, h, F]`` (down),
+    initialised ``normal(0, 0.02)`` and ``normal(0, out_std)``.
+
+    Dispatch: the ``T k`` slots are sorted by expert (:func:`sort_by_expert`) and their tokens
+    gathered; the expert GEMMs run grouped (:func:`expert_swiglu`); combine multiplies each
+    slot by its routing weight in fp32 and puts the slots back in token order by a gather
+    (a permutation: deterministic, no atomics), then sums each token's ``k`` slots.
+    An expert-parallel version keeps this interface and sends the sorted rows to the experts'
+    ranks between the sort and the GEMMs (all-to-all), and back before the combine.
+    """
+
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int, out_std: float = 0.02):
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.w1.init = self.w3.init = ("normal", 0.02)
+        self.w2.init = ("normal", out_std)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape
+        order, counts = sort_by_expert(ids, self.n_experts)
+        dtype = _gemm_dtype(x)
+        xs = x.to(dtype)[order // k]
+        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        ys = expert_swiglu(xs, counts, w1, w3, w2)
+        weighted = ys.float() * weights.flatten()[order, None]
+        back = weighted[torch.argsort(order)]  # slot order: token t's k slots adjacent
+        return back.view(t, k, -1).sum(1).to(dtype)
+
+    def extra_repr(self) -> str:
+        e, f, h = self.w1.shape
+        return f"{e} experts, {h}->{f}->{h}"
+
+
+class MoEFeedForward(nn.Module):
+    """The MoE feed-forward of one block: ``x [b, s, h]`` -> ``[b, s, h]`` (see the module
+    docstring), with the shared expert when ``cfg.shared_ffn_dim``.
+
+    After each forward, :attr:`aux_loss` holds ``aux_loss_coef`` x :func:`load_balance_loss`
+    of its tokens (a 0-dim fp32 tensor, a sum over this rank's sequences: divide by the global
+    number of sequences; 0 when the coefficient is 0). The training step adds it to the loss
+    (:meth:`tetrad.models.llama.Transformer.aux_loss_sum`).
+    """
+
+    def __init__(self, cfg: ModelConfig, layers, shared: nn.Module | None):
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(cfg, layers.router(cfg.dim, cfg.n_experts))
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        self.experts = layers.experts(cfg.n_experts, cfg.dim, cfg.expert_dim, out_std)
+        self.shared = shared
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        flat = x.reshape(b * s, h)
+        ids, weights, probs = self.router(flat)
+        y = self.experts(flat, ids, weights).view(b, s, h)
+        if self.cfg.aux_loss_coef > 0 and torch.is_grad_enabled():
+            aux = load_balance_loss(
+                probs.view(b, s, -1),
+                ids.view(b, s, -1),
+                self.cfg.n_experts,
+                self.cfg.aux_loss_scope,
+            )
+            self.aux_loss = self.cfg.aux_loss_coef * aux
+        else:
+            self.aux_loss = None
+        return y if self.shared is None else y + self.shared(x)

@@ -1,0 +1,79 @@
+"""Checks of the mixture-of-experts fields of :class:`tetrad.models.config.ModelConfig`: which
+values describe a model, and which grids the MoE runtime supports. Plain Python."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from tetrad.plan.model.grids import with_context
+from tetrad.spec import GridShape
+
+
+class MoESizes(Protocol):
+    """The fields these checks read (a :class:`tetrad.models.config.ModelConfig`)."""
+
+    n_experts: int
+    top_k: int
+    expert_ffn_dim: int
+    shared_ffn_dim: int
+    moe_every: int
+    dense_layers: int
+    router_score: str
+    route_scale: float
+    aux_loss_coef: float
+    aux_loss_scope: str
+    bias_update_rate: float
+    qk_norm: bool
+
+    @property
+    def is_moe(self) -> bool: ...
+
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+AUX_LOSS_SCOPES = ("sequence", "batch")
+
+
+def moe_problems(cfg: MoESizes) -> list[str]:
+    """What is wrong with the mixture-of-experts fields of ``cfg`` (empty: nothing; a dense
+    model with the default fields has nothing wrong)."""
+    bad = []
+    if cfg.router_score not in ROUTER_SCORES:
+        bad.append(f"router_score={cfg.router_score!r} is not one of {', '.join(ROUTER_SCORES)}")
+    if cfg.aux_loss_scope not in AUX_LOSS_SCOPES:
+        bad.append(
+            f"aux_loss_scope={cfg.aux_loss_scope!r} is not one of {', '.join(AUX_LOSS_SCOPES)}"
+        )
+    if cfg.n_experts < 0 or cfg.moe_every < 1 or cfg.dense_layers < 0:
+        bad.append("n_experts and dense_layers must be >= 0, moe_every >= 1")
+    if cfg.n_experts and not 1 <= cfg.top_k <= cfg.n_experts:
+        bad.append(f"top_k={cfg.top_k} must be between 1 and n_experts={cfg.n_experts}")
+    if min(cfg.expert_ffn_dim, cfg.shared_ffn_dim) < 0 or cfg.route_scale <= 0:
+        bad.append("expert_ffn_dim and shared_ffn_dim must be >= 0, route_scale > 0")
+    if min(cfg.aux_loss_coef, cfg.bias_update_rate) < 0:
+        bad.append("aux_loss_coef and bias_update_rate must be >= 0")
+    return bad
+
+
+def moe_grid_problem(cfg: MoESizes, grid: GridShape, pipe: int = 1) -> str | None:
+    """Why the MoE runtime cannot run ``cfg`` on ``grid = (G_data, G_context, G_z, G_y, G_x)``
+    with ``pipe`` stages, in one line that names the grid to use instead; None when it can (and
+    for every dense model).
+
+    Experts are replicated on every rank (their gradients summed over data and Z like every
+    replicated weight, :func:`tetrad.parallel.grads.sync_gradients`), so an MoE model runs on
+    data parallelism and Z only (``--grid DATA,1,Z,1,1``, no pipeline). Per-head q/k norm
+    weights (``qk_norm``) are whole on every rank while heads split over Y, so they need
+    ``G_y = 1`` (dense models too).
+    """
+    data, context, z, y, x = (int(g) for g in with_context(grid))
+    if cfg.qk_norm and y > 1:  # the head norms' gradients would need a sum over Y
+        return f"q/k norms (qk_norm) run with G_y = 1 for now (got G_y={y}): move Y to Z or data"
+    if not cfg.is_moe:
+        return None
+    if (context, y, x, pipe) != (1, 1, 1, 1):
+        return (
+            f"MoE models run on data parallelism and Z only for now (got G_pipe={pipe}, "
+            f"G_context={context}, G_y={y}, G_x={x}): use --grid {data * context * y * x * pipe},"
+            f"1,{z},1,1 or data={data * context * y * x * pipe},z={z}"
+        )
+    return None
