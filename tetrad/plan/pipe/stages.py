@@ -1,5 +1,7 @@
 """Which blocks each pipeline rank holds, as the runtime splits them: the stages of
-:func:`tetrad.pipeline.split.balanced_split` (the runtime's own function, not a copy) with the
+:func:`tetrad.pipeline.split.balanced_split` (the runtime's own function; for blocks of cost 1
+and the embedding's and head's costs in quarter blocks, as the search asks, the same split from
+its recurrence in fewer steps, :func:`tetrad.plan.pipe.uniform_split.uniform_split`) with the
 planner's per-block compute seconds as cost, the embedding counted on stage 0 and the final
 norm, LM head and loss on the last stage; ``p v`` stages, "loop" placement (rank ``r`` runs
 stages ``r, r + p, ...``, :func:`tetrad.pipeline.split.stages_of_rank`). Plain Python."""
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 
 from tetrad.pipeline.split import balanced_split, stages_of_rank
 from tetrad.plan.compute.block import BlockCompute
+from tetrad.plan.pipe.uniform_split import exact_quarters, uniform_split
 from tetrad.spec import checkpointed_blocks
 
 
@@ -54,8 +57,12 @@ def pipe_ranks(
         tetrad.pipeline.split.PipelineSplitError: ``p v`` above the blocks.
     """
     block, emb, head = costs
-    split = balanced_split([block] * n_layers, emb, head, pipe * virtual)
-    last = pipe * virtual - 1
+    n_stages = pipe * virtual
+    if block == 1.0 and exact_quarters(emb, head) and 1 <= n_stages <= n_layers:
+        split = uniform_split(n_layers, emb, head, n_stages)  # the same, faster
+    else:
+        split = balanced_split([block] * n_layers, emb, head, n_stages)
+    last = n_stages - 1
     out = []
     for r in range(pipe):
         stages = stages_of_rank(r, pipe, virtual)
