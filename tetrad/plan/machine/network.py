@@ -112,17 +112,20 @@ class Link:
     bandwidth: float
     hop_latency: float
     base_latency: float
+    _terms: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def time(self, kind: str, payload: float) -> float:
         """Seconds for one collective of ``kind`` moving ``payload`` bytes (see module doc)."""
         g = self.size
         if g <= 1:
             return 0.0
-        if kind == ALL_REDUCE:
-            traffic = 2.0 * (g - 1) / g * payload
-        else:
-            traffic = (g - 1) / g * payload
-        return self.base_latency + ring_hops(kind, g) * self.hop_latency + traffic / self.bandwidth
+        terms = self._terms.get(kind)
+        if terms is None:  # per kind: the latency and the ring bytes per payload byte
+            frac = 2.0 * (g - 1) / g if kind == ALL_REDUCE else (g - 1) / g
+            lat = self.base_latency + ring_hops(kind, g) * self.hop_latency
+            terms = self._terms[kind] = (lat, frac)
+        lat, frac = terms
+        return lat + frac * payload / self.bandwidth
 
     def describe(self) -> str:
         where = "in one node" if self.nodes == 1 else f"{self.members_per_node}/node x {self.nodes}"
