@@ -300,15 +300,23 @@ SPLIT_QUANTUM = 0.25
 """Blocks' worth to which the embedding's and the head's costs are rounded for the split."""
 
 
+def split_key(
+    n_layers: int, costs: tuple[float, float, float], pipe: int, virtual: int
+) -> tuple[int, float, float, int, int]:
+    """What :func:`split_ranks` depends on: ``(L, embedding, head, p, v)``, the embedding's and
+    the head's cost in blocks rounded to :data:`SPLIT_QUANTUM`."""
+    block, emb, head = costs
+    q = SPLIT_QUANTUM
+    return (n_layers, round(emb / block / q) * q, round(head / block / q) * q, pipe, virtual)
+
+
 def split_ranks(
     n_layers: int, costs: tuple[float, float, float], pipe: int, virtual: int
 ) -> tuple[PipeRank, ...]:
     """:func:`tetrad.plan.pipe.stages.pipe_ranks`, memoised on the embedding's and head's cost
     in blocks rounded to :data:`SPLIT_QUANTUM` (the split depends on the cost ratios only; the
     runtime, splitting by its exact costs, differs only within that much of a tie)."""
-    block, emb, head = costs
-    q = SPLIT_QUANTUM
-    key = (n_layers, round(emb / block / q) * q, round(head / block / q) * q, pipe, virtual)
+    key = split_key(n_layers, costs, pipe, virtual)
     got = _SPLITS.get(key)
     if got is None:
         got = _SPLITS[key] = pipe_ranks(n_layers, (1.0, key[1], key[2]), pipe, virtual)

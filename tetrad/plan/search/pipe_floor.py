@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from tetrad.plan.comm import layers
+from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.estimate import make_step
-from tetrad.plan.comm.record import Recorder
 from tetrad.plan.comm.zwindows import window_seconds, z_queue_seconds
-from tetrad.plan.pipe.estimate import block_xy, stage_context
+from tetrad.plan.pipe.estimate import PipeConfig, stage_context
+from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.spec import role_sizes
 
@@ -30,24 +30,21 @@ class BlockFloors:
         """``(block, costs)`` of :meth:`_block_floor` (per micro-batch: every G_data's)."""
         got = self.floor_memo.get(key := (grid[1:], turn, b, mode))
         if got is None:
-            comp, xy, kv, _ = self._comm_floor(grid, turn, b, mode == "full")
+            comp, xy, kv = self._comm_floor(grid, turn, b, mode == "full")
             costs = split_costs(comp, mode)
             got = self.floor_memo[key] = (costs[0] + xy + kv, costs)
         return got
 
     def _comm_floor(self, grid, turn: str, b: int, full: bool) -> tuple:
-        """``(compute, X/Y seconds, context seconds, step)`` for :meth:`_block_floor`: its terms
+        """``(compute, X/Y seconds, context seconds)`` for :meth:`_block_floor`: its terms
         that depend on the mode only through ``full`` (as in ``make_step``)."""
         got = self.comm_memo.get(key := (grid[1:], turn, b, full))
         if got is None:
             ctx, mode = self.ctx, "full" if full else "none"
-            st = make_step(ctx, grid, b, mode, turn)
-            rec = Recorder(False)
-            layers.context_kv(rec, st)
-            xy = sum(block_xy(ctx, grid, b, mode, turn)[0].values())
-            comp = ctx.compute(role_sizes(grid, turn), b)
-            kv = sum(rec.exposed.values()) / (st.acc * ctx.model.n_layers)
-            got = self.comm_memo[key] = (comp, xy, kv, st)
+            _, gc, gz, gy, gx = roles = role_sizes(grid, turn)
+            kv = self._kv_seconds(gc, gz, gy, gx, b, full) if gc > 1 else 0.0
+            xy = self._xy_seconds(grid, b, mode, turn)
+            got = self.comm_memo[key] = (ctx.compute(roles, b), xy, kv)
         return got
 
     def _z_floor(self, grid, turn: str, b: int, full: bool) -> tuple[float, float]:
@@ -55,13 +52,42 @@ class BlockFloors:
         got = self.z_memo.get(key := (grid[1:], turn, b, full))
         if got is None:
             ctx, L = self.ctx, self.ctx.model.n_layers
-            comp, _, _, st = self._comm_floor(grid, turn, b, full)
             z_block, z_ends = 0.0, 0.0
-            if st.sizes["z"] > 1 and L > 1:
-                one = make_step(stage_context(ctx, 1), grid, b, "full" if full else "none", turn)
+            if grid[2] > 1 and L > 1:
+                comp = self._comm_floor(grid, turn, b, full)[0]
+                mode = "full" if full else "none"
+                st = make_step(ctx, grid, b, mode, turn)
+                one = make_step(stage_context(ctx, 1), grid, b, mode, turn)
                 zq = (z_queue_seconds(st) - z_queue_seconds(one)) / (L - 1)
                 z_block = zq - window_seconds(comp, 1, st.checkpointing)
                 z_block += window_seconds(comp, 0, st.checkpointing)
                 z_ends = window_seconds(comp, 0, st.checkpointing)
             got = self.z_memo[key] = (z_block, z_ends)
         return got
+
+    def _grid_floor(self, grid, turn, b, mode, pipe: int, m: int, limit=float("inf")) -> float:
+        """Bound 3 of every schedule of ``grid``: the average rank (``1/p`` of the whole
+        model's terms of :meth:`_block_floor`) times ``m + (p - 1) / v`` with the largest
+        ``v``; without the Z term where that is already not below ``limit`` (less MARGIN)."""
+        block, k = self._base_floor(grid, turn, b, mode)[0], self._most_blocks(pipe)
+        bf = self._bubble_factor(pipe, m)
+        if bf * (k * block) * (1 - MARGIN) >= limit:
+            return bf * (k * block)
+        zb, ze = self._z_floor(grid, turn, b, mode == "full")
+        return bf * (k * block + max(0.0, k * zb - ze))
+
+    def _config_floor(self, grid, turn, b, mode, cfg: PipeConfig, m: int) -> float:
+        """Bound 3 (module doc): ``(m + (p - 1) / v)`` times a rank of ``ceil(L / p)`` blocks:
+        their compute, X/Y, context and Z floor, and the fewest point-to-point receives of a
+        rank (``2 v - 1``; the estimate without the step-level terms)."""
+        ctx, p = self.ctx, cfg.pipe
+        block, _, zb, ze = self._block_floor(grid, turn, b, mode)
+        roles = role_sizes(grid, turn)
+        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, roles[1], roles[4], RESIDUAL_BYTES)
+        world5 = grid[0] * grid[1] * grid[2] * grid[3] * grid[4]
+        link = ctx.machine.network.link(world5, 2)
+        one = link.base_latency + nbytes / link.bandwidth
+        k = self._most_blocks(p)
+        slowest = k * block + max(0.0, k * zb - ze) + (2 * cfg.virtual - 1) * one
+        v = cfg.virtual if cfg.schedule == "interleaved-1f1b" else 1
+        return (m + (p - 1) / v) * slowest

@@ -1,0 +1,110 @@
+"""The pipeline search's speed-ups stay exact: the fast stage split is the runtime's, the memory
+floors never exceed the memory, the group bounds never exceed the estimate."""
+
+import dataclasses
+
+import pytest
+
+from tetrad.pipeline.split import balanced_split
+from tetrad.plan.comm.context import Context
+from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.memory.activations import saved_activations
+from tetrad.plan.model.presets import get_model
+from tetrad.plan.pipe.estimate import pipeline_estimate
+from tetrad.plan.pipe.uniform_split import exact_quarters, uniform_split
+from tetrad.plan.search.four_d import _Search4D
+from tetrad.plan.search.pipelined import PipeSearch
+
+EXTRAS = (0.0, 0.25, 0.5, 1.0, 2.75)
+
+
+@pytest.mark.parametrize("n", range(1, 19))
+def test_uniform_split_is_balanced_split(n):
+    for stages in range(1, n + 1):
+        for e in EXTRAS:
+            for h in EXTRAS:
+                got = uniform_split(n, e, h, stages)
+                assert got == balanced_split([1.0] * n, e, h, stages), (n, stages, e, h)
+
+
+@pytest.mark.parametrize(("n", "stages"), [(42, 4), (42, 14), (42, 16), (80, 40), (126, 32)])
+def test_uniform_split_is_balanced_split_on_model_depths(n, stages):
+    for e, h in ((0.0, 0.5), (0.25, 0.75), (0.0, 2.75)):
+        assert uniform_split(n, e, h, stages) == balanced_split([1.0] * n, e, h, stages)
+
+
+def test_uniform_split_needs_exact_quarters():
+    assert exact_quarters(0.0, 1.75) and not exact_quarters(0.1)
+    with pytest.raises(ValueError):
+        uniform_split(8, 0.1, 0.0, 2)
+    with pytest.raises(ValueError):
+        uniform_split(3, 0.0, 0.0, 4)
+
+
+def _search(model, machine, gpus, batch, seq_len=2048, modes=("none", "selective", "full")):
+    ctx = Context(model, machine, seq_len, batch)
+    return PipeSearch(_Search4D(ctx, gpus, machine.memory_bytes, "tetrad", "bf16"), modes, None)
+
+
+def test_saved_activations_are_affine_in_the_blocks():
+    """The memory floor extrapolates a stage's saved activations from one and two blocks."""
+    model = get_model("llama-3-70b")
+    for mode in ("none", "selective", "full"):
+        for grid in ((1, 1, 1, 2, 4), (1, 4, 1, 8, 1)):
+            at = [
+                saved_activations(
+                    dataclasses.replace(model, n_layers=k),
+                    grid,
+                    2,
+                    8192,
+                    activation_checkpointing=mode,
+                )["blocks"]
+                for k in (1, 2, 7, 40)
+            ]
+            for k, v in zip((1, 2, 7, 40), at, strict=True):
+                assert at[0] + (k - 1) * (at[1] - at[0]) == pytest.approx(v, rel=1e-12)
+
+
+@pytest.mark.parametrize(("name", "tied"), [("gpt-80b", False), ("llama-1b", True)])
+def test_memory_floors_never_above_the_memory(name, tied):
+    """Per schedule, per grid and per group: never above the worst rank's memory (tied
+    embeddings included: a rank without the last stage drops the head)."""
+    model = dataclasses.replace(get_model(name), tied_embeddings=tied)
+    machine = get_machine("perlmutter")
+    ps = _search(model, machine, 1024, 2048)
+    limit, seen = ps.s.limit, 0
+    for grid in ((8, 1, 1, 2, 4), (4, 1, 2, 2, 4), (2, 2, 2, 2, 4), (1, 1, 8, 1, 8)):
+        q = grid[0] * grid[2]
+        for b in (1, 2):
+            for mode in ("none", "selective", "full"):
+                for pipe in (2, 4, 8):
+                    m = 2048 // (q * b)
+                    for cfg in ps._configs(pipe, m):
+                        worst, _ = ps.memory(grid, "xy", b, mode, cfg)
+                        # the floors with the limit at the memory itself: never above it
+                        ps.s.limit = worst.total
+                        assert not ps._memory_floor_fails(grid, "xy", b, mode, cfg)
+                        assert not ps._grid_too_big(pipe, grid, b, mode)
+                        gc, gy, gx = grid[1], grid[3], grid[4]
+                        assert not ps._group_too_big(pipe, q, gc, gy, gx, b, mode)
+                        ps.s.limit, seen = limit, seen + 1
+    assert seen > 100
+
+
+def test_group_bounds_never_above_the_estimate():
+    model, machine = get_model("gpt-80b"), get_machine("perlmutter")
+    ps = _search(model, machine, 1024, 2048)
+    for grid in ((8, 1, 1, 2, 4), (4, 2, 2, 2, 2), (2, 4, 2, 1, 8)):
+        q, gc, gy, gx = grid[0] * grid[2], grid[1], grid[3], grid[4]
+        for mode in ("none", "full"):
+            for pipe in (2, 4, 8):
+                m = 2048 // q
+                slowest = min(
+                    pipeline_estimate(ps.ctx, cfg, grid, 1, mode).step_s
+                    for cfg in ps._configs(pipe, m)
+                )
+                # pruned only when the limit is at or below the group's fastest step
+                assert not ps._group_pruned(pipe, q, gc, gy, gx, 1, mode, slowest * 1.000001)
+                kv = ps._kv_floor(q, gc, gy, gx, 1, mode == "full") if gc > 1 else 0.0
+                bound = ps._group_bound(pipe, q, gc, gy, gx, 1, mode, kv)
+                assert bound <= slowest

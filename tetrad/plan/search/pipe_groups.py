@@ -1,0 +1,205 @@
+"""Bounds 1 and 2 of the pipeline search (:class:`GroupBounds`, a part of
+:class:`tetrad.plan.search.pipelined.PipeSearch`, whose module doc states them): the tensor
+shapes ``(G_context, G_y, G_x, mode)`` and the groups ``(G_pipe, G_context, G_y, G_x, b,
+mode)`` on them, and what rejects a whole group before its grids are enumerated:
+
+- its context K/V collectives, the least over ``G_z`` (cheap: two link times per ``G_z``);
+- its memory floor (:mod:`tetrad.plan.search.pipe_memory`), whatever the time;
+- its blocks' exposed X/Y collectives (the lesser orientation; memoised per shape).
+
+A rank's per-micro-batch time is at least ``k (c_block + x)`` on a rank of the most blocks
+``k = ceil(L / p)`` and at least the average ``c_model / p + (L / p) x`` (``x``: a block's
+collectives per micro-batch; every rank receives at least one point-to-point message), times
+``m + (p - 1) / v`` with the largest ``v`` allowed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tetrad.plan.comm.bounds import MARGIN
+from tetrad.plan.comm.context_parallel import context_problems, kv_gather_payload
+from tetrad.plan.compute.block import block_compute
+from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
+from tetrad.plan.model.grids import grid_problems
+from tetrad.plan.pipe.estimate import block_xy
+from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, p2p_bytes
+from tetrad.plan.pipe.stages import split_costs
+from tetrad.plan.search.space import divisors
+
+VIRTUAL_CHOICES = (2, 3, 4, 5, 6, 8)
+"""Virtual stages per rank tried with ``interleaved-1f1b`` (NVIDIA's Llama-3 recipes use 5 and
+8, torchtitan 2 by default)."""
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def divisors_of(n: int) -> tuple[int, ...]:
+    """:func:`tetrad.plan.search.space.divisors` of ``n``, memoised."""
+    return tuple(divisors(n))
+
+
+class GroupBounds:
+    """Bounds 1 and 2 and the group tests of the module doc; ``self.ctx``, ``self.s`` (the 4D
+    search), ``self.modes`` and ``self.allowed`` come from the search."""
+
+    def _group_init(self) -> None:
+        L = self.ctx.model.n_layers
+        self.pipes = [p for p in divisors_of(self.s.gpus) if 2 <= p <= L]
+        self.vmax = {
+            p: max((v for v in VIRTUAL_CHOICES if p * v <= L), default=0) for p in self.pipes
+        }
+        self.cost_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (model, block, costs)
+        self.kv_memo: dict = {}  # (G_data G_z, G_context, G_y, G_x, b, full) -> seconds
+        self.kv_link_memo: dict = {}  # (G_context, G_x G_y G_z, G_y, b, full) -> seconds
+        self.xy_memo: dict = {}  # (G_context, G_y, G_x, b, full, turn) -> seconds
+
+    def _per_sample_floors(self, gc: int, gy: int, gx: int) -> dict[str, float]:
+        """Bound 1 per sample of one ``(G_context, G_y, G_x)`` rank, per mode: the blocks'
+        compute of one sample with every GEMM at the machine's best efficiency."""
+        ctx = self.ctx
+        best = max(e for _, e in ctx.machine.gemm_table)
+        comp = block_compute(
+            ctx.model,
+            ctx.machine,
+            (1, gc, 1, gy, gx),
+            1,
+            ctx.seq_len,
+            linears=ctx.linears,
+            gemm_efficiency=lambda f: best,
+        )
+        rec = {"full": comp.block_fwd, "selective": comp.selective, "none": 0.0}
+        base = comp.block_fwd + comp.block_bwd
+        return {m: ctx.model.n_layers * (base + rec[m]) for m in self.modes}
+
+    def _tensor_groups(self) -> list:
+        """``(bound 1, G_context, G_y, G_x, mode, per sample)`` of every tensor/context shape
+        (the roles' sizes) that shards the model; ``per sample``: bound 1's seconds per
+        sample."""
+        ctx, gpus, model = self.ctx, self.s.gpus, self.ctx.model
+        out = []
+        for gc in divisors_of(gpus // 2):
+            if gc > 1 and context_problems(ctx.seq_len, gc):
+                continue
+            for gy in divisors_of(gpus // (2 * gc)):
+                for gx in divisors_of(gpus // (2 * gc * gy)):
+                    if grid_problems(model, (1, gc, 1, gy, gx)):
+                        continue
+                    share = ctx.global_batch * gc * gy * gx / gpus
+                    for mode, floor in self._per_sample_floors(gc, gy, gx).items():
+                        out.append((share * floor, gc, gy, gx, mode, floor))
+        out.sort(key=lambda t: t[0])
+        return out
+
+    def _mb_costs(self, gc: int, gy: int, gx: int, b: int, mode: str) -> tuple:
+        """``(model, block, costs)``: one micro-batch's compute of the whole model (forward,
+        backward, recompute), of one block, and the split's costs
+        (:func:`tetrad.plan.pipe.stages.split_costs`), seconds (memoised)."""
+        key = (gc, gy, gx, b, mode)
+        got = self.cost_memo.get(key)
+        if got is None:
+            ctx, roles = self.ctx, (1, gc, 1, gy, gx)
+            fwd, bwd, rec = ctx.micro_batch_seconds(roles, b, mode)
+            costs = split_costs(ctx.compute(roles, b), mode)
+            got = self.cost_memo[key] = (fwd + bwd + rec, costs[0], costs)
+        return got
+
+    def _most_blocks(self, pipe: int) -> int:
+        """The fewest blocks the slowest of ``pipe`` ranks can hold: ``ceil(L / p)``."""
+        return -(-self.ctx.model.n_layers // pipe)
+
+    def _bubble_factor(self, pipe: int, m: int) -> float:
+        """``m + (p - 1) / v`` with the largest ``v`` allowed (bound 2)."""
+        v = self.vmax[pipe] if self.vmax[pipe] and m % pipe == 0 else 1
+        return m + (pipe - 1) / v
+
+    def _pipe_group(self, pipe, gc, gy, gx, mode, per_sample: float, limit: float) -> list:
+        """Bound 2 of each micro-batch of ``G_pipe = pipe`` on the roles ``(G_context, G_y,
+        G_x)``: ``(bound, pipe, G_data G_z, G_context, G_y, G_x, b, mode)``, those below
+        ``limit`` (less MARGIN) only. The micro-batches ascend and stop where ``B / (G_data
+        G_z) + (p - 1) b / v`` samples at bound 1's ``per_sample`` seconds over ``p`` (the
+        steps and the bubble, a floor of bound 2 that grows with ``b``) reach ``limit``."""
+        out = []
+        if (self.s.gpus // pipe) % (gc * gy * gx):
+            return out
+        q = self.s.gpus // (pipe * gc * gy * gx)  # G_data G_z
+        if self.ctx.global_batch % q:
+            return out
+        per_cell, k = self.ctx.global_batch // q, self._most_blocks(pipe)
+        bubble = (pipe - 1) / max(self.vmax[pipe], 1)
+        for b in divisors_of(per_cell):
+            if (per_cell + bubble * b) * per_sample / pipe * (1 - MARGIN) >= limit:
+                break
+            if self.allowed is not None and b not in self.allowed:
+                continue
+            model, block, _ = self._mb_costs(gc, gy, gx, b, mode)
+            lb = self._bubble_factor(pipe, per_cell // b) * max(model / pipe, k * block)
+            if lb * (1 - MARGIN) < limit:
+                out.append((lb, pipe, q, gc, gy, gx, b, mode))
+        return out
+
+    def _group_bound(self, pipe, q, gc, gy, gx, b, mode, extra: float) -> float:
+        """Bound 2 with ``extra`` seconds per block and micro-batch on every block, and one
+        point-to-point receive per rank (module doc)."""
+        ctx = self.ctx
+        model, block, _ = self._mb_costs(gc, gy, gx, b, mode)
+        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, RESIDUAL_BYTES)
+        link = ctx.machine.network.link(self.s.gpus // pipe, 2)
+        one = link.base_latency + nbytes / link.bandwidth
+        L, k = ctx.model.n_layers, self._most_blocks(pipe)
+        slowest = max(model / pipe + L * extra / pipe, k * (block + extra)) + one
+        return self._bubble_factor(pipe, ctx.global_batch // (q * b)) * slowest
+
+    def _group_pruned(self, pipe, q, gc, gy, gx, b, mode, limit: float) -> bool:
+        """Whether no configuration of the group can fit in memory, or be below ``limit``
+        seconds (less MARGIN; ``inf``: no limit): context collectives, memory, then X/Y
+        collectives."""
+        keep, timed = 1 - MARGIN, limit < float("inf")
+        kv = self._kv_floor(q, gc, gy, gx, b, mode == "full") if gc > 1 and timed else 0.0
+        if kv and self._group_bound(pipe, q, gc, gy, gx, b, mode, kv) * keep >= limit:
+            return True
+        if self._group_too_big(pipe, q, gc, gy, gx, b, mode):
+            return True
+        if not timed:
+            return False
+        turns = [((q, gc, 1, gy, gx), "xy")]
+        if gy > 1 and gx > 1:
+            turns.append(((q, gc, 1, gx, gy), "yx"))
+        for grid, turn in turns:  # the first below the limit ends it
+            xy = self._xy_seconds(grid, b, mode, turn)
+            if self._group_bound(pipe, q, gc, gy, gx, b, mode, kv + xy) * keep < limit:
+                return False
+        return True
+
+    def _kv_floor(self, q: int, gc: int, gy: int, gx: int, b: int, full: bool) -> float:
+        """One block's context K/V collectives per micro-batch
+        (:func:`tetrad.plan.comm.layers.context_kv`), the least over ``G_z`` dividing ``q``
+        (the context group's stride is ``G_x G_y G_z``), seconds."""
+        key = (q, gc, gy, gx, b, full)
+        got = self.kv_memo.get(key)
+        if got is None:
+            got = min(self._kv_seconds(gc, gz, gy, gx, b, full) for gz in divisors_of(q))
+            self.kv_memo[key] = got
+        return got
+
+    def _kv_seconds(self, gc: int, gz: int, gy: int, gx: int, b: int, full: bool) -> float:
+        """One block's context K/V collectives per micro-batch on ``G_z = gz``, seconds
+        (memoised per link and payload)."""
+        key = (gc, gx * gy * gz, gy, b, full)
+        got = self.kv_link_memo.get(key)
+        if got is None:
+            ctx = self.ctx
+            payload = kv_gather_payload(ctx.model, b, ctx.seq_len, gy, ctx.c)
+            link = ctx.machine.network.link(gx * gy * gz, gc)
+            gather = link.time(ALL_GATHER, payload)
+            got = (2 * gather if full else gather) + link.time(REDUCE_SCATTER, payload)
+            self.kv_link_memo[key] = got
+        return got
+
+    def _xy_seconds(self, grid, b: int, mode: str, turn: str) -> float:
+        """One block's exposed X/Y collectives per micro-batch on ``grid`` in ``turn``
+        (:func:`tetrad.plan.pipe.estimate.block_xy`), seconds (memoised per shape)."""
+        key = (grid[1], grid[3], grid[4], b, mode == "full", turn)
+        got = self.xy_memo.get(key)
+        if got is None:
+            got = self.xy_memo[key] = sum(block_xy(self.ctx, grid, b, mode, turn)[0].values())
+        return got
