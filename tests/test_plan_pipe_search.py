@@ -86,7 +86,8 @@ def test_memory_floors_never_above_the_memory(name, tied):
                         assert not ps._memory_floor_fails(grid, "xy", b, mode, cfg)
                         assert not ps._grid_too_big(pipe, grid, b, mode)
                         gc, gy, gx = grid[1], grid[3], grid[4]
-                        assert not ps._group_too_big(pipe, q, gc, gy, gx, b, mode)
+                        ps.gz_memo.clear()
+                        assert grid[2] in ps._fitting_z(pipe, q, gc, gy, gx, b, mode)
                         ps.s.limit, seen = limit, seen + 1
     assert seen > 100
 

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 from tetrad.plan.comm.bounds import MARGIN
-from tetrad.plan.comm.estimate import make_step
-from tetrad.plan.comm.zwindows import window_seconds, z_queue_seconds
-from tetrad.plan.pipe.estimate import PipeConfig, stage_context
+from tetrad.plan.comm.zwindows import window_seconds
+from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
+from tetrad.plan.pipe.estimate import PipeConfig
 from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
-from tetrad.spec import role_sizes
+from tetrad.spec import FP32, role_sizes
 
 
 class BlockFloors:
@@ -48,20 +48,25 @@ class BlockFloors:
         return got
 
     def _z_floor(self, grid, turn: str, b: int, full: bool) -> tuple[float, float]:
-        """``(z_block, z_ends)`` of :meth:`_block_floor`."""
+        """``(z_block, z_ends)`` of :meth:`_block_floor`: one block's Z queue
+        (:func:`tetrad.plan.comm.zwindows.z_queue_seconds` per block: every block Linear's
+        all-gather in each phase and its reduce-scatter) less the block's windows, and the
+        embedding's and head's windows (:func:`~tetrad.plan.comm.zwindows.window_seconds`)."""
         got = self.z_memo.get(key := (grid[1:], turn, b, full))
         if got is None:
-            ctx, L = self.ctx, self.ctx.model.n_layers
             z_block, z_ends = 0.0, 0.0
-            if grid[2] > 1 and L > 1:
+            gz, xy = grid[2], grid[3] * grid[4]
+            if gz > 1:
+                ctx, phases = self.ctx, 3 if full else 2
+                link = ctx.machine.network.link(xy, gz)
+                queue = 0.0
+                for lin in ctx.linears:
+                    shard = lin.weight_elements * lin.count / xy
+                    gather = link.time(ALL_GATHER, shard * ctx.c)
+                    queue += phases * gather + link.time(REDUCE_SCATTER, shard * FP32)
                 comp = self._comm_floor(grid, turn, b, full)[0]
-                mode = "full" if full else "none"
-                st = make_step(ctx, grid, b, mode, turn)
-                one = make_step(stage_context(ctx, 1), grid, b, mode, turn)
-                zq = (z_queue_seconds(st) - z_queue_seconds(one)) / (L - 1)
-                z_block = zq - window_seconds(comp, 1, st.checkpointing)
-                z_block += window_seconds(comp, 0, st.checkpointing)
-                z_ends = window_seconds(comp, 0, st.checkpointing)
+                z_ends = window_seconds(comp, 0, full)
+                z_block = queue - (window_seconds(comp, 1, full) - z_ends)
             got = self.z_memo[key] = (z_block, z_ends)
         return got
 

@@ -15,8 +15,6 @@ collectives per micro-batch; every rank receives at least one point-to-point mes
 
 from __future__ import annotations
 
-import functools
-
 from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.context_parallel import context_problems, kv_gather_payload
 from tetrad.plan.compute.block import block_compute
@@ -25,17 +23,11 @@ from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.pipe.estimate import block_xy
 from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
-from tetrad.plan.search.space import divisors
+from tetrad.plan.search.space import divisors_of
 
 VIRTUAL_CHOICES = (2, 3, 4, 5, 6, 8)
 """Virtual stages per rank tried with ``interleaved-1f1b`` (NVIDIA's Llama-3 recipes use 5 and
 8, torchtitan 2 by default)."""
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def divisors_of(n: int) -> tuple[int, ...]:
-    """:func:`tetrad.plan.search.space.divisors` of ``n``, memoised."""
-    return tuple(divisors(n))
 
 
 class GroupBounds:
@@ -72,9 +64,10 @@ class GroupBounds:
         return {m: ctx.model.n_layers * (base + rec[m]) for m in self.modes}
 
     def _tensor_groups(self) -> list:
-        """``(bound 1, G_context, G_y, G_x, mode, per sample)`` of every tensor/context shape
-        (the roles' sizes) that shards the model; ``per sample``: bound 1's seconds per
-        sample."""
+        """``(bound 1, G_context, G_y, G_x, mode, per sample, with context)`` of every
+        tensor/context shape (the roles' sizes) that shards the model; ``per sample``: bound
+        1's seconds per sample with the blocks' context collectives (:meth:`_kv_per_sample`);
+        ``with context``: bound 1 with them."""
         ctx, gpus, model = self.ctx, self.s.gpus, self.ctx.model
         out = []
         for gc in divisors_of(gpus // 2):
@@ -86,9 +79,22 @@ class GroupBounds:
                         continue
                     share = ctx.global_batch * gc * gy * gx / gpus
                     for mode, floor in self._per_sample_floors(gc, gy, gx).items():
-                        out.append((share * floor, gc, gy, gx, mode, floor))
+                        kv = floor + self._kv_per_sample(gc, gy, gx, mode == "full")
+                        out.append((share * floor, gc, gy, gx, mode, kv, share * kv))
         out.sort(key=lambda t: t[0])
         return out
+
+    def _kv_per_sample(self, gc: int, gy: int, gx: int, full: bool) -> float:
+        """The ``L`` blocks' context K/V collectives per sample at least, seconds: their ring
+        bytes over the best bandwidth of a context group of ``G_x G_y G_z`` stride (latency
+        left out; the bytes grow with the samples)."""
+        if gc == 1:
+            return 0.0
+        ctx = self.ctx
+        net, frac = ctx.machine.network, (gc - 1) / gc
+        bw = max(net.link(gx * gy * gz, gc).bandwidth for gz in divisors_of(self.s.gpus // gc))
+        payload = kv_gather_payload(ctx.model, 1, ctx.seq_len, gy, ctx.c)
+        return ctx.model.n_layers * (3 if full else 2) * frac * payload / bw
 
     def _mb_costs(self, gc: int, gy: int, gx: int, b: int, mode: str) -> tuple:
         """``(model, block, costs)``: one micro-batch's compute of the whole model (forward,
@@ -116,8 +122,9 @@ class GroupBounds:
         """Bound 2 of each micro-batch of ``G_pipe = pipe`` on the roles ``(G_context, G_y,
         G_x)``: ``(bound, pipe, G_data G_z, G_context, G_y, G_x, b, mode)``, those below
         ``limit`` (less MARGIN) only. The micro-batches ascend and stop where ``B / (G_data
-        G_z) + (p - 1) b / v`` samples at bound 1's ``per_sample`` seconds over ``p`` (the
-        steps and the bubble, a floor of bound 2 that grows with ``b``) reach ``limit``."""
+        G_z) + (p - 1) b / v`` samples at ``per_sample`` seconds (:meth:`_tensor_groups`) over
+        ``p`` (the steps and the bubble, a floor of every group bound that grows with ``b``)
+        reach ``limit``."""
         out = []
         if (self.s.gpus // pipe) % (gc * gy * gx):
             return out
@@ -157,7 +164,7 @@ class GroupBounds:
         kv = self._kv_floor(q, gc, gy, gx, b, mode == "full") if gc > 1 and timed else 0.0
         if kv and self._group_bound(pipe, q, gc, gy, gx, b, mode, kv) * keep >= limit:
             return True
-        if self._group_too_big(pipe, q, gc, gy, gx, b, mode):
+        if not self._fitting_z(pipe, q, gc, gy, gx, b, mode):
             return True
         if not timed:
             return False

@@ -30,6 +30,7 @@ from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.pipe.estimate import split_key, split_ranks
 from tetrad.plan.pipe.schedule import in_flight_chunks
+from tetrad.plan.search.space import divisors_of
 from tetrad.spec import role_sizes
 
 
@@ -39,9 +40,10 @@ class MemoryFloors:
 
     def _mem_init(self) -> None:
         self.saved_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), A(2) - A(1))
-        self.flight_memo: dict = {}  # (split key, schedule, m) -> ((k, max n / v), ...)
-        self.pairs_memo: dict = {}  # (group, cfg) -> ((k, (n / v) A(k)), ...)
+        self.flight_memo: dict = {}  # ((embedding, head), cfg, m) -> ((k, max n / v), ...)
+        self.pairs_memo: dict = {}  # group -> {cfg: ((k, (n / v) A(k)), ...)}
         self.elem_memo: dict = {}  # G_y G_x G_z -> (16 E, 16 H), bytes
+        self.gz_memo: dict = {}  # group -> the G_z whose memory floor fits
 
     def _saved_line(self, gc: int, gy: int, gx: int, b: int, mode: str) -> tuple[float, float]:
         """``(A(1), A(2) - A(1))``: ``A(k)`` of the module doc is affine in ``k`` (every block
@@ -82,28 +84,35 @@ class MemoryFloors:
             got = self.elem_memo[shard] = (16.0 * block, 16.0 * head)
         return got
 
-    def _in_flight(self, costs: tuple, cfg, m: int) -> tuple:
+    def _in_flight(self, split: tuple, cfg, m: int) -> tuple:
         """``((k, n / v), ...)``: per distinct block count ``k`` of the ranks of ``cfg``'s
-        split, the most chunk passes in flight of a rank with ``k`` blocks over ``v``."""
-        key = (split_key(self.ctx.model.n_layers, costs, cfg.pipe, cfg.virtual), cfg.schedule, m)
+        split (``split``: its :func:`~tetrad.plan.pipe.estimate.split_key`'s embedding and
+        head), the most chunk passes in flight of a rank with ``k`` blocks over ``v``."""
+        key = (split, cfg, m)
         got = self.flight_memo.get(key)
         if got is None:
             most: dict[int, float] = {}
-            for r in split_ranks(self.ctx.model.n_layers, costs, cfg.pipe, cfg.virtual):
+            L, costs = self.ctx.model.n_layers, (1.0, *split)
+            for r in split_ranks(L, costs, cfg.pipe, cfg.virtual):
                 n = in_flight_chunks(cfg.schedule, cfg.pipe, r.rank, cfg.virtual, m)
                 most[r.blocks] = max(most.get(r.blocks, 0.0), n / cfg.virtual)
             got = self.flight_memo[key] = tuple(most.items())
         return got
 
-    def _pairs(self, gc: int, gy: int, gx: int, b: int, mode: str, m: int, cfg) -> tuple:
-        """``((k, (n / v) A(k)), ...)`` of schedule ``cfg`` in the group (memoised)."""
-        key = (gc, gy, gx, b, mode, cfg)
+    def _group_pairs(self, pipe, gc, gy, gx, b, mode, m) -> dict:
+        """``{cfg: ((k, (n / v) A(k)), ...)}`` of every schedule of the group (memoised)."""
+        key = (pipe, gc, gy, gx, b, mode)
         got = self.pairs_memo.get(key)
         if got is None:
             one, slope = self._saved_line(gc, gy, gx, b, mode)
             costs = self._mb_costs(gc, gy, gx, b, mode)[2]
-            got = tuple((k, w * (one + (k - 1) * slope)) for k, w in self._in_flight(costs, cfg, m))
-            self.pairs_memo[key] = got
+            split = split_key(self.ctx.model.n_layers, costs, pipe, 1)[1:3]
+            got = self.pairs_memo[key] = {
+                cfg: tuple(
+                    (k, w * (one + (k - 1) * slope)) for k, w in self._in_flight(split, cfg, m)
+                )
+                for cfg in self._configs(pipe, m)
+            }
         return got
 
     def _too_big(self, pairs, per_block: float, head: float) -> bool:
@@ -112,30 +121,41 @@ class MemoryFloors:
         floor = max(per_block * k + act for k, act in pairs) - head
         return floor * (1 - MARGIN) > self.s.limit
 
-    def _group_too_big(self, pipe, q, gc, gy, gx, b, mode) -> bool:
-        """Whether no schedule of the group fits on any ``G_z`` dividing ``q = G_data G_z``:
-        ``E`` at the largest ``G_z``, ``H`` at the smallest."""
-        m = self.ctx.global_batch // (q * b)
-        per_block, head = self._state_bytes(gy * gx * q)[0], self._state_bytes(gy * gx)[1]
-        return all(
-            self._too_big(self._pairs(gc, gy, gx, b, mode, m, cfg), per_block, head)
-            for cfg in self._configs(pipe, m)
-        )
-
     def _grid_too_big(self, pipe, roles, b, mode) -> bool:
         """Whether no schedule of the group fits on the grid of roles ``roles``."""
         gd, gc, gz, gy, gx = roles
         m = self.ctx.global_batch // (gd * gz * b)
         per_block, head = self._state_bytes(gy * gx * gz)
-        return all(
-            self._too_big(self._pairs(gc, gy, gx, b, mode, m, cfg), per_block, head)
-            for cfg in self._configs(pipe, m)
-        )
+        pairs = self._group_pairs(pipe, gc, gy, gx, b, mode, m)
+        return all(self._too_big(p, per_block, head) for p in pairs.values())
+
+    def _fitting_z(self, pipe, q, gc, gy, gx, b, mode) -> tuple[int, ...]:
+        """The ``G_z`` dividing ``q = G_data G_z`` on which some schedule of the group has its
+        floor within the limit (memoised). Without a tied head (``H = 0``) a schedule's floor
+        is within it where ``16 E <= min over k of (limit - (n / v) A(k)) / k``, so one number
+        per group decides every ``G_z``."""
+        key = (pipe, gc, gy, gx, b, mode)
+        got = self.gz_memo.get(key)
+        if got is None:
+            zs, m = divisors_of(q), self.ctx.global_batch // (q * b)
+            if self.ctx.model.tied_embeddings:
+                got = tuple(
+                    gz
+                    for gz in zs
+                    if not self._grid_too_big(pipe, (q // gz, gc, gz, gy, gx), b, mode)
+                )
+            else:
+                room = self.s.limit / (1 - MARGIN)
+                pairs = self._group_pairs(pipe, gc, gy, gx, b, mode, m)
+                most = max(min((room - act) / k for k, act in p) for p in pairs.values())
+                got = tuple(gz for gz in zs if self._state_bytes(gy * gx * gz)[0] <= most)
+            self.gz_memo[key] = got
+        return got
 
     def _memory_floor_fails(self, grid, turn, b, mode, cfg) -> bool:
         """Whether the floor of ``cfg`` on ``grid`` (its roles in ``turn``) is above the
         limit."""
         gd, gc, gz, gy, gx = role_sizes(grid, turn)
         m = self.ctx.global_batch // (gd * gz * b)
-        pairs = self._pairs(gc, gy, gx, b, mode, m, cfg)
+        pairs = self._group_pairs(cfg.pipe, gc, gy, gx, b, mode, m)[cfg]
         return self._too_big(pairs, *self._state_bytes(gy * gx * gz))

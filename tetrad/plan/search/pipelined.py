@@ -47,7 +47,7 @@ from tetrad.plan.pipe.estimate import PipeConfig, PipeEstimate, pipeline_estimat
 from tetrad.plan.pipe.schedule import schedule_problems
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.search.pipe_floor import BlockFloors
-from tetrad.plan.search.pipe_groups import VIRTUAL_CHOICES, GroupBounds, divisors_of
+from tetrad.plan.search.pipe_groups import VIRTUAL_CHOICES, GroupBounds
 from tetrad.plan.search.pipe_memory import MemoryFloors
 from tetrad.plan.search.rows import Row
 from tetrad.spec import GRID_AXES, role_sizes
@@ -82,11 +82,13 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
         :meth:`tetrad.plan.search.four_d._Search4D.rank`), items numbered from ``seq0``."""
         self.seq = seq0
         groups = []
-        for lb, gc, gy, gx, mode, per_sample in self._tensor_groups():
+        for lb, gc, gy, gx, mode, per_sample, lb_kv in self._tensor_groups():
             limit = -best[0][0] if len(best) >= top else float("inf")
             if lb * (1 - MARGIN) >= limit:
                 break
             self.stats["pipe_groups"] += 1
+            if lb_kv * (1 - MARGIN) >= limit:
+                continue  # no group of this shape can enter (their context collectives)
             for pipe in self.pipes:
                 groups += self._pipe_group(pipe, gc, gy, gx, mode, per_sample, limit)
         groups.sort(key=lambda t: t[0])
@@ -96,7 +98,7 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
                 break
             if self._group_pruned(pipe, q, gc, gy, gx, b, mode, limit):
                 continue
-            for gz in divisors_of(q):
+            for gz in self._fitting_z(pipe, q, gc, gy, gx, b, mode):
                 self._grids(best, top, pipe, (q // gz, gc, gz, gy, gx), b, mode)
 
     def _turns(self, roles: tuple) -> tuple:
@@ -116,9 +118,7 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
         return got
 
     def _grids(self, best, top, pipe, roles, b, mode) -> None:
-        """Every schedule of the grids whose roles are ``roles``."""
-        if self._grid_too_big(pipe, roles, b, mode):
-            return
+        """Every schedule of the grids whose roles are ``roles`` (their memory floor fits)."""
         m = self.ctx.global_batch // (roles[0] * roles[2] * b)
         for grid, turn in self._turns(roles):
             if len(best) >= top:

@@ -3,6 +3,7 @@ count, the checkpointing modes to try, and the checks of the question. Plain Pyt
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from tetrad.plan.errors import PlanError
@@ -22,6 +23,12 @@ def divisors(n: int) -> list[int]:
                 large.append(n // i)
         i += 1
     return small + large[::-1]
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def divisors_of(n: int) -> tuple[int, ...]:
+    """:func:`divisors` of ``n`` as a tuple, memoised (the searches' inner loops)."""
+    return tuple(divisors(n))
 
 
 def factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
