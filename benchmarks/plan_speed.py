@@ -3,13 +3,16 @@
 For each power-of-two GPU count the 4D and classic searches of one question run in this process
 (best of ``--repeat``); the table shows the search seconds and the 4D search's counts:
 configurations enumerated (every grid, checkpointing mode and micro-batch up to the first that
-does not fit), rejected by memory, pruned by a lower bound (tetrad.plan.comm.bounds) and timed.
+does not fit), rejected by memory, pruned by a lower bound (tetrad.plan.comm.bounds) and timed;
+then the pipeline axis's (on by default; ``--no-pipeline`` leaves it out): configurations
+left after its group and grid bounds and timed (tetrad.plan.search.pipelined).
 Then ``tetrad plan`` runs as a user runs it, a fresh process per GPU count in ``--cold``, and
 its "search took" line and whole-process wall time are checked against the limits of issue 31:
 search under 0.3 s at 1,024 GPUs and under 1 s at 16,384, the whole process under 2 s.
 
 Usage: ``python benchmarks/plan_speed.py [--model gpt-80b] [--machine perlmutter]
-[--global-batch 16384] [--seq-len 2048] [--repeat 3]``. Exits 1 if a limit is missed.
+[--global-batch 16384] [--seq-len 2048] [--repeat 3] [--no-pipeline]``. Exits 1 if a limit is
+missed.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def in_process(args: argparse.Namespace) -> None:
     model, machine = get_model(args.model), get_machine(args.machine)
     head = (
         f"{'GPUs':>6} {'grids':>6} {'enumerated':>10} {'no memory':>9} {'fitting':>8} "
-        f"{'pruned':>8} {'timed':>6} {'search s':>9}  best"
+        f"{'pruned':>8} {'timed':>6} {'pipe left':>9} {'timed':>6} {'search s':>9}  best"
     )
     print(head)
     print("-" * len(head))
@@ -50,19 +53,27 @@ def in_process(args: argparse.Namespace) -> None:
         for _ in range(args.repeat):
             t0 = time.perf_counter()
             try:
-                res = plan(model, machine, gpus, args.global_batch, args.seq_len)
+                res = plan(
+                    model,
+                    machine,
+                    gpus,
+                    args.global_batch,
+                    args.seq_len,
+                    pipeline=not args.no_pipeline,
+                )
             except PlanError as e:
                 err = str(e)
             best_s = min(best_s, time.perf_counter() - t0)
         if res is None:
-            blank = " " * 46  # the count columns
+            blank = " " * 63  # the count columns
             print(f"{gpus:>6} {'-':>6} {blank} {best_s:>9.3f}  {err[:60]}")
             continue
         s4, top = res.stats["four_d"], res.rows[0]
         print(
             f"{gpus:>6} {s4['valid_grids']:>6} {s4['candidates']:>10} "
             f"{s4['candidates'] - s4['fitting']:>9} {s4['fitting']:>8} {s4['pruned']:>8} "
-            f"{s4['evaluated']:>6} {best_s:>9.3f}  {top.label()} mb{top.micro_batch} "
+            f"{s4['evaluated']:>6} {s4.get('pipe_candidates', '-'):>9} "
+            f"{s4.get('pipe_evaluated', '-'):>6} {best_s:>9.3f}  {top.label()} mb{top.micro_batch} "
             f"{top.activation_checkpointing} {top.step_s:.3g} s/step"
         )
 
@@ -78,6 +89,7 @@ def cold(args: argparse.Namespace) -> bool:
             "plan",
             *("--model", args.model, "--machine", args.machine, "--gpus", str(gpus)),
             *("--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len)),
+            *(("--no-pipeline",) if args.no_pipeline else ()),
         ]
         env = {**os.environ, "PYTHONPATH": ROOT}
         t0 = time.perf_counter()
@@ -102,10 +114,14 @@ def main() -> int:
     ap.add_argument("--global-batch", type=int, default=16384)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3, help="in-process runs (best is shown)")
+    ap.add_argument(
+        "--no-pipeline", action="store_true", help="the 5D and classic spaces only, as before"
+    )
     args = ap.parse_args()
     print(
         f"tetrad plan --model {args.model} --machine {args.machine} --global-batch "
-        f"{args.global_batch} --seq-len {args.seq_len}; {os.cpu_count()} CPUs visible, "
+        f"{args.global_batch} --seq-len {args.seq_len}"
+        f"{' --no-pipeline' if args.no_pipeline else ''}; {os.cpu_count()} CPUs visible, "
         f"Python {sys.version.split()[0]}"
     )
     in_process(args)

@@ -23,9 +23,34 @@ def cfg(**over):
 def test_grid_auto_picks_a_valid_grid_of_the_world_size(capsys):
     chosen = choose_grid(cfg(machine="dgx-h100"), 4, vocab_size=256)
     d, c, z, y, x = chosen.parallelism.grid
-    assert d * c * z * y * x == 4
+    assert chosen.parallelism.pipe * d * c * z * y * x == 4
     chosen.check()  # the batch splits and the grid is concrete now
-    assert "chose D,C,Z,Y,X=" in capsys.readouterr().out
+    assert "D,C,Z,Y,X=" in capsys.readouterr().out
+
+
+def test_grid_auto_can_pick_a_pipeline():
+    """The planner's pipeline axis is in --grid auto's space: where its best row has a
+    pipeline, the config carries G_pipe, the schedule and the virtual stages, and checks."""
+    big = {"model": "llama-2-70b", "global_batch": 128, "micro_batch": 1, "seq_len": 4096}
+    chosen = choose_grid(cfg(**big, machine="dgx-h100"), 128, 32000, verbose=False)
+    par = chosen.parallelism
+    best = plan(
+        chosen.model_config(32000).spec(),
+        get_machine("dgx-h100"),
+        128,
+        128,
+        4096,
+        top=3,
+        micro_batches=(1,),
+        checkpointing=(par.activation_checkpointing,),
+        overlaps=par.overlap,
+        classic=False,
+        dtype=compute_dtype(chosen.training.device),
+    ).rows[0]
+    assert best.pipe > 1  # the question is one where a pipeline wins
+    assert (par.pipe, par.grid) == (best.pipe, tuple(best.grid))
+    assert (par.pipeline_schedule, par.virtual_stages) == (best.schedule, best.virtual_stages)
+    chosen.check()
 
 
 def test_grid_auto_needs_a_machine_on_cpu():

@@ -1,6 +1,7 @@
 """`tetrad plan` and `tetrad memory` through the planner's argparse wiring."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -89,7 +90,8 @@ def test_emit_config_loads_in_tetrad_train(tmp_path, capsys):
     cfg.check()
     d, c, z, y, x = cfg.parallelism.grid
     t = cfg.training
-    assert d * c * z * y * x == 1024 and t.global_batch == 2048 and t.seq_len == 2048
+    assert cfg.parallelism.pipe * d * c * z * y * x == 1024
+    assert t.global_batch == 2048 and t.seq_len == 2048
     assert cfg.parallelism.overlap == "all"
     model = cfg.model_config()
     assert (model.dim, model.n_layers, model.n_heads, model.vocab_size) == (12288, 42, 96, 51200)
@@ -254,15 +256,15 @@ def test_planner_imports_no_torch():
 
 
 def test_emit_config_with_a_pipeline(tmp_path, capsys):
-    """With ``--pipeline`` the best gpt-80b plan on 1,024 Perlmutter GPUs for a global batch
-    of 1,024 has a pipeline (at 2,048 the 256 micro-batches' receive buffers, 12 GiB per GPU,
-    leave it to the 5D grids): ``grid`` in the ``PIPE,DATA,CONTEXT,Z,Y,X`` form and the
-    ``pipeline_schedule`` and ``virtual_stages`` keys, a file ``tetrad train`` reads."""
+    """The pipeline axis is searched by default: the best gpt-80b plan on 1,024 Perlmutter GPUs
+    for a global batch of 1,024 has a pipeline (at 2,048 the 256 micro-batches' receive buffers,
+    12 GiB per GPU, leave it to the 5D grids): ``grid`` in the ``PIPE,DATA,CONTEXT,Z,Y,X`` form
+    and the ``pipeline_schedule`` and ``virtual_stages`` keys, a file ``tetrad train`` reads."""
     from tetrad.spec import parse_pipeline_grid, tomllib
 
     path = tmp_path / "best.toml"
     argv = ["plan", "--model", "gpt-80b", "--machine", "perlmutter", "--gpus", "1024"]
-    argv += ["--global-batch", "1024", "--pipeline", "--emit-config", str(path)]
+    argv += ["--global-batch", "1024", "--emit-config", str(path)]
     rc, out, err = run(argv, capsys)
     assert rc == 0 and "wrote config" in err and "[P v sched]" in out
     par = tomllib.loads(path.read_text())["parallelism"]
@@ -276,6 +278,22 @@ def test_emit_config_with_a_pipeline(tmp_path, capsys):
     cfg = load_config(str(path))  # tetrad train takes it as it is
     cfg.check()
     assert cfg.parallelism.pipe == pipe and cfg.parallelism.grid == sizes
+
+
+def test_no_pipeline_leaves_the_axis_out(capsys):
+    """``--no-pipeline`` ranks the 5D grids alone; ``--pipeline`` (the default) is still
+    accepted, and the two together are refused."""
+    argv = ["plan", "--model", "gpt-20b", "--machine", "perlmutter", "--gpus", "256"]
+    argv += ["--global-batch", "512", "--no-classic"]
+    rc, out, _ = run(argv + ["--no-pipeline"], capsys)
+    assert rc == 0 and "[P v sched]" not in out and "G_pipe" not in out
+    rc, default, _ = run(argv, capsys)
+    assert rc == 0 and "pipeline (G_pipe x virtual stages x schedule on top)" in default
+    rc, named, _ = run(argv + ["--pipeline"], capsys)
+    strip = re.compile(r"search took [0-9.]+ s")
+    assert rc == 0 and strip.sub("", named) == strip.sub("", default)
+    with pytest.raises(SystemExit):
+        run(argv + ["--pipeline", "--no-pipeline"], capsys)
 
 
 def test_memory_on_a_pipeline_grid(capsys):

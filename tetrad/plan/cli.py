@@ -58,7 +58,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 PLAN_HELP = "rank 4D (and Megatron-style) configurations by predicted step time"
 PLAN_DESCRIPTION = (
-    "Enumerate every 4D grid G_data x G_z x G_y x G_x of the GPU count, micro-batch and "
+    "Enumerate every 4D grid G_data x G_z x G_y x G_x of the GPU count (with a pipeline axis "
+    "G_pipe x virtual stages x schedule on top unless --no-pipeline), micro-batch and "
     "activation-checkpointing mode (none, selective, full); drop those estimated above 80%% of "
     "GPU memory; rank the rest by predicted step time. Also ranks the classic TP x CP x PP x DP "
     "space for comparison."
@@ -139,12 +140,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-classic", action="store_true", help="skip the Megatron-style TP x CP x PP x DP search"
     )
-    p.add_argument(
-        "--pipeline",
+    pipe = p.add_mutually_exclusive_group()
+    pipe.add_argument(
+        "--no-pipeline",
         action="store_true",
-        help="also search the pipeline axis (G_pipe x virtual stages x schedule on top of the "
-        "5D grids; slower: 2.75 s at 16,384 GPUs)",
+        help="leave the pipeline axis out of the 4D search (searched by default: G_pipe x "
+        "virtual stages x schedule on top of the 5D grids)",
     )
+    pipe.add_argument("--pipeline", action="store_true", help=argparse.SUPPRESS)  # the default
     p.add_argument(
         "--gpu-memory-gib", type=float, metavar="GIB", help="GPU memory (default: the machine's)"
     )
@@ -272,7 +275,7 @@ def run_plan(args: argparse.Namespace) -> int:
         comm_model=args.comm_model,
         classic=not args.no_classic,
         gpu_memory_bytes=mem,
-        pipeline=args.pipeline,
+        pipeline=not args.no_pipeline,
     )
     if args.emit_config:
         report.emit_config(result.rows[0], model, result, args.emit_config)

@@ -70,8 +70,10 @@ def choose_grid(
 ) -> TrainConfig:
     """Return ``cfg`` with the grid the planner ranks first for ``world_size`` ranks.
 
-    The planner ranks every grid of ``world_size`` (data, context, Z, Y, X) that shards the
-    model, splits the batch and fits in 80% of the machine's memory by predicted step time.
+    The planner ranks every grid of ``world_size`` (data, context, Z, Y, X, and pipelines of
+    ``G_pipe`` ranks with their schedule and virtual stages on top) that shards the model,
+    splits the batch and fits in 80% of the machine's memory by predicted step time; the
+    returned config carries the winner's ``pipe``, schedule and virtual stages.
     Activation checkpointing ``auto`` is chosen with the grid among ``none``, ``selective`` (on
     the fewest blocks that fit: ``selective:K``) and ``full`` (the returned config names the
     winner's mode); a named mode, the micro-batch and the overlaps stay as configured.

@@ -29,13 +29,12 @@ def plan(
     classic: bool = True,
     dtype: str = "bf16",
     gpu_memory_bytes: float | None = None,
-    pipeline: bool = False,
+    pipeline: bool = True,
     classic_pipeline: bool = True,
 ) -> SearchResult:
-    """Both searches; see :func:`search_4d` (``pipeline``: with the pipeline axis, off by
-    default until that search answers in under 1 s at 16,384 GPUs: ``docs/planner.md``
-    section 8) and :func:`search_classic` (``classic_pipeline``: with interleaving and uneven
-    splits).
+    """Both searches; see :func:`search_4d` (``pipeline``: with the pipeline axis, on by
+    default: ``docs/planner.md`` section 8) and :func:`search_classic` (``classic_pipeline``:
+    with interleaving and uneven splits).
 
     Raises:
         PlanError: bad inputs, or no 4D configuration at all (message says what to change).
