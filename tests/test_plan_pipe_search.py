@@ -93,19 +93,26 @@ def test_memory_floors_never_above_the_memory(name, tied):
 
 
 def test_group_bounds_never_above_the_estimate():
+    """A grid of a group is kept below any limit above its fastest schedule that fits, with a
+    bound not above it; the group's context bound is not above it either."""
     model, machine = get_model("gpt-80b"), get_machine("perlmutter")
     ps = _search(model, machine, 1024, 2048)
-    for grid in ((8, 1, 1, 2, 4), (4, 2, 2, 2, 2), (2, 4, 2, 1, 8)):
+    seen = 0
+    for grid in ((8, 1, 1, 2, 4), (4, 2, 2, 2, 2), (2, 4, 2, 1, 8), (1, 1, 8, 2, 4)):
         q, gc, gy, gx = grid[0] * grid[2], grid[1], grid[3], grid[4]
-        for mode in ("none", "full"):
+        for mode in ("none", "selective", "full"):
             for pipe in (2, 4, 8):
-                m = 2048 // q
-                slowest = min(
+                steps = [
                     pipeline_estimate(ps.ctx, cfg, grid, 1, mode).step_s
-                    for cfg in ps._configs(pipe, m)
-                )
-                # pruned only when the limit is at or below the group's fastest step
-                assert not ps._group_pruned(pipe, q, gc, gy, gx, 1, mode, slowest * 1.000001)
+                    for cfg in ps._configs(pipe, 2048 // q)
+                    if ps.memory(grid, "xy", 1, mode, cfg)[0].total <= ps.s.limit
+                ]
+                if not steps:
+                    continue
+                fastest, seen = min(steps), seen + 1
+                kept = ps._group_grids(pipe, q, gc, gy, gx, 1, mode, fastest * 1.000001)
+                bounds = [bound for bound, g, t in kept if (g, t) == (grid, "xy")]
+                assert bounds and bounds[0] <= fastest
                 kv = ps._kv_floor(q, gc, gy, gx, 1, mode == "full") if gc > 1 else 0.0
-                bound = ps._group_bound(pipe, q, gc, gy, gx, 1, mode, kv)
-                assert bound <= slowest
+                assert ps._group_bound(pipe, q, gc, gy, gx, 1, mode, kv) <= fastest
+    assert seen > 10

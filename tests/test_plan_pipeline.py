@@ -137,10 +137,16 @@ def test_search_bounds_never_above_the_estimate():
                 m = 2048 // (grid[0] * grid[2])
                 est = pipeline_estimate(ctx, cfg, grid, 1, mode)
                 assert ps._config_floor(grid, "xy", 1, mode, cfg, m) <= est.step_s
-                full = ps._grid_floor(grid, "xy", 1, mode, cfg.pipe, m)
-                assert full <= est.step_s
-                # with a limit it may leave out the Z term: never above the full floor
-                assert ps._grid_floor(grid, "xy", 1, mode, cfg.pipe, m, 0.0) <= full
+                # the grid's bound, where its memory floor leaves it: never above the estimate
+                q, gc, gy, gx = grid[0] * grid[2], grid[1], grid[3], grid[4]
+                limit = est.step_s * (1 + 1e-6)
+                kept = {
+                    (g, t): bound
+                    for bound, g, t in ps._group_grids(cfg.pipe, q, gc, gy, gx, 1, mode, limit)
+                }
+                fits = ps.memory(grid, "xy", 1, mode, cfg)[0].total <= ps.s.limit
+                assert (grid, "xy") in kept or not fits
+                assert kept.get((grid, "xy"), 0.0) <= est.step_s
 
 
 def test_search_with_pipelines_keeps_the_5d_rows():

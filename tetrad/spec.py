@@ -14,6 +14,7 @@ Nothing here imports torch, so ``tetrad plan`` and configuration parsing run any
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import sys
 from collections.abc import Iterable
@@ -252,6 +253,7 @@ class CheckpointingError(TetradError):
     ``selective:K``."""
 
 
+@functools.lru_cache(maxsize=256, typed=True)  # the planner's searches ask ~10^5 times
 def parse_checkpointing(value: str | bool) -> str:
     """A mode of :data:`CHECKPOINTING` or ``selective:K`` from its name or a bool (``True`` =
     ``full``).

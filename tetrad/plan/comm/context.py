@@ -10,7 +10,6 @@ from tetrad.plan.compute.block import BlockCompute, block_compute
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.network import Link
 from tetrad.plan.machine.spec import Machine
-from tetrad.plan.model.grids import context_size
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, FP32, OverlapError, parse_overlaps
 
@@ -93,7 +92,7 @@ class Context:
         """Compute seconds (cached per ``(G_context, G_y, G_x, micro_batch)``; the optimizer
         term is left to :func:`~tetrad.plan.comm.estimate.estimate`, it depends on ``G_z``).
         ``grid``: four or five sizes."""
-        key = (context_size(grid), grid[-2], grid[-1], micro_batch)
+        key = (grid[1] if len(grid) == 5 else 1, grid[-2], grid[-1], micro_batch)
         got = self._compute.get(key)
         if got is None:
             got = block_compute(
@@ -107,7 +106,7 @@ class Context:
     ) -> tuple[float, float, float]:
         """:meth:`~tetrad.plan.compute.block.BlockCompute.micro_batch_seconds` of
         :meth:`compute` (memoised per its key and the mode)."""
-        key = (context_size(grid), grid[-2], grid[-1], micro_batch, checkpointing)
+        key = (grid[1] if len(grid) == 5 else 1, grid[-2], grid[-1], micro_batch, checkpointing)
         got = self._seconds.get(key)
         if got is None:
             comp = self.compute(grid, micro_batch)

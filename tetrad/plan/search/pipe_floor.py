@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.zwindows import window_seconds
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.pipe.estimate import PipeConfig
@@ -24,7 +23,8 @@ class BlockFloors:
         the windows of the embedding and head (a rank of ``k`` blocks exposes at least
         ``max(0, k z_block - z_ends)`` Z seconds per micro-batch:
         :func:`tetrad.plan.comm.zwindows.z_queue_seconds`)."""
-        return self._base_floor(grid, turn, b, mode) + self._z_floor(grid, turn, b, mode == "full")
+        roles = role_sizes(grid, turn)
+        return self._base_floor(grid, turn, b, mode) + self._z_floor(roles, b, mode == "full")
 
     def _base_floor(self, grid, turn: str, b: int, mode: str) -> tuple:
         """``(block, costs)`` of :meth:`_block_floor` (per micro-batch: every G_data's)."""
@@ -47,15 +47,16 @@ class BlockFloors:
             got = self.comm_memo[key] = (ctx.compute(roles, b), xy, kv)
         return got
 
-    def _z_floor(self, grid, turn: str, b: int, full: bool) -> tuple[float, float]:
-        """``(z_block, z_ends)`` of :meth:`_block_floor`: one block's Z queue
-        (:func:`tetrad.plan.comm.zwindows.z_queue_seconds` per block: every block Linear's
-        all-gather in each phase and its reduce-scatter) less the block's windows, and the
-        embedding's and head's windows (:func:`~tetrad.plan.comm.zwindows.window_seconds`)."""
-        got = self.z_memo.get(key := (grid[1:], turn, b, full))
+    def _z_floor(self, roles: tuple, b: int, full: bool) -> tuple[float, float]:
+        """``(z_block, z_ends)`` of :meth:`_block_floor` on the roles ``roles``: one block's Z
+        queue (:func:`tetrad.plan.comm.zwindows.z_queue_seconds` per block: every block
+        Linear's all-gather in each phase and its reduce-scatter) less the block's windows, and
+        the embedding's and head's windows (:func:`~tetrad.plan.comm.zwindows.window_seconds`).
+        """
+        got = self.z_memo.get(key := (*roles[1:], b, full))
         if got is None:
             z_block, z_ends = 0.0, 0.0
-            gz, xy = grid[2], grid[3] * grid[4]
+            gz, xy = roles[2], roles[3] * roles[4]
             if gz > 1:
                 ctx, phases = self.ctx, 3 if full else 2
                 link = ctx.machine.network.link(xy, gz)
@@ -64,22 +65,17 @@ class BlockFloors:
                     shard = lin.weight_elements * lin.count / xy
                     gather = link.time(ALL_GATHER, shard * ctx.c)
                     queue += phases * gather + link.time(REDUCE_SCATTER, shard * FP32)
-                comp = self._comm_floor(grid, turn, b, full)[0]
+                comp = ctx.compute(roles, b)
                 z_ends = window_seconds(comp, 0, full)
                 z_block = queue - (window_seconds(comp, 1, full) - z_ends)
             got = self.z_memo[key] = (z_block, z_ends)
         return got
 
-    def _grid_floor(self, grid, turn, b, mode, pipe: int, m: int, limit=float("inf")) -> float:
-        """Bound 3 of every schedule of ``grid``: the average rank (``1/p`` of the whole
-        model's terms of :meth:`_block_floor`) times ``m + (p - 1) / v`` with the largest
-        ``v``; without the Z term where that is already not below ``limit`` (less MARGIN)."""
-        block, k = self._base_floor(grid, turn, b, mode)[0], self._most_blocks(pipe)
-        bf = self._bubble_factor(pipe, m)
-        if bf * (k * block) * (1 - MARGIN) >= limit:
-            return bf * (k * block)
-        zb, ze = self._z_floor(grid, turn, b, mode == "full")
-        return bf * (k * block + max(0.0, k * zb - ze))
+    def _z_exposed(self, pipe: int, gc: int, gz: int, gy: int, gx: int, b: int, full: bool):
+        """The Z seconds per micro-batch a rank of ``ceil(L / pipe)`` blocks exposes at least
+        on the roles ``(G_context, G_z, G_y, G_x)``: ``max(0, k z_block - z_ends)``."""
+        z_block, z_ends = self._z_floor((1, gc, gz, gy, gx), b, full)
+        return max(0.0, self._most_blocks(pipe) * z_block - z_ends)
 
     def _config_floor(self, grid, turn, b, mode, cfg: PipeConfig, m: int) -> float:
         """Bound 3 (module doc): ``(m + (p - 1) / v)`` times a rank of ``ceil(L / p)`` blocks:

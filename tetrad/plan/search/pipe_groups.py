@@ -1,16 +1,20 @@
 """Bounds 1 and 2 of the pipeline search (:class:`GroupBounds`, a part of
 :class:`tetrad.plan.search.pipelined.PipeSearch`, whose module doc states them): the tensor
 shapes ``(G_context, G_y, G_x, mode)`` and the groups ``(G_pipe, G_context, G_y, G_x, b,
-mode)`` on them, and what rejects a whole group before its grids are enumerated:
+mode)`` on them, and what rejects a whole group, or a grid of it, before its schedules are
+enumerated (:meth:`GroupBounds._group_grids`):
 
 - its context K/V collectives, the least over ``G_z`` (cheap: two link times per ``G_z``);
-- its memory floor (:mod:`tetrad.plan.search.pipe_memory`), whatever the time;
-- its blocks' exposed X/Y collectives (the lesser orientation; memoised per shape).
+- its memory floor (:mod:`tetrad.plan.search.pipe_memory`), whatever the time: the ``G_z``
+  that can fit;
+- per ``G_z``, its context collectives and the Z seconds a rank of the most blocks cannot hide
+  (:mod:`tetrad.plan.search.pipe_floor`);
+- per grid, its blocks' exposed X/Y collectives (memoised per shape and orientation).
 
-A rank's per-micro-batch time is at least ``k (c_block + x)`` on a rank of the most blocks
+A rank's per-micro-batch time is at least ``k (c_block + x) + z`` on a rank of the most blocks
 ``k = ceil(L / p)`` and at least the average ``c_model / p + (L / p) x`` (``x``: a block's
-collectives per micro-batch; every rank receives at least one point-to-point message), times
-``m + (p - 1) / v`` with the largest ``v`` allowed.
+collectives per micro-batch, ``z`` the Z floor; every rank receives at least one
+point-to-point message), times ``m + (p - 1) / v`` with the largest ``v`` allowed.
 """
 
 from __future__ import annotations
@@ -144,38 +148,51 @@ class GroupBounds:
                 out.append((lb, pipe, q, gc, gy, gx, b, mode))
         return out
 
-    def _group_bound(self, pipe, q, gc, gy, gx, b, mode, extra: float) -> float:
-        """Bound 2 with ``extra`` seconds per block and micro-batch on every block, and one
-        point-to-point receive per rank (module doc)."""
+    def _group_bound(self, pipe, q, gc, gy, gx, b, mode, extra: float, z: float = 0.0) -> float:
+        """Bound 2 with ``extra`` seconds per block and micro-batch on every block, ``z``
+        exposed Z seconds per micro-batch on a rank of the most blocks, and one point-to-point
+        receive per rank (module doc)."""
+        return _bound(self._bound_terms(pipe, q, gc, gy, gx, b, mode), extra, z)
+
+    def _bound_terms(self, pipe, q, gc, gy, gx, b, mode) -> tuple:
+        """``(m + (p - 1) / v, model / p, L / p, k, block, one receive)`` of
+        :meth:`_group_bound`, seconds."""
         ctx = self.ctx
         model, block, _ = self._mb_costs(gc, gy, gx, b, mode)
         nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, RESIDUAL_BYTES)
         link = ctx.machine.network.link(self.s.gpus // pipe, 2)
         one = link.base_latency + nbytes / link.bandwidth
+        bf = self._bubble_factor(pipe, ctx.global_batch // (q * b))
         L, k = ctx.model.n_layers, self._most_blocks(pipe)
-        slowest = max(model / pipe + L * extra / pipe, k * (block + extra)) + one
-        return self._bubble_factor(pipe, ctx.global_batch // (q * b)) * slowest
+        return bf, model / pipe, L / pipe, k, block, one
 
-    def _group_pruned(self, pipe, q, gc, gy, gx, b, mode, limit: float) -> bool:
-        """Whether no configuration of the group can fit in memory, or be below ``limit``
-        seconds (less MARGIN; ``inf``: no limit): context collectives, memory, then X/Y
-        collectives."""
-        keep, timed = 1 - MARGIN, limit < float("inf")
-        kv = self._kv_floor(q, gc, gy, gx, b, mode == "full") if gc > 1 and timed else 0.0
-        if kv and self._group_bound(pipe, q, gc, gy, gx, b, mode, kv) * keep >= limit:
-            return True
-        if not self._fitting_z(pipe, q, gc, gy, gx, b, mode):
-            return True
-        if not timed:
-            return False
-        turns = [((q, gc, 1, gy, gx), "xy")]
-        if gy > 1 and gx > 1:
-            turns.append(((q, gc, 1, gx, gy), "yx"))
-        for grid, turn in turns:  # the first below the limit ends it
-            xy = self._xy_seconds(grid, b, mode, turn)
-            if self._group_bound(pipe, q, gc, gy, gx, b, mode, kv + xy) * keep < limit:
-                return False
-        return True
+    def _group_grids(self, pipe, q, gc, gy, gx, b, mode, limit: float) -> list:
+        """``(bound, --grid, orientation)`` of the group's grids whose memory floor fits and
+        whose bound is below ``limit`` seconds (less MARGIN; ``inf``: every grid that fits,
+        bound 0), in ascending ``G_z`` and orientation order. Cheapest first: the context
+        collectives at their least over ``G_z``, the memory floor (the ``G_z`` it leaves), per
+        ``G_z`` the context and Z floors (:meth:`_z_exposed`), then per orientation the X/Y
+        collectives (:meth:`_xy_seconds`)."""
+        full, timed = mode == "full", limit < float("inf")
+        terms = self._bound_terms(pipe, q, gc, gy, gx, b, mode) if timed else None
+        cap = limit / (1 - MARGIN)  # a bound at or above it prunes
+        if timed and gc > 1 and _bound(terms, self._kv_floor(q, gc, gy, gx, b, full)) >= cap:
+            return []
+        out = []
+        for gz in self._fitting_z(pipe, q, gc, gy, gx, b, mode):
+            turns = self._turns((q // gz, gc, gz, gy, gx))
+            if not timed:
+                out += [(0.0, grid, turn) for grid, turn in turns]
+                continue
+            kv = self._kv_seconds(gc, gz, gy, gx, b, full) if gc > 1 else 0.0
+            z = self._z_exposed(pipe, gc, gz, gy, gx, b, full)
+            if _bound(terms, kv, z) >= cap:
+                continue
+            for grid, turn in turns:
+                bound = _bound(terms, kv + self._xy_seconds(grid, b, mode, turn), z)
+                if bound < cap:
+                    out.append((bound, grid, turn))
+        return out
 
     def _kv_floor(self, q: int, gc: int, gy: int, gx: int, b: int, full: bool) -> float:
         """One block's context K/V collectives per micro-batch
@@ -210,3 +227,9 @@ class GroupBounds:
         if got is None:
             got = self.xy_memo[key] = sum(block_xy(self.ctx, grid, b, mode, turn)[0].values())
         return got
+
+
+def _bound(terms: tuple, extra: float, z: float = 0.0) -> float:
+    """:meth:`GroupBounds._group_bound` from its ``terms``."""
+    bf, model, per_rank, k, block, one = terms
+    return bf * (max(model + per_rank * extra, k * (block + extra) + z) + one)

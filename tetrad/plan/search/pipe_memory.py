@@ -4,18 +4,31 @@ rank holds at least under :func:`tetrad.plan.memory.pipeline.pipeline_memory`, c
 reject a whole ``(G_pipe, G_context, G_y, G_x, b, mode)`` group before its collectives are
 timed, a grid before its floors, a schedule before its memory.
 
-Pipeline rank ``r`` with ``k_r`` blocks and ``n_r`` chunk passes in flight
-(:func:`tetrad.plan.pipe.schedule.in_flight_chunks`) holds in its phase ``backward: blocks``
-(:mod:`tetrad.plan.memory.pipeline`) at least
+Pipeline rank ``r`` with ``k_r`` blocks, its smallest stage of ``s_r`` blocks and ``n_r`` chunk
+passes in flight (:func:`tetrad.plan.pipe.schedule.in_flight_chunks`) holds in its phase
+``backward: blocks`` (:mod:`tetrad.plan.memory.pipeline`) at least
 
-    16 k_r E + (n_r / v) A(k_r) - 16 H
+    16 k_r E - 16 H + n_r (A(s_r) - C) + C - [last rank, v > 1] F + (i_r + q_r) P
 
 bytes: ``E`` a block's local weight elements (fp32 parameters, gradients and two AdamW states,
-:mod:`tetrad.plan.memory.states`, integer shards as there); ``A(k)`` the saved activations of a
-``k``-block model's blocks for one micro-batch
-(:func:`tetrad.plan.memory.activations.saved_activations`, which depends on ``G_z`` not at
-all); ``H`` the LM head's local elements when the head is tied to the embedding (a rank without
-the last stage drops a head the states never counted), else 0; every other term is at least 0.
+:mod:`tetrad.plan.memory.states`, integer shards as there); ``H`` the LM head's local elements
+when the head is tied to the embedding (a rank without the last stage drops a head the states
+never counted), else 0; ``A(s)`` the saved activations of an ``s``-block stage's blocks for
+one micro-batch (:func:`tetrad.plan.memory.activations.saved_activations`, which depends on
+``G_z`` not at all), ``C`` of which the context masks and chunk order each stage saves once
+(:func:`tetrad.plan.comm.context_parallel.context_shared_bytes`; 0 under ``full``); ``F`` the
+final norm's and loss's saved bytes. The rank's in-flight activations and pipeline buffers are
+those of the set of passes its schedule holds at its peak with the most bytes
+(:func:`tetrad.plan.memory.pipeline.in_flight_bytes`), at least those of any such set, and
+every such set has ``n_r`` passes or more (GPipe and 1F1B exactly; interleaved 1F1B's order
+starts with ``in_flight_chunks - 1`` forwards, then a forward before any backward), each of a
+stage of ``s_r`` blocks or more; the last rank's one micro-batch's final norm and loss, which the
+phase counts besides, are among its passes' unless its last stage holds none (``v > 1``). Its
+receive buffers, ``P`` bytes each (``[b, S / G_context, h / G_x]`` in the compute dtype), are
+at least the ``q_r`` posted ahead (:func:`tetrad.plan.pipe.schedule.boundaries_of_rank`) and
+the inputs of its passes in flight, ``i_r = n_r`` but on the rank of stage 0 (0 there). Every
+other term is at least 0.
+
 The floor of a schedule is the largest over its ranks (their stage split is the estimate's,
 :func:`tetrad.plan.pipe.estimate.split_ranks`); of a group or a grid, the least over its
 schedules. ``E`` and ``H`` fall with ``G_z``: the group's floor (every ``G_z`` dividing ``G_data
@@ -27,9 +40,10 @@ from __future__ import annotations
 import dataclasses
 
 from tetrad.plan.comm.bounds import MARGIN
-from tetrad.plan.memory.activations import saved_activations
+from tetrad.plan.comm.context_parallel import context_shared_bytes
+from tetrad.plan.memory.activations import dtype_bytes, saved_activations
 from tetrad.plan.pipe.estimate import split_key, split_ranks
-from tetrad.plan.pipe.schedule import in_flight_chunks
+from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
 from tetrad.plan.search.space import divisors_of
 from tetrad.spec import role_sizes
 
@@ -39,31 +53,38 @@ class MemoryFloors:
     ``dtype``) come from the search, ``_mb_costs`` and ``_configs`` too."""
 
     def _mem_init(self) -> None:
-        self.saved_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), A(2) - A(1))
-        self.flight_memo: dict = {}  # ((embedding, head), cfg, m) -> ((k, max n / v), ...)
-        self.pairs_memo: dict = {}  # group -> {cfg: ((k, (n / v) A(k)), ...)}
+        self.saved_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), A(2) - A(1), C, F)
+        self.flight_memo: dict = {}  # ((embedding, head), cfg, m) -> ((k, n, s, last, q), ...)
+        self.terms_memo: dict = {}  # group -> (A(1), A(2) - A(1), C, F, P, split)
+        self.pairs_memo: dict = {}  # (group, cfg) -> ((k, bytes besides 16 k E), ...)
         self.elem_memo: dict = {}  # G_y G_x G_z -> (16 E, 16 H), bytes
         self.gz_memo: dict = {}  # group -> the G_z whose memory floor fits
 
-    def _saved_line(self, gc: int, gy: int, gx: int, b: int, mode: str) -> tuple[float, float]:
-        """``(A(1), A(2) - A(1))``: ``A(k)`` of the module doc is affine in ``k`` (every block
-        saves the same; the positions and the context's masks are one set for all blocks,
+    def _saved_line(self, gc: int, gy: int, gx: int, b: int, mode: str) -> tuple:
+        """``(A(1), A(2) - A(1), C, F)`` of the module doc: ``A(s)`` is affine in ``s`` (every
+        block saves the same; the positions and the context's masks are one set for the stage,
         :func:`tetrad.plan.memory.activations.saved_activations`), bytes."""
         key = (gc, gy, gx, b, mode)
         got = self.saved_memo.get(key)
         if got is None:
-            ctx, one_two = self.ctx, []
+            ctx, saved = self.ctx, []
             for k in (1, 2):
-                saved = saved_activations(
-                    self._stage_model(k),
-                    (1, gc, 1, gy, gx),
-                    b,
-                    ctx.seq_len,
-                    activation_checkpointing=mode,
-                    dtype=self.s.dtype,
+                saved.append(
+                    saved_activations(
+                        self._stage_model(k),
+                        (1, gc, 1, gy, gx),
+                        b,
+                        ctx.seq_len,
+                        activation_checkpointing=mode,
+                        dtype=self.s.dtype,
+                    )
                 )
-                one_two.append(saved["blocks"])
-            got = self.saved_memo[key] = (one_two[0], one_two[1] - one_two[0])
+            one, two = saved[0]["blocks"], saved[1]["blocks"]
+            shared = 0.0
+            if mode.partition(":")[0] != "full":
+                shared = context_shared_bytes(ctx.seq_len, gc, dtype_bytes(self.s.dtype))
+            ends = saved[0]["final_norm"] + saved[0]["loss"]
+            got = self.saved_memo[key] = (one, two - one, shared, ends)
         return got
 
     def _stage_model(self, k: int):
@@ -85,34 +106,49 @@ class MemoryFloors:
         return got
 
     def _in_flight(self, split: tuple, cfg, m: int) -> tuple:
-        """``((k, n / v), ...)``: per distinct block count ``k`` of the ranks of ``cfg``'s
-        split (``split``: its :func:`~tetrad.plan.pipe.estimate.split_key`'s embedding and
-        head), the most chunk passes in flight of a rank with ``k`` blocks over ``v``."""
+        """``((k, n, s, last, buffers), ...)``: per rank of ``cfg``'s split (``split``: its
+        :func:`~tetrad.plan.pipe.estimate.split_key`'s embedding and head) its blocks, passes in
+        flight, smallest stage, whether its floor leaves out ``F`` and its receive buffers
+        ``i + q`` (the module doc); ranks alike once."""
         key = (split, cfg, m)
         got = self.flight_memo.get(key)
         if got is None:
-            most: dict[int, float] = {}
-            L, costs = self.ctx.model.n_layers, (1.0, *split)
-            for r in split_ranks(L, costs, cfg.pipe, cfg.virtual):
-                n = in_flight_chunks(cfg.schedule, cfg.pipe, r.rank, cfg.virtual, m)
-                most[r.blocks] = max(most.get(r.blocks, 0.0), n / cfg.virtual)
-            got = self.flight_memo[key] = tuple(most.items())
+            ranks = set()
+            L, costs, p, v = self.ctx.model.n_layers, (1.0, *split), cfg.pipe, cfg.virtual
+            for r in split_ranks(L, costs, p, v):
+                n = in_flight_chunks(cfg.schedule, p, r.rank, v, m)
+                buffers = (0 if r.first else n) + sum(boundaries_of_rank(p, r.rank, v))
+                ranks.add((r.blocks, n, min(r.chunk_blocks), r.last and v > 1, buffers))
+            got = self.flight_memo[key] = tuple(sorted(ranks))
         return got
 
-    def _group_pairs(self, pipe, gc, gy, gx, b, mode, m) -> dict:
-        """``{cfg: ((k, (n / v) A(k)), ...)}`` of every schedule of the group (memoised)."""
+    def _group_terms(self, pipe, gc, gy, gx, b, mode, m) -> tuple:
+        """``(A(1), A(2) - A(1), C, F, P, split)`` of the group (module doc; ``split``: the
+        embedding's and head's cost of :func:`~tetrad.plan.pipe.estimate.split_key`)."""
         key = (pipe, gc, gy, gx, b, mode)
+        got = self.terms_memo.get(key)
+        if got is None:
+            ctx = self.ctx
+            out = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, dtype_bytes(self.s.dtype))
+            costs = self._mb_costs(gc, gy, gx, b, mode)[2]
+            split = split_key(ctx.model.n_layers, costs, pipe, 1)[1:3]
+            got = (*self._saved_line(gc, gy, gx, b, mode), out, split)
+            self.terms_memo[key] = got
+        return got
+
+    def _pairs(self, gc, gy, gx, b, mode, m, cfg) -> tuple:
+        """``((k, floor less 16 k E - 16 H), ...)`` of schedule ``cfg`` in the group, one per
+        kind of rank (memoised)."""
+        key = (gc, gy, gx, b, mode, cfg)
         got = self.pairs_memo.get(key)
         if got is None:
-            one, slope = self._saved_line(gc, gy, gx, b, mode)
-            costs = self._mb_costs(gc, gy, gx, b, mode)[2]
-            split = split_key(self.ctx.model.n_layers, costs, pipe, 1)[1:3]
-            got = self.pairs_memo[key] = {
-                cfg: tuple(
-                    (k, w * (one + (k - 1) * slope)) for k, w in self._in_flight(split, cfg, m)
-                )
-                for cfg in self._configs(pipe, m)
-            }
+            one, slope, shared, ends, out, split = self._group_terms(
+                cfg.pipe, gc, gy, gx, b, mode, m
+            )
+            got = self.pairs_memo[key] = tuple(
+                (k, n * (one + (s - 1) * slope - shared) + shared + q * out - ends * last)
+                for k, n, s, last, q in self._in_flight(split, cfg, m)
+            )
         return got
 
     def _too_big(self, pairs, per_block: float, head: float) -> bool:
@@ -126,14 +162,17 @@ class MemoryFloors:
         gd, gc, gz, gy, gx = roles
         m = self.ctx.global_batch // (gd * gz * b)
         per_block, head = self._state_bytes(gy * gx * gz)
-        pairs = self._group_pairs(pipe, gc, gy, gx, b, mode, m)
-        return all(self._too_big(p, per_block, head) for p in pairs.values())
+        return all(
+            self._too_big(self._pairs(gc, gy, gx, b, mode, m, cfg), per_block, head)
+            for cfg in self._configs(pipe, m)
+        )
 
     def _fitting_z(self, pipe, q, gc, gy, gx, b, mode) -> tuple[int, ...]:
         """The ``G_z`` dividing ``q = G_data G_z`` on which some schedule of the group has its
         floor within the limit (memoised). Without a tied head (``H = 0``) a schedule's floor
-        is within it where ``16 E <= min over k of (limit - (n / v) A(k)) / k``, so one number
-        per group decides every ``G_z``."""
+        is within it where ``16 E <= min over ranks of (limit - floor less 16 k E) / k``: the
+        largest such number over the schedules decides every ``G_z`` (no more schedules once
+        it admits the smallest ``G_z``)."""
         key = (pipe, gc, gy, gx, b, mode)
         got = self.gz_memo.get(key)
         if got is None:
@@ -145,17 +184,35 @@ class MemoryFloors:
                     if not self._grid_too_big(pipe, (q // gz, gc, gz, gy, gx), b, mode)
                 )
             else:
-                room = self.s.limit / (1 - MARGIN)
-                pairs = self._group_pairs(pipe, gc, gy, gx, b, mode, m)
-                most = max(min((room - act) / k for k, act in p) for p in pairs.values())
+                most = self._weights_room(pipe, gc, gy, gx, b, mode, m, zs[0])
                 got = tuple(gz for gz in zs if self._state_bytes(gy * gx * gz)[0] <= most)
             self.gz_memo[key] = got
         return got
+
+    def _weights_room(self, pipe, gc, gy, gx, b, mode, m, gz: int) -> float:
+        """The largest ``16 E`` (bytes per block, no tied head) with which some schedule of the
+        group has its floor within the limit: the largest over the schedules of the least over
+        their ranks of ``(limit - floor less 16 k E) / k`` (the first at least ``16 E`` of
+        ``G_z = gz`` ends it)."""
+        one, slope, shared, ends, out, split = self._group_terms(pipe, gc, gy, gx, b, mode, m)
+        room, need = self.s.limit / (1 - MARGIN), self._state_bytes(gy * gx * gz)[0]
+        most, flights = -float("inf"), self.flight_memo
+        for cfg in self._configs(pipe, m):
+            flight = flights.get((split, cfg, m)) or self._in_flight(split, cfg, m)
+            least = min(
+                (room - n * (one + (s - 1) * slope - shared) - shared - q * out + ends * last) / k
+                for k, n, s, last, q in flight
+            )
+            if least > most:
+                most = least
+                if most >= need:
+                    break
+        return most
 
     def _memory_floor_fails(self, grid, turn, b, mode, cfg) -> bool:
         """Whether the floor of ``cfg`` on ``grid`` (its roles in ``turn``) is above the
         limit."""
         gd, gc, gz, gy, gx = role_sizes(grid, turn)
         m = self.ctx.global_batch // (gd * gz * b)
-        pairs = self._group_pairs(cfg.pipe, gc, gy, gx, b, mode, m)[cfg]
+        pairs = self._pairs(gc, gy, gx, b, mode, m, cfg)
         return self._too_big(pairs, *self._state_bytes(gy * gx * gz))

@@ -96,10 +96,9 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
             limit = -best[0][0] if len(best) >= top else float("inf")
             if lb * (1 - MARGIN) >= limit:
                 break
-            if self._group_pruned(pipe, q, gc, gy, gx, b, mode, limit):
-                continue
-            for gz in self._fitting_z(pipe, q, gc, gy, gx, b, mode):
-                self._grids(best, top, pipe, (q // gz, gc, gz, gy, gx), b, mode)
+            for bound, grid, turn in self._group_grids(pipe, q, gc, gy, gx, b, mode, limit):
+                if len(best) < top or bound * (1 - MARGIN) < -best[0][0]:
+                    self._grid(best, top, pipe, grid, turn, b, mode)
 
     def _turns(self, roles: tuple) -> tuple:
         """``(--grid, orientation)`` of the roles ``roles``: the grid itself in ``xy``, and
@@ -117,32 +116,27 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
             got = self.turn_memo[roles] = tuple(out)
         return got
 
-    def _grids(self, best, top, pipe, roles, b, mode) -> None:
-        """Every schedule of the grids whose roles are ``roles`` (their memory floor fits)."""
-        m = self.ctx.global_batch // (roles[0] * roles[2] * b)
-        for grid, turn in self._turns(roles):
+    def _grid(self, best, top, pipe, grid, turn, b, mode) -> None:
+        """Every schedule of ``grid`` in orientation ``turn``."""
+        m = self.ctx.global_batch // (grid[0] * grid[2] * b)
+        for cfg in self._configs(pipe, m):
+            self.stats["pipe_candidates"] += 1
             if len(best) >= top:
-                floor = self._grid_floor(grid, turn, b, mode, pipe, m, -best[0][0])
+                floor = self._config_floor(grid, turn, b, mode, cfg, m)
                 if floor * (1 - MARGIN) >= -best[0][0]:
                     continue
-            for cfg in self._configs(pipe, m):
-                self.stats["pipe_candidates"] += 1
-                if len(best) >= top:
-                    floor = self._config_floor(grid, turn, b, mode, cfg, m)
-                    if floor * (1 - MARGIN) >= -best[0][0]:
-                        continue
-                mem = self._fitting(grid, turn, b, mode, cfg)
-                if mem is None:
-                    continue
-                self.stats["pipe_fitting"] += 1
-                self.stats["pipe_evaluated"] += 1
-                est = pipeline_estimate(self.ctx, cfg, grid, b, mode, turn)
-                item = (-est.step_s, self.seq, (grid, b, mode, turn, (est, cfg, mem)))
-                self.seq += 1
-                if len(best) < top:
-                    heapq.heappush(best, item)
-                elif est.step_s < -best[0][0]:
-                    heapq.heapreplace(best, item)
+            mem = self._fitting(grid, turn, b, mode, cfg)
+            if mem is None:
+                continue
+            self.stats["pipe_fitting"] += 1
+            self.stats["pipe_evaluated"] += 1
+            est = pipeline_estimate(self.ctx, cfg, grid, b, mode, turn)
+            item = (-est.step_s, self.seq, (grid, b, mode, turn, (est, cfg, mem)))
+            self.seq += 1
+            if len(best) < top:
+                heapq.heappush(best, item)
+            elif est.step_s < -best[0][0]:
+                heapq.heapreplace(best, item)
 
     def _configs(self, pipe: int, m: int) -> tuple[PipeConfig, ...]:
         """The schedules of the module doc for ``p = pipe`` and ``m`` micro-batches
