@@ -24,6 +24,11 @@ The questions, for 6 models x 4 machines x 3 GPU counts (:data:`MODELS`, :data:`
   memory.
 - ``large``: the issue's question at scale, gpt-80b on Perlmutter with a global batch of 16,384
   on 4,096 and 16,384 GPUs, top 10 (:data:`LARGE`).
+- ``pipeline``: the default question of every (model, machine) at one GPU count in turn, and
+  the large ones, with the pipeline axis in the 4D space and interleaving and uneven splits in
+  the classic one (:data:`WITH_PIPELINE`, the planner's defaults since issue 32's search got
+  fast), top 5 and 10: taken with the search before its group, grid and memory floors, which
+  must leave every row where it was.
 - ``sublayers``: the T3 sublayer table (:func:`tetrad.plan.comm.sublayers.sublayers`; the fused
   ring's replay) per model and machine at TP 2, 4 and 8.
 
@@ -106,7 +111,8 @@ def _grids(model, gpus: int, batch: int) -> list[tuple[int, ...]]:
 
 
 def _per_axis(d: dict) -> dict:
-    return {k: seconds(v) for k, v in d.items() if v}
+    """Nonzero seconds per key (the classic rows' ``stage_layers`` as they are)."""
+    return {k: seconds(v) if isinstance(v, float) else v for k, v in d.items() if v}
 
 
 def _config(model, machine, grid, b: int, ckpt: str, overlaps: str, fp32: bool, detail: bool):
@@ -213,19 +219,26 @@ LARGE = (("gpt-80b", "perlmutter", 4096, 16384), ("gpt-80b", "perlmutter", 16384
 
 
 NO_PIPELINE = {"pipeline": False, "classic_pipeline": False}
-"""The snapshot is of the spaces without the pipeline axis (issue 32): the 5D search and the
-classic space with 1F1B on even splits only; with the axis, rows without a pipeline are the
-same (tests/test_plan_pipeline.py)."""
+"""The parts ``plans`` and ``large`` are of the spaces without the pipeline axis (issue 32):
+the 5D search and the classic space with 1F1B on even splits only; with the axis, rows without
+a pipeline are the same (tests/test_plan_pipeline.py)."""
+WITH_PIPELINE = {"pipeline": True, "classic_pipeline": True}
+"""The part ``pipeline``: both spaces with their pipeline options (the defaults)."""
 
 
 def _plan(
-    model, machine, gpus: int, name: str, options: dict, batch: int = 0, top: int = TOP
+    model,
+    machine,
+    gpus: int,
+    name: str,
+    options: dict,
+    batch: int = 0,
+    top: int = TOP,
+    spaces: dict = NO_PIPELINE,
 ) -> dict:
     out: dict = {"model": model.name, "machine": machine.name, "gpus": gpus, "variant": name}
     try:
-        res = plan(
-            model, machine, gpus, batch or 2 * gpus, SEQ_LEN, top=top, **NO_PIPELINE, **options
-        )
+        res = plan(model, machine, gpus, batch or 2 * gpus, SEQ_LEN, top=top, **spaces, **options)
     except PlanError as e:
         out["error"] = str(e)
         return out
@@ -252,7 +265,7 @@ def _sublayers(model, machine) -> list[dict]:
 
 def compute(progress: bool = False) -> dict:
     """Every answer of the snapshot (module doc), as JSON-ready data."""
-    configs, plans, subs = [], [], []
+    configs, plans, subs, piped = [], [], [], []
     counter, k = [0], 0
     for model_name in MODELS:
         model = get_model(model_name)
@@ -267,6 +280,8 @@ def compute(progress: bool = False) -> dict:
                 name, options = VARIANTS[k % len(VARIANTS)]
                 k += 1
                 plans.append(_plan(model, machine, gpus, name, options))
+                if gpus == GPU_COUNTS[len(subs) % len(GPU_COUNTS)]:
+                    piped.append(_plan(model, machine, gpus, "default", {}, spaces=WITH_PIPELINE))
                 if progress:
                     dt = time.perf_counter() - t0
                     print(f"{model_name} {machine_name} {gpus}: {dt:.2f} s", file=sys.stderr)
@@ -274,7 +289,17 @@ def compute(progress: bool = False) -> dict:
         _plan(get_model(mo), get_machine(ma), gpus, "large", {}, batch, 10)
         for mo, ma, gpus, batch in LARGE
     ]
-    return {"configs": configs, "plans": plans, "large": large, "sublayers": subs}
+    piped += [
+        _plan(get_model(mo), get_machine(ma), gpus, "large", {}, batch, 10, WITH_PIPELINE)
+        for mo, ma, gpus, batch in LARGE
+    ]
+    return {
+        "configs": configs,
+        "plans": plans,
+        "large": large,
+        "sublayers": subs,
+        "pipeline": piped,
+    }
 
 
 def load() -> dict:

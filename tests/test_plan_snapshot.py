@@ -44,7 +44,7 @@ def answers():
     return plan_snapshot.compute(), plan_snapshot.load()
 
 
-@pytest.mark.parametrize("part", ["configs", "plans", "large", "sublayers"])
+@pytest.mark.parametrize("part", ["configs", "plans", "large", "sublayers", "pipeline"])
 def test_planner_answers_equal_the_snapshot(answers, part):
     new, old = answers
     assert len(old["configs"]) >= 1000
