@@ -139,14 +139,17 @@ def block_xy(ctx: Context, grid, micro_batch: int, ckpt: str, turn: str) -> tupl
     """``(exposed, all)`` seconds per axis of one block's Linear X/Y collectives per
     micro-batch (:func:`tetrad.plan.comm.linears.block_linears` records ``L`` blocks times
     ``m`` micro-batches of the same), memoised per ``(G_context, G_y, G_x, b, full
-    recompute, orientation)``, on which alone they depend (X and Y are the innermost axes)."""
+    recompute, orientation)``, on which alone they depend (X and Y are the innermost axes):
+    recorded on that grid with ``G_data = G_z = 1``, so that the seconds, to the last bit, do
+    not depend on which grid asked first."""
     physical = with_context(grid)
     full = parse_checkpointing(ckpt) == "full"
     key = (physical[1], physical[3], physical[4], micro_batch, full, turn)
     memo = ctx.__dict__.setdefault("_block_xy", {})
     got = memo.get(key)
     if got is None:
-        st = make_step(ctx, grid, micro_batch, ckpt, turn)
+        canon = (1, physical[1], 1, physical[3], physical[4])
+        st = make_step(ctx, canon, micro_batch, ckpt, turn)
         rec = Recorder(False)
         linears.block_linears(rec, st)
         n = st.n_layers * st.acc
