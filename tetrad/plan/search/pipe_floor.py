@@ -74,6 +74,8 @@ class BlockFloors:
     def _z_exposed(self, pipe: int, gc: int, gz: int, gy: int, gx: int, b: int, full: bool):
         """The Z seconds per micro-batch a rank of ``ceil(L / pipe)`` blocks exposes at least
         on the roles ``(G_context, G_z, G_y, G_x)``: ``max(0, k z_block - z_ends)``."""
+        if gz == 1:
+            return 0.0
         z_block, z_ends = self._z_floor((1, gc, gz, gy, gx), b, full)
         return max(0.0, self._most_blocks(pipe) * z_block - z_ends)
 
