@@ -9,10 +9,13 @@ from tetrad.pipeline.split import balanced_split
 from tetrad.plan.comm.context import Context
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.activations import saved_activations
+from tetrad.plan.memory.pipeline import in_flight_sets
 from tetrad.plan.model.presets import get_model
 from tetrad.plan.pipe.estimate import pipeline_estimate
+from tetrad.plan.pipe.schedule import in_flight_chunks
 from tetrad.plan.pipe.uniform_split import exact_quarters, uniform_split
 from tetrad.plan.search.four_d import _Search4D
+from tetrad.plan.search.pipe_memory import warm_passes
 from tetrad.plan.search.pipelined import PipeSearch
 
 EXTRAS = (0.0, 0.25, 0.5, 1.0, 2.75)
@@ -39,6 +42,18 @@ def test_uniform_split_needs_exact_quarters():
         uniform_split(8, 0.1, 0.0, 2)
     with pytest.raises(ValueError):
         uniform_split(3, 0.0, 0.0, 4)
+
+
+@pytest.mark.parametrize("pipe", [2, 3, 4, 8])
+@pytest.mark.parametrize("virtual", [2, 3, 5, 8])
+def test_warm_passes_are_a_peak_set_of_the_interleaved_order(pipe, virtual):
+    """The memory floor's interleaved passes are one of the sets the memory model picks its
+    peak from, with in_flight_chunks passes."""
+    for m in (pipe, 2 * pipe, 3 * pipe, 8 * pipe, 32 * pipe):
+        for r in range(pipe):
+            c = warm_passes(pipe, r, virtual, m)
+            assert c in in_flight_sets("interleaved-1f1b", pipe, r, virtual, m)
+            assert sum(c) == in_flight_chunks("interleaved-1f1b", pipe, r, virtual, m)
 
 
 def _search(model, machine, gpus, batch, seq_len=2048, modes=("none", "selective", "full")):

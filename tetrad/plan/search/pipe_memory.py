@@ -4,30 +4,33 @@ rank holds at least under :func:`tetrad.plan.memory.pipeline.pipeline_memory`, c
 reject a whole ``(G_pipe, G_context, G_y, G_x, b, mode)`` group before its collectives are
 timed, a grid before its floors, a schedule before its memory.
 
-Pipeline rank ``r`` with ``k_r`` blocks, its smallest stage of ``s_r`` blocks and ``n_r`` chunk
-passes in flight (:func:`tetrad.plan.pipe.schedule.in_flight_chunks`) holds in its phase
-``backward: blocks`` (:mod:`tetrad.plan.memory.pipeline`) at least
+Pipeline rank ``r`` with ``k_r`` blocks holds in its phase ``backward: blocks``
+(:mod:`tetrad.plan.memory.pipeline`) at least
 
-    16 k_r E - 16 H + n_r (A(s_r) - C) + C - [last rank, v > 1] F + (i_r + q_r) P
+    16 k_r E - 16 H + sum_j c_j (A(b_j) - C) + C - [c_last = 0] F + (i_r + q_r) P
 
 bytes: ``E`` a block's local weight elements (fp32 parameters, gradients and two AdamW states,
 :mod:`tetrad.plan.memory.states`, integer shards as there); ``H`` the LM head's local elements
 when the head is tied to the embedding (a rank without the last stage drops a head the states
-never counted), else 0; ``A(s)`` the saved activations of an ``s``-block stage's blocks for
-one micro-batch (:func:`tetrad.plan.memory.activations.saved_activations`, which depends on
-``G_z`` not at all), ``C`` of which the context masks and chunk order each stage saves once
+never counted), else 0; ``A(b)`` the saved activations of a ``b``-block stage's blocks for one
+micro-batch (:func:`tetrad.plan.memory.activations.saved_activations`, which depends on ``G_z``
+not at all), ``C`` of which the context masks and chunk order each stage saves once
 (:func:`tetrad.plan.comm.context_parallel.context_shared_bytes`; 0 under ``full``); ``F`` the
-final norm's and loss's saved bytes. The rank's in-flight activations and pipeline buffers are
-those of the set of passes its schedule holds at its peak with the most bytes
-(:func:`tetrad.plan.memory.pipeline.in_flight_bytes`), at least those of any such set, and
-every such set has ``n_r`` passes or more (GPipe and 1F1B exactly; interleaved 1F1B's order
-starts with ``in_flight_chunks - 1`` forwards, then a forward before any backward), each of a
-stage of ``s_r`` blocks or more; the last rank's one micro-batch's final norm and loss, which the
-phase counts besides, are among its passes' unless its last stage holds none (``v > 1``). Its
-receive buffers, ``P`` bytes each (``[b, S / G_context, h / G_x]`` in the compute dtype), are
-at least the ``q_r`` posted ahead (:func:`tetrad.plan.pipe.schedule.boundaries_of_rank`) and
-the inputs of its passes in flight, ``i_r = n_r`` but on the rank of stage 0 (0 there). Every
-other term is at least 0.
+final norm's and loss's saved bytes, ``P`` a receive buffer's (``[b, S / G_context, h /
+G_x]`` in the compute dtype).
+
+``c_j`` are the passes in flight on the rank's ``j``-th stage (``b_j`` blocks) in one set of
+:func:`tetrad.plan.memory.pipeline.in_flight_sets`, those its schedule holds at its peak: the
+memory counts the set with the most bytes, at least this one's. GPipe and 1F1B hold
+:func:`tetrad.plan.pipe.schedule.in_flight_chunks` of their one stage. Interleaved 1F1B's order
+(:func:`tetrad.plan.memory.pipeline.interleaved_order`) runs its warm-up forwards, then one
+forward and one backward per step: the set after the first of those forwards (or after all
+forwards) holds the most passes, the warm-up's plus one, ``per`` micro-batches per stage in
+turn (:func:`warm_passes`). The last rank's one micro-batch's final norm and loss, which the
+phase counts besides, are among its passes' unless its last stage holds none
+(``c_last = 0``). Its receive buffers are at least the ``q_r`` posted ahead
+(:func:`tetrad.plan.pipe.schedule.boundaries_of_rank`) and the inputs of its passes in flight,
+``i_r = sum_j c_j`` but on the rank of stage 0 (0 there). Every other term is at least 0.
 
 The floor of a schedule is the largest over its ranks (their stage split is the estimate's,
 :func:`tetrad.plan.pipe.estimate.split_ranks`); of a group or a grid, the least over its
@@ -54,7 +57,7 @@ class MemoryFloors:
 
     def _mem_init(self) -> None:
         self.saved_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), A(2) - A(1), C, F)
-        self.flight_memo: dict = {}  # ((embedding, head), cfg, m) -> ((k, n, s, last, q), ...)
+        self.flight_memo: dict = {}  # ((embedding, head), cfg, m) -> per rank kind, its terms
         self.terms_memo: dict = {}  # group -> (A(1), A(2) - A(1), C, F, P, split)
         self.pairs_memo: dict = {}  # (group, cfg) -> ((k, bytes besides 16 k E), ...)
         self.elem_memo: dict = {}  # G_y G_x G_z -> (16 E, 16 H), bytes
@@ -106,19 +109,25 @@ class MemoryFloors:
         return got
 
     def _in_flight(self, split: tuple, cfg, m: int) -> tuple:
-        """``((k, n, s, last, buffers), ...)``: per rank of ``cfg``'s split (``split``: its
-        :func:`~tetrad.plan.pipe.estimate.split_key`'s embedding and head) its blocks, passes in
-        flight, smallest stage, whether its floor leaves out ``F`` and its receive buffers
-        ``i + q`` (the module doc); ranks alike once."""
+        """``((k, passes, sum_j c_j (b_j - 1), stages holding some, drops F, buffers),
+        ...)``: per rank of ``cfg``'s split (``split``: its
+        :func:`~tetrad.plan.pipe.estimate.split_key`'s embedding and head), the terms of the
+        module doc's floor; ranks alike once."""
         key = (split, cfg, m)
         got = self.flight_memo.get(key)
         if got is None:
             ranks = set()
             L, costs, p, v = self.ctx.model.n_layers, (1.0, *split), cfg.pipe, cfg.virtual
             for r in split_ranks(L, costs, p, v):
-                n = in_flight_chunks(cfg.schedule, p, r.rank, v, m)
+                if cfg.schedule == "interleaved-1f1b":
+                    c = warm_passes(p, r.rank, v, m)
+                else:
+                    c = (in_flight_chunks(cfg.schedule, p, r.rank, v, m),)
+                n = sum(c)
+                more = sum(n_j * (b_j - 1) for n_j, b_j in zip(c, r.chunk_blocks, strict=True))
                 buffers = (0 if r.first else n) + sum(boundaries_of_rank(p, r.rank, v))
-                ranks.add((r.blocks, n, min(r.chunk_blocks), r.last and v > 1, buffers))
+                drop = r.last and c[-1] == 0
+                ranks.add((r.blocks, n, more, sum(map(bool, c)), drop, buffers))
             got = self.flight_memo[key] = tuple(sorted(ranks))
         return got
 
@@ -146,8 +155,8 @@ class MemoryFloors:
                 cfg.pipe, gc, gy, gx, b, mode, m
             )
             got = self.pairs_memo[key] = tuple(
-                (k, n * (one + (s - 1) * slope - shared) + shared + q * out - ends * last)
-                for k, n, s, last, q in self._in_flight(split, cfg, m)
+                (k, n * (one - shared) + more * slope + held * shared - ends * drop + q * out)
+                for k, n, more, held, drop, q in self._in_flight(split, cfg, m)
             )
         return got
 
@@ -200,8 +209,9 @@ class MemoryFloors:
         for cfg in self._configs(pipe, m):
             flight = flights.get((split, cfg, m)) or self._in_flight(split, cfg, m)
             least = min(
-                (room - n * (one + (s - 1) * slope - shared) - shared - q * out + ends * last) / k
-                for k, n, s, last, q in flight
+                (room - n * (one - shared) - more * slope - held * shared + ends * drop - q * out)
+                / k
+                for k, n, more, held, drop, q in flight
             )
             if least > most:
                 most = least
@@ -216,3 +226,16 @@ class MemoryFloors:
         m = self.ctx.global_batch // (gd * gz * b)
         pairs = self._pairs(gc, gy, gx, b, mode, m, cfg)
         return self._too_big(pairs, *self._state_bytes(gy * gx * gz))
+
+
+def warm_passes(pipe: int, rank: int, virtual: int, micro_batches: int) -> tuple[int, ...]:
+    """The passes in flight per local stage of pipeline rank ``rank`` under interleaved 1F1B
+    after its warm-up forwards and the first steady one, before any backward (all forwards
+    when the warm-up takes them all): :func:`tetrad.plan.memory.pipeline.interleaved_order`'s
+    forwards ``i`` run local stage ``(i // per) % v``, ``per = m / max(1, m // p)`` micro-batches
+    per round; a set of :func:`tetrad.plan.memory.pipeline.in_flight_sets` (module doc)."""
+    per = micro_batches // max(1, micro_batches // pipe)
+    total = micro_batches * virtual
+    warmup = min((virtual - 1) * per + 2 * (pipe - 1 - rank), total)
+    cycles, rest = divmod(min(warmup + 1, total), per * virtual)
+    return tuple(cycles * per + min(per, max(0, rest - j * per)) for j in range(virtual))
