@@ -231,6 +231,20 @@ def rank_time(
     )
 
 
+def cached_rank_time(
+    ctx: Context, grid, micro_batch: int, ckpt: str, turn: str, prank: PipeRank, cfg: PipeConfig
+) -> RankTime:
+    """:func:`rank_time`, memoised in ``ctx`` on what it depends on (the estimate and the
+    search's bounds share it)."""
+    memo = ctx.__dict__.setdefault("_rank_times", {})
+    key = (grid, micro_batch, ckpt, turn, prank.blocks, prank.first, prank.last)
+    key += boundaries_of_rank(cfg.pipe, prank.rank, cfg.virtual)
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = rank_time(ctx, grid, micro_batch, ckpt, turn, prank, cfg)
+    return got
+
+
 def pipeline_estimate(
     ctx: Context, cfg: PipeConfig, grid, micro_batch: int, ckpt: str, turn: str = "xy"
 ) -> PipeEstimate:
@@ -244,15 +258,7 @@ def pipeline_estimate(
     """
     comp = ctx.compute(role_sizes(with_context(grid), turn), micro_batch)
     ranks = split_ranks(ctx.model.n_layers, split_costs(comp, ckpt), cfg.pipe, cfg.virtual)
-    memo = ctx.__dict__.setdefault("_rank_times", {})
-    times = []
-    for r in ranks:
-        key = (grid, micro_batch, ckpt, turn, r.blocks, r.first, r.last)
-        key += boundaries_of_rank(cfg.pipe, r.rank, cfg.virtual)
-        got = memo.get(key)
-        if got is None:
-            got = memo[key] = rank_time(ctx, grid, micro_batch, ckpt, turn, r, cfg)
-        times.append(got)
+    times = [cached_rank_time(ctx, grid, micro_batch, ckpt, turn, r, cfg) for r in ranks]
     physical = with_context(grid)
     acc = ctx.global_batch // (physical[0] * physical[2] * micro_batch)
     slow = max(range(len(times)), key=lambda i: times[i].per_micro_batch)

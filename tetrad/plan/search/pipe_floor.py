@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tetrad.plan.comm.zwindows import window_seconds
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
-from tetrad.plan.pipe.estimate import PipeConfig
+from tetrad.plan.pipe.estimate import PipeConfig, cached_rank_time, split_ranks
 from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.spec import FP32, role_sizes
@@ -94,3 +94,15 @@ class BlockFloors:
         slowest = k * block + max(0.0, k * zb - ze) + (2 * cfg.virtual - 1) * one
         v = cfg.virtual if cfg.schedule == "interleaved-1f1b" else 1
         return (m + (p - 1) / v) * slowest
+
+    def _rank_floor(self, grid, turn, b, mode, cfg: PipeConfig, m: int) -> float:
+        """The estimate's step without its tail, with the rank of the most blocks for the
+        slowest: ``(m + (p - 1) / v) T_r`` (:func:`~tetrad.plan.pipe.estimate.rank_time`,
+        shared with the estimate), seconds."""
+        ctx, p = self.ctx, cfg.pipe
+        costs = split_costs(ctx.compute(role_sizes(grid, turn), b), mode)
+        ranks = split_ranks(ctx.model.n_layers, costs, p, cfg.virtual)
+        most = max(ranks, key=lambda r: r.blocks)
+        t = cached_rank_time(ctx, grid, b, mode, turn, most, cfg).per_micro_batch
+        v = cfg.virtual if cfg.schedule == "interleaved-1f1b" else 1
+        return (m + (p - 1) / v) * t

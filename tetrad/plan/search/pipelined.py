@@ -121,10 +121,8 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
         m = self.ctx.global_batch // (grid[0] * grid[2] * b)
         for cfg in self._configs(pipe, m):
             self.stats["pipe_candidates"] += 1
-            if len(best) >= top:
-                floor = self._config_floor(grid, turn, b, mode, cfg, m)
-                if floor * (1 - MARGIN) >= -best[0][0]:
-                    continue
+            if len(best) >= top and self._config_pruned(grid, turn, b, mode, cfg, m, -best[0][0]):
+                continue
             mem = self._fitting(grid, turn, b, mode, cfg)
             if mem is None:
                 continue
@@ -137,6 +135,16 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
                 heapq.heappush(best, item)
             elif est.step_s < -best[0][0]:
                 heapq.heapreplace(best, item)
+
+    def _config_pruned(self, grid, turn, b, mode, cfg, m: int, limit: float) -> bool:
+        """Whether the schedule cannot enter below ``limit`` seconds (less MARGIN) or cannot
+        fit: cheapest first, bound 3, its memory floor, then its slowest rank's time."""
+        keep = 1 - MARGIN
+        if self._config_floor(grid, turn, b, mode, cfg, m) * keep >= limit:
+            return True
+        if self._memory_floor_fails(grid, turn, b, mode, cfg):
+            return True
+        return self._rank_floor(grid, turn, b, mode, cfg, m) * keep >= limit
 
     def _configs(self, pipe: int, m: int) -> tuple[PipeConfig, ...]:
         """The schedules of the module doc for ``p = pipe`` and ``m`` micro-batches
