@@ -176,8 +176,10 @@ class GroupBounds:
         full, timed = mode == "full", limit < float("inf")
         terms = self._bound_terms(pipe, q, gc, gy, gx, b, mode) if timed else None
         cap = limit / (1 - MARGIN)  # a bound at or above it prunes
-        if timed and gc > 1 and _bound(terms, self._kv_floor(q, gc, gy, gx, b, full)) >= cap:
-            return []
+        if timed:
+            kv = self._kv_floor(q, gc, gy, gx, b, full) if gc > 1 else 0.0
+            if _bound(terms, kv + self._known_xy(gc, gy, gx, b, full)) >= cap:
+                return []
         out = []
         for gz in self._fitting_z(pipe, q, gc, gy, gx, b, mode):
             turns = self._turns((q // gz, gc, gz, gy, gx))
@@ -193,6 +195,15 @@ class GroupBounds:
                 if bound < cap:
                     out.append((bound, grid, turn))
         return out
+
+    def _known_xy(self, gc: int, gy: int, gx: int, b: int, full: bool) -> float:
+        """The lesser of the shape's orientations' X/Y seconds where both are memoised already
+        (another group of the shape asked), else 0: a free floor before the memory's."""
+        got = self.xy_memo.get((gc, gy, gx, b, full, "xy"))
+        if got is not None and gy > 1 and gx > 1:
+            other = self.xy_memo.get((gc, gx, gy, b, full, "yx"))
+            got = None if other is None else min(got, other)
+        return got or 0.0
 
     def _kv_floor(self, q: int, gc: int, gy: int, gx: int, b: int, full: bool) -> float:
         """One block's context K/V collectives per micro-batch

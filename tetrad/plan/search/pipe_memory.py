@@ -112,7 +112,8 @@ class MemoryFloors:
         """``((k, passes, sum_j c_j (b_j - 1), stages holding some, drops F, buffers),
         ...)``: per rank of ``cfg``'s split (``split``: its
         :func:`~tetrad.plan.pipe.estimate.split_key`'s embedding and head), the terms of the
-        module doc's floor; ranks alike once."""
+        module doc's floor; ranks alike once, and none whose floor another's is at least
+        whatever the bytes (:func:`_undominated`)."""
         key = (split, cfg, m)
         got = self.flight_memo.get(key)
         if got is None:
@@ -128,7 +129,7 @@ class MemoryFloors:
                 buffers = (0 if r.first else n) + sum(boundaries_of_rank(p, r.rank, v))
                 drop = r.last and c[-1] == 0
                 ranks.add((r.blocks, n, more, sum(map(bool, c)), drop, buffers))
-            got = self.flight_memo[key] = tuple(sorted(ranks))
+            got = self.flight_memo[key] = _undominated(ranks)
         return got
 
     def _group_terms(self, pipe, gc, gy, gx, b, mode, m) -> tuple:
@@ -239,3 +240,21 @@ def warm_passes(pipe: int, rank: int, virtual: int, micro_batches: int) -> tuple
     warmup = min((virtual - 1) * per + 2 * (pipe - 1 - rank), total)
     cycles, rest = divmod(min(warmup + 1, total), per * virtual)
     return tuple(cycles * per + min(per, max(0, rest - j * per)) for j in range(virtual))
+
+
+def _undominated(ranks) -> tuple:
+    """The ranks' terms ``(k, passes, more, held, drops F, buffers)`` less those another
+    rank's are at least: as many blocks or more, each count at least as large and ``F`` not
+    dropped where it is (every byte count of the floor is at least 0, so that rank's floor is
+    at least this one's whatever they are, and its room per block at most this one's)."""
+    kept: list[tuple] = []
+    for r in sorted(ranks, reverse=True):  # most blocks first: a dominating rank comes first
+        if not any(
+            o[0] >= r[0]
+            and all(a >= b for a, b in zip(o[1:4], r[1:4], strict=True))
+            and o[5] >= r[5]
+            and (not o[4] or r[4])
+            for o in kept
+        ):
+            kept.append(r)
+    return tuple(kept)
