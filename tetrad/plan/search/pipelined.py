@@ -79,8 +79,12 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
 
     def extend(self, best: list, top: int, seq0: int) -> None:
         """Push the pipeline configurations that enter the top-K into ``best`` (the max-heap of
-        :meth:`tetrad.plan.search.four_d._Search4D.rank`), items numbered from ``seq0``."""
+        :meth:`tetrad.plan.search.four_d._Search4D.rank`), items numbered from ``seq0``. None
+        for a mixture-of-experts model: the split and the floors take every block alike (and
+        ``tetrad plan`` and ``--grid auto`` refuse such models)."""
         self.seq = seq0
+        if self.ctx.model.is_moe:
+            return
         groups = []
         for lb, gc, gy, gx, mode, per_sample, lb_kv in self._tensor_groups():
             limit = -best[0][0] if len(best) >= top else float("inf")
