@@ -90,8 +90,9 @@ def test_linear_bytes_all_axes_by_hand():
         ("output", "backward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
         ("output", "forward", "z", "all_gather"): 1024 * 256 // 4 * 2,  # 131072
         ("output", "backward", "z", "reduce_scatter"): 1024 * 256 // 4 * 4,  # 262144
-        # embedding [1024, 256] fp32, rows over (Y, Z), columns over X
-        ("embedding", "forward", "z", "all_gather"): 1024 * 256 // 4 * 4,  # 262144
+        # embedding [1024, 256], rows over (Y, Z), columns over X: gathered in bf16 like a
+        # Linear's weight, its gradient reduce-scattered in fp32
+        ("embedding", "forward", "z", "all_gather"): 1024 * 256 // 4 * 2,  # 131072
         ("embedding", "forward", "y", "all_reduce"): 32 * 256 // 2 * 4,  # 16384
         ("embedding", "backward", "z", "reduce_scatter"): 262144,
         # RMSNorm: m fp32; loss: m fp32
