@@ -94,6 +94,20 @@ def test_pipe_1_memory_equals_the_5d_memory(ctx):
         assert worst.components == ref.components and worst.total == ref.total
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_parameters_add_up_to_the_model(tied):
+    """The ranks' parameters sum to the whole model's, plus, when the head is tied to the
+    embedding, the last stage's copy of the table (a middle rank holds neither)."""
+    model = dataclasses.replace(get_model("llama-1b"), tied_embeddings=tied)
+    grid, mem, L = (1, 1, 1, 1, 1), 80 * 2**30, model.n_layers
+    ranks = tuple(PipeRank(r, L // 4, r == 0, r == 3, (L // 4,)) for r in range(4))
+    _, per = pipeline_memory(model, grid, 1, 256, mem, ranks, "1f1b", 1, 4)
+    whole = tetrad_memory(model, grid, 1, 256, mem).components["parameters"]
+    head = 4 * model.vocab * model.hidden if tied else 0
+    assert sum(m.components["parameters"] for m in per) == whole + head
+    assert per[1].components["parameters"] == per[2].components["parameters"]
+
+
 def test_stage_split_is_the_runtimes(ctx):
     ranks = split_ranks(80, split_costs(ctx.compute((8, 1, 1, 2, 4), 1), "none"), 8, 1)
     assert sum(r.blocks for r in ranks) == 80 and ranks[0].first and ranks[-1].last

@@ -261,7 +261,8 @@ def stage_memory(
     static, phases, saved = stage_parts(model, prank.blocks, grid, micro_batch, seq_len, *opts)
     static = dict(static)
     emb_el, head_el, final_norm = _table_elements(model, grid)
-    drop = (0 if prank.first else emb_el) + (0 if prank.last else head_el + final_norm)
+    head = 0 if model.tied_embeddings else head_el  # a tied head is the embedding's table
+    drop = (0 if prank.first else emb_el) + (0 if prank.last else head + final_norm)
     add = head_el if prank.last and not prank.first and model.tied_embeddings else 0
     for name, per in (("parameters", 4), ("gradients", 4), ("optimizer_states", 8)):
         static[name] += per * (add - drop)
