@@ -138,7 +138,8 @@ def test_pipeline_bubble_and_p2p_in_the_step(ctx):
     assert one.bubble_s == pytest.approx(3 * t)
     assert inter.bubble_s < one.bubble_s
     assert inter.exposed_s["pipe"] > one.exposed_s["pipe"] > 0
-    assert one.p2p_bytes_per_boundary == 1 * 2048 * (8192 // 4) * 4  # fp32 residual stream
+    # the residual stream, sent in the compute dtype (bf16)
+    assert one.p2p_bytes_per_boundary == 1 * 2048 * (8192 // 4) * ctx.c
 
 
 def test_search_bounds_never_above_the_estimate():

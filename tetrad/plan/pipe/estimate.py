@@ -40,7 +40,6 @@ from tetrad.plan.comm.record import Recorder
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.model.grids import with_context
 from tetrad.plan.pipe.schedule import (
-    RESIDUAL_BYTES,
     boundaries_of_rank,
     bubble_seconds,
     p2p_bytes,
@@ -201,7 +200,7 @@ def rank_time(
         ctx.model.hidden,
         st.sizes["context"],
         st.sizes["x"],
-        RESIDUAL_BYTES,
+        ctx.c,
     )
     world5 = 1
     for g in with_context(grid):
@@ -287,7 +286,7 @@ def pipeline_estimate(
         ctx.model.hidden,
         physical[1],
         role_sizes(physical, turn)[4],
-        RESIDUAL_BYTES,
+        ctx.c,
     )
     return PipeEstimate(
         step,

@@ -77,20 +77,15 @@ def in_flight_chunks(schedule: str, pipe: int, rank: int, virtual: int, micro_ba
     return min(micro_batches * virtual, warmup + 1)
 
 
-RESIDUAL_BYTES = 4
-"""Bytes per element of what crosses a stage boundary: tetrad keeps the residual stream in
-fp32 (the embedding's fp32 output; bf16 sublayer outputs promote to fp32 in the residual adds),
-as the memory model's RMSNorm input is fp32."""
-
-
 def p2p_bytes(
     micro_batch: int, seq_len: int, hidden: int, g_context: int, g_x: int, c: int
 ) -> float:
     """Bytes one rank sends across one stage boundary per micro-batch and direction: the
-    residual stream ``[b, S / G_context, h / G_x]`` of ``c`` bytes per element
-    (:data:`RESIDUAL_BYTES`) forward, its gradient (same shape) backward; every (data,
-    context, Z, Y, X) rank sends its own to the rank of the same coordinates in the next
-    (previous) stage."""
+    residual stream ``[b, S / G_context, h / G_x]`` forward, its gradient (same shape)
+    backward, ``c`` bytes per element: the compute dtype (tetrad's stages send the residual
+    stream cast to it, bf16 on CUDA, and continue in fp32:
+    :class:`tetrad.pipeline.stage.StageForward`). Every (data, context, Z, Y, X) rank sends its
+    own to the rank of the same coordinates in the next (previous) stage."""
     return float(micro_batch * (seq_len // g_context) * (hidden // g_x) * c)
 
 

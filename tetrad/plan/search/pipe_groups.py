@@ -25,7 +25,7 @@ from tetrad.plan.compute.block import block_compute
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.pipe.estimate import block_xy
-from tetrad.plan.pipe.schedule import RESIDUAL_BYTES, p2p_bytes
+from tetrad.plan.pipe.schedule import p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.search.space import divisors_of
 
@@ -159,7 +159,7 @@ class GroupBounds:
         :meth:`_group_bound`, seconds."""
         ctx = self.ctx
         model, block, _ = self._mb_costs(gc, gy, gx, b, mode)
-        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, RESIDUAL_BYTES)
+        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, ctx.c)
         link = ctx.machine.network.link(self.s.gpus // pipe, 2)
         one = link.base_latency + nbytes / link.bandwidth
         bf = self._bubble_factor(pipe, ctx.global_batch // (q * b))
