@@ -1,8 +1,10 @@
 """Counting the collectives of stock PyTorch: a ``TorchDispatchMode`` that sees every c10d op
-(plain ``dist.*``, DDP's reducer, FSDP2) and every functional collective (DTensor
-redistributions, ``loss_parallel``) after DTensor has lowered itself to plain tensors, and
-sums their calls and payload bytes per kind (``benchmarks/vs_pytorch.py`` states the payload
-convention)."""
+(plain ``dist.*``, DDP's reducer, FSDP2, and the point-to-point ``c10d::send`` and
+``c10d::recv_`` that ``torch.distributed.pipelining`` issues through ``batch_isend_irecv``: the
+process group calls them through the dispatcher, gloo included) and every functional collective
+(DTensor redistributions, ``loss_parallel``) after DTensor has lowered itself to plain tensors,
+and sums their calls and payload bytes per kind (``benchmarks/vs_pytorch.py`` states the
+payload convention; a point-to-point transfer's bytes count at the sender only)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ _KINDS = (
     ("reduce", "reduce"),
 )
 """Substring of an op name -> collective kind, first match wins."""
+
+RECEIVES = frozenset({"recv"})
+"""Point-to-point receives: counted in calls, not in bytes (a transfer's bytes are the
+sender's ``send``)."""
 
 
 def collective_kind(op: torch._ops.OpOverload) -> str | None:
@@ -80,6 +86,7 @@ class CollectiveCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         kind = collective_kind(func)
         if kind is not None:
-            self.bytes[kind] += payload_bytes(func, args, kwargs, out)
             self.calls[kind] += 1
+            if kind not in RECEIVES:
+                self.bytes[kind] += payload_bytes(func, args, kwargs, out)
         return out

@@ -1,9 +1,7 @@
-"""Measured against planned pipeline bubble on CPU ranks (gloo), per schedule; and tetrad's
-pipeline grid against the stock analogue.
+"""Measured against planned pipeline bubble on CPU ranks (gloo), per schedule.
 
     PYTHONPATH=. python benchmarks/pipeline.py [--pipe 2,4] [--runs 3] [--steps 6] [--json F]
     PYTHONPATH=. python benchmarks/pipeline.py --from-json F
-    PYTHONPATH=. python benchmarks/pipeline.py --vs-stock [--repeats 3]
 
 For each case (``p`` pipeline ranks, one process each, every other axis 1; GPipe, 1F1B and
 interleaved 1F1B with ``v = 2``) the ``small`` Llama with 8 blocks (``--model``) trains
@@ -33,10 +31,8 @@ uses no CPU and one that shares its core counts only its own CPU seconds (which 
 lengthens by a few per cent through the caches). The wall clock is meaningful only with a free
 core per rank.
 
-``--vs-stock``: tetrad's grid ``pipe=2`` against the same Llama split by hand into two stock
-``PipelineStage``s (``tetrad.models.reference``: ``torch.nn`` layers, the same split, loss
-and schedule, AdamW and a global gradient norm over the stages), 1F1B and GPipe, in fresh
-processes, interleaved and repeated: median step times and the bytes each sends per step.
+tetrad's pipeline grids against the stock analogue (the same Llama split by hand into
+``PipelineStage``s): ``benchmarks/vs_pytorch.py --modes pp``.
 """
 
 from __future__ import annotations
@@ -45,9 +41,7 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -58,16 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # pipeline_timing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipeline_timing as timing  # noqa: E402
-from torch.distributed.pipelining import PipelineStage  # noqa: E402
 
 from tetrad.grid import Grid  # noqa: E402
 from tetrad.models.config import parse_model  # noqa: E402
-from tetrad.models.llama import ModelPart  # noqa: E402
-from tetrad.models.reference import Llama  # noqa: E402
 from tetrad.parallel import init_parameters  # noqa: E402
-from tetrad.pipeline.schedule import SCHEDULES, Pipeline  # noqa: E402
-from tetrad.pipeline.split import balanced_split  # noqa: E402
-from tetrad.pipeline.stage import StageForward  # noqa: E402
+from tetrad.pipeline.schedule import Pipeline  # noqa: E402
 from tetrad.pipeline.step import pipeline_train_step  # noqa: E402
 from tetrad.train.step import build_optimizer  # noqa: E402
 
@@ -111,87 +100,6 @@ def _case(model: str, pipe: int, schedule: str, virtual: int, steps: int, out) -
         out.put(rows[1:])
 
 
-class _CountingStage(PipelineStage):
-    """Stock ``PipelineStage`` that adds up the bytes it sends (for the comparison only)."""
-
-    sent = 0
-
-    def get_fwd_send_ops(self, chunk: int) -> list:
-        ops = super().get_fwd_send_ops(chunk)
-        self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-        return ops
-
-    def get_bwd_send_ops(self, chunk: int) -> list:
-        ops = super().get_bwd_send_ops(chunk)
-        self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-        return ops
-
-
-def _stock_step(stage, schedule, opt, batch, n_tokens) -> None:
-    """What a stock user writes: the schedule, a global gradient norm over the stages
-    (torch.nn.utils.clip_grad_norm_ sees only its own), clipping, AdamW."""
-    args = (batch[:, :-1],) if stage.is_first else ()
-    if stage.is_last:
-        schedule.step(*args, target=batch[:, 1:], losses=[], return_outputs=False)
-    else:
-        schedule.step(*args, return_outputs=False)
-    grads = [p.grad for p in stage.submod.parameters() if p.grad is not None]
-    sq = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
-    dist.all_reduce(sq)
-    torch._foreach_mul_(grads, (1.0 / (sq.sqrt() + 1e-6)).clamp(max=1.0))
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def _stock_case(model: str, pipe: int, schedule_name: str, steps: int, out) -> None:
-    """The same Llama split by hand (``tetrad.models.reference``: torch.nn layers) into one
-    ``PipelineStage`` per rank under the same schedule and micro-batches."""
-    cfg, _ = parse_model(model)
-    rank = dist.get_rank()
-    start, stop = balanced_split([1.0] * cfg.n_layers, 1.0, 1.0, pipe)[rank]
-    part = Llama(cfg, part=ModelPart(start, stop, rank == 0, rank == pipe - 1))
-    init_parameters(part, 0)
-    n_tokens = MICRO_BATCHES * MICRO * SEQ
-
-    def loss_fn(hidden, targets):
-        return part.layer_factory.loss_sum(part.output, hidden, targets) / n_tokens
-
-    stage = _CountingStage(StageForward(part), rank, pipe, torch.device("cpu"))
-    cls = SCHEDULES[schedule_name]
-    schedule = cls(stage, MICRO_BATCHES, loss_fn=loss_fn, scale_grads=False)
-    opt = build_optimizer(part, 1e-4, 0.1)
-    batches = _batches(cfg)
-    times, sent = [], []
-    for _ in range(steps):
-        batch = next(batches)
-        stage.sent = 0
-        dist.barrier()
-        t0 = time.perf_counter()
-        _stock_step(stage, schedule, opt, batch, n_tokens)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-        sent.append(stage.sent)
-    if rank == 0:
-        out.put((times[1:], sent[1:]))
-
-
-def _tetrad_timed_case(model: str, pipe: int, schedule: str, steps: int, out) -> None:
-    """tetrad's pipe grid, the same model, schedule and micro-batches: whole steps timed."""
-    _, grid, pipeline, opt, batches = _pipeline(model, pipe, schedule, 1)
-    times, sent = [], []
-    for _ in range(steps):
-        batch = next(batches)
-        grid.comm.reset()
-        dist.barrier()
-        t0 = time.perf_counter()
-        pipeline_train_step(pipeline, opt, batch, 1.0)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-        sent.append(grid.comm.reset()["pipe"].bytes)
-    if dist.get_rank() == 0:
-        out.put((times[1:], sent[1:]))
-
-
 def _worker(rank: int, world: int, port: int, args, out) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -213,25 +121,6 @@ def _spawn(nprocs: int, case: tuple):
         port = s.getsockname()[1]
     mp.start_processes(_worker, (nprocs, port, case, out), nprocs=nprocs, start_method="spawn")
     return out.get()
-
-
-def vs_stock(model: str, steps: int, repeats: int) -> None:
-    """tetrad's 2-stage grid against the stock analogue, 1F1B and GPipe, interleaved."""
-    print("| schedule | tetrad step | stock step | tetrad / stock | bytes sent per step, rank 0 |")
-    print("|---|---|---|---|---|")
-    for schedule in ("1f1b", "gpipe"):
-        ours, stock = [], []
-        for _ in range(repeats):
-            t, sent_t = _spawn(2, (_tetrad_timed_case, model, 2, schedule, steps))
-            s, sent_s = _spawn(2, (_stock_case, model, 2, schedule, steps))
-            ours.append(statistics.median(t))
-            stock.append(statistics.median(s))
-        a, b = statistics.median(ours), statistics.median(stock)
-        print(
-            f"| {schedule} | {a:.3f} s | {b:.3f} s | {a / b:.2f} | tetrad {sent_t[-1]:,.0f} "
-            f"(with the 4-byte loss all-reduce), stock {sent_s[-1]:,} |",
-            flush=True,
-        )
 
 
 def _report(runs: dict, pipes: list[int]) -> None:
@@ -288,13 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pipe", default="2,4", help="pipeline ranks to measure")
     p.add_argument("--json", help="write every rank's records of every step here")
     p.add_argument("--from-json", help="print the tables of records written by --json")
-    p.add_argument("--vs-stock", action="store_true", help="the stock comparison only")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (--vs-stock)")
     args = p.parse_args(argv)
-    if args.vs_stock:
-        print(f"model {args.model}, {MICRO_BATCHES} micro-batches of {MICRO} x {SEQ} tokens")
-        vs_stock(args.model, args.steps, args.repeats)
-        return 0
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         _report({tuple(c["case"]): c["runs"] for c in saved}, [c["case"][0] for c in saved])

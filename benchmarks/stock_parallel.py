@@ -1,6 +1,8 @@
 """Stock PyTorch parallelisms of the reference Llama, the side ``benchmarks/vs_pytorch.py``
 compares tetrad with (its module docstring describes each mode): DDP, FSDP2 (``fully_shard``),
-1D tensor parallel (``parallelize_module``, Megatron style) and FSDP2 x TP on a 2D mesh."""
+1D tensor parallel (``parallelize_module``, Megatron style), FSDP2 x TP on a 2D mesh, and the
+pipeline: the Llama split by hand into ``torch.distributed.pipelining.PipelineStage``s under a
+stock schedule, optionally each stage replicated with DDP."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -23,26 +26,40 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tetrad.models.llama import ModelPart
 from tetrad.models.reference import Llama
 from tetrad.parallel import init_parameters
+from tetrad.pipeline.split import balanced_split
 
 if TYPE_CHECKING:
     from vs_jobs import Settings
 
 
+SCHEDULE_LABELS = {"1f1b": "1F1B", "gpipe": "GPipe"}
+"""Pipeline schedules (tetrad's ``--pipeline-schedule`` names) and how the tables print them."""
+
+
 @dataclass(frozen=True)
 class Stock:
-    """A stock PyTorch mode: ``kind`` (ddp, fsdp2, tp, fsdp2-tp) and its tensor-parallel size."""
+    """A stock PyTorch mode: ``kind`` (ddp, fsdp2, tp, fsdp2-tp, pp), its tensor-parallel size
+    ``tp``; for ``pp`` the pipeline stages ``pp``, the DDP replicas ``dp`` of each stage and the
+    ``schedule`` (a key of :data:`SCHEDULE_LABELS`)."""
 
     kind: str
     tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    schedule: str = ""
 
     def __str__(self) -> str:
+        if self.kind == "pp":
+            ddp = f"xDDP({self.dp})" if self.dp > 1 else ""
+            return f"PP({self.pp}){ddp} {SCHEDULE_LABELS[self.schedule]}"
         names = {"ddp": "DDP", "fsdp2": "FSDP2", "tp": "TP({})", "fsdp2-tp": "FSDP2xTP({})"}
         return names[self.kind].format(self.tp)
 
 
-STOCK_KINDS = ("ddp", "fsdp2", "tp", "fsdp2-tp")
+STOCK_KINDS = ("ddp", "fsdp2", "tp", "fsdp2-tp", "pp")
 
 
 @dataclass
@@ -168,3 +185,97 @@ def stock_step(
         dist.all_reduce(loss, group=run.dp_group)
         loss /= run.dp_size
     return float(loss)
+
+
+# ---- the pipeline ------------------------------------------------------------------------------
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class StageModule(nn.Module):
+    """A hand-split stage of the reference Llama as a stock user writes it: token ids ``[b, S]``
+    (first stage) or the residual stream ``[b, S, dim]`` in; the residual stream out, or on the
+    last stage the logits ``[b, S, V]`` (the schedule's ``loss_fn`` takes them)."""
+
+    def __init__(self, part: Llama):
+        super().__init__()
+        self.part = part
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.part.hidden(x)
+        return self.part.output(h) if self.part.output is not None else h
+
+
+@dataclass
+class StockPipeline:
+    """This rank's stage, its schedule and the layout, as :class:`StockModel` for the rest."""
+
+    model: nn.Module  # this rank's part of the Llama (the optimizer's parameters)
+    stage: PipelineStage
+    schedule: ScheduleGPipe | Schedule1F1B
+    pp_group: dist.ProcessGroup
+    dp_size: int = 1
+    dp_rank: int = 0
+
+
+def build_stock_pipeline(mode: Stock, s: Settings, micro_batches: int) -> StockPipeline:
+    """The reference Llama split as tetrad's Pipeline splits it by default
+    (:func:`balanced_split`, blocks, embedding and head costing 1 each) into ``mode.pp``
+    ``PipelineStage``s on a mesh ``("pp", "dp")`` (pipeline outermost, as tetrad's ranks), each
+    stage wrapped in ``DistributedDataParallel`` over ``dp`` when ``mode.dp > 1`` (the stage then
+    skips the gradient all-reduce but on the last micro-batch's backward, ``no_sync``), under
+    ``mode.schedule`` with ``micro_batches`` per step. The stage's input and output shapes are
+    given (``input_args``, ``output_args``), so the first step runs no shape inference."""
+    mesh = init_device_mesh("cpu", (mode.pp, mode.dp), mesh_dim_names=("pp", "dp"))
+    index = mesh.get_local_rank("pp")
+    start, stop = balanced_split([1.0] * s.cfg.n_layers, 1.0, 1.0, mode.pp)[index]
+    first, last = index == 0, index == mode.pp - 1
+    part = Llama(s.cfg, part=ModelPart(start, stop, first, last))
+    init_parameters(part, s.seed)
+    module = StageModule(part)
+    dp = mesh["dp"]
+    if mode.dp > 1:
+        module = nn.parallel.DistributedDataParallel(module, process_group=dp.get_group())
+    b = s.batch // mode.dp // micro_batches  # example tensors; requires_grad: a gradient flows
+    x = torch.zeros(b, s.seq, dtype=torch.long) if first else torch.zeros(b, s.seq, s.cfg.dim)
+    x.requires_grad_(not first)
+    y = torch.zeros(b, s.seq, s.cfg.vocab_size if last else s.cfg.dim, requires_grad=True)
+    group = mesh["pp"].get_group()
+    stage = PipelineStage(module, index, mode.pp, torch.device("cpu"), x, y, group=group)
+    n_tokens = s.batch // mode.dp * s.seq  # this replica's: DDP averages over the replicas
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        return loss / n_tokens
+
+    schedule = SCHEDULES[mode.schedule](stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
+    return StockPipeline(part, stage, schedule, group, dp.size(), dp.get_local_rank())
+
+
+def stock_pipeline_step(
+    run: StockPipeline,
+    opt: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    grad_clip: float,
+) -> float:
+    """One step of the schedule on this replica's share, then what a stock user adds: the
+    global gradient norm over the stages (``get_total_norm`` is this stage's; its square summed
+    over ``pp``, as torchtitan's ``clip_grad_norm_``), ``clip_grads_with_norm_``, AdamW.
+    Returns the global mean loss (the last stages' sums all-reduced over the world, over the
+    replicas)."""
+    losses: list[torch.Tensor] = []
+    args = (tokens,) if run.stage.is_first else ()
+    if run.stage.is_last:
+        run.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+    else:
+        run.schedule.step(*args, return_outputs=False)
+    params = [p for p in run.model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params]) ** 2
+    dist.all_reduce(norm, group=run.pp_group)
+    torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm.sqrt())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = torch.stack(losses).sum().detach() if losses else torch.zeros(())
+    dist.all_reduce(loss)
+    return float(loss) / run.dp_size

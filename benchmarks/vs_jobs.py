@@ -7,14 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from stock_parallel import Stock
+from stock_parallel import SCHEDULE_LABELS, Stock
 from vs_report import fmt_grid
 
 from tetrad.models.config import ModelConfig
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import best_orientation
 from tetrad.plan.machine.spec import get_machine
-from tetrad.spec import GridShape
+from tetrad.spec import GRID_NAMES, GridShape
 
 ROWS: dict[int, list[tuple[GridShape, Stock]]] = {
     2: [
@@ -22,6 +22,8 @@ ROWS: dict[int, list[tuple[GridShape, Stock]]] = {
         ((1, 2, 1, 1), Stock("fsdp2")),
         ((1, 1, 2, 1), Stock("tp", 2)),
         ((1, 1, 1, 2), Stock("tp", 2)),
+        ((2, 1, 1, 1, 1, 1), Stock("pp", pp=2, schedule="1f1b")),
+        ((2, 1, 1, 1, 1, 1), Stock("pp", pp=2, schedule="gpipe")),
     ],
     4: [
         ((4, 1, 1, 1), Stock("ddp")),
@@ -34,9 +36,22 @@ ROWS: dict[int, list[tuple[GridShape, Stock]]] = {
         ((1, 2, 1, 2), Stock("fsdp2-tp", 2)),
         ((2, 1, 1, 2), Stock("fsdp2-tp", 2)),
         ((1, 1, 2, 2), Stock("fsdp2-tp", 2)),
+        ((4, 1, 1, 1, 1, 1), Stock("pp", pp=4, schedule="1f1b")),
+        ((2, 2, 1, 1, 1, 1), Stock("pp", pp=2, dp=2, schedule="1f1b")),
     ],
 }
-"""Per world size: (tetrad grid, the stock mode it is compared with)."""
+"""Per world size: (tetrad grid, the stock mode it is compared with). A grid of six is
+``(G_pipe, G_data, G_context, G_z, G_y, G_x)``, run through tetrad's pipeline with the stock
+mode's schedule."""
+
+PIPE_MICRO_BATCHES = 8
+"""Micro-batches per pipeline step on both sides (fewer where a replica has fewer samples)."""
+
+
+def micro_batches(s: Settings, replicas: int) -> int:
+    """The pipeline's micro-batches per step: :data:`PIPE_MICRO_BATCHES` of the ``s.batch /
+    replicas`` samples each pipeline replica gets, or one sample each if fewer."""
+    return min(PIPE_MICRO_BATCHES, s.batch // replicas)
 
 
 @dataclass(frozen=True)
@@ -68,13 +83,18 @@ class Job:
     grid: GridShape | None = None
     stock: Stock | None = None
     orientation: str = "xy"
+    schedule: str = ""  # a pipeline grid's schedule (a key of SCHEDULE_LABELS)
+
+    def name(self) -> str:
+        """tetrad's grid as the tables print it: ``1,2,1,1`` (`` yx`` when turned), a pipeline
+        grid by its axes above 1 and schedule (``pipe=2,data=2 1F1B``)."""
+        if len(self.grid) < 6:
+            return fmt_grid(self.grid, self.orientation)
+        axes = [f"{n}={g}" for n, g in zip(GRID_NAMES, self.grid, strict=True) if g > 1]
+        return f"{','.join(axes)} {SCHEDULE_LABELS[self.schedule]}"
 
     def label(self) -> str:
-        return (
-            f"tetrad {fmt_grid(self.grid, self.orientation)}"
-            if self.grid
-            else f"stock {self.stock}"
-        )
+        return f"tetrad {self.name()}" if self.grid else f"stock {self.stock}"
 
 
 def auto_orientation(s: Settings, grid: GridShape) -> str:
@@ -84,10 +104,13 @@ def auto_orientation(s: Settings, grid: GridShape) -> str:
     return best_orientation(ctx, grid, s.batch // (grid[0] * grid[1]), "none")
 
 
-def tetrad_jobs(world: int, s: Settings, grid: GridShape, how: str) -> list[Job]:
+def tetrad_jobs(world: int, s: Settings, grid: GridShape, how: str, stock: Stock) -> list[Job]:
     """The tetrad runs of one row: ``how`` = ``auto`` (the orientation tetrad train picks),
     ``xy`` (the pairs never turned: the runtime before orientations), or ``both`` (xy, and the
-    auto one where it differs: before and after, side by side)."""
+    auto one where it differs: before and after, side by side); a pipeline grid (six sizes,
+    X and Y 1: nothing to turn) once, with ``stock``'s schedule."""
+    if len(grid) == 6:
+        return [Job(world, s, grid=grid, schedule=stock.schedule)]
     turns = {"auto": [auto_orientation(s, grid)], "xy": ["xy"]}.get(how)
     if turns is None:
         turns = list(dict.fromkeys(["xy", auto_orientation(s, grid)]))
@@ -99,7 +122,7 @@ def schedule(worlds: list[int], modes: set[str], s: Settings, how: str) -> list[
     jobs: list[Job] = []
     for world in worlds:
         for grid, stock in rows_for(world, modes):
-            for job in (*tetrad_jobs(world, s, grid, how), Job(world, s, stock=stock)):
+            for job in (*tetrad_jobs(world, s, grid, how, stock), Job(world, s, stock=stock)):
                 if job not in jobs:
                     jobs.append(job)
     return jobs

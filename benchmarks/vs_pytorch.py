@@ -24,13 +24,26 @@ Stock modes, parallelised only with stock APIs:
   it cannot mix DTensor and plain-tensor gradients.
 - ``FSDP2xTP(n)``: a 2D mesh ``("dp", "tp")``: TP as above on ``tp``, then ``fully_shard`` on
   ``dp``.
+- ``PP(p) 1F1B`` / ``PP(p) GPipe`` (``--modes pp``; against tetrad's pipeline grids, with the
+  same schedule): the Llama split by hand into ``ModelPart``s as tetrad's ``Pipeline`` splits
+  it by default (:func:`tetrad.pipeline.split.balanced_split`, each block, the embedding and
+  the head costing 1), one ``torch.distributed.pipelining.PipelineStage`` per rank (its input
+  and output shapes given: no shape inference) on a mesh ``("pp", "dp")``, pipeline outermost
+  as in tetrad, under ``Schedule1F1B`` or ``ScheduleGPipe``. ``PP(2)xDDP(2)`` wraps each stage
+  in ``DistributedDataParallel`` over ``dp`` (the stage lets it all-reduce on the last
+  micro-batch's backward only). Both sides: 8 micro-batches of each pipeline replica's share
+  (one sample each if it has fewer), each micro-batch's loss its summed token cross-entropy
+  over the replica's token count, ``scale_grads=False``; the gradient norm over all stages
+  (stock: the squares of ``torch.nn.utils.get_total_norm`` all-reduced over ``pp``, then
+  ``clip_grads_with_norm_``, as torchtitan); the loss all-reduced from the last stage.
 
 Both sides: AdamW (lr 3e-3, betas (0.9, 0.95), weight decay 0.1 on matrices only, torch's fused
 kernel, ``fused=True``, as tetrad's trainer and torchtitan's default use it),
 gradient clipping at 1.0, the loss is the mean cross-entropy over all tokens of the global batch,
 each data rank takes its share of the batch as one micro-batch (tetrad's data ranks are
-``G_data G_z``). Every run is its own set of fresh processes, one thread each (spawned; or with
-``--start-method forkserver``, forked from a server that imported this script once).
+``G_data G_z``; the pipelines: 8 micro-batches). Every run is its own set of fresh processes,
+one thread each (spawned; or with ``--start-method forkserver``, forked from a server that
+imported this script once).
 
 Timing: ``time.perf_counter()`` around each step, ``float(loss)`` included (CPU ops are
 synchronous), the ranks started together by a barrier; per step the maximum over ranks; the
@@ -44,13 +57,17 @@ reduce-scatter), summed over calls. It is not wire traffic (a ring all-reduce se
 ``2(p-1)/p`` of it per rank, a ring all-gather or reduce-scatter ``(p-1)/p``). tetrad's figures
 come from its own record (:class:`tetrad.comm.collectives.CommLog`, ``payload_bytes`` per
 axis); stock figures from a ``TorchDispatchMode`` that sees every c10d op (plain ``dist.*``,
-DDP's reducer, FSDP2) and every functional collective (DTensor redistributions,
-``loss_parallel``) after DTensor has lowered itself to plain tensors.
+DDP's reducer, FSDP2, the pipeline's ``send`` and ``recv_``) and every functional collective
+(DTensor redistributions, ``loss_parallel``) after DTensor has lowered itself to plain tensors.
+A point-to-point transfer counts once, at the sender (its tensor's bytes; the receive is the
+same bytes again), on both sides: tetrad's ``pipe`` record holds its stages' sends (and the
+4-byte loss all-reduce over ``pipe``), stock's ``send`` the stage's. Rank 0 is the first
+stage: it sends activations only (the gradients it receives are sent by rank 1).
 
-Run from the repository root (several minutes on 2 cores)::
+Run from the repository root (several minutes on 2 cores, as many again with ``pp``)::
 
     python benchmarks/vs_pytorch.py [--model small] [--seq 256] [--batch 16] [--steps 12]
-        [--warmup 3] [--repeats 2] [--worlds 2,4] [--modes ddp,fsdp2,tp,fsdp2-tp]
+        [--warmup 3] [--repeats 2] [--worlds 2,4] [--modes ddp,fsdp2,tp,fsdp2-tp,pp]
         [--orientation auto|xy|both] [--json FILE] [--start-method spawn|forkserver]
 
 The exit status is 1 if a first-step loss differs from tetrad's by more than 1e-4 relative (the
@@ -80,8 +97,15 @@ from torch.multiprocessing.spawn import ProcessException
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also when imported
 
 from collective_counter import CollectiveCounter  # noqa: E402
-from stock_parallel import STOCK_KINDS, build_stock, stock_optimizer, stock_step  # noqa: E402
-from vs_jobs import ROWS, Job, Settings, rows_for, schedule, tetrad_jobs  # noqa: E402
+from stock_parallel import (  # noqa: E402
+    STOCK_KINDS,
+    build_stock,
+    build_stock_pipeline,
+    stock_optimizer,
+    stock_pipeline_step,
+    stock_step,
+)
+from vs_jobs import ROWS, Job, Settings, micro_batches, rows_for, schedule, tetrad_jobs  # noqa: E402
 from vs_report import (  # noqa: E402
     best_line,
     detail_lines,
@@ -95,6 +119,8 @@ from tetrad.grid import Grid  # noqa: E402
 from tetrad.models.config import parse_model  # noqa: E402
 from tetrad.parallel import init_parameters  # noqa: E402
 from tetrad.parallel.model import ParallelLlama  # noqa: E402
+from tetrad.pipeline.schedule import Pipeline  # noqa: E402
+from tetrad.pipeline.step import pipeline_train_step  # noqa: E402
 from tetrad.train.step import build_optimizer, train_step  # noqa: E402
 
 # ---- spawning ----------------------------------------------------------------------------------
@@ -131,8 +157,10 @@ FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel",
+    "torch.distributed.pipelining",
     "tetrad.models.reference",
     "tetrad.parallel.model",
+    "tetrad.pipeline.step",
     "tetrad.train.step",
 ]
 
@@ -180,15 +208,7 @@ def measure(step: Callable[[], float], steps: int) -> dict:
 def run_tetrad(job: Job) -> dict:
     """tetrad's training step on ``job.grid``; bytes from the grid's :class:`CommLog`."""
     s = job.settings
-    grid = Grid.build(job.grid, "cpu", job.orientation)
-    model = ParallelLlama(s.cfg, grid)
-    init_parameters(model, s.seed, grid)
-    opt = build_optimizer(model, s.lr, s.weight_decay)
-    batch, micro_batch = s.global_batch(), s.batch // grid.batch_shards
-
-    def step() -> float:
-        return float(train_step(model, opt, grid, batch, micro_batch, s.grad_clip)[0])
-
+    grid, step = tetrad_pipeline(job) if len(job.grid) == 6 else tetrad_grid(job)
     result = measure(step, s.steps)
     grid.comm.reset()
     step()
@@ -198,16 +218,52 @@ def run_tetrad(job: Job) -> dict:
     return result
 
 
+def tetrad_grid(job: Job) -> tuple[Grid, Callable[[], float]]:
+    """The grid and the step (returning the loss) of :func:`train_step` on ``job.grid``."""
+    s = job.settings
+    grid = Grid.build(job.grid, "cpu", job.orientation)
+    model = ParallelLlama(s.cfg, grid)
+    init_parameters(model, s.seed, grid)
+    opt = build_optimizer(model, s.lr, s.weight_decay)
+    batch, micro_batch = s.global_batch(), s.batch // grid.batch_shards
+
+    def step() -> float:
+        return float(train_step(model, opt, grid, batch, micro_batch, s.grad_clip)[0])
+
+    return grid, step
+
+
+def tetrad_pipeline(job: Job) -> tuple[Grid, Callable[[], float]]:
+    """The grid and the step of :func:`pipeline_train_step` on the pipeline grid ``job.grid``
+    (``G_pipe`` first) under ``job.schedule``, split as tetrad splits by default."""
+    s = job.settings
+    grid = Grid.build(job.grid[1:], "cpu", pipe=job.grid[0])
+    pipeline = Pipeline(s.cfg, grid, job.schedule, 1, micro_batches(s, grid.batch_shards))
+    for part in pipeline.parts:
+        init_parameters(part, s.seed, grid)
+    opt = build_optimizer(pipeline.parts, s.lr, s.weight_decay)
+    batch = s.global_batch()
+
+    def step() -> float:
+        return float(pipeline_train_step(pipeline, opt, batch, s.grad_clip)[0])
+
+    return grid, step
+
+
 def run_stock(job: Job) -> dict:
     """Stock PyTorch in ``job.stock`` mode; bytes from a :class:`CollectiveCounter`."""
     s = job.settings
-    run = build_stock(job.stock, s, job.world)
+    if job.stock.kind == "pp":
+        run = build_stock_pipeline(job.stock, s, micro_batches(s, job.stock.dp))
+        stock_fn = stock_pipeline_step
+    else:
+        run, stock_fn = build_stock(job.stock, s, job.world), stock_step
     opt = stock_optimizer(run.model, s)
     share = s.global_batch().chunk(run.dp_size)[run.dp_rank]
     tokens, targets = share[:, :-1].contiguous(), share[:, 1:].contiguous()
 
     def step() -> float:
-        return stock_step(run, opt, tokens, targets, s.grad_clip)
+        return stock_fn(run, opt, tokens, targets, s.grad_clip)
 
     result = measure(step, s.steps)
     with CollectiveCounter() as counter:
@@ -225,7 +281,8 @@ def report(
     """Print the tables; returns whether every run finished and every first loss matches."""
     all_ok = True
     for world in worlds:
-        rows = [(j, st) for g, st in rows_for(world, modes) for j in tetrad_jobs(world, s, g, how)]
+        pairs = rows_for(world, modes)
+        rows = [(j, st) for g, st in pairs for j in tetrad_jobs(world, s, g, how, st)]
         done = [results[j] for j, _ in rows]
         ref = next((r for r in done if "error" not in r), {"error": "no tetrad run"})
         table = []
@@ -244,6 +301,9 @@ def report(
 
 # ---- main --------------------------------------------------------------------------------------
 
+DEFAULT_MODES = tuple(k for k in STOCK_KINDS if k != "pp")
+"""The pipeline rows are left out by default: they double the run (``--modes pp`` adds them)."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -254,7 +314,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--worlds", default="2,4", help="comma-separated world sizes (2, 4)")
-    p.add_argument("--modes", default=",".join(STOCK_KINDS), help="stock modes to compare with")
+    p.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"stock modes to compare with, of {','.join(STOCK_KINDS)} (default: all but pp)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--orientation",

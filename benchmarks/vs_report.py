@@ -50,7 +50,7 @@ def _ratio(a: float, b: float) -> str:
 
 def table_row(job: Job, stock: Stock, t: dict, p: dict, ref: dict) -> list[str]:
     """One printed row: tetrad grid vs stock mode (``ref``: the loss everything must match)."""
-    name = fmt_grid(job.grid, job.orientation)
+    name = job.name()
     if "error" in t or "error" in p:
         err = t.get("error") or p.get("error")
         return [name, "-", str(stock), "-", "-", "-", "-", "-", "-", "-", f"FAIL {err}"]
@@ -92,7 +92,18 @@ def format_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-ORDER = ["data", "z", "y", "x", "world", "all_reduce", "all_gather", "reduce_scatter"]
+ORDER = [
+    "pipe",
+    "data",
+    "z",
+    "y",
+    "x",
+    "world",
+    "send",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+]
 """The order of the per-axis (tetrad) and per-kind (stock) byte counts in the report."""
 
 
@@ -121,7 +132,7 @@ def best_line(results: dict[Job, dict], world: int) -> str:
     bs = min(stock, key=lambda j: done[j]["median_s"])
     t, p = done[bt]["median_s"], done[bs]["median_s"]
     return (
-        f"world {world}: best tetrad {fmt_grid(bt.grid, bt.orientation)} {t:.3f} s/step vs "
+        f"world {world}: best tetrad {bt.name()} {t:.3f} s/step vs "
         f"best stock "
         f"{bs.stock} {p:.3f} s/step: time ratio {t / p:.2f}"
     )
