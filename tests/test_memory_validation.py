@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
+from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.grid import Grid
 from tetrad.models import recompute
 from tetrad.models.config import ModelConfig
@@ -32,7 +33,6 @@ from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.runtime import tetrad
-from tetrad.spec import checkpointed_blocks
 from tetrad.train.step import build_optimizer, inputs_targets, local_samples, train_step
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from tetrad.activation_checkpointing import CheckpointingError, recompute_order
 from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.activations import block_saved_bytes, saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
@@ -13,7 +14,7 @@ from tetrad.plan.memory.runtime import fewest_selective, tetrad
 from tetrad.plan.memory.states import local_parameter_elements
 from tetrad.plan.model.grids import check_grid, grid_problems
 from tetrad.plan.model.presets import PRESETS, get_model
-from tetrad.spec import CheckpointingError, GiB, recompute_order
+from tetrad.spec import GiB
 
 L31_8B = PRESETS["llama-3.1-8b"]
 L3_8B = PRESETS["llama-3-8b"]

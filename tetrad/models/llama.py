@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tetrad.activation_checkpointing import checkpointed_blocks, parse_checkpointing
 from tetrad.models import recompute
 from tetrad.models.config import ModelConfig
 from tetrad.models.moe import MoEFeedForward
 from tetrad.models.recompute import cheap
-from tetrad.spec import checkpointed_blocks, parse_checkpointing
 
 
 class Layers(Protocol):
@@ -252,14 +252,16 @@ class Transformer(nn.Module):
     tokens of each; the parallel factory's LM head gives this rank's vocabulary slice
     ``V/(G_y G_x)``).
 
-    ``activation_checkpointing``: a mode of :data:`tetrad.spec.CHECKPOINTING`, or
-    ``selective:K`` (the last ``K`` blocks selective, the others ``none``), or a bool (``True`` =
-    ``full``). ``part``: the slice of the model to build (default: all of it); a part without
-    the embedding takes the residual stream ``[b, s, dim]`` instead of token ids, one without
-    the head has ``norm`` and ``output`` None.
+    ``activation_checkpointing``: a mode of
+    :data:`tetrad.activation_checkpointing.CHECKPOINTING`, or ``selective:K`` (the last ``K``
+    blocks selective, the others ``none``), or a bool (``True`` = ``full``). ``part``: the
+    slice of the model to build (default: all of it); a part without the embedding takes the
+    residual stream ``[b, s, dim]`` instead of token ids, one without the head has ``norm`` and
+    ``output`` None.
 
     Raises:
-        tetrad.spec.CheckpointingError: an unknown mode, or ``K`` above ``cfg.n_layers``.
+        tetrad.activation_checkpointing.CheckpointingError: an unknown mode, or ``K`` above
+            ``cfg.n_layers``.
     """
 
     def __init__(

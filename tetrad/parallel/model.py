@@ -99,7 +99,8 @@ class ParallelLlama(Transformer):
     :func:`tetrad.parallel.init_parameters`.
 
     Args:
-        activation_checkpointing: a mode of :data:`tetrad.spec.CHECKPOINTING` (or a bool).
+        activation_checkpointing: a mode of :data:`tetrad.activation_checkpointing.CHECKPOINTING`
+            (or a bool).
         overlaps: names from :data:`tetrad.spec.OVERLAPS` (default: all but ``fine``).
         part: the slice of the model to build (a pipeline stage's); default the whole.
         overlap_options: ``bucket_bytes``, ``domino_min_rows`` and ``fine_chunks`` of

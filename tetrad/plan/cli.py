@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from tetrad.activation_checkpointing import CHECKPOINTING, parse_checkpointing
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import best_orientation
 from tetrad.plan.comm.sublayers import format_sublayers, sublayers
@@ -24,14 +25,7 @@ from tetrad.plan.pipe.cli import pipeline_memory_text
 from tetrad.plan.pipe.schedule import SCHEDULES
 from tetrad.plan.search import report
 from tetrad.plan.search.plan import plan
-from tetrad.spec import (
-    CHECKPOINTING,
-    ORIENTATIONS,
-    GiB,
-    parse_checkpointing,
-    parse_pipeline_grid,
-    role_sizes,
-)
+from tetrad.spec import ORIENTATIONS, GiB, parse_pipeline_grid, role_sizes
 
 
 def _positive_int(text: str) -> int:

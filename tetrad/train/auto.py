@@ -10,16 +10,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from tetrad.activation_checkpointing import CHECKPOINTING, recompute_order
 from tetrad.models.config import ModelConfig
-from tetrad.spec import (
-    CHECKPOINTING,
-    DTYPE_BYTES,
-    FINE_CHUNKS,
-    GiB,
-    compute_dtype,
-    parse_grid,
-    recompute_order,
-)
+from tetrad.spec import DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype, parse_grid
 from tetrad.train.config import ConfigError, TrainConfig
 
 # Machine presets that match a CUDA device name, for --grid auto without --machine.

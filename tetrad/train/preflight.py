@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.data.corpus import Corpus, prepare_corpus
 from tetrad.device import gpu_count
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible, check_moe_grid
 from tetrad.models.hf import Weights, load_weights, read_config
 from tetrad.parallel.model import ParallelLlama
-from tetrad.spec import checkpointed_blocks
 from tetrad.train.checkpoint_dir import check_files, check_resume, read_meta, tokenizer_hash
 from tetrad.train.config import ConfigError, TrainConfig
 from tetrad.train.resume import check_run_dir, restart_count, start_checkpoint

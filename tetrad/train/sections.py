@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tetrad.activation_checkpointing import parse_checkpointing
 from tetrad.pipeline.split import PipelineSplitError, check_schedule
 from tetrad.spec import (
     DOMINO_MIN_ROWS,
@@ -20,7 +21,6 @@ from tetrad.spec import (
     GridShape,
     MiB,
     TetradError,
-    parse_checkpointing,
     parse_overlaps,
 )
 
@@ -164,8 +164,9 @@ class ParallelismSection:
     )
 
     def __post_init__(self) -> None:
-        # one of tetrad.spec.CHECKPOINTING from a name, on/off or a TOML bool, or "auto"
-        # (raises tetrad.spec.CheckpointingError, which says what to give)
+        # one of tetrad.activation_checkpointing.CHECKPOINTING from a name, on/off or a TOML
+        # bool, or "auto" (raises tetrad.activation_checkpointing.CheckpointingError, which
+        # says what to give)
         if str(self.activation_checkpointing).strip().lower() == "auto":
             self.activation_checkpointing = "auto"
         else:

@@ -24,6 +24,7 @@ estimate) can never drop a configuration that belongs to the ranking.
 
 from __future__ import annotations
 
+from tetrad.activation_checkpointing import parse_checkpointing
 from tetrad.plan.comm import layers
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import make_step, xy_record
@@ -31,7 +32,7 @@ from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.comm.zwindows import window_seconds, z_queue_seconds, z_tables
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.network import ALL_REDUCE
-from tetrad.spec import parse_checkpointing, role_sizes
+from tetrad.spec import role_sizes
 
 MARGIN = 1e-9
 """Relative amount a bound is shrunk by before it prunes (far above the rounding of its sums,

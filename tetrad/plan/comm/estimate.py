@@ -93,6 +93,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tetrad.activation_checkpointing import parse_checkpointing
 from tetrad.plan.comm import layers, linears, orientation
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import kv_gather_payload, local_seq_len
@@ -104,14 +105,7 @@ from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.model.grids import grid_problems, with_context
 from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import (
-    DOMINO_MIN_ROWS,
-    DP_BUCKET_BYTES,
-    ORIENTATIONS,
-    parse_checkpointing,
-    physical_axis,
-    role_sizes,
-)
+from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, ORIENTATIONS, physical_axis, role_sizes
 
 __all__ = ["Estimate", "best_orientation", "collectives", "estimate", "make_step"]
 
@@ -176,9 +170,10 @@ def make_step(
 ) -> Step:
     """The :class:`Step` of the ``--grid`` ``grid = (G_data, [G_context,] G_z, G_y, G_x)`` under
     ``orientation`` (its ``sizes`` are the roles', its links the mesh dimensions' that play
-    them; ``checkpointing``: a mode of :data:`tetrad.spec.CHECKPOINTING`; only ``full`` re-runs
-    collectives): ``m`` counts this rank's ``S / G_context`` tokens per sample; the data group
-    is data x context.
+    them; ``checkpointing``: a mode of
+    :data:`tetrad.activation_checkpointing.CHECKPOINTING`; only ``full`` re-runs collectives):
+    ``m`` counts this rank's ``S / G_context`` tokens per sample; the data group is data x
+    context.
 
     Raises:
         PlanError: the global batch does not split into micro-batches on this grid.
@@ -281,7 +276,7 @@ def estimate(
 
     Raises:
         PlanError: the global batch does not split into micro-batches on this grid.
-        tetrad.spec.CheckpointingError: an unknown checkpointing mode.
+        tetrad.activation_checkpointing.CheckpointingError: an unknown checkpointing mode.
     """
     if orientation == "auto":
         orientation = best_orientation(ctx, grid, micro_batch, checkpointing)

@@ -21,8 +21,8 @@ vocabulary-parallel softmax, the embedding lookup, AdamW) is memory bound: bytes
 bandwidth, with byte counts per token estimated from the runtime's unfused PyTorch ops (rough:
 see :data:`ELEMENTWISE`).
 
-Activation checkpointing (:data:`tetrad.spec.CHECKPOINTING`): ``full`` re-runs each block's
-forward in backward (GEMMs, attention, element-wise, and its collectives:
+Activation checkpointing (:data:`tetrad.activation_checkpointing.CHECKPOINTING`): ``full``
+re-runs each block's forward in backward (GEMMs, attention, element-wise, and its collectives:
 tetrad/plan/comm/linears.py);
 ``selective`` (tetrad/models/recompute.py; Korthikanti et al., arXiv 2205.05198, section 5)
 re-runs only the element-wise parts whose outputs it does not keep (the two RMSNorm applies, RoPE,
@@ -36,12 +36,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.plan.comm.context_parallel import attention_fwd_flops, local_seq_len
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.model.grids import with_context
 from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import checkpointed_blocks, loss_chunk_rows
+from tetrad.spec import loss_chunk_rows
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class BlockCompute:
         selective) or 0.
 
         Raises:
-            tetrad.spec.CheckpointingError: an unknown mode.
+            tetrad.activation_checkpointing.CheckpointingError: an unknown mode.
         """
         fwd = (
             n_layers * self.block_fwd

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.plan.comm.context_parallel import (
     context_block_delta,
     context_shared_bytes,
@@ -16,7 +17,7 @@ from tetrad.plan.comm.context_parallel import (
 from tetrad.plan.errors import PlanError
 from tetrad.plan.model.grids import context_size, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import DTYPE_BYTES, FP32, checkpointed_blocks
+from tetrad.spec import DTYPE_BYTES, FP32
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -187,7 +188,8 @@ def saved_activations(
     """What autograd holds on one rank at the end of one micro-batch's forward, in bytes.
 
     ``activation_checkpointing``: ``none``, ``selective``, ``full``
-    (:data:`tetrad.spec.CHECKPOINTING`; a bool means ``full``/``none``) or ``selective:K``.
+    (:data:`tetrad.activation_checkpointing.CHECKPOINTING`; a bool means ``full``/``none``) or
+    ``selective:K``.
 
     Returns:
         ``blocks`` (``L`` blocks' saved tensors; selective: ``L``
@@ -200,7 +202,8 @@ def saved_activations(
         block's tensors are still saved; none: 0).
 
     Raises:
-        tetrad.spec.CheckpointingError: an unknown mode, or ``K`` above the model's blocks.
+        tetrad.activation_checkpointing.CheckpointingError: an unknown mode, or ``K`` above the
+            model's blocks.
     """
     _, _, gy, gx = grid_sizes(grid)
     shape = (1, context_size(grid), 1, gy, gx)  # nothing here depends on G_data or G_z

@@ -95,7 +95,7 @@ def tetrad(
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
-        tetrad.spec.CheckpointingError: an unknown checkpointing mode.
+        tetrad.activation_checkpointing.CheckpointingError: an unknown checkpointing mode.
     """
     g, phases = _phases(
         model,
@@ -145,7 +145,7 @@ def phase_totals(
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
-        tetrad.spec.CheckpointingError: an unknown checkpointing mode.
+        tetrad.activation_checkpointing.CheckpointingError: an unknown checkpointing mode.
     """
     g, phases = _phases(
         model,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tetrad.activation_checkpointing import parse_checkpointing
 from tetrad.plan.comm import layers, linears
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import LAYER_KINDS, make_step
@@ -45,7 +46,7 @@ from tetrad.plan.pipe.schedule import (
     p2p_bytes,
 )
 from tetrad.plan.pipe.stages import PipeRank, pipe_ranks, split_costs
-from tetrad.spec import COMM_AXES, parse_checkpointing, physical_axis, role_sizes
+from tetrad.spec import COMM_AXES, physical_axis, role_sizes
 
 STEP_KINDS = (layers.data_gradients, layers.step_scalars)
 """The layer kinds recorded once per step (after the last backward), not per micro-batch."""

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.pipeline.split import balanced_split, stages_of_rank
 from tetrad.plan.compute.block import BlockCompute
 from tetrad.plan.pipe.uniform_split import exact_quarters, uniform_split
-from tetrad.spec import checkpointed_blocks
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 
+from tetrad.activation_checkpointing import CHECKPOINTING, parse_checkpointing
 from tetrad.plan.comm.context_parallel import attention_fwd_flops, context_problems
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
@@ -29,7 +30,6 @@ from tetrad.plan.model.grids import tp_problems
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.rows import CLASSIC_AXES, Row
 from tetrad.plan.search.space import check_inputs, checkpointing_modes, divisors
-from tetrad.spec import CHECKPOINTING, parse_checkpointing
 
 
 def classic_memory(
@@ -292,7 +292,7 @@ def search_classic(
     uneven splits (:func:`pipeline_variants`; without it, 1F1B on even splits only).
 
     Raises:
-        PlanError: bad inputs; tetrad.spec.CheckpointingError: an unknown mode.
+        PlanError: bad inputs; tetrad.activation_checkpointing.CheckpointingError: an unknown mode.
     """
     check_inputs(model, gpus, global_batch, seq_len)
     t0 = time.perf_counter()

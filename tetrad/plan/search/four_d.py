@@ -7,8 +7,8 @@ time (:func:`search_4d`).
 0``, :func:`tetrad.plan.comm.context_parallel.context_problems`; ``G_context = 1`` only with
 ``comm_model="axonn"``) and split the global batch (``B % (G_data G_z) == 0``); every
 micro-batch ``b`` dividing ``B / (G_data G_z)``; activation checkpointing ``none``,
-``selective`` and ``full`` (:data:`tetrad.spec.CHECKPOINTING`), where ``none`` does not fit
-``selective`` on the fewest blocks that fit (``selective:K``,
+``selective`` and ``full`` (:data:`tetrad.activation_checkpointing.CHECKPOINTING`), where
+``none`` does not fit ``selective`` on the fewest blocks that fit (``selective:K``,
 :func:`tetrad.plan.memory.runtime.fewest_selective`). Configurations whose
 :func:`tetrad.plan.memory.runtime.tetrad` estimate is above 80% of GPU memory are dropped (Fujii
 et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops at the first
@@ -39,6 +39,7 @@ from __future__ import annotations
 import heapq
 import time
 
+from tetrad.activation_checkpointing import CHECKPOINTING
 from tetrad.plan.comm.axonn import axonn_comm
 from tetrad.plan.comm.bounds import MARGIN, StepBounds
 from tetrad.plan.comm.context import Context
@@ -60,7 +61,7 @@ from tetrad.plan.search.space import (
     factorizations,
     nearby_gpu_counts,
 )
-from tetrad.spec import CHECKPOINTING, COMM_AXES, GRID_AXES, ORIENTATIONS, GiB, role_sizes
+from tetrad.spec import COMM_AXES, GRID_AXES, ORIENTATIONS, GiB, role_sizes
 
 
 class _Search4D:

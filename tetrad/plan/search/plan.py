@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import time
 
+from tetrad.activation_checkpointing import CHECKPOINTING
 from tetrad.plan.comm.context import Context
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.classic import search_classic
 from tetrad.plan.search.four_d import search_4d
 from tetrad.plan.search.rows import SearchResult
-from tetrad.spec import CHECKPOINTING, GiB
+from tetrad.spec import GiB
 
 
 def plan(

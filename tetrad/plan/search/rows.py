@@ -30,7 +30,8 @@ class Row:
         micro_batch: samples per micro-batch (per (data, z) cell; per DP x CP rank in classic).
         grad_accum: micro-batches per step.
         activation_checkpointing: ``none``, ``selective`` (element-wise parts recomputed) or
-            ``full`` (every block recomputed); :data:`tetrad.spec.CHECKPOINTING`.
+            ``full`` (every block recomputed);
+            :data:`tetrad.activation_checkpointing.CHECKPOINTING`.
         step_s: predicted seconds per optimizer step.
         compute_s: compute seconds (GEMMs, attention, element-wise, optimizer; recompute incl.).
         recompute_s: of which recomputation.
