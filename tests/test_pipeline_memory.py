@@ -45,7 +45,6 @@ from tetrad.models import recompute
 from tetrad.models.config import PRESETS
 from tetrad.parallel import init_parameters
 from tetrad.pipeline.schedule import Pipeline
-from tetrad.pipeline.split import stages_of_rank
 from tetrad.pipeline.step import pipeline_train_step
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.pipeline import (
@@ -56,7 +55,7 @@ from tetrad.plan.memory.pipeline import (
     pipeline_memory,
 )
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
-from tetrad.plan.pipe.stages import PipeRank
+from tetrad.plan.pipe.stages import ranks_of_split
 from tetrad.spec import DTYPE_BYTES, Axis
 from tetrad.train.step import build_optimizer
 
@@ -266,23 +265,12 @@ def _worker(world_size: int, out_dir: str) -> None:
             json.dump(result, fh)
 
 
-def _ranks(split, pipe: int, virtual: int) -> tuple[PipeRank, ...]:
-    """The planner's ranks of the runtime's split."""
-    last = pipe * virtual - 1
-    out = []
-    for r in range(pipe):
-        stages = stages_of_rank(r, pipe, virtual)
-        chunks = tuple(split[s][1] - split[s][0] for s in stages)
-        out.append(PipeRank(r, sum(chunks), 0 in stages, last in stages, chunks))
-    return tuple(out)
-
-
 def planned(case, split, rank: int) -> dict:
     """The planner's bytes of pipeline rank ``rank`` for ``case`` on the runtime's ``split``."""
     pipe, sizes, schedule, virtual, m, mode, *rest = case
     dtype = rest[0] if rest else "fp32"
     spec, opts = CFG.spec(), {"activation_checkpointing": mode, "dtype": dtype}
-    ranks = _ranks(split, pipe, virtual)
+    ranks = ranks_of_split(split, pipe, virtual)
     _, per = pipeline_memory(spec, sizes, MICRO, SEQ, 1e9, ranks, schedule, virtual, m, **opts)
     mem, prank = per[rank], ranks[rank]
     saved, held, persistent = in_flight_bytes(

@@ -62,7 +62,14 @@ def pipe_ranks(
         split = uniform_split(n_layers, emb, head, n_stages)  # the same, faster
     else:
         split = balanced_split([block] * n_layers, emb, head, n_stages)
-    last = n_stages - 1
+    return ranks_of_split(split, pipe, virtual)
+
+
+def ranks_of_split(split, pipe: int, virtual: int) -> tuple[PipeRank, ...]:
+    """The :class:`PipeRank` of each pipeline rank for a stage split (``(start, stop)`` blocks
+    per stage, ``pipe v`` stages; stage ``s`` on rank ``s mod pipe``, as the runtime places
+    them)."""
+    last = pipe * virtual - 1
     out = []
     for r in range(pipe):
         stages = stages_of_rank(r, pipe, virtual)
