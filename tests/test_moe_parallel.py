@@ -1,10 +1,11 @@
 """The MoE Llama on the grid against the single-process reference (2 gloo ranks).
 
-Experts are replicated on every rank, so data parallelism and Z are the supported axes: a few
+Experts are replicated on every rank here (expert parallelism: tests/test_moe_expert_parallel.py),
+so data parallelism and Z are the axes tested: a few
 AdamW steps (gradient accumulation, clipping, warm-up) on the same global batches must give the
 reference's LM loss and load-balancing loss to 1e-5 relative, its gradient norm to 1e-4, and
 its updated weights (and aux-loss-free selection biases) to 0.05 lr, as tests/test_model.py
-requires of the dense model. Every other grid is refused at construction with one line.
+requires of the dense model. Y, X and pipeline grids are refused at construction with one line.
 """
 
 import dataclasses
@@ -106,7 +107,7 @@ def test_data_and_z_match_reference(name):
     [
         ((1, 1, 1, 2, 1), "--grid 2,1,1,1,1"),
         ((1, 1, 1, 1, 2), "--grid 2,1,1,1,1"),
-        ((1, 2, 1, 1, 1), "--grid 2,1,1,1,1"),
+        ((1, 1, 1, 2, 2), "--grid 4,1,1,1,1"),
     ],
 )
 def test_unsupported_grids_refused_in_one_line(grid, hint):

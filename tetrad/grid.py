@@ -34,6 +34,7 @@ from tetrad.device import local_device
 from tetrad.spec import (
     GRID_AXES,
     Axis,
+    GridError,
     GridShape,
     check_world_size,
     parse_grid,
@@ -73,6 +74,9 @@ class Grid:
         coord: this rank's coordinate on each axis, e.g. ``coord["x"]``.
         comm: the record of every collective this rank issued, per axis.
         data_group: with ``G_context > 1``, the data x context group (gradient sums).
+        expert: ``G_expert``, the expert-parallel size (1: none), folded over data x context
+            (:data:`tetrad.spec.EXPERT_GRID_AXES`): ``coord["expert"]`` and
+            ``coord["expert_data"]`` are this rank's place on it.
     """
 
     data: int
@@ -87,11 +91,17 @@ class Grid:
     data_group: dist.ProcessGroup | None = None
     orientation: str = "xy"
     pipe: int = 1
+    expert: int = 1
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def build(
-        cls, sizes: GridShape, device_type: str = "cpu", orientation: str = "xy", pipe: int = 1
+        cls,
+        sizes: GridShape,
+        device_type: str = "cpu",
+        orientation: str = "xy",
+        pipe: int = 1,
+        expert: int = 1,
     ) -> Grid:
         """Build the grid over the already-initialised default process group; ``sizes`` are
         the ``--grid``, ``(G_data, G_context, G_z, G_y, G_x)`` or ``(G_data, G_z, G_y, G_x)``,
@@ -102,13 +112,16 @@ class Grid:
         (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with the backend for
         ``device_type``.
 
+        ``expert`` is the expert-parallel size ``G_expert`` (:func:`expert_groups`).
+
         Raises:
-            GridError: the product of ``sizes`` differs from the world size, or an unknown
-                orientation.
+            GridError: the product of ``sizes`` differs from the world size, an unknown
+                orientation, or ``expert`` does not divide ``G_data G_context``.
         """
         init_process_group(device_type)
         sizes = parse_grid(sizes)
         check_world_size(sizes, dist.get_world_size(), pipe)
+        check_expert_parallel(expert, sizes)
         names = tuple(physical_axis(a, orientation) for a in GRID_AXES)  # the roles, in order
         if pipe > 1:
             mesh = init_device_mesh(device_type, (pipe, *sizes), mesh_dim_names=("pipe", *names))
@@ -127,7 +140,12 @@ class Grid:
             data_group=data_group,
             orientation=orientation,
             pipe=pipe,
+            expert=expert,
         )
+        dc = coord[Axis.DATA] * sizes[1] + coord[Axis.CONTEXT]
+        grid.coord[Axis.EXPERT], grid.coord[Axis.EXPERT_DATA] = dc % expert, dc // expert
+        if expert > 1:
+            grid._groups.update(expert_groups(grid, expert))
         grid.comm.names = {a: physical_axis(a, orientation) for a in ("x", "y")}
         return grid
 
@@ -136,6 +154,8 @@ class Grid:
         ``data``: ``G_data G_context`` (see :class:`~tetrad.spec.Axis`)."""
         if axis == Axis.DATA:
             return self.data * self.context
+        if axis == Axis.EXPERT_DATA:
+            return self.data * self.context // self.expert
         return getattr(self, axis)
 
     def group(self, axis: Axis | str) -> dist.ProcessGroup:
@@ -177,4 +197,43 @@ class Grid:
         ctx = f" context={c}" if c > 1 else ""
         turned = " (orientation yx)" if self.orientation == "yx" else ""
         pipe = f"pipe={self.pipe} " if self.pipe > 1 else ""
-        return f"{pipe}data={d}{ctx} z={z} y={y} x={x}{turned}"
+        ep = f" expert={self.expert}" if self.expert > 1 else ""
+        return f"{pipe}data={d}{ctx} z={z} y={y} x={x}{ep}{turned}"
+
+
+def check_expert_parallel(expert: int, sizes: GridShape) -> None:
+    """Check that ``G_expert`` divides ``G_data G_context`` (expert parallelism folds over
+    those ranks and adds none).
+
+    Raises:
+        GridError: one line naming the sizes that would do.
+    """
+    dc = sizes[0] * sizes[1]
+    if expert < 1 or dc % expert:
+        fits = [n for n in range(1, dc + 1) if dc % n == 0]
+        raise GridError(
+            f"expert parallelism {expert} must divide G_data*G_context = {dc} (it folds over "
+            f"the data and context ranks): use --expert-parallel {' or '.join(map(str, fits))}"
+        )
+
+
+def expert_groups(grid: Grid, expert: int) -> dict[str, dist.ProcessGroup]:
+    """Create the expert-parallel and expert-data process groups of every rank (a collective
+    over the world) and return this rank's, keyed ``"expert"`` and ``"expert_data"``.
+
+    The data x context index ``dc`` of a rank splits as ``dc = expert_data G_expert + expert``
+    (:data:`tetrad.spec.EXPERT_GRID_AXES`): an expert group is ``G_expert`` consecutive ``dc``
+    at fixed pipe, Z, Y, X (Megatron-Core's order tp-cp-ep-dp, EP inside DP), an expert-data
+    group the ``G_data G_context / G_expert`` ranks of one expert coordinate.
+    """
+    shape = (grid.pipe, grid.data * grid.context, *grid.physical[2:])
+    ranks = torch.arange(grid.world_size).view(shape)
+    ranks = ranks.view(grid.pipe, -1, expert, *grid.physical[2:])  # [pipe, ed, ep, z, y, x]
+    out = {}
+    for axis, dim in ((Axis.EXPERT, 2), (Axis.EXPERT_DATA, 1)):
+        lines = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+        if len(lines[0]) == 1:
+            continue
+        mine, _ = dist.new_subgroups_by_enumeration(lines)
+        out[axis] = mine
+    return out

@@ -58,6 +58,10 @@ class Axis(str, enum.Enum):
     sees other tokens outside Z: ``G_data G_context`` ranks (Megatron-LM's data-parallel group
     with context parallelism), over which gradients and losses are summed; ``CONTEXT`` is the
     ``G_context`` ranks holding the chunks of the same sequences (the K/V all-gather).
+    ``EXPERT`` (expert parallelism, folded over data x context: no ranks of its own) is the
+    ``G_expert`` ranks that split the routed experts and exchange tokens (all-to-all);
+    ``EXPERT_DATA`` the ``G_data G_context / G_expert`` ranks holding the same experts, over
+    which expert gradients are summed (Megatron-Core's expert-data-parallel group).
     """
 
     PIPE = "pipe"
@@ -66,6 +70,8 @@ class Axis(str, enum.Enum):
     Z = "z"
     Y = "y"
     X = "x"
+    EXPERT = "expert"
+    EXPERT_DATA = "expert_data"
     WORLD = "world"
 
     def __str__(self) -> str:
@@ -80,6 +86,12 @@ GRID_AXES = (Axis.DATA, Axis.CONTEXT, Axis.Z, Axis.Y, Axis.X)
 so an X group is a run of consecutive ranks inside one node,
 ``rank = (((data * G_context + context) * G_z + z) * G_y + y) * G_x + x``. The data-parallel
 gradient group (data x context) is then ``G_data G_context`` ranks at stride ``G_z G_y G_x``."""
+
+EXPERT_GRID_AXES = (Axis.EXPERT_DATA, Axis.EXPERT, Axis.Z, Axis.Y, Axis.X)
+"""The same ranks seen by the routed experts under expert parallelism (Megatron-Core's
+"parallel folding", arXiv 2504.14960): the data x context index ``dc = data G_context +
+context`` split as ``dc = expert_data G_expert + expert`` (the expert axis innermost, so an
+expert-parallel group is ``G_expert`` consecutive data x context ranks)."""
 
 ORIENTATIONS = ("xy", "yx")
 """Which mesh dimension plays which role of AxoNN's layer pair. ``xy``: the ``--grid``'s X

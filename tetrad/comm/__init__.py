@@ -1,5 +1,6 @@
 """Collectives over the axes of the process grid (the one place tetrad issues them)."""
 
+from tetrad.comm.all_to_all import all_to_all, all_to_all_autograd
 from tetrad.comm.collectives import (
     AxisStats,
     CommLog,
@@ -15,6 +16,8 @@ __all__ = [
     "CommLog",
     "Handle",
     "all_gather",
+    "all_to_all",
+    "all_to_all_autograd",
     "all_reduce",
     "count_sends",
     "reduce_scatter",

@@ -24,6 +24,7 @@ dropping (capacity factors), the router z-loss.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +91,11 @@ class Router(nn.Module):
 
 
 def load_balance_loss(
-    probs: torch.Tensor, ids: torch.Tensor, n_experts: int, scope: str = "sequence"
+    probs: torch.Tensor,
+    ids: torch.Tensor,
+    n_experts: int,
+    scope: str = "sequence",
+    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The Switch/GShard load-balancing loss (Fedus et al., arXiv 2101.03961, eq. 4-6), summed
     over groups of tokens: ``sum_g E sum_i f_gi P_gi`` with ``f_gi`` = token slots routed to
@@ -106,6 +111,12 @@ def load_balance_loss(
         scope: ``sequence`` (one group per sequence: the sum over this rank's ``b``
             sequences) or ``batch`` (one group of all ``b s`` tokens, counted ``b`` times, so
             that dividing by the global number of sequences averages either way).
+        sequence_sum: where each rank holds a part of every sequence (context parallelism),
+            the sum over those ranks of a tensor without gradient (the layer factory's
+            ``sequence_sum``): the slot counts become the whole sequences', and each rank adds
+            its own tokens' probabilities divided by the whole length, so that the ranks'
+            losses add up to the loss of the whole sequences (and their gradients are exact
+            with no collective in backward). None: this rank holds whole sequences.
 
     Returns:
         A 0-dim fp32 tensor; differentiable through ``probs`` (``f`` is a count).
@@ -118,8 +129,13 @@ def load_balance_loss(
     slots.scatter_add_(
         1, ids.reshape(groups, -1), torch.ones(groups, tokens * k, device=ids.device)
     )
-    f = slots / (tokens * k)
-    per_group = n_experts * (f * probs.mean(1)).sum(-1)
+    if sequence_sum is None:
+        f, p = slots / (tokens * k), probs.mean(1)
+    else:  # slots summed over the sequence's parts; then slots.sum(-1) = whole length x k
+        slots = sequence_sum(slots)
+        length = slots.sum(-1, keepdim=True) / k
+        f, p = slots / (length * k), probs.sum(1) / length
+    per_group = n_experts * (f * p).sum(-1)
     return per_group.sum() * (b if scope == "batch" else 1)
 
 
@@ -131,6 +147,25 @@ def sort_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, tor
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_experts)
     return order, counts
+
+
+def combine(
+    ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The routed output ``[T, h]`` in ``dtype`` from the expert outputs ``ys [T k, h]`` of the
+    slots in expert order (``order`` from :func:`sort_by_expert`) and the routing weights
+    ``weights [T, k]`` (fp32): each slot times its weight in fp32, put back in token order by a
+    gather (a permutation: deterministic, no atomics), the ``k`` slots of a token summed."""
+    t, k = weights.shape
+    weighted = ys.float() * weights.flatten()[order, None]
+    back = weighted[torch.argsort(order)]  # slot order: token t's k slots adjacent
+    return back.view(t, k, -1).sum(1).to(dtype)
+
+
+def gemm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the expert GEMMs run in: the autocast dtype where autocast is on, else
+    ``x``'s."""
+    return _gemm_dtype(x)
 
 
 def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
@@ -212,15 +247,13 @@ class GroupedExperts(nn.Module):
         self.w2.init = ("normal", out_std)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        t, k = ids.shape
+        k = ids.shape[1]
         order, counts = sort_by_expert(ids, self.n_experts)
         dtype = _gemm_dtype(x)
         xs = x.to(dtype)[order // k]
         w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
         ys = expert_swiglu(xs, counts, w1, w3, w2)
-        weighted = ys.float() * weights.flatten()[order, None]
-        back = weighted[torch.argsort(order)]  # slot order: token t's k slots adjacent
-        return back.view(t, k, -1).sum(1).to(dtype)
+        return combine(ys, order, weights, dtype)
 
     def extra_repr(self) -> str:
         e, f, h = self.w1.shape
@@ -244,6 +277,7 @@ class MoEFeedForward(nn.Module):
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
         self.experts = layers.experts(cfg.n_experts, cfg.dim, cfg.expert_dim, out_std)
         self.shared = shared
+        self.sequence_sum = getattr(layers, "sequence_sum", None)
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,6 +291,7 @@ class MoEFeedForward(nn.Module):
                 ids.view(b, s, -1),
                 self.cfg.n_experts,
                 self.cfg.aux_loss_scope,
+                self.sequence_sum,
             )
             self.aux_loss = self.cfg.aux_loss_coef * aux
         else:

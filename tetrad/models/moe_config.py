@@ -54,26 +54,34 @@ def moe_problems(cfg: MoESizes) -> list[str]:
     return bad
 
 
-def moe_grid_problem(cfg: MoESizes, grid: GridShape, pipe: int = 1) -> str | None:
+def moe_grid_problem(cfg: MoESizes, grid: GridShape, pipe: int = 1, expert: int = 1) -> str | None:
     """Why the MoE runtime cannot run ``cfg`` on ``grid = (G_data, G_context, G_z, G_y, G_x)``
-    with ``pipe`` stages, in one line that names the grid to use instead; None when it can (and
-    for every dense model).
+    with ``pipe`` stages and expert parallelism ``expert``, in one line that names what to use
+    instead; None when it can (and for every dense model without expert parallelism).
 
-    Experts are replicated on every rank (their gradients summed over data and Z like every
-    replicated weight, :func:`tetrad.parallel.grads.sync_gradients`), so an MoE model runs on
-    data parallelism and Z only (``--grid DATA,1,Z,1,1``, no pipeline). Per-head q/k norm
-    weights (``qk_norm``) are whole on every rank while heads split over Y, so they need
-    ``G_y = 1`` (dense models too).
+    The router is replicated on every rank; the experts too, or split over ``G_expert`` ranks
+    folded over data x context (:mod:`tetrad.parallel.experts`). MoE models run on data,
+    context and Z; not on Y or X (the residual stream is split over X and the experts would
+    need it whole: a gather before routing and a split after, not written yet) nor with a
+    pipeline. Per-head q/k norm weights (``qk_norm``) are whole on every rank while heads
+    split over Y, so they need ``G_y = 1`` (dense models too).
     """
     data, context, z, y, x = (int(g) for g in with_context(grid))
     if cfg.qk_norm and y > 1:  # the head norms' gradients would need a sum over Y
         return f"q/k norms (qk_norm) run with G_y = 1 for now (got G_y={y}): move Y to Z or data"
     if not cfg.is_moe:
+        if expert > 1:
+            return f"expert parallelism {expert} needs a model with experts: drop --expert-parallel"
         return None
-    if (context, y, x, pipe) != (1, 1, 1, 1):
+    if (y, x, pipe) != (1, 1, 1):
         return (
-            f"MoE models run on data parallelism and Z only for now (got G_pipe={pipe}, "
-            f"G_context={context}, G_y={y}, G_x={x}): use --grid {data * context * y * x * pipe},"
-            f"1,{z},1,1 or data={data * context * y * x * pipe},z={z}"
+            f"MoE models run on data, context and Z only for now (got G_pipe={pipe}, G_y={y}, "
+            f"G_x={x}): use --grid {data * y * x * pipe},{context},{z},1,1 or "
+            f"data={data * y * x * pipe},context={context},z={z}"
+        )
+    if expert > 1 and (cfg.n_experts % expert or (data * context) % expert):
+        return (
+            f"expert parallelism {expert} must divide n_experts={cfg.n_experts} and "
+            f"G_data*G_context={data * context}: change --expert-parallel"
         )
     return None

@@ -1,5 +1,23 @@
-"""Grid side of the mixture-of-experts blocks (:mod:`tetrad.models.moe`): the step's expert
-loads summed over the ranks that saw other tokens, for DeepSeek-V3's aux-loss-free bias update.
+"""Grid side of the mixture-of-experts blocks (:mod:`tetrad.models.moe`): the routed experts
+split over the expert-parallel axis (token dispatch and combine by all-to-all), and the step's
+expert loads summed over the ranks that saw other tokens, for DeepSeek-V3's aux-loss-free bias
+update.
+
+Expert parallelism (``G_expert = P``) folds over the data x context ranks
+(:data:`tetrad.spec.EXPERT_GRID_AXES`, Megatron-Core's parallel folding; torchtitan's
+``ep`` borrowing from ``dp_shard`` and ``cp``): each rank of an expert group holds ``E/P``
+experts and routes its own tokens; per MoE block and micro-batch (torchtitan's
+``AllToAllTokenDispatcher``, dropless):
+
+    1. the ``T k`` slots sorted by expert (``counts [E]``), their token rows gathered;
+    2. an all-to-all of the counts (``[P, E/P]``: what each rank sends to each other rank's
+       experts), then one host read of the split sizes;
+    3. an all-to-all of the rows (uneven splits), rows put expert-major, the local experts'
+       grouped GEMMs, rows put back source-major;
+    4. the all-to-all back, then the weighted combine on the token's own rank.
+
+Backward runs the two row all-to-alls the other way (their autograd). Expert gradients are
+summed over Z and expert-data only (:attr:`tetrad.parallel.placement.Placement.grad_sum_axes`).
 """
 
 from __future__ import annotations
@@ -7,10 +25,74 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tetrad.comm import all_reduce
+from tetrad.comm import all_reduce, all_to_all, all_to_all_autograd
 from tetrad.grid import Grid
-from tetrad.models.moe import Router
+from tetrad.models.moe import Router, combine, expert_swiglu, gemm_dtype, sort_by_expert
+from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec import Axis
+
+
+def expert_major(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows received source-major (``recv_counts [P, n]``: rows from source rank ``s`` for
+    local expert ``e``, consecutive per source, expert-major within) -> ``(perm [N], counts
+    [n])``: ``received[perm]`` lists every local expert's rows together (expert ``e``'s from
+    source 0, then 1, ...) and ``counts`` the rows per local expert."""
+    flat = recv_counts.flatten()
+    starts = (torch.cumsum(flat, 0) - flat).view_as(recv_counts)
+    lengths = recv_counts.t().flatten()  # blocks in (expert, source) order
+    block_start = starts.t().flatten()
+    total = int(flat.sum())
+    first = torch.cumsum(lengths, 0) - lengths
+    within = torch.arange(total, device=flat.device) - torch.repeat_interleave(first, lengths)
+    perm = torch.repeat_interleave(block_start, lengths) + within
+    return perm, recv_counts.sum(0)
+
+
+class ExpertParallelExperts(nn.Module):
+    """``E`` routed SwiGLU experts split over the expert axis of ``grid``: this rank holds
+    experts ``[c E/P, (c+1) E/P)`` (``c = coord["expert"]``), the same interface as
+    :class:`tetrad.models.moe.GroupedExperts`: ``(x [T, h], ids [T, k], weights [T, k] fp32)``
+    -> ``[T, h]``, ``T`` this rank's tokens. Weights ``w1, w3 [E/P, F, h]``, ``w2 [E/P, h,
+    F]``, each a shard of the global ``[E, ...]`` split on dim 0 over ``expert`` (checkpoint
+    keys and initial values those of the reference, whatever ``P``).
+
+    Raises:
+        ValueError: ``E`` not divisible by ``G_expert``.
+    """
+
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int, out_std: float, grid: Grid):
+        super().__init__()
+        if n_experts % grid.expert:
+            raise ValueError(
+                f"n_experts={n_experts} is not divisible by the expert parallelism "
+                f"{grid.expert}: use an --expert-parallel that divides {n_experts}"
+            )
+        self.grid, self.n_experts = grid, n_experts
+        split = ((Axis.EXPERT,),)
+        self.w1 = sharded_parameter((n_experts, ffn_dim, dim), split, grid, ("normal", 0.02))
+        self.w3 = sharded_parameter((n_experts, ffn_dim, dim), split, grid, ("normal", 0.02))
+        self.w2 = sharded_parameter((n_experts, dim, ffn_dim), split, grid, ("normal", out_std))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k, p = ids.shape[1], self.grid.expert
+        order, counts = sort_by_expert(ids, self.n_experts)
+        dtype = gemm_dtype(x)
+        xs = x.to(dtype)[order // k]
+        recv_counts = all_to_all(counts, self.grid, Axis.EXPERT).view(p, -1)
+        send = counts.view(p, -1).sum(1)
+        splits = torch.cat([send, recv_counts.sum(1)]).tolist()  # the one host sync
+        send_splits, recv_splits = splits[:p], splits[p:]
+        rows = all_to_all_autograd(xs, self.grid, Axis.EXPERT, recv_splits, send_splits)
+        perm, local_counts = expert_major(recv_counts)
+        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        ys = expert_swiglu(rows[perm], local_counts, w1, w3, w2)
+        ys = ys[torch.argsort(perm)]  # back to source-major
+        home = all_to_all_autograd(ys, self.grid, Axis.EXPERT, send_splits, recv_splits)
+        return combine(home, order, weights, dtype)
+
+    def extra_repr(self) -> str:
+        e, f, h = self.w1.shape
+        return f"{e} of {self.n_experts} experts (G_expert={self.grid.expert}), {h}->{f}->{h}"
 
 
 def biased_routers(model: nn.Module) -> list[Router]:
@@ -22,8 +104,9 @@ def biased_routers(model: nn.Module) -> list[Router]:
 def update_expert_biases(model: nn.Module, grid: Grid) -> None:
     """Update every router's selection bias from the token slots its experts received this
     step (:meth:`Router.update_bias`), the counts ``[E]`` of all routers summed in one buffer
-    over Z and data x context (every rank then holds the same biases). Call once per optimizer
-    step, after the last micro-batch; nothing to do for a model without biased routers.
+    over Z and data x context (every rank then holds the same biases; under expert parallelism
+    too, as each rank counts the slots its own tokens chose). Call once per optimizer step,
+    after the last micro-batch; nothing to do for a model without biased routers.
     """
     routers = biased_routers(model)
     if not routers:

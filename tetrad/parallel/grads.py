@@ -56,7 +56,8 @@ def global_grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
     (``torch._foreach_norm``), as in ``torch.nn.utils.clip_grad_norm_``. With pipeline stages
     ``model`` holds this rank's parts and the world sum adds the stages.
     """
-    sharded = grid.z * grid.y * grid.x > 1 or grid.pipe > 1  # stages hold different weights
+    # stages hold different weights, and so do expert-parallel ranks
+    sharded = grid.z * grid.y * grid.x > 1 or grid.pipe > 1 or grid.expert > 1
     local = () if sharded else (Axis.DATA, Axis.CONTEXT)  # each of their ranks counts its own
     grads = [
         p.grad.detach()

@@ -12,8 +12,11 @@ Layouts on the grid (AxoNN's algorithm, Singh et al., arXiv 2305.13525):
                           out X)
     logits                [B/(G_data G_z), S, V/(G_y G_x)]     (LM head: input gathered over X,
                                                                vocabulary over Y and X)
-    MoE router, experts   whole on every rank (G_y = G_x = 1: :func:`check_moe_grid`); their
-                          gradients are summed over Z and data like the norm weights'
+    MoE router            whole on every rank (G_y = G_x = 1: :func:`check_moe_grid`), its
+                          gradient summed over Z and data like the norm weights'
+    MoE experts           [E/G_expert, ...] on the expert axis (folded over data x context,
+                          :mod:`tetrad.parallel.experts`), gradients summed over Z and
+                          expert-data; whole on every rank when G_expert = 1
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig, check_divisible, check_moe_grid
 from tetrad.models.llama import ModelPart, Transformer, causal_attention
 from tetrad.models.moe import GroupedExperts
 from tetrad.parallel.context import ContextAttention, local_positions
 from tetrad.parallel.embedding import Embedding
+from tetrad.parallel.experts import ExpertParallelExperts
 from tetrad.parallel.head import VocabParallelHead
 from tetrad.parallel.linear import Linear
 from tetrad.parallel.loss import lm_head_loss
@@ -47,6 +52,8 @@ class ParallelLayers:
         self.grid, self.overlap = grid, overlap
         self.head_split = grid.y
         self.attention = causal_attention if grid.context == 1 else ContextAttention(grid)
+        if grid.context == 1:
+            self.sequence_sum = None  # whole sequences on every rank
 
     def positions(self, s: int, device: torch.device) -> torch.Tensor:
         return local_positions(s, self.grid, device)
@@ -73,9 +80,17 @@ class ParallelLayers:
         return self._replicated(nn.Linear(dim, n_experts, bias=False))
 
     def experts(self, n_experts: int, dim: int, ffn_dim: int, out_std: float) -> nn.Module:
-        """The routed experts (:class:`GroupedExperts`), whole on every rank: no expert
-        parallelism yet."""
+        """The routed experts: split over the expert axis (:class:`ExpertParallelExperts`)
+        when ``G_expert > 1``, else :class:`GroupedExperts` whole on every rank."""
+        if self.grid.expert > 1:
+            return ExpertParallelExperts(n_experts, dim, ffn_dim, out_std, self.grid)
         return self._replicated(GroupedExperts(n_experts, dim, ffn_dim, out_std))
+
+    def sequence_sum(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t`` (no gradient) summed in place over the context ranks, which hold the other
+        parts of this rank's sequences (the MoE load-balancing statistics); with
+        ``G_context = 1`` this attribute is None (:meth:`__init__`)."""
+        return all_reduce(t, self.grid, Axis.CONTEXT)
 
     def head_norm(self, dim: int, eps: float) -> nn.Module:
         """Per-head q/k RMSNorm weight ``[head_dim]``, whole on every rank (G_y = 1)."""
@@ -124,12 +139,13 @@ class ParallelLlama(Transformer):
         **overlap_options: int,
     ):
         check_divisible(cfg, grid.sizes)
-        check_moe_grid(cfg, grid.sizes, grid.pipe)
+        check_moe_grid(cfg, grid.sizes, grid.pipe, grid.expert)
         overlap = Overlap(grid, overlaps, **overlap_options)
         super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing, part)
         self.overlap = overlap
         self._place_buffers(grid)
-        params = list(self.parameters())
+        # expert-sharded weights are summed over expert-data, never in the data buckets
+        params = [p for p in self.parameters() if not p.placement.expert_sharded]
         overlap.late = [p for p in params if Axis.Z in p.placement.grad_sum_axes]
         overlap.buckets.expected = len(params) - len(overlap.late)
         if overlap.folds_late():  # backward meets the weights in reverse order

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tetrad.grid import Grid
-from tetrad.spec import GRID_AXES, Axis
+from tetrad.spec import EXPERT_GRID_AXES, GRID_AXES, Axis
 
 # Replicated axes whose ranks see different tokens: gradients are summed over them.
 TOKEN_AXES = (Axis.Z, Axis.DATA)
@@ -42,13 +42,25 @@ class Placement:
         return tuple(a for dim in self.split for a in dim)
 
     @property
+    def expert_sharded(self) -> bool:
+        """Whether the tensor is split over the expert axis (a routed expert's weight): its
+        grid is then :data:`tetrad.spec.EXPERT_GRID_AXES`, the data x context ranks seen as
+        expert-data x expert."""
+        return Axis.EXPERT in self.sharded_axes
+
+    @property
     def replicated_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in GRID_AXES if a not in self.sharded_axes)
+        axes = EXPERT_GRID_AXES if self.expert_sharded else GRID_AXES
+        return tuple(a for a in axes if a not in self.sharded_axes)
 
     @property
     def grad_sum_axes(self) -> tuple[str, ...]:
-        """Replicated axes over which the gradient must be summed (they see other tokens)."""
-        return tuple(a for a in TOKEN_AXES if a not in self.sharded_axes)
+        """Replicated axes over which the gradient must be summed (they see other tokens):
+        Z and data, or Z and expert-data for an expert-sharded weight (each of its ranks
+        already holds the gradient of every token its experts received over the expert
+        axis, so no rescaling: losses are sums divided by the global token count)."""
+        axes = (Axis.Z, Axis.EXPERT_DATA) if self.expert_sharded else TOKEN_AXES
+        return tuple(a for a in axes if a not in self.sharded_axes)
 
     def local_slices(self, grid: Grid) -> tuple[slice, ...]:
         """This rank's rectangle of the global tensor, one slice per dim."""
