@@ -13,12 +13,14 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.test_moe_parallel import CLIP, CONFIGS, LR, MICRO, SEED, batches, reference_run, set_lr
+from tests.test_train import corpus  # noqa: F401  (a fixture)
 from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.spec import Axis, GridError
 from tetrad.train.step import build_optimizer, train_step_losses
 
+MODEL = "moe-tiny,vocab_size=0,router_score=sigmoid,bias_update_rate=0.01"
 # (DATA, CONTEXT, Z, Y, X), G_expert
 TWO_RANKS = [((2, 1, 1, 1, 1), 2), ((1, 2, 1, 1, 1), 2)]
 FOUR_RANKS = [
@@ -80,3 +82,35 @@ def bad_expert_grid():
 
 def test_expert_parallel_not_dividing_refused():
     run_distributed(bad_expert_grid, 2)
+
+
+def _train(cfg):
+    from tetrad.train import trainer
+
+    trainer.train(cfg)
+
+
+def test_resume_across_expert_parallel_sizes(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """The MoE run on ``data=4`` resumed from its DCP checkpoints with another expert
+    parallelism each time (2 -> 4 -> none, the experts' shards re-cut) gives the uninterrupted
+    run's losses; the checkpoints' keys do not depend on ``G_expert``."""
+    from tests.test_resume import full_state
+    from tests.test_train import config, losses
+
+    monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    # a flat learning rate after the warm-up: the cosine's end is the run's --steps
+    opts = dict(model=MODEL, grid="data=4,expert=2", checkpoint_every=2, lr=3e-3, min_lr=3e-3)
+    run_distributed(_train, 4, config(corpus, whole, 6, **opts))
+    _, expected = losses(whole)
+    run_distributed(_train, 4, config(corpus, split, 2, **opts))
+    run_distributed(_train, 4, config(corpus, split, 4, resume=True, **opts, expert_parallel=4))
+    opts["grid"] = "4,1,1,1"
+    run_distributed(_train, 4, config(corpus, split, 6, resume=True, **opts))
+    _, got = losses(split)
+    assert len(got) == len(expected) == 6
+    for g, e in zip(got, expected, strict=True):
+        assert abs(g - e) <= 1e-5 * abs(e), (got, expected)
+    a = full_state(whole / "checkpoints/step_0000004")
+    b = full_state(split / "checkpoints/step_0000004")  # written with G_expert = 4
+    assert a.keys() == b.keys() and a["model.layers.1.feed_forward.experts.w1"].shape[0] == 4

@@ -34,8 +34,8 @@ from tetrad.device import local_device
 from tetrad.spec import (
     GRID_AXES,
     Axis,
-    GridError,
     GridShape,
+    check_expert_parallel,
     check_world_size,
     parse_grid,
     physical_axis,
@@ -199,22 +199,6 @@ class Grid:
         pipe = f"pipe={self.pipe} " if self.pipe > 1 else ""
         ep = f" expert={self.expert}" if self.expert > 1 else ""
         return f"{pipe}data={d}{ctx} z={z} y={y} x={x}{ep}{turned}"
-
-
-def check_expert_parallel(expert: int, sizes: GridShape) -> None:
-    """Check that ``G_expert`` divides ``G_data G_context`` (expert parallelism folds over
-    those ranks and adds none).
-
-    Raises:
-        GridError: one line naming the sizes that would do.
-    """
-    dc = sizes[0] * sizes[1]
-    if expert < 1 or dc % expert:
-        fits = [n for n in range(1, dc + 1) if dc % n == 0]
-        raise GridError(
-            f"expert parallelism {expert} must divide G_data*G_context = {dc} (it folds over "
-            f"the data and context ranks): use --expert-parallel {' or '.join(map(str, fits))}"
-        )
 
 
 def expert_groups(grid: Grid, expert: int) -> dict[str, dist.ProcessGroup]:

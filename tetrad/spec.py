@@ -243,6 +243,30 @@ def check_world_size(sizes: GridShape, world_size: int, pipe: int = 1) -> None:
         )
 
 
+def pop_expert(text: str) -> tuple[str, str]:
+    """A named ``--grid`` such as ``"data=4,expert=2"`` without its ``expert=N`` item, and
+    ``N`` (as text): the expert axis folds over data x context and adds no ranks."""
+    items = [i for i in text.split(",") if i.partition("=")[0].strip() != "expert"]
+    expert = [i.partition("=")[2].strip() for i in text.split(",") if i not in items]
+    return ",".join(items) or "data=1", expert[-1]
+
+
+def check_expert_parallel(expert: int, sizes: GridShape) -> None:
+    """Check that ``G_expert`` divides ``G_data G_context`` (expert parallelism folds over
+    those ranks and adds none).
+
+    Raises:
+        GridError: one line naming the sizes that would do.
+    """
+    dc = sizes[0] * sizes[1]
+    if expert < 1 or dc % expert:
+        fits = [n for n in range(1, dc + 1) if dc % n == 0]
+        raise GridError(
+            f"expert parallelism {expert} must divide G_data*G_context = {dc} (it folds over "
+            f"the data and context ranks): use --expert-parallel {' or '.join(map(str, fits))}"
+        )
+
+
 # ---- overlaps --------------------------------------------------------------------------------
 
 OVERLAPS = ("prefetch", "reduce_scatter", "dx_all_reduce", "dp_all_reduce", "domino", "fine")

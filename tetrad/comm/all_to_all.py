@@ -9,6 +9,8 @@ is what :func:`tetrad.plan.comm.experts.all_to_all_bytes` predicts from the rout
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -36,7 +38,7 @@ def all_to_all(
     if g == 1:
         return Handle(None, t, None, 0.0) if async_op else t
     t = t.contiguous()
-    row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+    row = math.prod(t.shape[1:]) * t.element_size()  # bytes per dim-0 row (0 rows is fine)
     ins = input_splits if input_splits is not None else [t.shape[0] // g] * g
     outs = output_splits if output_splits is not None else [t.shape[0] // g] * g
     out = t.new_empty((sum(outs), *t.shape[1:]))

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tetrad.grid import Grid
 from tetrad.parallel.placement import Placement
+from tetrad.spec import Axis
 from tetrad.train.checkpoint_dir import (
     CheckpointError,
     check_files,
@@ -105,6 +106,9 @@ class Checkpointer:
             # collectively), then keeps its own stage's slice
             ranks = torch.arange(self.grid.world_size).view(self.grid.pipe, *self.grid.physical)
             names = ("pipe", *(n for n in self.grid.mesh.mesh_dim_names if n != "pipe"))
+            if Axis.EXPERT in order:  # data x context seen as expert-data x expert
+                ranks = ranks.view(self.grid.pipe, -1, self.grid.expert, *ranks.shape[3:])
+                names = ("pipe", Axis.EXPERT_DATA.value, Axis.EXPERT.value, *names[3:])
             perm = [names.index(a) for a in ("pipe", *order)]
             mesh = DeviceMesh(
                 self.grid.device.type, ranks.permute(perm), mesh_dim_names=("pipe", *order)

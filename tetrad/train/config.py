@@ -47,7 +47,15 @@ from typing import Any, Literal
 
 from tetrad.models.config import ModelConfig, parse_model, with_sizes
 from tetrad.plan.comm.context_parallel import context_problems
-from tetrad.spec import DEVICES, TetradError, parse_grid, parse_pipeline_grid, tomllib
+from tetrad.spec import (
+    DEVICES,
+    TetradError,
+    check_expert_parallel,
+    parse_grid,
+    parse_pipeline_grid,
+    pop_expert,
+    tomllib,
+)
 from tetrad.train.sections import (
     CheckpointSection,
     ConfigError,
@@ -139,11 +147,7 @@ class TrainConfig:
                 f"G_data*G_z*micro_batch = {d}*{z}*{t.micro_batch} = {shards}: "
                 "change --global-batch or --micro-batch"
             )
-        if context_problems(t.seq_len, c):
-            raise ConfigError(
-                f"seq_len={t.seq_len} is not divisible by 2*G_context = {2 * c} (each context "
-                "rank holds two chunks of every sequence): change --seq-len or the grid"
-            )
+        self._check_context_and_experts()
         check_training(t)
         check_pipeline(self.parallelism, self.grad_accum)
         c = self.checkpoint
@@ -169,6 +173,20 @@ class TrainConfig:
         except TetradError as e:
             raise ConfigError(str(e)) from None
         self.logging.profile_range()
+
+    def _check_context_and_experts(self) -> None:
+        """The sequence splits over the context ranks; ``G_expert`` divides data x context."""
+        t, grid = self.training, self.parallelism.grid
+        c = grid[1]
+        if context_problems(t.seq_len, c):
+            raise ConfigError(
+                f"seq_len={t.seq_len} is not divisible by 2*G_context = {2 * c} (each context "
+                "rank holds two chunks of every sequence): change --seq-len or the grid"
+            )
+        try:
+            check_expert_parallel(self.parallelism.expert_parallel, grid)
+        except TetradError as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def grad_accum(self) -> int:
@@ -328,6 +346,9 @@ class _Builder:
             raise _unknown(key, self.where, [*BY_OPTION, *SECTIONS])
 
     def set(self, f: _Field, value: Any) -> None:
+        if f.option == "grid" and isinstance(value, str) and "expert=" in value:
+            value, expert = pop_expert(value)  # expert=N sets expert_parallel
+            self.set(BY_OPTION["expert_parallel"], expert)
         if f.option == "grid" and str(value).strip() != "auto":  # it may carry G_pipe
             pipe, value = parse_pipeline_grid(value)
             self.values["parallelism"]["pipe"] = pipe

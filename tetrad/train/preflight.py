@@ -60,7 +60,8 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
                 f"of {hf_vocab:,}: use the model's own tokenizer.json (drop --tokenizer)"
             )
     check_divisible(model_cfg, cfg.parallelism.grid)
-    check_moe_grid(model_cfg, cfg.parallelism.grid, cfg.parallelism.pipe)
+    par = cfg.parallelism
+    check_moe_grid(model_cfg, par.grid, par.pipe, par.expert_parallel)
     if cfg.parallelism.activation_checkpointing != "auto":  # selective:K needs K <= n_layers
         checkpointed_blocks(cfg.parallelism.activation_checkpointing, model_cfg.n_layers)
     start = start_checkpoint(cfg)

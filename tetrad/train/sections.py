@@ -113,6 +113,13 @@ class ParallelismSection:
     pipe: int = option(
         1, metavar="N", help="pipeline stages G_pipe (set by a six-entry or pipe= --grid)"
     )
+    expert_parallel: int = option(
+        1,
+        metavar="N",
+        help="expert parallelism G_expert of an MoE model: its routed experts split over N "
+        "of the data x context ranks, tokens exchanged by all-to-all (N divides "
+        "G_data*G_context and n_experts; also expert=N in a named --grid)",
+    )
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = option(
         "1f1b", help="pipeline schedule (torch.distributed.pipelining's) when G_pipe > 1"
     )

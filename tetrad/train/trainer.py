@@ -119,7 +119,7 @@ def train(cfg: TrainConfig) -> dict:
     stop = StopSignals(cfg.checkpoint.save_on_signal)  # first: a signal from now on is kept
     cfg = with_orientation(cfg)
     par = cfg.parallelism
-    grid = Grid.build(par.grid, cfg.training.device, par.orientation, par.pipe)
+    grid = Grid.build(par.grid, cfg.training.device, par.orientation, par.pipe, par.expert_parallel)
     if grid.device.type == "cpu":
         torch.set_num_threads(threads_per_rank(grid.world_size))
     corpus, model_cfg = preflight_on_rank0(cfg)
