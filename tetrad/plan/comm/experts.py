@@ -1,0 +1,123 @@
+"""Expert parallelism's all-to-all traffic per MoE block and micro-batch: exact for given
+routing counts (what :class:`tetrad.parallel.experts.ExpertParallelExperts` sends), and a
+uniform-routing estimate with an imbalance factor. Plain Python.
+
+The runtime, per MoE block and micro-batch, on each rank of an expert group of ``P`` ranks
+(``E`` experts, ``E/P`` per rank, rows of ``h`` elements of ``b`` bytes):
+
+    forward    counts   all-to-all of ``E`` int64 counts, ``E/P`` to each rank
+               dispatch ``T k`` rows out (``out_j`` to rank ``j``), ``R`` rows in
+               combine  the ``R`` rows back, the ``T k`` rows home
+    backward   the two row all-to-alls again, each the other way (their autograd)
+    recompute  (full activation checkpointing) the three forward calls once more
+
+Per call the runtime records (:mod:`tetrad.comm.all_to_all`) the payload, the larger of
+input and output (``max(T k, R) h b`` for a row all-to-all), and the bytes sent to the other
+ranks (``(T k - out_self) h b`` for a dispatch, ``(R - in_self) h b`` for a combine). Under
+uniform routing each rank sends ``V = T k h b (P - 1)/P`` per row all-to-all (the fact sheet's
+formula: /work/shared/notes/moe-expert-parallelism.md section 7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+COUNT_BYTES = 8
+"""Bytes of one routing count (int64, as ``torch.bincount`` gives)."""
+
+
+@dataclass(frozen=True)
+class AllToAllTraffic:
+    """One rank's expert-parallel all-to-alls for one MoE block and micro-batch.
+
+    Attributes:
+        calls: all-to-alls issued (forward and backward).
+        payload_bytes: the sum over calls of the larger of input and output, bytes.
+        sent_bytes: bytes sent to the other ranks of the expert group.
+    """
+
+    calls: int
+    payload_bytes: float
+    sent_bytes: float
+
+
+def all_to_all_traffic(
+    counts: Sequence[Sequence[int]],
+    rank: int,
+    hidden: int,
+    elem_bytes: int,
+    backward: bool = True,
+    recompute: bool = False,
+) -> AllToAllTraffic:
+    """The exact all-to-all traffic of rank ``rank`` of an expert group of ``P`` ranks.
+
+    Args:
+        counts: ``[P][E]``: ``counts[s][e]`` = token slots of rank ``s``'s tokens routed to
+            expert ``e`` (global index; rank ``j`` holds experts ``[j E/P, (j+1) E/P)``).
+        rank: the rank whose traffic to return (its place in the expert group).
+        hidden: ``h``, elements per token row.
+        elem_bytes: ``b``, bytes per element of the rows (the compute dtype's).
+        backward: include the backward's two row all-to-alls.
+        recompute: include the forward's three calls once more (full recomputation).
+
+    Raises:
+        ValueError: ``E`` not divisible by ``P``, or ragged ``counts``.
+    """
+    p, e = len(counts), len(counts[0])
+    if e % p or any(len(c) != e for c in counts):
+        raise ValueError(f"counts must be [P][E] with E divisible by P (got {p} x {e})")
+    n = e // p
+    to_rank = [[sum(c[j * n : (j + 1) * n]) for j in range(p)] for c in counts]  # [src][dst]
+    out_rows = sum(to_rank[rank])
+    in_rows = sum(to_rank[s][rank] for s in range(p))
+    own = to_rank[rank][rank]
+    row = hidden * elem_bytes
+    rows_payload = max(out_rows, in_rows) * row
+    counts_call = (e * COUNT_BYTES, (e - n) * COUNT_BYTES)
+    rows_calls = [(rows_payload, (out_rows - own) * row), (rows_payload, (in_rows - own) * row)]
+    forward = [counts_call, *rows_calls]
+    calls = forward + (rows_calls if backward else []) + (forward if recompute else [])
+    return AllToAllTraffic(
+        len(calls), float(sum(c[0] for c in calls)), float(sum(c[1] for c in calls))
+    )
+
+
+def uniform_all_to_all_traffic(
+    tokens: int,
+    top_k: int,
+    n_experts: int,
+    expert_parallel: int,
+    hidden: int,
+    elem_bytes: int,
+    imbalance: float = 1.0,
+    backward: bool = True,
+    recompute: bool = False,
+) -> AllToAllTraffic:
+    """The all-to-all traffic of the busiest rank when every rank's ``T = tokens`` tokens
+    choose their ``k = top_k`` experts uniformly, except that the busiest rank's experts
+    receive ``imbalance`` times the mean number of rows, ``T k imbalance`` (``imbalance`` >= 1;
+    its own tokens spread evenly: ``T k / P`` of them stay on the rank). Equal to
+    :func:`all_to_all_traffic` for perfectly balanced counts with ``imbalance = 1``.
+
+    Raises:
+        ValueError: ``imbalance < 1`` or ``n_experts`` not divisible by ``expert_parallel``.
+    """
+    p = expert_parallel
+    if imbalance < 1 or n_experts % p:
+        raise ValueError("imbalance must be >= 1 and n_experts divisible by expert_parallel")
+    slots = tokens * top_k
+    own = slots / p
+    in_rows = slots * imbalance
+    row = hidden * elem_bytes
+    rows_payload = max(slots, in_rows) * row
+    counts_call = (n_experts * COUNT_BYTES, (n_experts - n_experts // p) * COUNT_BYTES)
+    rows_calls = [
+        (rows_payload, (slots - own) * row),
+        (rows_payload, (in_rows - own) * row),
+    ]
+    forward = [counts_call, *rows_calls]
+    calls = forward + (rows_calls if backward else []) + (forward if recompute else [])
+    return AllToAllTraffic(
+        len(calls), float(sum(c[0] for c in calls)), float(sum(c[1] for c in calls))
+    )
