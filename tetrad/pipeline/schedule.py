@@ -59,6 +59,8 @@ class Pipeline:
         parts: :class:`RankParts`, this rank's parts (the optimizer's and checkpoints' model).
         stages: their :class:`TetradStage`, in stage order.
         n_tokens: the global batch's token count, set before each step (the loss divisor).
+        aux_scale: 1 / the global batch's sequences, set before each step of an MoE model
+            (the load-balancing terms' divisor; 0: left out).
 
     Raises:
         PipelineSplitError: see :func:`check_schedule` and :func:`balanced_split`.
@@ -77,7 +79,7 @@ class Pipeline:
         check_schedule(schedule, grid.pipe, virtual, micro_batches)
         n_stages = grid.pipe * virtual
         self.split = split or balanced_split([1.0] * cfg.n_layers, 1.0, 1.0, n_stages)
-        self.grid, self.n_tokens = grid, 1
+        self.grid, self.n_tokens, self.aux_scale = grid, 1, 0.0
         group = grid.mesh.get_group(Axis.PIPE)
         self.parts, self.stages = RankParts(), []
         for s in stages_of_rank(grid.coord[Axis.PIPE], grid.pipe, virtual):
@@ -95,6 +97,12 @@ class Pipeline:
     def is_first(self) -> bool:
         return self.stages[0].is_first
 
+    def aux_loss(self) -> torch.Tensor:
+        """This rank's share of the last step's MoE load-balancing term (its stages' blocks,
+        its sequences, times :attr:`aux_scale`), a 0-dim fp32 tensor."""
+        total = sum((s.submod.aux_total for s in self.stages), 0.0)
+        return torch.as_tensor(total, dtype=torch.float32, device=self.grid.device)
+
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         model = self.last
         vocab = model.cfg.unpadded_vocab or None
@@ -107,6 +115,8 @@ class Pipeline:
         cross-entropy / :attr:`n_tokens`; 0 off the last stage), a 0-dim tensor. With grad
         disabled, forward only (the schedule's ``eval``)."""
         losses: list[torch.Tensor] = []
+        for stage in self.stages:  # MoE load-balancing terms (StageForward)
+            stage.submod.aux_scale, stage.submod.aux_total = self.aux_scale, 0.0
         args = (inputs,) if self.is_first else ()
         run = self.schedule.step if torch.is_grad_enabled() else self.schedule.eval
         if self.last is not None:

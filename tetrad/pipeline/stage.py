@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from tetrad.comm import count_sends
 from tetrad.models.llama import Transformer
+from tetrad.parallel.experts import biased_routers
 from tetrad.parallel.linear import compute_dtype
 from tetrad.spec import Axis
 
@@ -44,12 +45,34 @@ class StageForward(nn.Module):
     def __init__(self, part: Transformer, sends: bool = True):
         super().__init__()
         self.part, self.sends = part, sends
+        self.aux_scale = 0.0  # 1 / global sequences, set by the Pipeline before a step
+        self.aux_total: torch.Tensor | float = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point():  # the residual stream, received in the compute dtype
             x = x.to(next(self.part.parameters()).dtype)
         h = self.part.hidden(x)
+        aux = self.part.aux_loss_sum() if self.aux_scale and torch.is_grad_enabled() else None
+        if aux is not None:  # the stage's MoE load-balancing terms, differentiated in place
+            aux = aux * self.aux_scale
+            self.aux_total = self.aux_total + aux.detach()
+            h = AttachAux.apply(h, aux)
         return h.to(compute_dtype(h)) if self.sends else h
+
+
+class AttachAux(torch.autograd.Function):
+    """``(h, aux)`` -> ``h``, whose backward also gives ``aux`` the gradient 1: the stage's
+    load-balancing terms join the loss without travelling to the last stage (Megatron-LM's
+    ``MoEAuxLossAutoScaler``, ``moe_utils.py``)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux.shape
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return dh, torch.ones(ctx.aux_shape, device=dh.device)
 
 
 class TetradStage(PipelineStage):
@@ -88,9 +111,13 @@ class TetradStage(PipelineStage):
     def _post_metadata_inference_cleanup(self) -> None:
         # The first step infers the boundary shapes with a real forward and backward, whose
         # gradients land in the parameters (torch clears them for FSDP modules only).
+        # The same for an MoE part's load-balancing terms and its routers' expert loads.
         super()._post_metadata_inference_cleanup()
         for p in self.submod.parameters():
             p.grad = None
+        self.submod.aux_total = 0.0
+        for router in biased_routers(self.submod.part):
+            router.tokens_per_expert.zero_()
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs=None, *rest: Any, **kw):
         if not torch.is_grad_enabled():  # evaluation: no backward will release the input

@@ -8,6 +8,7 @@ import torch
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
+from tetrad.parallel.experts import update_expert_biases
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.spec import Axis
 from tetrad.train.step import (
@@ -22,17 +23,32 @@ from tetrad.train.step import (
 def pipeline_train_step(
     pipeline: Pipeline, optimizer: torch.optim.Optimizer, batch: torch.Tensor, grad_clip: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pipeline_train_step_losses` without the load-balancing term."""
+    loss, _, norm = pipeline_train_step_losses(pipeline, optimizer, batch, grad_clip)
+    return loss, norm
+
+
+def pipeline_train_step_losses(
+    pipeline: Pipeline, optimizer: torch.optim.Optimizer, batch: torch.Tensor, grad_clip: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward, backward and update on one global batch ``[B, S+1]`` (the same on every rank)
     through the pipeline's schedule; this rank's ``B/(G_data G_z)`` samples are its
     micro-batches.
 
+    An MoE model's load-balancing terms are differentiated on the stages that compute them
+    (:class:`tetrad.pipeline.stage.AttachAux`), and routers with a selection bias update it
+    after the step (:func:`tetrad.parallel.experts.update_expert_biases`, per part).
+
     Returns:
-        ``(loss, grad_norm)``, 0-dim tensors, identical on every rank: the mean
-        cross-entropy (nats) over the ``B*S`` tokens, and the global gradient norm before
-        clipping (all stages).
+        ``(loss, aux_loss, grad_norm)``, 0-dim tensors, identical on every rank: the mean
+        cross-entropy (nats) over the ``B*S`` tokens, the MoE load-balancing term (as
+        :func:`tetrad.train.step.train_step_losses`; 0 for a dense model), and the global
+        gradient norm before clipping (all stages).
     """
     grid = pipeline.grid
     pipeline.n_tokens = batch[:, 1:].numel()
+    moe = pipeline.parts[0].cfg.is_moe
+    pipeline.aux_scale = 1.0 / batch.shape[0] if moe else 0.0
     local = to_device(local_samples(batch, grid), grid.device)
     with autocast(grid.device):
         loss = pipeline.step(*inputs_targets(local, grid))
@@ -41,7 +57,12 @@ def pipeline_train_step(
     norm = clip_grad_norm(pipeline.parts, grid, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return _sum_over_pipe_and_batch_axes(loss, grid), norm
+    aux = pipeline.aux_loss()
+    if moe:
+        for part in pipeline.parts:
+            update_expert_biases(part, grid)
+        aux = _sum_over_pipe_and_batch_axes(aux, grid)
+    return _sum_over_pipe_and_batch_axes(loss, grid), aux, norm
 
 
 @torch.no_grad()

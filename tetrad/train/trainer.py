@@ -24,7 +24,7 @@ from tetrad.models.hf import read_config
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama, compile_blocks
 from tetrad.pipeline.schedule import Pipeline
-from tetrad.pipeline.step import pipeline_evaluate, pipeline_train_step
+from tetrad.pipeline.step import pipeline_evaluate, pipeline_train_step_losses
 from tetrad.spec import FINE_CHUNKS, MiB
 from tetrad.train.announce import notes, print_resume, print_start, report_save
 from tetrad.train.auto import domino_pays, fine_chunks, with_orientation
@@ -221,12 +221,12 @@ def _step(job: Job, step: int, batch: torch.Tensor) -> dict:
         overlap.counts.clear()
     extra: dict = {}
     if isinstance(model, Pipeline):
-        loss, grad_norm = pipeline_train_step(model, job.optimizer, batch, t.grad_clip)
+        loss, aux, grad_norm = pipeline_train_step_losses(model, job.optimizer, batch, t.grad_clip)
     else:
         loss, aux, grad_norm = train_step_losses(
             model, job.optimizer, grid, batch, t.micro_batch, t.grad_clip
         )
-        extra = {"aux_loss": aux} if parts_of(model)[0].cfg.is_moe else {}
+    extra = {"aux_loss": aux} if parts_of(model)[0].cfg.is_moe else {}
     return extra | {
         "step": step + 1,
         "loss": loss,
