@@ -141,10 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     rows, ok = [], True
-    print(f"T={args.tokens} tokens/rank, h={args.dim}, E={args.experts}, F={args.ffn}, "
-          f"top-{args.top_k}; medians of {args.repeats} x {args.steps - args.warmup} steps")
-    print("world  tetrad s  stock s  ratio  payload B tetrad  stock  planner  sent B tetrad "
-          "planner  max|dy|")
+    print(
+        f"T={args.tokens} tokens/rank, h={args.dim}, E={args.experts}, F={args.ffn}, "
+        f"top-{args.top_k}; medians of {args.repeats} x {args.steps - args.warmup} steps"
+    )
+    print(
+        "world  tetrad s  stock s  ratio  payload B tetrad  stock  planner  sent B tetrad "
+        "planner  max|dy|"
+    )
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp) / "r.json")

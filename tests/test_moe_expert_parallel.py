@@ -149,3 +149,20 @@ def test_resume_across_expert_parallel_sizes(corpus, tmp_path, monkeypatch):  # 
     a = full_state(whole / "checkpoints/step_0000004")
     b = full_state(split / "checkpoints/step_0000004")  # written with G_expert = 4
     assert a.keys() == b.keys() and a["model.layers.1.feed_forward.experts.w1"].shape[0] == 4
+
+
+def test_expert_parallel_options_and_one_line_refusals():
+    from tetrad.models.config import PRESETS, ModelConfigError, check_moe_grid
+    from tetrad.train.config import ConfigError, load_config
+
+    cfg = load_config(None, {"grid": "data=4,expert=2"})
+    assert cfg.parallelism.grid == (4, 1, 1, 1, 1) and cfg.parallelism.expert_parallel == 2
+    cfg = load_config(None, {"grid": "2,1,1,1", "expert_parallel": 4})
+    with pytest.raises(ConfigError, match="use --expert-parallel 1 or 2") as e:
+        cfg.check()
+    assert "\n" not in str(e.value)
+    with pytest.raises(ModelConfigError, match="n_experts=4") as e:
+        check_moe_grid(PRESETS["moe-tiny"], (8, 1, 1, 1, 1), expert=8)
+    with pytest.raises(ModelConfigError, match="needs a model with experts"):
+        check_moe_grid(PRESETS["tiny"], (2, 1, 1, 1, 1), expert=2)
+    check_moe_grid(PRESETS["moe-tiny"], (2, 2, 1, 1, 1), pipe=2, expert=4)
