@@ -21,8 +21,8 @@ from tetrad.spec import Axis, GridError
 from tetrad.train.step import build_optimizer, train_step_losses
 
 MODEL = "moe-tiny,vocab_size=0,router_score=sigmoid,bias_update_rate=0.01"
-# (DATA, CONTEXT, Z, Y, X), G_expert
-TWO_RANKS = [((2, 1, 1, 1, 1), 2), ((1, 2, 1, 1, 1), 2)]
+# (DATA, CONTEXT, Z, Y, X), G_expert[, activation checkpointing]
+TWO_RANKS = [((2, 1, 1, 1, 1), 2), ((1, 2, 1, 1, 1), 2), ((2, 1, 1, 1, 1), 2, "full")]
 FOUR_RANKS = [
     ((4, 1, 1, 1, 1), 4),
     ((4, 1, 1, 1, 1), 2),
@@ -34,9 +34,14 @@ FOUR_RANKS = [
 
 def ep_run(name, curves, ref_state, grids):
     cfg = CONFIGS[name]
-    for sizes, ep in grids:
+    for sizes, ep, *recompute in grids:  # recompute: activation checkpointing, full
         grid = Grid.build(sizes, expert=ep)
-        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "reduce_scatter"))
+        model = ParallelLlama(
+            cfg,
+            grid,
+            activation_checkpointing=recompute[0] if recompute else "none",
+            overlaps=("dp_all_reduce", "reduce_scatter"),
+        )
         init_parameters(model, SEED, grid)
         experts = model.layers["1"].feed_forward.experts
         assert experts.w1.shape[0] == cfg.n_experts // ep  # really split
