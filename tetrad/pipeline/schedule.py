@@ -123,4 +123,4 @@ class Pipeline:
             run(*args, target=targets, losses=losses, return_outputs=False)
             return torch.stack([t.detach().float() for t in losses]).sum()
         run(*args, return_outputs=False)
-        return torch.zeros((), device=self.grid.device)
+        return torch.zeros((), dtype=torch.float32, device=self.grid.device)  # as the last's
