@@ -12,7 +12,7 @@ import os
 
 from tetrad.activation_checkpointing import CHECKPOINTING, recompute_order
 from tetrad.models.config import ModelConfig
-from tetrad.spec import DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype, parse_grid
+from tetrad.spec import CONTEXT_PIECES, DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype, parse_grid
 from tetrad.train.config import ConfigError, TrainConfig
 
 # Machine presets that match a CUDA device name, for --grid auto without --machine.
@@ -245,6 +245,21 @@ def fine_chunks(cfg: TrainConfig, mc: ModelConfig) -> int:
     # a set naming fine forces it; "all" lets the planner leave it off (chunk count 0)
     overlaps = par.overlaps if named else "all"
     return _estimate(cfg, mc, overlaps, par.fine_chunks or None).fine_chunks
+
+
+def context_pieces(cfg: TrainConfig, mc: ModelConfig) -> int:
+    """The ``context_pieces`` option of the ``context`` overlap for this run (1: off or no
+    context parallelism): ``--context-pieces`` if given, else the planner's best on
+    ``--machine`` (:attr:`tetrad.plan.comm.estimate.Estimate.context_pieces`), else
+    :data:`tetrad.spec.CONTEXT_PIECES`."""
+    from tetrad.plan.model.grids import with_context
+
+    par = cfg.parallelism
+    if "context" not in par.overlaps or with_context(par.grid)[1] == 1:
+        return 1
+    if par.context_pieces or not par.machine:
+        return par.context_pieces or CONTEXT_PIECES
+    return _estimate(cfg, mc, par.overlaps, None).context_pieces
 
 
 def is_rank0() -> bool:
