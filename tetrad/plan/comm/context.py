@@ -110,7 +110,9 @@ class Context:
             most = self.context_pieces
             return most, kv_pieces(self.model, micro_batch, gy, most)
         att = (comp.attention, comp.attention_bwd)
-        key = (micro_batch, gy, link.stride, link.size, att, full)
+        # the time of a collective depends on the link only through these
+        key = (micro_batch, gy, link.size, link.bandwidth, link.hop_latency, link.base_latency)
+        key += (att, full)
         got = self._kv.get(key)
         if got is None:
             payload = kv_gather_payload(self.model, micro_batch, self.seq_len, gy, self.c)

@@ -94,19 +94,27 @@ class GroupBounds:
         return out
 
     def _kv_per_sample(self, gc: int, gy: int, gx: int, full: bool) -> float:
-        """The ``L`` blocks' context K/V collectives per sample at least, seconds: their ring
-        bytes over the best bandwidth of a context group of ``G_x G_y G_z`` stride (latency
-        left out; the bytes grow with the samples), of which the ``context`` overlap's pieces
-        expose one piece at least (:func:`tetrad.plan.comm.layers.context_kv`: at most
-        ``context_pieces`` of them)."""
+        """The ``L`` blocks' context K/V collectives per sample at least, seconds. Per phase
+        their ring bytes over the best bandwidth of a context group of ``G_x G_y G_z`` stride
+        take ``T`` per sample (latency left out; the bytes grow with the samples); the
+        ``context`` overlap's ``n`` pieces (at most ``most``) expose
+        ``t_1 + (n - 1) max(0, t_1 - a)`` with ``n t_1 >= T`` and ``n a`` the phase's
+        attention, ``A`` per sample: at least ``max(T / most, T - A)``
+        (:func:`tetrad.plan.comm.context_parallel.pieces_exposed_seconds`)."""
         if gc == 1:
             return 0.0
         ctx = self.ctx
         net, frac = ctx.machine.network, (gc - 1) / gc
         bw = max(net.link(gx * gy * gz, gc).bandwidth for gz in divisors_of(self.s.gpus // gc))
-        payload = kv_gather_payload(ctx.model, 1, ctx.seq_len, gy, ctx.c)
-        most = (ctx.context_pieces or PIECE_CANDIDATES[-1]) if "context" in ctx.overlaps else 1
-        return ctx.model.n_layers * (3 if full else 2) * frac * payload / bw / most
+        t = frac * kv_gather_payload(ctx.model, 1, ctx.seq_len, gy, ctx.c) / bw
+        if "context" not in ctx.overlaps:
+            gather = scatter = t
+        else:
+            most = ctx.context_pieces or PIECE_CANDIDATES[-1]
+            comp = ctx.compute((1, gc, 1, gy, gx), 1)
+            gather = max(t / most, t - comp.attention)
+            scatter = max(t / most, t - comp.attention_bwd)
+        return ctx.model.n_layers * ((2 if full else 1) * gather + scatter)
 
     def _mb_costs(self, gc: int, gy: int, gx: int, b: int, mode: str) -> tuple:
         """``(model, block, costs)``: one micro-batch's compute of the whole model (forward,
