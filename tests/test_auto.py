@@ -163,7 +163,7 @@ def test_negative_fine_chunks_is_refused():
 
 def test_context_pieces_are_the_planners_where_a_machine_is_given(tmp_path):
     """``--context-pieces 0`` on ``--machine``: the planner's best (one blocking all-gather on
-    a link with 2 ms per call, several pieces on a 1 us one); without a machine the default;
+    a link with 2 ms per call, several pieces on a 1 us one); without a machine 1;
     named, as named; 1 without the overlap or without context parallelism."""
     slow = described_machine(tmp_path, "high-latency", latency_base_us=2000.0)
     fast = described_machine(tmp_path, "low-latency", latency_base_us=1.0)
@@ -177,7 +177,8 @@ def test_context_pieces_are_the_planners_where_a_machine_is_given(tmp_path):
 
     assert run(slow) == 1
     assert run(fast) > 1
-    assert run() == CONTEXT_PIECES
+    assert run() == 1
+    assert run(context_pieces=CONTEXT_PIECES) == CONTEXT_PIECES
     assert run(slow, context_pieces=4) == 4
     assert run(fast, overlap="prefetch") == 1
     assert run(fast, grid="2,1,1,1,1") == 1

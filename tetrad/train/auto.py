@@ -12,7 +12,7 @@ import os
 
 from tetrad.activation_checkpointing import CHECKPOINTING, recompute_order
 from tetrad.models.config import ModelConfig
-from tetrad.spec import CONTEXT_PIECES, DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype, parse_grid
+from tetrad.spec import DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype, parse_grid
 from tetrad.train.config import ConfigError, TrainConfig
 
 # Machine presets that match a CUDA device name, for --grid auto without --machine.
@@ -248,17 +248,19 @@ def fine_chunks(cfg: TrainConfig, mc: ModelConfig) -> int:
 
 
 def context_pieces(cfg: TrainConfig, mc: ModelConfig) -> int:
-    """The ``context_pieces`` option of the ``context`` overlap for this run (1: off or no
-    context parallelism): ``--context-pieces`` if given, else the planner's best on
-    ``--machine`` (:attr:`tetrad.plan.comm.estimate.Estimate.context_pieces`), else
-    :data:`tetrad.spec.CONTEXT_PIECES`."""
+    """The ``context_pieces`` option of the ``context`` overlap for this run (1: off, no
+    context parallelism, or the blocking all-gather): ``--context-pieces`` if given, else the
+    planner's best on ``--machine``
+    (:attr:`tetrad.plan.comm.estimate.Estimate.context_pieces`), else 1, as ``fine`` is off
+    without a machine (on 2 CPU cores with gloo, 8 pieces made a context = 2 step slower:
+    the transfers and the attention share the cores)."""
     from tetrad.plan.model.grids import with_context
 
     par = cfg.parallelism
     if "context" not in par.overlaps or with_context(par.grid)[1] == 1:
         return 1
     if par.context_pieces or not par.machine:
-        return par.context_pieces or CONTEXT_PIECES
+        return par.context_pieces or 1
     return _estimate(cfg, mc, par.overlaps, None).context_pieces
 
 

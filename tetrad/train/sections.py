@@ -144,7 +144,7 @@ class ParallelismSection:
         0,
         metavar="N",
         help="most pieces of the context overlap's K/V all-gather (0: the planner's choice on "
-        f"--machine, else {CONTEXT_PIECES}; 1: one blocking all-gather)",
+        f"--machine, else 1: one blocking all-gather; {CONTEXT_PIECES} is a good start on GPUs)",
     )
     dp_bucket_mb: float = option(
         DP_BUCKET_BYTES / MiB, metavar="MB", help="data-parallel all-reduce bucket size, MiB"
