@@ -1,5 +1,6 @@
 """The planner inside tetrad train: --grid auto, the Domino and fine decisions (no processes)."""
 
+import dataclasses
 import re
 from importlib import resources
 
@@ -10,8 +11,8 @@ from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.comm.fine import CHUNK_CANDIDATES
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.search.plan import plan
-from tetrad.spec import FINE_CHUNKS, OVERLAPS, compute_dtype
-from tetrad.train.auto import choose_grid, domino_pays, fine_chunks
+from tetrad.spec import CONTEXT_PIECES, FINE_CHUNKS, OVERLAPS, compute_dtype
+from tetrad.train.auto import choose_grid, context_pieces, domino_pays, fine_chunks
 from tetrad.train.config import ConfigError, load_config
 
 
@@ -158,3 +159,28 @@ def test_fine_is_used_exactly_where_the_planner_predicts_a_gain(tmp_path):
 def test_negative_fine_chunks_is_refused():
     with pytest.raises(ConfigError, match="fine_chunks=-1 must be 0"):
         cfg(grid="1,1,1,4", fine_chunks=-1).check()
+
+
+def test_context_pieces_are_the_planners_where_a_machine_is_given(tmp_path):
+    """``--context-pieces 0`` on ``--machine``: the planner's best (one blocking all-gather on
+    a link with 2 ms per call, several pieces on a 1 us one); without a machine 1;
+    named, as named; 1 without the overlap or without context parallelism."""
+    slow = described_machine(tmp_path, "high-latency", latency_base_us=2000.0)
+    fast = described_machine(tmp_path, "low-latency", latency_base_us=1.0)
+
+    def run(machine="", overlap="all", grid="1,2,1,1,1", **over):
+        c = cfg(model="llama-1b", grid=grid, seq_len=4096, machine=machine, overlap=overlap)
+        return context_pieces(
+            dataclasses.replace(c, parallelism=dataclasses.replace(c.parallelism, **over)),
+            c.model_config(),
+        )
+
+    assert run(slow) == 1
+    assert run(fast) > 1
+    assert run() == 1
+    assert run(context_pieces=CONTEXT_PIECES) == CONTEXT_PIECES
+    assert run(slow, context_pieces=4) == 4
+    assert run(fast, overlap="prefetch") == 1
+    assert run(fast, grid="2,1,1,1,1") == 1
+    with pytest.raises(ConfigError, match="context_pieces=-1 must be 0"):
+        cfg(grid="1,2,1,1,1", context_pieces=-1).check()

@@ -149,6 +149,15 @@ def test_compiled_blocks_with_selective_recompute_match_reference(reference):
     run_distributed(parallel_runs, 4, 4, *reference, "selective", (OVERLAPS,), [(1, 2, 1, 2)], True)
 
 
+def test_compiled_blocks_with_context_pieces_match_reference(reference):
+    """``--compile`` on context grids with the ``context`` overlap (the K/V all-gather in pieces,
+    issued and waited eagerly between the compiled parts) under selective and full recompute:
+    the same tolerances."""
+    grids = [(1, 2, 1, 1, 2)]
+    for mode in ("selective", "full"):
+        run_distributed(parallel_runs, 4, 4, *reference, mode, (OVERLAPS,), grids, True)
+
+
 def test_fine_on_a_four_wide_tensor_axis_matches_reference(reference):
     """``fine`` alone and with every overlap where its rings have more than one sending step
     (G_x = 4; the tiny model's 2 key/value heads allow no G_y = 4): the same tolerances."""

@@ -46,7 +46,7 @@ SPEC = (
     f"n_kv_heads={CFG.n_kv_heads},ffn_dim={CFG.ffn_dim},vocab_size={CFG.vocab_size}"
 )
 SEQ, SAMPLES, SEED, LR, CLIP = 16, 2, 5, 1e-3, 1.0  # SAMPLES per (data, z) cell per step
-OPTIONS = {"bucket_bytes": 1 << 14, "domino_min_rows": 8}
+OPTIONS = {"bucket_bytes": 1 << 14, "domino_min_rows": 8, "context_pieces": 4}
 # ((G_data, G_z, G_y, G_x) or (G_data, G_context, G_z, G_y, G_x), orientation); one spawn per
 # world size. Under yx the X dimension plays the Y role: both sides name the --grid's axes.
 GRIDS = {

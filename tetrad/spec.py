@@ -269,7 +269,15 @@ def check_expert_parallel(expert: int, sizes: GridShape) -> None:
 
 # ---- overlaps --------------------------------------------------------------------------------
 
-OVERLAPS = ("prefetch", "reduce_scatter", "dx_all_reduce", "dp_all_reduce", "domino", "fine")
+OVERLAPS = (
+    "prefetch",
+    "reduce_scatter",
+    "dx_all_reduce",
+    "dp_all_reduce",
+    "domino",
+    "fine",
+    "context",
+)
 """What the runtime overlaps with computation (:mod:`tetrad.parallel.overlap`, where each is
 described) and the planner models (:mod:`tetrad.plan.comm.estimate`)."""
 
@@ -301,6 +309,24 @@ def loss_chunk_rows(vocab_local: int, rows: int, device: str = "cuda") -> int:
     ``vocab_local`` fp32 logits each, at least 1 and at most ``rows``."""
     budget = LOSS_CHUNK_BYTES.get(device, LOSS_CHUNK_BYTES["cuda"])
     return max(1, min(rows, budget // (4 * vocab_local)))
+
+
+CONTEXT_PIECES = 8
+"""Most pieces of the ``context`` overlap (:mod:`tetrad.parallel.context`): the K/V all-gather
+of context-parallel attention is split over (micro-batch, KV head) into at most this many, each
+piece's attention running while the next piece travels (the planner models the same rule,
+:func:`context_pieces`)."""
+
+
+def context_pieces(micro_batch: int, kv_heads_local: int, most: int = CONTEXT_PIECES) -> tuple:
+    """``(n_b, n_h)``: the ``context`` overlap's pieces over the micro-batch's ``b`` samples and
+    this rank's ``kv_heads / G_y`` KV heads: ``n_h`` the largest divisor of ``kv_heads_local``
+    not above ``most``, then ``n_b`` the largest divisor of ``micro_batch`` not above
+    ``most // n_h``; ``n_b n_h`` pieces in all (``(1, 1)``: one blocking all-gather)."""
+    n_h = max(d for d in range(1, min(most, kv_heads_local) + 1) if kv_heads_local % d == 0)
+    left = most // n_h
+    n_b = max(d for d in range(1, min(left, micro_batch) + 1) if micro_batch % d == 0)
+    return n_b, n_h
 
 
 FINE_CHUNKS = 2

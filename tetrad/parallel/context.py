@@ -7,15 +7,37 @@ parallelism and of Llama 3, Dubey et al., arXiv 2407.21783, section 3.3.2): ever
 attends over ``(2 G_context + 1) c`` keys.
 
 Attention all-gathers keys and values over the context axis (Llama 3's choice: with grouped-query
-attention K and V are ``2 kv_heads / heads`` of the query's size, so one all-gather is cheaper
-than a ring of point-to-point exchanges; the planner compares the two,
-:mod:`tetrad.plan.comm.context_parallel`) and each local chunk attends over the keys up to its end
-with a lower-right causal mask. Backward sums the key/value gradients with a reduce-scatter
-over context. Everything else in a block is token-wise, so only RoPE needs the chunks' global
-positions; gradients are summed over data x context (:class:`tetrad.spec.Axis`).
+attention K and V are ``2 kv_heads / heads`` of the query's size) and each local chunk attends over
+the keys up to its end with a lower-right causal mask. Backward sums the key/value gradients with
+a reduce-scatter over context.
+
+Overlap (the ``context`` overlap, :mod:`tetrad.parallel.overlap`): the all-gather is issued in
+``n = n_b n_h`` pieces, over the micro-batch's samples and this rank's KV heads
+(:func:`tetrad.spec.context_pieces`), all at once and asynchronously; piece ``p``'s attention
+(its samples, its KV heads and the query heads that read them) runs as soon as piece ``p`` has
+arrived, while pieces ``p+1 ..`` are still in flight on the context communicator. In backward
+each piece's K/V gradient is reduce-scattered asynchronously as soon as its attention backward
+has formed it, during the attention backward of the remaining pieces; the waits come after the
+last piece (autograd runs a block's later-created nodes first, and the pieces' launch nodes were
+created before every piece's attention). With ``n = 1`` this is the blocking all-gather.
+
+Why pieces over heads and samples rather than a ring of point-to-point K/V exchanges over the
+sequence (ring attention, Liu et al., arXiv 2310.01889; Megatron-LM's context parallelism): the
+bytes are the same, ``(G - 1) / G`` of the gathered K/V per rank either way, and the exposed part
+is one piece (one ring step) when attention is longer than the transfer. Every piece here is
+whole attention of its heads over the whole sequence, so it is exact with the public SDPA and any
+of its kernels (flash, memory-efficient, cuDNN, CPU) and needs no online-softmax merge of partial
+outputs, which would need each block's log-sum-exp (private, device-specific aten ops) and a
+hand-written backward. The cost: it needs ``b kv_heads / G_y >= 2`` to overlap anything (one KV
+head per Y rank and one sample per micro-batch leaves the blocking all-gather), and each piece's
+attention kernel is ``1/n`` as large.
+
+Everything else in a block is token-wise, so only RoPE needs the chunks' global positions;
+gradients are summed over data x context (:class:`tetrad.spec.Axis`).
 
 Shapes: this rank's tokens ``[b, s]`` with ``s = S / G_context``; q ``[b, heads/G_y, s, d]``,
-k and v ``[b, kv_heads/G_y, s, d]``; the gathered K/V ``[b, kv_heads/G_y, S, d]``.
+k and v ``[b, kv_heads/G_y, s, d]``; the gathered K/V ``[b, kv_heads/G_y, S, d]``, in pieces
+``[b/n_b, kv_heads/(G_y n_h), S, d]``.
 """
 
 from __future__ import annotations
@@ -28,7 +50,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tetrad.comm import all_gather, reduce_scatter
 from tetrad.grid import Grid
-from tetrad.spec import Axis
+from tetrad.spec import Axis, context_pieces
 
 
 def chunk_ids(g: int, rank: int) -> tuple[int, int]:
@@ -68,21 +90,67 @@ def local_positions(s: int, grid: Grid, device: torch.device) -> torch.Tensor:
     )
 
 
-class _GatherContext(torch.autograd.Function):
-    """All-gather over context along dim 0 in forward; reduce-scatter of the gradient in
-    backward (every rank's queries contributed to every rank's keys)."""
+class _Pieces:
+    """The in-flight collectives of one attention call's pieces: the all-gathers issued in
+    forward (waited by :class:`_Arrive`) and the reduce-scatters issued in backward (waited by
+    :class:`_Launch`)."""
+
+    def __init__(self, grid: Grid, n: int):
+        self.grid = grid
+        self.gathers: list = [None] * n
+        self.scatters: list = [None] * n
+
+
+class _Launch(torch.autograd.Function):
+    """Forward: issue the all-gather over context of ``t`` (one piece ``[s, ...]``) and return
+    an empty token for :class:`_Arrive`. Backward: wait for the piece's gradient
+    reduce-scatter that :class:`_Arrive`'s backward issued."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, grid: Grid) -> torch.Tensor:
-        ctx.grid = grid
-        return all_gather(t, grid, Axis.CONTEXT)
+    def forward(ctx, t: torch.Tensor, state: _Pieces, p: int) -> torch.Tensor:
+        ctx.state, ctx.p = state, p
+        state.gathers[p] = all_gather(t, state.grid, Axis.CONTEXT, async_op=True)
+        return t.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token: torch.Tensor):
+        handle, ctx.state.scatters[ctx.p] = ctx.state.scatters[ctx.p], None
+        return handle.wait(), None, None
+
+
+class _Arrive(torch.autograd.Function):
+    """Forward: wait for piece ``p``'s all-gather, ``[G s, ...]`` in rank order. Backward: issue
+    the reduce-scatter of its gradient (every rank's queries read every rank's keys) and go
+    on."""
+
+    @staticmethod
+    def forward(ctx, token: torch.Tensor, state: _Pieces, p: int) -> torch.Tensor:
+        ctx.state, ctx.p = state, p
+        handle, state.gathers[p] = state.gathers[p], None
+        return handle.wait()
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        return reduce_scatter(g.contiguous(), ctx.grid, Axis.CONTEXT), None
+        state = ctx.state
+        state.scatters[ctx.p] = reduce_scatter(
+            g.contiguous(), state.grid, Axis.CONTEXT, async_op=True
+        )
+        return g.new_zeros(0), None, None
 
 
-_gather_context = torch.compiler.disable(_GatherContext.apply)
+@torch.compiler.disable
+def _launch_all(kv: torch.Tensor, grid: Grid) -> tuple[_Pieces, list[torch.Tensor]]:
+    """Issue the all-gather of every piece of ``kv [n_b, n_h, s, 2, b/n_b, kvh/n_h, d]``:
+    ``(state, tokens)``."""
+    n_b, n_h = kv.shape[:2]
+    state = _Pieces(grid, n_b * n_h)
+    tokens = [_Launch.apply(kv[i // n_h, i % n_h], state, i) for i in range(n_b * n_h)]
+    return state, tokens
+
+
+@torch.compiler.disable
+def _arrive(token: torch.Tensor, state: _Pieces, p: int) -> torch.Tensor:
+    return _Arrive.apply(token, state, p)
 
 
 class ContextAttention:
@@ -91,10 +159,14 @@ class ContextAttention:
     Called as ``attention(q, k, v)`` with the module docstring's shapes; returns
     ``[b, heads/G_y, s, d]``. The masks (additive, compute dtype, ``[c, (i+1) c]`` for chunk
     ``i``) and the chunk order are built once per shape and shared by every block.
+
+    Args:
+        pieces: most pieces of the K/V all-gather (:func:`tetrad.spec.context_pieces`; 1: one
+            blocking all-gather).
     """
 
-    def __init__(self, grid: Grid):
-        self.grid = grid
+    def __init__(self, grid: Grid, pieces: int = 1):
+        self.grid, self.pieces = grid, pieces
         self._cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     def _constants(self, s: int, dtype: torch.dtype, device: torch.device):
@@ -118,22 +190,42 @@ class ContextAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, kvh, s, d = k.shape
         g, c = self.grid.context, s // 2
+        n_b, n_h = context_pieces(b, kvh, self.pieces)
+        bw, hw = b // n_b, kvh // n_h
+        qw = q.shape[1] // n_h  # query heads per piece
         index, *masks = self._constants(s, q.dtype, q.device)
-        kv = torch.stack((k, v)).movedim(3, 0).contiguous()  # [s, 2, b, kvh, d]
-        full = _gather_context(kv, self.grid)  # [G s, 2, b, kvh, d], rank order
-        full = full.view(2 * g, c, 2, b, kvh, d).index_select(0, index).flatten(0, 1)
-        keys, values = full[:, 0].permute(1, 2, 0, 3), full[:, 1].permute(1, 2, 0, 3)
-        gqa = q.shape[1] != kvh
-        outs = []
+        kv = torch.stack((k, v)).view(2, n_b, bw, n_h, hw, s, d)
+        kv = kv.permute(1, 3, 5, 0, 2, 4, 6).contiguous()  # [n_b, n_h, s, 2, bw, hw, d]
+        state, tokens = _launch_all(kv, self.grid)
+        outs: list[list[torch.Tensor]] = [[], []]  # per local chunk, the pieces' outputs
         with _masked_kernels(q.device):
-            for half, mask in zip(q.split(c, dim=2), masks, strict=True):
-                n = mask.shape[1]
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        half, keys[:, :, :n], values[:, :, :n], attn_mask=mask, enable_gqa=gqa
-                    ).transpose(1, 2)
-                )
-        return torch.cat(outs, dim=1).transpose(1, 2)  # [b, heads, s, d], token-major
+            for p, token in enumerate(tokens):
+                full = _arrive(token, state, p)  # [G s, 2, bw, hw, d], rank order
+                full = full.view(2 * g, c, 2, bw, hw, d).index_select(0, index).flatten(0, 1)
+                keys, values = full[:, 0].permute(1, 2, 0, 3), full[:, 1].permute(1, 2, 0, 3)
+                ib, ih = divmod(p, n_h)
+                qp = q[ib * bw : (ib + 1) * bw, ih * qw : (ih + 1) * qw]
+                for i, (half, mask) in enumerate(zip(qp.split(c, dim=2), masks, strict=True)):
+                    n = mask.shape[1]
+                    outs[i].append(
+                        F.scaled_dot_product_attention(
+                            half,
+                            keys[:, :, :n],
+                            values[:, :, :n],
+                            attn_mask=mask,
+                            enable_gqa=qw != hw,
+                        )
+                    )
+        halves = [_assemble(o, n_b, n_h).transpose(1, 2) for o in outs]  # [b, c, heads, d]
+        return torch.cat(halves, dim=1).transpose(1, 2)  # [b, heads, s, d], token-major
+
+
+def _assemble(outs: list[torch.Tensor], n_b: int, n_h: int) -> torch.Tensor:
+    """The pieces' outputs ``[b/n_b, heads/n_h, c, d]`` (sample-block-major) -> ``[b, heads, c,
+    d]``; the one piece itself when ``n_b = n_h = 1`` (no copy)."""
+    if n_h > 1:
+        outs = [torch.cat(outs[i : i + n_h], dim=1) for i in range(0, len(outs), n_h)]
+    return torch.cat(outs, dim=0) if n_b > 1 else outs[0]
 
 
 def _masked_kernels(device: torch.device) -> contextlib.AbstractContextManager:

@@ -51,9 +51,11 @@ class ParallelLayers:
     def __init__(self, grid: Grid, overlap: Overlap):
         self.grid, self.overlap = grid, overlap
         self.head_split = grid.y
-        self.attention = causal_attention if grid.context == 1 else ContextAttention(grid)
         if grid.context == 1:
+            self.attention = causal_attention
             self.sequence_sum = None  # whole sequences on every rank
+        else:
+            self.attention = ContextAttention(grid, overlap.context_pieces)
 
     def positions(self, s: int, device: torch.device) -> torch.Tensor:
         return local_positions(s, self.grid, device)
@@ -118,7 +120,8 @@ class ParallelLlama(Transformer):
             (or a bool).
         overlaps: names from :data:`tetrad.spec.OVERLAPS` (default: all but ``fine``).
         part: the slice of the model to build (a pipeline stage's); default the whole.
-        overlap_options: ``bucket_bytes``, ``domino_min_rows`` and ``fine_chunks`` of
+        overlap_options: ``bucket_bytes``, ``domino_min_rows``, ``fine_chunks`` and
+            ``context_pieces`` of
             :class:`Overlap`.
 
     Attributes:

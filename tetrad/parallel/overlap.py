@@ -1,6 +1,6 @@
 """Overlap of collectives with computation: which ones, and the state that makes it happen.
 
-Six overlaps, each switchable (AxoNN, arXiv 2305.13525, "aggressively overlap expensive
+Seven overlaps, each switchable (AxoNN, arXiv 2305.13525, "aggressively overlap expensive
 collective operations"; Domino, arXiv 2409.15241, for the forward split; T3, arXiv 2401.16677,
 for ``fine``):
 
@@ -21,6 +21,11 @@ for ``fine``):
                     reduce-scatter half only. In backward the all-gather runs during the dW GEMM
                     (with ``dx_all_reduce``). Used when the rows split evenly over the group;
                     takes precedence over ``domino``.
+``context``         context-parallel attention's K/V all-gather is issued in up to
+                    ``context_pieces`` pieces (over micro-batch samples and KV heads), each
+                    piece's attention running while the next piece travels; in backward each
+                    piece's K/V gradient reduce-scatter runs during the next piece's attention
+                    backward (:mod:`tetrad.parallel.context`).
 
 All collectives are issued from the main thread in program order, so every rank of a group issues
 the same sequence. Waits use the work handles only.
@@ -37,7 +42,14 @@ from tetrad.comm import Handle, all_gather, all_reduce, reduce_scatter
 from tetrad.comm.fused import ring_matmul_reduce_scatter
 from tetrad.grid import Grid
 from tetrad.parallel.buckets import GradBuckets
-from tetrad.spec import DEFAULT_OVERLAPS, DOMINO_MIN_ROWS, DP_BUCKET_BYTES, FINE_CHUNKS, Axis
+from tetrad.spec import (
+    CONTEXT_PIECES,
+    DEFAULT_OVERLAPS,
+    DOMINO_MIN_ROWS,
+    DP_BUCKET_BYTES,
+    FINE_CHUNKS,
+    Axis,
+)
 
 
 class Overlap:
@@ -55,6 +67,8 @@ class Overlap:
         domino_min_rows: split the forward GEMM only when the micro-batch has at least twice
             this many token rows (below it the split's extra launch costs more than it hides).
         fine_chunks: pieces per ring step of the ``fine`` overlap's fused reduce-scatter.
+        context_pieces: most pieces of the ``context`` overlap's K/V all-gather
+            (:func:`tetrad.spec.context_pieces`).
     """
 
     def __init__(
@@ -64,13 +78,17 @@ class Overlap:
         bucket_bytes: int = DP_BUCKET_BYTES,
         domino_min_rows: int = DOMINO_MIN_ROWS,
         fine_chunks: int = FINE_CHUNKS,
+        context_pieces: int = CONTEXT_PIECES,
     ):
         if fine_chunks < 1:
             raise ValueError(f"fine_chunks={fine_chunks}: give at least 1 piece per ring step")
+        if context_pieces < 1:
+            raise ValueError(f"context_pieces={context_pieces}: give at least 1 piece")
         self.grid = grid
         self.enabled = frozenset(enabled)
         self._prefetching = self.on("prefetch") and grid.z > 1  # G_z = 1: nothing to gather
         self.domino_min_rows, self.fine_chunks = domino_min_rows, fine_chunks
+        self.context_pieces = context_pieces if self.on("context") else 1
         self._in_step = self._last = False
         # [(param, dtype)] of one micro-batch per phase, in execution order
         self._orders: dict[str, list] = {}

@@ -116,7 +116,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         default="all",
         metavar="LIST",
         help="overlaps the runtime will use: all (default), none, or a list of "
-        "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino,fine",
+        "prefetch,reduce_scatter,dx_all_reduce,dp_all_reduce,domino,fine,context",
     )
     p.add_argument(
         "--checkpointing",

@@ -247,6 +247,23 @@ def fine_chunks(cfg: TrainConfig, mc: ModelConfig) -> int:
     return _estimate(cfg, mc, overlaps, par.fine_chunks or None).fine_chunks
 
 
+def context_pieces(cfg: TrainConfig, mc: ModelConfig) -> int:
+    """The ``context_pieces`` option of the ``context`` overlap for this run (1: off, no
+    context parallelism, or the blocking all-gather): ``--context-pieces`` if given, else the
+    planner's best on ``--machine``
+    (:attr:`tetrad.plan.comm.estimate.Estimate.context_pieces`), else 1, as ``fine`` is off
+    without a machine (on 2 CPU cores with gloo, 8 pieces made a context = 2 step slower:
+    the transfers and the attention share the cores)."""
+    from tetrad.plan.model.grids import with_context
+
+    par = cfg.parallelism
+    if "context" not in par.overlaps or with_context(par.grid)[1] == 1:
+        return 1
+    if par.context_pieces or not par.machine:
+        return par.context_pieces or 1
+    return _estimate(cfg, mc, par.overlaps, None).context_pieces
+
+
 def is_rank0() -> bool:
     """True on rank 0 of a job, or outside one."""
     return os.environ.get("RANK", "0") == "0"

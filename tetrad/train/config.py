@@ -154,11 +154,7 @@ class TrainConfig:
         for name in ("checkpoint_every", "keep_last", "max_restarts"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more")
-        if self.parallelism.fine_chunks < 0:
-            raise ConfigError(
-                f"fine_chunks={self.parallelism.fine_chunks} must be 0 (the planner's choice) "
-                "or a number of pieces per ring step such as 2"
-            )
+        _check_pieces(self.parallelism)
         for name in ("log_every", "val_every"):
             if getattr(self.logging, name) < 1:
                 raise ConfigError(f"{name}={getattr(self.logging, name)} must be at least 1")
@@ -397,3 +393,21 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Train
         if value is not None:
             builder.flat(key, value)
     return builder.build()
+
+
+def _check_pieces(par) -> None:
+    """``fine_chunks`` and ``context_pieces``: 0 (the planner's choice) or a count.
+
+    Raises:
+        ConfigError: a negative one.
+    """
+    if par.fine_chunks < 0:
+        raise ConfigError(
+            f"fine_chunks={par.fine_chunks} must be 0 (the planner's choice) "
+            "or a number of pieces per ring step such as 2"
+        )
+    if par.context_pieces < 0:
+        raise ConfigError(
+            f"context_pieces={par.context_pieces} must be 0 (the planner's choice) or a "
+            "number of pieces such as 8"
+        )

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from tetrad.activation_checkpointing import parse_checkpointing
 from tetrad.pipeline.split import PipelineSplitError, check_schedule
 from tetrad.spec import (
+    CONTEXT_PIECES,
     DOMINO_MIN_ROWS,
     DP_BUCKET_BYTES,
     Device,
@@ -137,14 +138,20 @@ class ParallelismSection:
         "all",
         metavar="LIST",
         help="overlapped collectives: all, none, or a list of prefetch,"
-        "reduce_scatter,dx_all_reduce,dp_all_reduce,domino,fine (all: domino and fine only "
-        "where the planner predicts a gain on --machine)",
+        "reduce_scatter,dx_all_reduce,dp_all_reduce,domino,fine,context (all: domino and fine "
+        "only where the planner predicts a gain on --machine)",
     )
     fine_chunks: int = option(
         0,
         metavar="N",
         help="pieces per ring step of the fine overlap (0: the planner's choice on --machine, "
         "else 2)",
+    )
+    context_pieces: int = option(
+        0,
+        metavar="N",
+        help="most pieces of the context overlap's K/V all-gather (0: the planner's choice on "
+        f"--machine, else 1: one blocking all-gather; {CONTEXT_PIECES} is a good start on GPUs)",
     )
     dp_bucket_mb: float = option(
         DP_BUCKET_BYTES / MiB, metavar="MB", help="data-parallel all-reduce bucket size, MiB"

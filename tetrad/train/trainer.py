@@ -27,7 +27,7 @@ from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.step import pipeline_evaluate, pipeline_train_step_losses
 from tetrad.spec import FINE_CHUNKS, MiB
 from tetrad.train.announce import notes, print_resume, print_start, report_save
-from tetrad.train.auto import domino_pays, fine_chunks, with_orientation
+from tetrad.train.auto import context_pieces, domino_pays, fine_chunks, with_orientation
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.checkpoint_dir import (
     leftovers,
@@ -83,6 +83,7 @@ def build_model(cfg: TrainConfig, model_cfg: ModelConfig, grid: Grid) -> Paralle
         bucket_bytes=int(par.dp_bucket_mb * MiB),
         domino_min_rows=par.domino_min_rows,
         fine_chunks=chunks or FINE_CHUNKS,
+        context_pieces=context_pieces(cfg, model_cfg),
     )
     if grid.pipe > 1:
         micro_batches = cfg.grad_accum

@@ -4,14 +4,27 @@ search and shared by every :func:`tetrad.plan.comm.estimate.estimate` call."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 
+from tetrad.plan.comm.context_parallel import (
+    PIECE_CANDIDATES,
+    best_pieces,
+    kv_gather_payload,
+    kv_pieces,
+)
 from tetrad.plan.comm.fine import CHUNK_CANDIDATES, ring_reduce_scatter_seconds
 from tetrad.plan.compute.block import BlockCompute, block_compute
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.network import Link
+from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER, Link
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, FP32, OverlapError, parse_overlaps
+from tetrad.spec import (
+    DOMINO_MIN_ROWS,
+    DP_BUCKET_BYTES,
+    FP32,
+    OverlapError,
+    parse_overlaps,
+)
 
 
 class Context:
@@ -27,6 +40,10 @@ class Context:
         domino_min_rows: the ``domino`` split needs ``m >= 2 * domino_min_rows`` token rows.
         fine_chunks: pieces per ring step of ``fine``; None: the best of
             :data:`tetrad.plan.comm.fine.CHUNK_CANDIDATES`.
+        context_pieces: most pieces of the ``context`` overlap's K/V all-gather (the
+            runtime's option of the same name, :func:`tetrad.spec.context_pieces`); None: the
+            best of :data:`tetrad.plan.comm.context_parallel.PIECE_CANDIDATES` per grid and
+            micro-batch (:meth:`kv_choice`).
     """
 
     def __init__(
@@ -41,6 +58,7 @@ class Context:
         bucket_bytes: int = DP_BUCKET_BYTES,
         domino_min_rows: int = DOMINO_MIN_ROWS,
         fine_chunks: int | None = None,
+        context_pieces: int | None = None,
     ):
         if compute_bytes not in (2, 4):
             raise PlanError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
@@ -53,6 +71,10 @@ class Context:
         self.c = compute_bytes
         if fine_chunks is not None and fine_chunks < 1:
             raise PlanError(f"fine_chunks={fine_chunks}: give at least 1 piece per ring step")
+        if context_pieces is not None and context_pieces < 1:
+            raise PlanError(f"context_pieces={context_pieces}: give at least 1 piece")
+        self.context_pieces = context_pieces
+        self._kv: dict = {}
         if "fine" not in self.overlaps:
             self.fine: tuple[int, ...] = ()
         else:
@@ -73,6 +95,32 @@ class Context:
         self._vectors: dict = {}
         self.xy_records: dict = {}
         """Memo of :func:`tetrad.plan.comm.estimate.xy_record`."""
+
+    def kv_choice(
+        self, micro_batch: int, gy: int, link: Link, comp: BlockCompute, full: bool
+    ) -> tuple[int, int]:
+        """``(context_pieces, pieces)`` of one context K/V all-gather on ``G_y = gy`` over the
+        context ``link``: without the ``context`` overlap ``(1, 1)``; with ``context_pieces``
+        given, it and its piece count (:func:`tetrad.plan.comm.context_parallel.kv_pieces`);
+        else the best of :data:`~tetrad.plan.comm.context_parallel.PIECE_CANDIDATES`
+        (:func:`~tetrad.plan.comm.context_parallel.best_pieces`; memoised)."""
+        if "context" not in self.overlaps:
+            return 1, 1
+        if self.context_pieces is not None:
+            most = self.context_pieces
+            return most, kv_pieces(self.model, micro_batch, gy, most)
+        att = (comp.attention, comp.attention_bwd)
+        # the time of a collective depends on the link only through these
+        key = (micro_batch, gy, link.size, link.bandwidth, link.hop_latency, link.base_latency)
+        key += (att, full)
+        got = self._kv.get(key)
+        if got is None:
+            payload = kv_gather_payload(self.model, micro_batch, self.seq_len, gy, self.c)
+            times = (partial(link.time, ALL_GATHER), partial(link.time, REDUCE_SCATTER))
+            got = self._kv[key] = best_pieces(
+                self.model, micro_batch, gy, payload, times, att, full, PIECE_CANDIDATES
+            )
+        return got
 
     def fused_s(self, flops: float, payload: float, link: Link, chunks: int) -> float:
         """Seconds of the fused GEMM -> reduce-scatter ring of ``flops`` FLOPs and ``payload``

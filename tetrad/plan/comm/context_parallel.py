@@ -8,8 +8,12 @@ With ``G_context = G`` each rank holds ``s = S / G`` tokens of every sample, as 
 - keys and values of the whole sequence are all-gathered over context once per block and
   micro-batch (forward, and again in recompute under ``full`` checkpointing), payload (the
   output) ``b S 2 kv_dim / G_y`` elements in the compute dtype; backward reduce-scatters their
-  gradients, the same payload (the input). Both are blocking (nothing to hide them behind: q,
-  k and v come from one GEMM).
+  gradients, the same payload (the input). With the ``context`` overlap each is issued in
+  ``n`` pieces of ``1/n`` of the payload (:func:`tetrad.spec.context_pieces` over the
+  micro-batch's samples and the local KV heads): ``n`` calls, the same bytes, and each piece's
+  transfer hidden behind the attention of the piece before it (:func:`pieces_exposed_seconds`);
+  ``n = 1`` (or the overlap off) is one blocking call (nothing to hide it behind: q, k and v
+  come from one GEMM).
 - each chunk ``i`` attends over the ``(i + 1) c`` keys up to its end with an additive
   lower-right causal mask, so the kernel computes the masked upper triangle of the last
   ``c x c`` block too: ``Q K^T`` and ``P V`` cost ``2 c (i+1) c d`` FLOPs per head each, over
@@ -20,16 +24,17 @@ With ``G_context = G`` each rank holds ``s = S / G`` tokens of every sample, as 
   concatenation, the out-projection's input); the masks (``c (2G + 1) c`` elements) once for
   all blocks.
 
-A ring of point-to-point K/V exchanges (ring attention, Liu et al., arXiv 2310.01889) would send
-the same bytes, ``(G - 1) / G`` of the gathered K/V per rank, and hide each step behind a
-block of attention; the runtime does not implement it (:func:`ring_exposed_seconds` estimates
-what it would hide, for the docs' comparison).
+A ring of point-to-point K/V exchanges (ring attention, Liu et al., arXiv 2310.01889; Megatron-LM)
+sends the same bytes, ``(G - 1) / G`` of the gathered K/V per rank, in ``G - 1`` steps hidden
+behind blocks of attention; the runtime's pieces hide theirs the same way
+(tetrad/parallel/context.py says why pieces over heads and samples).
 """
 
 from __future__ import annotations
 
 from tetrad.plan.model.grids import context_size, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec import context_pieces
 
 
 def local_seq_len(seq_len: int, gc: int) -> int:
@@ -100,12 +105,57 @@ def context_block_delta(
     return float(gathered + 2 * e * m * qy)
 
 
-def ring_exposed_seconds(gather_s: float, attention_s: float, gc: int) -> float:
-    """Exposed seconds of one block's K/V exchange as a ring of ``G - 1`` point-to-point steps,
-    each of ``1/G`` of the all-gather's time, hidden behind the attention of the block received
-    before it (``attention_s / G`` each): the first step waits, the rest expose
-    ``max(0, step - compute)``. For comparison with the all-gather (fully exposed)."""
-    if gc == 1:
-        return 0.0
-    step, work = gather_s / (gc - 1), attention_s / gc
-    return step + (gc - 2) * max(0.0, step - work)
+def kv_pieces(model: ModelSpec, micro_batch: int, gy: int, most: int) -> int:
+    """Pieces of the K/V all-gather of the ``context`` overlap (``most`` 1: the overlap off):
+    ``n_b n_h`` of :func:`tetrad.spec.context_pieces` over ``micro_batch`` samples and the
+    ``kv_heads / G_y`` local KV heads, as the runtime splits them."""
+    n_b, n_h = context_pieces(micro_batch, model.n_kv_heads // gy, most)
+    return n_b * n_h
+
+
+PIECE_CANDIDATES = (1, 2, 4, 8, 16)
+"""The ``context_pieces`` (most pieces) the planner tries when not given one."""
+
+
+def best_pieces(
+    model: ModelSpec,
+    micro_batch: int,
+    gy: int,
+    payload: float,
+    times: tuple,
+    attention: tuple[float, float],
+    full: bool,
+    candidates: tuple[int, ...],
+) -> tuple[int, int]:
+    """``(most, n)``: of ``candidates`` (values of the ``context_pieces`` option), the one whose
+    pieces expose the least of one block's K/V collectives per micro-batch (the forward
+    all-gather, again in recompute when ``full``, and the backward reduce-scatter), and its
+    piece count; the fewest pieces on a tie. ``payload``: bytes of the whole all-gather;
+    ``times``: ``(seconds of an all-gather, of a reduce-scatter)`` as functions of the payload
+    (bytes); ``attention``: the block's attention ``(forward, backward)`` seconds."""
+    best, seen = None, set()
+    for most in candidates:
+        n = kv_pieces(model, micro_batch, gy, most)
+        if n in seen:
+            continue
+        seen.add(n)
+        gather = pieces_exposed_seconds(times[0](payload / n), attention[0] / n, n)
+        scatter = pieces_exposed_seconds(times[1](payload / n), attention[1] / n, n)
+        e = (2 if full else 1) * gather + scatter
+        if best is None or e < best[0]:
+            best = (e, most, n)
+    return best[1], best[2]
+
+
+def pieces_exposed_seconds(piece_s: float, work_s: float, n: int) -> float:
+    """Exposed seconds of ``n`` transfers of ``piece_s`` each, queued back to back on one
+    communicator, against ``n`` computations of ``work_s`` each that overlap them in a pipeline.
+
+    Forward: all pieces are issued at once, piece ``k``'s attention starts when piece ``k`` has
+    arrived and piece ``k - 1``'s attention has ended. Backward: piece ``k``'s reduce-scatter is
+    issued when its attention backward ends, and all are waited after the last. Both end
+    ``piece_s + (n - 1) max(piece_s, work_s) + work_s`` (forward) or ``n work_s + piece_s +
+    (n - 1) max(0, piece_s - work_s)`` (backward) after the start, against ``n work_s`` of
+    compute: exposed ``piece_s + (n - 1) max(0, piece_s - work_s)`` either way; ``n = 1``: the
+    blocking transfer, ``piece_s``."""
+    return piece_s + (n - 1) * max(0.0, piece_s - work_s)

@@ -25,7 +25,8 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
               forward only
     context   all-gather_context of K and V, payload (output) b S 2 kv_dim / G_y * c per block
               and micro-batch, forward (and recompute); backward reduce-scatter_context of
-              their gradients, the same payload (input); blocking
+              their gradients, the same payload (input); with the ``context`` overlap in n
+              pieces of 1/n each, hidden behind the pieces' attention, else blocking
               (:mod:`tetrad.plan.comm.context_parallel`; with G_context > 1, ``m = b S / G_context``
               and the data group is data x context, G_data G_context ranks)
     recompute (``full`` activation checkpointing) a block's forward collectives once more in
@@ -69,6 +70,10 @@ axes is not modelled). Steady state, every block alike:
   buckets (``bucket_bytes``) as the reduce-scatters complete; a block's buckets run during the
   backward (and recompute) of the block below; the queue carries over; what is left when the
   backward ends is exposed.
+- ``context``: the context K/V all-gather and its gradient reduce-scatter in ``n`` pieces,
+  each hidden behind the attention (forward, recompute; backward) of the piece before it:
+  exposed ``t_1 + (n - 1) max(0, t_1 - attention / n)`` per block and micro-batch
+  (:func:`tetrad.plan.comm.context_parallel.pieces_exposed_seconds`).
 - always exposed: norm, embedding and loss all-reduces, the LM head's X all-gather and
   reduce-scatter, the step-level collectives.
 
@@ -123,6 +128,8 @@ class Estimate:
         grad_accum: micro-batches per step.
         collectives: per-collective detail (only from :func:`collectives`).
         fine_chunks: pieces per ring step of the ``fine`` overlap as modelled (0: not used).
+        context_pieces: the ``context_pieces`` option of the ``context`` overlap as modelled
+            (1: the blocking K/V all-gather).
         orientation: the roles' orientation (:data:`tetrad.spec.ORIENTATIONS`); the per-axis
             dicts and the collectives name the ``--grid``'s dimensions.
     """
@@ -136,6 +143,7 @@ class Estimate:
     collectives: tuple = ()
     fine_chunks: int = 0
     orientation: str = "xy"
+    context_pieces: int = 1
 
 
 LAYER_KINDS = (
@@ -191,7 +199,11 @@ def make_step(
         )
     ov, m = ctx.overlaps, micro_batch * local_seq_len(ctx.seq_len, gc)
     _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
-    dp = "dp_all_reduce" in ov
+    dp, comp = "dp_all_reduce" in ov, ctx.compute(roles, micro_batch)
+    full = parse_checkpointing(checkpointing) == "full"
+    most, pieces = (1, 1)
+    if gc > 1:
+        most, pieces = ctx.kv_choice(micro_batch, gy, links["context"], comp, full)
     return Step(
         model=ctx.model,
         linears=ctx.linears,
@@ -200,8 +212,8 @@ def make_step(
         m=m,
         acc=ctx.global_batch // cells,
         c=ctx.c,
-        checkpointing=parse_checkpointing(checkpointing) == "full",
-        comp=ctx.compute(roles, micro_batch),
+        checkpointing=full,
+        comp=comp,
         block_el=block_el,
         head_el=head_el,
         emb_el=emb_el,
@@ -217,6 +229,8 @@ def make_step(
         kv_payload=kv_gather_payload(ctx.model, micro_batch, ctx.seq_len, gy, ctx.c)
         if gc > 1
         else 0.0,
+        context_pieces=most,
+        kv_pieces=pieces,
         orientation=orientation,
     )
 
@@ -299,7 +313,16 @@ def estimate(
         {physical_axis(a, orientation): v for a, v in d.items()} for d in (rec.exposed, rec.total)
     )
     return Estimate(
-        step, compute, st.acc * rec_mb, exposed, total, st.acc, cols, st.fine_chosen, orientation
+        step,
+        compute,
+        st.acc * rec_mb,
+        exposed,
+        total,
+        st.acc,
+        cols,
+        st.fine_chosen,
+        orientation,
+        st.context_pieces,
     )
 
 
@@ -335,13 +358,15 @@ def collectives(
     domino_min_rows: int = DOMINO_MIN_ROWS,
     fine_chunks: int | None = None,
     orientation: str = "xy",
+    context_pieces: int | None = None,
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
     axis, kind, payload bytes per call, calls, ring bytes and seconds per call, the compute it
     hides behind and its exposed seconds per step (module doc). ``grid = (G_data, G_z, G_y,
     G_x)``; ``micro_batch`` samples per (data, z) cell. ``compute_bytes``: 2 on GPU (bf16
-    autocast), 4 on CPU; ``bucket_bytes`` and ``domino_min_rows``: the runtime's
-    ``Overlap`` options; ``orientation``: as :func:`estimate`'s.
+    autocast), 4 on CPU; ``bucket_bytes``, ``domino_min_rows`` and ``context_pieces``: the
+    runtime's ``Overlap`` options (``context_pieces`` None: the planner's best);
+    ``orientation``: as :func:`estimate`'s.
 
     Raises:
         PlanError: the batch does not split on the grid, or a bad overlap name.
@@ -356,6 +381,7 @@ def collectives(
         bucket_bytes=bucket_bytes,
         domino_min_rows=domino_min_rows,
         fine_chunks=fine_chunks,
+        context_pieces=context_pieces,
     )
     est = estimate(
         ctx,

@@ -12,6 +12,7 @@ per call, calls per step, seconds per call (alpha-beta,
 
 from __future__ import annotations
 
+from tetrad.plan.comm.context_parallel import pieces_exposed_seconds
 from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from tetrad.spec import FP32, Axis
@@ -25,16 +26,21 @@ def context_kv(rec: Recorder, st: Step) -> None:
     """Context parallelism (tetrad/parallel/context.py): per block and micro-batch an all-gather
     of K and V over context (``kv_payload``, the output), again in recompute under full
     checkpointing, and a reduce-scatter of their gradients in backward (the same payload, the
-    input); blocking."""
+    input); each in ``kv_pieces`` calls of ``1/n`` of the payload, each piece hidden behind the
+    attention of the piece before it
+    (:func:`tetrad.plan.comm.context_parallel.pieces_exposed_seconds`; one piece: blocking)."""
     if st.sizes["context"] == 1:
         return
-    p, link, n = st.kv_payload, st.links["context"], st.n_layers * st.acc
+    k, link, n = st.kv_pieces, st.links["context"], st.n_layers * st.acc
+    p, hid = st.kv_payload / k, "attention" if k > 1 else ""
     t = link.time(ALL_GATHER, p)
-    rec.add("attention_kv", "forward", "context", ALL_GATHER, p, n, t, n * t)
+    e = n * pieces_exposed_seconds(t, st.comp.attention / k, k)
+    rec.add("attention_kv", "forward", "context", ALL_GATHER, p, n * k, t, e, hid)
     if st.checkpointing:
-        rec.add("attention_kv", "recompute", "context", ALL_GATHER, p, n, t, n * t)
+        rec.add("attention_kv", "recompute", "context", ALL_GATHER, p, n * k, t, e, hid)
     t = link.time(REDUCE_SCATTER, p)
-    rec.add("attention_kv", "backward", "context", REDUCE_SCATTER, p, n, t, n * t)
+    e = n * pieces_exposed_seconds(t, st.comp.attention_bwd / k, k)
+    rec.add("attention_kv", "backward", "context", REDUCE_SCATTER, p, n * k, t, e, hid)
 
 
 def lm_head(rec: Recorder, st: Step) -> None:

@@ -86,6 +86,8 @@ class Step:
         bucket_calls: data-parallel buckets per step (``dp_overlap`` only).
         prefetch ... dp_overlap: the overlaps in force (``domino`` only when ``m`` is large).
         kv_payload: bytes of one context K/V all-gather (0 without context parallelism).
+        kv_pieces: the pieces it is issued in (the ``context`` overlap; 1: blocking);
+            ``context_pieces``: the runtime option that gives them.
         fine: the ``fine`` overlap's chunk counts to try (0: ``fine`` off); the block Linears
             are recorded with the one of least exposed time, kept in ``fine_chosen``.
         orientation: which mesh dimension plays which role (:data:`tetrad.spec.ORIENTATIONS`);
@@ -118,6 +120,8 @@ class Step:
     fused_s: Callable[[float, float, Link, int], float] | None = None
     fine_chosen: int = 0
     kv_payload: float = 0.0
+    kv_pieces: int = 1
+    context_pieces: int = 1
     orientation: str = "xy"
 
     @property

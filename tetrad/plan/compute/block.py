@@ -44,6 +44,10 @@ from tetrad.plan.model.grids import with_context
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import loss_chunk_rows
 
+ATTENTION_BWD = 2.5
+"""Attention backward seconds over forward: FlashAttention's five matmuls against two (module
+doc)."""
+
 
 @dataclass(frozen=True)
 class BlockCompute:
@@ -69,6 +73,9 @@ class BlockCompute:
         optimizer: AdamW + clipping over the local shards, per step.
         selective: one block's extra seconds under selective checkpointing (the norm applies,
             RoPE and the activation, once each; memory bound).
+        attention, attention_bwd: one block's attention core (SDPA), forward and backward
+            seconds (included in ``post_fwd`` / ``post_bwd``; the context overlap hides the
+            K/V pieces behind them, :func:`tetrad.plan.comm.layers.context_kv`).
     """
 
     gemm: tuple[float, ...]
@@ -86,6 +93,8 @@ class BlockCompute:
     optimizer: float
     selective: float = 0.0
     head_dw_scale: float = 0.0
+    attention: float = 0.0
+    attention_bwd: float = 0.0
 
     @property
     def block_fwd(self) -> float:
@@ -177,7 +186,7 @@ def block_compute(
             post[i] += half_norm
             post_b[i] += ew["backward_factor"] * half_norm
     post[i_att] += att + rope
-    post_b[i_att] += 2.5 * att + ew["backward_factor"] * rope
+    post_b[i_att] += ATTENTION_BWD * att + ew["backward_factor"] * rope
     post[i_act] += act
     post_b[i_act] += ew["backward_factor"] * act
     head = model.lm_head()
@@ -204,4 +213,6 @@ def block_compute(
         optimizer=ew["optimizer_per_param"] * local_params / hbm,
         selective=half_norm + rope + act,  # two norm applies = one half_norm
         head_dw_scale=dw_scale,
+        attention=att,
+        attention_bwd=ATTENTION_BWD * att,
     )

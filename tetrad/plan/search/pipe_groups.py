@@ -20,7 +20,12 @@ point-to-point message), times ``m + (p - 1) / v`` with the largest ``v`` allowe
 from __future__ import annotations
 
 from tetrad.plan.comm.bounds import MARGIN
-from tetrad.plan.comm.context_parallel import context_problems, kv_gather_payload
+from tetrad.plan.comm.context_parallel import (
+    PIECE_CANDIDATES,
+    context_problems,
+    kv_gather_payload,
+    pieces_exposed_seconds,
+)
 from tetrad.plan.compute.block import block_compute
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.model.grids import grid_problems
@@ -89,16 +94,27 @@ class GroupBounds:
         return out
 
     def _kv_per_sample(self, gc: int, gy: int, gx: int, full: bool) -> float:
-        """The ``L`` blocks' context K/V collectives per sample at least, seconds: their ring
-        bytes over the best bandwidth of a context group of ``G_x G_y G_z`` stride (latency
-        left out; the bytes grow with the samples)."""
+        """The ``L`` blocks' context K/V collectives per sample at least, seconds. Per phase
+        their ring bytes over the best bandwidth of a context group of ``G_x G_y G_z`` stride
+        take ``T`` per sample (latency left out; the bytes grow with the samples); the
+        ``context`` overlap's ``n`` pieces (at most ``most``) expose
+        ``t_1 + (n - 1) max(0, t_1 - a)`` with ``n t_1 >= T`` and ``n a`` the phase's
+        attention, ``A`` per sample: at least ``max(T / most, T - A)``
+        (:func:`tetrad.plan.comm.context_parallel.pieces_exposed_seconds`)."""
         if gc == 1:
             return 0.0
         ctx = self.ctx
         net, frac = ctx.machine.network, (gc - 1) / gc
         bw = max(net.link(gx * gy * gz, gc).bandwidth for gz in divisors_of(self.s.gpus // gc))
-        payload = kv_gather_payload(ctx.model, 1, ctx.seq_len, gy, ctx.c)
-        return ctx.model.n_layers * (3 if full else 2) * frac * payload / bw
+        t = frac * kv_gather_payload(ctx.model, 1, ctx.seq_len, gy, ctx.c) / bw
+        if "context" not in ctx.overlaps:
+            gather = scatter = t
+        else:
+            most = ctx.context_pieces or PIECE_CANDIDATES[-1]
+            comp = ctx.compute((1, gc, 1, gy, gx), 1)
+            gather = max(t / most, t - comp.attention)
+            scatter = max(t / most, t - comp.attention_bwd)
+        return ctx.model.n_layers * ((2 if full else 1) * gather + scatter)
 
     def _mb_costs(self, gc: int, gy: int, gx: int, b: int, mode: str) -> tuple:
         """``(model, block, costs)``: one micro-batch's compute of the whole model (forward,
@@ -217,16 +233,20 @@ class GroupBounds:
         return got
 
     def _kv_seconds(self, gc: int, gz: int, gy: int, gx: int, b: int, full: bool) -> float:
-        """One block's context K/V collectives per micro-batch on ``G_z = gz``, seconds
-        (memoised per link and payload)."""
+        """One block's context K/V collectives per micro-batch on ``G_z = gz``: their exposed
+        seconds (:func:`tetrad.plan.comm.layers.context_kv`, memoised per link and payload)."""
         key = (gc, gx * gy * gz, gy, b, full)
         got = self.kv_link_memo.get(key)
         if got is None:
             ctx = self.ctx
-            payload = kv_gather_payload(ctx.model, b, ctx.seq_len, gy, ctx.c)
             link = ctx.machine.network.link(gx * gy * gz, gc)
-            gather = link.time(ALL_GATHER, payload)
-            got = (2 * gather if full else gather) + link.time(REDUCE_SCATTER, payload)
+            comp = ctx.compute((1, gc, 1, gy, gx), b)
+            k = ctx.kv_choice(b, gy, link, comp, full)[1]
+            payload = kv_gather_payload(ctx.model, b, ctx.seq_len, gy, ctx.c) / k
+            gather = pieces_exposed_seconds(link.time(ALL_GATHER, payload), comp.attention / k, k)
+            scatter = link.time(REDUCE_SCATTER, payload)
+            scatter = pieces_exposed_seconds(scatter, comp.attention_bwd / k, k)
+            got = (2 * gather if full else gather) + scatter
             self.kv_link_memo[key] = got
         return got
 
