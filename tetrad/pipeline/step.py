@@ -14,6 +14,7 @@ from tetrad.train.step import (
     autocast,
     inputs_targets,
     local_samples,
+    optimizer_shards,
     sum_over_batch_axes,
     to_device,
 )
@@ -34,11 +35,14 @@ def pipeline_train_step(
     grid = pipeline.grid
     pipeline.n_tokens = batch[:, 1:].numel()
     local = to_device(local_samples(batch, grid), grid.device)
+    shards = optimizer_shards(optimizer)
+    for part in pipeline.parts:
+        part.overlap.buckets.shards = shards
     with autocast(grid.device):
         loss = pipeline.step(*inputs_targets(local, grid))
     for part in pipeline.parts:
-        sync_gradients(part, grid, part.overlap.buckets.reduced)
-    norm = clip_grad_norm(pipeline.parts, grid, grad_clip)
+        sync_gradients(part, grid, part.overlap.buckets.reduced, shards)
+    norm = clip_grad_norm(pipeline.parts, grid, grad_clip, shards)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return _sum_over_pipe_and_batch_axes(loss, grid), norm
