@@ -139,6 +139,11 @@ class ParallelismSection:
         help="pieces per ring step of the fine overlap (0: the planner's choice on --machine, "
         "else 2)",
     )
+    shard_optimizer: bool = option(
+        False,
+        help="shard the AdamW states over the data x context ranks (ZeRO-1, Megatron's "
+        "distributed optimizer): gradients reduce-scattered, parameters all-gathered over them",
+    )
     dp_bucket_mb: float = option(
         DP_BUCKET_BYTES / MiB, metavar="MB", help="data-parallel all-reduce bucket size, MiB"
     )
