@@ -112,8 +112,8 @@ class GradBuckets:
         :meth:`finish`, as the gradients); None when ``param`` is not in the plan or already has
         a gradient (one written elsewhere is copied in at launch)."""
         where = self._where.get(id(param))
-        if where is None or param.grad is not None:
-            return None
+        if where is None or param.grad is not None or self.shards is not None:
+            return None  # sharded: the reduce-scatter packs the gradients anyway
         b, offset = where
         flat = self._flats.get(b)
         if flat is None:
@@ -159,11 +159,11 @@ class GradBuckets:
 
     def _launch(self) -> None:
         if self._bucket:
-            flat = self._in_place(len(self._launched))
-            if self.shards is not None:
+            if self.shards is not None:  # packed from the gradients (no slot was handed out)
                 grads = [p.grad for p in self._bucket]
                 handle = self.shards.reduce_scatter(self._bucket, grads, async_op=True)
             else:
+                flat = self._in_place(len(self._launched))
                 if flat is None:
                     flat = torch.cat([p.grad.reshape(-1) for p in self._bucket])
                 handle = all_reduce(flat, self.grid, Axis.DATA, async_op=True)

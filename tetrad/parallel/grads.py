@@ -48,6 +48,9 @@ def sync_gradients(
             continue
         pieces = shards.grads if shards is not None else {}  # those reduced over data
         grads = [pieces.get(id(p), p.grad) for p in params]
+        if shards is not None and axes == (Axis.DATA,):  # packed as they are, no flat copy
+            shards.take(params, shards.reduce_scatter(params, grads))
+            continue
         flat = torch.cat([g.reshape(-1) for g in grads])
         for a in axes:
             if a == Axis.DATA and shards is not None:  # the last of TOKEN_AXES
