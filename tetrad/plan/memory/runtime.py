@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.errors import PlanError
+from tetrad.plan.memory import zero
 from tetrad.plan.memory.activations import dtype_bytes, saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown, check_positive
-from tetrad.plan.memory import zero
 from tetrad.plan.memory.buffers import (
     embedding_grad_bytes,
     end_of_backward_bytes,
