@@ -33,7 +33,10 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
     step      all-reduce_data of the Z-sharded weight gradients (sum of local shards, fp32);
               norm-weight gradients all-reduce_Z then all-reduce_data; the loss scalar (4 B)
               over Z and data; the gradient-norm scalar (8 B, float64) over the world (none
-              with data parallelism alone).
+              with data parallelism alone). With the sharded optimizer
+              (:mod:`tetrad.plan.comm.zero`) the data all-reduces are reduce-scatters of the
+              same payload, each followed after the update by an all-gather of the same
+              payload (blocking), and the norm is summed over the world.
 
 A size-1 axis issues nothing. Times come from the alpha-beta ring model of
 :mod:`tetrad.plan.machine.network` with each axis's placement.
@@ -99,6 +102,7 @@ from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import kv_gather_payload, local_seq_len
 from tetrad.plan.comm.listing import Collective, listed
 from tetrad.plan.comm.record import Recorder, Step
+from tetrad.plan.comm.zero import sharded, shards_optimizer
 from tetrad.plan.comm.zwindows import z_collectives
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.errors import PlanError
@@ -218,6 +222,7 @@ def make_step(
         if gc > 1
         else 0.0,
         orientation=orientation,
+        zero=shards_optimizer(ctx),
     )
 
 
@@ -335,13 +340,15 @@ def collectives(
     domino_min_rows: int = DOMINO_MIN_ROWS,
     fine_chunks: int | None = None,
     orientation: str = "xy",
+    shard_optimizer: bool = False,
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
     axis, kind, payload bytes per call, calls, ring bytes and seconds per call, the compute it
     hides behind and its exposed seconds per step (module doc). ``grid = (G_data, G_z, G_y,
     G_x)``; ``micro_batch`` samples per (data, z) cell. ``compute_bytes``: 2 on GPU (bf16
     autocast), 4 on CPU; ``bucket_bytes`` and ``domino_min_rows``: the runtime's
-    ``Overlap`` options; ``orientation``: as :func:`estimate`'s.
+    ``Overlap`` options; ``orientation``: as :func:`estimate`'s; ``shard_optimizer``: the
+    runtime's sharded optimizer (:mod:`tetrad.plan.comm.zero`).
 
     Raises:
         PlanError: the batch does not split on the grid, or a bad overlap name.
@@ -358,7 +365,7 @@ def collectives(
         fine_chunks=fine_chunks,
     )
     est = estimate(
-        ctx,
+        sharded(ctx) if shard_optimizer else ctx,
         tuple(grid),
         micro_batch,
         activation_checkpointing,
