@@ -129,6 +129,7 @@ class Estimate:
         fine_chunks: pieces per ring step of the ``fine`` overlap as modelled (0: not used).
         orientation: the roles' orientation (:data:`tetrad.spec.ORIENTATIONS`); the per-axis
             dicts and the collectives name the ``--grid``'s dimensions.
+        shard_optimizer: modelled with the sharded optimizer (:mod:`tetrad.plan.comm.zero`).
     """
 
     step_s: float
@@ -140,6 +141,7 @@ class Estimate:
     collectives: tuple = ()
     fine_chunks: int = 0
     orientation: str = "xy"
+    shard_optimizer: bool = False
 
 
 LAYER_KINDS = (
@@ -304,7 +306,16 @@ def estimate(
         {physical_axis(a, orientation): v for a, v in d.items()} for d in (rec.exposed, rec.total)
     )
     return Estimate(
-        step, compute, st.acc * rec_mb, exposed, total, st.acc, cols, st.fine_chosen, orientation
+        step,
+        compute,
+        st.acc * rec_mb,
+        exposed,
+        total,
+        st.acc,
+        cols,
+        st.fine_chosen,
+        orientation,
+        st.zero,
     )
 
 

@@ -46,6 +46,15 @@ from tetrad.plan.model.grids import check_grid, context_size, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import FP32
 
+PHASES = (
+    "forward: LM head",
+    "backward: LM head",
+    "backward: blocks",
+    "backward: end",
+    "optimizer step",
+)
+"""The phases of a training step whose totals :func:`tetrad` compares (its peak is theirs)."""
+
 
 def tetrad(
     model: ModelSpec,

@@ -10,10 +10,28 @@ searches; else below by at most ``G - 1`` elements per parameter).
 
 from __future__ import annotations
 
+from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.states import local_parameter_elements
 from tetrad.plan.model.grids import context_size, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import DP_BUCKET_BYTES, FP32
+
+SHARD_OPTIMIZER = ("auto", "on", "off")
+"""The planner's choices for the sharded optimizer (``tetrad plan --shard-optimizer``)."""
+
+
+def check_shard_optimizer(choice: str) -> None:
+    """Raises :class:`~tetrad.plan.errors.PlanError` unless ``choice`` is one of
+    :data:`SHARD_OPTIMIZER`."""
+    if choice not in SHARD_OPTIMIZER:
+        raise PlanError(f"shard_optimizer {choice!r} is unknown: use auto, on or off")
+
+
+def state_bytes_per_element(sharded: bool, data_group: int) -> float:
+    """Bytes per local parameter element of the model states: fp32 parameter and gradient
+    and two fp32 AdamW states, 16; with the states sharded over ``data_group`` ranks ``8 + 8 /
+    data_group``."""
+    return 8.0 + 8.0 / data_group if sharded else 16.0
 
 
 def data_group(grid) -> int:

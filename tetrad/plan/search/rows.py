@@ -54,6 +54,8 @@ class Row:
             (:data:`tetrad.plan.pipe.schedule.SCHEDULES`, empty without a pipeline).
         stage_memory: 4D with a pipeline: every pipeline rank's memory (``memory`` is the
             worst's).
+        shard_optimizer: 4D: the AdamW states sharded over data x context (the runtime's
+            ``shard_optimizer``, ZeRO-1).
     """
 
     space: str
@@ -77,6 +79,7 @@ class Row:
     virtual_stages: int = 1
     schedule: str = ""
     stage_memory: list = field(default_factory=list)
+    shard_optimizer: bool = False
 
     @property
     def grid(self) -> tuple[int, ...]:
