@@ -36,8 +36,9 @@ time, a lower bound of their step time, until it reaches the slowest of the best
 far; of the rest, a configuration is timed only if its lower bound with the exposed
 communication it cannot avoid (:class:`tetrad.plan.comm.bounds.StepBounds`) is still below
 it. Every cost that depends on a shape only (a Linear's collectives, the fused rings, compute
-per ``(G_context, G_y, G_x, b)``, grid validity, bandwidths per ``(stride, size)``) is memoised. The statistics count
-configurations enumerated (``candidates``), fitting, ``pruned`` and timed (``evaluated``).
+per ``(G_context, G_y, G_x, b)``, grid validity, bandwidths per ``(stride, size)``) is
+memoised. The statistics count configurations enumerated (``candidates``), fitting,
+``pruned`` and timed (``evaluated``).
 """
 
 from __future__ import annotations
