@@ -104,9 +104,11 @@ class Row:
         return self
 
     def label(self) -> str:
-        """``D,C,Z,Y,X=...`` (`` yx`` added when turned) or ``TP,CP,PP,DP=...``."""
+        """``D,C,Z,Y,X=...`` (`` yx`` added when turned, `` so`` with the optimizer sharded)
+        or ``TP,CP,PP,DP=...``."""
         if self.space == "4d":
             turned = " yx" if self.orientation == "yx" else ""
+            turned += " so" if self.shard_optimizer else ""
             return self.pipe_label() + "D,C,Z,Y,X=" + ",".join(str(v) for v in self.grid) + turned
         return "TP,CP,PP,DP=" + ",".join(str(v) for v in self.grid) + self.classic_suffix()
 
@@ -149,6 +151,7 @@ class Row:
                 "memory": self.memory.to_dict(),
             }
             | ({"orientation": self.orientation} if self.space == "4d" else {})
+            | ({"shard_optimizer": True} if self.shard_optimizer else {})
             | self._pipe_dict()
         )
 
