@@ -16,7 +16,7 @@ from tetrad.models.config import PRESETS
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
-from tetrad.parallel.zero import ShardedAdamW
+from tetrad.parallel.zero import DataShards, ShardedAdamW
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.step import pipeline_train_step
 from tetrad.spec import OVERLAPS
@@ -134,3 +134,40 @@ CASES = {
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_sharded_optimizer_matches_reference(world_size, reference):
     run_distributed(zero_runs, world_size, world_size, *reference, CASES[world_size])
+
+
+def _padding_worker(world_size):
+    """Pieces of tensors that ``G`` does not divide (7, 1, 5 elements on 3 ranks: pieces of
+    3, 1 and 2 elements, some empty): the reduce-scatter leaves each rank the sum of its piece,
+    the all-gather rebuilds every tensor from the pieces."""
+    grid = Grid.build((world_size, 1, 1, 1))
+    shards = DataShards(grid)
+    rank = shards.rank
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 1, 5)]
+    params.append(torch.nn.Parameter(torch.zeros(2, 3)))
+    grads = [torch.arange(p.numel(), dtype=torch.float32).view_as(p) * (rank + 1) for p in params]
+    shards.take(params, shards.reduce_scatter(params, grads))
+    total = sum(range(1, world_size + 1))
+    for p, g in zip(params, grads, strict=True):
+        want = shards.piece(g.detach() / (rank + 1) * total)
+        torch.testing.assert_close(shards.grads[id(p)], want)
+        shards.piece(p.data).copy_(shards.grads[id(p)])  # the "update": the summed gradient
+    shards.all_gather()
+    for p, g in zip(params, grads, strict=True):
+        torch.testing.assert_close(p.data, g / (rank + 1) * total)
+    # AdamW on the pieces (some empty) equals AdamW on the whole tensors
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = ShardedAdamW([{"params": params}], shards, lr=0.1, fused=True)
+    plain = torch.optim.AdamW([{"params": ref}], lr=0.1, fused=True)
+    for _ in range(2):
+        shards.take(params, shards.reduce_scatter(params, grads))
+        opt.step()
+        for r, g in zip(ref, grads, strict=True):
+            r.grad = g / (rank + 1) * total
+        plain.step()
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.data, r.data)
+
+
+def test_pieces_of_uneven_tensors():
+    run_distributed(_padding_worker, 3, 3)
