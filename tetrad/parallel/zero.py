@@ -87,9 +87,13 @@ class DataShards:
     ) -> torch.Tensor | Handle:
         """Start the reduce-scatter over data of ``grads`` (those of ``params``) packed
         (:meth:`pack`); returns this rank's row ``[sum c]`` (or its :class:`Handle`). Records
-        the group for the all-gather after the update."""
+        the group for the all-gather after the update. The packed buffer takes the place of
+        the gradients: ``param.grad`` is dropped (the step needs only the reduced pieces)."""
         self.groups.append(list(params))
-        return reduce_scatter(self.pack(grads), self.grid, Axis.DATA, async_op=async_op)
+        packed = self.pack(grads)
+        for p in params:
+            p.grad = None
+        return reduce_scatter(packed, self.grid, Axis.DATA, async_op=async_op)
 
     def take(self, params: list[nn.Parameter], row: torch.Tensor) -> None:
         """Record each parameter's reduced piece from the reduce-scattered ``row``."""

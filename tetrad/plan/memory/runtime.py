@@ -324,9 +324,7 @@ def _grid_buffers(
     end = end_of_backward_bytes(model, grid, dp_overlap)
     step = step_buffer_bytes(model, grid)
     if sharded:
-        end = embedding_grad_bytes(model, grid) + zero.end_of_backward_bytes(
-            model, grid, dp_overlap
-        )
+        end = embedding_grad_bytes(model, grid) + zero.end_of_backward_bytes(model, grid)
         step = zero.step_bytes(model, grid, dp_overlap)
     return _GridBuffers(
         static=static,

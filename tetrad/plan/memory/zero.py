@@ -45,21 +45,21 @@ def state_share(grid, shard_optimizer: bool) -> float:
     return 1.0 / data_group(grid) if shard_optimizer else 1.0
 
 
-def end_of_backward_bytes(model: ModelSpec, grid, dp_overlap: bool) -> float:
-    """Sharded, ``G > 1``: at the end of backward the packed copies (fp32) of the gradients
-    reduce-scattered during backward (:meth:`tetrad.parallel.buckets.GradBuckets._launch`,
-    every bucket in flight at once; the buckets then take no gradient in place): the matrices,
-    with the vectors when ``G_z = 1``; without ``dp_overlap``, ``sync_gradients`` packs the
-    matrices; plus the reduced pieces ``4 n / G`` of all ``n`` local elements."""
+def end_of_backward_bytes(model: ModelSpec, grid) -> float:
+    """Sharded, ``G > 1``: at the end of backward the reduced pieces ``4 n / G`` of all ``n``
+    local elements. The packed copies that the reduce-scatters take
+    (:meth:`tetrad.parallel.zero.DataShards.reduce_scatter`: during backward with
+    ``dp_overlap``, in ``sync_gradients`` without) replace the gradients, which are dropped
+    once packed, so they add nothing to the fp32 gradients counted already (the buckets take
+    no gradient in place and ``sync_gradients`` makes no flat copy of the matrices)."""
     n = local_parameter_elements(model, grid)
-    gz = grid_sizes(grid)[1]
-    packed = n["matrices"] + (n["vectors"] if dp_overlap and gz == 1 else 0)
-    return FP32 * (packed + (n["matrices"] + n["vectors"]) / data_group(grid))
+    return FP32 * (n["matrices"] + n["vectors"]) / data_group(grid)
 
 
 def step_bytes(model: ModelSpec, grid, dp_overlap: bool) -> float:
     """Sharded, ``G > 1``: the optimizer step's largest temporary: the reduced pieces ``4 n /
-    G``; the vectors' sum over Z (``G_z > 1``: a flat copy and its packed copy); and the
+    G``; the vectors' sum over Z (``G_z > 1``: a flat copy and its packed copy, their
+    gradients dropped); and the
     all-gather of the largest group after the update, its output and this rank's packed row
     ``4 k (1 + 1/G)``, ``k`` the group's elements: without ``dp_overlap`` all matrices; with it
     the larger of the last bucket (the embedding tables and, with ``G_z = 1``, the vectors)
