@@ -171,3 +171,31 @@ def _padding_worker(world_size):
 
 def test_pieces_of_uneven_tensors():
     run_distributed(_padding_worker, 3, 3)
+
+
+def test_planner_offers_the_sharded_optimizer():
+    """``shard_optimizer``: ``off`` never, ``on`` wherever ``G_data G_context > 1``, ``auto``
+    only where the unsharded configuration does not fit; the sharded rows' states are divided by
+    the data group, and ``--emit-config`` writes ``shard_optimizer``."""
+    from tetrad.plan.machine.spec import get_machine
+    from tetrad.plan.model.presets import get_model
+    from tetrad.plan.search.plan import plan
+    from tetrad.plan.search.report import train_config_text
+
+    model, machine = get_model("llama-3.1-8b"), get_machine("dgx-h100")
+    args = (model, machine, 16, 32, 4096)
+    opts = {"top": 5, "classic": False, "pipeline": False}
+    off = plan(*args, shard_optimizer="off", **opts)
+    on = plan(*args, shard_optimizer="on", **opts)
+    auto = plan(*args, shard_optimizer="auto", **opts)
+    assert not any(r.shard_optimizer for r in off.rows)
+    assert all(r.shard_optimizer == (r.sizes["data"] * r.sizes["context"] > 1) for r in on.rows)
+    assert auto.rows[0].step_s <= off.rows[0].step_s
+    sharded = [r for r in on.rows if r.shard_optimizer]
+    assert sharded and "shard_optimizer = true" in train_config_text(sharded[0], model, on)
+    for r in sharded:
+        plain = next((o for o in off.rows if o.label() == r.label().replace(" so", "")), None)
+        if plain is not None and plain.micro_batch == r.micro_batch:
+            g = r.sizes["data"] * r.sizes["context"]
+            want = plain.memory.components["optimizer_states"] / g
+            assert abs(r.memory.components["optimizer_states"] - want) <= 1e-6 * want
