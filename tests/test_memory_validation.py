@@ -5,7 +5,8 @@ On gloo ranks (CPU, fp32), for several grids, each rank measures:
 - parameter bytes: the sum of its local parameters' ``nbytes``;
 - gradient bytes: the sum of ``.grad`` ``nbytes`` after one micro-batch's backward;
 - optimizer-state bytes: AdamW's ``exp_avg`` + ``exp_avg_sq`` after one ``train_step`` (the
-  ``step`` counters are 0-d host tensors, not counted by the model: checked here);
+  ``step`` counters are 0-d host tensors, not counted by the model: checked here), and the
+  same with the sharded optimizer (``shard_optimizer``: this rank's pieces);
 - activation bytes: unique storages passed to ``torch.autograd.graph.saved_tensors_hooks`` during
   one micro-batch's forward, parameters excluded, in each checkpointing mode (``none``,
   ``selective``, ``selective:1``, ``full``); under ``selective`` the blocks' kept tensors are
@@ -110,6 +111,13 @@ def _measure(grid: Grid, mode: str) -> dict:
     out["optimizer_states"] = sum(
         s[k].numel() * s[k].element_size() for s in states for k in ("exp_avg", "exp_avg_sq")
     )
+    model.zero_grad(set_to_none=True)  # the sharded optimizer: its pieces' states
+    opt = build_optimizer(model, 1e-3, weight_decay=0.1, shard=grid)
+    train_step(model, opt, grid, batch, MICRO, 1.0)
+    states = [opt.state_of(p) for p in model.parameters()]
+    out["optimizer_states_sharded"] = sum(
+        s[k].numel() * s[k].element_size() for s in states for k in ("exp_avg", "exp_avg_sq")
+    )
     return out
 
 
@@ -129,6 +137,8 @@ def predicted(sizes, mode: str) -> dict:
     r = tetrad(spec, sizes, MICRO, SEQ, 1e9, activation_checkpointing=mode, dtype="fp32")
     s = saved_activations(spec, sizes, MICRO, SEQ, activation_checkpointing=mode, dtype="fp32")
     out = {k: r.components[k] for k in ("parameters", "gradients", "optimizer_states")}
+    zero = tetrad(spec, sizes, MICRO, SEQ, 1e9, dtype="fp32", shard_optimizer=True)
+    out["optimizer_states_sharded"] = zero.components["optimizer_states"]
     out["activations"] = s["blocks"] + s["embedding"] + s["final_norm"] + s["loss"]
     if mode == "full":
         out["recompute"] = s["recompute"]

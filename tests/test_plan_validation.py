@@ -78,20 +78,21 @@ def _key(sizes, orientation, n_micro, ckpt, overlaps) -> str:
     )
 
 
-def _worker(world_size: int, out_dir: str) -> None:
-    """Two training steps per (grid, config); this rank's counts of the second one to JSON."""
+def _worker(world_size: int, out_dir: str, grids=None, configs=None, shard=False) -> None:
+    """Two training steps per (grid, config); this rank's counts of the second one to JSON
+    (``shard``: with the sharded optimizer)."""
     rank = dist.get_rank()
     got = {}
-    for sizes, orientation in GRIDS[world_size]:
+    for sizes, orientation in grids or GRIDS[world_size]:
         grid = Grid.build(sizes, "cpu", orientation)
         g = torch.Generator().manual_seed(SEED)
         batch = torch.randint(
             0, CFG.vocab_size, (SAMPLES * grid.batch_shards, SEQ + 1), generator=g
         )
-        for n_micro, ckpt, ov in CONFIGS:
+        for n_micro, ckpt, ov in configs or CONFIGS:
             model = ParallelLlama(CFG, grid, ckpt, OVERLAP_SETS[ov], **OPTIONS)
             init_parameters(model, SEED, grid)
-            opt = build_optimizer(model, LR, weight_decay=0.1)
+            opt = build_optimizer(model, LR, weight_decay=0.1, shard=grid if shard else None)
             train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)
             grid.comm.reset()
             train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)
@@ -103,7 +104,9 @@ def _worker(world_size: int, out_dir: str) -> None:
         json.dump(got, fh)
 
 
-def predicted(sizes, orientation: str, n_micro: int, ckpt: bool, overlaps: str) -> dict:
+def predicted(
+    sizes, orientation: str, n_micro: int, ckpt: bool, overlaps: str, shard: bool = False
+) -> dict:
     """The planner's per-axis calls, payload bytes and ring bytes of one optimizer step."""
     cells = sizes[0] * sizes[-3]  # G_data G_z
     cols = collectives(
@@ -117,6 +120,7 @@ def predicted(sizes, orientation: str, n_micro: int, ckpt: bool, overlaps: str) 
         overlaps=OVERLAP_SETS[overlaps],
         compute_bytes=DTYPE_BYTES["fp32"],
         orientation=orientation,
+        shard_optimizer=shard,
         **OPTIONS,
     )
     return {axis: [t[f] for f in FIELDS] for axis, t in axis_totals(cols).items()}
@@ -125,11 +129,32 @@ def predicted(sizes, orientation: str, n_micro: int, ckpt: bool, overlaps: str) 
 @pytest.mark.parametrize("world_size", sorted(GRIDS))
 def test_comm_model_predicts_runtime_collectives(world_size, tmp_path):
     run_distributed(_worker, world_size, world_size, str(tmp_path))
+    _compare(world_size, tmp_path, GRIDS[world_size], CONFIGS, False)
+
+
+SHARDED_GRIDS = {
+    4: [((4, 1, 1, 1), "xy"), ((2, 1, 1, 2), "xy"), ((1, 2, 1, 1, 2), "xy")],
+    8: [((2, 2, 2, 1), "xy"), ((2, 4, 1, 1, 1), "xy"), ((2, 1, 2, 2), "yx")],
+}
+SHARDED_CONFIGS = [(1, False, "all"), (2, False, "all"), (2, True, "none")]
+
+
+@pytest.mark.parametrize("world_size", sorted(SHARDED_GRIDS))
+def test_comm_model_predicts_sharded_optimizer_collectives(world_size, tmp_path):
+    """With the sharded optimizer (ZeRO-1): the data reduce-scatters and all-gathers, the
+    norm over the world, on data, data x context, context, data x Z, data x X and turned
+    grids, with and without the bucketed overlap."""
+    grids, configs = SHARDED_GRIDS[world_size], SHARDED_CONFIGS
+    run_distributed(_worker, world_size, world_size, str(tmp_path), grids, configs, True)
+    _compare(world_size, tmp_path, grids, configs, True)
+
+
+def _compare(world_size: int, tmp_path, grids, configs, shard: bool) -> None:
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world_size)]
-    for sizes, orientation in GRIDS[world_size]:
-        for n_micro, ckpt, ov in CONFIGS:
+    for sizes, orientation in grids:
+        for n_micro, ckpt, ov in configs:
             key = _key(sizes, orientation, n_micro, ckpt, ov)
-            want = predicted(sizes, orientation, n_micro, ckpt, ov)
+            want = predicted(sizes, orientation, n_micro, ckpt, ov, shard)
             for rank, got in enumerate(ranks):
                 got = got[key]
                 if rank == 0:

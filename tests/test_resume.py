@@ -105,6 +105,36 @@ def test_resharding_chain_matches_uninterrupted(corpus, tmp_path):
     assert meta["grid"] == [2, 1, 2, 1, 2] and meta["step"] == n
 
 
+SHARDED = [  # (grid, shard_optimizer): sharded <-> unsharded, data 2 -> 4 -> 2 x context 2
+    ("2,1,1,1", True),
+    ("1,1,1,2", False),
+    ("4,1,1,1", True),
+    ("2,1,1,1", False),
+    ("2,2,1,1,1", True),
+    ("1,1,1,1", True),
+]
+
+
+def test_resharding_with_the_sharded_optimizer_matches_uninterrupted(corpus, tmp_path):
+    """Two steps on each grid in turn, the AdamW states sharded over data x context or not
+    (``shard_optimizer``), each resuming the previous checkpoint, against one unsharded run:
+    the same losses, and the same final checkpoint (states stored whole, whatever the
+    sharding)."""
+    whole, chain = tmp_path / "whole", tmp_path / "chain"
+    n = 2 * len(SHARDED)
+    _run(config(corpus, whole, n, "1,1,1,1"), 1)
+    for i, (grid, shard) in enumerate(SHARDED):
+        world = eval(grid.replace(",", "*"))
+        cfg = config(corpus, chain, 2 * i + 2, grid, resume=i > 0, shard_optimizer=shard)
+        _run(cfg, world)
+    assert losses(chain) == pytest.approx(losses(whole), abs=1e-5)
+    name = f"checkpoints/step_{n:07d}"
+    got, want = full_state(chain / name), full_state(whole / name)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
 # ---------------------------------------------------------------- SIGKILL during a save
 
 

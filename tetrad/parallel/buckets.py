@@ -33,6 +33,7 @@ from torch import nn
 
 from tetrad.comm import Handle, all_reduce
 from tetrad.grid import Grid
+from tetrad.parallel.zero import DataShards
 from tetrad.spec import DP_BUCKET_BYTES, Axis
 
 
@@ -49,6 +50,10 @@ class GradBuckets:
         expected: weight gradients :meth:`add` receives per step (set by the model; None:
             unknown). The bucket that the last of them completes waits for :meth:`finish`, so
             the late gradients ride in it instead of a call of their own.
+        shards: with the sharded optimizer (set by the training step), a bucket is
+            reduce-scattered over data instead of all-reduced
+            (:meth:`tetrad.parallel.zero.DataShards.reduce_scatter`) and :meth:`finish` leaves
+            this rank's pieces in ``shards.grads`` (``param.grad`` keeps the local sum).
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class GradBuckets:
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
         self._flats: dict[int, torch.Tensor] = {}  # bucket -> its buffer, once a slot is taken
         self._off_plan = False  # a bucket this step was not the planned one
+        self.shards: DataShards | None = None
 
     def clear(self) -> None:
         """Start a new optimizer step: nothing reduced yet."""
@@ -106,8 +112,8 @@ class GradBuckets:
         :meth:`finish`, as the gradients); None when ``param`` is not in the plan or already has
         a gradient (one written elsewhere is copied in at launch)."""
         where = self._where.get(id(param))
-        if where is None or param.grad is not None:
-            return None
+        if where is None or param.grad is not None or self.shards is not None:
+            return None  # sharded: the reduce-scatter packs the gradients anyway
         b, offset = where
         flat = self._flats.get(b)
         if flat is None:
@@ -139,10 +145,13 @@ class GradBuckets:
         seen = []
         for params, handle in self._launched:
             flat, offset = handle.wait(), 0
+            seen += params
+            if self.shards is not None:
+                self.shards.take(params, flat)
+                continue
             for p in params:
                 p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
-            seen += params
         if self._off_plan:  # lay the buckets out as backward met the gradients this time
             late = {id(p) for p in self._late}
             self.plan([p for p in seen if id(p) not in late], self._late)
@@ -150,10 +159,14 @@ class GradBuckets:
 
     def _launch(self) -> None:
         if self._bucket:
-            flat = self._in_place(len(self._launched))
-            if flat is None:
-                flat = torch.cat([p.grad.reshape(-1) for p in self._bucket])
-            handle = all_reduce(flat, self.grid, Axis.DATA, async_op=True)
+            if self.shards is not None:  # packed from the gradients (no slot was handed out)
+                grads = [p.grad for p in self._bucket]
+                handle = self.shards.reduce_scatter(self._bucket, grads, async_op=True)
+            else:
+                flat = self._in_place(len(self._launched))
+                if flat is None:
+                    flat = torch.cat([p.grad.reshape(-1) for p in self._bucket])
+                handle = all_reduce(flat, self.grid, Axis.DATA, async_op=True)
             self._launched.append((self._bucket, handle))
             self.counts["dp_buckets"] += 1
         self._bucket, self._bucket_size = [], 0

@@ -9,10 +9,16 @@ from torch import nn
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
+from tetrad.parallel.zero import DataShards
 from tetrad.spec import Axis
 
 
-def sync_gradients(model: nn.Module, grid: Grid, data_reduced: set[int] = frozenset()) -> None:
+def sync_gradients(
+    model: nn.Module,
+    grid: Grid,
+    data_reduced: set[int] = frozenset(),
+    shards: DataShards | None = None,
+) -> None:
     """Sum every gradient over the replicated axes whose ranks saw other tokens (Z, and data,
     whose group includes the context axis: :class:`tetrad.spec.Axis`).
 
@@ -23,28 +29,55 @@ def sync_gradients(model: nn.Module, grid: Grid, data_reduced: set[int] = frozen
     Losses are sums over tokens divided by the global token count, so the sum is the mean.
     Parameters whose ``id`` is in ``data_reduced`` were already summed over data (by the
     overlapped bucketed all-reduce) and are summed over the remaining axes only.
+
+    With ``shards`` (the sharded optimizer, :mod:`tetrad.parallel.zero`) the sum over data is a
+    reduce-scatter (:meth:`DataShards.reduce_scatter`, after the other axes' all-reduces) that
+    leaves each rank its pieces in ``shards.grads``; the ``data_reduced`` parameters were
+    reduce-scattered by the buckets, and what is left to sum of them is summed on the pieces.
     """
-    buckets: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
+    buckets: dict[tuple[str, ...], list[nn.Parameter]] = defaultdict(list)
     for p in model.parameters():
         if p.grad is not None:
             axes = p.placement.grad_sum_axes
             if id(p) in data_reduced:
                 axes = tuple(a for a in axes if a != Axis.DATA)
-            buckets[axes].append(p.grad)
-    for axes, grads in buckets.items():
+            buckets[axes].append(p)
+    for axes, params in buckets.items():
         axes = tuple(a for a in axes if grid.size(a) > 1)
         if not axes:
             continue
+        pieces = shards.grads if shards is not None else {}  # those reduced over data
+        grads = [pieces.get(id(p), p.grad) for p in params]
+        if shards is not None and axes == (Axis.DATA,):  # packed as they are, no flat copy
+            shards.take(params, shards.reduce_scatter(params, grads))
+            continue
         flat = torch.cat([g.reshape(-1) for g in grads])
         for a in axes:
+            if a == Axis.DATA and shards is not None:  # the last of TOKEN_AXES
+                shards.take(params, shards.reduce_scatter(params, _split(flat, grads)))
+                break
             all_reduce(flat, grid, a)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        else:
+            _copy_back(flat, grads)
 
 
-def global_grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
+def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into views shaped as ``like``."""
+    out, offset = [], 0
+    for g in like:
+        out.append(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return out
+
+
+def _copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    for g, part in zip(grads, _split(flat, grads), strict=True):
+        g.copy_(part)
+
+
+def global_grad_norm(
+    model: nn.Module, grid: Grid, shards: DataShards | None = None
+) -> torch.Tensor:
     """The L2 norm of the full (unsharded) gradient, identical on every rank.
 
     Each replicated copy is counted once: a rank adds a parameter's local sum of squares only if
@@ -55,16 +88,20 @@ def global_grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
     after :func:`sync_gradients`. The per-tensor norms are one multi-tensor operation
     (``torch._foreach_norm``), as in ``torch.nn.utils.clip_grad_norm_``. With pipeline stages
     ``model`` holds this rank's parts and the world sum adds the stages.
+
+    With ``shards`` (``G_data G_context > 1``) a rank holds its pieces of the reduced gradients
+    (:mod:`tetrad.parallel.zero`), which the data x context ranks split without overlap: each
+    counts its own and the sum is always all-reduced over the world.
     """
+    zero = shards is not None and shards.size > 1
     # stages hold different weights, and so do expert-parallel ranks
-    sharded = grid.z * grid.y * grid.x > 1 or grid.pipe > 1 or grid.expert > 1
-    local = () if sharded else (Axis.DATA, Axis.CONTEXT)  # each of their ranks counts its own
-    grads = [
-        p.grad.detach()
-        for p in model.parameters()
-        if p.grad is not None
-        and all(grid.coord[a] == 0 for a in p.placement.replicated_axes if a not in local)
-    ]
+    sharded = zero or grid.z * grid.y * grid.x > 1 or grid.pipe > 1 or grid.expert > 1
+    own = (Axis.DATA, Axis.CONTEXT)  # axes whose ranks count their own copy or piece
+    grads = []
+    for p, g in _step_grads(model, shards):
+        local = own if (id(p) in shards.grads if zero else not sharded) else ()
+        if all(grid.coord[a] == 0 for a in p.placement.replicated_axes if a not in local):
+            grads.append(g.detach())
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
     if grads:
         total += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
@@ -73,15 +110,30 @@ def global_grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
     return total.sqrt().float()
 
 
-def clip_grad_norm(model: nn.Module, grid: Grid, max_norm: float) -> torch.Tensor:
+def _step_grads(
+    model: nn.Module, shards: DataShards | None
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """``(param, the gradient the optimizer uses)``: its piece with ``shards``, else ``.grad``."""
+    pieces = shards.grads if shards is not None else {}
+    out = []
+    for p in model.parameters():
+        g = pieces.get(id(p), p.grad)
+        if g is not None:
+            out.append((p, g))
+    return out
+
+
+def clip_grad_norm(
+    model: nn.Module, grid: Grid, max_norm: float, shards: DataShards | None = None
+) -> torch.Tensor:
     """Scale gradients so the global norm is at most ``max_norm``; return the norm before.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_``: ``coef = min(1, max_norm / (norm + 1e-6))``.
     The scale stays on the device (no host synchronisation) and is applied with one
-    multi-tensor multiply.
+    multi-tensor multiply. With ``shards`` the pieces are scaled (:func:`global_grad_norm`).
     """
-    norm = global_grad_norm(model, grid)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = global_grad_norm(model, grid, shards)
+    grads = [g for _, g in _step_grads(model, shards)]
     if max_norm > 0 and grads:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))

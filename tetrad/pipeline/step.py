@@ -15,6 +15,7 @@ from tetrad.train.step import (
     autocast,
     inputs_targets,
     local_samples,
+    optimizer_shards,
     sum_over_batch_axes,
     to_device,
 )
@@ -50,11 +51,14 @@ def pipeline_train_step_losses(
     moe = pipeline.parts[0].cfg.is_moe
     pipeline.aux_scale = 1.0 / batch.shape[0] if moe else 0.0
     local = to_device(local_samples(batch, grid), grid.device)
+    shards = optimizer_shards(optimizer)
+    for part in pipeline.parts:
+        part.overlap.buckets.shards = shards
     with autocast(grid.device):
         loss = pipeline.step(*inputs_targets(local, grid))
     for part in pipeline.parts:
-        sync_gradients(part, grid, part.overlap.buckets.reduced)
-    norm = clip_grad_norm(pipeline.parts, grid, grad_clip)
+        sync_gradients(part, grid, part.overlap.buckets.reduced, shards)
+    norm = clip_grad_norm(pipeline.parts, grid, grad_clip, shards)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     aux = pipeline.aux_loss()

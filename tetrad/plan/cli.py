@@ -20,6 +20,7 @@ from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import get_machine, preset_names
 from tetrad.plan.memory import fujii
 from tetrad.plan.memory.runtime import tetrad as tetrad_memory
+from tetrad.plan.memory.zero import SHARD_OPTIMIZER
 from tetrad.plan.model.presets import PRESETS, get_model
 from tetrad.plan.pipe.cli import pipeline_memory_text
 from tetrad.plan.pipe.schedule import SCHEDULES
@@ -143,6 +144,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     pipe.add_argument("--pipeline", action="store_true", help=argparse.SUPPRESS)  # the default
     p.add_argument(
+        "--shard-optimizer",
+        choices=SHARD_OPTIMIZER,
+        default="auto",
+        help="the runtime's sharded optimizer (AdamW states over data x context, ZeRO-1; "
+        "rows marked so): auto (where a configuration fits only so), on, off",
+    )
+    p.add_argument(
         "--gpu-memory-gib", type=float, metavar="GIB", help="GPU memory (default: the machine's)"
     )
     p.add_argument(
@@ -222,6 +230,11 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         metavar="GIB",
         help="GPU memory (default 80, or the --machine's)",
     )
+    m.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="tetrad: AdamW states sharded over data x context (tetrad train --shard-optimizer)",
+    )
     m.add_argument("--machine", help="take the GPU memory from this machine")
     m.add_argument("--json", action="store_true", help="print the breakdown as JSON")
 
@@ -270,6 +283,7 @@ def run_plan(args: argparse.Namespace) -> int:
         classic=not args.no_classic,
         gpu_memory_bytes=mem,
         pipeline=not args.no_pipeline,
+        shard_optimizer=args.shard_optimizer,
     )
     if args.emit_config:
         report.emit_config(result.rows[0], model, result, args.emit_config)
@@ -317,11 +331,13 @@ def run_memory(args: argparse.Namespace) -> int:
                 args.seq_len,
                 gpu,
                 activation_checkpointing=ckpt,
+                shard_optimizer=args.shard_optimizer,
             )
             title = (
                 f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))} "
                 f"({turn}), micro-batch {args.micro_batch} x {args.seq_len} tokens, "
                 f"checkpointing {ckpt}"
+                + (", AdamW states sharded over data x context" if args.shard_optimizer else "")
             )
     else:
         if args.grid:

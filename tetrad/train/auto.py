@@ -107,6 +107,7 @@ def choose_grid(
             overlaps=par.overlap,
             classic=False,
             dtype=compute_dtype(t.device),
+            shard_optimizer="on" if par.shard_optimizer else "auto",
         )
     except PlanError as e:
         raise ConfigError(
@@ -151,6 +152,7 @@ def choose_grid(
         virtual_stages=best.virtual_stages,
         activation_checkpointing=best.activation_checkpointing,
         orientation=best.orientation,
+        shard_optimizer=par.shard_optimizer or best.shard_optimizer,
     )
     return dataclasses.replace(cfg, parallelism=par)
 

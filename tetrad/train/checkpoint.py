@@ -10,7 +10,10 @@ Keys: ``model.<param>``, ``optim.<param>.exp_avg``, ``optim.<param>.exp_avg_sq``
 ``optim.<param>.step``, ``step`` and ``rng.<rank>`` (each rank's torch CPU generator state,
 restored when the world size is unchanged). The data position is the step: the batch of step
 ``s`` depends only on ``(seed, s)`` (:func:`tetrad.data.loader.sample_batch`), whatever the
-data-parallel split, so it carries over to any grid.
+data-parallel split, so it carries over to any grid. The optimizer's states are stored as whole
+local tensors with or without the sharded optimizer (which gathers them over data x context to
+save and keeps its pieces on load: :class:`tetrad.parallel.zero.ShardedAdamW`), so a run resumes
+sharded or not, on any grid.
 
 With ``async_save``, :meth:`Checkpointer.save` costs the loop only the copy of the shards to host
 memory (DCP's ``async_save``, on its own gloo group); a background thread writes the files and
@@ -36,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tetrad.grid import Grid
 from tetrad.parallel.placement import Placement
+from tetrad.parallel.zero import ShardedAdamW
 from tetrad.spec import Axis
 from tetrad.train.checkpoint_dir import (
     CheckpointError,
@@ -147,15 +151,9 @@ class Checkpointer:
         state: dict = {"step": torch.tensor(step)}
         for name, b in _placed_buffers(model):
             state[f"model.{name}"] = self._dtensor(b, b.placement)
-        for name, p in model.named_parameters():
+        named = list(model.named_parameters())
+        for (name, p), st in zip(named, _optimizer_states(optimizer, named), strict=True):
             state[f"model.{name}"] = self._dtensor(p.data, p.placement)
-            st = optimizer.state.setdefault(p, {})
-            if "exp_avg" not in st:  # before the first step: load into fresh state
-                st.update(
-                    step=torch.tensor(0.0),
-                    exp_avg=torch.zeros_like(p),
-                    exp_avg_sq=torch.zeros_like(p),
-                )
             for k in ("exp_avg", "exp_avg_sq"):
                 state[f"optim.{name}.{k}"] = self._dtensor(st[k], p.placement)
             state[f"optim.{name}.step"] = st["step"]
@@ -281,15 +279,50 @@ class Checkpointer:
             ) from None
         for name, b in _placed_buffers(model):
             b.copy_(state[f"model.{name}"].to_local())
-        for name, p in model.named_parameters():
+        named = list(model.named_parameters())
+        loaded = []
+        for name, p in named:
             p.data.copy_(state[f"model.{name}"].to_local())
-            st = optimizer.state[p]
-            for k in ("exp_avg", "exp_avg_sq"):
-                st[k].copy_(state[f"optim.{name}.{k}"].to_local())
-            st["step"] = state[f"optim.{name}.step"]
+            loaded.append({k: state[f"optim.{name}.{k}"] for k in ("exp_avg", "exp_avg_sq")})
+            loaded[-1] = {k: v.to_local() for k, v in loaded[-1].items()}
+            loaded[-1]["step"] = state[f"optim.{name}.step"]
+        _load_optimizer_states(optimizer, named, loaded)
         if same_world:
             torch.set_rng_state(state[self._rng_key()])
         return int(state["step"])
+
+
+def _optimizer_states(optimizer: torch.optim.Optimizer, named: list) -> list[dict]:
+    """``{"step", "exp_avg", "exp_avg_sq"}`` of each parameter of ``named`` as whole local
+    tensors: the sharded optimizer's gathered over data (collective,
+    :meth:`tetrad.parallel.zero.ShardedAdamW.full_states`), AdamW's own state otherwise (made
+    now, zero, before the first step). The keys are the same with or without sharding."""
+    params = [p for _, p in named]
+    if isinstance(optimizer, ShardedAdamW):
+        return optimizer.full_states(params)
+    out = []
+    for p in params:
+        st = optimizer.state.setdefault(p, {})
+        if "exp_avg" not in st:  # before the first step: load into fresh state
+            st.update(
+                step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
+            )
+        out.append(st)
+    return out
+
+
+def _load_optimizer_states(optimizer: torch.optim.Optimizer, named: list, loaded: list) -> None:
+    """Set the optimizer's state from the whole local tensors ``loaded`` (one dict per
+    parameter of ``named``): the sharded optimizer keeps this rank's pieces."""
+    params = [p for _, p in named]
+    if isinstance(optimizer, ShardedAdamW):
+        optimizer.load_full_states(params, loaded)
+        return
+    for p, full in zip(params, loaded, strict=True):
+        st = optimizer.state[p]
+        for k in ("exp_avg", "exp_avg_sq"):
+            st[k].copy_(full[k])
+        st["step"] = full["step"]
 
 
 def _placed_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

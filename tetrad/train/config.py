@@ -183,6 +183,12 @@ class TrainConfig:
             check_expert_parallel(self.parallelism.expert_parallel, grid)
         except TetradError as e:
             raise ConfigError(str(e)) from None
+        if self.parallelism.shard_optimizer and self.parallelism.expert_parallel > 1:
+            raise ConfigError(
+                "shard_optimizer with expert parallelism is not supported yet (expert weights "
+                "are reduced over their own expert-data group): drop --shard-optimizer or "
+                "--expert-parallel"
+            )
 
     @property
     def grad_accum(self) -> int:

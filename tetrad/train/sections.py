@@ -153,6 +153,11 @@ class ParallelismSection:
         help="most pieces of the context overlap's K/V all-gather (0: the planner's choice on "
         f"--machine, else 1: one blocking all-gather; {CONTEXT_PIECES} is a good start on GPUs)",
     )
+    shard_optimizer: bool = option(
+        False,
+        help="shard the AdamW states over the data x context ranks (ZeRO-1, Megatron's "
+        "distributed optimizer): gradients reduce-scattered, parameters all-gathered over them",
+    )
     dp_bucket_mb: float = option(
         DP_BUCKET_BYTES / MiB, metavar="MB", help="data-parallel all-reduce bucket size, MiB"
     )

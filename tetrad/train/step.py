@@ -14,13 +14,24 @@ from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
 from tetrad.parallel.context import split_sequence
 from tetrad.parallel.experts import update_expert_biases
+from tetrad.parallel.zero import DataShards, ShardedAdamW
 from tetrad.spec import Axis
 
 
 def build_optimizer(
-    model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas=(0.9, 0.95),
+    eps: float = 1e-8,
+    shard: Grid | None = None,
 ) -> torch.optim.AdamW:
     """AdamW over the local shards; weight decay on matrices only (not norms or biases).
+
+    With ``shard`` (the grid), the sharded optimizer: AdamW states split over the grid's data x
+    context ranks, gradients reduce-scattered and parameters all-gathered over them
+    (:class:`tetrad.parallel.zero.ShardedAdamW`, ZeRO-1); the training steps find it through
+    the optimizer's ``shards``.
 
     AdamW is elementwise, so AdamW on shards equals AdamW on the full tensors. The update runs
     as torch's fused kernel (``fused=True``: one pass over each parameter's states) on CPU and
@@ -36,9 +47,18 @@ def build_optimizer(
         {"params": other, "weight_decay": 0.0},
     ]
     fused = bool(params) and params[0].device.type in ("cpu", "cuda")
-    return torch.optim.AdamW(
-        groups, lr=lr, betas=betas, eps=eps, fused=fused, foreach=None if fused else True
-    )
+    kwargs = {"lr": lr, "betas": betas, "eps": eps, "fused": fused}
+    kwargs["foreach"] = None if fused else True
+    if shard is not None:
+        return ShardedAdamW(groups, DataShards(shard), **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def optimizer_shards(optimizer: torch.optim.Optimizer) -> DataShards | None:
+    """The :class:`~tetrad.parallel.zero.DataShards` of a sharded optimizer (None: not
+    sharded, or a data group of one rank)."""
+    shards = getattr(optimizer, "shards", None)
+    return shards if shards is not None and shards.size > 1 else None
 
 
 def lr_at(step: int, peak: float, floor: float, warmup: int, total: int) -> float:
@@ -128,6 +148,9 @@ def train_step_losses(
     n_tokens, n_seqs = batch[:, 1:].numel(), batch.shape[0]
     micro_batches = to_device(local_samples(batch, grid), grid.device).split(micro_batch)
     overlap = getattr(model, "overlap", None)
+    shards = optimizer_shards(optimizer)
+    if overlap is not None:
+        overlap.buckets.shards = shards
     loss = torch.zeros((), device=grid.device)
     aux, moe = torch.zeros((), device=grid.device), False
     for i, mb in enumerate(micro_batches):
@@ -143,8 +166,8 @@ def train_step_losses(
         loss += part.detach()
         if aux_sum is not None:
             aux, moe = aux + aux_sum.detach() / n_seqs, True
-    sync_gradients(model, grid, overlap.buckets.reduced if overlap is not None else set())
-    norm = clip_grad_norm(model, grid, grad_clip)
+    sync_gradients(model, grid, overlap.buckets.reduced if overlap is not None else set(), shards)
+    norm = clip_grad_norm(model, grid, grad_clip, shards)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     update_expert_biases(model, grid)

@@ -127,7 +127,8 @@ def train(cfg: TrainConfig) -> dict:
     model = build_model(cfg, model_cfg, grid)
     t = cfg.training
     weights = weights_of(model)
-    optimizer = build_optimizer(weights, t.lr, t.weight_decay, (t.beta1, t.beta2))
+    shard = grid if par.shard_optimizer else None
+    optimizer = build_optimizer(weights, t.lr, t.weight_decay, (t.beta1, t.beta2), shard=shard)
     tokens = t.global_batch * t.seq_len
     peak = mfu_peak(cfg, model_cfg, grid)
     meter = StepMeter(tokens, model_cfg.flops_per_token(t.seq_len) * tokens, peak, grid.world_size)

@@ -31,7 +31,7 @@ from tetrad.plan.comm.estimate import make_step, xy_record
 from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.comm.zwindows import window_seconds, z_queue_seconds, z_tables
 from tetrad.plan.compute.elementwise import ELEMENTWISE
-from tetrad.plan.machine.network import ALL_REDUCE
+from tetrad.plan.machine.network import ALL_REDUCE, REDUCE_SCATTER
 from tetrad.spec import role_sizes
 
 MARGIN = 1e-9
@@ -68,7 +68,8 @@ class StepBounds:
             elif st.dp_overlap:
                 data = layers.bucket_seconds(st)
             else:
-                data = (st.links["data"].time(ALL_REDUCE, layers.gradient_bytes(st)),)
+                kind = REDUCE_SCATTER if st.zero else ALL_REDUCE
+                data = (st.links["data"].time(kind, layers.gradient_bytes(st)),)
             got = self._grid[grid] = (optimizer + sum(rec.exposed.values()), data)
         return got
 

@@ -34,7 +34,10 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
     step      all-reduce_data of the Z-sharded weight gradients (sum of local shards, fp32);
               norm-weight gradients all-reduce_Z then all-reduce_data; the loss scalar (4 B)
               over Z and data; the gradient-norm scalar (8 B, float64) over the world (none
-              with data parallelism alone).
+              with data parallelism alone). With the sharded optimizer
+              (:mod:`tetrad.plan.comm.zero`) the data all-reduces are reduce-scatters of the
+              same payload, each followed after the update by an all-gather of the same
+              payload (blocking), and the norm is summed over the world.
 
 A size-1 axis issues nothing. Times come from the alpha-beta ring model of
 :mod:`tetrad.plan.machine.network` with each axis's placement.
@@ -104,6 +107,7 @@ from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import kv_gather_payload, local_seq_len
 from tetrad.plan.comm.listing import Collective, listed
 from tetrad.plan.comm.record import Recorder, Step
+from tetrad.plan.comm.zero import sharded, shards_optimizer
 from tetrad.plan.comm.zwindows import z_collectives
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.errors import PlanError
@@ -132,6 +136,7 @@ class Estimate:
             (1: the blocking K/V all-gather).
         orientation: the roles' orientation (:data:`tetrad.spec.ORIENTATIONS`); the per-axis
             dicts and the collectives name the ``--grid``'s dimensions.
+        shard_optimizer: modelled with the sharded optimizer (:mod:`tetrad.plan.comm.zero`).
     """
 
     step_s: float
@@ -144,6 +149,7 @@ class Estimate:
     fine_chunks: int = 0
     orientation: str = "xy"
     context_pieces: int = 1
+    shard_optimizer: bool = False
 
 
 LAYER_KINDS = (
@@ -232,6 +238,7 @@ def make_step(
         context_pieces=most,
         kv_pieces=pieces,
         orientation=orientation,
+        zero=shards_optimizer(ctx),
     )
 
 
@@ -323,6 +330,7 @@ def estimate(
         st.fine_chosen,
         orientation,
         st.context_pieces,
+        st.zero,
     )
 
 
@@ -359,6 +367,7 @@ def collectives(
     fine_chunks: int | None = None,
     orientation: str = "xy",
     context_pieces: int | None = None,
+    shard_optimizer: bool = False,
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
     axis, kind, payload bytes per call, calls, ring bytes and seconds per call, the compute it
@@ -366,7 +375,8 @@ def collectives(
     G_x)``; ``micro_batch`` samples per (data, z) cell. ``compute_bytes``: 2 on GPU (bf16
     autocast), 4 on CPU; ``bucket_bytes``, ``domino_min_rows`` and ``context_pieces``: the
     runtime's ``Overlap`` options (``context_pieces`` None: the planner's best);
-    ``orientation``: as :func:`estimate`'s.
+    ``orientation``: as :func:`estimate`'s; ``shard_optimizer``: the runtime's sharded
+    optimizer (:mod:`tetrad.plan.comm.zero`).
 
     Raises:
         PlanError: the batch does not split on the grid, or a bad overlap name.
@@ -384,7 +394,7 @@ def collectives(
         context_pieces=context_pieces,
     )
     est = estimate(
-        ctx,
+        sharded(ctx) if shard_optimizer else ctx,
         tuple(grid),
         micro_batch,
         activation_checkpointing,

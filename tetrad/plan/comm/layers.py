@@ -113,21 +113,37 @@ def data_gradients(rec: Recorder, st: Step) -> None:
     buckets during the last micro-batch's backward, a block's buckets behind the backward (and
     recompute) of the block below, the queue carried over; what is left is exposed (seconds).
     With ``G_z = 1`` the vectors (``vector_el * 4`` bytes) join the last bucket, exposed with
-    the embedding's gradient (:attr:`Step.vectors_in_buckets`)."""
+    the embedding's gradient (:attr:`Step.vectors_in_buckets`).
+
+    With the sharded optimizer (:attr:`Step.zero`, tetrad/parallel/zero.py) each all-reduce is
+    a reduce-scatter of the same payload (bucketed and hidden the same way), and after the
+    update each group is all-gathered over data (same payload, one call per reduce-scatter,
+    blocking: exposed)."""
     if st.sizes["data"] == 1:
         return
     ld, L = st.links["data"], st.n_layers
+    kind = REDUCE_SCATTER if st.zero else ALL_REDUCE
     w_total = gradient_bytes(st)
     if not st.dp_overlap:
-        t = ld.time(ALL_REDUCE, w_total)
-        rec.add("gradients", "step", "data", ALL_REDUCE, w_total, 1, t, t)
+        t = ld.time(kind, w_total)
+        rec.add("gradients", "step", "data", kind, w_total, 1, t, t)
+        parameter_gathers(rec, st, "parameters", w_total, 1)
         return
     calls = st.bucket_calls
     slack = st.comp.block_bwd + (st.comp.block_fwd if st.checkpointing else 0.0)
     exp = bucket_exposed(*bucket_seconds(st), slack, L)
-    t = ld.time(ALL_REDUCE, w_total / calls)
+    t = ld.time(kind, w_total / calls)
     hid = "backward of the blocks below (last micro-batch, buckets)"
-    rec.add("gradients", "backward", "data", ALL_REDUCE, w_total / calls, calls, t, exp, hid)
+    rec.add("gradients", "backward", "data", kind, w_total / calls, calls, t, exp, hid)
+    parameter_gathers(rec, st, "parameters", w_total / calls, calls)
+
+
+def parameter_gathers(rec: Recorder, st: Step, layer: str, payload: float, calls: int) -> None:
+    """With the sharded optimizer: ``calls`` all-gathers over data of ``payload`` bytes each
+    (the updated parameters, fp32), after the update, blocking (exposed)."""
+    if st.zero and st.sizes["data"] > 1:
+        t = st.links["data"].time(ALL_GATHER, payload)
+        rec.add(layer, "step", "data", ALL_GATHER, payload, calls, t, calls * t)
 
 
 def gradient_bytes(st: Step) -> float:
@@ -138,13 +154,15 @@ def gradient_bytes(st: Step) -> float:
 
 
 def bucket_seconds(st: Step) -> tuple[float, float, float]:
-    """All-reduce seconds of one block's, the LM head's and the embedding's (with the vectors
-    riding along) share of the ``dp_all_reduce`` buckets: their bytes at the bucketed
-    all-reduce's seconds per byte, the per-call latency spread over the bytes."""
+    """All-reduce (reduce-scatter with :attr:`Step.zero`) seconds of one block's, the LM
+    head's and the embedding's (with the vectors riding along) share of the ``dp_all_reduce``
+    buckets: their bytes at the bucketed collective's seconds per byte, the per-call latency
+    spread over the bytes."""
     ld, calls, w_total = st.links["data"], st.bucket_calls, gradient_bytes(st)
+    kind = REDUCE_SCATTER if st.zero else ALL_REDUCE
     vec = st.vector_el if st.vectors_in_buckets else 0.0
-    lat = ld.time(ALL_REDUCE, 0.0)
-    per_byte = (ld.time(ALL_REDUCE, w_total) - lat) / w_total
+    lat = ld.time(kind, 0.0)
+    per_byte = (ld.time(kind, w_total) - lat) / w_total
     rate = calls / w_total * lat + per_byte  # seconds per byte, latency spread over the bytes
     big_d = st.block_el * FP32 * rate
     return big_d, st.head_el * FP32 * rate, (st.emb_el + vec) * FP32 * rate
@@ -170,16 +188,21 @@ def step_scalars(rec: Recorder, st: Step) -> None:
     """Step-level, blocking: the Z-replicated vectors' gradients (``vector_el * 4`` bytes) over Z
     then data (not over data when they rode in the last bucket: :attr:`Step.vectors_in_buckets`),
     the loss scalar (4 B) over Z and data, the gradient norm (8 B, float64) over the world unless
-    only the data axis is above 1 (every rank then has the whole gradient)."""
+    only the data axis is above 1 (every rank then has the whole gradient). With the sharded
+    optimizer the vectors' sum over data is a reduce-scatter, their all-gather follows the
+    update, and the norm is always summed over the world (each rank holds its pieces)."""
     pv = st.vector_el * FP32
     for ax in (Axis.Z, Axis.DATA):
         if st.sizes[ax] > 1 and not (ax == Axis.DATA and st.vectors_in_buckets):
-            t = st.links[ax].time(ALL_REDUCE, pv)
-            rec.add("norm_gradients", "step", ax, ALL_REDUCE, pv, 1, t, t)
+            kind = REDUCE_SCATTER if st.zero and ax == Axis.DATA else ALL_REDUCE
+            t = st.links[ax].time(kind, pv)
+            rec.add("norm_gradients", "step", ax, kind, pv, 1, t, t)
+    if not st.vectors_in_buckets:
+        parameter_gathers(rec, st, "norm_parameters", pv, 1)
     for ax in (Axis.Z, Axis.DATA):
         if st.sizes[ax] > 1:
             t = st.links[ax].time(ALL_REDUCE, FP32)
             rec.add("loss_scalar", "step", ax, ALL_REDUCE, FP32, 1, t, t)
-    if st.world > st.sizes[Axis.DATA]:
+    if st.world > st.sizes[Axis.DATA] or (st.zero and st.sizes[Axis.DATA] > 1):
         t = st.links["world"].time(ALL_REDUCE, 8)
         rec.add("grad_norm", "step", "world", ALL_REDUCE, 8, 1, t, t)

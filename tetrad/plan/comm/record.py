@@ -92,6 +92,8 @@ class Step:
             are recorded with the one of least exposed time, kept in ``fine_chosen``.
         orientation: which mesh dimension plays which role (:data:`tetrad.spec.ORIENTATIONS`);
             ``sizes`` and ``links`` are the roles'.
+        zero: the sharded optimizer (ZeRO-1): the data-parallel gradients reduce-scattered and
+            the parameters all-gathered over data (:func:`tetrad.plan.comm.layers.data_gradients`).
         fused_s: seconds of the fused GEMM -> reduce-scatter ring ``(flops, payload bytes,
             link, chunks)`` on this machine (:meth:`tetrad.plan.comm.context.Context.fused_s`:
             :func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`, memoised per shape).
@@ -123,6 +125,7 @@ class Step:
     kv_pieces: int = 1
     context_pieces: int = 1
     orientation: str = "xy"
+    zero: bool = False
 
     @property
     def n_layers(self) -> int:

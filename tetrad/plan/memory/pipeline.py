@@ -6,7 +6,8 @@ fit (80% of GPU memory, Fujii et al., arXiv 2411.06465). Plain Python, bytes.
 Per pipeline rank ``r`` holding ``k`` blocks over its ``v`` stages
 (:class:`tetrad.plan.pipe.stages.PipeRank`):
 
-- parameters, gradients and AdamW states (16 bytes per local element) of its blocks, plus the
+- parameters, gradients and AdamW states (16 bytes per local element; 8 + 8 / (G_data
+  G_context) with the sharded optimizer) of its blocks, plus the
   embedding tables on the rank of stage 0 and the final norm and LM head on the rank of the last
   stage (a tied head is counted as the embedding's copy there);
 - every phase of the runtime's model on a ``k``-block model; the LM head's two phases only on
@@ -44,6 +45,7 @@ from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.activations import dtype_bytes, saved_activations
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.runtime import phase_components
+from tetrad.plan.memory.zero import data_group, state_share
 from tetrad.plan.model.grids import context_size, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.pipe.schedule import (
@@ -81,12 +83,16 @@ def stage_parts(
     ckpt: str,
     dtype: str,
     prefetch: bool,
+    shard_optimizer: bool = False,
 ) -> tuple:
     """The runtime model's static components, phases and saved activations of a ``blocks``
-    model (memoised: the ranks of a pipeline share them)."""
+    model (memoised: the ranks of a pipeline share them); ``shard_optimizer``: as
+    :func:`tetrad.plan.memory.runtime.tetrad`'s."""
     sm = dataclasses.replace(model, n_layers=blocks)
     opts = {"activation_checkpointing": ckpt, "dtype": dtype}
-    static, phases = phase_components(sm, grid, micro_batch, seq_len, prefetch=prefetch, **opts)
+    static, phases = phase_components(
+        sm, grid, micro_batch, seq_len, prefetch=prefetch, shard_optimizer=shard_optimizer, **opts
+    )
     saved = saved_activations(sm, grid, micro_batch, seq_len, **opts)
     return static, phases, saved
 
@@ -249,22 +255,28 @@ def stage_memory(
     activation_checkpointing: str = "none",
     dtype: str = "bf16",
     prefetch: bool = True,
+    shard_optimizer: bool = False,
 ) -> MemoryBreakdown:
     """The memory of pipeline rank ``prank`` of ``pipe`` under ``schedule`` with
-    ``micro_batches`` per step (module doc), ``grid`` the 5D roles' sizes.
+    ``micro_batches`` per step (module doc), ``grid`` the 5D roles' sizes; with
+    ``shard_optimizer`` the AdamW states over ``G_data G_context``
+    (:mod:`tetrad.plan.memory.zero`).
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
     """
     grid = tuple(grid)
     opts = (activation_checkpointing, dtype, prefetch)
-    static, phases, saved = stage_parts(model, prank.blocks, grid, micro_batch, seq_len, *opts)
+    static, phases, saved = stage_parts(
+        model, prank.blocks, grid, micro_batch, seq_len, *opts, shard_optimizer
+    )
     static = dict(static)
+    share = state_share(grid, shard_optimizer and data_group(grid) > 1)
     emb_el, head_el, final_norm = _table_elements(model, grid)
     head = 0 if model.tied_embeddings else head_el  # a tied head is the embedding's table
     drop = (0 if prank.first else emb_el) + (0 if prank.last else head + final_norm)
     add = head_el if prank.last and not prank.first and model.tied_embeddings else 0
-    for name, per in (("parameters", 4), ("gradients", 4), ("optimizer_states", 8)):
+    for name, per in (("parameters", 4), ("gradients", 4), ("optimizer_states", 8 * share)):
         static[name] += per * (add - drop)
     flight = in_flight_bytes(
         model, grid, micro_batch, seq_len, prank, schedule, pipe, micro_batches, opts
@@ -323,6 +335,7 @@ def pipeline_memory(
     activation_checkpointing: str = "none",
     dtype: str = "bf16",
     prefetch: bool = True,
+    shard_optimizer: bool = False,
 ) -> tuple[MemoryBreakdown, list[MemoryBreakdown]]:
     """``(worst rank's breakdown, every rank's)`` of a pipeline of ``len(ranks)`` ranks under
     ``schedule`` with ``micro_batches`` per step (module doc); ``virtual``, the stages per
@@ -348,6 +361,7 @@ def pipeline_memory(
             activation_checkpointing=activation_checkpointing,
             dtype=dtype,
             prefetch=prefetch,
+            shard_optimizer=shard_optimizer,
         )
         for r in ranks
     ]

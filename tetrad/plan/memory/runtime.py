@@ -26,9 +26,11 @@ from dataclasses import dataclass
 
 from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.errors import PlanError
+from tetrad.plan.memory import zero
 from tetrad.plan.memory.activations import dtype_bytes, saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown, check_positive
 from tetrad.plan.memory.buffers import (
+    embedding_grad_bytes,
     end_of_backward_bytes,
     gathered_weight_bytes,
     lm_head_logits_bytes,
@@ -44,6 +46,15 @@ from tetrad.plan.model.grids import check_grid, context_size, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import FP32
 
+PHASES = (
+    "forward: LM head",
+    "backward: LM head",
+    "backward: blocks",
+    "backward: end",
+    "optimizer step",
+)
+"""The phases of a training step whose totals :func:`tetrad` compares (its peak is theirs)."""
+
 
 def tetrad(
     model: ModelSpec,
@@ -57,6 +68,7 @@ def tetrad(
     prefetch: bool = True,
     async_reduce_scatter: bool = True,
     dp_overlap: bool = True,
+    shard_optimizer: bool = False,
 ) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
 
@@ -84,7 +96,9 @@ def tetrad(
     :func:`tetrad.plan.memory.activations.saved_activations`'s.
     ``prefetch``, ``async_reduce_scatter`` and ``dp_overlap`` mirror the runtime's
     ``prefetch``, ``reduce_scatter`` and ``dp_all_reduce`` overlaps (tetrad/parallel/overlap.py,
-    on by default).
+    on by default). ``shard_optimizer``: the runtime's sharded optimizer (ZeRO-1): the AdamW
+    states over ``G_data G_context`` and the end of backward's and the step's buffers of
+    :mod:`tetrad.plan.memory.zero`.
 
     Components (0 when not alive at the peak phase): ``parameters``, ``gradients``,
     ``optimizer_states``, ``activations`` (blocks, embedding, final norm), ``logits_and_loss``,
@@ -107,8 +121,9 @@ def tetrad(
         prefetch,
         async_reduce_scatter,
         dp_overlap,
+        shard_optimizer,
     )
-    zero = {
+    absent = {
         "activations": 0.0,
         "logits_and_loss": 0.0,
         "recompute_activations": 0.0,
@@ -121,7 +136,7 @@ def tetrad(
     totals = {name: base + sum(terms.values()) for name, terms in phases.items()}
     peak = max(totals, key=lambda k: totals[k])
     return MemoryBreakdown(
-        components={**static, **zero, **phases[peak]},
+        components={**static, **absent, **phases[peak]},
         gpu_memory_bytes=float(gpu_memory_bytes),
         peak_phase=peak,
         phases=totals,
@@ -139,6 +154,7 @@ def phase_totals(
     prefetch: bool = True,
     async_reduce_scatter: bool = True,
     dp_overlap: bool = True,
+    shard_optimizer: bool = False,
 ) -> dict[str, float]:
     """The total bytes at each phase of :func:`tetrad` (its ``phases``; the peak is their
     maximum) without the breakdown by component: what the search's memory lines need.
@@ -157,6 +173,7 @@ def phase_totals(
         prefetch,
         async_reduce_scatter,
         dp_overlap,
+        shard_optimizer,
     )
     base = sum(v for _, v in g.static)
     return {name: base + sum(terms.values()) for name, terms in phases.items()}
@@ -171,6 +188,7 @@ def phase_components(
     activation_checkpointing: str | bool = "none",
     dtype: str = "bf16",
     prefetch: bool = True,
+    shard_optimizer: bool = False,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """``(static components, {phase: live components})`` of :func:`tetrad`, bytes: what the
     pipeline's per-stage memory (:mod:`tetrad.plan.pipe.memory`) adjusts.
@@ -179,7 +197,16 @@ def phase_components(
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
     """
     g, phases = _phases(
-        model, grid, micro_batch, seq_len, activation_checkpointing, dtype, prefetch, True, True
+        model,
+        grid,
+        micro_batch,
+        seq_len,
+        activation_checkpointing,
+        dtype,
+        prefetch,
+        True,
+        True,
+        shard_optimizer,
     )
     return dict(g.static), phases
 
@@ -194,12 +221,15 @@ def _phases(
     prefetch: bool,
     async_reduce_scatter: bool,
     dp_overlap: bool,
+    shard_optimizer: bool = False,
 ) -> tuple[_GridBuffers, dict[str, dict[str, float]]]:
     """The grid's buffers and each phase's live components (bytes) of :func:`tetrad`."""
     check_positive(micro_batch=micro_batch, seq_len=seq_len)
     e = dtype_bytes(dtype)
     check_grid(model, grid)
-    g = _grid_buffers(model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap)
+    g = _grid_buffers(
+        model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
+    )
     m = micro_batch * local_seq_len(seq_len, context_size(grid))  # this rank's tokens
     saved = saved_activations(
         model,
@@ -269,10 +299,13 @@ def _grid_buffers(
     prefetch: bool,
     async_reduce_scatter: bool,
     dp_overlap: bool,
+    shard_optimizer: bool = False,
 ) -> _GridBuffers:
     """:class:`_GridBuffers` once per grid and options (the search asks :func:`tetrad` for
     several micro-batches and modes of each grid)."""
     gz, gy, gx = grid_sizes(grid)[1:]
+    sharded = shard_optimizer and zero.data_group(grid) > 1
+    share = zero.state_share(grid, sharded)
     e = dtype_bytes(dtype)
     vy = model.vocab // (gy * gx)  # logits per rank: V over Y and X
     by_size = sorted(model.linears(), key=lambda lin: lin.weight_elements, reverse=True)
@@ -286,8 +319,13 @@ def _grid_buffers(
     static = (
         ("parameters", tetrad_parameter_bytes(model, grid)),
         ("gradients", tetrad_gradient_bytes(model, grid)),
-        ("optimizer_states", tetrad_optimizer_bytes(model, grid)),
+        ("optimizer_states", tetrad_optimizer_bytes(model, grid) * share),
     )
+    end = end_of_backward_bytes(model, grid, dp_overlap)
+    step = step_buffer_bytes(model, grid)
+    if sharded:
+        end = embedding_grad_bytes(model, grid) + zero.end_of_backward_bytes(model, grid)
+        step = zero.step_bytes(model, grid, dp_overlap)
     return _GridBuffers(
         static=static,
         head_forward=w_head + (w_big if prefetch else 0.0),
@@ -295,8 +333,8 @@ def _grid_buffers(
         head_gradient=FP32 * vy * model.hidden if e != FP32 else 0.0,
         blocks=w_two if prefetch else w_big,
         block_gradients=dw_blocks,
-        end_of_backward=end_of_backward_bytes(model, grid, dp_overlap),
-        step=step_buffer_bytes(model, grid),
+        end_of_backward=end,
+        step=step,
     )
 
 
@@ -308,6 +346,7 @@ def fewest_selective(
     gpu_memory_bytes: float,
     dtype: str = "bf16",
     prefetch: bool = True,
+    shard_optimizer: bool = False,
 ) -> str:
     """``selective:K`` with the fewest blocks ``K`` whose :func:`tetrad` estimate fits (80%),
     or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits.
@@ -325,7 +364,9 @@ def fewest_selective(
 
     def at(mode: str) -> dict[str, float]:
         options = {"activation_checkpointing": mode, "dtype": dtype, "prefetch": prefetch}
-        return phase_totals(model, grid, micro_batch, seq_len, **options)
+        return phase_totals(
+            model, grid, micro_batch, seq_len, shard_optimizer=shard_optimizer, **options
+        )
 
     def fits(phases: dict[str, float]) -> bool:  # MemoryBreakdown.fits: the peak within 80%
         return max(phases.values()) <= limit

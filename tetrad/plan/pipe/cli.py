@@ -63,6 +63,7 @@ def pipeline_memory_text(
         v,
         m,
         activation_checkpointing=mode,
+        shard_optimizer=getattr(args, "shard_optimizer", False),
     )
     stages = ", ".join(
         f"{r.rank}: {'+'.join(map(str, r.chunk_blocks))} blocks {mb.total / GiB:.1f} GiB"

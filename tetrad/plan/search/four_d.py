@@ -16,6 +16,12 @@ that does not fit. The survivors are ranked by :func:`tetrad.plan.comm.estimate.
 (``comm_model="tetrad"``) or by compute plus AxoNN's communication time (``comm_model="axonn"``,
 :func:`tetrad.plan.comm.axonn.axonn_comm`).
 
+The sharded optimizer (``shard_optimizer``: AdamW states over data x context, ZeRO-1) is a
+dimension: under ``auto`` a grid with ``G_data G_context > 1`` also offers each (mode,
+micro-batch) that fits only with the states sharded, timed with
+:func:`tetrad.plan.comm.zero.sharded`'s context (where both fit, unsharded is as fast or
+faster: the same ring bytes, and the sharded all-gather after the update is exposed).
+
 The classic Megatron-style space beside it: :mod:`tetrad.plan.search.classic`; both together:
 :func:`tetrad.plan.search.plan.plan`.
 
@@ -24,14 +30,15 @@ Each grid with ``G_x`` and ``G_y`` above 1 is tried in both orientations of the 
 (``yx``). With one tensor axis the two orientations are the two grids that name it X or Y.
 
 Speed, by design: memory is evaluated once per (grid, checkpointing mode) as a line in the
-micro-batch (:func:`_memory_line`) and rejects a configuration before anything is timed; the
-fitting ones are taken in ascending order of their compute time, a lower bound of their step
-time, until it reaches the slowest of the best found so far; of the rest, a configuration is
-timed only if its lower bound with the exposed communication it cannot avoid
-(:class:`tetrad.plan.comm.bounds.StepBounds`) is still below it. Every cost that depends on a
-shape only (a Linear's collectives, the fused rings, compute per ``(G_context, G_y, G_x,
-b)``, grid validity, bandwidths per ``(stride, size)``) is memoised. The statistics count
-configurations enumerated (``candidates``), fitting, ``pruned`` and timed (``evaluated``).
+micro-batch (:func:`tetrad.plan.search.candidates.memory_line`) and rejects a configuration
+before anything is timed; the fitting ones are taken in ascending order of their compute
+time, a lower bound of their step time, until it reaches the slowest of the best found so
+far; of the rest, a configuration is timed only if its lower bound with the exposed
+communication it cannot avoid (:class:`tetrad.plan.comm.bounds.StepBounds`) is still below
+it. Every cost that depends on a shape only (a Linear's collectives, the fused rings, compute
+per ``(G_context, G_y, G_x, b)``, grid validity, bandwidths per ``(stride, size)``) is
+memoised. The statistics count configurations enumerated (``candidates``), fitting,
+``pruned`` and timed (``evaluated``).
 """
 
 from __future__ import annotations
@@ -45,26 +52,27 @@ from tetrad.plan.comm.bounds import MARGIN, StepBounds
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.comm.estimate import estimate
+from tetrad.plan.comm.zero import sharded
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.memory.breakdown import FIT_FRACTION
-from tetrad.plan.memory.runtime import fewest_selective, phase_totals
 from tetrad.plan.memory.runtime import tetrad as tetrad_memory
+from tetrad.plan.memory.zero import check_shard_optimizer
 from tetrad.plan.model.grids import grid_problems, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
+from tetrad.plan.search.candidates import Candidates
 from tetrad.plan.search.pipelined import PipeSearch, is_pipeline, pipeline_row
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.space import (
     check_inputs,
     checkpointing_modes,
-    divisors,
     factorizations,
     nearby_gpu_counts,
 )
 from tetrad.spec import COMM_AXES, GRID_AXES, ORIENTATIONS, GiB, role_sizes
 
 
-class _Search4D:
+class _Search4D(Candidates):
     """One 4D search: the question (``ctx``), the memory limit and the statistics.
 
     Args:
@@ -73,8 +81,18 @@ class _Search4D:
         dtype: ``"bf16"`` or ``"fp32"`` (the memory model's and the compute's bytes).
     """
 
-    def __init__(self, ctx: Context, gpus: int, mem_bytes: float, comm_model: str, dtype: str):
+    def __init__(
+        self,
+        ctx: Context,
+        gpus: int,
+        mem_bytes: float,
+        comm_model: str,
+        dtype: str,
+        shard_optimizer: str = "auto",
+    ):
         self.ctx, self.gpus, self.mem_bytes = ctx, gpus, mem_bytes
+        check_shard_optimizer(shard_optimizer)
+        self.shard_optimizer = shard_optimizer if comm_model == "tetrad" else "off"
         self.comm_model, self.dtype = comm_model, dtype
         self.prefetch = "prefetch" in ctx.overlaps
         self.limit = FIT_FRACTION * mem_bytes
@@ -133,47 +151,6 @@ class _Search4D:
             out += self._oriented_candidates(grid, turn, checkpointing, allowed)
         return out
 
-    def _oriented_candidates(
-        self, grid, turn: str, checkpointing: tuple[str, ...], allowed: set | None
-    ) -> list:
-        """The fitting ``(compute seconds, grid, b, mode, turn)`` of ``grid`` in orientation
-        ``turn`` (memory and compute follow the roles' sizes)."""
-        ctx, stats = self.ctx, self.stats
-        L = ctx.model.n_layers
-        roles = role_sizes(grid, turn)
-        gd, _, gz, gy, gx = roles
-        # exact floor: fp32 parameters + gradients + two AdamW states = 16 B per local element
-        _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
-        static = 16.0 * (L * block_el + head_el + emb_el + ctx.vector_elements(gx, gy))
-        if static > self.limit:
-            return []
-        per_cell = ctx.global_batch // (gd * gz)
-        sizes = [b for b in divisors(per_cell) if allowed is None or b in allowed]
-        out, model, mem, dt, pre = [], ctx.model, self.mem_bytes, self.dtype, self.prefetch
-        lines: dict = {}  # mode -> its memory line, once per grid and orientation
-
-        def line(mode: str):
-            if mode not in lines:
-                lines[mode] = _memory_line(model, roles, ctx.seq_len, mem, mode, dt, pre, sizes)
-            return lines[mode]
-
-        for ckpt in checkpointing:
-            peak = line(ckpt)
-            plain = None  # selective where none does not fit: only as many blocks as needed
-            if ckpt == "selective" and L > 1:
-                plain = line("none")
-            for b in sizes:
-                stats["candidates"] += 1
-                if peak(b) > self.limit:
-                    break
-                stats["fitting"] += 1
-                mode = ckpt
-                if plain is not None and plain(b) > self.limit:
-                    mode = fewest_selective(model, roles, b, ctx.seq_len, mem, dt, pre)
-                fwd, bwd, rec = ctx.micro_batch_seconds(roles, b, mode)
-                out.append(((per_cell // b) * (fwd + bwd + rec), grid, b, mode, turn))
-        return out
-
     def check_found(self, cands: list) -> None:
         """Raises :class:`PlanError` saying what to change when no grid shards the model, none
         splits the batch, or nothing fits."""
@@ -211,16 +188,21 @@ class _Search4D:
         communication (:class:`~tetrad.plan.comm.bounds.StepBounds`) cannot either."""
         cands.sort(key=lambda c: c[0])
         best: list = []  # max-heap of (-step, seq, row-data) of size top
-        bounds = StepBounds(self.ctx) if self.comm_model == "tetrad" else None
-        for seq, (lb, grid, b, ckpt, turn) in enumerate(cands):
+        bounds = None
+        if self.comm_model == "tetrad":
+            bounds = {False: StepBounds(self.ctx), True: StepBounds(sharded(self.ctx))}
+            bounds[True]._z = bounds[False]._z  # the Z terms do not depend on the optimizer
+        for seq, (lb, grid, b, ckpt, turn, zero) in enumerate(cands):
             if len(best) >= top:
                 slowest = -best[0][0]
                 if lb >= slowest:
                     break  # sorted: no later candidate's compute alone is below it
-                if bounds is not None and _bounded_out(bounds, grid, b, ckpt, turn, lb, slowest):
+                if bounds is not None and _bounded_out(
+                    bounds[zero], grid, b, ckpt, turn, lb, slowest
+                ):
                     continue
             self.stats["evaluated"] += 1
-            step, est = self._time(grid, b, ckpt, turn)
+            step, est = self._time(grid, b, ckpt, turn, zero)
             item = (-step, seq, (grid, b, ckpt, turn, est))
             if len(best) < top:
                 heapq.heappush(best, item)
@@ -229,12 +211,13 @@ class _Search4D:
         self.stats["pruned"] = self.stats["fitting"] - self.stats["evaluated"]
         return best
 
-    def _time(self, grid, b: int, ckpt: str, turn: str) -> tuple[float, object]:
+    def _time(self, grid, b: int, ckpt: str, turn: str, zero: bool) -> tuple[float, object]:
         """Step seconds and what the row needs: an :class:`~tetrad.plan.comm.estimate.Estimate`
-        (tetrad), or AxoNN's ``(comm per axis, compute, recompute, micro-batches)`` (axonn)."""
+        (tetrad; ``zero``: with the sharded optimizer), or AxoNN's ``(comm per axis, compute,
+        recompute, micro-batches)`` (axonn)."""
         ctx = self.ctx
         if self.comm_model == "tetrad":
-            est = estimate(ctx, grid, b, ckpt, orientation=turn)
+            est = estimate(sharded(ctx) if zero else ctx, grid, b, ckpt, orientation=turn)
             return est.step_s, est
         acc = ctx.global_batch // (grid[0] * grid[2] * b)
         fwd, bwd, rec = ctx.compute(grid, b).micro_batch_seconds(ctx.model.n_layers, ckpt)
@@ -247,6 +230,7 @@ class _Search4D:
     def row(self, step: float, grid, b: int, ckpt: str, turn: str, est) -> Row:
         """The :class:`Row` of one ranked configuration (with its memory estimate)."""
         ctx = self.ctx
+        zero = getattr(est, "shard_optimizer", False)
         mem = tetrad_memory(
             ctx.model,
             role_sizes(grid, turn),
@@ -256,6 +240,7 @@ class _Search4D:
             activation_checkpointing=ckpt,
             dtype=self.dtype,
             prefetch=self.prefetch,
+            shard_optimizer=zero,
         )
         if self.comm_model == "tetrad":
             compute_s, rec_s, exposed, comm_s = (
@@ -285,6 +270,7 @@ class _Search4D:
             mem,
             self.comm_model,
             orientation=turn,
+            shard_optimizer=zero,
         ).finish(ctx.model, ctx.machine, self.gpus, ctx.global_batch, ctx.seq_len)
 
 
@@ -303,6 +289,7 @@ def search_4d(
     dtype: str = "bf16",
     gpu_memory_bytes: float | None = None,
     pipeline: bool = True,
+    shard_optimizer: str = "auto",
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics;
     with ``pipeline`` (and the tetrad comm model) pipeline grids too
@@ -315,6 +302,10 @@ def search_4d(
         overlaps: the runtime's overlaps assumed on (``"all"``, ``"none"`` or names).
         comm_model: ``"tetrad"`` (runtime-exact, alpha-beta, overlap) or ``"axonn"``.
         gpu_memory_bytes: override of the machine's memory, bytes.
+        shard_optimizer: the runtime's sharded optimizer (AdamW states over data x context):
+            ``off``, ``on`` (wherever ``G_data G_context > 1``) or ``auto`` (where the
+            configuration does not fit unsharded; unsharded it is as fast or faster: the same
+            ring bytes, and the all-gather after the update is exposed).
 
     Raises:
         PlanError: no grid shards the model, no grid splits the batch, or nothing fits; the
@@ -333,7 +324,7 @@ def search_4d(
         overlaps=overlaps,
         compute_bytes=2 if dtype == "bf16" else 4,
     )
-    search = _Search4D(ctx, gpus, mem_bytes, comm_model, dtype)
+    search = _Search4D(ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer)
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None
     cands = search.candidates(modes, allowed)
@@ -365,35 +356,3 @@ def _bounded_out(
     keep = 1.0 - MARGIN
     floor = bounds.cheap(grid, b, ckpt, compute_s, turn)
     return floor * keep >= slowest or bounds.with_xy(floor, grid, b, ckpt, turn) * keep >= slowest
-
-
-def _memory_line(
-    model: ModelSpec,
-    grid,
-    seq_len: int,
-    mem_bytes: float,
-    ckpt: str,
-    dtype: str,
-    prefetch: bool,
-    sizes: list[int],
-):
-    """``b -> peak bytes`` of :func:`tetrad.plan.memory.runtime.tetrad` from two evaluations: every
-    phase's total is affine in the micro-batch (activations, logits and recompute sets grow with
-    ``m``; weights, gathered blocks and step buffers do not), so the peak is the maximum of the
-    phases' lines. ``inf`` for every ``b`` when ``b = 1`` already does not fit."""
-    if not sizes:
-        return lambda b: float("inf")
-
-    def at(b: int) -> dict[str, float]:
-        options = {"activation_checkpointing": ckpt, "dtype": dtype, "prefetch": prefetch}
-        return phase_totals(model, grid, b, seq_len, **options)
-
-    lo = at(1)
-    peak = max(lo.values())  # MemoryBreakdown.total: the peak phase's
-    if peak > FIT_FRACTION * mem_bytes:
-        return lambda b: float("inf")
-    if sizes[-1] == 1:
-        return lambda b: peak
-    hi = at(2)
-    lines = [(lo[k], hi[k] - lo[k]) for k in lo]
-    return lambda b: max(a + (b - 1) * s for a, s in lines)

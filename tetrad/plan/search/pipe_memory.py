@@ -36,6 +36,11 @@ The floor of a schedule is the largest over its ranks (their stage split is the 
 :func:`tetrad.plan.pipe.estimate.split_ranks`); of a group or a grid, the least over its
 schedules. ``E`` and ``H`` fall with ``G_z``: the group's floor (every ``G_z`` dividing ``G_data
 G_z``) takes ``E`` at the largest and ``H`` at the smallest.
+
+Where the search may shard the optimizer (``shard_optimizer`` not ``off``) and ``G = G_data
+G_context > 1``, 16 becomes ``8 + 8 / G`` (the AdamW states over the data group,
+:func:`tetrad.plan.memory.zero.state_bytes_per_element`), a floor of both variants; with ``G_data
+G_z = q`` fixed, ``(8 + 8 G_z / (q G_context)) E`` still falls with ``G_z``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import dataclasses
 from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.context_parallel import context_shared_bytes
 from tetrad.plan.memory.activations import dtype_bytes, saved_activations
+from tetrad.plan.memory.zero import state_bytes_per_element
 from tetrad.plan.pipe.estimate import split_key, split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
 from tetrad.plan.search.space import divisors_of
@@ -98,14 +104,18 @@ class MemoryFloors:
             got = models[k] = dataclasses.replace(self.ctx.model, n_layers=k)
         return got
 
-    def _state_bytes(self, shard: int) -> tuple[float, float]:
-        """``(16 E, 16 H)`` of the module doc on ``G_y G_x G_z = shard`` ranks, bytes."""
-        got = self.elem_memo.get(shard)
+    def _state_bytes(self, shard: int, group: int = 1) -> tuple[float, float]:
+        """``(16 E, 16 H)`` of the module doc on ``G_y G_x G_z = shard`` ranks, bytes; where
+        the search may shard the optimizer over a data group of ``group = G_data G_context > 1``
+        ranks, ``8 + 8 / group`` bytes per element instead of 16 (a floor of both)."""
+        per = state_bytes_per_element(self.s.shard_optimizer != "off" and group > 1, group)
+        key = (shard, per)
+        got = self.elem_memo.get(key)
         if got is None:
             model = self.ctx.model
             block = sum(lin.weight_elements // shard * lin.count for lin in model.linears())
             head = model.vocab * model.hidden // shard if model.tied_embeddings else 0
-            got = self.elem_memo[shard] = (16.0 * block, 16.0 * head)
+            got = self.elem_memo[key] = (per * block, per * head)
         return got
 
     def _in_flight(self, split: tuple, cfg, m: int) -> tuple:
@@ -171,7 +181,7 @@ class MemoryFloors:
         """Whether no schedule of the group fits on the grid of roles ``roles``."""
         gd, gc, gz, gy, gx = roles
         m = self.ctx.global_batch // (gd * gz * b)
-        per_block, head = self._state_bytes(gy * gx * gz)
+        per_block, head = self._state_bytes(gy * gx * gz, gd * gc)
         return all(
             self._too_big(self._pairs(gc, gy, gx, b, mode, m, cfg), per_block, head)
             for cfg in self._configs(pipe, m)
@@ -195,7 +205,9 @@ class MemoryFloors:
                 )
             else:
                 most = self._weights_room(pipe, gc, gy, gx, b, mode, m, zs[0])
-                got = tuple(gz for gz in zs if self._state_bytes(gy * gx * gz)[0] <= most)
+                got = tuple(
+                    gz for gz in zs if self._state_bytes(gy * gx * gz, q // gz * gc)[0] <= most
+                )
             self.gz_memo[key] = got
         return got
 
@@ -205,7 +217,9 @@ class MemoryFloors:
         their ranks of ``(limit - floor less 16 k E) / k`` (the first at least ``16 E`` of
         ``G_z = gz`` ends it)."""
         one, slope, shared, ends, out, split = self._group_terms(pipe, gc, gy, gx, b, mode, m)
-        room, need = self.s.limit / (1 - MARGIN), self._state_bytes(gy * gx * gz)[0]
+        q = self.ctx.global_batch // (m * b)  # G_data G_z
+        need = self._state_bytes(gy * gx * gz, q // gz * gc)[0]
+        room = self.s.limit / (1 - MARGIN)
         most, flights = -float("inf"), self.flight_memo
         for cfg in self._configs(pipe, m):
             flight = flights.get((split, cfg, m)) or self._in_flight(split, cfg, m)
@@ -226,7 +240,7 @@ class MemoryFloors:
         gd, gc, gz, gy, gx = role_sizes(grid, turn)
         m = self.ctx.global_batch // (gd * gz * b)
         pairs = self._pairs(gc, gy, gx, b, mode, m, cfg)
-        return self._too_big(pairs, *self._state_bytes(gy * gx * gz))
+        return self._too_big(pairs, *self._state_bytes(gy * gx * gz, gd * gc))
 
 
 def warm_passes(pipe: int, rank: int, virtual: int, micro_batches: int) -> tuple[int, ...]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 
 from tetrad.plan.comm.bounds import MARGIN
+from tetrad.plan.comm.zero import sharded
 from tetrad.plan.memory.breakdown import FIT_FRACTION
 from tetrad.plan.memory.pipeline import pipeline_memory
 from tetrad.plan.model.grids import grid_problems
@@ -127,18 +128,17 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
             self.stats["pipe_candidates"] += 1
             if len(best) >= top and self._config_pruned(grid, turn, b, mode, cfg, m, -best[0][0]):
                 continue
-            mem = self._fitting(grid, turn, b, mode, cfg)
-            if mem is None:
-                continue
-            self.stats["pipe_fitting"] += 1
-            self.stats["pipe_evaluated"] += 1
-            est = pipeline_estimate(self.ctx, cfg, grid, b, mode, turn)
-            item = (-est.step_s, self.seq, (grid, b, mode, turn, (est, cfg, mem)))
-            self.seq += 1
-            if len(best) < top:
-                heapq.heappush(best, item)
-            elif est.step_s < -best[0][0]:
-                heapq.heapreplace(best, item)
+            for mem, zero in self._fitting(grid, turn, b, mode, cfg):
+                self.stats["pipe_fitting"] += 1
+                self.stats["pipe_evaluated"] += 1
+                ctx = sharded(self.ctx) if zero else self.ctx
+                est = pipeline_estimate(ctx, cfg, grid, b, mode, turn)
+                item = (-est.step_s, self.seq, (grid, b, mode, turn, (est, cfg, mem, zero)))
+                self.seq += 1
+                if len(best) < top:
+                    heapq.heappush(best, item)
+                elif est.step_s < -best[0][0]:
+                    heapq.heapreplace(best, item)
 
     def _config_pruned(self, grid, turn, b, mode, cfg, m: int, limit: float) -> bool:
         """Whether the schedule cannot enter below ``limit`` seconds (less MARGIN) or cannot
@@ -168,9 +168,10 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
             got = self.config_memo[(pipe, m)] = tuple(out)
         return got
 
-    def memory(self, grid, turn: str, b: int, mode: str, cfg: PipeConfig):
+    def memory(self, grid, turn: str, b: int, mode: str, cfg: PipeConfig, zero: bool = False):
         """The worst rank's :class:`~tetrad.plan.memory.breakdown.MemoryBreakdown` and every
-        rank's (:func:`tetrad.plan.memory.pipeline.pipeline_memory`)."""
+        rank's (:func:`tetrad.plan.memory.pipeline.pipeline_memory`; ``zero``: with the
+        sharded optimizer)."""
         ctx, s = self.ctx, self.s
         roles = role_sizes(grid, turn)
         ranks = split_ranks(
@@ -190,39 +191,54 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
             activation_checkpointing=mode,
             dtype=s.dtype,
             prefetch=s.prefetch,
+            shard_optimizer=zero,
         )
 
-    def _fits(self, grid, turn, b, mode, cfg):
-        key = (grid, turn, b, mode, cfg)
+    def _fits(self, grid, turn, b, mode, cfg, zero: bool = False):
+        key = (grid, turn, b, mode, cfg, zero)
         got = self.fit_memo.get(key, 0)
         if got == 0 and self._memory_floor_fails(grid, turn, b, mode, cfg):
             got = self.fit_memo[key] = None
         if got == 0:
-            worst, _ = self.memory(grid, turn, b, mode, cfg)
+            worst, _ = self.memory(grid, turn, b, mode, cfg, zero)
             got = self.fit_memo[key] = (
                 worst if worst.total <= FIT_FRACTION * self.s.mem_bytes else None
             )
         return got
 
-    def _fitting(self, grid, turn, b, mode, cfg):
-        """The memory of the configuration when it fits and no cheaper mode fits."""
-        for cheaper in MODE_ORDER[: MODE_ORDER.index(mode)]:
-            if cheaper in self.modes and self._fits(grid, turn, b, cheaper, cfg) is not None:
-                return None
-        return self._fits(grid, turn, b, mode, cfg)
+    def _fitting(self, grid, turn, b, mode, cfg) -> list[tuple]:
+        """``[(memory, sharded)]`` of the configuration in each optimizer variant the search
+        tries (:meth:`tetrad.plan.search.four_d._Search4D.variants`) where it fits and no
+        cheaper mode fits in the same variant; under ``auto`` the sharded one only where the
+        unsharded one does not fit."""
+        out = []
+        roles = role_sizes(grid, turn)
+        for zero in self.s.variants(roles[0] * roles[1]):
+            if zero and out:
+                break  # auto: fits unsharded
+            if any(
+                cheaper in self.modes and self._fits(grid, turn, b, cheaper, cfg, zero) is not None
+                for cheaper in MODE_ORDER[: MODE_ORDER.index(mode)]
+            ):
+                continue
+            mem = self._fits(grid, turn, b, mode, cfg, zero)
+            if mem is not None:
+                out.append((mem, zero))
+        return out
 
 
 def is_pipeline(est) -> bool:
-    """Whether a ranked item's estimate is a pipeline's ``(PipeEstimate, PipeConfig, memory)``."""
+    """Whether a ranked item's estimate is a pipeline's ``(PipeEstimate, PipeConfig, memory,
+    sharded)``."""
     return isinstance(est, tuple) and isinstance(est[0], PipeEstimate)
 
 
 def pipeline_row(search, step: float, grid, b: int, mode: str, turn: str, item) -> Row:
     """The :class:`~tetrad.plan.search.rows.Row` of a ranked pipeline configuration (``item``:
-    its ``(PipeEstimate, PipeConfig, memory)``), with every rank's memory."""
-    est, cfg, _ = item
+    its ``(PipeEstimate, PipeConfig, memory, sharded)``), with every rank's memory."""
+    est, cfg, _, zero = item
     ctx = search.ctx
-    worst, per_rank = PipeSearch(search, (mode,), None).memory(grid, turn, b, mode, cfg)
+    worst, per_rank = PipeSearch(search, (mode,), None).memory(grid, turn, b, mode, cfg, zero)
     return Row(
         "4d",
         dict(zip(GRID_AXES, grid, strict=True)),
@@ -244,4 +260,5 @@ def pipeline_row(search, step: float, grid, b: int, mode: str, turn: str, item) 
         virtual_stages=cfg.virtual,
         schedule=cfg.schedule,
         stage_memory=per_rank,
+        shard_optimizer=zero,
     ).finish(ctx.model, ctx.machine, search.gpus, ctx.global_batch, ctx.seq_len)

@@ -32,10 +32,12 @@ def plan(
     gpu_memory_bytes: float | None = None,
     pipeline: bool = True,
     classic_pipeline: bool = True,
+    shard_optimizer: str = "auto",
 ) -> SearchResult:
     """Both searches; see :func:`search_4d` (``pipeline``: with the pipeline axis, on by
     default: ``docs/planner.md`` section 8) and :func:`search_classic` (``classic_pipeline``:
-    with interleaving and uneven splits).
+    with interleaving and uneven splits); ``shard_optimizer``: ``auto``, ``on`` or ``off``
+    (:func:`search_4d`).
 
     Raises:
         PlanError: bad inputs, or no 4D configuration at all (message says what to change).
@@ -55,6 +57,7 @@ def plan(
         dtype=dtype,
         gpu_memory_bytes=gpu_memory_bytes,
         pipeline=pipeline,
+        shard_optimizer=shard_optimizer,
     )
     crow, cstats = ([], {})
     if classic:
@@ -83,6 +86,7 @@ def plan(
         ),
         "comm_model": comm_model,
         "dtype": dtype,
+        "shard_optimizer": shard_optimizer,
         "gpu_memory_gib": (gpu_memory_bytes or machine.memory_bytes) / GiB,
     }
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}

@@ -85,6 +85,7 @@ def rows_table(rows: list[Row]) -> list[str]:
             _pipe_cell(r)
             + ",".join(str(v) for v in r.grid)
             + (" yx" if r.orientation == "yx" else "")
+            + (" so" if r.shard_optimizer else "")
             + r.classic_suffix(),
             str(r.micro_batch),
             str(r.grad_accum),
@@ -184,7 +185,9 @@ def format_result(result: SearchResult) -> str:
         "times are seconds per optimizer step per rank; exp = exposed (not hidden) "
         "communication; acc = micro-batches per step; mb = samples per micro-batch of one "
         "(data, z) cell (classic: per DP rank); yx = the grid's X dimension plays the Y role "
-        "of the layer pairs (their first layer splits its output over X); search took "
+        "of the layer pairs (their first layer splits its output over X); so = AdamW states "
+        "sharded over data x context (--shard-optimizer: gradients reduce-scattered, "
+        "parameters all-gathered over them); search took "
         f"{st.get('seconds', 0.0):.2f} s",
     ]
     return "\n".join(lines)
@@ -303,6 +306,7 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
             "orientation": row.orientation,
             "overlap": _overlap_value(inp["overlaps"]),
             "activation_checkpointing": row.activation_checkpointing,
+            **({"shard_optimizer": True} if row.shard_optimizer else {}),
         },
         "training": {
             "micro_batch": row.micro_batch,

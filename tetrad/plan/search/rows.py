@@ -54,6 +54,8 @@ class Row:
             (:data:`tetrad.plan.pipe.schedule.SCHEDULES`, empty without a pipeline).
         stage_memory: 4D with a pipeline: every pipeline rank's memory (``memory`` is the
             worst's).
+        shard_optimizer: 4D: the AdamW states sharded over data x context (the runtime's
+            ``shard_optimizer``, ZeRO-1).
     """
 
     space: str
@@ -77,6 +79,7 @@ class Row:
     virtual_stages: int = 1
     schedule: str = ""
     stage_memory: list = field(default_factory=list)
+    shard_optimizer: bool = False
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -101,9 +104,11 @@ class Row:
         return self
 
     def label(self) -> str:
-        """``D,C,Z,Y,X=...`` (`` yx`` added when turned) or ``TP,CP,PP,DP=...``."""
+        """``D,C,Z,Y,X=...`` (`` yx`` added when turned, `` so`` with the optimizer sharded)
+        or ``TP,CP,PP,DP=...``."""
         if self.space == "4d":
             turned = " yx" if self.orientation == "yx" else ""
+            turned += " so" if self.shard_optimizer else ""
             return self.pipe_label() + "D,C,Z,Y,X=" + ",".join(str(v) for v in self.grid) + turned
         return "TP,CP,PP,DP=" + ",".join(str(v) for v in self.grid) + self.classic_suffix()
 
@@ -146,6 +151,7 @@ class Row:
                 "memory": self.memory.to_dict(),
             }
             | ({"orientation": self.orientation} if self.space == "4d" else {})
+            | ({"shard_optimizer": True} if self.shard_optimizer else {})
             | self._pipe_dict()
         )
 

@@ -1,0 +1,201 @@
+"""The sharded optimizer (ZeRO-1, :mod:`tetrad.parallel.zero`) against the single-process
+reference: losses, gradient norms, the first step's clipped gradients (each rank's pieces) and
+the updated weights of several AdamW steps, at the tolerances of ``tests/test_model.py``, on
+data, data x Z, data x context, data x Y, data x X and pipeline x data grids, with overlaps on
+and off."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_model import BATCH, CLIP, LR, MICRO, OVERLAP_OPTIONS, SEED, SEQ, STEPS
+from tetrad.grid import Grid
+from tetrad.models.config import PRESETS
+from tetrad.models.reference import Llama as Reference
+from tetrad.parallel import init_parameters
+from tetrad.parallel.model import ParallelLlama
+from tetrad.parallel.zero import DataShards, ShardedAdamW
+from tetrad.pipeline.schedule import Pipeline
+from tetrad.pipeline.step import pipeline_train_step
+from tetrad.spec import OVERLAPS
+from tetrad.train.step import build_optimizer, lr_at, train_step
+
+CFG = dataclasses.replace(PRESETS["tiny"], n_layers=4)
+ALL, NONE = tuple(OVERLAPS), ()
+
+
+def batches():
+    g = torch.Generator().manual_seed(SEED)
+    return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def reference_run():
+    """Plain PyTorch on the whole batch: (losses, norms), the first step's clipped gradients,
+    the final weights."""
+    model = Reference(CFG)
+    init_parameters(model, SEED)
+    opt = build_optimizer(model, LR, weight_decay=0.1)
+    losses, norms, first = [], [], {}
+    for step, batch in enumerate(batches()):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
+        loss = model.loss_sum(batch[:, :-1], batch[:, 1:]) / batch[:, 1:].numel()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        if step == 0:
+            first = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    return (losses, norms), first, weights
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run()
+
+
+def _snapshot_pieces(opt: ShardedAdamW, into: dict) -> None:
+    """Keep the first step's reduced, clipped pieces (the all-gather forgets them)."""
+    gather = opt.shards.all_gather
+
+    def run():
+        if not into:
+            into.update({id(p): opt.shards.grads[id(p)].clone() for p, _ in opt.pairs})
+        gather()
+
+    opt.shards.all_gather = run
+
+
+def _build(pipe, sizes, overlaps):
+    grid = Grid.build(sizes, pipe=pipe)
+    if pipe == 1:
+        model = ParallelLlama(CFG, grid, "none", overlaps, **OVERLAP_OPTIONS)
+        init_parameters(model, SEED, grid)
+        return grid, model, model
+    m = BATCH // (grid.data * grid.z) // MICRO
+    model = Pipeline(CFG, grid, "1f1b", 1, m, overlaps=overlaps, **OVERLAP_OPTIONS)
+    for part in model.parts:
+        init_parameters(part, SEED, grid)
+    return grid, model, model.parts
+
+
+def zero_runs(world_size, ref_curves, ref_first, ref_weights, cases):
+    for pipe, sizes, overlaps in cases:
+        grid, model, weights = _build(pipe, sizes, overlaps)
+        opt = build_optimizer(weights, LR, weight_decay=0.1, shard=grid)
+        assert isinstance(opt, ShardedAdamW) and opt.shards.size == grid.size("data")
+        pieces: dict = {}
+        _snapshot_pieces(opt, pieces)
+        label = f"pipe {pipe} grid {sizes} overlaps {sorted(overlaps)}"
+        for step, batch in enumerate(batches()):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
+            if pipe > 1:
+                loss, norm = map(float, pipeline_train_step(model, opt, batch, CLIP))
+            else:
+                loss, norm = map(float, train_step(model, opt, grid, batch, MICRO, CLIP))
+            ref_loss, ref_norm = ref_curves[0][step], ref_curves[1][step]
+            assert abs(loss - ref_loss) <= 1e-5 * ref_loss, f"{label} step {step}: {loss}"
+            assert abs(norm - ref_norm) <= 1e-4 * ref_norm, f"{label} step {step}: norm {norm}"
+        worst_grad = worst = 0.0
+        for name, p in weights.named_parameters():
+            local = p.placement.local_slices(grid)
+            expected = opt.shards.piece(ref_first[name][local].contiguous())
+            worst_grad = max(worst_grad, (pieces[id(p)] - expected).abs().max().item())
+            worst = max(worst, (p.detach() - ref_weights[name][local]).abs().max().item())
+            state = opt.state_of(p)
+            assert state["exp_avg"].numel() == opt.shards.piece(p.data).numel(), label
+        assert worst_grad <= 1e-5, f"{label}: gradients differ by {worst_grad:.3g}"
+        assert worst <= 0.05 * LR, f"{label}: weights differ by {worst / LR:.3g} lr"
+        if not any(grid.coord.values()):
+            print(f"{label}: worst gradient {worst_grad:.2e}, weight {worst / LR:.2e} lr")
+
+
+CASES = {
+    2: [(1, (2, 1, 1, 1), ALL), (1, (2, 1, 1, 1), NONE)],
+    4: [
+        (1, (4, 1, 1, 1), ALL),
+        (1, (4, 1, 1, 1), NONE),
+        (1, (2, 2, 1, 1), ALL),
+        (1, (2, 2, 1, 1), NONE),
+        (1, (2, 2, 1, 1, 1), ALL),
+        (1, (2, 1, 1, 2), ALL),
+        (1, (2, 1, 2, 1), NONE),
+        (2, (2, 1, 1, 1, 1), ALL),
+        (2, (2, 1, 1, 1, 1), NONE),
+    ],
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_sharded_optimizer_matches_reference(world_size, reference):
+    run_distributed(zero_runs, world_size, world_size, *reference, CASES[world_size])
+
+
+def _padding_worker(world_size):
+    """Pieces of tensors that ``G`` does not divide (7, 1, 5 elements on 3 ranks: pieces of
+    3, 1 and 2 elements, some empty): the reduce-scatter leaves each rank the sum of its piece,
+    the all-gather rebuilds every tensor from the pieces."""
+    grid = Grid.build((world_size, 1, 1, 1))
+    shards = DataShards(grid)
+    rank = shards.rank
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 1, 5)]
+    params.append(torch.nn.Parameter(torch.zeros(2, 3)))
+    grads = [torch.arange(p.numel(), dtype=torch.float32).view_as(p) * (rank + 1) for p in params]
+    shards.take(params, shards.reduce_scatter(params, grads))
+    total = sum(range(1, world_size + 1))
+    for p, g in zip(params, grads, strict=True):
+        want = shards.piece(g.detach() / (rank + 1) * total)
+        torch.testing.assert_close(shards.grads[id(p)], want)
+        shards.piece(p.data).copy_(shards.grads[id(p)])  # the "update": the summed gradient
+    shards.all_gather()
+    for p, g in zip(params, grads, strict=True):
+        torch.testing.assert_close(p.data, g / (rank + 1) * total)
+    # AdamW on the pieces (some empty) equals AdamW on the whole tensors
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = ShardedAdamW([{"params": params}], shards, lr=0.1, fused=True)
+    plain = torch.optim.AdamW([{"params": ref}], lr=0.1, fused=True)
+    for _ in range(2):
+        shards.take(params, shards.reduce_scatter(params, grads))
+        opt.step()
+        for r, g in zip(ref, grads, strict=True):
+            r.grad = g / (rank + 1) * total
+        plain.step()
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.data, r.data)
+
+
+def test_pieces_of_uneven_tensors():
+    run_distributed(_padding_worker, 3, 3)
+
+
+def test_planner_offers_the_sharded_optimizer():
+    """``shard_optimizer``: ``off`` never, ``on`` wherever ``G_data G_context > 1``, ``auto``
+    only where the unsharded configuration does not fit; the sharded rows' states are divided by
+    the data group, and ``--emit-config`` writes ``shard_optimizer``."""
+    from tetrad.plan.machine.spec import get_machine
+    from tetrad.plan.model.presets import get_model
+    from tetrad.plan.search.plan import plan
+    from tetrad.plan.search.report import train_config_text
+
+    model, machine = get_model("llama-3.1-8b"), get_machine("dgx-h100")
+    args = (model, machine, 16, 32, 4096)
+    opts = {"top": 5, "classic": False, "pipeline": False}
+    off = plan(*args, shard_optimizer="off", **opts)
+    on = plan(*args, shard_optimizer="on", **opts)
+    auto = plan(*args, shard_optimizer="auto", **opts)
+    assert not any(r.shard_optimizer for r in off.rows)
+    assert all(r.shard_optimizer == (r.sizes["data"] * r.sizes["context"] > 1) for r in on.rows)
+    assert auto.rows[0].step_s <= off.rows[0].step_s
+    sharded = [r for r in on.rows if r.shard_optimizer]
+    assert sharded and "shard_optimizer = true" in train_config_text(sharded[0], model, on)
+    for r in sharded:
+        plain = next((o for o in off.rows if o.label() == r.label().replace(" so", "")), None)
+        if plain is not None and plain.micro_batch == r.micro_batch:
+            g = r.sizes["data"] * r.sizes["context"]
+            want = plain.memory.components["optimizer_states"] / g
+            assert abs(r.memory.components["optimizer_states"] - want) <= 1e-6 * want

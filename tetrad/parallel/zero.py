@@ -1,0 +1,228 @@
+"""The sharded optimizer (ZeRO-1): AdamW states split over data x context.
+
+ZeRO stage 1 (Rajbhandari et al., arXiv 1910.02054, section 5.1 "P_os"), as Megatron-LM's
+distributed optimizer does it: the weight gradients are reduce-scattered over the data group
+(``G_data G_context`` ranks, :class:`tetrad.spec.Axis`) instead of all-reduced, each rank
+updates its piece of every parameter with AdamW and keeps ``exp_avg``/``exp_avg_sq`` for that
+piece only, and the updated pieces are all-gathered back into the parameters.
+
+A parameter's piece: its local shard (``n`` elements, whatever Z, Y and X left on this rank)
+flattened and cut into ``G = G_data G_context`` pieces of ``c = ceil(n / G)`` elements; rank
+``r`` of the data group owns elements ``[r c, min((r + 1) c, n))``. A group of parameters is
+reduced in one collective: each one's gradient padded to ``G c`` and laid out ``[G, c]``, the
+groups' columns side by side (``[G, sum c]``), so that row ``r`` holds rank ``r``'s pieces;
+reduce-scatter leaves row ``r`` on rank ``r``. The all-gather after the update packs the same
+way. The padding is zero (none when ``G`` divides ``n``).
+
+Pieces depend only on the parameter and ``G``, never on the buckets, so a step whose buckets
+differ from the last's still finds its states, and a checkpoint stores the whole local tensors
+(:meth:`ShardedAdamW.full_states`): it loads on any grid, with or without sharding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tetrad.comm import Handle, all_gather, reduce_scatter
+from tetrad.grid import Grid
+from tetrad.spec import Axis
+
+
+class DataShards:
+    """Which piece of each parameter this rank owns, and the step's reduced pieces.
+
+    Attributes:
+        size: ``G = G_data G_context``.
+        rank: this rank's index in the data group.
+        grads: ``id(param) -> [len]`` this rank's piece of the gradient summed over every
+            token axis, set by :meth:`take` (or :func:`tetrad.parallel.grads.sync_gradients`).
+        groups: the parameter groups reduce-scattered this step, in order (the all-gathers
+            after the update follow them, one call each).
+    """
+
+    def __init__(self, grid: Grid):
+        self.grid = grid
+        self.size = grid.size(Axis.DATA)
+        group = grid.group(Axis.DATA) if self.size > 1 else None
+        self.rank = dist.get_group_rank(group, dist.get_rank()) if group is not None else 0
+        self.grads: dict[int, torch.Tensor] = {}
+        self.groups: list[list[nn.Parameter]] = []
+
+    def sharded(self, p: nn.Parameter) -> bool:
+        """Whether ``p``'s optimizer state is split: its gradient is summed over data."""
+        placement = getattr(p, "placement", None)
+        axes = placement.grad_sum_axes if placement is not None else (Axis.DATA,)
+        return self.size > 1 and Axis.DATA in axes
+
+    def chunk(self, n: int) -> int:
+        """Elements per piece of an ``n``-element tensor: ``ceil(n / G)``."""
+        return -(-n // self.size)
+
+    def piece(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``t`` (a 1-D view of its flattened elements, maybe empty)."""
+        n = t.numel()
+        c = self.chunk(n)
+        return t.view(-1)[min(self.rank * c, n) : min((self.rank + 1) * c, n)]
+
+    def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """``[G * sum c]``: row ``r`` of ``[G, sum c]`` holds every tensor's piece ``r``."""
+        chunks = [self.chunk(t.numel()) for t in tensors]
+        buf = torch.zeros(self.size, sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
+        offset = 0
+        for t, c in zip(tensors, chunks, strict=True):
+            col = buf[:, offset : offset + c]
+            if t.numel() == self.size * c:
+                col.copy_(t.reshape(self.size, c))
+            else:
+                padded = torch.zeros(self.size * c, dtype=t.dtype, device=t.device)
+                padded[: t.numel()] = t.reshape(-1)
+                col.copy_(padded.view(self.size, c))
+            offset += c
+        return buf.view(-1)
+
+    def reduce_scatter(
+        self, params: list[nn.Parameter], grads: list[torch.Tensor], async_op: bool = False
+    ) -> torch.Tensor | Handle:
+        """Start the reduce-scatter over data of ``grads`` (those of ``params``) packed
+        (:meth:`pack`); returns this rank's row ``[sum c]`` (or its :class:`Handle`). Records
+        the group for the all-gather after the update. The packed buffer takes the place of
+        the gradients: ``param.grad`` is dropped (the step needs only the reduced pieces)."""
+        self.groups.append(list(params))
+        packed = self.pack(grads)
+        for p in params:
+            p.grad = None
+        return reduce_scatter(packed, self.grid, Axis.DATA, async_op=async_op)
+
+    def take(self, params: list[nn.Parameter], row: torch.Tensor) -> None:
+        """Record each parameter's reduced piece from the reduce-scattered ``row``."""
+        offset = 0
+        for p in params:
+            n, c = p.numel(), self.chunk(p.numel())
+            length = max(0, min(c, n - self.rank * c))
+            self.grads[id(p)] = row[offset : offset + length]
+            offset += c
+
+    @torch.no_grad()
+    def all_gather(self) -> None:
+        """After the update: all-gather every group's pieces over data into the parameters
+        (one call per group, in the order they were reduce-scattered), then forget the step."""
+        for params in self.groups:
+            mine = self.pack_row([self.piece(p.data) for p in params], params)
+            full = all_gather(mine, self.grid, Axis.DATA).view(self.size, -1)
+            offset = 0
+            for p in params:
+                n, c = p.numel(), self.chunk(p.numel())
+                p.data.view(-1).copy_(full[:, offset : offset + c].reshape(-1)[:n])
+                offset += c
+        self.groups, self.grads = [], {}
+
+    def pack_row(self, pieces: list[torch.Tensor], params: list[nn.Parameter]) -> torch.Tensor:
+        """``[sum c]``: ``pieces`` (this rank's of ``params``) side by side, zero-padded."""
+        chunks = [self.chunk(p.numel()) for p in params]
+        row = torch.zeros(sum(chunks), dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for piece, c in zip(pieces, chunks, strict=True):
+            row[offset : offset + piece.numel()] = piece
+            offset += c
+        return row
+
+    @torch.no_grad()
+    def gather_full(self, pieces: list[torch.Tensor], like: list[nn.Parameter]) -> list:
+        """The whole local tensors (shaped as ``like``) of which ``pieces`` are this rank's
+        (one all-gather over data); for checkpoints."""
+        full = all_gather(self.pack_row(pieces, like), self.grid, Axis.DATA).view(self.size, -1)
+        out, offset = [], 0
+        for p in like:
+            n, c = p.numel(), self.chunk(p.numel())
+            out.append(full[:, offset : offset + c].reshape(-1)[:n].view_as(p).clone())
+            offset += c
+        return out
+
+
+class ShardedAdamW(torch.optim.AdamW):
+    """torch's AdamW over this rank's pieces (:class:`DataShards`) of the parameters whose
+    gradients are summed over data; the others whole (none in a dense model).
+
+    Each piece is a view of its parameter, so the update writes into the parameter; its
+    gradient is the reduced piece (:attr:`DataShards.grads`). :meth:`step` then all-gathers
+    the pieces (:meth:`DataShards.all_gather`). AdamW is elementwise, so the update of the
+    pieces equals the update of the whole tensors. States: ``2 * 4 * ceil(n / G)`` bytes per
+    sharded parameter of ``n`` local elements.
+
+    Args:
+        groups: parameter groups as for ``torch.optim.AdamW`` (the model's parameters).
+        shards: the grid's :class:`DataShards`.
+        **kwargs: ``lr``, ``betas``, ``eps``, ``fused``, ``foreach`` of ``torch.optim.AdamW``.
+    """
+
+    def __init__(self, groups: list[dict], shards: DataShards, **kwargs):
+        self.shards = shards
+        self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # (param, what AdamW updates)
+        inner = []
+        for g in groups:
+            views = []
+            for p in g["params"]:
+                v = shards.piece(p.data) if shards.sharded(p) else p
+                self.pairs.append((p, v))
+                views.append(v)
+            inner.append({**g, "params": views})
+        super().__init__(inner, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """The AdamW update of every piece with a reduced gradient, then the all-gather."""
+        for p, v in self.pairs:
+            if v is not p:
+                v.grad = self.shards.grads.get(id(p))
+        super().step(closure)
+        self.shards.all_gather()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the parameters' gradients and the pieces'."""
+        super().zero_grad(set_to_none)
+        for p, v in self.pairs:
+            if v is not p:
+                p.grad = None
+
+    def state_of(self, p: nn.Parameter) -> dict:
+        """AdamW's state of ``p``'s piece (or of ``p``)."""
+        return self.state[dict((id(q), v) for q, v in self.pairs)[id(p)]]
+
+    def full_states(self, params: list[nn.Parameter]) -> list[dict]:
+        """For each of ``params`` (every rank of the data group passing the same list),
+        ``{"step", "exp_avg", "exp_avg_sq"}`` of the whole local tensor, gathered over data
+        (zeros before the first step): what a checkpoint stores, whatever the sharding."""
+        views = dict((id(q), v) for q, v in self.pairs)
+        out = [None] * len(params)
+        split = [i for i, p in enumerate(params) if views[id(params[i])] is not p]
+        for i, p in enumerate(params):
+            st = self.state[views[id(p)]]
+            out[i] = {"step": st.get("step", torch.tensor(0.0))}
+            if i not in split:
+                for k in ("exp_avg", "exp_avg_sq"):
+                    out[i][k] = st[k] if k in st else torch.zeros_like(p)
+        for k in ("exp_avg", "exp_avg_sq"):
+            pieces = [self._state_piece(views[id(params[i])], k) for i in split]
+            like = [params[i] for i in split]
+            if like:
+                for i, full in zip(split, self.shards.gather_full(pieces, like), strict=True):
+                    out[i][k] = full
+        return out
+
+    def _state_piece(self, v: torch.Tensor, key: str) -> torch.Tensor:
+        st = self.state[v]
+        return st[key] if key in st else torch.zeros_like(v)
+
+    @torch.no_grad()
+    def load_full_states(self, params: list[nn.Parameter], states: list[dict]) -> None:
+        """Set the state of each of ``params`` from the whole local tensors in ``states`` (as
+        :meth:`full_states` returns them): each rank keeps its piece."""
+        views = dict((id(q), v) for q, v in self.pairs)
+        for p, full in zip(params, states, strict=True):
+            v = views[id(p)]
+            st = self.state[v]
+            st["step"] = full["step"]
+            for k in ("exp_avg", "exp_avg_sq"):
+                st[k] = (self.shards.piece(full[k]) if v is not p else full[k]).clone()

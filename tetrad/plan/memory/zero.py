@@ -1,0 +1,81 @@
+"""Memory of the sharded optimizer (ZeRO-1, tetrad/parallel/zero.py): AdamW states split over the
+``G = G_data G_context`` ranks of the data group, the reduced gradient pieces and the packed
+buffers of its reduce-scatters and all-gathers. Bytes; symbols as in
+:mod:`tetrad.plan.memory.runtime`.
+
+Each parameter of ``n`` local elements keeps ``ceil(n / G)`` elements of each state: the model
+counts ``n / G`` (exact when ``G`` divides every local shard, as on the grids the planner
+searches; else below by at most ``G - 1`` elements per parameter).
+"""
+
+from __future__ import annotations
+
+from tetrad.plan.errors import PlanError
+from tetrad.plan.memory.states import local_parameter_elements
+from tetrad.plan.model.grids import context_size, grid_sizes
+from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec import DP_BUCKET_BYTES, FP32
+
+SHARD_OPTIMIZER = ("auto", "on", "off")
+"""The planner's choices for the sharded optimizer (``tetrad plan --shard-optimizer``)."""
+
+
+def check_shard_optimizer(choice: str) -> None:
+    """Raises :class:`~tetrad.plan.errors.PlanError` unless ``choice`` is one of
+    :data:`SHARD_OPTIMIZER`."""
+    if choice not in SHARD_OPTIMIZER:
+        raise PlanError(f"shard_optimizer {choice!r} is unknown: use auto, on or off")
+
+
+def state_bytes_per_element(sharded: bool, data_group: int) -> float:
+    """Bytes per local parameter element of the model states: fp32 parameter and gradient
+    and two fp32 AdamW states, 16; with the states sharded over ``data_group`` ranks ``8 + 8 /
+    data_group``."""
+    return 8.0 + 8.0 / data_group if sharded else 16.0
+
+
+def data_group(grid) -> int:
+    """``G_data G_context``: the ranks the sharded optimizer splits the states over."""
+    return grid_sizes(grid)[0] * context_size(grid)
+
+
+def state_share(grid, shard_optimizer: bool) -> float:
+    """The fraction of the AdamW states a rank keeps: ``1 / (G_data G_context)`` when sharded,
+    else 1."""
+    return 1.0 / data_group(grid) if shard_optimizer else 1.0
+
+
+def end_of_backward_bytes(model: ModelSpec, grid) -> float:
+    """Sharded, ``G > 1``: at the end of backward the reduced pieces ``4 n / G`` of all ``n``
+    local elements. The packed copies that the reduce-scatters take
+    (:meth:`tetrad.parallel.zero.DataShards.reduce_scatter`: during backward with
+    ``dp_overlap``, in ``sync_gradients`` without) replace the gradients, which are dropped
+    once packed, so they add nothing to the fp32 gradients counted already (the buckets take
+    no gradient in place and ``sync_gradients`` makes no flat copy of the matrices)."""
+    n = local_parameter_elements(model, grid)
+    return FP32 * (n["matrices"] + n["vectors"]) / data_group(grid)
+
+
+def step_bytes(model: ModelSpec, grid, dp_overlap: bool) -> float:
+    """Sharded, ``G > 1``: the optimizer step's largest temporary: the reduced pieces ``4 n /
+    G``; the vectors' sum over Z (``G_z > 1``: a flat copy and its packed copy, their
+    gradients dropped); and the
+    all-gather of the largest group after the update, its output and this rank's packed row
+    ``4 k (1 + 1/G)``, ``k`` the group's elements: without ``dp_overlap`` all matrices; with it
+    the larger of the last bucket (the embedding tables and, with ``G_z = 1``, the vectors)
+    and a bucket of :data:`tetrad.spec.DP_BUCKET_BYTES` plus the largest block matrix (an
+    estimate: the buckets' split is the runtime's at run time)."""
+    n = local_parameter_elements(model, grid)
+    g = data_group(grid)
+    gz, gy, gx = grid_sizes(grid)[1:]
+    shard = gx * gy * gz
+    tables = model.vocab * model.hidden // shard
+    if not dp_overlap:
+        group = n["matrices"]
+    else:
+        largest = max(lin.weight_elements for lin in model.linears()) // shard
+        last = tables + (n["vectors"] if gz == 1 else 0)
+        group = max(last, min(n["matrices"], DP_BUCKET_BYTES / FP32 + largest))
+    vectors = 2 * n["vectors"] if gz > 1 else 0
+    pieces = (n["matrices"] + n["vectors"]) / g
+    return FP32 * (pieces + max(vectors, group * (1 + 1 / g)))
