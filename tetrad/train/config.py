@@ -46,16 +46,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tetrad.models.config import ModelConfig, parse_model, with_sizes
-from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.spec import (
     DEVICES,
     TetradError,
-    check_expert_parallel,
     parse_grid,
     parse_pipeline_grid,
     pop_expert,
     tomllib,
 )
+from tetrad.train.config_checks import check_parallelism, check_pipeline, check_training
 from tetrad.train.sections import (
     CheckpointSection,
     ConfigError,
@@ -64,8 +63,6 @@ from tetrad.train.sections import (
     ModelSection,
     ParallelismSection,
     TrainingSection,
-    check_pipeline,
-    check_training,
 )
 
 
@@ -147,14 +144,13 @@ class TrainConfig:
                 f"G_data*G_z*micro_batch = {d}*{z}*{t.micro_batch} = {shards}: "
                 "change --global-batch or --micro-batch"
             )
-        self._check_context_and_experts()
+        check_parallelism(self.parallelism, t.seq_len)
         check_training(t)
         check_pipeline(self.parallelism, self.grad_accum)
         c = self.checkpoint
         for name in ("checkpoint_every", "keep_last", "max_restarts"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more")
-        _check_pieces(self.parallelism)
         for name in ("log_every", "val_every"):
             if getattr(self.logging, name) < 1:
                 raise ConfigError(f"{name}={getattr(self.logging, name)} must be at least 1")
@@ -169,26 +165,6 @@ class TrainConfig:
         except TetradError as e:
             raise ConfigError(str(e)) from None
         self.logging.profile_range()
-
-    def _check_context_and_experts(self) -> None:
-        """The sequence splits over the context ranks; ``G_expert`` divides data x context."""
-        t, grid = self.training, self.parallelism.grid
-        c = grid[1]
-        if context_problems(t.seq_len, c):
-            raise ConfigError(
-                f"seq_len={t.seq_len} is not divisible by 2*G_context = {2 * c} (each context "
-                "rank holds two chunks of every sequence): change --seq-len or the grid"
-            )
-        try:
-            check_expert_parallel(self.parallelism.expert_parallel, grid)
-        except TetradError as e:
-            raise ConfigError(str(e)) from None
-        if self.parallelism.shard_optimizer and self.parallelism.expert_parallel > 1:
-            raise ConfigError(
-                "shard_optimizer with expert parallelism is not supported yet (expert weights "
-                "are reduced over their own expert-data group): drop --shard-optimizer or "
-                "--expert-parallel"
-            )
 
     @property
     def grad_accum(self) -> int:
@@ -399,21 +375,3 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Train
         if value is not None:
             builder.flat(key, value)
     return builder.build()
-
-
-def _check_pieces(par) -> None:
-    """``fine_chunks`` and ``context_pieces``: 0 (the planner's choice) or a count.
-
-    Raises:
-        ConfigError: a negative one.
-    """
-    if par.fine_chunks < 0:
-        raise ConfigError(
-            f"fine_chunks={par.fine_chunks} must be 0 (the planner's choice) "
-            "or a number of pieces per ring step such as 2"
-        )
-    if par.context_pieces < 0:
-        raise ConfigError(
-            f"context_pieces={par.context_pieces} must be 0 (the planner's choice) or a "
-            "number of pieces such as 8"
-        )

@@ -8,12 +8,10 @@ the command line and reads TOML files from these declarations. Plain Python (no 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tetrad.activation_checkpointing import parse_checkpointing
-from tetrad.pipeline.split import PipelineSplitError, check_schedule
 from tetrad.spec import (
     CONTEXT_PIECES,
     DOMINO_MIN_ROWS,
@@ -310,37 +308,3 @@ class LoggingSection:
                 "(for example 5:7)"
             )
         return a, b
-
-
-def check_pipeline(par: ParallelismSection, micro_batches: int) -> None:
-    """The pipeline settings (:func:`tetrad.pipeline.schedule.check_schedule`), when
-    ``G_pipe > 1``.
-
-    Raises:
-        ConfigError: one line saying what to change.
-    """
-    if par.pipe < 1 or par.virtual_stages < 1:
-        raise ConfigError("pipe and virtual_stages must be at least 1")
-    if par.pipe > 1:
-        try:
-            check_schedule(par.pipeline_schedule, par.pipe, par.virtual_stages, micro_batches)
-        except PipelineSplitError as e:
-            raise ConfigError(str(e)) from None
-
-
-def check_training(t: TrainingSection) -> None:
-    """The optimiser's values: a learning rate of 0 or more, betas in [0, 1), and so on.
-
-    Raises:
-        ConfigError: one line naming the value and its allowed range.
-    """
-    if not (math.isfinite(t.lr) and t.lr >= 0):
-        raise ConfigError(f"lr={t.lr} must be a number, 0 or more (for example 3e-4)")
-    if not (math.isfinite(t.min_lr) and 0 <= t.min_lr <= t.lr):
-        raise ConfigError(f"min_lr={t.min_lr} must lie in [0, lr={t.lr}]")
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(t, name) < 1:
-            raise ConfigError(f"{name}={getattr(t, name)} must lie in [0, 1)")
-    for name in ("weight_decay", "grad_clip", "warmup_steps"):
-        if not getattr(t, name) >= 0:
-            raise ConfigError(f"{name}={getattr(t, name)} must be 0 or more")

@@ -1,0 +1,90 @@
+"""Checks of a training configuration's values that need no model or data, one section or
+one concept each; :meth:`tetrad.train.config.TrainConfig.check` runs them. Plain Python (no
+torch). Each raises :class:`tetrad.train.sections.ConfigError` with one line saying what to
+change.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tetrad.pipeline.split import PipelineSplitError, check_schedule
+from tetrad.plan.comm.context_parallel import context_problems
+from tetrad.spec import TetradError, check_expert_parallel
+from tetrad.train.sections import ConfigError, ParallelismSection, TrainingSection
+
+
+def check_parallelism(par: ParallelismSection, seq_len: int) -> None:
+    """The sequence splits over the context ranks; ``G_expert`` divides ``G_data G_context``;
+    the sharded optimizer is not combined with expert parallelism; the overlap piece counts
+    are 0 (the planner's choice) or counts.
+
+    Raises:
+        ConfigError: one line saying which value to change.
+    """
+    grid = par.grid
+    c = grid[1]
+    if context_problems(seq_len, c):
+        raise ConfigError(
+            f"seq_len={seq_len} is not divisible by 2*G_context = {2 * c} (each context "
+            "rank holds two chunks of every sequence): change --seq-len or the grid"
+        )
+    try:
+        check_expert_parallel(par.expert_parallel, grid)
+    except TetradError as e:
+        raise ConfigError(str(e)) from None
+    if par.shard_optimizer and par.expert_parallel > 1:
+        raise ConfigError(
+            "shard_optimizer with expert parallelism is not supported yet (expert weights "
+            "are reduced over their own expert-data group): drop --shard-optimizer or "
+            "--expert-parallel"
+        )
+    _check_pieces(par)
+
+
+def _check_pieces(par: ParallelismSection) -> None:
+    """``fine_chunks`` and ``context_pieces``: 0 (the planner's choice) or a count."""
+    if par.fine_chunks < 0:
+        raise ConfigError(
+            f"fine_chunks={par.fine_chunks} must be 0 (the planner's choice) "
+            "or a number of pieces per ring step such as 2"
+        )
+    if par.context_pieces < 0:
+        raise ConfigError(
+            f"context_pieces={par.context_pieces} must be 0 (the planner's choice) or a "
+            "number of pieces such as 8"
+        )
+
+
+def check_pipeline(par: ParallelismSection, micro_batches: int) -> None:
+    """The pipeline settings (:func:`tetrad.pipeline.schedule.check_schedule`), when
+    ``G_pipe > 1``.
+
+    Raises:
+        ConfigError: one line saying what to change.
+    """
+    if par.pipe < 1 or par.virtual_stages < 1:
+        raise ConfigError("pipe and virtual_stages must be at least 1")
+    if par.pipe > 1:
+        try:
+            check_schedule(par.pipeline_schedule, par.pipe, par.virtual_stages, micro_batches)
+        except PipelineSplitError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_training(t: TrainingSection) -> None:
+    """The optimiser's values: a learning rate of 0 or more, betas in [0, 1), and so on.
+
+    Raises:
+        ConfigError: one line naming the value and its allowed range.
+    """
+    if not (math.isfinite(t.lr) and t.lr >= 0):
+        raise ConfigError(f"lr={t.lr} must be a number, 0 or more (for example 3e-4)")
+    if not (math.isfinite(t.min_lr) and 0 <= t.min_lr <= t.lr):
+        raise ConfigError(f"min_lr={t.min_lr} must lie in [0, lr={t.lr}]")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(t, name) < 1:
+            raise ConfigError(f"{name}={getattr(t, name)} must lie in [0, 1)")
+    for name in ("weight_decay", "grad_clip", "warmup_steps"):
+        if not getattr(t, name) >= 0:
+            raise ConfigError(f"{name}={getattr(t, name)} must be 0 or more")
