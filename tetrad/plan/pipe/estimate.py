@@ -47,7 +47,7 @@ from tetrad.plan.model.grids import with_context
 from tetrad.plan.pipe.critical_path import schedule_step
 from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
 from tetrad.plan.pipe.stage_times import stage_times
-from tetrad.plan.pipe.stages import PipeRank, pipe_ranks, split_costs
+from tetrad.plan.pipe.stages import PipeRank, balanced_stages, pipe_ranks, split_costs
 from tetrad.spec import COMM_AXES, physical_axis, role_sizes
 
 STEP_KINDS = (layers.data_gradients, layers.step_scalars)
@@ -343,3 +343,17 @@ def split_ranks(
     if got is None:
         got = _SPLITS[key] = pipe_ranks(n_layers, (1.0, key[1], key[2]), pipe, virtual)
     return got
+
+
+def planner_split(
+    n_layers: int, costs: tuple[float, float, float], pipe: int, virtual: int
+) -> tuple[tuple[int, int], ...]:
+    """The stage split whose ranks :func:`split_ranks` returns (``(start, stop)`` blocks per
+    stage, ``p v`` stages): what the runtime's :class:`tetrad.pipeline.schedule.Pipeline` takes
+    to run the split the planner timed.
+
+    Raises:
+        tetrad.pipeline.split.PipelineSplitError: ``p v`` above the blocks.
+    """
+    _, emb, head, _, _ = split_key(n_layers, costs, pipe, virtual)
+    return balanced_stages(n_layers, (1.0, emb, head), pipe * virtual)
