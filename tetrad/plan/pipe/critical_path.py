@@ -30,8 +30,8 @@ time: Baccelli et al., "Synchronization and Linearity", 1992, chapter 3; ``max_r
 stages, whose rounds of ``p`` micro-batches pace through each stage in turn): the step of the
 first ``m'`` micro-batches plus that pace per further one, where its last round of ``p``
 grew by ``max_r T_r`` per micro-batch, or its last two by the same pace above it (``m'``
-doubles from ``EXACT_ROUNDS p`` until they do). Tested equal to
-the full simulation on the runtime's splits.
+doubles from ``EXACT_ROUNDS p`` until they do). Tested equal to the full simulation on the
+runtime's splits.
 
 Never below it: ``m max_r T_r`` (the slowest rank's operations one after another), and for any
 rank ``r`` its ``m T_r`` plus micro-batch 0's forward through stages ``0 .. r - 1`` before its
@@ -45,7 +45,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 EXACT_ROUNDS = 2
-"""1F1B and interleaved 1F1B are simulated over at most this many times ``p`` micro-batches."""
+"""1F1B and interleaved 1F1B are simulated over this many times ``p`` micro-batches first (the
+count doubling until their pace settles, at most ``m``)."""
 
 _GRAPHS: dict = {}
 
