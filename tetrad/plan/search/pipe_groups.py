@@ -51,7 +51,8 @@ class GroupBounds:
         self.kv_link_memo: dict = {}  # (G_context, G_x G_y G_z, G_y, b, full) -> seconds
         self.xy_memo: dict = {}  # (G_context, G_y, G_x, b, full, turn) -> seconds
         self.lead_memo: dict = {}  # (split_key, p, v) -> (rho, blocks before it)
-        self.least_lead_memo: dict = {}  # (L, emb, head, p, p divides m) -> splits
+        self.least_lead_memo: dict = {}  # (p, p divides m, costs) -> (rho, blocks), weighted
+        self.terms_memo: dict = {}  # (p, G_data G_z, G_context, G_y, G_x, b, mode) -> terms
 
     def _per_sample_floors(self, gc: int, gy: int, gx: int) -> dict[str, float]:
         """Bound 1 per sample of one ``(G_context, G_y, G_x)`` rank, per mode: the blocks'
@@ -129,18 +130,19 @@ class GroupBounds:
     def _pipe_group(self, pipe, gc, gy, gx, mode, per_sample: float, limit: float) -> list:
         """Bound 2 of each micro-batch of ``G_pipe = pipe`` on the roles ``(G_context, G_y,
         G_x)``: ``(bound, pipe, G_data G_z, G_context, G_y, G_x, b, mode)``, those below
-        ``limit`` (less MARGIN) only. The micro-batches ascend and stop where ``B / (G_data
-        G_z)`` samples at ``per_sample`` seconds (:meth:`_tensor_groups`) over ``p`` (a floor of
-        every group bound) reach ``limit``."""
+        ``limit`` (less MARGIN) only (``m`` times the slowest rank's compute); none where ``B /
+        (G_data G_z)`` samples at ``per_sample`` seconds (:meth:`_tensor_groups`) over ``p`` (a
+        floor of every group bound) reach ``limit``."""
         out = []
         if (self.s.gpus // pipe) % (gc * gy * gx):
             return out
         q = self.s.gpus // (pipe * gc * gy * gx)  # G_data G_z
         if self.ctx.global_batch % q:
             return out
-        per_cell, k = self.ctx.global_batch // q, self._most_blocks(pipe)
+        per_cell = self.ctx.global_batch // q
         if per_cell * per_sample / pipe * (1 - MARGIN) >= limit:
             return out
+        k = self._most_blocks(pipe)
         for b in divisors_of(per_cell):
             if self.allowed is not None and b not in self.allowed:
                 continue
@@ -159,7 +161,15 @@ class GroupBounds:
     def _bound_terms(self, pipe, q, gc, gy, gx, b, mode) -> tuple:
         """``(m, model / p, L / p, k, block, one receive, leads, gpipe)`` of
         :meth:`_group_bound`, seconds (``leads``: :meth:`_least_lead`; ``gpipe``: ``p`` where
-        only GPipe runs, ``m < p``, else 0)."""
+        only GPipe runs, ``m < p``, else 0) (memoised)."""
+        key = (pipe, q, gc, gy, gx, b, mode)
+        got = self.terms_memo.get(key)
+        if got is None:
+            got = self.terms_memo[key] = self._new_bound_terms(*key)
+        return got
+
+    def _new_bound_terms(self, pipe, q, gc, gy, gx, b, mode) -> tuple:
+        """:meth:`_bound_terms`, computed."""
         ctx = self.ctx
         model, block, costs = self._mb_costs(gc, gy, gx, b, mode)
         nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, ctx.c)
@@ -172,17 +182,24 @@ class GroupBounds:
         return bf, model / pipe, L / pipe, k, block, one, leads, pipe if m < pipe else 0
 
     def _least_lead(self, pipe: int, m: int, costs: tuple, one: float) -> tuple[float, float]:
-        """The least :meth:`_lead_seconds` and :meth:`_mean_lead_seconds` over the ``v`` the
-        group's schedules may take (1, and :data:`VIRTUAL_CHOICES` where ``p`` divides ``m``;
-        ``p v <= L``)."""
-        L = self.ctx.model.n_layers
-        key = (*split_key(L, costs, pipe, 1)[:3], pipe, m % pipe == 0)
-        splits = self.least_lead_memo.get(key)
-        if splits is None:
-            vs = [v for v in (1,) + (VIRTUAL_CHOICES if key[-1] else ()) if pipe * v <= L]
-            splits = self.least_lead_memo[key] = [self._lead_split(pipe, v, costs) for v in vs]
-        lead = min(_lead(s, costs, one) for s in splits)
-        return lead, min(_mean_lead(s, pipe, costs, one) for s in splits)
+        """``(lead, mean)``: the least :meth:`_lead_seconds` over the ``v`` the group's schedules
+        may take (1, and :data:`VIRTUAL_CHOICES` where ``p`` divides ``m``; ``p v <= L``), and
+        the least mean over ranks ``r`` of the same floor for ``r`` (each rank is idle at least
+        that long, so the step is at least it plus ``m`` times the mean ``T_r``), seconds."""
+        key = (pipe, m % pipe == 0, costs)
+        got = self.least_lead_memo.get(key)
+        if got is None:
+            L = self.ctx.model.n_layers
+            vs = [v for v in (1,) + (VIRTUAL_CHOICES if key[1] else ()) if pipe * v <= L]
+            splits = [self._lead_split(pipe, v, costs) for v in vs]
+            # the splits no other is at or below in both rho and blocks: the least lead's
+            pairs = {(r, n) for r, n, _ in splits}
+            lowest = [a for a in pairs if all(b == a for b in _pareto(pairs, a))]
+            got = self.least_lead_memo[key] = (lowest, min(w for _, _, w in splits))
+        lowest, weighted = got
+        lead = min(n * costs[0] + costs[1] + (2 * r - 1) * one if r else 0.0 for r, n in lowest)
+        p = pipe
+        return lead, (weighted * costs[0] + (p - 1) * (costs[1] + (p - 1) * one)) / p
 
     def _lead_split(self, pipe: int, virtual: int, costs: tuple) -> tuple[int, int, int]:
         """``(rho, blocks, weighted)`` of the split (:func:`tetrad.plan.pipe.estimate.split_ranks`,
@@ -285,17 +302,15 @@ class GroupBounds:
         return got
 
 
+def _pareto(pairs, a: tuple) -> list:
+    """The pairs at or below ``a`` in both entries."""
+    return [b for b in pairs if b[0] <= a[0] and b[1] <= a[1]]
+
+
 def _lead(split: tuple, costs: tuple, one: float) -> float:
     """:meth:`GroupBounds._lead_seconds` of a :meth:`GroupBounds._lead_split`."""
     rho, blocks, _ = split
     return blocks * costs[0] + costs[1] + (2 * rho - 1) * one if rho else 0.0
-
-
-def _mean_lead(split: tuple, pipe: int, costs: tuple, one: float) -> float:
-    """The mean over ranks ``r`` of :func:`_lead` for ``r``: each rank is idle at least that
-    long, so the step is at least this plus ``m`` times the mean ``T_r``, seconds."""
-    weighted = split[2]
-    return (weighted * costs[0] + (pipe - 1) * (costs[1] + (pipe - 1) * one)) / pipe
 
 
 def _bound(terms: tuple, extra: float, z: float = 0.0) -> float:
