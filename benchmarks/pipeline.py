@@ -7,24 +7,25 @@ For each case (``p`` pipeline ranks, one process each, every other axis 1; GPipe
 interleaved 1F1B with ``v = 2``) the ``small`` Llama with 8 blocks (``--model``) trains
 ``--steps`` steps of ``m = 8`` micro-batches of 2 x 128 tokens through
 :class:`tetrad.pipeline.schedule.Pipeline`, in ``--runs`` fresh runs, the cases interleaved.
-Each rank records per step (:mod:`pipeline_timing`, beside this file): its stages' forwards
-(``forward_one_chunk``, which the schedule calls after the chunk's receives), the last stage's
-LM head and loss, and backwards, in wall and thread-CPU seconds; the schedule's step in wall
-seconds; and the step's CPU clock: each rank's thread-CPU seconds since the step began, raised
-on every received activation or gradient to the sender's clock (sent with it), so that the
-largest end clock is the longest chain of CPU work and receives of the schedule that ran, the
-step as it would run with a core per rank, without the transfers' own time.
+Each rank records per step (:mod:`pipeline_timing`, beside this file): each of its stages'
+forwards (``forward_one_chunk``, which the schedule calls after the chunk's receives; the last
+stage's with the LM head and loss) and backwards, in wall and thread-CPU seconds; the schedule's
+step in wall seconds; and the step's CPU clock: each rank's thread-CPU seconds since the step
+began, raised on every received activation or gradient to the sender's clock (sent with it), so
+that the largest end clock is the longest chain of CPU work and receives of the schedule that
+ran, the step as it would run with a core per rank, without the transfers' own time.
 
-In each clock, the busiest rank's forwards, loss and backwards ``B`` give ``t_fb = B / m``; the
-planned bubble is the planner's :func:`tetrad.plan.pipe.schedule.bubble_seconds`
-(``(p-1) t_fb``, ``/ v`` interleaved; Narayanan et al., arXiv 2104.04473, section 2.2), the
-measured one the step minus ``B``. Medians over each run's steps after the first (which infers
-the boundary shapes), then over the runs; the range is the runs' measured/planned ratios.
-``per-rank model`` is :func:`pipeline_timing.rank_model_step` minus ``B`` from the measured
-per-rank forward and backward times: GPipe paces its all-forward phase by the slowest forward
-and its all-backward phase by the slowest backward, which may be on different ranks (the
-planner's formula assumes one rank slowest in both), and 1F1B's bubble is the other ranks'
-work, ``(p-1) t_fb`` only when the ranks are equal. The last table gives those per-rank times.
+In each clock, the busiest rank's forwards, loss and backwards ``B = m max_r T_r``; the planned
+bubble is the planner's own step for the per-stage times measured,
+:func:`tetrad.plan.pipe.critical_path.schedule_step` (what
+:func:`tetrad.plan.pipe.estimate.pipeline_estimate` takes: the critical path of the schedule's
+order on those stage times), minus ``B``; the measured one the step minus ``B``. ``classic`` is
+the even-rank formula ``(p - 1) max_r T_r / v`` (Narayanan et al., arXiv 2104.04473, section
+2.2) for comparison: the runtime's split leaves the ranks uneven (the LM head and loss weigh
+several blocks on this model), and the bubble is what the other ranks' work leaves idle on the
+busiest. Medians over each run's steps after the first (which infers the boundary shapes), then
+over the runs; the range is the runs' measured/planned ratios. The last table gives the per-rank
+times.
 
 The CPU clock is the measurement for 4 ranks on 2 cores, or a loaded machine: a rank that waits
 uses no CPU and one that shares its core counts only its own CPU seconds (which sharing
@@ -132,18 +133,16 @@ def _report(runs: dict, pipes: list[int]) -> None:
     print(f"\nCPU clock (a core per rank), medians of {n} runs' step medians; ratio range: runs")
     print(
         "| p | schedule | v | step | busiest rank | planned bubble | measured bubble | "
-        "measured / planned | per-rank model | measured / model |"
+        "measured / planned | classic (p-1)T/v | measured / classic |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for (p, schedule, v), s in cpu.items():
         lo, hi = s["ratios"][0], s["ratios"][-1]
-        model = (
-            f"{s['model']:.3f} s | {s['measured'] / s['model']:.2f}" if "model" in s else "- | -"
-        )
         print(
             f"| {p} | {schedule} | {v} | {s['step']:.3f} s | {s['busy']:.3f} s | "
             f"{s['planned']:.3f} s | {s['measured']:.3f} s | "
-            f"**{s['measured'] / s['planned']:.2f}** ({lo:.2f}-{hi:.2f}) | {model} |"
+            f"**{s['measured'] / s['planned']:.2f}** ({lo:.2f}-{hi:.2f}) | "
+            f"{s['classic']:.3f} s | {s['measured'] / s['classic']:.2f} |"
         )
     print("\nWall clock (meaningful only with a free core per rank)")
     print(
@@ -160,7 +159,8 @@ def _report(runs: dict, pipes: list[int]) -> None:
         )
     if (os.cpu_count() or 1) < max(pipes):
         print(f"({os.cpu_count()} cores: the wall clock of {max(pipes)} ranks shares cores)")
-    print("\nPer rank and micro-batch, CPU ms: forward (loss included) / backward")
+    print("\nPer rank and micro-batch, CPU ms: forward (loss included) / backward, each with half")
+    print("the rank's share of the schedule's own work (pipeline_timing.stage_seconds)")
     print("| p | schedule | v | " + " | ".join(f"rank {r}" for r in range(max(pipes))) + " |")
     print("|---|---|---|" + "---|" * max(pipes))
     for (p, schedule, v), s in cpu.items():

@@ -1,5 +1,5 @@
 """What ``benchmarks/pipeline.py`` times on each pipeline rank, the step's CPU clock, and the
-per-rank model of a step it is compared with.
+planner's step for the per-stage times measured (:func:`step_numbers`).
 
 :func:`instrument` wraps, for the whole process, ``TetradStage.forward_one_chunk`` and
 ``backward_one_chunk`` (``torch.distributed.pipelining`` waits for a chunk's receives before
@@ -8,12 +8,15 @@ stage's LM head and loss, which the schedule calls after the forward) and ``Pipe
 (the schedule's step: every micro-batch's forward and backward, the receives and sends; not the
 gradient reductions or the optimizer after it). Per step each rank records (:data:`FIELDS`):
 
-- ``fwd_wall``, ``bwd_wall``, ``fwd_cpu``, ``bwd_cpu``: its stages' forwards (with the loss)
-  and backwards, in wall seconds and in CPU seconds of the rank's thread
+- ``fwd_wall_k``, ``bwd_wall_k``, ``fwd_cpu_k``, ``bwd_cpu_k``: the forwards (the last stage's
+  with the loss) and backwards of its local stage ``k`` (stage ``r + k p``; ``k`` below
+  :data:`MAX_CHUNKS`), in wall seconds and in CPU seconds of the rank's thread
   (``time.thread_time``: not counting the time the thread waits or another process holds its
   core; all of the rank's compute, as the ranks run one intra-op thread,
   ``torch.set_num_threads(1)``, and CPU autograd runs on the calling thread);
-- ``step_wall``: the schedule's step, wall seconds;
+- ``step_wall``: the schedule's step, wall seconds; ``step_cpu``: its thread-CPU seconds (the
+  stages' forwards and backwards and the schedule's own work between them: its Python, posting
+  and completing sends and receives);
 - ``step_clock``: the rank's CPU clock at the end of the step. Each rank's clock starts at 0
   with the step and runs with its thread's CPU time (compute, the schedule's Python, posting
   sends and receives; nothing while blocked). Every activation or gradient a stage sends
@@ -40,9 +43,17 @@ import torch.distributed as dist
 
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.stage import TetradStage
+from tetrad.plan.pipe.critical_path import rank_seconds, schedule_step
 from tetrad.plan.pipe.schedule import bubble_seconds
 
-FIELDS = ("fwd_wall", "bwd_wall", "fwd_cpu", "bwd_cpu", "step_wall", "step_clock")
+MAX_CHUNKS = 2
+"""Local stages per rank recorded (the benchmark's interleaved cases run ``v = 2``)."""
+FIELDS = tuple(
+    f"{kind}_{clock}_{k}"
+    for kind in ("fwd", "bwd")
+    for clock in ("wall", "cpu")
+    for k in range(MAX_CHUNKS)
+) + ("step_wall", "step_clock", "step_cpu")
 
 
 class StepClock:
@@ -75,9 +86,17 @@ def reset() -> None:
         TOTALS[k] = 0.0
 
 
+def _local(obj) -> int:
+    """The local stage index ``k`` of a stage (``stage_index // p``), or of a pipeline's last
+    stage (the loss's)."""
+    stage = obj.stages[-1] if isinstance(obj, Pipeline) else obj
+    return stage.stage_index // stage.group_size
+
+
 def _timed(method, kind: str, stamp: str | None = None):
-    """``method`` timed into ``TOTALS[kind + "_wall"]`` and ``[kind + "_cpu"]``; first, the
-    clock joins the stamp received with chunk ``stamp``-``chunk``, if any."""
+    """``method`` timed into ``TOTALS[f"{kind}_wall_{k}"]`` and ``[f"{kind}_cpu_{k}"]`` (``k``:
+    :func:`_local`); first, the clock joins the stamp received with chunk ``stamp``-``chunk``,
+    if any."""
 
     def run(self, chunk, *args, **kwargs):
         if stamp is not None:
@@ -88,8 +107,9 @@ def _timed(method, kind: str, stamp: str | None = None):
         try:
             return method(self, chunk, *args, **kwargs)
         finally:
-            TOTALS[kind + "_cpu"] += time.thread_time() - c0
-            TOTALS[kind + "_wall"] += time.perf_counter() - t0
+            k = _local(self)
+            TOTALS[f"{kind}_cpu_{k}"] += time.thread_time() - c0
+            TOTALS[f"{kind}_wall_{k}"] += time.perf_counter() - t0
 
     return run
 
@@ -119,13 +139,14 @@ def _receives(method, key: str):
 
 def _step(method):
     def run(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         CLOCK.reset()
         try:
             return method(self, *args, **kwargs)
         finally:
             TOTALS["step_clock"] = CLOCK.now()
             TOTALS["step_wall"] = time.perf_counter() - t0
+            TOTALS["step_cpu"] = time.thread_time() - c0
 
     return run
 
@@ -154,52 +175,50 @@ def instrument() -> None:
     Pipeline.step = _step(Pipeline.step)
 
 
-def rank_model_step(schedule: str, fwd: list[float], bwd: list[float], m: int) -> float | None:
-    """The step that per-rank forward and backward seconds per micro-batch (``fwd[r]`` with
-    the loss, ``bwd[r]``, ``T_r`` their sum) give when transfers take no time (None for
-    interleaved 1F1B):
-
-    - GPipe, all forwards then all backwards, each phase a pipeline of identical micro-batches
-      paced by its own slowest rank: ``sum_r T_r + (m-1) (max_r fwd_r + max_r bwd_r)``;
-    - 1F1B, paced by the slowest rank ``s``: the work of the ranks before it on the first
-      micro-batch's way in and its gradient's way out, ``m T_s``, and the wait of ``s`` for its
-      first gradient beyond its ``p-s-1`` further warm-up forwards; the largest over ``s``:
-      ``max_s sum_{r<s} T_r + m T_s + max(0, sum_{r>s} T_r - (p-s-1) fwd_s)``.
-
-    Both are ``(m + p - 1) T`` on ``p`` equal ranks, the planner's."""
-    t = [f + b for f, b in zip(fwd, bwd, strict=True)]
-    if schedule == "gpipe":
-        return sum(t) + (m - 1) * (max(fwd) + max(bwd))
-    if schedule == "1f1b":
-        p = len(t)
-        return max(
-            sum(t[:s]) + m * t[s] + max(0.0, sum(t[s + 1 :]) - (p - s - 1) * fwd[s])
-            for s in range(p)
-        )
-    return None
+def stage_seconds(ranks: list, case: tuple, m: int, clock: str) -> tuple[list, list]:
+    """``(fwd, bwd)`` per stage ``s`` and micro-batch, ``clock`` seconds: its forwards (with
+    the loss) and backwards; on the CPU clock, with its rank's share of the schedule's own work
+    (``step_cpu`` less the rank's forwards and backwards, spread evenly over its ``2 m v``
+    operations: the per-operation cost of ``torch.distributed.pipelining``'s Python and P2P
+    posting, which the CPU clock counts on the critical path; the wall clock has no such
+    figure)."""
+    pipe, _, virtual = case
+    col = {k: i for i, k in enumerate(FIELDS)}
+    n = pipe * virtual
+    fwd = [ranks[s % pipe][col[f"fwd_{clock}_{s // pipe}"]] / m for s in range(n)]
+    bwd = [ranks[s % pipe][col[f"bwd_{clock}_{s // pipe}"]] / m for s in range(n)]
+    if clock == "cpu":
+        for r in range(pipe):
+            work = sum(fwd[r::pipe]) + sum(bwd[r::pipe])
+            extra = max(0.0, ranks[r][col["step_cpu"]] / m - work) / (2 * virtual)
+            for s in range(r, n, pipe):
+                fwd[s] += extra
+                bwd[s] += extra
+    return fwd, bwd
 
 
 def step_numbers(ranks: list, case: tuple, m: int, clock: str) -> dict:
     """One step's numbers from every rank's records ``ranks[r]`` (:data:`FIELDS`), in ``clock``
     (``cpu`` or ``wall``) seconds: ``step`` (the latest rank's end), ``busy`` (the busiest
-    rank's forwards, loss and backwards, ``m t_fb``), ``planned`` (the planner's bubble for that
-    ``t_fb``), ``measured`` (``step - busy``), ``model`` (:func:`rank_model_step` minus
-    ``busy``, or None), ``fwd`` and ``bwd`` (each rank's per micro-batch)."""
+    rank's work, ``m max_r T_r`` on :func:`stage_seconds`), ``planned`` (the planner's bubble
+    for those stage times: :func:`tetrad.plan.pipe.critical_path.schedule_step`, the step
+    :func:`tetrad.plan.pipe.estimate.pipeline_estimate` takes, minus ``busy``), ``classic``
+    (the even-rank ``(p - 1) max_r T_r / v``), ``measured`` (``step - busy``), ``fwd`` and
+    ``bwd`` (each rank's per micro-batch)."""
     pipe, schedule, virtual = case
-    col = {k: i for i, k in enumerate(FIELDS)}
-    fwd = [r[col["fwd_" + clock]] / m for r in ranks]
-    bwd = [r[col["bwd_" + clock]] / m for r in ranks]
-    t_fb = max(f + b for f, b in zip(fwd, bwd, strict=True))
-    step = max(r[col["step_clock" if clock == "cpu" else "step_wall"]] for r in ranks)
-    model = rank_model_step(schedule, fwd, bwd, m)
+    fwd, bwd = stage_seconds(ranks, case, m, clock)
+    t_fb = max(rank_seconds(pipe, fwd, bwd))
+    col = FIELDS.index("step_clock" if clock == "cpu" else "step_wall")
+    step = max(r[col] for r in ranks)
+    planned = schedule_step(schedule, pipe, virtual, m, fwd, bwd)
     return dict(
         step=step,
         busy=m * t_fb,
-        planned=bubble_seconds(schedule, pipe, virtual, t_fb),
+        planned=planned - m * t_fb,
+        classic=bubble_seconds(schedule, pipe, virtual, t_fb),
         measured=step - m * t_fb,
-        model=None if model is None else model - m * t_fb,
-        fwd=fwd,
-        bwd=bwd,
+        fwd=[sum(fwd[r::pipe]) for r in range(pipe)],
+        bwd=[sum(bwd[r::pipe]) for r in range(pipe)],
     )
 
 
@@ -211,9 +230,8 @@ def summary(runs: list, case: tuple, m: int, clock: str) -> dict:
     def med(get) -> float:
         return statistics.median(statistics.median(get(s) for s in run) for run in per_run)
 
-    out = {k: med(lambda s, k=k: s[k]) for k in ("step", "busy", "planned", "measured")}
-    if per_run[0][0]["model"] is not None:
-        out["model"] = med(lambda s: s["model"])
+    keys = ("step", "busy", "planned", "classic", "measured")
+    out = {k: med(lambda s, k=k: s[k]) for k in keys}
     for k in ("fwd", "bwd"):
         out[k] = [med(lambda s, k=k, r=r: s[k][r]) for r in range(case[0])]
     out["ratios"] = sorted(

@@ -10,9 +10,18 @@ from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.comm.fine import CHUNK_CANDIDATES
 from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.pipe.estimate import split_ranks
+from tetrad.plan.pipe.stages import ranks_of_split, split_costs
 from tetrad.plan.search.plan import plan
-from tetrad.spec import CONTEXT_PIECES, FINE_CHUNKS, OVERLAPS, compute_dtype
-from tetrad.train.auto import choose_grid, context_pieces, domino_pays, fine_chunks
+from tetrad.spec import (
+    CONTEXT_PIECES,
+    DTYPE_BYTES,
+    FINE_CHUNKS,
+    OVERLAPS,
+    compute_dtype,
+    role_sizes,
+)
+from tetrad.train.auto import choose_grid, context_pieces, domino_pays, fine_chunks, pipeline_split
 from tetrad.train.config import ConfigError, load_config
 
 
@@ -52,6 +61,21 @@ def test_grid_auto_can_pick_a_pipeline():
     assert (par.pipe, par.grid) == (best.pipe, tuple(best.grid))
     assert (par.pipeline_schedule, par.virtual_stages) == (best.schedule, best.virtual_stages)
     chosen.check()
+    # the runtime runs the stage split the planner timed (the planner's ranks of it)
+    mc = chosen.model_config(32000)
+    split = pipeline_split(chosen, mc)
+    ctx = Context(
+        mc.spec(),
+        get_machine("dgx-h100"),
+        4096,
+        128,
+        compute_bytes=DTYPE_BYTES[compute_dtype(chosen.training.device)],
+    )
+    comp = ctx.compute(role_sizes(tuple(best.grid), best.orientation), 1)
+    costs = split_costs(comp, par.activation_checkpointing)
+    want = split_ranks(mc.n_layers, costs, par.pipe, par.virtual_stages)
+    assert ranks_of_split(split, par.pipe, par.virtual_stages) == want
+    assert pipeline_split(cfg(**big, grid="2,1,1,1,2", pipe=2), mc) is None  # no machine on CPU
 
 
 def test_grid_auto_needs_a_machine_on_cpu():

@@ -157,6 +157,39 @@ def choose_grid(
     return dataclasses.replace(cfg, parallelism=par)
 
 
+def pipeline_split(cfg: TrainConfig, mc: ModelConfig) -> tuple[tuple[int, int], ...] | None:
+    """The planner's stage split for this pipeline grid where a machine is known (``--machine``,
+    or the preset of the CUDA device, as ``--grid auto`` finds it): blocks balanced by the
+    planner's compute of a block, of the embedding and of the final norm, LM head and loss on
+    this grid, micro-batch and checkpointing (:func:`tetrad.plan.pipe.estimate.planner_split`),
+    the split the planner's estimate and memory of this configuration take, so that ``--grid
+    auto`` runs the split it ranked; ``(start, stop)`` blocks per stage. None without a machine
+    (the runtime's default: the embedding and the head count one block each)."""
+    from tetrad.plan.comm.context import Context
+    from tetrad.plan.model.grids import with_context
+    from tetrad.plan.pipe.estimate import planner_split
+    from tetrad.plan.pipe.stages import split_costs
+    from tetrad.spec import role_sizes
+
+    par, t = cfg.parallelism, cfg.training
+    if not par.machine and t.device != "cuda":
+        return None
+    try:
+        machine = machine_for(cfg)
+    except ConfigError:
+        return None
+    ctx = Context(
+        mc.spec(),
+        machine,
+        t.seq_len,
+        t.global_batch,
+        compute_bytes=DTYPE_BYTES[compute_dtype(t.device)],
+    )
+    roles = role_sizes(with_context(par.grid), par.orientation)
+    costs = split_costs(ctx.compute(roles, t.micro_batch), par.activation_checkpointing)
+    return planner_split(mc.n_layers, costs, par.pipe, par.virtual_stages)
+
+
 def _estimate(cfg: TrainConfig, mc: ModelConfig, overlaps, fine_chunks: int | None):
     from tetrad.plan.comm.context import Context
     from tetrad.plan.comm.estimate import estimate

@@ -27,7 +27,13 @@ from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.step import pipeline_evaluate, pipeline_train_step_losses
 from tetrad.spec import FINE_CHUNKS, MiB
 from tetrad.train.announce import notes, print_resume, print_start, report_save
-from tetrad.train.auto import context_pieces, domino_pays, fine_chunks, with_orientation
+from tetrad.train.auto import (
+    context_pieces,
+    domino_pays,
+    fine_chunks,
+    pipeline_split,
+    with_orientation,
+)
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.checkpoint_dir import (
     leftovers,
@@ -88,7 +94,11 @@ def build_model(cfg: TrainConfig, model_cfg: ModelConfig, grid: Grid) -> Paralle
     if grid.pipe > 1:
         micro_batches = cfg.grad_accum
         schedule, virtual = par.pipeline_schedule, par.virtual_stages
-        model = Pipeline(model_cfg, grid, schedule, virtual, micro_batches, **kwargs)
+        split = pipeline_split(cfg, model_cfg)
+        if split and dist.get_rank() == 0:
+            stages = ", ".join(f"{b - a}" for a, b in split)
+            print(f"tetrad: pipeline stages of {stages} blocks (the planner's split)")
+        model = Pipeline(model_cfg, grid, schedule, virtual, micro_batches, split, **kwargs)
     else:
         model = ParallelLlama(model_cfg, grid, **kwargs)
     for part in parts_of(model):

@@ -26,27 +26,16 @@ def shards_optimizer(ctx: Context) -> bool:
     return bool(getattr(ctx, FLAG, False))
 
 
-class _ShardedStages(dict):
-    """The stage contexts of a sharded context (the cache that
-    :func:`tetrad.plan.pipe.estimate.stage_context` keeps in it): each context stored in it
-    models the sharded optimizer too."""
-
-    def __setitem__(self, key, ctx: Context) -> None:
-        setattr(ctx, FLAG, True)
-        super().__setitem__(key, ctx)
-
-
 def sharded(ctx: Context) -> Context:
     """A context like ``ctx`` that models the sharded optimizer (made once per ``ctx`` and
     kept in it): it shares the memos that do not depend on the optimizer (shapes, compute, the
     X/Y records, a block's X/Y seconds) and has its own pipeline rank times and stage contexts
-    (which model the sharded optimizer as well)."""
+    (:func:`tetrad.plan.pipe.estimate.stage_context` passes the flag on)."""
     got = ctx.__dict__.get("_sharded")
     if got is None:
         got = copy.copy(ctx)
         for memo in ("_rank_times", "_sharded", "_stage_contexts"):
             got.__dict__.pop(memo, None)
-        got.__dict__["_stage_contexts"] = _ShardedStages()
         setattr(got, FLAG, True)
         ctx.__dict__["_sharded"] = got
     return got

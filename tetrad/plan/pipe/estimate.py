@@ -15,17 +15,21 @@ receives: one activation per stage but stage 0 and one gradient per stage but th
 (:func:`tetrad.plan.pipe.schedule.boundaries_of_rank`), each ``p2p_bytes`` over the link of
 two ranks ``world / G_pipe`` apart (across nodes when that is at least the GPUs per node), on
 the critical path (torch.distributed.pipelining waits for a stage's receive before its compute;
-the same as the classic space's model). The step (Narayanan et al., arXiv 2104.04473,
-section 2.2):
+the same as the classic space's model). Each rank's time splits over its stages
+(:mod:`tetrad.plan.pipe.stage_times`: forward and backward seconds per stage), and the step is
 
-    step = m max_r T_r + bubble + max_r (optimizer_r + max(0, D_r - r (B_r + R_r) / v))
+    step = S + max_r (optimizer_r + max(0, D_r - r (B_r + R_r) / v))
 
-``bubble = (p - 1) max_r T_r`` (GPipe, 1F1B), ``/ v`` interleaved
-(:func:`tetrad.plan.pipe.schedule.bubble_seconds`); ``D_r`` the exposed data-parallel gradient
-reduction and step scalars of rank ``r`` as without a pipeline, started after its last backward:
-rank ``r``'s last backward ends ``r`` stage backwards before rank 0's (the cool-down), which
-hides that much of it (inferred from the schedules' order; the runtime's ``dp_all_reduce``
-overlap inside the last micro-batch's backward is kept as the per-layer model has it).
+``S`` the critical path of the schedule that runs on these stage times
+(:func:`tetrad.plan.pipe.critical_path.schedule_step`: GPipe's, 1F1B's or interleaved 1F1B's
+order, as torch runs them): ``(m + (p - 1) / v) T`` on ``p`` equal ranks (Narayanan et al.,
+arXiv 2104.04473, section 2.2), and on the runtime's uneven split what the other ranks leave
+idle on the slowest; the bubble is ``S - m max_r T_r``. ``D_r`` is the exposed data-parallel
+gradient reduction and step scalars of rank ``r`` as without a pipeline, started after its last
+backward: rank ``r``'s last backward ends ``r`` stage backwards before rank 0's (the
+cool-down), which hides that much of it (inferred from the schedules' order; the runtime's
+``dp_all_reduce`` overlap inside the last micro-batch's backward is kept as the per-layer model
+has it).
 """
 
 from __future__ import annotations
@@ -38,14 +42,13 @@ from tetrad.plan.comm import layers, linears
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import LAYER_KINDS, make_step
 from tetrad.plan.comm.record import Recorder
+from tetrad.plan.comm.zero import FLAG, shards_optimizer
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.model.grids import with_context
-from tetrad.plan.pipe.schedule import (
-    boundaries_of_rank,
-    bubble_seconds,
-    p2p_bytes,
-)
-from tetrad.plan.pipe.stages import PipeRank, pipe_ranks, split_costs
+from tetrad.plan.pipe.critical_path import schedule_step
+from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
+from tetrad.plan.pipe.stage_times import stage_times
+from tetrad.plan.pipe.stages import PipeRank, balanced_stages, pipe_ranks, split_costs
 from tetrad.spec import COMM_AXES, physical_axis, role_sizes
 
 STEP_KINDS = (layers.data_gradients, layers.step_scalars)
@@ -123,7 +126,8 @@ class PipeEstimate:
 
 
 def stage_context(ctx: Context, blocks: int) -> Context:
-    """``ctx`` for a model of ``blocks`` blocks (memoised in ``ctx``)."""
+    """``ctx`` for a model of ``blocks`` blocks, with its options (overlaps, piece counts, the
+    sharded optimizer), memoised in ``ctx``."""
     cache = ctx.__dict__.setdefault("_stage_contexts", {})
     got = cache.get(blocks)
     if got is None:
@@ -131,6 +135,8 @@ def stage_context(ctx: Context, blocks: int) -> Context:
         got = Context(model, ctx.machine, ctx.seq_len, ctx.global_batch, compute_bytes=ctx.c)
         got.overlaps, got.fine = ctx.overlaps, ctx.fine
         got.bucket_bytes, got.domino_min_rows = ctx.bucket_bytes, ctx.domino_min_rows
+        got.context_pieces = ctx.context_pieces
+        setattr(got, FLAG, shards_optimizer(ctx))
         cache[blocks] = got
     return got
 
@@ -263,7 +269,8 @@ def pipeline_estimate(
     acc = ctx.global_batch // (physical[0] * physical[2] * micro_batch)
     slow = max(range(len(times)), key=lambda i: times[i].per_micro_batch)
     t_max = times[slow].per_micro_batch
-    bubble = bubble_seconds(cfg.schedule, cfg.pipe, cfg.virtual, t_max)
+    chain = critical_path(comp, ckpt, ranks, times, cfg, acc)
+    bubble = chain - acc * t_max
     tails = []
     for r, t in enumerate(times):
         slack = r * (t.bwd + t.rec) / cfg.virtual
@@ -280,7 +287,7 @@ def pipeline_estimate(
     exposed[PIPE_AXIS] = acc * w.p2p
     comm = {a: acc * w.total.get(a, 0.0) + w.tail_total.get(a, 0.0) for a in COMM_AXES}
     comm[PIPE_AXIS] = exposed[PIPE_AXIS]
-    step = acc * t_max + bubble + tails[end]
+    step = chain + tails[end]
     per_boundary = p2p_bytes(
         micro_batch,
         ctx.seq_len,
@@ -302,6 +309,16 @@ def pipeline_estimate(
         per_boundary,
         turn,
     )
+
+
+def critical_path(comp, ckpt: str, ranks, times, cfg: PipeConfig, acc: int) -> float:
+    """``S`` of the module doc, seconds: the schedule's critical path over ``acc``
+    micro-batches on the stage times of the ranks' ``times`` (``acc`` times the one rank's time
+    where ``p = 1``)."""
+    if cfg.pipe == 1:
+        return acc * times[0].per_micro_batch
+    fwd, bwd = stage_times(comp, ckpt, ranks, times, cfg.pipe, cfg.virtual)
+    return schedule_step(cfg.schedule, cfg.pipe, cfg.virtual, acc, fwd, bwd)
 
 
 _SPLITS: dict = {}
@@ -330,3 +347,17 @@ def split_ranks(
     if got is None:
         got = _SPLITS[key] = pipe_ranks(n_layers, (1.0, key[1], key[2]), pipe, virtual)
     return got
+
+
+def planner_split(
+    n_layers: int, costs: tuple[float, float, float], pipe: int, virtual: int
+) -> tuple[tuple[int, int], ...]:
+    """The stage split whose ranks :func:`split_ranks` returns (``(start, stop)`` blocks per
+    stage, ``p v`` stages): what the runtime's :class:`tetrad.pipeline.schedule.Pipeline` takes
+    to run the split the planner timed.
+
+    Raises:
+        tetrad.pipeline.split.PipelineSplitError: ``p v`` above the blocks.
+    """
+    _, emb, head, _, _ = split_key(n_layers, costs, pipe, virtual)
+    return balanced_stages(n_layers, (1.0, emb, head), pipe * virtual)

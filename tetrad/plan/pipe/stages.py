@@ -51,18 +51,27 @@ def split_costs(comp: BlockCompute, checkpointing: str) -> tuple[float, float, f
 def pipe_ranks(
     n_layers: int, costs: tuple[float, float, float], pipe: int, virtual: int
 ) -> tuple[PipeRank, ...]:
-    """The ``p`` ranks of ``balanced_split([block] * L, embedding, head, p v)``.
+    """The ``p`` ranks of :func:`balanced_stages`.
 
     Raises:
         tetrad.pipeline.split.PipelineSplitError: ``p v`` above the blocks.
     """
+    return ranks_of_split(balanced_stages(n_layers, costs, pipe * virtual), pipe, virtual)
+
+
+def balanced_stages(
+    n_layers: int, costs: tuple[float, float, float], n_stages: int
+) -> tuple[tuple[int, int], ...]:
+    """``balanced_split([block] * L, embedding, head, n_stages)`` for ``costs = (block,
+    embedding, head)``: ``(start, stop)`` blocks per stage.
+
+    Raises:
+        tetrad.pipeline.split.PipelineSplitError: more stages than blocks.
+    """
     block, emb, head = costs
-    n_stages = pipe * virtual
     if block == 1.0 and exact_quarters(emb, head) and 1 <= n_stages <= n_layers:
-        split = uniform_split(n_layers, emb, head, n_stages)  # the same, faster
-    else:
-        split = balanced_split([block] * n_layers, emb, head, n_stages)
-    return ranks_of_split(split, pipe, virtual)
+        return uniform_split(n_layers, emb, head, n_stages)  # the same, faster
+    return balanced_split([block] * n_layers, emb, head, n_stages)
 
 
 def ranks_of_split(split, pipe: int, virtual: int) -> tuple[PipeRank, ...]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tetrad.plan.comm.zwindows import window_seconds
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.pipe.estimate import PipeConfig, cached_rank_time, split_ranks
-from tetrad.plan.pipe.schedule import p2p_bytes
+from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.spec import FP32, role_sizes
 
@@ -80,9 +80,11 @@ class BlockFloors:
         return max(0.0, self._most_blocks(pipe) * z_block - z_ends)
 
     def _config_floor(self, grid, turn, b, mode, cfg: PipeConfig, m: int) -> float:
-        """Bound 3 (module doc): ``(m + (p - 1) / v)`` times a rank of ``ceil(L / p)`` blocks:
-        their compute, X/Y, context and Z floor, and the fewest point-to-point receives of a
-        rank (``2 v - 1``; the estimate without the step-level terms)."""
+        """Bound 3 (module doc): ``m`` times a rank of ``ceil(L / p)`` blocks: their compute,
+        X/Y, context and Z floor, and the fewest point-to-point receives of a rank (``2 v -
+        1``): the slowest rank runs ``m`` such micro-batches one after another, whatever the
+        schedule (:func:`tetrad.plan.pipe.critical_path.schedule_step` is never below ``m
+        max_r T_r``; the bubble depends on the other ranks, see :meth:`_rank_floor`)."""
         ctx, p = self.ctx, cfg.pipe
         block, _, zb, ze = self._block_floor(grid, turn, b, mode)
         roles = role_sizes(grid, turn)
@@ -92,17 +94,23 @@ class BlockFloors:
         one = link.base_latency + nbytes / link.bandwidth
         k = self._most_blocks(p)
         slowest = k * block + max(0.0, k * zb - ze) + (2 * cfg.virtual - 1) * one
-        v = cfg.virtual if cfg.schedule == "interleaved-1f1b" else 1
-        return (m + (p - 1) / v) * slowest
+        costs = self._base_floor(grid, turn, b, mode)[1]
+        out = m * slowest + self._lead_seconds(p, cfg.virtual, costs, one)
+        if cfg.schedule == "gpipe":  # sum_r T_r + (m - 1) max_r T_r at least
+            L = ctx.model.n_layers
+            out = max(out, (m - 1) * slowest + L * block + 2 * (p - 1) * one)
+        return out
 
     def _rank_floor(self, grid, turn, b, mode, cfg: PipeConfig, m: int) -> float:
-        """The estimate's step without its tail, with the rank of the most blocks for the
-        slowest: ``(m + (p - 1) / v) T_r`` (:func:`~tetrad.plan.pipe.estimate.rank_time`,
-        shared with the estimate), seconds."""
+        """The estimate's step without its tail, bounded below: ``m T_rho`` of the last rank
+        ``rho`` of the most blocks (:func:`~tetrad.plan.pipe.estimate.rank_time`, shared with
+        the estimate) plus the path into and out of it
+        (:meth:`~tetrad.plan.search.pipe_groups.GroupBounds._lead_seconds`), seconds."""
         ctx, p = self.ctx, cfg.pipe
         costs = split_costs(ctx.compute(role_sizes(grid, turn), b), mode)
         ranks = split_ranks(ctx.model.n_layers, costs, p, cfg.virtual)
-        most = max(ranks, key=lambda r: r.blocks)
-        t = cached_rank_time(ctx, grid, b, mode, turn, most, cfg).per_micro_batch
-        v = cfg.virtual if cfg.schedule == "interleaved-1f1b" else 1
-        return (m + (p - 1) / v) * t
+        most = max(r.blocks for r in ranks)
+        rho = ranks[max(r.rank for r in ranks if r.blocks == most)]
+        rt = cached_rank_time(ctx, grid, b, mode, turn, rho, cfg)
+        one = rt.p2p / sum(boundaries_of_rank(p, rho.rank, cfg.virtual))
+        return m * rt.per_micro_batch + self._lead_seconds(p, cfg.virtual, costs, one)

@@ -14,7 +14,9 @@ enumerated (:meth:`GroupBounds._group_grids`):
 A rank's per-micro-batch time is at least ``k (c_block + x) + z`` on a rank of the most blocks
 ``k = ceil(L / p)`` and at least the average ``c_model / p + (L / p) x`` (``x``: a block's
 collectives per micro-batch, ``z`` the Z floor; every rank receives at least one
-point-to-point message), times ``m + (p - 1) / v`` with the largest ``v`` allowed.
+point-to-point message), times ``m``: the slowest rank runs its ``m`` micro-batches one after
+another whatever the schedule; the bubble, which on uneven ranks depends on the others
+(:mod:`tetrad.plan.pipe.critical_path`), is left to bound 3.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from tetrad.plan.comm.context_parallel import (
 from tetrad.plan.compute.block import block_compute
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.model.grids import grid_problems
-from tetrad.plan.pipe.estimate import block_xy
+from tetrad.plan.pipe.estimate import block_xy, split_key, split_ranks
 from tetrad.plan.pipe.schedule import p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.search.space import divisors_of
@@ -53,6 +55,9 @@ class GroupBounds:
         self.kv_memo: dict = {}  # (G_data G_z, G_context, G_y, G_x, b, full) -> seconds
         self.kv_link_memo: dict = {}  # (G_context, G_x G_y G_z, G_y, b, full) -> seconds
         self.xy_memo: dict = {}  # (G_context, G_y, G_x, b, full, turn) -> seconds
+        self.lead_memo: dict = {}  # (split_key, p, v) -> (rho, blocks before it)
+        self.least_lead_memo: dict = {}  # (p, p divides m, costs) -> (rho, blocks), weighted
+        self.terms_memo: dict = {}  # (p, G_data G_z, G_context, G_y, G_x, b, mode) -> terms
 
     def _per_sample_floors(self, gc: int, gy: int, gx: int) -> dict[str, float]:
         """Bound 1 per sample of one ``(G_context, G_y, G_x)`` rank, per mode: the blocks'
@@ -134,28 +139,27 @@ class GroupBounds:
         return -(-self.ctx.model.n_layers // pipe)
 
     def _bubble_factor(self, pipe: int, m: int) -> float:
-        """``m + (p - 1) / v`` with the largest ``v`` allowed (bound 2)."""
-        v = self.vmax[pipe] if self.vmax[pipe] and m % pipe == 0 else 1
-        return m + (pipe - 1) / v
+        """The micro-batches the slowest rank runs one after another, ``m`` (bound 2; no
+        bubble: on uneven ranks it may be below ``(p - 1) / v`` of a rank's time)."""
+        return float(m)
 
     def _pipe_group(self, pipe, gc, gy, gx, mode, per_sample: float, limit: float) -> list:
         """Bound 2 of each micro-batch of ``G_pipe = pipe`` on the roles ``(G_context, G_y,
         G_x)``: ``(bound, pipe, G_data G_z, G_context, G_y, G_x, b, mode)``, those below
-        ``limit`` (less MARGIN) only. The micro-batches ascend and stop where ``B / (G_data
-        G_z) + (p - 1) b / v`` samples at ``per_sample`` seconds (:meth:`_tensor_groups`) over
-        ``p`` (the steps and the bubble, a floor of every group bound that grows with ``b``)
-        reach ``limit``."""
+        ``limit`` (less MARGIN) only (``m`` times the slowest rank's compute); none where ``B /
+        (G_data G_z)`` samples at ``per_sample`` seconds (:meth:`_tensor_groups`) over ``p`` (a
+        floor of every group bound) reach ``limit``."""
         out = []
         if (self.s.gpus // pipe) % (gc * gy * gx):
             return out
         q = self.s.gpus // (pipe * gc * gy * gx)  # G_data G_z
         if self.ctx.global_batch % q:
             return out
-        per_cell, k = self.ctx.global_batch // q, self._most_blocks(pipe)
-        bubble = (pipe - 1) / max(self.vmax[pipe], 1)
+        per_cell = self.ctx.global_batch // q
+        if per_cell * per_sample / pipe * (1 - MARGIN) >= limit:
+            return out
+        k = self._most_blocks(pipe)
         for b in divisors_of(per_cell):
-            if (per_cell + bubble * b) * per_sample / pipe * (1 - MARGIN) >= limit:
-                break
             if self.allowed is not None and b not in self.allowed:
                 continue
             model, block, _ = self._mb_costs(gc, gy, gx, b, mode)
@@ -171,16 +175,74 @@ class GroupBounds:
         return _bound(self._bound_terms(pipe, q, gc, gy, gx, b, mode), extra, z)
 
     def _bound_terms(self, pipe, q, gc, gy, gx, b, mode) -> tuple:
-        """``(m + (p - 1) / v, model / p, L / p, k, block, one receive)`` of
-        :meth:`_group_bound`, seconds."""
+        """``(m, model / p, L / p, k, block, one receive, leads, gpipe)`` of
+        :meth:`_group_bound`, seconds (``leads``: :meth:`_least_lead`; ``gpipe``: ``p`` where
+        only GPipe runs, ``m < p``, else 0) (memoised)."""
+        key = (pipe, q, gc, gy, gx, b, mode)
+        got = self.terms_memo.get(key)
+        if got is None:
+            got = self.terms_memo[key] = self._new_bound_terms(*key)
+        return got
+
+    def _new_bound_terms(self, pipe, q, gc, gy, gx, b, mode) -> tuple:
+        """:meth:`_bound_terms`, computed."""
         ctx = self.ctx
-        model, block, _ = self._mb_costs(gc, gy, gx, b, mode)
+        model, block, costs = self._mb_costs(gc, gy, gx, b, mode)
         nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, ctx.c)
         link = ctx.machine.network.link(self.s.gpus // pipe, 2)
         one = link.base_latency + nbytes / link.bandwidth
-        bf = self._bubble_factor(pipe, ctx.global_batch // (q * b))
+        m = ctx.global_batch // (q * b)
+        bf = self._bubble_factor(pipe, m)
         L, k = ctx.model.n_layers, self._most_blocks(pipe)
-        return bf, model / pipe, L / pipe, k, block, one
+        leads = self._least_lead(pipe, m, costs, one)
+        return bf, model / pipe, L / pipe, k, block, one, leads, pipe if m < pipe else 0
+
+    def _least_lead(self, pipe: int, m: int, costs: tuple, one: float) -> tuple[float, float]:
+        """``(lead, mean)``: the least :meth:`_lead_seconds` over the ``v`` the group's schedules
+        may take (1, and :data:`VIRTUAL_CHOICES` where ``p`` divides ``m``; ``p v <= L``), and
+        the least mean over ranks ``r`` of the same floor for ``r`` (each rank is idle at least
+        that long, so the step is at least it plus ``m`` times the mean ``T_r``), seconds."""
+        key = (pipe, m % pipe == 0, costs)
+        got = self.least_lead_memo.get(key)
+        if got is None:
+            L = self.ctx.model.n_layers
+            vs = [v for v in (1,) + (VIRTUAL_CHOICES if key[1] else ()) if pipe * v <= L]
+            splits = [self._lead_split(pipe, v, costs) for v in vs]
+            # the splits no other is at or below in both rho and blocks: the least lead's
+            pairs = {(r, n) for r, n, _ in splits}
+            lowest = [a for a in pairs if all(b == a for b in _pareto(pairs, a))]
+            got = self.least_lead_memo[key] = (lowest, min(w for _, _, w in splits))
+        lowest, weighted = got
+        lead = min(n * costs[0] + costs[1] + (2 * r - 1) * one if r else 0.0 for r, n in lowest)
+        p = pipe
+        return lead, (weighted * costs[0] + (p - 1) * (costs[1] + (p - 1) * one)) / p
+
+    def _lead_split(self, pipe: int, virtual: int, costs: tuple) -> tuple[int, int, int]:
+        """``(rho, blocks, weighted)`` of the split (:func:`tetrad.plan.pipe.estimate.split_ranks`,
+        memoised): ``rho`` the last rank of the most blocks (at least ``ceil(L / p)``),
+        ``blocks`` those of stages ``0 .. rho - 1``, ``weighted`` the sum over ranks ``r`` of
+        the blocks of stages ``0 .. r - 1``."""
+        L = self.ctx.model.n_layers
+        key = split_key(L, costs, pipe, virtual)
+        got = self.lead_memo.get(key)
+        if got is None:
+            ranks = split_ranks(L, costs, pipe, virtual)
+            most = max(r.blocks for r in ranks)
+            rho = max(r.rank for r in ranks if r.blocks == most)
+            firsts = [r.chunk_blocks[0] for r in ranks]
+            weighted = sum(n * (pipe - 1 - q) for q, n in enumerate(firsts))
+            got = self.lead_memo[key] = (rho, sum(firsts[:rho]), weighted)
+        return got
+
+    def _lead_seconds(self, pipe: int, virtual: int, costs: tuple, one: float) -> float:
+        """A floor of the path into and out of rank ``rho`` (:meth:`_lead_split`): micro-batch
+        0's forward through stages ``0 .. rho - 1`` before its first operation and the last
+        micro-batch's backward through them after its last (in GPipe, 1F1B and interleaved 1F1B
+        a rank starts with its first stage's first forward and ends with its last backward),
+        each stage's compute (its blocks, the embedding on stage 0) and receives (``2 rho -
+        1``); the step is at least this plus ``m T_rho`` (:mod:`tetrad.plan.pipe.critical_path`),
+        seconds."""
+        return _lead(self._lead_split(pipe, virtual, costs), costs, one)
 
     def _group_grids(self, pipe, q, gc, gy, gx, b, mode, limit: float) -> list:
         """``(bound, --grid, orientation)`` of the group's grids whose memory floor fits and
@@ -260,7 +322,27 @@ class GroupBounds:
         return got
 
 
+def _pareto(pairs, a: tuple) -> list:
+    """The pairs at or below ``a`` in both entries."""
+    return [b for b in pairs if b[0] <= a[0] and b[1] <= a[1]]
+
+
+def _lead(split: tuple, costs: tuple, one: float) -> float:
+    """:meth:`GroupBounds._lead_seconds` of a :meth:`GroupBounds._lead_split`."""
+    rho, blocks, _ = split
+    return blocks * costs[0] + costs[1] + (2 * rho - 1) * one if rho else 0.0
+
+
 def _bound(terms: tuple, extra: float, z: float = 0.0) -> float:
-    """:meth:`GroupBounds._group_bound` from its ``terms``."""
-    bf, model, per_rank, k, block, one = terms
-    return bf * (max(model + per_rank * extra, k * (block + extra) + z) + one)
+    """:meth:`GroupBounds._group_bound` from its ``terms``: ``m`` times the average rank plus
+    the ranks' mean idle floor, or ``m`` times a rank of the most blocks plus the path into and
+    out of it; where only GPipe runs (``m < p``), also its ``sum_r T_r + (m - 1) max_r T_r``
+    (:func:`tetrad.plan.pipe.critical_path.schedule_step`, at least ``sum_s (f_s + b_s)`` for
+    one micro-batch and ``max_s f_s + max_s b_s`` for each further one)."""
+    bf, model, per_rank, k, block, one, (lead, mean_lead), gpipe = terms
+    avg = model + per_rank * extra + one
+    most = k * (block + extra) + z + one
+    out = max(bf * avg + mean_lead, bf * most + lead)
+    if gpipe:
+        out = max(out, gpipe * avg + (bf - 1) * max(avg, most))
+    return out

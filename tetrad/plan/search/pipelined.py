@@ -17,19 +17,25 @@ Pruning, exact (no configuration that could enter the top-K is skipped):
    ``B / (G_data G_z)`` samples, ``B G_context G_y G_x / GPUs`` samples' worth of whole-model
    work whatever ``G_pipe`` is; with every GEMM at the machine's best efficiency (attention and
    element-wise work are linear in the tokens) this is a lower bound of the step;
-2. per group ``(G_pipe, G_context, G_y, G_x, b, mode)``: the slowest rank's compute of one
-   micro-batch, at least the average (the whole model's over ``G_pipe``) and at least
-   ``ceil(L / G_pipe)`` blocks', times ``m + (G_pipe - 1) / v`` with the largest ``v`` allowed
-   (the bubble), visited in ascending order of it; then, cheapest first, with the blocks'
-   context collectives (the least over ``G_z``), the group's memory floor, and the blocks'
-   exposed X/Y collectives (the lesser orientation) added
-   (:mod:`tetrad.plan.search.pipe_groups`, :mod:`tetrad.plan.search.pipe_memory`);
-3. per grid: its memory floor; then ``(m + (p - 1) / v)`` times a rank of ``ceil(L /
-   G_pipe)`` blocks, their compute, X/Y and context collectives and the Z seconds its windows
-   cannot hide (as :class:`tetrad.plan.comm.bounds.StepBounds`), first with the largest ``v``
-   per grid, then per schedule with the fewest point-to-point receives of a rank (the estimate
-   without the step-level terms) (:mod:`tetrad.plan.search.pipe_floor`); then the schedule's
-   memory floor, its memory, then the estimate.
+2. per group ``(G_pipe, G_context, G_y, G_x, b, mode)``: ``m`` times the slowest rank's time
+   of one micro-batch (it runs them one after another whatever the schedule), that time at
+   least the average (the whole model's over ``G_pipe``) and at least ``ceil(L / G_pipe)``
+   blocks'; plus, for the average, the ranks' mean idle time before their first and after their
+   last operation, and for the rank of the most blocks, the stages before it that micro-batch 0
+   and the last one pass through on the way in and out (the least over the group's schedules;
+   where only GPipe runs, ``sum_r T_r + (m - 1) max_r T_r``), visited in ascending order of
+   ``m`` times the larger floor; then, cheapest first, with the blocks' context collectives (the
+   least over ``G_z``), the group's memory floor, and the blocks' exposed X/Y collectives (the
+   lesser orientation) added (:mod:`tetrad.plan.search.pipe_groups`,
+   :mod:`tetrad.plan.search.pipe_memory`);
+3. per grid: its memory floor; then ``m`` times a rank of ``ceil(L / G_pipe)`` blocks, their
+   compute, X/Y and context collectives and the Z seconds its windows cannot hide (as
+   :class:`tetrad.plan.comm.bounds.StepBounds`) and the fewest point-to-point receives of a
+   rank, plus the way in and out of the split's last rank of the most blocks
+   (:mod:`tetrad.plan.search.pipe_floor`); then the schedule's memory floor; then ``m`` times
+   that rank's time (shared with the estimate) plus the same way in and out; its memory, then
+   the estimate. Every one is at most the critical path of
+   :func:`tetrad.plan.pipe.critical_path.schedule_step` (whose module doc gives the paths).
 
 Groups are visited in ascending order of bound 1 and stop at the first whose bound is not below
 the slowest of the top-K so far; memory floors reject whatever the top-K.
