@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_moe_expert_parallel import check_weights, float64_run
+from tests.test_moe_expert_parallel import check_weights, float64_run, pipeline_run
 from tests.test_moe_parallel import CLIP, CONFIGS, LR, MICRO, SEED, batches, set_lr
 from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
@@ -20,8 +20,8 @@ from tetrad.parallel.model import ParallelLlama
 from tetrad.spec import Axis
 from tetrad.train.step import build_optimizer, train_step_losses
 
-# (DATA, CONTEXT, Z, Y, X), G_expert
-TWO_RANKS = [((1, 1, 1, 2, 1), 1), ((1, 1, 1, 1, 2), 1)]
+# (DATA, CONTEXT, Z, Y, X), G_expert[, activation checkpointing]
+TWO_RANKS = [((1, 1, 1, 2, 1), 1), ((1, 1, 1, 1, 2), 1, "full")]
 FOUR_RANKS = [
     ((2, 1, 1, 2, 1), 2),
     ((2, 1, 1, 1, 2), 2),
@@ -35,9 +35,14 @@ EIGHT_RANKS = [((2, 1, 2, 2, 1), 2)]
 def tensor_run(name, curves, ref_state, grids):
     torch.set_default_dtype(torch.float64)  # as float64_run (this rank's process only)
     cfg = CONFIGS[name]
-    for sizes, ep in grids:
+    for sizes, ep, *recompute in grids:
         grid = Grid.build(sizes, expert=ep)
-        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "reduce_scatter"))
+        model = ParallelLlama(
+            cfg,
+            grid,
+            activation_checkpointing=recompute[0] if recompute else "none",
+            overlaps=("dp_all_reduce", "reduce_scatter"),
+        )
         init_parameters(model, SEED, grid)
         opt = build_optimizer(model, LR, weight_decay=0.1)
         label = f"{name} {sizes} ep{ep}"
@@ -58,3 +63,13 @@ def test_tensor_grids_match_reference(name):
     curves, state = float64_run(CONFIGS[name])
     run_distributed(tensor_run, 2, name, curves, state, TWO_RANKS)
     run_distributed(tensor_run, 4, name, curves, state, FOUR_RANKS)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_eight_ranks_and_pipeline_match_reference(name):
+    """``data=2 z=2 y=2`` with expert parallelism 2 (8 ranks), and ``pipe=2`` with ``y=2`` or
+    ``x=2`` (the load-balancing terms differentiated on their own stage)."""
+    curves, state = float64_run(CONFIGS[name])
+    run_distributed(tensor_run, 8, name, curves, state, EIGHT_RANKS)
+    grids = [(2, (1, 1, 1, 2, 1), 1), (2, (1, 1, 1, 1, 2), 1)]
+    run_distributed(pipeline_run, 4, name, curves, state, grids)

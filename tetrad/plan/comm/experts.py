@@ -121,3 +121,70 @@ def uniform_all_to_all_traffic(
     return AllToAllTraffic(
         len(calls), float(sum(c[0] for c in calls)), float(sum(c[1] for c in calls))
     )
+
+
+@dataclass(frozen=True)
+class AxisTraffic:
+    """One rank's collectives on one grid axis (as :class:`tetrad.comm.CommLog` records them).
+
+    Attributes:
+        calls: collectives issued.
+        payload_bytes: the sum over calls of the larger of input and output, bytes.
+        sent_bytes: ring bytes sent (all-gather ``(G-1)/G`` of the output, all-reduce
+            ``2(G-1)/G`` of the buffer).
+    """
+
+    calls: int
+    payload_bytes: float
+    sent_bytes: float
+
+
+def tensor_token_traffic(
+    tokens: int,
+    hidden: int,
+    elem_bytes: int,
+    g_y: int,
+    g_x: int,
+    stats: tuple[int, int] | None = None,
+    backward: bool = True,
+    recompute: bool = False,
+) -> dict[str, AxisTraffic]:
+    """The X and Y collectives of one MoE block and micro-batch on a tensor grid
+    (:mod:`tetrad.parallel.moe_tensor`: each of the ``n = G_y G_x`` tensor ranks routes
+    ``T/n`` of the rank's ``T = tokens`` tokens whole), keyed ``"x"`` and ``"y"`` (roles).
+
+    Forward: the split's all-gather over X of ``[T, h/G_x]`` (output ``T h b`` bytes); the
+    join's all-gathers over X (output ``G_x T h b / n``) then Y (output ``T h b``). Backward:
+    the join's backward is a split and the split's a join. ``stats = (slot_bytes, aux_bytes)``
+    adds the load-balancing term's all-reduces (when ``aux_loss_coef > 0``): the slot counts
+    (``[groups, E]``, ``slot_bytes`` in all) and the 0-dim term (``aux_bytes``), each over Y
+    then X. Full recomputation runs the forward once more. Not included: the selection-bias
+    counts' all-reduce over Y and X, once per step.
+
+    Raises:
+        ValueError: ``tokens`` not divisible by ``G_y G_x``.
+    """
+    n = g_y * g_x
+    if tokens % n:
+        raise ValueError(f"tokens={tokens} must be divisible by G_y*G_x={n}")
+    whole = tokens * hidden * elem_bytes
+
+    def gather(g: int, out: float) -> list[tuple[float, float]]:
+        return [(out, (g - 1) / g * out)] if g > 1 else []
+
+    def reduce(g: int, nbytes: int) -> list[tuple[float, float]]:
+        return [(nbytes, 2 * (g - 1) / g * nbytes)] if g > 1 else []
+
+    split = {"x": gather(g_x, whole), "y": []}
+    join = {"x": gather(g_x, g_x * whole / n), "y": gather(g_y, whole)}
+    out = {}
+    for axis, g in (("x", g_x), ("y", g_y)):
+        forward = split[axis] + join[axis]
+        if stats is not None:
+            forward += reduce(g, stats[0]) + reduce(g, stats[1])
+        calls = forward + (split[axis] + join[axis] if backward else [])
+        calls += forward if recompute else []
+        out[axis] = AxisTraffic(
+            len(calls), float(sum(c[0] for c in calls)), float(sum(c[1] for c in calls))
+        )
+    return out
