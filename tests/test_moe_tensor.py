@@ -14,6 +14,7 @@ import torch
 from tests.distributed import run_distributed
 from tests.test_moe_expert_parallel import check_weights, float64_run, pipeline_run
 from tests.test_moe_parallel import CLIP, CONFIGS, LR, MICRO, SEED, batches, set_lr
+from tests.test_train import corpus  # noqa: F401  (a fixture)
 from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
@@ -73,3 +74,28 @@ def test_eight_ranks_and_pipeline_match_reference(name):
     run_distributed(tensor_run, 8, name, curves, state, EIGHT_RANKS)
     grids = [(2, (1, 1, 1, 2, 1), 1), (2, (1, 1, 1, 1, 2), 1)]
     run_distributed(pipeline_run, 4, name, curves, state, grids)
+
+
+def _train(cfg):
+    from tetrad.train import trainer
+
+    trainer.train(cfg)
+
+
+def test_train_and_resume_across_tensor_grids(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """``tetrad train`` of the MoE model on ``y=2``, resumed from its step-2 checkpoint on
+    ``x=2``, gives the uninterrupted ``y=2`` run's losses (1e-5)."""
+    from tests.test_train import config, losses
+
+    monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    model = "moe-tiny,vocab_size=0,router_score=sigmoid,bias_update_rate=0.01"
+    opts = dict(model=model, checkpoint_every=2, lr=3e-3, min_lr=3e-3)
+    run_distributed(_train, 2, config(corpus, whole, 4, grid="1,1,2,1", **opts))
+    _, expected = losses(whole)
+    run_distributed(_train, 2, config(corpus, split, 2, grid="1,1,2,1", **opts))
+    run_distributed(_train, 2, config(corpus, split, 4, resume=True, grid="1,1,1,2", **opts))
+    _, got = losses(split)
+    assert len(got) == len(expected) == 4
+    for g, e in zip(got, expected, strict=True):
+        assert abs(g - e) <= 1e-5 * abs(e), (got, expected)
