@@ -104,7 +104,7 @@ def tensor_traffic_matches(sizes, ep):
         (4, (1, 1, 1, 2, 2), 1),
     ],
 )
-def test_planner_tensor_gathers_equal_runtime(world, sizes, ep):
+def test_planner_tensor_exchanges_equal_runtime(world, sizes, ep):
     """The MoE block's X and Y collectives on tensor grids (split, join, load-balancing
     statistics) equal :func:`tetrad.plan.comm.experts.tensor_token_traffic`."""
     run_distributed(tensor_traffic_matches, world, sizes, ep)

@@ -7,10 +7,11 @@ rather than route every token on all ``n = G_y G_x`` tensor ranks (the same work
 the ``s`` positions of each sequence are cut into ``n`` contiguous slices and tensor rank
 ``t = y G_x + x`` takes slice ``t``:
 
-    split   x [b, s, h/G_x] -> all-gather_X -> [b, s, h] -> slice t -> [b, s/n, h]
+    split   x [b, s, h/G_x] -> positions of Y block y [b, s/G_y, h/G_x]
+            -> all-to-all_X (slice x' to X rank x') -> [b, s/n, h]
     (router, experts, expert-parallel all-to-alls over this rank's expert group, loss terms)
-    join    y [b, s/n, h] -> all-gather_X, all-gather_Y -> [b, s, h] -> features of x
-            -> [b, s, h/G_x]
+    join    y [b, s/n, h] -> all-to-all_X (feature block x' to X rank x') -> [b, s/G_y, h/G_x]
+            -> all-gather_Y -> [b, s, h/G_x]
 
 Each map's backward is the other one (activation gradients are whole on each replicated rank,
 as everywhere on the grid: the gradient of slice ``t`` is the gathered output gradient's slice
@@ -28,26 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from tetrad.comm import all_gather, all_reduce
+from tetrad.comm import all_gather, all_reduce, all_to_all
 from tetrad.grid import Grid
 from tetrad.spec import Axis
-
-
-def _gather_features(t: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """``[b, s, h/G_x]`` -> ``[b, s, h]``: all-gather over X, the X blocks side by side."""
-    if grid.x == 1:
-        return t
-    parts = all_gather(t.movedim(-1, 0).contiguous(), grid, Axis.X)  # [G_x h/G_x, b, s]
-    return parts.movedim(0, -1)
-
-
-def _gather_tokens(t: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """``[b, s/n, h]`` -> ``[b, s, h]``: every tensor rank's slice, in the order
-    ``t = y G_x + x`` (all-gather over X, then over Y)."""
-    rows = t.movedim(1, 0).contiguous()  # [s/n, b, h]
-    rows = all_gather(rows, grid, Axis.X)
-    rows = all_gather(rows, grid, Axis.Y)
-    return rows.movedim(0, 1)
 
 
 def tensor_rank(grid: Grid) -> int:
@@ -56,16 +40,25 @@ def tensor_rank(grid: Grid) -> int:
 
 
 def _split(x: torch.Tensor, grid: Grid) -> torch.Tensor:
-    n = grid.y * grid.x
-    s = x.shape[1] // n
-    t = tensor_rank(grid)
-    return _gather_features(x, grid)[:, t * s : (t + 1) * s].contiguous()
+    """``[b, s, h/G_x]`` -> ``[b, s/n, h]``: this rank's Y block of positions (``s/G_y``, the
+    slices of ranks ``(y, 0 .. G_x-1)``) exchanged over X, each rank keeping its slice with
+    every X rank's features."""
+    b, s, hx = x.shape
+    n, y = grid.y * grid.x, grid.coord[Axis.Y]
+    rows = x.movedim(1, 0)[y * s // grid.y : (y + 1) * s // grid.y]  # [s/G_y, b, h/G_x]
+    got = all_to_all(rows, grid, Axis.X)  # [G_x s/n, b, h/G_x]: piece j = features of rank j
+    got = got.reshape(grid.x, s // n, b, hx).permute(2, 1, 0, 3)  # [b, s/n, G_x, h/G_x]
+    return got.reshape(b, s // n, grid.x * hx)
 
 
-def _join(y: torch.Tensor, grid: Grid) -> torch.Tensor:
-    h = y.shape[-1] // grid.x
-    c = grid.coord[Axis.X]
-    return _gather_tokens(y, grid)[..., c * h : (c + 1) * h].contiguous()
+def _join(t: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """``[b, s/n, h]`` -> ``[b, s, h/G_x]``: each feature block sent to its X rank (which then
+    holds its Y block of positions), then all-gathered over Y."""
+    b, sn, h = t.shape
+    hx = h // grid.x
+    pieces = t.reshape(b, sn, grid.x, hx).permute(2, 1, 0, 3)  # [G_x, s/n, b, h/G_x]
+    rows = all_to_all(pieces.reshape(grid.x * sn, b, hx), grid, Axis.X)  # [s/G_y, b, h/G_x]
+    return all_gather(rows, grid, Axis.Y).movedim(0, 1)
 
 
 class _Split(torch.autograd.Function):

@@ -153,13 +153,13 @@ def tensor_token_traffic(
     (:mod:`tetrad.parallel.moe_tensor`: each of the ``n = G_y G_x`` tensor ranks routes
     ``T/n`` of the rank's ``T = tokens`` tokens whole), keyed ``"x"`` and ``"y"`` (roles).
 
-    Forward: the split's all-gather over X of ``[T, h/G_x]`` (output ``T h b`` bytes); the
-    join's all-gathers over X (output ``G_x T h b / n``) then Y (output ``T h b``). Backward:
-    the join's backward is a split and the split's a join. ``stats = (slot_bytes, aux_bytes)``
-    adds the load-balancing term's all-reduces (when ``aux_loss_coef > 0``): the slot counts
-    (``[groups, E]``, ``slot_bytes`` in all) and the 0-dim term (``aux_bytes``), each over Y
-    then X. Full recomputation runs the forward once more. Not included: the selection-bias
-    counts' all-reduce over Y and X, once per step.
+    Forward: the split's all-to-all over X (``T h b / n`` bytes in and out, ``(G_x-1)/G_x`` of
+    it sent); the join's all-to-all over X (the same) and all-gather over Y (output
+    ``T h b / G_x``). Backward: the join's backward is a split and the split's a join.
+    ``stats = (slot_bytes, aux_bytes)`` adds the load-balancing term's all-reduces (when
+    ``aux_loss_coef > 0``): the slot counts (``[groups, E]``, ``slot_bytes`` in all) and the
+    0-dim term (``aux_bytes``), each over Y then X. Full recomputation runs the forward once
+    more. Not included: the selection-bias counts' all-reduce over Y and X, once per step.
 
     Raises:
         ValueError: ``tokens`` not divisible by ``G_y G_x``.
@@ -167,21 +167,19 @@ def tensor_token_traffic(
     n = g_y * g_x
     if tokens % n:
         raise ValueError(f"tokens={tokens} must be divisible by G_y*G_x={n}")
-    whole = tokens * hidden * elem_bytes
+    slice_bytes = tokens * hidden * elem_bytes / n
 
-    def gather(g: int, out: float) -> list[tuple[float, float]]:
-        return [(out, (g - 1) / g * out)] if g > 1 else []
+    def once(g: int, payload: float, sent_share: float) -> list[tuple[float, float]]:
+        return [(payload, sent_share * payload)] if g > 1 else []
 
-    def reduce(g: int, nbytes: int) -> list[tuple[float, float]]:
-        return [(nbytes, 2 * (g - 1) / g * nbytes)] if g > 1 else []
-
-    split = {"x": gather(g_x, whole), "y": []}
-    join = {"x": gather(g_x, g_x * whole / n), "y": gather(g_y, whole)}
+    exchange = once(g_x, slice_bytes, (g_x - 1) / g_x)  # all-to-all over X
+    split = {"x": exchange, "y": []}
+    join = {"x": exchange, "y": once(g_y, g_y * slice_bytes, (g_y - 1) / g_y)}
     out = {}
     for axis, g in (("x", g_x), ("y", g_y)):
         forward = split[axis] + join[axis]
         if stats is not None:
-            forward += reduce(g, stats[0]) + reduce(g, stats[1])
+            forward += once(g, stats[0], 2 * (g - 1) / g) + once(g, stats[1], 2 * (g - 1) / g)
         calls = forward + (split[axis] + join[axis] if backward else [])
         calls += forward if recompute else []
         out[axis] = AxisTraffic(
