@@ -5,7 +5,7 @@ so data parallelism and Z are the axes tested: a few
 AdamW steps (gradient accumulation, clipping, warm-up) on the same global batches must give the
 reference's LM loss and load-balancing loss to 1e-5 relative, its gradient norm to 1e-4, and
 its updated weights (and aux-loss-free selection biases) to 0.05 lr, as tests/test_model.py
-requires of the dense model. Y, X and pipeline grids are refused at construction with one line.
+requires of the dense model. Y and X grids: tests/test_moe_tensor.py.
 """
 
 import dataclasses
@@ -102,16 +102,15 @@ def test_data_and_z_match_reference(name):
     run_distributed(parallel_run, 2, name, curves, state, [(2, 1, 1, 1), (1, 2, 1, 1)])
 
 
-@pytest.mark.parametrize(
-    "grid, hint",
-    [
-        ((1, 1, 1, 2, 1), "--grid 2,1,1,1,1"),
-        ((1, 1, 1, 1, 2), "--grid 2,1,1,1,1"),
-        ((1, 1, 1, 2, 2), "--grid 4,1,1,1,1"),
-    ],
-)
-def test_unsupported_grids_refused_in_one_line(grid, hint):
-    with pytest.raises(ModelConfigError) as e:
-        check_divisible(PRESETS["moe-tiny"], grid)
-    assert hint in str(e.value) and "\n" not in str(e.value)
-    check_divisible(PRESETS["tiny"], grid)  # dense models are not affected
+@pytest.mark.parametrize("grid", [(1, 1, 1, 2, 1), (1, 1, 1, 1, 2), (1, 2, 1, 2, 2)])
+def test_tensor_grids_accepted_sequence_checked_in_one_line(grid):
+    """MoE runs on Y and X (tests/test_moe_tensor.py); each tensor rank routes a slice of its
+    sequence positions, so the sequence length must divide by G_context G_y G_x."""
+    from tetrad.models.config import check_moe_grid
+
+    check_divisible(PRESETS["moe-tiny"], grid)
+    n = grid[1] * grid[3] * grid[4]
+    check_moe_grid(PRESETS["moe-tiny"], grid, seq_len=16 * n)
+    with pytest.raises(ModelConfigError, match=f"G_context\\*G_y\\*G_x={n}") as e:
+        check_moe_grid(PRESETS["moe-tiny"], grid, seq_len=16 * n + 1)
+    assert "\n" not in str(e.value)

@@ -50,7 +50,12 @@ def test_moe_train_and_resume(corpus, tmp_path, monkeypatch):  # noqa: F811
         export(whole, tmp_path / "hf", fmt="hf")  # a sigmoid router with a selection bias
 
 
-def test_moe_unsupported_grid_refused_by_preflight(corpus, tmp_path, monkeypatch):  # noqa: F811
+def test_moe_tensor_grid_sequence_refused_by_preflight(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """On Y and X each tensor rank routes a slice of the sequence positions: a sequence length
+    that does not divide is refused in one line; one that does passes."""
     monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(ModelConfigError, match=r"use --grid 2,1,1,1,1"):
-        trainer.preflight(config(corpus, tmp_path / "run", 2, model=MODEL, grid="1,1,1,2"))
+    bad = config(corpus, tmp_path / "run", 2, model=MODEL, grid="1,1,2,2", seq_len=30)
+    with pytest.raises(ModelConfigError, match=r"seq_len divisible by G_context\*G_y\*G_x=4") as e:
+        trainer.preflight(bad)
+    assert "\n" not in str(e.value)
+    trainer.preflight(config(corpus, tmp_path / "run", 2, model=MODEL, grid="1,1,2,2"))

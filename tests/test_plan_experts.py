@@ -63,3 +63,48 @@ def test_uniform_estimate():
     assert skewed.sent_bytes > est.sent_bytes and skewed.payload_bytes > est.payload_bytes
     with pytest.raises(ValueError):
         uniform_all_to_all_traffic(tokens, 2, 8, p, h, b, imbalance=0.5)
+
+
+def tensor_traffic_matches(sizes, ep):
+    from tests.test_moe_parallel import CONFIGS
+    from tetrad.parallel.model import ParallelLlama
+    from tetrad.plan.comm.experts import tensor_token_traffic
+
+    cfg = CONFIGS["sigmoid-bias"]  # no shared expert: the block's X/Y traffic is the MoE's own
+    grid = Grid.build(sizes, expert=ep)
+    model = ParallelLlama(cfg, grid)
+    init_parameters(model, 3, grid)
+    block = model.layers["1"].feed_forward
+    b, s = 2, 8
+    g = torch.Generator().manual_seed(0)  # the same tokens on every rank of the tensor group
+    x = torch.randn(b, s, cfg.dim // grid.x, generator=g).requires_grad_()
+    for backward in (False, True):
+        grid.comm.reset()
+        y = block(x)
+        if backward:
+            y.backward(torch.randn(y.shape, generator=g))
+        want = tensor_token_traffic(
+            b * s, cfg.dim, 4, grid.y, grid.x, stats=(b * cfg.n_experts * 4, 4), backward=backward
+        )
+        for axis in ("x", "y"):
+            got = grid.comm.stats(axis)
+            assert (got.calls, got.payload_bytes, got.bytes) == (
+                want[axis].calls,
+                want[axis].payload_bytes,
+                want[axis].sent_bytes,
+            ), (axis, backward)
+
+
+@pytest.mark.parametrize(
+    "world, sizes, ep",
+    [
+        (2, (1, 1, 1, 2, 1), 1),
+        (2, (1, 1, 1, 1, 2), 1),
+        (4, (2, 1, 1, 2, 1), 2),
+        (4, (1, 1, 1, 2, 2), 1),
+    ],
+)
+def test_planner_tensor_exchanges_equal_runtime(world, sizes, ep):
+    """The MoE block's X and Y collectives on tensor grids (split, join, load-balancing
+    statistics) equal :func:`tetrad.plan.comm.experts.tensor_token_traffic`."""
+    run_distributed(tensor_traffic_matches, world, sizes, ep)

@@ -282,14 +282,16 @@ PRESETS: dict[str, ModelConfig] = {
 vocabulary from its tokenizer unless the user sets ``vocab_size`` (``TrainConfig.model_config``)."""
 
 
-def check_moe_grid(cfg: ModelConfig, grid: GridShape, pipe: int = 1, expert: int = 1) -> None:
+def check_moe_grid(
+    cfg: ModelConfig, grid: GridShape, pipe: int = 1, expert: int = 1, seq_len: int | None = None
+) -> None:
     """Refuse a grid the MoE runtime (or ``qk_norm``) does not support yet
     (:func:`tetrad.models.moe_config.moe_grid_problem`).
 
     Raises:
         ModelConfigError: one line naming the grid to use instead.
     """
-    problem = moe_grid_problem(cfg, grid, pipe, expert)
+    problem = moe_grid_problem(cfg, grid, pipe, expert, seq_len)
     if problem:
         raise ModelConfigError(problem)
 
@@ -365,7 +367,8 @@ _KINDS = {"float": float, float: float, "str": str, str: str, "bool": _bool, boo
 
 def check_divisible(cfg: ModelConfig, grid: GridShape) -> None:
     """Check that every weight of ``cfg`` can be sharded on ``grid = (G_data, G_z, G_y, G_x)``:
-    the planner's rule, :func:`tetrad.plan.model.grids.grid_problems`.
+    the planner's rule, :func:`tetrad.plan.model.grids.grid_problems`, and the MoE rules of
+    :func:`tetrad.models.moe_config.moe_grid_problem`.
 
     Raises:
         ModelConfigError: one line listing every size that does not divide, and what to change.

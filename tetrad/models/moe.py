@@ -268,6 +268,12 @@ class MoEFeedForward(nn.Module):
     of its tokens (a 0-dim fp32 tensor, a sum over this rank's sequences: divide by the global
     number of sequences; 0 when the coefficient is 0). The training step adds it to the loss
     (:meth:`tetrad.models.llama.Transformer.aux_loss_sum`).
+
+    When the layer factory has ``moe_tokens`` (not None), the router, the experts and the
+    load-balancing statistics run on ``moe_tokens.split(x)`` (``[b, s', h']``: on a
+    tensor-parallel grid this rank's share of the tokens, whole), the routed output goes back
+    through ``moe_tokens.join`` and :attr:`aux_loss` through ``moe_tokens.total``; the shared
+    expert takes ``x`` as it is.
     """
 
     def __init__(self, cfg: ModelConfig, layers, shared: nn.Module | None):
@@ -278,11 +284,13 @@ class MoEFeedForward(nn.Module):
         self.experts = layers.experts(cfg.n_experts, cfg.dim, cfg.expert_dim, out_std)
         self.shared = shared
         self.sequence_sum = getattr(layers, "sequence_sum", None)
+        self.tokens = getattr(layers, "moe_tokens", None)
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        flat = x.reshape(b * s, h)
+        routed = x if self.tokens is None else self.tokens.split(x)
+        b, s, h = routed.shape
+        flat = routed.reshape(b * s, h)
         ids, weights, probs = self.router(flat)
         y = self.experts(flat, ids, weights).view(b, s, h)
         if self.cfg.aux_loss_coef > 0 and torch.is_grad_enabled():
@@ -294,6 +302,10 @@ class MoEFeedForward(nn.Module):
                 self.sequence_sum,
             )
             self.aux_loss = self.cfg.aux_loss_coef * aux
+            if self.tokens is not None:
+                self.aux_loss = self.tokens.total(self.aux_loss)
         else:
             self.aux_loss = None
+        if self.tokens is not None:
+            y = self.tokens.join(y)
         return y if self.shared is None else y + self.shared(x)

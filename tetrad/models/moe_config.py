@@ -54,30 +54,30 @@ def moe_problems(cfg: MoESizes) -> list[str]:
     return bad
 
 
-def moe_grid_problem(cfg: MoESizes, grid: GridShape, pipe: int = 1, expert: int = 1) -> str | None:
+def moe_grid_problem(
+    cfg: MoESizes, grid: GridShape, pipe: int = 1, expert: int = 1, seq_len: int | None = None
+) -> str | None:
     """Why the MoE runtime cannot run ``cfg`` on ``grid = (G_data, G_context, G_z, G_y, G_x)``
-    with ``pipe`` stages and expert parallelism ``expert``, in one line that names what to use
-    instead; None when it can (and for every dense model without expert parallelism).
+    with ``pipe`` stages, expert parallelism ``expert`` and sequences of ``seq_len`` tokens
+    (None: not checked), in one line that names what to use instead; None when it can (and for
+    every dense model without expert parallelism).
 
     The router is replicated on every rank; the experts too, or split over ``G_expert`` ranks
-    folded over data x context (:mod:`tetrad.parallel.experts`). MoE models run on data,
-    context, Z and pipeline stages; not on Y or X (the residual stream is split over X and the
-    experts would need it whole: a gather before routing and a split after, not written yet).
-    Per-head q/k norm weights (``qk_norm``) are whole on every rank while heads split over Y,
-    so they need ``G_y = 1`` (dense models too).
+    folded over data x context (:mod:`tetrad.parallel.experts`). MoE models run on every axis:
+    on Y and X each tensor rank routes its own slice of the tokens
+    (:mod:`tetrad.parallel.moe_tensor`; the sequence positions per rank must divide by
+    ``G_y G_x``).
     """
-    data, context, z, y, x = (int(g) for g in with_context(grid))
-    if cfg.qk_norm and y > 1:  # the head norms' gradients would need a sum over Y
-        return f"q/k norms (qk_norm) run with G_y = 1 for now (got G_y={y}): move Y to Z or data"
+    data, context, _, y, x = (int(g) for g in with_context(grid))
     if not cfg.is_moe:
         if expert > 1:
             return f"expert parallelism {expert} needs a model with experts: drop --expert-parallel"
         return None
-    if (y, x) != (1, 1):
+    if seq_len is not None and seq_len % (context * y * x):
         return (
-            f"MoE models run on data, context, Z and pipeline only for now (got G_y={y}, "
-            f"G_x={x}): use --grid {data * y * x},{context},{z},1,1 or "
-            f"data={data * y * x},context={context},z={z}"
+            f"MoE on G_y*G_x={y * x} tensor ranks splits each rank's {seq_len}/G_context "
+            f"positions {y * x} ways: use a seq_len divisible by G_context*G_y*G_x="
+            f"{context * y * x}"
         )
     if expert > 1 and (cfg.n_experts % expert or (data * context) % expert):
         return (

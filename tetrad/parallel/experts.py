@@ -56,11 +56,22 @@ class ExpertParallelExperts(nn.Module):
     F]``, each a shard of the global ``[E, ...]`` split on dim 0 over ``expert`` (checkpoint
     keys and initial values those of the reference, whatever ``P``).
 
+    ``sum_axes``: replicated axes whose ranks route other tokens (Y and X on tensor grids,
+    :mod:`tetrad.parallel.moe_tensor`): the weights' gradients are summed over them too.
+
     Raises:
         ValueError: ``E`` not divisible by ``G_expert``.
     """
 
-    def __init__(self, n_experts: int, dim: int, ffn_dim: int, out_std: float, grid: Grid):
+    def __init__(
+        self,
+        n_experts: int,
+        dim: int,
+        ffn_dim: int,
+        out_std: float,
+        grid: Grid,
+        sum_axes: tuple[str, ...] = (),
+    ):
         super().__init__()
         if n_experts % grid.expert:
             raise ValueError(
@@ -68,10 +79,10 @@ class ExpertParallelExperts(nn.Module):
                 f"{grid.expert}: use an --expert-parallel that divides {n_experts}"
             )
         self.grid, self.n_experts = grid, n_experts
-        split = ((Axis.EXPERT,),)
-        self.w1 = sharded_parameter((n_experts, ffn_dim, dim), split, grid, ("normal", 0.02))
-        self.w3 = sharded_parameter((n_experts, ffn_dim, dim), split, grid, ("normal", 0.02))
-        self.w2 = sharded_parameter((n_experts, dim, ffn_dim), split, grid, ("normal", out_std))
+        split, f, h = ((Axis.EXPERT,),), ffn_dim, dim
+        self.w1 = sharded_parameter((n_experts, f, h), split, grid, ("normal", 0.02), sum_axes)
+        self.w3 = sharded_parameter((n_experts, f, h), split, grid, ("normal", 0.02), sum_axes)
+        self.w2 = sharded_parameter((n_experts, h, f), split, grid, ("normal", out_std), sum_axes)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k, p = ids.shape[1], self.grid.expert
@@ -104,9 +115,10 @@ def biased_routers(model: nn.Module) -> list[Router]:
 def update_expert_biases(model: nn.Module, grid: Grid) -> None:
     """Update every router's selection bias from the token slots its experts received this
     step (:meth:`Router.update_bias`), the counts ``[E]`` of all routers summed in one buffer
-    over Z and data x context (every rank then holds the same biases; under expert parallelism
-    too, as each rank counts the slots its own tokens chose). Call once per optimizer step,
-    after the last micro-batch; nothing to do for a model without biased routers.
+    over Z, data x context, Y and X (every rank then holds the same biases; under expert
+    parallelism and on tensor grids too, as each rank counts the slots its own tokens chose).
+    Call once per optimizer step, after the last micro-batch; nothing to do for a model without
+    biased routers.
     """
     routers = biased_routers(model)
     if not routers:
@@ -114,5 +126,7 @@ def update_expert_biases(model: nn.Module, grid: Grid) -> None:
     counts = torch.cat([r.tokens_per_expert for r in routers])
     all_reduce(counts, grid, Axis.Z)
     all_reduce(counts, grid, Axis.DATA)
+    all_reduce(counts, grid, Axis.Y)  # tensor ranks route their own token slices
+    all_reduce(counts, grid, Axis.X)
     for r, c in zip(routers, counts.split([r.n_experts for r in routers]), strict=True):
         r.update_bias(c)

@@ -12,11 +12,14 @@ Layouts on the grid (AxoNN's algorithm, Singh et al., arXiv 2305.13525):
                           out X)
     logits                [B/(G_data G_z), S, V/(G_y G_x)]     (LM head: input gathered over X,
                                                                vocabulary over Y and X)
-    MoE router            whole on every rank (G_y = G_x = 1: :func:`check_moe_grid`), its
-                          gradient summed over Z and data like the norm weights'
+    MoE router            whole on every rank, its gradient summed over Z and data like the
+                          norm weights', and over Y and X on tensor grids, where each tensor
+                          rank routes its own slice of the tokens, whole
+                          (:mod:`tetrad.parallel.moe_tensor`)
     MoE experts           [E/G_expert, ...] on the expert axis (folded over data x context,
                           :mod:`tetrad.parallel.experts`), gradients summed over Z and
-                          expert-data; whole on every rank when G_expert = 1
+                          expert-data (and Y, X); whole on every rank when G_expert = 1
+    q/k head norms        whole on every rank, gradients summed over Z, data and Y (heads)
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from tetrad.parallel.experts import ExpertParallelExperts
 from tetrad.parallel.head import VocabParallelHead
 from tetrad.parallel.linear import Linear
 from tetrad.parallel.loss import lm_head_loss
+from tetrad.parallel.moe_tensor import TensorTokens
 from tetrad.parallel.norm import RMSNorm
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import Placement
@@ -53,9 +57,14 @@ class ParallelLayers:
         self.head_split = grid.y
         if grid.context == 1:
             self.attention = causal_attention
-            self.sequence_sum = None  # whole sequences on every rank
         else:
             self.attention = ContextAttention(grid, overlap.context_pieces)
+        tensor = grid.y * grid.x > 1
+        # MoE: each tensor rank routes a slice of the tokens (their gradients sum over Y, X)
+        self.moe_tokens = TensorTokens(grid) if tensor else None
+        self.token_axes = tuple(a for a in (Axis.Y, Axis.X) if grid.size(a) > 1)
+        if grid.context == 1 and not tensor:
+            self.sequence_sum = None  # whole sequences on every rank
 
     def positions(self, s: int, device: torch.device) -> torch.Tensor:
         return local_positions(s, self.grid, device)
@@ -79,31 +88,39 @@ class ParallelLayers:
 
     def router(self, dim: int, n_experts: int) -> nn.Module:
         """The MoE router ``[T, dim] -> [T, E]``, weight ``[E, dim]`` whole on every rank."""
-        return self._replicated(nn.Linear(dim, n_experts, bias=False))
+        return self._replicated(nn.Linear(dim, n_experts, bias=False), self.token_axes)
 
     def experts(self, n_experts: int, dim: int, ffn_dim: int, out_std: float) -> nn.Module:
         """The routed experts: split over the expert axis (:class:`ExpertParallelExperts`)
         when ``G_expert > 1``, else :class:`GroupedExperts` whole on every rank."""
         if self.grid.expert > 1:
-            return ExpertParallelExperts(n_experts, dim, ffn_dim, out_std, self.grid)
-        return self._replicated(GroupedExperts(n_experts, dim, ffn_dim, out_std))
+            return ExpertParallelExperts(
+                n_experts, dim, ffn_dim, out_std, self.grid, self.token_axes
+            )
+        return self._replicated(GroupedExperts(n_experts, dim, ffn_dim, out_std), self.token_axes)
 
     def sequence_sum(self, t: torch.Tensor) -> torch.Tensor | None:
-        """``t`` (no gradient) summed in place over the context ranks, which hold the other
-        parts of this rank's sequences (the MoE load-balancing statistics); with
-        ``G_context = 1`` this attribute is None (:meth:`__init__`)."""
-        return all_reduce(t, self.grid, Axis.CONTEXT)
+        """``t`` (no gradient) summed in place over the context ranks and the Y and X ranks,
+        which hold the other parts of this rank's sequences (the MoE load-balancing
+        statistics); with ``G_context = G_y = G_x = 1`` this attribute is None
+        (:meth:`__init__`)."""
+        for axis in (Axis.CONTEXT, Axis.Y, Axis.X):
+            all_reduce(t, self.grid, axis)
+        return t
 
     def head_norm(self, dim: int, eps: float) -> nn.Module:
-        """Per-head q/k RMSNorm weight ``[head_dim]``, whole on every rank (G_y = 1)."""
-        return self._replicated(nn.RMSNorm(dim, eps=eps))
+        """Per-head q/k RMSNorm weight ``[head_dim]``, whole on every rank; each Y rank
+        applies it to its own heads, so its gradient is summed over Y too."""
+        heads = (Axis.Y,) if self.grid.y > 1 else ()
+        return self._replicated(nn.RMSNorm(dim, eps=eps), heads)
 
-    def _replicated(self, module: nn.Module) -> nn.Module:
+    def _replicated(self, module: nn.Module, sum_axes: tuple[str, ...] = ()) -> nn.Module:
         """``module`` on the grid's device, every parameter placed whole on every rank (its
-        gradient summed over Z and data by :func:`tetrad.parallel.grads.sync_gradients`)."""
+        gradient summed over Z, data and ``sum_axes`` by
+        :func:`tetrad.parallel.grads.sync_gradients`)."""
         module.to(self.grid.device)
         for p in module.parameters():
-            p.placement = Placement(tuple(p.shape), ())
+            p.placement = Placement(tuple(p.shape), (), sum_axes)
             if not hasattr(p, "init"):
                 p.init = ("normal", 0.02) if p.dim() > 1 else ("ones",)
         return module

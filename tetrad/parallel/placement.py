@@ -32,10 +32,16 @@ class Placement:
         split: per tensor dim, the axes splitting it, outer to inner; e.g. a non-transposed
             Linear weight ``[n, k]`` has ``(("y", "z"), ("x",))``: rows in ``G_y`` blocks, each
             block's rows again in ``G_z`` pieces, columns in ``G_x`` blocks.
+        sum_axes: further replicated axes whose ranks see other tokens or heads with this
+            parameter, so its gradient is summed over them too: Y and X for the MoE router and
+            experts on tensor grids (each tensor rank routes its own slice of the tokens,
+            :mod:`tetrad.parallel.moe_tensor`), Y for per-head q/k norm weights (heads split
+            over Y).
     """
 
     shape: tuple[int, ...]
     split: tuple[tuple[str, ...], ...]
+    sum_axes: tuple[str, ...] = ()
 
     @property
     def sharded_axes(self) -> tuple[str, ...]:
@@ -57,10 +63,10 @@ class Placement:
     def grad_sum_axes(self) -> tuple[str, ...]:
         """Replicated axes over which the gradient must be summed (they see other tokens):
         Z and data, or Z and expert-data for an expert-sharded weight (each of its ranks
-        already holds the gradient of every token its experts received over the expert
-        axis, so no rescaling: losses are sums divided by the global token count)."""
+        axis, so no rescaling: losses are sums divided by the global token count), then
+        :attr:`sum_axes`."""
         axes = (Axis.Z, Axis.EXPERT_DATA) if self.expert_sharded else TOKEN_AXES
-        return tuple(a for a in axes if a not in self.sharded_axes)
+        return tuple(a for a in axes + self.sum_axes if a not in self.sharded_axes)
 
     def local_slices(self, grid: Grid) -> tuple[slice, ...]:
         """This rank's rectangle of the global tensor, one slice per dim."""
@@ -78,11 +84,16 @@ class Placement:
 
 
 def sharded_parameter(
-    shape: tuple[int, ...], split: tuple[tuple[str, ...], ...], grid: Grid, init: tuple
+    shape: tuple[int, ...],
+    split: tuple[tuple[str, ...], ...],
+    grid: Grid,
+    init: tuple,
+    sum_axes: tuple[str, ...] = (),
 ) -> nn.Parameter:
-    """An uninitialised local shard ``Placement(shape, split).local_shape(grid)`` on the grid's
-    device, tagged with its placement and its init rule (see :func:`init_parameters`)."""
-    placement = Placement(tuple(shape), split)
+    """An uninitialised local shard ``Placement(shape, split, sum_axes).local_shape(grid)`` on
+    the grid's device, tagged with its placement and its init rule (see
+    :func:`init_parameters`)."""
+    placement = Placement(tuple(shape), split, tuple(sum_axes))
     p = nn.Parameter(torch.empty(placement.local_shape(grid), device=grid.device))
     p.placement = placement
     p.init = init

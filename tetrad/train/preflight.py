@@ -61,7 +61,7 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
             )
     check_divisible(model_cfg, cfg.parallelism.grid)
     par = cfg.parallelism
-    check_moe_grid(model_cfg, par.grid, par.pipe, par.expert_parallel)
+    check_moe_grid(model_cfg, par.grid, par.pipe, par.expert_parallel, cfg.training.seq_len)
     if cfg.parallelism.activation_checkpointing != "auto":  # selective:K needs K <= n_layers
         checkpointed_blocks(cfg.parallelism.activation_checkpointing, model_cfg.n_layers)
     start = start_checkpoint(cfg)

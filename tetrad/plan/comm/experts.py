@@ -121,3 +121,68 @@ def uniform_all_to_all_traffic(
     return AllToAllTraffic(
         len(calls), float(sum(c[0] for c in calls)), float(sum(c[1] for c in calls))
     )
+
+
+@dataclass(frozen=True)
+class AxisTraffic:
+    """One rank's collectives on one grid axis (as :class:`tetrad.comm.CommLog` records them).
+
+    Attributes:
+        calls: collectives issued.
+        payload_bytes: the sum over calls of the larger of input and output, bytes.
+        sent_bytes: ring bytes sent (all-gather ``(G-1)/G`` of the output, all-reduce
+            ``2(G-1)/G`` of the buffer).
+    """
+
+    calls: int
+    payload_bytes: float
+    sent_bytes: float
+
+
+def tensor_token_traffic(
+    tokens: int,
+    hidden: int,
+    elem_bytes: int,
+    g_y: int,
+    g_x: int,
+    stats: tuple[int, int] | None = None,
+    backward: bool = True,
+    recompute: bool = False,
+) -> dict[str, AxisTraffic]:
+    """The X and Y collectives of one MoE block and micro-batch on a tensor grid
+    (:mod:`tetrad.parallel.moe_tensor`: each of the ``n = G_y G_x`` tensor ranks routes
+    ``T/n`` of the rank's ``T = tokens`` tokens whole), keyed ``"x"`` and ``"y"`` (roles).
+
+    Forward: the split's all-to-all over X (``T h b / n`` bytes in and out, ``(G_x-1)/G_x`` of
+    it sent); the join's all-to-all over X (the same) and all-gather over Y (output
+    ``T h b / G_x``). Backward: the join's backward is a split and the split's a join.
+    ``stats = (slot_bytes, aux_bytes)`` adds the load-balancing term's all-reduces (when
+    ``aux_loss_coef > 0``): the slot counts (``[groups, E]``, ``slot_bytes`` in all) and the
+    0-dim term (``aux_bytes``), each over Y then X. Full recomputation runs the forward once
+    more. Not included: the selection-bias counts' all-reduce over Y and X, once per step.
+
+    Raises:
+        ValueError: ``tokens`` not divisible by ``G_y G_x``.
+    """
+    n = g_y * g_x
+    if tokens % n:
+        raise ValueError(f"tokens={tokens} must be divisible by G_y*G_x={n}")
+    slice_bytes = tokens * hidden * elem_bytes / n
+
+    def once(g: int, payload: float, sent_share: float) -> list[tuple[float, float]]:
+        return [(payload, sent_share * payload)] if g > 1 else []
+
+    exchange = once(g_x, slice_bytes, (g_x - 1) / g_x)  # all-to-all over X
+    split = {"x": exchange, "y": []}
+    join = {"x": exchange, "y": once(g_y, g_y * slice_bytes, (g_y - 1) / g_y)}
+    out = {}
+    for axis, g in (("x", g_x), ("y", g_y)):
+        forward = split[axis] + join[axis]
+        if stats is not None:
+            forward += once(g, stats[0], 2 * (g - 1) / g) + once(g, stats[1], 2 * (g - 1) / g)
+        calls = forward + (split[axis] + join[axis] if backward else [])
+        calls += forward if recompute else []
+        out[axis] = AxisTraffic(
+            len(calls), float(sum(c[0] for c in calls)), float(sum(c[1] for c in calls))
+        )
+    return out

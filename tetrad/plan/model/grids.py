@@ -58,8 +58,9 @@ def grid_problems(model: ModelSpec, grid) -> list[str]:
     :func:`tetrad.models.config.check_divisible`): a non-transposed weight
     ``[n, k]`` needs ``n % (G_y G_z) == 0`` and ``k % G_x == 0``, a transposed one the same with X
     and Y swapped; heads and KV heads split over Y; the LM head (vocabulary over Y, X and Z) and
-    so the embedding ``V % (G_y G_x G_z)``; norms ``h % G_x``; an MoE model ``G_y = G_x = 1``
-    (its router and experts are whole on every rank: :mod:`tetrad.parallel.model`).
+    so the embedding ``V % (G_y G_x G_z)``; norms ``h % G_x``. An MoE model's router and
+    experts split no further (whole on every tensor rank, which routes its own slice of the
+    tokens: :mod:`tetrad.parallel.moe_tensor`).
     ``grid``: four sizes or five (with ``G_context``, which splits no weight).
     """
     return list(_grid_problems(model, *(int(g) for g in tuple(grid)[-3:])))
@@ -89,10 +90,6 @@ def _grid_problems(model: ModelSpec, gz: int, gy: int, gx: int) -> tuple[str, ..
             lin.in_features % g_in == 0,
             f"{lin.name} in={lin.in_features} divisible by {a_in}={g_in}",
         )
-    need(
-        not model.is_moe or gy == gx == 1,
-        f"G_y={gy} and G_x={gx} equal to 1 (MoE experts are whole on every rank)",
-    )
     g_vocab = gy * gx * gz
     need(model.vocab % g_vocab == 0, f"vocab={model.vocab} divisible by G_y*G_x*G_z={g_vocab}")
     return tuple(bad)
