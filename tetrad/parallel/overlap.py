@@ -98,6 +98,8 @@ class Overlap:
         self._pos = 0
         self._prefetched: tuple | None = None  # (param, dtype, Handle)
         self._pending_rs: list[tuple[torch.nn.Parameter, Handle]] = []
+        # (param, full-block gradient) whose reduce-scatter waits for the next prefetch
+        self._deferred_rs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         # What actually ran (prefetch_hits, prefetch_misses, async_reduce_scatters, dp_buckets,
         # domino_splits, async_dx_all_reduces, fine_fused), for logs and tests; reset by the
         # caller.
@@ -163,6 +165,7 @@ class Overlap:
                 self._recording.append((param, dtype))
             elif self._order is not None:
                 self._prefetch_next(param)
+        self._issue_deferred()  # after the prefetch: the next weight does not wait behind them
         return got
 
     def _prefetch_next(self, param) -> None:
@@ -198,16 +201,36 @@ class Overlap:
         """Sum a full-block weight gradient over Z into ``param.grad`` (this rank's rows),
         asynchronously when ``reduce_scatter`` overlap is on."""
         if self._in_step and self.on("reduce_scatter"):
-            self._pending_rs.append(
-                (param, reduce_scatter(block_grad, self.grid, Axis.Z, async_op=True))
-            )
-            self.counts["async_reduce_scatters"] += self.grid.z > 1
-            # hand on, in order, every gradient whose reduce-scatter is done (at once with
-            # G_z = 1: no collective, so its data-parallel bucket can start now)
-            while self._pending_rs and self._pending_rs[0][1].done():
-                self._finish_rs(*self._pending_rs.pop(0))
+            if self._gathers_follow():
+                self._deferred_rs.append((param, block_grad))
+                return
+            self._issue_deferred()
+            self._issue_rs(param, block_grad)
         else:
             self._grad_ready(param, reduce_scatter(block_grad, self.grid, Axis.Z))
+
+    def _gathers_follow(self) -> bool:
+        """Whether a prefetching micro-batch has Z all-gathers left in its recorded order
+        (``G_z > 1``): then a reduce-scatter waits until the next one is issued, so that the
+        Z stream, which runs collectives in issue order, gathers the next weight first."""
+        order = self._order
+        return (
+            self._prefetching and self._recording is None and order is not None
+        ) and self._pos < len(order)
+
+    def _issue_deferred(self) -> None:
+        while self._deferred_rs:
+            self._issue_rs(*self._deferred_rs.pop(0))
+
+    def _issue_rs(self, param, block_grad: torch.Tensor) -> None:
+        self._pending_rs.append(
+            (param, reduce_scatter(block_grad, self.grid, Axis.Z, async_op=True))
+        )
+        self.counts["async_reduce_scatters"] += self.grid.z > 1
+        # hand on, in order, every gradient whose reduce-scatter is done (at once with
+        # G_z = 1: no collective, so its data-parallel bucket can start now)
+        while self._pending_rs and self._pending_rs[0][1].done():
+            self._finish_rs(*self._pending_rs.pop(0))
 
     def _finish_rs(self, param, handle: Handle) -> None:
         self._grad_ready(param, handle.wait())

@@ -94,29 +94,51 @@ class ZWindows:
         ]
         self.gather: dict[Key, float] = {}
         self.scatter: dict[Key, float] = {}
+        # (key, seconds) of the reduce-scatter still queued on Z as a backward window ends
+        self.carry: tuple[Key | None, float] = (None, 0.0)
 
     # ---- one window ---------------------------------------------------------------------------
 
     def window(
         self, cwin: float, rs: tuple[Key | None, float], ag: tuple[Key, float] | None, mult: float
     ) -> float:
-        """One window of ``cwin`` seconds (``mult`` such windows): the queued reduce-scatter
-        ``rs = (key, seconds)`` then the prefetch ``ag``; returns the carried-over
-        reduce-scatter seconds when no all-gather waits at the window's end (``ag`` None)."""
+        """One window of ``cwin`` seconds (``mult`` such windows) with the reduce-scatter ``rs =
+        (key, seconds)`` issued at its start and the prefetch ``ag`` it must complete; returns
+        the reduce-scatter seconds carried past the window when no all-gather waits at its end
+        (``ag`` None).
+
+        With ``prefetch`` the runtime issues the reduce-scatter after the prefetch
+        (:meth:`tetrad.parallel.overlap.Overlap.reduce_weight_grad`): the queue is what the
+        previous window left (:attr:`carry`), the all-gather, then the reduce-scatter, which
+        may run on into the next window. Without it the all-gather blocks at the window's end
+        behind the reduce-scatter."""
         rs_key, rs_t = rs
         if not self.rsa:
             rs_t = 0.0
-        if ag is None:  # nothing waits at the window's end: the reduce-scatter carries over
-            return _max0(rs_t - cwin)
-        ag_key, ag_t = ag
-        avail = cwin if self.pre else 0.0
-        stall = _max0(rs_t + ag_t - avail)
-        if stall > 0.0:
-            tot = rs_t + ag_t
-            if rs_key is not None and rs_t > 0.0:
-                self.scatter[rs_key] = self.scatter.get(rs_key, 0.0) + mult * stall * rs_t / tot
-            self.gather[ag_key] = self.gather.get(ag_key, 0.0) + mult * stall * ag_t / tot
+        if not self.pre:
+            if ag is not None:
+                self._stall(_max0(rs_t + ag[1]), (rs_key, rs_t), ag, mult)
+            return _max0(rs_t - cwin) if ag is None else 0.0
+        c_key, c_t = self.carry
+        if ag is None:  # nothing waits at the window's end: the queue carries over
+            self.carry = (None, 0.0)
+            return _max0(c_t + rs_t - cwin)
+        stall = _max0(c_t + ag[1] - cwin)
+        self._stall(stall, (c_key, c_t), ag, mult)
+        left = rs_t if stall > 0.0 else _max0(c_t + ag[1] + rs_t - cwin)
+        self.carry = (rs_key, left)
         return 0.0
+
+    def _stall(self, stall: float, rs: tuple[Key | None, float], ag: tuple[Key, float], mult):
+        """Share ``stall`` seconds (``mult`` windows) between the reduce-scatter ahead of the
+        all-gather and the all-gather, in proportion to their seconds."""
+        if stall <= 0.0:
+            return
+        (rs_key, rs_t), (ag_key, ag_t) = rs, ag
+        tot = rs_t + ag_t
+        if rs_key is not None and rs_t > 0.0:
+            self.scatter[rs_key] = self.scatter.get(rs_key, 0.0) + mult * stall * rs_t / tot
+        self.gather[ag_key] = self.gather.get(ag_key, 0.0) + mult * stall * ag_t / tot
 
     # ---- what comes next in execution order ---------------------------------------------------
 
@@ -128,12 +150,16 @@ class ZWindows:
     # ---- one block ----------------------------------------------------------------------------
 
     def _forward(self, mult: float, top: bool) -> None:
-        """Forward windows; the top block's last one prefetches the LM head."""
+        """Forward windows; the top block's last one prefetches the LM head. No
+        reduce-scatter is queued in forward: the backward's queue (walked out of execution
+        order, block by block) is set aside meanwhile."""
         n, ag = len(self.t.names), self.ag["forward"]
+        carry, self.carry = self.carry, (None, 0.0)
         for i in range(n - 1):
             self.window(self.fwin[i], (None, 0.0), ag[i + 1], mult)
         last = (("output", "forward"), self.t.head_gather) if top else ag[0]
         self.window(self.fwin[n - 1], (None, 0.0), last, mult)
+        self.carry = carry
 
     def _recompute(self, mult: float, rs_above: tuple[Key, float]) -> None:
         """Recompute windows: the first carries the reduce-scatter of the layer above."""
