@@ -68,6 +68,8 @@ class ZQueue:
         self.pre, self.rsa = prefetch, async_scatter
         self.gather: dict[Key, float] = {}
         self.scatter: dict[Key, float] = {}
+        self.trace: list | None = None
+        """With a list here, every collective issued appends ``(key, is all-gather)``."""
 
     # ---- the stream --------------------------------------------------------------------------
 
@@ -75,6 +77,8 @@ class ZQueue:
         start = self.t if self.t > self.free else self.free
         self.free = end = start + seconds
         self.items.append((key, gather, start, end))
+        if self.trace is not None:
+            self.trace.append((key, gather))
         return end
 
     def _wait(self, end: float, mult: float) -> None:
