@@ -48,15 +48,11 @@ and run in issue order; collectives on different axes run concurrently (link con
 axes is not modelled). Steady state, every block alike:
 
 - ``prefetch``: the Z all-gathers of the next two weights in execution order (forward,
-  recompute and backward; :data:`tetrad.spec.PREFETCH_DEPTH`) run during the current layer's
-  window (its GEMMs and the element-wise work up to the next Linear); with several
-  micro-batches per step the order runs on into the next one (its embedding table and first
-  block weight behind this one's last backward windows). The Z stream is replayed in issue
-  order (:mod:`tetrad.plan.comm.zqueue`): the compute stalls when a weight's all-gather has not
-  ended. Without prefetch the all-gather is blocking and waits behind whatever is queued.
-- ``reduce_scatter``: the dW reduce-scatter is asynchronous, issued after the next prefetch
-  (while the micro-batch has all-gathers left); those still running when an all-gather is
-  waited for, or when the micro-batch ends, are exposed.
+  recompute, backward, on into the step's next micro-batch) run during the current layer's
+  window (its GEMMs and element-wise work up to the next Linear); the Z stream is replayed in
+  issue order (:mod:`tetrad.plan.comm.zqueue`). Without it every all-gather blocks.
+- ``reduce_scatter``: the dW reduce-scatter is asynchronous, issued after the next prefetch;
+  those still running when an all-gather is waited for, or the micro-batch ends, are exposed.
 - ``dx_all_reduce``: the backward dx all-reduce runs during the dW GEMM: exposed ``max(0, t -
   dW)`` (the LM head's Y all-reduce during the scaling of its ``dW``, which the fused loss
   formed in forward).
@@ -189,10 +185,7 @@ def make_step(
     them; ``checkpointing``: a mode of
     :data:`tetrad.activation_checkpointing.CHECKPOINTING`; only ``full`` re-runs collectives):
     ``m`` counts this rank's ``S / G_context`` tokens per sample; the data group is data x
-    context. ``wrap``: the micro-batches run back to back in one phase, as the 4D step's do
-    (:meth:`tetrad.parallel.overlap.Overlap.begin_micro_batch`, ``phase="step"``), so the
-    ``prefetch`` order runs on into the next one (:attr:`Step.wrap`); a pipeline stage runs
-    its forward and backward phases apart: no wrap.
+    context. ``wrap``: :attr:`Step.wrap` (a 4D step's; a pipeline stage's phases do not).
 
     Raises:
         PlanError: the global batch does not split into micro-batches on this grid.
