@@ -324,13 +324,14 @@ def test_tetrad_transients():
     blocks = r.phases["backward: blocks"]
     static = r.components["parameters"] * 4
     saved = saved_activations(L31_8B, (1, 4, 2, 2), 1, S, activation_checkpointing=True)
-    # prefetch: the two largest gathered blocks (w13, w2); async reduce-scatter: two dW of w13
+    # prefetch: the three largest gathered blocks (w13, w2, wqkv: in use, two in flight);
+    # async reduce-scatter: two dW of w13
     assert blocks == pytest.approx(
         static
         + saved["blocks"]
         + saved["embedding"]
         + saved["recompute"]
-        + 2 * (f2 + 14336) * 4096 // 4
+        + 2 * (f2 + 14336 + 6144) * 4096 // 4
         + 2 * 6 * f2 * 4096 // 4,
         rel=1e-12,
     )
@@ -344,22 +345,22 @@ def test_tetrad_transients():
         prefetch=False,
         async_reduce_scatter=False,
     )
-    assert blocks - no_pf.phases["backward: blocks"] == (2 * 14336 + 6 * f2) * 4096 // 4
+    assert blocks - no_pf.phases["backward: blocks"] == (2 * (14336 + 6144) + 6 * f2) * 4096 // 4
     # the fused LM head and loss in forward, V/(G_y G_x) = 32064 logits per token: one block of
     # all 8192 rows (1 GiB of fp32 logits holds 8372) as bf16 logits, fp32 softmax and its bf16
     # copy; the micro-batch's bf16 logits kept for the second pass (V is split); the input
     # gathered over X [m, h] bf16; three fp32 statistics per token; the head weight and the
-    # prefetched next block weight (counted as the largest, w13)
+    # two prefetched next block weights (counted as the two largest, w13 and w2)
     fwd = r.phases["forward: LM head"] - static - saved["blocks"] - saved["embedding"]
     fwd -= saved["final_norm"] + saved["loss"]
     v = 128256 // 4
     logits = S * v * (2 + 4 + 2) + 2 * S * v + 2 * S * 4096 + 12 * S
-    assert fwd == logits + 2 * (128256 + 2 * 14336) * 4096 // 4
+    assert fwd == logits + 2 * (128256 + 2 * 14336 + 14336) * 4096 // 4
     # backward: the scaled dx [m, h] bf16 and dW's fp32 copy (the reduce-scatter input); the
-    # head weight is no longer held
+    # head weight is no longer held; the two prefetched block weights (w13, w2)
     bwd = r.phases["backward: LM head"] - static - saved["blocks"] - saved["embedding"]
     bwd -= saved["final_norm"] + saved["loss"]
-    assert bwd == 2 * S * 4096 + 4 * v * 4096 + 2 * 2 * 14336 * 4096 // 4
+    assert bwd == 2 * S * 4096 + 4 * v * 4096 + 2 * 3 * 14336 * 4096 // 4
 
 
 def test_tetrad_fits_a_big_model_only_when_sharded():

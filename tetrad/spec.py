@@ -379,3 +379,11 @@ flash SDPA kernel, single-tensor AdamW)."""
 def compute_dtype(device: str) -> str:
     """The compute dtype of the runtime on ``device``: ``bf16`` on CUDA, ``fp32`` on CPU."""
     return "bf16" if device == "cuda" else "fp32"
+
+
+PREFETCH_DEPTH = 2
+"""Z all-gathers the ``prefetch`` overlap keeps in flight ahead of the weight in use, in
+execution order (tetrad/parallel/overlap.py; the planner's replay,
+tetrad/plan/comm/zqueue.py): with two, a weight whose all-gather is longer than the layer
+before it (Llama's ``w13`` after the short ``wo``) has two layers' compute to hide behind, for
+one more gathered weight in memory."""

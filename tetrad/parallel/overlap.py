@@ -4,11 +4,15 @@ Seven overlaps, each switchable (AxoNN, arXiv 2305.13525, "aggressively overlap 
 collective operations"; Domino, arXiv 2409.15241, for the forward split; T3, arXiv 2401.16677,
 for ``fine``):
 
-``prefetch``        the Z all-gather of the next weight in *execution* order (recorded on the first
-                    training micro-batch, so it covers forward, backward and activation
-                    recomputation) is issued while the current layer computes;
-``reduce_scatter``  the Z reduce-scatter of each weight gradient is issued asynchronously and
-                    completed before the optimizer step;
+``prefetch``        the Z all-gathers of the next two weights (:data:`tetrad.spec.PREFETCH_DEPTH`)
+                    in *execution* order (recorded on the first training micro-batch, so it
+                    covers forward, backward and activation recomputation, and running on into
+                    the step's next micro-batch: its embedding table is gathered during this
+                    one's last layers' backward) are in flight while the current layer
+                    computes;
+``reduce_scatter``  the Z reduce-scatter of each weight gradient is issued asynchronously (after
+                    the next prefetch, so the next weight does not wait behind it on the Z
+                    stream) and completed before the micro-batch ends;
 ``dx_all_reduce``   the backward all-reduce of the input gradient runs during the dW GEMM;
 ``dp_all_reduce``   data-parallel gradient all-reduces are bucketed and issued during the last
                     micro-batch's backward as buckets fill (AxoNN leaves this synchronous);
@@ -48,6 +52,7 @@ from tetrad.spec import (
     DOMINO_MIN_ROWS,
     DP_BUCKET_BYTES,
     FINE_CHUNKS,
+    PREFETCH_DEPTH,
     Axis,
 )
 
@@ -96,12 +101,21 @@ class Overlap:
         self._phase = "step"
         self._recording: list | None = None
         self._pos = 0
-        self._prefetched: tuple | None = None  # (param, dtype, Handle)
+        # (param, dtype, Handle) of the prefetched all-gathers in flight, in order; the last
+        # index of the order issued; those issued for the step's next micro-batch
+        self._prefetched: list[tuple] = []
+        self._issued = -1
+        self._carried: list[tuple] = []
         self._pending_rs: list[tuple[torch.nn.Parameter, Handle]] = []
+        # (param, full-block gradient) whose reduce-scatter waits for the next prefetch
+        self._deferred_rs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         # What actually ran (prefetch_hits, prefetch_misses, async_reduce_scatters, dp_buckets,
         # domino_splits, async_dx_all_reduces, fine_fused), for logs and tests; reset by the
         # caller.
         self.counts: Counter[str] = Counter()
+        # With a list here, every Z all-gather and reduce-scatter issued appends ``(kind,
+        # param)`` in issue order (tests compare it with the planner's replay).
+        self.trace: list | None = None
         self.buckets = GradBuckets(grid, bucket_bytes, self.counts)
         # Parameters replicated over Z (norm weights), set by the model: autograd accumulates
         # their gradients, which join the last data-parallel bucket when G_z = 1 (their sum is
@@ -124,6 +138,9 @@ class Overlap:
         self._order = self._orders.get(phase)
         if self._order is None and self._prefetching:
             self._recording = []
+        # the first weights, prefetched by the previous micro-batch of the step
+        self._prefetched, self._carried = self._carried, []
+        self._issued = len(self._prefetched) - 1
 
     def end_micro_batch(self) -> None:
         """Finish the micro-batch: complete reduce-scatters; on the last one, the data-parallel
@@ -145,11 +162,13 @@ class Overlap:
     # -- weights: all-gather over Z ------------------------------------------------------
     def gather_weight(self, param: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         """The Z all-gather of ``param`` (a dim-0 shard) cast to ``dtype``: prefetched when it
-        was, and the next weight of the recorded order issued before returning."""
+        was; before returning, the all-gathers of the next :data:`PREFETCH_DEPTH` weights of
+        the recorded order (running on into the step's next micro-batch when there is one and
+        the micro-batches run whole, ``phase="step"``), then the reduce-scatters deferred
+        since the last call."""
         got = None
-        if self._prefetched is not None:
-            p, dt, h = self._prefetched
-            self._prefetched = None
+        if self._prefetched:
+            p, dt, h = self._prefetched.pop(0)
             w = h.wait()
             if p is param and dt == dtype:
                 got = w
@@ -157,30 +176,48 @@ class Overlap:
             else:
                 self.counts["prefetch_misses"] += 1
         if got is None:
+            self._traced("all_gather", param)
             got = all_gather(param.detach().to(dtype), self.grid, Axis.Z)
         if self._in_step and self._prefetching:
             if self._recording is not None:
                 self._recording.append((param, dtype))
             elif self._order is not None:
                 self._prefetch_next(param)
+        self._issue_deferred()  # after the prefetch: the next weight does not wait behind them
         return got
 
     def _prefetch_next(self, param) -> None:
         order, pos = self._order, self._pos
         if pos >= len(order) or order[pos][0] is not param:  # order broken: stop prefetching
             self._pos = len(order)
+            self._drop_prefetch()
             return
         self._pos += 1
-        if self._pos < len(order):
-            nxt, dt = order[self._pos]
-            with torch.no_grad():
-                h = all_gather(nxt.detach().to(dt), self.grid, Axis.Z, async_op=True)
-            self._prefetched = (nxt, dt, h)
+        n = len(order)
+        wrap = not self._last and self._phase == "step"
+        self._issued = max(self._issued, pos)  # this one came now if it was not prefetched
+        while self._issued < pos + PREFETCH_DEPTH:
+            k = self._issued = self._issued + 1
+            if k < n:
+                self._prefetched.append(self._start_gather(*order[k]))
+            elif wrap and k - n < n:  # the next micro-batch's first weights
+                self._carried.append(self._start_gather(*order[k - n]))
+            else:
+                break
+
+    def _traced(self, kind: str, param) -> None:
+        if self.trace is not None and self.grid.z > 1:
+            self.trace.append((kind, param))
+
+    def _start_gather(self, param, dtype) -> tuple:
+        self._traced("all_gather", param)
+        with torch.no_grad():
+            h = all_gather(param.detach().to(dtype), self.grid, Axis.Z, async_op=True)
+        return (param, dtype, h)
 
     def _drop_prefetch(self) -> None:
-        if self._prefetched is not None:
-            self._prefetched[2].wait()
-            self._prefetched = None
+        while self._prefetched:
+            self._prefetched.pop(0)[2].wait()
 
     # -- weight gradients: reduce-scatter over Z, then all-reduce over data --------------
     def grad_slot(self, param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -198,16 +235,38 @@ class Overlap:
         """Sum a full-block weight gradient over Z into ``param.grad`` (this rank's rows),
         asynchronously when ``reduce_scatter`` overlap is on."""
         if self._in_step and self.on("reduce_scatter"):
-            self._pending_rs.append(
-                (param, reduce_scatter(block_grad, self.grid, Axis.Z, async_op=True))
-            )
-            self.counts["async_reduce_scatters"] += self.grid.z > 1
-            # hand on, in order, every gradient whose reduce-scatter is done (at once with
-            # G_z = 1: no collective, so its data-parallel bucket can start now)
-            while self._pending_rs and self._pending_rs[0][1].done():
-                self._finish_rs(*self._pending_rs.pop(0))
+            if self._gathers_follow():
+                self._deferred_rs.append((param, block_grad))
+                return
+            self._issue_deferred()
+            self._issue_rs(param, block_grad)
         else:
+            self._traced("reduce_scatter", param)
             self._grad_ready(param, reduce_scatter(block_grad, self.grid, Axis.Z))
+
+    def _gathers_follow(self) -> bool:
+        """Whether a prefetching micro-batch has Z all-gathers left in its recorded order
+        (``G_z > 1``): then a reduce-scatter waits until the next one is issued, so that the
+        Z stream, which runs collectives in issue order, gathers the next weight first."""
+        order = self._order
+        return (
+            self._prefetching and self._recording is None and order is not None
+        ) and self._pos < len(order)
+
+    def _issue_deferred(self) -> None:
+        while self._deferred_rs:
+            self._issue_rs(*self._deferred_rs.pop(0))
+
+    def _issue_rs(self, param, block_grad: torch.Tensor) -> None:
+        self._traced("reduce_scatter", param)
+        self._pending_rs.append(
+            (param, reduce_scatter(block_grad, self.grid, Axis.Z, async_op=True))
+        )
+        self.counts["async_reduce_scatters"] += self.grid.z > 1
+        # hand on, in order, every gradient whose reduce-scatter is done (at once with
+        # G_z = 1: no collective, so its data-parallel bucket can start now)
+        while self._pending_rs and self._pending_rs[0][1].done():
+            self._finish_rs(*self._pending_rs.pop(0))
 
     def _finish_rs(self, param, handle: Handle) -> None:
         self._grad_ready(param, handle.wait())

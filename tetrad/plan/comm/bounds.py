@@ -10,9 +10,11 @@ term is at least 0, so any subset of them added to the compute bounds the step f
   scalars and the data-parallel gradient all-reduce (blocking, or its buckets' seconds, which
   :func:`tetrad.plan.comm.layers.bucket_exposed` turns into exposed seconds given the
   compute they hide behind); per ``(G_z, G_y, G_x)`` the embedding tables' Z collectives of a
-  micro-batch, never overlapped (:func:`tetrad.plan.comm.zwindows.z_tables`), and the Z
-  weights' queue, of which a micro-batch exposes at least what its compute windows cannot
-  hold (:func:`tetrad.plan.comm.zwindows.z_queue_seconds`);
+  micro-batch (:func:`tetrad.plan.comm.zwindows.table_seconds`: the reduce-scatters wait
+  after all compute, the all-gathers block but where the step's previous micro-batch
+  prefetched them) and the Z weights' queue with the prefetched tables', of which a step
+  exposes at least what its compute windows cannot hold
+  (:func:`tetrad.plan.comm.zwindows.z_queue_seconds`);
 - :meth:`~StepBounds.with_xy`: the context K/V collectives and every X and Y collective,
   memoised per ``(G_context, G_y, G_x)``, micro-batch, micro-batches and recompute
   (:func:`tetrad.plan.comm.estimate.xy_record`, which the estimate reuses).
@@ -29,7 +31,7 @@ from tetrad.plan.comm import layers
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import make_step, xy_record
 from tetrad.plan.comm.record import Recorder, Step
-from tetrad.plan.comm.zwindows import window_seconds, z_queue_seconds, z_tables
+from tetrad.plan.comm.zwindows import table_seconds, window_seconds, z_queue_seconds
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.network import ALL_REDUCE, REDUCE_SCATTER
 from tetrad.spec import role_sizes
@@ -73,16 +75,16 @@ class StepBounds:
             got = self._grid[grid] = (optimizer + sum(rec.exposed.values()), data)
         return got
 
-    def _z_terms(self, st: Step) -> tuple[float, float]:
-        """Per ``(G_z, G_y, G_x)`` and recompute: the embedding tables' Z collectives and the
-        Z weights' queue, seconds per micro-batch."""
+    def _z_terms(self, st: Step) -> tuple[float, float, float]:
+        """Per ``(G_z, G_y, G_x)`` and recompute: the embedding tables' Z all-gathers and
+        reduce-scatters and the Z weights' queue, seconds per micro-batch."""
         key = (st.sizes["z"], st.sizes["y"], st.sizes["x"], st.checkpointing)
         got = self._z.get(key)
         if got is None:
-            rec = Recorder(False)
-            if st.sizes["z"] > 1:
-                z_tables(rec, st)
-            got = self._z[key] = (sum(rec.exposed.values()) / st.acc, z_queue_seconds(st))
+            tables = table_seconds(st) if st.sizes["z"] > 1 else []
+            gather = sum(t[1] for t in tables)
+            scatter = sum(t[2] for t in tables)
+            got = self._z[key] = (gather, scatter, z_queue_seconds(st))
         return got
 
     def cheap(
@@ -107,14 +109,19 @@ class StepBounds:
             st = make_step(ctx, grid, micro_batch, checkpointing, orientation)
             terms, z = self._grid_terms(st, (grid, orientation)), self._z_terms(st)
         step_terms, data = terms
-        tables, queue = z
+        gather, scatter, queue = z
         comp, L = ctx.compute(roles, micro_batch), ctx.model.n_layers
         if len(data) == 3:  # buckets behind a block's backward (and recompute)
             slack = comp.block_bwd + (comp.block_fwd if full else 0.0)
             data = (layers.bucket_exposed(*data, slack, L),)
-        z_weights = max(0.0, queue - window_seconds(comp, L, full))
         acc = ctx.global_batch // (grid[0] * grid[2] * micro_batch)
-        return compute_s + step_terms + sum(data) + acc * (tables + z_weights)
+        # the tables' reduce-scatters wait after all compute; their all-gathers block unless
+        # the previous micro-batch of the step prefetched them (then they join the queue)
+        blocking = 1 if "prefetch" in ctx.overlaps and acc > 1 else acc
+        windows = window_seconds(comp, L, full)
+        z = acc * scatter + blocking * gather
+        z += max(0.0, acc * (queue - windows) + (acc - blocking) * gather)
+        return compute_s + step_terms + sum(data) + z
 
     def with_xy(
         self,

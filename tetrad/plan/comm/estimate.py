@@ -47,15 +47,12 @@ Overlap (the runtime's :mod:`tetrad.parallel.overlap`, names :data:`tetrad.spec.
 and run in issue order; collectives on different axes run concurrently (link contention between
 axes is not modelled). Steady state, every block alike:
 
-- ``prefetch``: the Z all-gather of the next weight in execution order (forward, recompute and
-  backward) runs during the current layer's window (its GEMMs and the element-wise work up to the
-  next Linear). A window's Z queue holds the reduce-scatter issued at the end of the previous
-  window (when ``reduce_scatter`` is on) and then the prefetch; the compute stalls by
-  ``max(0, rs + ag - window)``. Without prefetch the all-gather is blocking and waits behind the
-  queued reduce-scatter, so both are exposed. The first weight of a micro-batch (the embedding) is
-  never prefetched.
-- ``reduce_scatter``: the dW reduce-scatter is asynchronous (as above); those still pending at the
-  end of the micro-batch's backward are exposed.
+- ``prefetch``: the Z all-gathers of the next two weights in execution order (forward,
+  recompute, backward, on into the step's next micro-batch) run during the current layer's
+  window (its GEMMs and element-wise work up to the next Linear); the Z stream is replayed in
+  issue order (:mod:`tetrad.plan.comm.zqueue`). Without it every all-gather blocks.
+- ``reduce_scatter``: the dW reduce-scatter is asynchronous, issued after the next prefetch;
+  those still running when an all-gather is waited for, or the micro-batch ends, are exposed.
 - ``dx_all_reduce``: the backward dx all-reduce runs during the dW GEMM: exposed ``max(0, t -
   dW)`` (the LM head's Y all-reduce during the scaling of its ``dW``, which the fused loss
   formed in forward).
@@ -181,13 +178,14 @@ def make_step(
     micro_batch: int,
     checkpointing: str | bool,
     orientation: str = "xy",
+    wrap: bool = False,
 ) -> Step:
     """The :class:`Step` of the ``--grid`` ``grid = (G_data, [G_context,] G_z, G_y, G_x)`` under
     ``orientation`` (its ``sizes`` are the roles', its links the mesh dimensions' that play
     them; ``checkpointing``: a mode of
     :data:`tetrad.activation_checkpointing.CHECKPOINTING`; only ``full`` re-runs collectives):
     ``m`` counts this rank's ``S / G_context`` tokens per sample; the data group is data x
-    context.
+    context. ``wrap``: :attr:`Step.wrap` (a 4D step's; a pipeline stage's phases do not).
 
     Raises:
         PlanError: the global batch does not split into micro-batches on this grid.
@@ -239,6 +237,7 @@ def make_step(
         kv_pieces=pieces,
         orientation=orientation,
         zero=shards_optimizer(ctx),
+        wrap=wrap and "prefetch" in ov,
     )
 
 
@@ -301,7 +300,7 @@ def estimate(
     """
     if orientation == "auto":
         orientation = best_orientation(ctx, grid, micro_batch, checkpointing)
-    st = make_step(ctx, grid, micro_batch, checkpointing, orientation)
+    st = make_step(ctx, grid, micro_batch, checkpointing, orientation, wrap=True)
     if detail:  # every row, in the order of LAYER_KINDS
         rec = Recorder(True)
         for kind in LAYER_KINDS:

@@ -90,6 +90,10 @@ class Step:
             ``context_pieces``: the runtime option that gives them.
         fine: the ``fine`` overlap's chunk counts to try (0: ``fine`` off); the block Linears
             are recorded with the one of least exposed time, kept in ``fine_chosen``.
+        wrap: the ``prefetch`` order runs on into the step's next micro-batch (its embedding
+            table gathered during this one's backward): the micro-batches run back to back in
+            one phase (``Overlap.begin_micro_batch(phase="step")``, the 4D step), not as a
+            pipeline stage's forward and backward phases.
         orientation: which mesh dimension plays which role (:data:`tetrad.spec.ORIENTATIONS`);
             ``sizes`` and ``links`` are the roles'.
         zero: the sharded optimizer (ZeRO-1): the data-parallel gradients reduce-scattered and
@@ -126,6 +130,7 @@ class Step:
     context_pieces: int = 1
     orientation: str = "xy"
     zero: bool = False
+    wrap: bool = False
 
     @property
     def n_layers(self) -> int:

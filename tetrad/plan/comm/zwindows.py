@@ -1,19 +1,8 @@
-"""The Z axis's queue walked through the compute windows of one micro-batch (the ``prefetch`` and
+"""Every Z collective of one optimizer step and what of it is exposed (the ``prefetch`` and
 ``reduce_scatter`` overlaps of :mod:`tetrad.plan.comm.estimate`, whose module doc states the
-model).
-
-Collectives on one axis share one communicator, hence one stream, and run in issue order. A
-window is a layer's compute (its GEMMs and the element-wise work up to the next Linear); its Z
-queue holds the reduce-scatter issued at the end of the previous window (``reduce_scatter`` on)
-and then the prefetch of the next weight in execution order (forward, recompute, backward). The
-compute stalls by ``max(0, rs + ag - window)`` seconds, shared between the two in proportion to
-their times; without ``prefetch`` the window hides nothing. Blocks are alike (steady state): the
-top block, ``L - 2`` middle blocks (one walk, weighted ``L - 2``) and the bottom block. The
-embedding's weight is never prefetched; the reduce-scatters left when the bottom block's
-backward ends run behind the embedding's backward.
-
-:class:`ZWindows` gives the exposed seconds per micro-batch, per ``(layer, phase)`` key;
-:func:`z_collectives` records every Z collective of the step with them.
+model): the uses of the Z-gathered weights in execution order (:class:`ZWindows`), replayed on
+the Z stream by :class:`tetrad.plan.comm.zqueue.ZQueue`; :func:`z_collectives` records them.
+:func:`z_queue_seconds` and :func:`window_seconds` bound the replay from below for the search.
 """
 
 from __future__ import annotations
@@ -21,16 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tetrad.plan.comm.record import Recorder, Step
+from tetrad.plan.comm.zqueue import Use, ZQueue
 from tetrad.plan.compute.block import BlockCompute
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.spec import FP32
-
-Key = tuple[str, str]
-"""``(layer, phase)``: ``("wqkv", "forward")``, ``("output", "backward")`` ..."""
-
-
-def _max0(v: float) -> float:
-    return v if v > 0.0 else 0.0
 
 
 @dataclass(slots=True)
@@ -53,159 +36,107 @@ class ZTimes:
 
 
 class ZWindows:
-    """Exposed seconds of the Z all-gathers and reduce-scatters of one micro-batch.
+    """The uses of one micro-batch (:class:`tetrad.plan.comm.zqueue.Use`) in execution order,
+    walked on the Z stream (:class:`~tetrad.plan.comm.zqueue.ZQueue`).
 
-    After :meth:`run`, ``gather[key]`` and ``scatter[key]`` hold the seconds per micro-batch
-    the compute waits for the all-gathers and reduce-scatters of ``key = (layer, phase)``
-    (reduce-scatters are keyed ``(layer, "backward")``).
+    Windows: a forward use's is its Linear's GEMM and the element-wise work up to the next
+    Linear; a backward use's its two GEMMs and the element-wise backward below it; the
+    tables' the embedding lookup and half the first norm; the LM head's its three GEMMs, the
+    loss forward and backward and the final norm's backward. Blocks are alike (steady state):
+    the bottom block, the first middle block, ``L - 3`` middle blocks (walked once, weighted
+    ``L - 3``) and the top block (in forward; the reverse in backward); with ``full``
+    checkpointing a block's recompute uses precede its backward ones. The tail is the
+    embedding's backward, then the tables' reduce-scatters.
+
+    After :meth:`run`, ``gather[key]`` and ``scatter[key]`` hold the exposed seconds per step
+    of the all-gathers and reduce-scatters of ``key = (layer, phase)`` (reduce-scatters keyed
+    ``(layer, "backward")``), the tables' (``embedding``, ``positions``) among them.
 
     Args:
         comp: compute seconds of this rank for one micro-batch.
-        times: seconds per call of the Z collectives.
-        n_layers: blocks ``L``.
-        checkpointing: recompute windows run before each block's backward.
-        prefetch: the ``prefetch`` overlap (an all-gather runs during the previous window).
-        async_scatter: the ``reduce_scatter`` overlap (reduce-scatters are queued, not blocking).
+        times: seconds per call of the block Linears' and LM head's Z collectives.
+        tables: ``(name, all-gather seconds, reduce-scatter seconds)`` of each embedding table.
+        n_layers: blocks ``L``; acc: micro-batches per step.
+        checkpointing: recompute uses run before each block's backward.
+        prefetch, async_scatter: the ``prefetch`` and ``reduce_scatter`` overlaps.
+        wrap: the prefetch order runs on into the step's next micro-batch.
     """
 
     def __init__(
         self,
         comp: BlockCompute,
         times: ZTimes,
+        tables: list[tuple[str, float, float]],
         n_layers: int,
+        acc: int,
         *,
         checkpointing: bool,
         prefetch: bool,
         async_scatter: bool,
+        wrap: bool = False,
     ):
-        self.comp, self.t, self.n_layers = comp, times, n_layers
-        self.ckpt, self.pre, self.rsa = checkpointing, prefetch, async_scatter
-        n = len(times.names)
-        g = comp.gemm
-        self.fwin = [g[i] + comp.post_fwd[i] for i in range(n)]
-        self.bwin = [2.0 * g[i] + comp.post_bwd[i - 1] for i in range(n)]
-        # (key, seconds) of every block Linear's all-gather per phase and reduce-scatter
-        self.ag = {
-            phase: [((name, phase), t) for name, t in zip(times.names, times.gather, strict=True)]
-            for phase in ("forward", "recompute", "backward")
-        }
-        self.rs = [
-            ((name, "backward"), t) for name, t in zip(times.names, times.scatter, strict=True)
+        self.comp, self.t, self.tables, self.n_layers, self.acc = comp, times, tables, n_layers, acc
+        self.ckpt, self.wrap = checkpointing, wrap
+        self.queue = ZQueue(prefetch, async_scatter)
+        self.gather, self.scatter = self.queue.gather, self.queue.scatter
+
+    def _forward(self, mult: float) -> list[Use]:
+        c, t = self.comp, self.t
+        return [
+            Use((name, "forward"), t.gather[i], c.gemm[i] + c.post_fwd[i], mult=mult)
+            for i, name in enumerate(t.names)
         ]
-        self.gather: dict[Key, float] = {}
-        self.scatter: dict[Key, float] = {}
 
-    # ---- one window ---------------------------------------------------------------------------
-
-    def window(
-        self, cwin: float, rs: tuple[Key | None, float], ag: tuple[Key, float] | None, mult: float
-    ) -> float:
-        """One window of ``cwin`` seconds (``mult`` such windows): the queued reduce-scatter
-        ``rs = (key, seconds)`` then the prefetch ``ag``; returns the carried-over
-        reduce-scatter seconds when no all-gather waits at the window's end (``ag`` None)."""
-        rs_key, rs_t = rs
-        if not self.rsa:
-            rs_t = 0.0
-        if ag is None:  # nothing waits at the window's end: the reduce-scatter carries over
-            return _max0(rs_t - cwin)
-        ag_key, ag_t = ag
-        avail = cwin if self.pre else 0.0
-        stall = _max0(rs_t + ag_t - avail)
-        if stall > 0.0:
-            tot = rs_t + ag_t
-            if rs_key is not None and rs_t > 0.0:
-                self.scatter[rs_key] = self.scatter.get(rs_key, 0.0) + mult * stall * rs_t / tot
-            self.gather[ag_key] = self.gather.get(ag_key, 0.0) + mult * stall * ag_t / tot
-        return 0.0
-
-    # ---- what comes next in execution order ---------------------------------------------------
-
-    def _after_backward(self) -> tuple[Key, float]:
-        """The all-gather that follows a block's backward: the block below's recompute, or its
-        last Linear's backward."""
-        return self.ag["recompute"][0] if self.ckpt else self.ag["backward"][-1]
-
-    # ---- one block ----------------------------------------------------------------------------
-
-    def _forward(self, mult: float, top: bool) -> None:
-        """Forward windows; the top block's last one prefetches the LM head."""
-        n, ag = len(self.t.names), self.ag["forward"]
-        for i in range(n - 1):
-            self.window(self.fwin[i], (None, 0.0), ag[i + 1], mult)
-        last = (("output", "forward"), self.t.head_gather) if top else ag[0]
-        self.window(self.fwin[n - 1], (None, 0.0), last, mult)
-
-    def _recompute(self, mult: float, rs_above: tuple[Key, float]) -> None:
-        """Recompute windows: the first carries the reduce-scatter of the layer above."""
-        n, ag = len(self.t.names), self.ag["recompute"]
-        for i in range(n):
-            rs = rs_above if i == 0 else (None, 0.0)
-            nxt = ag[i + 1] if i < n - 1 else self.ag["backward"][i]
-            self.window(self.fwin[i], rs, nxt, mult)
-
-    def _backward(self, mult: float, rs_above: tuple[Key, float], bottom: bool) -> float:
-        """Backward windows, last Linear first; returns the bottom block's carried-over
-        reduce-scatter seconds."""
-        n, ag = len(self.t.names), self.ag["backward"]
-        carry = 0.0
-        for i in range(n - 1, -1, -1):
-            if i == n - 1:
-                rs = (None, 0.0) if self.ckpt else rs_above
-            else:
-                rs = self.rs[i + 1]
-            if i >= 1:
-                self.window(self.bwin[i], rs, ag[i - 1], mult)
-            elif bottom:
-                carry = self.window(self.bwin[i], rs, None, mult)
-            else:
-                self.window(self.bwin[i], rs, self._after_backward(), mult)
-        return carry
-
-    def _block(self, mult: float, top: bool, bottom: bool) -> float:
-        """Windows of one block (``mult`` such blocks); returns the carried-over seconds."""
-        self._forward(mult, top)
-        if top:
-            rs_above = (("output", "backward"), self.t.head_scatter)
-        else:
-            rs_above = self.rs[0]
+    def _backward(self, mult: float) -> list[Use]:
+        c, t, n = self.comp, self.t, len(self.t.names)
+        out = []
         if self.ckpt:
-            self._recompute(mult, rs_above)
-        return self._backward(mult, rs_above, bottom)
+            out = [
+                Use((name, "recompute"), t.gather[i], c.gemm[i] + c.post_fwd[i], mult=mult)
+                for i, name in enumerate(t.names)
+            ]
+        for i in range(n - 1, -1, -1):
+            key = (t.names[i], "backward")
+            window = 2.0 * c.gemm[i] + c.post_bwd[i - 1]
+            out.append(Use(key, t.gather[i], window, key, t.scatter[i], mult))
+        return out
 
-    # ---- one micro-batch ----------------------------------------------------------------------
+    def uses(self) -> list[Use]:
+        """One micro-batch's uses, in execution order."""
+        c, t, L = self.comp, self.t, self.n_layers
+        n = len(t.names)
+        emb_win = c.embedding_fwd + c.post_fwd[n - 1] * 0.5
+        out = [
+            Use((name, "forward"), ag, emb_win if k == len(self.tables) - 1 else 0.0)
+            for k, (name, ag, _) in enumerate(self.tables)
+        ]
+        # bottom, middle, top; the first middle block apart (the queue it inherits from the
+        # bottom block settles to the steady state the others see)
+        mults = [1.0] * min(L, 3) if L <= 3 else [1.0, 1.0, float(L - 3), 1.0]
+        for mult in mults:
+            out += self._forward(mult)
+        head = 3.0 * c.head + c.loss_fwd + c.loss_bwd + c.final_norm_bwd
+        out.append(
+            Use(("output", "forward"), t.head_gather, head, ("output", "backward"), t.head_scatter)
+        )
+        for mult in mults[-1:] + mults[1:-1] + mults[:1] if L > 1 else mults:
+            out += self._backward(mult)
+        return out
 
     def run(self) -> ZWindows:
-        """Walk one micro-batch: embedding, blocks, LM head, tail; returns self."""
-        comp, n = self.comp, len(self.t.names)
-        # embedding window: block 1's first weight is prefetched behind the lookup and first norm
-        emb_win = comp.embedding_fwd + comp.post_fwd[n - 1] * 0.5
-        self.window(emb_win, (None, 0.0), self.ag["forward"][0], 1.0)
-        L = self.n_layers
-        if L == 1:
-            carry = self._block(1.0, True, True)
-        else:
-            self._block(1.0, True, False)
-            if L > 2:
-                self._block(float(L - 2), False, False)
-            carry = self._block(1.0, False, True)
-        # LM head: its gathered weight is kept for backward, so the next all-gather (the top
-        # block's backward or recompute) runs behind head forward, loss and head backward
-        head = 3.0 * comp.head + comp.loss_fwd + comp.loss_bwd + comp.final_norm_bwd
-        self.window(head, (None, 0.0), self._after_backward(), 1.0)
-        if self.rsa:
-            self._tail(carry)
+        """Walk the step's micro-batches (the first and last apart when the order wraps);
+        returns self."""
+        uses = self.uses()
+        tail = [((name, "backward"), rs) for name, _, rs in self.tables]
+        emb_bwd, acc, walk = self.comp.embedding_bwd, self.acc, self.queue.micro_batch
+        if not (self.wrap and acc > 1):
+            walk(uses, emb_bwd, tail, wrap_in=False, wrap_out=False, mult=float(acc))
+            return self
+        walk(uses, emb_bwd, tail, wrap_in=False, wrap_out=True, mult=1.0)
+        if acc > 2:
+            walk(uses, emb_bwd, tail, wrap_in=True, wrap_out=True, mult=float(acc - 2))
+        walk(uses, emb_bwd, tail, wrap_in=True, wrap_out=False, mult=1.0)
         return self
-
-    def _tail(self, carry: float) -> None:
-        """Block 1's first reduce-scatter and the carried-over ones behind the embedding's
-        backward; what is left is exposed."""
-        t, n = self.t, len(self.t.names)
-        tail = _max0(carry + t.scatter[0] - self.comp.embedding_bwd)
-        k1 = (t.names[1 % n], "backward")
-        part = tail * carry / (carry + t.scatter[0]) if carry > 0.0 else 0.0
-        self.scatter[k1] = self.scatter.get(k1, 0.0) + part
-        k0 = (t.names[0], "backward")
-        self.scatter[k0] = self.scatter.get(k0, 0.0) + tail - part
 
 
 # ---- recording: every Z collective of the step ---------------------------------------------------
@@ -232,22 +163,25 @@ def _z_weight(st: Step, name: str, nk: int, calls: int, phases: tuple[str, ...])
 
 
 def z_collectives(rec: Recorder, st: Step) -> None:
-    """Z all-gathers and reduce-scatters of every block Linear and the LM head, exposed seconds
-    from the window schedule (:class:`ZWindows`); then the tables'."""
+    """Z all-gathers and reduce-scatters of every block Linear, the LM head and the embedding
+    tables, exposed seconds from the replay of the Z stream (:class:`ZWindows`)."""
     if st.sizes["z"] == 1:
         return
     blocks, head, times = _z_weights(st)
     sched = ZWindows(
         st.comp,
         times,
+        table_seconds(st),
         st.n_layers,
+        st.acc,
         checkpointing=st.checkpointing,
         prefetch=st.prefetch,
         async_scatter=st.async_scatter,
+        wrap=st.wrap,
     ).run()
     for w in (*blocks, head):
         _z_record(rec, st, sched, w)
-    z_tables(rec, st)
+    z_tables(rec, st, sched)
 
 
 def _z_weights(st: Step) -> tuple[list[ZWeight], ZWeight, ZTimes]:
@@ -300,34 +234,48 @@ def window_seconds(comp: BlockCompute, n_layers: int, checkpointing: bool) -> fl
 
 
 def _z_record(rec: Recorder, st: Step, sched: ZWindows, w: ZWeight) -> None:
-    """Record one weight's Z collectives with the schedule's exposed seconds; all of them are
-    exposed without ``prefetch`` (the all-gather blocks, and so does a reduce-scatter queued
-    ahead of it), the reduce-scatter's also without ``reduce_scatter``."""
-    acc, pre = st.acc, st.prefetch
-    hid = "previous layer's compute (prefetch)" if pre else ""
+    """Record one weight's Z collectives with the replay's exposed seconds."""
+    hid = "previous layers' compute (prefetch)" if st.prefetch else ""
     for phase in w.phases:
-        exp = acc * sched.gather.get((w.name, phase), 0.0) if pre else w.calls * w.gather_s
+        exp = sched.gather.get((w.name, phase), 0.0)
         rec.add(w.name, phase, "z", ALL_GATHER, w.shard * st.c, w.calls, w.gather_s, exp, hid)
     hid = "later backward compute (async)" if st.async_scatter else ""
-    overlapped = st.async_scatter and pre
-    exp = (
-        acc * sched.scatter.get((w.name, "backward"), 0.0) if overlapped else w.calls * w.scatter_s
-    )
+    exp = sched.scatter.get((w.name, "backward"), 0.0)
     pay = w.shard * FP32
     rec.add(w.name, "backward", "z", REDUCE_SCATTER, pay, w.calls, w.scatter_s, exp, hid)
 
 
-def z_tables(rec: Recorder, st: Step) -> None:
-    """Embedding tables (token; GPT: positions): ``rows h / (G_x G_y)`` elements all-gathered
-    forward (compute dtype, as the Linears' weights) and reduce-scattered backward (fp32) over
-    Z, never overlapped."""
+def _tables(st: Step) -> list[tuple[str, float]]:
+    """``(name, elements of one Z-gathered block)`` of the embedding tables (token; GPT:
+    positions), ``rows h / (G_x G_y)``."""
     model = st.model
     tables = [("embedding", model.vocab)]
     if model.max_positions:
         tables.append(("positions", model.max_positions))
+    return [(tab, rows * model.hidden / st.xy) for tab, rows in tables]
+
+
+def table_seconds(st: Step) -> list[tuple[str, float, float]]:
+    """``(name, all-gather seconds, reduce-scatter seconds)`` of each embedding table: gathered
+    in the compute dtype (as the Linears' weights), gradient reduce-scattered in fp32."""
     lz = st.links["z"]
-    for tab, rows in tables:
-        shard = rows * model.hidden / st.xy
-        t_g, t_r = lz.time(ALL_GATHER, shard * st.c), lz.time(REDUCE_SCATTER, shard * FP32)
-        rec.add(tab, "forward", "z", ALL_GATHER, shard * st.c, st.acc, t_g, st.acc * t_g)
-        rec.add(tab, "backward", "z", REDUCE_SCATTER, shard * FP32, st.acc, t_r, st.acc * t_r)
+    return [
+        (tab, lz.time(ALL_GATHER, shard * st.c), lz.time(REDUCE_SCATTER, shard * FP32))
+        for tab, shard in _tables(st)
+    ]
+
+
+def z_tables(rec: Recorder, st: Step, sched: ZWindows | None = None) -> None:
+    """Record the embedding tables' Z collectives, one all-gather forward and one
+    reduce-scatter backward per micro-batch, with the replay's exposed seconds (``sched``;
+    None: all exposed)."""
+    acc, times = st.acc, table_seconds(st)
+    for (tab, shard), (_, t_g, t_r) in zip(_tables(st), times, strict=True):
+        if sched is None:
+            e_g, e_r = acc * t_g, acc * t_r
+        else:
+            e_g = sched.gather.get((tab, "forward"), 0.0)
+            e_r = sched.scatter.get((tab, "backward"), 0.0)
+        hid = "previous micro-batch's backward (prefetch)" if st.wrap and acc > 1 else ""
+        rec.add(tab, "forward", "z", ALL_GATHER, shard * st.c, acc, t_g, e_g, hid)
+        rec.add(tab, "backward", "z", REDUCE_SCATTER, shard * FP32, acc, t_r, e_r)

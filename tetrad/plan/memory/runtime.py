@@ -81,14 +81,17 @@ def tetrad(
       all saved activations (the head's ``dx`` and ``dW`` among them) + one row block's logits
       and softmax + with the vocabulary split over Y or X the micro-batch's logits ``e m
       V/(G_y G_x)`` + the head's X-gathered input + its ``W`` + with ``prefetch`` the next
-      block weight;
+      two block weights (:data:`tetrad.spec.PREFETCH_DEPTH`; the two largest);
     - ``backward: LM head``: all saved + the scaled ``dx`` ``e m h`` + the fp32 copy of ``dW``
-      (the reduce-scatter input) when ``e = 2`` (+ the next block weight prefetched);
+      (the reduce-scatter input) when ``e = 2`` (+ the next two block weights prefetched);
     - ``backward: blocks``: the blocks' saved tensors (+ one block's recompute set under
       ``full``, ``selective`` or ``selective:K``, whose top block is rebuilt first) + ``W`` of
-      the largest block Linear (the two largest with ``prefetch``) + its ``dW`` (two in flight
-      with ``async_reduce_scatter`` and ``G_z > 1``);
-    - ``backward: end``: :func:`end_of_backward_bytes` (data-parallel buckets, embedding grad);
+      the largest block Linear (the three largest with ``prefetch``: in use and two in
+      flight) + its ``dW`` (two in flight with ``async_reduce_scatter`` and ``G_z > 1``);
+    - ``backward: end``: :func:`end_of_backward_bytes` (data-parallel buckets, embedding grad)
+      + with ``prefetch`` and ``G_z > 1`` the step's next micro-batch's embedding table ``e V
+      h / (G_y G_x)`` and first block weight (the largest), gathered ahead (counted whatever
+      the micro-batches per step);
     - ``optimizer step``: :func:`step_buffer_bytes`.
 
     ``activation_checkpointing``: ``none``, ``selective``, ``selective:K`` or ``full`` (or a
@@ -275,7 +278,7 @@ class _GridBuffers:
     Attributes:
         static: ``(name, bytes)`` of the parameters, gradients and optimizer states.
         head_forward: gathered weights inside the LM head's forward (its ``W``, with
-            ``prefetch`` the next block weight); ``head_backward``: in its backward.
+            ``prefetch`` the next two block weights); ``head_backward``: in its backward.
         head_gradient: the fp32 copy of the head's ``dW`` (compute dtype bf16).
         blocks: gathered weights in the blocks' backward; ``block_gradients``: their ``dW``.
         end_of_backward: :func:`end_of_backward_bytes`; ``step``: :func:`step_buffer_bytes`.
@@ -313,6 +316,10 @@ def _grid_buffers(
     w_head = gathered_weight_bytes(model.lm_head(), grid, dtype)
     w_big = gathered_weight_bytes(big, grid, dtype)
     w_two = sum(gathered_weight_bytes(lin, grid, dtype) for lin in by_size[:2])
+    w_three = sum(gathered_weight_bytes(lin, grid, dtype) for lin in by_size[:3])
+    # the next micro-batch's table and first block weight, prefetched at the end of backward
+    # (counted whatever the micro-batches per step: the model does not know them)
+    wrap = e * model.vocab * model.hidden // (gx * gy) + w_big if prefetch and gz > 1 else 0.0
     dw_blocks = weight_gradient_bytes(big, grid, dtype) * (
         2 if async_reduce_scatter and gz > 1 else 1
     )
@@ -328,12 +335,12 @@ def _grid_buffers(
         step = zero.step_bytes(model, grid, dp_overlap)
     return _GridBuffers(
         static=static,
-        head_forward=w_head + (w_big if prefetch else 0.0),
-        head_backward=w_big if prefetch else 0.0,
+        head_forward=w_head + (w_two if prefetch else 0.0),
+        head_backward=w_two if prefetch else 0.0,
         head_gradient=FP32 * vy * model.hidden if e != FP32 else 0.0,
-        blocks=w_two if prefetch else w_big,
+        blocks=w_three if prefetch else w_big,
         block_gradients=dw_blocks,
-        end_of_backward=end,
+        end_of_backward=end + wrap,
         step=step,
     )
 
