@@ -18,18 +18,41 @@ from tetrad.spec import role_sizes
 
 class Candidates:
     """The search's per-grid candidates; ``self.ctx``, ``self.stats``, ``self.limit``,
-    ``self.mem_bytes``, ``self.dtype``, ``self.prefetch`` and ``self.shard_optimizer`` come
-    from the search."""
+    ``self.mem_bytes``, ``self.dtype``, ``self.prefetch``, ``self.shard_optimizer`` and
+    ``self.by_roles`` (an empty dict) come from the search."""
 
     def _oriented_candidates(
         self, grid, turn: str, checkpointing: tuple[str, ...], allowed: set | None
     ) -> list:
         """The fitting ``(compute seconds, grid, b, mode, turn, sharded)`` of ``grid`` in
         orientation ``turn`` (memory and compute follow the roles' sizes), with the optimizer
-        sharded or not (:meth:`variants`)."""
+        sharded or not (:meth:`variants`); ``checkpointing`` and ``allowed`` are the search's
+        (the same in every call).
+
+        Memory and compute depend on the roles' sizes only, and a grid in ``yx`` has the roles
+        of the grid with X and Y swapped in ``xy``: the ``(compute seconds, b, mode, sharded)``
+        and the counts they added to ``self.stats`` are kept per roles in ``self.by_roles``
+        and replayed for the second grid with those roles (same list, same order, same
+        counts)."""
+        stats, roles = self.stats, role_sizes(grid, turn)
+        got = self.by_roles.get(roles)
+        if got is None:
+            before = (stats["candidates"], stats["fitting"])
+            found = self._role_candidates(roles, checkpointing, allowed)
+            added = (stats["candidates"] - before[0], stats["fitting"] - before[1])
+            got = self.by_roles[roles] = (found, added)
+        else:
+            stats["candidates"] += got[1][0]
+            stats["fitting"] += got[1][1]
+        return [(t, grid, b, mode, turn, zero) for t, b, mode, zero in got[0]]
+
+    def _role_candidates(
+        self, roles: tuple, checkpointing: tuple[str, ...], allowed: set | None
+    ) -> list:
+        """The fitting ``(compute seconds, b, mode, sharded)`` of the roles' sizes ``roles =
+        (G_data, G_context, G_z, G_y, G_x)`` (:func:`tetrad.spec.role_sizes`)."""
         ctx = self.ctx
         L = ctx.model.n_layers
-        roles = role_sizes(grid, turn)
         gd, gc, gz, gy, gx = roles
         _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
         local = L * block_el + head_el + emb_el + ctx.vector_elements(gx, gy)
@@ -38,7 +61,7 @@ class Candidates:
         out, model, dt, pre = [], ctx.model, self.dtype, self.prefetch
         if not sizes:
             return out
-        raw: dict = {}  # mode -> its phases' lines, once per grid and orientation
+        raw: dict = {}  # mode -> its phases' lines, once per roles
         lines: dict = {}  # (mode, sharded) -> its memory line
 
         def line(mode: str, zero: bool):
@@ -63,10 +86,10 @@ class Candidates:
                     other = line(ckpt, False)
                     if other(sizes[-1]) <= self.limit:
                         continue  # every micro-batch fits unsharded (memory grows with it)
-                out += self._mode_candidates(grid, turn, roles, ckpt, zero, sizes, line, other)
+                out += self._mode_candidates(roles, ckpt, zero, sizes, line, other)
         return out
 
-    def _mode_candidates(self, grid, turn, roles, ckpt, zero, sizes, line, other) -> list:
+    def _mode_candidates(self, roles, ckpt, zero, sizes, line, other) -> list:
         """The fitting candidates of one checkpointing mode ``ckpt`` (``zero``: the states
         sharded), ``line(mode, zero)`` the memory lines, ``other`` the unsharded line of a
         sharded variant under ``auto`` (None otherwise: every fitting micro-batch counts)."""
@@ -89,7 +112,7 @@ class Candidates:
                 mem, dt, pre = self.mem_bytes, self.dtype, self.prefetch
                 mode = fewest_selective(model, roles, b, ctx.seq_len, mem, dt, pre, zero)
             fwd, bwd, rec = ctx.micro_batch_seconds(roles, b, mode)
-            out.append(((per_cell // b) * (fwd + bwd + rec), grid, b, mode, turn, zero))
+            out.append(((per_cell // b) * (fwd + bwd + rec), b, mode, zero))
         return out
 
     def variants(self, data_group: int) -> tuple[bool, ...]:

@@ -98,6 +98,7 @@ class _Search4D(Candidates):
         self.limit = FIT_FRACTION * mem_bytes
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
         self.turns: dict = {}  # (G_z, G_y, G_x) -> the orientations that shard the model
+        self.by_roles: dict = {}  # roles' sizes -> their candidates (Candidates)
         keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "pruned")
         self.stats = dict.fromkeys((*keys, "evaluated"), 0)
 
