@@ -33,15 +33,18 @@ def local_parameter_elements(model: ModelSpec, grid) -> dict[str, int]:
     Raises:
         PlanError: a bad grid, or a size that does not shard on it.
     """
-    matrices, vectors = _local_elements(model, tuple(grid))
+    grid = tuple(grid)
+    _, gz, gy, gx = grid_sizes(grid)
+    check_grid(model, grid)
+    matrices, vectors = _local_elements(model, gz, gy, gx)
     return {"matrices": matrices, "vectors": vectors}
 
 
 @functools.lru_cache(maxsize=4096)
-def _local_elements(model: ModelSpec, grid: tuple[int, ...]) -> tuple[int, int]:
-    """``(matrices, vectors)`` of :func:`local_parameter_elements`, once per model and grid."""
-    _, gz, gy, gx = grid_sizes(grid)
-    check_grid(model, grid)
+def _local_elements(model: ModelSpec, gz: int, gy: int, gx: int) -> tuple[int, int]:
+    """``(matrices, vectors)`` of :func:`local_parameter_elements`, once per model and
+    ``(G_z, G_y, G_x)`` (the shards do not depend on ``G_data`` or ``G_context``; the grid is
+    checked by the caller)."""
     shard = gx * gy * gz
     block = [lin.weight_elements // shard for lin in model.linears() for _ in range(lin.count)]
     moe = _moe_matrix_elements(model, shard)
