@@ -123,15 +123,26 @@ def in_flight_sets(
     other set covers (any of them can be the peak, whatever the stages' sizes). GPipe holds
     all ``m`` of every stage, 1F1B (one stage) ``min(m, p - r)``: both
     :func:`tetrad.plan.pipe.schedule.in_flight_chunks`; interleaved 1F1B is played out
-    (:func:`interleaved_order`; its largest total is ``in_flight_chunks``)."""
+    (:func:`interleaved_order`; its largest total is ``in_flight_chunks``) up to the first
+    period of its steady phase: from the end of the warm-up, any ``P = per_round v``
+    consecutive steps run a forward and a backward of every local stage ``per_round`` times
+    each, so the counts after a steady forward repeat every ``P`` steps and the later forwards
+    add no new set."""
     if schedule != "interleaved-1f1b":
         n = in_flight_chunks(schedule, pipe, rank, virtual, micro_batches)
         return ((n // virtual,) * virtual,)
-    counts, seen = [0] * virtual, set()
+    per = micro_batches // max(1, micro_batches // pipe)
+    total = micro_batches * virtual
+    warmup = min((virtual - 1) * per + 2 * (pipe - 1 - rank), total)
+    stop = min(total, warmup + per * virtual)  # forwards up to the first steady period's end
+    counts, seen, forwards = [0] * virtual, set(), 0
     for forward, k in interleaved_order(pipe, rank, virtual, micro_batches):
         counts[k] += 1 if forward else -1
         if forward:
             seen.add(tuple(counts))
+            forwards += 1
+            if forwards == stop:
+                break
     # the warm-up's sets grow into the first steady one; after each steady forward the rank
     # holds the most passes: those sets cover all others (and none covers another)
     most = max(map(sum, seen))
