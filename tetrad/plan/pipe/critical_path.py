@@ -73,20 +73,21 @@ def rank_actions(schedule: str, pipe: int, virtual: int, micro_batches: int, ran
         return out
     q = m // max(1, m // p)
     warm = min((v - 1) * q + 2 * (p - 1 - r), m * v)
-    done = [[0] * v, [0] * v]
+    fwd_done, bwd_done = [0] * v, [0] * v
     out = []
-
-    def add(kind: int, k: int) -> None:
-        local = (k // q) % v if kind == 0 else v - 1 - (k // q) % v
-        out.append((kind, local * p + r, done[kind][local]))
-        done[kind][local] += 1
-
+    append = out.append
     for k in range(m * v):
-        add(0, k)
+        local = (k // q) % v
+        append((0, local * p + r, fwd_done[local]))
+        fwd_done[local] += 1
         if k >= warm:
-            add(1, k - warm)
+            local = v - 1 - ((k - warm) // q) % v
+            append((1, local * p + r, bwd_done[local]))
+            bwd_done[local] += 1
     for k in range(m * v - warm, m * v):
-        add(1, k)
+        local = v - 1 - (k // q) % v
+        append((1, local * p + r, bwd_done[local]))
+        bwd_done[local] += 1
     return out
 
 
@@ -100,31 +101,35 @@ def _graph(schedule: str, pipe: int, virtual: int, micro_batches: int) -> tuple:
         return got
     n_st, m = pipe * virtual, micro_batches
     total = 2 * n_st * m  # operation (kind, s, j) is number (kind n_st + s) m + j
-    ids, srcs = [], []
+    ids, srcs, kinds = [], [], []
     for r in range(pipe):
         order = rank_actions(schedule, pipe, virtual, m, r)
         ids.append([(kind * n_st + s) * m + j for kind, s, j in order])
         srcs.append([_source(kind, s, j, n_st, m, total) for kind, s, j in order])
+        kinds.append([2 * s + kind for kind, s, _ in order])
     pos = [-1] * total + [total]  # where each operation is in the order; the last: none
     prev, dep, keys = [], [], []
     at, last = [0] * pipe, [total] * pipe
-    while len(keys) < total:
+    n = 0  # operations placed
+    while n < total:
         moved = False
         for r in range(pipe):
-            rid, rsrc, i = ids[r], srcs[r], at[r]
-            while i < len(rid):
+            rid, rsrc, rkey, i = ids[r], srcs[r], kinds[r], at[r]
+            start, here, size = i, last[r], len(rid)
+            while i < size:
                 got = pos[rsrc[i]]
                 if got < 0:
                     break
-                op = rid[i]
-                pos[op] = len(keys)
-                prev.append(last[r])
-                last[r] = pos[op]
+                pos[rid[i]] = n
+                prev.append(here)
                 dep.append(got)
-                keys.append(2 * ((op // m) % n_st) + op // (n_st * m))
+                keys.append(rkey[i])
+                here = n
+                n += 1
                 i += 1
-            moved |= i != at[r]
-            at[r] = i
+            if i != start:
+                moved = True
+                at[r], last[r] = i, here
         if not moved:
             raise RuntimeError(f"{schedule} p={pipe} v={virtual} m={m}: the order deadlocks")
     got = tuple(zip(prev, dep, keys, strict=True))
