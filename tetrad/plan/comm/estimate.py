@@ -96,7 +96,6 @@ sums.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from tetrad.activation_checkpointing import parse_checkpointing
 from tetrad.plan.comm import layers, linears, orientation
@@ -104,6 +103,7 @@ from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import kv_gather_payload, local_seq_len
 from tetrad.plan.comm.listing import Collective, listed
 from tetrad.plan.comm.record import Recorder, Step
+from tetrad.plan.comm.result import Estimate
 from tetrad.plan.comm.zero import sharded, shards_optimizer
 from tetrad.plan.comm.zwindows import z_collectives
 from tetrad.plan.compute.elementwise import ELEMENTWISE
@@ -114,39 +114,6 @@ from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, ORIENTATIONS, physical_axis, role_sizes
 
 __all__ = ["Estimate", "best_orientation", "collectives", "estimate", "make_step"]
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Predicted time of one optimizer step on one rank (seconds).
-
-    Attributes:
-        step_s: step time.
-        compute_s: compute (GEMMs, attention, element-wise, optimizer), all micro-batches.
-        recompute_s: of which activation recomputation.
-        exposed_s: exposed communication per axis.
-        comm_s: all communication per axis (exposed + hidden).
-        grad_accum: micro-batches per step.
-        collectives: per-collective detail (only from :func:`collectives`).
-        fine_chunks: pieces per ring step of the ``fine`` overlap as modelled (0: not used).
-        context_pieces: the ``context_pieces`` option of the ``context`` overlap as modelled
-            (1: the blocking K/V all-gather).
-        orientation: the roles' orientation (:data:`tetrad.spec.ORIENTATIONS`); the per-axis
-            dicts and the collectives name the ``--grid``'s dimensions.
-        shard_optimizer: modelled with the sharded optimizer (:mod:`tetrad.plan.comm.zero`).
-    """
-
-    step_s: float
-    compute_s: float
-    recompute_s: float
-    exposed_s: dict
-    comm_s: dict
-    grad_accum: int
-    collectives: tuple = ()
-    fine_chunks: int = 0
-    orientation: str = "xy"
-    context_pieces: int = 1
-    shard_optimizer: bool = False
 
 
 LAYER_KINDS = (
