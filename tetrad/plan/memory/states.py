@@ -33,11 +33,17 @@ def local_parameter_elements(model: ModelSpec, grid) -> dict[str, int]:
     Raises:
         PlanError: a bad grid, or a size that does not shard on it.
     """
-    grid = tuple(grid)
+    matrices, vectors = _checked_elements(model, tuple(grid))
+    return {"matrices": matrices, "vectors": vectors}
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked_elements(model: ModelSpec, grid: tuple[int, ...]) -> tuple[int, int]:
+    """``(matrices, vectors)`` of :func:`local_parameter_elements`, the grid checked once per
+    model and grid."""
     _, gz, gy, gx = grid_sizes(grid)
     check_grid(model, grid)
-    matrices, vectors = _local_elements(model, gz, gy, gx)
-    return {"matrices": matrices, "vectors": vectors}
+    return _local_elements(model, gz, gy, gx)
 
 
 @functools.lru_cache(maxsize=4096)
