@@ -30,6 +30,7 @@ expert of width ``f_s``, ``L_m`` MoE blocks): an MoE block replaces ``3 h f`` by
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -149,6 +150,20 @@ class ModelSpec:
             raise PlanError("a gpt model has n_kv_heads == n_heads: drop n_kv_heads")
         if self.n_experts:
             self._check_moe()
+
+    def __hash__(self) -> int:
+        """The hash of the fields, computed once per model: the planner's memoised functions
+        key on the model, and a search asks them about a hundred thousand times."""
+        got = self.__dict__.get("_hash")
+        if got is None:
+            got = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", got)
+        return got
+
+    def __getstate__(self) -> dict:
+        """The fields, without the cached hash (strings hash differently in another
+        process)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def _check_moe(self) -> None:
         """Raise :class:`PlanError` for MoE sizes that describe no model."""
