@@ -101,29 +101,26 @@ def _graph(schedule: str, pipe: int, virtual: int, micro_batches: int) -> tuple:
         return got
     n_st, m = pipe * virtual, micro_batches
     total = 2 * n_st * m  # operation (kind, s, j) is number (kind n_st + s) m + j
-    ids, srcs, kinds = [], [], []
-    for r in range(pipe):
-        order = rank_actions(schedule, pipe, virtual, m, r)
-        ids.append([(kind * n_st + s) * m + j for kind, s, j in order])
-        srcs.append([_source(kind, s, j, n_st, m, total) for kind, s, j in order])
-        kinds.append([2 * s + kind for kind, s, _ in order])
+    ranks = [_rank_ops(rank_actions(schedule, pipe, virtual, m, r), n_st, m) for r in range(pipe)]
     pos = [-1] * total + [total]  # where each operation is in the order; the last: none
     prev, dep, keys = [], [], []
+    add_prev, add_dep, add_key = prev.append, dep.append, keys.append
     at, last = [0] * pipe, [total] * pipe
     n = 0  # operations placed
     while n < total:
         moved = False
         for r in range(pipe):
-            rid, rsrc, rkey, i = ids[r], srcs[r], kinds[r], at[r]
-            start, here, size = i, last[r], len(rid)
+            rid, rsrc, rkey = ranks[r]
+            start = i = at[r]
+            here, size = last[r], len(rid)
             while i < size:
                 got = pos[rsrc[i]]
                 if got < 0:
                     break
                 pos[rid[i]] = n
-                prev.append(here)
-                dep.append(got)
-                keys.append(rkey[i])
+                add_prev(here)
+                add_dep(got)
+                add_key(rkey[i])
                 here = n
                 n += 1
                 i += 1
@@ -139,11 +136,21 @@ def _graph(schedule: str, pipe: int, virtual: int, micro_batches: int) -> tuple:
     return got
 
 
-def _source(kind: int, s: int, j: int, n_st: int, m: int, none: int) -> int:
-    """The number of the operation that ``(kind, s, j)`` receives from (:func:`_graph`)."""
-    if kind == 0:
-        return (s - 1) * m + j if s > 0 else none
-    return (n_st + s + 1) * m + j if s < n_st - 1 else s * m + j
+def _rank_ops(order: list, n_st: int, m: int) -> tuple[list, list, list]:
+    """``(ids, sources, keys)`` of a rank's operations ``order`` (:func:`rank_actions`): each
+    one's number, that of the one it receives from (a forward from the previous stage's
+    forward, a backward from the next stage's backward, the last stage's from its own forward;
+    ``2 n_st m``, a slot holding 0.0, for none) and ``2 s + kind``."""
+    none = 2 * n_st * m
+    ids, srcs, keys = [], [], []
+    for kind, s, j in order:
+        ids.append((kind * n_st + s) * m + j)
+        if kind == 0:
+            srcs.append((s - 1) * m + j if s > 0 else none)
+        else:
+            srcs.append((n_st + s + 1) * m + j if s < n_st - 1 else s * m + j)
+        keys.append(2 * s + kind)
+    return ids, srcs, keys
 
 
 def simulate_step(
