@@ -52,6 +52,7 @@ class StepBounds:
         self.ctx = ctx
         self._grid: dict = {}  # grid -> (optimizer + scalars seconds, data-parallel terms)
         self._z: dict = {}  # (G_z, G_y, G_x, full) -> (tables, queue) seconds per micro-batch
+        self._cheap: dict = {}  # (grid, orientation, b, full) -> the terms :meth:`cheap` adds
 
     def _grid_terms(self, st: Step, grid: tuple) -> tuple[float, tuple[float, ...]]:
         """Per grid: the optimizer and the step-level scalars, seconds per step; and the
@@ -102,7 +103,22 @@ class StepBounds:
         Raises:
             PlanError: the global batch does not split into micro-batches on this grid.
         """
-        ctx, full = self.ctx, parse_checkpointing(checkpointing) == "full"
+        full = parse_checkpointing(checkpointing) == "full"
+        key = (grid, orientation, micro_batch, full)
+        got = self._cheap.get(key)
+        if got is None:
+            got = self._cheap[key] = self._cheap_terms(*key, checkpointing)
+        step_terms, data, z = got
+        return compute_s + step_terms + data + z  # added in the order they always were
+
+    def _cheap_terms(
+        self, grid: tuple, orientation: str, micro_batch: int, full: bool, checkpointing: str
+    ) -> tuple[float, float, float]:
+        """The terms :meth:`cheap` adds to the compute, seconds: the optimizer and scalars, the
+        data-parallel all-reduce's exposed seconds and the embedding tables' and Z weights'
+        floor of all micro-batches (the same for every mode with the same ``full``; memoised by
+        the caller)."""
+        ctx = self.ctx
         roles = role_sizes(grid, orientation)
         z, terms = self._z.get((*roles[2:], full)), self._grid.get((grid, orientation))
         if z is None or terms is None:
@@ -121,7 +137,7 @@ class StepBounds:
         windows = window_seconds(comp, L, full)
         z = acc * scatter + blocking * gather
         z += max(0.0, acc * (queue - windows) + (acc - blocking) * gather)
-        return compute_s + step_terms + sum(data) + z
+        return step_terms, sum(data), z
 
     def with_xy(
         self,
