@@ -237,3 +237,24 @@ def _overlap_worker(world_size):
 
 def test_parameter_gathers_overlap_the_next_forward():
     run_distributed(_overlap_worker, 2, 2)
+
+
+def test_gather_exposure_is_the_forwards_lateness():
+    """:func:`tetrad.plan.comm.layers.gather_exposed` against a replay of the queue: the
+    all-gathers back to back (embedding, blocks, head), each unit's forward waiting for its
+    own; the exposure is the forward's delay. Without forward to hide behind, all of it; with
+    interleaved stages, at most the one-stage figure."""
+    from tetrad.plan.comm.layers import gather_exposed
+
+    def replay(d, h, e, fwd, n):
+        done, t = e, e  # the embedding waits for its all-gather; its lookup costs nothing here
+        for _ in range(n):
+            done += d
+            t = max(t, done) + fwd
+        return max(t, done + h) - n * fwd
+
+    for d, h, e, fwd, n in [(3, 2, 1, 1, 6), (1, 5, 2, 3, 4), (2, 2, 2, 2, 1), (0.5, 9, 1, 2, 8)]:
+        assert abs(gather_exposed(d, h, e, fwd, n) - replay(d, h, e, fwd, n)) < 1e-12
+        assert gather_exposed(d, h, e, 0.0, n) == e + n * d + h
+        assert gather_exposed(d, h, e, fwd, n) >= e + d
+        assert gather_exposed(d, h, e, fwd, 2 * n, 0, 2, 4) <= gather_exposed(d, h, e, fwd, 2 * n)
