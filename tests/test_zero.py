@@ -20,7 +20,7 @@ from tetrad.parallel.zero import DataShards, ShardedAdamW
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.step import pipeline_train_step
 from tetrad.spec import OVERLAPS
-from tetrad.train.step import build_optimizer, lr_at, train_step
+from tetrad.train.step import build_optimizer, lr_at, settle_parameters, train_step
 
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=4)
 ALL, NONE = tuple(OVERLAPS), ()
@@ -62,10 +62,10 @@ def _snapshot_pieces(opt: ShardedAdamW, into: dict) -> None:
     """Keep the first step's reduced, clipped pieces (the all-gather forgets them)."""
     gather = opt.shards.all_gather
 
-    def run():
+    def run(*args, **kwargs):
         if not into:
             into.update({id(p): opt.shards.grads[id(p)].clone() for p, _ in opt.pairs})
-        gather()
+        gather(*args, **kwargs)
 
     opt.shards.all_gather = run
 
@@ -98,9 +98,11 @@ def zero_runs(world_size, ref_curves, ref_first, ref_weights, cases):
                 loss, norm = map(float, pipeline_train_step(model, opt, batch, CLIP))
             else:
                 loss, norm = map(float, train_step(model, opt, grid, batch, MICRO, CLIP))
+            assert opt.shards.pending, f"{label} step {step}: the all-gathers did not overlap"
             ref_loss, ref_norm = ref_curves[0][step], ref_curves[1][step]
             assert abs(loss - ref_loss) <= 1e-5 * ref_loss, f"{label} step {step}: {loss}"
             assert abs(norm - ref_norm) <= 1e-4 * ref_norm, f"{label} step {step}: norm {norm}"
+        settle_parameters(opt)
         worst_grad = worst = 0.0
         for name, p in weights.named_parameters():
             local = p.placement.local_slices(grid)
@@ -165,6 +167,8 @@ def _padding_worker(world_size):
         for r, g in zip(ref, grads, strict=True):
             r.grad = g / (rank + 1) * total
         plain.step()
+        assert shards.pending  # left for the next forward's first reads
+    shards.wait_all()
     for p, r in zip(params, ref, strict=True):
         torch.testing.assert_close(p.data, r.data)
 
@@ -199,3 +203,58 @@ def test_planner_offers_the_sharded_optimizer():
             g = r.sizes["data"] * r.sizes["context"]
             want = plain.memory.components["optimizer_states"] / g
             assert abs(r.memory.components["optimizer_states"] - want) <= 1e-6 * want
+
+
+def _overlap_worker(world_size):
+    """The parameter all-gathers after the update are left pending and waited in the next
+    step's forward, one module at a time: at a module's forward pre-hook (after the optimizer's
+    own, registered first) none of its parameters is pending while the later modules' still
+    are; the head's were issued last."""
+    grid, model, _ = _build(1, (world_size, 1, 1, 1), ALL)
+    opt = build_optimizer(model, LR, weight_decay=0.1, shard=grid)
+    seen: list[tuple[bool, int]] = []
+    for batch in batches()[:2]:
+        train_step(model, opt, grid, batch, MICRO, CLIP)
+        if not seen:  # after the first step: the optimizer's hooks exist, ours run after them
+            pending = dict(opt.shards.pending)
+            assert pending, "nothing left pending after the update"
+            issued = list(dict.fromkeys(id(e[1]) for e in pending.values()))
+            head = next(p for n, p in model.named_parameters() if "head" in n or "output" in n)
+            assert id(pending[id(head)][1]) == issued[-1], "the head's all-gather is not last"
+            for m in model.modules():
+                own = list(m.parameters(recurse=False))
+                if own:
+                    m.register_forward_pre_hook(
+                        lambda _m, _a, own=own: seen.append(
+                            (any(id(p) in opt.shards.pending for p in own), len(opt.shards.pending))
+                        )
+                    )
+    assert seen and not any(mine for mine, _ in seen), "a module ran before its all-gather"
+    assert seen[0][1] > 0, "the first module found every all-gather already waited"
+    counts = [n for _, n in seen]
+    assert counts == sorted(counts, reverse=True)
+
+
+def test_parameter_gathers_overlap_the_next_forward():
+    run_distributed(_overlap_worker, 2, 2)
+
+
+def test_gather_exposure_is_the_forwards_lateness():
+    """:func:`tetrad.plan.comm.layers.gather_exposed` against a replay of the queue: the
+    all-gathers back to back (embedding, blocks, head), each unit's forward waiting for its
+    own; the exposure is the forward's delay. Without forward to hide behind, all of it; with
+    interleaved stages, at most the one-stage figure."""
+    from tetrad.plan.comm.layers import gather_exposed
+
+    def replay(d, h, e, fwd, n):
+        done, t = e, e  # the embedding waits for its all-gather; its lookup costs nothing here
+        for _ in range(n):
+            done += d
+            t = max(t, done) + fwd
+        return max(t, done + h) - n * fwd
+
+    for d, h, e, fwd, n in [(3, 2, 1, 1, 6), (1, 5, 2, 3, 4), (2, 2, 2, 2, 1), (0.5, 9, 1, 2, 8)]:
+        assert abs(gather_exposed(d, h, e, fwd, n) - replay(d, h, e, fwd, n)) < 1e-12
+        assert gather_exposed(d, h, e, 0.0, n) == e + n * d + h
+        assert gather_exposed(d, h, e, fwd, n) >= e + d
+        assert gather_exposed(d, h, e, fwd, 2 * n, 0, 2, 4) <= gather_exposed(d, h, e, fwd, 2 * n)

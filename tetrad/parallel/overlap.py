@@ -177,6 +177,7 @@ class Overlap:
                 self.counts["prefetch_misses"] += 1
         if got is None:
             self._traced("all_gather", param)
+            self._settle(param)
             got = all_gather(param.detach().to(dtype), self.grid, Axis.Z)
         if self._in_step and self._prefetching:
             if self._recording is not None:
@@ -209,8 +210,15 @@ class Overlap:
         if self.trace is not None and self.grid.z > 1:
             self.trace.append((kind, param))
 
+    def _settle(self, param) -> None:
+        """The sharded optimizer's pending all-gather of ``param`` over data, waited before a
+        Z all-gather reads it (a prefetch runs ahead of the module's forward pre-hook)."""
+        if self.buckets.shards is not None:
+            self.buckets.shards.wait_for((param,))
+
     def _start_gather(self, param, dtype) -> tuple:
         self._traced("all_gather", param)
+        self._settle(param)
         with torch.no_grad():
             h = all_gather(param.detach().to(dtype), self.grid, Axis.Z, async_op=True)
         return (param, dtype, h)

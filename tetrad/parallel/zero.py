@@ -14,6 +14,13 @@ groups' columns side by side (``[G, sum c]``), so that row ``r`` holds rank ``r`
 reduce-scatter leaves row ``r`` on rank ``r``. The all-gather after the update packs the same
 way. The padding is zero (none when ``G`` divides ``n``).
 
+The all-gathers after the update are asynchronous (as Megatron-LM's ``overlap_param_gather``):
+issued in the order the next forward first reads the parameters (:meth:`DataShards.attach`:
+embedding, blocks, head), each waited just before that first read (a forward pre-hook on every
+module below the model, and :meth:`tetrad.parallel.overlap.Overlap` before a Z
+all-gather reads a weight), or all at once by :meth:`DataShards.wait_all` (before a checkpoint
+save, an evaluation, the end of training, and the next update).
+
 Pieces depend only on the parameter and ``G``, never on the buckets, so a step whose buckets
 differ from the last's still finds its states, and a checkpoint stores the whole local tensors
 (:meth:`ShardedAdamW.full_states`): it loads on any grid, with or without sharding.
@@ -49,6 +56,45 @@ class DataShards:
         self.rank = dist.get_group_rank(group, dist.get_rank()) if group is not None else 0
         self.grads: dict[int, torch.Tensor] = {}
         self.groups: list[list[nn.Parameter]] = []
+        self.order: dict[int, int] = {}  # id(param) -> its place in the forward (attach)
+        self.pending: dict[int, tuple] = {}  # id(param) -> (params, Handle) of its all-gather
+        self._hooked: set[int] = set()
+
+    def attach(self, *models: nn.Module) -> None:
+        """Wait for a parameter's pending all-gather before the forward of any module that
+        holds it: a forward pre-hook on every module below ``models`` (once per module; its
+        own and its submodules' parameters, so that a block waits for all of its own even
+        where a parent reads a child's weights); the parameters' order in ``models`` (as given:
+        a pipeline's parts in order) is the order of the next forward, in which
+        :meth:`all_gather` issues the groups."""
+        for model in models:
+            for p in model.parameters():
+                self.order.setdefault(id(p), len(self.order))
+            for m in model.modules():
+                own = list(m.parameters())
+                if m is not model and own and id(m) not in self._hooked:
+                    self._hooked.add(id(m))
+                    m.register_forward_pre_hook(lambda _m, _a, own=own: self.wait_for(own))
+
+    def wait_for(self, params) -> None:
+        """Finish the pending all-gathers (:meth:`all_gather`) of any of ``params``."""
+        for p in params:
+            entry = self.pending.get(id(p))
+            if entry is not None:
+                for q in entry[0]:
+                    self.pending.pop(id(q), None)
+                self._copy_in(*entry)
+
+    def wait_all(self) -> None:
+        """Finish every pending all-gather, in the order they were issued."""
+        while self.pending:
+            entry = next(iter(self.pending.values()))
+            for q in entry[0]:
+                self.pending.pop(id(q), None)
+            self._copy_in(*entry)
+
+    def _first_read(self, params: list[nn.Parameter]) -> int:
+        return min(self.order.get(id(p), len(self.order)) for p in params)
 
     def sharded(self, p: nn.Parameter) -> bool:
         """Whether ``p``'s optimizer state is split: its gradient is summed over data."""
@@ -105,18 +151,29 @@ class DataShards:
             offset += c
 
     @torch.no_grad()
-    def all_gather(self) -> None:
+    def all_gather(self, async_op: bool = False) -> None:
         """After the update: all-gather every group's pieces over data into the parameters
-        (one call per group, in the order they were reduce-scattered), then forget the step."""
-        for params in self.groups:
+        (one call per group), then forget the step. ``async_op``: issued in the order of the
+        next forward's first reads (:meth:`attach`; else as reduce-scattered) and left pending
+        (:meth:`wait_for`, :meth:`wait_all`); else each waited at once."""
+        groups = sorted(self.groups, key=self._first_read) if async_op else self.groups
+        for params in groups:
             mine = self.pack_row([self.piece(p.data) for p in params], params)
-            full = all_gather(mine, self.grid, Axis.DATA).view(self.size, -1)
-            offset = 0
-            for p in params:
-                n, c = p.numel(), self.chunk(p.numel())
-                p.data.view(-1).copy_(full[:, offset : offset + c].reshape(-1)[:n])
-                offset += c
+            handle = all_gather(mine, self.grid, Axis.DATA, async_op=True)
+            if async_op:
+                self.pending.update((id(p), (params, handle)) for p in params)
+            else:
+                self._copy_in(params, handle)
         self.groups, self.grads = [], {}
+
+    @torch.no_grad()
+    def _copy_in(self, params: list[nn.Parameter], handle) -> None:
+        full = handle.wait().view(self.size, -1)
+        offset = 0
+        for p in params:
+            n, c = p.numel(), self.chunk(p.numel())
+            p.data.view(-1).copy_(full[:, offset : offset + c].reshape(-1)[:n])
+            offset += c
 
     def pack_row(self, pieces: list[torch.Tensor], params: list[nn.Parameter]) -> torch.Tensor:
         """``[sum c]``: ``pieces`` (this rank's of ``params``) side by side, zero-padded."""
@@ -154,11 +211,16 @@ class ShardedAdamW(torch.optim.AdamW):
     Args:
         groups: parameter groups as for ``torch.optim.AdamW`` (the model's parameters).
         shards: the grid's :class:`DataShards`.
+        overlap_gather: leave the all-gathers pending after :meth:`step`, each waited before
+            the next forward's first read of its parameters (:meth:`DataShards.attach`) or by
+            :meth:`DataShards.wait_all`; else :meth:`step` returns with the parameters whole.
         **kwargs: ``lr``, ``betas``, ``eps``, ``fused``, ``foreach`` of ``torch.optim.AdamW``.
     """
 
-    def __init__(self, groups: list[dict], shards: DataShards, **kwargs):
-        self.shards = shards
+    def __init__(
+        self, groups: list[dict], shards: DataShards, overlap_gather: bool = True, **kwargs
+    ):
+        self.shards, self.overlap_gather = shards, overlap_gather
         self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # (param, what AdamW updates)
         inner = []
         for g in groups:
@@ -172,12 +234,14 @@ class ShardedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """The AdamW update of every piece with a reduced gradient, then the all-gather."""
+        """The AdamW update of every piece with a reduced gradient, then the all-gather
+        (pending with ``overlap_gather``; any still pending from the last step first finish)."""
+        self.shards.wait_all()
         for p, v in self.pairs:
             if v is not p:
                 v.grad = self.shards.grads.get(id(p))
         super().step(closure)
-        self.shards.all_gather()
+        self.shards.all_gather(async_op=self.overlap_gather)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the parameters' gradients and the pieces'."""

@@ -52,6 +52,8 @@ def pipeline_train_step_losses(
     pipeline.aux_scale = 1.0 / batch.shape[0] if moe else 0.0
     local = to_device(local_samples(batch, grid), grid.device)
     shards = optimizer_shards(optimizer)
+    if shards is not None:
+        shards.attach(*pipeline.parts)
     for part in pipeline.parts:
         part.overlap.buckets.shards = shards
     with autocast(grid.device):

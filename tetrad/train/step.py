@@ -54,6 +54,15 @@ def build_optimizer(
     return torch.optim.AdamW(groups, **kwargs)
 
 
+def settle_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Finish the sharded optimizer's pending parameter all-gathers (:mod:`tetrad.parallel.zero`),
+    before anything but the next training forward reads the parameters: a checkpoint save, an
+    evaluation, an export, the end of training. A no-op for other optimizers."""
+    shards = getattr(optimizer, "shards", None)
+    if shards is not None:
+        shards.wait_all()
+
+
 def optimizer_shards(optimizer: torch.optim.Optimizer) -> DataShards | None:
     """The :class:`~tetrad.parallel.zero.DataShards` of a sharded optimizer (None: not
     sharded, or a data group of one rank)."""
@@ -149,6 +158,8 @@ def train_step_losses(
     micro_batches = to_device(local_samples(batch, grid), grid.device).split(micro_batch)
     overlap = getattr(model, "overlap", None)
     shards = optimizer_shards(optimizer)
+    if shards is not None:
+        shards.attach(model)
     if overlap is not None:
         overlap.buckets.shards = shards
     loss = torch.zeros((), device=grid.device)

@@ -51,7 +51,13 @@ from tetrad.train.resume import (
     tetrad_version,
     trim_metrics,
 )
-from tetrad.train.step import build_optimizer, evaluate, lr_at, train_step_losses
+from tetrad.train.step import (
+    build_optimizer,
+    evaluate,
+    lr_at,
+    settle_parameters,
+    train_step_losses,
+)
 from tetrad.train.stop import Stopped, StopSignals, signal_name
 
 __all__ = ["build_model", "preflight", "train"]
@@ -313,6 +319,8 @@ def _loop(job: Job, start: int) -> tuple[float, float]:
         edge = profile is not None and done + 1 in (profile[0], profile[1] + 1)
         if not (done % log.log_every == 0 or last or validate or save or edge):
             continue
+        if validate or save or last:  # evaluation, checkpoint, the end: parameters whole
+            settle_parameters(job.optimizer)
         peak = job.meter.peak
         rows, pending = _rows(job, pending, since), []
         loss = rows[-1]["loss"]

@@ -37,7 +37,7 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
               with data parallelism alone). With the sharded optimizer
               (:mod:`tetrad.plan.comm.zero`) the data all-reduces are reduce-scatters of the
               same payload, each followed after the update by an all-gather of the same
-              payload (blocking), and the norm is summed over the world.
+              payload (hidden by the next forward: layers.gather_exposed); norm: world.
 
 A size-1 axis issues nothing. Times come from the alpha-beta ring model of
 :mod:`tetrad.plan.machine.network` with each axis's placement.

@@ -117,8 +117,9 @@ def data_gradients(rec: Recorder, st: Step) -> None:
 
     With the sharded optimizer (:attr:`Step.zero`, tetrad/parallel/zero.py) each all-reduce is
     a reduce-scatter of the same payload (bucketed and hidden the same way), and after the
-    update each group is all-gathered over data (same payload, one call per reduce-scatter,
-    blocking: exposed)."""
+    update each group is all-gathered over data (same payload, one call per reduce-scatter),
+    waited before the next step's first forward use of its parameters
+    (:func:`parameter_gathers`)."""
     if st.sizes["data"] == 1:
         return
     ld, L = st.links["data"], st.n_layers
@@ -135,15 +136,74 @@ def data_gradients(rec: Recorder, st: Step) -> None:
     t = ld.time(kind, w_total / calls)
     hid = "backward of the blocks below (last micro-batch, buckets)"
     rec.add("gradients", "backward", "data", kind, w_total / calls, calls, t, exp, hid)
-    parameter_gathers(rec, st, "parameters", w_total / calls, calls)
+    if st.zero:
+        fwd = gather_exposed(
+            *bucket_seconds(st, ALL_GATHER), st.comp.block_fwd, L, _lead(st), st.chunks, st.rounds
+        )
+        parameter_gathers(rec, st, "parameters", w_total / calls, calls, fwd)
 
 
-def parameter_gathers(rec: Recorder, st: Step, layer: str, payload: float, calls: int) -> None:
+def parameter_gathers(
+    rec: Recorder, st: Step, layer: str, payload: float, calls: int, exposed: float | None = None
+) -> None:
     """With the sharded optimizer: ``calls`` all-gathers over data of ``payload`` bytes each
-    (the updated parameters, fp32), after the update, blocking (exposed)."""
+    (the updated parameters, fp32), issued after the update in the order the next forward uses
+    the parameters and each waited before that first use (tetrad/parallel/zero.py); ``exposed``
+    seconds per step (:func:`gather_exposed`; None: one group, waited before the embedding's
+    lookup, all exposed)."""
     if st.zero and st.sizes["data"] > 1:
         t = st.links["data"].time(ALL_GATHER, payload)
-        rec.add(layer, "step", "data", ALL_GATHER, payload, calls, t, calls * t)
+        hid = "" if exposed is None else "next step's forward (first micro-batch)"
+        e = calls * t if exposed is None else exposed
+        rec.add(layer, "step", "data", ALL_GATHER, payload, calls, t, e, hid)
+
+
+def _lead(st: Step) -> int:
+    """Blocks by which a weight's first read comes before its block's forward: 1 when the Z
+    all-gathers prefetch (:data:`tetrad.spec.PREFETCH_DEPTH` weights ahead, less than a block:
+    counted as a whole block, so the exposure is not underestimated), else 0."""
+    return 1 if st.prefetch and st.sizes["z"] > 1 else 0
+
+
+def gather_exposed(
+    big_d: float,
+    big_h: float,
+    big_e: float,
+    fwd: float,
+    n_layers: int,
+    lead: int = 0,
+    chunks: int = 1,
+    rounds: int = 1,
+) -> float:
+    """Exposed seconds of the sharded optimizer's bucketed parameter all-gathers over data
+    (:func:`data_gradients`), from the seconds of a block's, the LM head's and the embedding's
+    (with the vectors) share of the buckets (:func:`bucket_seconds` of the all-gather) and a
+    block's forward ``fwd`` (seconds, one micro-batch).
+
+    The all-gathers are issued back to back after the update in the order of the next forward,
+    embedding, block 1 to ``L``, head; a unit waits for its own (done at ``C``: the seconds of
+    those before it and its own) before its first read, after ``H`` seconds of the next step's
+    forward (the embedding: none, its lookup is the step's first read; block ``k``:
+    ``max(0, k - 1 - lead)`` block forwards, ``lead`` the blocks by which a Z prefetch reads a
+    weight early). The forward is delayed by the largest ``C - H`` (a queue: a late wait
+    delays every later one by as much); ``C - H`` is linear in ``k``, so blocks 1, ``1 + lead``
+    and the last are enough. The embedding's and the first block's all-gathers are always
+    exposed.
+
+    A pipeline rank with ``chunks`` stages (interleaved 1F1B) runs ``rounds`` micro-batches
+    through a stage before the next stage's first forward: stage ``c``'s blocks are read
+    ``c rounds`` stage forwards later. Stages counted at the largest's blocks in ``C`` and the
+    smallest's in ``H``, and a pipeline's fill not counted, so the exposure is never below the
+    runtime's. Megatron-LM's ``overlap_param_gather`` hides them the same way (Shoeybi et al.,
+    arXiv 1909.08053; Narayanan et al., arXiv 2104.04473, interleaved schedule)."""
+    big, small = -(-n_layers // chunks), n_layers // chunks
+    late = big_e
+    for c in range(chunks):
+        c0, h0 = big_e + c * big * big_d, c * rounds * small * fwd
+        for k in {1, min(big, 1 + lead), big}:
+            late = max(late, c0 + k * big_d - h0 - max(0, k - 1 - lead) * fwd)
+    h_head = (chunks - 1) * rounds * small * fwd + max(0, small - lead) * fwd
+    return max(late, big_e + chunks * big * big_d + big_h - h_head)
 
 
 def gradient_bytes(st: Step) -> float:
@@ -153,13 +213,13 @@ def gradient_bytes(st: Step) -> float:
     return (st.n_layers * st.block_el + st.head_el + st.emb_el + vec) * FP32
 
 
-def bucket_seconds(st: Step) -> tuple[float, float, float]:
-    """All-reduce (reduce-scatter with :attr:`Step.zero`) seconds of one block's, the LM
-    head's and the embedding's (with the vectors riding along) share of the ``dp_all_reduce``
-    buckets: their bytes at the bucketed collective's seconds per byte, the per-call latency
-    spread over the bytes."""
+def bucket_seconds(st: Step, kind: str | None = None) -> tuple[float, float, float]:
+    """All-reduce (reduce-scatter with :attr:`Step.zero`; ``kind`` when given) seconds of one
+    block's, the LM head's and the embedding's (with the vectors riding along) share of the
+    ``dp_all_reduce`` buckets: their bytes at the bucketed collective's seconds per byte, the
+    per-call latency spread over the bytes."""
     ld, calls, w_total = st.links["data"], st.bucket_calls, gradient_bytes(st)
-    kind = REDUCE_SCATTER if st.zero else ALL_REDUCE
+    kind = kind or (REDUCE_SCATTER if st.zero else ALL_REDUCE)
     vec = st.vector_el if st.vectors_in_buckets else 0.0
     lat = ld.time(kind, 0.0)
     per_byte = (ld.time(kind, w_total) - lat) / w_total

@@ -98,6 +98,10 @@ class Step:
             ``sizes`` and ``links`` are the roles'.
         zero: the sharded optimizer (ZeRO-1): the data-parallel gradients reduce-scattered and
             the parameters all-gathered over data (:func:`tetrad.plan.comm.layers.data_gradients`).
+        chunks, rounds: a pipeline rank's stages (interleaved 1F1B: ``v``) and the micro-batches
+            each runs forward before the next stage's first (``min(G_pipe, acc)``); the next
+            step's forward hides the parameter all-gathers in that order
+            (:func:`tetrad.plan.comm.layers.gather_exposed`).
         fused_s: seconds of the fused GEMM -> reduce-scatter ring ``(flops, payload bytes,
             link, chunks)`` on this machine (:meth:`tetrad.plan.comm.context.Context.fused_s`:
             :func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`, memoised per shape).
@@ -131,6 +135,8 @@ class Step:
     orientation: str = "xy"
     zero: bool = False
     wrap: bool = False
+    chunks: int = 1
+    rounds: int = 1
 
     @property
     def n_layers(self) -> int:

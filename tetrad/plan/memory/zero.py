@@ -14,7 +14,7 @@ from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.states import local_parameter_elements
 from tetrad.plan.model.grids import context_size, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import DP_BUCKET_BYTES, FP32
+from tetrad.spec import FP32
 
 SHARD_OPTIMIZER = ("auto", "on", "off")
 """The planner's choices for the sharded optimizer (``tetrad plan --shard-optimizer``)."""
@@ -59,23 +59,13 @@ def end_of_backward_bytes(model: ModelSpec, grid) -> float:
 def step_bytes(model: ModelSpec, grid, dp_overlap: bool) -> float:
     """Sharded, ``G > 1``: the optimizer step's largest temporary: the reduced pieces ``4 n /
     G``; the vectors' sum over Z (``G_z > 1``: a flat copy and its packed copy, their
-    gradients dropped); and the
-    all-gather of the largest group after the update, its output and this rank's packed row
-    ``4 k (1 + 1/G)``, ``k`` the group's elements: without ``dp_overlap`` all matrices; with it
-    the larger of the last bucket (the embedding tables and, with ``G_z = 1``, the vectors)
-    and a bucket of :data:`tetrad.spec.DP_BUCKET_BYTES` plus the largest block matrix (an
-    estimate: the buckets' split is the runtime's at run time)."""
+    gradients dropped); and the all-gathers after the update, all in flight at once until the
+    next forward waits them (tetrad/parallel/zero.py), each group's output and this rank's
+    packed row: ``4 n (1 + 1/G)`` over every group, whatever the buckets (``dp_overlap``
+    changes only how the groups are cut)."""
     n = local_parameter_elements(model, grid)
     g = data_group(grid)
-    gz, gy, gx = grid_sizes(grid)[1:]
-    shard = gx * gy * gz
-    tables = model.vocab * model.hidden // shard
-    if not dp_overlap:
-        group = n["matrices"]
-    else:
-        largest = max(lin.weight_elements for lin in model.linears()) // shard
-        last = tables + (n["vectors"] if gz == 1 else 0)
-        group = max(last, min(n["matrices"], DP_BUCKET_BYTES / FP32 + largest))
+    gz = grid_sizes(grid)[1]
     vectors = 2 * n["vectors"] if gz > 1 else 0
     pieces = (n["matrices"] + n["vectors"]) / g
-    return FP32 * (pieces + max(vectors, group * (1 + 1 / g)))
+    return FP32 * (pieces + max(vectors, (n["matrices"] + n["vectors"]) * (1 + 1 / g)))

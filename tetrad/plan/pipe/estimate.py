@@ -176,6 +176,8 @@ def rank_time(
         st.head_el = 0.0
     if not prank.first:
         st.emb_el = 0.0
+    if cfg.schedule == "interleaved-1f1b":  # the next forward's stage order (gather_exposed)
+        st.chunks, st.rounds = cfg.virtual, min(cfg.pipe, st.acc)
     mb, tail = Recorder(False), Recorder(False)
     per_block = block_xy(ctx, grid, micro_batch, ckpt, turn)
     for d, src in ((mb.exposed, per_block[0]), (mb.total, per_block[1])):
@@ -243,7 +245,8 @@ def cached_rank_time(
     """:func:`rank_time`, memoised in ``ctx`` on what it depends on (the estimate and the
     search's bounds share it)."""
     memo = ctx.__dict__.setdefault("_rank_times", {})
-    key = (grid, micro_batch, ckpt, turn, prank.blocks, prank.first, prank.last)
+    key = (grid, micro_batch, ckpt, turn, prank.blocks, prank.first, prank.last, cfg.schedule)
+    key += (cfg.pipe,)
     key += boundaries_of_rank(cfg.pipe, prank.rank, cfg.virtual)
     got = memo.get(key)
     if got is None:
