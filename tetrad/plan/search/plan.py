@@ -3,7 +3,10 @@ classic Megatron-style space beside it (:mod:`tetrad.plan.search.classic`)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
+from collections.abc import Iterator
 
 from tetrad.activation_checkpointing import CHECKPOINTING
 from tetrad.plan.comm.context import Context
@@ -43,25 +46,8 @@ def plan(
         PlanError: bad inputs, or no 4D configuration at all (message says what to change).
     """
     t0 = time.perf_counter()
-    rows, stats = search_4d(
-        model,
-        machine,
-        gpus,
-        global_batch,
-        seq_len,
-        top=top,
-        checkpointing=checkpointing,
-        micro_batches=micro_batches,
-        overlaps=overlaps,
-        comm_model=comm_model,
-        dtype=dtype,
-        gpu_memory_bytes=gpu_memory_bytes,
-        pipeline=pipeline,
-        shard_optimizer=shard_optimizer,
-    )
-    crow, cstats = ([], {})
-    if classic:
-        crow, cstats = search_classic(
+    with _no_cycle_collection():
+        rows, stats = search_4d(
             model,
             machine,
             gpus,
@@ -70,9 +56,27 @@ def plan(
             top=top,
             checkpointing=checkpointing,
             micro_batches=micro_batches,
+            overlaps=overlaps,
+            comm_model=comm_model,
+            dtype=dtype,
             gpu_memory_bytes=gpu_memory_bytes,
-            pipeline=classic_pipeline,
+            pipeline=pipeline,
+            shard_optimizer=shard_optimizer,
         )
+        crow, cstats = ([], {})
+        if classic:
+            crow, cstats = search_classic(
+                model,
+                machine,
+                gpus,
+                global_batch,
+                seq_len,
+                top=top,
+                checkpointing=checkpointing,
+                micro_batches=micro_batches,
+                gpu_memory_bytes=gpu_memory_bytes,
+                pipeline=classic_pipeline,
+            )
     inputs = {
         "model": model.name,
         "model_summary": model.summary(),
@@ -91,3 +95,18 @@ def plan(
     }
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
     return SearchResult(rows, crow, all_stats, inputs)
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the searches: they build millions of
+    short-lived tuples and dicts (freed by reference counting, no cycles to find), and the
+    collector's passes over them took 5-10% of a 16,384-GPU search (docs/planner.md section 8).
+    Restored afterwards, also on an error."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
