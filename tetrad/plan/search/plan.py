@@ -101,7 +101,8 @@ def plan(
 def _no_cycle_collection() -> Iterator[None]:
     """Python's cyclic garbage collector off for the searches: they build millions of
     short-lived tuples and dicts (freed by reference counting, no cycles to find), and the
-    collector's passes over them took 5-10% of a 16,384-GPU search (docs/planner.md section 8).
+    collector's passes over them (and over all of torch's objects) took about a fifth of a
+    16,384-GPU search in the `tetrad plan` process (docs/planner.md section 8).
     Restored afterwards, also on an error."""
     was_on = gc.isenabled()
     gc.disable()
