@@ -21,7 +21,7 @@ from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import make_step
-from tetrad.plan.comm.zwindows import ZWindows, _z_weights, table_seconds
+from tetrad.plan.comm.zwindows import z_stream
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.model.presets import get_model
 from tetrad.spec import OVERLAPS
@@ -67,18 +67,8 @@ def _planned(ckpt: bool) -> list[list[str]]:
     """The planner's issue order of the same step, ``[kind, layer]``."""
     ctx = Context(get_model(SPEC), get_machine("perlmutter"), SEQ, 2 * ACC, compute_bytes=4)
     st = make_step(ctx, (1, 2, 1, 1), 1, "full" if ckpt else "none", wrap=True)
-    _, _, times = _z_weights(st)
-    sched = ZWindows(
-        st.comp,
-        times,
-        table_seconds(st),
-        st.n_layers,
-        st.acc,
-        checkpointing=st.checkpointing,
-        prefetch=True,
-        async_scatter=True,
-        wrap=True,
-    )
+    assert st.prefetch and st.async_scatter and st.wrap  # the runtime's overlaps
+    _, _, sched = z_stream(st)
     sched.queue.trace = []
     sched.run()
     return [["all_gather" if g else "reduce_scatter", key[0]] for key, g in sched.queue.trace]

@@ -167,6 +167,16 @@ def z_collectives(rec: Recorder, st: Step) -> None:
     tables, exposed seconds from the replay of the Z stream (:class:`ZWindows`)."""
     if st.sizes["z"] == 1:
         return
+    blocks, head, sched = z_stream(st)
+    sched.run()
+    for w in (*blocks, head):
+        _z_record(rec, st, sched, w)
+    z_tables(rec, st, sched)
+
+
+def z_stream(st: Step) -> tuple[list[ZWeight], ZWeight, ZWindows]:
+    """The Z collectives of ``st``'s block Linears and LM head, and the replay of its Z stream
+    (:class:`ZWindows`, not yet run: :meth:`ZWindows.run` fills its exposed seconds)."""
     blocks, head, times = _z_weights(st)
     sched = ZWindows(
         st.comp,
@@ -178,10 +188,8 @@ def z_collectives(rec: Recorder, st: Step) -> None:
         prefetch=st.prefetch,
         async_scatter=st.async_scatter,
         wrap=st.wrap,
-    ).run()
-    for w in (*blocks, head):
-        _z_record(rec, st, sched, w)
-    z_tables(rec, st, sched)
+    )
+    return blocks, head, sched
 
 
 def _z_weights(st: Step) -> tuple[list[ZWeight], ZWeight, ZTimes]:
