@@ -9,17 +9,11 @@ to 1e-5 relative, the gradient norm to 1e-4, every weight to 0.05 lr.
 """
 
 import pytest
-import torch
 
 from tests.distributed import run_distributed
-from tests.test_moe_expert_parallel import check_weights, float64_run, pipeline_run
-from tests.test_moe_parallel import CLIP, CONFIGS, LR, MICRO, SEED, batches, set_lr
+from tests.test_moe_expert_parallel import ep_run, float64_run, pipeline_run
+from tests.test_moe_parallel import CONFIGS
 from tests.test_train import corpus  # noqa: F401  (a fixture)
-from tetrad.grid import Grid
-from tetrad.parallel import init_parameters
-from tetrad.parallel.model import ParallelLlama
-from tetrad.spec import Axis
-from tetrad.train.step import build_optimizer, train_step_losses
 
 # (DATA, CONTEXT, Z, Y, X), G_expert[, activation checkpointing]
 TWO_RANKS = [((1, 1, 1, 2, 1), 1), ((1, 1, 1, 1, 2), 1, "full")]
@@ -33,37 +27,11 @@ FOUR_RANKS = [
 EIGHT_RANKS = [((2, 1, 2, 2, 1), 2)]
 
 
-def tensor_run(name, curves, ref_state, grids):
-    torch.set_default_dtype(torch.float64)  # as float64_run (this rank's process only)
-    cfg = CONFIGS[name]
-    for sizes, ep, *recompute in grids:
-        grid = Grid.build(sizes, expert=ep)
-        model = ParallelLlama(
-            cfg,
-            grid,
-            activation_checkpointing=recompute[0] if recompute else "none",
-            overlaps=("dp_all_reduce", "reduce_scatter"),
-        )
-        init_parameters(model, SEED, grid)
-        opt = build_optimizer(model, LR, weight_decay=0.1)
-        label = f"{name} {sizes} ep{ep}"
-        for step, batch in enumerate(batches(cfg)):
-            set_lr(opt, step)
-            grid.comm.reset()
-            got = [float(t) for t in train_step_losses(model, opt, grid, batch, MICRO, CLIP)]
-            assert (grid.comm.stats(Axis.EXPERT).calls > 0) == (ep > 1)
-            for what, g, r, tol in zip(
-                ("lm", "aux", "norm"), got, curves[step], (1e-5, 1e-5, 1e-4), strict=True
-            ):
-                assert abs(g - r) <= tol * abs(r), f"{label} {step} {what}: {g} {r}"
-        check_weights([model], ref_state, grid, label)
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_tensor_grids_match_reference(name):
     curves, state = float64_run(CONFIGS[name])
-    run_distributed(tensor_run, 2, name, curves, state, TWO_RANKS)
-    run_distributed(tensor_run, 4, name, curves, state, FOUR_RANKS)
+    run_distributed(ep_run, 2, name, curves, state, TWO_RANKS)
+    run_distributed(ep_run, 4, name, curves, state, FOUR_RANKS)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -71,7 +39,7 @@ def test_eight_ranks_and_pipeline_match_reference(name):
     """``data=2 z=2 y=2`` with expert parallelism 2 (8 ranks), and ``pipe=2`` with ``y=2`` or
     ``x=2`` (the load-balancing terms differentiated on their own stage)."""
     curves, state = float64_run(CONFIGS[name])
-    run_distributed(tensor_run, 8, name, curves, state, EIGHT_RANKS)
+    run_distributed(ep_run, 8, name, curves, state, EIGHT_RANKS)
     grids = [(2, (1, 1, 1, 2, 1), 1), (2, (1, 1, 1, 1, 2), 1)]
     run_distributed(pipeline_run, 4, name, curves, state, grids)
 
