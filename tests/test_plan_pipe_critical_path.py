@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from tetrad.pipeline.split import balanced_split
+from tetrad.plan.pipe import critical_path
 from tetrad.plan.pipe.critical_path import (
     EXACT_ROUNDS,
     rank_actions,
@@ -110,3 +111,74 @@ def test_uneven_ranks_leave_less_bubble_on_1f1b():
     t = [24.0, 46.0, 67.0, 68.0]
     fwd, bwd = [x / 3 for x in t], [2 * x / 3 for x in t]
     assert simulate_step("1f1b", 4, 1, 8, fwd, bwd) == pytest.approx(8 * 68 + 24 + 46 + 67)
+
+
+# gpt-80b's 42 blocks on p = 16, v = 2 as `tetrad plan --model gpt-80b --machine perlmutter
+# --gpus 1024 --global-batch 16384` splits them (ms per micro-batch): 21 one-block stages, then
+# 10 two-block ones, then the head's
+GPT_80B_FWD = [9.1] + [10.09] * 14 + [10.11, 10.3] + [10.09] * 4 + [18.91] * 10 + [19.39]
+GPT_80B_BWD = [20.34] + [19.38] * 14 + [19.42, 19.82] + [19.38] * 4 + [37.49] * 10 + [19.04]
+
+
+def _alternates(pipe, virtual, fwd, bwd):
+    """Whether interleaved 1F1B's step grows by different amounts over its 5th and 6th rounds
+    of p micro-batches (a pace that does not settle to one per round)."""
+    steps = [
+        simulate_step("interleaved-1f1b", pipe, virtual, k * pipe, fwd, bwd) for k in (4, 5, 6)
+    ]
+    t_max = max(rank_seconds(pipe, fwd, bwd))
+    return abs(steps[2] - 2 * steps[1] + steps[0]) > 1e-6 * pipe * t_max
+
+
+def _longest_simulated(monkeypatch):
+    """The longest length schedule_step simulates from now on (a list holding it)."""
+    longest = [0]
+
+    def counted(schedule, pipe, virtual, m, fwd, bwd):
+        longest[0] = max(longest[0], m)
+        return simulate_step(schedule, pipe, virtual, m, fwd, bwd)
+
+    monkeypatch.setattr(critical_path, "simulate_step", counted)
+    return longest
+
+
+def test_planner_step_is_the_simulation_where_the_pace_alternates(monkeypatch):
+    """Interleaved 1F1B on gpt-80b's planned stages: the step grows by two amounts in turn per
+    round of p micro-batches (cyclicity 2), extrapolated by whole periods of 2 p from at most 8
+    rounds simulated; equal to the full simulation for m an odd and an even number of rounds,
+    up to 4,096."""
+    assert _alternates(16, 2, GPT_80B_FWD, GPT_80B_BWD)
+    longest = _longest_simulated(monkeypatch)
+    for m in (16 * 9, 16 * 64, 16 * 65, 4096):
+        longest[0] = 0
+        step = schedule_step("interleaved-1f1b", 16, 2, m, GPT_80B_FWD, GPT_80B_BWD)
+        assert longest[0] <= 16 * 8 + 16
+        full = simulate_step("interleaved-1f1b", 16, 2, m, GPT_80B_FWD, GPT_80B_BWD)
+        assert step == pytest.approx(full, rel=1e-9)
+
+
+# runtime splits (blocks, embedding, head in blocks' worth) on which the pace alternates
+ALTERNATING = ((8, 2, 26, 0.25, 2), (16, 2, 52, 0.25, 2), (16, 3, 102, 0, 0.5), (8, 4, 96, 1, 3))
+
+
+def test_planner_step_is_the_simulation_on_perturbed_alternating_splits(monkeypatch):
+    """The runtime splits whose pace alternates, each stage's time perturbed by up to 1%
+    (some then settle to one pace, some still alternate, after longer start-ups): the planner's
+    step equals the full simulation, m up to 4,096 (256 rounds of p = 16)."""
+    rng = random.Random(1)
+    longest = _longest_simulated(monkeypatch)
+    alternating = extrapolated = 0
+    for pipe, virtual, layers, emb, head in ALTERNATING:
+        for noise in (0.0, 0.01, 0.01, 0.01):
+            cost = _runtime_split(layers, emb, head, pipe * virtual)
+            cost = [c * (1 + rng.uniform(-noise, noise)) for c in cost]
+            fwd = [c / 3 + 0.01 for c in cost]
+            bwd = [2 * c / 3 + 0.01 for c in cost]
+            alternating += _alternates(pipe, virtual, fwd, bwd)
+            m = pipe * rng.choice((3, 16, 33, 64, 101, 256))
+            longest[0] = 0
+            step = schedule_step("interleaved-1f1b", pipe, virtual, m, fwd, bwd)
+            extrapolated += longest[0] < m
+            full = simulate_step("interleaved-1f1b", pipe, virtual, m, fwd, bwd)
+            assert step == pytest.approx(full, rel=1e-9)
+    assert alternating >= 6 and extrapolated >= 12

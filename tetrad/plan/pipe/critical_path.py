@@ -29,9 +29,17 @@ time: Baccelli et al., "Synchronization and Linearity", 1992, chapter 3; ``max_r
 1F1B, whose other cycles average some ranks' ``T_r``; more for interleaved 1F1B on unequal
 stages, whose rounds of ``p`` micro-batches pace through each stage in turn): the step of the
 first ``m'`` micro-batches plus that pace per further one, where its last round of ``p``
-grew by ``max_r T_r`` per micro-batch, or its last two by the same pace above it (``m'``
-doubles from ``EXACT_ROUNDS p`` until they do). Tested equal to the full simulation on the
-runtime's splits.
+grew by ``max_r T_r`` per micro-batch, or its last two by the same pace above it. Where the
+growth per round takes ``c > 1`` values in turn (the recurrence's cyclicity ``c``, same
+chapter: past a transient, ``c`` more steps add ``c`` cycle times; interleaved 1F1B on
+unequal stages, e.g. gpt-80b's 42 blocks on ``p = 16, v = 2``), the step of the first ``e``
+plus, per further ``c p`` micro-batches, what each of its last two periods of ``c p`` grew by
+(``e`` is ``m'`` or up to ``c p - 1`` more, so that ``c p`` divides ``m - e``; ``c`` in
+:data:`CYCLICITIES`). ``m'`` doubles from ``EXACT_ROUNDS p`` until one holds, else all ``m``
+are simulated. Every length simulated is a graph of its own: the order of ``m`` micro-batches
+is no prefix of a longer one's (its last backwards run where the longer one interleaves more
+forwards; interleaved, ``m`` also sets the rounds ``q`` and the warm-up). Tested equal to the
+full simulation on the runtime's splits, perturbed ones and gpt-80b's.
 
 Never below it: ``m max_r T_r`` (the slowest rank's operations one after another), and for any
 rank ``r`` its ``m T_r`` plus micro-batch 0's forward through stages ``0 .. r - 1`` before its
@@ -47,6 +55,10 @@ from collections.abc import Sequence
 EXACT_ROUNDS = 2
 """1F1B and interleaved 1F1B are simulated over this many times ``p`` micro-batches first (the
 count doubling until their pace settles, at most ``m``)."""
+
+CYCLICITIES = (2, 3, 4)
+"""Periods, in rounds of ``p`` micro-batches, that :func:`_periodic` looks for where the
+growth per round does not settle to one pace (its cyclicity ``c``, module doc)."""
 
 _GRAPHS: dict = {}
 
@@ -195,32 +207,64 @@ def schedule_step(
     """The planner's step of the schedule, seconds (module doc): GPipe ``sum_s f_s + (m - 1)
     max_s f_s + sum_s b_s + (m - 1) max_s b_s``; 1F1B and interleaved 1F1B
     :func:`simulate_step` on ``m' = EXACT_ROUNDS p`` micro-batches (all ``m`` where not more)
-    plus ``m - m'`` times its pace, once settled (:func:`_settled`; else ``m'`` doubles)."""
+    plus ``m - m'`` times its pace, once settled (:func:`_settled`), or plus whole periods of
+    ``c p`` micro-batches once periodic (:func:`_periodic`); else ``m'`` doubles."""
     m = micro_batches
     if schedule == "gpipe":
         return sum(fwd) + sum(bwd) + (m - 1) * (max(fwd) + max(bwd))
     t_max = max(rank_seconds(pipe, fwd, bwd))
-    short = EXACT_ROUNDS * pipe
-    while short < m:
-        got = _settled(schedule, pipe, virtual, short, fwd, bwd, t_max)
-        if got is not None:
-            return got[0] + (m - short) * got[1]
-        short *= 2
-    return simulate_step(schedule, pipe, virtual, m, fwd, bwd)
-
-
-def _settled(schedule, pipe, virtual, short, fwd, bwd, t_max) -> tuple[float, float] | None:
-    """``(step of short micro-batches, pace)`` where the step grew by ``t_max`` per
-    micro-batch (a rank's own work) over its last ``p``, or by one pace above it over each of
-    the last two rounds of ``p``; else None (a start-up still settling)."""
+    seen: dict[int, float] = {}
 
     def step(k: int) -> float:
-        return simulate_step(schedule, pipe, virtual, k, fwd, bwd)
+        got = seen.get(k)
+        if got is None:
+            got = seen[k] = simulate_step(schedule, pipe, virtual, k, fwd, bwd)
+        return got
 
+    periodic = schedule == "1f1b" or m % pipe == 0
+    short = EXACT_ROUNDS * pipe
+    while short < m:
+        got = _settled(step, pipe, short, t_max)
+        if got is not None:
+            return got[0] + (m - short) * got[1]
+        got = _periodic(step, pipe, short, m, t_max) if periodic else None
+        if got is not None:
+            return got
+        short *= 2
+    return step(m)
+
+
+def _settled(step, pipe: int, short: int, t_max: float) -> tuple[float, float] | None:
+    """``(step of short micro-batches, pace)`` where the step grew by ``t_max`` per
+    micro-batch (a rank's own work) over its last ``p``, or by one pace above it over each of
+    the last two rounds of ``p``; else None (a start-up still settling). ``step(k)``: the
+    step of ``k`` micro-batches."""
     a, b = step(short), step(short - pipe)
     pace, tol = (a - b) / pipe, 1e-9 * t_max
     if abs(pace - t_max) <= tol:
         return a, t_max
     if pace > t_max and abs((b - step(short - 2 * pipe)) / pipe - pace) <= tol:
         return a, pace
+    return None
+
+
+def _periodic(step, pipe: int, short: int, m: int, t_max: float) -> float | None:
+    """The step of ``m`` micro-batches where that of ``e`` (``short`` or up to ``c p - 1``
+    more, ``m - e`` a multiple of ``c p``) grew by one amount over each of its last two periods
+    of ``c p`` micro-batches (``c`` in :data:`CYCLICITIES`; at least ``c p t_max``, to
+    ``1e-9 t_max`` per micro-batch): ``step(e)`` plus that amount per further period (the
+    recurrence's cyclicity, module doc); else None. The interleaved order depends on ``m``
+    through its rounds, so the caller passes only ``m`` that ``p`` divides (then so does
+    ``e``) for it."""
+    tol = 1e-9 * t_max
+    for c in CYCLICITIES:
+        period = c * pipe
+        end = short + (m - short) % period
+        if end - 2 * period < pipe:
+            continue
+        a, b = step(end), step(end - period)
+        grew = a - b
+        if grew / period < t_max - tol or abs((b - step(end - 2 * period) - grew) / period) > tol:
+            continue
+        return a + (m - end) // period * grew
     return None
