@@ -161,13 +161,14 @@ def _saved(
 
 
 def _chunks(
-    model: ModelSpec, grid: tuple, micro_batch: int, seq_len: int, prank: PipeRank, opts: tuple
+    model: ModelSpec, grid: tuple, micro_batch: int, seq_len: int, layout: tuple, opts: tuple
 ) -> tuple[list[float], list[float], float]:
     """``(saved, held, out)``: for one micro-batch through each of the rank's stages (execution
     order), the bytes autograd saves (its blocks', with the embedding's on stage 0 and the final
     norm's and the LM head's on the last stage) and those the schedule holds besides until the
-    pass's backward; ``out`` is one boundary tensor ``[b, S/G_context, h/G_x]`` in the compute
-    dtype (what crosses a stage boundary).
+    pass's backward (``layout``: the rank's ``(blocks, first, last, chunk_blocks)``); ``out``
+    is one boundary tensor ``[b, S/G_context, h/G_x]`` in the compute dtype (what crosses a
+    stage boundary).
 
     Held: the stage's output, kept in the stage's forward cache. In fp32 (no cast at the
     boundaries) a later stage's input receive buffer is the very tensor its first block saves,
@@ -183,15 +184,16 @@ def _chunks(
         grid_sizes(grid)[3],
         dtype_bytes(opts[1]),
     )
-    v = len(prank.chunk_blocks)
+    rank_blocks, rank_first, rank_last, chunk_blocks = layout
+    v = len(chunk_blocks)
     cast = dtype_bytes(opts[1]) != dtype_bytes("fp32")
     saved, held = [], []
-    for k, blocks in enumerate(prank.chunk_blocks):
-        if blocks == prank.blocks:  # one stage: the rank model's (memoised with its phases)
+    for k, blocks in enumerate(chunk_blocks):
+        if blocks == rank_blocks:  # one stage: the rank model's (memoised with its phases)
             s = stage_parts(model, blocks, grid, micro_batch, seq_len, *opts)[2]
         else:
             s = _saved(model, blocks, grid, micro_batch, seq_len, *opts[:2])
-        first, last = prank.first and k == 0, prank.last and k == v - 1
+        first, last = rank_first and k == 0, rank_last and k == v - 1
         ends = (s["embedding"] if first else 0.0) + (s["final_norm"] + s["loss"] if last else 0.0)
         saved.append(s["blocks"] + ends)
         held.append(out if first or (cast and not last) else 0.0)
@@ -219,10 +221,27 @@ def in_flight_bytes(
     (:func:`tetrad.plan.pipe.schedule.boundaries_of_rank`; at the peak some of those are
     not posted yet: the runtime holds up to those fewer, never more; tested).
     ``opts``: ``(checkpointing, dtype, prefetch)``."""
-    grid = tuple(grid)
-    saved, held, out = _chunks(model, grid, micro_batch, seq_len, prank, opts)
     v = len(prank.chunk_blocks)
     sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
+    ahead = sum(boundaries_of_rank(pipe, prank.rank, v))
+    layout = (prank.blocks, prank.first, prank.last, prank.chunk_blocks)
+    return _in_flight(model, tuple(grid), micro_batch, seq_len, layout, sets, ahead, opts)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _in_flight(
+    model: ModelSpec,
+    grid: tuple,
+    micro_batch: int,
+    seq_len: int,
+    layout: tuple,
+    sets: tuple,
+    ahead: int,
+    opts: tuple,
+) -> tuple[float, float, float]:
+    """:func:`in_flight_bytes` of a rank of ``layout`` (:func:`_chunks`), in-flight ``sets``
+    and ``ahead`` receives posted ahead, once per those (ranks alike in them share it)."""
+    saved, held, out = _chunks(model, grid, micro_batch, seq_len, layout, opts)
     # the context masks and chunk order: built once per stage and shared by its passes
     shared = 0.0
     if opts[0].partition(":")[0] != "full":
@@ -236,8 +255,8 @@ def in_flight_bytes(
     # receive buffers live from their posting to their pass's backward: the inputs of the
     # passes in flight on stages other than stage 0 (torch's forward cache keeps them), and at
     # most one posted ahead per stage and direction the rank receives in
-    inputs = sum(n for k, n in enumerate(best) if not (prank.first and k == 0))
-    persistent = (inputs + sum(boundaries_of_rank(pipe, prank.rank, v))) * out
+    inputs = sum(n for k, n in enumerate(best) if not (layout[1] and k == 0))
+    persistent = (inputs + ahead) * out
     return in_flight, sum(map(operator.mul, best, held)), persistent
 
 
