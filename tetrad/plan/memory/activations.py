@@ -260,7 +260,7 @@ class _BlockTerms:
     loss: float
 
 
-@functools.lru_cache(maxsize=1 << 13)
+@functools.lru_cache(maxsize=1 << 14)
 def _block_terms(
     model: ModelSpec, grid: tuple, micro_batch: int, seq_len: int, dtype: str
 ) -> _BlockTerms:

@@ -64,7 +64,7 @@ class GridBuffers:
     shape: tuple[int, int, int, int, int]
 
 
-@functools.lru_cache(maxsize=1 << 12)
+@functools.lru_cache(maxsize=1 << 14)
 def checked_grid_buffers(
     model: ModelSpec,
     grid: tuple,
@@ -102,7 +102,7 @@ def _lm_head(model: ModelSpec) -> Linear:
     return model.lm_head()
 
 
-@functools.lru_cache(maxsize=1 << 12)
+@functools.lru_cache(maxsize=1 << 14)
 def grid_buffers(
     model: ModelSpec,
     grid: tuple,

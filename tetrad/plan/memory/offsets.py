@@ -11,7 +11,7 @@ from tetrad.plan.memory.runtime import PHASES
 from tetrad.plan.model.spec import ModelSpec
 
 
-@functools.lru_cache(maxsize=1 << 12)
+@functools.lru_cache(maxsize=1 << 13)
 def sharding_offsets(model: ModelSpec, grid: tuple, dtype: str, prefetch: bool) -> dict:
     """Per phase of :func:`tetrad` (default overlaps): the bytes the sharded optimizer adds
     (negative: saves) to the unsharded total, the same for every micro-batch and checkpointing
