@@ -7,7 +7,7 @@ tensors (tests/test_memory_validation.py). Bytes; symbols as in
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.plan.comm.context_parallel import (
@@ -240,8 +240,7 @@ def _saved_activations(
     )
 
 
-@dataclass(frozen=True)
-class _BlockTerms:
+class _BlockTerms(NamedTuple):
     """The terms of :func:`saved_activations` that do not depend on the checkpointing mode,
     bytes: one block's saved tensors without checkpointing (``block``), under selective
     checkpointing (``selective``; context parallelism's share in both) and its input

@@ -5,9 +5,8 @@ thousands of times in all. Bytes; symbols as in :mod:`tetrad.plan.memory.runtime
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from tetrad.plan.memory import zero
 from tetrad.plan.memory.activations import dtype_bytes
@@ -28,8 +27,7 @@ from tetrad.plan.model.spec import Linear, ModelSpec
 from tetrad.spec import FP32
 
 
-@dataclass(frozen=True)
-class GridBuffers:
+class GridBuffers(NamedTuple):
     """The bytes of :func:`tetrad.plan.memory.runtime.tetrad` that depend on the grid and the
     options but not on the micro-batch or the checkpointing mode.
 
@@ -130,8 +128,7 @@ def grid_buffers(
         return _sharded(model, grid, plain, dp_overlap)
     if group > 1:  # as on (1, G_z, G_y, G_x) but for the data-parallel buffers
         one = grid_buffers(model, (1, gz, gy, gx), dtype, prefetch, async_reduce_scatter, True)
-        return dataclasses.replace(
-            one,
+        return one._replace(
             end_of_backward=end_of_backward_bytes(model, grid, dp_overlap) + one.end_prefetch,
             shape=(1, context_size(grid), 1, gy, gx),
         )
@@ -190,8 +187,7 @@ def _sharded(model: ModelSpec, grid: tuple, plain: GridBuffers, dp_overlap: bool
     states = tetrad_optimizer_bytes(model, grid) * zero.state_share(grid, True)
     static = (*plain.static[:2], ("optimizer_states", states))
     end = embedding_grad_bytes(model, grid) + zero.end_of_backward_bytes(model, grid)
-    return dataclasses.replace(
-        plain,
+    return plain._replace(
         static=static,
         base=sum(v for _, v in static),
         end_of_backward=end + plain.end_prefetch,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.errors import PlanError
@@ -291,8 +291,7 @@ def _checked_sizes(micro_batch: int, seq_len: int) -> None:
     check_positive(micro_batch=micro_batch, seq_len=seq_len)
 
 
-@dataclass(frozen=True)
-class _ActivationTerms:
+class _ActivationTerms(NamedTuple):
     """The components of :func:`tetrad`'s phases that grow with the micro-batch, bytes.
 
     Attributes:
