@@ -166,7 +166,7 @@ def phase_totals(
         shard_optimizer,
     )
     # each phase: the base plus the sum of its components, in _phases' order (float sums
-    # depend on it): equal to tetrad()'s phases bit for bit (tests/test_plan_memory.py)
+    # depend on it): equal to tetrad()'s phases bit for bit (tests/test_plan_memory_memo.py)
     base = g.base
     return {
         "forward: LM head": base + (a.all + a.head_forward + g.head_forward),
