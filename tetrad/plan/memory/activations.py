@@ -7,6 +7,7 @@ tensors (tests/test_memory_validation.py). Bytes; symbols as in
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.plan.comm.context_parallel import (
@@ -218,34 +219,70 @@ def _saved_activations(
     """:func:`saved_activations` once per model, ``(G_context, G_y, G_x)``, micro-batch,
     sequence, mode and dtype (``grid``: ``(1, G_context, 1, G_y, G_x)``)."""
     mode, k = checkpointed_blocks(ckpt, model.n_layers)
+    t = _block_terms(model, grid, micro_batch, seq_len, dtype)
+    if mode == "full":
+        blocks, recompute = model.n_layers * t.block_input + t.positions, t.block - t.block_input
+    elif mode == "selective":
+        blocks = k * t.selective + (model.n_layers - k) * t.block + t.positions
+        recompute = t.selective_recompute
+    else:
+        blocks, recompute = model.n_layers * t.block, 0.0
+    if mode == "full":  # the context masks and chunk order: saved by each recomputed block
+        recompute += t.shared
+    else:  # one set for all blocks
+        blocks += t.shared
+    return (
+        ("blocks", blocks),
+        ("embedding", t.embedding),
+        ("final_norm", t.final_norm),
+        ("loss", t.loss),
+        ("recompute", recompute),
+    )
+
+
+class _BlockTerms(NamedTuple):
+    """The terms of :func:`saved_activations` that do not depend on the checkpointing mode,
+    bytes: one block's saved tensors without checkpointing (``block``), under selective
+    checkpointing (``selective``; context parallelism's share in both) and its input
+    (``block_input``), the positions ``[S]`` int64 (``positions``, 0 for gpt), the context
+    masks and chunk order (``shared``), the rebuilt selective set (``selective_recompute``),
+    the embedding's, the final norm's and the loss's saved tensors."""
+
+    block: float
+    selective: float
+    block_input: float
+    positions: float
+    shared: float
+    selective_recompute: float
+    embedding: float
+    final_norm: float
+    loss: float
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _block_terms(
+    model: ModelSpec, grid: tuple, micro_batch: int, seq_len: int, dtype: str
+) -> _BlockTerms:
+    """:class:`_BlockTerms` once per model, ``grid = (1, G_context, 1, G_y, G_x)``,
+    micro-batch, sequence and dtype (shared by the checkpointing modes)."""
     gc, full_len, e = context_size(grid), seq_len, dtype_bytes(dtype)
     seq_len = local_seq_len(seq_len, gc)  # this rank's tokens per sample
     blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
+    sel = selective_block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
     if gc > 1:
         blk += context_block_delta(model, grid, micro_batch, full_len, e, "none")
-    inp = block_input_bytes(model, grid, micro_batch, seq_len)
+        sel += context_block_delta(model, grid, micro_batch, full_len, e, "selective")
     # the positions [S] int64, one tensor for all blocks: an input of each full checkpoint, and
     # of RoPE's recipes under selective (none: RoPE's angles are built from it and not kept)
     positions = 8.0 * seq_len if model.family == "llama" else 0.0
-    if mode == "full":
-        blocks, recompute = model.n_layers * inp + positions, blk - inp
-    elif mode == "selective":
-        sel = selective_block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
-        if gc > 1:
-            sel += context_block_delta(model, grid, micro_batch, full_len, e, "selective")
-        blocks = k * sel + (model.n_layers - k) * blk + positions
-        recompute = selective_recompute_bytes(model, grid, micro_batch, seq_len, dtype)
-    else:
-        blocks, recompute = model.n_layers * blk, 0.0
-    shared = context_shared_bytes(full_len, gc, e)
-    if mode == "full":  # the context masks and chunk order: saved by each recomputed block
-        recompute += shared
-    else:  # one set for all blocks
-        blocks += shared
-    return (
-        ("blocks", blocks),
-        ("embedding", embedding_saved_bytes(model, micro_batch, seq_len)),
-        ("final_norm", final_norm_saved_bytes(model, grid, micro_batch, seq_len, dtype)),
-        ("loss", loss_saved_bytes(model, grid, dtype)),
-        ("recompute", recompute),
+    return _BlockTerms(
+        block=blk,
+        selective=sel,
+        block_input=block_input_bytes(model, grid, micro_batch, seq_len),
+        positions=positions,
+        shared=context_shared_bytes(full_len, gc, e),
+        selective_recompute=selective_recompute_bytes(model, grid, micro_batch, seq_len, dtype),
+        embedding=embedding_saved_bytes(model, micro_batch, seq_len),
+        final_norm=final_norm_saved_bytes(model, grid, micro_batch, seq_len, dtype),
+        loss=loss_saved_bytes(model, grid, dtype),
     )

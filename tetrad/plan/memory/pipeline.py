@@ -36,15 +36,14 @@ below it by at most the receives it counts as posted ahead.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 
 from tetrad.plan.comm.context_parallel import context_shared_bytes
 from tetrad.plan.errors import PlanError
-from tetrad.plan.memory.activations import dtype_bytes, saved_activations
+from tetrad.plan.memory.activations import dtype_bytes
 from tetrad.plan.memory.breakdown import MemoryBreakdown
-from tetrad.plan.memory.runtime import phase_components
+from tetrad.plan.memory.stage_parts import stage_parts, stage_saved, table_elements
 from tetrad.plan.memory.zero import data_group, state_share
 from tetrad.plan.model.grids import context_size, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
@@ -59,42 +58,6 @@ HEAD_PHASES = ("forward: LM head", "backward: LM head")
 """The runtime model's phases that exist only on the rank of the last stage."""
 ENDS = ("backward: end", "optimizer step")
 """Phases after the last micro-batch's backward: no other micro-batch is in flight."""
-
-
-def _table_elements(model: ModelSpec, grid) -> tuple[int, int, int]:
-    """``(embedding, LM head, final norm)`` local elements, as :mod:`tetrad.plan.memory.states`
-    counts them (``n k / (G_x G_y G_z)`` per table, ``h / G_x`` for the norm)."""
-    _, gz, gy, gx = grid_sizes(grid)
-    shard = gx * gy * gz
-    emb = model.vocab * model.hidden // shard
-    if model.max_positions:
-        emb += model.max_positions * model.hidden // shard
-    head = model.vocab * model.hidden // shard
-    return emb, head, model.norm_params() // gx
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def stage_parts(
-    model: ModelSpec,
-    blocks: int,
-    grid: tuple,
-    micro_batch: int,
-    seq_len: int,
-    ckpt: str,
-    dtype: str,
-    prefetch: bool,
-    shard_optimizer: bool = False,
-) -> tuple:
-    """The runtime model's static components, phases and saved activations of a ``blocks``
-    model (memoised: the ranks of a pipeline share them); ``shard_optimizer``: as
-    :func:`tetrad.plan.memory.runtime.tetrad`'s."""
-    sm = dataclasses.replace(model, n_layers=blocks)
-    opts = {"activation_checkpointing": ckpt, "dtype": dtype}
-    static, phases = phase_components(
-        sm, grid, micro_batch, seq_len, prefetch=prefetch, shard_optimizer=shard_optimizer, **opts
-    )
-    saved = saved_activations(sm, grid, micro_batch, seq_len, **opts)
-    return static, phases, saved
 
 
 def interleaved_order(pipe: int, rank: int, virtual: int, micro_batches: int):
@@ -149,25 +112,15 @@ def in_flight_sets(
     return tuple(sorted(c for c in seen if sum(c) == most))
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _saved(
-    model: ModelSpec, blocks: int, grid: tuple, micro_batch: int, seq_len: int, ckpt, dtype
-) -> dict[str, float]:
-    """:func:`saved_activations` of a ``blocks`` model (one stage), memoised."""
-    sm = dataclasses.replace(model, n_layers=blocks)
-    return saved_activations(
-        sm, grid, micro_batch, seq_len, activation_checkpointing=ckpt, dtype=dtype
-    )
-
-
 def _chunks(
-    model: ModelSpec, grid: tuple, micro_batch: int, seq_len: int, prank: PipeRank, opts: tuple
+    model: ModelSpec, grid: tuple, micro_batch: int, seq_len: int, layout: tuple, opts: tuple
 ) -> tuple[list[float], list[float], float]:
     """``(saved, held, out)``: for one micro-batch through each of the rank's stages (execution
     order), the bytes autograd saves (its blocks', with the embedding's on stage 0 and the final
     norm's and the LM head's on the last stage) and those the schedule holds besides until the
-    pass's backward; ``out`` is one boundary tensor ``[b, S/G_context, h/G_x]`` in the compute
-    dtype (what crosses a stage boundary).
+    pass's backward (``layout``: the rank's ``(blocks, first, last, chunk_blocks)``); ``out``
+    is one boundary tensor ``[b, S/G_context, h/G_x]`` in the compute dtype (what crosses a
+    stage boundary).
 
     Held: the stage's output, kept in the stage's forward cache. In fp32 (no cast at the
     boundaries) a later stage's input receive buffer is the very tensor its first block saves,
@@ -183,15 +136,16 @@ def _chunks(
         grid_sizes(grid)[3],
         dtype_bytes(opts[1]),
     )
-    v = len(prank.chunk_blocks)
+    rank_blocks, rank_first, rank_last, chunk_blocks = layout
+    v = len(chunk_blocks)
     cast = dtype_bytes(opts[1]) != dtype_bytes("fp32")
     saved, held = [], []
-    for k, blocks in enumerate(prank.chunk_blocks):
-        if blocks == prank.blocks:  # one stage: the rank model's (memoised with its phases)
+    for k, blocks in enumerate(chunk_blocks):
+        if blocks == rank_blocks:  # one stage: the rank model's (memoised with its phases)
             s = stage_parts(model, blocks, grid, micro_batch, seq_len, *opts)[2]
         else:
-            s = _saved(model, blocks, grid, micro_batch, seq_len, *opts[:2])
-        first, last = prank.first and k == 0, prank.last and k == v - 1
+            s = stage_saved(model, blocks, grid, micro_batch, seq_len, *opts[:2])
+        first, last = rank_first and k == 0, rank_last and k == v - 1
         ends = (s["embedding"] if first else 0.0) + (s["final_norm"] + s["loss"] if last else 0.0)
         saved.append(s["blocks"] + ends)
         held.append(out if first or (cast and not last) else 0.0)
@@ -219,10 +173,28 @@ def in_flight_bytes(
     (:func:`tetrad.plan.pipe.schedule.boundaries_of_rank`; at the peak some of those are
     not posted yet: the runtime holds up to those fewer, never more; tested).
     ``opts``: ``(checkpointing, dtype, prefetch)``."""
-    grid = tuple(grid)
-    saved, held, out = _chunks(model, grid, micro_batch, seq_len, prank, opts)
     v = len(prank.chunk_blocks)
     sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
+    ahead = sum(boundaries_of_rank(pipe, prank.rank, v))
+    layout = (prank.blocks, prank.first, prank.last, prank.chunk_blocks)
+    return _in_flight(model, tuple(grid), micro_batch, seq_len, layout, sets, ahead, opts)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _in_flight(
+    model: ModelSpec,
+    grid: tuple,
+    micro_batch: int,
+    seq_len: int,
+    layout: tuple,
+    sets: tuple,
+    ahead: int,
+    opts: tuple,
+) -> tuple[float, float, float]:
+    """:func:`in_flight_bytes` of a rank of ``layout`` (:func:`_chunks`), in-flight ``sets``
+    and ``ahead`` receives posted ahead, once per those (ranks alike in them share it, with
+    the optimizer sharded or not)."""
+    saved, held, out = _chunks(model, grid, micro_batch, seq_len, layout, opts)
     # the context masks and chunk order: built once per stage and shared by its passes
     shared = 0.0
     if opts[0].partition(":")[0] != "full":
@@ -236,8 +208,8 @@ def in_flight_bytes(
     # receive buffers live from their posting to their pass's backward: the inputs of the
     # passes in flight on stages other than stage 0 (torch's forward cache keeps them), and at
     # most one posted ahead per stage and direction the rank receives in
-    inputs = sum(n for k, n in enumerate(best) if not (prank.first and k == 0))
-    persistent = (inputs + sum(boundaries_of_rank(pipe, prank.rank, v))) * out
+    inputs = sum(n for k, n in enumerate(best) if not (layout[1] and k == 0))
+    persistent = (inputs + ahead) * out
     return in_flight, sum(map(operator.mul, best, held)), persistent
 
 
@@ -278,51 +250,78 @@ def stage_memory(
     """
     grid = tuple(grid)
     opts = (activation_checkpointing, dtype, prefetch)
+    # the runtime model's parts first: its errors come before the schedule's
+    stage_parts(model, prank.blocks, grid, micro_batch, seq_len, *opts, shard_optimizer)
+    v = len(prank.chunk_blocks)
+    sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
+    ahead = sum(boundaries_of_rank(pipe, prank.rank, v))
+    layout = (prank.blocks, prank.first, prank.last, prank.chunk_blocks)
+    args = (layout, sets, ahead, pipe > 1, opts, shard_optimizer)
+    static, live, totals, peak = _stage_phases(model, grid, micro_batch, seq_len, *args)
+    zero = dict.fromkeys(COMPONENTS + (("pipeline_buffers",) if pipe > 1 else ()), 0.0)
+    return MemoryBreakdown(
+        components={**static, **zero, **live},
+        gpu_memory_bytes=float(gpu_memory_bytes),
+        peak_phase=f"stage rank {prank.rank}: {peak}",
+        phases=dict(totals),
+    )
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _stage_phases(
+    model: ModelSpec,
+    grid: tuple,
+    micro_batch: int,
+    seq_len: int,
+    layout: tuple,
+    sets: tuple,
+    ahead: int,
+    buffers: bool,
+    opts: tuple,
+    shard_optimizer: bool,
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], str]:
+    """``(static components, the peak phase's live components, every phase's total, the peak
+    phase)`` of :func:`stage_memory` for a rank of ``layout`` (:func:`_chunks`), in-flight
+    ``sets`` and ``ahead`` receives posted ahead, once per those (ranks alike in them share
+    it; the caller copies the dicts)."""
+    blocks, first, last, _ = layout
     static, phases, saved = stage_parts(
-        model, prank.blocks, grid, micro_batch, seq_len, *opts, shard_optimizer
+        model, blocks, grid, micro_batch, seq_len, *opts, shard_optimizer
     )
     static = dict(static)
     share = state_share(grid, shard_optimizer and data_group(grid) > 1)
-    emb_el, head_el, final_norm = _table_elements(model, grid)
+    emb_el, head_el, final_norm = table_elements(model, grid)
     head = 0 if model.tied_embeddings else head_el  # a tied head is the embedding's table
-    drop = (0 if prank.first else emb_el) + (0 if prank.last else head + final_norm)
-    add = head_el if prank.last and not prank.first and model.tied_embeddings else 0
+    drop = (0 if first else emb_el) + (0 if last else head + final_norm)
+    add = head_el if last and not first and model.tied_embeddings else 0
     for name, per in (("parameters", 4), ("gradients", 4), ("optimizer_states", 8 * share)):
         static[name] += per * (add - drop)
-    flight = in_flight_bytes(
-        model, grid, micro_batch, seq_len, prank, schedule, pipe, micro_batches, opts
-    )
-    live = _live_phases(phases, saved, prank, flight, pipe > 1)
+    flight = _in_flight(model, grid, micro_batch, seq_len, layout, sets, ahead, opts)
+    live = _live_phases(phases, saved, first, last, flight, buffers)
     base = sum(static.values())
     totals = {name: base + sum(c.values()) for name, c in live.items()}
     peak = max(totals, key=lambda k: totals[k])
-    zero = dict.fromkeys(COMPONENTS + (("pipeline_buffers",) if pipe > 1 else ()), 0.0)
-    return MemoryBreakdown(
-        components={**static, **zero, **live[peak]},
-        gpu_memory_bytes=float(gpu_memory_bytes),
-        peak_phase=f"stage rank {prank.rank}: {peak}",
-        phases=totals,
-    )
+    return static, live[peak], totals, peak
 
 
 def _live_phases(
-    phases: dict, saved: dict, prank: PipeRank, flight: tuple, buffers: bool
+    phases: dict, saved: dict, first: bool, last: bool, flight: tuple, buffers: bool
 ) -> dict[str, dict[str, float]]:
     """Each phase's live components (module doc): the runtime model's ``phases`` of one
     micro-batch through the rank's blocks (``saved``: its saved activations), the other
     in-flight passes' saved tensors added to ``activations`` up to the end of backward, and with
     ``buffers`` the receive buffers and held outputs (``flight``: :func:`in_flight_bytes`) as
-    ``pipeline_buffers``."""
+    ``pipeline_buffers``; ``first``, ``last``: the rank runs stage 0, the last stage."""
     in_flight, held, persistent = flight
-    one = saved["blocks"] + (saved["embedding"] if prank.first else 0.0)
-    if prank.last:
+    one = saved["blocks"] + (saved["embedding"] if first else 0.0)
+    if last:
         one += saved["final_norm"] + saved["loss"]
     live: dict[str, dict[str, float]] = {}
     for name, comps in phases.items():
-        if name in HEAD_PHASES and not prank.last:
+        if name in HEAD_PHASES and not last:
             continue
         comps = dict(comps)
-        if "activations" in comps and not prank.first:
+        if "activations" in comps and not first:
             comps["activations"] -= saved["embedding"]
         if name not in ENDS:
             comps["activations"] = comps.get("activations", 0.0) + in_flight - one

@@ -22,29 +22,16 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.errors import PlanError
-from tetrad.plan.memory import zero
 from tetrad.plan.memory.activations import dtype_bytes, saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown, check_positive
-from tetrad.plan.memory.buffers import (
-    embedding_grad_bytes,
-    end_of_backward_bytes,
-    gathered_weight_bytes,
-    lm_head_logits_bytes,
-    step_buffer_bytes,
-    weight_gradient_bytes,
-)
-from tetrad.plan.memory.states import (
-    tetrad_gradient_bytes,
-    tetrad_optimizer_bytes,
-    tetrad_parameter_bytes,
-)
-from tetrad.plan.model.grids import check_grid, context_size, grid_sizes
+from tetrad.plan.memory.buffers import lm_head_logits_bytes
+from tetrad.plan.memory.grid_buffers import GridBuffers, checked_grid_buffers
+from tetrad.plan.model.grids import context_size
 from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import FP32
 
 PHASES = (
     "forward: LM head",
@@ -166,7 +153,7 @@ def phase_totals(
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
         tetrad.activation_checkpointing.CheckpointingError: an unknown checkpointing mode.
     """
-    g, phases = _phases(
+    g, a = _parts(
         model,
         grid,
         micro_batch,
@@ -178,8 +165,16 @@ def phase_totals(
         dp_overlap,
         shard_optimizer,
     )
-    base = sum(v for _, v in g.static)
-    return {name: base + sum(terms.values()) for name, terms in phases.items()}
+    # each phase: the base plus the sum of its components, in _phases' order (float sums
+    # depend on it): equal to tetrad()'s phases bit for bit (tests/test_plan_memory_memo.py)
+    base = g.base
+    return {
+        "forward: LM head": base + (a.all + a.head_forward + g.head_forward),
+        "backward: LM head": base + (a.all + a.head_backward + g.head_backward + g.head_gradient),
+        "backward: blocks": base + (a.blocks + a.recompute + g.blocks + g.block_gradients),
+        "backward: end": base + (a.embedding + g.end_of_backward),
+        "optimizer step": base + g.step,
+    }
 
 
 def phase_components(
@@ -225,44 +220,40 @@ def _phases(
     async_reduce_scatter: bool,
     dp_overlap: bool,
     shard_optimizer: bool = False,
-) -> tuple[_GridBuffers, dict[str, dict[str, float]]]:
+) -> tuple[GridBuffers, dict[str, dict[str, float]]]:
     """The grid's buffers and each phase's live components (bytes) of :func:`tetrad`."""
-    check_positive(micro_batch=micro_batch, seq_len=seq_len)
-    e = dtype_bytes(dtype)
-    check_grid(model, grid)
-    g = _grid_buffers(
-        model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
-    )
-    m = micro_batch * local_seq_len(seq_len, context_size(grid))  # this rank's tokens
-    saved = saved_activations(
+    g, a = _parts(
         model,
         grid,
         micro_batch,
         seq_len,
-        activation_checkpointing=activation_checkpointing,
-        dtype=dtype,
+        activation_checkpointing,
+        dtype,
+        prefetch,
+        async_reduce_scatter,
+        dp_overlap,
+        shard_optimizer,
     )
-    act_all = saved["blocks"] + saved["embedding"] + saved["final_norm"]
     phases = {
         "forward: LM head": {
-            "activations": act_all,
-            "logits_and_loss": saved["loss"] + lm_head_logits_bytes(model, grid, m, e),
+            "activations": a.all,
+            "logits_and_loss": a.head_forward,
             "gathered_weights": g.head_forward,
         },
         "backward: LM head": {
-            "activations": act_all,
-            "logits_and_loss": saved["loss"] + e * m * model.hidden,
+            "activations": a.all,
+            "logits_and_loss": a.head_backward,
             "gathered_weights": g.head_backward,
             "reduce_scatter_buffers": g.head_gradient,
         },
         "backward: blocks": {
-            "activations": saved["blocks"] + saved["embedding"],
-            "recompute_activations": saved["recompute"],
+            "activations": a.blocks,
+            "recompute_activations": a.recompute,
             "gathered_weights": g.blocks,
             "reduce_scatter_buffers": g.block_gradients,
         },
         "backward: end": {
-            "activations": saved["embedding"],
+            "activations": a.embedding,
             "reduce_scatter_buffers": g.end_of_backward,
         },
         "optimizer step": {"step_buffers": g.step},
@@ -270,78 +261,74 @@ def _phases(
     return g, phases
 
 
-@dataclass(frozen=True)
-class _GridBuffers:
-    """The bytes of :func:`tetrad` that depend on the grid and the options but not on the
-    micro-batch or the checkpointing mode.
-
-    Attributes:
-        static: ``(name, bytes)`` of the parameters, gradients and optimizer states.
-        head_forward: gathered weights inside the LM head's forward (its ``W``, with
-            ``prefetch`` the next two block weights); ``head_backward``: in its backward.
-        head_gradient: the fp32 copy of the head's ``dW`` (compute dtype bf16).
-        blocks: gathered weights in the blocks' backward; ``block_gradients``: their ``dW``.
-        end_of_backward: :func:`end_of_backward_bytes`; ``step``: :func:`step_buffer_bytes`.
-    """
-
-    static: tuple[tuple[str, float], ...]
-    head_forward: float
-    head_backward: float
-    head_gradient: float
-    blocks: float
-    block_gradients: float
-    end_of_backward: float
-    step: float
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _grid_buffers(
+def _parts(
     model: ModelSpec,
-    grid: tuple,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    activation_checkpointing: str | bool,
     dtype: str,
     prefetch: bool,
     async_reduce_scatter: bool,
     dp_overlap: bool,
-    shard_optimizer: bool = False,
-) -> _GridBuffers:
-    """:class:`_GridBuffers` once per grid and options (the search asks :func:`tetrad` for
-    several micro-batches and modes of each grid)."""
-    gz, gy, gx = grid_sizes(grid)[1:]
-    sharded = shard_optimizer and zero.data_group(grid) > 1
-    share = zero.state_share(grid, sharded)
+    shard_optimizer: bool,
+) -> tuple[GridBuffers, _ActivationTerms]:
+    """The grid's buffers and the micro-batch's activation terms of :func:`tetrad`, checked in
+    its order (sizes, dtype, grid, checkpointing mode), each memoised (the grid's per grid and
+    options, the activations' per ``(G_context, G_y, G_x)``, micro-batch and mode)."""
+    _checked_sizes(micro_batch, seq_len)
+    g = checked_grid_buffers(
+        model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
+    )
+    a = _activation_terms(model, g.shape, micro_batch, seq_len, activation_checkpointing, dtype)
+    return g, a
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _checked_sizes(micro_batch: int, seq_len: int) -> None:
+    """:func:`check_positive` of the micro-batch and the sequence, once per pair (an error is
+    not memoised)."""
+    check_positive(micro_batch=micro_batch, seq_len=seq_len)
+
+
+class _ActivationTerms(NamedTuple):
+    """The components of :func:`tetrad`'s phases that grow with the micro-batch, bytes.
+
+    Attributes:
+        all: every saved activation (blocks, embedding, final norm).
+        head_forward: the loss's saved tensors and the LM head's logits, in its forward;
+            ``head_backward``: with the scaled ``dx`` ``e m h``, in its backward.
+        blocks: the blocks' and the embedding's saved tensors; ``recompute``: the set rebuilt
+            in a block's backward; ``embedding``: the embedding's saved tensors.
+    """
+
+    all: float
+    head_forward: float
+    head_backward: float
+    blocks: float
+    recompute: float
+    embedding: float
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _activation_terms(
+    model: ModelSpec, shape: tuple, micro_batch: int, seq_len: int, ckpt: str | bool, dtype: str
+) -> _ActivationTerms:
+    """:class:`_ActivationTerms` once per model, ``shape = (1, G_context, 1, G_y, G_x)``
+    (:attr:`GridBuffers.shape`: nothing here depends on ``G_data`` or ``G_z``), micro-batch,
+    sequence, mode and dtype."""
+    saved = saved_activations(
+        model, shape, micro_batch, seq_len, activation_checkpointing=ckpt, dtype=dtype
+    )
     e = dtype_bytes(dtype)
-    vy = model.vocab // (gy * gx)  # logits per rank: V over Y and X
-    by_size = sorted(model.linears(), key=lambda lin: lin.weight_elements, reverse=True)
-    big = by_size[0]
-    w_head = gathered_weight_bytes(model.lm_head(), grid, dtype)
-    w_big = gathered_weight_bytes(big, grid, dtype)
-    w_two = sum(gathered_weight_bytes(lin, grid, dtype) for lin in by_size[:2])
-    w_three = sum(gathered_weight_bytes(lin, grid, dtype) for lin in by_size[:3])
-    # the next micro-batch's table and first block weight, prefetched at the end of backward
-    # (counted whatever the micro-batches per step: the model does not know them)
-    wrap = e * model.vocab * model.hidden // (gx * gy) + w_big if prefetch and gz > 1 else 0.0
-    dw_blocks = weight_gradient_bytes(big, grid, dtype) * (
-        2 if async_reduce_scatter and gz > 1 else 1
-    )
-    static = (
-        ("parameters", tetrad_parameter_bytes(model, grid)),
-        ("gradients", tetrad_gradient_bytes(model, grid)),
-        ("optimizer_states", tetrad_optimizer_bytes(model, grid) * share),
-    )
-    end = end_of_backward_bytes(model, grid, dp_overlap)
-    step = step_buffer_bytes(model, grid)
-    if sharded:
-        end = embedding_grad_bytes(model, grid) + zero.end_of_backward_bytes(model, grid)
-        step = zero.step_bytes(model, grid, dp_overlap)
-    return _GridBuffers(
-        static=static,
-        head_forward=w_head + (w_two if prefetch else 0.0),
-        head_backward=w_two if prefetch else 0.0,
-        head_gradient=FP32 * vy * model.hidden if e != FP32 else 0.0,
-        blocks=w_three if prefetch else w_big,
-        block_gradients=dw_blocks,
-        end_of_backward=end + wrap,
-        step=step,
+    m = micro_batch * local_seq_len(seq_len, context_size(shape))  # this rank's tokens
+    return _ActivationTerms(
+        all=saved["blocks"] + saved["embedding"] + saved["final_norm"],
+        head_forward=saved["loss"] + lm_head_logits_bytes(model, shape, m, e),
+        head_backward=saved["loss"] + e * m * model.hidden,
+        blocks=saved["blocks"] + saved["embedding"],
+        recompute=saved["recompute"],
+        embedding=saved["embedding"],
     )
 
 
