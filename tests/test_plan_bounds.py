@@ -13,6 +13,7 @@ from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.model.presets import get_model
 from tetrad.plan.search.space import divisors, factorizations
+from tetrad.spec import role_sizes
 
 OVERLAPS = (
     "all",
@@ -83,3 +84,48 @@ def test_z_queue_floor_is_below_the_walk(overlaps):
         assert floor <= exposed * (1 + 1e-12) + 1e-15, (grid, b, ckpt)
         tight += floor > 0.5 * exposed > 0
     assert tight > 0  # the floor is not vacuous
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_group_floor_is_below_every_member(case):
+    """The 4D search's group floors (tetrad.plan.search.ranking) are at most the cheap bound of
+    each configuration of the group, for every grid, orientation and optimizer variant that
+    fits, under each set of overlaps (bounds, not estimates: a configuration the floor drops
+    is one the cheap bound would drop)."""
+    from tetrad.plan.comm.zero import sharded
+    from tetrad.plan.search.four_d import _Search4D
+
+    name, machine, gpus, batch, seq = case
+    model, mc = get_model(name), get_machine(machine)
+    checked = 0
+    for overlaps in ("all", "none", "prefetch"):
+        ctx = Context(model, mc, seq, batch, overlaps=overlaps)
+        search = _Search4D(ctx, gpus, mc.memory_bytes, "tetrad", "bf16", "on")
+        bounds = {False: StepBounds(ctx), True: StepBounds(sharded(ctx))}
+        for grid, turn, fits in search.candidates(("none", "selective", "full"), None):
+            roles = role_sizes(grid, turn)
+            for zero in fits.variants():
+                floor = search._group_floor(bounds, grid, turn, fits, zero)
+                for lb, _, b, ckpt in search.expand(roles, fits, zero):
+                    cheap = bounds[zero].cheap(grid, b, ckpt, lb, turn)
+                    assert floor <= cheap * (1 + 1e-12), (overlaps, grid, turn, zero, b, ckpt)
+                    checked += 1
+    assert checked > 100
+
+
+def test_top_k_does_not_depend_on_the_order_of_offers():
+    """Ties in step time go to the lower sequence number, whatever order they are offered in."""
+    import random
+
+    from tetrad.plan.search.top import offer, ranked
+
+    items = [(float(s), n) for n, s in enumerate([3, 1, 2, 2, 5, 1, 4, 2, 3, 1])]
+    want = None
+    for seed in range(20):
+        random.Random(seed).shuffle(items)
+        best: list = []
+        for step, n in items:
+            offer(best, 4, step, n, n)
+        got = ranked(best)
+        want = want or got
+        assert got == want == [(1.0, 1), (1.0, 5), (1.0, 9), (2.0, 2)]

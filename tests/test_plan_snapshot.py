@@ -3,7 +3,10 @@ estimates, 146 ranked top-K lists, the T3 sublayer tables): same top-K order, se
 relative, bytes exact. Taken before the search was made fast (a93b209) and taken again when the
 search started ranking both orientations of the layer pairs: then every estimate and every row
 in the ``xy`` orientation stayed the same, and 9 ``yx`` rows entered 6 of the 146 top-K lists
-where they are faster."""
+where they are faster. Taken again when the searches' top-K started breaking ties in step time
+by enumeration order whatever order configurations are timed in (tetrad/plan/search/top.py):
+one top-5 list of 144 changed, its fifth row, where the ``xy`` and ``yx`` orientations of one
+grid take the same seconds to the bit, to the ``xy`` one (enumerated first)."""
 
 import math
 

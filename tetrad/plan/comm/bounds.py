@@ -139,6 +139,39 @@ class StepBounds:
         z += max(0.0, acc * (queue - windows) + (acc - blocking) * gather)
         return step_terms, sum(data), z
 
+    def group_floor(self, grid: tuple, orientation: str, classes: dict) -> float:
+        """A floor of :meth:`cheap` over a group of configurations of the ``--grid`` ``grid`` in
+        ``orientation``, seconds, before their compute is known: ``classes`` maps ``full``
+        (whether the mode is ``full``) to ``(compute, slack, largest)``, the least over the
+        class's configurations of ``acc L (t_fwd (2 if full else 1) + t_bwd)`` (``acc``
+        micro-batches of a block's forward and backward, seconds) and of ``acc (t_final_norm -
+        t_post / 2)`` (``t_post`` the work after a block's last Linear), and the largest
+        micro-batch among them.
+
+        Per class the larger of two floors of compute plus Z (``a`` the micro-batches at the
+        largest micro-batch, ``G``, ``R`` and ``Q`` :meth:`cheap`'s table all-gathers,
+        reduce-scatters and queue per micro-batch): ``compute + a R + G`` (the tables'
+        reduce-scatters run every micro-batch, at least one all-gather blocks) and ``a (G + R +
+        Q) + slack`` (:meth:`cheap`'s max is at least its argument, and a micro-batch's
+        windows, :func:`tetrad.plan.comm.zwindows.window_seconds`, are its compute less
+        ``t_final_norm - t_post / 2``); the least over the classes. The step terms and the
+        data all-reduce, at least 0, are left out: the Z terms need one
+        :class:`~tetrad.plan.comm.record.Step` per ``(G_z, G_y, G_x)``, they one per grid."""
+        roles = role_sizes(grid, orientation)
+        out = float("inf")
+        for full, (compute, slack, largest) in classes.items():
+            z = self._z.get((*roles[2:], full))
+            if z is None:
+                mode = "full" if full else "none"
+                z = self._z_terms(make_step(self.ctx, grid, largest, mode, orientation))
+            gather, scatter, queue = z
+            acc = self.ctx.global_batch // (grid[0] * grid[2] * largest)
+            exposed = max(
+                compute + acc * scatter + gather, acc * (gather + scatter + queue) + slack
+            )
+            out = min(out, exposed)
+        return out
+
     def with_xy(
         self,
         floor: float,

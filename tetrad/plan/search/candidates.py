@@ -1,7 +1,8 @@
 """The fitting configurations of one grid of the 4D search, in one orientation, with or
 without the sharded optimizer (:class:`Candidates`, a part of
-:class:`tetrad.plan.search.four_d._Search4D`), and the memory lines that decide the fit
-(:func:`memory_line`)."""
+:class:`tetrad.plan.search.four_d._Search4D`): what fits from the memory lines alone
+(:class:`RoleFits`, :func:`memory_line`), and the configurations with their compute seconds
+only for the groups the search times (:meth:`Candidates.expand`)."""
 
 from __future__ import annotations
 
@@ -16,49 +17,82 @@ from tetrad.plan.search.space import divisors
 from tetrad.spec import role_sizes
 
 
+class RoleFits:
+    """What fits on one role assignment ``(G_data, G_context, G_z, G_y, G_x)``
+    (:func:`tetrad.spec.role_sizes`), from its memory lines alone: per optimizer variant and
+    checkpointing mode the fitting micro-batches; and, once asked for
+    (:meth:`Candidates.expand`), the configurations with their compute seconds.
+
+    Attributes:
+        modes: ``(sharded, mode, fitting micro-batches, the mode-none line or None)`` in
+            enumeration order; the line (``selective`` only) picks ``selective:K`` per
+            micro-batch where ``none`` does not fit.
+        added: ``(candidates, fitting)``: what these added to the search's statistics.
+        expanded: sharded -> its configurations (:meth:`Candidates.expand`).
+        floor_classes: sharded -> the search's per-class floor terms
+            (:meth:`tetrad.plan.search.four_d._Search4D._group_floor`).
+    """
+
+    __slots__ = ("modes", "added", "expanded", "floor_classes")
+
+    def __init__(self) -> None:
+        self.modes: list[tuple] = []
+        self.added = (0, 0)
+        self.expanded: dict = {}
+        self.floor_classes: dict = {}
+
+    def variants(self) -> list[bool]:
+        """The optimizer variants with something that fits, in enumeration order."""
+        return list(dict.fromkeys(zero for zero, _, sizes, _ in self.modes if sizes))
+
+    def classes(self, zero: bool) -> dict[bool, list[int]]:
+        """Per ``full`` (whether the mode is ``full``): the micro-batches that fit in variant
+        ``zero`` in some mode of that class."""
+        out: dict[bool, set] = {}
+        for z, mode, sizes, _ in self.modes:
+            if z == zero and sizes:
+                out.setdefault(mode == "full", set()).update(sizes)
+        return {full: sorted(sizes) for full, sizes in out.items()}
+
+
 class Candidates:
     """The search's per-grid candidates; ``self.ctx``, ``self.stats``, ``self.limit``,
     ``self.mem_bytes``, ``self.dtype``, ``self.prefetch``, ``self.shard_optimizer`` and
     ``self.by_roles`` (an empty dict) come from the search."""
 
-    def _oriented_candidates(
+    def oriented_fits(
         self, grid, turn: str, checkpointing: tuple[str, ...], allowed: set | None
-    ) -> list:
-        """The fitting ``(compute seconds, grid, b, mode, turn, sharded)`` of ``grid`` in
-        orientation ``turn`` (memory and compute follow the roles' sizes), with the optimizer
-        sharded or not (:meth:`variants`); ``checkpointing`` and ``allowed`` are the search's
-        (the same in every call).
+    ) -> RoleFits:
+        """The :class:`RoleFits` of ``grid`` in orientation ``turn`` (memory and compute follow
+        the roles' sizes), with the optimizer sharded or not (:meth:`variants`);
+        ``checkpointing`` and ``allowed`` are the search's (the same in every call).
 
-        Memory and compute depend on the roles' sizes only, and a grid in ``yx`` has the roles
-        of the grid with X and Y swapped in ``xy``: the ``(compute seconds, b, mode, sharded)``
-        and the counts they added to ``self.stats`` are kept per roles in ``self.by_roles``
-        and replayed for the second grid with those roles (same list, same order, same
-        counts)."""
+        A grid in ``yx`` has the roles of the grid with X and Y swapped in ``xy``: the fits and
+        the counts they added to ``self.stats`` are kept per roles in ``self.by_roles`` and
+        replayed for the second grid with those roles."""
         stats, roles = self.stats, role_sizes(grid, turn)
         got = self.by_roles.get(roles)
         if got is None:
             before = (stats["candidates"], stats["fitting"])
-            found = self._role_candidates(roles, checkpointing, allowed)
-            added = (stats["candidates"] - before[0], stats["fitting"] - before[1])
-            got = self.by_roles[roles] = (found, added)
+            got = self.by_roles[roles] = self._role_fits(roles, checkpointing, allowed)
+            got.added = (stats["candidates"] - before[0], stats["fitting"] - before[1])
         else:
-            stats["candidates"] += got[1][0]
-            stats["fitting"] += got[1][1]
-        return [(t, grid, b, mode, turn, zero) for t, b, mode, zero in got[0]]
+            stats["candidates"] += got.added[0]
+            stats["fitting"] += got.added[1]
+        return got
 
-    def _role_candidates(
+    def _role_fits(
         self, roles: tuple, checkpointing: tuple[str, ...], allowed: set | None
-    ) -> list:
-        """The fitting ``(compute seconds, b, mode, sharded)`` of the roles' sizes ``roles =
-        (G_data, G_context, G_z, G_y, G_x)`` (:func:`tetrad.spec.role_sizes`)."""
-        ctx = self.ctx
+    ) -> RoleFits:
+        """The :class:`RoleFits` of the roles' sizes ``roles``."""
+        ctx, out = self.ctx, RoleFits()
         L = ctx.model.n_layers
         gd, gc, gz, gy, gx = roles
         _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
         local = L * block_el + head_el + emb_el + ctx.vector_elements(gx, gy)
         per_cell = ctx.global_batch // (gd * gz)
         sizes = [b for b in divisors(per_cell) if allowed is None or b in allowed]
-        out, model, dt, pre = [], ctx.model, self.dtype, self.prefetch
+        model, dt, pre = ctx.model, self.dtype, self.prefetch
         if not sizes:
             return out
         raw: dict = {}  # mode -> its phases' lines, once per roles
@@ -86,34 +120,54 @@ class Candidates:
                     other = line(ckpt, False)
                     if other(sizes[-1]) <= self.limit:
                         continue  # every micro-batch fits unsharded (memory grows with it)
-                out += self._mode_candidates(roles, ckpt, zero, sizes, line, other)
+                out.modes.append(self._mode_fits(ckpt, zero, sizes, line, other))
         return out
 
-    def _mode_candidates(self, roles, ckpt, zero, sizes, line, other) -> list:
-        """The fitting candidates of one checkpointing mode ``ckpt`` (``zero``: the states
-        sharded), ``line(mode, zero)`` the memory lines, ``other`` the unsharded line of a
-        sharded variant under ``auto`` (None otherwise: every fitting micro-batch counts)."""
-        ctx, stats, out = self.ctx, self.stats, []
-        model, L = ctx.model, ctx.model.n_layers
-        per_cell = ctx.global_batch // (roles[0] * roles[2])
+    def _mode_fits(self, ckpt, zero, sizes, line, other) -> tuple:
+        """``(sharded, mode, fitting micro-batches, the mode-none line or None)`` of one
+        checkpointing mode ``ckpt`` (``zero``: the states sharded), ``line(mode, zero)`` the
+        memory lines, ``other`` the unsharded line of a sharded variant under ``auto`` (None
+        otherwise: every fitting micro-batch counts)."""
+        stats = self.stats
         peak = line(ckpt, zero)
         plain = None  # selective where none does not fit: only as many blocks as needed
-        if ckpt == "selective" and L > 1:
+        if ckpt == "selective" and self.ctx.model.n_layers > 1:
             plain = line("none", zero)
         if other is not None:  # the micro-batches too large to fit unsharded (the later ones)
             sizes = sizes[bisect.bisect_left(sizes, True, key=lambda b: other(b) > self.limit) :]
+        fit = []
         for b in sizes:
             stats["candidates"] += 1
             if peak(b) > self.limit:
-                break
+                break  # memory grows with the micro-batch
             stats["fitting"] += 1
-            mode = ckpt
-            if plain is not None and plain(b) > self.limit:
-                mem, dt, pre = self.mem_bytes, self.dtype, self.prefetch
-                mode = fewest_selective(model, roles, b, ctx.seq_len, mem, dt, pre, zero)
-            fwd, bwd, rec = ctx.micro_batch_seconds(roles, b, mode)
-            out.append(((per_cell // b) * (fwd + bwd + rec), b, mode, zero))
-        return out
+            fit.append(b)
+        return zero, ckpt, fit, plain
+
+    def expand(self, roles: tuple, fits: RoleFits, zero: bool) -> list[tuple]:
+        """``(compute seconds, index, b, mode)`` of every fitting configuration of ``roles`` in
+        variant ``zero``, ascending in compute seconds (then enumeration order; ``index``
+        numbers them in enumeration order), memoised in ``fits``. The compute seconds (all
+        micro-batches, recompute included) are a lower bound of the step."""
+        got = fits.expanded.get(zero)
+        if got is not None:
+            return got
+        ctx, got = self.ctx, []
+        model = ctx.model
+        per_cell = ctx.global_batch // (roles[0] * roles[2])
+        mem, dt, pre = self.mem_bytes, self.dtype, self.prefetch
+        for z, ckpt, sizes, plain in fits.modes:
+            if z != zero:
+                continue
+            for b in sizes:
+                mode = ckpt
+                if plain is not None and plain(b) > self.limit:
+                    mode = fewest_selective(model, roles, b, ctx.seq_len, mem, dt, pre, zero)
+                fwd, bwd, rec = ctx.micro_batch_seconds(roles, b, mode)
+                got.append(((per_cell // b) * (fwd + bwd + rec), len(got), b, mode))
+        got.sort(key=lambda c: c[:2])
+        fits.expanded[zero] = got
+        return got
 
     def variants(self, data_group: int) -> tuple[bool, ...]:
         """Whether the optimizer is sharded, the choices tried on a grid whose data group has

@@ -31,24 +31,23 @@ Each grid with ``G_x`` and ``G_y`` above 1 is tried in both orientations of the 
 
 Speed, by design: memory is evaluated once per (grid, checkpointing mode) as a line in the
 micro-batch (:func:`tetrad.plan.search.candidates.memory_line`) and rejects a configuration
-before anything is timed; the fitting ones are taken in ascending order of their compute
-time, a lower bound of their step time, until it reaches the slowest of the best found so
-far; of the rest, a configuration is timed only if its lower bound with the exposed
-communication it cannot avoid (:class:`tetrad.plan.comm.bounds.StepBounds`) is still below
-it. Every cost that depends on a shape only (a Linear's collectives, the fused rings, compute
-per ``(G_context, G_y, G_x, b)``, grid validity, bandwidths per ``(stride, size)``) is
-memoised. The statistics count configurations enumerated (``candidates``), fitting,
-``pruned`` and timed (``evaluated``).
+before anything is timed; what fits gives each group (grid, orientation, optimizer variant) a
+floor of its steps before its configurations are built, and the groups are visited best first
+(:mod:`tetrad.plan.search.ranking`): a group's configurations by ascending compute time, a
+lower bound, each timed only if its lower bound with the exposed communication it cannot avoid
+(:class:`tetrad.plan.comm.bounds.StepBounds`) is below the slowest of the best found so far.
+Every cost that depends on a shape only (a Linear's collectives, the fused rings, compute per
+``(G_context, G_y, G_x, b)``, grid validity, bandwidths per ``(stride, size)``) is memoised.
+The statistics count configurations enumerated (``candidates``), fitting, ``pruned`` and timed
+(``evaluated``).
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 
 from tetrad.activation_checkpointing import CHECKPOINTING
 from tetrad.plan.comm.axonn import axonn_comm
-from tetrad.plan.comm.bounds import MARGIN, StepBounds
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.comm.estimate import estimate
@@ -62,6 +61,7 @@ from tetrad.plan.model.grids import grid_problems, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.candidates import Candidates
 from tetrad.plan.search.pipelined import PipeSearch, is_pipeline, pipeline_row
+from tetrad.plan.search.ranking import Ranking
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.space import (
     check_inputs,
@@ -69,10 +69,11 @@ from tetrad.plan.search.space import (
     factorizations,
     nearby_gpu_counts,
 )
+from tetrad.plan.search.top import ranked
 from tetrad.spec import COMM_AXES, GRID_AXES, ORIENTATIONS, GiB, role_sizes
 
 
-class _Search4D(Candidates):
+class _Search4D(Candidates, Ranking):
     """One 4D search: the question (``ctx``), the memory limit and the statistics.
 
     Args:
@@ -98,15 +99,17 @@ class _Search4D(Candidates):
         self.limit = FIT_FRACTION * mem_bytes
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
         self.turns: dict = {}  # (G_z, G_y, G_x) -> the orientations that shard the model
-        self.by_roles: dict = {}  # roles' sizes -> their candidates (Candidates)
+        self.by_roles: dict = {}  # roles' sizes -> what fits on them (Candidates)
+        self.per_sample: dict = {}  # (G_context, G_y, G_x, b) -> seconds (_per_sample)
         keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "pruned")
         self.stats = dict.fromkeys((*keys, "evaluated"), 0)
 
     def candidates(self, checkpointing: tuple[str, ...], allowed: set | None) -> list:
-        """``(lower bound seconds, grid, micro_batch, checkpointing)`` of every fitting
-        configuration; the lower bound is its compute time."""
+        """``(grid, orientation, RoleFits)`` of every grid, in each orientation it is tried in,
+        where something fits (:class:`~tetrad.plan.search.candidates.RoleFits`: from the
+        memory lines alone), in enumeration order."""
         model, gb, stats = self.ctx.model, self.ctx.global_batch, self.stats
-        cands = []
+        groups = []
         for grid in factorizations(self.gpus, 5):
             gd, gc, gz, gy, gx = grid
             if gc > 1 and (self.comm_model == "axonn" or context_problems(self.ctx.seq_len, gc)):
@@ -125,8 +128,11 @@ class _Search4D(Candidates):
             if gb % (gd * gz):
                 continue
             stats["batch_grids"] += 1
-            cands += self._grid_candidates(grid, checkpointing, allowed)
-        return cands
+            for turn in self.orientations(grid):
+                fits = self.oriented_fits(grid, turn, checkpointing, allowed)
+                if fits.variants():
+                    groups.append((grid, turn, fits))
+        return groups
 
     def orientations(self, grid: tuple) -> tuple[str, ...]:
         """The orientations ``grid`` is tried in: with ``G_x`` and ``G_y`` both above 1, those
@@ -146,13 +152,7 @@ class _Search4D(Candidates):
             self.turns[key] = got
         return got
 
-    def _grid_candidates(self, grid, checkpointing: tuple[str, ...], allowed: set | None) -> list:
-        out = []
-        for turn in self.orientations(grid):
-            out += self._oriented_candidates(grid, turn, checkpointing, allowed)
-        return out
-
-    def check_found(self, cands: list) -> None:
+    def check_found(self, groups: list) -> None:
         """Raises :class:`PlanError` saying what to change when no grid shards the model, none
         splits the batch, or nothing fits."""
         model, gpus, gb = self.ctx.model, self.gpus, self.ctx.global_batch
@@ -173,44 +173,13 @@ class _Search4D(Candidates):
                 f"{least}): use a --global-batch that is a multiple of {least}, or "
                 f"--gpus {nearby_gpu_counts(model, gpus).split(',')[0]}"
             )
-        if not cands:
+        if not groups:
             raise PlanError(
                 f"no 4D configuration of {model.name} fits under 80% of "
                 f"{self.mem_bytes / GiB:.0f} GiB per GPU on {gpus} GPUs (batch "
                 f"{gb} x {self.ctx.seq_len}): use more --gpus, a shorter --seq-len, "
                 "a smaller model or a machine with more memory"
             )
-
-    def rank(self, cands: list, top: int) -> list:
-        """The ``top`` fastest as ``(-step seconds, order, (grid, b, ckpt, orientation,
-        estimate))``, timing
-        candidates by ascending compute time (a lower bound) until none can enter the top, and
-        with the tetrad model skipping those whose bound with the unavoidable exposed
-        communication (:class:`~tetrad.plan.comm.bounds.StepBounds`) cannot either."""
-        cands.sort(key=lambda c: c[0])
-        best: list = []  # max-heap of (-step, seq, row-data) of size top
-        bounds = None
-        if self.comm_model == "tetrad":
-            bounds = {False: StepBounds(self.ctx), True: StepBounds(sharded(self.ctx))}
-            bounds[True]._z = bounds[False]._z  # the Z terms do not depend on the optimizer
-        for seq, (lb, grid, b, ckpt, turn, zero) in enumerate(cands):
-            if len(best) >= top:
-                slowest = -best[0][0]
-                if lb >= slowest:
-                    break  # sorted: no later candidate's compute alone is below it
-                if bounds is not None and _bounded_out(
-                    bounds[zero], grid, b, ckpt, turn, lb, slowest
-                ):
-                    continue
-            self.stats["evaluated"] += 1
-            step, est = self._time(grid, b, ckpt, turn, zero)
-            item = (-step, seq, (grid, b, ckpt, turn, est))
-            if len(best) < top:
-                heapq.heappush(best, item)
-            elif step < -best[0][0]:
-                heapq.heapreplace(best, item)
-        self.stats["pruned"] = self.stats["fitting"] - self.stats["evaluated"]
-        return best
 
     def _time(self, grid, b: int, ckpt: str, turn: str, zero: bool) -> tuple[float, object]:
         """Step seconds and what the row needs: an :class:`~tetrad.plan.comm.estimate.Estimate`
@@ -328,32 +297,19 @@ def search_4d(
     search = _Search4D(ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer)
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None
-    cands = search.candidates(modes, allowed)
+    groups = search.candidates(modes, allowed)
     pipes = PipeSearch(search, modes, allowed) if pipeline and comm_model == "tetrad" else None
     if pipes is None or not search.stats["valid_grids"]:
-        search.check_found(cands)
-    best = search.rank(cands, top)
-    if pipes is not None:
-        pipes.extend(best, top, len(cands))
-        if not best:
-            search.check_found(cands)
+        search.check_found(groups)
+    best = search.rank(groups, top, pipes)
+    if pipes is not None and not best:
+        search.check_found(groups)
     rows = [
-        pipeline_row(search, -neg, grid, b, ckpt, turn, est)
+        pipeline_row(search, step, grid, b, ckpt, turn, est)
         if is_pipeline(est)
-        else search.row(-neg, grid, b, ckpt, turn, est)
-        for neg, _, (grid, b, ckpt, turn, est) in sorted(best, key=lambda t: (-t[0], t[1]))
+        else search.row(step, grid, b, ckpt, turn, est)
+        for step, (grid, b, ckpt, turn, est) in ranked(best)
     ]
     rows.sort(key=lambda r: r.step_s)
     search.stats["seconds"] = time.perf_counter() - t0
     return rows, search.stats
-
-
-def _bounded_out(
-    bounds: StepBounds, grid, b: int, ckpt: str, turn: str, compute_s: float, slowest: float
-) -> bool:
-    """Whether the step of ``(grid, b, ckpt)`` in orientation ``turn`` is surely not below
-    ``slowest`` seconds: one of its bounds (:class:`~tetrad.plan.comm.bounds.StepBounds`,
-    cheapest first), shrunk by :data:`MARGIN`, is not."""
-    keep = 1.0 - MARGIN
-    floor = bounds.cheap(grid, b, ckpt, compute_s, turn)
-    return floor * keep >= slowest or bounds.with_xy(floor, grid, b, ckpt, turn) * keep >= slowest

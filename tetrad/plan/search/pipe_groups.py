@@ -56,7 +56,7 @@ class GroupBounds:
         self.kv_link_memo: dict = {}  # (G_context, G_x G_y G_z, G_y, b, full) -> seconds
         self.xy_memo: dict = {}  # (G_context, G_y, G_x, b, full, turn) -> seconds
         self.lead_memo: dict = {}  # (split_key, p, v) -> (rho, blocks before it)
-        self.least_lead_memo: dict = {}  # (p, p divides m, costs) -> (rho, blocks), weighted
+        self.least_lead_memo: dict = {}  # (p, p divides m, split ratios) -> (rho, blocks), weighted
         self.terms_memo: dict = {}  # (p, G_data G_z, G_context, G_y, G_x, b, mode) -> terms
 
     def _per_sample_floors(self, gc: int, gy: int, gx: int) -> dict[str, float]:
@@ -202,10 +202,11 @@ class GroupBounds:
         may take (1, and :data:`VIRTUAL_CHOICES` where ``p`` divides ``m``; ``p v <= L``), and
         the least mean over ranks ``r`` of the same floor for ``r`` (each rank is idle at least
         that long, so the step is at least it plus ``m`` times the mean ``T_r``), seconds."""
-        key = (pipe, m % pipe == 0, costs)
+        L = self.ctx.model.n_layers
+        # the splits depend on the costs through split_key's rounded ratios only
+        key = (pipe, m % pipe == 0, *split_key(L, costs, pipe, 1)[1:3])
         got = self.least_lead_memo.get(key)
         if got is None:
-            L = self.ctx.model.n_layers
             vs = [v for v in (1,) + (VIRTUAL_CHOICES if key[1] else ()) if pipe * v <= L]
             splits = [self._lead_split(pipe, v, costs) for v in vs]
             # the splits no other is at or below in both rho and blocks: the least lead's

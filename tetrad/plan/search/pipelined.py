@@ -44,6 +44,7 @@ the slowest of the top-K so far; memory floors reject whatever the top-K.
 from __future__ import annotations
 
 import heapq
+import itertools
 
 from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.zero import sharded
@@ -57,9 +58,12 @@ from tetrad.plan.search.pipe_floor import BlockFloors
 from tetrad.plan.search.pipe_groups import VIRTUAL_CHOICES, GroupBounds
 from tetrad.plan.search.pipe_memory import MemoryFloors
 from tetrad.plan.search.rows import Row
+from tetrad.plan.search.top import best_first, offer, slowest
 from tetrad.spec import GRID_AXES, role_sizes
 
 MODE_ORDER = ("none", "selective", "full")
+SHAPE, GROUP = 1, 2
+"""Kinds of the search's entries (:meth:`PipeSearch.visit`): a tensor/context shape, a group."""
 __all__ = ["VIRTUAL_CHOICES", "PipeSearch", "is_pipeline", "pipeline_row"]
 
 
@@ -85,31 +89,48 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
             self.stats.setdefault(k, 0)
 
     def extend(self, best: list, top: int, seq0: int) -> None:
-        """Push the pipeline configurations that enter the top-K into ``best`` (the max-heap of
-        :meth:`tetrad.plan.search.four_d._Search4D.rank`), items numbered from ``seq0``. None
-        for a mixture-of-experts model: the split and the floors take every block alike (and
-        ``tetrad plan`` and ``--grid auto`` refuse such models)."""
+        """Push the pipeline configurations that enter the top-K into ``best`` (the heap of
+        :mod:`tetrad.plan.search.top`), numbered from ``seq0`` in the order they are timed:
+        :meth:`entries` visited best first (:func:`tetrad.plan.search.top.best_first`)."""
         self.seq = seq0
+        numbers = itertools.count()
+        queue = [(bound, kind, next(numbers), shape) for bound, kind, shape in self.entries()]
+        heapq.heapify(queue)
+
+        def visit(kind: int, payload) -> None:
+            for entry in self.visit(kind, payload, best, top):
+                heapq.heappush(queue, (*entry[:2], next(numbers), entry[2]))
+
+        best_first(queue, best, top, visit, MARGIN)
+
+    def entries(self) -> list[tuple[float, int, tuple]]:
+        """``(bound 1, SHAPE, shape)`` of every tensor/context shape (:meth:`_tensor_groups`):
+        where the search starts. None for a mixture-of-experts model: the split and the floors take
+        every block alike (and ``tetrad plan`` and ``--grid auto`` refuse such models)."""
         if self.ctx.model.is_moe:
-            return
-        groups = []
-        for lb, gc, gy, gx, mode, per_sample, lb_kv in self._tensor_groups():
-            limit = -best[0][0] if len(best) >= top else float("inf")
-            if lb * (1 - MARGIN) >= limit:
-                break
+            return []
+        return [(shape[0], SHAPE, shape) for shape in self._tensor_groups()]
+
+    def visit(self, kind: int, payload: tuple, best: list, top: int) -> list[tuple]:
+        """Visit an entry: a shape (:data:`SHAPE`) gives ``(bound 2, GROUP, group)`` of its
+        groups below the slowest of ``best`` (:meth:`_pipe_group`); a group (:data:`GROUP`)
+        times the schedules of its grids that may enter ``best`` and gives nothing."""
+        limit = slowest(best, top)
+        if kind == SHAPE:
+            lb, gc, gy, gx, mode, per_sample, lb_kv = payload
             self.stats["pipe_groups"] += 1
             if lb_kv * (1 - MARGIN) >= limit:
-                continue  # no group of this shape can enter (their context collectives)
+                return []  # no group of this shape can enter (their context collectives)
+            out = []
             for pipe in self.pipes:
-                groups += self._pipe_group(pipe, gc, gy, gx, mode, per_sample, limit)
-        groups.sort(key=lambda t: t[0])
-        for lb, pipe, q, gc, gy, gx, b, mode in groups:
-            limit = -best[0][0] if len(best) >= top else float("inf")
-            if lb * (1 - MARGIN) >= limit:
-                break
-            for bound, grid, turn in self._group_grids(pipe, q, gc, gy, gx, b, mode, limit):
-                if len(best) < top or bound * (1 - MARGIN) < -best[0][0]:
-                    self._grid(best, top, pipe, grid, turn, b, mode)
+                for group in self._pipe_group(pipe, gc, gy, gx, mode, per_sample, limit):
+                    out.append((group[0], GROUP, group))
+            return out
+        _, pipe, q, gc, gy, gx, b, mode = payload
+        for bound, grid, turn in self._group_grids(pipe, q, gc, gy, gx, b, mode, limit):
+            if bound * (1 - MARGIN) < slowest(best, top):
+                self._grid(best, top, pipe, grid, turn, b, mode)
+        return []
 
     def _turns(self, roles: tuple) -> tuple:
         """``(--grid, orientation)`` of the roles ``roles``: the grid itself in ``xy``, and
@@ -139,12 +160,9 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
                 self.stats["pipe_evaluated"] += 1
                 ctx = sharded(self.ctx) if zero else self.ctx
                 est = pipeline_estimate(ctx, cfg, grid, b, mode, turn)
-                item = (-est.step_s, self.seq, (grid, b, mode, turn, (est, cfg, mem, zero)))
+                item = (grid, b, mode, turn, (est, cfg, mem, zero))
+                offer(best, top, est.step_s, self.seq, item)
                 self.seq += 1
-                if len(best) < top:
-                    heapq.heappush(best, item)
-                elif est.step_s < -best[0][0]:
-                    heapq.heapreplace(best, item)
 
     def _config_pruned(self, grid, turn, b, mode, cfg, m: int, limit: float) -> bool:
         """Whether the schedule cannot enter below ``limit`` seconds (less MARGIN) or cannot

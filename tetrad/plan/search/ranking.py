@@ -1,0 +1,132 @@
+"""The ranking of the 4D search (:class:`Ranking`, a part of
+:class:`tetrad.plan.search.four_d._Search4D`): the groups of configurations of the 5D space
+best first (:func:`tetrad.plan.search.top.best_first`), then, with the pipeline axis, the
+pipeline search (:class:`tetrad.plan.search.pipelined.PipeSearch`) against the bar they set
+(its bounds are looser: visited first, with no bar yet, it times more).
+
+A 5D group is a grid, an orientation and an optimizer variant; its floor
+(:meth:`Ranking._group_floor`, :meth:`tetrad.plan.comm.bounds.StepBounds.group_floor`) needs
+what fits (the memory lines) and the compute per sample, not its configurations, which are
+built (:meth:`tetrad.plan.search.candidates.Candidates.expand`) only when the group is visited:
+by ascending compute time (a lower bound) until none can enter, each skipped where its bound with
+the unavoidable exposed communication (:class:`~tetrad.plan.comm.bounds.StepBounds`) cannot
+enter either, else timed. Ties in step time go to the earlier enumerated configuration
+(:mod:`tetrad.plan.search.top`), so the order of the visits changes no answer.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from tetrad.plan.comm.bounds import MARGIN, StepBounds
+from tetrad.plan.comm.zero import sharded
+from tetrad.plan.search.top import PIPELINE_SEQ, best_first, offer
+from tetrad.spec import role_sizes
+
+FIVE_D = 0
+"""The kind of a 5D group's entry in the queue."""
+
+
+class Ranking:
+    """Best-first ranking; ``self.ctx``, ``self.stats``, ``self.comm_model``, ``self.expand``
+    and ``self._time`` come from the search."""
+
+    def rank(self, groups: list, top: int, pipes=None) -> list:
+        """The ``top`` fastest of the groups (:meth:`candidates`: ``(grid, orientation,
+        RoleFits)``) and, with ``pipes`` (a :class:`~tetrad.plan.search.pipelined.PipeSearch`),
+        of the pipeline configurations, as the heap of :mod:`tetrad.plan.search.top` (items
+        ``(grid, b, ckpt, orientation, estimate)``; a pipeline's estimate is its
+        ``(PipeEstimate, PipeConfig, memory, sharded)``)."""
+        bounds = None
+        if self.comm_model == "tetrad":
+            bounds = {False: StepBounds(self.ctx), True: StepBounds(sharded(self.ctx))}
+            bounds[True]._z = bounds[False]._z  # the Z terms do not depend on the optimizer
+        queue = []
+        for gi, (grid, turn, fits) in enumerate(groups):
+            for zero in fits.variants():
+                floor = self._group_floor(bounds, grid, turn, fits, zero)
+                queue.append((floor, FIVE_D, len(queue), (gi, zero)))
+        heapq.heapify(queue)
+        best: list = []
+
+        def visit(kind: int, payload) -> None:
+            self._visit_group(best, top, bounds, groups, *payload)
+
+        best_first(queue, best, top, visit, MARGIN)
+        if pipes is not None:
+            pipes.extend(best, top, PIPELINE_SEQ)
+        self.stats["pruned"] = self.stats["fitting"] - self.stats["evaluated"]
+        return best
+
+    def _visit_group(self, best: list, top: int, bounds, groups: list, gi: int, zero: bool):
+        """Time the configurations of group ``gi`` in variant ``zero`` that may enter."""
+        keep = 1.0 - MARGIN
+        grid, turn, fits = groups[gi]
+        base = (gi << 21) | (int(zero) << 20)  # enumeration order (expand's index < 2^20)
+        for lb, index, b, ckpt in self.expand(role_sizes(grid, turn), fits, zero):
+            if len(best) >= top:
+                limit = -best[0][0]
+                if lb * keep >= limit:
+                    break  # sorted: no later one's compute alone is below it
+                if bounds is not None and _bounded_out(
+                    bounds[zero], grid, b, ckpt, turn, lb, limit
+                ):
+                    continue
+            self.stats["evaluated"] += 1
+            step, est = self._time(grid, b, ckpt, turn, zero)
+            offer(best, top, step, base | index, (grid, b, ckpt, turn, est))
+
+    def _group_floor(self, bounds, grid, turn: str, fits, zero: bool) -> float:
+        """A floor of the steps of ``grid``'s configurations in orientation ``turn`` and
+        optimizer variant ``zero``, from what fits (``fits``) and the compute per sample
+        (:meth:`_per_sample`): :meth:`~tetrad.plan.comm.bounds.StepBounds.group_floor`
+        (``bounds``: per variant; None with the axonn model: the least compute of the blocks),
+        seconds."""
+        roles = role_sizes(grid, turn)
+        classes = fits.floor_classes.get(zero)
+        if classes is None:
+            per_cell = self.ctx.global_batch // (roles[0] * roles[2])
+            classes = fits.floor_classes[zero] = {
+                full: self._class_floor(roles, per_cell, full, sizes)
+                for full, sizes in fits.classes(zero).items()
+            }
+        if bounds is None:
+            return min(c[0] for c in classes.values())
+        return bounds[zero].group_floor(grid, turn, classes)
+
+    def _class_floor(self, roles: tuple, per_cell: int, full: bool, sizes: list) -> tuple:
+        """``(compute, slack, largest)`` of :meth:`~tetrad.plan.comm.bounds.StepBounds.
+        group_floor` for the micro-batches ``sizes`` (ascending) of a ``G_data G_z`` cell of
+        ``per_cell`` samples: ``per_cell`` times the least per-sample seconds (``acc = per_cell
+        / b`` micro-batches of ``b`` samples)."""
+        compute, slack = float("inf"), float("inf")
+        for b in sizes:
+            blocks, blocks_full, tail = self._per_sample(roles, b)
+            compute = min(compute, blocks_full if full else blocks)
+            slack = min(slack, tail)
+        return per_cell * compute, per_cell * slack, sizes[-1]
+
+    def _per_sample(self, roles: tuple, b: int) -> tuple[float, float, float]:
+        """Per sample of a micro-batch of ``b`` on the roles' ``(G_context, G_y, G_x)``: the
+        blocks' forward and backward, the same with a recomputed forward, and ``t_final_norm -
+        t_post / 2`` (:meth:`~tetrad.plan.comm.bounds.StepBounds.group_floor`), seconds
+        (memoised)."""
+        key = (roles[1], roles[3], roles[4], b)
+        got = self.per_sample.get(key)
+        if got is None:
+            comp, L = self.ctx.compute(roles, b), self.ctx.model.n_layers
+            fwd, bwd = comp.block_fwd, comp.block_bwd
+            tail = comp.final_norm_fwd - 0.5 * comp.post_fwd[-1]
+            got = self.per_sample[key] = (L * (fwd + bwd) / b, L * (2 * fwd + bwd) / b, tail / b)
+        return got
+
+
+def _bounded_out(
+    bounds: StepBounds, grid, b: int, ckpt: str, turn: str, compute_s: float, slowest: float
+) -> bool:
+    """Whether the step of ``(grid, b, ckpt)`` in orientation ``turn`` is surely not below
+    ``slowest`` seconds: one of its bounds (:class:`~tetrad.plan.comm.bounds.StepBounds`,
+    cheapest first), shrunk by :data:`MARGIN`, is not."""
+    keep = 1.0 - MARGIN
+    floor = bounds.cheap(grid, b, ckpt, compute_s, turn)
+    return floor * keep >= slowest or bounds.with_xy(floor, grid, b, ckpt, turn) * keep >= slowest
