@@ -90,8 +90,9 @@ def test_z_queue_floor_is_below_the_walk(overlaps):
 def test_group_floor_is_below_every_member(case):
     """The 4D search's group floors (tetrad.plan.search.ranking) are at most the cheap bound of
     each configuration of the group, for every grid, orientation and optimizer variant that
-    fits, under each set of overlaps (bounds, not estimates: a configuration the floor drops
-    is one the cheap bound would drop)."""
+    fits, under each set of overlaps; and the floor from what may fit (before the memory
+    lines) is at most the floor from what fits (bounds, not estimates: a configuration a floor
+    drops is one the cheap bound would drop)."""
     from tetrad.plan.comm.zero import sharded
     from tetrad.plan.search.four_d import _Search4D
 
@@ -101,11 +102,16 @@ def test_group_floor_is_below_every_member(case):
     for overlaps in ("all", "none", "prefetch"):
         ctx = Context(model, mc, seq, batch, overlaps=overlaps)
         search = _Search4D(ctx, gpus, mc.memory_bytes, "tetrad", "bf16", "on")
+        search.modes = ("none", "selective", "full")
         bounds = {False: StepBounds(ctx), True: StepBounds(sharded(ctx))}
-        for grid, turn, fits in search.candidates(("none", "selective", "full"), None):
+        for grid, turn in search.candidates():
             roles = role_sizes(grid, turn)
+            fits = search.oriented_fits(grid, turn, search.modes, None)
+            may = search.may_fit(roles)
             for zero in fits.variants():
-                floor = search._group_floor(bounds, grid, turn, fits, zero)
+                floor = search._group_floor(bounds, grid, turn, zero, fits.classes(zero))
+                early = search._group_floor(bounds, grid, turn, zero, may[zero])
+                assert early <= floor * (1 + 1e-12), (overlaps, grid, turn, zero)
                 for lb, _, b, ckpt in search.expand(roles, fits, zero):
                     cheap = bounds[zero].cheap(grid, b, ckpt, lb, turn)
                     assert floor <= cheap * (1 + 1e-12), (overlaps, grid, turn, zero, b, ckpt)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 
+from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION
 from tetrad.plan.memory.offsets import sharding_offsets
 from tetrad.plan.memory.runtime import fewest_selective, phase_totals
@@ -29,17 +30,14 @@ class RoleFits:
             micro-batch where ``none`` does not fit.
         added: ``(candidates, fitting)``: what these added to the search's statistics.
         expanded: sharded -> its configurations (:meth:`Candidates.expand`).
-        floor_classes: sharded -> the search's per-class floor terms
-            (:meth:`tetrad.plan.search.four_d._Search4D._group_floor`).
     """
 
-    __slots__ = ("modes", "added", "expanded", "floor_classes")
+    __slots__ = ("modes", "added", "expanded")
 
     def __init__(self) -> None:
         self.modes: list[tuple] = []
         self.added = (0, 0)
         self.expanded: dict = {}
-        self.floor_classes: dict = {}
 
     def variants(self) -> list[bool]:
         """The optimizer variants with something that fits, in enumeration order."""
@@ -57,8 +55,10 @@ class RoleFits:
 
 class Candidates:
     """The search's per-grid candidates; ``self.ctx``, ``self.stats``, ``self.limit``,
-    ``self.mem_bytes``, ``self.dtype``, ``self.prefetch``, ``self.shard_optimizer`` and
-    ``self.by_roles`` (an empty dict) come from the search."""
+    ``self.mem_bytes``, ``self.dtype``, ``self.prefetch``, ``self.shard_optimizer``,
+    ``self.modes`` and ``self.allowed`` (the checkpointing modes and micro-batches tried), and
+    ``self.by_roles``, ``self.may_fit_memo`` and ``self.saved_memo`` (empty dicts) come from
+    the search."""
 
     def oriented_fits(
         self, grid, turn: str, checkpointing: tuple[str, ...], allowed: set | None
@@ -168,6 +168,66 @@ class Candidates:
         got.sort(key=lambda c: c[:2])
         fits.expanded[zero] = got
         return got
+
+    def may_fit(self, roles: tuple) -> dict[bool, dict[bool, list[int]]]:
+        """Per optimizer variant, per ``full`` (whether the mode is ``full``): the micro-batches
+        that may fit on the roles' sizes ``roles``, by a floor of the memory taken before its
+        lines (:meth:`oriented_fits`): the states, 16 B per local element (8 + 8 / (G_data
+        G_context) sharded), and the blocks' saved tensors in the class's leanest mode
+        (``full``: the block inputs; else ``selective`` or ``none``:
+        :func:`tetrad.plan.memory.activations.saved_activations`, affine in the micro-batch),
+        both in the total of the ``backward: blocks`` phase. Memoised per roles."""
+        got = self.may_fit_memo.get(roles)
+        if got is not None:
+            return got
+        ctx, got = self.ctx, {}
+        L = ctx.model.n_layers
+        gd, gc, gz, gy, gx = roles
+        _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
+        local = L * block_el + head_el + emb_el + ctx.vector_elements(gx, gy)
+        per_cell = ctx.global_batch // (gd * gz)
+        sizes = [b for b in divisors(per_cell) if self.allowed is None or b in self.allowed]
+        for zero in self.variants(gd * gc):
+            room = self.limit - state_bytes_per_element(zero, gd * gc) * local
+            classes = {}
+            for full in (False, True):
+                line = self._saved_line(roles, full)
+                if line is None or not sizes:
+                    continue
+                one, slope = line
+                n = bisect.bisect_right(sizes, False, key=lambda b: one + (b - 1) * slope > room)
+                if n:
+                    classes[full] = sizes[:n]
+            if classes:
+                got[zero] = classes
+        self.may_fit_memo[roles] = got
+        return got
+
+    def _saved_line(self, roles: tuple, full: bool) -> tuple[float, float] | None:
+        """``(bytes at b = 1, bytes per further sample)`` of the blocks' saved tensors in the
+        leanest of the modes tried in the class (``full``: ``full``; else ``selective`` or
+        ``none``), per ``(G_context, G_y, G_x)`` (memoised); None where no such mode is tried."""
+        key = (roles[1], roles[3], roles[4], full)
+        if key in self.saved_memo:
+            return self.saved_memo[key]
+        got = None
+        modes = [m for m in self.modes if (m == "full") == full]
+        if modes:
+            at = []
+            for b in (1, 2):
+                at.append(min(self._saved_blocks(roles, b, m) for m in modes))
+            got = (at[0], at[1] - at[0])
+        self.saved_memo[key] = got
+        return got
+
+    def _saved_blocks(self, roles: tuple, b: int, mode: str) -> float:
+        """The blocks' saved tensors of a micro-batch of ``b`` on ``roles`` in ``mode``,
+        bytes (:func:`tetrad.plan.memory.activations.saved_activations`)."""
+        ctx = self.ctx
+        saved = saved_activations(
+            ctx.model, roles, b, ctx.seq_len, activation_checkpointing=mode, dtype=self.dtype
+        )
+        return saved["blocks"]
 
     def variants(self, data_group: int) -> tuple[bool, ...]:
         """Whether the optimizer is sharded, the choices tried on a grid whose data group has

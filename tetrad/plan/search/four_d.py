@@ -100,14 +100,21 @@ class _Search4D(Candidates, Ranking):
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
         self.turns: dict = {}  # (G_z, G_y, G_x) -> the orientations that shard the model
         self.by_roles: dict = {}  # roles' sizes -> what fits on them (Candidates)
+        self.may_fit_memo: dict = {}  # roles' sizes -> what may fit (Candidates.may_fit)
+        self.saved_memo: dict = {}  # (G_context, G_y, G_x, full) -> saved bytes' line
+        self.class_memo: dict = {}  # (G_context, G_y, G_x, B / (G_data G_z), full, sizes)
+        self.modes: tuple[str, ...] = ()  # the checkpointing modes tried
+        self.allowed: set | None = None  # the micro-batches allowed (None: every divisor)
         self.per_sample: dict = {}  # (G_context, G_y, G_x, b) -> seconds (_per_sample)
         keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "pruned")
         self.stats = dict.fromkeys((*keys, "evaluated"), 0)
 
-    def candidates(self, checkpointing: tuple[str, ...], allowed: set | None) -> list:
-        """``(grid, orientation, RoleFits)`` of every grid, in each orientation it is tried in,
-        where something fits (:class:`~tetrad.plan.search.candidates.RoleFits`: from the
-        memory lines alone), in enumeration order."""
+    def candidates(self) -> list[tuple]:
+        """``(grid, orientation)`` of every grid that shards the model and splits the batch, in
+        each orientation it is tried in, in enumeration order: the 5D groups, whose memory
+        (:meth:`~tetrad.plan.search.candidates.Candidates.oriented_fits`) and configurations
+        (:meth:`~tetrad.plan.search.candidates.Candidates.expand`) the ranking builds when it
+        visits them."""
         model, gb, stats = self.ctx.model, self.ctx.global_batch, self.stats
         groups = []
         for grid in factorizations(self.gpus, 5):
@@ -128,10 +135,7 @@ class _Search4D(Candidates, Ranking):
             if gb % (gd * gz):
                 continue
             stats["batch_grids"] += 1
-            for turn in self.orientations(grid):
-                fits = self.oriented_fits(grid, turn, checkpointing, allowed)
-                if fits.variants():
-                    groups.append((grid, turn, fits))
+            groups += [(grid, turn) for turn in self.orientations(grid)]
         return groups
 
     def orientations(self, grid: tuple) -> tuple[str, ...]:
@@ -152,9 +156,9 @@ class _Search4D(Candidates, Ranking):
             self.turns[key] = got
         return got
 
-    def check_found(self, groups: list) -> None:
+    def check_found(self, found: bool = True) -> None:
         """Raises :class:`PlanError` saying what to change when no grid shards the model, none
-        splits the batch, or nothing fits."""
+        splits the batch, or nothing fits (``found`` False)."""
         model, gpus, gb = self.ctx.model, self.gpus, self.ctx.global_batch
         if self.stats["valid_grids"] == 0:
             raise PlanError(
@@ -173,7 +177,7 @@ class _Search4D(Candidates, Ranking):
                 f"{least}): use a --global-batch that is a multiple of {least}, or "
                 f"--gpus {nearby_gpu_counts(model, gpus).split(',')[0]}"
             )
-        if not groups:
+        if not found:
             raise PlanError(
                 f"no 4D configuration of {model.name} fits under 80% of "
                 f"{self.mem_bytes / GiB:.0f} GiB per GPU on {gpus} GPUs (batch "
@@ -295,15 +299,17 @@ def search_4d(
         compute_bytes=2 if dtype == "bf16" else 4,
     )
     search = _Search4D(ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer)
-    modes = checkpointing_modes(checkpointing)
-    allowed = set(micro_batches) if micro_batches else None
-    groups = search.candidates(modes, allowed)
-    pipes = PipeSearch(search, modes, allowed) if pipeline and comm_model == "tetrad" else None
+    search.modes = checkpointing_modes(checkpointing)
+    search.allowed = set(micro_batches) if micro_batches else None
+    groups = search.candidates()
+    pipes = None
+    if pipeline and comm_model == "tetrad":
+        pipes = PipeSearch(search, search.modes, search.allowed)
     if pipes is None or not search.stats["valid_grids"]:
-        search.check_found(groups)
+        search.check_found()  # a pipeline's stages may split a batch no 5D grid does
     best = search.rank(groups, top, pipes)
-    if pipes is not None and not best:
-        search.check_found(groups)
+    if not best:
+        search.check_found(found=False)
     rows = [
         pipeline_row(search, step, grid, b, ckpt, turn, est)
         if is_pipeline(est)

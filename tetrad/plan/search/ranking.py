@@ -17,51 +17,71 @@ enter either, else timed. Ties in step time go to the earlier enumerated configu
 from __future__ import annotations
 
 import heapq
+import itertools
 
 from tetrad.plan.comm.bounds import MARGIN, StepBounds
 from tetrad.plan.comm.zero import sharded
 from tetrad.plan.search.top import PIPELINE_SEQ, best_first, offer
 from tetrad.spec import role_sizes
 
-FIVE_D = 0
-"""The kind of a 5D group's entry in the queue."""
+MAY_FIT, FITS = 0, 1
+"""Kinds of a 5D group's entries in the queue: at the floor of what may fit, of what fits."""
 
 
 class Ranking:
-    """Best-first ranking; ``self.ctx``, ``self.stats``, ``self.comm_model``, ``self.expand``
-    and ``self._time`` come from the search."""
+    """Best-first ranking; ``self.ctx``, ``self.stats``, ``self.comm_model``, the memory and
+    configurations of :class:`~tetrad.plan.search.candidates.Candidates` and ``self._time``
+    come from the search."""
 
     def rank(self, groups: list, top: int, pipes=None) -> list:
-        """The ``top`` fastest of the groups (:meth:`candidates`: ``(grid, orientation,
-        RoleFits)``) and, with ``pipes`` (a :class:`~tetrad.plan.search.pipelined.PipeSearch`),
-        of the pipeline configurations, as the heap of :mod:`tetrad.plan.search.top` (items
-        ``(grid, b, ckpt, orientation, estimate)``; a pipeline's estimate is its
-        ``(PipeEstimate, PipeConfig, memory, sharded)``)."""
+        """The ``top`` fastest configurations of the 5D groups (:meth:`candidates`: ``(grid,
+        orientation)``) and, with ``pipes`` (a
+        :class:`~tetrad.plan.search.pipelined.PipeSearch`), of the pipeline search, as the heap
+        of :mod:`tetrad.plan.search.top` (items ``(grid, b, ckpt, orientation, estimate)``; a
+        pipeline's estimate is its ``(PipeEstimate, PipeConfig, memory, sharded)``).
+
+        Each group's optimizer variants enter the queue at a floor from what may fit
+        (:meth:`~tetrad.plan.search.candidates.Candidates.may_fit`); visited, the group's
+        memory lines are built (:meth:`~tetrad.plan.search.candidates.Candidates.oriented_fits`,
+        counted in the statistics) and the variant enters again at the floor of what fits;
+        visited again, its configurations are timed (:meth:`_visit_group`)."""
         bounds = None
         if self.comm_model == "tetrad":
             bounds = {False: StepBounds(self.ctx), True: StepBounds(sharded(self.ctx))}
             bounds[True]._z = bounds[False]._z  # the Z terms do not depend on the optimizer
         queue = []
-        for gi, (grid, turn, fits) in enumerate(groups):
-            for zero in fits.variants():
-                floor = self._group_floor(bounds, grid, turn, fits, zero)
-                queue.append((floor, FIVE_D, len(queue), (gi, zero)))
+        for gi, (grid, turn) in enumerate(groups):
+            for zero, classes in self.may_fit(role_sizes(grid, turn)).items():
+                floor = self._group_floor(bounds, grid, turn, zero, classes)
+                queue.append((floor, MAY_FIT, len(queue), (gi, zero)))
         heapq.heapify(queue)
         best: list = []
+        fits: dict = {}  # group -> its RoleFits
+        numbers = itertools.count(len(queue))
 
         def visit(kind: int, payload) -> None:
-            self._visit_group(best, top, bounds, groups, *payload)
+            gi, zero = payload
+            grid, turn = groups[gi]
+            got = fits.get(gi)
+            if got is None:
+                got = fits[gi] = self.oriented_fits(grid, turn, self.modes, self.allowed)
+            if kind == FITS:
+                self._visit_group(best, top, bounds, gi, grid, turn, got, zero)
+            elif zero in got.variants():
+                floor = self._group_floor(bounds, grid, turn, zero, got.classes(zero))
+                heapq.heappush(queue, (floor, FITS, next(numbers), payload))
 
         best_first(queue, best, top, visit, MARGIN)
+        self.stats["memory_groups"] = len(fits)
         if pipes is not None:
             pipes.extend(best, top, PIPELINE_SEQ)
         self.stats["pruned"] = self.stats["fitting"] - self.stats["evaluated"]
         return best
 
-    def _visit_group(self, best: list, top: int, bounds, groups: list, gi: int, zero: bool):
-        """Time the configurations of group ``gi`` in variant ``zero`` that may enter."""
+    def _visit_group(self, best: list, top: int, bounds, gi: int, grid, turn, fits, zero):
+        """Time the configurations of group ``gi`` (``grid`` in orientation ``turn``, what fits
+        ``fits``) in variant ``zero`` that may enter ``best``."""
         keep = 1.0 - MARGIN
-        grid, turn, fits = groups[gi]
         base = (gi << 21) | (int(zero) << 20)  # enumeration order (expand's index < 2^20)
         for lb, index, b, ckpt in self.expand(role_sizes(grid, turn), fits, zero):
             if len(best) >= top:
@@ -76,35 +96,38 @@ class Ranking:
             step, est = self._time(grid, b, ckpt, turn, zero)
             offer(best, top, step, base | index, (grid, b, ckpt, turn, est))
 
-    def _group_floor(self, bounds, grid, turn: str, fits, zero: bool) -> float:
+    def _group_floor(self, bounds, grid, turn: str, zero: bool, classes: dict) -> float:
         """A floor of the steps of ``grid``'s configurations in orientation ``turn`` and
-        optimizer variant ``zero``, from what fits (``fits``) and the compute per sample
+        optimizer variant ``zero`` whose micro-batches are, per ``full`` (whether the mode is
+        ``full``), among ``classes[full]`` (ascending), from the compute per sample
         (:meth:`_per_sample`): :meth:`~tetrad.plan.comm.bounds.StepBounds.group_floor`
         (``bounds``: per variant; None with the axonn model: the least compute of the blocks),
         seconds."""
         roles = role_sizes(grid, turn)
-        classes = fits.floor_classes.get(zero)
-        if classes is None:
-            per_cell = self.ctx.global_batch // (roles[0] * roles[2])
-            classes = fits.floor_classes[zero] = {
-                full: self._class_floor(roles, per_cell, full, sizes)
-                for full, sizes in fits.classes(zero).items()
-            }
+        per_cell = self.ctx.global_batch // (roles[0] * roles[2])
+        terms = {
+            full: self._class_floor(roles, per_cell, full, sizes) for full, sizes in classes.items()
+        }
         if bounds is None:
-            return min(c[0] for c in classes.values())
-        return bounds[zero].group_floor(grid, turn, classes)
+            return min(t[0] for t in terms.values())
+        return bounds[zero].group_floor(grid, turn, terms)
 
     def _class_floor(self, roles: tuple, per_cell: int, full: bool, sizes: list) -> tuple:
         """``(compute, slack, largest)`` of :meth:`~tetrad.plan.comm.bounds.StepBounds.
         group_floor` for the micro-batches ``sizes`` (ascending) of a ``G_data G_z`` cell of
         ``per_cell`` samples: ``per_cell`` times the least per-sample seconds (``acc = per_cell
-        / b`` micro-batches of ``b`` samples)."""
-        compute, slack = float("inf"), float("inf")
-        for b in sizes:
-            blocks, blocks_full, tail = self._per_sample(roles, b)
-            compute = min(compute, blocks_full if full else blocks)
-            slack = min(slack, tail)
-        return per_cell * compute, per_cell * slack, sizes[-1]
+        / b`` micro-batches of ``b`` samples); memoised per ``(G_context, G_y, G_x)``, cell,
+        class and micro-batches."""
+        key = (roles[1], roles[3], roles[4], per_cell, full, tuple(sizes))
+        got = self.class_memo.get(key)
+        if got is None:
+            compute, slack = float("inf"), float("inf")
+            for b in sizes:
+                blocks, blocks_full, tail = self._per_sample(roles, b)
+                compute = min(compute, blocks_full if full else blocks)
+                slack = min(slack, tail)
+            got = self.class_memo[key] = (per_cell * compute, per_cell * slack, sizes[-1])
+        return got
 
     def _per_sample(self, roles: tuple, b: int) -> tuple[float, float, float]:
         """Per sample of a micro-batch of ``b`` on the roles' ``(G_context, G_y, G_x)``: the

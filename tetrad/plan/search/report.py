@@ -157,9 +157,10 @@ def format_result(result: SearchResult) -> str:
         f"{inp['comm_model']}",
         "",
         f"4D grids (tetrad/AxoNN, G_data x G_z x G_y x G_x): {f4.get('grids', 0)} grids, "
-        f"{f4.get('valid_grids', 0)} shard the model, {f4.get('fitting', 0)} configurations fit "
-        f"under {100 * FIT_FRACTION:.0f}% of {inp['gpu_memory_gib']:.1f} GiB, "
-        f"{f4.get('evaluated', 0)} timed"
+        f"{f4.get('valid_grids', 0)} shard the model; on the {f4.get('memory_groups', 0)} "
+        f"(grid, orientation) whose memory the search needed, {f4.get('fitting', 0)} "
+        f"configurations fit under {100 * FIT_FRACTION:.0f}% of "
+        f"{inp['gpu_memory_gib']:.1f} GiB, {f4.get('evaluated', 0)} timed"
         + (
             f"; pipeline (G_pipe x virtual stages x schedule on top): "
             f"{f4.get('pipe_candidates', 0)} bounded, {f4.get('pipe_evaluated', 0)} timed"
