@@ -53,6 +53,8 @@ class StepBounds:
         self._grid: dict = {}  # grid -> (optimizer + scalars seconds, data-parallel terms)
         self._z: dict = {}  # (G_z, G_y, G_x, full) -> (tables, queue) seconds per micro-batch
         self._cheap: dict = {}  # (grid, orientation, b, full) -> the terms :meth:`cheap` adds
+        self._xy: dict = {}  # (G_context, G_y, G_x, b, full, orientation) -> X/Y seconds
+        self._kv: dict = {}  # (G_context, G_z, G_y, G_x, b, full) -> context K/V seconds
 
     def _grid_terms(self, st: Step, grid: tuple) -> tuple[float, tuple[float, ...]]:
         """Per grid: the optimizer and the step-level scalars, seconds per step; and the
@@ -181,9 +183,24 @@ class StepBounds:
         orientation: str = "xy",
     ) -> float:
         """``floor`` (:meth:`cheap`) plus the context K/V collectives and every X and Y
-        collective's exposed seconds (memoised, and reused by the estimate), seconds."""
-        st = make_step(self.ctx, grid, micro_batch, checkpointing, orientation)
-        rec = Recorder(False)
-        layers.context_kv(rec, st)
-        exposed = sum(rec.exposed.values()) + sum(xy_record(self.ctx, st).exposed.values())
-        return floor + exposed
+        collective's exposed seconds, seconds. Each is recorded per call, ``L acc`` calls (or
+        ``acc``), and the ``fine`` choice is the least exposed: the sum is ``acc`` times one
+        micro-batch's, memoised per ``(G_context, G_y, G_x)`` (and ``G_z``, the context link's
+        stride, for K/V), micro-batch, recompute and orientation (the estimate's own record,
+        :func:`xy_record`, is memoised with ``acc``)."""
+        full = parse_checkpointing(checkpointing) == "full"
+        _, gc, gz, gy, gx = role_sizes(grid, orientation)
+        xy_key = (gc, gy, gx, micro_batch, full, orientation)
+        kv_key = (gc, gz, gy, gx, micro_batch, full)  # the context link's stride holds G_z
+        xy, kv = self._xy.get(xy_key), self._kv.get(kv_key, 0.0 if gc == 1 else None)
+        if xy is None or kv is None:
+            st = make_step(self.ctx, grid, micro_batch, checkpointing, orientation)
+            if xy is None:
+                exposed = xy_record(self.ctx, st).exposed.values()
+                xy = self._xy[xy_key] = sum(exposed) / st.acc
+            if kv is None:
+                rec = Recorder(False)
+                layers.context_kv(rec, st)
+                kv = self._kv[kv_key] = sum(rec.exposed.values()) / st.acc
+        per = kv + xy
+        return floor + self.ctx.global_batch // (grid[0] * grid[2] * micro_batch) * per

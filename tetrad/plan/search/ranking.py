@@ -48,7 +48,8 @@ class Ranking:
         bounds = None
         if self.comm_model == "tetrad":
             bounds = {False: StepBounds(self.ctx), True: StepBounds(sharded(self.ctx))}
-            bounds[True]._z = bounds[False]._z  # the Z terms do not depend on the optimizer
+            for shared in ("_z", "_xy", "_kv"):  # terms that do not depend on the optimizer
+                setattr(bounds[True], shared, getattr(bounds[False], shared))
         queue = []
         for gi, (grid, turn) in enumerate(groups):
             for zero, classes in self.may_fit(role_sizes(grid, turn)).items():
@@ -117,17 +118,24 @@ class Ranking:
         group_floor` for the micro-batches ``sizes`` (ascending) of a ``G_data G_z`` cell of
         ``per_cell`` samples: ``per_cell`` times the least per-sample seconds (``acc = per_cell
         / b`` micro-batches of ``b`` samples); memoised per ``(G_context, G_y, G_x)``, cell,
-        class and micro-batches."""
+        class and micro-batches. Where the machine's GEMM efficiency does not fall with the
+        FLOPs, a block's seconds per sample do not grow with ``b`` (its GEMMs' FLOPs, attention
+        and element-wise work are linear in ``b``): the largest micro-batch's are the least."""
         key = (roles[1], roles[3], roles[4], per_cell, full, tuple(sizes))
         got = self.class_memo.get(key)
         if got is None:
             compute, slack = float("inf"), float("inf")
-            for b in sizes:
+            for b in sizes[-1:] if self._monotone_gemm() else sizes:
                 blocks, blocks_full, tail = self._per_sample(roles, b)
                 compute = min(compute, blocks_full if full else blocks)
                 slack = min(slack, tail)
             got = self.class_memo[key] = (per_cell * compute, per_cell * slack, sizes[-1])
         return got
+
+    def _monotone_gemm(self) -> bool:
+        """Whether the machine's GEMM efficiency table never falls as the FLOPs grow."""
+        table = self.ctx.machine.gemm_table
+        return all(a[1] <= b[1] for a, b in zip(table, table[1:], strict=False))
 
     def _per_sample(self, roles: tuple, b: int) -> tuple[float, float, float]:
         """Per sample of a micro-batch of ``b`` on the roles' ``(G_context, G_y, G_x)``: the
