@@ -207,6 +207,8 @@ class ModelSpec:
     @property
     def moe_layers(self) -> int:
         """MoE blocks ``L_m``."""
+        if not self.n_experts:
+            return 0  # a dense model (the planner asks often)
         return sum(self.moe_block(i) for i in range(self.n_layers))
 
     @property
