@@ -121,11 +121,19 @@ class Ranking:
         class and micro-batches. Where the machine's GEMM efficiency does not fall with the
         FLOPs, a block's seconds per sample do not grow with ``b`` (its GEMMs' FLOPs, attention
         and element-wise work are linear in ``b``): the largest micro-batch's are the least."""
-        key = (roles[1], roles[3], roles[4], per_cell, full, tuple(sizes))
+        monotone = self._monotone_gemm()
+        key = (
+            roles[1],
+            roles[3],
+            roles[4],
+            per_cell,
+            full,
+            sizes[-1] if monotone else tuple(sizes),
+        )
         got = self.class_memo.get(key)
         if got is None:
             compute, slack = float("inf"), float("inf")
-            for b in sizes[-1:] if self._monotone_gemm() else sizes:
+            for b in sizes[-1:] if monotone else sizes:
                 blocks, blocks_full, tail = self._per_sample(roles, b)
                 compute = min(compute, blocks_full if full else blocks)
                 slack = min(slack, tail)
@@ -133,9 +141,14 @@ class Ranking:
         return got
 
     def _monotone_gemm(self) -> bool:
-        """Whether the machine's GEMM efficiency table never falls as the FLOPs grow."""
-        table = self.ctx.machine.gemm_table
-        return all(a[1] <= b[1] for a, b in zip(table, table[1:], strict=False))
+        """Whether the machine's GEMM efficiency table never falls as the FLOPs grow
+        (memoised)."""
+        got = self.__dict__.get("_monotone")
+        if got is None:
+            table = self.ctx.machine.gemm_table
+            got = all(a[1] <= b[1] for a, b in zip(table, table[1:], strict=False))
+            self._monotone = got
+        return got
 
     def _per_sample(self, roles: tuple, b: int) -> tuple[float, float, float]:
         """Per sample of a micro-batch of ``b`` on the roles' ``(G_context, G_y, G_x)``: the
