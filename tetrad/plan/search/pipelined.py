@@ -49,7 +49,7 @@ import itertools
 from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.zero import sharded
 from tetrad.plan.memory.breakdown import FIT_FRACTION
-from tetrad.plan.memory.pipeline import pipeline_memory
+from tetrad.plan.memory.pipeline import pipeline_memory, stage_memory
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.pipe.estimate import PipeConfig, PipeEstimate, pipeline_estimate, split_ranks
 from tetrad.plan.pipe.schedule import schedule_problems
@@ -82,6 +82,7 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
         self.z_memo: dict = {}
         self.turn_memo: dict = {}
         self.config_memo: dict = {}
+        self.over_memo: dict = {}  # schedule -> the rank last found above the memory limit
         self._group_init()
         self._mem_init()
         self.stats = search.stats
@@ -196,39 +197,56 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
         """The worst rank's :class:`~tetrad.plan.memory.breakdown.MemoryBreakdown` and every
         rank's (:func:`tetrad.plan.memory.pipeline.pipeline_memory`; ``zero``: with the
         sharded optimizer)."""
+        args, opts = self._memory_args(grid, turn, b, mode, cfg, zero)
+        return pipeline_memory(*args[:-1], cfg.virtual, args[-1], **opts)
+
+    def _memory_args(self, grid, turn, b, mode, cfg: PipeConfig, zero: bool) -> tuple:
+        """``(model, roles, b, S, GPU bytes, ranks, schedule, m)`` and the options of
+        :func:`~tetrad.plan.memory.pipeline.pipeline_memory` (``virtual`` left out)."""
         ctx, s = self.ctx, self.s
         roles = role_sizes(grid, turn)
         ranks = split_ranks(
             ctx.model.n_layers, split_costs(ctx.compute(roles, b), mode), cfg.pipe, cfg.virtual
         )
         m = ctx.global_batch // (grid[0] * grid[2] * b)
-        return pipeline_memory(
-            ctx.model,
-            roles,
-            b,
-            ctx.seq_len,
-            s.mem_bytes,
-            ranks,
-            cfg.schedule,
-            cfg.virtual,
-            m,
-            activation_checkpointing=mode,
-            dtype=s.dtype,
-            prefetch=s.prefetch,
-            shard_optimizer=zero,
-        )
+        args = (ctx.model, roles, b, ctx.seq_len, s.mem_bytes, ranks, cfg.schedule, m)
+        opts = {
+            "activation_checkpointing": mode,
+            "dtype": s.dtype,
+            "prefetch": s.prefetch,
+            "shard_optimizer": zero,
+        }
+        return args, opts
 
     def _fits(self, grid, turn, b, mode, cfg, zero: bool = False):
-        key = (grid, turn, b, mode, cfg, zero)
+        """The worst rank's memory (as :meth:`memory`'s) where every rank's is within 80% of
+        the GPU's, else None: the ranks in order, the first above the limit ends it (memoised
+        per roles: the two orientations of a grid hold the same)."""
+        key = (role_sizes(grid, turn), b, mode, cfg, zero)
         got = self.fit_memo.get(key, 0)
         if got == 0 and self._memory_floor_fails(grid, turn, b, mode, cfg):
             got = self.fit_memo[key] = None
         if got == 0:
-            worst, _ = self.memory(grid, turn, b, mode, cfg, zero)
-            got = self.fit_memo[key] = (
-                worst if worst.total <= FIT_FRACTION * self.s.mem_bytes else None
-            )
+            got = self.fit_memo[key] = self._worst_within(grid, turn, b, mode, cfg, zero)
         return got
+
+    def _worst_within(self, grid, turn, b, mode, cfg, zero: bool):
+        """:meth:`_fits`, computed: :func:`~tetrad.plan.memory.pipeline.stage_memory` rank by
+        rank, first the one that was above the limit last time on this schedule (the worst:
+        the first of the largest total in rank order, as ``pipeline_memory``'s)."""
+        (model, roles, b, seq, gpu, ranks, schedule, m), opts = self._memory_args(
+            grid, turn, b, mode, cfg, zero
+        )
+        limit, mems = FIT_FRACTION * self.s.mem_bytes, [None] * len(ranks)
+        for i in (self.over_memo.get(cfg, 0), *range(len(ranks))):
+            if mems[i] is None:
+                mems[i] = stage_memory(
+                    model, roles, b, seq, gpu, ranks[i], schedule, len(ranks), m, **opts
+                )
+                if not mems[i].total <= limit:
+                    self.over_memo[cfg] = i
+                    return None
+        return max(mems, key=lambda mb: mb.total)
 
     def _fitting(self, grid, turn, b, mode, cfg) -> list[tuple]:
         """``[(memory, sharded)]`` of the configuration in each optimizer variant the search
