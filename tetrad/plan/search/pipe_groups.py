@@ -57,7 +57,8 @@ class GroupBounds:
         self.xy_memo: dict = {}  # (G_context, G_y, G_x, b, full, turn) -> seconds
         self.lead_memo: dict = {}  # (split_key, p, v) -> (rho, blocks before it)
         self.least_lead_memo: dict = {}  # (p, p divides m, split ratios) -> (rho, blocks), weighted
-        self.terms_memo: dict = {}  # (p, G_data G_z, G_context, G_y, G_x, b, mode) -> terms
+        self.rank_terms_memo: dict = {}  # (p, G_context, G_y, G_x, b, mode) -> terms but m's
+        self.leads_memo: dict = {}  # (p, p divides m, G_context, G_y, G_x, b, mode) -> leads
 
     def _per_sample_floors(self, gc: int, gy: int, gx: int) -> dict[str, float]:
         """Bound 1 per sample of one ``(G_context, G_y, G_x)`` rank, per mode: the blocks'
@@ -177,25 +178,33 @@ class GroupBounds:
     def _bound_terms(self, pipe, q, gc, gy, gx, b, mode) -> tuple:
         """``(m, model / p, L / p, k, block, one receive, leads, gpipe)`` of
         :meth:`_group_bound`, seconds (``leads``: :meth:`_least_lead`; ``gpipe``: ``p`` where
-        only GPipe runs, ``m < p``, else 0) (memoised)."""
-        key = (pipe, q, gc, gy, gx, b, mode)
-        got = self.terms_memo.get(key)
-        if got is None:
-            got = self.terms_memo[key] = self._new_bound_terms(*key)
-        return got
-
-    def _new_bound_terms(self, pipe, q, gc, gy, gx, b, mode) -> tuple:
-        """:meth:`_bound_terms`, computed."""
-        ctx = self.ctx
-        model, block, costs = self._mb_costs(gc, gy, gx, b, mode)
-        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, ctx.c)
-        link = ctx.machine.network.link(self.s.gpus // pipe, 2)
-        one = link.base_latency + nbytes / link.bandwidth
-        m = ctx.global_batch // (q * b)
+        only GPipe runs, ``m < p``, else 0). Every group is visited once: its parts are
+        memoised instead, those without ``m`` (:meth:`_rank_terms`) and the leads, which depend
+        on ``m`` only through whether ``p`` divides it."""
+        model, per_rank, k, block, one, costs = self._rank_terms(pipe, gc, gy, gx, b, mode)
+        m = self.ctx.global_batch // (q * b)
+        key = (pipe, m % pipe == 0, gc, gy, gx, b, mode)
+        leads = self.leads_memo.get(key)
+        if leads is None:
+            leads = self.leads_memo[key] = self._least_lead(pipe, m, costs, one)
         bf = self._bubble_factor(pipe, m)
-        L, k = ctx.model.n_layers, self._most_blocks(pipe)
-        leads = self._least_lead(pipe, m, costs, one)
-        return bf, model / pipe, L / pipe, k, block, one, leads, pipe if m < pipe else 0
+        return bf, model, per_rank, k, block, one, leads, pipe if m < pipe else 0
+
+    def _rank_terms(self, pipe, gc, gy, gx, b, mode) -> tuple:
+        """``(model / p, L / p, k, block, one receive, costs)`` of :meth:`_bound_terms`, the
+        same for every ``G_data G_z`` (memoised)."""
+        key = (pipe, gc, gy, gx, b, mode)
+        got = self.rank_terms_memo.get(key)
+        if got is None:
+            ctx = self.ctx
+            model, block, costs = self._mb_costs(gc, gy, gx, b, mode)
+            nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, ctx.c)
+            link = ctx.machine.network.link(self.s.gpus // pipe, 2)
+            one = link.base_latency + nbytes / link.bandwidth
+            L, k = ctx.model.n_layers, self._most_blocks(pipe)
+            got = (model / pipe, L / pipe, k, block, one, costs)
+            self.rank_terms_memo[key] = got
+        return got
 
     def _least_lead(self, pipe: int, m: int, costs: tuple, one: float) -> tuple[float, float]:
         """``(lead, mean)``: the least :meth:`_lead_seconds` over the ``v`` the group's schedules
@@ -261,15 +270,14 @@ class GroupBounds:
                 return []
         out = []
         for gz in self._fitting_z(pipe, q, gc, gy, gx, b, mode):
-            turns = self._turns((q // gz, gc, gz, gy, gx))
             if not timed:
-                out += [(0.0, grid, turn) for grid, turn in turns]
+                out += [(0.0, grid, turn) for grid, turn in self._turns((q // gz, gc, gz, gy, gx))]
                 continue
             kv = self._kv_seconds(gc, gz, gy, gx, b, full) if gc > 1 else 0.0
             z = self._z_exposed(pipe, gc, gz, gy, gx, b, full)
             if _bound(terms, kv, z) >= cap:
                 continue
-            for grid, turn in turns:
+            for grid, turn in self._turns((q // gz, gc, gz, gy, gx)):
                 bound = _bound(terms, kv + self._xy_seconds(grid, b, mode, turn), z)
                 if bound < cap:
                     out.append((bound, grid, turn))

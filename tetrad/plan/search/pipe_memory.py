@@ -64,7 +64,7 @@ class MemoryFloors:
     def _mem_init(self) -> None:
         self.saved_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), A(2) - A(1), C, F)
         self.flight_memo: dict = {}  # ((embedding, head), cfg, m) -> per rank kind, its terms
-        self.terms_memo: dict = {}  # group -> (A(1), A(2) - A(1), C, F, P, split)
+        self.terms_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), .., P, split)
         self.pairs_memo: dict = {}  # (group, cfg) -> ((k, bytes besides 16 k E), ...)
         self.elem_memo: dict = {}  # G_y G_x G_z -> (16 E, 16 H), bytes
         self.gz_memo: dict = {}  # group -> the G_z whose memory floor fits
@@ -145,7 +145,7 @@ class MemoryFloors:
     def _group_terms(self, pipe, gc, gy, gx, b, mode, m) -> tuple:
         """``(A(1), A(2) - A(1), C, F, P, split)`` of the group (module doc; ``split``: the
         embedding's and head's cost of :func:`~tetrad.plan.pipe.estimate.split_key`)."""
-        key = (pipe, gc, gy, gx, b, mode)
+        key = (gc, gy, gx, b, mode)  # the split's ratios do not depend on p
         got = self.terms_memo.get(key)
         if got is None:
             ctx = self.ctx
