@@ -7,6 +7,7 @@ import pytest
 
 from tetrad.pipeline.split import balanced_split
 from tetrad.plan.comm.context import Context
+from tetrad.plan.comm.zero import sharded
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.pipeline import in_flight_sets
@@ -131,3 +132,31 @@ def test_group_bounds_never_above_the_estimate():
                 kv = ps._kv_floor(q, gc, gy, gx, 1, mode == "full") if gc > 1 else 0.0
                 assert ps._group_bound(pipe, q, gc, gy, gx, 1, mode, kv) <= fastest
     assert seen > 10
+
+
+@pytest.mark.parametrize("batch", [32, 256])
+def test_schedule_floors_never_prune_the_estimate(batch):
+    """Bound 3 (its rank floor, the block floor) and the rank floor plus the ranks' tails never
+    prune a schedule below its estimate, with the optimizer sharded or not (GPipe included:
+    ``m < p`` at the smaller batch)."""
+    model, machine = get_model("gpt-80b"), get_machine("perlmutter")
+    ps = _search(model, machine, 1024, batch)
+    seen = set()
+    for grid in ((8, 1, 1, 2, 4), (4, 2, 2, 2, 2), (1, 1, 8, 2, 4)):
+        for b in (1, 2):
+            m = batch // (grid[0] * grid[2] * b)
+            for mode in ("none", "full"):
+                for pipe in (2, 4, 8):
+                    for cfg in ps._configs(pipe, m):
+                        for ctx in (ps.ctx, sharded(ps.ctx)):
+                            step = pipeline_estimate(ctx, cfg, grid, b, mode).step_s
+                            assert not ps._tail_pruned(ctx, grid, "xy", b, mode, cfg, m, step)
+                            seen.add(cfg.schedule)
+                        step = pipeline_estimate(ps.ctx, cfg, grid, b, mode).step_s
+                        assert ps._config_floor(grid, "xy", b, mode, cfg, m) * (1 - 1e-9) < step
+                        assert ps._rank_floor(grid, "xy", b, mode, cfg, m) * (1 - 1e-9) < step
+    assert (
+        seen == {"gpipe", "1f1b", "interleaved-1f1b"}
+        if batch < 64
+        else {"1f1b", "interleaved-1f1b"}
+    )

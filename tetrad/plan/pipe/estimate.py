@@ -274,10 +274,7 @@ def pipeline_estimate(
     t_max = times[slow].per_micro_batch
     chain = critical_path(comp, ckpt, ranks, times, cfg, acc)
     bubble = chain - acc * t_max
-    tails = []
-    for r, t in enumerate(times):
-        slack = r * (t.bwd + t.rec) / cfg.virtual
-        tails.append(t.optimizer + max(0.0, sum(t.tail.values()) - slack))
+    tails = [rank_tail(t, r, cfg.virtual) for r, t in enumerate(times)]
     end = max(range(len(times)), key=lambda i: tails[i])
     w = times[slow]
     compute = acc * (w.fwd + w.bwd + w.rec) + w.optimizer
@@ -312,6 +309,14 @@ def pipeline_estimate(
         per_boundary,
         turn,
     )
+
+
+def rank_tail(t: RankTime, rank: int, virtual: int) -> float:
+    """``optimizer_r + max(0, D_r - r (B_r + R_r) / v)`` of the module doc: what pipeline rank
+    ``rank`` (its :class:`RankTime` ``t``) adds to the step after its last backward, seconds;
+    the step is the critical path plus the largest over the ranks."""
+    slack = rank * (t.bwd + t.rec) / virtual
+    return t.optimizer + max(0.0, sum(t.tail.values()) - slack)
 
 
 def critical_path(comp, ckpt: str, ranks, times, cfg: PipeConfig, acc: int) -> float:

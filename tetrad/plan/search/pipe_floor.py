@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.zwindows import window_seconds
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
-from tetrad.plan.pipe.estimate import PipeConfig, cached_rank_time, split_ranks
+from tetrad.plan.pipe.estimate import PipeConfig, cached_rank_time, rank_tail, split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.spec import FP32, role_sizes
@@ -106,11 +107,33 @@ class BlockFloors:
         ``rho`` of the most blocks (:func:`~tetrad.plan.pipe.estimate.rank_time`, shared with
         the estimate) plus the path into and out of it
         (:meth:`~tetrad.plan.search.pipe_groups.GroupBounds._lead_seconds`), seconds."""
-        ctx, p = self.ctx, cfg.pipe
+        return self._rank_path(self.ctx, grid, turn, b, mode, cfg, m)[0]
+
+    def _rank_path(self, ctx, grid, turn, b, mode, cfg: PipeConfig, m: int) -> tuple:
+        """``(floor, rho, ranks)``: :meth:`_rank_floor` on ``ctx`` (the search's or its
+        sharded-optimizer one), the index of ``rho`` and the split's
+        :class:`~tetrad.plan.pipe.stages.PipeRank` s, as the estimate splits."""
+        p = cfg.pipe
         costs = split_costs(ctx.compute(role_sizes(grid, turn), b), mode)
         ranks = split_ranks(ctx.model.n_layers, costs, p, cfg.virtual)
         most = max(r.blocks for r in ranks)
-        rho = ranks[max(r.rank for r in ranks if r.blocks == most)]
-        rt = cached_rank_time(ctx, grid, b, mode, turn, rho, cfg)
-        one = rt.p2p / sum(boundaries_of_rank(p, rho.rank, cfg.virtual))
-        return m * rt.per_micro_batch + self._lead_seconds(p, cfg.virtual, costs, one)
+        rho = max(r.rank for r in ranks if r.blocks == most)
+        rt = cached_rank_time(ctx, grid, b, mode, turn, ranks[rho], cfg)
+        one = rt.p2p / sum(boundaries_of_rank(p, rho, cfg.virtual))
+        floor = m * rt.per_micro_batch + self._lead_seconds(p, cfg.virtual, costs, one)
+        return floor, rho, ranks
+
+    def _tail_pruned(self, ctx, grid, turn, b, mode, cfg: PipeConfig, m: int, limit: float):
+        """Whether the estimate on ``ctx`` cannot come below ``limit`` seconds (less MARGIN):
+        its step is the critical path, at least :meth:`_rank_floor`, plus the largest of the
+        ranks' tails (:func:`~tetrad.plan.pipe.estimate.rank_tail`), at least ``rho``'s, then
+        at least every rank's (their times, memoised, are the estimate's)."""
+        keep = 1 - MARGIN
+        floor, rho, ranks = self._rank_path(ctx, grid, turn, b, mode, cfg, m)
+        times = [None] * len(ranks)
+        for i in (rho, *range(len(ranks))):
+            if times[i] is None:
+                times[i] = cached_rank_time(ctx, grid, b, mode, turn, ranks[i], cfg)
+                if (floor + rank_tail(times[i], i, cfg.virtual)) * keep >= limit:
+                    return True
+        return False

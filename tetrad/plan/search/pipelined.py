@@ -33,9 +33,12 @@ Pruning, exact (no configuration that could enter the top-K is skipped):
    :class:`tetrad.plan.comm.bounds.StepBounds`) and the fewest point-to-point receives of a
    rank, plus the way in and out of the split's last rank of the most blocks
    (:mod:`tetrad.plan.search.pipe_floor`); then the schedule's memory floor; then ``m`` times
-   that rank's time (shared with the estimate) plus the same way in and out; its memory, then
-   the estimate. Every one is at most the critical path of
-   :func:`tetrad.plan.pipe.critical_path.schedule_step` (whose module doc gives the paths).
+   that rank's time (shared with the estimate) plus the same way in and out; its memory (rank
+   by rank, the first above the limit ends it); that floor plus a rank's tail (the optimizer
+   and what the cool-down leaves exposed, :func:`tetrad.plan.pipe.estimate.rank_tail`), that
+   rank's first, then each's (the step adds the largest); then the estimate. Every floor of
+   the path is at most the critical path of :func:`tetrad.plan.pipe.critical_path.schedule_step`
+   (whose module doc gives the paths).
 
 Groups are visited in ascending order of bound 1 and stop at the first whose bound is not below
 the slowest of the top-K so far; memory floors reject whatever the top-K.
@@ -158,8 +161,12 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
                 continue
             for mem, zero in self._fitting(grid, turn, b, mode, cfg):
                 self.stats["pipe_fitting"] += 1
-                self.stats["pipe_evaluated"] += 1
                 ctx = sharded(self.ctx) if zero else self.ctx
+                if len(best) >= top and self._tail_pruned(
+                    ctx, grid, turn, b, mode, cfg, m, -best[0][0]
+                ):
+                    continue
+                self.stats["pipe_evaluated"] += 1
                 est = pipeline_estimate(ctx, cfg, grid, b, mode, turn)
                 item = (grid, b, mode, turn, (est, cfg, mem, zero))
                 offer(best, top, est.step_s, self.seq, item)
