@@ -265,8 +265,10 @@ class GroupBounds:
         terms = self._bound_terms(pipe, q, gc, gy, gx, b, mode) if timed else None
         cap = limit / (1 - MARGIN)  # a bound at or above it prunes
         if timed:
-            kv = self._kv_floor(q, gc, gy, gx, b, full) if gc > 1 else 0.0
-            if _bound(terms, kv + self._known_xy(gc, gy, gx, b, full)) >= cap:
+            xy = self._known_xy(gc, gy, gx, b, full)
+            if _bound(terms, xy) >= cap:
+                return []  # the bound grows with the seconds added: the context's later
+            if gc > 1 and _bound(terms, self._kv_floor(q, gc, gy, gx, b, full) + xy) >= cap:
                 return []
         out = []
         for gz in self._fitting_z(pipe, q, gc, gy, gx, b, mode):
