@@ -275,8 +275,10 @@ class GroupBounds:
             if not timed:
                 out += [(0.0, grid, turn) for grid, turn in self._turns((q // gz, gc, gz, gy, gx))]
                 continue
-            kv = self._kv_seconds(gc, gz, gy, gx, b, full) if gc > 1 else 0.0
             z = self._z_exposed(pipe, gc, gz, gy, gx, b, full)
+            if _bound(terms, 0.0, z) >= cap:
+                continue  # the Z floor rejects the most: the context's later
+            kv = self._kv_seconds(gc, gz, gy, gx, b, full) if gc > 1 else 0.0
             if _bound(terms, kv, z) >= cap:
                 continue
             for grid, turn in self._turns((q // gz, gc, gz, gy, gx)):
