@@ -123,15 +123,17 @@ class BlockFloors:
         floor = m * rt.per_micro_batch + self._lead_seconds(p, cfg.virtual, costs, one)
         return floor, rho, ranks
 
-    def _tail_pruned(self, ctx, grid, turn, b, mode, cfg: PipeConfig, m: int, limit: float):
+    def _tail_pruned(
+        self, ctx, grid, turn, b, mode, cfg: PipeConfig, m: int, limit: float, every=True
+    ) -> bool:
         """Whether the estimate on ``ctx`` cannot come below ``limit`` seconds (less MARGIN):
         its step is the critical path, at least :meth:`_rank_floor`, plus the largest of the
         ranks' tails (:func:`~tetrad.plan.pipe.estimate.rank_tail`), at least ``rho``'s, then
-        at least every rank's (their times, memoised, are the estimate's)."""
+        (``every``) at least every rank's (their times, memoised, are the estimate's)."""
         keep = 1 - MARGIN
         floor, rho, ranks = self._rank_path(ctx, grid, turn, b, mode, cfg, m)
         times = [None] * len(ranks)
-        for i in (rho, *range(len(ranks))):
+        for i in (rho, *range(len(ranks) if every else 0)):
             if times[i] is None:
                 times[i] = cached_rank_time(ctx, grid, b, mode, turn, ranks[i], cfg)
                 if (floor + rank_tail(times[i], i, cfg.virtual)) * keep >= limit:

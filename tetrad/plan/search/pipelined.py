@@ -174,13 +174,24 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
 
     def _config_pruned(self, grid, turn, b, mode, cfg, m: int, limit: float) -> bool:
         """Whether the schedule cannot enter below ``limit`` seconds (less MARGIN) or cannot
-        fit: cheapest first, bound 3, its memory floor, then its slowest rank's time."""
+        fit: cheapest first, bound 3, its memory floor, its slowest rank's time, then that plus
+        the rank's tail in each optimizer variant the search may time it in."""
         keep = 1 - MARGIN
         if self._config_floor(grid, turn, b, mode, cfg, m) * keep >= limit:
             return True
         if self._memory_floor_fails(grid, turn, b, mode, cfg):
             return True
-        return self._rank_floor(grid, turn, b, mode, cfg, m) * keep >= limit
+        if self._rank_floor(grid, turn, b, mode, cfg, m) * keep >= limit:
+            return True
+        roles = role_sizes(grid, turn)
+        contexts = [
+            sharded(self.ctx) if zero else self.ctx for zero in self.s.variants(roles[0] * roles[1])
+        ]
+        # with its tail in each optimizer variant it may be timed in
+        return all(
+            self._tail_pruned(ctx, grid, turn, b, mode, cfg, m, limit, every=False)
+            for ctx in contexts
+        )
 
     def _configs(self, pipe: int, m: int) -> tuple[PipeConfig, ...]:
         """The schedules of the module doc for ``p = pipe`` and ``m`` micro-batches
