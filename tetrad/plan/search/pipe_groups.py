@@ -57,8 +57,9 @@ class GroupBounds:
         self.xy_memo: dict = {}  # (G_context, G_y, G_x, b, full, turn) -> seconds
         self.lead_memo: dict = {}  # (split_key, p, v) -> (rho, blocks before it)
         self.least_lead_memo: dict = {}  # (p, p divides m, split ratios) -> (rho, blocks), weighted
-        self.rank_terms_memo: dict = {}  # (p, G_context, G_y, G_x, b, mode) -> terms but m's
-        self.leads_memo: dict = {}  # (p, p divides m, G_context, G_y, G_x, b, mode) -> leads
+        self.pipe_links = {
+            p: self.ctx.machine.network.link(self.s.gpus // p, 2) for p in self.pipes
+        }
 
     def _per_sample_floors(self, gc: int, gy: int, gx: int) -> dict[str, float]:
         """Bound 1 per sample of one ``(G_context, G_y, G_x)`` rank, per mode: the blocks'
@@ -123,16 +124,19 @@ class GroupBounds:
         return ctx.model.n_layers * ((2 if full else 1) * gather + scatter)
 
     def _mb_costs(self, gc: int, gy: int, gx: int, b: int, mode: str) -> tuple:
-        """``(model, block, costs)``: one micro-batch's compute of the whole model (forward,
-        backward, recompute), of one block, and the split's costs
-        (:func:`tetrad.plan.pipe.stages.split_costs`), seconds (memoised)."""
+        """``(model, block, costs, ratios)``: one micro-batch's compute of the whole model
+        (forward, backward, recompute), of one block, and the split's costs
+        (:func:`tetrad.plan.pipe.stages.split_costs`), seconds, and the embedding's and head's
+        cost in blocks as the split rounds them (:func:`~tetrad.plan.pipe.estimate.split_key`,
+        the same for every ``p`` and ``v``) (memoised)."""
         key = (gc, gy, gx, b, mode)
         got = self.cost_memo.get(key)
         if got is None:
             ctx, roles = self.ctx, (1, gc, 1, gy, gx)
             fwd, bwd, rec = ctx.micro_batch_seconds(roles, b, mode)
             costs = split_costs(ctx.compute(roles, b), mode)
-            got = self.cost_memo[key] = (fwd + bwd + rec, costs[0], costs)
+            ratios = split_key(ctx.model.n_layers, costs, 1, 1)[1:3]
+            got = self.cost_memo[key] = (fwd + bwd + rec, costs[0], costs, ratios)
         return got
 
     def _most_blocks(self, pipe: int) -> int:
@@ -163,7 +167,7 @@ class GroupBounds:
         for b in divisors_of(per_cell):
             if self.allowed is not None and b not in self.allowed:
                 continue
-            model, block, _ = self._mb_costs(gc, gy, gx, b, mode)
+            model, block = self._mb_costs(gc, gy, gx, b, mode)[:2]
             lb = self._bubble_factor(pipe, per_cell // b) * max(model / pipe, k * block)
             if lb * (1 - MARGIN) < limit:
                 out.append((lb, pipe, q, gc, gy, gx, b, mode))
@@ -178,42 +182,27 @@ class GroupBounds:
     def _bound_terms(self, pipe, q, gc, gy, gx, b, mode) -> tuple:
         """``(m, model / p, L / p, k, block, one receive, leads, gpipe)`` of
         :meth:`_group_bound`, seconds (``leads``: :meth:`_least_lead`; ``gpipe``: ``p`` where
-        only GPipe runs, ``m < p``, else 0). Every group is visited once: its parts are
-        memoised instead, those without ``m`` (:meth:`_rank_terms`) and the leads, which depend
-        on ``m`` only through whether ``p`` divides it."""
-        model, per_rank, k, block, one, costs = self._rank_terms(pipe, gc, gy, gx, b, mode)
-        m = self.ctx.global_batch // (q * b)
-        key = (pipe, m % pipe == 0, gc, gy, gx, b, mode)
-        leads = self.leads_memo.get(key)
-        if leads is None:
-            leads = self.leads_memo[key] = self._least_lead(pipe, m, costs, one)
+        only GPipe runs, ``m < p``, else 0). Not memoised: each group asks once."""
+        ctx = self.ctx
+        model, block, costs, ratios = self._mb_costs(gc, gy, gx, b, mode)
+        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, ctx.c)
+        link = self.pipe_links[pipe]
+        one = link.base_latency + nbytes / link.bandwidth
+        m = ctx.global_batch // (q * b)
         bf = self._bubble_factor(pipe, m)
-        return bf, model, per_rank, k, block, one, leads, pipe if m < pipe else 0
+        L, k = ctx.model.n_layers, self._most_blocks(pipe)
+        leads = self._least_lead(pipe, m, costs, one, ratios)
+        return bf, model / pipe, L / pipe, k, block, one, leads, pipe if m < pipe else 0
 
-    def _rank_terms(self, pipe, gc, gy, gx, b, mode) -> tuple:
-        """``(model / p, L / p, k, block, one receive, costs)`` of :meth:`_bound_terms`, the
-        same for every ``G_data G_z`` (memoised)."""
-        key = (pipe, gc, gy, gx, b, mode)
-        got = self.rank_terms_memo.get(key)
-        if got is None:
-            ctx = self.ctx
-            model, block, costs = self._mb_costs(gc, gy, gx, b, mode)
-            nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, ctx.c)
-            link = ctx.machine.network.link(self.s.gpus // pipe, 2)
-            one = link.base_latency + nbytes / link.bandwidth
-            L, k = ctx.model.n_layers, self._most_blocks(pipe)
-            got = (model / pipe, L / pipe, k, block, one, costs)
-            self.rank_terms_memo[key] = got
-        return got
-
-    def _least_lead(self, pipe: int, m: int, costs: tuple, one: float) -> tuple[float, float]:
+    def _least_lead(self, pipe: int, m: int, costs: tuple, one: float, ratios: tuple):
         """``(lead, mean)``: the least :meth:`_lead_seconds` over the ``v`` the group's schedules
         may take (1, and :data:`VIRTUAL_CHOICES` where ``p`` divides ``m``; ``p v <= L``), and
         the least mean over ranks ``r`` of the same floor for ``r`` (each rank is idle at least
-        that long, so the step is at least it plus ``m`` times the mean ``T_r``), seconds."""
+        that long, so the step is at least it plus ``m`` times the mean ``T_r``), seconds
+        (``ratios``: the costs' split ratios, :meth:`_mb_costs`)."""
         L = self.ctx.model.n_layers
         # the splits depend on the costs through split_key's rounded ratios only
-        key = (pipe, m % pipe == 0, *split_key(L, costs, pipe, 1)[1:3])
+        key = (pipe, m % pipe == 0, *ratios)
         got = self.least_lead_memo.get(key)
         if got is None:
             vs = [v for v in (1,) + (VIRTUAL_CHOICES if key[1] else ()) if pipe * v <= L]

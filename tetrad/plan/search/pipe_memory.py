@@ -51,7 +51,7 @@ from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.context_parallel import context_shared_bytes
 from tetrad.plan.memory.activations import dtype_bytes, saved_activations
 from tetrad.plan.memory.zero import state_bytes_per_element
-from tetrad.plan.pipe.estimate import split_key, split_ranks
+from tetrad.plan.pipe.estimate import split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
 from tetrad.plan.search.space import divisors_of
 from tetrad.spec import role_sizes
@@ -150,8 +150,7 @@ class MemoryFloors:
         if got is None:
             ctx = self.ctx
             out = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, dtype_bytes(self.s.dtype))
-            costs = self._mb_costs(gc, gy, gx, b, mode)[2]
-            split = split_key(ctx.model.n_layers, costs, pipe, 1)[1:3]
+            split = self._mb_costs(gc, gy, gx, b, mode)[3]
             got = (*self._saved_line(gc, gy, gx, b, mode), out, split)
             self.terms_memo[key] = got
         return got
