@@ -64,10 +64,12 @@ class MemoryFloors:
     def _mem_init(self) -> None:
         self.saved_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), A(2) - A(1), C, F)
         self.flight_memo: dict = {}  # ((embedding, head), cfg, m) -> per rank kind, its terms
+        self.flights_memo: dict = {}  # ((embedding, head), p, m) -> those of its schedules
         self.terms_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), .., P, split)
         self.pairs_memo: dict = {}  # (group, cfg) -> ((k, bytes besides 16 k E), ...)
         self.elem_memo: dict = {}  # G_y G_x G_z -> (16 E, 16 H), bytes
         self.gz_memo: dict = {}  # group -> the G_z whose memory floor fits
+        self.z_states_memo: dict = {}  # (G_data G_z, G_context, G_y, G_x) -> ((G_z, 16 E), ..)
 
     def _saved_line(self, gc: int, gy: int, gx: int, b: int, mode: str) -> tuple:
         """``(A(1), A(2) - A(1), C, F)`` of the module doc: ``A(s)`` is affine in ``s`` (every
@@ -142,6 +144,16 @@ class MemoryFloors:
             got = self.flight_memo[key] = _undominated(ranks)
         return got
 
+    def _flights(self, split: tuple, pipe: int, m: int) -> tuple:
+        """:meth:`_in_flight` of each schedule of ``p = pipe`` and ``m`` micro-batches, in
+        :meth:`_configs` order (memoised)."""
+        key = (split, pipe, m)
+        got = self.flights_memo.get(key)
+        if got is None:
+            got = tuple(self._in_flight(split, cfg, m) for cfg in self._configs(pipe, m))
+            self.flights_memo[key] = got
+        return got
+
     def _group_terms(self, pipe, gc, gy, gx, b, mode, m) -> tuple:
         """``(A(1), A(2) - A(1), C, F, P, split)`` of the group (module doc; ``split``: the
         embedding's and head's cost of :func:`~tetrad.plan.pipe.estimate.split_key`)."""
@@ -203,29 +215,46 @@ class MemoryFloors:
                     if not self._grid_too_big(pipe, (q // gz, gc, gz, gy, gx), b, mode)
                 )
             else:
-                most = self._weights_room(pipe, gc, gy, gx, b, mode, m, zs[0])
-                got = tuple(
-                    gz for gz in zs if self._state_bytes(gy * gx * gz, q // gz * gc)[0] <= most
-                )
+                states = self._z_states(q, gc, gy, gx)
+                most = self._weights_room(pipe, gc, gy, gx, b, mode, m, states[0][1])
+                got = tuple(gz for gz, per_block in states if per_block <= most)
             self.gz_memo[key] = got
         return got
 
-    def _weights_room(self, pipe, gc, gy, gx, b, mode, m, gz: int) -> float:
+    def _z_states(self, q: int, gc: int, gy: int, gx: int) -> tuple:
+        """``((G_z, 16 E), ...)`` for each ``G_z`` dividing ``q = G_data G_z`` in ascending
+        order (:meth:`_state_bytes`; memoised: every micro-batch and mode of a shape asks)."""
+        key = (q, gc, gy, gx)
+        got = self.z_states_memo.get(key)
+        if got is None:
+            got = tuple(
+                (gz, self._state_bytes(gy * gx * gz, q // gz * gc)[0]) for gz in divisors_of(q)
+            )
+            self.z_states_memo[key] = got
+        return got
+
+    def _weights_room(self, pipe, gc, gy, gx, b, mode, m, need: float) -> float:
         """The largest ``16 E`` (bytes per block, no tied head) with which some schedule of the
         group has its floor within the limit: the largest over the schedules of the least over
-        their ranks of ``(limit - floor less 16 k E) / k`` (the first at least ``16 E`` of
-        ``G_z = gz`` ends it)."""
+        their ranks of ``(limit - floor less 16 k E) / k`` (the first at least ``need``, the
+        ``16 E`` of the smallest ``G_z``, ends it)."""
         one, slope, shared, ends, out, split = self._group_terms(pipe, gc, gy, gx, b, mode, m)
-        q = self.ctx.global_batch // (m * b)  # G_data G_z
-        need = self._state_bytes(gy * gx * gz, q // gz * gc)[0]
         room = self.s.limit / (1 - MARGIN)
-        most, flights = -float("inf"), self.flight_memo
-        for cfg in self._configs(pipe, m):
-            flight = flights.get((split, cfg, m)) or self._in_flight(split, cfg, m)
+        most = -float("inf")
+        for flight in self._flights(split, pipe, m):
             least = min(
-                (room - n * (one - shared) - more * slope - held * shared + ends * drop - q * out)
-                / k
-                for k, n, more, held, drop, q in flight
+                [
+                    (
+                        room
+                        - n * (one - shared)
+                        - more * slope
+                        - held * shared
+                        + ends * drop
+                        - q * out
+                    )
+                    / k
+                    for k, n, more, held, drop, q in flight
+                ]
             )
             if least > most:
                 most = least
