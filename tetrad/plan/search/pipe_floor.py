@@ -59,17 +59,27 @@ class BlockFloors:
             z_block, z_ends = 0.0, 0.0
             gz, xy = roles[2], roles[3] * roles[4]
             if gz > 1:
-                ctx, phases = self.ctx, 3 if full else 2
-                link = ctx.machine.network.link(xy, gz)
-                queue = 0.0
-                for lin in ctx.linears:
-                    shard = lin.weight_elements * lin.count / xy
-                    gather = link.time(ALL_GATHER, shard * ctx.c)
-                    queue += phases * gather + link.time(REDUCE_SCATTER, shard * FP32)
-                comp = ctx.compute(roles, b)
+                comp = self.ctx.compute(roles, b)
                 z_ends = window_seconds(comp, 0, full)
-                z_block = queue - (window_seconds(comp, 1, full) - z_ends)
+                z_block = self._z_queue(gz, xy, full) - (window_seconds(comp, 1, full) - z_ends)
             got = self.z_memo[key] = (z_block, z_ends)
+        return got
+
+    def _z_queue(self, gz: int, xy: int, full: bool) -> float:
+        """One block's Z queue on ``G_z = gz`` of stride ``G_x G_y = xy``, seconds: every block
+        Linear's all-gather in each phase (3 with ``full`` recompute, else 2) and its
+        reduce-scatter (memoised: every context split and micro-batch shares it)."""
+        key = (gz, xy, full)
+        got = self.z_queue_memo.get(key)
+        if got is None:
+            ctx, phases = self.ctx, 3 if full else 2
+            link = ctx.machine.network.link(xy, gz)
+            got = 0.0
+            for lin in ctx.linears:
+                shard = lin.weight_elements * lin.count / xy
+                gather = link.time(ALL_GATHER, shard * ctx.c)
+                got += phases * gather + link.time(REDUCE_SCATTER, shard * FP32)
+            self.z_queue_memo[key] = got
         return got
 
     def _z_exposed(self, pipe: int, gc: int, gz: int, gy: int, gx: int, b: int, full: bool):

@@ -83,6 +83,7 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
         self.floor_memo: dict = {}
         self.comm_memo: dict = {}
         self.z_memo: dict = {}
+        self.z_queue_memo: dict = {}
         self.turn_memo: dict = {}
         self.config_memo: dict = {}
         self.over_memo: dict = {}  # schedule -> the rank last found above the memory limit
