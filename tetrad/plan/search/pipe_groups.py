@@ -52,6 +52,7 @@ class GroupBounds:
             p: max((v for v in VIRTUAL_CHOICES if p * v <= L), default=0) for p in self.pipes
         }
         self.cost_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (model, block, costs)
+        self.kv_phase_memo: dict = {}  # (G_context, G_y, G_x) -> per sample (gather, scatter)
         self.kv_memo: dict = {}  # (G_data G_z, G_context, G_y, G_x, b, full) -> seconds
         self.kv_link_memo: dict = {}  # (G_context, G_x G_y G_z, G_y, b, full) -> seconds
         self.xy_memo: dict = {}  # (G_context, G_y, G_x, b, full, turn) -> seconds
@@ -110,18 +111,27 @@ class GroupBounds:
         (:func:`tetrad.plan.comm.context_parallel.pieces_exposed_seconds`)."""
         if gc == 1:
             return 0.0
-        ctx = self.ctx
-        net, frac = ctx.machine.network, (gc - 1) / gc
-        bw = max(net.link(gx * gy * gz, gc).bandwidth for gz in divisors_of(self.s.gpus // gc))
-        t = frac * kv_gather_payload(ctx.model, 1, ctx.seq_len, gy, ctx.c) / bw
-        if "context" not in ctx.overlaps:
-            gather = scatter = t
-        else:
-            most = ctx.context_pieces or PIECE_CANDIDATES[-1]
-            comp = ctx.compute((1, gc, 1, gy, gx), 1)
-            gather = max(t / most, t - comp.attention)
-            scatter = max(t / most, t - comp.attention_bwd)
-        return ctx.model.n_layers * ((2 if full else 1) * gather + scatter)
+        gather, scatter = self._kv_phases(gc, gy, gx)
+        return self.ctx.model.n_layers * ((2 if full else 1) * gather + scatter)
+
+    def _kv_phases(self, gc: int, gy: int, gx: int) -> tuple[float, float]:
+        """``(gather, scatter)`` of :meth:`_kv_per_sample`: one block's exposed all-gather and
+        reduce-scatter per sample at least, seconds (memoised: every mode asks)."""
+        got = self.kv_phase_memo.get(key := (gc, gy, gx))
+        if got is None:
+            ctx = self.ctx
+            net, frac = ctx.machine.network, (gc - 1) / gc
+            bw = max(net.link(gx * gy * gz, gc).bandwidth for gz in divisors_of(self.s.gpus // gc))
+            t = frac * kv_gather_payload(ctx.model, 1, ctx.seq_len, gy, ctx.c) / bw
+            if "context" not in ctx.overlaps:
+                gather = scatter = t
+            else:
+                most = ctx.context_pieces or PIECE_CANDIDATES[-1]
+                comp = ctx.compute((1, gc, 1, gy, gx), 1)
+                gather = max(t / most, t - comp.attention)
+                scatter = max(t / most, t - comp.attention_bwd)
+            got = self.kv_phase_memo[key] = (gather, scatter)
+        return got
 
     def _mb_costs(self, gc: int, gy: int, gx: int, b: int, mode: str) -> tuple:
         """``(model, block, costs, ratios)``: one micro-batch's compute of the whole model
