@@ -24,6 +24,8 @@ never decides between values 1/4 apart).
 
 from __future__ import annotations
 
+import functools
+
 
 def exact_quarters(*values: float) -> bool:
     """Whether every value is a multiple of 1/4 below ``2^20`` (exact sums, see module doc)."""
@@ -42,17 +44,12 @@ def uniform_split(
     if not 1 <= stages <= n_blocks or not exact_quarters(first_extra, last_extra):
         raise ValueError(f"uniform_split({n_blocks}, {first_extra}, {last_extra}, {stages})")
     n, h = n_blocks, float(last_extra)
-    memo: dict = {}
 
     def suffix(b: int, s: int) -> float:  # best[s][b] for s >= 1
         t = stages - s
         if t == 0:
             return 0.0 if b == n else float("inf")
-        key = (n - b, t)
-        got = memo.get(key)
-        if got is None:
-            got = memo[key] = _suffix_best(n - b, t, h)
-        return got
+        return _suffix_best(n - b, t, h)
 
     split, a = [], 0
     for s in range(stages):
@@ -73,9 +70,11 @@ def uniform_split(
     return tuple(split)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _suffix_best(blocks: int, stages: int, head: float) -> float:
     """The least largest stage cost of ``blocks`` unit blocks in ``stages`` stages, the last
-    with ``head`` more (``blocks >= stages >= 1``; module doc)."""
+    with ``head`` more (``blocks >= stages >= 1``; module doc; memoised: the splits of every
+    ``p`` and ``v`` of a model share them)."""
     if stages == 1:
         return float(blocks) + head
 
