@@ -160,3 +160,28 @@ def test_schedule_floors_never_prune_the_estimate(batch):
         if batch < 64
         else {"1f1b", "interleaved-1f1b"}
     )
+
+
+def test_fits_is_the_worst_rank_within_the_limit():
+    """The search's rank-by-rank memory check (it stops at the first rank above the limit,
+    that rank first next time) keeps what pipeline_memory's worst rank says: the same worst
+    rank where it fits, nothing where it does not; both orientations alike."""
+    model, machine = get_model("gpt-80b"), get_machine("perlmutter")
+    ps = _search(model, machine, 1024, 256)
+    fit = {True: 0, False: 0}
+    for grid in ((8, 1, 1, 2, 4), (4, 2, 2, 2, 2), (1, 1, 8, 2, 4), (2, 1, 4, 4, 2)):
+        for b in (1, 2):
+            m = 256 // (grid[0] * grid[2] * b)
+            for mode in ("none", "selective", "full"):
+                for pipe in (2, 4, 8):
+                    for cfg in ps._configs(pipe, m):
+                        worst, _ = ps.memory(grid, "xy", b, mode, cfg)
+                        fits = worst.total <= 0.8 * ps.s.mem_bytes
+                        for turn, g in (("xy", grid), ("yx", (*grid[:3], grid[4], grid[3]))):
+                            got = ps._worst_within(g, turn, b, mode, cfg, False)
+                            assert (got is not None) == fits
+                            if fits:
+                                assert got.total == worst.total
+                                assert got.peak_phase == worst.peak_phase
+                        fit[fits] += 1
+    assert fit[True] > 10 and fit[False] > 10
