@@ -1,9 +1,11 @@
 """How fast `tetrad plan` answers, from 64 to 16,384 GPUs, and how much of the 4D space it times.
 
 For each power-of-two GPU count the 4D and classic searches of one question run in this process
-(best of ``--repeat``); the table shows the search seconds and the 4D search's counts:
-configurations enumerated (every grid, checkpointing mode and micro-batch up to the first that
-does not fit), rejected by memory, pruned by a lower bound (tetrad.plan.comm.bounds) and timed;
+(best of ``--repeat``); the table shows the search seconds and the 4D search's counts: the
+(grid, orientation) pairs whose memory the best-first ranking modelled (tetrad.plan.search.
+ranking: the others never came within reach of the top), and on those the configurations
+enumerated (every checkpointing mode and micro-batch up to the first that does not fit),
+rejected by memory, pruned by a lower bound (tetrad.plan.comm.bounds) and timed;
 then the pipeline axis's (on by default; ``--no-pipeline`` leaves it out): configurations
 left after its group and grid bounds and timed (tetrad.plan.search.pipelined).
 Then ``tetrad plan`` runs as a user runs it, a fresh process per GPU count in ``--cold``, and
@@ -43,8 +45,9 @@ def in_process(args: argparse.Namespace) -> None:
     """The table of search seconds and counts, in this process."""
     model, machine = get_model(args.model), get_machine(args.machine)
     head = (
-        f"{'GPUs':>6} {'grids':>6} {'enumerated':>10} {'no memory':>9} {'fitting':>8} "
-        f"{'pruned':>8} {'timed':>6} {'pipe left':>9} {'timed':>6} {'search s':>9}  best"
+        f"{'GPUs':>6} {'grids':>6} {'modelled':>8} {'enumerated':>10} {'no memory':>9} "
+        f"{'fitting':>8} {'pruned':>8} {'timed':>6} {'pipe left':>9} {'timed':>6} {'search s':>9}"
+        "  best"
     )
     print(head)
     print("-" * len(head))
@@ -65,12 +68,13 @@ def in_process(args: argparse.Namespace) -> None:
                 err = str(e)
             best_s = min(best_s, time.perf_counter() - t0)
         if res is None:
-            blank = " " * 63  # the count columns
+            blank = " " * 72  # the count columns
             print(f"{gpus:>6} {'-':>6} {blank} {best_s:>9.3f}  {err[:60]}")
             continue
         s4, top = res.stats["four_d"], res.rows[0]
         print(
-            f"{gpus:>6} {s4['valid_grids']:>6} {s4['candidates']:>10} "
+            f"{gpus:>6} {s4['valid_grids']:>6} {s4.get('memory_groups', '-'):>8} "
+            f"{s4['candidates']:>10} "
             f"{s4['candidates'] - s4['fitting']:>9} {s4['fitting']:>8} {s4['pruned']:>8} "
             f"{s4['evaluated']:>6} {s4.get('pipe_candidates', '-'):>9} "
             f"{s4.get('pipe_evaluated', '-'):>6} {best_s:>9.3f}  {top.label()} mb{top.micro_batch} "

@@ -14,7 +14,7 @@ from tetrad.plan.memory.offsets import sharding_offsets
 from tetrad.plan.memory.runtime import fewest_selective, phase_totals
 from tetrad.plan.memory.zero import state_bytes_per_element
 from tetrad.plan.model.spec import ModelSpec
-from tetrad.plan.search.space import divisors
+from tetrad.plan.search.space import divisors_of
 from tetrad.spec import role_sizes
 
 
@@ -91,7 +91,7 @@ class Candidates:
         _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
         local = L * block_el + head_el + emb_el + ctx.vector_elements(gx, gy)
         per_cell = ctx.global_batch // (gd * gz)
-        sizes = [b for b in divisors(per_cell) if allowed is None or b in allowed]
+        sizes = [b for b in divisors_of(per_cell) if allowed is None or b in allowed]
         model, dt, pre = ctx.model, self.dtype, self.prefetch
         if not sizes:
             return out
@@ -186,7 +186,7 @@ class Candidates:
         _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
         local = L * block_el + head_el + emb_el + ctx.vector_elements(gx, gy)
         per_cell = ctx.global_batch // (gd * gz)
-        sizes = [b for b in divisors(per_cell) if self.allowed is None or b in self.allowed]
+        sizes = [b for b in divisors_of(per_cell) if self.allowed is None or b in self.allowed]
         for zero in self.variants(gd * gc):
             room = self.limit - state_bytes_per_element(zero, gd * gc) * local
             classes = {}
