@@ -249,8 +249,9 @@ def _settled(step, pipe: int, short: int, t_max: float) -> tuple[float, float] |
 
 
 def _periodic(step, pipe: int, short: int, m: int, t_max: float) -> float | None:
-    """The step of ``m`` micro-batches where that of ``e`` (``short`` or up to ``c p - 1``
-    more, ``m - e`` a multiple of ``c p``) grew by one amount over each of its last two periods
+    """The step of ``m`` micro-batches where that of ``e`` (the least from ``short`` and from
+    ``2 c p + p`` with ``m - e`` a multiple of ``c p``, at most ``2 short``) grew by one amount
+    over each of its last two periods
     of ``c p`` micro-batches (``c`` in :data:`CYCLICITIES`; at least ``c p t_max``, to
     ``1e-9 t_max`` per micro-batch): ``step(e)`` plus that amount per further period (the
     recurrence's cyclicity, module doc); else None. The interleaved order depends on ``m``
@@ -259,9 +260,10 @@ def _periodic(step, pipe: int, short: int, m: int, t_max: float) -> float | None
     tol = 1e-9 * t_max
     for c in CYCLICITIES:
         period = c * pipe
-        end = short + (m - short) % period
-        if end - 2 * period < pipe:
-            continue
+        start = max(short, 2 * period + pipe)  # two whole periods after the first round
+        end = start + (m - start) % period
+        if end > min(m, 2 * short):
+            continue  # not before the next doubling would simulate as much
         a, b = step(end), step(end - period)
         grew = a - b
         if grew / period < t_max - tol or abs((b - step(end - 2 * period) - grew) / period) > tol:
