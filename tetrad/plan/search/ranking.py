@@ -7,11 +7,12 @@ pipeline search (:class:`tetrad.plan.search.pipelined.PipeSearch`) against the b
 A 5D group is a grid, an orientation and an optimizer variant; its floor
 (:meth:`Ranking._group_floor`, :meth:`tetrad.plan.comm.bounds.StepBounds.group_floor`) needs
 what fits (the memory lines) and the compute per sample, not its configurations, which are
-built (:meth:`tetrad.plan.search.candidates.Candidates.expand`) only when the group is visited:
-by ascending compute time (a lower bound) until none can enter, each skipped where its bound with
-the unavoidable exposed communication (:class:`~tetrad.plan.comm.bounds.StepBounds`) cannot
-enter either, else timed. Ties in step time go to the earlier enumerated configuration
-(:mod:`tetrad.plan.search.top`), so the order of the visits changes no answer.
+built (:meth:`tetrad.plan.search.candidates.Candidates.expand`) only when the group is visited.
+Each configuration then passes through the same queue at its bounds, cheapest first
+(:class:`~tetrad.plan.comm.bounds.StepBounds`: the cheap bound, then with the X/Y and context
+collectives), and is timed when its last bound comes up. Ties in step time go to the earlier
+enumerated configuration (:mod:`tetrad.plan.search.top`), so the order of the visits changes no
+answer.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import itertools
 
 from tetrad.plan.comm.bounds import MARGIN, StepBounds
 from tetrad.plan.comm.zero import sharded
-from tetrad.plan.search.top import PIPELINE_SEQ, best_first, offer
+from tetrad.plan.search.top import PIPELINE_SEQ, best_first, offer, slowest
 from tetrad.spec import role_sizes
 
-MAY_FIT, FITS = 0, 1
-"""Kinds of a 5D group's entries in the queue: at the floor of what may fit, of what fits."""
+MAY_FIT, FITS, CHEAP, TIME = 0, 1, 2, 3
+"""Kinds of the queue's entries: a 5D group at the floor of what may fit, of what fits; one of
+its configurations at its cheap bound, at its bound with the X/Y collectives (then timed)."""
 
 
 class Ranking:
@@ -44,7 +46,10 @@ class Ranking:
         (:meth:`~tetrad.plan.search.candidates.Candidates.may_fit`); visited, the group's
         memory lines are built (:meth:`~tetrad.plan.search.candidates.Candidates.oriented_fits`,
         counted in the statistics) and the variant enters again at the floor of what fits;
-        visited again, its configurations are timed (:meth:`_visit_group`)."""
+        visited again, its configurations enter at their cheap bounds (:meth:`_visit_group`),
+        then at their bounds with the X/Y collectives, and are timed when the queue reaches
+        them (:meth:`_visit_config`): the first timed are those with the lowest bounds, so the
+        bar is near its last value after the first ``top``."""
         bounds = None
         if self.comm_model == "tetrad":
             bounds = {False: StepBounds(self.ctx), True: StepBounds(sharded(self.ctx))}
@@ -60,17 +65,22 @@ class Ranking:
         fits: dict = {}  # group -> its RoleFits
         numbers = itertools.count(len(queue))
 
+        def push(bound: float, kind: int, payload: tuple) -> None:
+            heapq.heappush(queue, (bound, kind, next(numbers), payload))
+
         def visit(kind: int, payload) -> None:
+            if kind >= CHEAP:
+                self._visit_config(best, top, bounds, push, kind, payload)
+                return
             gi, zero = payload
             grid, turn = groups[gi]
             got = fits.get(gi)
             if got is None:
                 got = fits[gi] = self.oriented_fits(grid, turn, self.modes, self.allowed)
             if kind == FITS:
-                self._visit_group(best, top, bounds, gi, grid, turn, got, zero)
+                self._visit_group(best, top, bounds, push, gi, grid, turn, got, zero)
             elif zero in got.variants():
-                floor = self._group_floor(bounds, grid, turn, zero, got.classes(zero))
-                heapq.heappush(queue, (floor, FITS, next(numbers), payload))
+                push(self._group_floor(bounds, grid, turn, zero, got.classes(zero)), FITS, payload)
 
         best_first(queue, best, top, visit, MARGIN)
         self.stats["memory_groups"] = len(fits)
@@ -79,23 +89,38 @@ class Ranking:
         self.stats["pruned"] = self.stats["fitting"] - self.stats["evaluated"]
         return best
 
-    def _visit_group(self, best: list, top: int, bounds, gi: int, grid, turn, fits, zero):
-        """Time the configurations of group ``gi`` (``grid`` in orientation ``turn``, what fits
-        ``fits``) in variant ``zero`` that may enter ``best``."""
-        keep = 1.0 - MARGIN
+    def _visit_group(self, best: list, top: int, bounds, push, gi: int, grid, turn, fits, zero):
+        """Queue the configurations of group ``gi`` (``grid`` in orientation ``turn``, what
+        fits ``fits``) in variant ``zero`` that may enter ``best``, at their cheap bound (at
+        their compute with the axonn model, ``bounds`` None)."""
+        keep, limit = 1.0 - MARGIN, slowest(best, top)
         base = (gi << 21) | (int(zero) << 20)  # enumeration order (expand's index < 2^20)
         for lb, index, b, ckpt in self.expand(role_sizes(grid, turn), fits, zero):
-            if len(best) >= top:
-                limit = -best[0][0]
-                if lb * keep >= limit:
-                    break  # sorted: no later one's compute alone is below it
-                if bounds is not None and _bounded_out(
-                    bounds[zero], grid, b, ckpt, turn, lb, limit
-                ):
-                    continue
-            self.stats["evaluated"] += 1
-            step, est = self._time(grid, b, ckpt, turn, zero)
-            offer(best, top, step, base | index, (grid, b, ckpt, turn, est))
+            if lb * keep >= limit:
+                break  # sorted: no later one's compute alone is below it
+            config = (grid, b, ckpt, turn, zero, base | index)
+            if bounds is None:
+                push(lb, TIME, config)
+                continue
+            floor = bounds[zero].cheap(grid, b, ckpt, lb, turn)
+            if floor * keep < limit:
+                push(floor, CHEAP, (floor, config))
+
+    def _visit_config(self, best: list, top: int, bounds, push, kind: int, payload) -> None:
+        """A configuration's next stage: from its cheap bound to its bound with the X/Y and
+        context collectives (:meth:`~tetrad.plan.comm.bounds.StepBounds.with_xy`), queued where
+        it may enter ``best``; from that to its estimate, timed into ``best``."""
+        if kind == CHEAP:
+            floor, config = payload
+            grid, b, ckpt, turn, zero, _ = config
+            bound = bounds[zero].with_xy(floor, grid, b, ckpt, turn)
+            if bound * (1.0 - MARGIN) < slowest(best, top):
+                push(bound, TIME, config)
+            return
+        grid, b, ckpt, turn, zero, seq = payload
+        self.stats["evaluated"] += 1
+        step, est = self._time(grid, b, ckpt, turn, zero)
+        offer(best, top, step, seq, (grid, b, ckpt, turn, est))
 
     def _group_floor(self, bounds, grid, turn: str, zero: bool, classes: dict) -> float:
         """A floor of the steps of ``grid``'s configurations in orientation ``turn`` and
@@ -163,14 +188,3 @@ class Ranking:
             tail = comp.final_norm_fwd - 0.5 * comp.post_fwd[-1]
             got = self.per_sample[key] = (L * (fwd + bwd) / b, L * (2 * fwd + bwd) / b, tail / b)
         return got
-
-
-def _bounded_out(
-    bounds: StepBounds, grid, b: int, ckpt: str, turn: str, compute_s: float, slowest: float
-) -> bool:
-    """Whether the step of ``(grid, b, ckpt)`` in orientation ``turn`` is surely not below
-    ``slowest`` seconds: one of its bounds (:class:`~tetrad.plan.comm.bounds.StepBounds`,
-    cheapest first), shrunk by :data:`MARGIN`, is not."""
-    keep = 1.0 - MARGIN
-    floor = bounds.cheap(grid, b, ckpt, compute_s, turn)
-    return floor * keep >= slowest or bounds.with_xy(floor, grid, b, ckpt, turn) * keep >= slowest
