@@ -1,6 +1,8 @@
 """The search's lower bounds (tetrad.plan.comm.bounds) never exceed the estimate they stand for,
 and the Z queue's floor never exceeds the Z seconds the window walk exposes."""
 
+import dataclasses
+
 import pytest
 
 from tetrad.plan.comm.bounds import StepBounds
@@ -86,7 +88,12 @@ def test_z_queue_floor_is_below_the_walk(overlaps):
     assert tight > 0  # the floor is not vacuous
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+TIED = ("llama-1b:tied", "t3-sim", 16, 32, 1024)
+"""llama-1b with its LM head tied to the embedding (the memory floors must not count it
+twice)."""
+
+
+@pytest.mark.parametrize("case", [*CASES, TIED], ids=[c[0] for c in [*CASES, TIED]])
 def test_group_floor_is_below_every_member(case):
     """The 4D search's group floors (tetrad.plan.search.ranking) are at most the cheap bound of
     each configuration of the group, for every grid, orientation and optimizer variant that
@@ -97,7 +104,9 @@ def test_group_floor_is_below_every_member(case):
     from tetrad.plan.search.four_d import _Search4D
 
     name, machine, gpus, batch, seq = case
-    model, mc = get_model(name), get_machine(machine)
+    model, mc = get_model(name.split(":")[0]), get_machine(machine)
+    if name.endswith(":tied"):
+        model = dataclasses.replace(model, tied_embeddings=True)
     checked = 0
     for overlaps in ("all", "none", "prefetch"):
         ctx = Context(model, mc, seq, batch, overlaps=overlaps)
@@ -109,6 +118,8 @@ def test_group_floor_is_below_every_member(case):
             fits = search.oriented_fits(grid, turn, search.modes, None)
             may = search.may_fit(roles)
             for zero in fits.variants():
+                for full, sizes in fits.classes(zero).items():  # what fits may fit
+                    assert set(sizes) <= set(may[zero][full]), (grid, turn, zero, full)
                 floor = search._group_floor(bounds, grid, turn, zero, fits.classes(zero))
                 early = search._group_floor(bounds, grid, turn, zero, may[zero])
                 assert early <= floor * (1 + 1e-12), (overlaps, grid, turn, zero)

@@ -128,3 +128,16 @@ def test_errors_say_what_to_change():
         search_4d(model, PERL, 0, 2048, 2048)
     with pytest.raises(PlanError, match="unknown overlap"):
         search_4d(model, PERL, 1024, 2048, 2048, overlaps="prefetch,nope")
+
+
+def test_tied_embeddings_fit_where_the_memory_model_says():
+    """With tied embeddings the LM head is the embedding table: the search's memory floors count
+    the states the memory model counts (not the head twice), so a configuration that fits by a
+    hair is found."""
+    import dataclasses
+
+    model = dataclasses.replace(get_model("llama-1b"), tied_embeddings=True)
+    peak = tetrad(model, (1, 1, 1, 1), 1, 256, 1e15, activation_checkpointing="full").total
+    mem = peak / 0.8 * 1.001  # "full" at b = 1 fits, just
+    rows, _ = search_4d(model, H100, 1, 1, 256, top=3, gpu_memory_bytes=mem, pipeline=False)
+    assert rows and all(r.memory.total <= 0.8 * mem for r in rows)

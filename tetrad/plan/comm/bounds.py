@@ -16,8 +16,13 @@ term is at least 0, so any subset of them added to the compute bounds the step f
   exposes at least what its compute windows cannot hold
   (:func:`tetrad.plan.comm.zwindows.z_queue_seconds`);
 - :meth:`~StepBounds.with_xy`: the context K/V collectives and every X and Y collective,
-  memoised per ``(G_context, G_y, G_x)``, micro-batch, micro-batches and recompute
-  (:func:`tetrad.plan.comm.estimate.xy_record`, which the estimate reuses).
+  one micro-batch's memoised per ``(G_context, G_y, G_x)`` (and ``G_z`` for K/V),
+  micro-batch and recompute, times the micro-batches
+  (:func:`tetrad.plan.comm.estimate.xy_record`).
+
+And a floor of :meth:`~StepBounds.cheap` over a whole group of configurations of one grid,
+before their compute is known (:meth:`~StepBounds.group_floor`), for the best-first search's
+queue (:mod:`tetrad.plan.search.ranking`).
 
 The search compares a bound with the slowest of its best configurations so far only after
 shrinking it by :data:`MARGIN`, so rounding (the bound adds its terms in another order than the
@@ -156,8 +161,10 @@ class StepBounds:
         reduce-scatters run every micro-batch, at least one all-gather blocks) and ``a (G + R +
         Q) + slack`` (:meth:`cheap`'s max is at least its argument, and a micro-batch's
         windows, :func:`tetrad.plan.comm.zwindows.window_seconds`, are its compute less
-        ``t_final_norm - t_post / 2``); the least over the classes. The step terms and the
-        data all-reduce, at least 0, are left out: the Z terms need one
+        ``t_final_norm - t_post / 2``, 0 as :func:`tetrad.plan.compute.block.block_compute`
+        counts them: the final norm's forward is half the norm after a block's last Linear;
+        kept so that the floor stays one if that changes); the least over the classes. The
+        step terms and the data all-reduce, at least 0, are left out: the Z terms need one
         :class:`~tetrad.plan.comm.record.Step` per ``(G_z, G_y, G_x)``, they one per grid."""
         roles = role_sizes(grid, orientation)
         out = float("inf")

@@ -12,6 +12,7 @@ from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION
 from tetrad.plan.memory.offsets import sharding_offsets
 from tetrad.plan.memory.runtime import fewest_selective, phase_totals
+from tetrad.plan.memory.states import local_parameter_elements
 from tetrad.plan.memory.zero import state_bytes_per_element
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.space import divisors_of
@@ -86,12 +87,8 @@ class Candidates:
     ) -> RoleFits:
         """The :class:`RoleFits` of the roles' sizes ``roles``."""
         ctx, out = self.ctx, RoleFits()
-        L = ctx.model.n_layers
-        gd, gc, gz, gy, gx = roles
-        _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
-        local = L * block_el + head_el + emb_el + ctx.vector_elements(gx, gy)
-        per_cell = ctx.global_batch // (gd * gz)
-        sizes = [b for b in divisors_of(per_cell) if allowed is None or b in allowed]
+        gd, gc = roles[:2]
+        local, sizes = self._cell(roles, allowed)
         model, dt, pre = ctx.model, self.dtype, self.prefetch
         if not sizes:
             return out
@@ -106,7 +103,7 @@ class Candidates:
                 lines[(mode, zero)] = line_of(raw[mode], self.limit, sizes, shift)
             return lines[(mode, zero)]
 
-        plain_fits = 16.0 * local <= self.limit  # exact floor: 16 B per local element
+        plain_fits = 16.0 * local <= self.limit  # exact: 16 B per local element
         for zero in self.variants(gd * gc):
             # with the states sharded 8 + 8 / (G_data G_context) B per local element
             if zero and state_bytes_per_element(True, gd * gc) * local > self.limit:
@@ -122,6 +119,17 @@ class Candidates:
                         continue  # every micro-batch fits unsharded (memory grows with it)
                 out.modes.append(self._mode_fits(ckpt, zero, sizes, line, other))
         return out
+
+    def _cell(self, roles: tuple, allowed: set | None) -> tuple[int, list[int]]:
+        """``(local elements, micro-batches)`` of the roles ``roles``: this rank's parameter
+        elements (:func:`tetrad.plan.memory.states.local_parameter_elements`, whose 16 B each,
+        8 + 8 / (G_data G_context) with the states sharded, the memory model counts) and the
+        micro-batches dividing the samples of a (data, Z) cell, ``B / (G_data G_z)``, that
+        ``allowed`` (None: all) allows."""
+        elements = local_parameter_elements(self.ctx.model, roles)
+        per_cell = self.ctx.global_batch // (roles[0] * roles[2])
+        sizes = [b for b in divisors_of(per_cell) if allowed is None or b in allowed]
+        return elements["matrices"] + elements["vectors"], sizes
 
     def _mode_fits(self, ckpt, zero, sizes, line, other) -> tuple:
         """``(sharded, mode, fitting micro-batches, the mode-none line or None)`` of one
@@ -180,13 +188,9 @@ class Candidates:
         got = self.may_fit_memo.get(roles)
         if got is not None:
             return got
-        ctx, got = self.ctx, {}
-        L = ctx.model.n_layers
-        gd, gc, gz, gy, gx = roles
-        _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
-        local = L * block_el + head_el + emb_el + ctx.vector_elements(gx, gy)
-        per_cell = ctx.global_batch // (gd * gz)
-        sizes = [b for b in divisors_of(per_cell) if self.allowed is None or b in self.allowed]
+        got = {}
+        gd, gc = roles[:2]
+        local, sizes = self._cell(roles, self.allowed)
         for zero in self.variants(gd * gc):
             room = self.limit - state_bytes_per_element(zero, gd * gc) * local
             classes = {}
@@ -249,7 +253,10 @@ def memory_line(
     sizes: list[int],
     shard_optimizer: bool = False,
 ):
-    """``b -> peak bytes`` of :func:`tetrad.plan.memory.runtime.tetrad` from two evaluations: every
+    """(The search builds these lines itself, per roles: :meth:`Candidates.oriented_fits`; this
+    one, for a grid, is what tests and docs check against the memory model.)
+
+    ``b -> peak bytes`` of :func:`tetrad.plan.memory.runtime.tetrad` from two evaluations: every
     phase's total is affine in the micro-batch (activations, logits and recompute sets grow with
     ``m``; weights, gathered blocks and step buffers do not), so the peak is the maximum of the
     phases' lines. ``inf`` for every ``b`` when ``b = 1`` already does not fit. With

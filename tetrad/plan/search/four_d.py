@@ -33,13 +33,15 @@ Speed, by design: memory is evaluated once per (grid, checkpointing mode) as a l
 micro-batch (:func:`tetrad.plan.search.candidates.memory_line`) and rejects a configuration
 before anything is timed; what fits gives each group (grid, orientation, optimizer variant) a
 floor of its steps before its configurations are built, and the groups are visited best first
-(:mod:`tetrad.plan.search.ranking`): a group's configurations by ascending compute time, a
-lower bound, each timed only if its lower bound with the exposed communication it cannot avoid
-(:class:`tetrad.plan.comm.bounds.StepBounds`) is below the slowest of the best found so far.
-Every cost that depends on a shape only (a Linear's collectives, the fused rings, compute per
-``(G_context, G_y, G_x, b)``, grid validity, bandwidths per ``(stride, size)``) is memoised.
-The statistics count configurations enumerated (``candidates``), fitting, ``pruned`` and timed
-(``evaluated``).
+(:mod:`tetrad.plan.search.ranking`): a group's configurations enter the same queue at their
+lower bounds with the exposed communication they cannot avoid
+(:class:`tetrad.plan.comm.bounds.StepBounds`) and are timed when those come up, unless they are
+not below the slowest of the best found so far. Every cost that depends on a shape only (a
+Linear's collectives, the fused rings, compute per ``(G_context, G_y, G_x, b)``, grid
+validity, bandwidths per ``(stride, size)``) is memoised. The statistics count the (grid,
+orientation) whose memory the search modelled (``memory_groups``) and, on those only, the
+configurations enumerated (``candidates``), fitting, ``pruned`` (fitting, not timed) and timed
+(``evaluated``); the groups a floor rejected before their memory count in none.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class _Search4D(Candidates, Ranking):
         self.may_fit_memo: dict = {}  # roles' sizes -> what may fit (Candidates.may_fit)
         self.saved_memo: dict = {}  # (G_context, G_y, G_x, full) -> saved bytes' line
         self.class_memo: dict = {}  # (G_context, G_y, G_x, B / (G_data G_z), full, sizes)
+        self.monotone: bool | None = None  # the GEMM table never falls (Ranking)
         self.modes: tuple[str, ...] = ()  # the checkpointing modes tried
         self.allowed: set | None = None  # the micro-batches allowed (None: every divisor)
         self.per_sample: dict = {}  # (G_context, G_y, G_x, b) -> seconds (_per_sample)
@@ -316,6 +319,5 @@ def search_4d(
         else search.row(step, grid, b, ckpt, turn, est)
         for step, (grid, b, ckpt, turn, est) in ranked(best)
     ]
-    rows.sort(key=lambda r: r.step_s)
     search.stats["seconds"] = time.perf_counter() - t0
     return rows, search.stats

@@ -55,14 +55,14 @@ from tetrad.plan.memory.breakdown import FIT_FRACTION
 from tetrad.plan.memory.pipeline import pipeline_memory, stage_memory
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.pipe.estimate import PipeConfig, PipeEstimate, pipeline_estimate, split_ranks
-from tetrad.plan.pipe.schedule import schedule_problems
+from tetrad.plan.pipe.schedule import SCHEDULES, schedule_problems
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.search.pipe_floor import BlockFloors
 from tetrad.plan.search.pipe_groups import VIRTUAL_CHOICES, GroupBounds
 from tetrad.plan.search.pipe_memory import MemoryFloors
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.top import best_first, offer, slowest
-from tetrad.spec import GRID_AXES, role_sizes
+from tetrad.spec import GRID_AXES, ORIENTATIONS, role_sizes
 
 MODE_ORDER = ("none", "selective", "full")
 SHAPE, GROUP = 1, 2
@@ -95,8 +95,9 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
 
     def extend(self, best: list, top: int, seq0: int) -> None:
         """Push the pipeline configurations that enter the top-K into ``best`` (the heap of
-        :mod:`tetrad.plan.search.top`), numbered from ``seq0`` in the order they are timed:
-        :meth:`entries` visited best first (:func:`tetrad.plan.search.top.best_first`)."""
+        :mod:`tetrad.plan.search.top`), numbered from ``seq0`` in enumeration order
+        (:func:`_order`): :meth:`entries` visited best first
+        (:func:`tetrad.plan.search.top.best_first`)."""
         self.seq = seq0
         numbers = itertools.count()
         queue = [(bound, kind, next(numbers), shape) for bound, kind, shape in self.entries()]
@@ -170,8 +171,9 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
                 self.stats["pipe_evaluated"] += 1
                 est = pipeline_estimate(ctx, cfg, grid, b, mode, turn)
                 item = (grid, b, mode, turn, (est, cfg, mem, zero))
-                offer(best, top, est.step_s, self.seq, item)
-                self.seq += 1
+                offer(
+                    best, top, est.step_s, self.seq + _order(grid, turn, b, mode, cfg, zero), item
+                )
 
     def _config_pruned(self, grid, turn, b, mode, cfg, m: int, limit: float) -> bool:
         """Whether the schedule cannot enter below ``limit`` seconds (less MARGIN) or cannot
@@ -286,6 +288,28 @@ class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
             if mem is not None:
                 out.append((mem, zero))
         return out
+
+
+def _order(grid, turn: str, b: int, mode: str, cfg: PipeConfig, zero: bool) -> int:
+    """The place of a pipeline configuration in enumeration order, a number (the top-K's ties
+    go to the lower): ``G_pipe``, schedule, virtual stages, the roles' sizes, orientation
+    (``xy`` first), micro-batch, checkpointing mode, optimizer variant, each in ascending
+    order."""
+    roles = role_sizes(grid, turn)
+    fields = (
+        (cfg.pipe, 16),
+        (SCHEDULES.index(cfg.schedule), 2),
+        (cfg.virtual, 8),
+        *((size, 32) for size in roles),
+        (ORIENTATIONS.index(turn), 1),
+        (b, 32),
+        (MODE_ORDER.index(mode), 2),
+        (int(zero), 1),
+    )
+    out = 0
+    for value, bits in fields:
+        out = (out << bits) | value
+    return out
 
 
 def is_pipeline(est) -> bool:

@@ -32,8 +32,8 @@ its configurations at its cheap bound, at its bound with the X/Y collectives (th
 
 class Ranking:
     """Best-first ranking; ``self.ctx``, ``self.stats``, ``self.comm_model``, the memory and
-    configurations of :class:`~tetrad.plan.search.candidates.Candidates` and ``self._time``
-    come from the search."""
+    configurations of :class:`~tetrad.plan.search.candidates.Candidates`, ``self._time``,
+    ``self.per_sample``, ``self.class_memo`` and ``self.monotone`` come from the search."""
 
     def rank(self, groups: list, top: int, pipes=None) -> list:
         """The ``top`` fastest configurations of the 5D groups (:meth:`candidates`: ``(grid,
@@ -94,7 +94,8 @@ class Ranking:
         fits ``fits``) in variant ``zero`` that may enter ``best``, at their cheap bound (at
         their compute with the axonn model, ``bounds`` None)."""
         keep, limit = 1.0 - MARGIN, slowest(best, top)
-        base = (gi << 21) | (int(zero) << 20)  # enumeration order (expand's index < 2^20)
+        # enumeration order; expand's index < 2^20: at most 3 modes times the divisors of B
+        base = (gi << 21) | (int(zero) << 20)
         for lb, index, b, ckpt in self.expand(role_sizes(grid, turn), fits, zero):
             if lb * keep >= limit:
                 break  # sorted: no later one's compute alone is below it
@@ -168,12 +169,10 @@ class Ranking:
     def _monotone_gemm(self) -> bool:
         """Whether the machine's GEMM efficiency table never falls as the FLOPs grow
         (memoised)."""
-        got = self.__dict__.get("_monotone")
-        if got is None:
+        if self.monotone is None:
             table = self.ctx.machine.gemm_table
-            got = all(a[1] <= b[1] for a, b in zip(table, table[1:], strict=False))
-            self._monotone = got
-        return got
+            self.monotone = all(a[1] <= b[1] for a, b in zip(table, table[1:], strict=False))
+        return self.monotone
 
     def _per_sample(self, roles: tuple, b: int) -> tuple[float, float, float]:
         """Per sample of a micro-batch of ``b`` on the roles' ``(G_context, G_y, G_x)``: the
