@@ -51,15 +51,18 @@ class StepBounds:
 
     Args:
         ctx: the question (model, machine, batch, overlaps).
+        like: the bounds of the same question with the optimizer sharded otherwise, whose Z,
+            X/Y and context K/V terms (the same whatever the optimizer) these share.
     """
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, like: StepBounds | None = None):
         self.ctx = ctx
         self._grid: dict = {}  # grid -> (optimizer + scalars seconds, data-parallel terms)
-        self._z: dict = {}  # (G_z, G_y, G_x, full) -> (tables, queue) seconds per micro-batch
         self._cheap: dict = {}  # (grid, orientation, b, full) -> the terms :meth:`cheap` adds
-        self._xy: dict = {}  # (G_context, G_y, G_x, b, full, orientation) -> X/Y seconds
-        self._kv: dict = {}  # (G_context, G_z, G_y, G_x, b, full) -> context K/V seconds
+        # terms that do not depend on the optimizer's sharding: shared with ``like``'s
+        self._z: dict = like._z if like else {}  # (G_z, G_y, G_x, full) -> Z seconds
+        self._xy: dict = like._xy if like else {}  # (G_context, G_y, G_x, b, full, turn)
+        self._kv: dict = like._kv if like else {}  # (G_context, G_z, G_y, G_x, b, full)
 
     def _grid_terms(self, st: Step, grid: tuple) -> tuple[float, tuple[float, ...]]:
         """Per grid: the optimizer and the step-level scalars, seconds per step; and the

@@ -52,9 +52,8 @@ class Ranking:
         bar is near its last value after the first ``top``."""
         bounds = None
         if self.comm_model == "tetrad":
-            bounds = {False: StepBounds(self.ctx), True: StepBounds(sharded(self.ctx))}
-            for shared in ("_z", "_xy", "_kv"):  # terms that do not depend on the optimizer
-                setattr(bounds[True], shared, getattr(bounds[False], shared))
+            plain = StepBounds(self.ctx)
+            bounds = {False: plain, True: StepBounds(sharded(self.ctx), like=plain)}
         queue = []
         for gi, (grid, turn) in enumerate(groups):
             for zero, classes in self.may_fit(role_sizes(grid, turn)).items():
