@@ -52,7 +52,7 @@ from tetrad.comm.fused import ring_matmul_reduce_scatter  # noqa: E402
 from tetrad.grid import Grid  # noqa: E402
 from tetrad.plan.comm.fine import CHUNK_CANDIDATES, ring_reduce_scatter_seconds
 from tetrad.plan.machine.network import Link
-from tetrad.spec import Axis  # noqa: E402
+from tetrad.spec.grid import Axis
 
 MODELS = {"Mega-GPT-2": 3072, "T-NLG": 4256}
 SCALED = {"Mega-GPT-2": 384, "T-NLG": 528}

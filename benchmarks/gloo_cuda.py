@@ -53,7 +53,7 @@ from tetrad.comm.collectives import all_gather_single, reduce_scatter_single  # 
 from tetrad.grid import Grid, parse_grid  # noqa: E402
 from tetrad.parallel import init_parameters  # noqa: E402
 from tetrad.parallel.model import ParallelLlama  # noqa: E402
-from tetrad.spec import OVERLAPS  # noqa: E402
+from tetrad.spec.overlap import OVERLAPS
 from tetrad.train import step as step_module  # noqa: E402
 
 

@@ -79,7 +79,6 @@ from torch import nn
 
 from tetrad.device import cpu_cores, device_name, total_memory_bytes
 from tetrad.grid import Grid, backend_for
-from tetrad.models.config import PRESETS, ModelConfig, parse_model
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import (
     Embedding,
@@ -93,7 +92,11 @@ from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.machine.spec import Machine, get_machine
-from tetrad.spec import DTYPE_BYTES, Axis, GiB, compute_dtype
+from tetrad.spec.grid import Axis
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.precision import DTYPE_BYTES, compute_dtype
+from tetrad.spec.presets import PRESETS, parse_model
+from tetrad.spec.units import GiB
 from tetrad.train import step as train_step_module
 from tetrad.train.metrics import read_rows
 
@@ -410,7 +413,7 @@ class _CaptureGrads:
             p.grad = None
 
 
-def reference_run(cfg: ModelConfig, batch: torch.Tensor, device: torch.device) -> dict:
+def reference_run(cfg: ModelSpec, batch: torch.Tensor, device: torch.device) -> dict:
     """The fp32 single-process reference: loss (nats per token), gradients, gradient norm."""
     ref = Reference(cfg)
     init_parameters(ref, SEED)
@@ -423,7 +426,7 @@ def reference_run(cfg: ModelConfig, batch: torch.Tensor, device: torch.device) -
     return {"loss": loss.item(), "grads": grads, "grad_norm": norm}
 
 
-def parallel_run(grid: Grid, cfg: ModelConfig, batch: torch.Tensor, mode: str, compiled: bool):
+def parallel_run(grid: Grid, cfg: ModelSpec, batch: torch.Tensor, mode: str, compiled: bool):
     """ParallelLlama (``init_parameters`` of :data:`SEED`) on one batch: ``(loss, gradient
     norm or None, model, gradients by name)``. Mode ``fp32``: one forward/backward without
     autocast; ``trainer``: :func:`tetrad.train.step.train_step` with two micro-batches and no
@@ -449,7 +452,7 @@ def parallel_run(grid: Grid, cfg: ModelConfig, batch: torch.Tensor, mode: str, c
 
 
 def model_check(
-    grid: Grid, cfg: ModelConfig, batch: torch.Tensor, ref: dict, mode: str, compiled: bool
+    grid: Grid, cfg: ModelSpec, batch: torch.Tensor, ref: dict, mode: str, compiled: bool
 ) -> dict:
     """One ParallelLlama-vs-reference comparison: loss, gradient-norm and gradient errors and
     the verdict against :data:`TOLERANCES` of the mode's precision."""
@@ -565,8 +568,8 @@ def planner_model_text(model: str) -> str:
     cfg, _ = parse_model(model)
     s = cfg.spec(model.split(",")[0])
     return (
-        f"name={s.name},hidden={s.hidden},n_layers={s.n_layers},n_heads={s.n_heads},"
-        f"n_kv_heads={s.n_kv_heads},ffn_hidden={s.ffn_hidden},vocab={s.vocab},"
+        f"name={s.name},hidden={s.dim},n_layers={s.n_layers},n_heads={s.n_heads},"
+        f"n_kv_heads={s.n_kv_heads},ffn_dim={s.ffn_dim},vocab={s.vocab_size},"
         f"rope_theta={s.rope_theta}"
     )
 
@@ -821,7 +824,7 @@ def predict_step(machine: Machine, args: argparse.Namespace, mb: int) -> dict:
     micro_batch, checkpointing=False)`` with every overlap on, as ``tetrad train`` runs."""
     cfg, _ = parse_model(args.model)
     ctx = Context(
-        cfg.spec(),
+        cfg,
         machine,
         args.seq_len,
         2 * mb,

@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_check import device_memory_bytes, memory_estimate, world_of_one  # noqa: E402
 
 from tetrad.device import datasheet_flops, device_name, peak_memory_bytes  # noqa: E402
-from tetrad.models.config import parse_model  # noqa: E402
 from tetrad.parallel.model import ParallelLlama, compile_blocks  # noqa: E402
-from tetrad.spec import GiB  # noqa: E402
+from tetrad.spec.presets import parse_model
+from tetrad.spec.units import GiB
 from tetrad.train.step import build_optimizer, train_step  # noqa: E402
 
 

@@ -41,13 +41,13 @@ from stock_moe import StockExpertParallelMoE  # noqa: E402
 
 from tests.distributed import run_distributed  # noqa: E402
 from tetrad.grid import Grid  # noqa: E402
-from tetrad.models.config import PRESETS  # noqa: E402
 from tetrad.models.moe import MoEFeedForward, can_grouped_mm  # noqa: E402
 from tetrad.parallel import init_parameters  # noqa: E402
 from tetrad.parallel.model import ParallelLayers  # noqa: E402
 from tetrad.parallel.overlap import Overlap  # noqa: E402
 from tetrad.plan.comm.experts import all_to_all_traffic  # noqa: E402
-from tetrad.spec import Axis  # noqa: E402
+from tetrad.spec.grid import Axis
+from tetrad.spec.presets import PRESETS
 
 
 def build(args: argparse.Namespace, world: int):

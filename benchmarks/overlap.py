@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tetrad.spec import COMM_AXES
+from tetrad.spec.grid import COMM_AXES
 
 GRIDS = {4: "1,2,1,2", 8: "1,2,2,2"}
 

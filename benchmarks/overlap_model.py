@@ -42,14 +42,13 @@ from pathlib import Path
 from overlap import add_run_options, describe
 from overlap import run as train
 
-from tetrad.models.config import ModelConfig
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import collectives, estimate
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.machine.network import ALL_REDUCE, REDUCE_SCATTER
 from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import COMM_AXES
+from tetrad.spec.grid import COMM_AXES
+from tetrad.spec.model import ModelSpec
 
 GRIDS = ("1,2,1,2", "2,1,2,1")
 
@@ -74,7 +73,7 @@ def calibrate_machine(path: Path, quick: bool) -> None:
 
 def planner_model(mc: dict) -> ModelSpec:
     """The planner's description of the runtime's Llama (``RUN_DIR/config.json`` sizes)."""
-    return ModelConfig(**mc).spec()
+    return ModelSpec(**mc)
 
 
 def predict(

@@ -55,10 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pipeline_timing as timing  # noqa: E402
 
 from tetrad.grid import Grid  # noqa: E402
-from tetrad.models.config import parse_model  # noqa: E402
 from tetrad.parallel import init_parameters  # noqa: E402
 from tetrad.pipeline.schedule import Pipeline  # noqa: E402
 from tetrad.pipeline.step import pipeline_train_step  # noqa: E402
+from tetrad.spec.presets import parse_model
 from tetrad.train.step import build_optimizer  # noqa: E402
 
 CASES = [(p, s, v) for p in (2, 4) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))]

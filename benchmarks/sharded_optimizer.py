@@ -33,9 +33,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tetrad.grid import Grid  # noqa: E402
-from tetrad.models.config import parse_model  # noqa: E402
 from tetrad.parallel import init_parameters  # noqa: E402
 from tetrad.parallel.model import ParallelLlama  # noqa: E402
+from tetrad.spec.presets import parse_model
 from tetrad.train.step import build_optimizer, train_step  # noqa: E402
 
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 from tetrad.models.llama import ModelPart
 from tetrad.models.reference import Llama
 from tetrad.parallel import init_parameters
-from tetrad.pipeline.split import balanced_split
+from tetrad.spec.pipeline_split import balanced_split
 
 if TYPE_CHECKING:
     from vs_jobs import Settings

@@ -10,11 +10,11 @@ import torch
 from stock_parallel import SCHEDULE_LABELS, Stock
 from vs_report import fmt_grid
 
-from tetrad.models.config import ModelConfig
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import best_orientation
 from tetrad.plan.machine.spec import get_machine
-from tetrad.spec import GRID_NAMES, GridShape
+from tetrad.spec.grid import GRID_NAMES, GridShape
+from tetrad.spec.model import ModelSpec
 
 ROWS: dict[int, list[tuple[GridShape, Stock]]] = {
     2: [
@@ -58,7 +58,7 @@ def micro_batches(s: Settings, replicas: int) -> int:
 class Settings:
     """What every run shares: model, batch, steps, optimizer."""
 
-    cfg: ModelConfig
+    cfg: ModelSpec
     seq: int = 256
     batch: int = 16
     steps: int = 12
@@ -100,7 +100,7 @@ class Job:
 def auto_orientation(s: Settings, grid: GridShape) -> str:
     """The orientation ``tetrad train`` runs ``grid`` in without ``--machine`` (fewer bytes on
     the X and Y roles: :func:`tetrad.plan.comm.estimate.best_orientation`)."""
-    ctx = Context(s.cfg.spec(), get_machine("dgx-h100"), s.seq, s.batch, compute_bytes=4)
+    ctx = Context(s.cfg, get_machine("dgx-h100"), s.seq, s.batch, compute_bytes=4)
     return best_orientation(ctx, grid, s.batch // (grid[0] * grid[1]), "none")
 
 

@@ -26,7 +26,7 @@ Stock modes, parallelised only with stock APIs:
   ``dp``.
 - ``PP(p) 1F1B`` / ``PP(p) GPipe`` (``--modes pp``; against tetrad's pipeline grids, with the
   same schedule): the Llama split by hand into ``ModelPart``s as tetrad's ``Pipeline`` splits
-  it by default (:func:`tetrad.pipeline.split.balanced_split`, each block, the embedding and
+  it by default (:func:`tetrad.spec.pipeline_split.balanced_split`, each block, the embedding and
   the head costing 1), one ``torch.distributed.pipelining.PipelineStage`` per rank (its input
   and output shapes given: no shape inference) on a mesh ``("pp", "dp")``, pipeline outermost
   as in tetrad, under ``Schedule1F1B`` or ``ScheduleGPipe``. ``PP(2)xDDP(2)`` wraps each stage
@@ -116,11 +116,11 @@ from vs_report import (  # noqa: E402
 )
 
 from tetrad.grid import Grid  # noqa: E402
-from tetrad.models.config import parse_model  # noqa: E402
 from tetrad.parallel import init_parameters  # noqa: E402
 from tetrad.parallel.model import ParallelLlama  # noqa: E402
 from tetrad.pipeline.schedule import Pipeline  # noqa: E402
 from tetrad.pipeline.step import pipeline_train_step  # noqa: E402
+from tetrad.spec.presets import parse_model
 from tetrad.train.step import build_optimizer, train_step  # noqa: E402
 
 # ---- spawning ----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from tetrad.spec import GridShape
+from tetrad.spec.grid import GridShape
 
 if TYPE_CHECKING:
     from stock_parallel import Stock

@@ -56,10 +56,10 @@ from tetrad.plan.comm.sublayers import sublayers
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.runtime import tetrad
-from tetrad.plan.model.grids import grid_problems
-from tetrad.plan.model.presets import get_model
 from tetrad.plan.search.plan import plan
 from tetrad.plan.search.space import divisors, factorizations
+from tetrad.spec.presets import get_model
+from tetrad.spec.sharding import grid_problems
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plan_snapshot.json.gz")
 MODELS = ("gpt-5b", "gpt-20b", "gpt-80b", "llama-1b", "llama-3.1-8b", "llama-2-70b")

@@ -13,14 +13,9 @@ from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.pipe.estimate import split_ranks
 from tetrad.plan.pipe.stages import ranks_of_split, split_costs
 from tetrad.plan.search.plan import plan
-from tetrad.spec import (
-    CONTEXT_PIECES,
-    DTYPE_BYTES,
-    FINE_CHUNKS,
-    OVERLAPS,
-    compute_dtype,
-    role_sizes,
-)
+from tetrad.spec.grid import role_sizes
+from tetrad.spec.overlap import CONTEXT_PIECES, FINE_CHUNKS, OVERLAPS
+from tetrad.spec.precision import DTYPE_BYTES, compute_dtype
 from tetrad.train.auto import choose_grid, context_pieces, domino_pays, fine_chunks, pipeline_split
 from tetrad.train.config import ConfigError, load_config
 
@@ -45,7 +40,7 @@ def test_grid_auto_can_pick_a_pipeline():
     chosen = choose_grid(cfg(**big, machine="dgx-h100"), 128, 32000, verbose=False)
     par = chosen.parallelism
     best = plan(
-        chosen.model_config(32000).spec(),
+        chosen.model_config(32000),
         get_machine("dgx-h100"),
         128,
         128,
@@ -65,7 +60,7 @@ def test_grid_auto_can_pick_a_pipeline():
     mc = chosen.model_config(32000)
     split = pipeline_split(chosen, mc)
     ctx = Context(
-        mc.spec(),
+        mc,
         get_machine("dgx-h100"),
         4096,
         128,
@@ -98,7 +93,7 @@ def test_auto_checkpointing_is_chosen_with_the_grid():
     chosen = choose_grid(cfg(**big, activation_checkpointing="auto"), 8, 128256, verbose=False)
     mc = chosen.model_config(128256)
     best = plan(
-        mc.spec(),
+        mc,
         get_machine("dgx-h100"),
         8,
         64,
@@ -148,7 +143,7 @@ def fine_run(machine: str, overlap: str = "all"):
 def predicted_step(c, overlaps) -> float:
     t, par = c.training, c.parallelism
     ctx = Context(
-        c.model_config().spec(),
+        c.model_config(),
         get_machine(par.machine),
         t.seq_len,
         t.global_batch,

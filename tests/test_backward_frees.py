@@ -14,12 +14,12 @@ import weakref
 import torch
 
 from tests.distributed import run_distributed
-from tetrad.activation_checkpointing import CHECKPOINTING
 from tetrad.grid import Grid
 from tetrad.models import recompute
-from tetrad.models.config import PRESETS
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
+from tetrad.spec.activation_checkpointing import CHECKPOINTING
+from tetrad.spec.presets import PRESETS
 
 
 def _survivors(mode: str) -> list[str]:

@@ -13,9 +13,9 @@ from tetrad.calibrate.machine_file import to_toml
 from tetrad.calibrate.settings import group_ranks, layouts
 from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE, ring_bytes, ring_hops
 from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.model.presets import get_model
 from tetrad.plan.search.plan import plan
-from tetrad.spec import tomllib
+from tetrad.spec.presets import get_model
+from tetrad.spec.toml import tomllib
 
 TINY = "dim=64,n_layers=2,n_heads=4,n_kv_heads=2,ffn_dim=128,vocab_size=256"
 

@@ -12,7 +12,7 @@ from tests.test_model import CFG, parallel_runs, reference_run
 from tetrad.models import recompute
 from tetrad.models.reference import Llama
 from tetrad.parallel import init_parameters
-from tetrad.spec import OVERLAPS
+from tetrad.spec.overlap import OVERLAPS
 
 
 @pytest.fixture(scope="module")

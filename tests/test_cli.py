@@ -18,14 +18,14 @@ from tests import cli_fork
 from tests.distributed import run_distributed
 from tests.run_dirs import bpe_tokenizer, fake_run_dir, save_checkpoint, save_sharded
 from tetrad import cli
-from tetrad.models.config import ModelConfig
+from tetrad.spec.model import ModelSpec
 from tetrad.train import generate as gen
 from tetrad.train.config import load_config, overrides
 from tetrad.train.failures import record_failure
 from tetrad.train.launch import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300)
+TINY = ModelSpec(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300)
 
 
 def _has_preflight() -> bool:
@@ -332,7 +332,7 @@ def test_generate_corrupt_checkpoint(tmp_path, llama):
 def test_generate_wrong_model_size(tmp_path, llama):
     folder = fake_run_dir(tmp_path, TINY)
     save_checkpoint(
-        llama(ModelConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300)),
+        llama(ModelSpec(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300)),
         folder,
     )
     with pytest.raises(gen.CheckpointError, match="cannot be loaded"):

@@ -27,7 +27,8 @@ from tests.distributed import run_distributed
 from tetrad.grid import Grid
 from tetrad.parallel import Linear, RMSNorm
 from tetrad.parallel.overlap import Overlap
-from tetrad.spec import OVERLAPS, Axis
+from tetrad.spec.grid import Axis
+from tetrad.spec.overlap import OVERLAPS
 
 EXPECTED = {"z": (6, 3072, 1536.0), "x": (2, 1536, 1536.0), "y": (2, 768, 768.0)}
 

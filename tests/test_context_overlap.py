@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tests.distributed import run_distributed
 from tetrad.grid import Grid
-from tetrad.spec import context_pieces
+from tetrad.spec.overlap import context_pieces
 
 
 @pytest.mark.parametrize(

@@ -16,12 +16,12 @@ from torch import nn
 from tests.distributed import run_distributed
 from tests.run_dirs import fake_run_dir, save_checkpoint, save_sharded
 from tetrad import cli
-from tetrad.models.config import ModelConfig
 from tetrad.models.reference import Llama
+from tetrad.spec.model import ModelSpec
 from tetrad.train import generate as gen
 from tetrad.train.export import ExportError, export
 
-TINY = ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300)
+TINY = ModelSpec(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300)
 
 
 @pytest.fixture

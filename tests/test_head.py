@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed import run_distributed
-from tetrad import spec
 from tetrad.grid import Grid
 from tetrad.parallel import (
     Embedding,
@@ -31,6 +30,7 @@ from tetrad.parallel import (
     lm_head_loss,
     vocab_parallel_cross_entropy,
 )
+from tetrad.spec import overlap as spec_overlap
 
 B, S, H = 4, 8, 16  # whole batch on every rank (G_data = G_z = 1): m = B S tokens
 CASES = [(256, None, False), (256, None, True), (4096, None, True), (256, 250, True)]
@@ -75,7 +75,7 @@ def _worker(out: str) -> None:
     got = {}
     for vocab, real, fused in CASES:
         v_local = vocab // (grid.y * grid.x)
-        spec.LOSS_CHUNK_BYTES["cpu"] = 4 * v_local * 5  # row blocks of 5 of the 32 tokens
+        spec_overlap.LOSS_CHUNK_BYTES["cpu"] = 4 * v_local * 5  # row blocks of 5 of the 32 tokens
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, real or vocab, (B, S + 1), generator=gen)
         got[f"{vocab} {real} {fused}"] = _step(grid, vocab, real, fused, ids)

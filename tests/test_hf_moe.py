@@ -16,9 +16,9 @@ from tests.distributed import run_distributed
 from tests.run_dirs import bpe_tokenizer
 from tests.test_hf import _fine_tune, corpus, hf_loss  # noqa: F401  (corpus: a fixture)
 from tetrad.models.hf import hf_config, load_weights, read_config, to_hf
-from tetrad.models.hf_moe import moe_config
 from tetrad.models.hf_moe_state import from_hf_state, to_hf_state
 from tetrad.models.reference import Llama
+from tetrad.spec.hf_config import moe_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,9 +87,7 @@ def test_folder_logits_equal_transformers_and_export_round_trips(folder, tmp_pat
     cfg, raw = read_config(folder)
     kind = raw["model_type"]
     assert cfg.n_experts == (4 if kind == "mixtral" else 8) and cfg.top_k == 2
-    assert cfg.moe_blocks() == (3 if kind == "mixtral" else 2) and cfg.qk_norm == (
-        kind != "mixtral"
-    )
+    assert cfg.moe_layers == (3 if kind == "mixtral" else 2) and cfg.qk_norm == (kind != "mixtral")
     ours = Llama(cfg)
     load_weights(ours, folder)
     hf, tokens = load_hf(folder), batch()[:, :-1]

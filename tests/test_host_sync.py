@@ -20,7 +20,7 @@ from tests.test_train import config, corpus  # noqa: F401 (the corpus fixture)
 from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
-from tetrad.spec import OVERLAPS
+from tetrad.spec.overlap import OVERLAPS
 from tetrad.train import trainer
 from tetrad.train.step import build_optimizer, train_step
 

@@ -11,7 +11,6 @@ from torch import nn
 
 from tests.distributed import run_distributed
 from tetrad.grid import Grid
-from tetrad.models.config import ModelConfig, ModelConfigError
 from tetrad.parallel import (
     Embedding,
     Linear,
@@ -20,6 +19,8 @@ from tetrad.parallel import (
     vocab_parallel_cross_entropy,
 )
 from tetrad.parallel.model import ParallelLlama
+from tetrad.spec.grid import GridError
+from tetrad.spec.model import ModelSpec
 
 GRIDS = {
     1: [(1, 1, 1, 1)],
@@ -142,8 +143,8 @@ def check_rmsnorm(grid):
 def check_model_sizes(grid):
     """A model whose KV heads do not split over G_y is refused with what to change (not a
     reshape error from deep inside attention)."""
-    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=1, ffn_dim=64, vocab_size=64)
-    with pytest.raises(ModelConfigError, match=f"n_kv_heads=1 divisible by G_y={grid.y}"):
+    cfg = ModelSpec(dim=32, n_layers=1, n_heads=4, n_kv_heads=1, ffn_dim=64, vocab_size=64)
+    with pytest.raises(GridError, match=f"n_kv_heads=1 divisible by G_y={grid.y}"):
         ParallelLlama(cfg, grid)
 
 

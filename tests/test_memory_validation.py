@@ -26,17 +26,17 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.grid import Grid
 from tetrad.models import recompute
-from tetrad.models.config import ModelConfig
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.runtime import tetrad
+from tetrad.spec.activation_checkpointing import checkpointed_blocks
+from tetrad.spec.model import ModelSpec
 from tetrad.train.step import build_optimizer, inputs_targets, local_samples, train_step
 
-CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
+CFG = ModelSpec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 MICRO, SEQ, SEED = 2, 16, 3
 GRIDS = {  # (G_data, G_z, G_y, G_x) or (G_data, G_context, G_z, G_y, G_x)
     1: [(1, 1, 1, 1)],
@@ -133,7 +133,7 @@ def _worker(world_size: int, out_dir: str) -> None:
 
 
 def predicted(sizes, mode: str) -> dict:
-    spec = CFG.spec()
+    spec = CFG
     r = tetrad(spec, sizes, MICRO, SEQ, 1e9, activation_checkpointing=mode, dtype="fp32")
     s = saved_activations(spec, sizes, MICRO, SEQ, activation_checkpointing=mode, dtype="fp32")
     out = {k: r.components[k] for k in ("parameters", "gradients", "optimizer_states")}

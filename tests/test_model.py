@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tetrad.activation_checkpointing import CHECKPOINTING
 from tetrad.grid import Grid
-from tetrad.models.config import PRESETS
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama, compile_blocks
-from tetrad.spec import OVERLAPS
+from tetrad.spec.activation_checkpointing import CHECKPOINTING
+from tetrad.spec.overlap import OVERLAPS
+from tetrad.spec.presets import PRESETS
 from tetrad.train.step import build_optimizer, lr_at, train_step
 
 CFG = PRESETS["tiny"]

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tetrad.models.config import PRESETS, ModelConfigError, parse_model
 from tetrad.models.moe import (
     GroupedExperts,
     Router,
@@ -19,6 +18,8 @@ from tetrad.models.moe import (
 )
 from tetrad.models.reference import Llama
 from tetrad.parallel import init_parameters
+from tetrad.spec.model import ModelError
+from tetrad.spec.presets import PRESETS, parse_model
 
 CFG = PRESETS["moe-tiny"]
 
@@ -163,9 +164,9 @@ def test_dense_blocks_and_names():
 def test_config_validation_and_parsing():
     cfg, given = parse_model("moe-tiny,router_score=sigmoid,router_renorm=false,top_k=1")
     assert cfg.router_score == "sigmoid" and cfg.router_renorm is False and cfg.top_k == 1
-    with pytest.raises(ModelConfigError, match="top_k=5"):
+    with pytest.raises(ModelError, match="top_k=5"):
         parse_model("moe-tiny,top_k=5")
-    with pytest.raises(ModelConfigError, match="router_score"):
+    with pytest.raises(ModelError, match="router_score"):
         parse_model("moe-tiny,router_score=relu")
     assert not PRESETS["small"].is_moe and PRESETS["small"].n_experts == 0
 

@@ -22,7 +22,7 @@ from tests.test_train import corpus  # noqa: F401  (a fixture)
 from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
-from tetrad.spec import Axis, GridError
+from tetrad.spec.grid import Axis, GridError
 from tetrad.train.step import build_optimizer, train_step_losses
 
 MODEL = "moe-tiny,vocab_size=0,router_score=sigmoid,bias_update_rate=0.01"
@@ -172,7 +172,9 @@ def test_resume_across_expert_parallel_sizes(corpus, tmp_path, monkeypatch):  # 
 
 
 def test_expert_parallel_options_and_one_line_refusals():
-    from tetrad.models.config import PRESETS, ModelConfigError, check_moe_grid
+
+    from tetrad.spec.presets import PRESETS
+    from tetrad.spec.sharding import check_moe_grid
     from tetrad.train.config import ConfigError, load_config
 
     cfg = load_config(None, {"grid": "data=4,expert=2"})
@@ -181,8 +183,8 @@ def test_expert_parallel_options_and_one_line_refusals():
     with pytest.raises(ConfigError, match="use --expert-parallel 1 or 2") as e:
         cfg.check()
     assert "\n" not in str(e.value)
-    with pytest.raises(ModelConfigError, match="n_experts=4") as e:
+    with pytest.raises(GridError, match="n_experts=4") as e:
         check_moe_grid(PRESETS["moe-tiny"], (8, 1, 1, 1, 1), expert=8)
-    with pytest.raises(ModelConfigError, match="needs a model with experts"):
+    with pytest.raises(GridError, match="needs a model with experts"):
         check_moe_grid(PRESETS["tiny"], (2, 1, 1, 1, 1), expert=2)
     check_moe_grid(PRESETS["moe-tiny"], (2, 2, 1, 1, 1), pipe=2, expert=4)

@@ -15,11 +15,13 @@ import torch
 
 from tests.distributed import run_distributed
 from tetrad.grid import Grid
-from tetrad.models.config import PRESETS, ModelConfigError, check_divisible
 from tetrad.models.moe import Router
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
+from tetrad.spec.grid import GridError
+from tetrad.spec.presets import PRESETS
+from tetrad.spec.sharding import check_grid
 from tetrad.train.step import build_optimizer, lr_at, train_step_losses
 
 # sigmoid scores with a selection bias in one config; softmax, a shared expert, a dense block and
@@ -106,11 +108,11 @@ def test_data_and_z_match_reference(name):
 def test_tensor_grids_accepted_sequence_checked_in_one_line(grid):
     """MoE runs on Y and X (tests/test_moe_tensor.py); each tensor rank routes a slice of its
     sequence positions, so the sequence length must divide by G_context G_y G_x."""
-    from tetrad.models.config import check_moe_grid
+    from tetrad.spec.sharding import check_moe_grid
 
-    check_divisible(PRESETS["moe-tiny"], grid)
+    check_grid(PRESETS["moe-tiny"], grid)
     n = grid[1] * grid[3] * grid[4]
     check_moe_grid(PRESETS["moe-tiny"], grid, seq_len=16 * n)
-    with pytest.raises(ModelConfigError, match=f"G_context\\*G_y\\*G_x={n}") as e:
+    with pytest.raises(GridError, match=f"G_context\\*G_y\\*G_x={n}") as e:
         check_moe_grid(PRESETS["moe-tiny"], grid, seq_len=16 * n + 1)
     assert "\n" not in str(e.value)

@@ -8,7 +8,8 @@ import torch
 from tests.distributed import run_distributed
 from tests.test_resume import full_state
 from tests.test_train import config, corpus, losses  # noqa: F401  (corpus: a fixture)
-from tetrad.models.config import ModelConfigError
+from tetrad.spec.grid import GridError
+from tetrad.spec.model import ModelError
 from tetrad.train import trainer
 
 MODEL = "moe-tiny,vocab_size=0,router_score=sigmoid,bias_update_rate=0.01"
@@ -46,7 +47,7 @@ def test_moe_train_and_resume(corpus, tmp_path, monkeypatch):  # noqa: F811
 
     folder = export(whole, tmp_path / "exported")  # tetrad's names, the biases included
     assert generate(str(folder), "def ", 8, 0.8, 10, 0, "cpu") == text
-    with pytest.raises(ModelConfigError, match="export it as safetensors"):
+    with pytest.raises(ModelError, match="export it as safetensors"):
         export(whole, tmp_path / "hf", fmt="hf")  # a sigmoid router with a selection bias
 
 
@@ -55,7 +56,7 @@ def test_moe_tensor_grid_sequence_refused_by_preflight(corpus, tmp_path, monkeyp
     that does not divide is refused in one line; one that does passes."""
     monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))
     bad = config(corpus, tmp_path / "run", 2, model=MODEL, grid="1,1,2,2", seq_len=30)
-    with pytest.raises(ModelConfigError, match=r"seq_len divisible by G_context\*G_y\*G_x=4") as e:
+    with pytest.raises(GridError, match=r"seq_len divisible by G_context\*G_y\*G_x=4") as e:
         trainer.preflight(bad)
     assert "\n" not in str(e.value)
     trainer.preflight(config(corpus, tmp_path / "run", 2, model=MODEL, grid="1,1,2,2"))

@@ -17,7 +17,7 @@ from tests.distributed import run_distributed
 from tests.test_model import GRIDS, reference_run, run_one
 from tests.test_train import config as train_config
 from tetrad.grid import Grid
-from tetrad.spec import OVERLAPS
+from tetrad.spec.overlap import OVERLAPS
 from tetrad.train import trainer
 
 TURNED = {n: [g for g in grids if g[-1] > 1 or g[-2] > 1] for n, grids in GRIDS.items() if n > 1}
@@ -86,10 +86,10 @@ def _hf_folder(folder) -> torch.Tensor:
     fixed batch ``[4, 17]``; returns the batch."""
     from safetensors.torch import save_file
 
-    from tetrad.models.config import PRESETS
     from tetrad.models.hf import hf_config, to_hf
     from tetrad.models.reference import Llama as Reference
     from tetrad.parallel import init_parameters
+    from tetrad.spec.presets import PRESETS
 
     cfg = PRESETS["tiny"]
     ref = Reference(cfg)
@@ -109,8 +109,8 @@ def _hf_folder(folder) -> torch.Tensor:
 
 
 def _load_turned(folder, sizes, batch, out) -> None:
-    from tetrad.models.config import PRESETS
     from tetrad.parallel.model import ParallelLlama
+    from tetrad.spec.presets import PRESETS
     from tetrad.train.preflight import init_from_hf
     from tetrad.train.step import evaluate
 

@@ -23,14 +23,15 @@ from tests.test_model import (
 )
 from tests.test_orientation import _config, _losses, _run
 from tetrad.grid import Grid
-from tetrad.models.config import PRESETS
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import compile_blocks
 from tetrad.pipeline.schedule import Pipeline
-from tetrad.pipeline.split import PipelineSplitError, balanced_split, check_schedule
 from tetrad.pipeline.step import pipeline_train_step
 from tetrad.plan.pipe.schedule import in_flight_chunks, p2p_bytes
-from tetrad.spec import DTYPE_BYTES, OVERLAPS
+from tetrad.spec.overlap import OVERLAPS
+from tetrad.spec.pipeline_split import PipelineSplitError, balanced_split, check_schedule
+from tetrad.spec.precision import DTYPE_BYTES
+from tetrad.spec.presets import PRESETS
 from tetrad.train.export import export
 from tetrad.train.step import build_optimizer, lr_at
 

@@ -42,7 +42,6 @@ from torch.distributed.pipelining.schedules import _ComputationType
 from tests.distributed import run_distributed
 from tetrad.grid import Grid
 from tetrad.models import recompute
-from tetrad.models.config import PRESETS
 from tetrad.parallel import init_parameters
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.step import pipeline_train_step
@@ -56,7 +55,9 @@ from tetrad.plan.memory.pipeline import (
 )
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
 from tetrad.plan.pipe.stages import ranks_of_split
-from tetrad.spec import DTYPE_BYTES, Axis
+from tetrad.spec.grid import Axis
+from tetrad.spec.precision import DTYPE_BYTES
+from tetrad.spec.presets import PRESETS
 from tetrad.train.step import build_optimizer
 
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=4)
@@ -269,7 +270,7 @@ def planned(case, split, rank: int) -> dict:
     """The planner's bytes of pipeline rank ``rank`` for ``case`` on the runtime's ``split``."""
     pipe, sizes, schedule, virtual, m, mode, *rest = case
     dtype = rest[0] if rest else "fp32"
-    spec, opts = CFG.spec(), {"activation_checkpointing": mode, "dtype": dtype}
+    spec, opts = CFG, {"activation_checkpointing": mode, "dtype": dtype}
     ranks = ranks_of_split(split, pipe, virtual)
     _, per = pipeline_memory(spec, sizes, MICRO, SEQ, 1e9, ranks, schedule, virtual, m, **opts)
     mem, prank = per[rank], ranks[rank]

@@ -12,10 +12,10 @@ from tetrad.plan.comm.estimate import estimate, make_step
 from tetrad.plan.comm.record import Recorder
 from tetrad.plan.comm.zwindows import window_seconds, z_collectives, z_queue_seconds
 from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.model.grids import grid_problems
-from tetrad.plan.model.presets import get_model
 from tetrad.plan.search.space import divisors, factorizations
-from tetrad.spec import role_sizes
+from tetrad.spec.grid import role_sizes
+from tetrad.spec.presets import get_model
+from tetrad.spec.sharding import grid_problems
 
 OVERLAPS = (
     "all",

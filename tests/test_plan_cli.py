@@ -260,7 +260,8 @@ def test_emit_config_with_a_pipeline(tmp_path, capsys):
     for a global batch of 1,024 has a pipeline (at 2,048 the 256 micro-batches' receive buffers,
     12 GiB per GPU, leave it to the 5D grids): ``grid`` in the ``PIPE,DATA,CONTEXT,Z,Y,X`` form
     and the ``pipeline_schedule`` and ``virtual_stages`` keys, a file ``tetrad train`` reads."""
-    from tetrad.spec import parse_pipeline_grid, tomllib
+    from tetrad.spec.grid import parse_pipeline_grid
+    from tetrad.spec.toml import tomllib
 
     path = tmp_path / "best.toml"
     argv = ["plan", "--model", "gpt-80b", "--machine", "perlmutter", "--gpus", "1024"]

@@ -26,11 +26,11 @@ from tetrad.plan.machine.network import (
     ring_bytes,
 )
 from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.model.presets import get_model
-from tetrad.spec import OverlapError, parse_overlaps
+from tetrad.spec.overlap import OverlapError, parse_overlaps
+from tetrad.spec.presets import get_model
 
 # h=256, 2 layers, 8 heads of 32, 4 KV heads (kv_dim 128), SwiGLU 512, vocabulary 1024.
-SMALL = "hidden=256,n_layers=2,n_heads=8,n_kv_heads=4,ffn_hidden=512,vocab=1024"
+SMALL = "hidden=256,n_layers=2,n_heads=8,n_kv_heads=4,ffn_dim=512,vocab=1024"
 PERL = get_machine("perlmutter")
 
 

@@ -11,7 +11,7 @@ from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.experts import ExpertParallelExperts
 from tetrad.plan.comm.experts import all_to_all_traffic, uniform_all_to_all_traffic
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 E, H, F, K, T = 8, 16, 8, 2, 24
 

@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from tetrad.activation_checkpointing import CheckpointingError, recompute_order
 from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.activations import block_saved_bytes, saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
@@ -12,9 +11,11 @@ from tetrad.plan.memory.buffers import gathered_weight_bytes, weight_gradient_by
 from tetrad.plan.memory.fujii import fujii2024
 from tetrad.plan.memory.runtime import fewest_selective, tetrad
 from tetrad.plan.memory.states import local_parameter_elements
-from tetrad.plan.model.grids import check_grid, grid_problems
-from tetrad.plan.model.presets import PRESETS, get_model
-from tetrad.spec import GiB
+from tetrad.spec.activation_checkpointing import CheckpointingError, recompute_order
+from tetrad.spec.grid import GridError
+from tetrad.spec.presets import PRESETS, get_model
+from tetrad.spec.sharding import check_grid, grid_problems
+from tetrad.spec.units import GiB
 
 L31_8B = PRESETS["llama-3.1-8b"]
 L3_8B = PRESETS["llama-3-8b"]
@@ -373,11 +374,11 @@ def test_grid_problems():
     assert grid_problems(L31_8B, (1, 1, 8, 1)) == []
     bad = grid_problems(L31_8B, (1, 1, 16, 1))
     assert any("n_kv_heads=8 divisible by G_y=16" in b for b in bad)
-    with pytest.raises(PlanError, match="does not shard"):
+    with pytest.raises(GridError, match="does not shard"):
         check_grid(L31_8B, (1, 1, 16, 1))
-    with pytest.raises(PlanError, match="does not shard"):
+    with pytest.raises(GridError, match="does not shard"):
         tetrad(get_model("llama-3-8b,vocab=1001"), (1, 1, 2, 1), 1, 1024, 80e9)
-    with pytest.raises(PlanError):
+    with pytest.raises(GridError):
         tetrad(L31_8B, (1, 1, 1), 1, 1024, 80e9)
     with pytest.raises(PlanError, match="dtype"):
         tetrad(L31_8B, (1, 1, 1, 1), 1, 1024, 80e9, dtype="fp8")

@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 
-from tetrad.activation_checkpointing import CheckpointingError
 from tetrad.plan.errors import PlanError
 from tetrad.plan.memory import zero
 from tetrad.plan.memory.buffers import embedding_grad_bytes, end_of_backward_bytes
@@ -15,7 +14,9 @@ from tetrad.plan.memory.grid_buffers import _unsharded, grid_buffers
 from tetrad.plan.memory.offsets import sharding_offsets
 from tetrad.plan.memory.runtime import PHASES, phase_totals, tetrad
 from tetrad.plan.memory.states import tetrad_optimizer_bytes
-from tetrad.plan.model.presets import PRESETS
+from tetrad.spec.activation_checkpointing import CheckpointingError
+from tetrad.spec.grid import GridError
+from tetrad.spec.presets import PRESETS
 
 CASES = [  # model, grid (four or five sizes)
     ("llama-3-8b", (2, 2, 2, 2)),
@@ -85,5 +86,5 @@ def test_errors_are_raised_on_every_call(args, kw, error):
         with pytest.raises(error):
             phase_totals(model, (2, 2, 2, 2), *args, **kw)
     for _ in range(2):
-        with pytest.raises(PlanError, match="does not shard"):
+        with pytest.raises(GridError, match="does not shard"):
             phase_totals(model, (1, 1, 3, 1), 1, 1024)

@@ -6,9 +6,8 @@ import sys
 
 import pytest
 
-from tetrad.plan.errors import PlanError
-from tetrad.plan.model.presets import PRESETS, get_model
-from tetrad.plan.model.spec import Linear, ModelSpec
+from tetrad.spec.model import Linear, ModelError, ModelSpec
+from tetrad.spec.presets import PRESETS, get_model
 
 # Published totals (Hugging Face model cards / safetensors metadata).
 PUBLISHED = {
@@ -56,8 +55,8 @@ def test_llama_presets_match_published_totals(name):
 def test_gpt_presets(name):
     L, h, a = GPT_TABLE[name]
     m = PRESETS[name]
-    assert (m.family, m.n_layers, m.hidden, m.n_heads, m.n_kv_heads) == ("gpt", L, h, a, a)
-    assert (m.ffn_hidden, m.vocab, m.max_positions, m.tied_embeddings) == (
+    assert (m.family, m.n_layers, m.dim, m.n_heads, m.n_kv_heads) == ("gpt", L, h, a, a)
+    assert (m.ffn_dim, m.vocab_size, m.max_positions, m.tied_embeddings) == (
         4 * h,
         51200,
         2048,
@@ -74,7 +73,8 @@ def test_gpt_5b_by_hand():
 
 def test_every_preset_is_pinned():
     moe = {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"}  # tests/test_plan_moe.py
-    assert set(PRESETS) == set(PUBLISHED) | set(GPT_TABLE) | {"llama-1b"} | moe
+    own = {"tiny", "small", "medium", "moe-tiny", "moe-small", "llama-1b"}  # tetrad's own
+    assert set(PRESETS) == set(PUBLISHED) | set(GPT_TABLE) | own | moe
 
 
 def test_linears_llama():
@@ -105,32 +105,27 @@ def test_linears_gpt():
     ]
 
 
-def test_runtime_presets_agree():
-    """The planner's counts equal the runtime's ModelConfig for the same sizes."""
-    from tetrad.models.config import PRESETS as RUNTIME
-
-    cfg = RUNTIME["llama-1b"]
-    spec = PRESETS["llama-1b"]
-    assert spec.num_params() == cfg.num_params()
-    assert spec.flops_per_token(2048) == cfg.flops_per_token(2048)
-    tiny = RUNTIME["tiny"]
+def test_sizes_spelled_out_equal_the_preset():
+    """A preset and its sizes spelled out are the same model (counts and FLOPs)."""
+    tiny = PRESETS["tiny"]
     spec = get_model(
         f"dim={tiny.dim},n_layers={tiny.n_layers},n_heads={tiny.n_heads},"
         f"n_kv_heads={tiny.n_kv_heads},ffn_dim={tiny.ffn_dim},"
         f"vocab_size={tiny.vocab_size}"
     )
     assert spec.num_params() == tiny.num_params()
+    assert spec.flops_per_token(2048) == tiny.flops_per_token(2048)
 
 
 def test_get_model_sizes_and_overrides():
-    m = get_model("hidden=4096,n_layers=32,n_heads=32,n_kv_heads=8,ffn_hidden=14336,vocab=128256")
+    m = get_model("hidden=4096,n_layers=32,n_heads=32,n_kv_heads=8,ffn_dim=14336,vocab=128256")
     assert m.family == "llama" and m.num_params() == PUBLISHED["llama-3-8b"]
     half = get_model("llama-3-8b, n_layers=16")
-    assert half.n_layers == 16 and half.hidden == 4096 and "n_layers=16" in half.name
-    mha = get_model("hidden=1024,n_layers=2,n_heads=8,ffn_hidden=2048,vocab=1000")
+    assert half.n_layers == 16 and half.dim == 4096 and "n_layers=16" in half.name
+    mha = get_model("hidden=1024,n_layers=2,n_heads=8,ffn_dim=2048,vocab=1000")
     assert mha.n_kv_heads == 8
     gpt = get_model("family=gpt,hidden=1024,n_layers=2,n_heads=8")
-    assert (gpt.ffn_hidden, gpt.vocab, gpt.max_positions) == (4096, 51200, 2048)
+    assert (gpt.ffn_dim, gpt.vocab_size, gpt.max_positions) == (4096, 51200, 2048)
     assert gpt.num_params() == gpt_count(2, 1024)
     tied = get_model("llama-3-8b,tied_embeddings=true")
     assert tied.num_params() == PUBLISHED["llama-3-8b"] - 128256 * 4096
@@ -172,7 +167,7 @@ def test_get_model_hf_config(tmp_path):
         ("llama-3-8b,n_layers=x", ["not an integer"]),
         ("llama-3-8b,n_layers", ["not key=value"]),
         ("hidden=4096", ["lack", "n_layers"]),
-        ("hidden=4096,n_layers=2,n_heads=5,ffn_hidden=8,vocab=8", ["divisible by n_heads"]),
+        ("hidden=4096,n_layers=2,n_heads=5,ffn_dim=8,vocab=8", ["divisible by n_heads"]),
         ("llama-3-8b,n_kv_heads=5", ["n_kv_heads"]),
         ("llama-3-8b,family=bert", ["family"]),
         ("nowhere/config.json", ["cannot read"]),
@@ -180,7 +175,7 @@ def test_get_model_hf_config(tmp_path):
     ],
 )
 def test_get_model_errors(text, words):
-    with pytest.raises(PlanError) as info:
+    with pytest.raises(ModelError) as info:
         get_model(text)
     msg = str(info.value)
     assert "\n" not in msg
@@ -192,19 +187,19 @@ def test_get_model_errors(text, words):
 def test_hf_config_missing_keys(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"hidden_size": 64}))
-    with pytest.raises(PlanError, match="lacks"):
+    with pytest.raises(ModelError, match="lacks"):
         get_model(str(path))
 
 
 def test_spec_is_frozen():
     with pytest.raises(AttributeError):
-        PRESETS["gpt-5b"].hidden = 1  # type: ignore[misc]
+        PRESETS["gpt-5b"].dim = 1  # type: ignore[misc]
     assert isinstance(PRESETS["gpt-5b"], ModelSpec)
 
 
 def test_plan_imports_no_torch():
     code = (
-        "import sys, tetrad.plan, tetrad.plan.model.spec, tetrad.plan.memory.runtime; "
+        "import sys, tetrad.plan, tetrad.spec.model, tetrad.plan.memory.runtime; "
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
         "assert not bad, bad"
     )

@@ -5,11 +5,10 @@ planner cannot model them yet."""
 import pytest
 
 from tetrad.cli import main
-from tetrad.models.config import PRESETS as RUNTIME
-from tetrad.models.config import ModelConfig
 from tetrad.plan.memory.states import local_parameter_elements
-from tetrad.plan.model.grids import check_grid
-from tetrad.plan.model.presets import PRESETS, get_model
+from tetrad.spec.model import ModelError, check_trainable
+from tetrad.spec.presets import PRESETS, get_model
+from tetrad.spec.sharding import check_grid
 
 # (total, routed experts, active incl. embedding) in billions: the model cards (Mixtral 46.7B /
 # 12.9B active; Qwen3-30B-A3B 30.5B / 3.3B; DeepSeek-V3 671B / 37B) and the notes' table
@@ -35,7 +34,7 @@ def test_preset_sizes(name):
     total, experts, active = PUBLISHED[name]
     assert m.num_params() / 1e9 == pytest.approx(total, abs=0.05)
     assert m.moe_layers * m.expert_params() / 1e9 == pytest.approx(experts, abs=0.05)
-    assert (m.matmul_params() + m.vocab * m.hidden) / 1e9 == pytest.approx(active, abs=0.1)
+    assert (m.matmul_params() + m.vocab_size * m.dim) / 1e9 == pytest.approx(active, abs=0.1)
 
 
 def test_flops_count_active_experts():
@@ -58,13 +57,13 @@ def test_runtime_memory_counts_every_expert_whole():
     check_grid(m, (1, 1, 2, 1))  # experts whole on every tensor rank (tetrad/parallel/moe_tensor)
 
 
-def test_runtime_presets_round_trip_and_refuse_what_they_lack():
-    assert "mixtral-8x7b" in RUNTIME and "deepseek-v3" not in RUNTIME
-    assert "qwen3-30b-a3b" not in RUNTIME  # heads of 128 with h/a = 64
-    for name in ("moe-tiny", "moe-small"):
-        cfg = RUNTIME[name]
-        back = ModelConfig.from_spec(cfg.spec())
-        assert back.spec() == cfg.spec()
+def test_the_runtime_refuses_the_presets_it_lacks():
+    for name in ("moe-tiny", "moe-small", "mixtral-8x7b"):
+        assert check_trainable(PRESETS[name]) is PRESETS[name]
+    with pytest.raises(ModelError, match="latent attention"):
+        check_trainable(PRESETS["deepseek-v3"])
+    with pytest.raises(ModelError, match="heads of 128"):  # heads of 128 with h/a = 64
+        check_trainable(PRESETS["qwen3-30b-a3b"])
     assert get_model("mixtral-8x7b,n_layers=4").moe_layers == 4
 
 

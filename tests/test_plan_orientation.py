@@ -10,7 +10,7 @@ from tetrad.plan.comm.estimate import best_orientation, collectives, estimate, m
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.comm.orientation import tensor_bytes
 from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.model.presets import get_model
+from tetrad.spec.presets import get_model
 
 MACHINE = get_machine("dgx-h100")
 MODELS = ["llama-3-8b", "gpt-20b", "dim=64,n_layers=2,n_heads=4,n_kv_heads=2,ffn_dim=128,vocab=256"]

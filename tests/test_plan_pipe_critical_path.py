@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from tetrad.pipeline.split import balanced_split
 from tetrad.plan.pipe import critical_path
 from tetrad.plan.pipe.critical_path import (
     EXACT_ROUNDS,
@@ -17,6 +16,7 @@ from tetrad.plan.pipe.critical_path import (
     schedule_step,
     simulate_step,
 )
+from tetrad.spec.pipeline_split import balanced_split
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3))
 

@@ -5,19 +5,19 @@ import dataclasses
 
 import pytest
 
-from tetrad.pipeline.split import balanced_split
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.zero import sharded
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.pipeline import in_flight_sets
-from tetrad.plan.model.presets import get_model
 from tetrad.plan.pipe.estimate import pipeline_estimate
 from tetrad.plan.pipe.schedule import in_flight_chunks
 from tetrad.plan.pipe.uniform_split import exact_quarters, uniform_split
 from tetrad.plan.search.four_d import _Search4D
 from tetrad.plan.search.pipe_memory import warm_passes
 from tetrad.plan.search.pipelined import PipeSearch
+from tetrad.spec.pipeline_split import balanced_split
+from tetrad.spec.presets import get_model
 
 EXTRAS = (0.0, 0.25, 0.5, 1.0, 2.75)
 

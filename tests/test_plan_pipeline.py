@@ -11,7 +11,6 @@ from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.pipeline import pipeline_memory
 from tetrad.plan.memory.runtime import tetrad as tetrad_memory
-from tetrad.plan.model.presets import get_model
 from tetrad.plan.pipe.estimate import PipeConfig, pipeline_estimate, split_ranks
 from tetrad.plan.pipe.schedule import (
     boundaries_of_rank,
@@ -26,6 +25,7 @@ from tetrad.plan.pipe.stages import PipeRank, split_costs
 from tetrad.plan.search.classic import pipeline_variants, uneven_split
 from tetrad.plan.search.four_d import _Search4D, search_4d
 from tetrad.plan.search.pipelined import PipeSearch
+from tetrad.spec.presets import get_model
 
 
 def test_bubble_formulas():
@@ -104,7 +104,7 @@ def test_pipeline_parameters_add_up_to_the_model(tied):
     ranks = tuple(PipeRank(r, L // 4, r == 0, r == 3, (L // 4,)) for r in range(4))
     _, per = pipeline_memory(model, grid, 1, 256, mem, ranks, "1f1b", 1, 4)
     whole = tetrad_memory(model, grid, 1, 256, mem).components["parameters"]
-    head = 4 * model.vocab * model.hidden if tied else 0
+    head = 4 * model.vocab_size * model.dim if tied else 0
     assert sum(m.components["parameters"] for m in per) == whole + head
     assert per[1].components["parameters"] == per[2].components["parameters"]
 

@@ -9,13 +9,13 @@ from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.runtime import tetrad
-from tetrad.plan.model.grids import grid_problems
-from tetrad.plan.model.presets import get_model
 from tetrad.plan.search.candidates import memory_line as _memory_line
 from tetrad.plan.search.classic import search_classic
 from tetrad.plan.search.four_d import search_4d
 from tetrad.plan.search.plan import plan
 from tetrad.plan.search.space import divisors, factorizations
+from tetrad.spec.presets import get_model
+from tetrad.spec.sharding import grid_problems
 
 H100 = get_machine("dgx-h100")
 PERL = get_machine("perlmutter")

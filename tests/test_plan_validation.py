@@ -30,17 +30,19 @@ import torch.distributed as dist
 
 from tests.distributed import run_distributed
 from tetrad.grid import Grid
-from tetrad.models.config import ModelConfig
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.comm.estimate import collectives
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.model.presets import get_model
-from tetrad.spec import DTYPE_BYTES, OVERLAPS, parse_grid
+from tetrad.spec.grid import parse_grid
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.overlap import OVERLAPS
+from tetrad.spec.precision import DTYPE_BYTES
+from tetrad.spec.presets import get_model
 from tetrad.train.step import build_optimizer, train_step
 
-CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
+CFG = ModelSpec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 SPEC = (
     f"dim={CFG.dim},n_layers={CFG.n_layers},n_heads={CFG.n_heads},"
     f"n_kv_heads={CFG.n_kv_heads},ffn_dim={CFG.ffn_dim},vocab_size={CFG.vocab_size}"

@@ -159,8 +159,8 @@ def test_no_save_on_signal_installs_nothing():
 def test_a_corrupt_safetensors_file_is_one_line(corpus, cache, tmp_path, monkeypatch, capsys):
     """``--init-from hf:DIR`` whose ``model.safetensors`` is random bytes (a broken download)."""
     from tests.run_dirs import bpe_tokenizer
-    from tetrad.models.config import PRESETS
     from tetrad.models.hf import hf_config
+    from tetrad.spec.presets import PRESETS
 
     folder = tmp_path / "hf"
     folder.mkdir()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tetrad.models.config import PRESETS
+from tetrad.spec.presets import PRESETS
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_pytorch.py"
 

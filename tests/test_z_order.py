@@ -23,8 +23,8 @@ from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import make_step
 from tetrad.plan.comm.zwindows import z_stream
 from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.model.presets import get_model
-from tetrad.spec import OVERLAPS
+from tetrad.spec.overlap import OVERLAPS
+from tetrad.spec.presets import get_model
 from tetrad.train.step import build_optimizer, train_step
 
 ACC, SEQ, SEED = 3, 16, 5

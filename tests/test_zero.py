@@ -12,14 +12,14 @@ import torch
 from tests.distributed import run_distributed
 from tests.test_model import BATCH, CLIP, LR, MICRO, OVERLAP_OPTIONS, SEED, SEQ, STEPS
 from tetrad.grid import Grid
-from tetrad.models.config import PRESETS
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.parallel.zero import DataShards, ShardedAdamW
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.step import pipeline_train_step
-from tetrad.spec import OVERLAPS
+from tetrad.spec.overlap import OVERLAPS
+from tetrad.spec.presets import PRESETS
 from tetrad.train.step import build_optimizer, lr_at, settle_parameters, train_step
 
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=4)
@@ -182,9 +182,9 @@ def test_planner_offers_the_sharded_optimizer():
     only where the unsharded configuration does not fit; the sharded rows' states are divided by
     the data group, and ``--emit-config`` writes ``shard_optimizer``."""
     from tetrad.plan.machine.spec import get_machine
-    from tetrad.plan.model.presets import get_model
     from tetrad.plan.search.plan import plan
     from tetrad.plan.search.report import train_config_text
+    from tetrad.spec.presets import get_model
 
     model, machine = get_model("llama-3.1-8b"), get_machine("dgx-h100")
     args = (model, machine, 16, 32, 4096)

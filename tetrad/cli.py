@@ -12,7 +12,7 @@
 Each sub-command is one row of :data:`COMMANDS`: its help, the function adding its options and
 the function running it (which imports what it needs, so building the parser and running
 ``plan`` or ``memory`` never import torch). A mistake in the input, any
-:class:`tetrad.spec.TetradError`, prints one line ``tetrad: error: ...`` and exits with status
+:class:`tetrad.spec.errors.TetradError`, prints one line ``tetrad: error: ...`` and exits with status
 2; a failed worker exits with 1, Ctrl-C with 130.
 """
 
@@ -27,7 +27,9 @@ from typing import NamedTuple
 
 from tetrad.calibrate import cli as calibrate_cli
 from tetrad.plan import cli as plan_cli
-from tetrad.spec import DEVICES, MiB, TetradError, error_line
+from tetrad.spec.errors import TetradError, error_line
+from tetrad.spec.precision import DEVICES
+from tetrad.spec.units import MiB
 from tetrad.train import config
 
 

@@ -10,7 +10,7 @@ Context parallelism splits each sequence over ``G_context`` ranks (:mod:`tetrad.
 with ``G_context = 1`` this is AxoNN's 4D grid.
 
 The sizes ``x`` and ``y`` are those of the *roles* of AxoNN's layer pair
-(:data:`tetrad.spec.ORIENTATIONS`): under the orientation ``yx`` the ``--grid``'s X dimension
+(:data:`tetrad.spec.grid.ORIENTATIONS`): under the orientation ``yx`` the ``--grid``'s X dimension
 plays the Y role and its Y dimension the X role. The DeviceMesh names its dimensions by role, so
 ``grid.group("x")`` and ``grid.coord["x"]`` are the X role's everywhere; :attr:`Grid.physical`
 is the ``--grid`` as given.
@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tetrad.comm.collectives import CommLog
 from tetrad.device import local_device
-from tetrad.spec import (
+from tetrad.spec.grid import (
     GRID_AXES,
     Axis,
     GridShape,
@@ -75,7 +75,7 @@ class Grid:
         comm: the record of every collective this rank issued, per axis.
         data_group: with ``G_context > 1``, the data x context group (gradient sums).
         expert: ``G_expert``, the expert-parallel size (1: none), folded over data x context
-            (:data:`tetrad.spec.EXPERT_GRID_AXES`): ``coord["expert"]`` and
+            (:data:`tetrad.spec.grid.EXPERT_GRID_AXES`): ``coord["expert"]`` and
             ``coord["expert_data"]`` are this rank's place on it.
     """
 
@@ -105,7 +105,7 @@ class Grid:
     ) -> Grid:
         """Build the grid over the already-initialised default process group; ``sizes`` are
         the ``--grid``, ``(G_data, G_context, G_z, G_y, G_x)`` or ``(G_data, G_z, G_y, G_x)``,
-        ``orientation`` one of :data:`tetrad.spec.ORIENTATIONS` and ``pipe`` the pipeline
+        ``orientation`` one of :data:`tetrad.spec.grid.ORIENTATIONS` and ``pipe`` the pipeline
         stages ``G_pipe`` (outermost: ``rank = pipe_rank * world / G_pipe + the 5D rank``).
 
         If no process group exists, one is initialised from the ``torchrun`` environment
@@ -151,7 +151,7 @@ class Grid:
 
     def size(self, axis: Axis | str) -> int:
         """Number of ranks in the group of a collective over ``axis``: the axis size, except
-        ``data``: ``G_data G_context`` (see :class:`~tetrad.spec.Axis`)."""
+        ``data``: ``G_data G_context`` (see :class:`~tetrad.spec.grid.Axis`)."""
         if axis == Axis.DATA:
             return self.data * self.context
         if axis == Axis.EXPERT_DATA:
@@ -206,7 +206,7 @@ def expert_groups(grid: Grid, expert: int) -> dict[str, dist.ProcessGroup]:
     over the world) and return this rank's, keyed ``"expert"`` and ``"expert_data"``.
 
     The data x context index ``dc`` of a rank splits as ``dc = expert_data G_expert + expert``
-    (:data:`tetrad.spec.EXPERT_GRID_AXES`): an expert group is ``G_expert`` consecutive ``dc``
+    (:data:`tetrad.spec.grid.EXPERT_GRID_AXES`): an expert group is ``G_expert`` consecutive ``dc``
     at fixed pipe, Z, Y, X (Megatron-Core's order tp-cp-ep-dp, EP inside DP), an expert-data
     group the ``G_data G_context / G_expert`` ranks of one expert coordinate.
     """

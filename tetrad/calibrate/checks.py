@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from tetrad.spec import DEVICES, TetradError
+from tetrad.spec.errors import TetradError
+from tetrad.spec.precision import DEVICES
 
 
 class CalibrationError(TetradError):

@@ -8,7 +8,7 @@ import os
 import sys
 
 from tetrad.calibrate.checks import CalibrationError, check_device, check_out
-from tetrad.spec import DEVICES
+from tetrad.spec.precision import DEVICES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from tetrad.calibrate.fit import NetworkFit, efficiency_table, fit_network, sig
 from tetrad.device import datasheet_flops, device_name, total_memory_bytes
-from tetrad.spec import GiB
+from tetrad.spec.units import GiB
 
 
 @dataclass(frozen=True)

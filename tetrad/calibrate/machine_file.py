@@ -12,7 +12,7 @@ import tomli_w
 
 from tetrad.calibrate.checks import check_out
 from tetrad.plan.machine.spec import parse_machine
-from tetrad.spec import tomllib
+from tetrad.spec.toml import tomllib
 
 HEADER = (
     "Machine description measured by `tetrad calibrate` (tetrad/calibrate).\n"

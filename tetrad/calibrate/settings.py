@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE
-from tetrad.spec import GiB, KiB, MiB
+from tetrad.spec.units import GiB, KiB, MiB
 
 KINDS = (ALL_REDUCE, ALL_GATHER)
 """The collectives measured. The gloo backend emulates reduce-scatter with an all-reduce, and the

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad.comm.collectives import Groups, Handle, _axis_info, _issue
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 def all_to_all(

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 # The single-tensor all-gather and reduce-scatter are named ``*_single`` from torch 2.13 (the older
 # ``*_tensor`` names are deprecated there); older builds, such as GPU images with torch 2.11,

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad.comm.collectives import Groups, _axis_info
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 class _Ring:

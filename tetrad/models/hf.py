@@ -30,17 +30,9 @@ from pathlib import Path
 
 import torch
 
-from tetrad.models.config import ModelConfig, ModelConfigError
-from tetrad.models.hf_moe import (
-    ARCHITECTURES,
-    hub_kind,
-    moe_config,
-    moe_hf_config,
-    moe_to_hub,
-    read_moe,
-)
-from tetrad.plan.errors import PlanError
-from tetrad.plan.model.hf_config import from_hf_config
+from tetrad.models.hf_moe import hub_kind, moe_hf_config, moe_to_hub, read_moe
+from tetrad.spec.hf_config import from_hf_config
+from tetrad.spec.model import ModelError, ModelSpec, check_trainable
 
 PREFIX = "hf:"
 INDEX = "model.safetensors.index.json"
@@ -66,61 +58,26 @@ def hf_folder(spec: str) -> Path | None:
     return Path(spec[len(PREFIX) :]) if spec.startswith(PREFIX) else None
 
 
-def read_config(folder: Path) -> tuple[ModelConfig, dict]:
-    """The sizes of a Hugging Face Llama folder, and its raw ``config.json``.
+def read_config(folder: Path) -> tuple[ModelSpec, dict]:
+    """The sizes of a Hugging Face Llama, Mixtral or Qwen3-MoE folder
+    (:func:`tetrad.spec.hf_config.from_hf_config`), and its raw ``config.json``.
 
-    ``vocab_size`` is the folder's (tetrad pads it to the grid later). Llama 3.1's
-    ``rope_scaling`` (``rope_type`` llama3) is kept; other RoPE scalings are refused.
+    ``vocab_size`` is the folder's (tetrad pads it to the grid later); tied embeddings load into
+    tetrad's separate LM head (:class:`Weights` copies the embedding).
 
     Raises:
-        ModelConfigError: a missing or unreadable ``config.json``, another architecture, biases,
+        ModelError: a missing or unreadable ``config.json``, another architecture, biases,
             another activation, a ``head_dim`` other than hidden/heads, or another RoPE scaling.
     """
-    moe = _moe_raw(folder)
-    if moe is not None:
-        return moe_config(moe), moe
-    try:
-        spec = from_hf_config(str(folder))
-    except PlanError as e:
-        raise ModelConfigError(str(e)) from None
-    raw = json.loads((folder / "config.json").read_text())
-    # transformers 5 writes rope_parameters (theta included); earlier, rope_theta + rope_scaling
-    scaling = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    extra = {}
-    if kind == "llama3":
-        extra = dict(
-            rope_factor=float(scaling["factor"]),
-            rope_low_freq_factor=float(scaling["low_freq_factor"]),
-            rope_high_freq_factor=float(scaling["high_freq_factor"]),
-            rope_original_positions=int(scaling["original_max_position_embeddings"]),
-        )
-    elif scaling and kind != "default":
-        raise ModelConfigError(
-            f"{folder}/config.json has rope_scaling of type {kind!r}: tetrad implements Llama "
-            "3.1's (llama3) only"
-        )
-    # tied embeddings load into tetrad's separate LM head (Weights copies the embedding)
-    sizes = ModelConfig.from_spec(dataclasses.replace(spec, tied_embeddings=False))
-    cfg = dataclasses.replace(sizes, norm_eps=float(raw.get("rms_norm_eps", 1e-6)), **extra)
-    return cfg, raw
-
-
-def _moe_raw(folder: Path) -> dict | None:
-    """The ``config.json`` of a Mixtral or Qwen3-MoE folder (:data:`ARCHITECTURES`), else
-    None (a missing or unreadable file is left to the Llama reader's message)."""
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return raw if isinstance(raw, dict) and raw.get("model_type") in ARCHITECTURES else None
+    spec = check_trainable(dataclasses.replace(from_hf_config(str(folder)), tied_embeddings=False))
+    return spec, json.loads((folder / "config.json").read_text())
 
 
 def open_safetensors(path: Path):
     """``safe_open(path)`` (PyTorch tensors), which reads the file's header.
 
     Raises:
-        ModelConfigError: the header cannot be read (a truncated or corrupt file), naming it.
+        ModelError: the header cannot be read (a truncated or corrupt file), naming it.
     """
     from safetensors import safe_open
 
@@ -128,7 +85,7 @@ def open_safetensors(path: Path):
         return safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors' SafetensorError, or an OSError
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ModelConfigError(
+        raise ModelError(
             f"{path} is not a readable safetensors file ({why}): download or export it again"
         ) from None
 
@@ -138,11 +95,11 @@ class Weights:
     a rank reads only the rows and columns of its own shards.
 
     Raises (on construction):
-        ModelConfigError: no ``model.safetensors`` nor index, a file listed but missing, or a
+        ModelError: no ``model.safetensors`` nor index, a file listed but missing, or a
             file whose safetensors header cannot be read (each file's header is read here).
     """
 
-    def __init__(self, folder: Path, cfg: ModelConfig, tied: bool):
+    def __init__(self, folder: Path, cfg: ModelSpec, tied: bool):
         self.cfg, self.tied, self.folder = cfg, tied, folder
         self._open: dict[str, object] = {}
         index = folder / INDEX
@@ -152,10 +109,10 @@ class Weights:
             self._open[SINGLE] = open_safetensors(folder / SINGLE)
             files = dict.fromkeys(self._open[SINGLE].keys(), SINGLE)  # type: ignore[attr-defined]
         else:
-            raise ModelConfigError(f"{folder} has neither {SINGLE} nor {INDEX}: no weights to load")
+            raise ModelError(f"{folder} has neither {SINGLE} nor {INDEX}: no weights to load")
         for name in set(files.values()):
             if not (folder / name).is_file():
-                raise ModelConfigError(f"{folder / name} (listed in {INDEX}) is missing")
+                raise ModelError(f"{folder / name} (listed in {INDEX}) is missing")
             if name not in self._open:
                 self._open[name] = open_safetensors(folder / name)
         self.files = files
@@ -165,7 +122,7 @@ class Weights:
     def _slice(self, name: str):
         """safetensors' lazy slice of tensor ``name`` (its file opened once)."""
         if name not in self.files:
-            raise ModelConfigError(f"{self.folder} lacks the tensor {name}: is it a Llama folder?")
+            raise ModelError(f"{self.folder} lacks the tensor {name}: is it a Llama folder?")
         return self._open[self.files[name]].get_slice(name)  # type: ignore[attr-defined]
 
     def _rows(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
@@ -177,7 +134,7 @@ class Weights:
         """tetrad's parameter ``name`` (its global tensor) restricted to ``slices``, in fp32.
 
         Raises:
-            ModelConfigError: a tensor missing from the folder.
+            ModelError: a tensor missing from the folder.
         """
         moe = read_moe(self._rows, name, slices, self.cfg)
         if moe is not None:
@@ -203,7 +160,7 @@ class Weights:
             up = self._rows(layer + "mlp.up_proj.weight", slice(lo, hi), cols)
             both = torch.stack([gate, up], dim=1).flatten(0, 1)
             return both[rows.start - 2 * lo : rows.stop - 2 * lo].float()
-        raise ModelConfigError(f"tetrad parameter {name} has no Hugging Face counterpart")
+        raise ModelError(f"tetrad parameter {name} has no Hugging Face counterpart")
 
     def _vocab_rows(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
         """Rows of an embedding-like tensor; rows past the folder's vocabulary are zeros."""
@@ -245,7 +202,7 @@ def load_weights(
     a rank of the grid passes its ``p.placement.local_slices(grid)``).
 
     Raises:
-        ModelConfigError: see :func:`read_config` and :class:`Weights`.
+        ModelError: see :func:`read_config` and :class:`Weights`.
     """
     cfg, raw = read_config(folder)
     weights = Weights(folder, cfg, tied=bool(raw.get("tie_word_embeddings", False)))
@@ -255,7 +212,7 @@ def load_weights(
             p.copy_(weights.read(name, (slices or whole)(p)))
 
 
-def to_hf(name: str, full: torch.Tensor, cfg: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
+def to_hf(name: str, full: torch.Tensor, cfg: ModelSpec, vocab: int) -> dict[str, torch.Tensor]:
     """The Hugging Face tensors of tetrad's full parameter ``name`` (vocabulary rows beyond
     ``vocab`` dropped; an MoE parameter gives one tensor per expert)."""
     moe = moe_to_hub(name, full, cfg)
@@ -281,10 +238,10 @@ def to_hf(name: str, full: torch.Tensor, cfg: ModelConfig, vocab: int) -> dict[s
             layer + "self_attn.k_proj.weight": groups[:, g].flatten(0, 1),
             layer + "self_attn.v_proj.weight": groups[:, g + 1].flatten(0, 1),
         }
-    raise ModelConfigError(f"tetrad parameter {name} has no Hugging Face counterpart")
+    raise ModelError(f"tetrad parameter {name} has no Hugging Face counterpart")
 
 
-def hf_config(cfg: ModelConfig, vocab: int, base: dict | None, dtype: str) -> dict:
+def hf_config(cfg: ModelSpec, vocab: int, base: dict | None, dtype: str) -> dict:
     """``config.json`` of an exported folder: ``base`` (the folder the run started from, if
     any) with the sizes, untied embeddings (tetrad trains the LM head apart) and ``dtype``."""
     out = dict(base or {})

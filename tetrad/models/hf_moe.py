@@ -29,98 +29,27 @@ from collections.abc import Callable
 
 import torch
 
-from tetrad.models.config import ModelConfig, ModelConfigError
-
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-
-
-def _common_sizes(raw: dict) -> dict:
-    """The Llama sizes every MoE family shares, checked.
-
-    Raises:
-        ModelConfigError: biases, another activation, a sliding window, RoPE scaling, or a
-            ``head_dim`` other than hidden/heads.
-    """
-    heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
-    rope = raw.get("rope_parameters") or {}
-    problems = []
-    if raw.get("attention_bias") or raw.get("hidden_act", "silu") != "silu":
-        problems.append("attention biases or an activation other than silu")
-    if raw.get("head_dim") not in (None, hidden // heads):
-        problems.append(f"head_dim={raw['head_dim']} (tetrad needs hidden/heads)")
-    windowed = raw.get("use_sliding_window", raw.get("sliding_window") is not None)
-    if windowed and raw.get("sliding_window"):
-        problems.append(f"a sliding window of {raw['sliding_window']}")
-    if (rope.get("rope_type") or "default") != "default" or raw.get("rope_scaling"):
-        problems.append("RoPE scaling")
-    if problems:
-        raise ModelConfigError(
-            f"{raw.get('model_type')} config has {'; '.join(problems)}: tetrad cannot run it"
-        )
-    return dict(
-        dim=hidden,
-        n_layers=int(raw["num_hidden_layers"]),
-        n_heads=heads,
-        n_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        vocab_size=int(raw["vocab_size"]),
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        top_k=int(raw["num_experts_per_tok"]),
-        # transformers 5 writes num_local_experts for both; Qwen3's Hub config num_experts
-        n_experts=int(raw.get("num_local_experts") or raw["num_experts"]),
-        aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.0)),
-    )
+from tetrad.spec.hf_config import ARCHITECTURES
+from tetrad.spec.model import ModelError, ModelSpec
 
 
-def moe_config(raw: dict) -> ModelConfig:
-    """tetrad's sizes of a Mixtral or Qwen3-MoE ``config.json`` (as a dict).
-
-    Raises:
-        ModelConfigError: another model type, or a feature tetrad lacks (see
-            :func:`_common_sizes`; Qwen3 ``mlp_only_layers`` other than the first blocks).
-    """
-    kind = raw.get("model_type")
-    if kind not in ARCHITECTURES:
-        raise ModelConfigError(
-            f"model_type {kind!r} is not an MoE tetrad reads: use {', '.join(ARCHITECTURES)}"
-        )
-    sizes = _common_sizes(raw)
-    if kind == "mixtral":
-        width = int(raw["intermediate_size"])
-        return ModelConfig(**sizes, ffn_dim=width, expert_ffn_dim=width)
-    dense = sorted(int(i) for i in raw.get("mlp_only_layers") or [])
-    if dense != list(range(len(dense))):
-        raise ModelConfigError(
-            f"mlp_only_layers={dense}: tetrad keeps dense FFNs in the first blocks only"
-        )
-    return ModelConfig(
-        **sizes,
-        ffn_dim=int(raw["intermediate_size"]),
-        expert_ffn_dim=int(raw["moe_intermediate_size"]),
-        moe_every=int(raw.get("decoder_sparse_step", 1)),
-        dense_layers=len(dense),
-        router_renorm=bool(raw.get("norm_topk_prob", False)),
-        qk_norm=True,
-    )
-
-
-def moe_hf_config(cfg: ModelConfig, kind: str, vocab: int) -> dict:
+def moe_hf_config(cfg: ModelSpec, kind: str, vocab: int) -> dict:
     """The ``config.json`` (a dict) of ``cfg`` as a ``kind`` model (``mixtral`` or
     ``qwen3_moe``), fp32, untied embeddings.
 
     Raises:
-        ModelConfigError: ``cfg`` is not expressible in that family (a shared expert, a sigmoid
+        ModelError: ``cfg`` is not expressible in that family (a shared expert, a sigmoid
             router, route scaling, a selection bias; Mixtral: dense blocks or no
             renormalisation; Qwen3: no q/k norm).
     """
     bad = cfg.shared_ffn_dim or cfg.router_score != "softmax" or cfg.route_scale != 1.0
     bad = bad or cfg.bias_update_rate > 0  # a selection bias neither family has
     if kind == "mixtral":
-        bad = bad or cfg.moe_blocks() != cfg.n_layers or not cfg.router_renorm or cfg.qk_norm
+        bad = bad or cfg.moe_layers != cfg.n_layers or not cfg.router_renorm or cfg.qk_norm
     elif kind == "qwen3_moe":
         bad = bad or not cfg.qk_norm
     if bad or kind not in ARCHITECTURES or not cfg.is_moe:
-        raise ModelConfigError(
+        raise ModelError(
             f"this model has no {kind} equivalent in transformers (Mixtral: softmax router, "
             "renormalised, every block MoE; Qwen3-MoE: q/k norms; neither has shared experts, "
             "route scaling or selection biases): export it as safetensors"
@@ -157,7 +86,7 @@ def moe_hf_config(cfg: ModelConfig, kind: str, vocab: int) -> dict:
     )
 
 
-def hub_kind(cfg: ModelConfig) -> str:
+def hub_kind(cfg: ModelSpec) -> str:
     """The family an MoE ``cfg`` is written as: ``qwen3_moe`` with q/k norms, else
     ``mixtral``."""
     return "qwen3_moe" if cfg.qk_norm else "mixtral"
@@ -179,12 +108,12 @@ def moe_part(name: str) -> tuple[str, str] | None:
     return None
 
 
-def _hub_names(cfg: ModelConfig, layer: str, what: str) -> list[str]:
+def _hub_names(cfg: ModelSpec, layer: str, what: str) -> list[str]:
     """The Hub tensors of tetrad's MoE parameter ``what`` in block ``layer`` (one per expert
     for the expert weights).
 
     Raises:
-        ModelConfigError: a parameter without a counterpart (a router bias).
+        ModelError: a parameter without a counterpart (a router bias).
     """
     kind = hub_kind(cfg)
     prefix = f"model.layers.{layer}.{_BLOCK[kind]}."
@@ -193,12 +122,12 @@ def _hub_names(cfg: ModelConfig, layer: str, what: str) -> list[str]:
     if what.startswith("experts.w") and what[-2:] in _EXPERT[kind]:
         own = _EXPERT[kind][what[-2:]]
         return [f"{prefix}experts.{j}.{own}.weight" for j in range(cfg.n_experts)]
-    raise ModelConfigError(
+    raise ModelError(
         f"tetrad parameter layers.{layer}.feed_forward.{what} has no Hugging Face counterpart"
     )
 
 
-def moe_to_hub(name: str, full: torch.Tensor, cfg: ModelConfig) -> dict | None:
+def moe_to_hub(name: str, full: torch.Tensor, cfg: ModelSpec) -> dict | None:
     """The Hub tensors of tetrad's full MoE parameter ``name`` (expert ``j`` of ``[E, ...]``
     is ``full[j]``); None when ``name`` is not an MoE parameter."""
     part = moe_part(name)
@@ -214,7 +143,7 @@ def read_moe(
     read: Callable[[str, slice, slice], torch.Tensor],
     name: str,
     slices: tuple[slice, ...],
-    cfg: ModelConfig,
+    cfg: ModelSpec,
 ) -> torch.Tensor | None:
     """tetrad's MoE parameter ``name`` restricted to ``slices``, read through ``read(hub name,
     rows, cols)`` (one expert's rows and columns at a time); None when ``name`` is not an MoE

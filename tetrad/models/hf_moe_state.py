@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from tetrad.models.config import ModelConfig, ModelConfigError
 from tetrad.models.hf import to_hf
 from tetrad.models.hf_moe import moe_part
+from tetrad.spec.model import ModelError, ModelSpec
 
 
 def _fused(name: str) -> tuple[str, str] | None:
@@ -21,12 +21,12 @@ def _fused(name: str) -> tuple[str, str] | None:
     return None if part is None else (f"model.layers.{part[0]}.mlp.", part[1])
 
 
-def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], vocab: int) -> dict:
+def to_hf_state(cfg: ModelSpec, state: dict[str, torch.Tensor], vocab: int) -> dict:
     """transformers' state dict of tetrad's full ``state`` (parameter name -> tensor; the
     selection biases of buffers are not exported: Mixtral and Qwen3-MoE have none).
 
     Raises:
-        ModelConfigError: a parameter without a counterpart (a shared expert).
+        ModelError: a parameter without a counterpart (a shared expert).
     """
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
@@ -43,12 +43,12 @@ def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], vocab: int) ->
         elif rest == "experts.w2":
             out[prefix + "experts.down_proj"] = t
         elif rest != "experts.w3":  # w3 went out with w1
-            raise ModelConfigError(f"tetrad parameter {name} has no Hugging Face counterpart")
+            raise ModelError(f"tetrad parameter {name} has no Hugging Face counterpart")
     return out
 
 
 def from_hf_state(
-    cfg: ModelConfig, hf: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]
+    cfg: ModelSpec, hf: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, torch.Tensor]:
     """tetrad's full parameters (``shapes``: name -> shape, e.g. of a reference model) from
     transformers' state dict ``hf``, fp32. A Llama parameter is read through its export map
@@ -78,7 +78,7 @@ def from_hf_state(
 
 
 def _through_export(
-    name: str, shape: tuple[int, ...], cfg: ModelConfig, hf: dict[str, torch.Tensor]
+    name: str, shape: tuple[int, ...], cfg: ModelSpec, hf: dict[str, torch.Tensor]
 ) -> torch.Tensor:
     """Parameter ``name`` rebuilt from ``hf`` by inverting :func:`to_hf`'s re-layout."""
     index = torch.arange(math.prod(shape)).view(shape)

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tetrad.activation_checkpointing import checkpointed_blocks, parse_checkpointing
 from tetrad.models import recompute
-from tetrad.models.config import ModelConfig
 from tetrad.models.moe import MoEFeedForward
 from tetrad.models.recompute import cheap
+from tetrad.spec.activation_checkpointing import checkpointed_blocks, parse_checkpointing
+from tetrad.spec.model import ModelSpec
 
 
 class Layers(Protocol):
@@ -75,7 +75,7 @@ class Layers(Protocol):
     def experts(self, n_experts: int, dim: int, ffn_dim: int, out_std: float) -> nn.Module: ...
 
 
-def rope_frequencies(d: int, cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+def rope_frequencies(d: int, cfg: ModelSpec, device: torch.device) -> torch.Tensor:
     """The ``d/2`` rotation frequencies ``theta^(-2i/d)`` (fp32), rescaled as Llama 3.1 does
     when ``cfg.rope_factor != 1``: wavelengths above ``original / low_freq_factor`` are slowed
     by ``factor``, those below ``original / high_freq_factor`` kept, and those between
@@ -115,7 +115,7 @@ class Attention(nn.Module):
     Y split) gives each rank its query heads with the KV heads they read.
     """
 
-    def __init__(self, cfg: ModelConfig, layers: Layers):
+    def __init__(self, cfg: ModelSpec, layers: Layers):
         super().__init__()
         d, hd = cfg.dim, cfg.head_dim
         self.group = cfg.n_heads // cfg.n_kv_heads
@@ -186,7 +186,7 @@ class FeedForward(nn.Module):
     blocks gives each rank matching gate and up features.
     """
 
-    def __init__(self, cfg: ModelConfig, layers: Layers, ffn_dim: int | None = None):
+    def __init__(self, cfg: ModelSpec, layers: Layers, ffn_dim: int | None = None):
         super().__init__()
         ffn_dim = ffn_dim or cfg.ffn_dim  # another width: an MoE block's shared expert
         self.w13 = layers.linear(cfg.dim, 2 * ffn_dim)
@@ -209,7 +209,7 @@ class Block(nn.Module):
     """``h = x + attention(norm(x)); out = h + ffn(norm(h))``; ``ffn`` the SwiGLU, or the
     mixture of experts (:class:`tetrad.models.moe.MoEFeedForward`) when ``moe``."""
 
-    def __init__(self, cfg: ModelConfig, layers: Layers, moe: bool = False):
+    def __init__(self, cfg: ModelSpec, layers: Layers, moe: bool = False):
         super().__init__()
         self.attention_norm = layers.norm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, layers)
@@ -255,20 +255,20 @@ class Transformer(nn.Module):
     ``V/(G_y G_x)``).
 
     ``activation_checkpointing``: a mode of
-    :data:`tetrad.activation_checkpointing.CHECKPOINTING`, or ``selective:K`` (the last ``K``
+    :data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`, or ``selective:K`` (the last ``K``
     blocks selective, the others ``none``), or a bool (``True`` = ``full``). ``part``: the
     slice of the model to build (default: all of it); a part without the embedding takes the
     residual stream ``[b, s, dim]`` instead of token ids, one without the head has ``norm`` and
     ``output`` None.
 
     Raises:
-        tetrad.activation_checkpointing.CheckpointingError: an unknown mode, or ``K`` above
+        tetrad.spec.activation_checkpointing.CheckpointingError: an unknown mode, or ``K`` above
             ``cfg.n_layers``.
     """
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         layers: Layers,
         activation_checkpointing: str | bool = "none",
         part: ModelPart | None = None,

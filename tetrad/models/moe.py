@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.models.config import ModelConfig
+from tetrad.spec.model import ModelSpec
 
 
 class Router(nn.Module):
@@ -44,7 +44,7 @@ class Router(nn.Module):
     in training forwards since the last :meth:`update_bias`.
     """
 
-    def __init__(self, cfg: ModelConfig, gate: nn.Module):
+    def __init__(self, cfg: ModelSpec, gate: nn.Module):
         super().__init__()
         self.gate, self.cfg = gate, cfg
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
@@ -276,7 +276,7 @@ class MoEFeedForward(nn.Module):
     expert takes ``x`` as it is.
     """
 
-    def __init__(self, cfg: ModelConfig, layers, shared: nn.Module | None):
+    def __init__(self, cfg: ModelSpec, layers, shared: nn.Module | None):
         super().__init__()
         self.cfg = cfg
         self.router = Router(cfg, layers.router(cfg.dim, cfg.n_experts))

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.models.config import ModelConfig
 from tetrad.models.llama import ModelPart, Transformer, causal_attention
 from tetrad.models.moe import GroupedExperts
+from tetrad.spec.model import ModelSpec
 
 
 class PlainLayers:
@@ -63,7 +63,7 @@ class Llama(Transformer):
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         activation_checkpointing: str | bool = "none",
         part: ModelPart | None = None,
     ):

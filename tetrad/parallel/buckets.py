@@ -34,7 +34,8 @@ from torch import nn
 from tetrad.comm import Handle, all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel.zero import DataShards
-from tetrad.spec import DP_BUCKET_BYTES, Axis
+from tetrad.spec.grid import Axis
+from tetrad.spec.overlap import DP_BUCKET_BYTES
 
 
 class GradBuckets:

@@ -13,7 +13,7 @@ a reduce-scatter over context.
 
 Overlap (the ``context`` overlap, :mod:`tetrad.parallel.overlap`): the all-gather is issued in
 ``n = n_b n_h`` pieces, over the micro-batch's samples and this rank's KV heads
-(:func:`tetrad.spec.context_pieces`), all at once and asynchronously; piece ``p``'s attention
+(:func:`tetrad.spec.overlap.context_pieces`), all at once and asynchronously; piece ``p``'s attention
 (its samples, its KV heads and the query heads that read them) runs as soon as piece ``p`` has
 arrived, while pieces ``p+1 ..`` are still in flight on the context communicator. In backward
 each piece's K/V gradient is reduce-scattered asynchronously as soon as its attention backward
@@ -33,7 +33,7 @@ head per Y rank and one sample per micro-batch leaves the blocking all-gather), 
 attention kernel is ``1/n`` as large.
 
 Everything else in a block is token-wise, so only RoPE needs the chunks' global positions;
-gradients are summed over data x context (:class:`tetrad.spec.Axis`).
+gradients are summed over data x context (:class:`tetrad.spec.grid.Axis`).
 
 Shapes: this rank's tokens ``[b, s]`` with ``s = S / G_context``; q ``[b, heads/G_y, s, d]``,
 k and v ``[b, kv_heads/G_y, s, d]``; the gathered K/V ``[b, kv_heads/G_y, S, d]``, in pieces
@@ -50,7 +50,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tetrad.comm import all_gather, reduce_scatter
 from tetrad.grid import Grid
-from tetrad.spec import Axis, context_pieces
+from tetrad.spec.grid import Axis
+from tetrad.spec.overlap import context_pieces
 
 
 def chunk_ids(g: int, rank: int) -> tuple[int, int]:
@@ -161,7 +162,7 @@ class ContextAttention:
     ``i``) and the chunk order are built once per shape and shared by every block.
 
     Args:
-        pieces: most pieces of the K/V all-gather (:func:`tetrad.spec.context_pieces`; 1: one
+        pieces: most pieces of the K/V all-gather (:func:`tetrad.spec.overlap.context_pieces`; 1: one
             blocking all-gather).
     """
 

@@ -19,7 +19,7 @@ from tetrad.grid import Grid
 from tetrad.parallel.linear import compute_dtype
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 class _Embedding3D(torch.autograd.Function):

@@ -4,7 +4,7 @@ expert loads summed over the ranks that saw other tokens, for DeepSeek-V3's aux-
 update.
 
 Expert parallelism (``G_expert = P``) folds over the data x context ranks
-(:data:`tetrad.spec.EXPERT_GRID_AXES`, Megatron-Core's parallel folding; torchtitan's
+(:data:`tetrad.spec.grid.EXPERT_GRID_AXES`, Megatron-Core's parallel folding; torchtitan's
 ``ep`` borrowing from ``dp_shard`` and ``cp``): each rank of an expert group holds ``E/P``
 experts and routes its own tokens; per MoE block and micro-batch (torchtitan's
 ``AllToAllTokenDispatcher``, dropless):
@@ -29,7 +29,7 @@ from tetrad.comm import all_reduce, all_to_all, all_to_all_autograd
 from tetrad.grid import Grid
 from tetrad.models.moe import Router, combine, expert_swiglu, gemm_dtype, sort_by_expert
 from tetrad.parallel.placement import sharded_parameter
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 def expert_major(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from torch import nn
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel.zero import DataShards
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 def sync_gradients(
@@ -20,7 +20,7 @@ def sync_gradients(
     shards: DataShards | None = None,
 ) -> None:
     """Sum every gradient over the replicated axes whose ranks saw other tokens (Z, and data,
-    whose group includes the context axis: :class:`tetrad.spec.Axis`).
+    whose group includes the context axis: :class:`tetrad.spec.grid.Axis`).
 
     Linear and embedding weights are sharded over Z (their reduce-scatter already summed Z), so
     they are summed over data only; biases and norm weights over Z and data. Axes X and Y need

@@ -33,7 +33,7 @@ from tetrad.grid import Grid
 from tetrad.parallel.linear import compute_dtype, reduce_weight_gradient
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 def gather_hidden(x: torch.Tensor, grid: Grid) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torch import nn
 from tetrad.grid import Grid
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -95,7 +95,7 @@ class Linear(nn.Module):
 
     Raises:
         ValueError: a size not divisible by the grid (check the model with
-            :func:`tetrad.models.config.check_divisible` first for a friendlier message).
+            :func:`tetrad.spec.sharding.check_grid` first for a friendlier message).
     """
 
     def __init__(

@@ -14,7 +14,7 @@ Two entry points:
   division by the sum is folded into backward's scaling).
 - :func:`lm_head_loss`, what training uses: the LM head and the loss fused, the sum of the
   losses of this rank's tokens. The logits are formed a block of rows at a time
-  (:func:`tetrad.spec.loss_chunk_rows`), and each block's gradient ``softmax - onehot`` is
+  (:func:`tetrad.spec.overlap.loss_chunk_rows`), and each block's gradient ``softmax - onehot`` is
   turned into its share of ``dx = g W`` and ``dW = g^T x`` at once, in forward (``dW`` summed
   over the blocks by the GEMM's own accumulation, in the compute dtype): no ``[T, V/G]``
   tensor is kept for backward (fused linear cross-entropy; Wijmans et al., "Cut Your Losses in
@@ -35,7 +35,8 @@ from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel.head import VocabParallelHead, gather_hidden, scatter_hidden
 from tetrad.parallel.linear import compute_dtype
-from tetrad.spec import Axis, loss_chunk_rows
+from tetrad.spec.grid import Axis
+from tetrad.spec.overlap import loss_chunk_rows
 
 HEAD_AXES = (Axis.Y, Axis.X)
 """The axes that split the LM head's vocabulary, Y outer (tetrad/parallel/head.py)."""

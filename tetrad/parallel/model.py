@@ -31,7 +31,6 @@ from torch import nn
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
-from tetrad.models.config import ModelConfig, check_divisible, check_moe_grid
 from tetrad.models.llama import ModelPart, Transformer, causal_attention
 from tetrad.models.moe import GroupedExperts
 from tetrad.parallel.context import ContextAttention, local_positions
@@ -44,7 +43,10 @@ from tetrad.parallel.moe_tensor import TensorTokens
 from tetrad.parallel.norm import RMSNorm
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import Placement
-from tetrad.spec import DEFAULT_OVERLAPS, Axis
+from tetrad.spec.grid import Axis
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.overlap import DEFAULT_OVERLAPS
+from tetrad.spec.sharding import check_grid, check_moe_grid
 
 
 class ParallelLayers:
@@ -133,9 +135,9 @@ class ParallelLlama(Transformer):
     :func:`tetrad.parallel.init_parameters`.
 
     Args:
-        activation_checkpointing: a mode of :data:`tetrad.activation_checkpointing.CHECKPOINTING`
+        activation_checkpointing: a mode of :data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`
             (or a bool).
-        overlaps: names from :data:`tetrad.spec.OVERLAPS` (default: all but ``fine``).
+        overlaps: names from :data:`tetrad.spec.overlap.OVERLAPS` (default: all but ``fine``).
         part: the slice of the model to build (a pipeline stage's); default the whole.
         overlap_options: ``bucket_bytes``, ``domino_min_rows``, ``fine_chunks`` and
             ``context_pieces`` of
@@ -145,20 +147,20 @@ class ParallelLlama(Transformer):
         overlap: the :class:`Overlap` the training step drives.
 
     Raises:
-        ModelConfigError: a size of ``cfg`` that does not shard on ``grid`` (heads or KV heads
+        GridError: a size of ``cfg`` that does not shard on ``grid`` (heads or KV heads
             by ``G_y``, a weight dimension by its axes), listing what to change.
     """
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         grid: Grid,
         activation_checkpointing: str | bool = "none",
         overlaps: Iterable[str] = DEFAULT_OVERLAPS,
         part: ModelPart | None = None,
         **overlap_options: int,
     ):
-        check_divisible(cfg, grid.sizes)
+        check_grid(cfg, grid.sizes)
         check_moe_grid(cfg, grid.sizes, grid.pipe, grid.expert)
         overlap = Overlap(grid, overlaps, **overlap_options)
         super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing, part)

@@ -31,7 +31,7 @@ import torch
 
 from tetrad.comm import all_gather, all_reduce, all_to_all
 from tetrad.grid import Grid
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 def tensor_rank(grid: Grid) -> int:

@@ -21,7 +21,7 @@ from tetrad.grid import Grid
 from tetrad.models.recompute import cheap
 from tetrad.parallel.linear import compute_dtype
 from tetrad.parallel.placement import sharded_parameter
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 class _AllReduceSum(torch.autograd.Function):

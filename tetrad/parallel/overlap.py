@@ -4,7 +4,7 @@ Seven overlaps, each switchable (AxoNN, arXiv 2305.13525, "aggressively overlap 
 collective operations"; Domino, arXiv 2409.15241, for the forward split; T3, arXiv 2401.16677,
 for ``fine``):
 
-``prefetch``        the Z all-gathers of the next two weights (:data:`tetrad.spec.PREFETCH_DEPTH`)
+``prefetch``        the Z all-gathers of the next two weights (:data:`tetrad.spec.overlap.PREFETCH_DEPTH`)
                     in *execution* order (recorded on the first training micro-batch, so it
                     covers forward, backward and activation recomputation, and running on into
                     the step's next micro-batch: its embedding table is gathered during this
@@ -46,14 +46,14 @@ from tetrad.comm import Handle, all_gather, all_reduce, reduce_scatter
 from tetrad.comm.fused import ring_matmul_reduce_scatter
 from tetrad.grid import Grid
 from tetrad.parallel.buckets import GradBuckets
-from tetrad.spec import (
+from tetrad.spec.grid import Axis
+from tetrad.spec.overlap import (
     CONTEXT_PIECES,
     DEFAULT_OVERLAPS,
     DOMINO_MIN_ROWS,
     DP_BUCKET_BYTES,
     FINE_CHUNKS,
     PREFETCH_DEPTH,
-    Axis,
 )
 
 
@@ -67,13 +67,13 @@ class Overlap:
     collective is blocking and nothing is prefetched.
 
     Args:
-        enabled: names from :data:`tetrad.spec.OVERLAPS` (default: all but ``fine``).
+        enabled: names from :data:`tetrad.spec.overlap.OVERLAPS` (default: all but ``fine``).
         bucket_bytes: data-parallel bucket size in bytes.
         domino_min_rows: split the forward GEMM only when the micro-batch has at least twice
             this many token rows (below it the split's extra launch costs more than it hides).
         fine_chunks: pieces per ring step of the ``fine`` overlap's fused reduce-scatter.
         context_pieces: most pieces of the ``context`` overlap's K/V all-gather
-            (:func:`tetrad.spec.context_pieces`).
+            (:func:`tetrad.spec.overlap.context_pieces`).
     """
 
     def __init__(

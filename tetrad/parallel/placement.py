@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tetrad.grid import Grid
-from tetrad.spec import EXPERT_GRID_AXES, GRID_AXES, Axis
+from tetrad.spec.grid import EXPERT_GRID_AXES, GRID_AXES, Axis
 
 # Replicated axes whose ranks see different tokens: gradients are summed over them.
 TOKEN_AXES = (Axis.Z, Axis.DATA)
@@ -50,7 +50,7 @@ class Placement:
     @property
     def expert_sharded(self) -> bool:
         """Whether the tensor is split over the expert axis (a routed expert's weight): its
-        grid is then :data:`tetrad.spec.EXPERT_GRID_AXES`, the data x context ranks seen as
+        grid is then :data:`tetrad.spec.grid.EXPERT_GRID_AXES`, the data x context ranks seen as
         expert-data x expert."""
         return Axis.EXPERT in self.sharded_axes
 

@@ -2,7 +2,7 @@
 
 ZeRO stage 1 (Rajbhandari et al., arXiv 1910.02054, section 5.1 "P_os"), as Megatron-LM's
 distributed optimizer does it: the weight gradients are reduce-scattered over the data group
-(``G_data G_context`` ranks, :class:`tetrad.spec.Axis`) instead of all-reduced, each rank
+(``G_data G_context`` ranks, :class:`tetrad.spec.grid.Axis`) instead of all-reduced, each rank
 updates its piece of every parameter with AdamW and keeps ``exp_avg``/``exp_avg_sq`` for that
 piece only, and the updated pieces are all-gathered back into the parameters.
 
@@ -34,7 +34,7 @@ from torch import nn
 
 from tetrad.comm import Handle, all_gather, reduce_scatter
 from tetrad.grid import Grid
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 class DataShards:

@@ -17,12 +17,17 @@ from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from tetrad.grid import Grid
-from tetrad.models.config import ModelConfig
 from tetrad.models.llama import ModelPart
 from tetrad.parallel.model import ParallelLlama
-from tetrad.pipeline.split import SCHEDULE_NAMES, balanced_split, check_schedule, stages_of_rank
 from tetrad.pipeline.stage import TetradStage
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.pipeline_split import (
+    SCHEDULE_NAMES,
+    balanced_split,
+    check_schedule,
+    stages_of_rank,
+)
 
 SCHEDULES = dict(
     zip(SCHEDULE_NAMES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B), strict=True)
@@ -68,7 +73,7 @@ class Pipeline:
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         grid: Grid,
         schedule: str,
         virtual: int,

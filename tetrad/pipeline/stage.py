@@ -23,7 +23,7 @@ from tetrad.comm import count_sends
 from tetrad.models.llama import Transformer
 from tetrad.parallel.experts import biased_routers
 from tetrad.parallel.linear import compute_dtype
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 class StageForward(nn.Module):

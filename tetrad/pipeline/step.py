@@ -10,7 +10,7 @@ from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
 from tetrad.parallel.experts import update_expert_biases
 from tetrad.pipeline.schedule import Pipeline
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 from tetrad.train.step import (
     autocast,
     inputs_targets,

@@ -2,10 +2,9 @@
 classic Megatron-style space beside them, by predicted step time and memory. Plain Python (no
 torch), so it answers at once anywhere.
 
-Sub-packages, by concept (docs/planner.md describes the model):
+Sub-packages, by concept (docs/planner.md describes the model); the model it plans is the
+neutral :class:`tetrad.spec.model.ModelSpec` (:mod:`tetrad.spec`, below runtime and planner):
 
-- :mod:`tetrad.plan.model`: model sizes and layers, presets, Hugging Face configs, which grids
-  shard a model;
 - :mod:`tetrad.plan.machine`: machine descriptions and presets, the network model;
 - :mod:`tetrad.plan.compute`: compute time and FLOPs;
 - :mod:`tetrad.plan.comm`: every collective of a step, its time and the overlaps that hide it;

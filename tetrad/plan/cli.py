@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 
-from tetrad.activation_checkpointing import CHECKPOINTING, parse_checkpointing
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import best_orientation
 from tetrad.plan.comm.sublayers import format_sublayers, sublayers
@@ -21,12 +20,14 @@ from tetrad.plan.machine.spec import get_machine, preset_names
 from tetrad.plan.memory import fujii
 from tetrad.plan.memory.runtime import tetrad as tetrad_memory
 from tetrad.plan.memory.zero import SHARD_OPTIMIZER
-from tetrad.plan.model.presets import PRESETS, get_model
 from tetrad.plan.pipe.cli import pipeline_memory_text
 from tetrad.plan.pipe.schedule import SCHEDULES
 from tetrad.plan.search import report
 from tetrad.plan.search.plan import plan
-from tetrad.spec import ORIENTATIONS, GiB, parse_pipeline_grid, role_sizes
+from tetrad.spec.activation_checkpointing import CHECKPOINTING, parse_checkpointing
+from tetrad.spec.grid import ORIENTATIONS, parse_pipeline_grid, role_sizes
+from tetrad.spec.presets import PRESETS, get_model
+from tetrad.spec.units import GiB
 
 
 def _positive_int(text: str) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tetrad.spec import TetradError
+from tetrad.spec.errors import TetradError
 
 
 class PlanError(TetradError):

@@ -10,8 +10,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tetrad.device import device_name
-from tetrad.models.config import ModelConfig
 from tetrad.parallel.model import compile_stats
+from tetrad.spec.model import ModelSpec
 from tetrad.train.checkpoint_dir import read_meta
 from tetrad.train.job import Job
 from tetrad.train.peak import Peak
@@ -41,7 +41,7 @@ def report_save(job: Job, done: tuple[Path, float] | None) -> None:
         tqdm.write(f"tetrad: checkpoint {done[0]} complete ({done[1]:.2f} s)", file=sys.stdout)
 
 
-def print_start(job: Job, model_cfg: ModelConfig, start: int) -> None:
+def print_start(job: Job, model_cfg: ModelSpec, start: int) -> None:
     grid, corpus, t = job.grid, job.corpus, job.cfg.training
     size = f"{model_cfg.num_params() / 1e6:.2f}M-parameter"
     if model_cfg.is_moe:

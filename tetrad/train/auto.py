@@ -10,9 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from tetrad.activation_checkpointing import CHECKPOINTING, recompute_order
-from tetrad.models.config import ModelConfig
-from tetrad.spec import DTYPE_BYTES, FINE_CHUNKS, GiB, compute_dtype, parse_grid
+from tetrad.spec.activation_checkpointing import CHECKPOINTING, recompute_order
+from tetrad.spec.errors import TetradError
+from tetrad.spec.grid import parse_grid
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.overlap import FINE_CHUNKS
+from tetrad.spec.precision import DTYPE_BYTES, compute_dtype
+from tetrad.spec.units import GiB
 from tetrad.train.config import ConfigError, TrainConfig
 
 # Machine presets that match a CUDA device name, for --grid auto without --machine.
@@ -74,7 +78,6 @@ def choose_grid(
     Raises:
         ConfigError: no machine, or no grid fits (the message says what to change).
     """
-    from tetrad.plan.errors import PlanError
     from tetrad.plan.search.plan import plan
 
     if cfg.model_config(vocab_size).is_moe:
@@ -96,7 +99,7 @@ def choose_grid(
     )
     try:
         res = plan(
-            cfg.model_config(vocab_size).spec(cfg.model.name),
+            cfg.model_config(vocab_size),
             machine,
             world_size,
             t.global_batch,
@@ -109,7 +112,7 @@ def choose_grid(
             dtype=compute_dtype(t.device),
             shard_optimizer="on" if par.shard_optimizer else "auto",
         )
-    except PlanError as e:
+    except TetradError as e:  # the planner's PlanError, or a grid or model the rules refuse
         raise ConfigError(
             f"--grid auto found no grid of {world_size} ranks for this model, {batch} "
             f"(planner: {e}){hint}"
@@ -157,7 +160,7 @@ def choose_grid(
     return dataclasses.replace(cfg, parallelism=par)
 
 
-def pipeline_split(cfg: TrainConfig, mc: ModelConfig) -> tuple[tuple[int, int], ...] | None:
+def pipeline_split(cfg: TrainConfig, mc: ModelSpec) -> tuple[tuple[int, int], ...] | None:
     """The planner's stage split for this pipeline grid where a machine is known (``--machine``,
     or the preset of the CUDA device, as ``--grid auto`` finds it): blocks balanced by the
     planner's compute of a block, of the embedding and of the final norm, LM head and loss on
@@ -166,10 +169,9 @@ def pipeline_split(cfg: TrainConfig, mc: ModelConfig) -> tuple[tuple[int, int], 
     auto`` runs the split it ranked; ``(start, stop)`` blocks per stage. None without a machine
     (the runtime's default: the embedding and the head count one block each)."""
     from tetrad.plan.comm.context import Context
-    from tetrad.plan.model.grids import with_context
     from tetrad.plan.pipe.estimate import planner_split
     from tetrad.plan.pipe.stages import split_costs
-    from tetrad.spec import role_sizes
+    from tetrad.spec.grid import role_sizes, with_context
 
     par, t = cfg.parallelism, cfg.training
     if not par.machine and t.device != "cuda":
@@ -179,7 +181,7 @@ def pipeline_split(cfg: TrainConfig, mc: ModelConfig) -> tuple[tuple[int, int], 
     except ConfigError:
         return None
     ctx = Context(
-        mc.spec(),
+        mc,
         machine,
         t.seq_len,
         t.global_batch,
@@ -190,13 +192,13 @@ def pipeline_split(cfg: TrainConfig, mc: ModelConfig) -> tuple[tuple[int, int], 
     return planner_split(mc.n_layers, costs, par.pipe, par.virtual_stages)
 
 
-def _estimate(cfg: TrainConfig, mc: ModelConfig, overlaps, fine_chunks: int | None):
+def _estimate(cfg: TrainConfig, mc: ModelSpec, overlaps, fine_chunks: int | None):
     from tetrad.plan.comm.context import Context
     from tetrad.plan.comm.estimate import estimate
 
     t, par = cfg.training, cfg.parallelism
     ctx = Context(
-        mc.spec(),
+        mc,
         machine_for(cfg),
         t.seq_len,
         t.global_batch,
@@ -215,7 +217,7 @@ def _estimate(cfg: TrainConfig, mc: ModelConfig, overlaps, fine_chunks: int | No
 
 
 def with_orientation(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with ``--orientation auto`` resolved (:data:`tetrad.spec.ORIENTATIONS`): the
+    """``cfg`` with ``--orientation auto`` resolved (:data:`tetrad.spec.grid.ORIENTATIONS`): the
     orientation whose X and Y collectives send fewer bytes, or with ``--machine`` the one with
     the shorter predicted step (:func:`tetrad.plan.comm.estimate.best_orientation`); ``xy``
     when ``G_x = G_y = 1``. Every rank computes the same answer.
@@ -236,7 +238,7 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
         # the tokenizer's vocabulary is not known before preflight; no X or Y collective
         # depends on it, so the BPE size stands in (every rank alike)
         ctx = Context(
-            cfg.model_config(cfg.data.vocab_size).spec(),
+            cfg.model_config(cfg.data.vocab_size),
             machine,
             t.seq_len,
             t.global_batch,
@@ -250,7 +252,7 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, parallelism=dataclasses.replace(par, orientation=chosen))
 
 
-def domino_pays(cfg: TrainConfig, mc: ModelConfig) -> bool:
+def domino_pays(cfg: TrainConfig, mc: ModelSpec) -> bool:
     """Whether the planner predicts a shorter step with the Domino split than without, for
     this run's grid, batch and ``--machine`` (True when no machine is given: the runtime's
     row threshold alone then decides)."""
@@ -263,11 +265,11 @@ def domino_pays(cfg: TrainConfig, mc: ModelConfig) -> bool:
     )
 
 
-def fine_chunks(cfg: TrainConfig, mc: ModelConfig) -> int:
+def fine_chunks(cfg: TrainConfig, mc: ModelSpec) -> int:
     """Pieces per ring step of the ``fine`` overlap for this run, 0 for off.
 
     Named in ``--overlap``: on, with ``--fine-chunks`` or the planner's best count on
-    ``--machine`` (:data:`tetrad.spec.FINE_CHUNKS` without one). In ``all``: only where the
+    ``--machine`` (:data:`tetrad.spec.overlap.FINE_CHUNKS` without one). In ``all``: only where the
     planner predicts less exposed communication on ``--machine`` than without it
     (:attr:`tetrad.plan.comm.estimate.Estimate.fine_chunks`), with its chunk count (or
     ``--fine-chunks``); off without a machine."""
@@ -282,14 +284,14 @@ def fine_chunks(cfg: TrainConfig, mc: ModelConfig) -> int:
     return _estimate(cfg, mc, overlaps, par.fine_chunks or None).fine_chunks
 
 
-def context_pieces(cfg: TrainConfig, mc: ModelConfig) -> int:
+def context_pieces(cfg: TrainConfig, mc: ModelSpec) -> int:
     """The ``context_pieces`` option of the ``context`` overlap for this run (1: off, no
     context parallelism, or the blocking all-gather): ``--context-pieces`` if given, else the
     planner's best on ``--machine``
     (:attr:`tetrad.plan.comm.estimate.Estimate.context_pieces`), else 1, as ``fine`` is off
     without a machine (on 2 CPU cores with gloo, 8 pieces made a context = 2 step slower:
     the transfers and the attention share the cores)."""
-    from tetrad.plan.model.grids import with_context
+    from tetrad.spec.grid import with_context
 
     par = cfg.parallelism
     if "context" not in par.overlaps or with_context(par.grid)[1] == 1:

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from tetrad.grid import Grid
 from tetrad.parallel.placement import Placement
 from tetrad.parallel.zero import ShardedAdamW
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 from tetrad.train.checkpoint_dir import (
     CheckpointError,
     check_files,

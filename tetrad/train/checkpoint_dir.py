@@ -25,7 +25,7 @@ import os
 import shutil
 from pathlib import Path
 
-from tetrad.spec import TetradError
+from tetrad.spec.errors import TetradError
 
 META = "tetrad.json"
 POINTER = "latest"
@@ -181,7 +181,7 @@ def check_resume(folder: Path, meta: dict | None, model_config: object, tok_hash
 
     Args:
         folder: the checkpoint folder; ``meta`` its :func:`read_meta`.
-        model_config: this run's :class:`tetrad.models.config.ModelConfig`.
+        model_config: this run's :class:`tetrad.spec.model.ModelSpec`.
         tok_hash: :func:`tokenizer_hash` of this run's tokenizer.
 
     Raises:

@@ -45,15 +45,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from tetrad.models.config import ModelConfig, parse_model, with_sizes
-from tetrad.spec import (
-    DEVICES,
-    TetradError,
-    parse_grid,
-    parse_pipeline_grid,
-    pop_expert,
-    tomllib,
-)
+from tetrad.spec.errors import TetradError
+from tetrad.spec.grid import parse_grid, parse_pipeline_grid, pop_expert
+from tetrad.spec.model import ModelSpec, check_trainable
+from tetrad.spec.precision import DEVICES
+from tetrad.spec.presets import parse_model, with_sizes
+from tetrad.spec.toml import tomllib
 from tetrad.train.config_checks import check_parallelism, check_pipeline, check_training
 from tetrad.train.sections import (
     CheckpointSection,
@@ -83,7 +80,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
-    def model_config(self, tokenizer_vocab: int | None = None) -> ModelConfig:
+    def model_config(self, tokenizer_vocab: int | None = None) -> ModelSpec:
         """The model sizes: the ``model`` string, then the ``[model]`` sizes.
 
         The vocabulary follows the tokenizer (``tokenizer_vocab`` tokens) unless the user set a
@@ -99,7 +96,7 @@ class TrainConfig:
             tokenizer_vocab = max(tokenizer_vocab or 0, cfg.vocab_size)
         else:
             cfg, explicit = parse_model(self.model.name)
-            cfg = with_sizes(cfg, self.model.sizes)
+            cfg = check_trainable(with_sizes(cfg, self.model.sizes))
         user_vocab = "vocab_size" in explicit | self.model.sizes.keys() and cfg.vocab_size
         if tokenizer_vocab is not None and not user_vocab:
             grid = self.parallelism.grid

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tetrad.spec import GiB
+from tetrad.spec.units import GiB
 from tetrad.train.checkpoint_dir import CheckpointError, verified_latest
 from tetrad.train.generate import _first_line, read_run_config
 
@@ -96,11 +96,11 @@ def _writer_setup(fmt: str, run_dir: Path, tmp: Path, tokenizer: Path, dtype, te
     if fmt == "safetensors":
         shutil.copyfile(run_dir / "config.json", tmp / "config.json")
         return lambda name, t: {name: t}
-    from tetrad.models.config import ModelConfig
     from tetrad.models.hf import hf_config, to_hf
+    from tetrad.spec.model import ModelSpec
 
     run_cfg = read_run_config(run_dir)
-    cfg = ModelConfig(**run_cfg["model_config"])
+    cfg = ModelSpec(**run_cfg["model_config"])
     base = run_cfg.get("hf_config")
     vocab = int(base["vocab_size"]) if base else cfg.vocab_size
     stored = next(iter(tensors.values()))[1]

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from tetrad.spec import TetradError
+from tetrad.spec.errors import TetradError
 from tetrad.train.config import TrainConfig
 
 

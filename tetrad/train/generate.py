@@ -23,8 +23,8 @@ import torch
 
 from tetrad.data.tokenizer import END_TOKENS
 from tetrad.device import gpu_count
-from tetrad.models.config import ModelConfig
-from tetrad.spec import DEVICES
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.precision import DEVICES
 from tetrad.train.checkpoint_dir import CheckpointError, verified_latest
 from tetrad.train.config import ConfigError
 
@@ -69,7 +69,7 @@ def is_export(folder: str | Path) -> bool:
     return any((Path(folder) / name).is_file() for name in names)
 
 
-def _load_checkpoint(model: torch.nn.Module, folder: Path, mcfg: ModelConfig) -> None:
+def _load_checkpoint(model: torch.nn.Module, folder: Path, mcfg: ModelSpec) -> None:
     """Load a DCP checkpoint folder into ``model``'s parameters (and persistent buffers: MoE
     routers' selection biases)."""
     import torch.distributed.checkpoint as dcp
@@ -87,7 +87,7 @@ def _load_checkpoint(model: torch.nn.Module, folder: Path, mcfg: ModelConfig) ->
     model.load_state_dict({k[len("model.") :]: v for k, v in state.items()})
 
 
-def _load_export(model: torch.nn.Module, folder: Path, mcfg: ModelConfig) -> None:
+def _load_export(model: torch.nn.Module, folder: Path, mcfg: ModelSpec) -> None:
     """Copy the tensors of an exported folder into ``model``'s parameters, one at a time."""
     from safetensors import safe_open
 
@@ -132,16 +132,16 @@ def _load_hf_folder(folder: Path, device: str):
     """:func:`load_model` of a Hugging Face Llama folder (such as ``tetrad export --to hf``)."""
     from tokenizers import Tokenizer
 
-    from tetrad.models.config import ModelConfigError
     from tetrad.models.hf import load_weights, read_config
     from tetrad.models.reference import Llama
+    from tetrad.spec.model import ModelError
 
     try:
         cfg, raw = read_config(folder)
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         model = Llama(cfg)
         load_weights(model, folder)
-    except ModelConfigError as e:
+    except ModelError as e:
         raise CheckpointError(str(e)) from None
     except Exception as e:
         raise CheckpointError(f"cannot load {folder} ({_first_line(e)})") from None
@@ -178,7 +178,7 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
     if not sizes.get("vocab_size"):
         sizes["vocab_size"] = tokenizer.get_vocab_size()
     try:
-        mcfg = ModelConfig(**sizes)
+        mcfg = ModelSpec(**sizes)
     except TypeError as e:
         raise CheckpointError(f"bad model_config in {run_dir}/config.json ({e})") from None
     exported = is_export(run_dir)

@@ -31,7 +31,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from tetrad.device import gpu_count, threads_per_rank
-from tetrad.spec import GridError, TetradError, check_world_size, error_line
+from tetrad.spec.errors import TetradError, error_line
+from tetrad.spec.grid import GridError, check_world_size
 from tetrad.train.config import TrainConfig
 from tetrad.train.failures import failure_summary, record_failure
 from tetrad.train.resume import check_run_dir

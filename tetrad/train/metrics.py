@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tetrad.comm import AxisStats
-from tetrad.spec import GiB
+from tetrad.spec.units import GiB
 from tetrad.train import trace
 from tetrad.train.peak import Peak
 

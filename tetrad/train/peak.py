@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from tetrad.device import cpu_cores, datasheet_flops, device_name
 from tetrad.grid import Grid
-from tetrad.models.config import ModelConfig
 from tetrad.plan.machine.spec import get_machine, preset_names
+from tetrad.spec.model import ModelSpec
 from tetrad.train.config import TrainConfig
 
 
@@ -41,7 +41,7 @@ class Peak:
     source: str
 
 
-def mfu_peak(cfg: TrainConfig, model_cfg: ModelConfig, grid: Grid) -> Peak:
+def mfu_peak(cfg: TrainConfig, model_cfg: ModelSpec, grid: Grid) -> Peak:
     """The peak of the module docstring, the same on every rank (call on every rank).
 
     Raises:

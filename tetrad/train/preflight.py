@@ -11,19 +11,20 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.data.corpus import Corpus, prepare_corpus
 from tetrad.device import gpu_count
 from tetrad.grid import Grid
-from tetrad.models.config import ModelConfig, check_divisible, check_moe_grid
 from tetrad.models.hf import Weights, load_weights, read_config
 from tetrad.parallel.model import ParallelLlama
+from tetrad.spec.activation_checkpointing import checkpointed_blocks
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.sharding import check_grid, check_moe_grid
 from tetrad.train.checkpoint_dir import check_files, check_resume, read_meta, tokenizer_hash
 from tetrad.train.config import ConfigError, TrainConfig
 from tetrad.train.resume import check_run_dir, restart_count, start_checkpoint
 
 
-def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
+def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelSpec]:
     """Everything that can fail before workers start: values, run directory, data, tokenizer,
     model vs grid, and the checkpoint a resume would load (its metadata and file sizes).
 
@@ -59,7 +60,7 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
                 f"the tokenizer has {corpus.vocab_size:,} tokens but {folder} has a vocabulary "
                 f"of {hf_vocab:,}: use the model's own tokenizer.json (drop --tokenizer)"
             )
-    check_divisible(model_cfg, cfg.parallelism.grid)
+    check_grid(model_cfg, cfg.parallelism.grid)
     par = cfg.parallelism
     check_moe_grid(model_cfg, par.grid, par.pipe, par.expert_parallel, cfg.training.seq_len)
     if cfg.parallelism.activation_checkpointing != "auto":  # selective:K needs K <= n_layers
@@ -133,7 +134,7 @@ def _check_seq_len(corpus: Corpus, seq_len: int) -> None:
             )
 
 
-def preflight_on_rank0(cfg: TrainConfig) -> tuple[Corpus, ModelConfig]:
+def preflight_on_rank0(cfg: TrainConfig) -> tuple[Corpus, ModelSpec]:
     """Rank 0 prepares the data first; the others then hit the cache. Errors reach every rank."""
     err: list = [None]
     result = None

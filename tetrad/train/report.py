@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tetrad.spec import COMM_AXES
+from tetrad.spec.grid import COMM_AXES
 from tetrad.train.config import ConfigError
 from tetrad.train.metrics import read_rows
 

@@ -11,17 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tetrad.activation_checkpointing import parse_checkpointing
-from tetrad.spec import (
-    CONTEXT_PIECES,
-    DOMINO_MIN_ROWS,
-    DP_BUCKET_BYTES,
-    Device,
-    GridShape,
-    MiB,
-    TetradError,
-    parse_overlaps,
-)
+from tetrad.spec.activation_checkpointing import parse_checkpointing
+from tetrad.spec.errors import TetradError
+from tetrad.spec.grid import GridShape
+from tetrad.spec.overlap import CONTEXT_PIECES, DOMINO_MIN_ROWS, DP_BUCKET_BYTES, parse_overlaps
+from tetrad.spec.precision import Device
+from tetrad.spec.units import MiB
 
 DEMO_GRID: GridShape = (2, 1, 2, 1, 1)  # the fastest 4-process grid for `small` on 2 cores
 
@@ -54,7 +49,7 @@ class ModelSection:
         "small",
         name="model",
         metavar="SPEC",
-        help="preset or sizes, e.g. small, tiny,n_layers=4, dim=512,...",
+        help="preset, config.json or sizes, e.g. small, tiny,n_layers=4, dim=512,...",
     )
     sizes: dict = field(default_factory=dict)  # the [model] table's sizes (TOML only)
     init_from: str = option(
@@ -181,8 +176,8 @@ class ParallelismSection:
     )
 
     def __post_init__(self) -> None:
-        # one of tetrad.activation_checkpointing.CHECKPOINTING from a name, on/off or a TOML
-        # bool, or "auto" (raises tetrad.activation_checkpointing.CheckpointingError, which
+        # one of tetrad.spec.activation_checkpointing.CHECKPOINTING from a name, on/off or a TOML
+        # bool, or "auto" (raises tetrad.spec.activation_checkpointing.CheckpointingError, which
         # says what to give)
         if str(self.activation_checkpointing).strip().lower() == "auto":
             self.activation_checkpointing = "auto"

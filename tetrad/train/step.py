@@ -15,7 +15,7 @@ from tetrad.parallel import clip_grad_norm, sync_gradients
 from tetrad.parallel.context import split_sequence
 from tetrad.parallel.experts import update_expert_biases
 from tetrad.parallel.zero import DataShards, ShardedAdamW
-from tetrad.spec import Axis
+from tetrad.spec.grid import Axis
 
 
 def build_optimizer(

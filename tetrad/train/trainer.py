@@ -19,13 +19,14 @@ from tqdm import tqdm
 from tetrad.data.loader import sample_batch, val_batches
 from tetrad.device import peak_memory_bytes, threads_per_rank
 from tetrad.grid import Grid
-from tetrad.models.config import ModelConfig
 from tetrad.models.hf import read_config
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama, compile_blocks
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.step import pipeline_evaluate, pipeline_train_step_losses
-from tetrad.spec import FINE_CHUNKS, MiB
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.overlap import FINE_CHUNKS
+from tetrad.spec.units import MiB
 from tetrad.train.announce import notes, print_resume, print_start, report_save
 from tetrad.train.auto import (
     context_pieces,
@@ -63,7 +64,7 @@ from tetrad.train.stop import Stopped, StopSignals, signal_name
 __all__ = ["build_model", "preflight", "train"]
 
 
-def build_model(cfg: TrainConfig, model_cfg: ModelConfig, grid: Grid) -> ParallelLlama:
+def build_model(cfg: TrainConfig, model_cfg: ModelSpec, grid: Grid) -> ParallelLlama:
     """The initialised parallel Llama with the configured overlaps; the Domino split is left
     off where the planner predicts no gain on ``--machine`` (said on rank 0)."""
     par = cfg.parallelism
@@ -211,7 +212,7 @@ def _stopped(job: Job, e: Stopped) -> None:
     dist.destroy_process_group()
 
 
-def _write_run_files(job: Job, model_cfg: ModelConfig, start: int) -> None:
+def _write_run_files(job: Job, model_cfg: ModelSpec, start: int) -> None:
     """``config.json`` (the sections and the resolved ``model_config``), ``tokenizer.json``;
     ``metrics.jsonl`` keeps only the rows of steps up to ``start``."""
     job.run_dir.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,9 @@ norms or loss. Where it deviates from tetrad's true layout (and from
 from __future__ import annotations
 
 from tetrad.plan.machine.spec import Machine
-from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import GRID_AXES, GiB
+from tetrad.spec.grid import GRID_AXES
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.units import GiB
 
 AXONN_BYTES = 2
 """AxoNN counts every volume in bf16 elements (``* 2`` bytes)."""

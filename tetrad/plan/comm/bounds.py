@@ -31,7 +31,6 @@ estimate) can never drop a configuration that belongs to the ranking.
 
 from __future__ import annotations
 
-from tetrad.activation_checkpointing import parse_checkpointing
 from tetrad.plan.comm import layers
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import make_step, xy_record
@@ -39,7 +38,8 @@ from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.comm.zwindows import table_seconds, window_seconds, z_queue_seconds
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.network import ALL_REDUCE, REDUCE_SCATTER
-from tetrad.spec import role_sizes
+from tetrad.spec.activation_checkpointing import parse_checkpointing
+from tetrad.spec.grid import role_sizes
 
 MARGIN = 1e-9
 """Relative amount a bound is shrunk by before it prunes (far above the rounding of its sums,

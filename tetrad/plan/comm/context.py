@@ -17,14 +17,9 @@ from tetrad.plan.compute.block import BlockCompute, block_compute
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER, Link
 from tetrad.plan.machine.spec import Machine
-from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import (
-    DOMINO_MIN_ROWS,
-    DP_BUCKET_BYTES,
-    FP32,
-    OverlapError,
-    parse_overlaps,
-)
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.overlap import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OverlapError, parse_overlaps
+from tetrad.spec.units import FP32
 
 
 class Context:
@@ -33,7 +28,7 @@ class Context:
 
     Args:
         seq_len: tokens per sample ``S``; ``global_batch``: samples per step ``B``.
-        overlaps: names from :data:`tetrad.spec.OVERLAPS` (or "all"/"none"); ``"all"`` uses
+        overlaps: names from :data:`tetrad.spec.overlap.OVERLAPS` (or "all"/"none"); ``"all"`` uses
             ``fine`` only where it lowers the exposed time, a list naming it always.
         compute_bytes: 2 (bf16, the runtime on GPU) or 4 (fp32, on CPU).
         bucket_bytes: data-parallel all-reduce bucket, bytes (``dp_all_reduce``).
@@ -41,7 +36,7 @@ class Context:
         fine_chunks: pieces per ring step of ``fine``; None: the best of
             :data:`tetrad.plan.comm.fine.CHUNK_CANDIDATES`.
         context_pieces: most pieces of the ``context`` overlap's K/V all-gather (the
-            runtime's option of the same name, :func:`tetrad.spec.context_pieces`); None: the
+            runtime's option of the same name, :func:`tetrad.spec.overlap.context_pieces`); None: the
             best of :data:`tetrad.plan.comm.context_parallel.PIECE_CANDIDATES` per grid and
             micro-batch (:meth:`kv_choice`).
     """
@@ -85,7 +80,7 @@ class Context:
         self.gemm_s = lambda f: f / (peak * eff(f)) if f > 0 else 0.0
         self.bucket_bytes, self.domino_min_rows = bucket_bytes, domino_min_rows
         self.linears = model.linears()
-        self.head_nk = model.vocab * model.hidden
+        self.head_nk = model.vocab_size * model.dim
         self.gpt = model.family == "gpt"
         self._buckets: dict = {}
         self._compute: dict = {}
@@ -172,7 +167,7 @@ class Context:
             shard = gx * gy * gz
             block = tuple(lin.weight_elements * lin.count / shard for lin in reversed(self.linears))
             head = self.head_nk / shard
-            emb = (self.model.vocab + self.model.max_positions) * self.model.hidden / shard
+            emb = (self.model.vocab_size + self.model.max_positions) * self.model.dim / shard
             got = self._shards[key] = (block, sum(block), head, emb)
         return got
 

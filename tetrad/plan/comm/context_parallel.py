@@ -9,7 +9,7 @@ With ``G_context = G`` each rank holds ``s = S / G`` tokens of every sample, as 
   micro-batch (forward, and again in recompute under ``full`` checkpointing), payload (the
   output) ``b S 2 kv_dim / G_y`` elements in the compute dtype; backward reduce-scatters their
   gradients, the same payload (the input). With the ``context`` overlap each is issued in
-  ``n`` pieces of ``1/n`` of the payload (:func:`tetrad.spec.context_pieces` over the
+  ``n`` pieces of ``1/n`` of the payload (:func:`tetrad.spec.overlap.context_pieces` over the
   micro-batch's samples and the local KV heads): ``n`` calls, the same bytes, and each piece's
   transfer hidden behind the attention of the piece before it (:func:`pieces_exposed_seconds`);
   ``n = 1`` (or the overlap off) is one blocking call (nothing to hide it behind: q, k and v
@@ -32,9 +32,9 @@ behind blocks of attention; the runtime's pieces hide theirs the same way
 
 from __future__ import annotations
 
-from tetrad.plan.model.grids import context_size, grid_sizes
-from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import context_pieces
+from tetrad.spec.grid import context_size, grid_sizes
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.overlap import context_pieces
 
 
 def local_seq_len(seq_len: int, gc: int) -> int:
@@ -107,7 +107,7 @@ def context_block_delta(
 
 def kv_pieces(model: ModelSpec, micro_batch: int, gy: int, most: int) -> int:
     """Pieces of the K/V all-gather of the ``context`` overlap (``most`` 1: the overlap off):
-    ``n_b n_h`` of :func:`tetrad.spec.context_pieces` over ``micro_batch`` samples and the
+    ``n_b n_h`` of :func:`tetrad.spec.overlap.context_pieces` over ``micro_batch`` samples and the
     ``kv_heads / G_y`` local KV heads, as the runtime splits them."""
     n_b, n_h = context_pieces(micro_batch, model.n_kv_heads // gy, most)
     return n_b * n_h

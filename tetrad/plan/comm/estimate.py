@@ -42,7 +42,7 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
 A size-1 axis issues nothing. Times come from the alpha-beta ring model of
 :mod:`tetrad.plan.machine.network` with each axis's placement.
 
-Overlap (the runtime's :mod:`tetrad.parallel.overlap`, names :data:`tetrad.spec.OVERLAPS`;
+Overlap (the runtime's :mod:`tetrad.parallel.overlap`, names :data:`tetrad.spec.overlap.OVERLAPS`;
 ``none`` exposes everything). Collectives on one axis share one communicator, hence one stream,
 and run in issue order; collectives on different axes run concurrently (link contention between
 axes is not modelled). Steady state, every block alike:
@@ -97,7 +97,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tetrad.activation_checkpointing import parse_checkpointing
 from tetrad.plan.comm import layers, linears, orientation
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import kv_gather_payload, local_seq_len
@@ -109,9 +108,11 @@ from tetrad.plan.comm.zwindows import z_collectives
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import Machine
-from tetrad.plan.model.grids import grid_problems, with_context
-from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, ORIENTATIONS, physical_axis, role_sizes
+from tetrad.spec.activation_checkpointing import parse_checkpointing
+from tetrad.spec.grid import ORIENTATIONS, physical_axis, role_sizes, with_context
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.overlap import DOMINO_MIN_ROWS, DP_BUCKET_BYTES
+from tetrad.spec.sharding import grid_problems
 
 __all__ = ["Estimate", "best_orientation", "collectives", "estimate", "make_step"]
 
@@ -150,7 +151,7 @@ def make_step(
     """The :class:`Step` of the ``--grid`` ``grid = (G_data, [G_context,] G_z, G_y, G_x)`` under
     ``orientation`` (its ``sizes`` are the roles', its links the mesh dimensions' that play
     them; ``checkpointing``: a mode of
-    :data:`tetrad.activation_checkpointing.CHECKPOINTING`; only ``full`` re-runs collectives):
+    :data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`; only ``full`` re-runs collectives):
     ``m`` counts this rank's ``S / G_context`` tokens per sample; the data group is data x
     context. ``wrap``: :attr:`Step.wrap` (a 4D step's; a pipeline stage's phases do not).
 
@@ -216,7 +217,7 @@ def best_orientation(
     by: str = "bytes",
 ) -> str:
     """The orientation of ``grid`` (the ``--grid``) among those whose roles shard the model
-    (heads split over the Y role, :func:`tetrad.plan.model.grids.grid_problems`): ``by="bytes"``
+    (heads split over the Y role, :func:`tetrad.spec.sharding.grid_problems`): ``by="bytes"``
     the one whose X and Y collectives send fewer bytes
     (:func:`tetrad.plan.comm.orientation.choose`, independent of the machine), ``by="time"``
     the one with the shorter step on ``ctx``'s machine. ``xy`` when ``G_x = G_y = 1``, on a
@@ -263,7 +264,7 @@ def estimate(
 
     Raises:
         PlanError: the global batch does not split into micro-batches on this grid.
-        tetrad.activation_checkpointing.CheckpointingError: an unknown checkpointing mode.
+        tetrad.spec.activation_checkpointing.CheckpointingError: an unknown checkpointing mode.
     """
     if orientation == "auto":
         orientation = best_orientation(ctx, grid, micro_batch, checkpointing)

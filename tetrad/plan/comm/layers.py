@@ -15,7 +15,8 @@ from __future__ import annotations
 from tetrad.plan.comm.context_parallel import pieces_exposed_seconds
 from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from tetrad.spec import FP32, Axis
+from tetrad.spec.grid import Axis
+from tetrad.spec.units import FP32
 
 
 def _max0(v: float) -> float:
@@ -50,7 +51,7 @@ def lm_head(rec: Recorder, st: Step) -> None:
     input gradient, payload ``m h c`` (the input), then all-reduce over Y of ``m h / G_x * c``
     (with ``dx_all_reduce`` during the scaling of the head's ``dW``, which the fused loss formed
     in forward: exposed ``max(0, t - scaling)``)."""
-    m, h, c, acc = st.m, st.model.hidden, st.c, st.acc
+    m, h, c, acc = st.m, st.model.dim, st.c, st.acc
     gx, gy = st.sizes["x"], st.sizes["y"]
     if gx > 1:
         p = m * h * c
@@ -83,7 +84,7 @@ def embedding(rec: Recorder, st: Step) -> None:
     """Embedding lookups (token table, GPT: position table): all-reduce ``m h / G_x * 4`` bytes
     (fp32) over Y per table and micro-batch."""
     if st.sizes["y"] > 1:
-        p = st.m * st.model.hidden / st.sizes["x"] * FP32
+        p = st.m * st.model.dim / st.sizes["x"] * FP32
         t = st.links["y"].time(ALL_REDUCE, p)
         rec.add("embedding", "forward", "y", ALL_REDUCE, p, st.acc, t, st.acc * t)
         if st.model.max_positions:
@@ -160,7 +161,7 @@ def parameter_gathers(
 
 def _lead(st: Step) -> int:
     """Blocks by which a weight's first read comes before its block's forward: 1 when the Z
-    all-gathers prefetch (:data:`tetrad.spec.PREFETCH_DEPTH` weights ahead, less than a block:
+    all-gathers prefetch (:data:`tetrad.spec.overlap.PREFETCH_DEPTH` weights ahead, less than a block:
     counted as a whole block, so the exposure is not underestimated), else 0."""
     return 1 if st.prefetch and st.sizes["z"] > 1 else 0
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from tetrad.plan.comm.record import Recorder
 from tetrad.plan.machine.network import ring_bytes
-from tetrad.spec import physical_axis
+from tetrad.spec.grid import physical_axis
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Which mesh dimension plays which role of the layer pair (:data:`tetrad.spec.ORIENTATIONS`):
+"""Which mesh dimension plays which role of the layer pair (:data:`tetrad.spec.grid.ORIENTATIONS`):
 the orientation whose X and Y collectives send fewer bytes.
 
 A Linear ``[n, k]`` with input axis ``I`` and output axis ``O`` (X in and Y out; swapped for
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from tetrad.plan.comm.record import Step, place
 from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ring_bytes
-from tetrad.spec import FP32
+from tetrad.spec.units import FP32
 
 
 def tensor_bytes(st: Step) -> float:
     """Ring bytes each rank sends per step over the X and Y roles of ``st`` (its ``sizes`` are
     the roles'): the block Linears, the LM head, the loss, the embedding and the norms."""
-    s, m, c, acc, L, h = st.sizes, st.m, st.c, st.acc, st.n_layers, st.model.hidden
+    s, m, c, acc, L, h = st.sizes, st.m, st.c, st.acc, st.n_layers, st.model.dim
     total = 0.0
     for lin in st.linears:
         p = place(lin, L * acc * lin.count, 0.0, 0.0, st.checkpointing)

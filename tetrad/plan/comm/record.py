@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from tetrad.plan.compute.block import BlockCompute
 from tetrad.plan.machine.network import Link
-from tetrad.plan.model.spec import Linear, ModelSpec
-from tetrad.spec import COMM_AXES
+from tetrad.spec.grid import COMM_AXES
+from tetrad.spec.model import Linear, ModelSpec
 
 
 class Recorder:
@@ -94,7 +94,7 @@ class Step:
             table gathered during this one's backward): the micro-batches run back to back in
             one phase (``Overlap.begin_micro_batch(phase="step")``, the 4D step), not as a
             pipeline stage's forward and backward phases.
-        orientation: which mesh dimension plays which role (:data:`tetrad.spec.ORIENTATIONS`);
+        orientation: which mesh dimension plays which role (:data:`tetrad.spec.grid.ORIENTATIONS`);
             ``sizes`` and ``links`` are the roles'.
         zero: the sharded optimizer (ZeRO-1): the data-parallel gradients reduce-scattered and
             the parameters all-gathered over data (:func:`tetrad.plan.comm.layers.data_gradients`).

@@ -22,7 +22,7 @@ class Estimate:
         fine_chunks: pieces per ring step of the ``fine`` overlap as modelled (0: not used).
         context_pieces: the ``context_pieces`` option of the ``context`` overlap as modelled
             (1: the blocking K/V all-gather).
-        orientation: the roles' orientation (:data:`tetrad.spec.ORIENTATIONS`); the per-axis
+        orientation: the roles' orientation (:data:`tetrad.spec.grid.ORIENTATIONS`); the per-axis
             dicts and the collectives name the ``--grid``'s dimensions.
         shard_optimizer: modelled with the sharded optimizer (:mod:`tetrad.plan.comm.zero`).
     """

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from tetrad.plan.comm.fine import best_chunks, sublayer_seconds
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import Machine
-from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec.model import ModelSpec
 
 T3_REPORTED = {"T3-MCA": (1.30, 1.47), "T3": (1.20, 1.39)}
 """Sublayer speed-ups over sequential T3 reports: ``(geomean, max)``."""
@@ -63,7 +63,7 @@ class Sublayer:
 
 def sublayer_shapes(model: ModelSpec) -> list[tuple[str, int]]:
     """``(name, inner size k)`` of T3's four sublayers for ``model``."""
-    h, f = model.hidden, model.ffn_hidden
+    h, f = model.dim, model.ffn_dim
     qkv = h + 2 * model.n_kv_heads * model.head_dim
     up = 2 * f if model.family == "llama" else f
     return [("OP fwd", h), ("FC-2 fwd", f), ("IP bwd", qkv), ("FC-1 bwd", up)]
@@ -93,12 +93,12 @@ def sublayers(
                     f"--sublayers {tp}: {name} has inner size {k} and {tokens} tokens, not "
                     f"divisible by {tp}: choose a degree dividing both"
                 )
-            flops = 2.0 * tokens * (k // tp) * model.hidden
-            payload = tokens * model.hidden * c
+            flops = 2.0 * tokens * (k // tp) * model.dim
+            payload = tokens * model.dim * c
             slow = machine.overlap_slowdown
             chunks, _ = best_chunks(gemm_s, flops, payload, link, slow)
             times = sublayer_seconds(gemm_s, flops, payload, link, chunks, slow)
-            out.append(Sublayer(name, tp, tokens, k, model.hidden, **times, chunks=chunks))
+            out.append(Sublayer(name, tp, tokens, k, model.dim, **times, chunks=chunks))
     return out
 
 

@@ -7,7 +7,7 @@ or when the one before it ends, whichever is later. The compute runs through a s
 *uses*, one per Z all-gathered weight in execution order (:class:`Use`: the weight's all-gather,
 the compute window up to the next use, the reduce-scatter of its gradient). At a use the compute
 waits for the weight's all-gather (the stall is exposed), then, with ``prefetch``, issues the
-all-gathers of the next :data:`tetrad.spec.PREFETCH_DEPTH` uses not yet issued, then the
+all-gathers of the next :data:`tetrad.spec.overlap.PREFETCH_DEPTH` uses not yet issued, then the
 reduce-scatters deferred since the last use, then computes the window; a reduce-scatter is
 deferred while the micro-batch has uses left, else issued at once. Without ``prefetch`` every
 all-gather is issued at its use (blocking); without ``reduce_scatter`` every reduce-scatter is
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.spec import PREFETCH_DEPTH
+from tetrad.spec.overlap import PREFETCH_DEPTH
 
 Key = tuple[str, str]
 """``(layer, phase)``: ``("wqkv", "forward")``, ``("output", "backward")`` ..."""

@@ -13,7 +13,7 @@ from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.comm.zqueue import Use, ZQueue
 from tetrad.plan.compute.block import BlockCompute
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
-from tetrad.spec import FP32
+from tetrad.spec.units import FP32
 
 
 @dataclass(slots=True)
@@ -200,7 +200,7 @@ def _z_weights(st: Step) -> tuple[list[ZWeight], ZWeight, ZTimes]:
         _z_weight(st, lin.name, lin.weight_elements * lin.count, L * acc * lin.count, phases)
         for lin in st.linears
     ]
-    head = _z_weight(st, "output", model.hidden * model.vocab, acc, ("forward",))  # kept for bwd
+    head = _z_weight(st, "output", model.dim * model.vocab_size, acc, ("forward",))  # kept for bwd
     times = ZTimes(
         tuple(w.name for w in blocks),
         tuple(w.gather_s for w in blocks),
@@ -257,10 +257,10 @@ def _tables(st: Step) -> list[tuple[str, float]]:
     """``(name, elements of one Z-gathered block)`` of the embedding tables (token; GPT:
     positions), ``rows h / (G_x G_y)``."""
     model = st.model
-    tables = [("embedding", model.vocab)]
+    tables = [("embedding", model.vocab_size)]
     if model.max_positions:
         tables.append(("positions", model.max_positions))
-    return [(tab, rows * model.hidden / st.xy) for tab, rows in tables]
+    return [(tab, rows * model.dim / st.xy) for tab, rows in tables]
 
 
 def table_seconds(st: Step) -> list[tuple[str, float, float]]:

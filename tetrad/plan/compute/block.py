@@ -21,7 +21,7 @@ vocabulary-parallel softmax, the embedding lookup, AdamW) is memory bound: bytes
 bandwidth, with byte counts per token estimated from the runtime's unfused PyTorch ops (rough:
 see :data:`ELEMENTWISE`).
 
-Activation checkpointing (:data:`tetrad.activation_checkpointing.CHECKPOINTING`): ``full``
+Activation checkpointing (:data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`): ``full``
 re-runs each block's forward in backward (GEMMs, attention, element-wise, and its collectives:
 tetrad/plan/comm/linears.py);
 ``selective`` (tetrad/models/recompute.py; Korthikanti et al., arXiv 2205.05198, section 5)
@@ -36,13 +36,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.plan.comm.context_parallel import attention_fwd_flops, local_seq_len
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.spec import Machine
-from tetrad.plan.model.grids import with_context
-from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import loss_chunk_rows
+from tetrad.spec.activation_checkpointing import checkpointed_blocks
+from tetrad.spec.grid import with_context
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.overlap import loss_chunk_rows
 
 ATTENTION_BWD = 2.5
 """Attention backward seconds over forward: FlashAttention's five matmuls against two (module
@@ -115,7 +115,7 @@ class BlockCompute:
         selective) or 0.
 
         Raises:
-            tetrad.activation_checkpointing.CheckpointingError: an unknown mode.
+            tetrad.spec.activation_checkpointing.CheckpointingError: an unknown mode.
         """
         fwd = (
             n_layers * self.block_fwd
@@ -170,7 +170,7 @@ def block_compute(
         flops.append(f)
         gemm.append(f / (peak * eff(f)) if f else 0.0)
     ew = ELEMENTWISE
-    hx, fy = model.hidden / gx, model.ffn_hidden / gy
+    hx, fy = model.dim / gx, model.ffn_dim / gy
     qk = (model.q_dim + model.kv_dim) / gy
     att = attention_fwd_flops(model, micro_batch, seq_len, gy, gc) / (
         peak * machine.attention_efficiency
@@ -191,12 +191,12 @@ def block_compute(
     post_b[i_act] += ew["backward_factor"] * act
     head = model.lm_head()
     hf = 2.0 * m * head.out_features * head.in_features / txy
-    vy = model.vocab // txy  # logits per rank: the LM head splits V over Y and X
+    vy = model.vocab_size // txy  # logits per rank: the LM head splits V over Y and X
     blocks = -(-m // loss_chunk_rows(vy, m))  # row blocks of the fused loss (GPU budget)
     per_logit = ew["loss_fwd_per_logit"] + (ew["loss_split_per_logit"] if txy > 1 else 0.0)
-    dw_el = vy * model.hidden
+    dw_el = vy * model.dim
     dw_scale = ew["loss_bwd_per_dw"] * dw_el / hbm
-    emb_rows = (model.vocab + model.max_positions) / gy
+    emb_rows = (model.vocab_size + model.max_positions) / gy
     return BlockCompute(
         gemm=tuple(gemm),
         gemm_flops=tuple(flops),
@@ -205,7 +205,7 @@ def block_compute(
         head=hf / (peak * eff(hf)),
         head_flops=hf,
         loss_fwd=(per_logit * m * vy + ew["loss_dw_per_block"] * (blocks - 1) * dw_el) / hbm,
-        loss_bwd=ew["loss_bwd_per_dx"] * m * model.hidden / hbm + dw_scale,
+        loss_bwd=ew["loss_bwd_per_dx"] * m * model.dim / hbm + dw_scale,
         embedding_fwd=8.0 * m * hx / hbm,
         embedding_bwd=(8.0 * m * hx + 4.0 * emb_rows * hx) / hbm,
         final_norm_fwd=half_norm / 2.0,

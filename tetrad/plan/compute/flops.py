@@ -1,11 +1,11 @@
 """Model FLOPs of one optimizer step, for MFU and HFU (the runtime's definition,
-:meth:`tetrad.plan.model.spec.ModelSpec.flops_per_token`), and the FLOPs full recomputation adds.
+:meth:`tetrad.spec.model.ModelSpec.flops_per_token`), and the FLOPs full recomputation adds.
 """
 
 from __future__ import annotations
 
 from tetrad.plan.machine.spec import Machine
-from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec.model import ModelSpec
 
 
 def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> float:

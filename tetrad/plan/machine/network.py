@@ -194,7 +194,7 @@ class Network:
     def grid_links(self, grid: tuple[int, ...]) -> dict[str, Link]:
         """Links of the axes of a grid ``(G_data, [G_context,] G_z, G_y, G_x)`` (X innermost)
         and of the whole world. The data group is data x context (``G_data G_context`` ranks
-        at stride ``G_z G_y G_x``, :class:`tetrad.spec.Axis`)."""
+        at stride ``G_z G_y G_x``, :class:`tetrad.spec.grid.Axis`)."""
         d, c, z, y, x = grid if len(grid) == 5 else (grid[0], 1, *grid[1:])
         return {
             "x": self.link(1, x),

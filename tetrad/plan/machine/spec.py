@@ -43,7 +43,8 @@ from importlib import resources
 
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.network import Network
-from tetrad.spec import GiB, tomllib
+from tetrad.spec.toml import tomllib
+from tetrad.spec.units import GiB
 
 
 @dataclass(frozen=True)

@@ -9,20 +9,21 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.plan.comm.context_parallel import (
     context_block_delta,
     context_shared_bytes,
     local_seq_len,
 )
 from tetrad.plan.errors import PlanError
-from tetrad.plan.model.grids import context_size, grid_sizes
-from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import DTYPE_BYTES, FP32
+from tetrad.spec.activation_checkpointing import checkpointed_blocks
+from tetrad.spec.grid import context_size, grid_sizes
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.precision import DTYPE_BYTES
+from tetrad.spec.units import FP32
 
 
 def dtype_bytes(dtype: str) -> int:
-    """Bytes of the compute dtype ``dtype`` (:data:`tetrad.spec.DTYPE_BYTES`).
+    """Bytes of the compute dtype ``dtype`` (:data:`tetrad.spec.precision.DTYPE_BYTES`).
 
     Raises:
         PlanError: an unknown dtype.
@@ -75,7 +76,7 @@ def _mlp_saved_bytes(model: ModelSpec, m: int, gy: int, e: int) -> float:
     gpt GeLU: fc1's output (GeLU's input) and GeLU's output (fc2's input): ``2 [m, f/G_y]``.
     """
     n = 2 if model.family == "gpt" else 4
-    return n * e * m * (model.ffn_hidden // gy)
+    return n * e * m * (model.ffn_dim // gy)
 
 
 def block_saved_bytes(
@@ -85,7 +86,7 @@ def block_saved_bytes(
     output casts, attention, MLP, and the residual stream (block input and the mid-block sum
     ``h``, both ``[m, h/G_x]`` fp32, counted as the two norms' inputs)."""
     _, _, gy, gx = grid_sizes(grid)
-    e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.hidden // gx
+    e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
     return (  # each norm feeds one (fused) Linear
         _norm_saved_bytes(model, m, hx, e, 1)
         + _attention_saved_bytes(model, m, seq_len, gy, e)
@@ -111,14 +112,14 @@ def selective_block_saved_bytes(
     ``[S]`` int64 shared by all blocks: :func:`saved_activations`.
     """
     _, _, gy, gx = grid_sizes(grid)
-    e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.hidden // gx
+    e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
     qy, kvy, ay = model.q_dim // gy, model.kv_dim // gy, model.n_heads // gy
     stats = 2 if model.family == "gpt" else 1
     norms = 2 * (FP32 * m * hx + stats * FP32 * m)
     if model.family == "gpt":
-        qkv, rope, mlp = 3 * qy, 0, model.ffn_hidden // gy
+        qkv, rope, mlp = 3 * qy, 0, model.ffn_dim // gy
     else:
-        qkv, rope, mlp = qy + 2 * kvy, FP32 * (model.head_dim // 2), 2 * (model.ffn_hidden // gy)
+        qkv, rope, mlp = qy + 2 * kvy, FP32 * (model.head_dim // 2), 2 * (model.ffn_dim // gy)
     return norms + e * m * (qkv + qy + mlp) + FP32 * m * ay + rope
 
 
@@ -131,9 +132,9 @@ def selective_recompute_bytes(
     the fp32 normalised input and product and the cast output, ``(8 + e) m h/G_x`` (``8 m
     h/G_x`` when ``e = 4``: the cast is a no-op). Not checked against the runtime (transient)."""
     _, _, gy, gx = grid_sizes(grid)
-    e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.hidden // gx
+    e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
     attention = e * m * (model.q_dim + 2 * model.kv_dim) // gy
-    mlp = 2 * e * m * (model.ffn_hidden // gy)
+    mlp = 2 * e * m * (model.ffn_dim // gy)
     norm = (8 + (e if e != FP32 else 0)) * m * hx
     return float(max(attention, mlp, norm))
 
@@ -142,7 +143,7 @@ def block_input_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int) ->
     """A block's input ``[m, h/G_x]`` fp32 (the residual stream stays fp32 under autocast): all
     that non-reentrant ``torch.utils.checkpoint`` keeps of a checkpointed block."""
     _, _, _, gx = grid_sizes(grid)
-    return float(FP32 * micro_batch * seq_len * (model.hidden // gx))
+    return float(FP32 * micro_batch * seq_len * (model.dim // gx))
 
 
 def embedding_saved_bytes(model: ModelSpec, micro_batch: int, seq_len: int) -> float:
@@ -161,7 +162,7 @@ def final_norm_saved_bytes(
     saving the output (``G_x = 1``) or its X-gathered ``[m, h]`` copy (``G_x > 1``) would
     keep."""
     _, _, _, gx = grid_sizes(grid)
-    m, e, h = micro_batch * seq_len, dtype_bytes(dtype), model.hidden
+    m, e, h = micro_batch * seq_len, dtype_bytes(dtype), model.dim
     norm = _norm_saved_bytes(model, m, h // gx, e, 1)
     if gx == 1:
         return norm
@@ -174,7 +175,7 @@ def loss_saved_bytes(model: ModelSpec, grid, dtype: str = "bf16") -> float:
     in the compute dtype (whatever the micro-batch: no ``[m, V]`` tensor outlives the
     forward)."""
     _, _, gy, gx = grid_sizes(grid)
-    return float(dtype_bytes(dtype) * (model.vocab // (gy * gx)) * model.hidden)
+    return float(dtype_bytes(dtype) * (model.vocab_size // (gy * gx)) * model.dim)
 
 
 def saved_activations(
@@ -189,7 +190,7 @@ def saved_activations(
     """What autograd holds on one rank at the end of one micro-batch's forward, in bytes.
 
     ``activation_checkpointing``: ``none``, ``selective``, ``full``
-    (:data:`tetrad.activation_checkpointing.CHECKPOINTING`; a bool means ``full``/``none``) or
+    (:data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`; a bool means ``full``/``none``) or
     ``selective:K``.
 
     Returns:
@@ -203,7 +204,7 @@ def saved_activations(
         block's tensors are still saved; none: 0).
 
     Raises:
-        tetrad.activation_checkpointing.CheckpointingError: an unknown mode, or ``K`` above the
+        tetrad.spec.activation_checkpointing.CheckpointingError: an unknown mode, or ``K`` above the
             model's blocks.
     """
     _, _, gy, gx = grid_sizes(grid)

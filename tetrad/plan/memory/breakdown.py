@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tetrad.plan.errors import PlanError
-from tetrad.spec import GiB
+from tetrad.spec.units import GiB
 
 FIT_FRACTION = 0.8
 """Fujii et al. (arXiv 2411.06465): an estimate at or below 80% of GPU memory never ran out of

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from tetrad.plan.memory.activations import dtype_bytes
 from tetrad.plan.memory.states import local_parameter_elements
-from tetrad.plan.model.grids import context_size, grid_sizes
-from tetrad.plan.model.spec import Linear, ModelSpec
-from tetrad.spec import FP32, loss_chunk_rows
+from tetrad.spec.grid import context_size, grid_sizes
+from tetrad.spec.model import Linear, ModelSpec
+from tetrad.spec.overlap import loss_chunk_rows
+from tetrad.spec.units import FP32
 
 
 def gathered_weight_bytes(lin: Linear, grid, dtype: str = "bf16") -> float:
@@ -34,18 +35,18 @@ def weight_gradient_bytes(lin: Linear, grid, dtype: str = "bf16") -> float:
 
 def lm_head_logits_bytes(model: ModelSpec, grid, m: int, e: int) -> float:
     """Transients of the fused LM head and loss (tetrad/parallel/loss.py ``lm_head_loss``) at
-    their largest, in forward: one block of ``n`` rows (:func:`tetrad.spec.loss_chunk_rows`,
+    their largest, in forward: one block of ``n`` rows (:func:`tetrad.spec.overlap.loss_chunk_rows`,
     the GPU budget) of logits ``[n, V/(G_y G_x)]`` in the compute dtype, their fp32 softmax and
     its compute-dtype copy for the gradient GEMMs (one buffer in all when ``e = 4``); with the
     vocabulary split over Y or X the micro-batch's logits ``e m V/(G_y G_x)``, kept for the
     second pass; with ``G_x > 1`` the input gathered over X ``e m h``; the per-token maximum,
     sum and target logit ``12 m``."""
     _, _, gy, gx = grid_sizes(grid)
-    vy = model.vocab // (gy * gx)
+    vy = model.vocab_size // (gy * gx)
     n = loss_chunk_rows(vy, m)
     block = n * vy * (e if e == FP32 else 2 * e + FP32)
     kept = e * m * vy if gy * gx > 1 else 0
-    gathered = e * m * model.hidden if gx > 1 else 0
+    gathered = e * m * model.dim if gx > 1 else 0
     return float(block + kept + gathered + 12 * m)
 
 
@@ -54,7 +55,7 @@ def embedding_grad_bytes(model: ModelSpec, grid) -> float:
     Z reduce-scatter (tetrad/parallel/embedding.py); with ``G_z = 1`` that block is the gradient
     itself (counted with the gradients), so nothing on top."""
     _, gz, gy, gx = grid_sizes(grid)
-    return float(FP32 * model.vocab * model.hidden // (gx * gy)) if gz > 1 else 0.0
+    return float(FP32 * model.vocab_size * model.dim // (gx * gy)) if gz > 1 else 0.0
 
 
 def end_of_backward_bytes(model: ModelSpec, grid, dp_overlap: bool = True) -> float:

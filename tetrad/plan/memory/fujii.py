@@ -14,8 +14,8 @@ from __future__ import annotations
 from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.breakdown import MemoryBreakdown, check_positive
-from tetrad.plan.model.grids import tp_problems
-from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.sharding import tp_problems
 
 
 def fujii_params_on_first_stage(model: ModelSpec, tp: int, pp: int) -> float:
@@ -67,11 +67,11 @@ def fujii_layer_activation_bytes(
     gpt (Fujii's formula is for Llama): Korthikanti et al. (arXiv 2205.05198, Table 2), TP + SP +
     selective recompute, ``34 (s/c) b h / t``.
     """
-    s, b, h = seq_len / cp, micro_batch, model.hidden
+    s, b, h = seq_len / cp, micro_batch, model.dim
     if model.family == "gpt":
         return 34.0 * s * b * h / tp
     ratio_kv = model.n_kv_heads / model.n_heads
-    return s * b * (12.0 * h + 4.0 * h * ratio_kv + 8.0 * model.ffn_hidden) / tp
+    return s * b * (12.0 * h + 4.0 * h * ratio_kv + 8.0 * model.ffn_dim) / tp
 
 
 def fujii_embedding_input_bytes(
@@ -80,7 +80,7 @@ def fujii_embedding_input_bytes(
     """Embedding-input term ``8 (s/c) b h p / t`` (Fujii's code, commented as int64 ids with p
     micro-batches in flight; the factor h is the author's, pinned by his tests; notes
     section 6)."""
-    return 8.0 * (seq_len / cp) * micro_batch * model.hidden * pp / tp
+    return 8.0 * (seq_len / cp) * micro_batch * model.dim * pp / tp
 
 
 def fujii_pipeline_factor(pp: int, num_microbatches: int | None, virtual_pp: int) -> float:
@@ -102,7 +102,7 @@ def fujii_logits_bytes(
     plus the final-norm output; notes section 6)."""
     if pp != 1:
         return 0.0
-    return 4.0 * (seq_len / cp) * micro_batch * (model.hidden + model.vocab) / tp
+    return 4.0 * (seq_len / cp) * micro_batch * (model.dim + model.vocab_size) / tp
 
 
 def fujii2024(

@@ -22,9 +22,10 @@ from tetrad.plan.memory.states import (
     tetrad_optimizer_bytes,
     tetrad_parameter_bytes,
 )
-from tetrad.plan.model.grids import check_grid, context_size, grid_sizes
-from tetrad.plan.model.spec import Linear, ModelSpec
-from tetrad.spec import FP32
+from tetrad.spec.grid import context_size, grid_sizes
+from tetrad.spec.model import Linear, ModelSpec
+from tetrad.spec.sharding import check_grid
+from tetrad.spec.units import FP32
 
 
 class GridBuffers(NamedTuple):
@@ -146,7 +147,7 @@ def _unsharded(
     """:func:`grid_buffers` with the optimizer not sharded."""
     gz, gy, gx = grid_sizes(grid)[1:]
     e = dtype_bytes(dtype)
-    vy = model.vocab // (gy * gx)  # logits per rank: V over Y and X
+    vy = model.vocab_size // (gy * gx)  # logits per rank: V over Y and X
     largest = _largest_linears(model)
     big = largest[0]
     w_head = gathered_weight_bytes(_lm_head(model), grid, dtype)
@@ -156,7 +157,7 @@ def _unsharded(
     w_three = sum(w_largest[:3])
     # the next micro-batch's table and first block weight, prefetched at the end of backward
     # (counted whatever the micro-batches per step: the model does not know them)
-    wrap = e * model.vocab * model.hidden // (gx * gy) + w_big if prefetch and gz > 1 else 0.0
+    wrap = e * model.vocab_size * model.dim // (gx * gy) + w_big if prefetch and gz > 1 else 0.0
     dw_blocks = weight_gradient_bytes(big, grid, dtype) * (
         2 if async_reduce_scatter and gz > 1 else 1
     )
@@ -170,7 +171,7 @@ def _unsharded(
         base=sum(v for _, v in static),
         head_forward=w_head + (w_two if prefetch else 0.0),
         head_backward=w_two if prefetch else 0.0,
-        head_gradient=FP32 * vy * model.hidden if e != FP32 else 0.0,
+        head_gradient=FP32 * vy * model.dim if e != FP32 else 0.0,
         blocks=w_three if prefetch else w_big,
         block_gradients=dw_blocks,
         end_of_backward=end_of_backward_bytes(model, grid, dp_overlap) + wrap,

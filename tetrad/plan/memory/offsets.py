@@ -8,7 +8,7 @@ import functools
 
 from tetrad.plan.memory.grid_buffers import grid_buffers
 from tetrad.plan.memory.runtime import PHASES
-from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec.model import ModelSpec
 
 
 @functools.lru_cache(maxsize=1 << 13)

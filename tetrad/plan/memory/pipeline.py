@@ -45,14 +45,14 @@ from tetrad.plan.memory.activations import dtype_bytes
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.stage_parts import stage_parts, stage_saved, table_elements
 from tetrad.plan.memory.zero import data_group, state_share
-from tetrad.plan.model.grids import context_size, grid_sizes
-from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.pipe.schedule import (
     boundaries_of_rank,
     in_flight_chunks,
     p2p_bytes,
 )
 from tetrad.plan.pipe.stages import PipeRank
+from tetrad.spec.grid import context_size, grid_sizes
+from tetrad.spec.model import ModelSpec
 
 HEAD_PHASES = ("forward: LM head", "backward: LM head")
 """The runtime model's phases that exist only on the rank of the last stage."""
@@ -131,7 +131,7 @@ def _chunks(
     out = p2p_bytes(
         micro_batch,
         seq_len,
-        model.hidden,
+        model.dim,
         context_size(grid),
         grid_sizes(grid)[3],
         dtype_bytes(opts[1]),

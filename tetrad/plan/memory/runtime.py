@@ -30,8 +30,8 @@ from tetrad.plan.memory.activations import dtype_bytes, saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown, check_positive
 from tetrad.plan.memory.buffers import lm_head_logits_bytes
 from tetrad.plan.memory.grid_buffers import GridBuffers, checked_grid_buffers
-from tetrad.plan.model.grids import context_size
-from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec.grid import context_size
+from tetrad.spec.model import ModelSpec
 
 PHASES = (
     "forward: LM head",
@@ -68,7 +68,7 @@ def tetrad(
       all saved activations (the head's ``dx`` and ``dW`` among them) + one row block's logits
       and softmax + with the vocabulary split over Y or X the micro-batch's logits ``e m
       V/(G_y G_x)`` + the head's X-gathered input + its ``W`` + with ``prefetch`` the next
-      two block weights (:data:`tetrad.spec.PREFETCH_DEPTH`; the two largest);
+      two block weights (:data:`tetrad.spec.overlap.PREFETCH_DEPTH`; the two largest);
     - ``backward: LM head``: all saved + the scaled ``dx`` ``e m h`` + the fp32 copy of ``dW``
       (the reduce-scatter input) when ``e = 2`` (+ the next two block weights prefetched);
     - ``backward: blocks``: the blocks' saved tensors (+ one block's recompute set under
@@ -99,7 +99,7 @@ def tetrad(
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
-        tetrad.activation_checkpointing.CheckpointingError: an unknown checkpointing mode.
+        tetrad.spec.activation_checkpointing.CheckpointingError: an unknown checkpointing mode.
     """
     g, phases = _phases(
         model,
@@ -151,7 +151,7 @@ def phase_totals(
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
-        tetrad.activation_checkpointing.CheckpointingError: an unknown checkpointing mode.
+        tetrad.spec.activation_checkpointing.CheckpointingError: an unknown checkpointing mode.
     """
     g, a = _parts(
         model,
@@ -325,7 +325,7 @@ def _activation_terms(
     return _ActivationTerms(
         all=saved["blocks"] + saved["embedding"] + saved["final_norm"],
         head_forward=saved["loss"] + lm_head_logits_bytes(model, shape, m, e),
-        head_backward=saved["loss"] + e * m * model.hidden,
+        head_backward=saved["loss"] + e * m * model.dim,
         blocks=saved["blocks"] + saved["embedding"],
         recompute=saved["recompute"],
         embedding=saved["embedding"],

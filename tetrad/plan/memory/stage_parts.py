@@ -11,8 +11,8 @@ import functools
 
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.runtime import phase_components
-from tetrad.plan.model.grids import grid_sizes
-from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec.grid import grid_sizes
+from tetrad.spec.model import ModelSpec
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -27,10 +27,10 @@ def table_elements(model: ModelSpec, grid) -> tuple[int, int, int]:
     counts them (``n k / (G_x G_y G_z)`` per table, ``h / G_x`` for the norm)."""
     _, gz, gy, gx = grid_sizes(grid)
     shard = gx * gy * gz
-    emb = model.vocab * model.hidden // shard
+    emb = model.vocab_size * model.dim // shard
     if model.max_positions:
-        emb += model.max_positions * model.hidden // shard
-    head = model.vocab * model.hidden // shard
+        emb += model.max_positions * model.dim // shard
+    head = model.vocab_size * model.dim // shard
     return emb, head, model.norm_params() // gx
 
 

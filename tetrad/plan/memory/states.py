@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import functools
 
-from tetrad.plan.model.grids import check_grid, grid_sizes
-from tetrad.plan.model.spec import Linear, ModelSpec
-from tetrad.spec import FP32
+from tetrad.spec.grid import grid_sizes
+from tetrad.spec.model import Linear, ModelSpec
+from tetrad.spec.sharding import check_grid
+from tetrad.spec.units import FP32
 
 
 def _vector_elements(lin: Linear, gx: int, gy: int) -> int:
@@ -54,9 +55,9 @@ def _local_elements(model: ModelSpec, gz: int, gy: int, gx: int) -> tuple[int, i
     shard = gx * gy * gz
     block = [lin.weight_elements // shard for lin in model.linears() for _ in range(lin.count)]
     moe = _moe_matrix_elements(model, shard)
-    tables = [model.vocab * model.hidden // shard]
+    tables = [model.vocab_size * model.dim // shard]
     if model.max_positions:
-        tables.append(model.max_positions * model.hidden // shard)
+        tables.append(model.max_positions * model.dim // shard)
     if not model.tied_embeddings:
         tables.append(model.lm_head().weight_elements // shard)
     matrices = model.dense_blocks * sum(block) + moe + sum(tables)

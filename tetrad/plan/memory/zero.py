@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.states import local_parameter_elements
-from tetrad.plan.model.grids import context_size, grid_sizes
-from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import FP32
+from tetrad.spec.grid import context_size, grid_sizes
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.units import FP32
 
 SHARD_OPTIMIZER = ("auto", "on", "off")
 """The planner's choices for the sharded optimizer (``tetrad plan --shard-optimizer``)."""

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import argparse
 
-from tetrad.pipeline.split import PipelineSplitError
 from tetrad.plan.comm.context import Context
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.pipeline import pipeline_memory
-from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.pipe.estimate import split_ranks
 from tetrad.plan.pipe.schedule import schedule_problems
 from tetrad.plan.pipe.stages import split_costs
-from tetrad.spec import GiB, format_grid, role_sizes
+from tetrad.spec.grid import format_grid, role_sizes
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.pipeline_split import PipelineSplitError
+from tetrad.spec.units import GiB
 
 
 def pipeline_memory_text(
@@ -28,7 +29,7 @@ def pipeline_memory_text(
     gpu_memory_bytes: float,
 ) -> tuple[MemoryBreakdown, str]:
     """The worst rank's breakdown and the title of ``tetrad memory`` on a pipeline grid: the
-    stage split is the runtime's (:func:`tetrad.pipeline.split.balanced_split` by the per-block
+    stage split is the runtime's (:func:`tetrad.spec.pipeline_split.balanced_split` by the per-block
     compute of ``--machine``, default dgx-h100); ``--num-microbatches`` defaults to ``8 G_pipe``.
 
     Raises:

@@ -37,19 +37,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tetrad.activation_checkpointing import parse_checkpointing
 from tetrad.plan.comm import layers, linears
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import LAYER_KINDS, make_step
 from tetrad.plan.comm.record import Recorder
 from tetrad.plan.comm.zero import FLAG, shards_optimizer
 from tetrad.plan.compute.elementwise import ELEMENTWISE
-from tetrad.plan.model.grids import with_context
 from tetrad.plan.pipe.critical_path import schedule_step
 from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
 from tetrad.plan.pipe.stage_times import stage_times
 from tetrad.plan.pipe.stages import PipeRank, balanced_stages, pipe_ranks, split_costs
-from tetrad.spec import COMM_AXES, physical_axis, role_sizes
+from tetrad.spec.activation_checkpointing import parse_checkpointing
+from tetrad.spec.grid import COMM_AXES, physical_axis, role_sizes, with_context
 
 STEP_KINDS = (layers.data_gradients, layers.step_scalars)
 """The layer kinds recorded once per step (after the last backward), not per micro-batch."""
@@ -206,7 +205,7 @@ def rank_time(
     nbytes = p2p_bytes(
         micro_batch,
         ctx.seq_len,
-        ctx.model.hidden,
+        ctx.model.dim,
         st.sizes["context"],
         st.sizes["x"],
         ctx.c,
@@ -263,7 +262,7 @@ def pipeline_estimate(
 
     Raises:
         PlanError: the batch does not split into micro-batches on this grid.
-        tetrad.pipeline.split.PipelineSplitError: more stages than blocks.
+        tetrad.spec.pipeline_split.PipelineSplitError: more stages than blocks.
     """
     comp = ctx.compute(role_sizes(with_context(grid), turn), micro_batch)
     ranks = split_ranks(ctx.model.n_layers, split_costs(comp, ckpt), cfg.pipe, cfg.virtual)
@@ -291,7 +290,7 @@ def pipeline_estimate(
     per_boundary = p2p_bytes(
         micro_batch,
         ctx.seq_len,
-        ctx.model.hidden,
+        ctx.model.dim,
         physical[1],
         role_sizes(physical, turn)[4],
         ctx.c,
@@ -365,7 +364,7 @@ def planner_split(
     to run the split the planner timed.
 
     Raises:
-        tetrad.pipeline.split.PipelineSplitError: ``p v`` above the blocks.
+        tetrad.spec.pipeline_split.PipelineSplitError: ``p v`` above the blocks.
     """
     _, emb, head, _, _ = split_key(n_layers, costs, pipe, virtual)
     return balanced_stages(n_layers, (1.0, emb, head), pipe * virtual)

@@ -1,19 +1,19 @@
 """Which blocks each pipeline rank holds, as the runtime splits them: the stages of
-:func:`tetrad.pipeline.split.balanced_split` (the runtime's own function; for blocks of cost 1
+:func:`tetrad.spec.pipeline_split.balanced_split` (the runtime's own function; for blocks of cost 1
 and the embedding's and head's costs in quarter blocks, as the search asks, the same split from
 its recurrence in fewer steps, :func:`tetrad.plan.pipe.uniform_split.uniform_split`) with the
 planner's per-block compute seconds as cost, the embedding counted on stage 0 and the final
 norm, LM head and loss on the last stage; ``p v`` stages, "loop" placement (rank ``r`` runs
-stages ``r, r + p, ...``, :func:`tetrad.pipeline.split.stages_of_rank`). Plain Python."""
+stages ``r, r + p, ...``, :func:`tetrad.spec.pipeline_split.stages_of_rank`). Plain Python."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.activation_checkpointing import checkpointed_blocks
-from tetrad.pipeline.split import balanced_split, stages_of_rank
 from tetrad.plan.compute.block import BlockCompute
 from tetrad.plan.pipe.uniform_split import exact_quarters, uniform_split
+from tetrad.spec.activation_checkpointing import checkpointed_blocks
+from tetrad.spec.pipeline_split import balanced_split, stages_of_rank
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def pipe_ranks(
     """The ``p`` ranks of :func:`balanced_stages`.
 
     Raises:
-        tetrad.pipeline.split.PipelineSplitError: ``p v`` above the blocks.
+        tetrad.spec.pipeline_split.PipelineSplitError: ``p v`` above the blocks.
     """
     return ranks_of_split(balanced_stages(n_layers, costs, pipe * virtual), pipe, virtual)
 
@@ -66,7 +66,7 @@ def balanced_stages(
     embedding, head)``: ``(start, stop)`` blocks per stage.
 
     Raises:
-        tetrad.pipeline.split.PipelineSplitError: more stages than blocks.
+        tetrad.spec.pipeline_split.PipelineSplitError: more stages than blocks.
     """
     block, emb, head = costs
     if block == 1.0 and exact_quarters(emb, head) and 1 <= n_stages <= n_layers:

@@ -14,14 +14,14 @@ from tetrad.plan.memory.offsets import sharding_offsets
 from tetrad.plan.memory.runtime import fewest_selective, phase_totals
 from tetrad.plan.memory.states import local_parameter_elements
 from tetrad.plan.memory.zero import state_bytes_per_element
-from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.space import divisors_of
-from tetrad.spec import role_sizes
+from tetrad.spec.grid import role_sizes
+from tetrad.spec.model import ModelSpec
 
 
 class RoleFits:
     """What fits on one role assignment ``(G_data, G_context, G_z, G_y, G_x)``
-    (:func:`tetrad.spec.role_sizes`), from its memory lines alone: per optimizer variant and
+    (:func:`tetrad.spec.grid.role_sizes`), from its memory lines alone: per optimizer variant and
     checkpointing mode the fitting micro-batches; and, once asked for
     (:meth:`Candidates.expand`), the configurations with their compute seconds.
 

@@ -19,17 +19,17 @@ import dataclasses
 import time
 from collections.abc import Iterator
 
-from tetrad.activation_checkpointing import CHECKPOINTING, parse_checkpointing
 from tetrad.plan.comm.context_parallel import attention_fwd_flops, context_problems
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.memory import fujii
 from tetrad.plan.memory.breakdown import MemoryBreakdown
-from tetrad.plan.model.grids import tp_problems
-from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.rows import CLASSIC_AXES, Row
 from tetrad.plan.search.space import check_inputs, checkpointing_modes, divisors
+from tetrad.spec.activation_checkpointing import CHECKPOINTING, parse_checkpointing
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.sharding import tp_problems
 
 
 def classic_memory(
@@ -71,7 +71,7 @@ def classic_memory(
     if parse_checkpointing(checkpointing) == "full":
         layer = fujii.fujii_layer_activation_bytes(model, tp, cp, micro_batch, seq_len)
         factor = fujii.fujii_pipeline_factor(pp, num_microbatches, virtual_pp)
-        inp = 2.0 * seq_len / cp * micro_batch * model.hidden / tp
+        inp = 2.0 * seq_len / cp * micro_batch * model.dim / tp
         mem.components["activations"] = model.n_layers * inp * factor + layer
     return mem
 
@@ -136,19 +136,19 @@ def megatron_estimate(
     elem = (
         m
         * (
-            ew["norm_residual_per_h"] * model.hidden / tp
+            ew["norm_residual_per_h"] * model.dim / tp
             + ew["rope_per_qk"] * (model.q_dim + model.kv_dim) / tp
-            + act * model.ffn_hidden / tp
+            + act * model.ffn_dim / tp
         )
         / hbm
     )
     layer_f = gemm + att + elem
     layer_b = 2.0 * gemm + 2.5 * att + ew["backward_factor"] * elem
-    hf = 2.0 * m * model.vocab * model.hidden / tp
+    hf = 2.0 * m * model.vocab_size * model.dim / tp
     head = hf / (peak * eff(hf))
     # Megatron's unfused vocabulary-parallel cross-entropy moves about the bytes of tetrad's
     # fused one (softmax forward, gradient in backward)
-    loss = ew["loss_fwd_per_logit"] * m * model.vocab / tp / hbm
+    loss = ew["loss_fwd_per_logit"] * m * model.vocab_size / tp / hbm
     t_f = ls * layer_f + head
     t_b = ls * layer_b + 2.0 * head + loss
     if stage_layers and pp > 1:  # the last stage's layers + head vs the largest other
@@ -162,7 +162,7 @@ def megatron_estimate(
     per_exp = dict.fromkeys(CLASSIC_AXES, 0.0)
     if tp > 1:  # sequence parallelism: 2 AG + 2 RS per layer per pass, 1 pair for the head
         lt = net.link(1, tp)
-        pay = m * model.hidden * c
+        pay = m * model.dim * c
         pair = lt.time(ALL_GATHER, pay) + lt.time(REDUCE_SCATTER, pay)
         per["tp"] = per_exp["tp"] = (ls * 2 * (2 + (1 if full else 0)) + 1) * pair
     if cp > 1:  # ring attention: c - 1 K/V exchanges per layer, hidden behind attention
@@ -175,7 +175,7 @@ def megatron_estimate(
     if pp > 1:  # one activation forward, one gradient backward
         lp = net.link(tp * cp * dp, 2)
         per["pp"] = per_exp["pp"] = (
-            2.0 * virtual_pp * (lp.base_latency + m * model.hidden / tp * c / lp.bandwidth)
+            2.0 * virtual_pp * (lp.base_latency + m * model.dim / tp * c / lp.bandwidth)
         )
     per_mb = t_f + t_b + t_r + sum(per_exp.values())
     bubble = (pp - 1) * per_mb / virtual_pp
@@ -292,7 +292,7 @@ def search_classic(
     uneven splits (:func:`pipeline_variants`; without it, 1F1B on even splits only).
 
     Raises:
-        PlanError: bad inputs; tetrad.activation_checkpointing.CheckpointingError: an unknown mode.
+        PlanError: bad inputs; tetrad.spec.activation_checkpointing.CheckpointingError: an unknown mode.
     """
     check_inputs(model, gpus, global_batch, seq_len)
     t0 = time.perf_counter()

@@ -3,11 +3,11 @@ time (:func:`search_4d`).
 
 4D space (tetrad / AxoNN, with context parallelism a fifth axis): every ordered factorisation
 ``G_data * G_context * G_z * G_y * G_x = GPUs`` whose sizes shard the model
-(:func:`tetrad.plan.model.grids.grid_problems`), split the sequence (``S % (2 G_context) ==
+(:func:`tetrad.spec.sharding.grid_problems`), split the sequence (``S % (2 G_context) ==
 0``, :func:`tetrad.plan.comm.context_parallel.context_problems`; ``G_context = 1`` only with
 ``comm_model="axonn"``) and split the global batch (``B % (G_data G_z) == 0``); every
 micro-batch ``b`` dividing ``B / (G_data G_z)``; activation checkpointing ``none``,
-``selective`` and ``full`` (:data:`tetrad.activation_checkpointing.CHECKPOINTING`), where
+``selective`` and ``full`` (:data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`), where
 ``none`` does not fit ``selective`` on the fewest blocks that fit (``selective:K``,
 :func:`tetrad.plan.memory.runtime.fewest_selective`). Configurations whose
 :func:`tetrad.plan.memory.runtime.tetrad` estimate is above 80% of GPU memory are dropped (Fujii
@@ -26,7 +26,7 @@ The classic Megatron-style space beside it: :mod:`tetrad.plan.search.classic`; b
 :func:`tetrad.plan.search.plan.plan`.
 
 Each grid with ``G_x`` and ``G_y`` above 1 is tried in both orientations of the layer pairs
-(:data:`tetrad.spec.ORIENTATIONS`, where the roles shard the model); the rows say which
+(:data:`tetrad.spec.grid.ORIENTATIONS`, where the roles shard the model); the rows say which
 (``yx``). With one tensor axis the two orientations are the two grids that name it X or Y.
 
 Speed, by design: memory is evaluated once per (grid, checkpointing mode) as a line in the
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import time
 
-from tetrad.activation_checkpointing import CHECKPOINTING
 from tetrad.plan.comm.axonn import axonn_comm
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import context_problems
@@ -59,8 +58,6 @@ from tetrad.plan.machine.spec import Machine
 from tetrad.plan.memory.breakdown import FIT_FRACTION
 from tetrad.plan.memory.runtime import tetrad as tetrad_memory
 from tetrad.plan.memory.zero import check_shard_optimizer
-from tetrad.plan.model.grids import grid_problems, grid_sizes
-from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.candidates import Candidates
 from tetrad.plan.search.pipelined import PipeSearch, is_pipeline, pipeline_row
 from tetrad.plan.search.ranking import Ranking
@@ -72,7 +69,11 @@ from tetrad.plan.search.space import (
     nearby_gpu_counts,
 )
 from tetrad.plan.search.top import ranked
-from tetrad.spec import COMM_AXES, GRID_AXES, ORIENTATIONS, GiB, role_sizes
+from tetrad.spec.activation_checkpointing import CHECKPOINTING
+from tetrad.spec.grid import COMM_AXES, GRID_AXES, ORIENTATIONS, grid_sizes, role_sizes
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.sharding import grid_problems
+from tetrad.spec.units import GiB
 
 
 class _Search4D(Candidates, Ranking):

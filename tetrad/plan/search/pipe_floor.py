@@ -9,7 +9,8 @@ from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.pipe.estimate import PipeConfig, cached_rank_time, rank_tail, split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
-from tetrad.spec import FP32, role_sizes
+from tetrad.spec.grid import role_sizes
+from tetrad.spec.units import FP32
 
 
 class BlockFloors:
@@ -99,7 +100,7 @@ class BlockFloors:
         ctx, p = self.ctx, cfg.pipe
         block, _, zb, ze = self._block_floor(grid, turn, b, mode)
         roles = role_sizes(grid, turn)
-        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, roles[1], roles[4], ctx.c)
+        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.dim, roles[1], roles[4], ctx.c)
         world5 = grid[0] * grid[1] * grid[2] * grid[3] * grid[4]
         link = ctx.machine.network.link(world5, 2)
         one = link.base_latency + nbytes / link.bandwidth

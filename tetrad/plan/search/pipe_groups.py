@@ -30,11 +30,11 @@ from tetrad.plan.comm.context_parallel import (
 )
 from tetrad.plan.compute.block import block_compute
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
-from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.pipe.estimate import block_xy, split_key, split_ranks
 from tetrad.plan.pipe.schedule import p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.search.space import divisors_of
+from tetrad.spec.sharding import grid_problems
 
 VIRTUAL_CHOICES = (2, 3, 4, 5, 6, 8)
 """Virtual stages per rank tried with ``interleaved-1f1b`` (NVIDIA's Llama-3 recipes use 5 and
@@ -195,7 +195,7 @@ class GroupBounds:
         only GPipe runs, ``m < p``, else 0). Not memoised: each group asks once."""
         ctx = self.ctx
         model, block, costs, ratios = self._mb_costs(gc, gy, gx, b, mode)
-        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, ctx.c)
+        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.dim, gc, gx, ctx.c)
         link = self.pipe_links[pipe]
         one = link.base_latency + nbytes / link.bandwidth
         m = ctx.global_batch // (q * b)

@@ -54,7 +54,7 @@ from tetrad.plan.memory.zero import state_bytes_per_element
 from tetrad.plan.pipe.estimate import split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
 from tetrad.plan.search.space import divisors_of
-from tetrad.spec import role_sizes
+from tetrad.spec.grid import role_sizes
 
 
 class MemoryFloors:
@@ -116,7 +116,7 @@ class MemoryFloors:
         if got is None:
             model = self.ctx.model
             block = sum(lin.weight_elements // shard * lin.count for lin in model.linears())
-            head = model.vocab * model.hidden // shard if model.tied_embeddings else 0
+            head = model.vocab_size * model.dim // shard if model.tied_embeddings else 0
             got = self.elem_memo[key] = (per * block, per * head)
         return got
 
@@ -161,7 +161,7 @@ class MemoryFloors:
         got = self.terms_memo.get(key)
         if got is None:
             ctx = self.ctx
-            out = p2p_bytes(b, ctx.seq_len, ctx.model.hidden, gc, gx, dtype_bytes(self.s.dtype))
+            out = p2p_bytes(b, ctx.seq_len, ctx.model.dim, gc, gx, dtype_bytes(self.s.dtype))
             split = self._mb_costs(gc, gy, gx, b, mode)[3]
             got = (*self._saved_line(gc, gy, gx, b, mode), out, split)
             self.terms_memo[key] = got

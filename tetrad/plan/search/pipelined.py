@@ -53,7 +53,6 @@ from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.zero import sharded
 from tetrad.plan.memory.breakdown import FIT_FRACTION
 from tetrad.plan.memory.pipeline import pipeline_memory, stage_memory
-from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.pipe.estimate import PipeConfig, PipeEstimate, pipeline_estimate, split_ranks
 from tetrad.plan.pipe.schedule import SCHEDULES, schedule_problems
 from tetrad.plan.pipe.stages import split_costs
@@ -62,7 +61,8 @@ from tetrad.plan.search.pipe_groups import VIRTUAL_CHOICES, GroupBounds
 from tetrad.plan.search.pipe_memory import MemoryFloors
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.top import best_first, offer, slowest
-from tetrad.spec import GRID_AXES, ORIENTATIONS, role_sizes
+from tetrad.spec.grid import GRID_AXES, ORIENTATIONS, role_sizes
+from tetrad.spec.sharding import grid_problems
 
 MODE_ORDER = ("none", "selective", "full")
 SHAPE, GROUP = 1, 2

@@ -8,14 +8,14 @@ import gc
 import time
 from collections.abc import Iterator
 
-from tetrad.activation_checkpointing import CHECKPOINTING
 from tetrad.plan.comm.context import Context
 from tetrad.plan.machine.spec import Machine
-from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.classic import search_classic
 from tetrad.plan.search.four_d import search_4d
 from tetrad.plan.search.rows import SearchResult
-from tetrad.spec import GiB
+from tetrad.spec.activation_checkpointing import CHECKPOINTING
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.units import GiB
 
 
 def plan(

@@ -23,7 +23,7 @@ import itertools
 from tetrad.plan.comm.bounds import MARGIN, StepBounds
 from tetrad.plan.comm.zero import sharded
 from tetrad.plan.search.top import PIPELINE_SEQ, best_first, offer, slowest
-from tetrad.spec import role_sizes
+from tetrad.spec.grid import role_sizes
 
 MAY_FIT, FITS, CHEAP, TIME = 0, 1, 2, 3
 """Kinds of the queue's entries: a 5D group at the floor of what may fit, of what fits; one of

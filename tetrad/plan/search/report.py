@@ -13,9 +13,11 @@ import tomli_w
 
 from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
-from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.rows import Row, SearchResult
-from tetrad.spec import COMM_AXES, OVERLAPS, GiB, format_grid
+from tetrad.spec.grid import COMM_AXES, format_grid
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.overlap import OVERLAPS
+from tetrad.spec.units import GiB
 
 AXES_CLASSIC = ("tp", "cp", "pp", "dp")
 
@@ -288,12 +290,12 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
             "RMSNorm, RoPE) of the same widths."
         )
     sizes = {
-        "dim": model.hidden,
+        "dim": model.dim,
         "n_layers": model.n_layers,
         "n_heads": model.n_heads,
         "n_kv_heads": model.n_kv_heads,
-        "ffn_dim": model.ffn_hidden,
-        "vocab_size": model.vocab,
+        "ffn_dim": model.ffn_dim,
+        "vocab_size": model.vocab_size,
         "rope_theta": model.rope_theta,
     }
     settings = {  # the sections of tetrad.train.config

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from tetrad.plan.compute.flops import model_flops_per_step, recompute_flops_per_step
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.memory.breakdown import MemoryBreakdown
-from tetrad.plan.model.spec import ModelSpec
-from tetrad.spec import GRID_AXES
+from tetrad.spec.grid import GRID_AXES
+from tetrad.spec.model import ModelSpec
 
 CLASSIC_AXES = ("tp", "cp", "pp", "dp")
 """The axes of the classic space, in :attr:`Row.grid` order."""
@@ -31,7 +31,7 @@ class Row:
         grad_accum: micro-batches per step.
         activation_checkpointing: ``none``, ``selective`` (element-wise parts recomputed) or
             ``full`` (every block recomputed);
-            :data:`tetrad.activation_checkpointing.CHECKPOINTING`.
+            :data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`.
         step_s: predicted seconds per optimizer step.
         compute_s: compute seconds (GEMMs, attention, element-wise, optimizer; recompute incl.).
         recompute_s: of which recomputation.
@@ -45,7 +45,7 @@ class Row:
         hfu: hardware FLOPs utilisation (model FLOPs plus the recomputed forward), the measure
             AxoNN and Megatron-LM report as "% of peak".
         orientation: 4D: which mesh dimension plays which role of the layer pairs
-            (:data:`tetrad.spec.ORIENTATIONS`); ``sizes`` and the per-axis seconds name the
+            (:data:`tetrad.spec.grid.ORIENTATIONS`); ``sizes`` and the per-axis seconds name the
             ``--grid``'s dimensions.
         pipe: 4D: ``G_pipe`` (1: no pipeline; then ``sizes`` is the whole grid); with a
             pipeline ``exposed_s["pipe"]`` is the point-to-point time and

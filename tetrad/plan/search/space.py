@@ -6,10 +6,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
-from tetrad.activation_checkpointing import parse_checkpointing
 from tetrad.plan.errors import PlanError
-from tetrad.plan.model.grids import grid_problems
-from tetrad.plan.model.spec import ModelSpec
+from tetrad.spec.activation_checkpointing import parse_checkpointing
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.sharding import grid_problems
 
 
 def divisors(n: int) -> list[int]:
@@ -39,11 +39,11 @@ def factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
 
 
 def checkpointing_modes(checkpointing: Iterable[str | bool]) -> tuple[str, ...]:
-    """Distinct modes of :data:`tetrad.activation_checkpointing.CHECKPOINTING` from names or bools
+    """Distinct modes of :data:`tetrad.spec.activation_checkpointing.CHECKPOINTING` from names or bools
     (``True`` = ``full``), in the given order.
 
     Raises:
-        tetrad.activation_checkpointing.CheckpointingError: an unknown name.
+        tetrad.spec.activation_checkpointing.CheckpointingError: an unknown name.
     """
     return tuple(dict.fromkeys(parse_checkpointing(c) for c in checkpointing))
 

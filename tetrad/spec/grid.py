@@ -1,53 +1,22 @@
-"""tetrad's shared vocabulary, defined once for the runtime and the planner (plain Python).
+"""The grid's axes and shapes, defined once for the runtime and the planner (plain Python).
 
 - the axes of the grid and the groups collectives run over (:class:`Axis`);
-- grid shapes ``(G_data, G_context, G_z, G_y, G_x)``: parsing and the world-size check;
-- the overlap names and their defaults;
-- devices, byte units, the TOML reader;
-- :class:`TetradError`, the base of every "change your input" error, and the one line the
-  ``tetrad`` command prints for it.
+- grid shapes ``(G_data, G_context, G_z, G_y, G_x)`` and the pipeline axis: parsing, the
+  orientation of the X and Y roles, the world-size check, the expert axis folded over data x
+  context.
 
-Nothing here imports torch, so ``tetrad plan`` and configuration parsing run anywhere.
+Which grids shard a given model is :mod:`tetrad.spec.sharding`.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import math
-import sys
 from collections.abc import Iterable
-from typing import Literal, NoReturn
+from typing import NoReturn
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib  # noqa: F401 (re-exported: the one TOML reader)
-
-# ---- byte units ------------------------------------------------------------------------------
-
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
-"""Binary units for memory and buffer sizes. Bandwidths are decimal: GB/s = 1e9 bytes/s."""
-
-
-# ---- errors ----------------------------------------------------------------------------------
-
-
-class TetradError(ValueError):
-    """A mistake in the user's input; the message is one line saying what to change.
-
-    The ``tetrad`` command prints it as :func:`error_line` and exits with status 2.
-    """
-
-
-def error_line(message: object) -> str:
-    """``tetrad: error: <first line of message>``: what the command prints for a mistake."""
-    lines = str(message).strip().splitlines()
-    return f"tetrad: error: {lines[0] if lines else type(message).__name__}"
-
-
-# ---- axes and grid shapes --------------------------------------------------------------------
+from tetrad.spec.errors import TetradError
 
 
 class Axis(str, enum.Enum):
@@ -267,123 +236,42 @@ def check_expert_parallel(expert: int, sizes: GridShape) -> None:
         )
 
 
-# ---- overlaps --------------------------------------------------------------------------------
-
-OVERLAPS = (
-    "prefetch",
-    "reduce_scatter",
-    "dx_all_reduce",
-    "dp_all_reduce",
-    "domino",
-    "fine",
-    "context",
-)
-"""What the runtime overlaps with computation (:mod:`tetrad.parallel.overlap`, where each is
-described) and the planner models (:mod:`tetrad.plan.comm.estimate`)."""
-
-DEFAULT_OVERLAPS = tuple(o for o in OVERLAPS if o != "fine")
-"""The overlaps of a model built without naming any (``ParallelLlama``, ``Overlap``): all but
-``fine``, which is on only where named or where the planner predicts a gain
-(:func:`tetrad.train.auto.fine_chunks`), as ``tetrad train --overlap all`` without a machine."""
-
-DP_BUCKET_BYTES = 25 * MiB
-"""Data-parallel all-reduce bucket size of the ``dp_all_reduce`` overlap, bytes: DDP's default
-(``bucket_cap_mb=25``). On the 2-core CPU machine, separate spawns in ABBA order, 6 repeats each,
-the ``small`` model's data-parallel step took 0.99x (4 ranks) and 0.99x (2 ranks) of its time
-with 4 MiB buckets: fewer gloo calls (each costs about 1 ms of CPU at 4 ranks)."""
-
-DOMINO_MIN_ROWS = 256
-"""The ``domino`` overlap splits a forward GEMM only when the micro-batch has at least twice
-this many token rows (below it the extra launch costs more than the split hides)."""
-
-LOSS_CHUNK_BYTES = {"cpu": 8 * MiB, "cuda": 1 * GiB}
-"""Per device type, the largest fp32 block of logits ``[rows, V/(G_y G_x)]`` that the fused LM
-head and cross-entropy (:func:`tetrad.parallel.loss.lm_head_loss`) forms at once, bytes: small
-on the CPU (the block stays in cache from its GEMM through the softmax and the gradient's two
-GEMMs), large on GPUs (few, large GEMMs and few partial weight-gradient sums)."""
+def context_size(grid: Iterable[int]) -> int:
+    """``G_context`` of a five-size grid ``(G_data, G_context, G_z, G_y, G_x)``; 1 for four
+    sizes ``(G_data, G_z, G_y, G_x)``."""
+    grid = tuple(grid)
+    return int(grid[1]) if len(grid) == 5 else 1
 
 
-def loss_chunk_rows(vocab_local: int, rows: int, device: str = "cuda") -> int:
-    """Token rows per block of the fused LM head and cross-entropy: as many as fit
-    :data:`LOSS_CHUNK_BYTES` of the device type (``cuda`` for any accelerator) at
-    ``vocab_local`` fp32 logits each, at least 1 and at most ``rows``."""
-    budget = LOSS_CHUNK_BYTES.get(device, LOSS_CHUNK_BYTES["cuda"])
-    return max(1, min(rows, budget // (4 * vocab_local)))
+def with_context(grid: Iterable[int]) -> tuple[int, int, int, int, int]:
+    """The five sizes of a four- or five-size grid (``G_context = 1`` for four)."""
+    grid = tuple(int(g) for g in grid)
+    return grid if len(grid) == 5 else (grid[0], 1, *grid[1:])  # type: ignore[return-value]
 
 
-CONTEXT_PIECES = 8
-"""Most pieces of the ``context`` overlap (:mod:`tetrad.parallel.context`): the K/V all-gather
-of context-parallel attention is split over (micro-batch, KV head) into at most this many, each
-piece's attention running while the next piece travels (the planner models the same rule,
-:func:`context_pieces`)."""
-
-
-def context_pieces(micro_batch: int, kv_heads_local: int, most: int = CONTEXT_PIECES) -> tuple:
-    """``(n_b, n_h)``: the ``context`` overlap's pieces over the micro-batch's ``b`` samples and
-    this rank's ``kv_heads / G_y`` KV heads: ``n_h`` the largest divisor of ``kv_heads_local``
-    not above ``most``, then ``n_b`` the largest divisor of ``micro_batch`` not above
-    ``most // n_h``; ``n_b n_h`` pieces in all (``(1, 1)``: one blocking all-gather)."""
-    n_h = max(d for d in range(1, min(most, kv_heads_local) + 1) if kv_heads_local % d == 0)
-    left = most // n_h
-    n_b = max(d for d in range(1, min(left, micro_batch) + 1) if micro_batch % d == 0)
-    return n_b, n_h
-
-
-FINE_CHUNKS = 2
-"""Pieces per ring step of the ``fine`` overlap when no ``--machine`` chooses: the fewest that
-overlap anything (with one piece per step each fused ``addmm`` waits for the running sum it
-folds in, so the ring is serial)."""
-
-
-class OverlapError(TetradError):
-    """An overlap name that is not one of :data:`OVERLAPS`."""
-
-
-def parse_overlaps(text: str | Iterable[str]) -> frozenset[str]:
-    """``"all"``, ``"none"`` or a comma-separated subset of :data:`OVERLAPS` (or the names).
+def grid_sizes(grid: Iterable[int]) -> tuple[int, int, int, int]:
+    """``(G_data, G_z, G_y, G_x)`` as four positive integers, from those four or from
+    ``(G_data, G_context, G_z, G_y, G_x)`` (:func:`context_size` reads ``G_context``).
 
     Raises:
-        OverlapError: an unknown name (the message lists the known ones).
+        GridError: not four positive integers.
     """
-    names = [t.strip() for t in text.split(",")] if isinstance(text, str) else list(text)
-    names = [n for n in names if n]
-    if names == ["all"]:
-        return frozenset(OVERLAPS)
-    if names in (["none"], []):
-        return frozenset()
-    bad = [n for n in names if n not in OVERLAPS]
-    if bad:
-        raise OverlapError(
-            f"unknown overlap {bad[0]!r}: use all, none or a comma-separated list "
-            f"of {', '.join(OVERLAPS)}"
-        )
-    return frozenset(names)
+    grid = tuple(grid)
+    try:
+        return _grid_sizes(grid)
+    except TypeError:  # an unhashable size: checked without the cache
+        return _grid_sizes.__wrapped__(grid)
 
 
-# ---- devices and dtypes ----------------------------------------------------------------------
-
-Device = Literal["cpu", "cuda"]
-DEVICES: tuple[Device, ...] = ("cpu", "cuda")
-"""``cpu`` runs on gloo in fp32; ``cuda`` on NCCL with bf16 autocast."""
-
-FP32 = 4
-"""Bytes of an fp32 element: master weights, gradients, optimizer states, norm and loss
-statistics."""
-
-DTYPE_BYTES = {"bf16": 2, "fp32": FP32}
-"""Compute-dtype bytes. ``"bf16"`` is the runtime on CUDA (bf16 autocast, fp32 master weights,
-FlashAttention-style SDPA, foreach AdamW); ``"fp32"`` the runtime on CPU (no autocast, the CPU
-flash SDPA kernel, single-tensor AdamW)."""
-
-
-def compute_dtype(device: str) -> str:
-    """The compute dtype of the runtime on ``device``: ``bf16`` on CUDA, ``fp32`` on CPU."""
-    return "bf16" if device == "cuda" else "fp32"
-
-
-PREFETCH_DEPTH = 2
-"""Z all-gathers the ``prefetch`` overlap keeps in flight ahead of the weight in use, in
-execution order (tetrad/parallel/overlap.py; the planner's replay,
-tetrad/plan/comm/zqueue.py): with two, a weight whose all-gather is longer than the layer
-before it (Llama's ``w13`` after the short ``wo``) has two layers' compute to hide behind, for
-one more gathered weight in memory."""
+@functools.lru_cache(maxsize=1 << 14)
+def _grid_sizes(grid: tuple) -> tuple[int, int, int, int]:
+    """:func:`grid_sizes` of a tuple, checked once per grid (the memory model asks per term)."""
+    if len(grid) == 5:
+        grid = (grid[0], *grid[2:])
+    try:
+        gd, gz, gy, gx = (int(g) for g in grid)
+    except (TypeError, ValueError):
+        raise GridError(f"grid {grid!r} is not (G_data, G_z, G_y, G_x)") from None
+    if min(gd, gz, gy, gx) < 1:
+        raise GridError(f"grid {grid!r} needs positive sizes G_data, G_z, G_y, G_x")
+    return gd, gz, gy, gx

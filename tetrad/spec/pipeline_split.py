@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tetrad.spec import TetradError
+from tetrad.spec.errors import TetradError
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
 """``--pipeline-schedule`` values: ``torch.distributed.pipelining``'s ScheduleGPipe,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from tetrad.spec import TetradError
+from tetrad.spec.errors import TetradError
 
 CHECKPOINTING = ("none", "selective", "full")
 """Activation-checkpointing modes: ``none`` keeps every saved tensor; ``selective`` keeps the

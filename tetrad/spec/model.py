@@ -1,6 +1,7 @@
-"""The planner's description of a model: its sizes, its GEMM layers, its parameter and FLOP
-counts. Presets and how a model is named: :mod:`tetrad.plan.model.presets`; which grids shard
-it: :mod:`tetrad.plan.model.grids`.
+"""The one description of a model, shared by the runtime and the planner: its sizes (one set of
+names), its GEMM layers, its parameter and FLOP counts, and the checks that say which sizes
+describe a model. Named presets and how ``--model`` is read: :mod:`tetrad.spec.presets`; which
+grids shard a model: :mod:`tetrad.spec.sharding`.
 
 Plain Python (no torch), so the planner answers instantly anywhere.
 
@@ -9,15 +10,15 @@ Two families:
 - ``llama``: pre-norm decoder with RMSNorm (one weight vector per norm), RoPE (no position
   table), SwiGLU MLP (``w2(silu(gate) * up)``, gate and up one Linear ``w13``) and
   grouped-query attention (q, k and v one Linear ``wqkv``); no biases; untied LM head unless
-  ``tied_embeddings``. This is what tetrad's runtime trains
-  (:mod:`tetrad.models.llama`).
+  ``tied_embeddings``. This is what tetrad's runtime trains (:mod:`tetrad.models.llama`;
+  :func:`check_trainable` says which llama sizes it implements).
 - ``gpt``: AxoNN's GPT (Megatron-LM GPT as used in Singh et al., arXiv 2305.13525 and
   2502.08145): LayerNorm with weight and bias, learned position embeddings (``max_positions``
   rows), GeLU MLP of width ``4h``, biases on every linear of the blocks, no bias on the LM head,
-  untied LM head.
+  untied LM head. The planner models it; the runtime does not train it.
 
-Parameter counts (``h`` hidden, ``L`` layers, ``a`` heads, ``k`` KV heads, ``d = h/a`` head dim,
-``f`` FFN width, ``V`` vocabulary, ``P`` positions):
+Parameter counts (``h`` = ``dim`` hidden, ``L`` layers, ``a`` heads, ``k`` KV heads, ``d = h/a``
+head dim, ``f`` = ``ffn_dim`` FFN width, ``V`` = ``vocab_size``, ``P`` positions):
 
     llama: L (2 h (a d) + 2 h (k d) + 3 h f + 2h) + h + V h + V h (LM head, if untied)
     gpt:   L (12 h^2 + 13 h) + (V + P) h + 2h + V h (LM head)          (with f = 4h)
@@ -34,9 +35,16 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from tetrad.plan.errors import PlanError
+from tetrad.spec.errors import TetradError
 
 FAMILIES = ("gpt", "llama")
+ROUTER_SCORES = ("softmax", "sigmoid")
+AUX_LOSS_SCOPES = ("sequence", "batch")
+
+
+class ModelError(TetradError):
+    """Model sizes that are unknown, malformed, describe no model, or describe one tetrad's
+    runtime does not train."""
 
 
 @dataclass(frozen=True)
@@ -74,82 +82,150 @@ class Linear:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Sizes of a decoder-only transformer, as the planner needs them.
+    """Sizes of a decoder-only transformer: what the runtime builds and the planner models.
 
     Attributes:
-        name: preset name or a label.
-        family: ``"gpt"`` or ``"llama"`` (see the module docstring).
-        hidden: ``h``.
-        n_layers: ``L``.
-        n_heads: ``a`` query heads; head dim ``h / a``.
-        n_kv_heads: ``k`` key/value heads (``== a`` for GPT / multi-head attention).
-        ffn_hidden: MLP inner width (GPT ``4h``; Llama its intermediate size).
-        vocab: ``V`` (already padded).
+        name: preset name or a label (``small``, ``llama-3.1-8b,n_layers=16``, ``custom``).
+        family: ``"llama"`` or ``"gpt"`` (see the module docstring).
+        dim: hidden size ``h``.
+        n_layers: transformer blocks ``L``.
+        n_heads: query heads ``a``; head dim ``h / a`` unless ``attn_head_dim``.
+        n_kv_heads: key/value heads ``k`` (grouped-query attention; ``== a`` for GPT).
+        ffn_dim: MLP inner width ``f`` (GPT ``4h``; Llama's SwiGLU intermediate size).
+        vocab_size: ``V`` tokens (padded to divide the grid; 0: not known yet, a training run
+            takes it from its tokenizer).
         max_positions: rows of the learned position table (GPT); 0 for RoPE models.
         tied_embeddings: the LM head reuses the embedding table (no extra ``V h``).
-        rope_theta: RoPE base (llama); the planner does not use it, the runtime builds its
-            model from the same preset (:meth:`tetrad.models.config.ModelConfig.from_spec`).
+        rope_theta: RoPE base (llama).
+        norm_eps: RMSNorm epsilon.
+        rope_factor: Llama 3.1's RoPE frequency scaling ``factor`` (1: no scaling), with
+            ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
+            ``rope_original_positions`` (``original_max_position_embeddings``); see
+            :func:`tetrad.models.llama.rope_frequencies`.
+        unpadded_vocab: the real vocabulary when ``vocab_size`` is padded to divide the grid
+            (0: no padding); the loss's softmax leaves the padding ids out.
         attn_head_dim: attention head size when it is not ``h / a`` (Qwen3: 128 with
-            ``h / a = 64``); 0: ``h / a``.
-        n_experts: routed experts ``E`` per MoE block (0: dense).
-        top_k: experts per token ``k``.
-        expert_ffn: inner width ``f_e`` of one routed expert.
-        shared_ffn: inner width ``f_s`` of the shared expert (0: none).
-        dense_layers: the first blocks keep the dense FFN (DeepSeek-V3: 3).
-        moe_every: block ``i`` is an MoE block when ``(i + 1) % moe_every == 0`` and
+            ``h / a = 64``); 0: ``h / a``. The planner models it; the runtime does not train it.
+        qk_norm: RMSNorm of each query and key head (weights ``[head_dim]``) before RoPE, as
+            Qwen3 (:class:`tetrad.models.llama.Attention`).
+
+    Mixture of experts (off by default: ``n_experts = 0`` is the dense model):
+        n_experts: routed experts ``E`` per MoE block.
+        top_k: experts each token is routed to (``k``).
+        expert_ffn_dim: inner width ``f_e`` of one routed expert (0: ``ffn_dim``; read it as
+            :attr:`expert_dim`).
+        shared_ffn_dim: inner width ``f_s`` of the shared expert every token passes through (0:
+            none; ``n_shared x width`` as Megatron's ``--moe-shared-expert-intermediate-size``).
+        dense_layers: the first blocks keep the dense FFN (DeepSeek-V3's
+            ``first_k_dense_replace``: 3).
+        moe_every: block ``i`` (0-based) is an MoE block when ``(i + 1) % moe_every == 0`` and
             ``i >= dense_layers`` (Qwen3-MoE's ``decoder_sparse_step``).
-        kv_lora_rank: multi-head latent attention (DeepSeek-V2/V3, arXiv 2405.04434 section
-            2.1) when > 0: keys and values from a ``kv_lora_rank`` latent, queries from a
-            ``q_lora_rank`` latent (0: a direct projection), ``rope_head_dim`` rotary features
-            per head besides ``head_dim`` (the non-rotary part), values of ``v_head_dim``; the
-            planner counts its parameters and FLOPs (tetrad's runtime does not implement it).
+        router_score: ``softmax`` (Mixtral, Qwen3-MoE) or ``sigmoid`` (DeepSeek-V3).
+        router_renorm: divide the ``k`` routing weights by their sum.
+        route_scale: multiply the routing weights by this (DeepSeek-V3: 2.5).
+        aux_loss_coef: Switch/GShard load-balancing loss coefficient ``c`` per MoE block
+            (balanced routing gives ``c``; :func:`tetrad.models.moe.load_balance_loss`).
+        aux_loss_scope: ``sequence`` (statistics per sequence, DeepSeek-V3's sequence-wise
+            loss: grid-independent) or ``batch`` (over the rank's micro-batch, Megatron's
+            default ``aux_loss``: depends on the micro-batch split).
+        bias_update_rate: aux-loss-free balancing rate ``gamma`` (DeepSeek-V3, arXiv
+            2412.19437 section 2.1.2: 0.001); 0: no selection bias.
+
+    Multi-head latent attention (DeepSeek-V2/V3, arXiv 2405.04434 section 2.1; the planner
+    counts its parameters and FLOPs, the runtime does not implement it):
+        kv_lora_rank: when > 0, keys and values from a ``kv_lora_rank`` latent;
+        q_lora_rank: queries from a ``q_lora_rank`` latent (0: a direct projection);
+        rope_head_dim: rotary features per head besides ``head_dim`` (the non-rotary part);
+        v_head_dim: width of the values per head.
+
+    Raises:
+        ModelError: sizes that describe no model (see :meth:`problems`).
     """
 
-    name: str
-    family: str
-    hidden: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_hidden: int
-    vocab: int
+    name: str = "custom"
+    family: str = "llama"
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 768
+    vocab_size: int = 0
     max_positions: int = 0
     tied_embeddings: bool = False
     rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_positions: int = 8192
+    unpadded_vocab: int = 0
     attn_head_dim: int = 0
+    qk_norm: bool = False
     n_experts: int = 0
-    top_k: int = 0
-    expert_ffn: int = 0
-    shared_ffn: int = 0
+    top_k: int = 2
+    expert_ffn_dim: int = 0
+    shared_ffn_dim: int = 0
     dense_layers: int = 0
     moe_every: int = 1
+    router_score: str = "softmax"
+    router_renorm: bool = True
+    route_scale: float = 1.0
+    aux_loss_coef: float = 0.0
+    aux_loss_scope: str = "sequence"
+    bias_update_rate: float = 0.0
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     rope_head_dim: int = 0
     v_head_dim: int = 0
 
     def __post_init__(self) -> None:
+        bad = self.problems()
+        if bad:
+            raise ModelError(f"model {self.name}: " + "; ".join(bad))
+
+    def problems(self) -> list[str]:
+        """What is wrong with these sizes, each with what to change (empty: nothing)."""
         if self.family not in FAMILIES:
-            raise PlanError(f"model family {self.family!r} is unknown: use 'llama' or 'gpt'")
-        for f in ("hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab"):
+            return [f"family {self.family!r} is unknown: use 'llama' or 'gpt'"]
+        for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             if int(getattr(self, f)) <= 0:
-                raise PlanError(f"model size {f}={getattr(self, f)} must be a positive integer")
-        if self.max_positions < 0:
-            raise PlanError(f"max_positions={self.max_positions} must be >= 0")
-        if self.hidden % self.n_heads:
-            raise PlanError(
-                f"hidden={self.hidden} is not divisible by n_heads={self.n_heads}: "
-                "change one of them"
-            )
+                return [f"size {f}={getattr(self, f)} must be a positive integer"]
+        if self.vocab_size < 0 or self.max_positions < 0:
+            return ["vocab_size and max_positions must be >= 0"]
+        if self.dim % self.n_heads:
+            return [f"dim={self.dim} is not divisible by n_heads={self.n_heads}: change one"]
         if self.n_heads % self.n_kv_heads:
-            raise PlanError(
+            return [
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}: "
                 "change one of them"
-            )
+            ]
         if self.family == "gpt" and self.n_kv_heads != self.n_heads:
-            raise PlanError("a gpt model has n_kv_heads == n_heads: drop n_kv_heads")
-        if self.n_experts:
-            self._check_moe()
+            return ["a gpt model has n_kv_heads == n_heads: drop n_kv_heads"]
+        return self._moe_problems()
+
+    def _moe_problems(self) -> list[str]:
+        """What is wrong with the mixture-of-experts sizes (a dense model with the default
+        fields has nothing wrong)."""
+        bad = []
+        if self.router_score not in ROUTER_SCORES:
+            bad.append(
+                f"router_score={self.router_score!r} is not one of {', '.join(ROUTER_SCORES)}"
+            )
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            bad.append(
+                f"aux_loss_scope={self.aux_loss_scope!r} is not one of {', '.join(AUX_LOSS_SCOPES)}"
+            )
+        if self.n_experts < 0 or self.moe_every < 1 or self.dense_layers < 0:
+            bad.append("n_experts and dense_layers must be >= 0, moe_every >= 1")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            bad.append(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if min(self.expert_ffn_dim, self.shared_ffn_dim) < 0 or self.route_scale <= 0:
+            bad.append("expert_ffn_dim and shared_ffn_dim must be >= 0, route_scale > 0")
+        if min(self.aux_loss_coef, self.bias_update_rate) < 0:
+            bad.append("aux_loss_coef and bias_update_rate must be >= 0")
+        if self.n_experts and self.family != "llama":
+            bad.append("mixture-of-experts sizes need family llama")
+        return bad
 
     def __hash__(self) -> int:
         """The hash of the fields, computed once per model: the planner's memoised functions
@@ -165,28 +241,12 @@ class ModelSpec:
         process)."""
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
-    def _check_moe(self) -> None:
-        """Raise :class:`PlanError` for MoE sizes that describe no model."""
-        if self.family != "llama":
-            raise PlanError("mixture-of-experts sizes need family llama")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise PlanError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
-        if (
-            self.expert_ffn <= 0
-            or self.moe_every < 1
-            or min(self.shared_ffn, self.dense_layers) < 0
-        ):
-            raise PlanError(
-                f"MoE sizes expert_ffn={self.expert_ffn} (> 0), moe_every={self.moe_every} "
-                f"(>= 1), shared_ffn={self.shared_ffn}, dense_layers={self.dense_layers} (>= 0)"
-            )
-
     # ---- sizes -------------------------------------------------------------------------------
 
     @property
     def head_dim(self) -> int:
         """``d = h / a`` (or ``attn_head_dim`` when given)."""
-        return self.attn_head_dim or self.hidden // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def q_dim(self) -> int:
@@ -212,8 +272,13 @@ class ModelSpec:
         return sum(self.moe_block(i) for i in range(self.n_layers))
 
     @property
+    def expert_dim(self) -> int:
+        """Inner width ``f_e`` of one routed expert: ``expert_ffn_dim``, or ``ffn_dim`` when 0."""
+        return self.expert_ffn_dim or self.ffn_dim
+
+    @property
     def dense_blocks(self) -> int:
-        """Blocks with the dense ``ffn_hidden`` SwiGLU: ``L - L_m``."""
+        """Blocks with the dense ``ffn_dim`` SwiGLU: ``L - L_m``."""
         return self.n_layers - self.moe_layers
 
     def attention_linears(self) -> list[Linear]:
@@ -233,18 +298,18 @@ class ModelSpec:
 
     def shared_linears(self) -> list[Linear]:
         """The shared expert's GEMMs of one MoE block (sharded like the dense FFN's)."""
-        if not self.shared_ffn:
+        if not self.shared_ffn_dim:
             return []
-        h, f = self.hidden, self.shared_ffn
+        h, f = self.dim, self.shared_ffn_dim
         return [Linear("shared.w13", h, 2 * f, False), Linear("shared.w2", f, h, True)]
 
     def router_params(self) -> int:
         """Router weight of one MoE block ``E h``."""
-        return self.n_experts * self.hidden
+        return self.n_experts * self.dim
 
     def expert_params(self) -> int:
         """Routed-expert weights of one MoE block ``3 E h f_e`` (total, not active)."""
-        return 3 * self.n_experts * self.hidden * self.expert_ffn
+        return 3 * self.n_experts * self.dim * self.expert_dim
 
     def moe_params_per_layer(self) -> int:
         """Parameters of one MoE block: attention, router, experts, shared expert, two norms."""
@@ -264,7 +329,7 @@ class ModelSpec:
         return (
             sum(lin.count * lin.weight_elements for lin in lins)
             + self.router_params()
-            + 3 * self.top_k * self.hidden * self.expert_ffn
+            + 3 * self.top_k * self.dim * self.expert_dim
         )
 
     @property
@@ -284,11 +349,11 @@ class ModelSpec:
 
     def lm_head(self) -> Linear:
         """The LM head ``output`` (h->V, non-transposed, no bias): logits come out Y-sharded."""
-        return Linear("output", self.hidden, self.vocab, False)
+        return Linear("output", self.dim, self.vocab_size, False)
 
     def norm_params(self) -> int:
         """Parameters of one norm: RMSNorm ``h`` (weight), LayerNorm ``2h`` (weight, bias)."""
-        return 2 * self.hidden if self.family == "gpt" else self.hidden
+        return 2 * self.dim if self.family == "gpt" else self.dim
 
     def params_per_layer(self) -> int:
         """Parameters of one block: its linears (with biases) and its two norms (and MLA's
@@ -301,11 +366,11 @@ class ModelSpec:
 
     def embedding_params(self) -> int:
         """Token table ``V h`` plus the learned position table ``P h`` (GPT)."""
-        return (self.vocab + self.max_positions) * self.hidden
+        return (self.vocab_size + self.max_positions) * self.dim
 
     def lm_head_params(self) -> int:
         """``V h`` for an untied LM head, 0 when tied to the embedding."""
-        return 0 if self.tied_embeddings else self.vocab * self.hidden
+        return 0 if self.tied_embeddings else self.vocab_size * self.dim
 
     def num_params(self) -> int:
         """Exact total parameter count (every expert counted)."""
@@ -323,37 +388,42 @@ class ModelSpec:
         (:meth:`active_moe_matmul_params`)."""
         block = sum(lin.count * lin.weight_elements for lin in self.linears())
         moe = self.moe_layers * self.active_moe_matmul_params() if self.is_moe else 0
-        return self.dense_blocks * block + moe + self.vocab * self.hidden
+        return self.dense_blocks * block + moe + self.vocab_size * self.dim
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, forward + backward, no recomputation:
         ``6 * matmul_params + 6 * L * S * (a d)``.
 
         The PaLM estimate (Chowdhery et al. 2022, appendix B, ``6N + 12 L H Q T``) with the
-        attention term halved for causal masking; the same rule as
-        ``tetrad.models.config.ModelConfig.flops_per_token``.
+        attention term halved for causal masking; MFU is computed against it.
         """
         return 6.0 * self.matmul_params() + 6.0 * self.n_layers * seq_len * self.attention_width()
+
+    def active_params(self) -> int:
+        """Parameters one token uses: :meth:`num_params` with each MoE block's routed experts
+        counted ``top_k`` times instead of ``n_experts`` times."""
+        unused = (self.n_experts - self.top_k) * 3 * self.dim * self.expert_dim
+        return self.num_params() - (self.moe_layers * unused if self.is_moe else 0)
 
     def summary(self) -> str:
         """One line: name, family, billions of parameters and the sizes."""
         moe = (
-            f" experts={self.n_experts}x{self.expert_ffn} top-{self.top_k} "
+            f" experts={self.n_experts}x{self.expert_dim} top-{self.top_k} "
             f"(MoE blocks {self.moe_layers})"
             if self.is_moe
             else ""
         )
         return (
-            f"{self.name} ({self.family}, {self.num_params() / 1e9:.2f}B): h={self.hidden} "
+            f"{self.name} ({self.family}, {self.num_params() / 1e9:.2f}B): h={self.dim} "
             f"L={self.n_layers} heads={self.n_heads}/{self.n_kv_heads} "
-            f"ffn={self.ffn_hidden} V={self.vocab}{moe}"
+            f"ffn={self.ffn_dim} V={self.vocab_size}{moe}"
         )
 
 
 @functools.lru_cache(maxsize=256)
 def _block_linears(model: ModelSpec) -> tuple[Linear, ...]:
     """:meth:`ModelSpec.linears`, built once per model (the planner asks for them per candidate)."""
-    h, f = model.hidden, model.ffn_hidden
+    h, f = model.dim, model.ffn_dim
     if model.family == "gpt":
         return (
             Linear("qkv", h, 3 * model.q_dim, False, bias=True),
@@ -375,7 +445,7 @@ def _mla_linears(model: ModelSpec) -> tuple[Linear, ...]:
     """Multi-head latent attention's GEMMs (DeepSeek-V3 ``inference/model.py``, ``MLA``):
     ``wq_a`` h->q_lora, ``wq_b`` q_lora->a (d + d_rope) (or ``wq`` h->a (d + d_rope)),
     ``wkv_a`` h->kv_lora + d_rope, ``wkv_b`` kv_lora->a (d + d_v), ``wo`` a d_v->h."""
-    h, a, d = model.hidden, model.n_heads, model.head_dim
+    h, a, d = model.dim, model.n_heads, model.head_dim
     r, v, q, kv = model.rope_head_dim, model.v_head_dim, model.q_lora_rank, model.kv_lora_rank
     queries = (
         (Linear("wq_a", h, q, False), Linear("wq_b", q, a * (d + r), True))
@@ -388,3 +458,24 @@ def _mla_linears(model: ModelSpec) -> tuple[Linear, ...]:
         Linear("wkv_b", kv, a * (d + v), True),
         Linear("wo", a * v, h, True),
     )
+
+
+def check_trainable(model: ModelSpec) -> ModelSpec:
+    """``model`` if tetrad's runtime implements it: a Llama with an untied LM head, no learned
+    positions, heads of ``dim / n_heads`` and no multi-head latent attention.
+
+    Raises:
+        ModelError: one line naming what the runtime does not implement.
+    """
+    if model.family != "llama" or model.tied_embeddings or model.max_positions:
+        raise ModelError(
+            f"{model.name} is not a Llama with an untied LM head, which is what tetrad "
+            "trains: choose a llama preset or give sizes"
+        )
+    if model.head_dim * model.n_heads != model.dim or model.kv_lora_rank:
+        raise ModelError(
+            f"{model.name} has multi-head latent attention or heads of {model.head_dim} (not "
+            f"dim/n_heads = {model.dim // model.n_heads}), which tetrad's Llama does not "
+            "implement yet"
+        )
+    return model
