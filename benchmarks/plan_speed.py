@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 from tetrad.plan.errors import PlanError  # noqa: E402
 from tetrad.plan.machine.spec import get_machine  # noqa: E402
 from tetrad.plan.search.plan import plan  # noqa: E402
-from tetrad.spec.presets import get_model
+from tetrad.spec.presets import get_model  # noqa: E402
 
 GPU_COUNTS = tuple(2**e for e in range(6, 15))  # 64 .. 16,384
 SEARCH_LIMITS = {1024: 0.3, 16384: 1.0}

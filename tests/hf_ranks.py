@@ -10,10 +10,11 @@ import torch
 
 from tetrad.grid import Grid
 from tetrad.models.hf import read_config
+from tetrad.parallel.batch import local_samples
 from tetrad.parallel.model import ParallelLlama
 from tetrad.train import trainer
 from tetrad.train.preflight import init_from_hf
-from tetrad.train.step import evaluate, local_samples
+from tetrad.train.step import evaluate
 
 
 def loss_on_grid(folder: Path, sizes, batch: torch.Tensor, logits, out: Path) -> None:

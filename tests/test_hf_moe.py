@@ -105,7 +105,7 @@ def test_folder_logits_equal_transformers_and_export_round_trips(folder, tmp_pat
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     config = hf_config(cfg, VOCAB, raw, "float32")
     (out / "config.json").write_text(json.dumps(config))
-    assert moe_config(config) == cfg
+    assert moe_config(config, cfg.name) == cfg  # the name is a label
     again = load_hf(out)
     assert again.state_dict().keys() == hf.state_dict().keys()
     for k, v in hf.state_dict().items():

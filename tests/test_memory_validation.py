@@ -29,12 +29,13 @@ from tests.distributed import run_distributed
 from tetrad.grid import Grid
 from tetrad.models import recompute
 from tetrad.parallel import init_parameters
+from tetrad.parallel.batch import inputs_targets, local_samples
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.runtime import tetrad
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.model import ModelSpec
-from tetrad.train.step import build_optimizer, inputs_targets, local_samples, train_step
+from tetrad.train.step import build_optimizer, train_step
 
 CFG = ModelSpec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 MICRO, SEQ, SEED = 2, 16, 3

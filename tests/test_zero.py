@@ -15,12 +15,12 @@ from tetrad.grid import Grid
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
-from tetrad.parallel.zero import DataShards, ShardedAdamW
+from tetrad.parallel.zero import DataShards, ShardedAdamW, settle_parameters
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.step import pipeline_train_step
 from tetrad.spec.overlap import OVERLAPS
 from tetrad.spec.presets import PRESETS
-from tetrad.train.step import build_optimizer, lr_at, settle_parameters, train_step
+from tetrad.train.step import build_optimizer, lr_at, train_step
 
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=4)
 ALL, NONE = tuple(OVERLAPS), ()

@@ -12,7 +12,8 @@
 Each sub-command is one row of :data:`COMMANDS`: its help, the function adding its options and
 the function running it (which imports what it needs, so building the parser and running
 ``plan`` or ``memory`` never import torch). A mistake in the input, any
-:class:`tetrad.spec.errors.TetradError`, prints one line ``tetrad: error: ...`` and exits with status
+:class:`tetrad.spec.errors.TetradError`, prints one line ``tetrad: error: ...`` and exits with
+status
 2; a failed worker exits with 1, Ctrl-C with 130.
 """
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tetrad.dtypes import compute_dtype
 from tetrad.spec.model import ModelSpec
 
 
@@ -162,17 +163,6 @@ def combine(
     return back.view(t, k, -1).sum(1).to(dtype)
 
 
-def gemm_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the expert GEMMs run in: the autocast dtype where autocast is on, else
-    ``x``'s."""
-    return _gemm_dtype(x)
-
-
-def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-
-
 def can_grouped_mm(x: torch.Tensor, *dims: int) -> bool:
     """Whether ``torch.nn.functional.grouped_mm`` runs on ``x`` with these inner sizes: the
     function exists (torch >= 2.10), a CPU tensor or a CUDA device of compute capability 8.0 or
@@ -249,7 +239,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]
         order, counts = sort_by_expert(ids, self.n_experts)
-        dtype = _gemm_dtype(x)
+        dtype = compute_dtype(x)
         xs = x.to(dtype)[order // k]
         w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
         ys = expert_swiglu(xs, counts, w1, w3, w2)

@@ -13,7 +13,8 @@ a reduce-scatter over context.
 
 Overlap (the ``context`` overlap, :mod:`tetrad.parallel.overlap`): the all-gather is issued in
 ``n = n_b n_h`` pieces, over the micro-batch's samples and this rank's KV heads
-(:func:`tetrad.spec.overlap.context_pieces`), all at once and asynchronously; piece ``p``'s attention
+(:func:`tetrad.spec.overlap.context_pieces`), all at once and asynchronously; piece ``p``'s
+attention
 (its samples, its KV heads and the query heads that read them) runs as soon as piece ``p`` has
 arrived, while pieces ``p+1 ..`` are still in flight on the context communicator. In backward
 each piece's K/V gradient is reduce-scattered asynchronously as soon as its attention backward
@@ -162,8 +163,8 @@ class ContextAttention:
     ``i``) and the chunk order are built once per shape and shared by every block.
 
     Args:
-        pieces: most pieces of the K/V all-gather (:func:`tetrad.spec.overlap.context_pieces`; 1: one
-            blocking all-gather).
+        pieces: most pieces of the K/V all-gather (:func:`tetrad.spec.overlap.context_pieces`;
+            1: one blocking all-gather).
     """
 
     def __init__(self, grid: Grid, pieces: int = 1):

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from tetrad.comm import all_reduce
+from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
-from tetrad.parallel.linear import compute_dtype
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec.grid import Axis

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from tetrad.comm import all_reduce, all_to_all, all_to_all_autograd
+from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
-from tetrad.models.moe import Router, combine, expert_swiglu, gemm_dtype, sort_by_expert
+from tetrad.models.moe import Router, combine, expert_swiglu, sort_by_expert
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec.grid import Axis
 
@@ -87,7 +88,7 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k, p = ids.shape[1], self.grid.expert
         order, counts = sort_by_expert(ids, self.n_experts)
-        dtype = gemm_dtype(x)
+        dtype = compute_dtype(x)
         xs = x.to(dtype)[order // k]
         recv_counts = all_to_all(counts, self.grid, Axis.EXPERT).view(p, -1)
         send = counts.view(p, -1).sum(1)

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from tetrad.comm import all_gather, reduce_scatter
+from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
-from tetrad.parallel.linear import compute_dtype, reduce_weight_gradient
+from tetrad.parallel.linear import reduce_weight_gradient
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec.grid import Axis

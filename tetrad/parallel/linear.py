@@ -24,18 +24,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec.grid import Axis
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The GEMM dtype: the autocast dtype when autocast is on for ``x``'s device, else ``x``'s."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return x.dtype
 
 
 def reduce_weight_gradient(

@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 
 from tetrad.comm import all_reduce
+from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
 from tetrad.parallel.head import VocabParallelHead, gather_hidden, scatter_hidden
-from tetrad.parallel.linear import compute_dtype
 from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import loss_chunk_rows
 

@@ -135,7 +135,8 @@ class ParallelLlama(Transformer):
     :func:`tetrad.parallel.init_parameters`.
 
     Args:
-        activation_checkpointing: a mode of :data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`
+        activation_checkpointing: a mode of
+            :data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`
             (or a bool).
         overlaps: names from :data:`tetrad.spec.overlap.OVERLAPS` (default: all but ``fine``).
         part: the slice of the model to build (a pipeline stage's); default the whole.

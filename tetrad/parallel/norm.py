@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from tetrad.comm import all_reduce
+from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
 from tetrad.models.recompute import cheap
-from tetrad.parallel.linear import compute_dtype
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec.grid import Axis
 

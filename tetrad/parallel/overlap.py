@@ -4,7 +4,8 @@ Seven overlaps, each switchable (AxoNN, arXiv 2305.13525, "aggressively overlap 
 collective operations"; Domino, arXiv 2409.15241, for the forward split; T3, arXiv 2401.16677,
 for ``fine``):
 
-``prefetch``        the Z all-gathers of the next two weights (:data:`tetrad.spec.overlap.PREFETCH_DEPTH`)
+``prefetch``        the Z all-gathers of the next two weights
+                    (:data:`tetrad.spec.overlap.PREFETCH_DEPTH`)
                     in *execution* order (recorded on the first training micro-batch, so it
                     covers forward, backward and activation recomputation, and running on into
                     the step's next micro-batch: its embedding table is gathered during this

@@ -290,3 +290,19 @@ class ShardedAdamW(torch.optim.AdamW):
             st["step"] = full["step"]
             for k in ("exp_avg", "exp_avg_sq"):
                 st[k] = (self.shards.piece(full[k]) if v is not p else full[k]).clone()
+
+
+def settle_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Finish the sharded optimizer's pending parameter all-gathers ,
+    before anything but the next training forward reads the parameters: a checkpoint save, an
+    evaluation, an export, the end of training. A no-op for other optimizers."""
+    shards = getattr(optimizer, "shards", None)
+    if shards is not None:
+        shards.wait_all()
+
+
+def optimizer_shards(optimizer: torch.optim.Optimizer) -> DataShards | None:
+    """The :class:`DataShards` of a sharded optimizer (None: not sharded, or a data group of
+    one rank)."""
+    shards = getattr(optimizer, "shards", None)
+    return shards if shards is not None and shards.size > 1 else None

@@ -20,10 +20,11 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from tetrad.comm import count_sends
+from tetrad.dtypes import policy_of, torch_dtype
 from tetrad.models.llama import Transformer
 from tetrad.parallel.experts import biased_routers
-from tetrad.parallel.linear import compute_dtype
 from tetrad.spec.grid import Axis
+from tetrad.spec.precision import Precision
 
 
 class StageForward(nn.Module):
@@ -33,31 +34,35 @@ class StageForward(nn.Module):
     ``[b, S/G_context, h/G_x]``; returns the residual stream, or on the last stage the final
     norm's output (the LM head and loss run in the schedule's ``loss_fn``).
 
-    The residual stream crosses a stage boundary in the compute dtype (bf16 under CUDA
-    autocast, as Megatron-LM's activations; fp32 on CPU) and continues in the parameters'
-    dtype (fp32) on the next stage: half the point-to-point bytes of an fp32 boundary.
+    The residual stream crosses a stage boundary in the policy's ``stage_boundary`` format
+    (bf16 on CUDA, as Megatron-LM's activations: half the point-to-point bytes of fp32; fp32 on
+    CPU) and continues in its ``residual`` format (fp32) on the next stage
+    (:mod:`tetrad.spec.precision`).
 
     Args:
         part: the stage's model part.
         sends: whether the output goes to a next stage (every stage but the last).
+        policy: the numeric formats of the stage's device.
     """
 
-    def __init__(self, part: Transformer, sends: bool = True):
+    def __init__(self, part: Transformer, sends: bool, policy: Precision):
         super().__init__()
         self.part, self.sends = part, sends
+        self.boundary_dtype = torch_dtype(policy.stage_boundary)
+        self.residual_dtype = torch_dtype(policy.residual)
         self.aux_scale = 0.0  # 1 / global sequences, set by the Pipeline before a step
         self.aux_total: torch.Tensor | float = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_floating_point():  # the residual stream, received in the compute dtype
-            x = x.to(next(self.part.parameters()).dtype)
+        if x.is_floating_point():  # the residual stream, received in the boundary format
+            x = x.to(self.residual_dtype)
         h = self.part.hidden(x)
         aux = self.part.aux_loss_sum() if self.aux_scale and torch.is_grad_enabled() else None
         if aux is not None:  # the stage's MoE load-balancing terms, differentiated in place
             aux = aux * self.aux_scale
             self.aux_total = self.aux_total + aux.detach()
             h = AttachAux.apply(h, aux)
-        return h.to(compute_dtype(h)) if self.sends else h
+        return h.to(self.boundary_dtype) if self.sends else h
 
 
 class AttachAux(torch.autograd.Function):
@@ -86,7 +91,8 @@ class TetradStage(PipelineStage):
     """
 
     def __init__(self, part: Transformer, stage_index: int, num_stages: int, device, group):
-        forward = StageForward(part, sends=stage_index < num_stages - 1)
+        sends = stage_index < num_stages - 1
+        forward = StageForward(part, sends, policy_of(device))
         super().__init__(forward, stage_index, num_stages, device, group=group)
         self.overlap = getattr(part, "overlap", None)
         self.grid = getattr(part.layer_factory, "grid", None)

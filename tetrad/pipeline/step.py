@@ -6,19 +6,14 @@ from __future__ import annotations
 import torch
 
 from tetrad.comm import all_reduce
+from tetrad.dtypes import autocast
 from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
+from tetrad.parallel.batch import inputs_targets, local_samples, sum_over_batch_axes, to_device
 from tetrad.parallel.experts import update_expert_biases
+from tetrad.parallel.zero import optimizer_shards
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.spec.grid import Axis
-from tetrad.train.step import (
-    autocast,
-    inputs_targets,
-    local_samples,
-    optimizer_shards,
-    sum_over_batch_axes,
-    to_device,
-)
 
 
 def pipeline_train_step(

@@ -197,7 +197,7 @@ def check_resume(folder: Path, meta: dict | None, model_config: object, tok_hash
         )
     ours = dataclasses.asdict(model_config)  # type: ignore[call-overload]
     saved = meta.get("model_config", {})
-    diff = [k for k in ours if k in saved and saved[k] != ours[k]]
+    diff = [k for k in ours if k in saved and saved[k] != ours[k] and k != "name"]
     if diff:
         was = ", ".join(f"{k}={saved[k]}" for k in diff)
         now = ", ".join(f"{k}={ours[k]}" for k in diff)

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tetrad.comm import all_reduce
+from tetrad.dtypes import autocast
 from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
-from tetrad.parallel.context import split_sequence
+from tetrad.parallel.batch import inputs_targets, local_samples, sum_over_batch_axes, to_device
 from tetrad.parallel.experts import update_expert_biases
-from tetrad.parallel.zero import DataShards, ShardedAdamW
-from tetrad.spec.grid import Axis
+from tetrad.parallel.zero import DataShards, ShardedAdamW, optimizer_shards
 
 
 def build_optimizer(
@@ -54,22 +51,6 @@ def build_optimizer(
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def settle_parameters(optimizer: torch.optim.Optimizer) -> None:
-    """Finish the sharded optimizer's pending parameter all-gathers (:mod:`tetrad.parallel.zero`),
-    before anything but the next training forward reads the parameters: a checkpoint save, an
-    evaluation, an export, the end of training. A no-op for other optimizers."""
-    shards = getattr(optimizer, "shards", None)
-    if shards is not None:
-        shards.wait_all()
-
-
-def optimizer_shards(optimizer: torch.optim.Optimizer) -> DataShards | None:
-    """The :class:`~tetrad.parallel.zero.DataShards` of a sharded optimizer (None: not
-    sharded, or a data group of one rank)."""
-    shards = getattr(optimizer, "shards", None)
-    return shards if shards is not None and shards.size > 1 else None
-
-
 def lr_at(step: int, peak: float, floor: float, warmup: int, total: int) -> float:
     """Linear warm-up over ``warmup`` steps to ``peak``, then cosine decay to ``floor`` at
     ``total`` (Loshchilov and Hutter, arXiv 1608.03983, eq. 5, without restarts). ``step`` counts
@@ -78,38 +59,6 @@ def lr_at(step: int, peak: float, floor: float, warmup: int, total: int) -> floa
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
-
-
-def local_samples(batch: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """This rank's share of a global batch ``[B, ...]``: samples
-    ``[r*B/(G_data G_z), (r+1)*B/(G_data G_z))`` with ``r = data*G_z + z``."""
-    n = batch.shape[0] // grid.batch_shards
-    return batch[grid.batch_rank * n : (grid.batch_rank + 1) * n]
-
-
-def inputs_targets(mb: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets ``[b, S/G_context]`` of this rank from its samples ``[b, S+1]``
-    (its two sequence chunks, :func:`tetrad.parallel.context.split_sequence`)."""
-    return split_sequence(mb[:, :-1], grid), split_sequence(mb[:, 1:], grid)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; to a GPU through pinned memory, without blocking the host."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """On CUDA: bf16 autocast, with attention restricted to the flash kernels
-    (FlashAttention-2's or cuDNN's) so that a shape they do not cover fails loudly instead of
-    falling back to the slow math kernel. Elsewhere nothing (fp32)."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
-    stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]))
-    return stack
 
 
 def train_step(
@@ -198,10 +147,3 @@ def evaluate(model: nn.Module, grid: Grid, batches: list[torch.Tensor], micro_ba
             with autocast(grid.device):
                 total += model.loss_sum(*inputs_targets(mb, grid)).float()
     return sum_over_batch_axes(total, grid).item() / n_tokens
-
-
-def sum_over_batch_axes(t: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """``t`` (a 0-dim loss sum) summed in place over the axes whose ranks see other samples or
-    tokens: Z, then data x context."""
-    all_reduce(t, grid, Axis.Z)
-    return all_reduce(t, grid, Axis.DATA)  # data x context

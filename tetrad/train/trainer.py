@@ -13,7 +13,6 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from tqdm import tqdm
 
 from tetrad.data.loader import sample_batch, val_batches
@@ -22,8 +21,8 @@ from tetrad.grid import Grid
 from tetrad.models.hf import read_config
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama, compile_blocks
+from tetrad.parallel.zero import settle_parameters
 from tetrad.pipeline.schedule import Pipeline
-from tetrad.pipeline.step import pipeline_evaluate, pipeline_train_step_losses
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import FINE_CHUNKS
 from tetrad.spec.units import MiB
@@ -42,7 +41,7 @@ from tetrad.train.checkpoint_dir import (
     tokenizer_hash,
 )
 from tetrad.train.config import TrainConfig
-from tetrad.train.job import Job
+from tetrad.train.job import Job, Runner, runner
 from tetrad.train.metrics import MetricsLog, StepMeter, StepProfiler, log_line
 from tetrad.train.peak import mfu_peak
 from tetrad.train.preflight import init_from_hf, preflight, preflight_on_rank0
@@ -52,21 +51,16 @@ from tetrad.train.resume import (
     tetrad_version,
     trim_metrics,
 )
-from tetrad.train.step import (
-    build_optimizer,
-    evaluate,
-    lr_at,
-    settle_parameters,
-    train_step_losses,
-)
+from tetrad.train.step import build_optimizer, lr_at
 from tetrad.train.stop import Stopped, StopSignals, signal_name
 
 __all__ = ["build_model", "preflight", "train"]
 
 
-def build_model(cfg: TrainConfig, model_cfg: ModelSpec, grid: Grid) -> ParallelLlama:
-    """The initialised parallel Llama with the configured overlaps; the Domino split is left
-    off where the planner predicts no gain on ``--machine`` (said on rank 0)."""
+def build_model(cfg: TrainConfig, model_cfg: ModelSpec, grid: Grid) -> Runner:
+    """The initialised parallel Llama (or its pipeline stages) with the configured overlaps, as
+    the loop runs it; the Domino split is left off where the planner predicts no gain on
+    ``--machine`` (said on rank 0)."""
     par = cfg.parallelism
     overlaps = par.overlaps
     if "domino" in overlaps and not domino_pays(cfg, model_cfg):
@@ -108,21 +102,12 @@ def build_model(cfg: TrainConfig, model_cfg: ModelSpec, grid: Grid) -> ParallelL
         model = Pipeline(model_cfg, grid, schedule, virtual, micro_batches, split, **kwargs)
     else:
         model = ParallelLlama(model_cfg, grid, **kwargs)
-    for part in parts_of(model):
+    run = runner(model, grid, cfg.training.micro_batch)
+    for part in run.parts:
         init_parameters(part, cfg.training.seed, grid)
         if cfg.training.compile:
             compile_blocks(part)
-    return model
-
-
-def parts_of(model: ParallelLlama | Pipeline) -> list[ParallelLlama]:
-    """The model parts this rank holds: the model, or a pipeline's stage parts."""
-    return list(model.parts) if isinstance(model, Pipeline) else [model]
-
-
-def weights_of(model: ParallelLlama | Pipeline) -> nn.Module:
-    """The module whose parameters this rank trains and saves (whole-model names)."""
-    return model.parts if isinstance(model, Pipeline) else model
+    return run
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -143,7 +128,7 @@ def train(cfg: TrainConfig) -> dict:
     corpus, model_cfg = preflight_on_rank0(cfg)
     model = build_model(cfg, model_cfg, grid)
     t = cfg.training
-    weights = weights_of(model)
+    weights = model.weights
     shard = grid if par.shard_optimizer else None
     optimizer = build_optimizer(weights, t.lr, t.weight_decay, (t.beta1, t.beta2), shard=shard)
     tokens = t.global_batch * t.seq_len
@@ -235,17 +220,11 @@ def _step(job: Job, step: int, batch: torch.Tensor) -> dict:
     for group in job.optimizer.param_groups:
         group["lr"] = lr
     grid.comm.reset()
-    overlaps = [part.overlap for part in parts_of(model)]
+    overlaps = [part.overlap for part in model.parts]
     for overlap in overlaps:
         overlap.counts.clear()
-    extra: dict = {}
-    if isinstance(model, Pipeline):
-        loss, aux, grad_norm = pipeline_train_step_losses(model, job.optimizer, batch, t.grad_clip)
-    else:
-        loss, aux, grad_norm = train_step_losses(
-            model, job.optimizer, grid, batch, t.micro_batch, t.grad_clip
-        )
-    extra = {"aux_loss": aux} if parts_of(model)[0].cfg.is_moe else {}
+    loss, aux, grad_norm = model.train_step(job.optimizer, batch, t.grad_clip)
+    extra = {"aux_loss": aux} if model.parts[0].cfg.is_moe else {}
     return extra | {
         "step": step + 1,
         "loss": loss,
@@ -338,7 +317,7 @@ def _loop(job: Job, start: int) -> tuple[float, float]:
         report_save(job, job.ckpt.poll())
         if save:
             t0 = time.perf_counter()
-            job.ckpt.save(weights_of(job.model), job.optimizer, done)
+            job.ckpt.save(job.model.weights, job.optimizer, done)
             if stop or not job.ckpt.async_save:
                 report_save(job, job.ckpt.wait())
             if rank0:
@@ -357,12 +336,9 @@ def _loop(job: Job, start: int) -> tuple[float, float]:
 
 def _evaluate(job: Job, val: list[torch.Tensor]) -> float:
     """Validation loss (nats per token) over the ``val`` batches, in eval mode."""
-    weights = weights_of(job.model)
+    weights = job.model.weights
     weights.eval()
-    if isinstance(job.model, Pipeline):
-        loss = pipeline_evaluate(job.model, val)
-    else:
-        loss = evaluate(job.model, job.grid, val, job.cfg.training.micro_batch)
+    loss = job.model.evaluate(val)
     weights.train()
     return loss
 

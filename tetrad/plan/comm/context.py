@@ -36,7 +36,8 @@ class Context:
         fine_chunks: pieces per ring step of ``fine``; None: the best of
             :data:`tetrad.plan.comm.fine.CHUNK_CANDIDATES`.
         context_pieces: most pieces of the ``context`` overlap's K/V all-gather (the
-            runtime's option of the same name, :func:`tetrad.spec.overlap.context_pieces`); None: the
+            runtime's option of the same name, :func:`tetrad.spec.overlap.context_pieces`); None:
+            the
             best of :data:`tetrad.plan.comm.context_parallel.PIECE_CANDIDATES` per grid and
             micro-batch (:meth:`kv_choice`).
     """

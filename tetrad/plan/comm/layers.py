@@ -161,7 +161,8 @@ def parameter_gathers(
 
 def _lead(st: Step) -> int:
     """Blocks by which a weight's first read comes before its block's forward: 1 when the Z
-    all-gathers prefetch (:data:`tetrad.spec.overlap.PREFETCH_DEPTH` weights ahead, less than a block:
+    all-gathers prefetch (:data:`tetrad.spec.overlap.PREFETCH_DEPTH` weights ahead, less than a
+    block:
     counted as a whole block, so the exposure is not underestimated), else 0."""
     return 1 if st.prefetch and st.sizes["z"] > 1 else 0
 

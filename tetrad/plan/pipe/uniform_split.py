@@ -1,5 +1,6 @@
 """The runtime's stage split for blocks of equal cost, fast (:func:`uniform_split`): the split
-:func:`tetrad.spec.pipeline_split.balanced_split` returns for ``[1.0] * n`` blocks, computed from the
+:func:`tetrad.spec.pipeline_split.balanced_split` returns for ``[1.0] * n`` blocks, computed from
+the
 same recurrence in ``O((n + stages) log n)`` steps instead of its ``O(stages n^2)``. Plain
 Python.
 

@@ -292,7 +292,8 @@ def search_classic(
     uneven splits (:func:`pipeline_variants`; without it, 1F1B on even splits only).
 
     Raises:
-        PlanError: bad inputs; tetrad.spec.activation_checkpointing.CheckpointingError: an unknown mode.
+        PlanError: bad inputs; tetrad.spec.activation_checkpointing.CheckpointingError: an unknown
+        mode.
     """
     check_inputs(model, gpus, global_batch, seq_len)
     t0 = time.perf_counter()

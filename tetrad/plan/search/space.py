@@ -39,7 +39,8 @@ def factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
 
 
 def checkpointing_modes(checkpointing: Iterable[str | bool]) -> tuple[str, ...]:
-    """Distinct modes of :data:`tetrad.spec.activation_checkpointing.CHECKPOINTING` from names or bools
+    """Distinct modes of :data:`tetrad.spec.activation_checkpointing.CHECKPOINTING` from names or
+    bools
     (``True`` = ``full``), in the given order.
 
     Raises:

@@ -1,0 +1,63 @@
+"""The numeric-format policy (:mod:`tetrad.spec.precision`) in torch terms: the one place the
+step's dtypes are read. Layers never pick a dtype of their own: a GEMM runs in
+:func:`compute_dtype`, the step enters :func:`autocast`, and the other tensors take the
+policy's formats through :func:`torch_dtype`."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tetrad.spec.precision import Precision, precision
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""The torch dtype of each format name of :data:`tetrad.spec.precision.DTYPE_BYTES`."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of the format ``name`` (``bf16``, ``fp32``).
+
+    Raises:
+        KeyError: a name that is not a format.
+    """
+    return TORCH_DTYPES[name]
+
+
+def policy_of(device: torch.device | str) -> Precision:
+    """The numeric-format policy of the runtime on ``device``
+    (:func:`tetrad.spec.precision.precision` of its type)."""
+    return precision(torch.device(device).type)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a GEMM on ``x`` runs in now: the autocast dtype where the step's
+    :func:`autocast` is on for ``x``'s device, else ``x``'s own."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def autocast(
+    device: torch.device, policy: Precision | None = None
+) -> contextlib.AbstractContextManager:
+    """The context every forward of a training step runs in: autocast to the policy's compute
+    dtype where it differs from the parameters' (bf16 on CUDA), nothing where it does not (fp32
+    on the CPU). On CUDA, attention is also restricted to the flash kernels (FlashAttention-2's
+    or cuDNN's), so that a shape they do not cover fails loudly instead of falling back to the
+    slow math kernel.
+
+    Args:
+        device: where the step runs.
+        policy: the formats (default: :func:`policy_of` ``device``).
+    """
+    policy = policy or policy_of(device)
+    if not policy.autocast:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast(device.type, dtype=torch_dtype(policy.compute)))
+    if device.type == "cuda":
+        stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]))
+    return stack
