@@ -13,7 +13,7 @@ peak is reset and ``--steps`` steps are timed between two synchronisations.
 
 Per case: measured peak (``torch.cuda.max_memory_allocated``, bytes) against the planner's
 ``tetrad memory --method tetrad --activation-checkpointing MODE`` (ratio measured/predicted),
-tokens/s, and MFU = model FLOPs per token (:meth:`ModelConfig.flops_per_token`, no recompute
+tokens/s, and MFU = model FLOPs per token (:meth:`ModelSpec.flops_per_token`, no recompute
 counted) x tokens/s / the datasheet dense bf16 peak (:func:`tetrad.device.datasheet_flops`).
 A case out of memory is recorded as such (with the planner's figure) and the next one runs.
 The allocator runs with ``expandable_segments:True`` unless ``PYTORCH_CUDA_ALLOC_CONF`` is set

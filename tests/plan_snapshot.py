@@ -49,7 +49,6 @@ import sys
 import time
 
 from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.comm.sublayers import sublayers
@@ -59,7 +58,7 @@ from tetrad.plan.memory.runtime import tetrad
 from tetrad.plan.search.plan import plan
 from tetrad.plan.search.space import divisors, factorizations
 from tetrad.spec.presets import get_model
-from tetrad.spec.sharding import grid_problems
+from tetrad.spec.sharding import context_problems, grid_problems
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plan_snapshot.json.gz")
 MODELS = ("gpt-5b", "gpt-20b", "gpt-80b", "llama-1b", "llama-3.1-8b", "llama-2-70b")

@@ -7,7 +7,6 @@ import pytest
 
 from tetrad.plan.comm.bounds import StepBounds
 from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.comm.estimate import estimate, make_step
 from tetrad.plan.comm.record import Recorder
 from tetrad.plan.comm.zwindows import window_seconds, z_collectives, z_queue_seconds
@@ -15,7 +14,7 @@ from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.search.space import divisors, factorizations
 from tetrad.spec.grid import role_sizes
 from tetrad.spec.presets import get_model
-from tetrad.spec.sharding import grid_problems
+from tetrad.spec.sharding import context_problems, grid_problems
 
 OVERLAPS = (
     "all",

@@ -126,3 +126,11 @@ def check_moe_grid(
     problem = moe_grid_problem(model, grid, pipe, expert, seq_len)
     if problem:
         raise GridError(problem)
+
+
+def context_problems(seq_len: int, gc: int) -> list[str]:
+    """Why ``seq_len`` cannot be split over ``G_context = gc`` ranks (empty when it can): each
+    rank holds two of ``2 G_context`` equal chunks (causal attention's work balanced)."""
+    if gc > 1 and seq_len % (2 * gc):
+        return [f"seq_len {seq_len} % (2*G_context = {2 * gc}) == 0"]
+    return []

@@ -62,6 +62,21 @@ def machine_for(cfg: TrainConfig):
         raise ConfigError(str(e)) from None
 
 
+def calibrated_peak(cfg: TrainConfig) -> float | None:
+    """The peak FLOP/s measured into the machine file ``--machine FILE`` names (``tetrad
+    calibrate`` writes it); None without ``--machine`` or for a preset.
+
+    Raises:
+        ConfigError: an unreadable machine file.
+    """
+    from tetrad.plan.machine.spec import preset_names
+
+    name = cfg.parallelism.machine
+    if not name or name in preset_names():
+        return None
+    return machine_for(cfg).peak_flops
+
+
 def choose_grid(
     cfg: TrainConfig, world_size: int, vocab_size: int, verbose: bool = True
 ) -> TrainConfig:

@@ -49,7 +49,7 @@ from tetrad.spec.errors import TetradError
 from tetrad.spec.grid import parse_grid, parse_pipeline_grid, pop_expert
 from tetrad.spec.model import ModelSpec, check_trainable
 from tetrad.spec.precision import DEVICES
-from tetrad.spec.presets import parse_model, with_sizes
+from tetrad.spec.presets import ALIASES, parse_model, with_sizes
 from tetrad.spec.toml import tomllib
 from tetrad.train.config_checks import check_parallelism, check_pipeline, check_training
 from tetrad.train.sections import (
@@ -97,7 +97,8 @@ class TrainConfig:
         else:
             cfg, explicit = parse_model(self.model.name)
             cfg = check_trainable(with_sizes(cfg, self.model.sizes))
-        user_vocab = "vocab_size" in explicit | self.model.sizes.keys() and cfg.vocab_size
+        given = explicit | {ALIASES.get(k, k) for k in self.model.sizes}
+        user_vocab = "vocab_size" in given and cfg.vocab_size
         if tokenizer_vocab is not None and not user_vocab:
             grid = self.parallelism.grid
             multiple = math.lcm(128, 1 if grid == "auto" else grid[2] * grid[3] * grid[4])

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 
-from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.spec.errors import TetradError
 from tetrad.spec.grid import check_expert_parallel
 from tetrad.spec.pipeline_split import PipelineSplitError, check_schedule
+from tetrad.spec.sharding import context_problems
 from tetrad.train.sections import ConfigError, ParallelismSection, TrainingSection
 
 

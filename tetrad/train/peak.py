@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from tetrad.device import cpu_cores, datasheet_flops, device_name
 from tetrad.grid import Grid
-from tetrad.plan.machine.spec import get_machine, preset_names
 from tetrad.spec.model import ModelSpec
+from tetrad.train.auto import calibrated_peak
 from tetrad.train.config import TrainConfig
 
 
@@ -45,13 +45,13 @@ def mfu_peak(cfg: TrainConfig, model_cfg: ModelSpec, grid: Grid) -> Peak:
     """The peak of the module docstring, the same on every rank (call on every rank).
 
     Raises:
-        PlanError: ``--machine`` names an unreadable machine file.
+        ConfigError: ``--machine`` names an unreadable machine file.
     """
     if cfg.logging.peak_flops:
         return Peak(cfg.logging.peak_flops, "--peak-flops")
-    machine = cfg.parallelism.machine
-    if machine and machine not in preset_names():
-        return Peak(get_machine(machine).peak_flops, f"machine file {machine}")
+    calibrated = calibrated_peak(cfg)
+    if calibrated is not None:
+        return Peak(calibrated, f"machine file {cfg.parallelism.machine}")
     if grid.device.type == "cuda":
         name = device_name(grid.device)
         return Peak(datasheet_flops(grid.device), f"{name} datasheet dense bf16")

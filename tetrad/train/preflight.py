@@ -31,7 +31,7 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelSpec]:
     Tokenises and caches the corpus, so workers only load it.
 
     Raises:
-        ConfigError, DataError, ModelConfigError, CheckpointError, CheckpointingError: one-line
+        ConfigError, DataError, ModelError, GridError, CheckpointError, CheckpointingError: one-line
             messages saying what to change (ConfigError also for ``--tensorboard`` without the
             tensorboard package).
     """

@@ -42,14 +42,6 @@ def local_seq_len(seq_len: int, gc: int) -> int:
     return seq_len // gc
 
 
-def context_problems(seq_len: int, gc: int) -> list[str]:
-    """Why ``seq_len`` cannot be split over ``G_context = gc`` ranks (empty when it can): each
-    rank holds two of ``2 G_context`` equal chunks."""
-    if gc > 1 and seq_len % (2 * gc):
-        return [f"seq_len {seq_len} % (2*G_context = {2 * gc}) == 0"]
-    return []
-
-
 def kv_gather_payload(model: ModelSpec, micro_batch: int, seq_len: int, gy: int, c: int) -> float:
     """Bytes of one K/V all-gather's output (and of the backward reduce-scatter's input):
     ``b S 2 kv_dim / G_y * c``; ``seq_len`` is the whole sequence ``S``."""

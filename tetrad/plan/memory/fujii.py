@@ -11,11 +11,10 @@ degrees.
 
 from __future__ import annotations
 
-from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.breakdown import MemoryBreakdown, check_positive
 from tetrad.spec.model import ModelSpec
-from tetrad.spec.sharding import tp_problems
+from tetrad.spec.sharding import context_problems, tp_problems
 
 
 def fujii_params_on_first_stage(model: ModelSpec, tp: int, pp: int) -> float:

@@ -19,7 +19,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 
-from tetrad.plan.comm.context_parallel import attention_fwd_flops, context_problems
+from tetrad.plan.comm.context_parallel import attention_fwd_flops
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.machine.spec import Machine
@@ -29,7 +29,7 @@ from tetrad.plan.search.rows import CLASSIC_AXES, Row
 from tetrad.plan.search.space import check_inputs, checkpointing_modes, divisors
 from tetrad.spec.activation_checkpointing import CHECKPOINTING, parse_checkpointing
 from tetrad.spec.model import ModelSpec
-from tetrad.spec.sharding import tp_problems
+from tetrad.spec.sharding import context_problems, tp_problems
 
 
 def classic_memory(

@@ -4,7 +4,7 @@ time (:func:`search_4d`).
 4D space (tetrad / AxoNN, with context parallelism a fifth axis): every ordered factorisation
 ``G_data * G_context * G_z * G_y * G_x = GPUs`` whose sizes shard the model
 (:func:`tetrad.spec.sharding.grid_problems`), split the sequence (``S % (2 G_context) ==
-0``, :func:`tetrad.plan.comm.context_parallel.context_problems`; ``G_context = 1`` only with
+0``, :func:`tetrad.spec.sharding.context_problems`; ``G_context = 1`` only with
 ``comm_model="axonn"``) and split the global batch (``B % (G_data G_z) == 0``); every
 micro-batch ``b`` dividing ``B / (G_data G_z)``; activation checkpointing ``none``,
 ``selective`` and ``full`` (:data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`), where
@@ -50,7 +50,6 @@ import time
 
 from tetrad.plan.comm.axonn import axonn_comm
 from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.comm.zero import sharded
 from tetrad.plan.errors import PlanError
@@ -72,7 +71,7 @@ from tetrad.plan.search.top import ranked
 from tetrad.spec.activation_checkpointing import CHECKPOINTING
 from tetrad.spec.grid import COMM_AXES, GRID_AXES, ORIENTATIONS, grid_sizes, role_sizes
 from tetrad.spec.model import ModelSpec
-from tetrad.spec.sharding import grid_problems
+from tetrad.spec.sharding import context_problems, grid_problems
 from tetrad.spec.units import GiB
 
 

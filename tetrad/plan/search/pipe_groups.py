@@ -24,7 +24,6 @@ from __future__ import annotations
 from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.context_parallel import (
     PIECE_CANDIDATES,
-    context_problems,
     kv_gather_payload,
     pieces_exposed_seconds,
 )
@@ -34,7 +33,7 @@ from tetrad.plan.pipe.estimate import block_xy, split_key, split_ranks
 from tetrad.plan.pipe.schedule import p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.search.space import divisors_of
-from tetrad.spec.sharding import grid_problems
+from tetrad.spec.sharding import context_problems, grid_problems
 
 VIRTUAL_CHOICES = (2, 3, 4, 5, 6, 8)
 """Virtual stages per rank tried with ``interleaved-1f1b`` (NVIDIA's Llama-3 recipes use 5 and

@@ -1,0 +1,105 @@
+"""One numeric-format policy decides every dtype of the step (:mod:`tetrad.spec.precision`): the
+policies of the CPU and of CUDA say what they say, and the layers follow the policy they run
+under. The CUDA policy runs here on the CPU's own bf16 autocast: the same policy, the same
+layers, the same casts (only the kernels differ)."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.distributed import run_distributed
+from tetrad.dtypes import autocast, policy_of, torch_dtype
+from tetrad.grid import Grid
+from tetrad.parallel import init_parameters
+from tetrad.parallel.model import ParallelLlama
+from tetrad.pipeline.stage import StageForward
+from tetrad.spec.precision import Precision, PrecisionError, precision
+from tetrad.spec.presets import PRESETS
+
+GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "baddbmm"}
+"""aten ops whose outputs are the policy's ``compute`` format."""
+
+
+class GemmDtypes(TorchDispatchMode):
+    """Records the output dtype of every GEMM (aten op of :data:`GEMMS`) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict[str, set[torch.dtype]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
+        if name in GEMMS and isinstance(out, torch.Tensor):
+            self.seen.setdefault(name, set()).add(out.dtype)
+        return out
+
+
+def test_the_policies():
+    cpu, cuda = precision("cpu"), precision("cuda")
+    assert dataclasses.asdict(cpu) == {
+        "compute": "fp32",
+        "params": "fp32",
+        "master": "fp32",
+        "grads": "fp32",
+        "optimizer_states": "fp32",
+        "residual": "fp32",
+        "stage_boundary": "fp32",
+        "statistics": "fp32",
+        "fp8": "off",
+    }
+    assert dataclasses.asdict(cuda) == dataclasses.asdict(cpu) | {
+        "compute": "bf16",
+        "stage_boundary": "bf16",
+    }
+    assert not cpu.autocast and cuda.autocast
+    assert policy_of(torch.device("cuda", 0)) == cuda and policy_of("cpu") == cpu
+    assert cuda.bytes("compute") == 2 and cuda.bytes("grads") == 4
+    with pytest.raises(PrecisionError, match="fp16"):
+        Precision(compute="fp16")
+
+
+def _follow(device_policy: str, path: str) -> None:
+    policy = precision(device_policy)
+    grid = Grid.build((1, 1, 1, 1, 1), "cpu")
+    cfg = dataclasses.replace(PRESETS["moe-tiny"], vocab_size=256)
+    model = ParallelLlama(cfg, grid)
+    init_parameters(model, 0, grid)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    residual, normed = [], []
+    for block in model.layers.values():
+        block.register_forward_hook(lambda m, a, o: residual.append(o.dtype))
+        block.ffn_norm.register_forward_hook(lambda m, a, o: normed.append(o.dtype))
+    gemms = GemmDtypes()
+    with gemms, autocast(torch.device("cpu"), policy):
+        loss = model.loss_sum(tokens[:, :-1], tokens[:, 1:])
+        boundary = StageForward(model, True, policy)(tokens[:, :-1])
+    loss.backward()
+    out = dict(
+        gemms={k: sorted(map(str, v)) for k, v in gemms.seen.items()},
+        params=sorted({str(p.dtype) for p in model.parameters()}),
+        grads=sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+        residual=sorted(map(str, set(residual))),
+        normed=sorted(map(str, set(normed))),
+        loss=str(loss.dtype),
+        boundary=str(boundary.dtype),
+    )
+    Path(path).write_text(json.dumps(out))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_layers_follow_the_policy(device, tmp_path):
+    policy = precision(device)
+    run_distributed(_follow, 1, device, str(tmp_path / "out.json"))
+    out = json.loads((tmp_path / "out.json").read_text())
+    name = {f: str(torch_dtype(v)) for f, v in dataclasses.asdict(policy).items() if f != "fp8"}
+    assert out["gemms"] and all(v == [name["compute"]] for v in out["gemms"].values()), out
+    assert out["normed"] == [name["compute"]]  # a norm's output is the next GEMM's input
+    assert out["params"] == [name["params"]] and out["grads"] == [name["grads"]]
+    assert out["residual"] == [name["residual"]]
+    assert out["boundary"] == name["stage_boundary"]
+    assert out["loss"] == name["statistics"]
