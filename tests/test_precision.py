@@ -61,6 +61,8 @@ def test_the_policies():
     assert cuda.bytes("compute") == 2 and cuda.bytes("grads") == 4
     with pytest.raises(PrecisionError, match="fp16"):
         Precision(compute="fp16")
+    with pytest.raises(PrecisionError, match="stage_boundary=fp32 with compute=bf16"):
+        Precision(compute="bf16")
 
 
 def _follow(device_policy: str, path: str) -> None:
@@ -77,7 +79,7 @@ def _follow(device_policy: str, path: str) -> None:
     gemms = GemmDtypes()
     with gemms, autocast(torch.device("cpu"), policy):
         loss = model.loss_sum(tokens[:, :-1], tokens[:, 1:])
-        boundary = StageForward(model, True, policy)(tokens[:, :-1])
+        boundary = StageForward(model, sends=True)(tokens[:, :-1])
     loss.backward()
     out = dict(
         gemms={k: sorted(map(str, v)) for k, v in gemms.seen.items()},

@@ -20,11 +20,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from tetrad.comm import count_sends
-from tetrad.dtypes import policy_of, torch_dtype
+from tetrad.dtypes import compute_dtype
 from tetrad.models.llama import Transformer
 from tetrad.parallel.experts import biased_routers
 from tetrad.spec.grid import Axis
-from tetrad.spec.precision import Precision
 
 
 class StageForward(nn.Module):
@@ -34,35 +33,32 @@ class StageForward(nn.Module):
     ``[b, S/G_context, h/G_x]``; returns the residual stream, or on the last stage the final
     norm's output (the LM head and loss run in the schedule's ``loss_fn``).
 
-    The residual stream crosses a stage boundary in the policy's ``stage_boundary`` format
-    (bf16 on CUDA, as Megatron-LM's activations: half the point-to-point bytes of fp32; fp32 on
-    CPU) and continues in its ``residual`` format (fp32) on the next stage
-    (:mod:`tetrad.spec.precision`).
+    The residual stream crosses a stage boundary in the policy's ``stage_boundary`` format,
+    its compute format (:mod:`tetrad.spec.precision`): what the step's autocast gives the
+    GEMMs (bf16 on CUDA, as Megatron-LM's activations: half the point-to-point bytes of fp32;
+    fp32 on CPU). It continues in the ``residual`` format, the parameters', on the next stage.
 
     Args:
         part: the stage's model part.
         sends: whether the output goes to a next stage (every stage but the last).
-        policy: the numeric formats of the stage's device.
     """
 
-    def __init__(self, part: Transformer, sends: bool, policy: Precision):
+    def __init__(self, part: Transformer, sends: bool = True):
         super().__init__()
         self.part, self.sends = part, sends
-        self.boundary_dtype = torch_dtype(policy.stage_boundary)
-        self.residual_dtype = torch_dtype(policy.residual)
         self.aux_scale = 0.0  # 1 / global sequences, set by the Pipeline before a step
         self.aux_total: torch.Tensor | float = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point():  # the residual stream, received in the boundary format
-            x = x.to(self.residual_dtype)
+            x = x.to(next(self.part.parameters()).dtype)
         h = self.part.hidden(x)
         aux = self.part.aux_loss_sum() if self.aux_scale and torch.is_grad_enabled() else None
         if aux is not None:  # the stage's MoE load-balancing terms, differentiated in place
             aux = aux * self.aux_scale
             self.aux_total = self.aux_total + aux.detach()
             h = AttachAux.apply(h, aux)
-        return h.to(self.boundary_dtype) if self.sends else h
+        return h.to(compute_dtype(h)) if self.sends else h
 
 
 class AttachAux(torch.autograd.Function):
@@ -91,8 +87,7 @@ class TetradStage(PipelineStage):
     """
 
     def __init__(self, part: Transformer, stage_index: int, num_stages: int, device, group):
-        sends = stage_index < num_stages - 1
-        forward = StageForward(part, sends, policy_of(device))
+        forward = StageForward(part, sends=stage_index < num_stages - 1)
         super().__init__(forward, stage_index, num_stages, device, group=group)
         self.overlap = getattr(part, "overlap", None)
         self.grid = getattr(part.layer_factory, "grid", None)

@@ -40,6 +40,20 @@ FP8_RECIPES = ("off",)
 """FP8 GEMM scaling recipes the runtime implements (``off`` only, so far)."""
 
 
+RUNTIME_TIES = {
+    "stage_boundary": "compute",
+    "residual": "params",
+    "master": "params",
+    "grads": "params",
+    "optimizer_states": "params",
+}
+"""Formats the runtime ties together today: a stage sends in the format its GEMMs produce
+(:func:`tetrad.dtypes.compute_dtype` under the step's autocast), the residual stream adds in
+the parameters' format, and the optimizer updates the stored parameters in place, so masters,
+gradients and AdamW states are the parameters' format. Weights stored in the compute format
+with fp32 masters, and an fp32 boundary under bf16 compute, untie them."""
+
+
 class PrecisionError(TetradError):
     """A numeric format that is not one of :data:`DTYPE_BYTES` (or an FP8 recipe not in
     :data:`FP8_RECIPES`)."""
@@ -83,6 +97,12 @@ class Precision:
             elif value not in DTYPE_BYTES:
                 raise PrecisionError(
                     f"{name}={value!r} is not a numeric format: use {' or '.join(DTYPE_BYTES)}"
+                )
+        for name, same in RUNTIME_TIES.items():
+            if getattr(self, name) != getattr(self, same):
+                raise PrecisionError(
+                    f"{name}={getattr(self, name)} with {same}={getattr(self, same)}: the "
+                    f"runtime keeps {name} in the {same} format"
                 )
 
     @property

@@ -285,9 +285,10 @@ def _sizes(sizes: dict) -> dict:
 
 
 def _from_sizes(sizes: dict) -> ModelSpec:
-    """A model from ``key=value`` sizes alone: ``dim``, ``n_layers``, ``n_heads``, ``ffn_dim``
-    and ``vocab_size`` given (``n_kv_heads`` defaults to ``n_heads``); family ``gpt`` defaults
-    ``ffn_dim`` to ``4 dim``, its vocabulary and its positions.
+    """A model from ``key=value`` sizes alone: ``dim``, ``n_layers``, ``n_heads`` and
+    ``ffn_dim`` given (``n_kv_heads`` defaults to ``n_heads``, ``vocab_size`` to 0: not known
+    yet, a training run takes it from its tokenizer); family ``gpt`` defaults ``ffn_dim`` to
+    ``4 dim``, its vocabulary and its positions.
 
     Raises:
         ModelError: a missing size.
@@ -301,7 +302,7 @@ def _from_sizes(sizes: dict) -> ModelSpec:
     if "n_heads" in parsed:
         defaults["n_kv_heads"] = parsed["n_heads"]
     spec = defaults | parsed
-    missing = [k for k in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size") if k not in spec]
+    missing = [k for k in ("dim", "n_layers", "n_heads", "ffn_dim") if k not in spec]
     if missing:
         raise ModelError(
             f"model sizes lack {', '.join(missing)}: give them as key=value "
@@ -351,9 +352,15 @@ def parse_model(text: str) -> tuple[ModelSpec, frozenset[str]]:
 
 
 def get_model(text: str) -> ModelSpec:
-    """:func:`parse_model`'s model alone.
+    """:func:`parse_model`'s model, whose vocabulary must be known (what the planner needs).
 
     Raises:
-        ModelError: as :func:`parse_model`.
+        ModelError: as :func:`parse_model`, or sizes without ``vocab_size``.
     """
-    return parse_model(text)[0]
+    model = parse_model(text)[0]
+    if model.vocab_size < 1:
+        raise ModelError(
+            f"model {text!r} has no vocab_size: give vocab_size=N (the planner cannot take it "
+            "from a tokenizer)"
+        )
+    return model
