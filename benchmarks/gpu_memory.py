@@ -42,10 +42,11 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check's helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the package gpu/ (gpu_check's parts)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_check import device_memory_bytes, memory_estimate, world_of_one  # noqa: E402
+from gpu.common import world_of_one  # noqa: E402
+from gpu.memory import device_memory_bytes, memory_estimate  # noqa: E402
 
 from tetrad.device import datasheet_flops, device_name, peak_memory_bytes  # noqa: E402
 from tetrad.models.config import parse_model  # noqa: E402
