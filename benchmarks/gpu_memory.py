@@ -15,7 +15,12 @@ Per case: measured peak (``torch.cuda.max_memory_allocated``, bytes) against the
 ``tetrad memory --method tetrad --activation-checkpointing MODE`` (ratio measured/predicted),
 tokens/s, and MFU = model FLOPs per token (:meth:`ModelConfig.flops_per_token`, no recompute
 counted) x tokens/s / the datasheet dense bf16 peak (:func:`tetrad.device.datasheet_flops`).
-A case out of memory is recorded as such (with the planner's figure) and the next one runs.
+Also per case, printed when it happens: ``start_to_first_step_s``, seconds from the start of
+the model's construction to the end of its first step (construction, weights drawn, blocks
+compiled, the first step with AdamW's state allocation and torch.compile's compilation), and
+``process_start_to_first_step_s``, from this script's start (before torch's import; it includes
+the cases before). A case out of memory is recorded as such (with the planner's figure) and the
+next one runs.
 The allocator runs with ``expandable_segments:True`` unless ``PYTORCH_CUDA_ALLOC_CONF`` is set
 (the peak allocated is the same either way; fixed segments fragment near the card's limit).
 
@@ -35,6 +40,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+PROCESS_START = time.monotonic()
+"""When this script started (``time.monotonic()``): before torch is imported."""
 
 # Before CUDA starts: the 8b cases peak at 137.4 GiB of the H200's 139.8 and fail to allocate
 # with the default allocator's fixed segments (fragmentation), as torchtitan's launcher also sets.
@@ -86,6 +94,7 @@ def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = Fals
     cfg, _ = parse_model(case.model)
     model = opt = None
     try:
+        t_start = time.perf_counter()
         model = ParallelLlama(cfg, grid, case.recompute)
         with torch.no_grad():
             for p in model.parameters():
@@ -96,8 +105,17 @@ def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = Fals
         gen = torch.Generator().manual_seed(0)
         shape = (2 * case.micro_batch, case.seq_len + 1)
         batch = torch.randint(0, cfg.vocab_size, shape, generator=gen)
-        for _ in range(2):
-            train_step(model, opt, grid, batch, case.micro_batch, 1.0)
+        train_step(model, opt, grid, batch, case.micro_batch, 1.0)
+        sync(grid.device)
+        first_step_s = time.perf_counter() - t_start
+        out["start_to_first_step_s"] = first_step_s
+        out["process_start_to_first_step_s"] = time.monotonic() - PROCESS_START
+        print(
+            f"gpu_memory: {case.model.split(',')[0]} {case.recompute}: model construction to "
+            f"the end of the first step {first_step_s:.1f} s",
+            flush=True,
+        )
+        train_step(model, opt, grid, batch, case.micro_batch, 1.0)
         sync(grid.device)
         if grid.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -140,13 +158,16 @@ def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
         f"# gpu_memory: {name}, {gpu_bytes / GiB:.1f} GiB, torch {torch.__version__}, "
         f"CUDA {torch.version.cuda}\n\n"
         "| model | seq | micro-batch | recompute | predicted | measured peak | measured / "
-        "predicted | step | tokens/s | MFU |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "predicted | step | tokens/s | MFU | start to first step |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         pred = f"{r['predicted_bytes'] / GiB:.2f} GiB ({'fits' if r['fits'] else 'over 80%'})"
+        first = r.get("start_to_first_step_s")
+        first_cell = "" if first is None else f"{first:.1f} s"
         if not r["ok"]:
-            cells = [r["error"], "", "", "", ""]
+            cells = [r["error"], "", "", "", "", first_cell]
         else:
             cells = [
                 f"{r['measured_bytes'] / GiB:.2f} GiB",
@@ -154,6 +175,7 @@ def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
                 f"{r['step_s']:.3f} s",
                 f"{r['tokens_per_s']:,.0f}",
                 f"{100 * r['mfu']:.1f}%",
+                first_cell,
             ]
         mode = r["recompute"] + (" + compile" if r.get("compiled") else "")
         row = [r["model"].split(",")[0], str(r["seq_len"]), str(r["micro_batch"]), mode]
