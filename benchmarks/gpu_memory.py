@@ -26,8 +26,9 @@ The allocator runs with ``expandable_segments:True`` unless ``PYTORCH_CUDA_ALLOC
 
 Cases ``1b``: llama-1b (vocabulary 32768), seq 2048, micro-batches 4 and 8, recompute none,
 selective and full. ``8b``: Llama-3.1-8B, seq 4096, micro-batch 1, selective and full (needs
-the H200's 141 GB; the planner's verdict is printed either way). Writes ``OUT/gpu_memory.json``
-and ``OUT/gpu_memory.md``.
+the H200's 141 GB; the planner's verdict is printed either way); ``--cases 8b,1b`` runs the 8b
+cases first. Writes ``OUT/gpu_memory.json`` and ``OUT/gpu_memory.md`` after each case (a run
+cut short keeps the cases it finished).
 """
 
 from __future__ import annotations
@@ -184,9 +185,11 @@ def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the cases of ``--cases`` in order; write and print the table. Returns 0 (a case out
+    of memory is a result, not a failure)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/gpu_memory")
-    p.add_argument("--cases", default="1b,8b", help="comma-separated: 1b, 8b")
+    p.add_argument("--cases", default="1b,8b", help="comma-separated, run in this order: 1b, 8b")
     p.add_argument("--steps", type=int, default=3, help="timed steps per case")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test")
     p.add_argument("--modes", default="none,selective,full", help="recompute modes to run")
@@ -197,20 +200,26 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu_bytes = device_memory_bytes(args.device)
-    rows = []
+    rows: list[dict] = []
     with world_of_one(args.device) as grid:
+        name = device_name(grid.device)
         for key in args.cases.split(","):
             for case in CASES[key]:
                 if case.recompute not in args.modes.split(","):
                     continue
                 rows.append(run_case(grid, case, args.steps, gpu_bytes, args.compile))
                 print(json.dumps(rows[-1]), flush=True)
-    name = device_name(grid.device)
+                text = write(out, rows, name, gpu_bytes)  # after each case: a cut run keeps it
+    print(text if rows else "gpu_memory: no case selected", flush=True)
+    return 0
+
+
+def write(out: Path, rows: list[dict], name: str, gpu_bytes: int) -> str:
+    """Write ``gpu_memory.json`` and ``gpu_memory.md`` of the cases so far; return the table."""
     (out / "gpu_memory.json").write_text(json.dumps(rows, indent=2) + "\n")
     text = markdown(rows, name, gpu_bytes)
     (out / "gpu_memory.md").write_text(text)
-    print(text, flush=True)
-    return 0
+    return text
 
 
 if __name__ == "__main__":
