@@ -574,16 +574,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def round_line(rd: dict, shape: Shape) -> str:
-    """One progress line of a round."""
+    """One progress line of a round (with the bytes still allocated before its build when
+    they exceed 256 MiB: something of the previous round survived and counts in this peak)."""
     if "error" in rd:
         return rd["error"]
     med = rd["median_step_s"]
-    return (
+    line = (
         f"build {rd['build_s']:.1f} s, {len(rd['step_s'])} steps median {med:.3f} s "
         f"({shape.tokens / med:,.0f} tok/s) after warm-up {rd['warmup_s']:.1f} s, "
         f"loss {rd['loss_first']:.3f} -> {rd['loss_last']:.3f}, "
         f"peak {_gib(rd['peak_memory_bytes'])}"
     )
+    held = rd["start_allocated_bytes"]
+    if held is not None and held > 256 * 2**20:
+        line += f" ({_gib(held)} of it allocated before the build)"
+    return line
 
 
 if __name__ == "__main__":
