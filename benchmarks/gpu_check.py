@@ -56,6 +56,7 @@ import datetime
 import gc
 import json
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -176,9 +177,17 @@ def run_all(args: argparse.Namespace, prof: Profile, deadline: float) -> dict:
     return result
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the check; write ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` and print the
-    table. Returns 0 when everything passed and ran."""
+    table. Returns 0 when everything passed and ran.
+
+    SIGTERM (``timeout``'s signal) raises ``SystemExit(143)``, so that a training run in
+    progress is killed with its workers on the way out (:func:`gpu.common.run_logged`)."""
+    signal.signal(signal.SIGTERM, _terminate)
     args = parse_args(argv)
     prof = PROFILES[args.device]
     out = Path(args.out)

@@ -54,7 +54,7 @@ PROFILES = {
         layers=LayerSizes(batch=4, seq=256, hidden=1024, ffn=2816, vocab=8192),
         data=(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py"),),  # ~7 MB
         bpe_vocab=None,
-        budget_s=330.0,
+        budget_s=280.0,  # benchmarks/gpu_all.sh stops the check at 300 s
         run_timeout_s=170.0,
         profile_steps=(17, 18),
     ),
