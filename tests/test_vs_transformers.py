@@ -1,5 +1,6 @@
 """benchmarks/vs_transformers.py on CPU (tiny sizes): both variants run on both sides, the two
-models have the same parameter count and every side trains at a positive rate.
+models have the same parameter count and every side trains at a positive rate; without
+transformers the script says so in one line and exits with 2.
 
 The script runs in a subprocess, as on a GPU machine, with its output in a temporary folder.
 """
@@ -13,12 +14,11 @@ import pytest
 
 from tetrad.models.config import PRESETS
 
-pytest.importorskip("transformers")
-
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_transformers.py"
 
 
 def test_vs_transformers_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
     r = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path)],
         capture_output=True,
@@ -49,3 +49,32 @@ def test_vs_transformers_on_cpu(tmp_path):
 
     table = (tmp_path / "vs_transformers.md").read_text()
     assert table.startswith("# tetrad vs transformers") and table in r.stdout
+
+
+HIDE_TRANSFORMERS = """
+import runpy, sys
+
+class Hidden:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "transformers":
+            raise ImportError(f"{name} is hidden in this test")
+
+sys.meta_path.insert(0, Hidden())
+sys.argv = [sys.argv[1], "--device", "cpu", "--out", sys.argv[2]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_vs_transformers_without_transformers(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-c", HIDE_TRANSFORMERS, str(SCRIPT), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.strip().splitlines() == [
+        "vs_transformers: transformers is not installed (pip install transformers): "
+        "nothing to compare against"
+    ]
+    assert not (tmp_path / "vs_transformers.json").exists()
