@@ -15,14 +15,20 @@ Per case: measured peak (``torch.cuda.max_memory_allocated``, bytes) against the
 ``tetrad memory --method tetrad --activation-checkpointing MODE`` (ratio measured/predicted),
 tokens/s, and MFU = model FLOPs per token (:meth:`ModelSpec.flops_per_token`, no recompute
 counted) x tokens/s / the datasheet dense bf16 peak (:func:`tetrad.device.datasheet_flops`).
-A case out of memory is recorded as such (with the planner's figure) and the next one runs.
+Also per case, printed when it happens: ``start_to_first_step_s``, seconds from the start of
+the model's construction to the end of its first step (construction, weights drawn, blocks
+compiled, the first step with AdamW's state allocation and torch.compile's compilation), and
+``process_start_to_first_step_s``, from this script's start (before torch's import; it includes
+the cases before). A case out of memory is recorded as such (with the planner's figure) and the
+next one runs.
 The allocator runs with ``expandable_segments:True`` unless ``PYTORCH_CUDA_ALLOC_CONF`` is set
 (the peak allocated is the same either way; fixed segments fragment near the card's limit).
 
 Cases ``1b``: llama-1b (vocabulary 32768), seq 2048, micro-batches 4 and 8, recompute none,
 selective and full. ``8b``: Llama-3.1-8B, seq 4096, micro-batch 1, selective and full (needs
-the H200's 141 GB; the planner's verdict is printed either way). Writes ``OUT/gpu_memory.json``
-and ``OUT/gpu_memory.md``.
+the H200's 141 GB; the planner's verdict is printed either way); ``--cases 8b,1b`` runs the 8b
+cases first. Writes ``OUT/gpu_memory.json`` and ``OUT/gpu_memory.md`` after each case (a run
+cut short keeps the cases it finished).
 """
 
 from __future__ import annotations
@@ -36,21 +42,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+PROCESS_START = time.monotonic()
+"""When this script started (``time.monotonic()``): before torch is imported."""
+
 # Before CUDA starts: the 8b cases peak at 137.4 GiB of the H200's 139.8 and fail to allocate
 # with the default allocator's fixed segments (fragmentation), as torchtitan's launcher also sets.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check's helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the package gpu/ (gpu_check's parts)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_check import device_memory_bytes, memory_estimate, world_of_one  # noqa: E402
+from gpu.common import world_of_one  # noqa: E402
+from gpu.memory import device_memory_bytes, memory_estimate  # noqa: E402
 
 from tetrad.device import datasheet_flops, device_name, peak_memory_bytes  # noqa: E402
 from tetrad.parallel.model import ParallelLlama, compile_blocks  # noqa: E402
-from tetrad.spec.presets import parse_model
-from tetrad.spec.units import GiB
+from tetrad.spec.presets import parse_model  # noqa: E402
+from tetrad.spec.units import GiB  # noqa: E402
 from tetrad.train.step import build_optimizer, train_step  # noqa: E402
 
 
@@ -85,6 +95,7 @@ def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = Fals
     cfg, _ = parse_model(case.model)
     model = opt = None
     try:
+        t_start = time.perf_counter()
         model = ParallelLlama(cfg, grid, case.recompute)
         with torch.no_grad():
             for p in model.parameters():
@@ -95,8 +106,17 @@ def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = Fals
         gen = torch.Generator().manual_seed(0)
         shape = (2 * case.micro_batch, case.seq_len + 1)
         batch = torch.randint(0, cfg.vocab_size, shape, generator=gen)
-        for _ in range(2):
-            train_step(model, opt, grid, batch, case.micro_batch, 1.0)
+        train_step(model, opt, grid, batch, case.micro_batch, 1.0)
+        sync(grid.device)
+        first_step_s = time.perf_counter() - t_start
+        out["start_to_first_step_s"] = first_step_s
+        out["process_start_to_first_step_s"] = time.monotonic() - PROCESS_START
+        print(
+            f"gpu_memory: {case.model.split(',')[0]} {case.recompute}: model construction to "
+            f"the end of the first step {first_step_s:.1f} s",
+            flush=True,
+        )
+        train_step(model, opt, grid, batch, case.micro_batch, 1.0)
         sync(grid.device)
         if grid.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -139,13 +159,16 @@ def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
         f"# gpu_memory: {name}, {gpu_bytes / GiB:.1f} GiB, torch {torch.__version__}, "
         f"CUDA {torch.version.cuda}\n\n"
         "| model | seq | micro-batch | recompute | predicted | measured peak | measured / "
-        "predicted | step | tokens/s | MFU |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "predicted | step | tokens/s | MFU | start to first step |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         pred = f"{r['predicted_bytes'] / GiB:.2f} GiB ({'fits' if r['fits'] else 'over 80%'})"
+        first = r.get("start_to_first_step_s")
+        first_cell = "" if first is None else f"{first:.1f} s"
         if not r["ok"]:
-            cells = [r["error"], "", "", "", ""]
+            cells = [r["error"], "", "", "", "", first_cell]
         else:
             cells = [
                 f"{r['measured_bytes'] / GiB:.2f} GiB",
@@ -153,6 +176,7 @@ def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
                 f"{r['step_s']:.3f} s",
                 f"{r['tokens_per_s']:,.0f}",
                 f"{100 * r['mfu']:.1f}%",
+                first_cell,
             ]
         mode = r["recompute"] + (" + compile" if r.get("compiled") else "")
         row = [r["model"].split(",")[0], str(r["seq_len"]), str(r["micro_batch"]), mode]
@@ -161,9 +185,11 @@ def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the cases of ``--cases`` in order; write and print the table. Returns 0 (a case out
+    of memory is a result, not a failure)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/gpu_memory")
-    p.add_argument("--cases", default="1b,8b", help="comma-separated: 1b, 8b")
+    p.add_argument("--cases", default="1b,8b", help="comma-separated, run in this order: 1b, 8b")
     p.add_argument("--steps", type=int, default=3, help="timed steps per case")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test")
     p.add_argument("--modes", default="none,selective,full", help="recompute modes to run")
@@ -174,20 +200,26 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu_bytes = device_memory_bytes(args.device)
-    rows = []
+    rows: list[dict] = []
     with world_of_one(args.device) as grid:
+        name = device_name(grid.device)
         for key in args.cases.split(","):
             for case in CASES[key]:
                 if case.recompute not in args.modes.split(","):
                     continue
                 rows.append(run_case(grid, case, args.steps, gpu_bytes, args.compile))
                 print(json.dumps(rows[-1]), flush=True)
-    name = device_name(grid.device)
+                text = write(out, rows, name, gpu_bytes)  # after each case: a cut run keeps it
+    print(text if rows else "gpu_memory: no case selected", flush=True)
+    return 0
+
+
+def write(out: Path, rows: list[dict], name: str, gpu_bytes: int) -> str:
+    """Write ``gpu_memory.json`` and ``gpu_memory.md`` of the cases so far; return the table."""
     (out / "gpu_memory.json").write_text(json.dumps(rows, indent=2) + "\n")
     text = markdown(rows, name, gpu_bytes)
     (out / "gpu_memory.md").write_text(text)
-    print(text, flush=True)
-    return 0
+    return text
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,18 +24,12 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from vs_settings import SCHEDULE_LABELS, Settings
 
 from tetrad.models.llama import ModelPart
 from tetrad.models.reference import Llama
 from tetrad.parallel import init_parameters
 from tetrad.spec.pipeline_split import balanced_split
-
-if TYPE_CHECKING:
-    from vs_jobs import Settings
-
-
-SCHEDULE_LABELS = {"1f1b": "1F1B", "gpipe": "GPipe"}
-"""Pipeline schedules (tetrad's ``--pipeline-schedule`` names) and how the tables print them."""
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,18 @@
-"""What ``benchmarks/vs_pytorch.py`` runs: the shared settings, one job per (side, world,
-configuration), and the rows that pair each tetrad grid with the stock mode users would pick
-instead."""
+"""What ``benchmarks/vs_pytorch.py`` runs: one job per (side, world, configuration) over the
+shared settings (:mod:`vs_settings`), and the rows that pair each tetrad grid with the stock
+mode users would pick instead."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from stock_parallel import SCHEDULE_LABELS, Stock
-from vs_report import fmt_grid
+from stock_parallel import Stock
+from vs_settings import SCHEDULE_LABELS, Settings, fmt_grid
 
 from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.estimate import best_orientation
 from tetrad.plan.machine.spec import get_machine
 from tetrad.spec.grid import GRID_NAMES, GridShape
-from tetrad.spec.model import ModelSpec
 
 ROWS: dict[int, list[tuple[GridShape, Stock]]] = {
     2: [
@@ -52,26 +50,6 @@ def micro_batches(s: Settings, replicas: int) -> int:
     """The pipeline's micro-batches per step: :data:`PIPE_MICRO_BATCHES` of the ``s.batch /
     replicas`` samples each pipeline replica gets, or one sample each if fewer."""
     return min(PIPE_MICRO_BATCHES, s.batch // replicas)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What every run shares: model, batch, steps, optimizer."""
-
-    cfg: ModelSpec
-    seq: int = 256
-    batch: int = 16
-    steps: int = 12
-    warmup: int = 3
-    seed: int = 0
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-
-    def global_batch(self) -> torch.Tensor:
-        """The global batch ``[batch, seq+1]`` of token ids, the same in every run and step."""
-        gen = torch.Generator().manual_seed(self.seed)
-        return torch.randint(0, self.cfg.vocab_size, (self.batch, self.seq + 1), generator=gen)
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ from stock_parallel import (  # noqa: E402
     stock_pipeline_step,
     stock_step,
 )
-from vs_jobs import ROWS, Job, Settings, micro_batches, rows_for, schedule, tetrad_jobs  # noqa: E402
+from vs_jobs import ROWS, Job, micro_batches, rows_for, schedule, tetrad_jobs  # noqa: E402
 from vs_report import (  # noqa: E402
     best_line,
     detail_lines,
@@ -114,6 +114,7 @@ from vs_report import (  # noqa: E402
     summarise,
     table_row,
 )
+from vs_settings import Settings  # noqa: E402
 
 from tetrad.grid import Grid  # noqa: E402
 from tetrad.parallel import init_parameters  # noqa: E402

@@ -6,18 +6,12 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from tetrad.spec.grid import GridShape
-
 if TYPE_CHECKING:
     from stock_parallel import Stock
     from vs_jobs import Job
 
 LOSS_TOLERANCE = 1e-4
 MB = 1e6
-
-
-def fmt_grid(sizes: GridShape, orientation: str = "xy") -> str:
-    return ",".join(map(str, sizes)) + (" yx" if orientation == "yx" else "")
 
 
 def summarise(runs: list[dict], warmup: int) -> dict:
