@@ -90,9 +90,9 @@ from tetrad.parallel import (
     vocab_parallel_cross_entropy,
 )
 from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.machine.spec import Machine, get_machine
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.step_time import estimate
 from tetrad.spec import DTYPE_BYTES, Axis, GiB, compute_dtype
 from tetrad.train import step as train_step_module
 from tetrad.train.metrics import read_rows
@@ -820,7 +820,7 @@ def predict_step(machine: Machine, args: argparse.Namespace, mb: int) -> dict:
     ``tetrad.plan.comm.estimate(Context(model, machine, seq_len, global_batch), grid,
     micro_batch, checkpointing=False)`` with every overlap on, as ``tetrad train`` runs."""
     cfg, _ = parse_model(args.model)
-    ctx = Context(
+    ctx = StepQuestion(
         cfg.spec(),
         machine,
         args.seq_len,

@@ -43,12 +43,12 @@ from overlap import add_run_options, describe
 from overlap import run as train
 
 from tetrad.models.config import ModelConfig
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import collectives, estimate
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.machine.network import ALL_REDUCE, REDUCE_SCATTER
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.model.spec import ModelSpec
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.step_time import collectives, estimate
 from tetrad.spec import COMM_AXES
 
 GRIDS = ("1,2,1,2", "2,1,2,1")
@@ -97,7 +97,7 @@ def predict(
         compute_bytes=4,
     )
     per_axis = axis_totals(cols)
-    ctx = Context(
+    ctx = StepQuestion(
         model, machine, args.seq_len, args.global_batch, overlaps=overlap, compute_bytes=4
     )
     est = estimate(ctx, grid, args.micro_batch, False)

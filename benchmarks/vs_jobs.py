@@ -11,9 +11,9 @@ from stock_parallel import SCHEDULE_LABELS, Stock
 from vs_report import fmt_grid
 
 from tetrad.models.config import ModelConfig
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import best_orientation
 from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.step_time import best_orientation
 from tetrad.spec import GRID_NAMES, GridShape
 
 ROWS: dict[int, list[tuple[GridShape, Stock]]] = {
@@ -100,7 +100,7 @@ class Job:
 def auto_orientation(s: Settings, grid: GridShape) -> str:
     """The orientation ``tetrad train`` runs ``grid`` in without ``--machine`` (fewer bytes on
     the X and Y roles: :func:`tetrad.plan.comm.estimate.best_orientation`)."""
-    ctx = Context(s.cfg.spec(), get_machine("dgx-h100"), s.seq, s.batch, compute_bytes=4)
+    ctx = StepQuestion(s.cfg.spec(), get_machine("dgx-h100"), s.seq, s.batch, compute_bytes=4)
     return best_orientation(ctx, grid, s.batch // (grid[0] * grid[1]), "none")
 
 

@@ -13,7 +13,7 @@ The questions, for 6 models x 4 machines x 3 GPU counts (:data:`MODELS`, :data:`
 - ``configs``: for 3 grids spread over the valid (data, context, Z, Y, X) grids, 2 micro-batches
   and the checkpointing modes ``none``, ``selective`` (or ``selective:K``, alternating) and
   ``full``, each under one of :data:`OVERLAP_CHOICES` in turn (every 5th in fp32): the step
-  estimate (:func:`tetrad.plan.comm.estimate.estimate`: step, compute and recompute seconds,
+  estimate (:func:`tetrad.plan.step_time.estimate`: step, compute and recompute seconds,
   exposed and all communication seconds per axis, micro-batches, the ``fine`` chunk count) and
   the memory estimate (:func:`tetrad.plan.memory.runtime.tetrad`: each phase's bytes, the peak
   phase and its components); plus one grid under every overlap choice; every 8th also the
@@ -48,9 +48,7 @@ import os
 import sys
 import time
 
-from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import context_problems
-from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.comm.sublayers import sublayers
 from tetrad.plan.errors import PlanError
@@ -58,8 +56,10 @@ from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.runtime import tetrad
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.model.presets import get_model
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.plan import plan
 from tetrad.plan.search.space import divisors, factorizations
+from tetrad.plan.step_time import estimate
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plan_snapshot.json.gz")
 MODELS = ("gpt-5b", "gpt-20b", "gpt-80b", "llama-1b", "llama-3.1-8b", "llama-2-70b")
@@ -117,7 +117,9 @@ def _per_axis(d: dict) -> dict:
 
 def _config(model, machine, grid, b: int, ckpt: str, overlaps: str, fp32: bool, detail: bool):
     batch = 2 * _gpus(grid)
-    ctx = Context(model, machine, SEQ_LEN, batch, overlaps=overlaps, compute_bytes=4 if fp32 else 2)
+    ctx = StepQuestion(
+        model, machine, SEQ_LEN, batch, overlaps=overlaps, compute_bytes=4 if fp32 else 2
+    )
     est = estimate(ctx, grid, b, ckpt, detail=detail)
     ov = ctx.overlaps
     mem = tetrad(

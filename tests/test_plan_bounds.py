@@ -6,15 +6,15 @@ import dataclasses
 import pytest
 
 from tetrad.plan.comm.bounds import StepBounds
-from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import context_problems
-from tetrad.plan.comm.estimate import estimate, make_step
 from tetrad.plan.comm.record import Recorder
 from tetrad.plan.comm.zwindows import window_seconds, z_collectives, z_queue_seconds
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.model.presets import get_model
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.space import divisors, factorizations
+from tetrad.plan.step_time import estimate, make_step
 from tetrad.spec import role_sizes
 
 OVERLAPS = (
@@ -52,7 +52,7 @@ def test_bounds_never_exceed_the_estimate(case):
     model, mc = get_model(name), get_machine(machine)
     n = 0
     for overlaps in OVERLAPS:
-        ctx = Context(model, mc, seq, batch, overlaps=overlaps)
+        ctx = StepQuestion(model, mc, seq, batch, overlaps=overlaps)
         bounds = StepBounds(ctx)
         for grid, b, ckpt in configurations(model, gpus, batch, seq):
             fwd, bwd, rec = ctx.micro_batch_seconds(grid, b, ckpt)
@@ -68,7 +68,7 @@ def test_bounds_never_exceed_the_estimate(case):
 @pytest.mark.parametrize("overlaps", OVERLAPS)
 def test_z_queue_floor_is_below_the_walk(overlaps):
     model, mc = get_model("gpt-20b"), get_machine("perlmutter")
-    ctx = Context(model, mc, 2048, 256, overlaps=overlaps)
+    ctx = StepQuestion(model, mc, 2048, 256, overlaps=overlaps)
     tight = 0
     for grid, b, ckpt in configurations(model, 64, 256, 2048):
         if grid[2] == 1:
@@ -100,7 +100,7 @@ def test_group_floor_is_below_every_member(case):
     fits, under each set of overlaps; and the floor from what may fit (before the memory
     lines) is at most the floor from what fits (bounds, not estimates: a configuration a floor
     drops is one the cheap bound would drop)."""
-    from tetrad.plan.comm.zero import sharded
+    from tetrad.plan.question import sharded
     from tetrad.plan.search.four_d import _Search4D
 
     name, machine, gpus, batch, seq = case
@@ -109,7 +109,7 @@ def test_group_floor_is_below_every_member(case):
         model = dataclasses.replace(model, tied_embeddings=True)
     checked = 0
     for overlaps in ("all", "none", "prefetch"):
-        ctx = Context(model, mc, seq, batch, overlaps=overlaps)
+        ctx = StepQuestion(model, mc, seq, batch, overlaps=overlaps)
         search = _Search4D(ctx, gpus, mc.memory_bytes, "tetrad", "bf16", "on")
         search.modes = ("none", "selective", "full")
         bounds = {False: StepBounds(ctx), True: StepBounds(sharded(ctx))}

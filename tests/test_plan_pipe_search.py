@@ -6,8 +6,6 @@ import dataclasses
 import pytest
 
 from tetrad.pipeline.split import balanced_split
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.zero import sharded
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.pipeline import in_flight_sets
@@ -15,6 +13,7 @@ from tetrad.plan.model.presets import get_model
 from tetrad.plan.pipe.estimate import pipeline_estimate
 from tetrad.plan.pipe.schedule import in_flight_chunks
 from tetrad.plan.pipe.uniform_split import exact_quarters, uniform_split
+from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.four_d import _Search4D
 from tetrad.plan.search.pipe_memory import warm_passes
 from tetrad.plan.search.pipelined import PipeSearch
@@ -58,7 +57,7 @@ def test_warm_passes_are_a_peak_set_of_the_interleaved_order(pipe, virtual):
 
 
 def _search(model, machine, gpus, batch, seq_len=2048, modes=("none", "selective", "full")):
-    ctx = Context(model, machine, seq_len, batch)
+    ctx = StepQuestion(model, machine, seq_len, batch)
     return PipeSearch(_Search4D(ctx, gpus, machine.memory_bytes, "tetrad", "bf16"), modes, None)
 
 

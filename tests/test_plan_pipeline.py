@@ -6,8 +6,6 @@ import dataclasses
 
 import pytest
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.pipeline import pipeline_memory
 from tetrad.plan.memory.runtime import tetrad as tetrad_memory
@@ -23,9 +21,11 @@ from tetrad.plan.pipe.schedule import (
 )
 from tetrad.plan.pipe.stage_times import stage_times
 from tetrad.plan.pipe.stages import PipeRank, split_costs
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.classic import pipeline_variants, uneven_split
 from tetrad.plan.search.four_d import _Search4D, search_4d
 from tetrad.plan.search.pipelined import PipeSearch
+from tetrad.plan.step_time import estimate
 
 
 def test_bubble_formulas():
@@ -71,7 +71,7 @@ def test_p2p_bytes_per_boundary():
 
 @pytest.fixture(scope="module")
 def ctx():
-    return Context(get_model("llama-3-70b"), get_machine("dgx-h100"), 2048, 512)
+    return StepQuestion(get_model("llama-3-70b"), get_machine("dgx-h100"), 2048, 512)
 
 
 @pytest.mark.parametrize("grid", [(8, 1, 1, 2, 4), (4, 2, 2, 2, 2), (2, 1, 4, 4, 2)])
@@ -165,7 +165,7 @@ def test_stage_times_add_up_to_the_ranks(ctx):
 
 def test_search_bounds_never_above_the_estimate():
     model, machine = get_model("gpt-80b"), get_machine("perlmutter")
-    ctx = Context(model, machine, 2048, 2048)
+    ctx = StepQuestion(model, machine, 2048, 2048)
     ps = PipeSearch(_Search4D(ctx, 1024, machine.memory_bytes, "tetrad", "bf16"), ("none",), None)
     for grid in ((8, 1, 1, 2, 4), (4, 1, 2, 2, 4), (2, 2, 2, 2, 4)):
         for mode in ("none", "full"):
@@ -206,7 +206,7 @@ def test_search_with_pipelines_matches_exhaustive():
     model = dataclasses.replace(get_model("llama-1b"), n_layers=8)
     machine = get_machine("dgx-h100")
     rows, _ = search_4d(model, machine, 16, 32, 2048, top=3, checkpointing=("none",))
-    ctx = Context(model, machine, 2048, 32)
+    ctx = StepQuestion(model, machine, 2048, 32)
     search = _Search4D(ctx, 16, machine.memory_bytes, "tetrad", "bf16")
     ps = PipeSearch(search, ("none",), None)
     best = []

@@ -4,18 +4,18 @@ import itertools
 
 import pytest
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.runtime import tetrad
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.model.presets import get_model
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.candidates import memory_line as _memory_line
 from tetrad.plan.search.classic import search_classic
 from tetrad.plan.search.four_d import search_4d
 from tetrad.plan.search.plan import plan
 from tetrad.plan.search.space import divisors, factorizations
+from tetrad.plan.step_time import estimate
 
 H100 = get_machine("dgx-h100")
 PERL = get_machine("perlmutter")
@@ -51,7 +51,7 @@ def test_pruned_search_equals_exhaustive():
     model = get_model("llama-1b")
     gpus, batch, seq = 32, 32, 1024
     rows, _ = search_4d(model, H100, gpus, batch, seq, top=5, pipeline=False)
-    ctx = Context(model, H100, seq, batch)
+    ctx = StepQuestion(model, H100, seq, batch)
     every = []
     for grid in factorizations(gpus, 5):  # (G_data, G_context, G_z, G_y, G_x)
         if grid_problems(model, grid) or batch % (grid[0] * grid[2]) or seq % (2 * grid[1]):

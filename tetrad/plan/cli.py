@@ -13,8 +13,6 @@ import json
 import sys
 
 from tetrad.activation_checkpointing import CHECKPOINTING, parse_checkpointing
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import best_orientation
 from tetrad.plan.comm.sublayers import format_sublayers, sublayers
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import get_machine, preset_names
@@ -24,8 +22,10 @@ from tetrad.plan.memory.zero import SHARD_OPTIMIZER
 from tetrad.plan.model.presets import PRESETS, get_model
 from tetrad.plan.pipe.cli import pipeline_memory_text
 from tetrad.plan.pipe.schedule import SCHEDULES
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search import report
 from tetrad.plan.search.plan import plan
+from tetrad.plan.step_time import best_orientation
 from tetrad.spec import ORIENTATIONS, GiB, parse_pipeline_grid, role_sizes
 
 
@@ -319,7 +319,7 @@ def run_memory(args: argparse.Namespace) -> int:
         ckpt = parse_checkpointing(args.activation_checkpointing)
         turn = args.orientation
         if turn == "auto":
-            ctx = Context(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])
+            ctx = StepQuestion(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])
             turn = best_orientation(ctx, grid, 1, ckpt)  # the bytes do not depend on the machine
         if pipe > 1:
             mem, title = pipeline_memory_text(args, model, pipe, grid, turn, ckpt, gpu)

@@ -165,10 +165,10 @@ def pipeline_split(cfg: TrainConfig, mc: ModelConfig) -> tuple[tuple[int, int], 
     the split the planner's estimate and memory of this configuration take, so that ``--grid
     auto`` runs the split it ranked; ``(start, stop)`` blocks per stage. None without a machine
     (the runtime's default: the embedding and the head count one block each)."""
-    from tetrad.plan.comm.context import Context
     from tetrad.plan.model.grids import with_context
     from tetrad.plan.pipe.estimate import planner_split
     from tetrad.plan.pipe.stages import split_costs
+    from tetrad.plan.question import StepQuestion
     from tetrad.spec import role_sizes
 
     par, t = cfg.parallelism, cfg.training
@@ -178,7 +178,7 @@ def pipeline_split(cfg: TrainConfig, mc: ModelConfig) -> tuple[tuple[int, int], 
         machine = machine_for(cfg)
     except ConfigError:
         return None
-    ctx = Context(
+    ctx = StepQuestion(
         mc.spec(),
         machine,
         t.seq_len,
@@ -191,11 +191,11 @@ def pipeline_split(cfg: TrainConfig, mc: ModelConfig) -> tuple[tuple[int, int], 
 
 
 def _estimate(cfg: TrainConfig, mc: ModelConfig, overlaps, fine_chunks: int | None):
-    from tetrad.plan.comm.context import Context
-    from tetrad.plan.comm.estimate import estimate
+    from tetrad.plan.question import StepQuestion
+    from tetrad.plan.step_time import estimate
 
     t, par = cfg.training, cfg.parallelism
-    ctx = Context(
+    ctx = StepQuestion(
         mc.spec(),
         machine_for(cfg),
         t.seq_len,
@@ -223,9 +223,9 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
     Raises:
         ConfigError: an unknown ``--machine``.
     """
-    from tetrad.plan.comm.context import Context
-    from tetrad.plan.comm.estimate import best_orientation
     from tetrad.plan.machine.spec import get_machine
+    from tetrad.plan.question import StepQuestion
+    from tetrad.plan.step_time import best_orientation
 
     par, t = cfg.parallelism, cfg.training
     if par.orientation != "auto" or par.grid == "auto":
@@ -235,7 +235,7 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
         machine = machine_for(cfg) if par.machine else get_machine("dgx-h100")  # bytes only
         # the tokenizer's vocabulary is not known before preflight; no X or Y collective
         # depends on it, so the BPE size stands in (every rank alike)
-        ctx = Context(
+        ctx = StepQuestion(
             cfg.model_config(cfg.data.vocab_size).spec(),
             machine,
             t.seq_len,

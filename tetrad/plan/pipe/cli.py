@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 
 from tetrad.pipeline.split import PipelineSplitError
-from tetrad.plan.comm.context import Context
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.breakdown import MemoryBreakdown
@@ -15,6 +14,7 @@ from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.pipe.estimate import split_ranks
 from tetrad.plan.pipe.schedule import schedule_problems
 from tetrad.plan.pipe.stages import split_costs
+from tetrad.plan.question import StepQuestion
 from tetrad.spec import GiB, format_grid, role_sizes
 
 
@@ -45,7 +45,7 @@ def pipeline_memory_text(
         raise PlanError("a pipeline grid takes --activation-checkpointing none, selective or full")
     machine = get_machine(args.machine or "dgx-h100")
     roles = role_sizes(grid, turn)
-    ctx = Context(model, machine, args.seq_len, grid[0] * grid[2] * args.micro_batch * m)
+    ctx = StepQuestion(model, machine, args.seq_len, grid[0] * grid[2] * args.micro_batch * m)
     try:
         ranks = split_ranks(
             model.n_layers, split_costs(ctx.compute(roles, args.micro_batch), mode), pipe, v

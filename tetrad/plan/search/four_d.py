@@ -12,14 +12,14 @@ micro-batch ``b`` dividing ``B / (G_data G_z)``; activation checkpointing ``none
 :func:`tetrad.plan.memory.runtime.fewest_selective`). Configurations whose
 :func:`tetrad.plan.memory.runtime.tetrad` estimate is above 80% of GPU memory are dropped (Fujii
 et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops at the first
-that does not fit. The survivors are ranked by :func:`tetrad.plan.comm.estimate.estimate`
+that does not fit. The survivors are ranked by :func:`tetrad.plan.step_time.estimate`
 (``comm_model="tetrad"``) or by compute plus AxoNN's communication time (``comm_model="axonn"``,
 :func:`tetrad.plan.comm.axonn.axonn_comm`).
 
 The sharded optimizer (``shard_optimizer``: AdamW states over data x context, ZeRO-1) is a
 dimension: under ``auto`` a grid with ``G_data G_context > 1`` also offers each (mode,
 micro-batch) that fits only with the states sharded, timed with
-:func:`tetrad.plan.comm.zero.sharded`'s context (where both fit, unsharded is as fast or
+:func:`tetrad.plan.question.sharded`'s context (where both fit, unsharded is as fast or
 faster: the same ring bytes, and the sharded all-gather after the update is exposed).
 
 The classic Megatron-style space beside it: :mod:`tetrad.plan.search.classic`; both together:
@@ -50,10 +50,7 @@ import time
 
 from tetrad.activation_checkpointing import CHECKPOINTING
 from tetrad.plan.comm.axonn import axonn_comm
-from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import context_problems
-from tetrad.plan.comm.estimate import estimate
-from tetrad.plan.comm.zero import sharded
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.memory.breakdown import FIT_FRACTION
@@ -61,6 +58,7 @@ from tetrad.plan.memory.runtime import tetrad as tetrad_memory
 from tetrad.plan.memory.zero import check_shard_optimizer
 from tetrad.plan.model.grids import grid_problems, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
+from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.candidates import Candidates
 from tetrad.plan.search.pipelined import PipeSearch, is_pipeline, pipeline_row
 from tetrad.plan.search.ranking import Ranking
@@ -72,6 +70,7 @@ from tetrad.plan.search.space import (
     nearby_gpu_counts,
 )
 from tetrad.plan.search.top import ranked
+from tetrad.plan.step_time import estimate
 from tetrad.spec import COMM_AXES, GRID_AXES, ORIENTATIONS, GiB, role_sizes
 
 
@@ -86,7 +85,7 @@ class _Search4D(Candidates, Ranking):
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: StepQuestion,
         gpus: int,
         mem_bytes: float,
         comm_model: str,
@@ -189,7 +188,7 @@ class _Search4D(Candidates, Ranking):
             )
 
     def _time(self, grid, b: int, ckpt: str, turn: str, zero: bool) -> tuple[float, object]:
-        """Step seconds and what the row needs: an :class:`~tetrad.plan.comm.estimate.Estimate`
+        """Step seconds and what the row needs: an :class:`~tetrad.plan.step_time.Estimate`
         (tetrad; ``zero``: with the sharded optimizer), or AxoNN's ``(comm per axis, compute,
         recompute, micro-batches)`` (axonn)."""
         ctx = self.ctx
@@ -293,7 +292,7 @@ def search_4d(
         raise PlanError(f"comm model {comm_model!r} is unknown: use tetrad or axonn")
     t0 = time.perf_counter()
     mem_bytes = float(gpu_memory_bytes or machine.memory_bytes)
-    ctx = Context(
+    ctx = StepQuestion(
         model,
         machine,
         seq_len,

@@ -14,7 +14,7 @@ from tetrad.spec import FP32, role_sizes
 
 class BlockFloors:
     """The terms of bound 3 on a grid (``self.ctx``: the search's
-    :class:`~tetrad.plan.comm.context.Context`), memoised in ``floor_memo``, ``comm_memo`` and
+    :class:`~tetrad.plan.question.StepQuestion`), memoised in ``floor_memo``, ``comm_memo`` and
     ``z_memo``."""
 
     def _block_floor(self, grid, turn: str, b: int, mode: str) -> tuple:

@@ -50,13 +50,13 @@ import heapq
 import itertools
 
 from tetrad.plan.comm.bounds import MARGIN
-from tetrad.plan.comm.zero import sharded
 from tetrad.plan.memory.breakdown import FIT_FRACTION
 from tetrad.plan.memory.pipeline import pipeline_memory, stage_memory
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.pipe.estimate import PipeConfig, PipeEstimate, pipeline_estimate, split_ranks
 from tetrad.plan.pipe.schedule import SCHEDULES, schedule_problems
 from tetrad.plan.pipe.stages import split_costs
+from tetrad.plan.question import sharded
 from tetrad.plan.search.pipe_floor import BlockFloors
 from tetrad.plan.search.pipe_groups import VIRTUAL_CHOICES, GroupBounds
 from tetrad.plan.search.pipe_memory import MemoryFloors
@@ -71,7 +71,7 @@ __all__ = ["VIRTUAL_CHOICES", "PipeSearch", "is_pipeline", "pipeline_row"]
 
 
 class PipeSearch(GroupBounds, BlockFloors, MemoryFloors):
-    """The pipeline part of one 4D search, sharing its :class:`~tetrad.plan.comm.context.Context`,
+    """The pipeline part of one 4D search, sharing its :class:`~tetrad.plan.question.StepQuestion`,
     memory limit and statistics (``search``: a :class:`tetrad.plan.search.four_d._Search4D`)."""
 
     def __init__(self, search, modes: tuple[str, ...], allowed: set | None):

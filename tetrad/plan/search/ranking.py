@@ -21,7 +21,7 @@ import heapq
 import itertools
 
 from tetrad.plan.comm.bounds import MARGIN, StepBounds
-from tetrad.plan.comm.zero import sharded
+from tetrad.plan.question import sharded
 from tetrad.plan.search.top import PIPELINE_SEQ, best_first, offer, slowest
 from tetrad.spec import role_sizes
 
