@@ -15,8 +15,8 @@ The questions, for 6 models x 4 machines x 3 GPU counts (:data:`MODELS`, :data:`
   ``full``, each under one of :data:`OVERLAP_CHOICES` in turn (every 5th in fp32): the step
   estimate (:func:`tetrad.plan.step_time.estimate`: step, compute and recompute seconds,
   exposed and all communication seconds per axis, micro-batches, the ``fine`` chunk count) and
-  the memory estimate (:func:`tetrad.plan.memory.runtime.tetrad`: each phase's bytes, the peak
-  phase and its components); plus one grid under every overlap choice; every 8th also the
+  the memory estimate (:func:`tetrad.plan.memory.runtime.runtime_memory`: each phase's bytes, the
+  peak phase and its components); plus one grid under every overlap choice; every 8th also the
   per-axis totals of the detailed collectives (:func:`tetrad.plan.comm.listing.axis_totals`).
 - ``plans``: the ranked top 5 of :func:`tetrad.plan.search.plan.plan` (4D and classic rows, or the
   error message), with the default options, and per question one variant in turn: no overlap,
@@ -53,7 +53,7 @@ from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.comm.sublayers import sublayers
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.memory.runtime import tetrad
+from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.model.presets import get_model
 from tetrad.plan.question import StepQuestion
@@ -122,7 +122,7 @@ def _config(model, machine, grid, b: int, ckpt: str, overlaps: str, fp32: bool, 
     )
     est = estimate(ctx, grid, b, ckpt, detail=detail)
     ov = ctx.overlaps
-    mem = tetrad(
+    mem = runtime_memory(
         model,
         grid,
         b,

@@ -8,7 +8,7 @@ import pytest
 
 from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.pipeline import pipeline_memory
-from tetrad.plan.memory.runtime import tetrad as tetrad_memory
+from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.model.presets import get_model
 from tetrad.plan.pipe.estimate import PipeConfig, pipeline_estimate, split_ranks
 from tetrad.plan.pipe.schedule import (
@@ -91,7 +91,7 @@ def test_pipe_1_memory_equals_the_5d_memory(ctx):
         worst, _ = pipeline_memory(
             model, (8, 1, 1, 2, 4), 1, 2048, mem, one, "1f1b", 1, 8, activation_checkpointing=mode
         )
-        ref = tetrad_memory(model, (8, 1, 1, 2, 4), 1, 2048, mem, activation_checkpointing=mode)
+        ref = runtime_memory(model, (8, 1, 1, 2, 4), 1, 2048, mem, activation_checkpointing=mode)
         assert worst.components == ref.components and worst.total == ref.total
 
 
@@ -103,7 +103,7 @@ def test_pipeline_parameters_add_up_to_the_model(tied):
     grid, mem, L = (1, 1, 1, 1, 1), 80 * 2**30, model.n_layers
     ranks = tuple(PipeRank(r, L // 4, r == 0, r == 3, (L // 4,)) for r in range(4))
     _, per = pipeline_memory(model, grid, 1, 256, mem, ranks, "1f1b", 1, 4)
-    whole = tetrad_memory(model, grid, 1, 256, mem).components["parameters"]
+    whole = runtime_memory(model, grid, 1, 256, mem).components["parameters"]
     head = 4 * model.vocab * model.hidden if tied else 0
     assert sum(m.components["parameters"] for m in per) == whole + head
     assert per[1].components["parameters"] == per[2].components["parameters"]
@@ -127,7 +127,7 @@ def test_pipeline_memory_in_flight(ctx):
     act = [m.phases["backward: blocks"] for m in one_f[1:3]]
     assert act[0] > act[1]
     assert all(g.total >= f.total for g, f in zip(gpipe, one_f, strict=True))
-    full = tetrad_memory(model, grid, 1, 2048, mem)
+    full = runtime_memory(model, grid, 1, 2048, mem)
     assert one_f[1].components["parameters"] < full.components["parameters"] / 3
 
 

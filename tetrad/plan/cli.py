@@ -17,8 +17,8 @@ from tetrad.plan.comm.sublayers import format_sublayers, sublayers
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import get_machine, preset_names
 from tetrad.plan.memory import fujii
-from tetrad.plan.memory.runtime import tetrad as tetrad_memory
-from tetrad.plan.memory.zero import SHARD_OPTIMIZER
+from tetrad.plan.memory.runtime import runtime_memory
+from tetrad.plan.memory.sharded_optimizer import SHARD_OPTIMIZER
 from tetrad.plan.model.presets import PRESETS, get_model
 from tetrad.plan.pipe.cli import pipeline_memory_text
 from tetrad.plan.pipe.schedule import SCHEDULES
@@ -324,7 +324,7 @@ def run_memory(args: argparse.Namespace) -> int:
         if pipe > 1:
             mem, title = pipeline_memory_text(args, model, pipe, grid, turn, ckpt, gpu)
         else:
-            mem = tetrad_memory(
+            mem = runtime_memory(
                 model,
                 role_sizes(grid, turn),
                 args.micro_batch,

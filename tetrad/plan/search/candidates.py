@@ -10,10 +10,9 @@ import bisect
 
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION
-from tetrad.plan.memory.offsets import sharding_offsets
-from tetrad.plan.memory.runtime import fewest_selective, phase_totals
+from tetrad.plan.memory.runtime import fewest_selective, phase_totals, sharding_offsets
+from tetrad.plan.memory.sharded_optimizer import state_bytes_per_element
 from tetrad.plan.memory.states import local_parameter_elements
-from tetrad.plan.memory.zero import state_bytes_per_element
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.search.space import divisors_of
 from tetrad.spec import role_sizes
@@ -256,9 +255,9 @@ def memory_line(
     """(The search builds these lines itself, per roles: :meth:`Candidates.oriented_fits`; this
     one, for a grid, is what tests and docs check against the memory model.)
 
-    ``b -> peak bytes`` of :func:`tetrad.plan.memory.runtime.tetrad` from two evaluations: every
-    phase's total is affine in the micro-batch (activations, logits and recompute sets grow with
-    ``m``; weights, gathered blocks and step buffers do not), so the peak is the maximum of the
+    ``b -> peak bytes`` of :func:`tetrad.plan.memory.runtime.runtime_memory` from two evaluations:
+    every phase's total is affine in the micro-batch (activations, logits and recompute sets grow
+    with ``m``; weights, gathered blocks and step buffers do not), so the peak is the maximum of the
     phases' lines. ``inf`` for every ``b`` when ``b = 1`` already does not fit. With
     ``shard_optimizer`` the phases move by :func:`tetrad.plan.memory.runtime.sharding_offsets`
     (constants in ``b``)."""
@@ -270,8 +269,8 @@ def memory_line(
 
 
 class PhaseLines:
-    """Per phase of :func:`tetrad.plan.memory.runtime.tetrad` (unsharded optimizer): its bytes
-    at ``b = 1`` (:attr:`lo`) and their growth per sample of the micro-batch (:meth:`slopes`,
+    """Per phase of :func:`tetrad.plan.memory.runtime.runtime_memory` (unsharded optimizer): its
+    bytes at ``b = 1`` (:attr:`lo`) and their growth per sample of the micro-batch (:meth:`slopes`,
     evaluated at ``b = 2`` only when asked: a grid that does not fit at ``b = 1`` needs none)."""
 
     def __init__(self, model, grid, seq_len, ckpt, dtype, prefetch, sizes: list[int]):

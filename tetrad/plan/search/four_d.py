@@ -10,9 +10,9 @@ micro-batch ``b`` dividing ``B / (G_data G_z)``; activation checkpointing ``none
 ``selective`` and ``full`` (:data:`tetrad.activation_checkpointing.CHECKPOINTING`), where
 ``none`` does not fit ``selective`` on the fewest blocks that fit (``selective:K``,
 :func:`tetrad.plan.memory.runtime.fewest_selective`). Configurations whose
-:func:`tetrad.plan.memory.runtime.tetrad` estimate is above 80% of GPU memory are dropped (Fujii
-et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops at the first
-that does not fit. The survivors are ranked by :func:`tetrad.plan.step_time.estimate`
+:func:`tetrad.plan.memory.runtime.runtime_memory` estimate is above 80% of GPU memory are dropped
+(Fujii et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops at the
+first that does not fit. The survivors are ranked by :func:`tetrad.plan.step_time.estimate`
 (``comm_model="tetrad"``) or by compute plus AxoNN's communication time (``comm_model="axonn"``,
 :func:`tetrad.plan.comm.axonn.axonn_comm`).
 
@@ -54,8 +54,8 @@ from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.memory.breakdown import FIT_FRACTION
-from tetrad.plan.memory.runtime import tetrad as tetrad_memory
-from tetrad.plan.memory.zero import check_shard_optimizer
+from tetrad.plan.memory.runtime import runtime_memory
+from tetrad.plan.memory.sharded_optimizer import check_shard_optimizer
 from tetrad.plan.model.grids import grid_problems, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.question import StepQuestion, sharded
@@ -207,7 +207,7 @@ class _Search4D(Candidates, Ranking):
         """The :class:`Row` of one ranked configuration (with its memory estimate)."""
         ctx = self.ctx
         zero = getattr(est, "shard_optimizer", False)
-        mem = tetrad_memory(
+        mem = runtime_memory(
             ctx.model,
             role_sizes(grid, turn),
             b,

@@ -39,8 +39,8 @@ G_z``) takes ``E`` at the largest and ``H`` at the smallest.
 
 Where the search may shard the optimizer (``shard_optimizer`` not ``off``) and ``G = G_data
 G_context > 1``, 16 becomes ``8 + 8 / G`` (the AdamW states over the data group,
-:func:`tetrad.plan.memory.zero.state_bytes_per_element`), a floor of both variants; with ``G_data
-G_z = q`` fixed, ``(8 + 8 G_z / (q G_context)) E`` still falls with ``G_z``.
+:func:`tetrad.plan.memory.sharded_optimizer.state_bytes_per_element`), a floor of both variants;
+with ``G_data G_z = q`` fixed, ``(8 + 8 G_z / (q G_context)) E`` still falls with ``G_z``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import dataclasses
 from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.context_parallel import context_shared_bytes
 from tetrad.plan.memory.activations import dtype_bytes, saved_activations
-from tetrad.plan.memory.zero import state_bytes_per_element
+from tetrad.plan.memory.sharded_optimizer import state_bytes_per_element
 from tetrad.plan.pipe.estimate import split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
 from tetrad.plan.search.space import divisors_of
