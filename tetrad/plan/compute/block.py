@@ -37,8 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tetrad.activation_checkpointing import checkpointed_blocks
-from tetrad.plan.comm.context_parallel import attention_fwd_flops, local_seq_len
+from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.compute.elementwise import ELEMENTWISE
+from tetrad.plan.compute.flops import attention_fwd_flops
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.model.grids import with_context
 from tetrad.plan.model.spec import ModelSpec
@@ -151,7 +152,7 @@ def block_compute(
 ) -> BlockCompute:
     """Compute times of one rank on ``grid = (G_data, [G_context,] G_z, G_y, G_x)``; see the
     module doc (context parallelism: ``m = b S / G_context`` and
-    :func:`tetrad.plan.comm.context_parallel.attention_fwd_flops`).
+    :func:`tetrad.plan.compute.flops.attention_fwd_flops`).
 
     Args:
         local_params: this rank's parameter elements (for the optimizer time).

@@ -45,9 +45,8 @@ import dataclasses
 import functools
 import operator
 
-from tetrad.plan.comm.context_parallel import context_shared_bytes
 from tetrad.plan.errors import PlanError
-from tetrad.plan.memory.activations import dtype_bytes, saved_activations
+from tetrad.plan.memory.activations import context_shared_bytes, dtype_bytes, saved_activations
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.runtime import phase_components
 from tetrad.plan.memory.sharded_optimizer import data_group, state_share

@@ -20,8 +20,9 @@ import time
 from collections.abc import Iterator
 
 from tetrad.activation_checkpointing import CHECKPOINTING, parse_checkpointing
-from tetrad.plan.comm.context_parallel import attention_fwd_flops, context_problems
+from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.compute.elementwise import ELEMENTWISE
+from tetrad.plan.compute.flops import attention_fwd_flops
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.machine.spec import Machine
 from tetrad.plan.memory import fujii

@@ -15,7 +15,7 @@ when the head is tied to the embedding (a rank without the last stage drops a he
 never counted), else 0; ``A(b)`` the saved activations of a ``b``-block stage's blocks for one
 micro-batch (:func:`tetrad.plan.memory.activations.saved_activations`, which depends on ``G_z``
 not at all), ``C`` of which the context masks and chunk order each stage saves once
-(:func:`tetrad.plan.comm.context_parallel.context_shared_bytes`; 0 under ``full``); ``F`` the
+(:func:`tetrad.plan.memory.activations.context_shared_bytes`; 0 under ``full``); ``F`` the
 final norm's and loss's saved bytes, ``P`` a receive buffer's (``[b, S / G_context, h /
 G_x]`` in the compute dtype).
 
@@ -48,8 +48,7 @@ from __future__ import annotations
 import dataclasses
 
 from tetrad.plan.comm.bounds import MARGIN
-from tetrad.plan.comm.context_parallel import context_shared_bytes
-from tetrad.plan.memory.activations import dtype_bytes, saved_activations
+from tetrad.plan.memory.activations import context_shared_bytes, dtype_bytes, saved_activations
 from tetrad.plan.memory.sharded_optimizer import state_bytes_per_element
 from tetrad.plan.pipe.estimate import split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
