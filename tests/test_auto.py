@@ -8,7 +8,7 @@ import pytest
 
 from tetrad.plan.comm.fine import CHUNK_CANDIDATES
 from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.pipe.estimate import split_ranks
+from tetrad.plan.pipe.pipeline_step import split_ranks
 from tetrad.plan.pipe.stages import ranks_of_split, split_costs
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.plan import plan

@@ -10,7 +10,7 @@ from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.pipeline import in_flight_sets
 from tetrad.plan.model.presets import get_model
-from tetrad.plan.pipe.estimate import pipeline_estimate
+from tetrad.plan.pipe.pipeline_step import pipeline_estimate
 from tetrad.plan.pipe.schedule import in_flight_chunks
 from tetrad.plan.pipe.uniform_split import exact_quarters, uniform_split
 from tetrad.plan.question import StepQuestion, sharded

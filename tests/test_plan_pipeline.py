@@ -10,7 +10,7 @@ from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.memory.pipeline import pipeline_memory
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.model.presets import get_model
-from tetrad.plan.pipe.estimate import PipeConfig, pipeline_estimate, split_ranks
+from tetrad.plan.pipe.pipeline_step import PipeConfig, pipeline_estimate, split_ranks
 from tetrad.plan.pipe.schedule import (
     boundaries_of_rank,
     bubble_fraction,

@@ -166,7 +166,7 @@ def pipeline_split(cfg: TrainConfig, mc: ModelConfig) -> tuple[tuple[int, int], 
     auto`` runs the split it ranked; ``(start, stop)`` blocks per stage. None without a machine
     (the runtime's default: the embedding and the head count one block each)."""
     from tetrad.plan.model.grids import with_context
-    from tetrad.plan.pipe.estimate import planner_split
+    from tetrad.plan.pipe.pipeline_step import planner_split
     from tetrad.plan.pipe.stages import split_costs
     from tetrad.plan.question import StepQuestion
     from tetrad.spec import role_sizes

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.zwindows import window_seconds
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
-from tetrad.plan.pipe.estimate import PipeConfig, cached_rank_time, rank_tail, split_ranks
+from tetrad.plan.pipe.pipeline_step import PipeConfig, cached_rank_time, rank_tail, split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.spec import FP32, role_sizes
@@ -114,7 +114,7 @@ class BlockFloors:
 
     def _rank_floor(self, grid, turn, b, mode, cfg: PipeConfig, m: int) -> float:
         """The estimate's step without its tail, bounded below: ``m T_rho`` of the last rank
-        ``rho`` of the most blocks (:func:`~tetrad.plan.pipe.estimate.rank_time`, shared with
+        ``rho`` of the most blocks (:func:`~tetrad.plan.pipe.pipeline_step.rank_time`, shared with
         the estimate) plus the path into and out of it
         (:meth:`~tetrad.plan.search.pipe_groups.GroupBounds._lead_seconds`), seconds."""
         return self._rank_path(self.ctx, grid, turn, b, mode, cfg, m)[0]
@@ -138,7 +138,7 @@ class BlockFloors:
     ) -> bool:
         """Whether the estimate on ``ctx`` cannot come below ``limit`` seconds (less MARGIN):
         its step is the critical path, at least :meth:`_rank_floor`, plus the largest of the
-        ranks' tails (:func:`~tetrad.plan.pipe.estimate.rank_tail`), at least ``rho``'s, then
+        ranks' tails (:func:`~tetrad.plan.pipe.pipeline_step.rank_tail`), at least ``rho``'s, then
         (``every``) at least every rank's (their times, memoised, are the estimate's)."""
         keep = 1 - MARGIN
         floor, rho, ranks = self._rank_path(ctx, grid, turn, b, mode, cfg, m)

@@ -31,7 +31,7 @@ from tetrad.plan.comm.context_parallel import (
 from tetrad.plan.compute.block import block_compute
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.model.grids import grid_problems
-from tetrad.plan.pipe.estimate import block_xy, split_key, split_ranks
+from tetrad.plan.pipe.pipeline_step import block_xy, split_key, split_ranks
 from tetrad.plan.pipe.schedule import p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.search.space import divisors_of
@@ -137,7 +137,7 @@ class GroupBounds:
         """``(model, block, costs, ratios)``: one micro-batch's compute of the whole model
         (forward, backward, recompute), of one block, and the split's costs
         (:func:`tetrad.plan.pipe.stages.split_costs`), seconds, and the embedding's and head's
-        cost in blocks as the split rounds them (:func:`~tetrad.plan.pipe.estimate.split_key`,
+        cost in blocks as the split rounds them (:func:`~tetrad.plan.pipe.pipeline_step.split_key`,
         the same for every ``p`` and ``v``) (memoised)."""
         key = (gc, gy, gx, b, mode)
         got = self.cost_memo.get(key)
@@ -227,10 +227,10 @@ class GroupBounds:
         return lead, (weighted * costs[0] + (p - 1) * (costs[1] + (p - 1) * one)) / p
 
     def _lead_split(self, pipe: int, virtual: int, costs: tuple) -> tuple[int, int, int]:
-        """``(rho, blocks, weighted)`` of the split (:func:`tetrad.plan.pipe.estimate.split_ranks`,
-        memoised): ``rho`` the last rank of the most blocks (at least ``ceil(L / p)``),
-        ``blocks`` those of stages ``0 .. rho - 1``, ``weighted`` the sum over ranks ``r`` of
-        the blocks of stages ``0 .. r - 1``."""
+        """``(rho, blocks, weighted)`` of the split
+        (:func:`tetrad.plan.pipe.pipeline_step.split_ranks`, memoised): ``rho`` the last rank of the
+        most blocks (at least ``ceil(L / p)``), ``blocks`` those of stages ``0 .. rho - 1``,
+        ``weighted`` the sum over ranks ``r`` of the blocks of stages ``0 .. r - 1``."""
         L = self.ctx.model.n_layers
         key = split_key(L, costs, pipe, virtual)
         got = self.lead_memo.get(key)
@@ -326,7 +326,7 @@ class GroupBounds:
 
     def _xy_seconds(self, grid, b: int, mode: str, turn: str) -> float:
         """One block's exposed X/Y collectives per micro-batch on ``grid`` in ``turn``
-        (:func:`tetrad.plan.pipe.estimate.block_xy`), seconds (memoised per shape)."""
+        (:func:`tetrad.plan.pipe.pipeline_step.block_xy`), seconds (memoised per shape)."""
         key = (grid[1], grid[3], grid[4], b, mode == "full", turn)
         got = self.xy_memo.get(key)
         if got is None:

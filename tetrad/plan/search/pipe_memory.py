@@ -33,7 +33,7 @@ phase counts besides, are among its passes' unless its last stage holds none
 ``i_r = sum_j c_j`` but on the rank of stage 0 (0 there). Every other term is at least 0.
 
 The floor of a schedule is the largest over its ranks (their stage split is the estimate's,
-:func:`tetrad.plan.pipe.estimate.split_ranks`); of a group or a grid, the least over its
+:func:`tetrad.plan.pipe.pipeline_step.split_ranks`); of a group or a grid, the least over its
 schedules. ``E`` and ``H`` fall with ``G_z``: the group's floor (every ``G_z`` dividing ``G_data
 G_z``) takes ``E`` at the largest and ``H`` at the smallest.
 
@@ -50,7 +50,7 @@ import dataclasses
 from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.memory.activations import context_shared_bytes, dtype_bytes, saved_activations
 from tetrad.plan.memory.sharded_optimizer import state_bytes_per_element
-from tetrad.plan.pipe.estimate import split_ranks
+from tetrad.plan.pipe.pipeline_step import split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
 from tetrad.plan.search.space import divisors_of
 from tetrad.spec import role_sizes
@@ -122,7 +122,7 @@ class MemoryFloors:
     def _in_flight(self, split: tuple, cfg, m: int) -> tuple:
         """``((k, passes, sum_j c_j (b_j - 1), stages holding some, drops F, buffers),
         ...)``: per rank of ``cfg``'s split (``split``: its
-        :func:`~tetrad.plan.pipe.estimate.split_key`'s embedding and head), the terms of the
+        :func:`~tetrad.plan.pipe.pipeline_step.split_key`'s embedding and head), the terms of the
         module doc's floor; ranks alike once, and none whose floor another's is at least
         whatever the bytes (:func:`_undominated`)."""
         key = (split, cfg, m)
@@ -155,7 +155,7 @@ class MemoryFloors:
 
     def _group_terms(self, pipe, gc, gy, gx, b, mode, m) -> tuple:
         """``(A(1), A(2) - A(1), C, F, P, split)`` of the group (module doc; ``split``: the
-        embedding's and head's cost of :func:`~tetrad.plan.pipe.estimate.split_key`)."""
+        embedding's and head's cost of :func:`~tetrad.plan.pipe.pipeline_step.split_key`)."""
         key = (gc, gy, gx, b, mode)  # the split's ratios do not depend on p
         got = self.terms_memo.get(key)
         if got is None:

@@ -9,7 +9,7 @@ fit, ``full`` only where neither does); schedules (:mod:`tetrad.plan.pipe.schedu
 where ``m >= G_pipe`` (GPipe has the same bubble and more memory, so it is tried only where 1F1B
 cannot run) and ``interleaved-1f1b`` with ``v`` in :data:`VIRTUAL_CHOICES` (``G_pipe v <= L``,
 ``m % G_pipe == 0``). Memory: :func:`tetrad.plan.memory.pipeline.pipeline_memory` (worst rank,
-80%); time: :func:`tetrad.plan.pipe.estimate.pipeline_estimate`.
+80%); time: :func:`tetrad.plan.pipe.pipeline_step.pipeline_estimate`.
 
 Pruning, exact (no configuration that could enter the top-K is skipped):
 
@@ -35,7 +35,7 @@ Pruning, exact (no configuration that could enter the top-K is skipped):
    (:mod:`tetrad.plan.search.pipe_floor`); then the schedule's memory floor; then ``m`` times
    that rank's time (shared with the estimate) plus the same way in and out; its memory (rank
    by rank, the first above the limit ends it); that floor plus a rank's tail (the optimizer
-   and what the cool-down leaves exposed, :func:`tetrad.plan.pipe.estimate.rank_tail`), that
+   and what the cool-down leaves exposed, :func:`tetrad.plan.pipe.pipeline_step.rank_tail`), that
    rank's first, then each's (the step adds the largest); then the estimate. Every floor of
    the path is at most the critical path of :func:`tetrad.plan.pipe.critical_path.schedule_step`
    (whose module doc gives the paths).
@@ -53,7 +53,7 @@ from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.memory.breakdown import FIT_FRACTION
 from tetrad.plan.memory.pipeline import pipeline_memory, stage_memory
 from tetrad.plan.model.grids import grid_problems
-from tetrad.plan.pipe.estimate import PipeConfig, PipeEstimate, pipeline_estimate, split_ranks
+from tetrad.plan.pipe.pipeline_step import PipeConfig, PipeEstimate, pipeline_estimate, split_ranks
 from tetrad.plan.pipe.schedule import SCHEDULES, schedule_problems
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.question import sharded
