@@ -90,7 +90,7 @@ from tetrad.parallel import (
     vocab_parallel_cross_entropy,
 )
 from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
-from tetrad.plan.machine.spec import Machine, get_machine
+from tetrad.plan.machine.description import Machine, get_machine
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.step_time import estimate
 from tetrad.spec import DTYPE_BYTES, Axis, GiB, compute_dtype

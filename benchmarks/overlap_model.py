@@ -44,8 +44,8 @@ from overlap import run as train
 
 from tetrad.models.config import ModelConfig
 from tetrad.plan.comm.listing import axis_totals
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.machine.network import ALL_REDUCE, REDUCE_SCATTER
-from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.step_time import collectives, estimate

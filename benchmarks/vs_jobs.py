@@ -11,7 +11,7 @@ from stock_parallel import SCHEDULE_LABELS, Stock
 from vs_report import fmt_grid
 
 from tetrad.models.config import ModelConfig
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.step_time import best_orientation
 from tetrad.spec import GRID_NAMES, GridShape

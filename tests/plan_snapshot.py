@@ -52,7 +52,7 @@ from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.comm.sublayers import sublayers
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.model.presets import get_model

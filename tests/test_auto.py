@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 
 from tetrad.plan.comm.fine import CHUNK_CANDIDATES
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.pipe.pipeline_step import split_ranks
 from tetrad.plan.pipe.stages import ranks_of_split, split_costs
 from tetrad.plan.question import StepQuestion

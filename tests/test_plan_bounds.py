@@ -9,7 +9,7 @@ from tetrad.plan.comm.bounds import StepBounds
 from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.comm.record import Recorder
 from tetrad.plan.comm.zwindows import window_seconds, z_collectives, z_queue_seconds
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.model.presets import get_model
 from tetrad.plan.question import StepQuestion

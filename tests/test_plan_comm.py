@@ -15,6 +15,7 @@ import pytest
 from tetrad.plan.comm.axonn import axonn_comm, axonn_linear_volumes
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.machine.network import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -23,7 +24,6 @@ from tetrad.plan.machine.network import (
     placement,
     ring_bytes,
 )
-from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.model.presets import get_model
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.step_time import collectives, estimate

@@ -7,7 +7,7 @@ import pytest
 
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.comm.orientation import tensor_bytes
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.model.presets import get_model
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.step_time import best_orientation, collectives, estimate, make_step

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from tetrad.pipeline.split import balanced_split
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.pipeline import in_flight_sets
 from tetrad.plan.model.presets import get_model

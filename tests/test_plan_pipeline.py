@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.memory.pipeline import pipeline_memory
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.model.presets import get_model

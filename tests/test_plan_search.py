@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.model.presets import get_model

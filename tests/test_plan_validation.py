@@ -34,7 +34,7 @@ from tetrad.models.config import ModelConfig
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.comm.listing import axis_totals
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.model.presets import get_model
 from tetrad.plan.step_time import collectives
 from tetrad.spec import DTYPE_BYTES, OVERLAPS, parse_grid

@@ -20,7 +20,7 @@ from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.comm.zwindows import z_stream
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.model.presets import get_model
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.step_time import make_step

@@ -11,7 +11,7 @@ import os
 import tomli_w
 
 from tetrad.calibrate.checks import check_out
-from tetrad.plan.machine.spec import parse_machine
+from tetrad.plan.machine.description import parse_machine
 from tetrad.spec import tomllib
 
 HEADER = (

@@ -16,7 +16,7 @@ from tetrad.activation_checkpointing import CHECKPOINTING, parse_checkpointing
 from tetrad.pipeline.split import PipelineSplitError
 from tetrad.plan.comm.sublayers import format_sublayers, sublayers
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.spec import get_machine, preset_names
+from tetrad.plan.machine.description import get_machine, preset_names
 from tetrad.plan.memory import fujii
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.pipeline import pipeline_memory

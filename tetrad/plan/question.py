@@ -34,8 +34,8 @@ from tetrad.plan.comm.context_parallel import (
 from tetrad.plan.comm.fine import CHUNK_CANDIDATES, ring_reduce_scatter_seconds
 from tetrad.plan.compute.block import BlockCompute, block_compute
 from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.description import Machine
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER, Link
-from tetrad.plan.machine.spec import Machine
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import (
     DOMINO_MIN_ROWS,

@@ -119,7 +119,7 @@ from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.comm.zwindows import z_collectives
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.machine.description import Machine
 from tetrad.plan.model.grids import grid_problems, with_context
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.question import StepQuestion, sharded, shards_optimizer

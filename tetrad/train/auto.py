@@ -39,7 +39,7 @@ def machine_for(cfg: TrainConfig):
         ConfigError: no machine given and none can be inferred, or the machine is unknown.
     """
     from tetrad.plan.errors import PlanError
-    from tetrad.plan.machine.spec import get_machine
+    from tetrad.plan.machine.description import get_machine
 
     name = cfg.parallelism.machine
     if not name and cfg.training.device == "cuda":
@@ -223,7 +223,7 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
     Raises:
         ConfigError: an unknown ``--machine``.
     """
-    from tetrad.plan.machine.spec import get_machine
+    from tetrad.plan.machine.description import get_machine
     from tetrad.plan.question import StepQuestion
     from tetrad.plan.step_time import best_orientation
 

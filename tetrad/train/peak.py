@@ -29,7 +29,7 @@ import torch.distributed as dist
 from tetrad.device import cpu_cores, datasheet_flops, device_name
 from tetrad.grid import Grid
 from tetrad.models.config import ModelConfig
-from tetrad.plan.machine.spec import get_machine, preset_names
+from tetrad.plan.machine.description import get_machine, preset_names
 from tetrad.train.config import TrainConfig
 
 

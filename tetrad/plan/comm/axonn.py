@@ -9,7 +9,7 @@ norms or loss. Where it deviates from tetrad's true layout (and from
 
 from __future__ import annotations
 
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.machine.description import Machine
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import GRID_AXES, GiB
 

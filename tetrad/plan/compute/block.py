@@ -15,7 +15,7 @@ Chowdhery et al. arXiv 2204.02311, appendix B, counts the same half), so the for
 (Dao, arXiv 2307.08691, section 3.1.2: it recomputes ``Q K^T``): 2.5x the forward.
 
 Time of a GEMM = FLOPs / (peak * efficiency(FLOPs)), the efficiency from the machine's GEMM table
-(:meth:`tetrad.plan.machine.spec.Machine.gemm_efficiency`); attention at the machine's
+(:meth:`tetrad.plan.machine.description.Machine.gemm_efficiency`); attention at the machine's
 ``attention_efficiency``. Element-wise work (norms, residual adds, RoPE, SwiGLU/GeLU, the
 vocabulary-parallel softmax, the embedding lookup, AdamW) is memory bound: bytes moved / HBM
 bandwidth, with byte counts per token estimated from the runtime's unfused PyTorch ops (rough:
@@ -40,7 +40,7 @@ from tetrad.activation_checkpointing import checkpointed_blocks
 from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.compute.flops import attention_fwd_flops
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.machine.description import Machine
 from tetrad.plan.model.grids import with_context
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.spec import loss_chunk_rows

@@ -6,7 +6,7 @@ parallelism's masked chunks: :mod:`tetrad.plan.comm.context_parallel`).
 
 from __future__ import annotations
 
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.machine.description import Machine
 from tetrad.plan.model.spec import ModelSpec
 
 

@@ -23,8 +23,8 @@ from tetrad.activation_checkpointing import CHECKPOINTING, parse_checkpointing
 from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.compute.flops import attention_fwd_flops
+from tetrad.plan.machine.description import Machine
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
-from tetrad.plan.machine.spec import Machine
 from tetrad.plan.memory import fujii
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.model.grids import tp_problems

@@ -52,7 +52,7 @@ from tetrad.activation_checkpointing import CHECKPOINTING
 from tetrad.plan.comm.axonn import axonn_comm
 from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.machine.description import Machine
 from tetrad.plan.memory.breakdown import FIT_FRACTION
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.sharded_optimizer import check_shard_optimizer

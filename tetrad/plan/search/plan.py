@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 
 from tetrad.activation_checkpointing import CHECKPOINTING
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.machine.description import Machine
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.classic import search_classic
