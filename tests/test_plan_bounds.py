@@ -1,11 +1,10 @@
-"""The search's lower bounds (tetrad.plan.comm.bounds) never exceed the estimate they stand for,
+"""The search's lower bounds (tetrad.plan.search.step_bounds) never exceed the estimate they stand for,
 and the Z queue's floor never exceeds the Z seconds the window walk exposes."""
 
 import dataclasses
 
 import pytest
 
-from tetrad.plan.comm.bounds import StepBounds
 from tetrad.plan.comm.context_parallel import context_problems
 from tetrad.plan.comm.record import Recorder
 from tetrad.plan.comm.zwindows import window_seconds, z_collectives, z_queue_seconds
@@ -14,6 +13,7 @@ from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.model.presets import get_model
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.space import divisors, factorizations
+from tetrad.plan.search.step_bounds import StepBounds
 from tetrad.plan.step_time import estimate, make_step
 from tetrad.spec import role_sizes
 

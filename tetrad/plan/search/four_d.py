@@ -35,7 +35,7 @@ before anything is timed; what fits gives each group (grid, orientation, optimiz
 floor of its steps before its configurations are built, and the groups are visited best first
 (:mod:`tetrad.plan.search.ranking`): a group's configurations enter the same queue at their
 lower bounds with the exposed communication they cannot avoid
-(:class:`tetrad.plan.comm.bounds.StepBounds`) and are timed when those come up, unless they are
+(:class:`tetrad.plan.search.step_bounds.StepBounds`) and are timed when those come up, unless they are
 not below the slowest of the best found so far. Every cost that depends on a shape only (a
 Linear's collectives, the fused rings, compute per ``(G_context, G_y, G_x, b)``, grid
 validity, bandwidths per ``(stride, size)``) is memoised. The statistics count the (grid,

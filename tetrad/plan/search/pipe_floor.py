@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.zwindows import window_seconds
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
 from tetrad.plan.pipe.pipeline_step import PipeConfig, cached_rank_time, rank_tail, split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
+from tetrad.plan.search.step_bounds import MARGIN
 from tetrad.spec import FP32, role_sizes
 
 

@@ -21,7 +21,6 @@ another whatever the schedule; the bubble, which on uneven ranks depends on the 
 
 from __future__ import annotations
 
-from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.comm.context_parallel import (
     PIECE_CANDIDATES,
     context_problems,
@@ -35,6 +34,7 @@ from tetrad.plan.pipe.pipeline_step import block_xy, split_key, split_ranks
 from tetrad.plan.pipe.schedule import p2p_bytes
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.search.space import divisors_of
+from tetrad.plan.search.step_bounds import MARGIN
 
 VIRTUAL_CHOICES = (2, 3, 4, 5, 6, 8)
 """Virtual stages per rank tried with ``interleaved-1f1b`` (NVIDIA's Llama-3 recipes use 5 and

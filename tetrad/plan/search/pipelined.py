@@ -30,7 +30,7 @@ Pruning, exact (no configuration that could enter the top-K is skipped):
    :mod:`tetrad.plan.search.pipe_memory`);
 3. per grid: its memory floor; then ``m`` times a rank of ``ceil(L / G_pipe)`` blocks, their
    compute, X/Y and context collectives and the Z seconds its windows cannot hide (as
-   :class:`tetrad.plan.comm.bounds.StepBounds`) and the fewest point-to-point receives of a
+   :class:`tetrad.plan.search.step_bounds.StepBounds`) and the fewest point-to-point receives of a
    rank, plus the way in and out of the split's last rank of the most blocks
    (:mod:`tetrad.plan.search.pipe_floor`); then the schedule's memory floor; then ``m`` times
    that rank's time (shared with the estimate) plus the same way in and out; its memory (rank
@@ -49,7 +49,6 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from tetrad.plan.comm.bounds import MARGIN
 from tetrad.plan.memory.breakdown import FIT_FRACTION
 from tetrad.plan.memory.pipeline import pipeline_memory, stage_memory
 from tetrad.plan.model.grids import grid_problems
@@ -61,6 +60,7 @@ from tetrad.plan.search.pipe_floor import BlockFloors
 from tetrad.plan.search.pipe_groups import VIRTUAL_CHOICES, GroupBounds
 from tetrad.plan.search.pipe_memory import MemoryFloors
 from tetrad.plan.search.rows import Row
+from tetrad.plan.search.step_bounds import MARGIN
 from tetrad.plan.search.top import best_first, offer, slowest
 from tetrad.spec import GRID_AXES, ORIENTATIONS, role_sizes
 

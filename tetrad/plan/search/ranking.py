@@ -5,11 +5,11 @@ pipeline search (:class:`tetrad.plan.search.pipelined.PipeSearch`) against the b
 (its bounds are looser: visited first, with no bar yet, it times more).
 
 A 5D group is a grid, an orientation and an optimizer variant; its floor
-(:meth:`Ranking._group_floor`, :meth:`tetrad.plan.comm.bounds.StepBounds.group_floor`) needs
+(:meth:`Ranking._group_floor`, :meth:`tetrad.plan.search.step_bounds.StepBounds.group_floor`) needs
 what fits (the memory lines) and the compute per sample, not its configurations, which are
 built (:meth:`tetrad.plan.search.candidates.Candidates.expand`) only when the group is visited.
 Each configuration then passes through the same queue at its bounds, cheapest first
-(:class:`~tetrad.plan.comm.bounds.StepBounds`: the cheap bound, then with the X/Y and context
+(:class:`~tetrad.plan.search.step_bounds.StepBounds`: the cheap bound, then with the X/Y and context
 collectives), and is timed when its last bound comes up. Ties in step time go to the earlier
 enumerated configuration (:mod:`tetrad.plan.search.top`), so the order of the visits changes no
 answer.
@@ -20,8 +20,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from tetrad.plan.comm.bounds import MARGIN, StepBounds
 from tetrad.plan.question import sharded
+from tetrad.plan.search.step_bounds import MARGIN, StepBounds
 from tetrad.plan.search.top import PIPELINE_SEQ, best_first, offer, slowest
 from tetrad.spec import role_sizes
 
@@ -108,7 +108,7 @@ class Ranking:
 
     def _visit_config(self, best: list, top: int, bounds, push, kind: int, payload) -> None:
         """A configuration's next stage: from its cheap bound to its bound with the X/Y and
-        context collectives (:meth:`~tetrad.plan.comm.bounds.StepBounds.with_xy`), queued where
+        context collectives (:meth:`~tetrad.plan.search.step_bounds.StepBounds.with_xy`), queued where
         it may enter ``best``; from that to its estimate, timed into ``best``."""
         if kind == CHEAP:
             floor, config = payload
@@ -126,7 +126,7 @@ class Ranking:
         """A floor of the steps of ``grid``'s configurations in orientation ``turn`` and
         optimizer variant ``zero`` whose micro-batches are, per ``full`` (whether the mode is
         ``full``), among ``classes[full]`` (ascending), from the compute per sample
-        (:meth:`_per_sample`): :meth:`~tetrad.plan.comm.bounds.StepBounds.group_floor`
+        (:meth:`_per_sample`): :meth:`~tetrad.plan.search.step_bounds.StepBounds.group_floor`
         (``bounds``: per variant; None with the axonn model: the least compute of the blocks),
         seconds."""
         roles = role_sizes(grid, turn)
@@ -139,7 +139,7 @@ class Ranking:
         return bounds[zero].group_floor(grid, turn, terms)
 
     def _class_floor(self, roles: tuple, per_cell: int, full: bool, sizes: list) -> tuple:
-        """``(compute, slack, largest)`` of :meth:`~tetrad.plan.comm.bounds.StepBounds.
+        """``(compute, slack, largest)`` of :meth:`~tetrad.plan.search.step_bounds.StepBounds.
         group_floor` for the micro-batches ``sizes`` (ascending) of a ``G_data G_z`` cell of
         ``per_cell`` samples: ``per_cell`` times the least per-sample seconds (``acc = per_cell
         / b`` micro-batches of ``b`` samples); memoised per ``(G_context, G_y, G_x)``, cell,
@@ -176,7 +176,7 @@ class Ranking:
     def _per_sample(self, roles: tuple, b: int) -> tuple[float, float, float]:
         """Per sample of a micro-batch of ``b`` on the roles' ``(G_context, G_y, G_x)``: the
         blocks' forward and backward, the same with a recomputed forward, and ``t_final_norm -
-        t_post / 2`` (:meth:`~tetrad.plan.comm.bounds.StepBounds.group_floor`), seconds
+        t_post / 2`` (:meth:`~tetrad.plan.search.step_bounds.StepBounds.group_floor`), seconds
         (memoised)."""
         key = (roles[1], roles[3], roles[4], b)
         got = self.per_sample.get(key)
