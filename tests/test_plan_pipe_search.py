@@ -15,8 +15,8 @@ from tetrad.plan.pipe.schedule import in_flight_chunks
 from tetrad.plan.pipe.uniform_split import exact_quarters, uniform_split
 from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.four_d import _Search4D
-from tetrad.plan.search.pipe_memory import warm_passes
-from tetrad.plan.search.pipelined import PipeSearch
+from tetrad.plan.search.pipeline.memory_floors import warm_passes
+from tetrad.plan.search.pipeline.pipe_search import PipeSearch
 
 EXTRAS = (0.0, 0.25, 0.5, 1.0, 2.75)
 

@@ -24,7 +24,7 @@ from tetrad.plan.pipe.stages import PipeRank, split_costs
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.classic import pipeline_variants, uneven_split
 from tetrad.plan.search.four_d import _Search4D, search_4d
-from tetrad.plan.search.pipelined import PipeSearch
+from tetrad.plan.search.pipeline.pipe_search import PipeSearch
 from tetrad.plan.step_time import estimate
 
 

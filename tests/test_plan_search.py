@@ -10,9 +10,9 @@ from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.model.grids import grid_problems
 from tetrad.plan.model.presets import get_model
 from tetrad.plan.question import StepQuestion
-from tetrad.plan.search.candidates import memory_line as _memory_line
 from tetrad.plan.search.classic import search_classic
 from tetrad.plan.search.four_d import search_4d
+from tetrad.plan.search.memory_fits import memory_line as _memory_line
 from tetrad.plan.search.plan import plan
 from tetrad.plan.search.space import divisors, factorizations
 from tetrad.plan.step_time import estimate

@@ -30,7 +30,7 @@ Each grid with ``G_x`` and ``G_y`` above 1 is tried in both orientations of the 
 (``yx``). With one tensor axis the two orientations are the two grids that name it X or Y.
 
 Speed, by design: memory is evaluated once per (grid, checkpointing mode) as a line in the
-micro-batch (:func:`tetrad.plan.search.candidates.memory_line`) and rejects a configuration
+micro-batch (:func:`tetrad.plan.search.memory_fits.memory_line`) and rejects a configuration
 before anything is timed; what fits gives each group (grid, orientation, optimizer variant) a
 floor of its steps before its configurations are built, and the groups are visited best first
 (:mod:`tetrad.plan.search.ranking`): a group's configurations enter the same queue at their
@@ -59,8 +59,8 @@ from tetrad.plan.memory.sharded_optimizer import check_shard_optimizer
 from tetrad.plan.model.grids import grid_problems, grid_sizes
 from tetrad.plan.model.spec import ModelSpec
 from tetrad.plan.question import StepQuestion, sharded
-from tetrad.plan.search.candidates import Candidates
-from tetrad.plan.search.pipelined import PipeSearch, is_pipeline, pipeline_row
+from tetrad.plan.search.memory_fits import Candidates
+from tetrad.plan.search.pipeline.pipe_search import PipeSearch, is_pipeline, pipeline_row
 from tetrad.plan.search.ranking import Ranking
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.space import (
@@ -114,8 +114,8 @@ class _Search4D(Candidates, Ranking):
     def candidates(self) -> list[tuple]:
         """``(grid, orientation)`` of every grid that shards the model and splits the batch, in
         each orientation it is tried in, in enumeration order: the 5D groups, whose memory
-        (:meth:`~tetrad.plan.search.candidates.Candidates.oriented_fits`) and configurations
-        (:meth:`~tetrad.plan.search.candidates.Candidates.expand`) the ranking builds when it
+        (:meth:`~tetrad.plan.search.memory_fits.Candidates.oriented_fits`) and configurations
+        (:meth:`~tetrad.plan.search.memory_fits.Candidates.expand`) the ranking builds when it
         visits them."""
         model, gb, stats = self.ctx.model, self.ctx.global_batch, self.stats
         groups = []
@@ -269,7 +269,7 @@ def search_4d(
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics;
     with ``pipeline`` (and the tetrad comm model) pipeline grids too
-    (:mod:`tetrad.plan.search.pipelined`).
+    (:mod:`tetrad.plan.search.pipeline.pipe_search`).
 
     Args:
         checkpointing: activation-checkpointing modes to try (``none``, ``selective``,

@@ -1,13 +1,13 @@
 """The ranking of the 4D search (:class:`Ranking`, a part of
 :class:`tetrad.plan.search.four_d._Search4D`): the groups of configurations of the 5D space
 best first (:func:`tetrad.plan.search.top.best_first`), then, with the pipeline axis, the
-pipeline search (:class:`tetrad.plan.search.pipelined.PipeSearch`) against the bar they set
+pipeline search (:class:`tetrad.plan.search.pipeline.pipe_search.PipeSearch`) against the bar they set
 (its bounds are looser: visited first, with no bar yet, it times more).
 
 A 5D group is a grid, an orientation and an optimizer variant; its floor
 (:meth:`Ranking._group_floor`, :meth:`tetrad.plan.search.step_bounds.StepBounds.group_floor`) needs
 what fits (the memory lines) and the compute per sample, not its configurations, which are
-built (:meth:`tetrad.plan.search.candidates.Candidates.expand`) only when the group is visited.
+built (:meth:`tetrad.plan.search.memory_fits.Candidates.expand`) only when the group is visited.
 Each configuration then passes through the same queue at its bounds, cheapest first
 (:class:`~tetrad.plan.search.step_bounds.StepBounds`: the cheap bound, then with the X/Y and context
 collectives), and is timed when its last bound comes up. Ties in step time go to the earlier
@@ -32,19 +32,19 @@ its configurations at its cheap bound, at its bound with the X/Y collectives (th
 
 class Ranking:
     """Best-first ranking; ``self.ctx``, ``self.stats``, ``self.comm_model``, the memory and
-    configurations of :class:`~tetrad.plan.search.candidates.Candidates`, ``self._time``,
+    configurations of :class:`~tetrad.plan.search.memory_fits.Candidates`, ``self._time``,
     ``self.per_sample``, ``self.class_memo`` and ``self.monotone`` come from the search."""
 
     def rank(self, groups: list, top: int, pipes=None) -> list:
         """The ``top`` fastest configurations of the 5D groups (:meth:`candidates`: ``(grid,
         orientation)``) and, with ``pipes`` (a
-        :class:`~tetrad.plan.search.pipelined.PipeSearch`), of the pipeline search, as the heap
+        :class:`~tetrad.plan.search.pipeline.pipe_search.PipeSearch`), of the pipeline search, as the heap
         of :mod:`tetrad.plan.search.top` (items ``(grid, b, ckpt, orientation, estimate)``; a
         pipeline's estimate is its ``(PipeEstimate, PipeConfig, memory, sharded)``).
 
         Each group's optimizer variants enter the queue at a floor from what may fit
-        (:meth:`~tetrad.plan.search.candidates.Candidates.may_fit`); visited, the group's
-        memory lines are built (:meth:`~tetrad.plan.search.candidates.Candidates.oriented_fits`,
+        (:meth:`~tetrad.plan.search.memory_fits.Candidates.may_fit`); visited, the group's
+        memory lines are built (:meth:`~tetrad.plan.search.memory_fits.Candidates.oriented_fits`,
         counted in the statistics) and the variant enters again at the floor of what fits;
         visited again, its configurations enter at their cheap bounds (:meth:`_visit_group`),
         then at their bounds with the X/Y collectives, and are timed when the queue reaches

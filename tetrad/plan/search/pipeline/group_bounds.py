@@ -1,14 +1,14 @@
 """Bounds 1 and 2 of the pipeline search (:class:`GroupBounds`, a part of
-:class:`tetrad.plan.search.pipelined.PipeSearch`, whose module doc states them): the tensor
+:class:`tetrad.plan.search.pipeline.pipe_search.PipeSearch`, whose module doc states them): the tensor
 shapes ``(G_context, G_y, G_x, mode)`` and the groups ``(G_pipe, G_context, G_y, G_x, b,
 mode)`` on them, and what rejects a whole group, or a grid of it, before its schedules are
 enumerated (:meth:`GroupBounds._group_grids`):
 
 - its context K/V collectives, the least over ``G_z`` (cheap: two link times per ``G_z``);
-- its memory floor (:mod:`tetrad.plan.search.pipe_memory`), whatever the time: the ``G_z``
+- its memory floor (:mod:`tetrad.plan.search.pipeline.memory_floors`), whatever the time: the ``G_z``
   that can fit;
 - per ``G_z``, its context collectives and the Z seconds a rank of the most blocks cannot hide
-  (:mod:`tetrad.plan.search.pipe_floor`);
+  (:mod:`tetrad.plan.search.pipeline.schedule_floors`);
 - per grid, its blocks' exposed X/Y collectives (memoised per shape and orientation).
 
 A rank's per-micro-batch time is at least ``k (c_block + x) + z`` on a rank of the most blocks

@@ -26,13 +26,13 @@ Pruning, exact (no configuration that could enter the top-K is skipped):
    where only GPipe runs, ``sum_r T_r + (m - 1) max_r T_r``), visited in ascending order of
    ``m`` times the larger floor; then, cheapest first, with the blocks' context collectives (the
    least over ``G_z``), the group's memory floor, and the blocks' exposed X/Y collectives (the
-   lesser orientation) added (:mod:`tetrad.plan.search.pipe_groups`,
-   :mod:`tetrad.plan.search.pipe_memory`);
+   lesser orientation) added (:mod:`tetrad.plan.search.pipeline.group_bounds`,
+   :mod:`tetrad.plan.search.pipeline.memory_floors`);
 3. per grid: its memory floor; then ``m`` times a rank of ``ceil(L / G_pipe)`` blocks, their
    compute, X/Y and context collectives and the Z seconds its windows cannot hide (as
    :class:`tetrad.plan.search.step_bounds.StepBounds`) and the fewest point-to-point receives of a
    rank, plus the way in and out of the split's last rank of the most blocks
-   (:mod:`tetrad.plan.search.pipe_floor`); then the schedule's memory floor; then ``m`` times
+   (:mod:`tetrad.plan.search.pipeline.schedule_floors`); then the schedule's memory floor; then ``m`` times
    that rank's time (shared with the estimate) plus the same way in and out; its memory (rank
    by rank, the first above the limit ends it); that floor plus a rank's tail (the optimizer
    and what the cool-down leaves exposed, :func:`tetrad.plan.pipe.pipeline_step.rank_tail`), that
@@ -56,9 +56,9 @@ from tetrad.plan.pipe.pipeline_step import PipeConfig, PipeEstimate, pipeline_es
 from tetrad.plan.pipe.schedule import SCHEDULES, schedule_problems
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.question import sharded
-from tetrad.plan.search.pipe_floor import BlockFloors
-from tetrad.plan.search.pipe_groups import VIRTUAL_CHOICES, GroupBounds
-from tetrad.plan.search.pipe_memory import MemoryFloors
+from tetrad.plan.search.pipeline.group_bounds import VIRTUAL_CHOICES, GroupBounds
+from tetrad.plan.search.pipeline.memory_floors import MemoryFloors
+from tetrad.plan.search.pipeline.schedule_floors import BlockFloors
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.step_bounds import MARGIN
 from tetrad.plan.search.top import best_first, offer, slowest

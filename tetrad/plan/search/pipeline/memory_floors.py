@@ -1,5 +1,5 @@
 """Memory floors of the pipeline search (:class:`MemoryFloors`, a part of
-:class:`tetrad.plan.search.pipelined.PipeSearch`): bytes that a configuration's worst pipeline
+:class:`tetrad.plan.search.pipeline.pipe_search.PipeSearch`): bytes that a configuration's worst pipeline
 rank holds at least under :func:`tetrad.plan.memory.pipeline.pipeline_memory`, cheap enough to
 reject a whole ``(G_pipe, G_context, G_y, G_x, b, mode)`` group before its collectives are
 timed, a grid before its floors, a schedule before its memory.

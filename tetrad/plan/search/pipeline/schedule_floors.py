@@ -1,4 +1,4 @@
-"""Bound 3's per-block terms of :class:`tetrad.plan.search.pipelined.PipeSearch`
+"""Bound 3's per-block terms of :class:`tetrad.plan.search.pipeline.pipe_search.PipeSearch`
 (:class:`BlockFloors`), memoised per micro-batch: the same for every ``G_data``."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class BlockFloors:
         """The estimate's step without its tail, bounded below: ``m T_rho`` of the last rank
         ``rho`` of the most blocks (:func:`~tetrad.plan.pipe.pipeline_step.rank_time`, shared with
         the estimate) plus the path into and out of it
-        (:meth:`~tetrad.plan.search.pipe_groups.GroupBounds._lead_seconds`), seconds."""
+        (:meth:`~tetrad.plan.search.pipeline.group_bounds.GroupBounds._lead_seconds`), seconds."""
         return self._rank_path(self.ctx, grid, turn, b, mode, cfg, m)[0]
 
     def _rank_path(self, ctx, grid, turn, b, mode, cfg: PipeConfig, m: int) -> tuple:
