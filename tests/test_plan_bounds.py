@@ -1,5 +1,5 @@
-"""The search's lower bounds (tetrad.plan.search.step_bounds) never exceed the estimate they stand for,
-and the Z queue's floor never exceeds the Z seconds the window walk exposes."""
+"""The search's lower bounds (tetrad.plan.search.step_bounds) never exceed the estimate they stand
+for, and the Z queue's floor never exceeds the Z seconds the window walk exposes."""
 
 import dataclasses
 
@@ -95,13 +95,13 @@ twice)."""
 
 @pytest.mark.parametrize("case", [*CASES, TIED], ids=[c[0] for c in [*CASES, TIED]])
 def test_group_floor_is_below_every_member(case):
-    """The 4D search's group floors (tetrad.plan.search.ranking) are at most the cheap bound of
+    """The 4D search's group floors (tetrad.plan.search.four_d) are at most the cheap bound of
     each configuration of the group, for every grid, orientation and optimizer variant that
     fits, under each set of overlaps; and the floor from what may fit (before the memory
     lines) is at most the floor from what fits (bounds, not estimates: a configuration a floor
     drops is one the cheap bound would drop)."""
     from tetrad.plan.question import sharded
-    from tetrad.plan.search.four_d import _Search4D
+    from tetrad.plan.search.four_d import Search4D
 
     name, machine, gpus, batch, seq = case
     model, mc = get_model(name.split(":")[0]), get_machine(machine)
@@ -110,20 +110,20 @@ def test_group_floor_is_below_every_member(case):
     checked = 0
     for overlaps in ("all", "none", "prefetch"):
         ctx = StepQuestion(model, mc, seq, batch, overlaps=overlaps)
-        search = _Search4D(ctx, gpus, mc.memory_bytes, "tetrad", "bf16", "on")
-        search.modes = ("none", "selective", "full")
+        modes = ("none", "selective", "full")
+        search = Search4D(ctx, gpus, mc.memory_bytes, "tetrad", "bf16", "on", modes)
         bounds = {False: StepBounds(ctx), True: StepBounds(sharded(ctx))}
-        for grid, turn in search.candidates():
+        for grid, turn in search.groups():
             roles = role_sizes(grid, turn)
-            fits = search.oriented_fits(grid, turn, search.modes, None)
-            may = search.may_fit(roles)
+            fits = search.memory_fits.oriented_fits(grid, turn)
+            may = search.memory_fits.may_fit(roles)
             for zero in fits.variants():
                 for full, sizes in fits.classes(zero).items():  # what fits may fit
                     assert set(sizes) <= set(may[zero][full]), (grid, turn, zero, full)
                 floor = search._group_floor(bounds, grid, turn, zero, fits.classes(zero))
                 early = search._group_floor(bounds, grid, turn, zero, may[zero])
                 assert early <= floor * (1 + 1e-12), (overlaps, grid, turn, zero)
-                for lb, _, b, ckpt in search.expand(roles, fits, zero):
+                for lb, _, b, ckpt in search.memory_fits.expand(roles, fits, zero):
                     cheap = bounds[zero].cheap(grid, b, ckpt, lb, turn)
                     assert floor <= cheap * (1 + 1e-12), (overlaps, grid, turn, zero, b, ckpt)
                     checked += 1

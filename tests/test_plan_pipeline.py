@@ -23,8 +23,7 @@ from tetrad.plan.pipe.stage_times import stage_times
 from tetrad.plan.pipe.stages import PipeRank, split_costs
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.classic import pipeline_variants, uneven_split
-from tetrad.plan.search.four_d import _Search4D, search_4d
-from tetrad.plan.search.pipeline.pipe_search import PipeSearch
+from tetrad.plan.search.four_d import Search4D, search_4d
 from tetrad.plan.step_time import estimate
 
 
@@ -166,21 +165,24 @@ def test_stage_times_add_up_to_the_ranks(ctx):
 def test_search_bounds_never_above_the_estimate():
     model, machine = get_model("gpt-80b"), get_machine("perlmutter")
     ctx = StepQuestion(model, machine, 2048, 2048)
-    ps = PipeSearch(_Search4D(ctx, 1024, machine.memory_bytes, "tetrad", "bf16"), ("none",), None)
+    search = Search4D(ctx, 1024, machine.memory_bytes, "tetrad", "bf16", "auto", ("none",))
+    ps = search.pipeline_search()
     for grid in ((8, 1, 1, 2, 4), (4, 1, 2, 2, 4), (2, 2, 2, 2, 4)):
         for mode in ("none", "full"):
             for cfg in (PipeConfig(16, 1, "1f1b"), PipeConfig(8, 3, "interleaved-1f1b")):
                 m = 2048 // (grid[0] * grid[2])
                 est = pipeline_estimate(ctx, cfg, grid, 1, mode)
-                assert ps._config_floor(grid, "xy", 1, mode, cfg, m) <= est.step_s
+                assert ps.schedule_floors.config_floor(grid, "xy", 1, mode, cfg, m) <= est.step_s
                 # the grid's bound, where its memory floor leaves it: never above the estimate
                 q, gc, gy, gx = grid[0] * grid[2], grid[1], grid[3], grid[4]
                 limit = est.step_s * (1 + 1e-6)
                 kept = {
                     (g, t): bound
-                    for bound, g, t in ps._group_grids(cfg.pipe, q, gc, gy, gx, 1, mode, limit)
+                    for bound, g, t in ps.group_bounds.grids(
+                        cfg.pipe, q, gc, gy, gx, 1, mode, limit
+                    )
                 }
-                fits = ps.memory(grid, "xy", 1, mode, cfg)[0].total <= ps.s.limit
+                fits = ps.memory(grid, "xy", 1, mode, cfg)[0].total <= ps.memory_floors.limit
                 assert (grid, "xy") in kept or not fits
                 assert kept.get((grid, "xy"), 0.0) <= est.step_s
 
@@ -207,8 +209,8 @@ def test_search_with_pipelines_matches_exhaustive():
     machine = get_machine("dgx-h100")
     rows, _ = search_4d(model, machine, 16, 32, 2048, top=3, checkpointing=("none",))
     ctx = StepQuestion(model, machine, 2048, 32)
-    search = _Search4D(ctx, 16, machine.memory_bytes, "tetrad", "bf16")
-    ps = PipeSearch(search, ("none",), None)
+    search = Search4D(ctx, 16, machine.memory_bytes, "tetrad", "bf16", "auto", ("none",))
+    ps = search.pipeline_search()
     best = []
     ps.extend(best, 10**9, 0)  # top-K so large nothing is pruned: every fitting configuration
     fastest = min(-item[0] for item in best)

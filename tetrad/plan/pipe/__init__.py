@@ -5,4 +5,4 @@ fast for blocks of equal cost: :mod:`~tetrad.plan.pipe.uniform_split`), the step
 (:mod:`~tetrad.plan.pipe.pipeline_step`, from each stage's times
 :mod:`~tetrad.plan.pipe.stage_times` and the schedule's critical path
 :mod:`~tetrad.plan.pipe.critical_path`). The memory per pipeline rank is
-:mod:`tetrad.plan.memory.pipeline`, the search over the axis :mod:`tetrad.plan.search.pipeline.pipe_search`."""
+:mod:`tetrad.plan.memory.pipeline`, the search over the axis :mod:`tetrad.plan.search.pipeline`."""

@@ -22,7 +22,7 @@ term is at least 0, so any subset of them added to the compute bounds the step f
 
 And a floor of :meth:`~StepBounds.cheap` over a whole group of configurations of one grid,
 before their compute is known (:meth:`~StepBounds.group_floor`), for the best-first search's
-queue (:mod:`tetrad.plan.search.ranking`).
+queue (:meth:`tetrad.plan.search.four_d.Search4D.rank`).
 
 The search compares a bound with the slowest of its best configurations so far only after
 shrinking it by :data:`MARGIN`, so rounding (the bound adds its terms in another order than the
