@@ -241,11 +241,11 @@ def sharded(ctx: StepQuestion) -> StepQuestion:
     """A question like ``ctx`` that models the sharded optimizer (made once per ``ctx`` and
     kept in it): it shares the memos that do not depend on the optimizer (shapes, compute, the
     X/Y records, a block's X/Y seconds) and has its own pipeline rank times and stage questions
-    (:func:`tetrad.plan.pipe.pipeline_step.stage_context` passes the flag on)."""
+    (:func:`tetrad.plan.pipe.pipeline_step.stage_question` passes the flag on)."""
     got = ctx.__dict__.get("_sharded")
     if got is None:
         got = copy.copy(ctx)
-        for memo in ("_rank_times", "_sharded", "_stage_contexts"):
+        for memo in ("_rank_times", "_sharded", "_stage_questions"):
             got.__dict__.pop(memo, None)
         setattr(got, FLAG, True)
         ctx.__dict__["_sharded"] = got

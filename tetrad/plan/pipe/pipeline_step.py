@@ -124,10 +124,10 @@ class PipeEstimate:
     orientation: str = "xy"
 
 
-def stage_context(ctx: StepQuestion, blocks: int) -> StepQuestion:
-    """``ctx`` for a model of ``blocks`` blocks, with its options (overlaps, piece counts, the
-    sharded optimizer), memoised in ``ctx``."""
-    cache = ctx.__dict__.setdefault("_stage_contexts", {})
+def stage_question(ctx: StepQuestion, blocks: int) -> StepQuestion:
+    """The question ``ctx`` asked of a model of ``blocks`` blocks (a pipeline rank's), with its
+    options (overlaps, piece counts, the sharded optimizer), memoised in ``ctx``."""
+    cache = ctx.__dict__.setdefault("_stage_questions", {})
     got = cache.get(blocks)
     if got is None:
         model = dataclasses.replace(ctx.model, n_layers=blocks)
@@ -175,7 +175,7 @@ def rank_time(
     cfg: PipeConfig,
 ) -> RankTime:
     """:class:`RankTime` of pipeline rank ``prank`` on the 5D ``grid`` (module doc)."""
-    sctx = stage_context(ctx, prank.blocks)
+    sctx = stage_question(ctx, prank.blocks)
     st = make_step(sctx, grid, micro_batch, ckpt, turn)
     if not prank.last:
         st.head_el = 0.0

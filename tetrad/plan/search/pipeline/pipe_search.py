@@ -186,14 +186,14 @@ class PipeSearch:
         if self.schedule_floors.rank_floor(grid, turn, b, mode, cfg, m) * keep >= limit:
             return True
         roles = role_sizes(grid, turn)
-        contexts = [
+        questions = [
             sharded(self.ctx) if zero else self.ctx
             for zero in optimizer_variants(self.shard_optimizer, roles[0] * roles[1])
         ]
         # with its tail in each optimizer variant it may be timed in
         return all(
             self.schedule_floors.tail_pruned(ctx, grid, turn, b, mode, cfg, m, limit, every=False)
-            for ctx in contexts
+            for ctx in questions
         )
 
     def memory(self, grid, turn: str, b: int, mode: str, cfg: PipeConfig, zero: bool = False):
