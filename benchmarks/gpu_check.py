@@ -34,7 +34,7 @@ On CPU, as a smoke test with tiny sizes (about a minute; ``tests/test_gpu_check.
 (c) **Memory**: the planner's predicted peak (``tetrad memory``) against the measured one.
 (d) **Step time**: ``tetrad calibrate --quick`` writes a machine file (it needs two ranks, so on
     a one-GPU machine it fails and the machine preset stands in: said in the output); the
-    planner's predicted step time (``tetrad.plan.comm.estimate``) on the calibrated machine, on
+    planner's predicted step time (``tetrad.plan.step_time``) on the calibrated machine, on
     the preset with this device's compute measured in-process
     (``tetrad.calibrate.measure.measure_compute``, the quick set) and on the bare preset,
     against the measured median step time.

@@ -1,7 +1,7 @@
 """The planner's overlap model against the runtime: predicted vs measured communication time,
 exposed communication and step time, per axis, with overlap off and on.
 
-The planner's overlap model (:func:`tetrad.plan.comm.estimate.collectives`) walks the same
+The planner's overlap model (:func:`tetrad.plan.step_time.collectives`) walks the same
 schedule the runtime runs (tetrad/parallel/overlap.py). This script
 
 1. calibrates this machine: ``tetrad calibrate --nproc 4`` writes a machine
@@ -42,11 +42,11 @@ from pathlib import Path
 from overlap import add_run_options, describe
 from overlap import run as train
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import collectives, estimate
 from tetrad.plan.comm.listing import axis_totals
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.machine.network import ALL_REDUCE, REDUCE_SCATTER
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.step_time import collectives, estimate
 from tetrad.spec.grid import COMM_AXES
 from tetrad.spec.model import ModelSpec
 
@@ -96,7 +96,7 @@ def predict(
         compute_bytes=4,
     )
     per_axis = axis_totals(cols)
-    ctx = Context(
+    ctx = StepQuestion(
         model, machine, args.seq_len, args.global_batch, overlaps=overlap, compute_bytes=4
     )
     est = estimate(ctx, grid, args.micro_batch, False)

@@ -18,7 +18,7 @@ ran, the step as it would run with a core per rank, without the transfers' own t
 In each clock, the busiest rank's forwards, loss and backwards ``B = m max_r T_r``; the planned
 bubble is the planner's own step for the per-stage times measured,
 :func:`tetrad.plan.pipe.critical_path.schedule_step` (what
-:func:`tetrad.plan.pipe.estimate.pipeline_estimate` takes: the critical path of the schedule's
+:func:`tetrad.plan.pipe.pipeline_step.pipeline_estimate` takes: the critical path of the schedule's
 order on those stage times), minus ``B``; the measured one the step minus ``B``. ``classic`` is
 the even-rank formula ``(p - 1) max_r T_r / v`` (Narayanan et al., arXiv 2104.04473, section
 2.2) for comparison: the runtime's split leaves the ranks uneven (the LM head and loss weigh

@@ -202,7 +202,7 @@ def step_numbers(ranks: list, case: tuple, m: int, clock: str) -> dict:
     (``cpu`` or ``wall``) seconds: ``step`` (the latest rank's end), ``busy`` (the busiest
     rank's work, ``m max_r T_r`` on :func:`stage_seconds`), ``planned`` (the planner's bubble
     for those stage times: :func:`tetrad.plan.pipe.critical_path.schedule_step`, the step
-    :func:`tetrad.plan.pipe.estimate.pipeline_estimate` takes, minus ``busy``), ``classic``
+    :func:`tetrad.plan.pipe.pipeline_step.pipeline_estimate` takes, minus ``busy``), ``classic``
     (the even-rank ``(p - 1) max_r T_r / v``), ``measured`` (``step - busy``), ``fwd`` and
     ``bwd`` (each rank's per micro-batch)."""
     pipe, schedule, virtual = case

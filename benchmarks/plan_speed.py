@@ -30,7 +30,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from tetrad.plan.errors import PlanError  # noqa: E402
-from tetrad.plan.machine.spec import get_machine  # noqa: E402
+from tetrad.plan.machine.description import get_machine  # noqa: E402
 from tetrad.plan.search.plan import plan  # noqa: E402
 from tetrad.spec.presets import get_model  # noqa: E402
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from stock_parallel import Stock
 from vs_settings import SCHEDULE_LABELS, Settings, fmt_grid
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import best_orientation
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.step_time import best_orientation
 from tetrad.spec.grid import GRID_NAMES, GridShape
 
 ROWS: dict[int, list[tuple[GridShape, Stock]]] = {
@@ -77,8 +77,8 @@ class Job:
 
 def auto_orientation(s: Settings, grid: GridShape) -> str:
     """The orientation ``tetrad train`` runs ``grid`` in without ``--machine`` (fewer bytes on
-    the X and Y roles: :func:`tetrad.plan.comm.estimate.best_orientation`)."""
-    ctx = Context(s.cfg, get_machine("dgx-h100"), s.seq, s.batch, compute_bytes=4)
+    the X and Y roles: :func:`tetrad.plan.step_time.best_orientation`)."""
+    ctx = StepQuestion(s.cfg, get_machine("dgx-h100"), s.seq, s.batch, compute_bytes=4)
     return best_orientation(ctx, grid, s.batch // (grid[0] * grid[1]), "none")
 
 

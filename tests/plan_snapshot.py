@@ -13,10 +13,10 @@ The questions, for 6 models x 4 machines x 3 GPU counts (:data:`MODELS`, :data:`
 - ``configs``: for 3 grids spread over the valid (data, context, Z, Y, X) grids, 2 micro-batches
   and the checkpointing modes ``none``, ``selective`` (or ``selective:K``, alternating) and
   ``full``, each under one of :data:`OVERLAP_CHOICES` in turn (every 5th in fp32): the step
-  estimate (:func:`tetrad.plan.comm.estimate.estimate`: step, compute and recompute seconds,
+  estimate (:func:`tetrad.plan.step_time.estimate`: step, compute and recompute seconds,
   exposed and all communication seconds per axis, micro-batches, the ``fine`` chunk count) and
-  the memory estimate (:func:`tetrad.plan.memory.runtime.tetrad`: each phase's bytes, the peak
-  phase and its components); plus one grid under every overlap choice; every 8th also the
+  the memory estimate (:func:`tetrad.plan.memory.runtime.runtime_memory`: each phase's bytes, the
+  peak phase and its components); plus one grid under every overlap choice; every 8th also the
   per-axis totals of the detailed collectives (:func:`tetrad.plan.comm.listing.axis_totals`).
 - ``plans``: the ranked top 5 of :func:`tetrad.plan.search.plan.plan` (4D and classic rows, or the
   error message), with the default options, and per question one variant in turn: no overlap,
@@ -48,15 +48,15 @@ import os
 import sys
 import time
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.comm.sublayers import sublayers
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.memory.runtime import tetrad
+from tetrad.plan.machine.description import get_machine
+from tetrad.plan.memory.runtime import runtime_memory
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.plan import plan
 from tetrad.plan.search.space import divisors, factorizations
+from tetrad.plan.step_time import estimate
 from tetrad.spec.presets import get_model
 from tetrad.spec.sharding import context_problems, grid_problems
 
@@ -116,10 +116,12 @@ def _per_axis(d: dict) -> dict:
 
 def _config(model, machine, grid, b: int, ckpt: str, overlaps: str, fp32: bool, detail: bool):
     batch = 2 * _gpus(grid)
-    ctx = Context(model, machine, SEQ_LEN, batch, overlaps=overlaps, compute_bytes=4 if fp32 else 2)
+    ctx = StepQuestion(
+        model, machine, SEQ_LEN, batch, overlaps=overlaps, compute_bytes=4 if fp32 else 2
+    )
     est = estimate(ctx, grid, b, ckpt, detail=detail)
     ov = ctx.overlaps
-    mem = tetrad(
+    mem = runtime_memory(
         model,
         grid,
         b,

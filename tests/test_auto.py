@@ -6,13 +6,13 @@ from importlib import resources
 
 import pytest
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.comm.fine import CHUNK_CANDIDATES
-from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.pipe.estimate import split_ranks
+from tetrad.plan.machine.description import get_machine
+from tetrad.plan.pipe.pipeline_step import split_ranks
 from tetrad.plan.pipe.stages import ranks_of_split, split_costs
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.plan import plan
+from tetrad.plan.step_time import estimate
 from tetrad.spec.grid import role_sizes
 from tetrad.spec.overlap import CONTEXT_PIECES, FINE_CHUNKS, OVERLAPS
 from tetrad.spec.precision import DTYPE_BYTES, compute_dtype
@@ -59,7 +59,7 @@ def test_grid_auto_can_pick_a_pipeline():
     # the runtime runs the stage split the planner timed (the planner's ranks of it)
     mc = chosen.model_config(32000)
     split = pipeline_split(chosen, mc)
-    ctx = Context(
+    ctx = StepQuestion(
         mc,
         get_machine("dgx-h100"),
         4096,
@@ -142,7 +142,7 @@ def fine_run(machine: str, overlap: str = "all"):
 
 def predicted_step(c, overlaps) -> float:
     t, par = c.training, c.parallelism
-    ctx = Context(
+    ctx = StepQuestion(
         c.model_config(),
         get_machine(par.machine),
         t.seq_len,

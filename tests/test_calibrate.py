@@ -11,8 +11,8 @@ from tetrad.calibrate import calibrate
 from tetrad.calibrate.fit import fit_alpha_beta, fit_latency
 from tetrad.calibrate.machine_file import to_toml
 from tetrad.calibrate.settings import group_ranks, layouts
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE, ring_bytes, ring_hops
-from tetrad.plan.machine.spec import get_machine
 from tetrad.plan.search.plan import plan
 from tetrad.spec.presets import get_model
 from tetrad.spec.toml import tomllib

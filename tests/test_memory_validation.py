@@ -32,7 +32,7 @@ from tetrad.parallel import init_parameters
 from tetrad.parallel.batch import inputs_targets, local_samples
 from tetrad.parallel.model import ParallelLlama
 from tetrad.plan.memory.activations import saved_activations
-from tetrad.plan.memory.runtime import tetrad
+from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.model import ModelSpec
 from tetrad.train.step import build_optimizer, train_step
@@ -135,10 +135,10 @@ def _worker(world_size: int, out_dir: str) -> None:
 
 def predicted(sizes, mode: str) -> dict:
     spec = CFG
-    r = tetrad(spec, sizes, MICRO, SEQ, 1e9, activation_checkpointing=mode, dtype="fp32")
+    r = runtime_memory(spec, sizes, MICRO, SEQ, 1e9, activation_checkpointing=mode, dtype="fp32")
     s = saved_activations(spec, sizes, MICRO, SEQ, activation_checkpointing=mode, dtype="fp32")
     out = {k: r.components[k] for k in ("parameters", "gradients", "optimizer_states")}
-    zero = tetrad(spec, sizes, MICRO, SEQ, 1e9, dtype="fp32", shard_optimizer=True)
+    zero = runtime_memory(spec, sizes, MICRO, SEQ, 1e9, dtype="fp32", shard_optimizer=True)
     out["optimizer_states_sharded"] = zero.components["optimizer_states"]
     out["activations"] = s["blocks"] + s["embedding"] + s["final_norm"] + s["loss"]
     if mode == "full":

@@ -1,17 +1,17 @@
-"""The search's lower bounds (tetrad.plan.comm.bounds) never exceed the estimate they stand for,
-and the Z queue's floor never exceeds the Z seconds the window walk exposes."""
+"""The search's lower bounds (tetrad.plan.search.step_bounds) never exceed the estimate they stand
+for, and the Z queue's floor never exceeds the Z seconds the window walk exposes."""
 
 import dataclasses
 
 import pytest
 
-from tetrad.plan.comm.bounds import StepBounds
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import estimate, make_step
 from tetrad.plan.comm.record import Recorder
 from tetrad.plan.comm.zwindows import window_seconds, z_collectives, z_queue_seconds
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.space import divisors, factorizations
+from tetrad.plan.search.step_bounds import StepBounds
+from tetrad.plan.step_time import estimate, make_step
 from tetrad.spec.grid import role_sizes
 from tetrad.spec.presets import get_model
 from tetrad.spec.sharding import context_problems, grid_problems
@@ -51,7 +51,7 @@ def test_bounds_never_exceed_the_estimate(case):
     model, mc = get_model(name), get_machine(machine)
     n = 0
     for overlaps in OVERLAPS:
-        ctx = Context(model, mc, seq, batch, overlaps=overlaps)
+        ctx = StepQuestion(model, mc, seq, batch, overlaps=overlaps)
         bounds = StepBounds(ctx)
         for grid, b, ckpt in configurations(model, gpus, batch, seq):
             fwd, bwd, rec = ctx.micro_batch_seconds(grid, b, ckpt)
@@ -67,7 +67,7 @@ def test_bounds_never_exceed_the_estimate(case):
 @pytest.mark.parametrize("overlaps", OVERLAPS)
 def test_z_queue_floor_is_below_the_walk(overlaps):
     model, mc = get_model("gpt-20b"), get_machine("perlmutter")
-    ctx = Context(model, mc, 2048, 256, overlaps=overlaps)
+    ctx = StepQuestion(model, mc, 2048, 256, overlaps=overlaps)
     tight = 0
     for grid, b, ckpt in configurations(model, 64, 256, 2048):
         if grid[2] == 1:
@@ -94,13 +94,13 @@ twice)."""
 
 @pytest.mark.parametrize("case", [*CASES, TIED], ids=[c[0] for c in [*CASES, TIED]])
 def test_group_floor_is_below_every_member(case):
-    """The 4D search's group floors (tetrad.plan.search.ranking) are at most the cheap bound of
+    """The 4D search's group floors (tetrad.plan.search.four_d) are at most the cheap bound of
     each configuration of the group, for every grid, orientation and optimizer variant that
     fits, under each set of overlaps; and the floor from what may fit (before the memory
     lines) is at most the floor from what fits (bounds, not estimates: a configuration a floor
     drops is one the cheap bound would drop)."""
-    from tetrad.plan.comm.zero import sharded
-    from tetrad.plan.search.four_d import _Search4D
+    from tetrad.plan.question import sharded
+    from tetrad.plan.search.four_d import Search4D
 
     name, machine, gpus, batch, seq = case
     model, mc = get_model(name.split(":")[0]), get_machine(machine)
@@ -108,21 +108,21 @@ def test_group_floor_is_below_every_member(case):
         model = dataclasses.replace(model, tied_embeddings=True)
     checked = 0
     for overlaps in ("all", "none", "prefetch"):
-        ctx = Context(model, mc, seq, batch, overlaps=overlaps)
-        search = _Search4D(ctx, gpus, mc.memory_bytes, "tetrad", "bf16", "on")
-        search.modes = ("none", "selective", "full")
+        ctx = StepQuestion(model, mc, seq, batch, overlaps=overlaps)
+        modes = ("none", "selective", "full")
+        search = Search4D(ctx, gpus, mc.memory_bytes, "tetrad", "bf16", "on", modes)
         bounds = {False: StepBounds(ctx), True: StepBounds(sharded(ctx))}
-        for grid, turn in search.candidates():
+        for grid, turn in search.groups():
             roles = role_sizes(grid, turn)
-            fits = search.oriented_fits(grid, turn, search.modes, None)
-            may = search.may_fit(roles)
+            fits = search.memory_fits.oriented_fits(grid, turn)
+            may = search.memory_fits.may_fit(roles)
             for zero in fits.variants():
                 for full, sizes in fits.classes(zero).items():  # what fits may fit
                     assert set(sizes) <= set(may[zero][full]), (grid, turn, zero, full)
                 floor = search._group_floor(bounds, grid, turn, zero, fits.classes(zero))
                 early = search._group_floor(bounds, grid, turn, zero, may[zero])
                 assert early <= floor * (1 + 1e-12), (overlaps, grid, turn, zero)
-                for lb, _, b, ckpt in search.expand(roles, fits, zero):
+                for lb, _, b, ckpt in search.memory_fits.expand(roles, fits, zero):
                     cheap = bounds[zero].cheap(grid, b, ckpt, lb, turn)
                     assert floor <= cheap * (1 + 1e-12), (overlaps, grid, turn, zero, b, ckpt)
                     checked += 1

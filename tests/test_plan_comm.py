@@ -2,7 +2,7 @@
 the network placement model against AxoNN's measured tables, AxoNN's published model, overlap.
 
 Every expected number below is written out from the layout rules (docs/architecture.md and
-tetrad/plan/comm/estimate.py): a Linear ``[n, k]`` on grid ``(G_data, G_z, G_y, G_x)`` gathers
+tetrad/plan/step_time.py): a Linear ``[n, k]`` on grid ``(G_data, G_z, G_y, G_x)`` gathers
 ``n k / (G_x G_y)`` weight elements over Z (bf16), all-reduces ``m n / G_out`` forward over its
 input axis, ``m k / G_in`` backward over its output axis, and reduce-scatters ``n k / (G_x G_y)``
 fp32 gradient elements over Z.
@@ -13,10 +13,9 @@ import math
 import pytest
 
 from tetrad.plan.comm.axonn import axonn_comm, axonn_linear_volumes
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import collectives, estimate
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.machine.network import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -25,7 +24,8 @@ from tetrad.plan.machine.network import (
     placement,
     ring_bytes,
 )
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.step_time import collectives, estimate
 from tetrad.spec.overlap import OverlapError, parse_overlaps
 from tetrad.spec.presets import get_model
 
@@ -194,7 +194,7 @@ def test_selective_checkpointing_recomputes_elementwise_work_only():
         model, PERL, grid, b, seq, 8, overlaps="none", activation_checkpointing="selective"
     )
     assert sel == plain
-    ctx = Context(model, PERL, seq, 8, overlaps="none")
+    ctx = StepQuestion(model, PERL, seq, 8, overlaps="none")
     comp = ctx.compute(grid, b)
     m, hbm = b * seq, PERL.hbm_bytes_per_s
     norms = 2 * 10 * m * 256 / 2  # two norm applies, ~10 B per h/G_x feature
@@ -251,8 +251,8 @@ def test_axis_totals_sum_calls_and_bytes():
 
 def test_overlap_none_exposes_everything_and_all_hides_some():
     model = get_model("gpt-20b")
-    ctx_none = Context(model, PERL, 2048, 512, overlaps="none")
-    ctx_all = Context(model, PERL, 2048, 512, overlaps="all")
+    ctx_none = StepQuestion(model, PERL, 2048, 512, overlaps="none")
+    ctx_all = StepQuestion(model, PERL, 2048, 512, overlaps="all")
     grid = (8, 4, 2, 4)
     e0 = estimate(ctx_none, grid, 2, True)
     e1 = estimate(ctx_all, grid, 2, True)
@@ -365,7 +365,7 @@ def test_axonn_transposed_term_deviates_from_layout():
 
 
 def test_estimate_rejects_batch_that_does_not_split():
-    ctx = Context(get_model(SMALL), PERL, 16, 6)
+    ctx = StepQuestion(get_model(SMALL), PERL, 16, 6)
     with pytest.raises(PlanError, match="not divisible"):
         estimate(ctx, (2, 2, 1, 1), 1, False)
     assert math.isfinite(estimate(ctx, (2, 1, 1, 1), 3, False).step_s)

@@ -14,8 +14,8 @@ from tetrad.plan.comm.fine import (
     ring_reduce_scatter_seconds,
     sublayer_seconds,
 )
+from tetrad.plan.machine.description import get_machine, preset_names
 from tetrad.plan.machine.network import Link
-from tetrad.plan.machine.spec import get_machine, preset_names
 
 LINK = Link(4, 1, 4, 1, bandwidth=1e9, hop_latency=0.0, base_latency=1e-6)
 

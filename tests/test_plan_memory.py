@@ -9,7 +9,7 @@ from tetrad.plan.memory.activations import block_saved_bytes, saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
 from tetrad.plan.memory.buffers import gathered_weight_bytes, weight_gradient_bytes
 from tetrad.plan.memory.fujii import fujii2024
-from tetrad.plan.memory.runtime import fewest_selective, tetrad
+from tetrad.plan.memory.runtime import fewest_selective, runtime_memory
 from tetrad.plan.memory.states import local_parameter_elements
 from tetrad.spec.activation_checkpointing import CheckpointingError, recompute_order
 from tetrad.spec.grid import GridError
@@ -180,7 +180,7 @@ def test_breakdown_verdict_and_dict():
 
 def test_tetrad_parameters_by_hand():
     grid = (2, 2, 2, 2)
-    r = tetrad(L31_8B, grid, 1, 8192, 141e9)
+    r = runtime_memory(L31_8B, grid, 1, 8192, 141e9)
     h, f, kv, V, L = 4096, 14336, 1024, 128256, 32
     matrices = (L * (2 * h * h + 2 * h * kv + 3 * h * f) + 2 * V * h) // (2 * 2 * 2)
     vectors = (2 * L + 1) * h // 2  # RMSNorm weights h/G_x, replicated over Y, Z, data
@@ -197,7 +197,7 @@ def test_tetrad_gpt_parameters_by_hand():
     matrices = (L * 12 * h * h + (2 * V + P) * h) // (gx * gy * gz)
     # biases: qkv 3h/G_y, proj h/G_x, fc1 4h/G_y, fc2 h/G_x; LayerNorms 2h/G_x each
     vectors = L * (3 * h // gy + h // gx + 4 * h // gy + h // gx + 2 * 2 * h // gx) + 2 * h // gx
-    r = tetrad(m, (gd, gz, gy, gx), 1, 2048, 80e9)
+    r = runtime_memory(m, (gd, gz, gy, gx), 1, 2048, 80e9)
     assert r.components["parameters"] == 4 * (matrices + vectors)
 
 
@@ -248,7 +248,7 @@ def test_tetrad_checkpointing_and_totals():
     # over Y and X), whatever the tokens
     assert ckpt["loss"] == plain["loss"] == 2 * 128256 // (2 * 4) * 4096
     for ac in (False, True, "none", "selective", "full"):
-        r = tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=ac)
+        r = runtime_memory(L31_8B, grid, 1, S, 141e9, activation_checkpointing=ac)
         assert r.total == pytest.approx(max(r.phases.values()), rel=1e-12)
         assert r.phases[r.peak_phase] == pytest.approx(r.total, rel=1e-12)
         assert set(r.components) >= {
@@ -262,7 +262,7 @@ def test_tetrad_checkpointing_and_totals():
             "recompute_activations",
         }
     totals = [
-        tetrad(L31_8B, grid, 1, S, 141e9, activation_checkpointing=mode).total
+        runtime_memory(L31_8B, grid, 1, S, 141e9, activation_checkpointing=mode).total
         for mode in ("full", "selective", "none")
     ]
     assert totals == sorted(totals) and totals[0] < totals[1] < totals[2]
@@ -301,7 +301,7 @@ def test_fewest_selective_blocks_fit_and_one_fewer_does_not():
     grid, gpu, S = (4, 1, 16, 1, 1), 79.6 * GiB, 8192
 
     def fits(mode):
-        return tetrad(L31_8B, grid, 1, S, gpu, activation_checkpointing=mode).fits
+        return runtime_memory(L31_8B, grid, 1, S, gpu, activation_checkpointing=mode).fits
 
     assert not fits("none") and fits("selective")
     mode = fewest_selective(L31_8B, grid, 1, S, gpu)
@@ -321,7 +321,7 @@ def test_tetrad_transients():
     # dW in compute dtype (+ its fp32 copy, the reduce-scatter input, under bf16)
     assert weight_gradient_bytes(w13, (1, 4, 2, 2), "bf16") == 6 * f2 * 4096 // 4
     assert weight_gradient_bytes(w13, (1, 4, 2, 2), "fp32") == 4 * f2 * 4096 // 4
-    r = tetrad(L31_8B, (1, 4, 2, 2), 1, S, 141e9, activation_checkpointing=True)
+    r = runtime_memory(L31_8B, (1, 4, 2, 2), 1, S, 141e9, activation_checkpointing=True)
     blocks = r.phases["backward: blocks"]
     static = r.components["parameters"] * 4
     saved = saved_activations(L31_8B, (1, 4, 2, 2), 1, S, activation_checkpointing=True)
@@ -336,7 +336,7 @@ def test_tetrad_transients():
         + 2 * 6 * f2 * 4096 // 4,
         rel=1e-12,
     )
-    no_pf = tetrad(
+    no_pf = runtime_memory(
         L31_8B,
         (1, 4, 2, 2),
         1,
@@ -366,8 +366,8 @@ def test_tetrad_transients():
 
 def test_tetrad_fits_a_big_model_only_when_sharded():
     m = PRESETS["llama-3.1-70b"]
-    assert not tetrad(m, (8, 1, 1, 1), 1, 8192, 80e9).fits
-    assert tetrad(m, (1, 4, 4, 4), 1, 4096, 80e9, activation_checkpointing=True).fits
+    assert not runtime_memory(m, (8, 1, 1, 1), 1, 8192, 80e9).fits
+    assert runtime_memory(m, (1, 4, 4, 4), 1, 4096, 80e9, activation_checkpointing=True).fits
 
 
 def test_grid_problems():
@@ -377,11 +377,11 @@ def test_grid_problems():
     with pytest.raises(GridError, match="does not shard"):
         check_grid(L31_8B, (1, 1, 16, 1))
     with pytest.raises(GridError, match="does not shard"):
-        tetrad(get_model("llama-3-8b,vocab=1001"), (1, 1, 2, 1), 1, 1024, 80e9)
+        runtime_memory(get_model("llama-3-8b,vocab=1001"), (1, 1, 2, 1), 1, 1024, 80e9)
     with pytest.raises(GridError):
-        tetrad(L31_8B, (1, 1, 1), 1, 1024, 80e9)
+        runtime_memory(L31_8B, (1, 1, 1), 1, 1024, 80e9)
     with pytest.raises(PlanError, match="dtype"):
-        tetrad(L31_8B, (1, 1, 1, 1), 1, 1024, 80e9, dtype="fp8")
+        runtime_memory(L31_8B, (1, 1, 1, 1), 1, 1024, 80e9, dtype="fp8")
 
 
 def test_fujii2024_refuses_sizes_that_do_not_split():

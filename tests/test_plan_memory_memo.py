@@ -1,6 +1,6 @@
 """The memoised memory model answers exactly what the unmemoised one does: the search's
-:func:`phase_totals` equals :func:`tetrad`'s phases bit for bit, the grid's buffers taken from
-``(1, G_z, G_y, G_x)`` and from the unsharded grid equal those computed on the grid itself, and
+:func:`phase_totals` equals :func:`runtime_memory`'s phases bit for bit, the grid's buffers taken
+from ``(1, G_z, G_y, G_x)`` and from the unsharded grid equal those computed on the grid itself, and
 bad inputs raise on every call (errors are not memoised)."""
 
 import itertools
@@ -8,11 +8,10 @@ import itertools
 import pytest
 
 from tetrad.plan.errors import PlanError
-from tetrad.plan.memory import zero
+from tetrad.plan.memory import sharded_optimizer
 from tetrad.plan.memory.buffers import embedding_grad_bytes, end_of_backward_bytes
 from tetrad.plan.memory.grid_buffers import _unsharded, grid_buffers
-from tetrad.plan.memory.offsets import sharding_offsets
-from tetrad.plan.memory.runtime import PHASES, phase_totals, tetrad
+from tetrad.plan.memory.runtime import PHASES, phase_totals, runtime_memory, sharding_offsets
 from tetrad.plan.memory.states import tetrad_optimizer_bytes
 from tetrad.spec.activation_checkpointing import CheckpointingError
 from tetrad.spec.grid import GridError
@@ -37,7 +36,7 @@ def test_phase_totals_equal_tetrads_phases_bit_for_bit(name, grid):
         kw = {"activation_checkpointing": mode, "dtype": dtype, "prefetch": prefetch}
         kw |= {"shard_optimizer": shard, "dp_overlap": not prefetch}
         got = phase_totals(model, grid, b, 1024, **kw)
-        want = tetrad(model, list(grid), b, 1024, 80e9, **kw).phases
+        want = runtime_memory(model, list(grid), b, 1024, 80e9, **kw).phases
         assert list(got) == list(PHASES)
         assert repr(got) == repr(want), (b, mode, dtype, prefetch, shard)
 
@@ -52,15 +51,17 @@ def test_grid_buffers_from_the_shard_grid_and_the_unsharded_one(name, grid):
         got = grid_buffers(model, grid, *args, False)
         assert repr(got) == repr(_unsharded(model, grid, *args))  # computed on the grid itself
         sharded = grid_buffers(model, grid, *args, True)
-        if zero.data_group(grid) == 1:
+        if sharded_optimizer.data_group(grid) == 1:
             assert sharded == got
             continue
-        states = tetrad_optimizer_bytes(model, grid) * zero.state_share(grid, True)
+        states = tetrad_optimizer_bytes(model, grid) * sharded_optimizer.state_share(grid, True)
         assert sharded.static == (*got.static[:2], ("optimizer_states", states))
         assert sharded.base == sum(v for _, v in sharded.static)
-        end = embedding_grad_bytes(model, grid) + zero.end_of_backward_bytes(model, grid)
+        end = embedding_grad_bytes(model, grid) + sharded_optimizer.end_of_backward_bytes(
+            model, grid
+        )
         assert sharded.end_of_backward == end + got.end_prefetch
-        assert sharded.step == zero.step_bytes(model, grid, overlap)
+        assert sharded.step == sharded_optimizer.step_bytes(model, grid, overlap)
         assert got.end_of_backward == end_of_backward_bytes(model, grid, overlap) + got.end_prefetch
         offsets = sharding_offsets(model, grid, dtype, prefetch)
         plain = phase_totals(model, grid, 2, 1024, dtype=dtype, prefetch=prefetch)

@@ -5,11 +5,11 @@ import itertools
 
 import pytest
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import best_orientation, collectives, estimate, make_step
 from tetrad.plan.comm.listing import axis_totals
 from tetrad.plan.comm.orientation import tensor_bytes
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.step_time import best_orientation, collectives, estimate, make_step
 from tetrad.spec.presets import get_model
 
 MACHINE = get_machine("dgx-h100")
@@ -34,7 +34,7 @@ def test_closed_form_bytes_equal_the_listing(model):
     settings = itertools.product(GRIDS, ("xy", "yx"), ("none", "full"), (1, 2), ("all", "none"))
     for grid, orientation, ckpt, acc, overlaps in settings:
         cells = grid[0] * grid[-3]
-        ctx = Context(spec, MACHINE, 256, cells * acc, overlaps=overlaps, compute_bytes=2)
+        ctx = StepQuestion(spec, MACHINE, 256, cells * acc, overlaps=overlaps, compute_bytes=2)
         st = make_step(ctx, grid, 1, ckpt, orientation)
         cols = collectives(
             spec,
@@ -56,7 +56,7 @@ def test_one_tensor_axis_takes_the_y_role_whatever_its_name():
     """With X alone the pairs turn (``yx``) and then move exactly the bytes of Y alone, per
     axis renamed; with Y alone they stay."""
     spec = get_model("llama-3-8b")
-    ctx = Context(spec, MACHINE, 2048, 8)
+    ctx = StepQuestion(spec, MACHINE, 2048, 8)
     assert best_orientation(ctx, (1, 1, 1, 4), 1, "none") == "yx"
     assert best_orientation(ctx, (1, 1, 4, 1), 1, "none") == "xy"
     assert best_orientation(ctx, (1, 2, 1, 2), 1, "none") == "yx"
@@ -70,7 +70,7 @@ def test_auto_is_the_cheaper_and_named_by_the_grid():
     """``orientation="auto"`` picks :func:`best_orientation` and reports it; the per-axis
     seconds name the ``--grid``'s dimensions (X alone: only ``x``)."""
     spec = get_model("llama-3-8b")
-    ctx = Context(spec, MACHINE, 2048, 8)
+    ctx = StepQuestion(spec, MACHINE, 2048, 8)
     est = estimate(ctx, (1, 1, 1, 8), 1, "none", orientation="auto")
     assert est.orientation == "yx" and est.comm_s["y"] == 0.0 and est.comm_s["x"] > 0.0
     xy = estimate(ctx, (1, 1, 1, 8), 1, "none", orientation="xy")

@@ -5,17 +5,16 @@ import dataclasses
 
 import pytest
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.zero import sharded
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.pipeline import in_flight_sets
-from tetrad.plan.pipe.estimate import pipeline_estimate
+from tetrad.plan.pipe.pipeline_step import pipeline_estimate
 from tetrad.plan.pipe.schedule import in_flight_chunks
 from tetrad.plan.pipe.uniform_split import exact_quarters, uniform_split
-from tetrad.plan.search.four_d import _Search4D
-from tetrad.plan.search.pipe_memory import warm_passes
-from tetrad.plan.search.pipelined import PipeSearch
+from tetrad.plan.question import StepQuestion, sharded
+from tetrad.plan.search.four_d import Search4D
+from tetrad.plan.search.pipeline.configs import schedules
+from tetrad.plan.search.pipeline.memory_floors import warm_passes
 from tetrad.spec.pipeline_split import balanced_split
 from tetrad.spec.presets import get_model
 
@@ -58,8 +57,9 @@ def test_warm_passes_are_a_peak_set_of_the_interleaved_order(pipe, virtual):
 
 
 def _search(model, machine, gpus, batch, seq_len=2048, modes=("none", "selective", "full")):
-    ctx = Context(model, machine, seq_len, batch)
-    return PipeSearch(_Search4D(ctx, gpus, machine.memory_bytes, "tetrad", "bf16"), modes, None)
+    ctx = StepQuestion(model, machine, seq_len, batch)
+    search = Search4D(ctx, gpus, machine.memory_bytes, "tetrad", "bf16", "auto", modes)
+    return search.pipeline_search()
 
 
 def test_saved_activations_are_affine_in_the_blocks():
@@ -88,23 +88,23 @@ def test_memory_floors_never_above_the_memory(name, tied):
     model = dataclasses.replace(get_model(name), tied_embeddings=tied)
     machine = get_machine("perlmutter")
     ps = _search(model, machine, 1024, 2048)
-    limit, seen = ps.s.limit, 0
+    limit, seen = ps.memory_floors.limit, 0
     for grid in ((8, 1, 1, 2, 4), (4, 1, 2, 2, 4), (2, 2, 2, 2, 4), (1, 1, 8, 1, 8)):
         q = grid[0] * grid[2]
         for b in (1, 2):
             for mode in ("none", "selective", "full"):
                 for pipe in (2, 4, 8):
                     m = 2048 // (q * b)
-                    for cfg in ps._configs(pipe, m):
+                    for cfg in schedules(pipe, m, model.n_layers):
                         worst, _ = ps.memory(grid, "xy", b, mode, cfg)
                         # the floors with the limit at the memory itself: never above it
-                        ps.s.limit = worst.total
-                        assert not ps._memory_floor_fails(grid, "xy", b, mode, cfg)
-                        assert not ps._grid_too_big(pipe, grid, b, mode)
+                        ps.memory_floors.limit = worst.total
+                        assert not ps.memory_floors.schedule_fails(grid, "xy", b, mode, cfg)
+                        assert not ps.memory_floors.grid_too_big(pipe, grid, b, mode)
                         gc, gy, gx = grid[1], grid[3], grid[4]
-                        ps.gz_memo.clear()
-                        assert grid[2] in ps._fitting_z(pipe, q, gc, gy, gx, b, mode)
-                        ps.s.limit, seen = limit, seen + 1
+                        ps.memory_floors.gz_memo.clear()
+                        assert grid[2] in ps.memory_floors.fitting_z(pipe, q, gc, gy, gx, b, mode)
+                        ps.memory_floors.limit, seen = limit, seen + 1
     assert seen > 100
 
 
@@ -120,17 +120,17 @@ def test_group_bounds_never_above_the_estimate():
             for pipe in (2, 4, 8):
                 steps = [
                     pipeline_estimate(ps.ctx, cfg, grid, 1, mode).step_s
-                    for cfg in ps._configs(pipe, 2048 // q)
-                    if ps.memory(grid, "xy", 1, mode, cfg)[0].total <= ps.s.limit
+                    for cfg in schedules(pipe, 2048 // q, model.n_layers)
+                    if ps.memory(grid, "xy", 1, mode, cfg)[0].total <= ps.memory_floors.limit
                 ]
                 if not steps:
                     continue
                 fastest, seen = min(steps), seen + 1
-                kept = ps._group_grids(pipe, q, gc, gy, gx, 1, mode, fastest * 1.000001)
+                kept = ps.group_bounds.grids(pipe, q, gc, gy, gx, 1, mode, fastest * 1.000001)
                 bounds = [bound for bound, g, t in kept if (g, t) == (grid, "xy")]
                 assert bounds and bounds[0] <= fastest
-                kv = ps._kv_floor(q, gc, gy, gx, 1, mode == "full") if gc > 1 else 0.0
-                assert ps._group_bound(pipe, q, gc, gy, gx, 1, mode, kv) <= fastest
+                kv = ps.terms.kv_floor(q, gc, gy, gx, 1, mode == "full") if gc > 1 else 0.0
+                assert ps.group_bounds.group_bound(pipe, q, gc, gy, gx, 1, mode, kv) <= fastest
     assert seen > 10
 
 
@@ -147,14 +147,23 @@ def test_schedule_floors_never_prune_the_estimate(batch):
             m = batch // (grid[0] * grid[2] * b)
             for mode in ("none", "full"):
                 for pipe in (2, 4, 8):
-                    for cfg in ps._configs(pipe, m):
+                    for cfg in schedules(pipe, m, model.n_layers):
                         for ctx in (ps.ctx, sharded(ps.ctx)):
                             step = pipeline_estimate(ctx, cfg, grid, b, mode).step_s
-                            assert not ps._tail_pruned(ctx, grid, "xy", b, mode, cfg, m, step)
+                            assert not ps.schedule_floors.tail_pruned(
+                                ctx, grid, "xy", b, mode, cfg, m, step
+                            )
                             seen.add(cfg.schedule)
                         step = pipeline_estimate(ps.ctx, cfg, grid, b, mode).step_s
-                        assert ps._config_floor(grid, "xy", b, mode, cfg, m) * (1 - 1e-9) < step
-                        assert ps._rank_floor(grid, "xy", b, mode, cfg, m) * (1 - 1e-9) < step
+                        assert (
+                            ps.schedule_floors.config_floor(grid, "xy", b, mode, cfg, m)
+                            * (1 - 1e-9)
+                            < step
+                        )
+                        assert (
+                            ps.schedule_floors.rank_floor(grid, "xy", b, mode, cfg, m) * (1 - 1e-9)
+                            < step
+                        )
     assert (
         seen == {"gpipe", "1f1b", "interleaved-1f1b"}
         if batch < 64
@@ -174,9 +183,9 @@ def test_fits_is_the_worst_rank_within_the_limit():
             m = 256 // (grid[0] * grid[2] * b)
             for mode in ("none", "selective", "full"):
                 for pipe in (2, 4, 8):
-                    for cfg in ps._configs(pipe, m):
+                    for cfg in schedules(pipe, m, model.n_layers):
                         worst, _ = ps.memory(grid, "xy", b, mode, cfg)
-                        fits = worst.total <= 0.8 * ps.s.mem_bytes
+                        fits = worst.total <= 0.8 * ps.mem_bytes
                         for turn, g in (("xy", grid), ("yx", (*grid[:3], grid[4], grid[3]))):
                             got = ps._worst_within(g, turn, b, mode, cfg, False)
                             assert (got is not None) == fits

@@ -6,12 +6,10 @@ import dataclasses
 
 import pytest
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import estimate
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
 from tetrad.plan.memory.pipeline import pipeline_memory
-from tetrad.plan.memory.runtime import tetrad as tetrad_memory
-from tetrad.plan.pipe.estimate import PipeConfig, pipeline_estimate, split_ranks
+from tetrad.plan.memory.runtime import runtime_memory
+from tetrad.plan.pipe.pipeline_step import PipeConfig, pipeline_estimate, split_ranks
 from tetrad.plan.pipe.schedule import (
     boundaries_of_rank,
     bubble_fraction,
@@ -22,9 +20,10 @@ from tetrad.plan.pipe.schedule import (
 )
 from tetrad.plan.pipe.stage_times import stage_times
 from tetrad.plan.pipe.stages import PipeRank, split_costs
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.classic import pipeline_variants, uneven_split
-from tetrad.plan.search.four_d import _Search4D, search_4d
-from tetrad.plan.search.pipelined import PipeSearch
+from tetrad.plan.search.four_d import Search4D, search_4d
+from tetrad.plan.step_time import estimate
 from tetrad.spec.presets import get_model
 
 
@@ -71,7 +70,7 @@ def test_p2p_bytes_per_boundary():
 
 @pytest.fixture(scope="module")
 def ctx():
-    return Context(get_model("llama-3-70b"), get_machine("dgx-h100"), 2048, 512)
+    return StepQuestion(get_model("llama-3-70b"), get_machine("dgx-h100"), 2048, 512)
 
 
 @pytest.mark.parametrize("grid", [(8, 1, 1, 2, 4), (4, 2, 2, 2, 2), (2, 1, 4, 4, 2)])
@@ -91,7 +90,7 @@ def test_pipe_1_memory_equals_the_5d_memory(ctx):
         worst, _ = pipeline_memory(
             model, (8, 1, 1, 2, 4), 1, 2048, mem, one, "1f1b", 1, 8, activation_checkpointing=mode
         )
-        ref = tetrad_memory(model, (8, 1, 1, 2, 4), 1, 2048, mem, activation_checkpointing=mode)
+        ref = runtime_memory(model, (8, 1, 1, 2, 4), 1, 2048, mem, activation_checkpointing=mode)
         assert worst.components == ref.components and worst.total == ref.total
 
 
@@ -103,7 +102,7 @@ def test_pipeline_parameters_add_up_to_the_model(tied):
     grid, mem, L = (1, 1, 1, 1, 1), 80 * 2**30, model.n_layers
     ranks = tuple(PipeRank(r, L // 4, r == 0, r == 3, (L // 4,)) for r in range(4))
     _, per = pipeline_memory(model, grid, 1, 256, mem, ranks, "1f1b", 1, 4)
-    whole = tetrad_memory(model, grid, 1, 256, mem).components["parameters"]
+    whole = runtime_memory(model, grid, 1, 256, mem).components["parameters"]
     head = 4 * model.vocab_size * model.dim if tied else 0
     assert sum(m.components["parameters"] for m in per) == whole + head
     assert per[1].components["parameters"] == per[2].components["parameters"]
@@ -127,7 +126,7 @@ def test_pipeline_memory_in_flight(ctx):
     act = [m.phases["backward: blocks"] for m in one_f[1:3]]
     assert act[0] > act[1]
     assert all(g.total >= f.total for g, f in zip(gpipe, one_f, strict=True))
-    full = tetrad_memory(model, grid, 1, 2048, mem)
+    full = runtime_memory(model, grid, 1, 2048, mem)
     assert one_f[1].components["parameters"] < full.components["parameters"] / 3
 
 
@@ -165,22 +164,25 @@ def test_stage_times_add_up_to_the_ranks(ctx):
 
 def test_search_bounds_never_above_the_estimate():
     model, machine = get_model("gpt-80b"), get_machine("perlmutter")
-    ctx = Context(model, machine, 2048, 2048)
-    ps = PipeSearch(_Search4D(ctx, 1024, machine.memory_bytes, "tetrad", "bf16"), ("none",), None)
+    ctx = StepQuestion(model, machine, 2048, 2048)
+    search = Search4D(ctx, 1024, machine.memory_bytes, "tetrad", "bf16", "auto", ("none",))
+    ps = search.pipeline_search()
     for grid in ((8, 1, 1, 2, 4), (4, 1, 2, 2, 4), (2, 2, 2, 2, 4)):
         for mode in ("none", "full"):
             for cfg in (PipeConfig(16, 1, "1f1b"), PipeConfig(8, 3, "interleaved-1f1b")):
                 m = 2048 // (grid[0] * grid[2])
                 est = pipeline_estimate(ctx, cfg, grid, 1, mode)
-                assert ps._config_floor(grid, "xy", 1, mode, cfg, m) <= est.step_s
+                assert ps.schedule_floors.config_floor(grid, "xy", 1, mode, cfg, m) <= est.step_s
                 # the grid's bound, where its memory floor leaves it: never above the estimate
                 q, gc, gy, gx = grid[0] * grid[2], grid[1], grid[3], grid[4]
                 limit = est.step_s * (1 + 1e-6)
                 kept = {
                     (g, t): bound
-                    for bound, g, t in ps._group_grids(cfg.pipe, q, gc, gy, gx, 1, mode, limit)
+                    for bound, g, t in ps.group_bounds.grids(
+                        cfg.pipe, q, gc, gy, gx, 1, mode, limit
+                    )
                 }
-                fits = ps.memory(grid, "xy", 1, mode, cfg)[0].total <= ps.s.limit
+                fits = ps.memory(grid, "xy", 1, mode, cfg)[0].total <= ps.memory_floors.limit
                 assert (grid, "xy") in kept or not fits
                 assert kept.get((grid, "xy"), 0.0) <= est.step_s
 
@@ -206,9 +208,9 @@ def test_search_with_pipelines_matches_exhaustive():
     model = dataclasses.replace(get_model("llama-1b"), n_layers=8)
     machine = get_machine("dgx-h100")
     rows, _ = search_4d(model, machine, 16, 32, 2048, top=3, checkpointing=("none",))
-    ctx = Context(model, machine, 2048, 32)
-    search = _Search4D(ctx, 16, machine.memory_bytes, "tetrad", "bf16")
-    ps = PipeSearch(search, ("none",), None)
+    ctx = StepQuestion(model, machine, 2048, 32)
+    search = Search4D(ctx, 16, machine.memory_bytes, "tetrad", "bf16", "auto", ("none",))
+    ps = search.pipeline_search()
     best = []
     ps.extend(best, 10**9, 0)  # top-K so large nothing is pruned: every fitting configuration
     fastest = min(-item[0] for item in best)

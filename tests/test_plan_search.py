@@ -4,16 +4,16 @@ import itertools
 
 import pytest
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import estimate
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.spec import get_machine
-from tetrad.plan.memory.runtime import tetrad
-from tetrad.plan.search.candidates import memory_line as _memory_line
+from tetrad.plan.machine.description import get_machine
+from tetrad.plan.memory.runtime import runtime_memory
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.classic import search_classic
 from tetrad.plan.search.four_d import search_4d
+from tetrad.plan.search.memory_fits import memory_line as _memory_line
 from tetrad.plan.search.plan import plan
 from tetrad.plan.search.space import divisors, factorizations
+from tetrad.plan.step_time import estimate
 from tetrad.spec.presets import get_model
 from tetrad.spec.sharding import grid_problems
 
@@ -51,14 +51,16 @@ def test_pruned_search_equals_exhaustive():
     model = get_model("llama-1b")
     gpus, batch, seq = 32, 32, 1024
     rows, _ = search_4d(model, H100, gpus, batch, seq, top=5, pipeline=False)
-    ctx = Context(model, H100, seq, batch)
+    ctx = StepQuestion(model, H100, seq, batch)
     every = []
     for grid in factorizations(gpus, 5):  # (G_data, G_context, G_z, G_y, G_x)
         if grid_problems(model, grid) or batch % (grid[0] * grid[2]) or seq % (2 * grid[1]):
             continue
         modes = ("none", "selective", "full")
         for ckpt, b in itertools.product(modes, divisors(batch // (grid[0] * grid[2]))):
-            mem = tetrad(model, grid, b, seq, H100.memory_bytes, activation_checkpointing=ckpt)
+            mem = runtime_memory(
+                model, grid, b, seq, H100.memory_bytes, activation_checkpointing=ckpt
+            )
             if mem.fits:
                 every.append((estimate(ctx, grid, b, ckpt).step_s, grid, b, ckpt))
     every.sort()
@@ -74,15 +76,17 @@ def test_memory_line_is_exact(ckpt):
     grid, seq, mem = (4, 4, 2, 8), 2048, PERL.memory_bytes
     line = _memory_line(model, grid, seq, mem, ckpt, "bf16", True, [1, 2, 4, 8, 16])
     for b in (1, 3, 4, 16):
-        exact = tetrad(model, grid, b, seq, mem, activation_checkpointing=ckpt)
+        exact = runtime_memory(model, grid, b, seq, mem, activation_checkpointing=ckpt)
         assert line(b) == pytest.approx(exact.total, rel=1e-12)
 
 
 def test_config_above_80_percent_is_flagged_and_dropped():
     model = get_model("gpt-80b")
-    big = tetrad(model, (64, 16, 1, 1), 1, 2048, PERL.memory_bytes)
+    big = runtime_memory(model, (64, 16, 1, 1), 1, 2048, PERL.memory_bytes)
     assert big.fraction > 0.8 and not big.fits
-    small = tetrad(model, (1, 64, 4, 4), 1, 2048, PERL.memory_bytes, activation_checkpointing=True)
+    small = runtime_memory(
+        model, (1, 64, 4, 4), 1, 2048, PERL.memory_bytes, activation_checkpointing=True
+    )
     assert small.fits
     rows, _ = search_4d(model, PERL, 1024, 2048, 2048, top=50)
     assert all(r.memory.fits for r in rows)
@@ -137,7 +141,7 @@ def test_tied_embeddings_fit_where_the_memory_model_says():
     import dataclasses
 
     model = dataclasses.replace(get_model("llama-1b"), tied_embeddings=True)
-    peak = tetrad(model, (1, 1, 1, 1), 1, 256, 1e15, activation_checkpointing="full").total
+    peak = runtime_memory(model, (1, 1, 1, 1), 1, 256, 1e15, activation_checkpointing="full").total
     mem = peak / 0.8 * 1.001  # "full" at b = 1 fits, just
     rows, _ = search_4d(model, H100, 1, 1, 256, top=3, gpu_memory_bytes=mem, pipeline=False)
     assert rows and all(r.memory.total <= 0.8 * mem for r in rows)

@@ -17,7 +17,7 @@ pairs), where both sides name the ``--grid``'s axes.
 The first step records the prefetch order of the overlap schedule; the record is reset before
 the second step and read after it. For every rank, per axis, the counted calls, payload bytes and
 ring bytes must equal :func:`tetrad.plan.comm.listing.axis_totals` of
-:func:`tetrad.plan.comm.estimate.collectives` exactly (fp32 compute dtype, the runtime's overlap
+:func:`tetrad.plan.step_time.collectives` exactly (fp32 compute dtype, the runtime's overlap
 options), and the set of axes must be the same on both sides: the planner predicts no collective
 on an axis the runtime left silent, and the runtime uses no axis the planner missed.
 """
@@ -32,9 +32,9 @@ from tests.distributed import run_distributed
 from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
-from tetrad.plan.comm.estimate import collectives
 from tetrad.plan.comm.listing import axis_totals
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
+from tetrad.plan.step_time import collectives
 from tetrad.spec.grid import parse_grid
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import OVERLAPS

@@ -35,7 +35,7 @@ def test_planner_and_config_import_without_torch():
     code = HIDE_TORCH + (
         "import tetrad.plan, tetrad.train.config, tetrad.spec.presets, tetrad.spec.precision\n"
         "import tetrad.plan.cli, tetrad.plan.search.plan, tetrad.plan.search.report\n"
-        "import tetrad.plan.comm.estimate\n"
+        "import tetrad.plan.step_time\n"
         "from tetrad.train.config import load_config\n"
         "cfg = load_config(None, {'model': 'tiny', 'grid': '1,1,2,2', 'steps': 4})\n"
         "cfg.check()\n"

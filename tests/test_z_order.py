@@ -19,10 +19,10 @@ from tests.test_plan_validation import CFG, SPEC
 from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import make_step
 from tetrad.plan.comm.zwindows import z_stream
-from tetrad.plan.machine.spec import get_machine
+from tetrad.plan.machine.description import get_machine
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.step_time import make_step
 from tetrad.spec.overlap import OVERLAPS
 from tetrad.spec.presets import get_model
 from tetrad.train.step import build_optimizer, train_step
@@ -65,7 +65,7 @@ def _worker(world_size: int, out_dir: str) -> None:
 
 def _planned(ckpt: bool) -> list[list[str]]:
     """The planner's issue order of the same step, ``[kind, layer]``."""
-    ctx = Context(get_model(SPEC), get_machine("perlmutter"), SEQ, 2 * ACC, compute_bytes=4)
+    ctx = StepQuestion(get_model(SPEC), get_machine("perlmutter"), SEQ, 2 * ACC, compute_bytes=4)
     st = make_step(ctx, (1, 2, 1, 1), 1, "full" if ckpt else "none", wrap=True)
     assert st.prefetch and st.async_scatter and st.wrap  # the runtime's overlaps
     _, _, sched = z_stream(st)

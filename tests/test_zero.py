@@ -181,7 +181,7 @@ def test_planner_offers_the_sharded_optimizer():
     """``shard_optimizer``: ``off`` never, ``on`` wherever ``G_data G_context > 1``, ``auto``
     only where the unsharded configuration does not fit; the sharded rows' states are divided by
     the data group, and ``--emit-config`` writes ``shard_optimizer``."""
-    from tetrad.plan.machine.spec import get_machine
+    from tetrad.plan.machine.description import get_machine
     from tetrad.plan.search.plan import plan
     from tetrad.plan.search.report import train_config_text
     from tetrad.spec.presets import get_model

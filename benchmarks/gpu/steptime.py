@@ -1,7 +1,7 @@
 """Part (d) of ``benchmarks/gpu_check.py``: the planner's predicted step time against the
 measured one. ``tetrad calibrate --quick`` writes a machine file where it can (two ranks); the
 device's compute is also measured in-process; the prediction
-(:func:`tetrad.plan.comm.estimate.estimate`) runs on the calibrated machine, on the preset with
+(:func:`tetrad.plan.step_time.estimate`) runs on the calibrated machine, on the preset with
 the measured compute and on the bare preset."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from tetrad.device import cpu_cores, device_name
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import estimate
-from tetrad.plan.machine.spec import Machine, get_machine
+from tetrad.plan.machine.description import Machine, get_machine
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.step_time import estimate
 from tetrad.spec.precision import DTYPE_BYTES, compute_dtype
 from tetrad.spec.presets import parse_model
 from tetrad.spec.units import GiB
@@ -95,10 +95,10 @@ def with_measured_compute(preset: Machine, figures: dict) -> Machine:
 
 def predict_step(machine: Machine, args: argparse.Namespace, mb: int) -> dict:
     """The planner's predicted step (seconds) of this run on ``machine``:
-    ``tetrad.plan.comm.estimate(Context(model, machine, seq_len, global_batch), grid,
+    ``tetrad.plan.step_time.estimate(StepQuestion(model, machine, seq_len, global_batch), grid,
     micro_batch, checkpointing=False)`` with every overlap on, as ``tetrad train`` runs."""
     cfg, _ = parse_model(args.model)
-    ctx = Context(
+    ctx = StepQuestion(
         cfg,
         machine,
         args.seq_len,
@@ -147,7 +147,7 @@ def planner_part(
         notes.append("the in-process compute measurement failed (see errors)")
     note = "; ".join(notes) or None
     api = (
-        "tetrad.plan.comm.estimate.estimate(tetrad.plan.comm.context.Context(...), grid, "
+        "tetrad.plan.step_time.estimate(tetrad.plan.question.StepQuestion(...), grid, "
         "micro_batch, False)"
     )
     return {"api": api, "calibrate": calib, "predictions": preds, "note": note}

@@ -27,7 +27,7 @@ Every rank of a job calls :func:`calibrate` (under ``torchrun``, or in the worke
 Rank 0 writes the TOML (every number with its source in ``[sources]``, the raw measurements in
 a ``[calibration]`` table that the planner ignores; :mod:`~tetrad.calibrate.machine_file`) and
 every rank returns the same dict. Load the file with ``tetrad plan --machine FILE``
-(:func:`tetrad.plan.machine.spec.get_machine`).
+(:func:`tetrad.plan.machine.description.get_machine`).
 
 The gloo backend emulates reduce-scatter with an all-reduce, and the planner sends every kind
 of collective through one bandwidth, so reduce-scatter is not measured separately.

@@ -263,7 +263,7 @@ def raw_calibration(
 
 def describe(run: Run, comp: dict, colls: list[dict]) -> dict:
     """The machine dict from the measurements (rank 0): the keys of
-    :func:`tetrad.plan.machine.spec.parse_machine` plus ``[sources]`` and ``[calibration]``.
+    :func:`tetrad.plan.machine.description.parse_machine` plus ``[sources]`` and ``[calibration]``.
 
     Args:
         run: the job.

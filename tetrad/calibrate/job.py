@@ -39,7 +39,7 @@ def calibrate(device: str = "cpu", out: str = "machine.toml", quick: bool = Fals
 
     Returns:
         The machine description written, as a dict (same on every rank): the keys of
-        :func:`tetrad.plan.machine.spec.parse_machine` plus ``[sources]`` and the raw
+        :func:`tetrad.plan.machine.description.parse_machine` plus ``[sources]`` and the raw
         ``[calibration]`` data. Units: ``memory_gib`` GiB, ``peak_tflops`` TFLOP/s per rank,
         ``hbm_gbps`` and every bandwidth GB/s (1e9 bytes/s), latencies microseconds.
 

@@ -1,7 +1,8 @@
 """The machine TOML that ``tetrad calibrate`` writes (plain Python): the TOML text, the atomic
 write after checking that the planner accepts it, and the summary printed at the end.
 
-Load the file with ``tetrad plan --machine FILE`` (:func:`tetrad.plan.machine.spec.get_machine`).
+Load the file with ``tetrad plan --machine FILE``
+(:func:`tetrad.plan.machine.description.get_machine`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import tomli_w
 
 from tetrad.calibrate.checks import check_out
-from tetrad.plan.machine.spec import parse_machine
+from tetrad.plan.machine.description import parse_machine
 from tetrad.spec.toml import tomllib
 
 HEADER = (
@@ -31,8 +32,8 @@ def to_toml(d: dict, header: str = "") -> str:
 def write_machine_file(machine: dict, out: str) -> str:
     """Write ``machine`` (as from :func:`tetrad.calibrate.describe.describe`) to ``out`` as
     TOML under :data:`HEADER`, atomically (a temporary file renamed over ``out``), after
-    checking that the planner parses it (:func:`tetrad.plan.machine.spec.parse_machine`, named after
-    the file's stem). Returns the absolute path written.
+    checking that the planner parses it (:func:`tetrad.plan.machine.description.parse_machine`,
+    named after the file's stem). Returns the absolute path written.
 
     Raises:
         CalibrationError: the folder of ``out`` is missing or not writable.

@@ -1,9 +1,9 @@
 """``tetrad plan`` and ``tetrad memory``: their options and what they run.
 
 :mod:`tetrad.cli` builds the sub-commands with :func:`add_plan_arguments` and
-:func:`add_memory_arguments` and runs :func:`run_plan` / :func:`run_memory`, which raise
-:class:`~tetrad.plan.errors.PlanError` (printed as one line by the command) for bad input.
-Plain Python: no torch.
+:func:`add_memory_arguments` and runs :func:`run_plan` / :func:`run_memory` (on a pipeline grid,
+:func:`pipeline_memory_text`), which raise :class:`~tetrad.plan.errors.PlanError` (printed as one
+line by the command) for bad input. Plain Python: no torch.
 """
 
 from __future__ import annotations
@@ -12,20 +12,25 @@ import argparse
 import json
 import sys
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import best_orientation
 from tetrad.plan.comm.sublayers import format_sublayers, sublayers
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.spec import get_machine, preset_names
+from tetrad.plan.machine.description import get_machine, preset_names
 from tetrad.plan.memory import fujii
-from tetrad.plan.memory.runtime import tetrad as tetrad_memory
-from tetrad.plan.memory.zero import SHARD_OPTIMIZER
-from tetrad.plan.pipe.cli import pipeline_memory_text
-from tetrad.plan.pipe.schedule import SCHEDULES
+from tetrad.plan.memory.breakdown import MemoryBreakdown
+from tetrad.plan.memory.pipeline import pipeline_memory
+from tetrad.plan.memory.runtime import runtime_memory
+from tetrad.plan.memory.sharded_optimizer import SHARD_OPTIMIZER
+from tetrad.plan.pipe.pipeline_step import split_ranks
+from tetrad.plan.pipe.schedule import SCHEDULES, schedule_problems
+from tetrad.plan.pipe.stages import split_costs
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search import report
 from tetrad.plan.search.plan import plan
+from tetrad.plan.step_time import best_orientation
 from tetrad.spec.activation_checkpointing import CHECKPOINTING, parse_checkpointing
-from tetrad.spec.grid import ORIENTATIONS, parse_pipeline_grid, role_sizes
+from tetrad.spec.grid import ORIENTATIONS, format_grid, parse_pipeline_grid, role_sizes
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.pipeline_split import PipelineSplitError
 from tetrad.spec.presets import PRESETS, get_model
 from tetrad.spec.units import GiB
 
@@ -320,12 +325,12 @@ def run_memory(args: argparse.Namespace) -> int:
         ckpt = parse_checkpointing(args.activation_checkpointing)
         turn = args.orientation
         if turn == "auto":
-            ctx = Context(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])
+            ctx = StepQuestion(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])
             turn = best_orientation(ctx, grid, 1, ckpt)  # the bytes do not depend on the machine
         if pipe > 1:
             mem, title = pipeline_memory_text(args, model, pipe, grid, turn, ckpt, gpu)
         else:
-            mem = tetrad_memory(
+            mem = runtime_memory(
                 model,
                 role_sizes(grid, turn),
                 args.micro_batch,
@@ -372,3 +377,64 @@ def run_memory(args: argparse.Namespace) -> int:
     else:
         print(report.memory_text(mem, title, "raise TP, CP or PP, or lower the micro-batch"))
     return 0
+
+
+def pipeline_memory_text(
+    args: argparse.Namespace,
+    model: ModelSpec,
+    pipe: int,
+    grid: tuple,
+    turn: str,
+    ckpt: str,
+    gpu_memory_bytes: float,
+) -> tuple[MemoryBreakdown, str]:
+    """The worst rank's breakdown and the title of ``tetrad memory`` on a pipeline grid: the
+    stage split is the runtime's (:func:`tetrad.spec.pipeline_split.balanced_split` by the per-block
+    compute of ``--machine``, default dgx-h100); ``--num-microbatches`` defaults to ``8 G_pipe``.
+
+    Raises:
+        PlanError: the schedule cannot run these sizes, or more stages than blocks.
+    """
+    v, sched = args.virtual_stages, args.pipeline_schedule
+    m = args.num_microbatches or 8 * pipe
+    if bad := schedule_problems(sched, pipe, v, m):
+        raise PlanError(
+            "; ".join(bad) + ": change --pipeline-schedule, --virtual-stages or --num-microbatches"
+        )
+    mode = ckpt.partition(":")[0]
+    if mode != ckpt:
+        raise PlanError("a pipeline grid takes --activation-checkpointing none, selective or full")
+    machine = get_machine(args.machine or "dgx-h100")
+    roles = role_sizes(grid, turn)
+    ctx = StepQuestion(model, machine, args.seq_len, grid[0] * grid[2] * args.micro_batch * m)
+    try:
+        ranks = split_ranks(
+            model.n_layers, split_costs(ctx.compute(roles, args.micro_batch), mode), pipe, v
+        )
+    except PipelineSplitError as e:
+        raise PlanError(str(e)) from None
+    worst, per_rank = pipeline_memory(
+        model,
+        roles,
+        args.micro_batch,
+        args.seq_len,
+        gpu_memory_bytes,
+        ranks,
+        sched,
+        v,
+        m,
+        activation_checkpointing=mode,
+        shard_optimizer=getattr(args, "shard_optimizer", False),
+    )
+    stages = ", ".join(
+        f"{r.rank}: {'+'.join(map(str, r.chunk_blocks))} blocks {mb.total / GiB:.1f} GiB"
+        for r, mb in zip(ranks, per_rank, strict=True)
+    )
+    title = (
+        f"{model.summary()}\ntetrad runtime, grid P,D,C,Z,Y,X={format_grid(pipe, grid)} "
+        f"({turn}), {sched} with {v} stage(s) per rank, {m} micro-batches of "
+        f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}\n"
+        f"pipeline ranks (stage split by {machine.name} compute): {stages}\n"
+        f"the worst rank:"
+    )
+    return worst, title

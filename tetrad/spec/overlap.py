@@ -18,7 +18,7 @@ OVERLAPS = (
     "context",
 )
 """What the runtime overlaps with computation (:mod:`tetrad.parallel.overlap`, where each is
-described) and the planner models (:mod:`tetrad.plan.comm.estimate`)."""
+described) and the planner models (:mod:`tetrad.plan.step_time`)."""
 
 DEFAULT_OVERLAPS = tuple(o for o in OVERLAPS if o != "fine")
 """The overlaps of a model built without naming any (``ParallelLlama``, ``Overlap``): all but

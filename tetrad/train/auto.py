@@ -36,14 +36,15 @@ def default_nproc(cfg: TrainConfig) -> int:
 
 
 def machine_for(cfg: TrainConfig):
-    """The planner's :class:`~tetrad.plan.machine.spec.Machine` for this run: ``--machine`` (a
+    """The planner's :class:`~tetrad.plan.machine.description.Machine` for this run: ``--machine``
+    (a
     preset or the TOML file ``tetrad calibrate`` wrote), else a preset matching the CUDA device.
 
     Raises:
         ConfigError: no machine given and none can be inferred, or the machine is unknown.
     """
     from tetrad.plan.errors import PlanError
-    from tetrad.plan.machine.spec import get_machine
+    from tetrad.plan.machine.description import get_machine
 
     name = cfg.parallelism.machine
     if not name and cfg.training.device == "cuda":
@@ -69,7 +70,7 @@ def calibrated_peak(cfg: TrainConfig) -> float | None:
     Raises:
         ConfigError: an unreadable machine file.
     """
-    from tetrad.plan.machine.spec import preset_names
+    from tetrad.plan.machine.description import preset_names
 
     name = cfg.parallelism.machine
     if not name or name in preset_names():
@@ -179,13 +180,13 @@ def pipeline_split(cfg: TrainConfig, mc: ModelSpec) -> tuple[tuple[int, int], ..
     """The planner's stage split for this pipeline grid where a machine is known (``--machine``,
     or the preset of the CUDA device, as ``--grid auto`` finds it): blocks balanced by the
     planner's compute of a block, of the embedding and of the final norm, LM head and loss on
-    this grid, micro-batch and checkpointing (:func:`tetrad.plan.pipe.estimate.planner_split`),
+    this grid, micro-batch and checkpointing (:func:`tetrad.plan.pipe.pipeline_step.planner_split`),
     the split the planner's estimate and memory of this configuration take, so that ``--grid
     auto`` runs the split it ranked; ``(start, stop)`` blocks per stage. None without a machine
     (the runtime's default: the embedding and the head count one block each)."""
-    from tetrad.plan.comm.context import Context
-    from tetrad.plan.pipe.estimate import planner_split
+    from tetrad.plan.pipe.pipeline_step import planner_split
     from tetrad.plan.pipe.stages import split_costs
+    from tetrad.plan.question import StepQuestion
     from tetrad.spec.grid import role_sizes, with_context
 
     par, t = cfg.parallelism, cfg.training
@@ -195,7 +196,7 @@ def pipeline_split(cfg: TrainConfig, mc: ModelSpec) -> tuple[tuple[int, int], ..
         machine = machine_for(cfg)
     except ConfigError:
         return None
-    ctx = Context(
+    ctx = StepQuestion(
         mc,
         machine,
         t.seq_len,
@@ -208,11 +209,11 @@ def pipeline_split(cfg: TrainConfig, mc: ModelSpec) -> tuple[tuple[int, int], ..
 
 
 def _estimate(cfg: TrainConfig, mc: ModelSpec, overlaps, fine_chunks: int | None):
-    from tetrad.plan.comm.context import Context
-    from tetrad.plan.comm.estimate import estimate
+    from tetrad.plan.question import StepQuestion
+    from tetrad.plan.step_time import estimate
 
     t, par = cfg.training, cfg.parallelism
-    ctx = Context(
+    ctx = StepQuestion(
         mc,
         machine_for(cfg),
         t.seq_len,
@@ -234,15 +235,15 @@ def _estimate(cfg: TrainConfig, mc: ModelSpec, overlaps, fine_chunks: int | None
 def with_orientation(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with ``--orientation auto`` resolved (:data:`tetrad.spec.grid.ORIENTATIONS`): the
     orientation whose X and Y collectives send fewer bytes, or with ``--machine`` the one with
-    the shorter predicted step (:func:`tetrad.plan.comm.estimate.best_orientation`); ``xy``
+    the shorter predicted step (:func:`tetrad.plan.step_time.best_orientation`); ``xy``
     when ``G_x = G_y = 1``. Every rank computes the same answer.
 
     Raises:
         ConfigError: an unknown ``--machine``.
     """
-    from tetrad.plan.comm.context import Context
-    from tetrad.plan.comm.estimate import best_orientation
-    from tetrad.plan.machine.spec import get_machine
+    from tetrad.plan.machine.description import get_machine
+    from tetrad.plan.question import StepQuestion
+    from tetrad.plan.step_time import best_orientation
 
     par, t = cfg.parallelism, cfg.training
     if par.orientation != "auto" or par.grid == "auto":
@@ -252,7 +253,7 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
         machine = machine_for(cfg) if par.machine else get_machine("dgx-h100")  # bytes only
         # the tokenizer's vocabulary is not known before preflight; no X or Y collective
         # depends on it, so the BPE size stands in (every rank alike)
-        ctx = Context(
+        ctx = StepQuestion(
             cfg.model_config(cfg.data.vocab_size),
             machine,
             t.seq_len,
@@ -286,7 +287,7 @@ def fine_chunks(cfg: TrainConfig, mc: ModelSpec) -> int:
     Named in ``--overlap``: on, with ``--fine-chunks`` or the planner's best count on
     ``--machine`` (:data:`tetrad.spec.overlap.FINE_CHUNKS` without one). In ``all``: only where the
     planner predicts less exposed communication on ``--machine`` than without it
-    (:attr:`tetrad.plan.comm.estimate.Estimate.fine_chunks`), with its chunk count (or
+    (:attr:`tetrad.plan.step_time.Estimate.fine_chunks`), with its chunk count (or
     ``--fine-chunks``); off without a machine."""
     par = cfg.parallelism
     if "fine" not in par.overlaps:
@@ -303,7 +304,7 @@ def context_pieces(cfg: TrainConfig, mc: ModelSpec) -> int:
     """The ``context_pieces`` option of the ``context`` overlap for this run (1: off, no
     context parallelism, or the blocking all-gather): ``--context-pieces`` if given, else the
     planner's best on ``--machine``
-    (:attr:`tetrad.plan.comm.estimate.Estimate.context_pieces`), else 1, as ``fine`` is off
+    (:attr:`tetrad.plan.step_time.Estimate.context_pieces`), else 1, as ``fine`` is off
     without a machine (on 2 CPU cores with gloo, 8 pieces made a context = 2 step slower:
     the transfers and the attention share the cores)."""
     from tetrad.spec.grid import with_context

@@ -4,12 +4,12 @@ Reproduces Megatron-AxoNN ``examples/comm_model.py`` (``model_v2``; Singh et al.
 2305.13525): per block Linear, volume terms in bf16 elements, GiB over the measured bandwidth of
 the axis's placement, summed over axes and layers; no latency, no overlap, no embedding, LM head,
 norms or loss. Where it deviates from tetrad's true layout (and from
-:func:`tetrad.plan.comm.estimate.estimate`), see :func:`axonn_comm`.
+:func:`tetrad.plan.step_time.estimate`), see :func:`axonn_comm`.
 """
 
 from __future__ import annotations
 
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.machine.description import Machine
 from tetrad.spec.grid import GRID_AXES
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.units import GiB
@@ -71,7 +71,7 @@ def axonn_comm(
     FC2 4h->h transposed) this is their model exactly; for other models the block's Linears are
     used with the same rule.
 
-    Deviations from the true layout (and from :func:`tetrad.plan.comm.estimate.estimate`):
+    Deviations from the true layout (and from :func:`tetrad.plan.step_time.estimate`):
 
     - transposed Linears put K on the Y term instead of X (:func:`axonn_linear_volumes`): FC2's
       X traffic is under-counted 4x, its Y traffic over-counted 4x;

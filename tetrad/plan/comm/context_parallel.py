@@ -24,6 +24,12 @@ With ``G_context = G`` each rank holds ``s = S / G`` tokens of every sample, as 
   concatenation, the out-projection's input); the masks (``c (2G + 1) c`` elements) once for
   all blocks.
 
+Where each part lives: the tokens per rank and the split's rules here (:func:`local_seq_len`,
+:func:`context_problems`), with the K/V collectives (:func:`kv_gather_payload`, the pieces);
+the attention FLOPs in :func:`tetrad.plan.compute.flops.attention_fwd_flops`; the saved tensors
+in :func:`tetrad.plan.memory.activations.context_block_delta` and
+:func:`~tetrad.plan.memory.activations.context_shared_bytes`.
+
 A ring of point-to-point K/V exchanges (ring attention, Liu et al., arXiv 2310.01889; Megatron-LM)
 sends the same bytes, ``(G - 1) / G`` of the gathered K/V per rank, in ``G - 1`` steps hidden
 behind blocks of attention; the runtime's pieces hide theirs the same way
@@ -32,7 +38,6 @@ behind blocks of attention; the runtime's pieces hide theirs the same way
 
 from __future__ import annotations
 
-from tetrad.spec.grid import context_size, grid_sizes
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import context_pieces
 
@@ -46,55 +51,6 @@ def kv_gather_payload(model: ModelSpec, micro_batch: int, seq_len: int, gy: int,
     """Bytes of one K/V all-gather's output (and of the backward reduce-scatter's input):
     ``b S 2 kv_dim / G_y * c``; ``seq_len`` is the whole sequence ``S``."""
     return float(micro_batch * seq_len * 2 * (model.kv_dim // gy) * c)
-
-
-def attention_fwd_flops(
-    model: ModelSpec, micro_batch: int, seq_len: int, gy: int, gc: int = 1
-) -> float:
-    """Causal attention forward FLOPs on one rank. ``G_context = 1``: ``2 b S^2 d a / G_y``
-    (half of ``4 b S^2 d a`` for the causal mask: PaLM, Chowdhery et al., arXiv 2204.02311,
-    appendix B). ``G_context = G > 1``: ``4 b d a / G_y c^2 (2G + 1)``, ``c = S / (2G)`` (the
-    module doc)."""
-    a_d = model.head_dim * model.n_heads / gy
-    if gc == 1:
-        return 2.0 * micro_batch * seq_len * seq_len * a_d
-    c = seq_len / (2 * gc)
-    return 4.0 * micro_batch * a_d * c * c * (2 * gc + 1)
-
-
-def context_shared_bytes(seq_len: int, gc: int, e: int) -> float:
-    """Saved tensors shared by every block (bytes): the two additive masks ``[c, (i+1) c]`` in
-    the compute dtype (``e`` bytes) and the chunk order ``[2G]`` int64; 0 without context
-    parallelism."""
-    if gc == 1:
-        return 0.0
-    c = seq_len // (2 * gc)
-    return float(e * c * c * (2 * gc + 1) + 8 * 2 * gc)
-
-
-def context_block_delta(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, e: int, mode: str
-) -> float:
-    """What context parallelism adds to one block's saved tensors on one rank (bytes), against
-    the same block on ``m = b S / G_context`` tokens without it (``seq_len``: the whole ``S``;
-    ``e``: compute-dtype bytes; ``grid``: five sizes).
-
-    Both modes keep the gathered K/V, ``2 b S kv_dim / G_y`` elements, and the attention output
-    once more (SDPA's two halves and their token-major concatenation; without context
-    parallelism the CPU kernel's heads-major output costs the same copy, CUDA's does not).
-    ``none``: the local rotated k and the v copy (``2 m kv_dim / G_y``) are not kept (they feed
-    the all-gather only). ``selective``: the concatenation is the kept input of the rebuilt
-    head merge, and the rotated q is kept too (SDPA saves its two halves, views that carry no
-    rebuild recipe): ``2 m a d / G_y`` more.
-    """
-    gc, gy = context_size(grid), grid_sizes(grid)[2]
-    m = micro_batch * seq_len // gc
-    kvy, qy = model.kv_dim // gy, model.q_dim // gy
-    gathered = e * micro_batch * seq_len * 2 * kvy
-    out = 0 if e == 4 else e * m * qy
-    if mode == "none":
-        return float(gathered - 2 * e * m * kvy + out)
-    return float(gathered + 2 * e * m * qy)
 
 
 def kv_pieces(model: ModelSpec, micro_batch: int, gy: int, most: int) -> int:

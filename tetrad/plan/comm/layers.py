@@ -2,7 +2,7 @@
 (:mod:`tetrad.plan.comm.linears`) and the Z ones (:mod:`tetrad.plan.comm.zwindows`): context
 K/V, the LM head, the loss, the embedding, the norms, the data-parallel gradients and the
 step-level scalars, one function per layer kind (the model is stated in the module doc of
-:mod:`tetrad.plan.comm.estimate`).
+:mod:`tetrad.plan.step_time`).
 
 Each function takes a :class:`~tetrad.plan.comm.record.Recorder` and a
 :class:`~tetrad.plan.comm.record.Step` and records the collectives of one kind of layer: bytes

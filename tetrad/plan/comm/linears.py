@@ -2,7 +2,7 @@
 its input axis and the backward all-reduce of its input gradient over its output axis, with the
 overlap model in force: blocking, Domino's halves, ``dx_all_reduce`` behind the dW GEMM, or the
 ``fine`` reduce-scatter fused with its GEMM (:mod:`tetrad.plan.comm.fine`). The model is stated
-in the module doc of :mod:`tetrad.plan.comm.estimate`."""
+in the module doc of :mod:`tetrad.plan.step_time`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The collectives of one step listed one by one (:class:`Collective`), as
-:func:`tetrad.plan.comm.estimate.collectives` returns them, and their per-axis totals
+:func:`tetrad.plan.step_time.collectives` returns them, and their per-axis totals
 (:func:`axis_totals`), the quantities the runtime's ``tetrad.comm.CommLog`` records."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the orientation whose X and Y collectives send fewer bytes.
 A Linear ``[n, k]`` with input axis ``I`` and output axis ``O`` (X in and Y out; swapped for
 the second layer of a pair) all-reduces its output ``m n / G_O * c`` bytes over ``I`` in forward
 and its input gradient ``m k / G_I * c`` over ``O`` in backward (module doc of
-:mod:`tetrad.plan.comm.estimate`). A pair's first layer is wide on its output side (QKV:
+:mod:`tetrad.plan.step_time`). A pair's first layer is wide on its output side (QKV:
 ``(a + 2 kv) d``; gate/up: ``2 f``) and its second layer on its input side, so with one tensor
 axis the cheaper layout gives that axis the Y role: no all-reduce of the wide activations, only
 two of ``m h`` per pair and pass (Megatron-LM's column-then-row tensor parallelism, Shoeybi et al.,
@@ -12,7 +12,7 @@ arXiv 1909.08053, section 3); with X the wide ones move, 2.8x the bytes on the `
 With both axes above 1 the sums differ by the axes' sizes; :func:`choose` compares them.
 
 :func:`tensor_bytes` is the closed form of the ring bytes per rank and step on the X and Y roles
-that :func:`tetrad.plan.comm.estimate.collectives` lists one by one (the same bytes whatever
+that :func:`tetrad.plan.step_time.collectives` lists one by one (the same bytes whatever
 the overlaps: Domino's halves add up to the whole, and ``fine``'s reduce-scatter plus
 all-gather send what an all-reduce sends); ``tests/test_plan_orientation.py`` checks the two
 agree.

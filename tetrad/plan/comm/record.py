@@ -1,7 +1,7 @@
 """What the collectives of one step are recorded into (:class:`Recorder`), what one
-:func:`tetrad.plan.comm.estimate.estimate` call knows about the step (:class:`Step`), and a block
+:func:`tetrad.plan.step_time.estimate` call knows about the step (:class:`Step`), and a block
 Linear as the step runs it (:class:`PlacedLinear`). The model is stated in the module doc of
-:mod:`tetrad.plan.comm.estimate`."""
+:mod:`tetrad.plan.step_time`."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class Recorder:
 
 @dataclass(slots=True)  # not frozen: built per estimate, and frozen init costs ~1 us a record
 class Step:
-    """What one :func:`tetrad.plan.comm.estimate.estimate` call needs, computed once.
+    """What one :func:`tetrad.plan.step_time.estimate` call needs, computed once.
 
     Attributes:
         model, linears: the model and its block Linears (execution order).
@@ -103,7 +103,7 @@ class Step:
             step's forward hides the parameter all-gathers in that order
             (:func:`tetrad.plan.comm.layers.gather_exposed`).
         fused_s: seconds of the fused GEMM -> reduce-scatter ring ``(flops, payload bytes,
-            link, chunks)`` on this machine (:meth:`tetrad.plan.comm.context.Context.fused_s`:
+            link, chunks)`` on this machine (:meth:`tetrad.plan.question.StepQuestion.fused_s`:
             :func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`, memoised per shape).
     """
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from tetrad.plan.comm.fine import best_chunks, sublayer_seconds
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.machine.description import Machine
 from tetrad.spec.model import ModelSpec
 
 T3_REPORTED = {"T3-MCA": (1.30, 1.47), "T3": (1.20, 1.39)}

@@ -1,5 +1,5 @@
 """The Z axis's collectives of one micro-batch replayed on one stream, in issue order (the
-``prefetch`` and ``reduce_scatter`` overlaps of :mod:`tetrad.plan.comm.estimate`; the runtime is
+``prefetch`` and ``reduce_scatter`` overlaps of :mod:`tetrad.plan.step_time`; the runtime is
 :class:`tetrad.parallel.overlap.Overlap`).
 
 Collectives on one axis share one communicator, hence one stream: each starts when it is issued

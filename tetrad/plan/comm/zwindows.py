@@ -1,5 +1,5 @@
 """Every Z collective of one optimizer step and what of it is exposed (the ``prefetch`` and
-``reduce_scatter`` overlaps of :mod:`tetrad.plan.comm.estimate`, whose module doc states the
+``reduce_scatter`` overlaps of :mod:`tetrad.plan.step_time`, whose module doc states the
 model): the uses of the Z-gathered weights in execution order (:class:`ZWindows`), replayed on
 the Z stream by :class:`tetrad.plan.comm.zqueue.ZQueue`; :func:`z_collectives` records them.
 :func:`z_queue_seconds` and :func:`window_seconds` bound the replay from below for the search.

@@ -15,7 +15,7 @@ Chowdhery et al. arXiv 2204.02311, appendix B, counts the same half), so the for
 (Dao, arXiv 2307.08691, section 3.1.2: it recomputes ``Q K^T``): 2.5x the forward.
 
 Time of a GEMM = FLOPs / (peak * efficiency(FLOPs)), the efficiency from the machine's GEMM table
-(:meth:`tetrad.plan.machine.spec.Machine.gemm_efficiency`); attention at the machine's
+(:meth:`tetrad.plan.machine.description.Machine.gemm_efficiency`); attention at the machine's
 ``attention_efficiency``. Element-wise work (norms, residual adds, RoPE, SwiGLU/GeLU, the
 vocabulary-parallel softmax, the embedding lookup, AdamW) is memory bound: bytes moved / HBM
 bandwidth, with byte counts per token estimated from the runtime's unfused PyTorch ops (rough:
@@ -36,9 +36,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.plan.comm.context_parallel import attention_fwd_flops, local_seq_len
+from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.compute.elementwise import ELEMENTWISE
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.compute.flops import attention_fwd_flops
+from tetrad.plan.machine.description import Machine
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.grid import with_context
 from tetrad.spec.model import ModelSpec
@@ -151,7 +152,7 @@ def block_compute(
 ) -> BlockCompute:
     """Compute times of one rank on ``grid = (G_data, [G_context,] G_z, G_y, G_x)``; see the
     module doc (context parallelism: ``m = b S / G_context`` and
-    :func:`tetrad.plan.comm.context_parallel.attention_fwd_flops`).
+    :func:`tetrad.plan.compute.flops.attention_fwd_flops`).
 
     Args:
         local_params: this rank's parameter elements (for the optimizer time).

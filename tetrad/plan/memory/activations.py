@@ -9,11 +9,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from tetrad.plan.comm.context_parallel import (
-    context_block_delta,
-    context_shared_bytes,
-    local_seq_len,
-)
+from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.errors import PlanError
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.grid import context_size, grid_sizes
@@ -176,6 +172,41 @@ def loss_saved_bytes(model: ModelSpec, grid, dtype: str = "bf16") -> float:
     forward)."""
     _, _, gy, gx = grid_sizes(grid)
     return float(dtype_bytes(dtype) * (model.vocab_size // (gy * gx)) * model.dim)
+
+
+def context_shared_bytes(seq_len: int, gc: int, e: int) -> float:
+    """Saved tensors shared by every block (bytes): the two additive masks ``[c, (i+1) c]`` in
+    the compute dtype (``e`` bytes) and the chunk order ``[2G]`` int64; 0 without context
+    parallelism."""
+    if gc == 1:
+        return 0.0
+    c = seq_len // (2 * gc)
+    return float(e * c * c * (2 * gc + 1) + 8 * 2 * gc)
+
+
+def context_block_delta(
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, e: int, mode: str
+) -> float:
+    """What context parallelism adds to one block's saved tensors on one rank (bytes), against
+    the same block on ``m = b S / G_context`` tokens without it (``seq_len``: the whole ``S``;
+    ``e``: compute-dtype bytes; ``grid``: five sizes).
+
+    Both modes keep the gathered K/V, ``2 b S kv_dim / G_y`` elements, and the attention output
+    once more (SDPA's two halves and their token-major concatenation; without context
+    parallelism the CPU kernel's heads-major output costs the same copy, CUDA's does not).
+    ``none``: the local rotated k and the v copy (``2 m kv_dim / G_y``) are not kept (they feed
+    the all-gather only). ``selective``: the concatenation is the kept input of the rebuilt
+    head merge, and the rotated q is kept too (SDPA saves its two halves, views that carry no
+    rebuild recipe): ``2 m a d / G_y`` more.
+    """
+    gc, gy = context_size(grid), grid_sizes(grid)[2]
+    m = micro_batch * seq_len // gc
+    kvy, qy = model.kv_dim // gy, model.q_dim // gy
+    gathered = e * micro_batch * seq_len * 2 * kvy
+    out = 0 if e == 4 else e * m * qy
+    if mode == "none":
+        return float(gathered - 2 * e * m * kvy + out)
+    return float(gathered + 2 * e * m * qy)
 
 
 def saved_activations(

@@ -24,10 +24,10 @@ class MemoryBreakdown:
         components: bytes per component (``parameters``, ``gradients``, ``optimizer_states``,
             ``activations``, ...); they add up to :attr:`total`.
         gpu_memory_bytes: the GPU's memory in bytes.
-        peak_phase: for :func:`tetrad.plan.memory.runtime.tetrad`, the phase of the training
+        peak_phase: for :func:`tetrad.plan.memory.runtime.runtime_memory`, the phase of the training
             step at which the rank peaks (components not alive then are 0); empty for
             :func:`tetrad.plan.memory.fujii.fujii2024`.
-        phases: for :func:`tetrad.plan.memory.runtime.tetrad`, the total bytes at each phase
+        phases: for :func:`tetrad.plan.memory.runtime.runtime_memory`, the total bytes at each phase
             considered.
     """
 

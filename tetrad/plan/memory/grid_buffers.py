@@ -1,4 +1,4 @@
-"""The bytes of :func:`tetrad.plan.memory.runtime.tetrad` that depend on the grid and the
+"""The bytes of :func:`tetrad.plan.memory.runtime.runtime_memory` that depend on the grid and the
 options but not on the micro-batch or the checkpointing mode (:class:`GridBuffers`), once per
 grid and options: the search asks for several micro-batches and modes of each grid, tens of
 thousands of times in all. Bytes; symbols as in :mod:`tetrad.plan.memory.runtime`."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from tetrad.plan.memory import zero
+from tetrad.plan.memory import sharded_optimizer
 from tetrad.plan.memory.activations import dtype_bytes
 from tetrad.plan.memory.buffers import (
     embedding_grad_bytes,
@@ -29,8 +29,8 @@ from tetrad.spec.units import FP32
 
 
 class GridBuffers(NamedTuple):
-    """The bytes of :func:`tetrad.plan.memory.runtime.tetrad` that depend on the grid and the
-    options but not on the micro-batch or the checkpointing mode.
+    """The bytes of :func:`tetrad.plan.memory.runtime.runtime_memory` that depend on the grid and
+    the options but not on the micro-batch or the checkpointing mode.
 
     Attributes:
         static: ``(name, bytes)`` of the parameters, gradients and optimizer states.
@@ -40,10 +40,10 @@ class GridBuffers(NamedTuple):
         head_gradient: the fp32 copy of the head's ``dW`` (compute dtype bf16).
         blocks: gathered weights in the blocks' backward; ``block_gradients``: their ``dW``.
         end_of_backward: :func:`~tetrad.plan.memory.buffers.end_of_backward_bytes` (sharded:
-            the embedding's gradient block and :func:`tetrad.plan.memory.zero.
+            the embedding's gradient block and :func:`tetrad.plan.memory.sharded_optimizer.
             end_of_backward_bytes`) + ``end_prefetch``; ``step``:
             :func:`~tetrad.plan.memory.buffers.step_buffer_bytes` (sharded:
-            :func:`tetrad.plan.memory.zero.step_bytes`).
+            :func:`tetrad.plan.memory.sharded_optimizer.step_bytes`).
         end_prefetch: with ``prefetch`` and ``G_z > 1`` the next micro-batch's embedding table
             and first block weight, gathered ahead at the end of backward; else 0.
         shape: ``(1, G_context, 1, G_y, G_x)``, the sizes the saved activations depend on (the
@@ -74,8 +74,8 @@ def checked_grid_buffers(
     shard_optimizer: bool = False,
 ) -> GridBuffers:
     """:func:`grid_buffers` after checking the dtype and that ``model`` shards on ``grid``, in
-    :func:`tetrad.plan.memory.runtime.tetrad`'s order; once per grid and options (an error is
-    not memoised: it is raised again on every call).
+    :func:`tetrad.plan.memory.runtime.runtime_memory`'s order; once per grid and options (an error
+    is not memoised: it is raised again on every call).
 
     Raises:
         PlanError: an unknown dtype, a bad grid, or a size that does not shard on it.
@@ -112,7 +112,7 @@ def grid_buffers(
     shard_optimizer: bool = False,
 ) -> GridBuffers:
     """:class:`GridBuffers` of ``grid = (G_data, G_z, G_y, G_x)`` or ``(G_data, G_context,
-    G_z, G_y, G_x)`` and the options of :func:`tetrad.plan.memory.runtime.tetrad`, once per
+    G_z, G_y, G_x)`` and the options of :func:`tetrad.plan.memory.runtime.runtime_memory`, once per
     grid and options (the grid is not checked: :func:`checked_grid_buffers` does). Only the
     end of backward's data-parallel buffers depend on ``G_data G_context``: the rest is taken
     from the grid ``(1, G_z, G_y, G_x)``, once per ``(G_z, G_y, G_x)``. The sharded optimizer
@@ -123,7 +123,7 @@ def grid_buffers(
         PlanError: not four or five positive sizes, or an unknown dtype.
     """
     _, gz, gy, gx = grid_sizes(grid)
-    group = zero.data_group(grid)
+    group = sharded_optimizer.data_group(grid)
     if shard_optimizer and group > 1:
         plain = grid_buffers(model, grid, dtype, prefetch, async_reduce_scatter, dp_overlap, False)
         return _sharded(model, grid, plain, dp_overlap)
@@ -184,13 +184,13 @@ def _unsharded(
 def _sharded(model: ModelSpec, grid: tuple, plain: GridBuffers, dp_overlap: bool) -> GridBuffers:
     """:func:`grid_buffers` with the optimizer sharded over ``G_data G_context > 1`` ranks,
     from the unsharded ``plain``: the AdamW states' share and the buffers of
-    :mod:`tetrad.plan.memory.zero`."""
-    states = tetrad_optimizer_bytes(model, grid) * zero.state_share(grid, True)
+    :mod:`tetrad.plan.memory.sharded_optimizer`."""
+    states = tetrad_optimizer_bytes(model, grid) * sharded_optimizer.state_share(grid, True)
     static = (*plain.static[:2], ("optimizer_states", states))
-    end = embedding_grad_bytes(model, grid) + zero.end_of_backward_bytes(model, grid)
+    end = embedding_grad_bytes(model, grid) + sharded_optimizer.end_of_backward_bytes(model, grid)
     return plain._replace(
         static=static,
         base=sum(v for _, v in static),
         end_of_backward=end + plain.end_prefetch,
-        step=zero.step_bytes(model, grid, dp_overlap),
+        step=sharded_optimizer.step_bytes(model, grid, dp_overlap),
     )

@@ -1,7 +1,7 @@
-"""Per-GPU memory of a pipeline grid ``(G_pipe, G_data, G_context, G_z, G_y, G_x)``: every
-pipeline rank's :func:`tetrad.plan.memory.runtime.tetrad` estimate for its own blocks, with the
-micro-batches its schedule keeps in flight (:func:`pipeline_memory`); the worst rank decides the
-fit (80% of GPU memory, Fujii et al., arXiv 2411.06465). Plain Python, bytes.
+"""Per-GPU memory of a pipeline grid ``(G_pipe, G_data, G_context, G_z, G_y, G_x)``: every pipeline
+rank's :func:`tetrad.plan.memory.runtime.runtime_memory` estimate for its own blocks, with the
+micro-batches its schedule keeps in flight (:func:`pipeline_memory`); the worst rank decides the fit
+(80% of GPU memory, Fujii et al., arXiv 2411.06465). Plain Python, bytes.
 
 Per pipeline rank ``r`` holding ``k`` blocks over its ``v`` stages
 (:class:`tetrad.plan.pipe.stages.PipeRank`):
@@ -32,19 +32,24 @@ Per pipeline rank ``r`` holding ``k`` blocks over its ``v`` stages
 Checked against the runtime on gloo ranks (tests/test_pipeline_memory.py): model states, saved
 activations at the peak to the byte; receive buffers and held outputs never above the planner's,
 below it by at most the receives it counts as posted ahead.
+
+What each rank adjusts comes from the runtime model's parts of one stage, a model of ``k``
+blocks (:func:`stage_parts`, :func:`stage_saved`), and the tables a stage holds or drops
+(:func:`table_elements`), each memoised: the ranks of a pipeline, and the pipelines of a
+search, share them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 
-from tetrad.plan.comm.context_parallel import context_shared_bytes
 from tetrad.plan.errors import PlanError
-from tetrad.plan.memory.activations import dtype_bytes
+from tetrad.plan.memory.activations import context_shared_bytes, dtype_bytes, saved_activations
 from tetrad.plan.memory.breakdown import MemoryBreakdown
-from tetrad.plan.memory.stage_parts import stage_parts, stage_saved, table_elements
-from tetrad.plan.memory.zero import data_group, state_share
+from tetrad.plan.memory.runtime import phase_components
+from tetrad.plan.memory.sharded_optimizer import data_group, state_share
 from tetrad.plan.pipe.schedule import (
     boundaries_of_rank,
     in_flight_chunks,
@@ -58,6 +63,65 @@ HEAD_PHASES = ("forward: LM head", "backward: LM head")
 """The runtime model's phases that exist only on the rank of the last stage."""
 ENDS = ("backward: end", "optimizer step")
 """Phases after the last micro-batch's backward: no other micro-batch is in flight."""
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def stage_model(model: ModelSpec, blocks: int) -> ModelSpec:
+    """``model`` with ``blocks`` blocks, one object per model and count (the memos keyed on it
+    then hash it once and compare it by identity)."""
+    return dataclasses.replace(model, n_layers=blocks)
+
+
+def table_elements(model: ModelSpec, grid) -> tuple[int, int, int]:
+    """``(embedding, LM head, final norm)`` local elements, as :mod:`tetrad.plan.memory.states`
+    counts them (``n k / (G_x G_y G_z)`` per table, ``h / G_x`` for the norm)."""
+    _, gz, gy, gx = grid_sizes(grid)
+    shard = gx * gy * gz
+    emb = model.vocab_size * model.dim // shard
+    if model.max_positions:
+        emb += model.max_positions * model.dim // shard
+    head = model.vocab_size * model.dim // shard
+    return emb, head, model.norm_params() // gx
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def stage_parts(
+    model: ModelSpec,
+    blocks: int,
+    grid: tuple,
+    micro_batch: int,
+    seq_len: int,
+    ckpt: str,
+    dtype: str,
+    prefetch: bool,
+    shard_optimizer: bool = False,
+) -> tuple:
+    """The runtime model's static components, phases and saved activations of a ``blocks``
+    model (memoised: the ranks of a pipeline share them); ``shard_optimizer``: as
+    :func:`tetrad.plan.memory.runtime.runtime_memory`'s.
+
+    Raises:
+        PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
+    """
+    sm = stage_model(model, blocks)
+    opts = {"activation_checkpointing": ckpt, "dtype": dtype}
+    static, phases = phase_components(
+        sm, grid, micro_batch, seq_len, prefetch=prefetch, shard_optimizer=shard_optimizer, **opts
+    )
+    saved = saved_activations(sm, grid, micro_batch, seq_len, **opts)
+    return static, phases, saved
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def stage_saved(
+    model: ModelSpec, blocks: int, grid: tuple, micro_batch: int, seq_len: int, ckpt, dtype
+) -> dict[str, float]:
+    """:func:`~tetrad.plan.memory.activations.saved_activations` of a ``blocks`` model (one
+    stage), memoised."""
+    sm = stage_model(model, blocks)
+    return saved_activations(
+        sm, grid, micro_batch, seq_len, activation_checkpointing=ckpt, dtype=dtype
+    )
 
 
 def interleaved_order(pipe: int, rank: int, virtual: int, micro_batches: int):
@@ -243,7 +307,7 @@ def stage_memory(
     """The memory of pipeline rank ``prank`` of ``pipe`` under ``schedule`` with
     ``micro_batches`` per step (module doc), ``grid`` the 5D roles' sizes; with
     ``shard_optimizer`` the AdamW states over ``G_data G_context``
-    (:mod:`tetrad.plan.memory.zero`).
+    (:mod:`tetrad.plan.memory.sharded_optimizer`).
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.

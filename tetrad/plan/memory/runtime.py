@@ -1,5 +1,6 @@
-"""Per-GPU memory of tetrad's own runtime (:func:`tetrad`), and the fewest selective blocks that
-fit (:func:`fewest_selective`).
+"""Per-GPU memory of tetrad's own runtime (:func:`runtime_memory`), the fewest selective blocks
+that fit (:func:`fewest_selective`), and how much the sharded optimizer moves each phase
+(:func:`sharding_offsets`).
 
 Plain Python (no torch). Every function returns bytes. Both estimators of the planner give a
 :class:`~tetrad.plan.memory.breakdown.MemoryBreakdown` with the 80% verdict of Fujii, Watanabe
@@ -7,7 +8,7 @@ and Yokota (arXiv 2411.06465):
 
 - :func:`tetrad.plan.memory.fujii.fujii2024`: the paper's estimator for Megatron-style
   ``t x c x p x d`` (TP, CP, PP, DP).
-- :func:`tetrad`: derived from tetrad's 3D layout and what its code allocates and saves for
+- :func:`runtime_memory`: derived from tetrad's 3D layout and what its code allocates and saves for
   backward, per rank of the grid ``(G_data, G_z, G_y, G_x)``. Parameters, gradients and AdamW
   states (:mod:`tetrad.plan.memory.states`) equal the runtime's exactly; saved activations
   (:mod:`tetrad.plan.memory.activations`) were checked against autograd's saved tensors
@@ -29,7 +30,7 @@ from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.activations import dtype_bytes, saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown, check_positive
 from tetrad.plan.memory.buffers import lm_head_logits_bytes
-from tetrad.plan.memory.grid_buffers import GridBuffers, checked_grid_buffers
+from tetrad.plan.memory.grid_buffers import GridBuffers, checked_grid_buffers, grid_buffers
 from tetrad.spec.grid import context_size
 from tetrad.spec.model import ModelSpec
 
@@ -40,10 +41,11 @@ PHASES = (
     "backward: end",
     "optimizer step",
 )
-"""The phases of a training step whose totals :func:`tetrad` compares (its peak is theirs)."""
+"""The phases of a training step whose totals :func:`runtime_memory` compares (its peak is
+theirs)."""
 
 
-def tetrad(
+def runtime_memory(
     model: ModelSpec,
     grid,
     micro_batch: int,
@@ -88,7 +90,7 @@ def tetrad(
     ``prefetch``, ``reduce_scatter`` and ``dp_all_reduce`` overlaps (tetrad/parallel/overlap.py,
     on by default). ``shard_optimizer``: the runtime's sharded optimizer (ZeRO-1): the AdamW
     states over ``G_data G_context`` and the end of backward's and the step's buffers of
-    :mod:`tetrad.plan.memory.zero`.
+    :mod:`tetrad.plan.memory.sharded_optimizer`.
 
     Components (0 when not alive at the peak phase): ``parameters``, ``gradients``,
     ``optimizer_states``, ``activations`` (blocks, embedding, final norm), ``logits_and_loss``,
@@ -146,7 +148,7 @@ def phase_totals(
     dp_overlap: bool = True,
     shard_optimizer: bool = False,
 ) -> dict[str, float]:
-    """The total bytes at each phase of :func:`tetrad` (its ``phases``; the peak is their
+    """The total bytes at each phase of :func:`runtime_memory` (its ``phases``; the peak is their
     maximum) without the breakdown by component: what the search's memory lines need.
 
     Raises:
@@ -166,7 +168,7 @@ def phase_totals(
         shard_optimizer,
     )
     # each phase: the base plus the sum of its components, in _phases' order (float sums
-    # depend on it): equal to tetrad()'s phases bit for bit (tests/test_plan_memory_memo.py)
+    # depend on it): equal to runtime_memory()'s phases bit for bit (tests/test_plan_memory_memo.py)
     base = g.base
     return {
         "forward: LM head": base + (a.all + a.head_forward + g.head_forward),
@@ -188,8 +190,8 @@ def phase_components(
     prefetch: bool = True,
     shard_optimizer: bool = False,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """``(static components, {phase: live components})`` of :func:`tetrad`, bytes: what the
-    pipeline's per-stage memory (:mod:`tetrad.plan.pipe.memory`) adjusts.
+    """``(static components, {phase: live components})`` of :func:`runtime_memory`, bytes: what the
+    pipeline's per-stage memory (:mod:`tetrad.plan.memory.pipeline`) adjusts.
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
@@ -221,7 +223,7 @@ def _phases(
     dp_overlap: bool,
     shard_optimizer: bool = False,
 ) -> tuple[GridBuffers, dict[str, dict[str, float]]]:
-    """The grid's buffers and each phase's live components (bytes) of :func:`tetrad`."""
+    """The grid's buffers and each phase's live components (bytes) of :func:`runtime_memory`."""
     g, a = _parts(
         model,
         grid,
@@ -273,8 +275,8 @@ def _parts(
     dp_overlap: bool,
     shard_optimizer: bool,
 ) -> tuple[GridBuffers, _ActivationTerms]:
-    """The grid's buffers and the micro-batch's activation terms of :func:`tetrad`, checked in
-    its order (sizes, dtype, grid, checkpointing mode), each memoised (the grid's per grid and
+    """The grid's buffers and the micro-batch's activation terms of :func:`runtime_memory`, checked
+    in its order (sizes, dtype, grid, checkpointing mode), each memoised (the grid's per grid and
     options, the activations' per ``(G_context, G_y, G_x)``, micro-batch and mode)."""
     _checked_sizes(micro_batch, seq_len)
     g = checked_grid_buffers(
@@ -292,7 +294,7 @@ def _checked_sizes(micro_batch: int, seq_len: int) -> None:
 
 
 class _ActivationTerms(NamedTuple):
-    """The components of :func:`tetrad`'s phases that grow with the micro-batch, bytes.
+    """The components of :func:`runtime_memory`'s phases that grow with the micro-batch, bytes.
 
     Attributes:
         all: every saved activation (blocks, embedding, final norm).
@@ -342,8 +344,8 @@ def fewest_selective(
     prefetch: bool = True,
     shard_optimizer: bool = False,
 ) -> str:
-    """``selective:K`` with the fewest blocks ``K`` whose :func:`tetrad` estimate fits (80%),
-    or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits.
+    """``selective:K`` with the fewest blocks ``K`` whose :func:`runtime_memory` estimate fits
+    (80%), or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits.
 
     Every phase's total is affine in ``K`` for ``1 <= K <= L`` (each selective block replaces
     its saved tensors by its selective set; the positions and the recompute set are there from
@@ -379,3 +381,19 @@ def fewest_selective(
     while k < L and not fits(at(f"selective:{k}")):
         k += 1
     return "selective" if k >= L else f"selective:{k}"
+
+
+@functools.lru_cache(maxsize=1 << 13)
+def sharding_offsets(model: ModelSpec, grid: tuple, dtype: str, prefetch: bool) -> dict:
+    """Per phase of :func:`runtime_memory` (default overlaps): the bytes the sharded optimizer adds
+    (negative: saves) to the unsharded total, the same for every micro-batch and checkpointing mode:
+    the AdamW states in every phase, the end of backward's and the step's buffers in theirs
+    (:mod:`tetrad.plan.memory.sharded_optimizer`): what lets the search derive a grid's sharded
+    memory line from its unsharded one."""
+    plain = grid_buffers(model, grid, dtype, prefetch, True, True, False)
+    zero = grid_buffers(model, grid, dtype, prefetch, True, True, True)
+    static = sum(v for _, v in zero.static) - sum(v for _, v in plain.static)
+    out = dict.fromkeys(PHASES, static)
+    out["backward: end"] += zero.end_of_backward - plain.end_of_backward
+    out["optimizer step"] += zero.step - plain.step
+    return out

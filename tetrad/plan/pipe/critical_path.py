@@ -45,7 +45,7 @@ Never below it: ``m max_r T_r`` (the slowest rank's operations one after another
 rank ``r`` its ``m T_r`` plus micro-batch 0's forward through stages ``0 .. r - 1`` before its
 first operation and the last micro-batch's backward through them after its last (each rank
 starts with its first stage's first forward and ends with that stage's last backward): the
-search's bounds (:mod:`tetrad.plan.search.pipe_groups`).
+search's bounds (:mod:`tetrad.plan.search.pipeline.floor_terms`).
 """
 
 from __future__ import annotations

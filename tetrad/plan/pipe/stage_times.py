@@ -1,6 +1,6 @@
 """Each pipeline stage's forward and backward seconds per micro-batch, from its rank's
-(:class:`tetrad.plan.pipe.estimate.RankTime`): what :mod:`tetrad.plan.pipe.critical_path` takes.
-Plain Python.
+(:class:`tetrad.plan.pipe.pipeline_step.RankTime`): what :mod:`tetrad.plan.pipe.critical_path`
+takes. Plain Python.
 
 A rank of ``v`` stages spends, per micro-batch, ``F_r`` forward compute, ``B_r + R_r`` backward
 compute and recomputation, ``X_r`` exposed per-micro-batch collectives and ``P_r`` point-to-point
@@ -25,7 +25,7 @@ from tetrad.plan.pipe.schedule import boundaries_of_rank
 def stage_compute(comp: BlockCompute, ckpt: str, blocks: int, first: bool, last: bool):
     """``(forward, backward + recompute)`` compute seconds of one micro-batch through a stage of
     ``blocks`` blocks, with the embedding where ``first`` and the final norm, LM head and loss
-    where ``last`` (as :func:`tetrad.plan.pipe.estimate.rank_time` counts them)."""
+    where ``last`` (as :func:`tetrad.plan.pipe.pipeline_step.rank_time` counts them)."""
     fwd = blocks * comp.block_fwd
     bwd = blocks * comp.block_bwd + comp.micro_batch_seconds(blocks, ckpt)[2]
     if first:

@@ -18,7 +18,7 @@ blocks of cost 1:
   reaching the least is found walking ``b`` up from ``a + 1`` until it rises.
 
 Every cost is then a sum of whole blocks and the embedding's and head's costs; with those
-multiples of 1/4 (as :func:`tetrad.plan.pipe.estimate.split_ranks` rounds them) every value is
+multiples of 1/4 (as :func:`tetrad.plan.pipe.pipeline_step.split_ranks` rounds them) every value is
 exact in floating point, so the comparisons are the programme's own (its ``1e-12`` tolerance
 never decides between values 1/4 apart).
 """

@@ -19,10 +19,10 @@ import dataclasses
 import time
 from collections.abc import Iterator
 
-from tetrad.plan.comm.context_parallel import attention_fwd_flops
 from tetrad.plan.compute.elementwise import ELEMENTWISE
+from tetrad.plan.compute.flops import attention_fwd_flops
+from tetrad.plan.machine.description import Machine
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
-from tetrad.plan.machine.spec import Machine
 from tetrad.plan.memory import fujii
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.search.rows import CLASSIC_AXES, Row
@@ -292,8 +292,8 @@ def search_classic(
     uneven splits (:func:`pipeline_variants`; without it, 1F1B on even splits only).
 
     Raises:
-        PlanError: bad inputs; tetrad.spec.activation_checkpointing.CheckpointingError: an unknown
-        mode.
+        PlanError: bad inputs.
+        tetrad.spec.activation_checkpointing.CheckpointingError: an unknown mode.
     """
     check_inputs(model, gpus, global_batch, seq_len)
     t0 = time.perf_counter()

@@ -4,22 +4,22 @@ time (:func:`search_4d`).
 4D space (tetrad / AxoNN, with context parallelism a fifth axis): every ordered factorisation
 ``G_data * G_context * G_z * G_y * G_x = GPUs`` whose sizes shard the model
 (:func:`tetrad.spec.sharding.grid_problems`), split the sequence (``S % (2 G_context) ==
-0``, :func:`tetrad.spec.sharding.context_problems`; ``G_context = 1`` only with
+0``, :func:`tetrad.plan.comm.context_parallel.context_problems`; ``G_context = 1`` only with
 ``comm_model="axonn"``) and split the global batch (``B % (G_data G_z) == 0``); every
 micro-batch ``b`` dividing ``B / (G_data G_z)``; activation checkpointing ``none``,
 ``selective`` and ``full`` (:data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`), where
 ``none`` does not fit ``selective`` on the fewest blocks that fit (``selective:K``,
 :func:`tetrad.plan.memory.runtime.fewest_selective`). Configurations whose
-:func:`tetrad.plan.memory.runtime.tetrad` estimate is above 80% of GPU memory are dropped (Fujii
-et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops at the first
-that does not fit. The survivors are ranked by :func:`tetrad.plan.comm.estimate.estimate`
+:func:`tetrad.plan.memory.runtime.runtime_memory` estimate is above 80% of GPU memory are dropped
+(Fujii et al., arXiv 2411.06465); memory grows with ``b``, so the micro-batch loop stops at the
+first that does not fit. The survivors are ranked by :func:`tetrad.plan.step_time.estimate`
 (``comm_model="tetrad"``) or by compute plus AxoNN's communication time (``comm_model="axonn"``,
 :func:`tetrad.plan.comm.axonn.axonn_comm`).
 
 The sharded optimizer (``shard_optimizer``: AdamW states over data x context, ZeRO-1) is a
 dimension: under ``auto`` a grid with ``G_data G_context > 1`` also offers each (mode,
 micro-batch) that fits only with the states sharded, timed with
-:func:`tetrad.plan.comm.zero.sharded`'s context (where both fit, unsharded is as fast or
+:func:`tetrad.plan.question.sharded`'s question (where both fit, unsharded is as fast or
 faster: the same ring bytes, and the sharded all-gather after the update is exposed).
 
 The classic Megatron-style space beside it: :mod:`tetrad.plan.search.classic`; both together:
@@ -30,36 +30,43 @@ Each grid with ``G_x`` and ``G_y`` above 1 is tried in both orientations of the 
 (``yx``). With one tensor axis the two orientations are the two grids that name it X or Y.
 
 Speed, by design: memory is evaluated once per (grid, checkpointing mode) as a line in the
-micro-batch (:func:`tetrad.plan.search.candidates.memory_line`) and rejects a configuration
-before anything is timed; what fits gives each group (grid, orientation, optimizer variant) a
-floor of its steps before its configurations are built, and the groups are visited best first
-(:mod:`tetrad.plan.search.ranking`): a group's configurations enter the same queue at their
-lower bounds with the exposed communication they cannot avoid
-(:class:`tetrad.plan.comm.bounds.StepBounds`) and are timed when those come up, unless they are
-not below the slowest of the best found so far. Every cost that depends on a shape only (a
-Linear's collectives, the fused rings, compute per ``(G_context, G_y, G_x, b)``, grid
-validity, bandwidths per ``(stride, size)``) is memoised. The statistics count the (grid,
-orientation) whose memory the search modelled (``memory_groups``) and, on those only, the
-configurations enumerated (``candidates``), fitting, ``pruned`` (fitting, not timed) and timed
-(``evaluated``); the groups a floor rejected before their memory count in none.
+micro-batch (:mod:`tetrad.plan.search.memory_fits`) and rejects a configuration before anything
+is timed; what fits gives each group (grid, orientation, optimizer variant) a floor of its
+steps before its configurations are built, and the groups are visited best first
+(:meth:`Search4D.rank`, :func:`tetrad.plan.search.top.best_first`), then, with the pipeline
+axis, the pipeline search (:class:`tetrad.plan.search.pipeline.pipe_search.PipeSearch`) against
+the bar they set (its bounds are looser: visited first, with no bar yet, it times more).
+
+A 5D group's floor (:meth:`Search4D._group_floor`,
+:meth:`tetrad.plan.search.step_bounds.StepBounds.group_floor`) needs what fits (the memory
+lines) and the compute per sample, not its configurations, which are built
+(:meth:`tetrad.plan.search.memory_fits.MemoryFits.expand`) only when the group is visited. Each
+configuration then passes through the same queue at its bounds, cheapest first
+(:class:`~tetrad.plan.search.step_bounds.StepBounds`: the cheap bound, then with the X/Y and
+context collectives), and is timed when its last bound comes up, unless it is not below the
+slowest of the best found so far. Ties in step time go to the earlier enumerated configuration
+(:mod:`tetrad.plan.search.top`), so the order of the visits changes no answer. Every cost that
+depends on a shape only (a Linear's collectives, the fused rings, compute per ``(G_context,
+G_y, G_x, b)``, grid validity, bandwidths per ``(stride, size)``) is memoised. The statistics
+count the (grid, orientation) whose memory the search modelled (``memory_groups``) and, on
+those only, the configurations enumerated (``candidates``), fitting, ``pruned`` (fitting, not
+timed) and timed (``evaluated``); the groups a floor rejected before their memory count in none.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 
 from tetrad.plan.comm.axonn import axonn_comm
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import estimate
-from tetrad.plan.comm.zero import sharded
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.spec import Machine
-from tetrad.plan.memory.breakdown import FIT_FRACTION
-from tetrad.plan.memory.runtime import tetrad as tetrad_memory
-from tetrad.plan.memory.zero import check_shard_optimizer
-from tetrad.plan.search.candidates import Candidates
-from tetrad.plan.search.pipelined import PipeSearch, is_pipeline, pipeline_row
-from tetrad.plan.search.ranking import Ranking
+from tetrad.plan.machine.description import Machine
+from tetrad.plan.memory.runtime import runtime_memory
+from tetrad.plan.memory.sharded_optimizer import check_shard_optimizer
+from tetrad.plan.question import StepQuestion, sharded
+from tetrad.plan.search.memory_fits import MemoryFits
+from tetrad.plan.search.pipeline.pipe_search import PipeSearch, is_pipeline
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.space import (
     check_inputs,
@@ -67,56 +74,92 @@ from tetrad.plan.search.space import (
     factorizations,
     nearby_gpu_counts,
 )
-from tetrad.plan.search.top import ranked
+from tetrad.plan.search.step_bounds import MARGIN, StepBounds
+from tetrad.plan.search.top import PIPELINE_SEQ, best_first, offer, ranked, slowest
+from tetrad.plan.step_time import estimate
 from tetrad.spec.activation_checkpointing import CHECKPOINTING
 from tetrad.spec.grid import COMM_AXES, GRID_AXES, ORIENTATIONS, grid_sizes, role_sizes
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.sharding import context_problems, grid_problems
 from tetrad.spec.units import GiB
 
+MAY_FIT, FITS, CHEAP, TIME = 0, 1, 2, 3
+"""Kinds of the queue's entries: a 5D group at the floor of what may fit, of what fits; one of
+its configurations at its cheap bound, at its bound with the X/Y collectives (then timed)."""
 
-class _Search4D(Candidates, Ranking):
-    """One 4D search: the question (``ctx``), the memory limit and the statistics.
+
+class Search4D:
+    """One 4D search: the question (``ctx``), the memory limit, what it tries, the statistics, and
+    the memos of its ranking.
 
     Args:
+        ctx: the question (:class:`~tetrad.plan.question.StepQuestion`).
+        gpus: GPUs of every grid.
         mem_bytes: GPU memory, bytes (configurations above 80% of it are dropped).
         comm_model: ``"tetrad"`` or ``"axonn"``.
         dtype: ``"bf16"`` or ``"fp32"`` (the memory model's and the compute's bytes).
+        shard_optimizer: ``"auto"``, ``"on"`` or ``"off"`` (``"off"`` with the axonn model).
+        modes: the checkpointing modes tried (:func:`tetrad.plan.search.space.
+            checkpointing_modes`).
+        allowed: the micro-batches allowed (None: every divisor).
     """
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: StepQuestion,
         gpus: int,
         mem_bytes: float,
         comm_model: str,
         dtype: str,
         shard_optimizer: str = "auto",
+        modes: tuple[str, ...] = CHECKPOINTING,
+        allowed: set | None = None,
     ):
         self.ctx, self.gpus, self.mem_bytes = ctx, gpus, mem_bytes
         check_shard_optimizer(shard_optimizer)
         self.shard_optimizer = shard_optimizer if comm_model == "tetrad" else "off"
         self.comm_model, self.dtype = comm_model, dtype
         self.prefetch = "prefetch" in ctx.overlaps
-        self.limit = FIT_FRACTION * mem_bytes
-        self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
-        self.turns: dict = {}  # (G_z, G_y, G_x) -> the orientations that shard the model
-        self.by_roles: dict = {}  # roles' sizes -> what fits on them (Candidates)
-        self.may_fit_memo: dict = {}  # roles' sizes -> what may fit (Candidates.may_fit)
-        self.saved_memo: dict = {}  # (G_context, G_y, G_x, full) -> saved bytes' line
-        self.class_memo: dict = {}  # (G_context, G_y, G_x, B / (G_data G_z), full, sizes)
-        self.monotone: bool | None = None  # the GEMM table never falls (Ranking)
-        self.modes: tuple[str, ...] = ()  # the checkpointing modes tried
-        self.allowed: set | None = None  # the micro-batches allowed (None: every divisor)
-        self.per_sample: dict = {}  # (G_context, G_y, G_x, b) -> seconds (_per_sample)
+        self.modes, self.allowed = modes, allowed
         keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "pruned")
         self.stats = dict.fromkeys((*keys, "evaluated"), 0)
+        self.memory_fits = MemoryFits(
+            ctx,
+            mem_bytes,
+            dtype,
+            self.prefetch,
+            self.shard_optimizer,
+            modes,
+            allowed,
+            self.stats,
+        )
+        self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
+        self.turns: dict = {}  # (G_z, G_y, G_x) -> the orientations that shard the model
+        self.class_memo: dict = {}  # (G_context, G_y, G_x, B / (G_data G_z), full, sizes)
+        self.monotone: bool | None = None  # the GEMM table never falls (_monotone_gemm)
+        self.per_sample: dict = {}  # (G_context, G_y, G_x, b) -> seconds (_per_sample)
 
-    def candidates(self) -> list[tuple]:
+    def pipeline_search(self) -> PipeSearch:
+        """The pipeline part of this search (:mod:`tetrad.plan.search.pipeline`), on its question,
+        memory limit, modes and micro-batches, counting into its statistics."""
+        return PipeSearch(
+            self.ctx,
+            self.gpus,
+            mem_bytes=self.mem_bytes,
+            dtype=self.dtype,
+            prefetch=self.prefetch,
+            shard_optimizer=self.shard_optimizer,
+            modes=self.modes,
+            allowed=self.allowed,
+            orientations=self.orientations,
+            stats=self.stats,
+        )
+
+    def groups(self) -> list[tuple]:
         """``(grid, orientation)`` of every grid that shards the model and splits the batch, in
         each orientation it is tried in, in enumeration order: the 5D groups, whose memory
-        (:meth:`~tetrad.plan.search.candidates.Candidates.oriented_fits`) and configurations
-        (:meth:`~tetrad.plan.search.candidates.Candidates.expand`) the ranking builds when it
+        (:meth:`~tetrad.plan.search.memory_fits.MemoryFits.oriented_fits`) and configurations
+        (:meth:`~tetrad.plan.search.memory_fits.MemoryFits.expand`) the ranking builds when it
         visits them."""
         model, gb, stats = self.ctx.model, self.ctx.global_batch, self.stats
         groups = []
@@ -188,8 +231,160 @@ class _Search4D(Candidates, Ranking):
                 "a smaller model or a machine with more memory"
             )
 
+    def rank(self, groups: list, top: int, pipes=None) -> list:
+        """The ``top`` fastest configurations of the 5D groups (:meth:`groups`: ``(grid,
+        orientation)``) and, with ``pipes`` (:meth:`pipeline_search`), of the pipeline search,
+        as the heap
+        of :mod:`tetrad.plan.search.top` (items ``(grid, b, ckpt, orientation, estimate)``; a
+        pipeline's estimate is its ``(PipeEstimate, PipeConfig, memory, sharded)``).
+
+        Each group's optimizer variants enter the queue at a floor from what may fit
+        (:meth:`~tetrad.plan.search.memory_fits.MemoryFits.may_fit`); visited, the group's
+        memory lines are built (:meth:`~tetrad.plan.search.memory_fits.MemoryFits.oriented_fits`,
+        counted in the statistics) and the variant enters again at the floor of what fits;
+        visited again, its configurations enter at their cheap bounds (:meth:`_visit_group`),
+        then at their bounds with the X/Y collectives, and are timed when the queue reaches
+        them (:meth:`_visit_config`): the first timed are those with the lowest bounds, so the
+        bar is near its last value after the first ``top``."""
+        bounds = None
+        if self.comm_model == "tetrad":
+            plain = StepBounds(self.ctx)
+            bounds = {False: plain, True: StepBounds(sharded(self.ctx), like=plain)}
+        queue = []
+        for gi, (grid, turn) in enumerate(groups):
+            for zero, classes in self.memory_fits.may_fit(role_sizes(grid, turn)).items():
+                floor = self._group_floor(bounds, grid, turn, zero, classes)
+                queue.append((floor, MAY_FIT, len(queue), (gi, zero)))
+        heapq.heapify(queue)
+        best: list = []
+        fits: dict = {}  # group -> its RoleFits
+        numbers = itertools.count(len(queue))
+
+        def push(bound: float, kind: int, payload: tuple) -> None:
+            heapq.heappush(queue, (bound, kind, next(numbers), payload))
+
+        def visit(kind: int, payload) -> None:
+            if kind >= CHEAP:
+                self._visit_config(best, top, bounds, push, kind, payload)
+                return
+            gi, zero = payload
+            grid, turn = groups[gi]
+            got = fits.get(gi)
+            if got is None:
+                got = fits[gi] = self.memory_fits.oriented_fits(grid, turn)
+            if kind == FITS:
+                self._visit_group(best, top, bounds, push, gi, grid, turn, got, zero)
+            elif zero in got.variants():
+                push(self._group_floor(bounds, grid, turn, zero, got.classes(zero)), FITS, payload)
+
+        best_first(queue, best, top, visit, MARGIN)
+        self.stats["memory_groups"] = len(fits)
+        if pipes is not None:
+            pipes.extend(best, top, PIPELINE_SEQ)
+        self.stats["pruned"] = self.stats["fitting"] - self.stats["evaluated"]
+        return best
+
+    def _visit_group(self, best: list, top: int, bounds, push, gi: int, grid, turn, fits, zero):
+        """Queue the configurations of group ``gi`` (``grid`` in orientation ``turn``, what
+        fits ``fits``) in variant ``zero`` that may enter ``best``, at their cheap bound (at
+        their compute with the axonn model, ``bounds`` None)."""
+        keep, limit = 1.0 - MARGIN, slowest(best, top)
+        # enumeration order; expand's index < 2^20: at most 3 modes times the divisors of B
+        base = (gi << 21) | (int(zero) << 20)
+        for lb, index, b, ckpt in self.memory_fits.expand(role_sizes(grid, turn), fits, zero):
+            if lb * keep >= limit:
+                break  # sorted: no later one's compute alone is below it
+            config = (grid, b, ckpt, turn, zero, base | index)
+            if bounds is None:
+                push(lb, TIME, config)
+                continue
+            floor = bounds[zero].cheap(grid, b, ckpt, lb, turn)
+            if floor * keep < limit:
+                push(floor, CHEAP, (floor, config))
+
+    def _visit_config(self, best: list, top: int, bounds, push, kind: int, payload) -> None:
+        """A configuration's next stage: from its cheap bound to its bound with the X/Y and
+        context collectives (:meth:`~tetrad.plan.search.step_bounds.StepBounds.with_xy`),
+        queued where it may enter ``best``; from that to its estimate, timed into ``best``."""
+        if kind == CHEAP:
+            floor, config = payload
+            grid, b, ckpt, turn, zero, _ = config
+            bound = bounds[zero].with_xy(floor, grid, b, ckpt, turn)
+            if bound * (1.0 - MARGIN) < slowest(best, top):
+                push(bound, TIME, config)
+            return
+        grid, b, ckpt, turn, zero, seq = payload
+        self.stats["evaluated"] += 1
+        step, est = self._time(grid, b, ckpt, turn, zero)
+        offer(best, top, step, seq, (grid, b, ckpt, turn, est))
+
+    def _group_floor(self, bounds, grid, turn: str, zero: bool, classes: dict) -> float:
+        """A floor of the steps of ``grid``'s configurations in orientation ``turn`` and
+        optimizer variant ``zero`` whose micro-batches are, per ``full`` (whether the mode is
+        ``full``), among ``classes[full]`` (ascending), from the compute per sample
+        (:meth:`_per_sample`): :meth:`~tetrad.plan.search.step_bounds.StepBounds.group_floor`
+        (``bounds``: per variant; None with the axonn model: the least compute of the blocks),
+        seconds."""
+        roles = role_sizes(grid, turn)
+        per_cell = self.ctx.global_batch // (roles[0] * roles[2])
+        terms = {
+            full: self._class_floor(roles, per_cell, full, sizes) for full, sizes in classes.items()
+        }
+        if bounds is None:
+            return min(t[0] for t in terms.values())
+        return bounds[zero].group_floor(grid, turn, terms)
+
+    def _class_floor(self, roles: tuple, per_cell: int, full: bool, sizes: list) -> tuple:
+        """``(compute, slack, largest)`` of :meth:`~tetrad.plan.search.step_bounds.StepBounds.
+        group_floor` for the micro-batches ``sizes`` (ascending) of a ``G_data G_z`` cell of
+        ``per_cell`` samples: ``per_cell`` times the least per-sample seconds (``acc = per_cell
+        / b`` micro-batches of ``b`` samples); memoised per ``(G_context, G_y, G_x)``, cell,
+        class and micro-batches. Where the machine's GEMM efficiency does not fall with the
+        FLOPs, a block's seconds per sample do not grow with ``b`` (its GEMMs' FLOPs, attention
+        and element-wise work are linear in ``b``): the largest micro-batch's are the least."""
+        monotone = self._monotone_gemm()
+        key = (
+            roles[1],
+            roles[3],
+            roles[4],
+            per_cell,
+            full,
+            sizes[-1] if monotone else tuple(sizes),
+        )
+        got = self.class_memo.get(key)
+        if got is None:
+            compute, slack = float("inf"), float("inf")
+            for b in sizes[-1:] if monotone else sizes:
+                blocks, blocks_full, tail = self._per_sample(roles, b)
+                compute = min(compute, blocks_full if full else blocks)
+                slack = min(slack, tail)
+            got = self.class_memo[key] = (per_cell * compute, per_cell * slack, sizes[-1])
+        return got
+
+    def _monotone_gemm(self) -> bool:
+        """Whether the machine's GEMM efficiency table never falls as the FLOPs grow
+        (memoised)."""
+        if self.monotone is None:
+            table = self.ctx.machine.gemm_table
+            self.monotone = all(a[1] <= b[1] for a, b in zip(table, table[1:], strict=False))
+        return self.monotone
+
+    def _per_sample(self, roles: tuple, b: int) -> tuple[float, float, float]:
+        """Per sample of a micro-batch of ``b`` on the roles' ``(G_context, G_y, G_x)``: the
+        blocks' forward and backward, the same with a recomputed forward, and ``t_final_norm -
+        t_post / 2`` (:meth:`~tetrad.plan.search.step_bounds.StepBounds.group_floor`), seconds
+        (memoised)."""
+        key = (roles[1], roles[3], roles[4], b)
+        got = self.per_sample.get(key)
+        if got is None:
+            comp, L = self.ctx.compute(roles, b), self.ctx.model.n_layers
+            fwd, bwd = comp.block_fwd, comp.block_bwd
+            tail = comp.final_norm_fwd - 0.5 * comp.post_fwd[-1]
+            got = self.per_sample[key] = (L * (fwd + bwd) / b, L * (2 * fwd + bwd) / b, tail / b)
+        return got
+
     def _time(self, grid, b: int, ckpt: str, turn: str, zero: bool) -> tuple[float, object]:
-        """Step seconds and what the row needs: an :class:`~tetrad.plan.comm.estimate.Estimate`
+        """Step seconds and what the row needs: an :class:`~tetrad.plan.step_time.Estimate`
         (tetrad; ``zero``: with the sharded optimizer), or AxoNN's ``(comm per axis, compute,
         recompute, micro-batches)`` (axonn)."""
         ctx = self.ctx
@@ -208,7 +403,7 @@ class _Search4D(Candidates, Ranking):
         """The :class:`Row` of one ranked configuration (with its memory estimate)."""
         ctx = self.ctx
         zero = getattr(est, "shard_optimizer", False)
-        mem = tetrad_memory(
+        mem = runtime_memory(
             ctx.model,
             role_sizes(grid, turn),
             b,
@@ -270,7 +465,7 @@ def search_4d(
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics;
     with ``pipeline`` (and the tetrad comm model) pipeline grids too
-    (:mod:`tetrad.plan.search.pipelined`).
+    (:mod:`tetrad.plan.search.pipeline`).
 
     Args:
         checkpointing: activation-checkpointing modes to try (``none``, ``selective``,
@@ -293,7 +488,7 @@ def search_4d(
         raise PlanError(f"comm model {comm_model!r} is unknown: use tetrad or axonn")
     t0 = time.perf_counter()
     mem_bytes = float(gpu_memory_bytes or machine.memory_bytes)
-    ctx = Context(
+    ctx = StepQuestion(
         model,
         machine,
         seq_len,
@@ -301,20 +496,20 @@ def search_4d(
         overlaps=overlaps,
         compute_bytes=2 if dtype == "bf16" else 4,
     )
-    search = _Search4D(ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer)
-    search.modes = checkpointing_modes(checkpointing)
-    search.allowed = set(micro_batches) if micro_batches else None
-    groups = search.candidates()
+    modes = checkpointing_modes(checkpointing)
+    allowed = set(micro_batches) if micro_batches else None
+    search = Search4D(ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer, modes, allowed)
+    groups = search.groups()
     pipes = None
     if pipeline and comm_model == "tetrad":
-        pipes = PipeSearch(search, search.modes, search.allowed)
+        pipes = search.pipeline_search()
     if pipes is None or not search.stats["valid_grids"]:
         search.check_found()  # a pipeline's stages may split a batch no 5D grid does
     best = search.rank(groups, top, pipes)
     if not best:
         search.check_found(found=False)
     rows = [
-        pipeline_row(search, step, grid, b, ckpt, turn, est)
+        pipes.row(step, grid, b, ckpt, turn, est)
         if is_pipeline(est)
         else search.row(step, grid, b, ckpt, turn, est)
         for step, (grid, b, ckpt, turn, est) in ranked(best)

@@ -8,8 +8,8 @@ import gc
 import time
 from collections.abc import Iterator
 
-from tetrad.plan.comm.context import Context
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.machine.description import Machine
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.classic import search_classic
 from tetrad.plan.search.four_d import search_4d
 from tetrad.plan.search.rows import SearchResult
@@ -86,7 +86,7 @@ def plan(
         "global_batch": global_batch,
         "seq_len": seq_len,
         "overlaps": sorted(
-            Context(model, machine, seq_len, global_batch, overlaps=overlaps).overlaps
+            StepQuestion(model, machine, seq_len, global_batch, overlaps=overlaps).overlaps
         ),
         "comm_model": comm_model,
         "dtype": dtype,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tetrad.plan.compute.flops import model_flops_per_step, recompute_flops_per_step
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.machine.description import Machine
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.spec.grid import GRID_AXES
 from tetrad.spec.model import ModelSpec

@@ -1,8 +1,27 @@
-"""The constants of one planner question (model, machine, batch, overlaps), computed once per
-search and shared by every :func:`tetrad.plan.comm.estimate.estimate` call."""
+"""One planner question (:class:`StepQuestion`): the model, the machine, the sequence length,
+the global batch and the runtime's options (overlaps, buckets, piece counts), with the memos of
+what every configuration asked about it shares (compute per shape, the fused rings, the context
+pieces, weight shards, bucket counts, the X/Y records), computed once per search and passed to
+every :func:`tetrad.plan.step_time.estimate` call. (Not context parallelism: that is
+:mod:`tetrad.plan.comm.context_parallel`.)
+
+The sharded optimizer (ZeRO-1, tetrad/parallel/zero.py) in the time model is a variant of the
+question (:func:`sharded`; :func:`shards_optimizer` says whether a question is one). A
+:class:`StepQuestion` models the runtime with or without the sharded optimizer for every grid it
+is asked about; the flag lives on the question because the estimates memoised in it (a pipeline
+rank's times) depend on it. What changes (:func:`tetrad.plan.comm.layers.data_gradients`,
+:func:`~tetrad.plan.comm.layers.step_scalars`): the data-parallel all-reduces become
+reduce-scatters of the same payload, one all-gather of the updated parameters per
+reduce-scatter follows the update (hidden by the next step's forward as far as
+:func:`~tetrad.plan.comm.layers.gather_exposed` says), and the gradient norm is summed over the
+world. The optimizer's element-wise time is left as AdamW's over the whole local shard: the
+update of ``1/G`` of the elements plus the runtime's packing copies (gradients into the
+reduce-scatter's buffer, the gathered parameters back) move about as many bytes.
+"""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from functools import partial
 
@@ -15,16 +34,17 @@ from tetrad.plan.comm.context_parallel import (
 from tetrad.plan.comm.fine import CHUNK_CANDIDATES, ring_reduce_scatter_seconds
 from tetrad.plan.compute.block import BlockCompute, block_compute
 from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.description import Machine
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER, Link
-from tetrad.plan.machine.spec import Machine
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OverlapError, parse_overlaps
 from tetrad.spec.units import FP32
 
 
-class Context:
-    """Per (model, machine, settings) constants of :func:`tetrad.plan.comm.estimate.estimate`,
-    computed once per search.
+class StepQuestion:
+    """One planner question: per (model, machine, settings) constants of
+    :func:`tetrad.plan.step_time.estimate` and the memos its calls share, computed once per
+    search.
 
     Args:
         seq_len: tokens per sample ``S``; ``global_batch``: samples per step ``B``.
@@ -90,7 +110,7 @@ class Context:
         self._shards: dict = {}
         self._vectors: dict = {}
         self.xy_records: dict = {}
-        """Memo of :func:`tetrad.plan.comm.estimate.xy_record`."""
+        """Memo of :func:`tetrad.plan.step_time.xy_record`."""
 
     def kv_choice(
         self, micro_batch: int, gy: int, link: Link, comp: BlockCompute, full: bool
@@ -134,7 +154,7 @@ class Context:
 
     def compute(self, grid: tuple[int, int, int, int], micro_batch: int) -> BlockCompute:
         """Compute seconds (cached per ``(G_context, G_y, G_x, micro_batch)``; the optimizer
-        term is left to :func:`~tetrad.plan.comm.estimate.estimate`, it depends on ``G_z``).
+        term is left to :func:`~tetrad.plan.step_time.estimate`, it depends on ``G_z``).
         ``grid``: four or five sizes."""
         key = (grid[1] if len(grid) == 5 else 1, grid[-2], grid[-1], micro_batch)
         got = self._compute.get(key)
@@ -202,3 +222,27 @@ class Context:
             )
             got = self._vectors[(gx, gy)] = self.model.n_layers * (2 * norm + bias) + norm
         return got
+
+
+FLAG = "shard_optimizer"
+"""The attribute that marks a question as modelling the sharded optimizer (:func:`sharded`)."""
+
+
+def shards_optimizer(ctx: StepQuestion) -> bool:
+    """Whether ``ctx`` models the sharded optimizer."""
+    return bool(getattr(ctx, FLAG, False))
+
+
+def sharded(ctx: StepQuestion) -> StepQuestion:
+    """A question like ``ctx`` that models the sharded optimizer (made once per ``ctx`` and
+    kept in it): it shares the memos that do not depend on the optimizer (shapes, compute, the
+    X/Y records, a block's X/Y seconds) and has its own pipeline rank times and stage questions
+    (:func:`tetrad.plan.pipe.pipeline_step.stage_question` passes the flag on)."""
+    got = ctx.__dict__.get("_sharded")
+    if got is None:
+        got = copy.copy(ctx)
+        for memo in ("_rank_times", "_sharded", "_stage_questions"):
+            got.__dict__.pop(memo, None)
+        setattr(got, FLAG, True)
+        ctx.__dict__["_sharded"] = got
+    return got

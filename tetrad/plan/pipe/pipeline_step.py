@@ -2,7 +2,7 @@
 (:func:`pipeline_estimate`).
 
 Within a stage everything is as without a pipeline: each pipeline rank is timed by the per-layer
-model of :mod:`tetrad.plan.comm.estimate` (the same layer kinds, overlaps and links of the 5D
+model of :mod:`tetrad.plan.step_time` (the same layer kinds, overlaps and links of the 5D
 grid of ``world / G_pipe`` ranks) applied to its own blocks only; the embedding's compute and
 collectives only on the rank of stage 0, the final norm's, LM head's and loss's only on the
 rank of the last stage (:mod:`tetrad.plan.pipe.stages`). Per rank ``r`` and micro-batch:
@@ -38,15 +38,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from tetrad.plan.comm import layers, linears
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import LAYER_KINDS, make_step
 from tetrad.plan.comm.record import Recorder
-from tetrad.plan.comm.zero import FLAG, shards_optimizer
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.pipe.critical_path import schedule_step
 from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
 from tetrad.plan.pipe.stage_times import stage_times
 from tetrad.plan.pipe.stages import PipeRank, balanced_stages, pipe_ranks, split_costs
+from tetrad.plan.question import FLAG, StepQuestion, shards_optimizer
+from tetrad.plan.step_time import LAYER_KINDS, make_step
 from tetrad.spec.activation_checkpointing import parse_checkpointing
 from tetrad.spec.grid import COMM_AXES, physical_axis, role_sizes, with_context
 
@@ -124,14 +123,14 @@ class PipeEstimate:
     orientation: str = "xy"
 
 
-def stage_context(ctx: Context, blocks: int) -> Context:
-    """``ctx`` for a model of ``blocks`` blocks, with its options (overlaps, piece counts, the
-    sharded optimizer), memoised in ``ctx``."""
-    cache = ctx.__dict__.setdefault("_stage_contexts", {})
+def stage_question(ctx: StepQuestion, blocks: int) -> StepQuestion:
+    """The question ``ctx`` asked of a model of ``blocks`` blocks (a pipeline rank's), with its
+    options (overlaps, piece counts, the sharded optimizer), memoised in ``ctx``."""
+    cache = ctx.__dict__.setdefault("_stage_questions", {})
     got = cache.get(blocks)
     if got is None:
         model = dataclasses.replace(ctx.model, n_layers=blocks)
-        got = Context(model, ctx.machine, ctx.seq_len, ctx.global_batch, compute_bytes=ctx.c)
+        got = StepQuestion(model, ctx.machine, ctx.seq_len, ctx.global_batch, compute_bytes=ctx.c)
         got.overlaps, got.fine = ctx.overlaps, ctx.fine
         got.bucket_bytes, got.domino_min_rows = ctx.bucket_bytes, ctx.domino_min_rows
         got.context_pieces = ctx.context_pieces
@@ -140,7 +139,7 @@ def stage_context(ctx: Context, blocks: int) -> Context:
     return got
 
 
-def block_xy(ctx: Context, grid, micro_batch: int, ckpt: str, turn: str) -> tuple[dict, dict]:
+def block_xy(ctx: StepQuestion, grid, micro_batch: int, ckpt: str, turn: str) -> tuple[dict, dict]:
     """``(exposed, all)`` seconds per axis of one block's Linear X/Y collectives per
     micro-batch (:func:`tetrad.plan.comm.linears.block_linears` records ``L`` blocks times
     ``m`` micro-batches of the same), memoised per ``(G_context, G_y, G_x, b, full
@@ -166,10 +165,16 @@ def block_xy(ctx: Context, grid, micro_batch: int, ckpt: str, turn: str) -> tupl
 
 
 def rank_time(
-    ctx: Context, grid, micro_batch: int, ckpt: str, turn: str, prank: PipeRank, cfg: PipeConfig
+    ctx: StepQuestion,
+    grid,
+    micro_batch: int,
+    ckpt: str,
+    turn: str,
+    prank: PipeRank,
+    cfg: PipeConfig,
 ) -> RankTime:
     """:class:`RankTime` of pipeline rank ``prank`` on the 5D ``grid`` (module doc)."""
-    sctx = stage_context(ctx, prank.blocks)
+    sctx = stage_question(ctx, prank.blocks)
     st = make_step(sctx, grid, micro_batch, ckpt, turn)
     if not prank.last:
         st.head_el = 0.0
@@ -239,7 +244,13 @@ def rank_time(
 
 
 def cached_rank_time(
-    ctx: Context, grid, micro_batch: int, ckpt: str, turn: str, prank: PipeRank, cfg: PipeConfig
+    ctx: StepQuestion,
+    grid,
+    micro_batch: int,
+    ckpt: str,
+    turn: str,
+    prank: PipeRank,
+    cfg: PipeConfig,
 ) -> RankTime:
     """:func:`rank_time`, memoised in ``ctx`` on what it depends on (the estimate and the
     search's bounds share it)."""
@@ -254,7 +265,7 @@ def cached_rank_time(
 
 
 def pipeline_estimate(
-    ctx: Context, cfg: PipeConfig, grid, micro_batch: int, ckpt: str, turn: str = "xy"
+    ctx: StepQuestion, cfg: PipeConfig, grid, micro_batch: int, ckpt: str, turn: str = "xy"
 ) -> PipeEstimate:
     """Predicted step of ``cfg`` on the 5D ``grid = (G_data, [G_context,] G_z, G_y, G_x)`` of
     ``world / G_pipe`` ranks in orientation ``turn`` (module doc). ``ckpt``: ``none``,

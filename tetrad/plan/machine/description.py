@@ -141,7 +141,9 @@ def preset_names() -> list[str]:
 
 def _num(raw: dict, key: str, where: str, *, positive: bool = True) -> float:
     if key not in raw:
-        raise PlanError(f"machine {where} lacks {key!r}: add it (see tetrad/plan/machine/spec.py)")
+        raise PlanError(
+            f"machine {where} lacks {key!r}: add it (see tetrad/plan/machine/description.py)"
+        )
     v = raw[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise PlanError(f"machine {where}: {key}={v!r} is not a number")

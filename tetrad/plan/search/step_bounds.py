@@ -1,8 +1,8 @@
 """Lower bounds of a configuration's step time, for the search's pruning: cheap, never above
-:func:`tetrad.plan.comm.estimate.estimate`'s ``step_s``, and tight enough that most
+:func:`tetrad.plan.step_time.estimate`'s ``step_s``, and tight enough that most
 configurations need no estimate.
 
-A step is compute plus exposed communication (:mod:`tetrad.plan.comm.estimate`). Every exposed
+A step is compute plus exposed communication (:mod:`tetrad.plan.step_time`). Every exposed
 term is at least 0, so any subset of them added to the compute bounds the step from below.
 :class:`StepBounds` gives two, the second tighter and dearer:
 
@@ -18,11 +18,11 @@ term is at least 0, so any subset of them added to the compute bounds the step f
 - :meth:`~StepBounds.with_xy`: the context K/V collectives and every X and Y collective,
   one micro-batch's memoised per ``(G_context, G_y, G_x)`` (and ``G_z`` for K/V),
   micro-batch and recompute, times the micro-batches
-  (:func:`tetrad.plan.comm.estimate.xy_record`).
+  (:func:`tetrad.plan.step_time.xy_record`).
 
 And a floor of :meth:`~StepBounds.cheap` over a whole group of configurations of one grid,
 before their compute is known (:meth:`~StepBounds.group_floor`), for the best-first search's
-queue (:mod:`tetrad.plan.search.ranking`).
+queue (:meth:`tetrad.plan.search.four_d.Search4D.rank`).
 
 The search compares a bound with the slowest of its best configurations so far only after
 shrinking it by :data:`MARGIN`, so rounding (the bound adds its terms in another order than the
@@ -32,12 +32,12 @@ estimate) can never drop a configuration that belongs to the ranking.
 from __future__ import annotations
 
 from tetrad.plan.comm import layers
-from tetrad.plan.comm.context import Context
-from tetrad.plan.comm.estimate import make_step, xy_record
 from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.comm.zwindows import table_seconds, window_seconds, z_queue_seconds
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.network import ALL_REDUCE, REDUCE_SCATTER
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.step_time import make_step, xy_record
 from tetrad.spec.activation_checkpointing import parse_checkpointing
 from tetrad.spec.grid import role_sizes
 
@@ -55,7 +55,7 @@ class StepBounds:
             X/Y and context K/V terms (the same whatever the optimizer) these share.
     """
 
-    def __init__(self, ctx: Context, like: StepBounds | None = None):
+    def __init__(self, ctx: StepQuestion, like: StepBounds | None = None):
         self.ctx = ctx
         self._grid: dict = {}  # grid -> (optimizer + scalars seconds, data-parallel terms)
         self._cheap: dict = {}  # (grid, orientation, b, full) -> the terms :meth:`cheap` adds

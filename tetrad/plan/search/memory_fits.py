@@ -1,8 +1,16 @@
-"""The fitting configurations of one grid of the 4D search, in one orientation, with or
-without the sharded optimizer (:class:`Candidates`, a part of
-:class:`tetrad.plan.search.four_d._Search4D`): what fits from the memory lines alone
-(:class:`RoleFits`, :func:`memory_line`), and the configurations with their compute seconds
-only for the groups the search times (:meth:`Candidates.expand`)."""
+"""What fits in memory on the grids of the 4D search (:class:`MemoryFits`, which
+:class:`tetrad.plan.search.four_d.Search4D` asks): per role assignment ``(G_data, G_context,
+G_z, G_y, G_x)`` and optimizer variant, the checkpointing modes and micro-batches whose
+:func:`tetrad.plan.memory.runtime.runtime_memory` estimate is within 80% of GPU memory
+(:class:`RoleFits`), from memory lines in the micro-batch alone (:func:`memory_line`): every
+phase's total is affine in ``b``, so two evaluations give the peak for every ``b``; a cheaper
+floor of the same before the lines are built (:meth:`MemoryFits.may_fit`); and the fitting
+configurations with their compute seconds, only for the groups the search times
+(:meth:`MemoryFits.expand`).
+
+The optimizer variants tried (:func:`optimizer_variants`): the AdamW states unsharded, sharded
+over the data group (data x context, ZeRO-1), or both under ``auto``, sharded only where the
+same mode unsharded does not fit (:mod:`tetrad.plan.memory.sharded_optimizer`)."""
 
 from __future__ import annotations
 
@@ -10,10 +18,10 @@ import bisect
 
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION
-from tetrad.plan.memory.offsets import sharding_offsets
-from tetrad.plan.memory.runtime import fewest_selective, phase_totals
+from tetrad.plan.memory.runtime import fewest_selective, phase_totals, sharding_offsets
+from tetrad.plan.memory.sharded_optimizer import state_bytes_per_element
 from tetrad.plan.memory.states import local_parameter_elements
-from tetrad.plan.memory.zero import state_bytes_per_element
+from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.space import divisors_of
 from tetrad.spec.grid import role_sizes
 from tetrad.spec.model import ModelSpec
@@ -23,14 +31,14 @@ class RoleFits:
     """What fits on one role assignment ``(G_data, G_context, G_z, G_y, G_x)``
     (:func:`tetrad.spec.grid.role_sizes`), from its memory lines alone: per optimizer variant and
     checkpointing mode the fitting micro-batches; and, once asked for
-    (:meth:`Candidates.expand`), the configurations with their compute seconds.
+    (:meth:`MemoryFits.expand`), the configurations with their compute seconds.
 
     Attributes:
         modes: ``(sharded, mode, fitting micro-batches, the mode-none line or None)`` in
             enumeration order; the line (``selective`` only) picks ``selective:K`` per
             micro-batch where ``none`` does not fit.
         added: ``(candidates, fitting)``: what these added to the search's statistics.
-        expanded: sharded -> its configurations (:meth:`Candidates.expand`).
+        expanded: sharded -> its configurations (:meth:`MemoryFits.expand`).
     """
 
     __slots__ = ("modes", "added", "expanded")
@@ -54,19 +62,45 @@ class RoleFits:
         return {full: sorted(sizes) for full, sizes in out.items()}
 
 
-class Candidates:
-    """The search's per-grid candidates; ``self.ctx``, ``self.stats``, ``self.limit``,
-    ``self.mem_bytes``, ``self.dtype``, ``self.prefetch``, ``self.shard_optimizer``,
-    ``self.modes`` and ``self.allowed`` (the checkpointing modes and micro-batches tried), and
-    ``self.by_roles``, ``self.may_fit_memo`` and ``self.saved_memo`` (empty dicts) come from
-    the search."""
+class MemoryFits:
+    """What fits in memory on the grids of one 4D search, memoised per role assignment.
 
-    def oriented_fits(
-        self, grid, turn: str, checkpointing: tuple[str, ...], allowed: set | None
-    ) -> RoleFits:
+    Args:
+        ctx: the question (:class:`~tetrad.plan.question.StepQuestion`).
+        mem_bytes: GPU memory, bytes; a configuration fits within :data:`FIT_FRACTION` of it.
+        dtype: ``"bf16"`` or ``"fp32"`` (the memory model's compute dtype).
+        prefetch: the ``prefetch`` overlap is on (the memory model's gathered weights).
+        shard_optimizer: ``"off"``, ``"on"`` or ``"auto"`` (:func:`optimizer_variants`).
+        modes: the checkpointing modes tried, in enumeration order.
+        allowed: the micro-batches allowed (None: every divisor).
+        stats: the search's statistics, whose ``candidates`` (configurations enumerated: every
+            mode and micro-batch up to the first that does not fit) and ``fitting`` counts the
+            fits add to.
+    """
+
+    def __init__(
+        self,
+        ctx: StepQuestion,
+        mem_bytes: float,
+        dtype: str,
+        prefetch: bool,
+        shard_optimizer: str,
+        modes: tuple[str, ...],
+        allowed: set | None,
+        stats: dict,
+    ):
+        self.ctx, self.mem_bytes, self.dtype, self.prefetch = ctx, mem_bytes, dtype, prefetch
+        self.limit = FIT_FRACTION * mem_bytes
+        self.shard_optimizer, self.modes, self.allowed = shard_optimizer, modes, allowed
+        self.stats = stats
+        self.by_roles: dict = {}  # roles' sizes -> their RoleFits
+        self.may_fit_memo: dict = {}  # roles' sizes -> what may fit (may_fit)
+        self.saved_memo: dict = {}  # (G_context, G_y, G_x, full) -> saved bytes' line
+
+    def oriented_fits(self, grid, turn: str) -> RoleFits:
         """The :class:`RoleFits` of ``grid`` in orientation ``turn`` (memory and compute follow
-        the roles' sizes), with the optimizer sharded or not (:meth:`variants`);
-        ``checkpointing`` and ``allowed`` are the search's (the same in every call).
+        the roles' sizes), with the optimizer sharded or not (:meth:`variants`), in the modes
+        and micro-batches the search tries.
 
         A grid in ``yx`` has the roles of the grid with X and Y swapped in ``xy``: the fits and
         the counts they added to ``self.stats`` are kept per roles in ``self.by_roles`` and
@@ -75,7 +109,7 @@ class Candidates:
         got = self.by_roles.get(roles)
         if got is None:
             before = (stats["candidates"], stats["fitting"])
-            got = self.by_roles[roles] = self._role_fits(roles, checkpointing, allowed)
+            got = self.by_roles[roles] = self._role_fits(roles, self.modes, self.allowed)
             got.added = (stats["candidates"] - before[0], stats["fitting"] - before[1])
         else:
             stats["candidates"] += got.added[0]
@@ -234,12 +268,19 @@ class Candidates:
         return saved["blocks"]
 
     def variants(self, data_group: int) -> tuple[bool, ...]:
-        """Whether the optimizer is sharded, the choices tried on a grid whose data group has
-        ``data_group = G_data G_context`` ranks: ``off`` unsharded; ``on`` sharded (unsharded
-        with one rank); ``auto`` both, sharded only where unsharded does not fit."""
-        if data_group == 1 or self.shard_optimizer == "off":
-            return (False,)
-        return (True,) if self.shard_optimizer == "on" else (False, True)
+        """:func:`optimizer_variants` of this search on a data group of ``data_group``
+        ranks."""
+        return optimizer_variants(self.shard_optimizer, data_group)
+
+
+def optimizer_variants(shard_optimizer: str, data_group: int) -> tuple[bool, ...]:
+    """Whether the optimizer is sharded, the choices tried under ``shard_optimizer`` on a grid
+    whose data group has ``data_group = G_data G_context`` ranks: ``off`` unsharded; ``on``
+    sharded (unsharded with one rank); ``auto`` both, sharded only where unsharded does not
+    fit."""
+    if data_group == 1 or shard_optimizer == "off":
+        return (False,)
+    return (True,) if shard_optimizer == "on" else (False, True)
 
 
 def memory_line(
@@ -253,12 +294,12 @@ def memory_line(
     sizes: list[int],
     shard_optimizer: bool = False,
 ):
-    """(The search builds these lines itself, per roles: :meth:`Candidates.oriented_fits`; this
+    """(The search builds these lines itself, per roles: :meth:`MemoryFits.oriented_fits`; this
     one, for a grid, is what tests and docs check against the memory model.)
 
-    ``b -> peak bytes`` of :func:`tetrad.plan.memory.runtime.tetrad` from two evaluations: every
-    phase's total is affine in the micro-batch (activations, logits and recompute sets grow with
-    ``m``; weights, gathered blocks and step buffers do not), so the peak is the maximum of the
+    ``b -> peak bytes`` of :func:`tetrad.plan.memory.runtime.runtime_memory` from two evaluations:
+    every phase's total is affine in the micro-batch (activations, logits and recompute sets grow
+    with ``m``; weights, gathered blocks and step buffers do not), so the peak is the maximum of the
     phases' lines. ``inf`` for every ``b`` when ``b = 1`` already does not fit. With
     ``shard_optimizer`` the phases move by :func:`tetrad.plan.memory.runtime.sharding_offsets`
     (constants in ``b``)."""
@@ -270,8 +311,8 @@ def memory_line(
 
 
 class PhaseLines:
-    """Per phase of :func:`tetrad.plan.memory.runtime.tetrad` (unsharded optimizer): its bytes
-    at ``b = 1`` (:attr:`lo`) and their growth per sample of the micro-batch (:meth:`slopes`,
+    """Per phase of :func:`tetrad.plan.memory.runtime.runtime_memory` (unsharded optimizer): its
+    bytes at ``b = 1`` (:attr:`lo`) and their growth per sample of the micro-batch (:meth:`slopes`,
     evaluated at ``b = 2`` only when asked: a grid that does not fit at ``b = 1`` needs none)."""
 
     def __init__(self, model, grid, seq_len, ckpt, dtype, prefetch, sizes: list[int]):

@@ -1,7 +1,16 @@
-"""Communication model of the 4D algorithm: every collective of one optimizer step, its bytes, its
-time on the network, and how much of it the runtime's overlap schedule hides.
+"""Step-time model of the 4D (with context, 5D) grid: the predicted seconds of one optimizer step
+on one rank (:func:`estimate`), compute plus the optimizer plus the exposed part of every
+collective: its bytes, its time on the network, and how much of it the runtime's overlap
+schedule hides. A pipeline grid's step builds on it: :mod:`tetrad.plan.pipe.pipeline_step`.
 
-Two modes.
+Step time (seconds), ``acc`` micro-batches per step::
+
+    step = acc (forward + backward + recompute) + optimizer + sum over collectives of exposed
+
+compute per micro-batch from :mod:`tetrad.plan.compute.block`, the optimizer's element-wise
+AdamW over the local parameters (:data:`tetrad.plan.compute.elementwise.ELEMENTWISE`).
+
+Communication, two modes.
 
 ``tetrad`` (:func:`estimate`, :func:`collectives`) predicts exactly the collectives tetrad's
 runtime issues (tetrad/parallel/{linear,head,embedding,norm,loss,grads,overlap}.py,
@@ -35,7 +44,7 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
               norm-weight gradients all-reduce_Z then all-reduce_data; the loss scalar (4 B)
               over Z and data; the gradient-norm scalar (8 B, float64) over the world (none
               with data parallelism alone). With the sharded optimizer
-              (:mod:`tetrad.plan.comm.zero`) the data all-reduces are reduce-scatters of the
+              (:mod:`tetrad.plan.question`) the data all-reduces are reduce-scatters of the
               same payload, each followed after the update by an all-gather of the same
               payload (hidden by the next forward: layers.gather_exposed); norm: world.
 
@@ -48,11 +57,15 @@ and run in issue order; collectives on different axes run concurrently (link con
 axes is not modelled). Steady state, every block alike:
 
 - ``prefetch``: the Z all-gathers of the next two weights in execution order (forward,
-  recompute, backward, on into the step's next micro-batch) run during the current layer's
-  window (its GEMMs and element-wise work up to the next Linear); the Z stream is replayed in
-  issue order (:mod:`tetrad.plan.comm.zqueue`). Without it every all-gather blocks.
-- ``reduce_scatter``: the dW reduce-scatter is asynchronous, issued after the next prefetch;
-  those still running when an all-gather is waited for, or the micro-batch ends, are exposed.
+  recompute and backward; :data:`tetrad.spec.overlap.PREFETCH_DEPTH`) run during the current layer's
+  window (its GEMMs and the element-wise work up to the next Linear); with several
+  micro-batches per step the order runs on into the next one (its embedding table and first
+  block weight behind this one's last backward windows). The Z stream is replayed in issue
+  order (:mod:`tetrad.plan.comm.zqueue`): the compute stalls when a weight's all-gather has not
+  ended. Without prefetch the all-gather is blocking and waits behind whatever is queued.
+- ``reduce_scatter``: the dW reduce-scatter is asynchronous, issued after the next prefetch
+  (while the micro-batch has all-gathers left); those still running when an all-gather is
+  waited for, or when the micro-batch ends, are exposed.
 - ``dx_all_reduce``: the backward dx all-reduce runs during the dW GEMM: exposed ``max(0, t -
   dW)`` (the LM head's Y all-reduce during the scaling of its ``dW``, which the fused loss
   formed in forward).
@@ -96,18 +109,17 @@ sums.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from tetrad.plan.comm import layers, linears, orientation
-from tetrad.plan.comm.context import Context
 from tetrad.plan.comm.context_parallel import kv_gather_payload, local_seq_len
 from tetrad.plan.comm.listing import Collective, listed
 from tetrad.plan.comm.record import Recorder, Step
-from tetrad.plan.comm.result import Estimate
-from tetrad.plan.comm.zero import sharded, shards_optimizer
 from tetrad.plan.comm.zwindows import z_collectives
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.errors import PlanError
-from tetrad.plan.machine.spec import Machine
+from tetrad.plan.machine.description import Machine
+from tetrad.plan.question import StepQuestion, sharded, shards_optimizer
 from tetrad.spec.activation_checkpointing import parse_checkpointing
 from tetrad.spec.grid import ORIENTATIONS, physical_axis, role_sizes, with_context
 from tetrad.spec.model import ModelSpec
@@ -115,6 +127,40 @@ from tetrad.spec.overlap import DOMINO_MIN_ROWS, DP_BUCKET_BYTES
 from tetrad.spec.sharding import grid_problems
 
 __all__ = ["Estimate", "best_orientation", "collectives", "estimate", "make_step"]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted time of one optimizer step on one rank (seconds).
+
+    Attributes:
+        step_s: step time.
+        compute_s: compute (GEMMs, attention, element-wise, optimizer), all micro-batches.
+        recompute_s: of which activation recomputation.
+        exposed_s: exposed communication per axis.
+        comm_s: all communication per axis (exposed + hidden).
+        grad_accum: micro-batches per step.
+        collectives: per-collective detail (only from
+            :func:`tetrad.plan.step_time.collectives`).
+        fine_chunks: pieces per ring step of the ``fine`` overlap as modelled (0: not used).
+        context_pieces: the ``context_pieces`` option of the ``context`` overlap as modelled
+            (1: the blocking K/V all-gather).
+        orientation: the roles' orientation (:data:`tetrad.spec.grid.ORIENTATIONS`); the per-axis
+            dicts and the collectives name the ``--grid``'s dimensions.
+        shard_optimizer: modelled with the sharded optimizer (:mod:`tetrad.plan.question`).
+    """
+
+    step_s: float
+    compute_s: float
+    recompute_s: float
+    exposed_s: dict
+    comm_s: dict
+    grad_accum: int
+    collectives: tuple = ()
+    fine_chunks: int = 0
+    orientation: str = "xy"
+    context_pieces: int = 1
+    shard_optimizer: bool = False
 
 
 LAYER_KINDS = (
@@ -141,7 +187,7 @@ OTHER_KINDS = tuple(kind for kind in LAYER_KINDS if kind not in XY_KINDS)
 
 
 def make_step(
-    ctx: Context,
+    ctx: StepQuestion,
     grid: tuple[int, int, int, int],
     micro_batch: int,
     checkpointing: str | bool,
@@ -153,7 +199,10 @@ def make_step(
     them; ``checkpointing``: a mode of
     :data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`; only ``full`` re-runs collectives):
     ``m`` counts this rank's ``S / G_context`` tokens per sample; the data group is data x
-    context. ``wrap``: :attr:`Step.wrap` (a 4D step's; a pipeline stage's phases do not).
+    context. ``wrap``: the micro-batches run back to back in one phase, as the 4D step's do
+    (:meth:`tetrad.parallel.overlap.Overlap.begin_micro_batch`, ``phase="step"``), so the
+    ``prefetch`` order runs on into the next one (:attr:`Step.wrap`); a pipeline stage runs
+    its forward and backward phases apart: no wrap.
 
     Raises:
         PlanError: the global batch does not split into micro-batches on this grid.
@@ -210,7 +259,7 @@ def make_step(
 
 
 def best_orientation(
-    ctx: Context,
+    ctx: StepQuestion,
     grid: tuple[int, ...],
     micro_batch: int,
     checkpointing: str | bool,
@@ -243,7 +292,7 @@ def best_orientation(
 
 
 def estimate(
-    ctx: Context,
+    ctx: StepQuestion,
     grid: tuple[int, int, int, int],
     micro_batch: int,
     checkpointing: str | bool,
@@ -301,7 +350,7 @@ def estimate(
     )
 
 
-def xy_record(ctx: Context, st: Step) -> Recorder:
+def xy_record(ctx: StepQuestion, st: Step) -> Recorder:
     """The record (no detail) of the :data:`XY_KINDS` of ``st``, memoised in ``ctx`` per
     ``(G_context, G_y, G_x, m, micro-batches, full recompute)``: a block Linear's X/Y
     collectives recur across the ``(G_data, G_z)`` splits of a grid's product. Sets
@@ -343,12 +392,12 @@ def collectives(
     autocast), 4 on CPU; ``bucket_bytes``, ``domino_min_rows`` and ``context_pieces``: the
     runtime's ``Overlap`` options (``context_pieces`` None: the planner's best);
     ``orientation``: as :func:`estimate`'s; ``shard_optimizer``: the runtime's sharded
-    optimizer (:mod:`tetrad.plan.comm.zero`).
+    optimizer (:mod:`tetrad.plan.question`).
 
     Raises:
         PlanError: the batch does not split on the grid, or a bad overlap name.
     """
-    ctx = Context(
+    ctx = StepQuestion(
         model,
         machine,
         seq_len,

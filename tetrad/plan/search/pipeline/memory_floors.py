@@ -1,5 +1,6 @@
-"""Memory floors of the pipeline search (:class:`MemoryFloors`, a part of
-:class:`tetrad.plan.search.pipelined.PipeSearch`): bytes that a configuration's worst pipeline
+"""Memory floors of the pipeline search (:class:`MemoryFloors`, which
+:class:`tetrad.plan.search.pipeline.pipe_search.PipeSearch` and its group bounds ask): bytes that
+a configuration's worst pipeline
 rank holds at least under :func:`tetrad.plan.memory.pipeline.pipeline_memory`, cheap enough to
 reject a whole ``(G_pipe, G_context, G_y, G_x, b, mode)`` group before its collectives are
 timed, a grid before its floors, a schedule before its memory.
@@ -15,7 +16,7 @@ when the head is tied to the embedding (a rank without the last stage drops a he
 never counted), else 0; ``A(b)`` the saved activations of a ``b``-block stage's blocks for one
 micro-batch (:func:`tetrad.plan.memory.activations.saved_activations`, which depends on ``G_z``
 not at all), ``C`` of which the context masks and chunk order each stage saves once
-(:func:`tetrad.plan.comm.context_parallel.context_shared_bytes`; 0 under ``full``); ``F`` the
+(:func:`tetrad.plan.memory.activations.context_shared_bytes`; 0 under ``full``); ``F`` the
 final norm's and loss's saved bytes, ``P`` a receive buffer's (``[b, S / G_context, h /
 G_x]`` in the compute dtype).
 
@@ -33,35 +34,50 @@ phase counts besides, are among its passes' unless its last stage holds none
 ``i_r = sum_j c_j`` but on the rank of stage 0 (0 there). Every other term is at least 0.
 
 The floor of a schedule is the largest over its ranks (their stage split is the estimate's,
-:func:`tetrad.plan.pipe.estimate.split_ranks`); of a group or a grid, the least over its
+:func:`tetrad.plan.pipe.pipeline_step.split_ranks`); of a group or a grid, the least over its
 schedules. ``E`` and ``H`` fall with ``G_z``: the group's floor (every ``G_z`` dividing ``G_data
 G_z``) takes ``E`` at the largest and ``H`` at the smallest.
 
 Where the search may shard the optimizer (``shard_optimizer`` not ``off``) and ``G = G_data
 G_context > 1``, 16 becomes ``8 + 8 / G`` (the AdamW states over the data group,
-:func:`tetrad.plan.memory.zero.state_bytes_per_element`), a floor of both variants; with ``G_data
-G_z = q`` fixed, ``(8 + 8 G_z / (q G_context)) E`` still falls with ``G_z``.
+:func:`tetrad.plan.memory.sharded_optimizer.state_bytes_per_element`), a floor of both variants;
+with ``G_data G_z = q`` fixed, ``(8 + 8 G_z / (q G_context)) E`` still falls with ``G_z``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from tetrad.plan.comm.bounds import MARGIN
-from tetrad.plan.comm.context_parallel import context_shared_bytes
-from tetrad.plan.memory.activations import dtype_bytes, saved_activations
-from tetrad.plan.memory.zero import state_bytes_per_element
-from tetrad.plan.pipe.estimate import split_ranks
+from tetrad.plan.memory.activations import context_shared_bytes, dtype_bytes, saved_activations
+from tetrad.plan.memory.sharded_optimizer import state_bytes_per_element
+from tetrad.plan.pipe.pipeline_step import split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.search.pipeline.configs import schedules
+from tetrad.plan.search.pipeline.floor_terms import FloorTerms
 from tetrad.plan.search.space import divisors_of
+from tetrad.plan.search.step_bounds import MARGIN
 from tetrad.spec.grid import role_sizes
 
 
 class MemoryFloors:
-    """The floors of the module doc; ``self.ctx`` and ``self.s`` (the 4D search: ``limit``,
-    ``dtype``) come from the search, ``_mb_costs`` and ``_configs`` too."""
+    """The floors of the module doc, memoised.
 
-    def _mem_init(self) -> None:
+    Args:
+        ctx: the question (:class:`~tetrad.plan.question.StepQuestion`).
+        limit: bytes a rank may hold (80% of GPU memory): a floor above it, less
+            :data:`~tetrad.plan.search.step_bounds.MARGIN`, rejects.
+        dtype: ``"bf16"`` or ``"fp32"`` (the saved activations' and receive buffers' bytes).
+        shard_optimizer: ``"off"``, ``"on"`` or ``"auto"``: the states take ``8 + 8 / G`` bytes
+            per element where the search may shard them, 16 otherwise.
+        terms: the floors' memoised terms (the split's cost ratios).
+    """
+
+    def __init__(
+        self, ctx: StepQuestion, limit: float, dtype: str, shard_optimizer: str, terms: FloorTerms
+    ):
+        self.ctx, self.limit, self.dtype = ctx, limit, dtype
+        self.shard_optimizer, self.terms = shard_optimizer, terms
         self.saved_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), A(2) - A(1), C, F)
         self.flight_memo: dict = {}  # ((embedding, head), cfg, m) -> per rank kind, its terms
         self.flights_memo: dict = {}  # ((embedding, head), p, m) -> those of its schedules
@@ -70,6 +86,7 @@ class MemoryFloors:
         self.elem_memo: dict = {}  # G_y G_x G_z -> (16 E, 16 H), bytes
         self.gz_memo: dict = {}  # group -> the G_z whose memory floor fits
         self.z_states_memo: dict = {}  # (G_data G_z, G_context, G_y, G_x) -> ((G_z, 16 E), ..)
+        self.stage_models: dict = {}  # blocks -> the model of that many blocks
 
     def _saved_line(self, gc: int, gy: int, gx: int, b: int, mode: str) -> tuple:
         """``(A(1), A(2) - A(1), C, F)`` of the module doc: ``A(s)`` is affine in ``s`` (every
@@ -87,30 +104,29 @@ class MemoryFloors:
                         b,
                         ctx.seq_len,
                         activation_checkpointing=mode,
-                        dtype=self.s.dtype,
+                        dtype=self.dtype,
                     )
                 )
             one, two = saved[0]["blocks"], saved[1]["blocks"]
             shared = 0.0
             if mode.partition(":")[0] != "full":
-                shared = context_shared_bytes(ctx.seq_len, gc, dtype_bytes(self.s.dtype))
+                shared = context_shared_bytes(ctx.seq_len, gc, dtype_bytes(self.dtype))
             ends = saved[0]["final_norm"] + saved[0]["loss"]
             got = self.saved_memo[key] = (one, two - one, shared, ends)
         return got
 
     def _stage_model(self, k: int):
         """The model of ``k`` blocks (memoised)."""
-        models = self.__dict__.setdefault("stage_models", {})
-        got = models.get(k)
+        got = self.stage_models.get(k)
         if got is None:
-            got = models[k] = dataclasses.replace(self.ctx.model, n_layers=k)
+            got = self.stage_models[k] = dataclasses.replace(self.ctx.model, n_layers=k)
         return got
 
     def _state_bytes(self, shard: int, group: int = 1) -> tuple[float, float]:
         """``(16 E, 16 H)`` of the module doc on ``G_y G_x G_z = shard`` ranks, bytes; where
         the search may shard the optimizer over a data group of ``group = G_data G_context > 1``
         ranks, ``8 + 8 / group`` bytes per element instead of 16 (a floor of both)."""
-        per = state_bytes_per_element(self.s.shard_optimizer != "off" and group > 1, group)
+        per = state_bytes_per_element(self.shard_optimizer != "off" and group > 1, group)
         key = (shard, per)
         got = self.elem_memo.get(key)
         if got is None:
@@ -123,7 +139,7 @@ class MemoryFloors:
     def _in_flight(self, split: tuple, cfg, m: int) -> tuple:
         """``((k, passes, sum_j c_j (b_j - 1), stages holding some, drops F, buffers),
         ...)``: per rank of ``cfg``'s split (``split``: its
-        :func:`~tetrad.plan.pipe.estimate.split_key`'s embedding and head), the terms of the
+        :func:`~tetrad.plan.pipe.pipeline_step.split_key`'s embedding and head), the terms of the
         module doc's floor; ranks alike once, and none whose floor another's is at least
         whatever the bytes (:func:`_undominated`)."""
         key = (split, cfg, m)
@@ -146,23 +162,26 @@ class MemoryFloors:
 
     def _flights(self, split: tuple, pipe: int, m: int) -> tuple:
         """:meth:`_in_flight` of each schedule of ``p = pipe`` and ``m`` micro-batches, in
-        :meth:`_configs` order (memoised)."""
+        :func:`~tetrad.plan.search.pipeline.configs.schedules` order (memoised)."""
         key = (split, pipe, m)
         got = self.flights_memo.get(key)
         if got is None:
-            got = tuple(self._in_flight(split, cfg, m) for cfg in self._configs(pipe, m))
+            got = tuple(
+                self._in_flight(split, cfg, m)
+                for cfg in schedules(pipe, m, self.ctx.model.n_layers)
+            )
             self.flights_memo[key] = got
         return got
 
     def _group_terms(self, pipe, gc, gy, gx, b, mode, m) -> tuple:
         """``(A(1), A(2) - A(1), C, F, P, split)`` of the group (module doc; ``split``: the
-        embedding's and head's cost of :func:`~tetrad.plan.pipe.estimate.split_key`)."""
+        embedding's and head's cost of :func:`~tetrad.plan.pipe.pipeline_step.split_key`)."""
         key = (gc, gy, gx, b, mode)  # the split's ratios do not depend on p
         got = self.terms_memo.get(key)
         if got is None:
             ctx = self.ctx
-            out = p2p_bytes(b, ctx.seq_len, ctx.model.dim, gc, gx, dtype_bytes(self.s.dtype))
-            split = self._mb_costs(gc, gy, gx, b, mode)[3]
+            out = p2p_bytes(b, ctx.seq_len, ctx.model.dim, gc, gx, dtype_bytes(self.dtype))
+            split = self.terms.micro_batch_costs(gc, gy, gx, b, mode)[3]
             got = (*self._saved_line(gc, gy, gx, b, mode), out, split)
             self.terms_memo[key] = got
         return got
@@ -186,19 +205,19 @@ class MemoryFloors:
         """Whether the floor of one schedule (its ``pairs``) with ``16 E = per_block`` and
         ``16 H = head`` is above the limit (80% of GPU memory), less :data:`MARGIN`."""
         floor = max(per_block * k + act for k, act in pairs) - head
-        return floor * (1 - MARGIN) > self.s.limit
+        return floor * (1 - MARGIN) > self.limit
 
-    def _grid_too_big(self, pipe, roles, b, mode) -> bool:
+    def grid_too_big(self, pipe, roles, b, mode) -> bool:
         """Whether no schedule of the group fits on the grid of roles ``roles``."""
         gd, gc, gz, gy, gx = roles
         m = self.ctx.global_batch // (gd * gz * b)
         per_block, head = self._state_bytes(gy * gx * gz, gd * gc)
         return all(
             self._too_big(self._pairs(gc, gy, gx, b, mode, m, cfg), per_block, head)
-            for cfg in self._configs(pipe, m)
+            for cfg in schedules(pipe, m, self.ctx.model.n_layers)
         )
 
-    def _fitting_z(self, pipe, q, gc, gy, gx, b, mode) -> tuple[int, ...]:
+    def fitting_z(self, pipe, q, gc, gy, gx, b, mode) -> tuple[int, ...]:
         """The ``G_z`` dividing ``q = G_data G_z`` on which some schedule of the group has its
         floor within the limit (memoised). Without a tied head (``H = 0``) a schedule's floor
         is within it where ``16 E <= min over ranks of (limit - floor less 16 k E) / k``: the
@@ -212,7 +231,7 @@ class MemoryFloors:
                 got = tuple(
                     gz
                     for gz in zs
-                    if not self._grid_too_big(pipe, (q // gz, gc, gz, gy, gx), b, mode)
+                    if not self.grid_too_big(pipe, (q // gz, gc, gz, gy, gx), b, mode)
                 )
             else:
                 states = self._z_states(q, gc, gy, gx)
@@ -239,7 +258,7 @@ class MemoryFloors:
         their ranks of ``(limit - floor less 16 k E) / k`` (the first at least ``need``, the
         ``16 E`` of the smallest ``G_z``, ends it)."""
         one, slope, shared, ends, out, split = self._group_terms(pipe, gc, gy, gx, b, mode, m)
-        room = self.s.limit / (1 - MARGIN)
+        room = self.limit / (1 - MARGIN)
         most = -float("inf")
         for flight in self._flights(split, pipe, m):
             least = min(
@@ -262,7 +281,7 @@ class MemoryFloors:
                     break
         return most
 
-    def _memory_floor_fails(self, grid, turn, b, mode, cfg) -> bool:
+    def schedule_fails(self, grid, turn, b, mode, cfg) -> bool:
         """Whether the floor of ``cfg`` on ``grid`` (its roles in ``turn``) is above the
         limit."""
         gd, gc, gz, gy, gx = role_sizes(grid, turn)
