@@ -184,6 +184,8 @@ def package_imports(package: Path = PACKAGE) -> dict[str, dict[str, list[str]]]:
     out: dict[str, dict[str, list[str]]] = {}
     for path in sorted(package.rglob("*.py")):
         module = _module_name(path, package.parent)
+        if module == name:  # the package's own __init__
+            continue
         inner = module if path.name == "__init__.py" else module.rpartition(".")[0]
         out.setdefault(_unit(module), {})
         for node in ast.walk(ast.parse(path.read_text())):
