@@ -15,7 +15,7 @@ tensors for some collectives. Two processes, both on ``cuda:0``, gloo:
    ``tests/test_model.py`` on each grid, on CUDA: the tiny Llama, 4 AdamW steps with warm-up,
    clipping and two micro-batches, every overlap on; loss and gradient norm against the fp32
    single-process reference within 1e-5 and 1e-4 relative, every updated weight shard within
-   0.05 lr. The steps run in fp32 (``tetrad.train.step.autocast`` replaced by no autocast, TF32
+   0.05 lr. The steps run in fp32 (``tetrad.dtypes.autocast`` replaced by no autocast, TF32
    off), so the tolerances are the CPU tests' own.
 
 Prints one line per check and ``gloo_cuda: ok`` (exit 0) or the failures (exit 1).

@@ -27,11 +27,11 @@ Both sides train the model of ``--model`` (a ``tetrad train --model`` text; CUDA
 
 The same on both sides: the global batch ``[2 x micro-batch, seq + 1]`` of random token ids in
 two micro-batches (gradient accumulation), moved to the device in each step as
-:func:`tetrad.train.step.to_device` moves it; AdamW from
+:func:`tetrad.parallel.batch.to_device` moves it; AdamW from
 :func:`tetrad.train.step.build_optimizer` (torch's fused kernel, lr 3e-4, betas (0.9, 0.95), eps
 1e-8, weight decay 0.1 on matrices only); gradient clipping at 1.0; weights drawn on the device
 (normal, std 0.02, norms 1: only the values differ from either side's own initialisation);
-:func:`tetrad.train.step.autocast` (on CUDA bf16 autocast with attention restricted to the
+:func:`tetrad.dtypes.autocast` (on CUDA bf16 autocast with attention restricted to the
 flash kernels, FlashAttention-2's or cuDNN's; fp32 on CPU). Variant ``compiled``:
 ``torch.compile`` on every decoder layer, tetrad's :func:`tetrad.parallel.model.compile_blocks`
 (what ``tetrad train --compile`` does) and ``layer.compile()`` on each of

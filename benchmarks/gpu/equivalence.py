@@ -57,7 +57,7 @@ digits per operation, errors grow through the layers (measured: ~1e-2 worst grad
 
 
 def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16: the trainer's autocast on CUDA (:func:`tetrad.train.step.autocast`), CPU bf16
+    """bf16: the trainer's autocast on CUDA (:func:`tetrad.dtypes.autocast`), CPU bf16
     autocast on CPU; fp32: nothing."""
     if precision == "fp32":
         return contextlib.nullcontext()
