@@ -18,6 +18,7 @@ from tests.run_dirs import fake_run_dir, save_checkpoint, save_sharded
 from tetrad import cli
 from tetrad.models.config import ModelConfig
 from tetrad.models.reference import Llama
+from tetrad.parallel import init_parameters
 from tetrad.train import generate as gen
 from tetrad.train.export import ExportError, export
 
@@ -26,8 +27,8 @@ TINY = ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, voca
 
 @pytest.fixture
 def run(tmp_path) -> tuple[Path, nn.Module]:
-    torch.manual_seed(0)
     model = Llama(TINY)
+    init_parameters(model, 0)
     save_checkpoint(model, fake_run_dir(tmp_path / "run", TINY))
     return tmp_path / "run", model
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tetrad.grid import Grid
+from tetrad.models.meta import materialize
 from tetrad.spec import EXPERT_GRID_AXES, GRID_AXES, Axis
 
 # Replicated axes whose ranks see different tokens: gradients are summed over them.
@@ -90,11 +91,13 @@ def sharded_parameter(
     init: tuple,
     sum_axes: tuple[str, ...] = (),
 ) -> nn.Parameter:
-    """An uninitialised local shard ``Placement(shape, split, sum_axes).local_shape(grid)`` on
-    the grid's device, tagged with its placement and its init rule (see
-    :func:`init_parameters`)."""
+    """An uninitialised local shard ``Placement(shape, split, sum_axes).local_shape(grid)``
+    tagged with its placement and its init rule (see :func:`init_parameters`): on the grid's
+    device, or on the meta device inside ``with torch.device("meta")`` (how the models are
+    built: :func:`tetrad.models.meta.materialize` then allocates it on the grid's device)."""
     placement = Placement(tuple(shape), split, tuple(sum_axes))
-    p = nn.Parameter(torch.empty(placement.local_shape(grid), device=grid.device))
+    device = "meta" if torch.get_default_device().type == "meta" else grid.device
+    p = nn.Parameter(torch.empty(placement.local_shape(grid), device=device))
     p.placement = placement
     p.init = init
     return p
@@ -115,8 +118,13 @@ def init_parameters(model: nn.Module, seed: int, grid: Grid | None = None) -> No
     viewed ``[prod(shape[:-1]), shape[-1]]`` (an expert weight ``[E, F, h]`` has ``E F`` rows);
     row ``r`` from a generator seeded by ``(seed, name, r)``, so a rank draws only the rows of
     its own shard (never the whole model) and a parameter's full value is the same on every
-    grid. Parameters without ``placement`` are full tensors.
+    grid. Parameters without ``placement`` are full tensors. Parameters still on the meta
+    device are first given storage on the grid's device (without ``grid``: the device of the
+    model's other parameters, else the CPU; :func:`tetrad.models.meta.materialize`).
     """
+    real = [p.device for p in model.parameters() if not p.is_meta]
+    device = grid.device if grid is not None else (real[0] if real else torch.device("cpu"))
+    materialize(model, device)
     for name, p in model.named_parameters():
         kind = getattr(p, "init", ("normal", 0.02) if p.dim() == 2 else ("ones",))
         if kind[0] == "ones":
