@@ -88,6 +88,34 @@ def test_blocks_and_chunks_equal_the_whole(monkeypatch, chunk):
     )
 
 
+TINY = PRESETS["tiny"]
+
+
+def test_cpu_threads_draw_the_same_values(monkeypatch):
+    """With several torch threads (chunks of ``CHUNK_ELEMENTS`` per thread, each operation
+    shared by the threads): the same values."""
+    shape = (64, 3000)
+    whole = pl.normal_slice(5, "w", shape, (), 0.02)
+    monkeypatch.setitem(pl.CHUNK_ELEMENTS, "cpu", 1000)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        got = pl.normal_slice(5, "w", shape, (slice(3, 60), slice(100, 2900)), 0.02)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, whole[3:60, 100:2900])
+    one, three = Llama(TINY), Llama(TINY)
+    init_parameters(one, SEED)
+    torch.set_num_threads(3)
+    try:
+        init_parameters(three, SEED)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one.parameters(), three.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_statistics():
     """One ``[512, 4096]`` draw (2M values): mean, std, tails, kurtosis, the CDF (Kolmogorov-
     Smirnov) and the correlations of rows, columns and neighbours, each to about 4 standard
@@ -160,9 +188,6 @@ def same_weights(cases) -> None:
                 assert torch.equal(p.detach(), expected), (sizes, pipe, ep, name)
                 seen += 1
         assert seen > 0
-
-
-TINY = PRESETS["tiny"]
 
 
 def test_same_weights_on_every_grid():
