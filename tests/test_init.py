@@ -2,8 +2,9 @@
 
 - the generator (:func:`tetrad.parallel.placement.normal_slice`) against its definition in
   Python integers, block by block and chunk by chunk (bit-equal), and its statistics;
-- the same weights on every grid: dense grids with data, Y, X, Z and a pipeline, and an MoE
-  grid with expert parallelism, every shard equal to the reference model's slice;
+- the same weights on every grid: nine grids, dense ones with data, context, Y, X, Z and a
+  pipeline, MoE ones with and without expert parallelism, every shard equal to the reference
+  model's slice;
 - memory: construction makes only meta tensors and then exactly this rank's shards, and the
   initialisation's temporaries are at most half a shard.
 """
@@ -192,7 +193,8 @@ def same_weights(cases) -> None:
 
 def test_same_weights_on_every_grid():
     run_distributed(same_weights, 1, [(TINY, 1, (1, 1, 1, 1), 1)])
-    run_distributed(same_weights, 2, [(TINY, 1, (2, 1, 1, 1), 1), (MOE, 1, (2, 1, 1, 1), 2)])
+    two = [(TINY, 1, (2, 1, 1, 1), 1), (TINY, 1, (1, 2, 1, 1, 1), 1), (MOE, 1, (2, 1, 1, 1), 2)]
+    run_distributed(same_weights, 2, two)
     four = [
         (TINY, 1, (1, 2, 1, 2), 1),
         (TINY, 1, (1, 1, 2, 2), 1),
