@@ -6,10 +6,10 @@
 Each case (model, seq, micro-batch, recompute) runs in this process on the grid 1,1,1,1 (a
 world of one, NCCL): ``ParallelLlama`` with that recompute mode, fused AdamW, global batch two
 micro-batches under bf16 autocast, exactly :func:`tetrad.train.step.train_step` as ``tetrad
-train --device cuda`` runs it. Weights are drawn on the GPU (one ``normal_`` per tensor,
-std 0.02): ``init_parameters`` draws row by row on the host (about 30 s per 1e9 parameters),
-and only the values differ. Two warm-up steps (the first allocates AdamW's states), then the
-peak is reset and ``--steps`` steps are timed between two synchronisations.
+train --device cuda`` runs it, its weights built on the meta device and drawn on the GPU by
+:func:`tetrad.parallel.init_parameters`, as ``tetrad train`` starts. Two warm-up steps (the
+first allocates AdamW's states), then the peak is reset and ``--steps`` steps are timed between
+two synchronisations.
 
 Per case: measured peak (``torch.cuda.max_memory_allocated``, bytes) against the planner's
 ``tetrad memory --method tetrad --activation-checkpointing MODE`` (ratio measured/predicted),
@@ -58,6 +58,7 @@ from gpu.common import world_of_one  # noqa: E402
 from gpu.memory import device_memory_bytes, memory_estimate  # noqa: E402
 
 from tetrad.device import datasheet_flops, device_name, peak_memory_bytes  # noqa: E402
+from tetrad.parallel import init_parameters  # noqa: E402
 from tetrad.parallel.model import ParallelLlama, compile_blocks  # noqa: E402
 from tetrad.spec.presets import parse_model  # noqa: E402
 from tetrad.spec.units import GiB  # noqa: E402
@@ -97,9 +98,7 @@ def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = Fals
     try:
         t_start = time.perf_counter()
         model = ParallelLlama(cfg, grid, case.recompute)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
+        init_parameters(model, 0, grid)
         if compiled:
             compile_blocks(model)
         opt = build_optimizer(model, 3e-4, 0.1)

@@ -287,10 +287,17 @@ def test_worker_failure_is_one_line_and_a_log(tmp_path, monkeypatch, capsys):
 
 @pytest.fixture
 def llama():
+    """The reference Llama, initialised (:func:`tetrad.parallel.init_parameters`, seed 0)."""
     pytest.importorskip("tetrad.models.reference")
     from tetrad.models.reference import Llama
+    from tetrad.parallel import init_parameters
 
-    return Llama
+    def build(cfg):
+        model = Llama(cfg)
+        init_parameters(model, 0)
+        return model
+
+    return build
 
 
 def test_generate_loads_checkpoint_and_samples(tmp_path, llama):

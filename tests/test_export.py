@@ -17,6 +17,7 @@ from tests.distributed import run_distributed
 from tests.run_dirs import fake_run_dir, save_checkpoint, save_sharded
 from tetrad import cli
 from tetrad.models.reference import Llama
+from tetrad.parallel import init_parameters
 from tetrad.spec.model import ModelSpec
 from tetrad.train import generate as gen
 from tetrad.train.export import ExportError, export
@@ -26,8 +27,8 @@ TINY = ModelSpec(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_
 
 @pytest.fixture
 def run(tmp_path) -> tuple[Path, nn.Module]:
-    torch.manual_seed(0)
     model = Llama(TINY)
+    init_parameters(model, 0)
     save_checkpoint(model, fake_run_dir(tmp_path / "run", TINY))
     return tmp_path / "run", model
 

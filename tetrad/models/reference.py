@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tetrad.models.llama import ModelPart, Transformer, causal_attention
+from tetrad.models.meta import materialize
 from tetrad.models.moe import GroupedExperts
 from tetrad.spec.model import ModelSpec
 
@@ -57,14 +58,23 @@ class PlainLayers:
 
 
 class Llama(Transformer):
-    """Plain Llama: tokens ``[B, S]`` -> logits ``[B, S, V]`` (call
-    :func:`tetrad.parallel.init_parameters` to get the same weights as any parallel run);
-    ``part``: a slice of it (a hand-split pipeline stage, as stock PyTorch users build one)."""
+    """Plain Llama: tokens ``[B, S]`` -> logits ``[B, S, V]``; ``part``: a slice of it (a
+    hand-split pipeline stage, as stock PyTorch users build one).
+
+    Built on the meta device, then allocated on ``device`` (default: torch's default device;
+    ``"meta"`` leaves it there), uninitialised (:mod:`tetrad.models.meta`): call
+    :func:`tetrad.parallel.init_parameters` to get the same weights as any parallel run, or
+    load a checkpoint.
+    """
 
     def __init__(
         self,
         cfg: ModelSpec,
         activation_checkpointing: str | bool = "none",
         part: ModelPart | None = None,
+        device: torch.device | str | None = None,
     ):
-        super().__init__(cfg, PlainLayers(), activation_checkpointing, part)
+        device = torch.get_default_device() if device is None else device
+        with torch.device("meta"):
+            super().__init__(cfg, PlainLayers(), activation_checkpointing, part)
+        materialize(self, device)

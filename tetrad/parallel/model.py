@@ -32,6 +32,7 @@ from torch import nn
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.models.llama import ModelPart, Transformer, causal_attention
+from tetrad.models.meta import materialize
 from tetrad.models.moe import GroupedExperts
 from tetrad.parallel.context import ContextAttention, local_positions
 from tetrad.parallel.embedding import Embedding
@@ -117,10 +118,9 @@ class ParallelLayers:
         return self._replicated(nn.RMSNorm(dim, eps=eps), heads)
 
     def _replicated(self, module: nn.Module, sum_axes: tuple[str, ...] = ()) -> nn.Module:
-        """``module`` on the grid's device, every parameter placed whole on every rank (its
-        gradient summed over Z, data and ``sum_axes`` by
+        """``module`` (built on meta, allocated with the model), every parameter placed whole
+        on every rank (its gradient summed over Z, data and ``sum_axes`` by
         :func:`tetrad.parallel.grads.sync_gradients`)."""
-        module.to(self.grid.device)
         for p in module.parameters():
             p.placement = Placement(tuple(p.shape), (), sum_axes)
             if not hasattr(p, "init"):
@@ -131,8 +131,9 @@ class ParallelLayers:
 class ParallelLlama(Transformer):
     """The 3D tensor-parallel Llama on ``grid``: tokens ``[B/(G_data G_z), S/G_context]``
     (:func:`tetrad.parallel.context.split_sequence`) -> logits
-    ``[B/(G_data G_z), S/G_context, V/(G_y G_x)]``. Parameters are uninitialised: call
-    :func:`tetrad.parallel.init_parameters`.
+    ``[B/(G_data G_z), S/G_context, V/(G_y G_x)]``. Built on the meta device, then each
+    rank's shards are allocated on the grid's device (:mod:`tetrad.models.meta`), uninitialised:
+    call :func:`tetrad.parallel.init_parameters`.
 
     Args:
         activation_checkpointing: a mode of
@@ -164,7 +165,10 @@ class ParallelLlama(Transformer):
         check_grid(cfg, grid.sizes)
         check_moe_grid(cfg, grid.sizes, grid.pipe, grid.expert)
         overlap = Overlap(grid, overlaps, **overlap_options)
-        super().__init__(cfg, ParallelLayers(grid, overlap), activation_checkpointing, part)
+        layers = ParallelLayers(grid, overlap)
+        with torch.device("meta"):  # shapes only: each rank then allocates its own shards
+            super().__init__(cfg, layers, activation_checkpointing, part)
+        materialize(self, grid.device)
         self.overlap = overlap
         self._place_buffers(grid)
         # expert-sharded weights are summed over expert-data, never in the data buckets

@@ -9,7 +9,6 @@ checkpoints read only this.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from tetrad.grid import Grid
+from tetrad.models.meta import materialize
 from tetrad.spec.grid import EXPERT_GRID_AXES, GRID_AXES, Axis
 
 # Replicated axes whose ranks see different tokens: gradients are summed over them.
@@ -90,33 +90,33 @@ def sharded_parameter(
     init: tuple,
     sum_axes: tuple[str, ...] = (),
 ) -> nn.Parameter:
-    """An uninitialised local shard ``Placement(shape, split, sum_axes).local_shape(grid)`` on
-    the grid's device, tagged with its placement and its init rule (see
-    :func:`init_parameters`)."""
+    """An uninitialised local shard ``Placement(shape, split, sum_axes).local_shape(grid)``
+    tagged with its placement and its init rule (see :func:`init_parameters`): on the grid's
+    device, or on the meta device inside ``with torch.device("meta")`` (how the models are
+    built: :func:`tetrad.models.meta.materialize` then allocates it on the grid's device)."""
     placement = Placement(tuple(shape), split, tuple(sum_axes))
-    p = nn.Parameter(torch.empty(placement.local_shape(grid), device=grid.device))
+    device = "meta" if torch.get_default_device().type == "meta" else grid.device
+    p = nn.Parameter(torch.empty(placement.local_shape(grid), device=device))
     p.placement = placement
     p.init = init
     return p
-
-
-def _row_seed(seed: int, name: str, row: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    base = int.from_bytes(digest, "little")
-    return (base + row * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, grid: Grid | None = None) -> None:
     """Fill every parameter from ``(seed, parameter name)`` only, whatever the grid.
 
-    Each parameter carries ``init``: ``("normal", std)`` for a weight of 2 or more dims,
-    ``("ones",)`` or ``("zeros",)``. A normal weight is drawn as rows of its global tensor
-    viewed ``[prod(shape[:-1]), shape[-1]]`` (an expert weight ``[E, F, h]`` has ``E F`` rows);
-    row ``r`` from a generator seeded by ``(seed, name, r)``, so a rank draws only the rows of
-    its own shard (never the whole model) and a parameter's full value is the same on every
-    grid. Parameters without ``placement`` are full tensors.
+    Parameters still on the meta device are first given storage on the grid's device (without
+    ``grid``: the device of the model's other parameters, else the CPU;
+    :func:`tetrad.models.meta.materialize`). Each parameter carries ``init``:
+    ``("normal", std)`` for a weight of 2 or more dims, ``("ones",)`` or ``("zeros",)``. A
+    normal weight is this rank's block of one global tensor (:func:`normal_slice`), drawn on
+    the parameter's device, so a parameter's full value is the same on every grid and no rank
+    ever makes more than its own shards. Parameters without ``placement`` are full tensors.
     """
+    real = [p.device for p in model.parameters() if not p.is_meta]
+    device = grid.device if grid is not None else (real[0] if real else torch.device("cpu"))
+    materialize(model, device)
     for name, p in model.named_parameters():
         kind = getattr(p, "init", ("normal", 0.02) if p.dim() == 2 else ("ones",))
         if kind[0] == "ones":
@@ -125,29 +125,148 @@ def init_parameters(model: nn.Module, seed: int, grid: Grid | None = None) -> No
             p.zero_()
         else:
             placement = getattr(p, "placement", None)
-            shape = placement.shape if placement is not None else tuple(p.shape)
-            slices = (
-                placement.local_slices(grid)
-                if placement is not None
-                else tuple(slice(0, n) for n in shape)
-            )
-            p.copy_(_normal_rows(seed, name, shape, slices, kind[1]))
+            if placement is None:
+                normal_slice(seed, name, tuple(p.shape), (), kind[1], out=p)
+            else:
+                normal_slice(
+                    seed, name, placement.shape, placement.local_slices(grid), kind[1], out=p
+                )
 
 
-def _normal_rows(
-    seed: int, name: str, shape: tuple[int, ...], slices: tuple[slice, ...], std: float
+# Elements per chunk of :func:`normal_slice` (two int32 buffers of this size live at once): on
+# the CPU per torch thread (each thread's part of an operation stays in its core's cache), on
+# a GPU few enough kernel launches (16 per chunk).
+CHUNK_ELEMENTS = {"cpu": 1 << 16, "cuda": 1 << 24}
+_LIMIT = 1 << 31  # row and column indices are int32
+
+
+@torch.no_grad()
+def normal_slice(
+    seed: int,
+    name: str,
+    shape: tuple[int, ...],
+    slices: tuple[slice, ...],
+    std: float,
+    *,
+    out: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """The ``slices`` of the seeded normal tensor of ``shape`` (see :func:`init_parameters`):
-    every row whose leading indices fall in ``slices[:-1]`` is drawn whole, then cut to
-    ``slices[-1]``."""
-    lead = [range(s.start, s.stop) for s in slices[:-1]]
-    strides = [math.prod(shape[d + 1 : -1]) for d in range(len(lead))]
-    out = torch.empty(*(len(r) for r in lead), shape[-1])
-    rows = out.view(-1, shape[-1])
-    gen = torch.Generator()
-    for i, index in enumerate(itertools.product(*lead)):
-        gen.manual_seed(
-            _row_seed(seed, name, sum(j * st for j, st in zip(index, strides, strict=True)))
-        )
-        rows[i].normal_(0.0, std, generator=gen)
-    return out[..., slices[-1]]
+    """The block ``slices`` of the ``normal(0, std)`` tensor of global ``shape`` drawn for
+    ``(seed, name)``: the same values whatever the block, the chunking and the device.
+
+    The global tensor is viewed ``[R, C]`` (``R = prod(shape[:-1])`` rows, an expert weight
+    ``[E, F, h]`` has ``E F``; ``C = shape[-1]``). Element ``(r, c)`` is a function of
+    ``(seed, name, r, c)`` alone, a counter-based generator (the idea of Salmon et al., "Parallel
+    random numbers: as easy as 1, 2, 3", SC 2011), evaluated elementwise on the device:
+
+    - keys ``k0..k3``: the 16-byte BLAKE2b digest of ``f"{seed}:{name}"``, four 32-bit words;
+    - row key ``a[r] = m(m(r ^ k0) ^ k1)``, column key ``b[c] = m(m(c ^ k2) ^ k3)``, and the
+      element's 32 random bits ``h = m(a[r] ^ b[c])``, where ``m`` is the 32-bit integer mixer
+      ``lowbias32`` (C. Wellons, "Prospecting for hash functions", 2018; a bijection:
+      ``x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16``), done on
+      int32 tensors: multiplication modulo ``2**32`` in two's complement, logical shifts as
+      an arithmetic shift and a mask (exact on CPU and CUDA; ``tests/test_init.py`` checks it
+      against Python integers);
+    - ``v = float32(h as signed int32) * (1 - 2**-24) / 2**31``, uniform in ``(-1, 1)``
+      (``|v| <= 1 - 2**-24``; float32 keeps the top 24 bits of ``h``), and the normal by the
+      inverse CDF ``z = sqrt(2) erfinv(v)`` (``|z| <= 5.42``): the value ``std * z`` in
+      float32.
+
+    The integer part is bit-exact everywhere and every step is elementwise, so a block is
+    the same whatever the grid and the chunking; CPU and CUDA differ only by their float32
+    ``erfinv`` (a few units in the last place, ``tests/test_init.py``). Work is done a chunk
+    at a time, in two int32 buffers of at most half the block and :data:`CHUNK_ELEMENTS`
+    elements (on the CPU, that many per ``torch.get_num_threads()``), so never more than one
+    block's bytes of float32. On the CPU each operation is shared by torch's threads, as in
+    training: on cores that other processes keep busy, every operation waits for the slowest
+    thread (2 shared cores, llama-1b: 24 s with 2 threads where 1 thread takes 5 s; on 16
+    idle cores 1.0 to 1.6 s with 16).
+
+    Args:
+        shape: the global shape; ``R`` and ``C`` below ``2**31``.
+        slices: one ``slice`` (step 1) per leading dim of ``shape``; missing ones are whole.
+        out: the block's tensor (``[len(s) for s in slices]``, contiguous) to write, on any
+            device and floating dtype; else a new float32 tensor on ``device``.
+
+    Returns:
+        ``out``.
+    """
+    shape = tuple(shape)
+    dims = shape if shape else (1,)
+    full = tuple(slices) + tuple(slice(0, n) for n in dims[len(slices) :])
+    local = tuple(s.stop - s.start for s in full)
+    if out is None:
+        out = torch.empty(local, device=device)
+    rows, cols = math.prod(dims[:-1]), dims[-1]
+    if rows >= _LIMIT or cols >= _LIMIT:
+        raise ValueError(f"{name}: {shape} has 2**31 rows or columns or more")
+    dev = out.device
+    k0, k1, k2, k3 = _keys(seed, name)
+    row_ids = torch.zeros(1, dtype=torch.int64, device=dev)
+    for d, s in enumerate(full[:-1]):
+        stride = math.prod(dims[d + 1 : -1])
+        step = torch.arange(s.start, s.stop, device=dev) * stride
+        row_ids = (row_ids[:, None] + step).flatten()
+    a = _mix(_mix(row_ids.to(torch.int32) ^ k0) ^ k1)
+    b = _mix(
+        _mix(torch.arange(full[-1].start, full[-1].stop, dtype=torch.int32, device=dev) ^ k2) ^ k3
+    )
+    dst = out.view(-1, local[-1])
+    chunk = CHUNK_ELEMENTS.get(dev.type, CHUNK_ELEMENTS["cuda"])
+    if dev.type == "cpu":
+        chunk *= torch.get_num_threads()
+    budget = max(1, min(chunk, out.numel() // 2))
+    col_step = min(local[-1], budget)
+    row_step = max(1, budget // col_step)
+    xbuf = torch.empty(min(budget, out.numel()), dtype=torch.int32, device=dev)
+    tbuf = torch.empty_like(xbuf)
+    scale = std * math.sqrt(2.0)
+    for r0 in range(0, dst.shape[0], row_step):
+        r1 = min(r0 + row_step, dst.shape[0])
+        for c0 in range(0, local[-1], col_step):
+            c1 = min(c0 + col_step, local[-1])
+            shape2d = (r1 - r0, c1 - c0)
+            x, t = (buf[: shape2d[0] * shape2d[1]].view(shape2d) for buf in (xbuf, tbuf))
+            _normal_chunk(a[r0:r1, None], b[None, c0:c1], x, t, dst[r0:r1, c0:c1], scale)
+    return out
+
+
+def _normal_chunk(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    dst: torch.Tensor,
+    scale: float,
+) -> None:
+    """``dst [r, c] = scale * erfinv(v(m(a ^ b)))`` (:func:`normal_slice`): ``a [r, 1]``,
+    ``b [1, c]`` int32 keys, ``x`` and ``t`` int32 ``[r, c]`` scratch."""
+    torch.bitwise_xor(a, b, out=x)
+    _mix(x, t)
+    f = t.view(torch.float32)
+    f.copy_(x)
+    f.mul_(_TO_UNIT).erfinv_()
+    torch.mul(f, scale, out=dst)
+
+
+_TO_UNIT = (1.0 - 2.0**-24) * 2.0**-31  # int32 -> (-1, 1), exact in float32
+_M1, _M2 = 0x7FEB352D, 0x846CA68B - (1 << 32)  # lowbias32's multipliers as int32
+
+
+def _mix(x: torch.Tensor, tmp: torch.Tensor | None = None) -> torch.Tensor:
+    """``lowbias32`` (see :func:`normal_slice`) of every int32 element of ``x``, in place
+    (``tmp``: a scratch tensor of ``x``'s shape and dtype)."""
+    tmp = torch.empty_like(x) if tmp is None else tmp
+    for shift, mult in ((16, _M1), (15, _M2), (16, None)):
+        torch.bitwise_right_shift(x, shift, out=tmp)
+        x.bitwise_xor_(tmp.bitwise_and_((1 << (32 - shift)) - 1))
+        if mult is not None:
+            x.mul_(mult)
+    return x
+
+
+def _keys(seed: int, name: str) -> tuple[int, int, int, int]:
+    """Four 32-bit keys of ``(seed, name)`` (BLAKE2b), as signed int32 values."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=16).digest()
+    words = (int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4))
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)
