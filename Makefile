@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+# pytest workers: two keep a 2-core machine busy while a test's ranks start, compile or wait
+WORKERS ?= 2
 
 .PHONY: demo test lint bench clean
 
@@ -17,7 +19,7 @@ demo: $(BIN)/tetrad
 	$(BIN)/tetrad generate runs/demo --prompt "def " --max-new-tokens 120
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(WORKERS) --dist worksteal
 
 lint: $(BIN)/tetrad
 	$(BIN)/ruff format --check tetrad tests benchmarks
