@@ -19,7 +19,7 @@ demo: $(BIN)/tetrad
 	$(BIN)/tetrad generate runs/demo --prompt "def " --max-new-tokens 120
 
 test: lint
-	$(BIN)/pytest -q -n $(WORKERS) --dist worksteal
+	$(BIN)/pytest -q -n $(WORKERS) --dist worksteal --durations=15
 
 lint: $(BIN)/tetrad
 	$(BIN)/ruff format --check tetrad tests benchmarks
