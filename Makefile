@@ -2,8 +2,6 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# pytest workers: two keep a 2-core machine busy while a test's ranks start, compile or wait
-WORKERS ?= 2
 
 .PHONY: demo test lint bench clean
 
@@ -19,7 +17,7 @@ demo: $(BIN)/tetrad
 	$(BIN)/tetrad generate runs/demo --prompt "def " --max-new-tokens 120
 
 test: lint
-	$(BIN)/pytest -q -n $(WORKERS) --dist worksteal --durations=15
+	$(BIN)/pytest -q --durations=15
 
 lint: $(BIN)/tetrad
 	$(BIN)/ruff format --check tetrad tests benchmarks
