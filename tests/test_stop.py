@@ -2,9 +2,9 @@
 per run directory, and the inputs a killed or finished run leaves behind.
 
 The signalled runs are real launches (``python -m tetrad.cli train`` in a subprocess of its own
-session, 4 CPU ranks, the ``tiny`` model) signalled once their first logging interval is
-written, so the signal lands mid-interval. Learning rates stay in warm-up, so a run of
-``--steps 1000`` follows the schedule of a shorter one.
+session, 2 CPU ranks splitting the weights over Z, the ``tiny`` model) signalled once their
+first logging interval is written, so the signal lands mid-interval. Learning rates stay in
+warm-up, so a run of ``--steps 1000`` follows the schedule of a shorter one.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tetrad.cli import main
 from tetrad.train.stop import REPEAT_S, StopSignals
 
 REPO = Path(__file__).resolve().parents[1]
-GRID = "2,1,2,1"
+GRID = "1,1,2,1"  # two ranks, Z over both: the weights and the checkpoint sharded
 
 
 @pytest.fixture(scope="module")
