@@ -69,6 +69,13 @@ collect() {
 }
 trap collect EXIT
 
+# Wheels carried in .whl (tetrad's pure-Python dependencies the GPU image lacks, e.g. tomli_w:
+# see the device notes) are installed first, outside the image's packages.
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$WORK/site" .whl/*.whl && export PYTHONPATH="$WORK/site:$PYTHONPATH"
+fi
+
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     $PY -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"

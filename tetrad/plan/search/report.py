@@ -1,15 +1,14 @@
 """Output of the planner: the ranked table, JSON, a PNG of the top configurations, and a TOML
 that ``tetrad train --config`` accepts.
 
-Plain Python; matplotlib is imported only by :func:`plot`.
+Plain Python; matplotlib is imported only by :func:`plot`, tomli_w only by the TOML writer (so
+`tetrad train` runs where it is not installed, as on GPU images).
 """
 
 from __future__ import annotations
 
 import json
 import os
-
-import tomli_w
 
 from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
@@ -318,6 +317,8 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
             "device": "cuda",
         },
     }
+    import tomli_w
+
     return "\n".join(header) + "\n" + tomli_w.dumps(settings)
 
 
