@@ -89,7 +89,9 @@ CASES = {
 def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = False) -> dict:
     """Measure one case (``compiled``: every block under ``torch.compile``, as ``tetrad train
     --compile``); frees its model and optimizer afterwards."""
-    est = memory_estimate(case.model, case.micro_batch, case.seq_len, gpu_bytes, case.recompute)
+    est = memory_estimate(
+        case.model, case.micro_batch, case.seq_len, gpu_bytes, case.recompute, compiled
+    )
     out = {**case.__dict__, "compiled": compiled}
     out |= {"predicted_bytes": est["total_bytes"], "fits": est["fits"]}
     out["predicted_peak_phase"] = est.get("peak_phase")

@@ -52,6 +52,8 @@ def test_gpu_check_on_cpu(tmp_path):
 
     mem = result["memory"]
     assert mem["predicted_bytes"] > 0 and set(mem["runs"]) == {"eager", "compile"}
+    compiled = mem["runs"]["compile"]["predicted_bytes"]
+    assert 0 < compiled < mem["runs"]["eager"]["predicted_bytes"]  # tetrad memory --compile
 
     planner = result["planner"]
     assert planner["calibrate"]["ok"], planner["calibrate"]

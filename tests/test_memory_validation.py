@@ -30,8 +30,8 @@ from tetrad.grid import Grid
 from tetrad.models import recompute
 from tetrad.parallel import init_parameters
 from tetrad.parallel.batch import inputs_targets, local_samples
-from tetrad.parallel.model import ParallelLlama
-from tetrad.plan.memory.activations import saved_activations
+from tetrad.parallel.model import ParallelLlama, compile_blocks
+from tetrad.plan.memory.activations import compiled_block_delta, saved_activations
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.model import ModelSpec
@@ -169,3 +169,71 @@ def test_memory_model_matches_runtime(world_size, tmp_path):
                 for k in want:
                     if k in got:
                         assert got[k] == want[k], f"grid {sizes} {mode} rank {rank} {k}: {line}"
+
+
+COMPILED_MODES = ("none", "selective", "full")
+
+
+def _compiled_worker(out_dir: str) -> None:
+    """One rank: each mode's forward with the blocks under ``torch.compile`` (fp32, and bf16
+    autocast without checkpointing): saved bytes, and under ``full`` one block's recompute set.
+    Forward only: the backward graphs are never compiled (they would add minutes, not bytes)."""
+    grid = Grid.build((1, 1, 1, 1))
+    for mode in COMPILED_MODES:
+        model = ParallelLlama(CFG, grid, mode)
+        init_parameters(model, SEED, grid)
+        compile_blocks(model)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        batch = torch.randint(0, CFG.vocab_size, (MICRO, SEQ + 1))
+        tokens, targets = inputs_targets(local_samples(batch, grid), grid)
+        out = {}
+        with SavedBytes(params) as saved:
+            model.loss_sum(tokens, targets)
+        out["activations"] = saved.total
+        if mode == "none":
+            with SavedBytes(params) as saved, torch.autocast("cpu", dtype=torch.bfloat16):
+                model.loss_sum(tokens, targets)
+            out["activations_bf16"] = saved.total
+        if mode == "full":
+            with torch.no_grad():
+                x = model.tok_embeddings(tokens)
+            x.requires_grad_(True)
+            with SavedBytes(params | {x.untyped_storage().data_ptr()}) as block:
+                model.layers["0"](x, model.layer_factory.positions(tokens.shape[1], x.device))
+            out["recompute"] = block.total
+        with open(f"{out_dir}/compiled_{mode}.json", "w") as fh:
+            json.dump(out, fh)
+
+
+def test_compiled_memory_model_matches_runtime(tmp_path):
+    """``tetrad memory --compile``: the blocks under ``torch.compile`` save what
+    :func:`tetrad.plan.memory.activations.compiled_block_delta` says, to the byte (fp32 in
+    each mode, bf16 autocast without checkpointing, one rank)."""
+    run_distributed(_compiled_worker, 1, str(tmp_path))
+    sizes = (1, 1, 1, 1)
+    for mode in COMPILED_MODES:
+        got = json.loads((tmp_path / f"compiled_{mode}.json").read_text())
+        want = {}
+        for key, dtype in (("activations", "fp32"), ("activations_bf16", "bf16")):
+            s = saved_activations(
+                CFG, sizes, MICRO, SEQ, activation_checkpointing=mode, dtype=dtype, compiled=True
+            )
+            want[key] = s["blocks"] + s["embedding"] + s["final_norm"] + s["loss"]
+            if dtype == "fp32":
+                want["recompute"] = s["recompute"]
+        # bf16 on CPU: SDPA's heads-major output costs each block one more [m, a d] copy (see
+        # predicted())
+        want["activations_bf16"] += CFG.n_layers * 2 * MICRO * SEQ * CFG.q_dim
+        line = ", ".join(f"{k} {got[k]}/{want[k]:.0f}" for k in got)
+        print(f"compiled {mode} measured/predicted bytes: {line}")
+        for k in got:
+            if k != "recompute":
+                assert got[k] == want[k], f"compiled {mode} {k}: {line}"
+        if mode == "full":  # the rebuilt block: counted as eager, an upper bound
+            compiled_set = (
+                want["recompute"] + compiled_block_delta(CFG, sizes, MICRO, SEQ, "fp32")[0]
+            )
+            assert compiled_set <= got["recompute"] <= want["recompute"], line
+        eager = saved_activations(CFG, sizes, MICRO, SEQ, dtype="fp32")
+        compiled = saved_activations(CFG, sizes, MICRO, SEQ, dtype="fp32", compiled=True)
+        assert compiled["blocks"] < eager["blocks"]  # the delta is real: compiling saves less

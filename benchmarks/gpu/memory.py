@@ -29,17 +29,23 @@ def device_memory_bytes(device: str) -> int:
 
 
 def memory_estimate(
-    model: str, micro_batch: int, seq_len: int, gpu_bytes: int, recompute: str = "none"
+    model: str,
+    micro_batch: int,
+    seq_len: int,
+    gpu_bytes: int,
+    recompute: str = "none",
+    compiled: bool = False,
 ) -> dict:
     """``tetrad memory --method tetrad --grid 1,1,1,1 --activation-checkpointing RECOMPUTE
-    ... --json`` (run in this process): the planner's breakdown (bytes) and verdict (``fits``:
-    total <= 80% of ``gpu_bytes``)."""
+    ... --json`` (and ``--compile`` when ``compiled``; run in this process): the planner's
+    breakdown (bytes) and verdict (``fits``: total <= 80% of ``gpu_bytes``)."""
     from tetrad.cli import main as tetrad_main
 
     argv = ["memory", "--method", "tetrad", "--grid", ",".join(map(str, GRID))]
     argv += ["--model", model, "--micro-batch", str(micro_batch)]
     argv += ["--activation-checkpointing", recompute]
     argv += ["--seq-len", str(seq_len), "--gpu-memory-gib", f"{gpu_bytes / GiB:.4f}", "--json"]
+    argv += ["--compile"] if compiled else []
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = tetrad_main(argv)
@@ -60,12 +66,18 @@ def choose_micro_batch(args: argparse.Namespace, prof: Profile, gpu_bytes: int) 
         )
     fitting = [mb for mb, e in estimates.items() if e["fits"]]
     chosen = args.micro_batch or (max(fitting) if fitting else min(estimates))
-    return {"chosen": chosen, "by_micro_batch": estimates, "given": bool(args.micro_batch)}
+    compiled = memory_estimate(args.model, chosen, args.seq_len, gpu_bytes, compiled=True)
+    return {
+        "chosen": chosen,
+        "by_micro_batch": estimates,
+        "compiled": {chosen: compiled},  # the --compile run's estimate (same micro-batch)
+        "given": bool(args.micro_batch),
+    }
 
 
 def memory_part(choice: dict, training: dict | None, gpu_bytes: int) -> dict:
     """Predicted peak of the micro-batch used against the measured peak of each run (ratio
-    measured / predicted)."""
+    measured / predicted; the ``compile`` run against ``tetrad memory --compile``)."""
     mb = training["micro_batch"] if training else choice["chosen"]
     est = choice["by_micro_batch"][mb]
     out = {
@@ -80,8 +92,12 @@ def memory_part(choice: dict, training: dict | None, gpu_bytes: int) -> dict:
     for name, run in (training or {}).get("runs", {}).items():
         if run.get("ok"):
             measured = run["peak_memory_bytes"]
+            predicted = est["total_bytes"]
+            if name == "compile" and mb in choice.get("compiled", {}):
+                predicted = choice["compiled"][mb]["total_bytes"]
             out["runs"][name] = {
                 "measured_bytes": measured,
-                "ratio": measured / est["total_bytes"],
+                "predicted_bytes": predicted,
+                "ratio": measured / predicted,
             }
     return out

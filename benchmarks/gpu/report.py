@@ -101,7 +101,8 @@ def training_rows(result: dict) -> list[list[str]]:
                 [
                     f"memory measured / predicted ({name})",
                     "the run's peak_memory_bytes",
-                    f"{fmt_gib(m['measured_bytes'])} / {fmt_gib(mem['predicted_bytes'])} = "
+                    f"{fmt_gib(m['measured_bytes'])} / "
+                    f"{fmt_gib(m.get('predicted_bytes', mem['predicted_bytes']))} = "
                     f"{m['ratio']:.2f}",
                     "about 1"
                     if result["environment"]["device"] == "cuda"

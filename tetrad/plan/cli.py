@@ -241,6 +241,11 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tetrad: AdamW states sharded over data x context (tetrad train --shard-optimizer)",
     )
+    m.add_argument(
+        "--compile",
+        action="store_true",
+        help="tetrad: the blocks under torch.compile (tetrad train --compile), which save less",
+    )
     m.add_argument("--machine", help="take the GPU memory from this machine")
     m.add_argument("--json", action="store_true", help="print the breakdown as JSON")
 
@@ -328,6 +333,11 @@ def run_memory(args: argparse.Namespace) -> int:
             ctx = StepQuestion(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])
             turn = best_orientation(ctx, grid, 1, ckpt)  # the bytes do not depend on the machine
         if pipe > 1:
+            if args.compile:
+                raise PlanError(
+                    "--compile is modelled on grids without a pipeline axis only: drop --compile "
+                    "(the eager estimate is an upper bound) or the pipe= size"
+                )
             mem, title = pipeline_memory_text(args, model, pipe, grid, turn, ckpt, gpu)
         else:
             mem = runtime_memory(
@@ -338,12 +348,14 @@ def run_memory(args: argparse.Namespace) -> int:
                 gpu,
                 activation_checkpointing=ckpt,
                 shard_optimizer=args.shard_optimizer,
+                compiled=args.compile,
             )
             title = (
                 f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))} "
                 f"({turn}), micro-batch {args.micro_batch} x {args.seq_len} tokens, "
                 f"checkpointing {ckpt}"
                 + (", AdamW states sharded over data x context" if args.shard_optimizer else "")
+                + (", blocks compiled" if args.compile else "")
             )
     else:
         if args.grid:

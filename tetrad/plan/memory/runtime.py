@@ -58,6 +58,7 @@ def runtime_memory(
     async_reduce_scatter: bool = True,
     dp_overlap: bool = True,
     shard_optimizer: bool = False,
+    compiled: bool = False,
 ) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
 
@@ -90,7 +91,9 @@ def runtime_memory(
     ``prefetch``, ``reduce_scatter`` and ``dp_all_reduce`` overlaps (tetrad/parallel/overlap.py,
     on by default). ``shard_optimizer``: the runtime's sharded optimizer (ZeRO-1): the AdamW
     states over ``G_data G_context`` and the end of backward's and the step's buffers of
-    :mod:`tetrad.plan.memory.sharded_optimizer`.
+    :mod:`tetrad.plan.memory.sharded_optimizer`. ``compiled``: the blocks under
+    ``torch.compile`` (``--compile``), which save less
+    (:func:`tetrad.plan.memory.activations.compiled_block_delta`).
 
     Components (0 when not alive at the peak phase): ``parameters``, ``gradients``,
     ``optimizer_states``, ``activations`` (blocks, embedding, final norm), ``logits_and_loss``,
@@ -114,6 +117,7 @@ def runtime_memory(
         async_reduce_scatter,
         dp_overlap,
         shard_optimizer,
+        compiled,
     )
     absent = {
         "activations": 0.0,
@@ -147,6 +151,7 @@ def phase_totals(
     async_reduce_scatter: bool = True,
     dp_overlap: bool = True,
     shard_optimizer: bool = False,
+    compiled: bool = False,
 ) -> dict[str, float]:
     """The total bytes at each phase of :func:`runtime_memory` (its ``phases``; the peak is their
     maximum) without the breakdown by component: what the search's memory lines need.
@@ -166,6 +171,7 @@ def phase_totals(
         async_reduce_scatter,
         dp_overlap,
         shard_optimizer,
+        compiled,
     )
     # each phase: the base plus the sum of its components, in _phases' order (float sums
     # depend on it): equal to runtime_memory()'s phases bit for bit (tests/test_plan_memory_memo.py)
@@ -222,6 +228,7 @@ def _phases(
     async_reduce_scatter: bool,
     dp_overlap: bool,
     shard_optimizer: bool = False,
+    compiled: bool = False,
 ) -> tuple[GridBuffers, dict[str, dict[str, float]]]:
     """The grid's buffers and each phase's live components (bytes) of :func:`runtime_memory`."""
     g, a = _parts(
@@ -235,6 +242,7 @@ def _phases(
         async_reduce_scatter,
         dp_overlap,
         shard_optimizer,
+        compiled,
     )
     phases = {
         "forward: LM head": {
@@ -274,6 +282,7 @@ def _parts(
     async_reduce_scatter: bool,
     dp_overlap: bool,
     shard_optimizer: bool,
+    compiled: bool = False,
 ) -> tuple[GridBuffers, _ActivationTerms]:
     """The grid's buffers and the micro-batch's activation terms of :func:`runtime_memory`, checked
     in its order (sizes, dtype, grid, checkpointing mode), each memoised (the grid's per grid and
@@ -282,7 +291,8 @@ def _parts(
     g = checked_grid_buffers(
         model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
     )
-    a = _activation_terms(model, g.shape, micro_batch, seq_len, activation_checkpointing, dtype)
+    ckpt = activation_checkpointing
+    a = _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled)
     return g, a
 
 
@@ -314,14 +324,19 @@ class _ActivationTerms(NamedTuple):
 
 @functools.lru_cache(maxsize=1 << 14)
 def _activation_terms(
-    model: ModelSpec, shape: tuple, micro_batch: int, seq_len: int, ckpt: str | bool, dtype: str
+    model: ModelSpec,
+    shape: tuple,
+    micro_batch: int,
+    seq_len: int,
+    ckpt: str | bool,
+    dtype: str,
+    compiled: bool = False,
 ) -> _ActivationTerms:
     """:class:`_ActivationTerms` once per model, ``shape = (1, G_context, 1, G_y, G_x)``
     (:attr:`GridBuffers.shape`: nothing here depends on ``G_data`` or ``G_z``), micro-batch,
-    sequence, mode and dtype."""
-    saved = saved_activations(
-        model, shape, micro_batch, seq_len, activation_checkpointing=ckpt, dtype=dtype
-    )
+    sequence, mode, dtype and compilation."""
+    opts = {"activation_checkpointing": ckpt, "dtype": dtype, "compiled": compiled}
+    saved = saved_activations(model, shape, micro_batch, seq_len, **opts)
     e = dtype_bytes(dtype)
     m = micro_batch * local_seq_len(seq_len, context_size(shape))  # this rank's tokens
     return _ActivationTerms(
