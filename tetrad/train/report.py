@@ -1,4 +1,5 @@
-"""``tetrad report RUN_DIR``: where a run's step time went, from its ``metrics.jsonl``."""
+"""``tetrad report RUN_DIR``: where a run's step time went, and how an MoE model routed, from its
+``metrics.jsonl``."""
 
 from __future__ import annotations
 
@@ -124,11 +125,69 @@ def plot_report(s: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+def format_routing(rows: list[dict]) -> str:
+    """An MoE run's routing per block over ``rows`` (:mod:`tetrad.train.routing`): the max/mean
+    expert load (first, mean, worst and last step) and the normalised balance term (mean and
+    last); empty for rows without routing records (a dense model)."""
+    rows = [r for r in rows if "moe_max_load" in r]
+    if not rows:
+        return ""
+    balance = "moe_balance" in rows[-1]
+    lines = [
+        f"MoE routing, steps {rows[0]['step']}-{rows[-1]['step']} (max/mean expert load: 1 "
+        "balanced; balance term / coefficient: 1 balanced)",
+        f"  {'block':<6}{'load first':>11}{'mean':>8}{'worst':>8}{'last':>8}"
+        + (f"{'balance mean':>14}{'last':>8}" if balance else ""),
+    ]
+    for block in rows[-1]["moe_max_load"]:
+        loads = [r["moe_max_load"][block] for r in rows if block in r.get("moe_max_load", {})]
+        line = (
+            f"  {block:<6}{loads[0]:>11.3f}{sum(loads) / len(loads):>8.3f}{max(loads):>8.3f}"
+            f"{loads[-1]:>8.3f}"
+        )
+        if balance:
+            b = [r["moe_balance"][block] for r in rows if block in r.get("moe_balance", {})]
+            line += f"{sum(b) / len(b):>14.3f}{b[-1]:>8.3f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot_routing(rows: list[dict], path: str | Path) -> None:
+    """Line chart of an MoE run: per block, the max/mean expert load and the normalised
+    balance term over the steps. Writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "moe_max_load" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in (
+        (axes[0], "moe_max_load", "max/mean expert load"),
+        (axes[1], "moe_balance", "balance term / coefficient"),
+    ):
+        for block in rows[-1].get(key, {}):
+            got = [(r["step"], r[key][block]) for r in rows if block in r.get(key, {})]
+            ax.plot([s for s, _ in got], [v for _, v in got], label=f"block {block}")
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        if rows[-1].get(key):
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def report(run_dir: str | Path, plot: bool = True) -> str:
-    """Summarize a run; with ``plot`` also write ``RUN_DIR/report.png``. Returns the text."""
+    """Summarize a run; with ``plot`` also write ``RUN_DIR/report.png`` (and for an MoE model
+    ``RUN_DIR/routing.png``: :func:`plot_routing`). Returns the text."""
     rows, skipped = load_metrics(run_dir)
     s = summarize(rows)
     text = format_report(s)
+    routing = format_routing(rows)
+    if routing:
+        text += "\n\n" + routing
     if skipped:
         text += (
             f"\n\n(skipped {skipped} line(s) of metrics.jsonl that are not complete rows: a "
@@ -138,4 +197,7 @@ def report(run_dir: str | Path, plot: bool = True) -> str:
         out = Path(run_dir) / "report.png"
         plot_report(s, out)
         text += f"\n\nchart: {out}"
+        if routing:
+            plot_routing(rows, Path(run_dir) / "routing.png")
+            text += f", routing: {Path(run_dir) / 'routing.png'}"
     return text
