@@ -121,3 +121,16 @@ def test_moe_tensor_grid_sequence_refused_by_preflight(corpus, tmp_path, monkeyp
         trainer.preflight(bad)
     assert "\n" not in str(e.value)
     trainer.preflight(config(corpus, tmp_path / "run", 2, model=MODEL, grid="1,1,2,2"))
+
+
+def test_routing_watch_names_a_block_once_per_episode():
+    """A load wavering around the threshold is named once; again only after a recovery that
+    lasted WARN_STEPS steps."""
+    from tetrad.spec.presets import PRESETS
+    from tetrad.train.routing import RoutingWatch
+
+    watch = RoutingWatch(PRESETS["moe-tiny"], threshold=1.5, steps=3)
+    loads = [1.6, 1.7, 1.8, 1.2, 1.9, 1.9, 1.9, 1.1, 1.1, 1.1, 1.6, 1.6, 1.6]
+    rows = [{"step": i + 1, "moe_max_load": {"1": v}} for i, v in enumerate(loads)]
+    named = [row["step"] for row in rows if watch.update([row])]
+    assert named == [3, 13]  # not at 7 (back below for one step only); at 13 after 8-10

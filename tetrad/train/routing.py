@@ -92,7 +92,9 @@ def routing_summary(row: dict) -> str:
 
 class RoutingWatch:
     """Names a collapsing block: one line when an MoE block's max/mean load has stayed above
-    ``threshold`` for ``steps`` consecutive steps, again only after it came back below.
+    ``threshold`` for ``steps`` consecutive steps; the block is named again only after it has
+    stayed at or below the threshold for ``steps`` steps (a load wavering around the threshold
+    gives one line, not one per crossing).
 
     Args:
         cfg: the model (its ``E`` and ``k`` give the load of total collapse, ``E/k``).
@@ -102,22 +104,29 @@ class RoutingWatch:
     def __init__(self, cfg: ModelSpec, threshold: float = LOAD_WARN, steps: int = WARN_STEPS):
         self.collapsed = cfg.n_experts / cfg.top_k if cfg.is_moe else 1.0
         self.threshold, self.steps = threshold, steps
-        self.run: dict[str, int] = {}  # block -> consecutive steps above the threshold
+        self.above: dict[str, int] = {}  # block -> consecutive steps above the threshold
+        self.below: dict[str, int] = {}  # block -> consecutive steps at or below it
+        self.named: set[str] = set()  # blocks warned about and not yet back below
 
     def update(self, rows: list[dict]) -> list[str]:
         """Take the next ``metrics.jsonl`` rows (in step order); return the warning lines."""
         lines = []
         for row in rows:
             for block, load in row.get("moe_max_load", {}).items():
-                n = self.run.get(block, 0) + 1 if load > self.threshold else 0
-                self.run[block] = n
-                if n == self.steps:
-                    balance = row.get("moe_balance", {}).get(block)
-                    extra = f", balance term {balance:.2f}" if balance is not None else ""
-                    lines.append(
-                        f"tetrad: warning: routing collapse in MoE block {block}: its busiest "
-                        f"expert has had over {self.threshold:g}x the mean load for {n} steps "
-                        f"(step {row['step']}: {load:.2f}x{extra}; total collapse is "
-                        f"{self.collapsed:g}x): raise aux_loss_coef or bias_update_rate"
-                    )
+                high = load > self.threshold
+                self.above[block] = self.above.get(block, 0) + 1 if high else 0
+                self.below[block] = 0 if high else self.below.get(block, 0) + 1
+                if self.below[block] >= self.steps:
+                    self.named.discard(block)
+                if self.above[block] < self.steps or block in self.named:
+                    continue
+                self.named.add(block)
+                balance = row.get("moe_balance", {}).get(block)
+                extra = f", balance term {balance:.2f}" if balance is not None else ""
+                lines.append(
+                    f"tetrad: warning: routing collapse in MoE block {block}: its busiest "
+                    f"expert has had over {self.threshold:g}x the mean load for "
+                    f"{self.above[block]} steps (step {row['step']}: {load:.2f}x{extra}; total "
+                    f"collapse is {self.collapsed:g}x): raise aux_loss_coef or bias_update_rate"
+                )
         return lines
