@@ -130,6 +130,13 @@ def test_trainer_reads_losses_only_when_logging(corpus, tmp_path, monkeypatch): 
     assert json.loads((tmp_path / "reads.json").read_text()) == [[]] * 6
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # an MoE model with expert parallelism: the routing statistics are taken on the device;
+    # the count exchange of its one MoE block, once per micro-batch (8 / 2 ranks / 2)
+    moe = config(corpus, tmp_path / "moe", 3, model="moe-tiny,vocab_size=0", grid="data=2,expert=2")
+    run_distributed(_train_counting, 2, moe, str(tmp_path))
+    assert json.loads((tmp_path / "reads.json").read_text()) == [["tolist"] * 2] * 3
+    rows = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").open()]
+    assert all(r["moe_max_load"].keys() == {"1"} for r in rows)
 
 
 def _moe_steps(out: str) -> None:
