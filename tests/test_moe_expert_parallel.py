@@ -180,6 +180,7 @@ def test_resume_across_expert_parallel_sizes(corpus, tmp_path, monkeypatch):  # 
         assert abs(g - e) <= 1e-5 * abs(e), (got, expected)
     for g, e in zip(got_rows, rows, strict=True):  # routing figures: G_expert 2, 4, then 1
         assert g["moe_max_load"] == e["moe_max_load"], (g["step"], g["moe_max_load"])
+        assert g["moe_expert_load"] == e["moe_expert_load"], g["step"]
         assert g["moe_balance"] == pytest.approx(e["moe_balance"], rel=1e-5), g["step"]
     a = full_state(whole / "checkpoints/step_0000004")
     b = full_state(split / "checkpoints/step_0000004")  # written with G_expert = 4

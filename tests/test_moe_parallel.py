@@ -104,12 +104,13 @@ def parallel_run(name, curves, ref_state, grids):
 
 def check_routing(parts, grid, want: dict, label: str) -> None:
     """The step's routing figures per MoE block (:mod:`tetrad.train.routing`), summed over the
-    grid, against the reference's: the max/mean loads exactly (counts of the same choices), the
-    balance terms to 1e-5 relative as the losses."""
+    grid, against the reference's: the max/mean and per-expert loads exactly (counts of the same
+    choices), the balance terms to 1e-5 relative as the losses."""
     cfg = parts[0].cfg
     got = routing_row(sum_routing(take_step_routing(parts, cfg), grid), cfg, BATCH)
-    assert got.keys() == want.keys() == {"moe_max_load", "moe_balance"}, label
+    assert got.keys() == want.keys() == {"moe_max_load", "moe_balance", "moe_expert_load"}, label
     assert got["moe_max_load"] == pytest.approx(want["moe_max_load"], rel=1e-12), label
+    assert got["moe_expert_load"] == want["moe_expert_load"], label
     assert got["moe_balance"] == pytest.approx(want["moe_balance"], rel=1e-5), label
 
 

@@ -70,4 +70,5 @@ def test_train_and_resume_across_tensor_grids(corpus, tmp_path, monkeypatch):  #
         assert abs(g - e) <= 1e-5 * abs(e), (got, expected)
     for g, e in zip(got_rows, rows, strict=True):  # the routing: y=2, then x=2 from step 3
         assert g["moe_max_load"] == e["moe_max_load"], (g["step"], g["moe_max_load"])
+        assert g["moe_expert_load"] == e["moe_expert_load"], g["step"]
         assert g["moe_balance"] == pytest.approx(e["moe_balance"], rel=1e-5), g["step"]

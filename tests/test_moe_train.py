@@ -100,6 +100,7 @@ def test_collapsing_routing_is_named(corpus, tmp_path, monkeypatch):  # noqa: F8
         warnings = [line for line in open(out) if "routing collapse" in line]
         if collapse:
             assert all(r["moe_max_load"]["1"] == 2.0 for r in rows)
+            assert all(r["moe_expert_load"]["1"] == [2.0, 2.0, 0.0, 0.0] for r in rows)
             assert len(warnings) == 1 and "MoE block 1" in warnings[0], warnings
             assert f"for {WARN_STEPS} steps (step {WARN_STEPS}: 2.00x" in warnings[0]
             assert any("| load 2.00 (block 1) balance " in line for line in open(out))

@@ -153,19 +153,25 @@ def format_routing(rows: list[dict]) -> str:
 
 
 def plot_routing(rows: list[dict], path: str | Path) -> None:
-    """Line chart of an MoE run: per block, the max/mean expert load and the normalised
-    balance term over the steps. Writes a PNG."""
+    """Charts of an MoE run: per block, the max/mean expert load and the normalised balance
+    term over the steps; below, where the rows list them (``moe_expert_load``), each block's
+    load per expert over the steps (over the mean: 1 balanced). Writes a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if "moe_max_load" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in (
-        (axes[0], "moe_max_load", "max/mean expert load"),
-        (axes[1], "moe_balance", "balance term / coefficient"),
+    blocks = list(rows[-1]["moe_max_load"])
+    experts = [r for r in rows if "moe_expert_load" in r]
+    cols = 4  # heat maps per row, below the two line charts
+    rows_of_maps = -(-len(blocks) // cols) if experts else 0
+    fig = plt.figure(figsize=(16, 4 + 3.5 * rows_of_maps))
+    grid = fig.add_gridspec(1 + rows_of_maps, cols)
+    for i, (key, title) in enumerate(
+        (("moe_max_load", "max/mean expert load"), ("moe_balance", "balance term / coefficient"))
     ):
+        ax = fig.add_subplot(grid[0, 2 * i : 2 * i + 2])
         for block in rows[-1].get(key, {}):
             got = [(r["step"], r[key][block]) for r in rows if block in r.get(key, {})]
             ax.plot([s for s, _ in got], [v for _, v in got], label=f"block {block}")
@@ -174,6 +180,20 @@ def plot_routing(rows: list[dict], path: str | Path) -> None:
         ax.set_title(title)
         if rows[-1].get(key):
             ax.legend(fontsize=7)
+    steps = [r["step"] for r in experts]
+    for j, block in enumerate(blocks if experts else []):
+        ax = fig.add_subplot(grid[1 + j // cols, j % cols])
+        loads = [r["moe_expert_load"][block] for r in experts]
+        image = ax.imshow(
+            list(zip(*loads, strict=True)),
+            aspect="auto",
+            origin="lower",
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(loads[0]) - 0.5),
+        )
+        ax.set_title(f"block {block}: load per expert / mean", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert")
+        fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -29,6 +29,9 @@ expert gets 50% more token slots than the mean (1 is balanced, ``E/k`` total col
 asks a healthy run to stay below 1.3 after its first 100 steps)."""
 WARN_STEPS = 5
 """Consecutive steps above :data:`LOAD_WARN` before a block is named."""
+EXPERT_LOADS_MAX = 64
+"""The most experts whose loads a ``metrics.jsonl`` row lists one by one (``moe_expert_load``):
+beyond, a row would grow by ``L_m E`` numbers (DeepSeek-V3: 58 x 256)."""
 
 
 def moe_block_ids(cfg: ModelSpec) -> list[int]:
@@ -61,19 +64,25 @@ def sum_routing(stats: torch.Tensor, grid: Grid) -> torch.Tensor:
     return all_reduce(stats, grid, Axis.WORLD)
 
 
-def routing_row(
-    stats: torch.Tensor | list, cfg: ModelSpec, sequences: int
-) -> dict[str, dict[str, float]]:
+def routing_row(stats: torch.Tensor | list, cfg: ModelSpec, sequences: int) -> dict[str, dict]:
     """The ``metrics.jsonl`` entries of one step from its statistics summed over the grid,
-    ``[L_m, E + 1]`` (:func:`sum_routing`), and its global batch of ``sequences``:
-    ``moe_max_load`` (block index -> max/mean expert load) and, when ``aux_loss_coef > 0``,
-    ``moe_balance`` (block index -> the block's load-balancing term over its coefficient, 1.0
-    balanced; :func:`tetrad.models.moe.routing_figures`)."""
-    max_load, balance = routing_figures(torch.as_tensor(stats, dtype=torch.float64), sequences)
+    ``[L_m, E + 1]`` (:func:`sum_routing`), and its global batch of ``sequences``, each keyed by
+    the MoE block's index: ``moe_max_load`` (the max/mean expert load), ``moe_balance`` (the
+    block's load-balancing term over its coefficient, 1.0 balanced; only when
+    ``aux_loss_coef > 0``; :func:`tetrad.models.moe.routing_figures`) and, for at most
+    :data:`EXPERT_LOADS_MAX` experts, ``moe_expert_load`` (each expert's slots over the mean,
+    ``E`` values rounded to 4 decimals: 1 each when balanced)."""
+    stats = torch.as_tensor(stats, dtype=torch.float64)
+    max_load, balance = routing_figures(stats, sequences)
     blocks = [str(i) for i in moe_block_ids(cfg)]
     row = {"moe_max_load": dict(zip(blocks, max_load.tolist(), strict=True))}
     if cfg.aux_loss_coef > 0:
         row["moe_balance"] = dict(zip(blocks, balance.tolist(), strict=True))
+    if cfg.n_experts <= EXPERT_LOADS_MAX:
+        counts = stats[:, :-1]
+        loads = counts / counts.mean(-1, keepdim=True).clamp_min(1e-300)
+        per_block = [[round(v, 4) for v in block] for block in loads.tolist()]
+        row["moe_expert_load"] = dict(zip(blocks, per_block, strict=True))
     return row
 
 
