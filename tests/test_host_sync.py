@@ -1,5 +1,7 @@
 """A training step never waits for the device: no ``.item()``, ``.tolist()``, ``.cpu()``,
-``.numpy()`` or tensor truth test inside a step; the trainer reads losses only at logging steps.
+``.numpy()``, tensor truth test or operator sized by tensor values (``bincount``, ``nonzero``...)
+inside a step; the trainer reads losses only at logging steps. An MoE step reads only the one
+count exchange per block and micro-batch that expert parallelism's uneven all-to-alls need.
 
 On CPU every such read is still a call we can count: ``item()`` and truth tests reach the
 dispatcher as ``aten._local_scalar_dense`` (counted by a dispatch mode), the others are patched.
@@ -24,23 +26,48 @@ from tetrad.spec.overlap import OVERLAPS
 from tetrad.train import trainer
 from tetrad.train.step import build_optimizer, train_step
 
+aten = torch.ops.aten
+SIZED_BY_VALUES = {
+    aten.bincount.default: "bincount",
+    aten.nonzero.default: "nonzero",
+    aten.masked_select.default: "masked_select",
+    aten._unique2.default: "unique",
+    aten.unique_consecutive.default: "unique",
+    aten.unique_dim.default: "unique",
+}
+"""Operators whose output size depends on their input's values: on a GPU each one copies a
+count to the host and waits for it (on CPU they read memory, so they are named here)."""
+
 
 class HostReads(TorchDispatchMode):
-    """Counts the reads of tensor values by the host while active (``self.reads``)."""
+    """Counts the reads of tensor values by the host while active (``self.reads``), and the
+    operators that size their output from tensor values (:data:`SIZED_BY_VALUES`,
+    ``repeat_interleave`` without ``output_size``, indexing by a boolean mask): host reads on a
+    GPU."""
 
     PATCHED = ("tolist", "cpu", "numpy")
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer | None = None):
         super().__init__()
         self.reads: list[str] = []
         self.optimizer = optimizer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            steps = {s["step"].data_ptr() for s in self.optimizer.state.values() if "step" in s}
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default:
+            state = self.optimizer.state.values() if self.optimizer is not None else ()
+            steps = {s["step"].data_ptr() for s in state if "step" in s}
             if args[0].data_ptr() not in steps:
                 self.reads.append("item")
-        return func(*args, **(kwargs or {}))
+        elif func in SIZED_BY_VALUES:
+            self.reads.append(SIZED_BY_VALUES[func])
+        elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            self.reads.append("repeat_interleave")
+        elif func is aten.index.Tensor and any(
+            i is not None and i.dtype == torch.bool for i in args[1]
+        ):
+            self.reads.append("boolean index")
+        return func(*args, **kwargs)
 
     def __enter__(self):
         self.saved = {name: getattr(torch.Tensor, name) for name in self.PATCHED}
@@ -103,3 +130,44 @@ def test_trainer_reads_losses_only_when_logging(corpus, tmp_path, monkeypatch): 
     assert json.loads((tmp_path / "reads.json").read_text()) == [[]] * 6
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # an MoE model with expert parallelism: the routing statistics are taken on the device;
+    # the count exchange of its one MoE block, once per micro-batch (8 / 2 ranks / 2)
+    moe = config(corpus, tmp_path / "moe", 3, model="moe-tiny,vocab_size=0", grid="data=2,expert=2")
+    run_distributed(_train_counting, 2, moe, str(tmp_path))
+    assert json.loads((tmp_path / "reads.json").read_text()) == [["tolist"] * 2] * 3
+    rows = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").open()]
+    assert all(r["moe_max_load"].keys() == {"1"} for r in rows)
+
+
+def _moe_steps(out: str) -> None:
+    """Two MoE training steps on ``data=2``, without and with expert parallelism (2): the
+    host reads of each."""
+    from tests.test_moe_parallel import CONFIGS
+
+    cfg = CONFIGS["sigmoid-bias"]  # with selection biases: their counts too
+    reads = {}
+    for ep in (1, 2):
+        grid = Grid.build((2, 1, 1, 1, 1), expert=ep)
+        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce",))
+        init_parameters(model, 0, grid)
+        opt = build_optimizer(model, 1e-3, 0.1)
+        with HostReads(opt) as mode:
+            for batch in batches()[:2]:
+                train_step(model, opt, grid, batch % cfg.vocab_size, 2, 1.0)
+        reads[ep] = mode.reads
+    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(reads))
+
+
+def test_moe_step_reads_only_the_count_exchange(tmp_path):
+    """Router, dispatch, experts, combine, load-balancing loss, routing statistics and the
+    selection-bias update read nothing on the host; expert parallelism reads the split sizes
+    of its all-to-alls once per MoE block and micro-batch (``tolist``), nothing else."""
+    from tests.test_moe_parallel import CONFIGS
+
+    cfg = CONFIGS["sigmoid-bias"]
+    run_distributed(_moe_steps, 2, str(tmp_path))
+    # 2 steps x (8 samples / 2 data ranks / micro-batches of 2) x MoE blocks
+    per_step = 2 * 2 * cfg.moe_layers
+    for f in sorted(tmp_path.glob("rank*.json")):
+        reads = json.loads(f.read_text())
+        assert reads == {"1": [], "2": ["tolist"] * per_step}, f"{f.name}: {reads}"

@@ -12,8 +12,10 @@ from tetrad.models.moe import (
     GroupedExperts,
     Router,
     can_grouped_mm,
+    expert_counts,
     expert_swiglu,
     load_balance_loss,
+    routing_figures,
     sort_by_expert,
 )
 from tetrad.models.reference import Llama
@@ -123,6 +125,24 @@ def test_load_balance_loss_is_one_when_balanced_and_larger_when_not():
     collapsed[..., 1] = 1
     # all slots on experts 0 and 1, all probability on 0: E * (1/2 * 1) = 2 per sequence
     assert load_balance_loss(skew, collapsed, e).item() == pytest.approx(2 * b)
+
+
+def test_load_balance_loss_value_and_routing_figures():
+    """``E sum_i f_i P_i`` on a case where neither ``f`` nor ``P`` is uniform (either one
+    uniform gives 1 whatever the other: why the max/mean load is reported beside it), and the
+    figures a run reports from the summed statistics."""
+    e = 4
+    ids = torch.tensor([[[0, 1], [0, 2], [0, 1], [0, 2]]])  # slots: 4, 2, 2, 0 of 8
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1]).expand(1, 4, e)
+    # f = [1/2, 1/4, 1/4, 0]: 4 * (0.5 * 0.4 + 0.25 * 0.3 + 0.25 * 0.2) = 1.3
+    assert load_balance_loss(probs, ids, e).item() == pytest.approx(1.3)
+    assert load_balance_loss(torch.full((1, 4, e), 1 / e), ids, e).item() == pytest.approx(1)
+    counts = expert_counts(ids, e)
+    assert counts.tolist() == [4, 2, 2, 0] and counts.dtype == torch.int64
+    # two such sequences: their summed statistics, then per step max/mean 4/2, balance 1.3
+    stats = torch.cat([2 * counts.float(), torch.tensor([2 * 1.3])])
+    max_load, balance = routing_figures(torch.stack([stats, stats]), 2)
+    assert max_load.tolist() == [2.0, 2.0] and balance.tolist() == pytest.approx([1.3, 1.3])
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

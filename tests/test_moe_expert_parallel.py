@@ -17,7 +17,17 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_moe_parallel import CLIP, CONFIGS, LR, MICRO, SEED, batches, reference_run, set_lr
+from tests.test_moe_parallel import (
+    CLIP,
+    CONFIGS,
+    LR,
+    MICRO,
+    SEED,
+    batches,
+    check_routing,
+    reference_run,
+    set_lr,
+)
 from tests.test_train import corpus  # noqa: F401  (a fixture)
 from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
@@ -69,9 +79,10 @@ def ep_run(name, curves, ref_state, grids):
             got = [float(t) for t in train_step_losses(model, opt, grid, batch, MICRO, CLIP)]
             assert (grid.comm.stats(Axis.EXPERT).calls > 0) == (ep > 1)
             for what, g, r, tol in zip(
-                ("lm", "aux", "norm"), got, curves[step], (1e-5, 1e-5, 1e-4), strict=True
+                ("lm", "aux", "norm"), got, curves[step][:3], (1e-5, 1e-5, 1e-4), strict=True
             ):
                 assert abs(g - r) <= tol * abs(r), f"{name} {sizes} ep{ep} {step} {what}: {g} {r}"
+            check_routing([model], grid, curves[step][3], f"{name} {sizes} ep{ep} {step}")
         check_weights([model], ref_state, grid, f"{name} {sizes} ep{ep}")
 
 
@@ -114,9 +125,10 @@ def pipeline_run(name, curves, ref_state, grids):
             set_lr(opt, step)
             got = [float(t) for t in pipeline_train_step_losses(pipeline, opt, batch, CLIP)]
             for what, g, r, tol in zip(
-                ("lm", "aux", "norm"), got, curves[step], (1e-5, 1e-5, 1e-4), strict=True
+                ("lm", "aux", "norm"), got, curves[step][:3], (1e-5, 1e-5, 1e-4), strict=True
             ):
                 assert abs(g - r) <= tol * abs(r), f"{name} pipe{pipe} ep{ep} {step} {what} {g} {r}"
+            check_routing(pipeline.parts, grid, curves[step][3], f"{name} pipe{pipe} {step}")
         check_weights(pipeline.parts, ref_state, grid, f"{name} pipe{pipe} ep{ep}")
 
 
@@ -148,7 +160,7 @@ def _train(cfg):
 def test_resume_across_expert_parallel_sizes(corpus, tmp_path, monkeypatch):  # noqa: F811
     """The MoE run on ``data=4`` resumed from its DCP checkpoints with another expert
     parallelism each time (2 -> 4 -> none, the experts' shards re-cut) gives the uninterrupted
-    run's losses; the checkpoints' keys do not depend on ``G_expert``."""
+    run's losses and routing figures; the checkpoints' keys do not depend on ``G_expert``."""
     from tests.test_resume import full_state
     from tests.test_train import config, losses
 
@@ -157,15 +169,19 @@ def test_resume_across_expert_parallel_sizes(corpus, tmp_path, monkeypatch):  # 
     # a flat learning rate after the warm-up: the cosine's end is the run's --steps
     opts = dict(model=MODEL, grid="data=4,expert=2", checkpoint_every=2, lr=3e-3, min_lr=3e-3)
     run_distributed(_train, 4, config(corpus, whole, 6, **opts))
-    _, expected = losses(whole)
+    rows, expected = losses(whole)
     run_distributed(_train, 4, config(corpus, split, 2, **opts))
     run_distributed(_train, 4, config(corpus, split, 4, resume=True, **opts, expert_parallel=4))
     opts["grid"] = "4,1,1,1"
     run_distributed(_train, 4, config(corpus, split, 6, resume=True, **opts))
-    _, got = losses(split)
+    got_rows, got = losses(split)
     assert len(got) == len(expected) == 6
     for g, e in zip(got, expected, strict=True):
         assert abs(g - e) <= 1e-5 * abs(e), (got, expected)
+    for g, e in zip(got_rows, rows, strict=True):  # routing figures: G_expert 2, 4, then 1
+        assert g["moe_max_load"] == e["moe_max_load"], (g["step"], g["moe_max_load"])
+        assert g["moe_expert_load"] == e["moe_expert_load"], g["step"]
+        assert g["moe_balance"] == pytest.approx(e["moe_balance"], rel=1e-5), g["step"]
     a = full_state(whole / "checkpoints/step_0000004")
     b = full_state(split / "checkpoints/step_0000004")  # written with G_expert = 4
     assert a.keys() == b.keys() and a["model.layers.1.feed_forward.experts.w1"].shape[0] == 4

@@ -3,9 +3,10 @@
 Experts are replicated on every rank here (expert parallelism: tests/test_moe_expert_parallel.py),
 so data parallelism and Z are the axes tested: a few
 AdamW steps (gradient accumulation, clipping, warm-up) on the same global batches must give the
-reference's LM loss and load-balancing loss to 1e-5 relative, its gradient norm to 1e-4, and
-its updated weights (and aux-loss-free selection biases) to 0.05 lr, as tests/test_model.py
-requires of the dense model. Y and X grids: tests/test_moe_tensor.py.
+reference's LM loss and load-balancing loss to 1e-5 relative, its gradient norm to 1e-4, its
+routing figures per MoE block (max/mean expert load, normalised balance term), and its updated
+weights (and aux-loss-free selection biases) to 0.05 lr, as tests/test_model.py requires of the
+dense model. Y and X grids: tests/test_moe_tensor.py.
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ from tetrad.parallel.model import ParallelLlama
 from tetrad.spec.grid import GridError
 from tetrad.spec.presets import PRESETS
 from tetrad.spec.sharding import check_grid
+from tetrad.train.routing import routing_row, sum_routing, take_step_routing
 from tetrad.train.step import build_optimizer, lr_at, train_step_losses
 
 # sigmoid scores with a selection bias in one config; softmax, a shared expert, a dense block and
@@ -61,6 +63,7 @@ def reference_run(cfg):
         set_lr(opt, step)
         lm = model.loss_sum(batch[:, :-1], batch[:, 1:]) / batch[:, 1:].numel()
         aux = model.aux_loss_sum() / batch.shape[0]
+        model.record_routing()
         (lm + aux).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item()
         opt.step()
@@ -68,7 +71,8 @@ def reference_run(cfg):
         for r in model.modules():
             if isinstance(r, Router) and r.bias is not None:
                 r.update_bias(r.tokens_per_expert.clone())
-        curves.append((lm.item(), aux.item(), norm))
+        routing = routing_row(take_step_routing([model], cfg), cfg, BATCH)
+        curves.append((lm.item(), aux.item(), norm, routing))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return curves, state
 
@@ -84,9 +88,10 @@ def parallel_run(name, curves, ref_state, grids):
             set_lr(opt, step)
             got = [float(t) for t in train_step_losses(model, opt, grid, batch, MICRO, CLIP)]
             for what, g, r, tol in zip(
-                ("lm", "aux", "norm"), got, curves[step], (1e-5, 1e-5, 1e-4), strict=True
+                ("lm", "aux", "norm"), got, curves[step][:3], (1e-5, 1e-5, 1e-4), strict=True
             ):
                 assert abs(g - r) <= tol * abs(r), f"{name} {sizes} step {step} {what}: {g} vs {r}"
+            check_routing([model], grid, curves[step][3], f"{name} {sizes} step {step}")
         worst = 0.0
         for key, t in model.state_dict().items():
             p = dict(model.named_parameters()).get(key)
@@ -95,6 +100,18 @@ def parallel_run(name, curves, ref_state, grids):
             )
             worst = max(worst, (t - want).abs().max().item())
         assert worst <= 0.05 * LR, f"{name} {sizes}: weights differ by {worst / LR:.3g} lr"
+
+
+def check_routing(parts, grid, want: dict, label: str) -> None:
+    """The step's routing figures per MoE block (:mod:`tetrad.train.routing`), summed over the
+    grid, against the reference's: the max/mean and per-expert loads exactly (counts of the same
+    choices), the balance terms to 1e-5 relative as the losses."""
+    cfg = parts[0].cfg
+    got = routing_row(sum_routing(take_step_routing(parts, cfg), grid), cfg, BATCH)
+    assert got.keys() == want.keys() == {"moe_max_load", "moe_balance", "moe_expert_load"}, label
+    assert got["moe_max_load"] == pytest.approx(want["moe_max_load"], rel=1e-12), label
+    assert got["moe_expert_load"] == want["moe_expert_load"], label
+    assert got["moe_balance"] == pytest.approx(want["moe_balance"], rel=1e-5), label
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

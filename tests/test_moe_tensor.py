@@ -52,7 +52,8 @@ def _train(cfg):
 
 def test_train_and_resume_across_tensor_grids(corpus, tmp_path, monkeypatch):  # noqa: F811
     """``tetrad train`` of the MoE model on ``y=2``, resumed from its step-2 checkpoint on
-    ``x=2``, gives the uninterrupted ``y=2`` run's losses (1e-5)."""
+    ``x=2``, gives the uninterrupted ``y=2`` run's losses (1e-5) and routing figures per block
+    (loads exact, balance terms to 1e-5)."""
     from tests.test_train import config, losses
 
     monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))
@@ -60,10 +61,14 @@ def test_train_and_resume_across_tensor_grids(corpus, tmp_path, monkeypatch):  #
     model = "moe-tiny,vocab_size=0,router_score=sigmoid,bias_update_rate=0.01"
     opts = dict(model=model, checkpoint_every=2, lr=3e-3, min_lr=3e-3)
     run_distributed(_train, 2, config(corpus, whole, 4, grid="1,1,2,1", **opts))
-    _, expected = losses(whole)
+    rows, expected = losses(whole)
     run_distributed(_train, 2, config(corpus, split, 2, grid="1,1,2,1", **opts))
     run_distributed(_train, 2, config(corpus, split, 4, resume=True, grid="1,1,1,2", **opts))
-    _, got = losses(split)
+    got_rows, got = losses(split)
     assert len(got) == len(expected) == 4
     for g, e in zip(got, expected, strict=True):
         assert abs(g - e) <= 1e-5 * abs(e), (got, expected)
+    for g, e in zip(got_rows, rows, strict=True):  # the routing: y=2, then x=2 from step 3
+        assert g["moe_max_load"] == e["moe_max_load"], (g["step"], g["moe_max_load"])
+        assert g["moe_expert_load"] == e["moe_expert_load"], g["step"]
+        assert g["moe_balance"] == pytest.approx(e["moe_balance"], rel=1e-5), g["step"]

@@ -52,6 +52,18 @@ def test_rows_become_scalars_and_a_resume_purges_later_steps(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 3, 4]  # trimmed elsewhere
 
 
+def test_moe_rows_give_routing_scalars_per_block():
+    row = _row(1, 4.0) | {
+        "aux_loss": 0.02,
+        "moe_max_load": {"1": 1.25, "3": 1.5},
+        "moe_balance": {"1": 1.01, "3": 1.02},
+    }
+    got = scalars(row)
+    assert got["train/aux_loss"] == 0.02
+    assert got["moe/max_load/block_3"] == 1.5 and got["moe/balance/block_1"] == 1.01
+    assert sum(tag.startswith("moe/") for tag in got) == 4
+
+
 def test_no_tensorboard_writes_only_metrics_jsonl(tmp_path):
     log = MetricsLog(tmp_path, tensorboard=False, start=0)
     log.write([_row(1, 1.0)])

@@ -207,7 +207,7 @@ def _export(args: argparse.Namespace) -> None:
 
 def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `tetrad train`")
-    p.add_argument("--no-plot", action="store_true", help="skip report.png")
+    p.add_argument("--no-plot", action="store_true", help="skip report.png (and routing.png)")
 
 
 def _report(args: argparse.Namespace) -> None:
@@ -252,7 +252,8 @@ COMMANDS: dict[str, Command] = {
     "report": Command(
         "where a run's step time went (compute, communication)",
         "Summarize RUN_DIR/metrics.jsonl: step time split into compute and exposed "
-        "communication per mesh axis; writes report.png.",
+        "communication per mesh axis; writes report.png. For an MoE model also the routing per "
+        "block (max/mean expert load, balance term over its coefficient) and routing.png.",
         _report_arguments,
         _report,
     ),

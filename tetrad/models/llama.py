@@ -318,6 +318,35 @@ class Transformer(nn.Module):
         ]
         return torch.stack(parts).sum() if parts else None
 
+    def moe_blocks(self) -> dict[int, MoEFeedForward]:
+        """This part's MoE feed-forwards by block index (0-based, over the whole model)."""
+        return {
+            int(i): b.feed_forward
+            for i, b in self.layers.items()
+            if isinstance(b.feed_forward, MoEFeedForward)
+        }
+
+    def record_routing(self) -> None:
+        """Add the last forward's routing statistics of each MoE block
+        (:attr:`tetrad.models.moe.MoEFeedForward.routing`, ``[E + 1]``) to the block's sum since
+        :meth:`take_routing`, on the device (no host read). Call once per training forward,
+        after it and before its backward: a recomputed forward (activation checkpointing) only
+        rewrites the same statistics. Nothing for a forward without grad."""
+        for ff in self.moe_blocks().values():
+            if ff.routing is not None:
+                got = ff.routing_sum
+                ff.routing_sum = ff.routing if got is None else got + ff.routing
+                ff.routing = None
+
+    def take_routing(self) -> dict[int, torch.Tensor]:
+        """The routing statistics recorded since the last call, ``[E + 1]`` per MoE block index
+        (blocks with none left out), and forget them."""
+        out = {}
+        for i, ff in self.moe_blocks().items():
+            if ff.routing_sum is not None:
+                out[i], ff.routing_sum = ff.routing_sum, None
+        return out
+
     def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of the per-token cross-entropies (nats) of this rank's ``[b, s]`` tokens."""
         vocab = self.cfg.unpadded_vocab or None

@@ -71,7 +71,7 @@ class Router(nn.Module):
         if self.cfg.route_scale != 1.0:
             weights = weights * self.cfg.route_scale
         if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled():
-            self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=self.n_experts)
+            self.tokens_per_expert += expert_counts(ids, self.n_experts, torch.float32)
         return ids, weights, probs
 
     @torch.no_grad()
@@ -140,14 +140,25 @@ def load_balance_loss(
     return per_group.sum() * (b if scope == "batch" else 1)
 
 
+def expert_counts(
+    ids: torch.Tensor, n_experts: int, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """The token slots per expert, ``[E]`` in ``dtype``, of the chosen experts ``ids`` (any
+    shape, values in ``[0, E)``). A ``scatter_add`` into ``E`` zeros: the output's size is
+    known without reading ``ids``, so no host synchronisation (``torch.bincount`` reads the
+    largest id first: two device-to-host copies per call on CUDA)."""
+    flat = ids.flatten()
+    counts = torch.zeros(n_experts, dtype=dtype, device=ids.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=dtype))
+
+
 def sort_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``T k`` token slots of ``ids [T, k]`` in expert order: ``(order [T k], counts [E])``
     where ``order`` lists flat slot indices (slot ``t k + j`` is token ``t``'s ``j``-th choice),
-    stably sorted by expert (deterministic), and ``counts`` the slots per expert."""
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
-    return order, counts
+    stably sorted by expert (deterministic), and ``counts`` the slots per expert (int64).
+    No host synchronisation."""
+    order = torch.argsort(ids.flatten(), stable=True)
+    return order, expert_counts(ids, n_experts)
 
 
 def combine(
@@ -199,13 +210,13 @@ def expert_swiglu(
     """
     if grouped is None:
         grouped = can_grouped_mm(xs, w1.shape[-1], w1.shape[-2])
-    if grouped:
+    if grouped:  # no host synchronisation (on CUDA before SM90 torch's fallback reads offs)
         offs = torch.cumsum(counts, 0).to(torch.int32)
         gate = F.grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
         up = F.grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
         return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
     outs, start = [], 0
-    for e, n in enumerate(counts.tolist()):
+    for e, n in enumerate(counts.tolist()):  # a host read of the counts: the loop's sizes
         rows = xs[start : start + n]
         outs.append((F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())) @ w2[e].t())
         start += n
@@ -254,10 +265,16 @@ class MoEFeedForward(nn.Module):
     """The MoE feed-forward of one block: ``x [b, s, h]`` -> ``[b, s, h]`` (see the module
     docstring), with the shared expert when ``cfg.shared_ffn_dim``.
 
-    After each forward, :attr:`aux_loss` holds ``aux_loss_coef`` x :func:`load_balance_loss`
-    of its tokens (a 0-dim fp32 tensor, a sum over this rank's sequences: divide by the global
-    number of sequences; 0 when the coefficient is 0). The training step adds it to the loss
-    (:meth:`tetrad.models.llama.Transformer.aux_loss_sum`).
+    After each forward with grad, :attr:`aux_loss` holds ``aux_loss_coef`` x
+    :func:`load_balance_loss` of its tokens (a 0-dim fp32 tensor, a sum over this rank's
+    sequences: divide by the global number of sequences; None when the coefficient is 0). The
+    training step adds it to the loss (:meth:`tetrad.models.llama.Transformer.aux_loss_sum`).
+    :attr:`routing` holds the forward's routing statistics, ``[E + 1]`` fp32 without gradient
+    (None without grad): the token slots this rank's tokens sent to each of the ``E`` experts
+    (:func:`expert_counts`), then this rank's share of :func:`load_balance_loss` (the
+    coefficient left out; 0 when the coefficient is 0). Summed over the micro-batches of a step
+    (:meth:`tetrad.models.llama.Transformer.record_routing`) and over the ranks that route
+    other tokens, they give the step's loads and balance term (:func:`routing_figures`).
 
     When the layer factory has ``moe_tokens`` (not None), the router, the experts and the
     load-balancing statistics run on ``moe_tokens.split(x)`` (``[b, s', h']``: on a
@@ -276,6 +293,8 @@ class MoEFeedForward(nn.Module):
         self.sequence_sum = getattr(layers, "sequence_sum", None)
         self.tokens = getattr(layers, "moe_tokens", None)
         self.aux_loss: torch.Tensor | None = None
+        self.routing: torch.Tensor | None = None
+        self.routing_sum: torch.Tensor | None = None  # Transformer.record_routing's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = x if self.tokens is None else self.tokens.split(x)
@@ -283,19 +302,38 @@ class MoEFeedForward(nn.Module):
         flat = routed.reshape(b * s, h)
         ids, weights, probs = self.router(flat)
         y = self.experts(flat, ids, weights).view(b, s, h)
-        if self.cfg.aux_loss_coef > 0 and torch.is_grad_enabled():
-            aux = load_balance_loss(
-                probs.view(b, s, -1),
-                ids.view(b, s, -1),
-                self.cfg.n_experts,
-                self.cfg.aux_loss_scope,
-                self.sequence_sum,
-            )
-            self.aux_loss = self.cfg.aux_loss_coef * aux
-            if self.tokens is not None:
-                self.aux_loss = self.tokens.total(self.aux_loss)
-        else:
-            self.aux_loss = None
+        self.aux_loss = self.routing = None
+        if torch.is_grad_enabled():
+            balance = torch.zeros((), device=x.device)
+            if self.cfg.aux_loss_coef > 0:
+                balance = load_balance_loss(
+                    probs.view(b, s, -1),
+                    ids.view(b, s, -1),
+                    self.cfg.n_experts,
+                    self.cfg.aux_loss_scope,
+                    self.sequence_sum,
+                )
+                self.aux_loss = self.cfg.aux_loss_coef * balance
+                if self.tokens is not None:
+                    self.aux_loss = self.tokens.total(self.aux_loss)
+            counts = expert_counts(ids, self.cfg.n_experts, torch.float32)
+            self.routing = torch.cat([counts, balance.detach().float().view(1)])
         if self.tokens is not None:
             y = self.tokens.join(y)
         return y if self.shared is None else y + self.shared(x)
+
+
+def routing_figures(stats: torch.Tensor, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The balance of a step's routing from its statistics ``stats [..., E + 1]``
+    (:attr:`MoEFeedForward.routing` summed over every rank and micro-batch) and the step's
+    ``sequences`` (the global batch): ``(max_load [...], balance [...])``.
+
+    ``max_load`` = the slots of the busiest expert over the mean slots per expert (1 balanced,
+    ``E/k`` when every token picks the same ``k`` experts). ``balance`` = the block's
+    load-balancing term divided by its coefficient, a mean over the sequences of
+    :func:`load_balance_loss` (Megatron's normalisation, ``switch_load_balancing_loss_func``:
+    1 balanced, up to ``E/k`` collapsed; 0 when the coefficient is 0).
+    """
+    counts = stats[..., :-1]
+    mean = counts.mean(-1).clamp_min(torch.finfo(counts.dtype).tiny)
+    return counts.amax(-1) / mean, stats[..., -1] / sequences

@@ -22,6 +22,8 @@ summed over Z and expert-data only (:attr:`tetrad.parallel.placement.Placement.g
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -33,19 +35,21 @@ from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec.grid import Axis
 
 
-def expert_major(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_major(recv_counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows received source-major (``recv_counts [P, n]``: rows from source rank ``s`` for
-    local expert ``e``, consecutive per source, expert-major within) -> ``(perm [N], counts
-    [n])``: ``received[perm]`` lists every local expert's rows together (expert ``e``'s from
-    source 0, then 1, ...) and ``counts`` the rows per local expert."""
+    local expert ``e``, consecutive per source, expert-major within; ``total`` their sum, known
+    on the host from the split sizes) -> ``(perm [total], counts [n])``: ``received[perm]``
+    lists every local expert's rows together (expert ``e``'s from source 0, then 1, ...) and
+    ``counts`` the rows per local expert. No host synchronisation: ``repeat_interleave`` is
+    given its output size."""
     flat = recv_counts.flatten()
     starts = (torch.cumsum(flat, 0) - flat).view_as(recv_counts)
     lengths = recv_counts.t().flatten()  # blocks in (expert, source) order
     block_start = starts.t().flatten()
-    total = int(flat.sum())
     first = torch.cumsum(lengths, 0) - lengths
-    within = torch.arange(total, device=flat.device) - torch.repeat_interleave(first, lengths)
-    perm = torch.repeat_interleave(block_start, lengths) + within
+    expand = functools.partial(torch.repeat_interleave, repeats=lengths, output_size=total)
+    within = torch.arange(total, device=flat.device) - expand(first)
+    perm = expand(block_start) + within
     return perm, recv_counts.sum(0)
 
 
@@ -92,10 +96,13 @@ class ExpertParallelExperts(nn.Module):
         xs = x.to(dtype)[order // k]
         recv_counts = all_to_all(counts, self.grid, Axis.EXPERT).view(p, -1)
         send = counts.view(p, -1).sum(1)
-        splits = torch.cat([send, recv_counts.sum(1)]).tolist()  # the one host sync
+        # The one host synchronisation of the block, inherent to dropless dispatch: the row
+        # all-to-alls need their split sizes on the host (torch's all_to_all_single takes
+        # lists), and they depend on this step's routing on every rank of the group.
+        splits = torch.cat([send, recv_counts.sum(1)]).tolist()
         send_splits, recv_splits = splits[:p], splits[p:]
         rows = all_to_all_autograd(xs, self.grid, Axis.EXPERT, recv_splits, send_splits)
-        perm, local_counts = expert_major(recv_counts)
+        perm, local_counts = expert_major(recv_counts, sum(recv_splits))
         w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
         ys = expert_swiglu(rows[perm], local_counts, w1, w3, w2)
         ys = ys[torch.argsort(perm)]  # back to source-major

@@ -54,6 +54,8 @@ class StageForward(nn.Module):
             x = x.to(next(self.part.parameters()).dtype)
         h = self.part.hidden(x)
         aux = self.part.aux_loss_sum() if self.aux_scale and torch.is_grad_enabled() else None
+        if self.aux_scale and torch.is_grad_enabled():  # MoE loads, summed on the device
+            self.part.record_routing()
         if aux is not None:  # the stage's MoE load-balancing terms, differentiated in place
             aux = aux * self.aux_scale
             self.aux_total = self.aux_total + aux.detach()
@@ -117,6 +119,7 @@ class TetradStage(PipelineStage):
         for p in self.submod.parameters():
             p.grad = None
         self.submod.aux_total = 0.0
+        self.submod.part.take_routing()
         for router in biased_routers(self.submod.part):
             router.tokens_per_expert.zero_()
 

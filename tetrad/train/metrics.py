@@ -13,6 +13,7 @@ from tetrad.comm import AxisStats
 from tetrad.spec.units import GiB
 from tetrad.train import trace
 from tetrad.train.peak import Peak
+from tetrad.train.routing import routing_summary
 
 
 @dataclass
@@ -99,7 +100,8 @@ TENSORBOARD = "tensorboard"
 def scalars(row: dict) -> dict[str, float]:
     """The TensorBoard scalars of a :meth:`StepMeter.row` (``val_loss`` where it has one): tag ->
     value. Tags: ``train/loss, train/lr, train/grad_norm, val/loss`` (nats per token),
-    ``train/aux_loss`` (an MoE model's load-balancing term),
+    ``train/aux_loss`` (an MoE model's load-balancing term), per MoE block ``i``
+    ``moe/max_load/block_i`` and ``moe/balance/block_i`` (:mod:`tetrad.train.routing`),
     ``perf/tokens_per_s, perf/tokens_per_s_per_rank, perf/mfu, perf/step_time_s`` (seconds),
     ``memory/peak_bytes``, and per mesh axis ``A``: ``comm_exposed_s/A, comm_time_s/A``
     (seconds) and ``comm_bytes/A`` (bytes sent per rank)."""
@@ -117,6 +119,8 @@ def scalars(row: dict) -> dict[str, float]:
         out["val/loss"] = row["val_loss"]
     if "aux_loss" in row:
         out["train/aux_loss"] = row["aux_loss"]
+    for key in ("moe_max_load", "moe_balance"):  # per MoE block
+        out |= {f"moe/{key[4:]}/block_{b}": v for b, v in row.get(key, {}).items()}
     for key in ("comm_exposed_s", "comm_time_s", "comm_bytes"):
         out |= {f"{key}/{axis}": v for axis, v in row[key].items()}
     return out
@@ -163,8 +167,7 @@ class MetricsLog:
 def log_line(row: dict) -> str:
     """The one-line progress report of a :func:`step_row`."""
     val = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
-    if "aux_loss" in row:  # an MoE model's load-balancing term, apart from the LM loss
-        val += f" aux {row['aux_loss']:.4f}"
+    val += routing_summary(row)  # an MoE model's routing: the worst block
     exposed = sum(row["comm_exposed_s"].values()) / row["step_time_s"]
     return (
         f"step {row['step']:>6} | loss {row['loss']:.4f}{val} | lr {row['lr']:.2e} | "

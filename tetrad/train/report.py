@@ -1,4 +1,5 @@
-"""``tetrad report RUN_DIR``: where a run's step time went, from its ``metrics.jsonl``."""
+"""``tetrad report RUN_DIR``: where a run's step time went, and how an MoE model routed, from its
+``metrics.jsonl``."""
 
 from __future__ import annotations
 
@@ -124,11 +125,89 @@ def plot_report(s: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+def format_routing(rows: list[dict]) -> str:
+    """An MoE run's routing per block over ``rows`` (:mod:`tetrad.train.routing`): the max/mean
+    expert load (first, mean, worst and last step) and the normalised balance term (mean and
+    last); empty for rows without routing records (a dense model)."""
+    rows = [r for r in rows if "moe_max_load" in r]
+    if not rows:
+        return ""
+    balance = "moe_balance" in rows[-1]
+    lines = [
+        f"MoE routing, steps {rows[0]['step']}-{rows[-1]['step']} (max/mean expert load: 1 "
+        "balanced; balance term / coefficient: 1 balanced)",
+        f"  {'block':<6}{'load first':>11}{'mean':>8}{'worst':>8}{'last':>8}"
+        + (f"{'balance mean':>14}{'last':>8}" if balance else ""),
+    ]
+    for block in rows[-1]["moe_max_load"]:
+        loads = [r["moe_max_load"][block] for r in rows if block in r.get("moe_max_load", {})]
+        line = (
+            f"  {block:<6}{loads[0]:>11.3f}{sum(loads) / len(loads):>8.3f}{max(loads):>8.3f}"
+            f"{loads[-1]:>8.3f}"
+        )
+        if balance:
+            b = [r["moe_balance"][block] for r in rows if block in r.get("moe_balance", {})]
+            line += f"{sum(b) / len(b):>14.3f}{b[-1]:>8.3f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot_routing(rows: list[dict], path: str | Path) -> None:
+    """Charts of an MoE run: per block, the max/mean expert load and the normalised balance
+    term over the steps; below, where the rows list them (``moe_expert_load``), each block's
+    load per expert over the steps (over the mean: 1 balanced). Writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "moe_max_load" in r]
+    blocks = list(rows[-1]["moe_max_load"])
+    experts = [r for r in rows if "moe_expert_load" in r]
+    cols = 4  # heat maps per row, below the two line charts
+    rows_of_maps = -(-len(blocks) // cols) if experts else 0
+    fig = plt.figure(figsize=(16, 4 + 3.5 * rows_of_maps))
+    grid = fig.add_gridspec(1 + rows_of_maps, cols)
+    for i, (key, title) in enumerate(
+        (("moe_max_load", "max/mean expert load"), ("moe_balance", "balance term / coefficient"))
+    ):
+        ax = fig.add_subplot(grid[0, 2 * i : 2 * i + 2])
+        for block in rows[-1].get(key, {}):
+            got = [(r["step"], r[key][block]) for r in rows if block in r.get(key, {})]
+            ax.plot([s for s, _ in got], [v for _, v in got], label=f"block {block}")
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        if rows[-1].get(key):
+            ax.legend(fontsize=7)
+    steps = [r["step"] for r in experts]
+    for j, block in enumerate(blocks if experts else []):
+        ax = fig.add_subplot(grid[1 + j // cols, j % cols])
+        loads = [r["moe_expert_load"][block] for r in experts]
+        image = ax.imshow(
+            list(zip(*loads, strict=True)),
+            aspect="auto",
+            origin="lower",
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(loads[0]) - 0.5),
+        )
+        ax.set_title(f"block {block}: load per expert / mean", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert")
+        fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def report(run_dir: str | Path, plot: bool = True) -> str:
-    """Summarize a run; with ``plot`` also write ``RUN_DIR/report.png``. Returns the text."""
+    """Summarize a run; with ``plot`` also write ``RUN_DIR/report.png`` (and for an MoE model
+    ``RUN_DIR/routing.png``: :func:`plot_routing`). Returns the text."""
     rows, skipped = load_metrics(run_dir)
     s = summarize(rows)
     text = format_report(s)
+    routing = format_routing(rows)
+    if routing:
+        text += "\n\n" + routing
     if skipped:
         text += (
             f"\n\n(skipped {skipped} line(s) of metrics.jsonl that are not complete rows: a "
@@ -138,4 +217,7 @@ def report(run_dir: str | Path, plot: bool = True) -> str:
         out = Path(run_dir) / "report.png"
         plot_report(s, out)
         text += f"\n\nchart: {out}"
+        if routing:
+            plot_routing(rows, Path(run_dir) / "routing.png")
+            text += f", routing: {Path(run_dir) / 'routing.png'}"
     return text

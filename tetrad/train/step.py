@@ -101,7 +101,9 @@ def train_step_losses(
     ``aux_loss_coef`` x the mean over the ``B`` sequences of the block's Switch loss
     (:func:`tetrad.models.moe.load_balance_loss`; 0 for a dense model). After the update, MoE
     routers with a selection bias update it from the step's expert loads
-    (:func:`tetrad.parallel.experts.update_expert_biases`).
+    (:func:`tetrad.parallel.experts.update_expert_biases`). The MoE blocks' routing statistics
+    of the step stay on the device in the model
+    (:meth:`tetrad.models.llama.Transformer.take_routing`, this rank's tokens only).
     """
     n_tokens, n_seqs = batch[:, 1:].numel(), batch.shape[0]
     micro_batches = to_device(local_samples(batch, grid), grid.device).split(micro_batch)
@@ -119,6 +121,8 @@ def train_step_losses(
         with autocast(grid.device):
             part = model.loss_sum(*inputs_targets(mb, grid)) / n_tokens
             aux_sum = model.aux_loss_sum() if hasattr(model, "aux_loss_sum") else None
+        if hasattr(model, "record_routing"):  # MoE blocks' loads, summed on the device
+            model.record_routing()
         total = part if aux_sum is None else part + aux_sum / n_seqs
         total.backward()
         if overlap is not None:

@@ -51,6 +51,7 @@ from tetrad.train.resume import (
     tetrad_version,
     trim_metrics,
 )
+from tetrad.train.routing import RoutingWatch, routing_row, sum_routing, take_step_routing
 from tetrad.train.step import build_optimizer, lr_at
 from tetrad.train.stop import Stopped, StopSignals, signal_name
 
@@ -224,7 +225,8 @@ def _step(job: Job, step: int, batch: torch.Tensor) -> dict:
     for overlap in overlaps:
         overlap.counts.clear()
     loss, aux, grad_norm = model.train_step(job.optimizer, batch, t.grad_clip)
-    extra = {"aux_loss": aux} if model.parts[0].cfg.is_moe else {}
+    cfg = model.parts[0].cfg
+    extra = {"aux_loss": aux, "routing": take_step_routing(model.parts, cfg)} if cfg.is_moe else {}
     return extra | {
         "step": step + 1,
         "loss": loss,
@@ -237,27 +239,41 @@ def _step(job: Job, step: int, batch: torch.Tensor) -> dict:
 
 def _rows(job: Job, pending: list[dict], since: float) -> list[dict]:
     """The ``metrics.jsonl`` rows of the steps run since ``since`` (a ``perf_counter`` time):
-    one device-to-host read of their losses and gradient norms (this waits for them), then
-    each step's time is the interval's wall time over its steps, so tokens/s and MFU are exact
-    for the interval."""
-    values = torch.stack([v for p in pending for v in (p["loss"], p["grad_norm"])]).tolist()
-    aux = [float(p["aux_loss"]) for p in pending if "aux_loss" in p]  # MoE: read apart
+    one device-to-host read of their losses and gradient norms (this waits for them), with an
+    MoE model's load-balancing terms and routing statistics (summed over the grid first: every
+    rank calls this), then each step's time is the interval's wall time over its steps, so
+    tokens/s and MFU are exact for the interval."""
+    n, moe = len(pending), "routing" in pending[0]
+    keys = ("loss", "grad_norm", "aux_loss") if moe else ("loss", "grad_norm")
+    flat = [torch.stack([p[k].double() for p in pending for k in keys])]
+    if moe:
+        routing = sum_routing(torch.stack([p["routing"] for p in pending]), job.grid)
+        flat.append(routing.double().flatten())
+    read = torch.cat(flat).tolist()
+    got = [
+        dict(zip(keys, read[i * len(keys) : (i + 1) * len(keys)], strict=True)) for i in range(n)
+    ]
+    if moe:
+        cfg, sequences = job.model.parts[0].cfg, job.cfg.training.global_batch
+        stats = torch.tensor(read[n * len(keys) :], dtype=torch.float64).view(routing.shape)
+        for g, s in zip(got, stats, strict=True):
+            g |= routing_row(s, cfg, sequences)
     seconds = (time.perf_counter() - since) / len(pending)
     peak = peak_memory_bytes(job.grid.device)
     rows = [
         job.meter.row(
             p["step"],
             seconds,
-            loss=values[2 * i],
+            loss=g.pop("loss"),
             lr=p["lr"],
-            grad_norm=values[2 * i + 1],
+            grad_norm=g.pop("grad_norm"),
             peak_memory=peak,
             comm=p["comm"],
             overlaps_ran=p["overlaps_ran"],
         )
         | {"restarts": restart_count()}
-        | ({"aux_loss": aux[i]} if aux else {})
-        for i, p in enumerate(pending)
+        | g
+        for p, g in zip(pending, got, strict=True)
     ]
     return rows
 
@@ -283,6 +299,7 @@ def _loop(job: Job, start: int) -> tuple[float, float]:
         dynamic_ncols=True,
     )
     metrics = MetricsLog(job.run_dir, log.tensorboard, start) if rank0 else None
+    watch = RoutingWatch(job.model.parts[0].cfg)
     every = job.cfg.checkpoint.checkpoint_every
     loss = val_loss = float("nan")
     pending: list[dict] = []
@@ -310,6 +327,8 @@ def _loop(job: Job, start: int) -> tuple[float, float]:
             for note in notes(job, first=done - len(rows) == start, peak=peak):
                 bar.write(note, file=sys.stdout)
             metrics.write(rows)
+            for line in watch.update(rows):  # a collapsing MoE block, named
+                bar.write(line, file=sys.stdout)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rows[-1]['tokens_per_s']:.0f}")
             bar.update(len(rows))
             if done % log.log_every == 0 or last or validate:
