@@ -74,6 +74,17 @@ class SavedBytes:
         return sum(self.seen.values())
 
 
+def _recompute_bytes(model, tokens: torch.Tensor, params: set[int]) -> int:
+    """Saved bytes of one block's forward as full checkpointing's recomputation runs it (block
+    0, on the embedding of ``tokens``), its input excluded."""
+    with torch.no_grad():
+        x = model.tok_embeddings(tokens)
+    x.requires_grad_(True)
+    with SavedBytes(params | {x.untyped_storage().data_ptr()}) as block:
+        model.layers["0"](x, model.layer_factory.positions(tokens.shape[1], x.device))
+    return block.total
+
+
 def _measure(grid: Grid, mode: str) -> dict:
     model = ParallelLlama(CFG, grid, mode)
     init_parameters(model, SEED, grid)
@@ -94,13 +105,8 @@ def _measure(grid: Grid, mode: str) -> dict:
     assert all(p.grad is not None for p in model.parameters())
     out["gradients"] = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
 
-    if mode == "full":  # one block's forward as the recomputation runs it, its input excluded
-        with torch.no_grad():
-            x = model.tok_embeddings(tokens)
-        x.requires_grad_(True)
-        with SavedBytes(params | {x.untyped_storage().data_ptr()}) as block:
-            model.layers["0"](x, model.layer_factory.positions(tokens.shape[1], x.device))
-        out["recompute"] = block.total
+    if mode == "full":
+        out["recompute"] = _recompute_bytes(model, tokens, params)
 
     if mode != "none":  # AdamW's states do not depend on checkpointing: measured once
         return out
@@ -195,12 +201,7 @@ def _compiled_worker(out_dir: str) -> None:
                 model.loss_sum(tokens, targets)
             out["activations_bf16"] = saved.total
         if mode == "full":
-            with torch.no_grad():
-                x = model.tok_embeddings(tokens)
-            x.requires_grad_(True)
-            with SavedBytes(params | {x.untyped_storage().data_ptr()}) as block:
-                model.layers["0"](x, model.layer_factory.positions(tokens.shape[1], x.device))
-            out["recompute"] = block.total
+            out["recompute"] = _recompute_bytes(model, tokens, params)
         with open(f"{out_dir}/compiled_{mode}.json", "w") as fh:
             json.dump(out, fh)
 
