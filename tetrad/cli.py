@@ -295,13 +295,49 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _join_dashed_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with each value that starts with a dash and a digit joined to its option
+    (``--grid -2,1,1,1`` -> ``--grid=-2,1,1,1``): argparse takes ``-2,1,1,1`` or ``-1e-3`` for
+    an option and says "expected one argument"; joined, the option's own check names the
+    problem (sizes must be positive, a rate 0 or more)."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    command = next((t for t in argv if not t.startswith("-")), None)
+    target = sub.choices.get(command) if sub is not None and command else None
+    if target is None:
+        return list(argv)
+    takes_value = {
+        opt
+        for action in target._actions
+        if action.nargs in (None, "?") and action.option_strings
+        for opt in action.option_strings
+    }
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if (
+            tok in takes_value
+            and len(nxt) > 1
+            and nxt[0] == "-"
+            and (nxt[1].isdigit() or nxt[1] == ".")
+        ):
+            out.append(f"{tok}={nxt}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``tetrad`` command line; returns the exit status.
 
     Exit status: 0 on success, 2 for a usage or configuration mistake (one line
     ``tetrad: error: <what to change>`` on stderr), 1 when a worker failed, 130 on Ctrl-C.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(_join_dashed_values(parser, sys.argv[1:] if argv is None else argv))
     try:
         return COMMANDS[args.command].run(args) or 0
     except TetradError as e:

@@ -253,8 +253,12 @@ def prepare_sources(
     wait: bool = False,
 ) -> tuple[dict, bool]:
     """:func:`prepare` for sources already found and their :func:`job_of`; returns the index
-    and whether this call wrote it (False: ``folder`` was complete already)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    and whether this call wrote it (False: ``folder`` was complete already).
+
+    Raises:
+        DataError: as :func:`prepare`; ``folder`` is a file or cannot be created.
+    """
+    _make_folder(folder)
     with _locked(folder, wait):
         index = sh.read_json(folder / INDEX)
         if index is not None:
@@ -266,6 +270,22 @@ def prepare_sources(
             )
         _start_job(folder, job, tokenizer, sources)
         return _run(folder, sources, job, workers, progress), True
+
+
+def _make_folder(folder: pathlib.Path) -> None:
+    """Create the ``--out`` folder (and its parents) if needed.
+
+    Raises:
+        DataError: it, or a parent, is a file, or it cannot be created.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"--out {str(folder)!r} is a file: pass a folder (new, or empty)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(
+            f"cannot create --out {str(folder)!r} ({e.strerror}): pass another folder"
+        ) from None
 
 
 def prepare(

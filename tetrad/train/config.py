@@ -247,13 +247,24 @@ def overrides(args: argparse.Namespace) -> dict:
     return {f.option: getattr(args, f.option, None) for f in FIELDS}
 
 
+_KIND_WORDS = {int: "a whole number", float: "a number", str: "text"}
+
+
 def _coerce(f: _Field, value: Any) -> Any:
     """``value`` (from TOML or the command line) as the type of field ``f``."""
     kind, name = f.kind, f.option
     if name == "grid":
         return "auto" if str(value).strip() == "auto" else parse_grid(value)
     if typing.get_origin(kind) is list:
-        return [value] if isinstance(value, str) else [str(v) for v in value]
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}={value!r} is not a path or a list of paths (strings)")
+        return list(value)
+    if isinstance(value, list | dict):
+        raise ConfigError(f"{name}={value!r} is one value, not a list or a table")
+    if isinstance(value, bool) and kind in (int, float):
+        raise ConfigError(f"{name}={value!r} is not {_KIND_WORDS[kind]}")
     choices = _literal_choices(kind)
     if choices is not None:
         if value not in choices:
@@ -269,7 +280,9 @@ def _coerce(f: _Field, value: Any) -> Any:
     try:
         return kind(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} is not a {kind.__name__}") from None
+        raise ConfigError(
+            f"{name}={value!r} is not {_KIND_WORDS.get(kind, kind.__name__)}"
+        ) from None
 
 
 def _unknown(key: str, where: str, choices: list[str]) -> ConfigError:

@@ -1,0 +1,76 @@
+"""Inputs of issue 50 that gave a traceback or a line naming the wrong problem: each now gives
+one line ``tetrad: error: ...`` naming the input, run through the command in-process (no ranks
+are started: every one is refused before a worker would be)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tetrad import cli
+
+
+def one_line_error(capsys, args: list[str], *needles: str) -> str:
+    """Run ``tetrad *args`` in-process; assert exit status 2 and one line naming ``needles``."""
+    try:
+        code = cli.main(args)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    lines = err.strip("\n").split("\n")
+    assert code == 2, (code, err)
+    assert len(lines) == 1 and lines[0].startswith("tetrad: error:"), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def text(tmp_path):
+    path = tmp_path / "in.txt"
+    path.write_text("def f(x):\n    return x + 1\n" * 40)
+    return path
+
+
+def test_prepare_out_is_a_file(tmp_path, text, capsys):
+    (tmp_path / "afile").write_text("a file\n")
+    args = ["prepare", str(text), "--out", str(tmp_path / "afile"), "--workers", "0"]
+    one_line_error(capsys, args, "afile", "is a file")
+    args = ["prepare", str(text), "--out", str(tmp_path / "afile" / "sub"), "--workers", "0"]
+    one_line_error(capsys, args, "afile", "--out")
+
+
+@pytest.mark.parametrize("value", ["4", "true", "2.5", '"x"', "{a = 1}"])
+def test_config_grid_not_sizes(tmp_path, capsys, value):
+    toml = tmp_path / "run.toml"
+    toml.write_text(f"[parallelism]\ngrid = {value}\n")
+    one_line_error(capsys, ["train", "--config", str(toml)], "grid", "DATA,Z,Y,X")
+
+
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ("data = 4", "data=4"),
+        ("lr = [1]", "lr=[1]"),
+        ("steps = true", "steps=True"),
+        ("steps = 2.5", "whole number"),
+        ('data = ["a", 3]', "list of paths"),
+        ("[training]\nsteps = {a = 1}", "not a list or a table"),
+    ],
+)
+def test_config_value_of_the_wrong_kind(tmp_path, capsys, line, needle):
+    toml = tmp_path / "run.toml"
+    toml.write_text(line + "\n")
+    one_line_error(capsys, ["train", "--config", str(toml)], needle)
+
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["train", "--grid", "-2,1,1,1"], ["'-2,1,1,1'", "positive"]),
+        (["train", "--lr", "-1e-3"], ["lr=-0.001", "0 or more"]),
+        (["memory", "--model", "small", "--grid", "-1,1,1,1"], ["'-1,1,1,1'"]),
+    ],
+)
+def test_negative_value_reaches_its_check(capsys, args, needles):
+    """argparse alone says "expected one argument" for ``--grid -2,1,1,1``."""
+    one_line_error(capsys, args, *needles)
