@@ -74,3 +74,33 @@ def test_config_value_of_the_wrong_kind(tmp_path, capsys, line, needle):
 def test_negative_value_reaches_its_check(capsys, args, needles):
     """argparse alone says "expected one argument" for ``--grid -2,1,1,1``."""
     one_line_error(capsys, args, *needles)
+
+
+@pytest.mark.parametrize(
+    "env,ranks,threads", [("1", 1, 1), ("3", 4, 3), (None, 1, "cpus"), ("0", 1, "cpus")]
+)
+def test_omp_num_threads_is_respected(monkeypatch, env, ranks, threads):
+    """docs/launching.md: each CPU rank takes ``cpu_count // ranks`` threads unless
+    ``OMP_NUM_THREADS`` is set (a 1-rank run with ``OMP_NUM_THREADS=1`` used every core)."""
+    from tetrad.device import cpu_threads, threads_per_rank
+
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    assert cpu_threads(ranks) == (threads_per_rank(ranks) if threads == "cpus" else threads)
+
+
+@pytest.mark.parametrize(
+    "size,others",
+    [
+        ("moe_every=0", ["n_experts", "dense_layers"]),
+        ("dense_layers=-1", ["moe_every", "n_experts"]),
+        ("route_scale=0", ["expert_ffn_dim", "shared_ffn_dim"]),
+        ("bias_update_rate=-1", ["aux_loss_coef"]),
+    ],
+)
+def test_moe_size_error_names_the_wrong_size(capsys, size, others):
+    args = ["memory", "--model", f"moe-tiny,{size}", "--grid", "1,1,1,1"]
+    line = one_line_error(capsys, args, size)
+    assert not [o for o in others if o in line], line

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tetrad.spec.conflicts import Settings, check_conflicts
 from tetrad.spec.errors import TetradError
 from tetrad.spec.grid import parse_grid, parse_pipeline_grid, pop_expert
 from tetrad.spec.model import ModelSpec, check_trainable
@@ -98,6 +99,7 @@ class TrainConfig:
             cfg, explicit = parse_model(self.model.name)
             cfg = check_trainable(with_sizes(cfg, self.model.sizes))
         given = explicit | {ALIASES.get(k, k) for k in self.model.sizes}
+        check_conflicts(Settings(model=cfg, model_keys=given))
         user_vocab = "vocab_size" in given and cfg.vocab_size
         if tokenizer_vocab is not None and not user_vocab:
             grid = self.parallelism.grid
@@ -122,13 +124,17 @@ class TrainConfig:
         return Path(spec[3:])
 
     def check(self) -> None:
-        """Validate values that need no model or data.
+        """Validate values that need no data (the model's sizes but not the vocabulary).
 
         Raises:
             ConfigError: one line saying which value to change.
+            ModelError: ``--model`` names no model.
+            ConflictError: settings that disagree (:mod:`tetrad.spec.conflicts`).
         """
         t, grid = self.training, self.parallelism.grid
         self.parallelism.check_resolved()
+        if self.hf_folder is None:
+            self.model_config()  # its sizes, and MoE sizes without experts
         if t.device not in DEVICES:
             raise ConfigError(f"device {t.device!r} is not {' or '.join(DEVICES)}")
         for name in ("steps", "micro_batch", "global_batch", "seq_len"):
@@ -298,6 +304,18 @@ class _Builder:
         self.where = f" in {path}" if path else ""
         self.values: dict[str, dict] = {name: {} for name in SECTIONS}
         self.sizes: dict = {}
+        self.experts: dict[str, int] = {}  # this layer's expert=N of --grid, --expert-parallel
+
+    def layer(self) -> None:
+        """End one layer of settings (the file, then the command line): expert=N in its grid
+        and its --expert-parallel must agree (:mod:`tetrad.spec.conflicts`).
+
+        Raises:
+            ConflictError: they differ.
+        """
+        grid, option = self.experts.get("grid"), self.experts.get("option")
+        self.experts = {}
+        check_conflicts(Settings(grid_expert=grid, expert_parallel=option))
 
     def table(self, section: str, table: dict) -> None:
         """A ``[section]`` table of field names (``[model]``: ``name`` and sizes)."""
@@ -338,6 +356,9 @@ class _Builder:
         if f.option == "grid" and isinstance(value, str) and "expert=" in value:
             value, expert = pop_expert(value)  # expert=N sets expert_parallel
             self.set(BY_OPTION["expert_parallel"], expert)
+            self.experts["grid"] = self.experts.pop("option")
+        if f.option == "expert_parallel":
+            self.experts["option"] = _coerce(f, value)
         if f.option == "grid" and str(value).strip() != "auto":  # it may carry G_pipe
             pipe, value = parse_pipeline_grid(value)
             self.values["parallelism"]["pipe"] = pipe
@@ -378,11 +399,14 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Train
     Raises:
         ConfigError: missing or unparsable file, unknown key (with the closest known one), a
             key in the wrong section, or a value of the wrong type.
+        ConflictError: expert=N in a named grid and another --expert-parallel given together.
     """
     builder = _Builder(path)
     for key, value in (read_toml(path) if path else {}).items():
         builder.flat(key, value)
+    builder.layer()
     for key, value in (overrides or {}).items():
         if value is not None:
             builder.flat(key, value)
+    builder.layer()
     return builder.build()

@@ -35,7 +35,7 @@ from tetrad.spec.errors import TetradError, error_line
 from tetrad.spec.grid import GridError, check_world_size
 from tetrad.train.config import TrainConfig
 from tetrad.train.failures import failure_summary, record_failure
-from tetrad.train.resume import check_run_dir
+from tetrad.train.resume import LOCAL_WORKER, check_run_dir
 from tetrad.train.run_lock import RunDirLock
 from tetrad.train.stop import Stopped, exit_code, signal_name
 
@@ -280,6 +280,9 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
     if _device(cfg) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
         added.append("OMP_NUM_THREADS")
+    if LOCAL_WORKER not in os.environ:
+        os.environ[LOCAL_WORKER] = "1"
+        added.append(LOCAL_WORKER)
     if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
         # A store shared by the agent outlives the workers: restarted workers then read the
         # dead workers' addresses and fail to connect (PyTorch issue 135712). Without sharing,
