@@ -104,3 +104,30 @@ def test_moe_size_error_names_the_wrong_size(capsys, size, others):
     args = ["memory", "--model", f"moe-tiny,{size}", "--grid", "1,1,1,1"]
     line = one_line_error(capsys, args, size)
     assert not [o for o in others if o in line], line
+
+
+def test_prepare_stopped_by_sigterm_says_so(tmp_path, text, capsys, monkeypatch):
+    """SIGTERM during ``tetrad prepare`` (exit 143 and nothing said before): one line saying
+    how to resume, exit status 143, the default handler back afterwards."""
+    import os
+    import signal
+    import time
+
+    import tetrad.data.prepare as prepare
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler raises in this thread first
+        raise AssertionError("SIGTERM did not stop tetrad prepare")
+
+    def unhandled(signum, frame):
+        raise AssertionError("tetrad prepare left SIGTERM to its default action (exit 143)")
+
+    monkeypatch.setattr(prepare, "prepare_sources", signalled)
+    before = signal.signal(signal.SIGTERM, unhandled)
+    out = tmp_path / "out"
+    code = cli.main(["prepare", str(text), "--out", str(out), "--workers", "0"])
+    err = capsys.readouterr().err.strip().split("\n")
+    assert code == 143, err
+    assert len(err) == 1 and "stopped by SIGTERM" in err[0] and "resume" in err[0], err
+    assert signal.signal(signal.SIGTERM, before) is unhandled

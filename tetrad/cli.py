@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import signal
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -115,7 +116,41 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _prepare(args: argparse.Namespace) -> None:
+class _Signalled(Exception):
+    """Raised in ``tetrad prepare``'s main thread by SIGTERM or SIGUSR1 (SLURM's stop)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_signalled(signum: int, frame: object) -> None:
+    raise _Signalled(signum)
+
+
+def _prepare(args: argparse.Namespace) -> int | None:
+    """``tetrad prepare``; on SIGTERM, SIGUSR1 or Ctrl-C one line saying how to resume (what
+    is written is consistent: the complete shards stay, a run again resumes after them) and
+    exit status 143 (130 for Ctrl-C)."""
+    old = {s: signal.signal(s, _raise_signalled) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        _prepare_now(args)
+    except (_Signalled, KeyboardInterrupt) as e:
+        name = str(e) if isinstance(e, _Signalled) else "SIGINT"
+        print(
+            f"tetrad: prepare stopped by {name}; {args.out} keeps its complete shards: run the "
+            "same command again to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 130 if name == "SIGINT" else 143
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return None
+
+
+def _prepare_now(args: argparse.Namespace) -> None:
     from tetrad.data.prepare import plan_job, prepare_sources, summary_line
 
     sources, job = plan_job(
