@@ -237,6 +237,20 @@ def test_bad_data_gets_one_line(world, tmp_path):
         prepare_corpus([str(tmp_path / "unfinished")])
 
 
+@pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl.gz"])
+@pytest.mark.parametrize("cut", [0.5, -3])
+def test_a_cut_compressed_file_is_named(world, tmp_path, fmt, cut):
+    """A file cut short stops the preparation naming it, alone or beside a good file (a
+    ``.zst`` cut in its last frame read as shorter, or as "no text" when alone)."""
+    root, docs, tok, paths, prepared = world
+    blob = paths[fmt].read_bytes()
+    cut_file = tmp_path / f"cut.{fmt}"
+    cut_file.write_bytes(blob[: int(len(blob) * cut) if cut > 0 else cut])
+    for inputs in ([cut_file], [paths["jsonl"], cut_file]):
+        msg = _error(tmp_path, inputs, str(tok))
+        assert f"cut.{fmt}' is damaged" in msg and "remove it" in msg, msg
+
+
 def _train_each(configs) -> None:
     from tetrad.train import trainer
 
