@@ -255,7 +255,7 @@ def _rows(job: Job, pending: list[dict], since: float) -> list[dict]:
             comm=p["comm"],
             overlaps_ran=p["overlaps_ran"],
         )
-        | {"restarts": restart_count()}
+        | {"restarts": restart_count(), "grid": str(job.grid)}
         | ({"aux_loss": aux[i]} if aux else {})
         for i, p in enumerate(pending)
     ]
