@@ -131,3 +131,36 @@ def test_prepare_stopped_by_sigterm_says_so(tmp_path, text, capsys, monkeypatch)
     assert code == 143, err
     assert len(err) == 1 and "stopped by SIGTERM" in err[0] and "resume" in err[0], err
     assert signal.signal(signal.SIGTERM, before) is unhandled
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["train", "--grid", "1,2,2,1"], "world size is 8"),
+        (["train", "--steps", "ten"], "--steps"),
+        (["train", "--config", "/nonexistent/run.toml"], "--config"),
+        (["train", "--grid", "2,1,2,2", "--virtual-stages", "2"], "--virtual-stages 2"),
+    ],
+    ids=["world size", "option value", "config file", "conflict"],
+)
+def test_under_torchrun_a_mistake_is_said_by_rank_0_alone(monkeypatch, capsys, args, needle):
+    """Under torchrun every rank runs the command: a mistake in the input, the same on every
+    rank, is one line from rank 0; the others exit with status 2 and say nothing."""
+    import sys
+    import types
+
+    stub = types.ModuleType("tetrad.train.trainer")
+    stub.train = stub.preflight = lambda cfg: pytest.fail("the mistake reached training")
+    monkeypatch.setitem(sys.modules, "tetrad.train.trainer", stub)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    for rank in ("3", "0"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        if rank == "0":
+            one_line_error(capsys, args, needle)
+            continue
+        with pytest.raises(SystemExit) as e:
+            cli.main(args)
+        assert e.value.code == 2 and capsys.readouterr().err == ""

@@ -44,10 +44,24 @@ class Command(NamedTuple):
     run: Callable[[argparse.Namespace], int | None]
 
 
+def _other_torchrun_rank() -> bool:
+    """Whether this process is a rank other than 0 of a ``torchrun`` job: a mistake in the
+    command line, the same on every rank, is then said by rank 0 alone."""
+    env = os.environ
+    under = "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
+    return under and env.get("RANK", "0") != "0"
+
+
 def _train(args: argparse.Namespace) -> None:
+    try:
+        cfg = config.load_config(args.config, config.overrides(args))
+    except TetradError:
+        if _other_torchrun_rank():
+            raise SystemExit(2) from None
+        raise
     from tetrad.train.launch import launch_train
 
-    launch_train(config.load_config(args.config, config.overrides(args)))
+    launch_train(cfg)
 
 
 def _prepare_arguments(p: argparse.ArgumentParser) -> None:
@@ -318,6 +332,8 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line ``tetrad: error: ...`` (exit 2)."""
 
     def error(self, message: str):
+        if _other_torchrun_rank():
+            self.exit(2)
         self.exit(2, f"{error_line(message)} (see `{self.prog} --help`)\n")
 
 
