@@ -145,11 +145,12 @@ def _dense():
     return PRESETS["tiny"]
 
 
-def test_resume_with_other_steps_warns(tmp_path):
+def test_resume_with_other_steps_warns(tmp_path, monkeypatch, capsys):
     """Another --steps on --resume changes the learning-rate schedule: one warning naming both
     (training further is a reason to resume, so it is not refused)."""
     from tetrad.train.config import load_config
-    from tetrad.train.preflight import resumed_settings_warnings
+    from tetrad.train.preflight import _warn_resumed_settings, resumed_settings_warnings
+    from tetrad.train.resume import LOCAL_WORKER
 
     cfg = load_config(None, {"run_dir": str(tmp_path), "steps": 20})
     assert resumed_settings_warnings(cfg) == []  # no config.json yet
@@ -157,6 +158,18 @@ def test_resume_with_other_steps_warns(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(saved))
     (line,) = resumed_settings_warnings(cfg)
     assert "--steps 20" in line and "had 10" in line and "schedule" in line, line
+    # said once: by the launcher (or rank 0 under torchrun), not again by its workers
+    for env, said in (
+        ({}, True),
+        ({"RANK": "1"}, False),
+        ({"RANK": "0", LOCAL_WORKER: "1"}, False),
+    ):
+        for k in ("RANK", LOCAL_WORKER):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        _warn_resumed_settings(cfg)
+        assert capsys.readouterr().err == (f"tetrad: warning: {line}\n" if said else ""), env
     saved["training"]["steps"] = 20
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert resumed_settings_warnings(cfg) == []

@@ -21,4 +21,4 @@ def warning_line(message: object) -> str:
     """``tetrad: warning: <first line of message>``: what a command prints (on stderr) for a
     harmless disagreement it goes on with."""
     lines = str(message).strip().splitlines()
-    return f"tetrad: warning: {lines[0] if lines else message!r}"
+    return "tetrad: warning: " + (lines[0] if lines else repr(message))
