@@ -164,3 +164,15 @@ def test_under_torchrun_a_mistake_is_said_by_rank_0_alone(monkeypatch, capsys, a
         with pytest.raises(SystemExit) as e:
             cli.main(args)
         assert e.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_plan_header_names_the_columns_it_heads(capsys):
+    """``tetrad plan``'s header named four sizes above the D,C,Z,Y,X column, and counted the
+    pipeline search without saying why no pipeline row was shown."""
+    args = ["plan", "--model", "llama-1b", "--machine", "dgx-h100", "--gpus", "8"]
+    assert cli.main([*args, "--global-batch", "16", "--no-classic", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "grids (" in line)
+    assert "G_data x G_context x G_z x G_y x G_x" in header and "D,C,Z,Y,X" in header, header
+    piped = " | " in out  # a pipeline row's grid reads "P2 1f1b | 1,1,2,1,2"
+    assert piped or "no pipeline row below" in header, out
