@@ -27,6 +27,11 @@ CASES = [
         ["--pipeline-schedule interleaved-1f1b", "--virtual-stages 4", "pipe=1", "pipe=N"],
     ),
     (
+        "pipeline options with --grid auto",
+        {"train": ["--grid", "auto", "--pipeline-schedule", "gpipe"]},
+        ["--pipeline-schedule gpipe", "--grid auto", "pipe=N"],
+    ),
+    (
         "micro-batch count without a pipeline",
         {"memory": ["--model", "llama-1b", *ONE, "--num-microbatches", "8"]},
         ["--num-microbatches 8", "pipe=1"],

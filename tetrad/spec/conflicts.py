@@ -10,7 +10,8 @@ back as warning lines (:func:`tetrad.spec.errors.warning_line`).
 The rows of :data:`RULES`:
 
 - pipeline options (``--pipeline-schedule``, ``--virtual-stages``, ``--num-microbatches`` of
-  ``tetrad memory``) on a grid without a pipeline axis: they would do nothing;
+  ``tetrad memory``) on a grid without a pipeline axis: they would do nothing; with
+  ``--grid auto``, whose planner chooses them;
 - ``expert=N`` in a named ``--grid`` and a different ``--expert-parallel`` in the same place
   (the command line, or the config file): one silently won;
 - mixture-of-experts sizes (``top_k``, ``expert_ffn_dim``, ...) in ``--model`` with
@@ -100,7 +101,7 @@ class Rule:
 
 
 def _pipeline_without_pipe(s: Settings) -> str | None:
-    if s.pipe != 1:
+    if s.pipe not in (1, None):
         return None
     given = [
         f"--{k.replace('_', '-')} {getattr(s, k)}"
@@ -111,6 +112,11 @@ def _pipeline_without_pipe(s: Settings) -> str | None:
         given.append(f"--num-microbatches {s.num_microbatches}")
     if not given:
         return None
+    if s.pipe is None:
+        return (
+            f"{' and '.join(given)} with --grid auto: the planner chooses the pipeline and its "
+            "schedule (or none): drop the pipeline option(s), or give a --grid with pipe=N"
+        )
     return (
         f"{' and '.join(given)} set{'s' if len(given) == 1 else ''} up a pipeline but the grid "
         "has none (pipe=1): add pipe=N to --grid (or six sizes PIPE,DATA,CONTEXT,Z,Y,X), or "

@@ -367,6 +367,10 @@ class _Builder:
     def build(self) -> TrainConfig:
         self.values["model"]["sizes"] = self.sizes
         cfg = TrainConfig(**{name: SECTIONS[name](**v) for name, v in self.values.items()})
+        par = cfg.parallelism
+        if par.grid == "auto":  # the planner chooses the pipeline: its options would be ignored
+            schedule, virtual = par.pipeline_schedule, par.virtual_stages
+            check_conflicts(Settings(pipe=None, pipeline_schedule=schedule, virtual_stages=virtual))
         folder = cfg.hf_folder
         if folder is not None and not cfg.data.tokenizer and (folder / "tokenizer.json").is_file():
             cfg.data.tokenizer = str(folder / "tokenizer.json")  # the model's own vocabulary
