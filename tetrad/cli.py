@@ -122,6 +122,12 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
         "0.01; the split itself is tetrad train's --val-fraction)",
     )
     p.add_argument(
+        "--skip-bad-files",
+        action="store_true",
+        help="leave out damaged inputs (a cut or corrupt .gz, .zst or Parquet file: each read "
+        "through first), counted and named in the summary line, instead of stopping at the first",
+    )
+    p.add_argument(
         "--shard-mb",
         type=float,
         default=256,
@@ -176,6 +182,7 @@ def _prepare_now(args: argparse.Namespace) -> None:
         args.encoding_errors,
         args.workers,
         int(args.shard_mb * MiB),
+        args.skip_bad_files,
     )
     out = os.path.expanduser(args.out)
     index, wrote = prepare_sources(

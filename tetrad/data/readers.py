@@ -31,6 +31,13 @@ BOM = b"\xef\xbb\xbf"
 WHITESPACE = b" \t\n\r\x0b\x0c"
 
 
+SKIP_HINT = " (or pass --skip-bad-files to leave damaged files out)"
+
+
+class DamagedFileError(DataError):
+    """An input that cannot be read to its end (cut short or corrupt): one line naming it."""
+
+
 class Cursor(NamedTuple):
     """A position in the inputs: source index, documents (lines, rows, pieces) read in that
     source, and the byte offset reached in it (in the decompressed stream for ``.gz``/``.zst``;
@@ -204,9 +211,9 @@ def _jsonl_items(src: Source, item: int, offset: int) -> Iterator[_Item]:
                 if line.strip():
                     yield _Item(line, item, start, offset, raw.tell(), True)
         except Exception as e:  # gzip/zstd: a damaged or cut file (OSError, EOFError, ZstdError)
-            raise DataError(
+            raise DamagedFileError(
                 f"data file {str(src.path)!r} is damaged after line {item} ({e}): "
-                "compress it again or remove it"
+                f"compress it again or remove it{SKIP_HINT}"
             ) from None
 
 
@@ -238,7 +245,10 @@ def _parquet_items(src: Source, field: str, row: int) -> Iterator[_Item]:
     try:
         pf = pq.ParquetFile(src.path)
     except Exception as e:  # pyarrow.ArrowInvalid and friends
-        raise DataError(f"data file {str(src.path)!r} is not Parquet ({e})") from None
+        raise DamagedFileError(
+            f"data file {str(src.path)!r} is not Parquet, or was cut short ({e}): write it "
+            f"again or remove it{SKIP_HINT}"
+        ) from None
     _check_field(src, pf.schema_arrow.names, field)
     meta, size = pf.metadata, src.bytes
     first, group = 0, 0
@@ -247,7 +257,17 @@ def _parquet_items(src: Source, field: str, row: int) -> Iterator[_Item]:
         group += 1
     total = max(meta.num_rows, 1)
     groups = list(range(group, meta.num_row_groups))
-    for batch in pf.iter_batches(batch_size=ROWS, row_groups=groups, columns=[field]):
+    read = pf.iter_batches(batch_size=ROWS, row_groups=groups, columns=[field])
+    while True:
+        try:
+            batch = next(read, None)
+        except Exception as e:  # a corrupt page: pyarrow.ArrowInvalid, OSError
+            raise DamagedFileError(
+                f"data file {str(src.path)!r} is damaged after row {first} ({e}): write it "
+                f"again or remove it{SKIP_HINT}"
+            ) from None
+        if batch is None:
+            return
         for value in _column_values(batch, src, field):
             first += 1
             if first > row:
@@ -277,6 +297,17 @@ def _items(src: Source, field: str, item: int, offset: int) -> Iterator[_Item]:
     if src.format == DATASETS:
         return _datasets_items(src, field, item)
     raise AssertionError(src.format)
+
+
+def read_to_end(src: Source, field: str) -> None:
+    """Read ``src`` through (its ``field`` values for records), keeping nothing.
+
+    Raises:
+        DamagedFileError: it is cut short or corrupt.
+        DataError: a record source without ``field``, a column that is not text.
+    """
+    for _ in _items(src, field, 0, 0):
+        pass
 
 
 def kind_of(fmt: str) -> str:

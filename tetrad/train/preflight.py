@@ -99,6 +99,7 @@ def load_corpus(cfg: TrainConfig) -> Corpus:
         encoding_errors=d.encoding_errors,
         workers=d.workers,
         progress=sys.stderr.isatty(),
+        skip_bad_files=d.skip_bad_files,
     )
 
 

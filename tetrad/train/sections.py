@@ -91,6 +91,11 @@ class DataSection:
         help="processes tokenizing --data when it is not a prepared folder (0: this process, "
         "with the tokenizer's threads)",
     )
+    skip_bad_files: bool = option(
+        False,
+        help="leave out damaged --data inputs (a cut or corrupt .gz, .zst or Parquet file: each "
+        "read through first), counted and named, instead of stopping at the first",
+    )
 
 
 @dataclass
