@@ -29,6 +29,7 @@ from tetrad.plan.search import report
 from tetrad.plan.search.plan import plan
 from tetrad.plan.step_time import best_orientation
 from tetrad.spec.activation_checkpointing import CHECKPOINTING, parse_checkpointing
+from tetrad.spec.conflicts import PIPELINE_DEFAULTS
 from tetrad.spec.grid import ORIENTATIONS, format_grid, parse_pipeline_grid, role_sizes
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.pipeline_split import PipelineSplitError
@@ -198,13 +199,13 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--pipeline-schedule",
         choices=SCHEDULES,
-        default="1f1b",
+        default=PIPELINE_DEFAULTS["pipeline_schedule"],
         help="tetrad with a pipeline axis: the schedule (default 1f1b; in-flight micro-batches)",
     )
     m.add_argument(
         "--virtual-stages",
         type=_positive_int,
-        default=1,
+        default=PIPELINE_DEFAULTS["virtual_stages"],
         metavar="V",
         help="tetrad with a pipeline axis: stages per pipeline rank (interleaved-1f1b)",
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tetrad.spec.conflicts import Settings, check_conflicts
+from tetrad.spec.conflicts import PIPELINE_DEFAULTS, Settings, check_conflicts
 from tetrad.spec.errors import warning_line
 
 PLAN_RANKING_DEFAULTS = {
@@ -32,8 +32,7 @@ MEMORY_TETRAD_DEFAULTS = {
     "shard_optimizer": False,
     "orientation": "auto",
     "activation_checkpointing": "none",
-    "pipeline_schedule": "1f1b",
-    "virtual_stages": 1,
+    **PIPELINE_DEFAULTS,
 }
 """``tetrad memory``'s options that only ``--method tetrad`` reads, and their defaults."""
 
