@@ -60,6 +60,26 @@ CASES = [
         ["top_k=2", "n_experts=0", "drop top_k"],
     ),
     (
+        "fine pieces without the fine overlap",
+        {"train": ["--grid", "1,1,1,2", "--overlap", "prefetch", "--fine-chunks", "4"]},
+        ["--fine-chunks 4", "fine"],
+    ),
+    (
+        "context pieces without a context axis",
+        {"train": ["--grid", "1,1,1,2", "--context-pieces", "4"]},
+        ["--context-pieces 4", "G_context=1"],
+    ),
+    (
+        "context pieces without the context overlap",
+        {"train": ["--grid", "1,2,1,1,1", "--overlap", "none", "--context-pieces", "4"]},
+        ["--context-pieces 4", "context"],
+    ),
+    (
+        "--nproc with a grid of another size",
+        {"train": ["--grid", "1,1,1,2", "--nproc", "8"]},
+        ["--nproc 8", "2 ranks"],
+    ),
+    (
         "fujii2024 does not model the sharded optimizer",
         {"memory": ["--model", "llama-3-8b", "--tp", "2", "--dp", "4", "--shard-optimizer"]},
         ["--shard-optimizer", "fujii2024", "--grid"],
@@ -136,6 +156,7 @@ def test_every_rule_fires_and_the_defaults_pass():
         Settings(grid_expert=2, expert_parallel=1),
         Settings(model=_dense(), model_keys=frozenset({"top_k"})),
         Settings("memory", "tetrad", other_mode_options=("--tp 2",)),
+        Settings(nproc=8, ranks=4),
         Settings(resumed={"steps": 10}, training={"steps": 20}),
     ):
         for rule in RULES:

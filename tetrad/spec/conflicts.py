@@ -18,6 +18,9 @@ The rows of :data:`RULES`:
   ``n_experts=0``: the dense model would be trained or sized;
 - options of one mode given in another (``tetrad memory --tp 2 --shard-optimizer``: fujii2024
   does not model the sharded optimizer; ``--grid`` options without ``--grid``);
+- options of a feature that is off (``--fine-chunks`` without the fine overlap,
+  ``--context-pieces`` without a context axis or overlap, ``--nproc`` with a grid of another
+  size);
 - a resumed run given another ``--steps`` (or ``--warmup-steps``, ``--lr``, ``--min-lr``): the
   learning-rate schedule changes; warned, since training further is a reason to resume.
 """
@@ -84,6 +87,19 @@ class Settings:
     """The model sizes the user named (``--model small,top_k=2``, ``[model]`` keys)."""
     other_mode_options: tuple[str, ...] = ()
     """Options given that only another mode of the command reads (``--tp`` with ``--grid``)."""
+    overlaps: frozenset[str] | None = None
+    """``tetrad train``'s overlaps (:func:`tetrad.spec.overlap.parse_overlaps`; None: not
+    known)."""
+    fine_chunks: int = 0
+    """``--fine-chunks`` (0: not given, the planner's choice)."""
+    context_pieces: int = 0
+    """``--context-pieces`` (0: not given, the planner's choice)."""
+    context: int = 1
+    """``G_context`` of the grid."""
+    nproc: int = 0
+    """``--nproc`` (0: not given)."""
+    ranks: int | None = None
+    """The grid's ranks, ``G_pipe`` times the product of its sizes (None: ``--grid auto``)."""
     resumed: Mapping | None = None
     """The ``training`` settings a resumed run was started with (``RUN_DIR/config.json``)."""
     training: Mapping = field(default_factory=dict)
@@ -175,6 +191,32 @@ def _other_mode(s: Settings) -> str | None:
     )
 
 
+def _unused_options(s: Settings) -> str | None:
+    if s.overlaps is not None and s.fine_chunks and "fine" not in s.overlaps:
+        return (
+            f"--fine-chunks {s.fine_chunks} sets the fine overlap's pieces but --overlap leaves "
+            "fine out: add fine to --overlap (or use all), or drop --fine-chunks"
+        )
+    if s.context_pieces and s.ranks is not None and s.context == 1:
+        return (
+            f"--context-pieces {s.context_pieces} splits the context all-gather but the grid "
+            "has no context axis (G_context=1): give DATA,CONTEXT,Z,Y,X sizes, or drop "
+            "--context-pieces"
+        )
+    if s.overlaps is not None and s.context_pieces and "context" not in s.overlaps:
+        return (
+            f"--context-pieces {s.context_pieces} splits the context overlap's all-gather but "
+            "--overlap leaves context out: add context to --overlap (or use all), or drop "
+            "--context-pieces"
+        )
+    if s.nproc and s.ranks is not None and s.nproc != s.ranks:
+        return (
+            f"--nproc {s.nproc} but the grid has {s.ranks} ranks (--nproc is for --grid auto): "
+            "drop --nproc, or use --grid auto"
+        )
+    return None
+
+
 def _resume_schedule(s: Settings) -> str | None:
     if not s.resumed:
         return None
@@ -194,6 +236,7 @@ RULES: tuple[Rule, ...] = (
     Rule("expert parallelism named twice", True, _expert_twice),
     Rule("MoE sizes on a dense model", True, _moe_sizes_without_experts),
     Rule("options of another mode", True, _other_mode),
+    Rule("options of a feature that is off", True, _unused_options),
     Rule("a resumed run's schedule changed", False, _resume_schedule),
 )
 """Every disagreement the commands check, in the order they are checked."""

@@ -164,10 +164,21 @@ class TrainConfig:
             raise ConfigError(f"val_fraction={self.data.val_fraction} must lie in (0, 0.5)")
         if self.data.workers < 0:
             raise ConfigError(f"workers={self.data.workers} must be 0 (this process) or more")
+        par = self.parallelism
         try:
-            self.parallelism.overlaps  # noqa: B018 (parsing is the check)
+            overlaps = par.overlaps
         except TetradError as e:
             raise ConfigError(str(e)) from None
+        check_conflicts(
+            Settings(
+                overlaps=overlaps,
+                fine_chunks=par.fine_chunks,
+                context_pieces=par.context_pieces,
+                context=grid[1],
+                nproc=par.nproc,
+                ranks=par.pipe * math.prod(grid),
+            )
+        )
         self.logging.profile_range()
 
     @property
