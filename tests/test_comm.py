@@ -204,3 +204,19 @@ def test_weight_gradients_are_written_into_their_buckets():
     flattening copy); a plan that does not match backward's order falls back to the copy and
     is remade from the order seen."""
     run_distributed(gradients_in_bucket_buffers, 2)
+
+
+def test_init_process_group_binds_the_gpu(monkeypatch):
+    """On CUDA the default group is created with ``device_id`` (NCCL's communicator on this
+    rank's GPU at once); on CPU (gloo) without."""
+    import tetrad.grid as grid_module
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(grid_module, "local_device", lambda t: torch.device(t, 0))
+    assert grid_module.init_process_group("cuda")
+    assert calls[-1] == (("nccl",), {"device_id": torch.device("cuda", 0)})
+    monkeypatch.setattr(grid_module, "local_device", lambda t: torch.device(t))
+    assert grid_module.init_process_group("cpu")
+    assert calls[-1] == (("gloo",), {})

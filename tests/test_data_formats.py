@@ -21,7 +21,7 @@ from tetrad.data import readers
 from tetrad.data.corpus import open_corpus, prepare_corpus
 from tetrad.data.errors import DataError
 from tetrad.data.loader import sample_batch
-from tetrad.data.prepare import prepare
+from tetrad.data.prepare import prepare, summary_line
 from tetrad.data.tokenizer import train_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,6 +237,34 @@ def test_bad_data_gets_one_line(world, tmp_path):
         prepare_corpus([str(tmp_path / "unfinished")])
 
 
+@pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl.gz"])
+@pytest.mark.parametrize("cut", [0.5, -3])
+def test_a_cut_compressed_file_is_named(world, tmp_path, fmt, cut):
+    """A file cut short stops the preparation naming it, alone or beside a good file (a
+    ``.zst`` cut in its last frame read as shorter, or as "no text" when alone)."""
+    root, docs, tok, paths, prepared = world
+    blob = paths[fmt].read_bytes()
+    cut_file = tmp_path / f"cut.{fmt}"
+    cut_file.write_bytes(blob[: int(len(blob) * cut) if cut > 0 else cut])
+    for inputs in ([cut_file], [paths["jsonl"], cut_file]):
+        msg = _error(tmp_path, inputs, str(tok))
+        assert f"cut.{fmt}' is damaged" in msg and "--skip-bad-files" in msg, msg
+    # --skip-bad-files: left out, counted and named; the shards are the good file's alone
+    index = prepare([str(paths["jsonl"]), str(cut_file)], tmp_path / "kept", str(tok), **SKIP)
+    assert index["job"]["skipped"] == [str(cut_file)]
+    (tokens, ends), (want_tokens, want_ends) = (
+        _shard_arrays(tmp_path / "kept"),
+        _shard_arrays(prepared["jsonl"]),
+    )
+    assert tokens == want_tokens and np.array_equal(ends, want_ends)
+    line = summary_line(index, tmp_path / "kept")
+    assert f"left out 1 damaged file(s): {cut_file}" in line, line
+    assert "every --data input is damaged" in _error(tmp_path, [cut_file], str(tok), **SKIP)
+
+
+SKIP = {"skip_bad_files": True}
+
+
 def _train_each(configs) -> None:
     from tetrad.train import trainer
 
@@ -319,3 +347,16 @@ def test_a_preparation_inside_its_input_folder_is_not_read_as_input(world, tmp_p
     (folder / "docs.jsonl").write_bytes(paths["jsonl"].read_bytes())
     first = prepare([str(folder)], folder / "prepared", str(tok))
     assert prepare([str(folder)], folder / "prepared", str(tok)) == first  # same job: as is
+
+
+def test_train_passes_skip_bad_files(monkeypatch):
+    """``tetrad train --skip-bad-files`` (config ``[data] skip_bad_files``) reaches the
+    preparation of its ``--data``."""
+    from tetrad.train import preflight
+    from tetrad.train.config import load_config
+
+    got = {}
+    monkeypatch.setattr(preflight, "prepare_corpus", lambda *a, **kw: got.update(kw))
+    for given, want in (({}, False), ({"skip_bad_files": True}, True)):
+        preflight.load_corpus(load_config(None, given))
+        assert got["skip_bad_files"] is want

@@ -13,7 +13,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tetrad.comm import all_gather, reduce_scatter
-from tetrad.comm.fused import all_gather_matmul, matmul_reduce_scatter
+from tetrad.comm.fused import _RECV, _SEND, all_gather_matmul, matmul_reduce_scatter
 from tetrad.grid import Grid
 
 K, N = 6, 7
@@ -81,3 +81,35 @@ def test_rows_that_do_not_split_are_refused():
 
     with pytest.raises(ValueError, match="at least 1"):
         _pieces(4, 0)
+
+
+def _grouped(g: int) -> None:
+    """Every point-to-point op of the rings is posted in a ``batch_isend_irecv`` group of one
+    send to the next rank and one receive from the previous (NCCL matches point-to-point calls
+    in order and ignores tags: loose ones can deadlock), and the results stay exact."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    batches = []
+    real = dist.batch_isend_irecv
+
+    def recording(ops):
+        batches.append([(op.op.__name__, op.peer) for op in ops])
+        return real(ops)
+
+    def loose(*args, **kwargs):
+        raise AssertionError("a ring op was posted outside a batch_isend_irecv group")
+
+    dist.batch_isend_irecv, dist.isend, dist.irecv = recording, loose, loose
+    try:
+        _check(g, 5, 2)
+    finally:
+        dist.batch_isend_irecv, dist.isend, dist.irecv = real, _SEND, _RECV
+    r = dist.get_rank()
+    pair = [("isend", (r + 1) % g), ("irecv", (r - 1) % g)]
+    # four rings (two forward, two backward) of g - 1 steps in 2 pieces each
+    assert batches == [pair] * (4 * (g - 1) * 2), batches
+
+
+def test_ring_point_to_point_is_grouped():
+    run_distributed(_grouped, 2, 2)

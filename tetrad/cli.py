@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import signal
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -43,10 +44,24 @@ class Command(NamedTuple):
     run: Callable[[argparse.Namespace], int | None]
 
 
+def _other_torchrun_rank() -> bool:
+    """Whether this process is a rank other than 0 of a ``torchrun`` job: a mistake in the
+    command line, the same on every rank, is then said by rank 0 alone."""
+    env = os.environ
+    under = "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
+    return under and env.get("RANK", "0") != "0"
+
+
 def _train(args: argparse.Namespace) -> None:
+    try:
+        cfg = config.load_config(args.config, config.overrides(args))
+    except TetradError:
+        if _other_torchrun_rank():
+            raise SystemExit(2) from None
+        raise
     from tetrad.train.launch import launch_train
 
-    launch_train(config.load_config(args.config, config.overrides(args)))
+    launch_train(cfg)
 
 
 def _prepare_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +122,12 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
         "0.01; the split itself is tetrad train's --val-fraction)",
     )
     p.add_argument(
+        "--skip-bad-files",
+        action="store_true",
+        help="leave out damaged inputs (a cut or corrupt .gz, .zst or Parquet file: each read "
+        "through first), counted and named in the summary line, instead of stopping at the first",
+    )
+    p.add_argument(
         "--shard-mb",
         type=float,
         default=256,
@@ -115,7 +136,41 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _prepare(args: argparse.Namespace) -> None:
+class _Signalled(Exception):
+    """Raised in ``tetrad prepare``'s main thread by SIGTERM or SIGUSR1 (SLURM's stop)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_signalled(signum: int, frame: object) -> None:
+    raise _Signalled(signum)
+
+
+def _prepare(args: argparse.Namespace) -> int | None:
+    """``tetrad prepare``; on SIGTERM, SIGUSR1 or Ctrl-C one line saying how to resume (what
+    is written is consistent: the complete shards stay, a run again resumes after them) and
+    exit status 143 (130 for Ctrl-C)."""
+    old = {s: signal.signal(s, _raise_signalled) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        _prepare_now(args)
+    except (_Signalled, KeyboardInterrupt) as e:
+        name = str(e) if isinstance(e, _Signalled) else "SIGINT"
+        print(
+            f"tetrad: prepare stopped by {name}; {args.out} keeps its complete shards: run the "
+            "same command again to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 130 if name == "SIGINT" else 143
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return None
+
+
+def _prepare_now(args: argparse.Namespace) -> None:
     from tetrad.data.prepare import plan_job, prepare_sources, summary_line
 
     sources, job = plan_job(
@@ -127,6 +182,7 @@ def _prepare(args: argparse.Namespace) -> None:
         args.encoding_errors,
         args.workers,
         int(args.shard_mb * MiB),
+        args.skip_bad_files,
     )
     out = os.path.expanduser(args.out)
     index, wrote = prepare_sources(
@@ -284,6 +340,8 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line ``tetrad: error: ...`` (exit 2)."""
 
     def error(self, message: str):
+        if _other_torchrun_rank():
+            self.exit(2)
         self.exit(2, f"{error_line(message)} (see `{self.prog} --help`)\n")
 
 
@@ -296,13 +354,49 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _join_dashed_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with each value that starts with a dash and a digit joined to its option
+    (``--grid -2,1,1,1`` -> ``--grid=-2,1,1,1``): argparse takes ``-2,1,1,1`` or ``-1e-3`` for
+    an option and says "expected one argument"; joined, the option's own check names the
+    problem (sizes must be positive, a rate 0 or more)."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    command = next((t for t in argv if not t.startswith("-")), None)
+    target = sub.choices.get(command) if sub is not None and command else None
+    if target is None:
+        return list(argv)
+    takes_value = {
+        opt
+        for action in target._actions
+        if action.nargs in (None, "?") and action.option_strings
+        for opt in action.option_strings
+    }
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if (
+            tok in takes_value
+            and len(nxt) > 1
+            and nxt[0] == "-"
+            and (nxt[1].isdigit() or nxt[1] == ".")
+        ):
+            out.append(f"{tok}={nxt}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``tetrad`` command line; returns the exit status.
 
     Exit status: 0 on success, 2 for a usage or configuration mistake (one line
     ``tetrad: error: <what to change>`` on stderr), 1 when a worker failed, 130 on Ctrl-C.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(_join_dashed_values(parser, sys.argv[1:] if argv is None else argv))
     try:
         return COMMANDS[args.command].run(args) or 0
     except TetradError as e:

@@ -43,6 +43,16 @@ def threads_per_rank(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 
+def cpu_threads(ranks: int) -> int:
+    """Threads for one of ``ranks`` CPU processes of one host: ``OMP_NUM_THREADS`` when set (a
+    positive integer; what the user, ``tetrad train``'s launcher or ``torchrun`` chose), else
+    :func:`threads_per_rank`."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    return threads_per_rank(ranks)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (for timing measurements only, never in training)."""
     if device.type == "cuda":

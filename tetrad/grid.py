@@ -51,11 +51,15 @@ def backend_for(device_type: str) -> str:
 def init_process_group(device_type: str) -> bool:
     """Make this rank's device current and initialise the default process group from the
     ``torchrun`` environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with
-    the backend for ``device_type``, unless one exists; returns whether this call created it."""
-    local_device(device_type)
+    the backend for ``device_type``, unless one exists; returns whether this call created it.
+    On CUDA the group is bound to this rank's GPU (``device_id``): NCCL then creates its
+    communicator at once, on the right device, instead of guessing it at the first
+    collective (PyTorch warns that a wrong guess can hang)."""
+    device = local_device(device_type)
     if dist.is_initialized():
         return False
-    dist.init_process_group(backend_for(device_type))
+    bound = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend_for(device_type), **bound)
     return True
 
 

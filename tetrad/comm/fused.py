@@ -2,7 +2,10 @@
 
 T3 (Pati et al., arXiv 2401.16677) hides a tensor-parallel collective behind the GEMM that
 produces or consumes its data: the GEMM is split into chunks ordered to follow the ring, and each
-chunk travels while the next one is computed. Here on plain ``isend``/``irecv`` (gloo and NCCL):
+chunk travels while the next one is computed. Here on point-to-point ops (gloo and NCCL), each
+ring step's send to the next rank and receive from the previous one posted together as one
+``batch_isend_irecv`` group, so NCCL, which ignores tags and matches point-to-point calls in
+order, runs them as one fused pair and no two ranks wait on each other's unposted receive:
 
     all-gather -> GEMM   out = all_gather(x) @ W^T        x [m, k] per rank, out [G m, n]
         ring step s: this rank holds the rows of rank (r - s) mod G, multiplies them while
@@ -29,6 +32,8 @@ import torch.distributed as dist
 from tetrad.comm.collectives import Groups, _axis_info
 from tetrad.spec.grid import Axis
 
+_SEND, _RECV = dist.isend, dist.irecv  # the ops of a P2POp
+
 
 class _Ring:
     """The ring over one axis: neighbours, piece exchange, and the axis record."""
@@ -44,31 +49,28 @@ class _Ring:
             self.stats.calls += 1
             self.stats.payload_bytes += payload
             self.stats.bytes += (self.g - 1) / self.g * payload
-        self.started, self.sends = time.perf_counter(), []
+        self.started = time.perf_counter()
 
-    def send(self, t: torch.Tensor, tag: int):
-        work = dist.isend(t, self.next, group=self.group, tag=tag)
-        self.sends.append(work)
-        return work
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
+        """Post the send of ``send`` to the next rank and the receive into ``recv`` from the
+        previous one as one group (``batch_isend_irecv``); returns its works, to be passed to
+        :meth:`wait` exactly once (on gloo a second wait blocks for a send that never comes)."""
+        return dist.batch_isend_irecv(
+            [
+                dist.P2POp(_SEND, send, self.next, self.group, tag),
+                dist.P2POp(_RECV, recv, self.prev, self.group, tag),
+            ]
+        )
 
-    def wait_send(self, work) -> None:
-        """Wait for one send now (each send is waited exactly once: on gloo a second wait
-        blocks for a send that never comes)."""
-        self.sends.remove(work)
-        self.wait(work)
-
-    def recv(self, t: torch.Tensor, tag: int):
-        return dist.irecv(t, self.prev, group=self.group, tag=tag)
-
-    def wait(self, work) -> None:
+    def wait(self, works: list) -> None:
+        """Wait for one :meth:`exchange` (its send and its receive), timed as exposed."""
         t0 = time.perf_counter()
-        work.wait()
+        for work in works:
+            work.wait()
         if self.stats is not None:
             self.stats.exposed_s += time.perf_counter() - t0
 
     def close(self) -> None:
-        for w in self.sends:
-            self.wait(w)
         if self.stats is not None:
             self.stats.time_s += time.perf_counter() - self.started
 
@@ -96,7 +98,7 @@ def ring_all_gather_matmul(
     full = torch.empty((g * m, x.shape[1]), dtype=x.dtype, device=x.device)
     full[r * m : (r + 1) * m] = x
     out = torch.empty((g * m, w.shape[0]), dtype=torch.result_type(x, w), device=x.device)
-    pending: dict[tuple[int, int], object] = {}
+    pending: dict[tuple[int, int], list] = {}
     for s in range(g):
         c, nxt = (r - s) % g, (r - s - 1) % g
         for q, (a, b) in enumerate(_pieces(m, chunks)):
@@ -104,8 +106,9 @@ def ring_all_gather_matmul(
                 ring.wait(pending.pop((s, q)))
             piece = full[c * m + a : c * m + b]
             if s < g - 1:
-                ring.send(piece, tag=s * chunks + q)
-                pending[(s + 1, q)] = ring.recv(full[nxt * m + a : nxt * m + b], s * chunks + q)
+                pending[(s + 1, q)] = ring.exchange(
+                    piece, full[nxt * m + a : nxt * m + b], s * chunks + q
+                )
             torch.matmul(piece, w.t(), out=out[c * m + a : c * m + b])
     ring.close()
     return out, full
@@ -132,8 +135,7 @@ def ring_matmul_reduce_scatter(
     ring = _Ring(grid, axis, y.shape[0] * n * torch.empty((), dtype=dtype).element_size())
     r = ring.r
     acc = [torch.empty((m, n), dtype=dtype, device=y.device) for _ in range(2)]
-    pending: dict[tuple[int, int], object] = {}
-    sent: dict[int, object] = {}  # piece -> its send of the previous step
+    pending: dict[tuple[int, int], list] = {}
     for s in range(g):
         c = (r - s - 1) % g
         cur, nxt_buf = acc[s % 2], acc[(s + 1) % 2]
@@ -142,14 +144,12 @@ def ring_matmul_reduce_scatter(
             if s == 0:
                 torch.matmul(rows, w.t(), out=cur[a:b])
             else:
+                # the previous step's group: its receive into cur[a:b] and its send out of
+                # nxt_buf[a:b], which this step receives into next
                 ring.wait(pending.pop((s, q)))
                 cur[a:b].addmm_(rows, w.t())  # the neighbour's running sum + this partial
             if s < g - 1:
-                work = ring.send(cur[a:b], tag=s * chunks + q)
-                if q in sent:  # nxt_buf[a:b] went out at the previous step: done before reuse
-                    ring.wait_send(sent[q])
-                sent[q] = work
-                pending[(s + 1, q)] = ring.recv(nxt_buf[a:b], s * chunks + q)
+                pending[(s + 1, q)] = ring.exchange(cur[a:b], nxt_buf[a:b], s * chunks + q)
     ring.close()
     return acc[(g - 1) % 2]
 

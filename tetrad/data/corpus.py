@@ -116,6 +116,7 @@ def prepare_corpus(
     encoding_errors: str = "replace",
     workers: int = 0,
     progress: bool = False,
+    skip_bad_files: bool = False,
 ) -> Corpus:
     """The corpus of ``--data`` ``paths``: a prepared folder opened as is, or the inputs
     prepared into the cache first (see the module docstring; a cache hit only memory-maps the
@@ -123,7 +124,8 @@ def prepare_corpus(
 
     ``tokenizer`` empty: a byte-level BPE of ``vocab_size`` ids trained on the train documents
     (``<|endoftext|>`` = id 0); else a HF ``tokenizer.json``. ``workers``: tokenizing
-    processes (0: this process); ``progress``: a progress bar on stderr.
+    processes (0: this process); ``progress``: a progress bar on stderr; ``skip_bad_files``:
+    leave out damaged inputs (:mod:`tetrad.data.damaged`; they are read through at every call).
 
     Raises:
         DataError: missing, empty or binary inputs (:func:`tetrad.data.sources.find_sources`),
@@ -142,6 +144,7 @@ def prepare_corpus(
         encoding_errors,
         workers,
         SHARD_BYTES,
+        skip_bad_files,
     )
     key = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
     cache = pathlib.Path(cache_dir or os.environ.get("TETRAD_CACHE") or "~/.cache/tetrad")

@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import threading
 import time
 
@@ -92,9 +93,12 @@ def _exit_with(parent: int) -> None:
 
 def init_worker(tokenizer_json: str, settings: Settings, threads: bool = False) -> None:
     """Build this process's tokenizer from ``tokenizer.json`` text. ``threads=False`` (a
-    worker process): one tokenizer thread, and the process exits when its parent dies."""
+    worker process): one tokenizer thread, Ctrl-C and SIGTERM ignored (the parent stops the
+    pool and says so), and the process exits when its parent dies."""
     if not threads:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     from tokenizers import Tokenizer
 

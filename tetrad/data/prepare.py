@@ -31,6 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tetrad.data import shards as sh
+from tetrad.data.damaged import drop_damaged
 from tetrad.data.encode import Encoded, Settings, encode, init_worker
 from tetrad.data.errors import DataError
 from tetrad.data.readers import START, Batch, Cursor, batches, kind_of
@@ -253,8 +254,12 @@ def prepare_sources(
     wait: bool = False,
 ) -> tuple[dict, bool]:
     """:func:`prepare` for sources already found and their :func:`job_of`; returns the index
-    and whether this call wrote it (False: ``folder`` was complete already)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    and whether this call wrote it (False: ``folder`` was complete already).
+
+    Raises:
+        DataError: as :func:`prepare`; ``folder`` is a file or cannot be created.
+    """
+    _make_folder(folder)
     with _locked(folder, wait):
         index = sh.read_json(folder / INDEX)
         if index is not None:
@@ -266,6 +271,22 @@ def prepare_sources(
             )
         _start_job(folder, job, tokenizer, sources)
         return _run(folder, sources, job, workers, progress), True
+
+
+def _make_folder(folder: pathlib.Path) -> None:
+    """Create the ``--out`` folder (and its parents) if needed.
+
+    Raises:
+        DataError: it, or a parent, is a file, or it cannot be created.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"--out {str(folder)!r} is a file: pass a folder (new, or empty)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(
+            f"cannot create --out {str(folder)!r} ({e.strerror}): pass another folder"
+        ) from None
 
 
 def prepare(
@@ -280,6 +301,7 @@ def prepare(
     workers: int = 0,
     shard_bytes: int = sh.SHARD_BYTES,
     progress: bool = False,
+    skip_bad_files: bool = False,
 ) -> dict:
     """Tokenize ``inputs`` (``--data`` entries, :func:`tetrad.data.sources.find_sources`;
     empty: the Python standard library) into the prepared folder ``out``
@@ -289,8 +311,9 @@ def prepare(
     trained on at most 8 MB of train documents (``val_fraction`` says which are held out; see
     :func:`tetrad.data.tokenizer.bpe_sample`). ``workers``: tokenizing processes (0: this
     process). ``shard_bytes``: shard size, bytes. ``progress``: a tqdm bar on stderr when it
-    is a terminal (input bytes, MB/s, ETA, documents and tokens). A complete ``out`` of the same
-    job is returned as is; an unfinished one is resumed.
+    is a terminal (input bytes, MB/s, ETA, documents and tokens). ``skip_bad_files``: leave
+    out damaged inputs (:mod:`tetrad.data.damaged`) instead of stopping at the first. A
+    complete ``out`` of the same job is returned as is; an unfinished one is resumed.
 
     Raises:
         DataError: bad inputs (:func:`~tetrad.data.sources.find_sources`), settings
@@ -307,6 +330,7 @@ def prepare(
         encoding_errors,
         workers,
         shard_bytes,
+        skip_bad_files,
     )
     folder = pathlib.Path(os.path.expanduser(str(out)))
     return prepare_sources(sources, folder, job, tokenizer, workers=workers, progress=progress)[0]
@@ -321,12 +345,16 @@ def plan_job(
     encoding_errors: str,
     workers: int,
     shard_bytes: int,
+    skip_bad_files: bool = False,
 ) -> tuple[list[Source], dict]:
     """The sources of ``inputs`` and the :func:`job_of` a preparation of them, after checking
-    the settings.
+    the settings; with ``skip_bad_files`` without the damaged ones
+    (:func:`tetrad.data.damaged.drop_damaged`, which reads the compressed and Parquet inputs
+    through), listed in the job's ``skipped``.
 
     Raises:
-        DataError: as :func:`prepare`, before anything is read or written.
+        DataError: as :func:`prepare`, before anything is written (and, without
+            ``skip_bad_files``, read).
     """
     check_settings(val_fraction, encoding_errors, workers, shard_bytes, text_field)
     for p in inputs:
@@ -335,6 +363,9 @@ def plan_job(
                 f"{p!r} is a prepared folder: pass it alone to --data, not with other inputs"
             )
     sources = find_sources(inputs)
+    skipped: list[str] = []
+    if skip_bad_files:
+        sources, skipped = drop_damaged(sources, text_field)
     if not tokenizer and vocab_size < 257:
         raise DataError(f"vocab_size {vocab_size} is too small: byte-level BPE needs >= 257")
     if tokenizer:
@@ -342,6 +373,8 @@ def plan_job(
     job = job_of(
         sources, tokenizer, vocab_size, val_fraction, text_field, encoding_errors, shard_bytes
     )
+    if skipped:
+        job["skipped"] = skipped  # the shards are those of the other inputs
     return sources, job
 
 
@@ -353,6 +386,9 @@ def summary_line(index: dict, folder: str | os.PathLike) -> str:
         f"{index['files']:,} file(s), {index['bytes'] / 1e6:,.1f} MB, in {s:.1f} s "
         f"({index['tokens'] / s:,.0f} tokens/s) into {folder}"
     )
+    skipped = index.get("job", {}).get("skipped", [])
+    if skipped:
+        line += f"; left out {len(skipped)} damaged file(s): {', '.join(skipped)}"
     if index["empty_documents"]:
         line += f"; skipped {index['empty_documents']:,} empty document(s)"
     if index["non_utf8_documents"]:

@@ -7,7 +7,7 @@ documents (across sources) until :data:`BATCH_BYTES` or :data:`BATCH_DOCS`. Each
 :class:`Cursor` after it. Batches depend only on the cursor they start from, so a preparation
 resumed at a batch's end cursor reads exactly the batches an uninterrupted one would have read.
 
-Libraries: ``gzip`` (standard library) and ``zstandard`` (multi-frame files read whole) for
+Libraries: ``gzip`` (standard library) and ``zstandard`` (multi-frame files, frame by frame) for
 compressed JSONL, ``pyarrow.parquet`` for Parquet (streamed by record batches), ``datasets``
 for ``save_to_disk`` folders (memory-mapped Arrow). Memory holds one batch at a time.
 """
@@ -29,6 +29,13 @@ PIECE_BYTES = 4 << 20  # a text file above this is read in pieces of about this 
 ROWS = 1024  # rows read at once from Parquet and datasets
 BOM = b"\xef\xbb\xbf"
 WHITESPACE = b" \t\n\r\x0b\x0c"
+
+
+SKIP_HINT = " (or pass --skip-bad-files to leave damaged files out)"
+
+
+class DamagedFileError(DataError):
+    """An input that cannot be read to its end (cut short or corrupt): one line naming it."""
 
 
 class Cursor(NamedTuple):
@@ -123,11 +130,59 @@ def _open_jsonl(path, fmt: str, raw) -> io.BufferedReader:
     if fmt == JSONL_GZ:
         return io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), 1 << 20)
     if fmt == JSONL_ZST:
+        return io.BufferedReader(ZstdFrames(raw), 1 << 20)
+    return io.BufferedReader(raw, 1 << 20)
+
+
+class ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a zstd stream of one or more frames, read from ``raw``.
+
+    zstandard's ``stream_reader`` ends quietly where a cut file ends, inside a frame (a file cut
+    in its only frame reads as empty); this reader decompresses frame by frame
+    (``ZstdDecompressor.decompressobj``, whose ``eof`` says a frame is complete) and raises
+    :class:`EOFError` when the input ends inside one, as ``gzip`` does.
+    """
+
+    def __init__(self, raw: io.RawIOBase | io.BufferedIOBase):
         import zstandard
 
-        dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)
-        return io.BufferedReader(dctx.stream_reader(raw, read_across_frames=True), 1 << 20)
-    return io.BufferedReader(raw, 1 << 20)
+        self._raw = raw
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)
+        self._frame = None  # the decompressor of the frame being read
+        self._fed = False  # whether that frame has been given input
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        """Fill ``buffer`` with decompressed bytes; 0 at the end of the stream.
+
+        Raises:
+            EOFError: the input ends inside a frame (the file was cut short).
+            zstandard.ZstdError: the input is not zstd data, or is damaged.
+        """
+        while self._pos >= len(self._out):
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                if self._fed and not self._frame.eof:
+                    raise EOFError("it ends inside a zstd frame: the file was cut short")
+                return 0
+            self._out, self._pos = self._decompress(chunk), 0
+        n = min(len(buffer), len(self._out) - self._pos)
+        buffer[:n] = self._out[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            if self._frame is None or self._frame.eof:
+                self._frame, self._fed = self._dctx.decompressobj(), False
+            out.append(self._frame.decompress(data))
+            self._fed = True
+            data = self._frame.unused_data if self._frame.eof else b""
+        return b"".join(out)
 
 
 def _skip(stream, fmt: str, offset: int) -> None:
@@ -156,9 +211,9 @@ def _jsonl_items(src: Source, item: int, offset: int) -> Iterator[_Item]:
                 if line.strip():
                     yield _Item(line, item, start, offset, raw.tell(), True)
         except Exception as e:  # gzip/zstd: a damaged or cut file (OSError, EOFError, ZstdError)
-            raise DataError(
+            raise DamagedFileError(
                 f"data file {str(src.path)!r} is damaged after line {item} ({e}): "
-                "compress it again or remove it"
+                f"compress it again or remove it{SKIP_HINT}"
             ) from None
 
 
@@ -190,7 +245,10 @@ def _parquet_items(src: Source, field: str, row: int) -> Iterator[_Item]:
     try:
         pf = pq.ParquetFile(src.path)
     except Exception as e:  # pyarrow.ArrowInvalid and friends
-        raise DataError(f"data file {str(src.path)!r} is not Parquet ({e})") from None
+        raise DamagedFileError(
+            f"data file {str(src.path)!r} is not Parquet, or was cut short ({e}): write it "
+            f"again or remove it{SKIP_HINT}"
+        ) from None
     _check_field(src, pf.schema_arrow.names, field)
     meta, size = pf.metadata, src.bytes
     first, group = 0, 0
@@ -199,7 +257,17 @@ def _parquet_items(src: Source, field: str, row: int) -> Iterator[_Item]:
         group += 1
     total = max(meta.num_rows, 1)
     groups = list(range(group, meta.num_row_groups))
-    for batch in pf.iter_batches(batch_size=ROWS, row_groups=groups, columns=[field]):
+    read = pf.iter_batches(batch_size=ROWS, row_groups=groups, columns=[field])
+    while True:
+        try:
+            batch = next(read, None)
+        except Exception as e:  # a corrupt page: pyarrow.ArrowInvalid, OSError
+            raise DamagedFileError(
+                f"data file {str(src.path)!r} is damaged after row {first} ({e}): write it "
+                f"again or remove it{SKIP_HINT}"
+            ) from None
+        if batch is None:
+            return
         for value in _column_values(batch, src, field):
             first += 1
             if first > row:
@@ -229,6 +297,17 @@ def _items(src: Source, field: str, item: int, offset: int) -> Iterator[_Item]:
     if src.format == DATASETS:
         return _datasets_items(src, field, item)
     raise AssertionError(src.format)
+
+
+def read_to_end(src: Source, field: str) -> None:
+    """Read ``src`` through (its ``field`` values for records), keeping nothing.
+
+    Raises:
+        DamagedFileError: it is cut short or corrupt.
+        DataError: a record source without ``field``, a column that is not text.
+    """
+    for _ in _items(src, field, 0, 0):
+        pass
 
 
 def kind_of(fmt: str) -> str:

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from tetrad.plan.cli_conflicts import check_memory_settings, check_plan_settings
 from tetrad.plan.comm.sublayers import format_sublayers, sublayers
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import get_machine, preset_names
@@ -28,6 +29,7 @@ from tetrad.plan.search import report
 from tetrad.plan.search.plan import plan
 from tetrad.plan.step_time import best_orientation
 from tetrad.spec.activation_checkpointing import CHECKPOINTING, parse_checkpointing
+from tetrad.spec.conflicts import PIPELINE_DEFAULTS
 from tetrad.spec.grid import ORIENTATIONS, format_grid, parse_pipeline_grid, role_sizes
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.pipeline_split import PipelineSplitError
@@ -197,13 +199,13 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--pipeline-schedule",
         choices=SCHEDULES,
-        default="1f1b",
+        default=PIPELINE_DEFAULTS["pipeline_schedule"],
         help="tetrad with a pipeline axis: the schedule (default 1f1b; in-flight micro-batches)",
     )
     m.add_argument(
         "--virtual-stages",
         type=_positive_int,
-        default=1,
+        default=PIPELINE_DEFAULTS["virtual_stages"],
         metavar="V",
         help="tetrad with a pipeline axis: stages per pipeline rank (interleaved-1f1b)",
     )
@@ -263,6 +265,7 @@ def run_plan(args: argparse.Namespace) -> int:
             "all-to-all, no expert sharding): size one grid with tetrad memory --model "
             f"{args.model} --grid DATA,1,Z,1,1"
         )
+    check_plan_settings(args)
     machine = get_machine(args.machine)
     if args.gemm_efficiency is not None:
         machine = machine.with_gemm_efficiency(args.gemm_efficiency)
@@ -322,11 +325,24 @@ def run_memory(args: argparse.Namespace) -> int:
         gpu = float(get_machine(args.machine).memory_bytes)
     else:
         gpu = 80.0 * GiB
+    gpu_from = (
+        "--gpu-memory-gib"
+        if args.gpu_memory_gib is not None
+        else f"--machine {args.machine}"
+        if args.machine
+        else "the default without --machine or --gpu-memory-gib"
+    )
     method = args.method or ("tetrad" if args.grid else "fujii2024")
     if method == "tetrad":
         if not args.grid:
             raise PlanError("--method tetrad needs --grid DATA,Z,Y,X (for example 2,1,1,2)")
+        if "expert=" in args.grid:
+            raise PlanError(
+                f"--grid {args.grid}: tetrad memory does not model expert parallelism yet; drop "
+                "expert=N for the memory with every routed expert on each rank (an upper bound)"
+            )
         pipe, grid = parse_pipeline_grid(args.grid)
+        check_memory_settings(args, method, pipe)
         ckpt = parse_checkpointing(args.activation_checkpointing)
         turn = args.orientation
         if turn == "auto":
@@ -339,6 +355,10 @@ def run_memory(args: argparse.Namespace) -> int:
                     "(the eager estimate is an upper bound) or the pipe= size"
                 )
             mem, title = pipeline_memory_text(args, model, pipe, grid, turn, ckpt, gpu)
+            title = title.replace(
+                "\nthe worst rank:",
+                f"\nGPU memory {gpu / GiB:.1f} GiB ({gpu_from}); the worst rank:",
+            )
         else:
             mem = runtime_memory(
                 model,
@@ -356,10 +376,12 @@ def run_memory(args: argparse.Namespace) -> int:
                 f"checkpointing {ckpt}"
                 + (", AdamW states sharded over data x context" if args.shard_optimizer else "")
                 + (", blocks compiled" if args.compile else "")
+                + f"\nGPU memory {gpu / GiB:.1f} GiB ({gpu_from})"
             )
     else:
         if args.grid:
             raise PlanError("--grid is for --method tetrad; fujii2024 takes --tp --cp --pp --dp")
+        check_memory_settings(args, method, args.pp)
         mem = fujii.fujii2024(
             model,
             args.tp,
@@ -446,7 +468,8 @@ def pipeline_memory_text(
         f"{model.summary()}\ntetrad runtime, grid P,D,C,Z,Y,X={format_grid(pipe, grid)} "
         f"({turn}), {sched} with {v} stage(s) per rank, {m} micro-batches of "
         f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}\n"
-        f"pipeline ranks (stage split by {machine.name} compute): {stages}\n"
+        f"pipeline ranks (stage split by {machine.name} compute"
+        f"{'' if args.machine else ', the default without --machine'}): {stages}\n"
         f"the worst rank:"
     )
     return worst, title

@@ -15,3 +15,10 @@ def error_line(message: object) -> str:
     """``tetrad: error: <first line of message>``: what the command prints for a mistake."""
     lines = str(message).strip().splitlines()
     return f"tetrad: error: {lines[0] if lines else type(message).__name__}"
+
+
+def warning_line(message: object) -> str:
+    """``tetrad: warning: <first line of message>``: what a command prints (on stderr) for a
+    harmless disagreement it goes on with."""
+    lines = str(message).strip().splitlines()
+    return "tetrad: warning: " + (lines[0] if lines else repr(message))

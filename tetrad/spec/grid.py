@@ -98,7 +98,7 @@ def parse_pipeline_grid(text: str | Iterable[int]) -> tuple[int, GridShape]:
     """
     if isinstance(text, str) and "=" in text:
         return _parse_named_grid(text)
-    parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
+    parts = _parts(text)
     if len(parts) == 6:
         sizes = _positive_ints(parts)
         if sizes:
@@ -121,7 +121,7 @@ def parse_grid(text: str | Iterable[int]) -> GridShape:
         if pipe > 1:
             raise GridError(f"grid {text!r}: a pipeline axis (pipe={pipe}) is not accepted here")
         return sizes
-    parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
+    parts = _parts(text)
     sizes = _positive_ints(parts)
     if len(sizes) not in (4, 5):
         _bad_grid(text)
@@ -137,7 +137,22 @@ def format_grid(pipe: int, sizes: GridShape) -> str:
     return ",".join(map(str, (d, z, y, x) if c == 1 else sizes))
 
 
+def _parts(text: object) -> list:
+    """The entries of a grid given as text (comma-separated) or as a list or tuple.
+
+    Raises:
+        GridError: anything else (a TOML ``grid = 4``, say).
+    """
+    if isinstance(text, str):
+        return [p.strip() for p in text.split(",")]
+    if isinstance(text, list | tuple):
+        return list(text)
+    _bad_grid(text)
+
+
 def _positive_ints(parts: list) -> tuple[int, ...]:
+    if any(isinstance(p, bool | float) for p in parts):
+        return ()  # a TOML true or 2.5 is not a size
     try:
         sizes = tuple(int(p) for p in parts)
     except (TypeError, ValueError):

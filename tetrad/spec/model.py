@@ -47,6 +47,19 @@ class ModelError(TetradError):
     runtime does not train."""
 
 
+_MOE_LEAST = {
+    "n_experts": 0,
+    "dense_layers": 0,
+    "moe_every": 1,
+    "expert_ffn_dim": 0,
+    "shared_ffn_dim": 0,
+    "route_scale": 0,
+    "aux_loss_coef": 0,
+    "bias_update_rate": 0,
+}
+"""The least value of each mixture-of-experts size (``route_scale`` must also be above 0)."""
+
+
 @dataclass(frozen=True)
 class Linear:
     """One GEMM layer ``y = x W^T (+ b)`` with ``W [out_features, in_features]`` (``[n, k]``).
@@ -190,8 +203,9 @@ class ModelSpec:
         for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             if int(getattr(self, f)) <= 0:
                 return [f"size {f}={getattr(self, f)} must be a positive integer"]
-        if self.vocab_size < 0 or self.max_positions < 0:
-            return ["vocab_size and max_positions must be >= 0"]
+        for f in ("vocab_size", "max_positions"):
+            if getattr(self, f) < 0:
+                return [f"size {f}={getattr(self, f)} must be 0 (from the data) or more"]
         if self.dim % self.n_heads:
             return [f"dim={self.dim} is not divisible by n_heads={self.n_heads}: change one"]
         if self.n_heads % self.n_kv_heads:
@@ -215,14 +229,13 @@ class ModelSpec:
             bad.append(
                 f"aux_loss_scope={self.aux_loss_scope!r} is not one of {', '.join(AUX_LOSS_SCOPES)}"
             )
-        if self.n_experts < 0 or self.moe_every < 1 or self.dense_layers < 0:
-            bad.append("n_experts and dense_layers must be >= 0, moe_every >= 1")
+        for name, least in _MOE_LEAST.items():
+            value = getattr(self, name)
+            if value < least or (name == "route_scale" and value == 0):
+                bound = "positive" if name == "route_scale" else f"at least {least}"
+                bad.append(f"{name}={value} must be {bound}")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             bad.append(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
-        if min(self.expert_ffn_dim, self.shared_ffn_dim) < 0 or self.route_scale <= 0:
-            bad.append("expert_ffn_dim and shared_ffn_dim must be >= 0, route_scale > 0")
-        if min(self.aux_loss_coef, self.bias_update_rate) < 0:
-            bad.append("aux_loss_coef and bias_update_rate must be >= 0")
         if self.n_experts and self.family != "llama":
             bad.append("mixture-of-experts sizes need family llama")
         return bad

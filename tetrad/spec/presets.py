@@ -16,6 +16,7 @@ import difflib
 import os
 from dataclasses import fields, replace
 
+from tetrad.spec.conflicts import Settings, check_conflicts
 from tetrad.spec.hf_config import from_hf_config
 from tetrad.spec.model import ModelError, ModelSpec
 
@@ -319,6 +320,7 @@ def parse_model(text: str) -> tuple[ModelSpec, frozenset[str]]:
     Raises:
         ModelError: unknown preset (with the closest name), unknown key, bad value, missing
             sizes, an unreadable config.json.
+        ConflictError: mixture-of-experts sizes with ``n_experts=0``.
     """
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     if not parts:
@@ -348,6 +350,7 @@ def parse_model(text: str) -> tuple[ModelSpec, frozenset[str]]:
         sizes[key] = value
     model = _from_sizes(sizes) if base is None else with_sizes(base, sizes)
     explicit = frozenset(ALIASES.get(k, k) for k in sizes)
+    check_conflicts(Settings(model=model, model_keys=explicit))
     return model, explicit
 
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tetrad.spec.conflicts import Settings, check_conflicts
 from tetrad.spec.errors import TetradError
 from tetrad.spec.grid import parse_grid, parse_pipeline_grid, pop_expert
 from tetrad.spec.model import ModelSpec, check_trainable
@@ -98,6 +99,7 @@ class TrainConfig:
             cfg, explicit = parse_model(self.model.name)
             cfg = check_trainable(with_sizes(cfg, self.model.sizes))
         given = explicit | {ALIASES.get(k, k) for k in self.model.sizes}
+        check_conflicts(Settings(model=cfg, model_keys=given))
         user_vocab = "vocab_size" in given and cfg.vocab_size
         if tokenizer_vocab is not None and not user_vocab:
             grid = self.parallelism.grid
@@ -122,13 +124,17 @@ class TrainConfig:
         return Path(spec[3:])
 
     def check(self) -> None:
-        """Validate values that need no model or data.
+        """Validate values that need no data (the model's sizes but not the vocabulary).
 
         Raises:
             ConfigError: one line saying which value to change.
+            ModelError: ``--model`` names no model.
+            ConflictError: settings that disagree (:mod:`tetrad.spec.conflicts`).
         """
         t, grid = self.training, self.parallelism.grid
         self.parallelism.check_resolved()
+        if self.hf_folder is None:
+            self.model_config()  # its sizes, and MoE sizes without experts
         if t.device not in DEVICES:
             raise ConfigError(f"device {t.device!r} is not {' or '.join(DEVICES)}")
         for name in ("steps", "micro_batch", "global_batch", "seq_len"):
@@ -158,10 +164,21 @@ class TrainConfig:
             raise ConfigError(f"val_fraction={self.data.val_fraction} must lie in (0, 0.5)")
         if self.data.workers < 0:
             raise ConfigError(f"workers={self.data.workers} must be 0 (this process) or more")
+        par = self.parallelism
         try:
-            self.parallelism.overlaps  # noqa: B018 (parsing is the check)
+            overlaps = par.overlaps
         except TetradError as e:
             raise ConfigError(str(e)) from None
+        check_conflicts(
+            Settings(
+                overlaps=overlaps,
+                fine_chunks=par.fine_chunks,
+                context_pieces=par.context_pieces,
+                context=grid[1],
+                nproc=par.nproc,
+                ranks=par.pipe * math.prod(grid),
+            )
+        )
         self.logging.profile_range()
 
     @property
@@ -247,13 +264,24 @@ def overrides(args: argparse.Namespace) -> dict:
     return {f.option: getattr(args, f.option, None) for f in FIELDS}
 
 
+_KIND_WORDS = {int: "a whole number", float: "a number", str: "text"}
+
+
 def _coerce(f: _Field, value: Any) -> Any:
     """``value`` (from TOML or the command line) as the type of field ``f``."""
     kind, name = f.kind, f.option
     if name == "grid":
         return "auto" if str(value).strip() == "auto" else parse_grid(value)
     if typing.get_origin(kind) is list:
-        return [value] if isinstance(value, str) else [str(v) for v in value]
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}={value!r} is not a path or a list of paths (strings)")
+        return list(value)
+    if isinstance(value, list | dict):
+        raise ConfigError(f"{name}={value!r} is one value, not a list or a table")
+    if isinstance(value, bool) and kind in (int, float):
+        raise ConfigError(f"{name}={value!r} is not {_KIND_WORDS[kind]}")
     choices = _literal_choices(kind)
     if choices is not None:
         if value not in choices:
@@ -269,7 +297,9 @@ def _coerce(f: _Field, value: Any) -> Any:
     try:
         return kind(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} is not a {kind.__name__}") from None
+        raise ConfigError(
+            f"{name}={value!r} is not {_KIND_WORDS.get(kind, kind.__name__)}"
+        ) from None
 
 
 def _unknown(key: str, where: str, choices: list[str]) -> ConfigError:
@@ -285,6 +315,18 @@ class _Builder:
         self.where = f" in {path}" if path else ""
         self.values: dict[str, dict] = {name: {} for name in SECTIONS}
         self.sizes: dict = {}
+        self.experts: dict[str, int] = {}  # this layer's expert=N of --grid, --expert-parallel
+
+    def layer(self) -> None:
+        """End one layer of settings (the file, then the command line): expert=N in its grid
+        and its --expert-parallel must agree (:mod:`tetrad.spec.conflicts`).
+
+        Raises:
+            ConflictError: they differ.
+        """
+        grid, option = self.experts.get("grid"), self.experts.get("option")
+        self.experts = {}
+        check_conflicts(Settings(grid_expert=grid, expert_parallel=option))
 
     def table(self, section: str, table: dict) -> None:
         """A ``[section]`` table of field names (``[model]``: ``name`` and sizes)."""
@@ -325,6 +367,9 @@ class _Builder:
         if f.option == "grid" and isinstance(value, str) and "expert=" in value:
             value, expert = pop_expert(value)  # expert=N sets expert_parallel
             self.set(BY_OPTION["expert_parallel"], expert)
+            self.experts["grid"] = self.experts.pop("option")
+        if f.option == "expert_parallel":
+            self.experts["option"] = _coerce(f, value)
         if f.option == "grid" and str(value).strip() != "auto":  # it may carry G_pipe
             pipe, value = parse_pipeline_grid(value)
             self.values["parallelism"]["pipe"] = pipe
@@ -333,6 +378,10 @@ class _Builder:
     def build(self) -> TrainConfig:
         self.values["model"]["sizes"] = self.sizes
         cfg = TrainConfig(**{name: SECTIONS[name](**v) for name, v in self.values.items()})
+        par = cfg.parallelism
+        if par.grid == "auto":  # the planner chooses the pipeline: its options would be ignored
+            schedule, virtual = par.pipeline_schedule, par.virtual_stages
+            check_conflicts(Settings(pipe=None, pipeline_schedule=schedule, virtual_stages=virtual))
         folder = cfg.hf_folder
         if folder is not None and not cfg.data.tokenizer and (folder / "tokenizer.json").is_file():
             cfg.data.tokenizer = str(folder / "tokenizer.json")  # the model's own vocabulary
@@ -365,11 +414,14 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Train
     Raises:
         ConfigError: missing or unparsable file, unknown key (with the closest known one), a
             key in the wrong section, or a value of the wrong type.
+        ConflictError: expert=N in a named grid and another --expert-parallel given together.
     """
     builder = _Builder(path)
     for key, value in (read_toml(path) if path else {}).items():
         builder.flat(key, value)
+    builder.layer()
     for key, value in (overrides or {}).items():
         if value is not None:
             builder.flat(key, value)
+    builder.layer()
     return builder.build()

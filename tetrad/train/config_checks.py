@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from tetrad.spec.conflicts import Settings, check_conflicts
 from tetrad.spec.errors import TetradError
 from tetrad.spec.grid import check_expert_parallel
 from tetrad.spec.pipeline_split import PipelineSplitError, check_schedule
@@ -59,13 +60,15 @@ def _check_pieces(par: ParallelismSection) -> None:
 
 def check_pipeline(par: ParallelismSection, micro_batches: int) -> None:
     """The pipeline settings (:func:`tetrad.pipeline.schedule.check_schedule`), when
-    ``G_pipe > 1``.
+    ``G_pipe > 1``; pipeline options without a pipeline (:mod:`tetrad.spec.conflicts`).
 
     Raises:
         ConfigError: one line saying what to change.
+        ConflictError: a pipeline option on a grid without a pipeline axis.
     """
     if par.pipe < 1 or par.virtual_stages < 1:
         raise ConfigError("pipe and virtual_stages must be at least 1")
+    check_conflicts(Settings("train", "", par.pipe, par.pipeline_schedule, par.virtual_stages))
     if par.pipe > 1:
         try:
             check_schedule(par.pipeline_schedule, par.pipe, par.virtual_stages, micro_batches)

@@ -35,7 +35,7 @@ from tetrad.spec.errors import TetradError, error_line
 from tetrad.spec.grid import GridError, check_world_size
 from tetrad.train.config import TrainConfig
 from tetrad.train.failures import failure_summary, record_failure
-from tetrad.train.resume import check_run_dir
+from tetrad.train.resume import LOCAL_WORKER, check_run_dir
 from tetrad.train.run_lock import RunDirLock
 from tetrad.train.stop import Stopped, exit_code, signal_name
 
@@ -65,11 +65,7 @@ def launch_train(cfg: TrainConfig) -> None:
     from tetrad.train import trainer
 
     if under_torchrun():
-        check_world_size(cfg.parallelism.grid, int(os.environ["WORLD_SIZE"]), cfg.parallelism.pipe)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        if cfg.training.device == "cuda":
-            _check_gpus(local, "ranks on this node")
-        cfg.check()
+        _check_as_one_rank(cfg)
         with _run_lock(cfg, os.environ.get("RANK", "0") == "0"):
             _train_as_one_rank(cfg)
         return
@@ -87,6 +83,31 @@ def launch_train(cfg: TrainConfig) -> None:
             flush=True,
         )
         run_local(cfg, nproc)
+
+
+def _check_as_one_rank(cfg: TrainConfig) -> None:
+    """The checks of :func:`launch_train` under ``torchrun``, each mistake said once: one that
+    is the same on every rank (the grid against the world size, the values) by rank 0, the GPUs
+    of a node by its local rank 0; the other ranks exit with status 2 without a word.
+
+    Raises:
+        TetradError: on the rank that says it; SystemExit(2) on the others.
+    """
+    env = os.environ
+    try:
+        check_world_size(cfg.parallelism.grid, int(env["WORLD_SIZE"]), cfg.parallelism.pipe)
+        cfg.check()
+    except TetradError:
+        if env.get("RANK", "0") != "0":
+            raise SystemExit(2) from None
+        raise
+    if cfg.training.device == "cuda":
+        try:
+            _check_gpus(int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), "ranks on this node")
+        except TetradError:
+            if env.get("LOCAL_RANK", "0") != "0":
+                raise SystemExit(2) from None
+            raise
 
 
 def _run_lock(cfg: TrainConfig, holder: bool) -> contextlib.AbstractContextManager:
@@ -280,6 +301,9 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
     if _device(cfg) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
         added.append("OMP_NUM_THREADS")
+    if LOCAL_WORKER not in os.environ:
+        os.environ[LOCAL_WORKER] = "1"
+        added.append(LOCAL_WORKER)
     if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
         # A store shared by the agent outlives the workers: restarted workers then read the
         # dead workers' addresses and fail to connect (PyTorch issue 135712). Without sharing,

@@ -6,6 +6,9 @@ under torchrun), so mistakes stop there with one line.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,11 +20,13 @@ from tetrad.grid import Grid
 from tetrad.models.hf import Weights, load_weights, read_config
 from tetrad.parallel.model import ParallelLlama
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
+from tetrad.spec.conflicts import Settings, check_conflicts
+from tetrad.spec.errors import warning_line
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.sharding import check_grid, check_moe_grid
 from tetrad.train.checkpoint_dir import check_files, check_resume, read_meta, tokenizer_hash
 from tetrad.train.config import ConfigError, TrainConfig
-from tetrad.train.resume import check_run_dir, restart_count, start_checkpoint
+from tetrad.train.resume import LOCAL_WORKER, check_run_dir, restart_count, start_checkpoint
 
 
 def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelSpec]:
@@ -72,6 +77,7 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelSpec]:
         if meta is not None:
             check_files(start, meta, digest=False)  # the ranks compare digests when loading
         _check_steps_left(cfg, start, meta)
+        _warn_resumed_settings(cfg)
     return corpus, model_cfg
 
 
@@ -93,6 +99,7 @@ def load_corpus(cfg: TrainConfig) -> Corpus:
         encoding_errors=d.encoding_errors,
         workers=d.workers,
         progress=sys.stderr.isatty(),
+        skip_bad_files=d.skip_bad_files,
     )
 
 
@@ -119,6 +126,31 @@ def _check_steps_left(cfg: TrainConfig, start: Path, meta: dict | None) -> None:
         f"--steps {cfg.training.steps}: pass --steps above {step} to train further (the "
         "learning-rate schedule follows --steps)"
     )
+
+
+def resumed_settings_warnings(cfg: TrainConfig) -> list[str]:
+    """The warnings of resuming ``cfg``'s run with other settings than it had
+    (``RUN_DIR/config.json``, :mod:`tetrad.spec.conflicts`): another ``--steps`` changes the
+    learning-rate schedule. Empty for a run directory without a readable ``config.json``."""
+    try:
+        saved = json.loads((Path(cfg.checkpoint.run_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    resumed = saved.get("training") if isinstance(saved, dict) else None
+    if not isinstance(resumed, dict):
+        return []
+    now = dataclasses.asdict(cfg.training)
+    return check_conflicts(Settings("train", resumed=resumed, training=now))
+
+
+def _warn_resumed_settings(cfg: TrainConfig) -> None:
+    """Print :func:`resumed_settings_warnings` once: in the launching process, or on rank 0
+    under ``torchrun`` (not again in a local worker)."""
+    env = os.environ
+    if "RANK" in env and (env["RANK"] != "0" or LOCAL_WORKER in env):
+        return
+    for line in resumed_settings_warnings(cfg):
+        print(warning_line(line), file=sys.stderr, flush=True)
 
 
 def _check_seq_len(corpus: Corpus, seq_len: int) -> None:

@@ -1,13 +1,34 @@
 """``tetrad report RUN_DIR``: where a run's step time went, and how an MoE model routed, from its
-``metrics.jsonl``."""
+``metrics.jsonl``.
+
+Every axis the rows record is shown (the grid's, the pipeline's point-to-point and the experts'
+all-to-alls alike), and a run resumed on another grid is reported one segment per grid (rows
+record their grid; rows written before they did form one segment). Within a segment the
+exposed total is the mean over its steps of the sum of the rows' ``comm_exposed_s``.
+"""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
-from tetrad.spec.grid import COMM_AXES
+from tetrad.spec.grid import Axis
 from tetrad.train.config import ConfigError
 from tetrad.train.metrics import read_rows
+
+REPORT_AXES = (
+    Axis.X,
+    Axis.Y,
+    Axis.Z,
+    Axis.CONTEXT,
+    Axis.DATA,
+    Axis.EXPERT,
+    Axis.EXPERT_DATA,
+    Axis.PIPE,
+    Axis.WORLD,
+)
+"""The order of the axes in a report, inner to outer; an axis a row records that is not here
+comes after them, by name."""
 
 
 def load_metrics(run_dir: str | Path) -> tuple[list[dict], int]:
@@ -27,10 +48,25 @@ def load_metrics(run_dir: str | Path) -> tuple[list[dict], int]:
     return rows, skipped
 
 
+def row_axes(rows: list[dict]) -> list[str]:
+    """Every axis any of ``rows`` records bytes, time or exposed time for, in
+    :data:`REPORT_AXES` order (others after, by name)."""
+    keys = ("comm_bytes", "comm_time_s", "comm_exposed_s")
+    seen = {a for r in rows for k in keys for a in r.get(k, {})}
+    known = [str(a) for a in REPORT_AXES if a in seen]
+    return known + sorted(seen - set(known))
+
+
+def segments(rows: list[dict]) -> list[list[dict]]:
+    """``rows`` split where the grid changes (a run resumed on another grid), in order."""
+    return [list(g) for _, g in itertools.groupby(rows, key=lambda r: r.get("grid"))]
+
+
 def summarize(rows: list[dict], skip: int = 1) -> dict:
-    """Mean per step over ``rows`` after the first ``skip`` (the first step records the
-    prefetch order and warms up): step time, exposed and total communication time per axis
-    (seconds), ring bytes per axis, and compute = step time - all exposed communication."""
+    """Mean per step over ``rows`` (one grid's) after the first ``skip`` (the first step records
+    the prefetch order and warms up): step time, exposed and total communication time per axis
+    (seconds), ring bytes per axis, and compute = step time - all exposed communication; its
+    ``grid`` is the rows' (None for rows that do not record it)."""
     use = rows[skip:] or rows
     n = len(use)
 
@@ -39,8 +75,9 @@ def summarize(rows: list[dict], skip: int = 1) -> dict:
             return sum(r[key] for r in use) / n
         return sum(r[key].get(axis, 0.0) for r in use) / n
 
-    axes = [a for a in COMM_AXES if any(a in r["comm_bytes"] for r in use)]
+    axes = row_axes(use)
     out = {
+        "grid": use[0].get("grid"),
         "steps": n,
         "first_step": use[0]["step"],
         "last_step": use[-1]["step"],
@@ -64,8 +101,9 @@ def summarize(rows: list[dict], skip: int = 1) -> dict:
 
 def format_report(s: dict) -> str:
     """A plain-text table of :func:`summarize`'s result."""
+    grid = f"grid {s['grid']}, " if s.get("grid") else ""
     lines = [
-        f"steps {s['first_step']}-{s['last_step']} (mean of {s['steps']}): "
+        f"{grid}steps {s['first_step']}-{s['last_step']} (mean of {s['steps']}): "
         f"step {s['step_time_s'] * 1e3:.1f} ms, {s['tokens_per_s']:,.0f} tokens/s, "
         f"MFU {100 * s['mfu']:.1f}%",
         f"  compute (step - exposed comm) {s['compute_s'] * 1e3:9.1f} ms",
@@ -74,33 +112,44 @@ def format_report(s: dict) -> str:
         "",
         "  (comm ms: summed issue-to-completion time of the axis's collectives; concurrent ones\n"
         "   add up, so it can exceed the step. exposed ms: time the step actually waited.)",
-        f"  {'axis':<6}{'MB sent/rank':>14}{'comm ms':>10}{'exposed ms':>12}{'hidden':>8}",
+        f"  {'axis':<12}{'MB sent/rank':>14}{'comm ms':>10}{'exposed ms':>12}{'hidden':>8}",
     ]
     for axis, v in s["axes"].items():
         hidden = 1 - v["exposed_s"] / v["time_s"] if v["time_s"] else 0.0
         lines.append(
-            f"  {axis:<6}{v['bytes'] / 1e6:>14.2f}{v['time_s'] * 1e3:>10.1f}"
+            f"  {axis:<12}{v['bytes'] / 1e6:>14.2f}{v['time_s'] * 1e3:>10.1f}"
             f"{v['exposed_s'] * 1e3:>12.1f}{100 * hidden:>7.0f}%"
         )
     return "\n".join(lines)
 
 
-def plot_report(s: dict, path: str | Path) -> None:
-    """Bar chart: the step split into compute and exposed communication per axis, and per
-    axis the communication time next to its exposed part. Writes a PNG."""
+def plot_report(summaries: list[dict], path: str | Path) -> None:
+    """Bar charts, one row per grid segment: the step split into compute and exposed
+    communication per axis, and per axis the communication time next to its exposed part.
+    Writes a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    n = len(summaries)
+    fig, grid = plt.subplots(n, 2, figsize=(10, 4 * n), squeeze=False)
+    for s, (left, right) in zip(summaries, grid, strict=True):
+        _plot_segment(s, left, right)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_segment(s: dict, left, right) -> None:
+    where = f" (grid {s['grid']})" if s.get("grid") else ""
     bottom = s["compute_s"] * 1e3
     left.bar(["step"], [bottom], label="compute")
     for axis, v in s["axes"].items():
         left.bar(["step"], [v["exposed_s"] * 1e3], bottom=[bottom], label=f"exposed {axis}")
         bottom += v["exposed_s"] * 1e3
     left.set_ylabel("ms per step")
-    left.set_title("step time")
+    left.set_title(f"step time, steps {s['first_step']}-{s['last_step']}{where}", fontsize=9)
     left.legend(fontsize=8)
     axes = list(s["axes"])
     idx = range(len(axes))
@@ -118,11 +167,8 @@ def plot_report(s: dict, path: str | Path) -> None:
     )
     right.set_xticks(list(idx), axes)
     right.set_ylabel("ms per step")
-    right.set_title("communication per mesh axis")
+    right.set_title("communication per mesh axis", fontsize=9)
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def format_routing(rows: list[dict]) -> str:
@@ -203,8 +249,13 @@ def report(run_dir: str | Path, plot: bool = True) -> str:
     """Summarize a run; with ``plot`` also write ``RUN_DIR/report.png`` (and for an MoE model
     ``RUN_DIR/routing.png``: :func:`plot_routing`). Returns the text."""
     rows, skipped = load_metrics(run_dir)
-    s = summarize(rows)
-    text = format_report(s)
+    parts = [summarize(seg) for seg in segments(rows)]
+    text = "\n\n".join(format_report(s) for s in parts)
+    if len(parts) > 1:
+        text = (
+            f"the run changed grid {len(parts) - 1} time(s) (resumed on another): one summary "
+            "per grid\n\n" + text
+        )
     routing = format_routing(rows)
     if routing:
         text += "\n\n" + routing
@@ -215,7 +266,7 @@ def report(run_dir: str | Path, plot: bool = True) -> str:
         )
     if plot:
         out = Path(run_dir) / "report.png"
-        plot_report(s, out)
+        plot_report(parts, out)
         text += f"\n\nchart: {out}"
         if routing:
             plot_routing(rows, Path(run_dir) / "routing.png")

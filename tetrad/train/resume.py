@@ -22,6 +22,10 @@ from tetrad.train.checkpoint_dir import CheckpointError, latest_checkpoint
 from tetrad.train.config import ConfigError, TrainConfig
 from tetrad.train.metrics import read_rows
 
+LOCAL_WORKER = "TETRAD_LOCAL_WORKER"
+"""Set in the environment of the workers ``tetrad train`` starts itself (its launcher ran the
+preflight and said what it had to say)."""
+
 
 def restart_count() -> int:
     """How many times the elastic agent has restarted this job's workers (0: first run)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tetrad.spec.activation_checkpointing import parse_checkpointing
+from tetrad.spec.conflicts import PIPELINE_DEFAULTS
 from tetrad.spec.errors import TetradError
 from tetrad.spec.grid import GridShape
 from tetrad.spec.overlap import CONTEXT_PIECES, DOMINO_MIN_ROWS, DP_BUCKET_BYTES, parse_overlaps
@@ -91,6 +92,11 @@ class DataSection:
         help="processes tokenizing --data when it is not a prepared folder (0: this process, "
         "with the tokenizer's threads)",
     )
+    skip_bad_files: bool = option(
+        False,
+        help="leave out damaged --data inputs (a cut or corrupt .gz, .zst or Parquet file: each "
+        "read through first), counted and named, instead of stopping at the first",
+    )
 
 
 @dataclass
@@ -115,10 +121,13 @@ class ParallelismSection:
         "G_data*G_context and n_experts; also expert=N in a named --grid)",
     )
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = option(
-        "1f1b", help="pipeline schedule (torch.distributed.pipelining's) when G_pipe > 1"
+        PIPELINE_DEFAULTS["pipeline_schedule"],
+        help="pipeline schedule (torch.distributed.pipelining's) when G_pipe > 1",
     )
     virtual_stages: int = option(
-        1, metavar="V", help="stages per pipeline rank (2 or more: interleaved-1f1b)"
+        PIPELINE_DEFAULTS["virtual_stages"],
+        metavar="V",
+        help="stages per pipeline rank (2 or more: interleaved-1f1b)",
     )
     orientation: Literal["auto", "xy", "yx"] = option(
         "auto",

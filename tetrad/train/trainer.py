@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tetrad.data.loader import sample_batch, val_batches
-from tetrad.device import peak_memory_bytes, threads_per_rank
+from tetrad.device import cpu_threads, peak_memory_bytes
 from tetrad.grid import Grid
 from tetrad.models.hf import read_config
 from tetrad.parallel import init_parameters
@@ -125,7 +125,7 @@ def train(cfg: TrainConfig) -> dict:
     par = cfg.parallelism
     grid = Grid.build(par.grid, cfg.training.device, par.orientation, par.pipe, par.expert_parallel)
     if grid.device.type == "cpu":
-        torch.set_num_threads(threads_per_rank(grid.world_size))
+        torch.set_num_threads(cpu_threads(grid.world_size))
     corpus, model_cfg = preflight_on_rank0(cfg)
     model = build_model(cfg, model_cfg, grid)
     t = cfg.training
@@ -271,7 +271,7 @@ def _rows(job: Job, pending: list[dict], since: float) -> list[dict]:
             comm=p["comm"],
             overlaps_ran=p["overlaps_ran"],
         )
-        | {"restarts": restart_count()}
+        | {"restarts": restart_count(), "grid": str(job.grid)}
         | g
         for p, g in zip(pending, got, strict=True)
     ]

@@ -145,6 +145,21 @@ def memory_table(rows: list[Row]) -> list[str]:
     return _table(head, body)
 
 
+def _pipeline_searched(f4: dict, rows: list) -> str:
+    """What the header says of the pipeline search, and why no pipeline row is shown when none
+    is."""
+    timed = f4.get("pipe_evaluated", 0)
+    why = ""
+    if not any(r.pipe > 1 for r in rows):
+        why = " (no pipeline row below: none ranked among these" + (
+            ")" if timed else ", each one's lower bound being slower, so none was timed)"
+        )
+    return (
+        f"; pipeline (G_pipe x virtual stages x schedule on top): "
+        f"{f4.get('pipe_candidates', 0)} bounded, {timed} timed{why}"
+    )
+
+
 def format_result(result: SearchResult) -> str:
     """The text report of ``tetrad plan``."""
     inp = result.inputs
@@ -157,17 +172,13 @@ def format_result(result: SearchResult) -> str:
         f"tokens; overlaps: {', '.join(inp['overlaps']) or 'none'}; comm model: "
         f"{inp['comm_model']}",
         "",
-        f"4D grids (tetrad/AxoNN, G_data x G_z x G_y x G_x): {f4.get('grids', 0)} grids, "
+        "tetrad/AxoNN grids (G_data x G_context x G_z x G_y x G_x, the D,C,Z,Y,X column): "
+        f"{f4.get('grids', 0)} grids, "
         f"{f4.get('valid_grids', 0)} shard the model; on the {f4.get('memory_groups', 0)} "
         f"(grid, orientation) whose memory the search needed, {f4.get('fitting', 0)} "
         f"configurations fit under {100 * FIT_FRACTION:.0f}% of "
         f"{inp['gpu_memory_gib']:.1f} GiB, {f4.get('evaluated', 0)} timed"
-        + (
-            f"; pipeline (G_pipe x virtual stages x schedule on top): "
-            f"{f4.get('pipe_candidates', 0)} bounded, {f4.get('pipe_evaluated', 0)} timed"
-            if "pipe_candidates" in f4
-            else ""
-        ),
+        + (_pipeline_searched(f4, result.rows) if "pipe_candidates" in f4 else ""),
     ]
     lines += rows_table(result.rows)
     lines += ["", "memory of these (GiB):"] + memory_table(result.rows)
