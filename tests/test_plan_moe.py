@@ -47,13 +47,18 @@ def test_flops_count_active_experts():
     assert m.flops_per_token(s) == want
 
 
-def test_runtime_memory_counts_every_expert_whole():
+def test_runtime_memory_splits_experts_over_the_expert_axis_only():
     m = PRESETS["qwen3-30b-a3b"]
     n = local_parameter_elements(m, (8, 1, 1, 1))
-    assert n["matrices"] + n["vectors"] == m.num_params()
+    assert n["matrices"] + n["vectors"] == m.num_params() and n["experts"] == 0
     z = local_parameter_elements(m, (1, 2, 1, 1))  # Z halves the Linears and tables only
     whole = m.moe_layers * (m.router_params() + m.expert_params())
-    assert z["matrices"] == whole + (n["matrices"] - whole) // 2
+    assert z["vectors"] - n["vectors"] == 0 and z["matrices"] == n["matrices"] // 2
+    assert n["vectors"] >= whole  # router and experts replicated like the norms
+    ep = local_parameter_elements(m, (8, 1, 1, 1), expert=8)  # E/8 experts per rank
+    assert ep["experts"] == m.moe_layers * m.expert_params() // 8
+    assert ep["vectors"] == n["vectors"] - m.moe_layers * m.expert_params()
+    assert ep["matrices"] == n["matrices"]
     check_grid(m, (1, 1, 2, 1))  # experts whole on every tensor rank (tetrad/parallel/moe_tensor)
 
 
@@ -74,3 +79,16 @@ def test_plan_refuses_moe_in_one_line(capsys):
     assert "\n" not in err and "tetrad memory --model qwen3-30b-a3b --grid" in err
     assert main(["memory", "--model", "qwen3-30b-a3b", "--grid", "8,1,1,1"]) == 0
     assert "113.74" in capsys.readouterr().out  # 30.53B fp32 parameters, whole on each rank
+
+
+def test_memory_prints_the_moe_terms(capsys):
+    argv = ["memory", "--model", "qwen3-30b-a3b", "--seq-len", "4096"]
+    assert main([*argv, "--grid", "data=8,expert=8", "--activation-checkpointing"]) == 0
+    out = capsys.readouterr().out
+    assert "expert axis 8" in out and "MoE terms" in out
+    # 29.0B routed weights split over 8 ranks, 16 bytes each: 54.0 GiB
+    assert "routed expert states (fp32 weights, gradients, AdamW): 54.000 GiB" in out
+    assert main([*argv, "--grid", "data=8", "--expert-parallel", "8", "--json"]) == 0
+    assert "moe_terms_bytes" in capsys.readouterr().out
+    assert main([*argv, "--grid", "data=8,expert=3"]) == 2
+    assert "divide n_experts" in capsys.readouterr().err

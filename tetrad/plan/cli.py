@@ -17,6 +17,7 @@ from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import get_machine, preset_names
 from tetrad.plan.memory import fujii
 from tetrad.plan.memory.breakdown import MemoryBreakdown
+from tetrad.plan.memory.moe import moe_terms
 from tetrad.plan.memory.pipeline import pipeline_memory
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.sharded_optimizer import SHARD_OPTIMIZER
@@ -28,10 +29,17 @@ from tetrad.plan.search import report
 from tetrad.plan.search.plan import plan
 from tetrad.plan.step_time import best_orientation
 from tetrad.spec.activation_checkpointing import CHECKPOINTING, parse_checkpointing
-from tetrad.spec.grid import ORIENTATIONS, format_grid, parse_pipeline_grid, role_sizes
+from tetrad.spec.grid import (
+    ORIENTATIONS,
+    format_grid,
+    parse_pipeline_grid,
+    pop_expert,
+    role_sizes,
+)
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.pipeline_split import PipelineSplitError
 from tetrad.spec.presets import PRESETS, get_model
+from tetrad.spec.sharding import moe_grid_problem
 from tetrad.spec.units import GiB
 
 
@@ -241,6 +249,21 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tetrad: AdamW states sharded over data x context (tetrad train --shard-optimizer)",
     )
+    m.add_argument(
+        "--expert-parallel",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="tetrad, MoE models: experts split over N data x context ranks (or expert=N in a "
+        "named --grid)",
+    )
+    m.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="tetrad, MoE models: the busiest rank's routed rows over the mean (default 1.0)",
+    )
     m.add_argument("--machine", help="take the GPU memory from this machine")
     m.add_argument("--json", action="store_true", help="print the breakdown as JSON")
 
@@ -321,14 +344,15 @@ def run_memory(args: argparse.Namespace) -> int:
     if method == "tetrad":
         if not args.grid:
             raise PlanError("--method tetrad needs --grid DATA,Z,Y,X (for example 2,1,1,2)")
-        pipe, grid = parse_pipeline_grid(args.grid)
+        pipe, grid, moe = _grid_and_experts(args, model)
+        expert = moe.get("expert", 1)
         ckpt = parse_checkpointing(args.activation_checkpointing)
         turn = args.orientation
         if turn == "auto":
             ctx = StepQuestion(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])
             turn = best_orientation(ctx, grid, 1, ckpt)  # the bytes do not depend on the machine
         if pipe > 1:
-            mem, title = pipeline_memory_text(args, model, pipe, grid, turn, ckpt, gpu)
+            mem, title = pipeline_memory_text(args, model, pipe, grid, turn, ckpt, gpu, moe)
         else:
             mem = runtime_memory(
                 model,
@@ -338,13 +362,23 @@ def run_memory(args: argparse.Namespace) -> int:
                 gpu,
                 activation_checkpointing=ckpt,
                 shard_optimizer=args.shard_optimizer,
+                **moe,
             )
             title = (
                 f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))} "
                 f"({turn}), micro-batch {args.micro_batch} x {args.seq_len} tokens, "
                 f"checkpointing {ckpt}"
                 + (", AdamW states sharded over data x context" if args.shard_optimizer else "")
+                + (f", expert axis {expert}" if model.is_moe else "")
             )
+        terms = moe_terms(
+            model,
+            role_sizes(grid, turn),
+            args.micro_batch,
+            args.seq_len,
+            activation_checkpointing=ckpt,
+            **moe,
+        )
     else:
         if args.grid:
             raise PlanError("--grid is for --method tetrad; fujii2024 takes --tp --cp --pp --dp")
@@ -363,8 +397,12 @@ def run_memory(args: argparse.Namespace) -> int:
             f"{model.summary()}\nfujii2024, TP={args.tp} CP={args.cp} PP={args.pp} "
             f"DP={args.dp}, micro-batch {args.micro_batch} x {args.seq_len} tokens"
         )
+        terms = {}
     if args.json:
-        print(json.dumps({"model": model.name, "method": method, **mem.to_dict()}, indent=2))
+        out = {"model": model.name, "method": method, **mem.to_dict()}
+        if terms:
+            out["moe_terms_bytes"] = terms
+        print(json.dumps(out, indent=2))
     elif method == "tetrad":
         advice = {
             "none": "raise G_z*G_y*G_x, lower the micro-batch or add "
@@ -373,10 +411,34 @@ def run_memory(args: argparse.Namespace) -> int:
             "--activation-checkpointing full",
             "full": "raise G_z*G_y*G_x or lower the micro-batch",
         }[ckpt.partition(":")[0]]
-        print(report.memory_text(mem, title, advice))
+        if model.is_moe:
+            advice += ", or raise the expert axis (--expert-parallel)"
+        print(report.memory_text(mem, title, advice) + report.moe_terms_text(terms))
     else:
         print(report.memory_text(mem, title, "raise TP, CP or PP, or lower the micro-batch"))
     return 0
+
+
+def _grid_and_experts(args: argparse.Namespace, model: ModelSpec) -> tuple[int, tuple, dict]:
+    """``(G_pipe, the five sizes, MoE options)`` of ``tetrad memory --grid``: an ``expert=N``
+    item of a named grid, else ``--expert-parallel``, and ``--moe-imbalance``, as the
+    ``expert`` and ``imbalance`` keywords of :func:`runtime_memory` (empty for a dense model).
+
+    Raises:
+        PlanError: a bad ``expert=N``, or an expert axis the MoE runtime cannot run.
+    """
+    text, expert = args.grid, args.expert_parallel
+    if "expert=" in text.replace(" ", ""):
+        text, named = pop_expert(text)
+        if not named.isdigit() or int(named) < 1:
+            raise PlanError(f"expert={named} in --grid must be a positive whole number")
+        expert = int(named)
+    pipe, grid = parse_pipeline_grid(text)
+    if expert > 1 and (problem := moe_grid_problem(model, grid, pipe, expert)):
+        raise PlanError(problem)
+    if not model.is_moe:
+        return pipe, grid, {}
+    return pipe, grid, {"expert": expert, "imbalance": args.moe_imbalance}
 
 
 def pipeline_memory_text(
@@ -387,6 +449,7 @@ def pipeline_memory_text(
     turn: str,
     ckpt: str,
     gpu_memory_bytes: float,
+    moe: dict | None = None,
 ) -> tuple[MemoryBreakdown, str]:
     """The worst rank's breakdown and the title of ``tetrad memory`` on a pipeline grid: the
     stage split is the runtime's (:func:`tetrad.spec.pipeline_split.balanced_split` by the per-block
@@ -401,7 +464,7 @@ def pipeline_memory_text(
         raise PlanError(
             "; ".join(bad) + ": change --pipeline-schedule, --virtual-stages or --num-microbatches"
         )
-    mode = ckpt.partition(":")[0]
+    mode, moe = ckpt.partition(":")[0], moe or {}
     if mode != ckpt:
         raise PlanError("a pipeline grid takes --activation-checkpointing none, selective or full")
     machine = get_machine(args.machine or "dgx-h100")
@@ -425,6 +488,7 @@ def pipeline_memory_text(
         m,
         activation_checkpointing=mode,
         shard_optimizer=getattr(args, "shard_optimizer", False),
+        **moe,
     )
     stages = ", ".join(
         f"{r.rank}: {'+'.join(map(str, r.chunk_blocks))} blocks {mb.total / GiB:.1f} GiB"

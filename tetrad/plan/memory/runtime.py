@@ -58,6 +58,8 @@ def runtime_memory(
     async_reduce_scatter: bool = True,
     dp_overlap: bool = True,
     shard_optimizer: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
 
@@ -90,7 +92,10 @@ def runtime_memory(
     ``prefetch``, ``reduce_scatter`` and ``dp_all_reduce`` overlaps (tetrad/parallel/overlap.py,
     on by default). ``shard_optimizer``: the runtime's sharded optimizer (ZeRO-1): the AdamW
     states over ``G_data G_context`` and the end of backward's and the step's buffers of
-    :mod:`tetrad.plan.memory.sharded_optimizer`.
+    :mod:`tetrad.plan.memory.sharded_optimizer`. ``expert``: an MoE model's ``G_expert``
+    (the expert axis folded over data x context: the routed experts split ``E / G_expert``
+    per rank, whole on Z, Y and X); ``imbalance``: the busiest rank's received rows over the
+    mean (``>= 1``), for its saved expert activations (:mod:`tetrad.plan.memory.moe`).
 
     Components (0 when not alive at the peak phase): ``parameters``, ``gradients``,
     ``optimizer_states``, ``activations`` (blocks, embedding, final norm), ``logits_and_loss``,
@@ -114,6 +119,8 @@ def runtime_memory(
         async_reduce_scatter,
         dp_overlap,
         shard_optimizer,
+        expert,
+        imbalance,
     )
     absent = {
         "activations": 0.0,
@@ -147,6 +154,8 @@ def phase_totals(
     async_reduce_scatter: bool = True,
     dp_overlap: bool = True,
     shard_optimizer: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> dict[str, float]:
     """The total bytes at each phase of :func:`runtime_memory` (its ``phases``; the peak is their
     maximum) without the breakdown by component: what the search's memory lines need.
@@ -166,6 +175,8 @@ def phase_totals(
         async_reduce_scatter,
         dp_overlap,
         shard_optimizer,
+        expert,
+        imbalance,
     )
     # each phase: the base plus the sum of its components, in _phases' order (float sums
     # depend on it): equal to runtime_memory()'s phases bit for bit (tests/test_plan_memory_memo.py)
@@ -189,6 +200,8 @@ def phase_components(
     dtype: str = "bf16",
     prefetch: bool = True,
     shard_optimizer: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """``(static components, {phase: live components})`` of :func:`runtime_memory`, bytes: what the
     pipeline's per-stage memory (:mod:`tetrad.plan.memory.pipeline`) adjusts.
@@ -207,6 +220,8 @@ def phase_components(
         True,
         True,
         shard_optimizer,
+        expert,
+        imbalance,
     )
     return dict(g.static), phases
 
@@ -222,6 +237,8 @@ def _phases(
     async_reduce_scatter: bool,
     dp_overlap: bool,
     shard_optimizer: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> tuple[GridBuffers, dict[str, dict[str, float]]]:
     """The grid's buffers and each phase's live components (bytes) of :func:`runtime_memory`."""
     g, a = _parts(
@@ -235,6 +252,8 @@ def _phases(
         async_reduce_scatter,
         dp_overlap,
         shard_optimizer,
+        expert,
+        imbalance,
     )
     phases = {
         "forward: LM head": {
@@ -274,16 +293,34 @@ def _parts(
     async_reduce_scatter: bool,
     dp_overlap: bool,
     shard_optimizer: bool,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> tuple[GridBuffers, _ActivationTerms]:
     """The grid's buffers and the micro-batch's activation terms of :func:`runtime_memory`, checked
     in its order (sizes, dtype, grid, checkpointing mode), each memoised (the grid's per grid and
     options, the activations' per ``(G_context, G_y, G_x)``, micro-batch and mode)."""
     _checked_sizes(micro_batch, seq_len)
+    if not model.is_moe:
+        g = checked_grid_buffers(
+            model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
+        )
+        ckpt = activation_checkpointing
+        return g, _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype)
+    if imbalance < 1:
+        raise PlanError(f"moe imbalance {imbalance} must be at least 1 (busiest over mean)")
     g = checked_grid_buffers(
-        model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
+        model,
+        tuple(grid),
+        dtype,
+        prefetch,
+        async_reduce_scatter,
+        dp_overlap,
+        shard_optimizer,
+        expert,
     )
-    a = _activation_terms(model, g.shape, micro_batch, seq_len, activation_checkpointing, dtype)
-    return g, a
+    moe = (expert, imbalance)
+    ckpt = activation_checkpointing
+    return g, _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype, moe)
 
 
 @functools.lru_cache(maxsize=1 << 10)
@@ -314,13 +351,26 @@ class _ActivationTerms(NamedTuple):
 
 @functools.lru_cache(maxsize=1 << 14)
 def _activation_terms(
-    model: ModelSpec, shape: tuple, micro_batch: int, seq_len: int, ckpt: str | bool, dtype: str
+    model: ModelSpec,
+    shape: tuple,
+    micro_batch: int,
+    seq_len: int,
+    ckpt: str | bool,
+    dtype: str,
+    moe: tuple[int, float] = (1, 1.0),
 ) -> _ActivationTerms:
     """:class:`_ActivationTerms` once per model, ``shape = (1, G_context, 1, G_y, G_x)``
     (:attr:`GridBuffers.shape`: nothing here depends on ``G_data`` or ``G_z``), micro-batch,
-    sequence, mode and dtype."""
+    sequence, mode and dtype (and an MoE model's ``(expert, imbalance)``)."""
     saved = saved_activations(
-        model, shape, micro_batch, seq_len, activation_checkpointing=ckpt, dtype=dtype
+        model,
+        shape,
+        micro_batch,
+        seq_len,
+        activation_checkpointing=ckpt,
+        dtype=dtype,
+        expert=moe[0],
+        imbalance=moe[1],
     )
     e = dtype_bytes(dtype)
     m = micro_batch * local_seq_len(seq_len, context_size(shape))  # this rank's tokens

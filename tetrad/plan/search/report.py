@@ -357,6 +357,16 @@ def emit_config(row: Row, model: ModelSpec, result: SearchResult, path: str) -> 
         ) from None
 
 
+def moe_terms_text(terms: dict[str, float]) -> str:
+    """The mixture-of-experts lines of ``tetrad memory`` (:func:`tetrad.plan.memory.moe.
+    moe_terms`, bytes, shown in GiB); empty for a dense model."""
+    if not terms:
+        return ""
+    lines = ["", "MoE terms (inside the components above, per rank):"]
+    lines += [f"  {name}: {v / GiB:.3f} GiB" for name, v in terms.items()]
+    return "\n".join(lines)
+
+
 def memory_text(
     mem: MemoryBreakdown,
     title: str,
