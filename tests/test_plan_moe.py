@@ -16,6 +16,7 @@ from tetrad.spec.sharding import check_grid
 PUBLISHED = {
     "mixtral-8x7b": (46.7, 45.1, 12.9),
     "qwen3-30b-a3b": (30.5, 29.0, 3.3),
+    "qwen3-235b-a22b": (235.1, 227.1, 22.2),  # model card: 235B, 22B activated
     "deepseek-v3": (671.0, 653.9, 37.5),
 }
 
@@ -23,6 +24,7 @@ PUBLISHED = {
 EXACT = {  # our counts (Qwen3's q/k norm weights, 48 x 2 x 128 = 12,288, are left out)
     "mixtral-8x7b": 46_702_792_704,
     "qwen3-30b-a3b": 30_532_110_336,
+    "qwen3-235b-a22b": 235_093_610_496,
     "deepseek-v3": 671_026_404_352,
 }
 
@@ -72,13 +74,13 @@ def test_the_runtime_refuses_the_presets_it_lacks():
     assert get_model("mixtral-8x7b,n_layers=4").moe_layers == 4
 
 
-def test_plan_refuses_moe_in_one_line(capsys):
+def test_plan_ranks_moe_with_the_expert_axis(capsys):
     argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "64", "--global-batch", "512"]
-    assert main([*argv, "--machine", "dgx-h100"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "tetrad memory --model qwen3-30b-a3b --grid" in err
-    assert main(["memory", "--model", "qwen3-30b-a3b", "--grid", "8,1,1,1"]) == 0
-    assert "113.74" in capsys.readouterr().out  # 30.53B fp32 parameters, whole on each rank
+    assert main([*argv, "--machine", "dgx-h100", "--seq-len", "4096", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "exp expert" in out and " ep=" in out and "exp ep" in out  # 4D and classic
+    assert main([*argv, "--machine", "dgx-h100", "--moe-imbalance", "0.5"]) == 2
+    assert "--moe-imbalance 0.5 must be at least 1.0" in capsys.readouterr().err
 
 
 def test_memory_prints_the_moe_terms(capsys):

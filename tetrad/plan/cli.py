@@ -168,6 +168,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--gpu-memory-gib", type=float, metavar="GIB", help="GPU memory (default: the machine's)"
     )
     p.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="mixture-of-experts models: the busiest rank's routed rows over the mean "
+        "(default 1.0: balanced)",
+    )
+    p.add_argument(
         "--gemm-efficiency",
         type=float,
         metavar="FRACTION",
@@ -275,12 +283,8 @@ def run_plan(args: argparse.Namespace) -> int:
         PlanError: bad input; the message says what to change.
     """
     model = get_model(args.model)
-    if model.is_moe:
-        raise PlanError(
-            f"tetrad plan does not model mixture-of-experts models yet ({model.name}: no expert "
-            "all-to-all, no expert sharding): size one grid with tetrad memory --model "
-            f"{args.model} --grid DATA,1,Z,1,1"
-        )
+    if args.moe_imbalance < 1:
+        raise PlanError(f"--moe-imbalance {args.moe_imbalance} must be at least 1.0")
     machine = get_machine(args.machine)
     if args.gemm_efficiency is not None:
         machine = machine.with_gemm_efficiency(args.gemm_efficiency)
@@ -313,6 +317,7 @@ def run_plan(args: argparse.Namespace) -> int:
         gpu_memory_bytes=mem,
         pipeline=not args.no_pipeline,
         shard_optimizer=args.shard_optimizer,
+        moe_imbalance=args.moe_imbalance,
     )
     if args.emit_config:
         report.emit_config(result.rows[0], model, result, args.emit_config)

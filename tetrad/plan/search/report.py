@@ -64,6 +64,8 @@ def rows_table(rows: list[Row]) -> list[str]:
     classic = rows[0].space == "classic"
     piped = not classic and any(r.pipe > 1 for r in rows)
     axes = AXES_CLASSIC if classic else COMM_AXES + (("pipe",) if piped else ())
+    if any(r.expert for r in rows):  # a mixture-of-experts model: its all-to-alls
+        axes += ("ep",) if classic else ("expert",)
     head = (
         [
             "#",
@@ -88,6 +90,7 @@ def rows_table(rows: list[Row]) -> list[str]:
             + ",".join(str(v) for v in r.grid)
             + (" yx" if r.orientation == "yx" else "")
             + (" so" if r.shard_optimizer else "")
+            + (f" ep={r.expert}" if r.expert else "")
             + r.classic_suffix(),
             str(r.micro_batch),
             str(r.grad_accum),
@@ -158,18 +161,29 @@ def format_result(result: SearchResult) -> str:
         f"tokens; overlaps: {', '.join(inp['overlaps']) or 'none'}; comm model: "
         f"{inp['comm_model']}",
         "",
-        f"4D grids (tetrad/AxoNN, G_data x G_z x G_y x G_x): {f4.get('grids', 0)} grids, "
-        f"{f4.get('valid_grids', 0)} shard the model; on the {f4.get('memory_groups', 0)} "
-        f"(grid, orientation) whose memory the search needed, {f4.get('fitting', 0)} "
-        f"configurations fit under {100 * FIT_FRACTION:.0f}% of "
-        f"{inp['gpu_memory_gib']:.1f} GiB, {f4.get('evaluated', 0)} timed"
-        + (
-            f"; pipeline (G_pipe x virtual stages x schedule on top): "
-            f"{f4.get('pipe_candidates', 0)} bounded, {f4.get('pipe_evaluated', 0)} timed"
-            if "pipe_candidates" in f4
-            else ""
-        ),
     ]
+    if "moe_imbalance" in inp:
+        lines.append(
+            f"4D grids with the expert axis (ep = G_expert, folded over data x context; "
+            f"1f1b pipelines; busiest rank's routed rows {inp['moe_imbalance']:g} x the "
+            f"mean): {f4.get('grids', 0)} grids, {f4.get('candidates', 0)} configurations, "
+            f"{f4.get('fitting', 0)} fit under {100 * FIT_FRACTION:.0f}% of "
+            f"{inp['gpu_memory_gib']:.1f} GiB, {f4.get('evaluated', 0)} timed"
+        )
+    else:
+        lines.append(
+            f"4D grids (tetrad/AxoNN, G_data x G_z x G_y x G_x): {f4.get('grids', 0)} grids, "
+            f"{f4.get('valid_grids', 0)} shard the model; on the {f4.get('memory_groups', 0)} "
+            f"(grid, orientation) whose memory the search needed, {f4.get('fitting', 0)} "
+            f"configurations fit under {100 * FIT_FRACTION:.0f}% of "
+            f"{inp['gpu_memory_gib']:.1f} GiB, {f4.get('evaluated', 0)} timed"
+            + (
+                f"; pipeline (G_pipe x virtual stages x schedule on top): "
+                f"{f4.get('pipe_candidates', 0)} bounded, {f4.get('pipe_evaluated', 0)} timed"
+                if "pipe_candidates" in f4
+                else ""
+            )
+        )
     lines += rows_table(result.rows)
     lines += ["", "memory of these (GiB):"] + memory_table(result.rows)
     if "classic" in st and st["classic"]:
@@ -190,7 +204,14 @@ def format_result(result: SearchResult) -> str:
         "(data, z) cell (classic: per DP rank); yx = the grid's X dimension plays the Y role "
         "of the layer pairs (their first layer splits its output over X); so = AdamW states "
         "sharded over data x context (--shard-optimizer: gradients reduce-scattered, "
-        "parameters all-gathered over them); search took "
+        "parameters all-gathered over them); "
+        + (
+            "ep = the expert axis (exp expert: the all-to-alls and the expert gradients' "
+            "sums; classic: EP with ETP = 1, folded over TP x CP x DP); "
+            if "moe_imbalance" in inp
+            else ""
+        )
+        + "search took "
         f"{st.get('seconds', 0.0):.2f} s",
     ]
     return "\n".join(lines)
