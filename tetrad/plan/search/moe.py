@@ -27,6 +27,7 @@ from tetrad.plan.comm.experts import all_to_all_seconds
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
+from tetrad.plan.memory.activations import dtype_bytes
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
 from tetrad.plan.memory.pipeline import stage_memory
 from tetrad.plan.memory.runtime import runtime_memory
@@ -82,8 +83,9 @@ def search_moe_4d(
     t0 = time.perf_counter()
     mem = float(gpu_memory_bytes or machine.memory_bytes)
     limit = FIT_FRACTION * mem
-    ctx = StepQuestion(model, machine, seq_len, global_batch, overlaps=overlaps)
-    ctx.c = 2 if dtype == "bf16" else 4
+    ctx = StepQuestion(
+        model, machine, seq_len, global_batch, overlaps=overlaps, compute_bytes=dtype_bytes(dtype)
+    )
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None
     stats = dict.fromkeys(("grids", "candidates", "fitting", "evaluated"), 0)
