@@ -331,6 +331,7 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
             "overlap": _overlap_value(inp["overlaps"]),
             "activation_checkpointing": row.activation_checkpointing,
             **({"shard_optimizer": True} if row.shard_optimizer else {}),
+            **({"expert_parallel": row.expert} if row.expert > 1 else {}),
         },
         "training": {
             "micro_batch": row.micro_batch,
