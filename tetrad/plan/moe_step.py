@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from tetrad.plan.comm.experts import COUNT_BYTES, all_to_all_seconds
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.network import ALL_REDUCE
-from tetrad.plan.pipe.pipeline_step import PipeConfig, pipeline_estimate
+from tetrad.plan.pipe.pipeline_step import PipeConfig, pipeline_estimate, split_ranks
+from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.question import StepQuestion, sharded, shards_optimizer
 from tetrad.plan.step_time import estimate
 from tetrad.spec.activation_checkpointing import parse_checkpointing
@@ -234,14 +235,16 @@ def moe_estimate(
     stand = stand_in_question(ctx)
     physical = with_context(grid)
     roles = role_sizes(physical, orientation)
-    dense = dense_estimate(stand, physical, micro_batch, checkpointing, orientation, pipe)
+    dense = dense_estimate(ctx, physical, micro_batch, checkpointing, orientation, pipe)
     bubble = dense.bubble_s if pipe > 1 else 0.0
     acc = dense.grad_accum
     ex = expert_times(ctx, stand, roles, micro_batch, expert, imbalance)
     full = parse_checkpointing(checkpointing) == "full"
-    blocks = math.ceil(ctx.model.moe_layers / pipe)  # the slowest stage's MoE blocks
+    blocks = ctx.model.moe_layers  # the slowest stage's MoE blocks (a stage's are all MoE)
+    if pipe > 1:
+        blocks = max(r.blocks for r in moe_split(ctx, roles, micro_batch, checkpointing, pipe))
     per_block = ex.fwd + ex.bwd + (ex.fwd if full else 0.0)
-    fake = ex.fake_ffn * (3 + (1 if full else 0)) * ctx.model.n_layers / pipe
+    fake = ex.fake_ffn * (3 + (1 if full else 0)) * (ctx.model.n_layers if pipe == 1 else blocks)
     a2a = ex.a2a_fwd * (2 if full else 1) + ex.a2a_bwd
     slots = acc + pipe - 1  # 1F1B: the stage's per-micro-batch time enters m + p - 1 times
     compute_mb = blocks * per_block - fake
@@ -267,19 +270,33 @@ def moe_estimate(
     return MoEEstimate(step, compute, recompute, exposed, comm, bubble, acc, expert_compute, dense)
 
 
+def moe_split(
+    ctx: StepQuestion, roles: tuple, micro_batch: int, checkpointing: str, pipe: int
+) -> tuple:
+    """The stage split the runtime runs an MoE model with (1F1B, one stage per rank): as
+    ``tetrad train`` splits with a machine (:func:`tetrad.plan.pipe.pipeline_step.
+    planner_split`, by the planner's compute of the model's blocks, which counts each block as
+    a dense one of ``ffn_dim``)."""
+    costs = split_costs(ctx.compute(roles, micro_batch), checkpointing)
+    return split_ranks(ctx.model.n_layers, costs, pipe, 1)
+
+
 def dense_estimate(
-    stand: StepQuestion, grid: tuple, micro_batch: int, checkpointing: str, turn: str, pipe: int
+    ctx: StepQuestion, grid: tuple, micro_batch: int, checkpointing: str, turn: str, pipe: int
 ):
     """The stand-in's step (:func:`tetrad.plan.step_time.estimate`, with ``pipe > 1`` stages
-    :func:`tetrad.plan.pipe.pipeline_step.pipeline_estimate` under 1F1B), memoised in
-    ``stand``: the expert axes of a grid share it."""
+    :func:`tetrad.plan.pipe.pipeline_step.pipeline_estimate` under 1F1B on
+    :func:`moe_split`'s stages), memoised in the stand-in's question: the expert axes of a
+    grid share it. ``ctx``: the MoE model's question."""
+    stand = stand_in_question(ctx)
     memo = stand.__dict__.setdefault("_dense_estimates", {})
     key = (grid, micro_batch, checkpointing, turn, pipe)
     got = memo.get(key)
     if got is None:
         if pipe > 1:
+            ranks = moe_split(ctx, role_sizes(grid, turn), micro_batch, checkpointing, pipe)
             config = PipeConfig(pipe)
-            got = pipeline_estimate(stand, config, grid, micro_batch, checkpointing, turn)
+            got = pipeline_estimate(stand, config, grid, micro_batch, checkpointing, turn, ranks)
         else:
             got = estimate(stand, grid, micro_batch, checkpointing, orientation=turn)
         memo[key] = got

@@ -68,7 +68,11 @@ ENDS = ("backward: end", "optimizer step")
 @functools.lru_cache(maxsize=1 << 12)
 def stage_model(model: ModelSpec, blocks: int) -> ModelSpec:
     """``model`` with ``blocks`` blocks, one object per model and count (the memos keyed on it
-    then hash it once and compare it by identity)."""
+    then hash it once and compare it by identity). A mixture-of-experts model's stage has no
+    dense block (its first ``dense_layers`` are on one stage only; the stage of all MoE blocks
+    is the one that holds the most experts)."""
+    if model.is_moe:
+        return dataclasses.replace(model, n_layers=blocks, dense_layers=0)
     return dataclasses.replace(model, n_layers=blocks)
 
 

@@ -37,10 +37,9 @@ from tetrad.plan.moe_step import (
     expert_times,
     grad_sync_seconds,
     moe_estimate,
+    moe_split,
     stand_in_question,
 )
-from tetrad.plan.pipe.pipeline_step import split_ranks
-from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.classic import classic_memory, megatron_estimate, pipeline_variants
 from tetrad.plan.search.rows import Row
@@ -49,6 +48,9 @@ from tetrad.spec.activation_checkpointing import CHECKPOINTING
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.sharding import context_problems, grid_problems, moe_grid_problem, tp_problems
 
+MODES_BY_MEMORY = ("none", "selective", "full")
+"""Checkpointing modes from the most memory to the least (what does not fit in one does not in
+those before it)."""
 MAX_PIPE = 16
 """The most pipeline stages the MoE search tries."""
 
@@ -92,7 +94,10 @@ def search_moe_4d(
     queue: list = []
     pipes = [p for p in divisors(gpus) if p <= min(MAX_PIPE, model.n_layers)]
     for cand in _candidates(ctx, gpus, pipes if pipeline else [1], limit, shard_optimizer, stats):
+        states = _states_floor(model, *cand, shard_optimizer)
         for mode, b in _choices(ctx, cand[0], cand[1], modes, allowed):
+            if states + _copies_floor(ctx, *cand, b, mode) > limit:
+                continue
             stats["candidates"] += 1
             full = (*cand, b, mode)
             heapq.heappush(queue, (_floor(ctx, *full, imbalance), stats["candidates"], full))
@@ -103,12 +108,13 @@ def search_moe_4d(
         if len(best) >= top and floor >= -best[0][0]:
             break
         pipe, grid, ep, b, mode = cand
-        key = (pipe, grid, ep, mode)
-        if b >= too_big.get(key, math.inf):
-            continue  # memory grows with the micro-batch
+        if b >= too_big.get((pipe, grid, ep, mode), math.inf):
+            continue  # memory grows with the micro-batch, and with less recomputation
         fit = _fit(ctx, cand, limit, mem, dtype, shard_optimizer, imbalance)
         if fit is None:
-            too_big[key] = b
+            for more in MODES_BY_MEMORY[: MODES_BY_MEMORY.index(mode) + 1]:
+                key = (pipe, grid, ep, more)
+                too_big[key] = min(b, too_big.get(key, math.inf))
             continue
         stats["fitting"] += 1
         row = _row(ctx, (*cand, *fit), imbalance, machine, gpus, global_batch, seq_len)
@@ -147,17 +153,36 @@ def _candidates(ctx, gpus, pipes, limit, shard_optimizer, stats):
 
 
 def _states_floor(model: ModelSpec, pipe: int, grid: tuple, ep: int, shard: str) -> float:
-    """A lower bound of a rank's model states (bytes) for a grid and expert axis: the fp32
-    weights, gradients and AdamW states of ``1 / pipe`` of the blocks' local elements (the
-    AdamW states of the non-expert ones over ``G_data G_context`` when the optimizer may be
-    sharded)."""
+    """A lower bound of the fullest rank's model states (bytes) for a grid and expert axis:
+    the fp32 weights, gradients and AdamW states of ``ceil(L / pipe)`` blocks' local elements
+    (the AdamW states of the non-expert ones over ``G_data G_context`` when the optimizer may
+    be sharded; an MoE model's pipeline stages hold MoE blocks only, :func:`tetrad.plan.memory.
+    pipeline.stage_model`)."""
     gd, gc, gz, gy, gx = grid
     n = local_parameter_elements(model, grid, ep)
     tables = (model.vocab_size + model.max_positions) * model.dim // (gz * gy * gx)
     blocks = n["matrices"] - tables - (0 if model.tied_embeddings else tables)
-    rest = (blocks + n["vectors"]) / pipe
+    share = math.ceil(model.n_layers / pipe) / model.n_layers  # the fullest stage's blocks
+    rest = (blocks + n["vectors"]) * share
     per = 8.0 + 8.0 / (gd * gc) if shard != "off" else 16.0
-    return per * rest + 16.0 * n["experts"] / pipe
+    return per * rest + 16.0 * n["experts"] * share
+
+
+def _copies_floor(ctx, pipe, grid, ep, b, mode) -> float:
+    """A lower bound of the bf16 expert-weight copies autograd keeps on the fullest rank
+    (bytes; :mod:`tetrad.plan.memory.moe`), 0 under ``full`` checkpointing or in fp32: ``3
+    (E / G_expert) f_e h`` per MoE block and micro-batch in flight, on the pipeline rank with
+    the most (rank ``r`` of :func:`tetrad.plan.moe_step.moe_split`'s stages holds ``min(m, p -
+    r)`` micro-batches in flight under 1F1B)."""
+    model = ctx.model
+    if mode == "full" or ctx.c == 4:
+        return 0.0
+    per_block = ctx.c * model.expert_params() / ep
+    if pipe == 1:
+        return float(model.moe_layers * per_block)
+    acc = ctx.global_batch // (grid[0] * grid[2] * b)
+    ranks = moe_split(ctx, grid, b, mode, pipe)
+    return float(max(min(acc, pipe - r.rank) * r.blocks for r in ranks) * per_block)
 
 
 def _choices(ctx, pipe, grid, modes, allowed):
@@ -201,12 +226,11 @@ def _memory(ctx, pipe, grid, ep, b, mode, dtype, zero, imbalance, mem, acc) -> M
         return runtime_memory(
             model, grid, b, ctx.seq_len, mem, activation_checkpointing=mode, **opts
         )
-    stand = stand_in_question(ctx)
-    costs = split_costs(stand.compute(grid, b), mode)
-    ranks = split_ranks(model.n_layers, costs, pipe, 1)
+    ranks = moe_split(ctx, grid, b, mode, pipe)
     # under 1F1B rank r holds p - r micro-batches in flight: the peak is on the first rank,
-    # the second (the first with a full share of blocks) or the last (the LM head's logits)
-    peaks = {r.rank: r for r in (ranks[0], ranks[1], ranks[-1])}.values()
+    # the first with the most blocks or the last (the LM head's logits)
+    most = max(ranks, key=lambda r: (r.blocks, -r.rank))
+    peaks = {r.rank: r for r in (ranks[0], ranks[1], most, ranks[-1])}.values()
     mems = [
         stage_memory(
             model,
