@@ -251,20 +251,25 @@ def _memory(ctx, pipe, grid, ep, b, mode, dtype, zero, imbalance, mem, acc) -> M
 
 
 def _floor(ctx, pipe, grid, ep, b, mode, imbalance) -> float:
-    """A lower bound of the step of a configuration: the stand-in's compute per micro-batch
-    (memoised per shape) over the stages and the routed experts' compute and blocking
-    all-to-alls, times the micro-batches, and the per-step gradient sums the stand-in lacks
-    (all exposed in :func:`tetrad.plan.moe_step.moe_estimate`)."""
+    """A lower bound of the step of a configuration (seconds): per micro-batch, the stand-in's
+    compute (memoised per shape; with a pipeline, the fullest stage's blocks only) and the
+    routed experts' compute and blocking all-to-alls, over ``m`` micro-batches (1F1B on ``p``
+    stages: ``m + p - 1`` of the slowest stage's), and the per-step gradient sums the stand-in
+    lacks (all exposed in :func:`tetrad.plan.moe_step.moe_estimate`)."""
     gd, gc, gz, gy, gx = grid
     acc = ctx.global_batch // (gd * gz * b)
     stand = stand_in_question(ctx)
-    f, bw, r = stand.micro_batch_seconds(grid, b, mode)
     ex = expert_times(ctx, stand, grid, b, ep, imbalance)
-    blocks = ctx.model.moe_layers / pipe
-    fake = ex.fake_ffn * 3 * ctx.model.n_layers / pipe
-    per_mb = (f + bw + r) / pipe + blocks * (ex.fwd + ex.bwd + ex.a2a_fwd + ex.a2a_bwd) - fake
-    # 1F1B on p stages: the critical path runs m + p - 1 of the mean stage's micro-batches
-    return (acc + pipe - 1) * per_mb + sum(grad_sync_seconds(ctx, grid, ep, pipe))
+    expert = ex.fwd + ex.bwd + ex.a2a_fwd + ex.a2a_bwd - 3 * ex.fake_ffn
+    sync = sum(grad_sync_seconds(ctx, grid, ep, pipe))
+    if pipe == 1:
+        f, bw, r = stand.micro_batch_seconds(grid, b, mode)
+        return acc * (f + bw + r + ctx.model.moe_layers * expert) + sync
+    comp = stand.compute(grid, b)
+    rec = {"full": comp.block_fwd, "selective": comp.selective}.get(mode, 0.0)
+    blocks = max(r.blocks for r in moe_split(ctx, grid, b, mode, pipe))
+    stage = blocks * (comp.block_fwd + comp.block_bwd + rec + expert)
+    return (acc + pipe - 1) * stage + sync
 
 
 def _row(ctx, cand, imbalance, machine, gpus, global_batch, seq_len) -> Row:
