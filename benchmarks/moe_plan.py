@@ -38,7 +38,9 @@ def breakdown(row: dict) -> str:
     )
 
 
-def describe(row: dict, gpus: int, tokens: int, peak: float) -> str:
+def describe(row: dict, peak: float) -> str:
+    """One line of a ranked row's JSON: where it runs, step, tokens/s, TFLOP/s per GPU (``peak``
+    FLOP/s times its MFU), memory and :func:`breakdown`."""
     sizes = row["sizes"]
     grid = ",".join(str(v) for v in sizes.values())
     pipe = row.get("pipeline", {}).get("pipe", 1) if row["space"] == "4d" else 1
@@ -74,10 +76,11 @@ def main() -> int:
         res = json.loads(run.stdout)
         seconds = res["stats"]["seconds"]
         peak = float(res["inputs"]["machine_summary"].split(", ")[-1].split()[0]) * 1e12
-        print(f"{model} on {gpus} {args.machine} GPUs, batch {batch} x 4096: search {seconds:.2f} s")
-        print("  4D:      " + describe(res["four_d"][0], gpus, batch * 4096, peak))
+        where = f"{model} on {gpus} {args.machine} GPUs, batch {batch} x 4096"
+        print(f"{where}: search {seconds:.2f} s")
+        print("  4D:      " + describe(res["four_d"][0], peak))
         if res["classic"]:
-            print("  classic: " + describe(res["classic"][0], gpus, batch * 4096, peak))
+            print("  classic: " + describe(res["classic"][0], peak))
         failed |= seconds >= LIMIT_S or not res["four_d"][0]["memory"]["fits"]
     return 1 if failed else 0
 
