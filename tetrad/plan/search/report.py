@@ -252,6 +252,7 @@ def plot(result: SearchResult, path: str, top: int = 10) -> None:
     ]
     for a in (*COMM_AXES, *AXES_CLASSIC):
         parts.append((f"exposed {a}", lambda r, a=a: r.exposed_s.get(a, 0.0)))
+    parts.append(("exposed expert", lambda r: r.exposed_s.get("expert", r.exposed_s.get("ep", 0))))
     parts.append(("pipeline bubble", lambda r: r.other_s.get("pipeline_bubble", 0.0)))
     left = [0.0] * len(rows)
     for name, fn in parts:
