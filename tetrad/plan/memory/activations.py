@@ -247,7 +247,7 @@ def saved_activations(
     _, _, gy, gx = grid_sizes(grid)
     shape = (1, context_size(grid), 1, gy, gx)  # nothing here depends on G_data or G_z
     ckpt = activation_checkpointing
-    if not model.is_moe:
+    if not model.n_experts:  # a dense model
         return dict(_saved_activations(model, shape, micro_batch, seq_len, ckpt, dtype))
     moe = (expert, imbalance)
     return dict(_saved_activations(model, shape, micro_batch, seq_len, ckpt, dtype, moe))
@@ -268,7 +268,7 @@ def _saved_activations(
     imbalance)`` of an MoE model)."""
     mode, k = checkpointed_blocks(ckpt, model.n_layers)
     t = _block_terms(model, grid, micro_batch, seq_len, dtype)
-    if model.is_moe:
+    if model.n_experts:
         t = _moe_block_terms(model, grid, micro_batch, seq_len, dtype, t, *moe)
     if mode == "full":
         biggest = t.block_max or t.block

@@ -300,7 +300,7 @@ def _parts(
     in its order (sizes, dtype, grid, checkpointing mode), each memoised (the grid's per grid and
     options, the activations' per ``(G_context, G_y, G_x)``, micro-batch and mode)."""
     _checked_sizes(micro_batch, seq_len)
-    if not model.is_moe:
+    if not model.n_experts:  # a dense model (cheaper to ask than is_moe)
         g = checked_grid_buffers(
             model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
         )
