@@ -33,8 +33,9 @@ Per step: the expert weights' gradients (fp32, ``3 (E/P) h f_e`` per MoE block) 
 and expert-data (``G_data G_context / P`` ranks at stride ``P G_z G_y G_x``), and over Y and X
 (whose ranks route other tokens), after backward, blocking (``sync_gradients``); the routers'
 (and with ``P = 1`` the whole experts') over Z and data; AdamW over the local expert and router
-weights. With a pipeline of ``p`` stages (1F1B) each rank holds ``1/p`` of the MoE blocks: the
-per-micro-batch terms grow the critical path by ``(m + p - 1)`` times the stage's share.
+weights. With a pipeline of ``p`` stages (1F1B, the runtime's split: :func:`moe_split`) the
+per-micro-batch terms of the slowest stage's MoE blocks grow the critical path ``m + p - 1``
+times (its bubble ``p - 1`` times).
 """
 
 from __future__ import annotations
