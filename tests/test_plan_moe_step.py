@@ -89,3 +89,21 @@ def test_the_searches_rank_moe_configurations():
     res = plan(model, H100, 64, 256, 4096, top=2)
     assert " ep=" in res.rows[0].label() and " ep=" in res.classic[0].label()
     assert res.rows[0].to_dict()["expert_parallel"] == res.rows[0].expert
+
+
+def test_the_search_floor_is_below_every_step(monkeypatch):
+    """The best-first search may skip a configuration only if its floor is not below the top's
+    slowest: each floor must be at most the configuration's step."""
+    import tetrad.plan.search.moe as search
+
+    seen, timed = [], search._row
+
+    def row(ctx, cand, imbalance, *rest):
+        r = timed(ctx, cand, imbalance, *rest)
+        seen.append((search._floor(ctx, *cand[:5], imbalance), r.step_s))
+        return r
+
+    monkeypatch.setattr(search, "_row", row)
+    search_moe_4d(get_model("qwen3-30b-a3b"), H100, 64, 256, 4096, top=20)
+    assert len(seen) >= 20
+    assert all(floor <= step * (1 + 1e-12) for floor, step in seen)
