@@ -81,6 +81,8 @@ def test_plan_ranks_moe_with_the_expert_axis(capsys):
     assert "exp expert" in out and " ep=" in out and "exp ep" in out  # 4D and classic
     assert main([*argv, "--machine", "dgx-h100", "--moe-imbalance", "0.5"]) == 2
     assert "--moe-imbalance 0.5 must be at least 1.0" in capsys.readouterr().err
+    assert main([*argv, "--machine", "dgx-h100", "--comm-model", "axonn"]) == 2
+    assert "use tetrad" in capsys.readouterr().err
 
 
 def test_memory_prints_the_moe_terms(capsys):

@@ -8,6 +8,7 @@ import gc
 import time
 from collections.abc import Iterator
 
+from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.classic import search_classic
@@ -51,6 +52,10 @@ def plan(
     """
     t0 = time.perf_counter()
     if model.is_moe:
+        if comm_model != "tetrad":
+            raise PlanError(
+                f"--comm-model {comm_model} has no model of {model.name}'s experts: use tetrad"
+            )
         return _plan_moe(
             model,
             machine,
