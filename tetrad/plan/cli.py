@@ -18,7 +18,7 @@ from tetrad.plan.machine.description import get_machine, preset_names
 from tetrad.plan.memory import fujii
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.moe import moe_terms
-from tetrad.plan.memory.pipeline import pipeline_memory
+from tetrad.plan.memory.pipeline import pipeline_memory, stage_model
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.sharded_optimizer import SHARD_OPTIMIZER
 from tetrad.plan.pipe.pipeline_step import split_ranks
@@ -376,8 +376,10 @@ def run_memory(args: argparse.Namespace) -> int:
                 + (", AdamW states sharded over data x context" if args.shard_optimizer else "")
                 + (f", expert axis {expert}" if model.is_moe else "")
             )
+        # with a pipeline: one stage of the most blocks' (its in-flight copies not included)
+        blocks = -(-model.n_layers // pipe)
         terms = moe_terms(
-            model,
+            stage_model(model, blocks) if pipe > 1 else model,
             role_sizes(grid, turn),
             args.micro_batch,
             args.seq_len,

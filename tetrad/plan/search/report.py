@@ -385,7 +385,8 @@ def moe_terms_text(terms: dict[str, float]) -> str:
     moe_terms`, bytes, shown in GiB); empty for a dense model."""
     if not terms:
         return ""
-    lines = ["", "MoE terms (inside the components above, per rank):"]
+    lines = ["", "MoE terms (inside the components above, per rank; with a pipeline one stage's, "]
+    lines[-1] += "one micro-batch):"
     lines += [f"  {name}: {v / GiB:.3f} GiB" for name, v in terms.items()]
     return "\n".join(lines)
 
