@@ -112,6 +112,9 @@ def step_buffer_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
       multiplies in place);
     - AdamW: none (torch's fused kernel, on CPU and CUDA, updates in place).
     """
+    if not model.n_experts:  # a dense model: the vectors' copy only
+        gz = grid_sizes(grid)[1]
+        return float(FP32 * local_parameter_elements(model, grid)["vectors"] if gz > 1 else 0)
     gd, gz, gy, gx = grid_sizes(grid)
     n = local_parameter_elements(model, grid, expert)
     vectors = FP32 * n["vectors"] if gz > 1 else 0

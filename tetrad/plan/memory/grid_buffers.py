@@ -86,11 +86,11 @@ def checked_grid_buffers(
     """
     dtype_bytes(dtype)
     check_grid(model, grid)
-    if expert > 1:
-        local_parameter_elements(model, grid, expert)  # checks the expert axis
-    return grid_buffers(
-        model, grid, dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer, expert
-    )
+    options = (dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer)
+    if expert == 1:  # the arguments every dense caller gives (one memo entry per grid)
+        return grid_buffers(model, grid, *options)
+    local_parameter_elements(model, grid, expert)  # checks the expert axis
+    return grid_buffers(model, grid, *options, expert)
 
 
 @functools.lru_cache(maxsize=256)
@@ -140,7 +140,7 @@ def grid_buffers(
     """
     _, gz, gy, gx = grid_sizes(grid)
     group = sharded_optimizer.data_group(grid)
-    if model.is_moe:
+    if model.n_experts:
         plain = _unsharded(model, grid, dtype, prefetch, async_reduce_scatter, dp_overlap, expert)
         return _sharded(model, grid, plain, dp_overlap, expert) if shard_optimizer else plain
     if shard_optimizer and group > 1:
@@ -211,8 +211,8 @@ def _sharded(
     :mod:`tetrad.plan.memory.sharded_optimizer`. Expert-sharded weights (``expert > 1``) are
     summed over expert-data, not data: their states stay whole (tetrad/parallel/zero.py,
     ``DataShards.sharded``) and their flat sum after backward stays in the step."""
-    if sharded_optimizer.data_group(grid) == 1:
-        return plain
+    if model.n_experts and sharded_optimizer.data_group(grid) == 1:
+        return plain  # an MoE model comes here whatever the data group
     if expert > 1:
         n = local_parameter_elements(model, grid, expert)
         share = sharded_optimizer.state_share(grid, True)

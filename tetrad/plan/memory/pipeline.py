@@ -71,7 +71,7 @@ def stage_model(model: ModelSpec, blocks: int) -> ModelSpec:
     then hash it once and compare it by identity). A mixture-of-experts model's stage has no
     dense block (its first ``dense_layers`` are on one stage only; the stage of all MoE blocks
     is the one that holds the most experts)."""
-    if model.is_moe:
+    if model.n_experts:
         return dataclasses.replace(model, n_layers=blocks, dense_layers=0)
     return dataclasses.replace(model, n_layers=blocks)
 
@@ -111,7 +111,7 @@ def stage_parts(
     """
     sm = stage_model(model, blocks)
     opts = {"activation_checkpointing": ckpt, "dtype": dtype}
-    if model.is_moe:
+    if model.n_experts:
         opts |= {"expert": expert, "imbalance": imbalance}
     static, phases = phase_components(
         sm, grid, micro_batch, seq_len, prefetch=prefetch, shard_optimizer=shard_optimizer, **opts
@@ -343,7 +343,7 @@ def stage_memory(
     """
     grid = tuple(grid)
     opts = (activation_checkpointing, dtype, prefetch)
-    if model.is_moe:
+    if model.n_experts:
         opts += (expert, imbalance)
     # the runtime model's parts first: its errors come before the schedule's
     stage_parts(
