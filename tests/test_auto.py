@@ -203,3 +203,14 @@ def test_context_pieces_are_the_planners_where_a_machine_is_given(tmp_path):
     assert run(fast, grid="2,1,1,1,1") == 1
     with pytest.raises(ConfigError, match="context_pieces=-1 must be 0"):
         cfg(grid="1,2,1,1,1", context_pieces=-1).check()
+
+
+def test_grid_auto_plans_a_mixture_of_experts_model():
+    """An MoE model gets a grid and an expert axis from the planner (issue 46)."""
+    moe = {"model": "moe-small", "global_batch": 8, "micro_batch": 1, "seq_len": 64}
+    chosen = choose_grid(cfg(**moe, machine="dgx-h100"), 4, 4096, verbose=False)
+    par = chosen.parallelism
+    d, c, z, y, x = par.grid
+    assert par.pipe * d * c * z * y * x == 4
+    assert par.expert_parallel >= 1 and (d * c) % par.expert_parallel == 0
+    chosen.check()

@@ -16,6 +16,7 @@ from tetrad.spec.sharding import check_grid
 PUBLISHED = {
     "mixtral-8x7b": (46.7, 45.1, 12.9),
     "qwen3-30b-a3b": (30.5, 29.0, 3.3),
+    "qwen3-235b-a22b": (235.1, 227.1, 22.2),  # model card: 235B, 22B activated
     "deepseek-v3": (671.0, 653.9, 37.5),
 }
 
@@ -23,6 +24,7 @@ PUBLISHED = {
 EXACT = {  # our counts (Qwen3's q/k norm weights, 48 x 2 x 128 = 12,288, are left out)
     "mixtral-8x7b": 46_702_792_704,
     "qwen3-30b-a3b": 30_532_110_336,
+    "qwen3-235b-a22b": 235_093_610_496,
     "deepseek-v3": 671_026_404_352,
 }
 
@@ -47,13 +49,18 @@ def test_flops_count_active_experts():
     assert m.flops_per_token(s) == want
 
 
-def test_runtime_memory_counts_every_expert_whole():
+def test_runtime_memory_splits_experts_over_the_expert_axis_only():
     m = PRESETS["qwen3-30b-a3b"]
     n = local_parameter_elements(m, (8, 1, 1, 1))
-    assert n["matrices"] + n["vectors"] == m.num_params()
+    assert n["matrices"] + n["vectors"] == m.num_params() and n["experts"] == 0
     z = local_parameter_elements(m, (1, 2, 1, 1))  # Z halves the Linears and tables only
     whole = m.moe_layers * (m.router_params() + m.expert_params())
-    assert z["matrices"] == whole + (n["matrices"] - whole) // 2
+    assert z["vectors"] - n["vectors"] == 0 and z["matrices"] == n["matrices"] // 2
+    assert n["vectors"] >= whole  # router and experts replicated like the norms
+    ep = local_parameter_elements(m, (8, 1, 1, 1), expert=8)  # E/8 experts per rank
+    assert ep["experts"] == m.moe_layers * m.expert_params() // 8
+    assert ep["vectors"] == n["vectors"] - m.moe_layers * m.expert_params()
+    assert ep["matrices"] == n["matrices"]
     check_grid(m, (1, 1, 2, 1))  # experts whole on every tensor rank (tetrad/parallel/moe_tensor)
 
 
@@ -67,10 +74,25 @@ def test_the_runtime_refuses_the_presets_it_lacks():
     assert get_model("mixtral-8x7b,n_layers=4").moe_layers == 4
 
 
-def test_plan_refuses_moe_in_one_line(capsys):
+def test_plan_ranks_moe_with_the_expert_axis(capsys):
     argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "64", "--global-batch", "512"]
-    assert main([*argv, "--machine", "dgx-h100"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "tetrad memory --model qwen3-30b-a3b --grid" in err
-    assert main(["memory", "--model", "qwen3-30b-a3b", "--grid", "8,1,1,1"]) == 0
-    assert "113.74" in capsys.readouterr().out  # 30.53B fp32 parameters, whole on each rank
+    assert main([*argv, "--machine", "dgx-h100", "--seq-len", "4096", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "exp expert" in out and " ep=" in out and "exp ep" in out  # 4D and classic
+    assert main([*argv, "--machine", "dgx-h100", "--moe-imbalance", "0.5"]) == 2
+    assert "--moe-imbalance 0.5 must be at least 1.0" in capsys.readouterr().err
+    assert main([*argv, "--machine", "dgx-h100", "--comm-model", "axonn"]) == 2
+    assert "use tetrad" in capsys.readouterr().err
+
+
+def test_memory_prints_the_moe_terms(capsys):
+    argv = ["memory", "--model", "qwen3-30b-a3b", "--seq-len", "4096"]
+    assert main([*argv, "--grid", "data=8,expert=8", "--activation-checkpointing"]) == 0
+    out = capsys.readouterr().out
+    assert "expert axis 8" in out and "MoE terms" in out
+    # 29.0B routed weights split over 8 ranks, 16 bytes each: 54.0 GiB
+    assert "routed expert states (fp32 weights, gradients, AdamW): 54.000 GiB" in out
+    assert main([*argv, "--grid", "data=8", "--expert-parallel", "8", "--json"]) == 0
+    assert "moe_terms_bytes" in capsys.readouterr().out
+    assert main([*argv, "--grid", "data=8,expert=3"]) == 2
+    assert "divide n_experts" in capsys.readouterr().err

@@ -18,7 +18,8 @@ from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import get_machine, preset_names
 from tetrad.plan.memory import fujii
 from tetrad.plan.memory.breakdown import MemoryBreakdown
-from tetrad.plan.memory.pipeline import pipeline_memory
+from tetrad.plan.memory.moe import moe_terms
+from tetrad.plan.memory.pipeline import pipeline_memory, stage_model
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.sharded_optimizer import SHARD_OPTIMIZER
 from tetrad.plan.pipe.pipeline_step import split_ranks
@@ -30,10 +31,17 @@ from tetrad.plan.search.plan import plan
 from tetrad.plan.step_time import best_orientation
 from tetrad.spec.activation_checkpointing import CHECKPOINTING, parse_checkpointing
 from tetrad.spec.conflicts import PIPELINE_DEFAULTS
-from tetrad.spec.grid import ORIENTATIONS, format_grid, parse_pipeline_grid, role_sizes
+from tetrad.spec.grid import (
+    ORIENTATIONS,
+    format_grid,
+    parse_pipeline_grid,
+    pop_expert,
+    role_sizes,
+)
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.pipeline_split import PipelineSplitError
 from tetrad.spec.presets import PRESETS, get_model
+from tetrad.spec.sharding import moe_grid_problem
 from tetrad.spec.units import GiB
 
 
@@ -162,6 +170,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--gpu-memory-gib", type=float, metavar="GIB", help="GPU memory (default: the machine's)"
     )
     p.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="mixture-of-experts models: the busiest rank's routed rows over the mean "
+        "(default 1.0: balanced)",
+    )
+    p.add_argument(
         "--gemm-efficiency",
         type=float,
         metavar="FRACTION",
@@ -248,6 +264,21 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tetrad: the blocks under torch.compile (tetrad train --compile), which save less",
     )
+    m.add_argument(
+        "--expert-parallel",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="tetrad, MoE models: experts split over N data x context ranks (or expert=N in a "
+        "named --grid)",
+    )
+    m.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="tetrad, MoE models: the busiest rank's routed rows over the mean (default 1.0)",
+    )
     m.add_argument("--machine", help="take the GPU memory from this machine")
     m.add_argument("--json", action="store_true", help="print the breakdown as JSON")
 
@@ -259,12 +290,8 @@ def run_plan(args: argparse.Namespace) -> int:
         PlanError: bad input; the message says what to change.
     """
     model = get_model(args.model)
-    if model.is_moe:
-        raise PlanError(
-            f"tetrad plan does not model mixture-of-experts models yet ({model.name}: no expert "
-            "all-to-all, no expert sharding): size one grid with tetrad memory --model "
-            f"{args.model} --grid DATA,1,Z,1,1"
-        )
+    if args.moe_imbalance < 1:
+        raise PlanError(f"--moe-imbalance {args.moe_imbalance} must be at least 1.0")
     check_plan_settings(args)
     machine = get_machine(args.machine)
     if args.gemm_efficiency is not None:
@@ -298,6 +325,7 @@ def run_plan(args: argparse.Namespace) -> int:
         gpu_memory_bytes=mem,
         pipeline=not args.no_pipeline,
         shard_optimizer=args.shard_optimizer,
+        moe_imbalance=args.moe_imbalance,
     )
     if args.emit_config:
         report.emit_config(result.rows[0], model, result, args.emit_config)
@@ -336,12 +364,8 @@ def run_memory(args: argparse.Namespace) -> int:
     if method == "tetrad":
         if not args.grid:
             raise PlanError("--method tetrad needs --grid DATA,Z,Y,X (for example 2,1,1,2)")
-        if "expert=" in args.grid:
-            raise PlanError(
-                f"--grid {args.grid}: tetrad memory does not model expert parallelism yet; drop "
-                "expert=N for the memory with every routed expert on each rank (an upper bound)"
-            )
-        pipe, grid = parse_pipeline_grid(args.grid)
+        pipe, grid, moe = _grid_and_experts(args, model)
+        expert = moe.get("expert", 1)
         check_memory_settings(args, method, pipe)
         ckpt = parse_checkpointing(args.activation_checkpointing)
         turn = args.orientation
@@ -354,7 +378,7 @@ def run_memory(args: argparse.Namespace) -> int:
                     "--compile is modelled on grids without a pipeline axis only: drop --compile "
                     "(the eager estimate is an upper bound) or the pipe= size"
                 )
-            mem, title = pipeline_memory_text(args, model, pipe, grid, turn, ckpt, gpu)
+            mem, title = pipeline_memory_text(args, model, pipe, grid, turn, ckpt, gpu, moe)
             title = title.replace(
                 "\nthe worst rank:",
                 f"\nGPU memory {gpu / GiB:.1f} GiB ({gpu_from}); the worst rank:",
@@ -369,15 +393,27 @@ def run_memory(args: argparse.Namespace) -> int:
                 activation_checkpointing=ckpt,
                 shard_optimizer=args.shard_optimizer,
                 compiled=args.compile,
+                **moe,
             )
             title = (
                 f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))} "
                 f"({turn}), micro-batch {args.micro_batch} x {args.seq_len} tokens, "
                 f"checkpointing {ckpt}"
                 + (", AdamW states sharded over data x context" if args.shard_optimizer else "")
+                + (f", expert axis {expert}" if model.is_moe else "")
                 + (", blocks compiled" if args.compile else "")
                 + f"\nGPU memory {gpu / GiB:.1f} GiB ({gpu_from})"
             )
+        # with a pipeline: one stage of the most blocks' (its in-flight copies not included)
+        blocks = -(-model.n_layers // pipe)
+        terms = moe_terms(
+            stage_model(model, blocks) if pipe > 1 else model,
+            role_sizes(grid, turn),
+            args.micro_batch,
+            args.seq_len,
+            activation_checkpointing=ckpt,
+            **moe,
+        )
     else:
         if args.grid:
             raise PlanError("--grid is for --method tetrad; fujii2024 takes --tp --cp --pp --dp")
@@ -397,8 +433,12 @@ def run_memory(args: argparse.Namespace) -> int:
             f"{model.summary()}\nfujii2024, TP={args.tp} CP={args.cp} PP={args.pp} "
             f"DP={args.dp}, micro-batch {args.micro_batch} x {args.seq_len} tokens"
         )
+        terms = {}
     if args.json:
-        print(json.dumps({"model": model.name, "method": method, **mem.to_dict()}, indent=2))
+        out = {"model": model.name, "method": method, **mem.to_dict()}
+        if terms:
+            out["moe_terms_bytes"] = terms
+        print(json.dumps(out, indent=2))
     elif method == "tetrad":
         advice = {
             "none": "raise G_z*G_y*G_x, lower the micro-batch or add "
@@ -407,10 +447,34 @@ def run_memory(args: argparse.Namespace) -> int:
             "--activation-checkpointing full",
             "full": "raise G_z*G_y*G_x or lower the micro-batch",
         }[ckpt.partition(":")[0]]
-        print(report.memory_text(mem, title, advice))
+        if model.is_moe:
+            advice += ", or raise the expert axis (--expert-parallel)"
+        print(report.memory_text(mem, title, advice) + report.moe_terms_text(terms))
     else:
         print(report.memory_text(mem, title, "raise TP, CP or PP, or lower the micro-batch"))
     return 0
+
+
+def _grid_and_experts(args: argparse.Namespace, model: ModelSpec) -> tuple[int, tuple, dict]:
+    """``(G_pipe, the five sizes, MoE options)`` of ``tetrad memory --grid``: an ``expert=N``
+    item of a named grid, else ``--expert-parallel``, and ``--moe-imbalance``, as the
+    ``expert`` and ``imbalance`` keywords of :func:`runtime_memory` (empty for a dense model).
+
+    Raises:
+        PlanError: a bad ``expert=N``, or an expert axis the MoE runtime cannot run.
+    """
+    text, expert = args.grid, args.expert_parallel
+    if "expert=" in text.replace(" ", ""):
+        text, named = pop_expert(text)
+        if not named.isdigit() or int(named) < 1:
+            raise PlanError(f"expert={named} in --grid must be a positive whole number")
+        expert = int(named)
+    pipe, grid = parse_pipeline_grid(text)
+    if expert > 1 and (problem := moe_grid_problem(model, grid, pipe, expert)):
+        raise PlanError(problem)
+    if not model.is_moe:
+        return pipe, grid, {}
+    return pipe, grid, {"expert": expert, "imbalance": args.moe_imbalance}
 
 
 def pipeline_memory_text(
@@ -421,6 +485,7 @@ def pipeline_memory_text(
     turn: str,
     ckpt: str,
     gpu_memory_bytes: float,
+    moe: dict | None = None,
 ) -> tuple[MemoryBreakdown, str]:
     """The worst rank's breakdown and the title of ``tetrad memory`` on a pipeline grid: the
     stage split is the runtime's (:func:`tetrad.spec.pipeline_split.balanced_split` by the per-block
@@ -435,7 +500,7 @@ def pipeline_memory_text(
         raise PlanError(
             "; ".join(bad) + ": change --pipeline-schedule, --virtual-stages or --num-microbatches"
         )
-    mode = ckpt.partition(":")[0]
+    mode, moe = ckpt.partition(":")[0], moe or {}
     if mode != ckpt:
         raise PlanError("a pipeline grid takes --activation-checkpointing none, selective or full")
     machine = get_machine(args.machine or "dgx-h100")
@@ -459,6 +524,7 @@ def pipeline_memory_text(
         m,
         activation_checkpointing=mode,
         shard_optimizer=getattr(args, "shard_optimizer", False),
+        **moe,
     )
     stages = ", ".join(
         f"{r.rank}: {'+'.join(map(str, r.chunk_blocks))} blocks {mb.total / GiB:.1f} GiB"

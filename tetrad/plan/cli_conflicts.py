@@ -32,6 +32,9 @@ MEMORY_TETRAD_DEFAULTS = {
     "shard_optimizer": False,
     "orientation": "auto",
     "activation_checkpointing": "none",
+    "compile": False,
+    "expert_parallel": 1,
+    "moe_imbalance": 1.0,
     **PIPELINE_DEFAULTS,
 }
 """``tetrad memory``'s options that only ``--method tetrad`` reads, and their defaults."""

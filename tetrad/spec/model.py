@@ -251,8 +251,8 @@ class ModelSpec:
 
     def __getstate__(self) -> dict:
         """The fields, without the cached hash (strings hash differently in another
-        process)."""
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+        process) and block count."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_moe_layers")}
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -279,10 +279,14 @@ class ModelSpec:
 
     @property
     def moe_layers(self) -> int:
-        """MoE blocks ``L_m``."""
+        """MoE blocks ``L_m`` (counted once per model: the planner asks often)."""
         if not self.n_experts:
-            return 0  # a dense model (the planner asks often)
-        return sum(self.moe_block(i) for i in range(self.n_layers))
+            return 0  # a dense model
+        got = self.__dict__.get("_moe_layers")
+        if got is None:
+            got = sum(self.moe_block(i) for i in range(self.n_layers))
+            object.__setattr__(self, "_moe_layers", got)
+        return got
 
     @property
     def expert_dim(self) -> int:

@@ -156,6 +156,30 @@ _PRESET_LIST = [
         top_k=8,
         expert_ffn_dim=768,
     ),
+    # Qwen3-235B-A22B (Hugging Face Qwen/Qwen3-235B-A22B config.json: hidden_size 4096,
+    # num_hidden_layers 94, num_attention_heads 64, num_key_value_heads 4, head_dim 128,
+    # num_experts 128, num_experts_per_tok 8, moe_intermediate_size 1536, vocab_size 151936,
+    # rope_theta 1e6, rms_norm_eps 1e-6, norm_topk_prob true, decoder_sparse_step 1,
+    # mlp_only_layers [], router_aux_loss_coef 0.001, untied): 235.09B, 22.2B active; q/k norms
+    # (qk_norm) not counted (2 x 128 per block); intermediate_size 12288 is unused.
+    ModelSpec(
+        "qwen3-235b-a22b",
+        "llama",
+        4096,
+        94,
+        64,
+        4,
+        12288,
+        151936,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        attn_head_dim=128,
+        qk_norm=True,
+        n_experts=128,
+        top_k=8,
+        expert_ffn_dim=1536,
+        aux_loss_coef=0.001,
+    ),
     # DeepSeek-V3 (arXiv 2412.19437; inference/configs/config_671B.json): MLA attention, the
     # first 3 blocks dense (18432), then 256 experts of 2048, top-8, one shared expert of
     # 2048; the multi-token-prediction module is not counted (671B, 37B active).

@@ -86,7 +86,8 @@ def choose_grid(
     The planner ranks every grid of ``world_size`` (data, context, Z, Y, X, and pipelines of
     ``G_pipe`` ranks with their schedule and virtual stages on top) that shards the model,
     splits the batch and fits in 80% of the machine's memory by predicted step time; the
-    returned config carries the winner's ``pipe``, schedule and virtual stages.
+    returned config carries the winner's ``pipe``, schedule and virtual stages (and a
+    mixture-of-experts model's expert axis, :mod:`tetrad.plan.search.moe`).
     Activation checkpointing ``auto`` is chosen with the grid among ``none``, ``selective`` (on
     the fewest blocks that fit: ``selective:K``) and ``full`` (the returned config names the
     winner's mode); a named mode, the micro-batch and the overlaps stay as configured.
@@ -96,11 +97,6 @@ def choose_grid(
     """
     from tetrad.plan.search.plan import plan
 
-    if cfg.model_config(vocab_size).is_moe:
-        raise ConfigError(
-            "--grid auto does not plan mixture-of-experts models yet: give --grid "
-            "DATA,1,Z,1,1 (experts are whole on every rank: data parallelism and Z only)"
-        )
     machine = machine_for(cfg)
     t, par = cfg.training, cfg.parallelism
     batch = f"global_batch={t.global_batch} and micro_batch={t.micro_batch}"
@@ -172,6 +168,7 @@ def choose_grid(
         activation_checkpointing=best.activation_checkpointing,
         orientation=best.orientation,
         shard_optimizer=par.shard_optimizer or best.shard_optimizer,
+        expert_parallel=best.expert or par.expert_parallel,  # an MoE model's expert axis
     )
     return dataclasses.replace(cfg, parallelism=par)
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tetrad.plan.machine.network import GB, Network, placement
+
 COUNT_BYTES = 8
 """Bytes of one routing count (int64, as ``torch.bincount`` gives)."""
 
@@ -186,3 +188,28 @@ def tensor_token_traffic(
             len(calls), float(sum(c[0] for c in calls)), float(sum(c[1] for c in calls))
         )
     return out
+
+
+def all_to_all_seconds(network: Network, stride: int, size: int, sent_bytes: float) -> float:
+    """Seconds of one all-to-all over the group ``{base + i * stride : i < size}`` (an expert
+    group: ``G_expert`` data x context ranks at stride ``G_z G_y G_x``) in which the busiest
+    rank sends (or receives) ``sent_bytes`` to (from) the other members, split evenly between
+    them: NCCL's grouped point-to-point all-to-all, each rank exchanging with every peer at once.
+
+    On the network hierarchy of :mod:`tetrad.plan.machine.network`: of the ``size - 1`` peers,
+    ``q - 1`` share the rank's node (``q`` members per node, :func:`~tetrad.plan.machine.
+    network.placement`) and are reached over the in-node fabric (``intra_node_gbps``), the other
+    ``size - q`` through the rank's own share of the node's NICs (``inter_node_gbps_per_member``:
+    every rank of the node runs its own group's all-to-all at the same time); the two run
+    concurrently, so the transfer is the slower of the two, plus NCCL's base latency and one
+    step's latency per peer (the per-peer setup of Hockney's alpha-beta model: Thakur,
+    Rabenseifner and Gropp, IJHPCA 2005, section 4, pairwise exchange). 0 for one rank.
+    """
+    if size <= 1:
+        return 0.0
+    q, nodes = placement(stride, size, network.gpus_per_node)
+    per_peer = sent_bytes / (size - 1)
+    intra = (q - 1) * per_peer / (network.intra_node_gbps * GB)
+    inter = (size - q) * per_peer / (network.inter_node_gbps_per_member * GB) if nodes > 1 else 0.0
+    hop = network.latency_hop_intra_us if nodes == 1 else network.latency_hop_inter_us
+    return network.latency_base_us * 1e-6 + (size - 1) * hop * 1e-6 + max(intra, inter)

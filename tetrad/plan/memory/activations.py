@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.errors import PlanError
+from tetrad.plan.memory.moe import moe_block_saved_bytes
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.grid import context_size, grid_sizes
 from tetrad.spec.model import ModelSpec
@@ -248,6 +249,8 @@ def saved_activations(
     activation_checkpointing: str | bool = "none",
     dtype: str = "bf16",
     compiled: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> dict[str, float]:
     """What autograd holds on one rank at the end of one micro-batch's forward, in bytes.
 
@@ -264,7 +267,10 @@ def saved_activations(
         (their sum is what saved-tensor hooks see), and ``recompute``: live while one block is
         rebuilt in backward (full: its saved tensors minus its kept input; selective and
         ``selective:K``: :func:`selective_recompute_bytes`, the top block's, rebuilt while every
-        block's tensors are still saved; none: 0).
+        block's tensors are still saved; none: 0). An MoE model's blocks are its dense and
+        MoE blocks (:mod:`tetrad.plan.memory.moe`; ``expert`` = ``G_expert``, ``imbalance``
+        the busiest rank's received rows over the mean): ``blocks`` counts each kind's own,
+        ``selective:K`` their mean per block, ``recompute`` the larger kind's.
 
     Raises:
         tetrad.spec.activation_checkpointing.CheckpointingError: an unknown mode, or ``K`` above the
@@ -273,7 +279,10 @@ def saved_activations(
     _, _, gy, gx = grid_sizes(grid)
     shape = (1, context_size(grid), 1, gy, gx)  # nothing here depends on G_data or G_z
     ckpt = activation_checkpointing
-    return dict(_saved_activations(model, shape, micro_batch, seq_len, ckpt, dtype, compiled))
+    if not model.n_experts:  # a dense model
+        return dict(_saved_activations(model, shape, micro_batch, seq_len, ckpt, dtype, compiled))
+    moe = (expert, imbalance)
+    return dict(_saved_activations(model, shape, micro_batch, seq_len, ckpt, dtype, compiled, moe))
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -285,14 +294,18 @@ def _saved_activations(
     ckpt: str | bool,
     dtype: str,
     compiled: bool = False,
+    moe: tuple[int, float] = (1, 1.0),
 ) -> tuple[tuple[str, float], ...]:
     """:func:`saved_activations` once per model, ``(G_context, G_y, G_x)``, micro-batch,
-    sequence, mode, dtype and compilation (``grid``: ``(1, G_context, 1, G_y, G_x)``)."""
+    sequence, mode, dtype and compilation (``grid``: ``(1, G_context, 1, G_y, G_x)``; ``moe``:
+    ``(expert, imbalance)`` of an MoE model)."""
     mode, k = checkpointed_blocks(ckpt, model.n_layers)
     t = _block_terms(model, grid, micro_batch, seq_len, dtype, compiled)
+    if model.n_experts:
+        t = _moe_block_terms(model, grid, micro_batch, seq_len, dtype, t, *moe)
     if mode == "full":
-        blocks = model.n_layers * t.block_input + t.positions
-        recompute = t.rebuilt_block - t.block_input
+        biggest = t.block_max or t.rebuilt_block
+        blocks, recompute = model.n_layers * t.block_input + t.positions, biggest - t.block_input
     elif mode == "selective":
         blocks = k * t.selective + (model.n_layers - k) * t.block + t.positions
         recompute = t.selective_recompute
@@ -330,6 +343,7 @@ class _BlockTerms(NamedTuple):
     embedding: float
     final_norm: float
     loss: float
+    block_max: float = 0.0  # an MoE model's larger block kind (0: every block is ``block``)
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -363,4 +377,44 @@ def _block_terms(
         embedding=embedding_saved_bytes(model, micro_batch, seq_len),
         final_norm=final_norm_saved_bytes(model, grid, micro_batch, seq_len, dtype),
         loss=loss_saved_bytes(model, grid, dtype),
+    )
+
+
+def _moe_block_terms(
+    model: ModelSpec,
+    grid: tuple,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str,
+    dense: _BlockTerms,
+    expert: int,
+    imbalance: float,
+) -> _BlockTerms:
+    """:class:`_BlockTerms` of an MoE model: ``dense`` (its dense blocks' terms) with the
+    per-block terms replaced by the mean over its ``L - L_m`` dense and ``L_m`` MoE blocks
+    (``L`` times the mean is their sum), the recompute sets by the larger kind's
+    (:mod:`tetrad.plan.memory.moe`)."""
+    gc, gy, gx = context_size(grid), grid[3], grid[4]
+    e, s = dtype_bytes(dtype), local_seq_len(seq_len, gc)
+    m, hx, fy = micro_batch * s, model.dim // gx, model.ffn_dim // gy
+    split = gc * gy * gx > 1
+    args = (model, m, micro_batch, gy, gx, e)
+    moe_none = moe_block_saved_bytes(*args, "none", expert, imbalance, split)
+    moe_sel = moe_block_saved_bytes(*args, "selective", expert, imbalance, split)
+    # the dense block's FFN norm output (one consumer) and SwiGLU, which an MoE block lacks
+    out = FP32 * m * hx if e == FP32 else e * m * hx
+    block = dense.block - out - _mlp_saved_bytes(model, m, gy, e) + moe_none
+    selective = dense.selective - 2 * e * m * fy + moe_sel
+    lm, ld = model.moe_layers, model.dense_blocks
+    shared = 2 * e * m * (model.shared_ffn_dim // gy)
+    attention = e * m * (model.q_dim + 2 * model.kv_dim) // gy
+    norm = (8 + (e if e != FP32 else 0)) * m * hx
+    sel_recompute = float(max(attention, shared, norm))
+    if ld:
+        sel_recompute = max(sel_recompute, dense.selective_recompute)
+    return dense._replace(
+        block=(ld * dense.block + lm * block) / model.n_layers,
+        selective=(ld * dense.selective + lm * selective) / model.n_layers,
+        selective_recompute=sel_recompute,
+        block_max=max(block, dense.block if ld else 0.0),
     )

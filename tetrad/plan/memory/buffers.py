@@ -33,6 +33,15 @@ def weight_gradient_bytes(lin: Linear, grid, dtype: str = "bf16") -> float:
     return float(per * lin.count * lin.weight_elements // (gx * gy))
 
 
+def expert_gradient_bytes(model: ModelSpec, dtype: str = "bf16", expert: int = 1) -> float:
+    """The gradient of one routed-expert weight ``[E/G_expert, f_e, h]`` as the grouped GEMM's
+    backward forms it (tetrad/models/moe.py ``expert_swiglu``): in the compute dtype, plus its
+    fp32 copy for ``.grad`` when the compute dtype is bf16 (the cast's backward)."""
+    e = dtype_bytes(dtype)
+    per = e + (FP32 if e != FP32 else 0)
+    return float(per * model.n_experts // expert * model.expert_dim * model.dim)
+
+
 def lm_head_logits_bytes(model: ModelSpec, grid, m: int, e: int) -> float:
     """Transients of the fused LM head and loss (tetrad/parallel/loss.py ``lm_head_loss``) at
     their largest, in forward: one block of ``n`` rows (:func:`tetrad.spec.overlap.loss_chunk_rows`,
@@ -58,7 +67,9 @@ def embedding_grad_bytes(model: ModelSpec, grid) -> float:
     return float(FP32 * model.vocab_size * model.dim // (gx * gy)) if gz > 1 else 0.0
 
 
-def end_of_backward_bytes(model: ModelSpec, grid, dp_overlap: bool = True) -> float:
+def end_of_backward_bytes(
+    model: ModelSpec, grid, dp_overlap: bool = True, expert: int = 1
+) -> float:
     """Temporaries at the end of backward, when the embedding's gradient is built, plus
     :func:`embedding_grad_bytes`. With ``G_data > 1`` the data-parallel all-reduce buffers:
 
@@ -72,10 +83,13 @@ def end_of_backward_bytes(model: ModelSpec, grid, dp_overlap: bool = True) -> fl
     - without the overlap ``sync_gradients`` flattens the gradients after backward, one group
       at a time (matrices, vectors): the matrices' copy, counted here.
 
-    The gradients become views of these buffers when the last micro-batch's backward ends."""
+    The gradients become views of these buffers when the last micro-batch's backward ends.
+    An MoE model's routers (and its experts when ``expert = G_expert = 1``) are replicated
+    over Z and data like the norm weights, so they count with the vectors; expert-sharded
+    weights are summed after backward (:func:`step_buffer_bytes`)."""
     gz = grid_sizes(grid)[1]
     gd = grid_sizes(grid)[0] * context_size(grid)  # the data x context group
-    n = local_parameter_elements(model, grid)
+    n = local_parameter_elements(model, grid, expert)
     if gd == 1:
         flat = 0
     elif gz == 1 and dp_overlap:
@@ -85,15 +99,25 @@ def end_of_backward_bytes(model: ModelSpec, grid, dp_overlap: bool = True) -> fl
     return FP32 * flat + embedding_grad_bytes(model, grid)
 
 
-def step_buffer_bytes(model: ModelSpec, grid) -> float:
+def step_buffer_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
     """Largest temporary of the optimizer step, after backward (tetrad/train/step.py):
 
-    - ``sync_gradients`` of the vectors (norm weights, biases): one flat fp32 copy when
-      ``G_z > 1`` (with ``G_z = 1`` their data-parallel sum rode in the last bucket:
-      :func:`end_of_backward_bytes`);
+    - ``sync_gradients`` of the vectors (norm weights, biases; an MoE model's routers): one
+      flat fp32 copy when ``G_z > 1`` (with ``G_z = 1`` their data-parallel sum rode in the
+      last bucket: :func:`end_of_backward_bytes`); of the expert-sharded weights
+      (``expert > 1``): one flat fp32 copy when any of their sum axes (Z, expert-data
+      ``G_data G_context / G_expert``, and Y and X, whose ranks route other tokens) has more
+      than one rank. One group at a time: the larger copy counts;
     - ``clip_grad_norm``: none (``torch._foreach_norm``: one scalar per gradient; the scaling
       multiplies in place);
     - AdamW: none (torch's fused kernel, on CPU and CUDA, updates in place).
     """
-    gz = grid_sizes(grid)[1]
-    return float(FP32 * local_parameter_elements(model, grid)["vectors"] if gz > 1 else 0)
+    if not model.n_experts:  # a dense model: the vectors' copy only
+        gz = grid_sizes(grid)[1]
+        return float(FP32 * local_parameter_elements(model, grid)["vectors"] if gz > 1 else 0)
+    gd, gz, gy, gx = grid_sizes(grid)
+    n = local_parameter_elements(model, grid, expert)
+    vectors = FP32 * n["vectors"] if gz > 1 else 0
+    summed = gz * gy * gx * gd * context_size(grid) // expert > 1
+    experts = FP32 * n["experts"] if summed else 0
+    return float(max(vectors, experts))

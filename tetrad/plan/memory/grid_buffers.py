@@ -13,11 +13,13 @@ from tetrad.plan.memory.activations import dtype_bytes
 from tetrad.plan.memory.buffers import (
     embedding_grad_bytes,
     end_of_backward_bytes,
+    expert_gradient_bytes,
     gathered_weight_bytes,
     step_buffer_bytes,
     weight_gradient_bytes,
 )
 from tetrad.plan.memory.states import (
+    local_parameter_elements,
     tetrad_gradient_bytes,
     tetrad_optimizer_bytes,
     tetrad_parameter_bytes,
@@ -72,26 +74,36 @@ def checked_grid_buffers(
     async_reduce_scatter: bool,
     dp_overlap: bool,
     shard_optimizer: bool = False,
+    expert: int = 1,
 ) -> GridBuffers:
     """:func:`grid_buffers` after checking the dtype and that ``model`` shards on ``grid``, in
     :func:`tetrad.plan.memory.runtime.runtime_memory`'s order; once per grid and options (an error
     is not memoised: it is raised again on every call).
 
     Raises:
-        PlanError: an unknown dtype, a bad grid, or a size that does not shard on it.
+        PlanError: an unknown dtype, a bad grid, a size that does not shard on it, or an
+            expert axis that does not divide the experts.
     """
     dtype_bytes(dtype)
     check_grid(model, grid)
-    return grid_buffers(
-        model, grid, dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
-    )
+    options = (dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer)
+    if expert == 1:  # the arguments every dense caller gives (one memo entry per grid)
+        return grid_buffers(model, grid, *options)
+    local_parameter_elements(model, grid, expert)  # checks the expert axis
+    return grid_buffers(model, grid, *options, expert)
 
 
 @functools.lru_cache(maxsize=256)
 def _largest_linears(model: ModelSpec) -> tuple[Linear, ...]:
     """The three largest block Linears of ``model`` by weight elements, largest first (a
-    stable sort: ties keep the execution order), once per model."""
-    by_size = sorted(model.linears(), key=lambda lin: lin.weight_elements, reverse=True)
+    stable sort: ties keep the execution order), once per model. An MoE model's Z-sharded
+    Linears are its attention's, its shared expert's and, when it has dense blocks, their
+    FFN's (its routed experts are not gathered over Z)."""
+    lins = model.linears()
+    if model.is_moe:
+        ffn = lins if model.dense_blocks else model.attention_linears()
+        lins = list(ffn) + model.shared_linears()
+    by_size = sorted(lins, key=lambda lin: lin.weight_elements, reverse=True)
     return tuple(by_size[:3])
 
 
@@ -110,6 +122,7 @@ def grid_buffers(
     async_reduce_scatter: bool,
     dp_overlap: bool,
     shard_optimizer: bool = False,
+    expert: int = 1,
 ) -> GridBuffers:
     """:class:`GridBuffers` of ``grid = (G_data, G_z, G_y, G_x)`` or ``(G_data, G_context,
     G_z, G_y, G_x)`` and the options of :func:`tetrad.plan.memory.runtime.runtime_memory`, once per
@@ -119,11 +132,17 @@ def grid_buffers(
     (``G_data G_context > 1``) changes only the AdamW states, the end of backward's and the
     step's buffers: the rest is the unsharded grid's.
 
+    ``expert``: ``G_expert`` of an MoE model (:func:`tetrad.plan.memory.states.
+    local_parameter_elements`); its grids are computed whole, not from ``(1, G_z, G_y, G_x)``.
+
     Raises:
         PlanError: not four or five positive sizes, or an unknown dtype.
     """
     _, gz, gy, gx = grid_sizes(grid)
     group = sharded_optimizer.data_group(grid)
+    if model.n_experts:
+        plain = _unsharded(model, grid, dtype, prefetch, async_reduce_scatter, dp_overlap, expert)
+        return _sharded(model, grid, plain, dp_overlap, expert) if shard_optimizer else plain
     if shard_optimizer and group > 1:
         plain = grid_buffers(model, grid, dtype, prefetch, async_reduce_scatter, dp_overlap, False)
         return _sharded(model, grid, plain, dp_overlap)
@@ -143,6 +162,7 @@ def _unsharded(
     prefetch: bool,
     async_reduce_scatter: bool,
     dp_overlap: bool,
+    expert: int = 1,
 ) -> GridBuffers:
     """:func:`grid_buffers` with the optimizer not sharded."""
     gz, gy, gx = grid_sizes(grid)[1:]
@@ -161,10 +181,12 @@ def _unsharded(
     dw_blocks = weight_gradient_bytes(big, grid, dtype) * (
         2 if async_reduce_scatter and gz > 1 else 1
     )
+    if model.is_moe:  # an expert weight's gradient [E/G_expert, f_e, h] before its .grad
+        dw_blocks = max(dw_blocks, expert_gradient_bytes(model, dtype, expert))
     static = (
-        ("parameters", tetrad_parameter_bytes(model, grid)),
-        ("gradients", tetrad_gradient_bytes(model, grid)),
-        ("optimizer_states", tetrad_optimizer_bytes(model, grid)),
+        ("parameters", tetrad_parameter_bytes(model, grid, expert)),
+        ("gradients", tetrad_gradient_bytes(model, grid, expert)),
+        ("optimizer_states", tetrad_optimizer_bytes(model, grid, expert)),
     )
     return GridBuffers(
         static=static,
@@ -174,23 +196,38 @@ def _unsharded(
         head_gradient=FP32 * vy * model.dim if e != FP32 else 0.0,
         blocks=w_three if prefetch else w_big,
         block_gradients=dw_blocks,
-        end_of_backward=end_of_backward_bytes(model, grid, dp_overlap) + wrap,
-        step=step_buffer_bytes(model, grid),
+        end_of_backward=end_of_backward_bytes(model, grid, dp_overlap, expert) + wrap,
+        step=step_buffer_bytes(model, grid, expert),
         end_prefetch=wrap,
         shape=(1, context_size(grid), 1, gy, gx),
     )
 
 
-def _sharded(model: ModelSpec, grid: tuple, plain: GridBuffers, dp_overlap: bool) -> GridBuffers:
+def _sharded(
+    model: ModelSpec, grid: tuple, plain: GridBuffers, dp_overlap: bool, expert: int = 1
+) -> GridBuffers:
     """:func:`grid_buffers` with the optimizer sharded over ``G_data G_context > 1`` ranks,
     from the unsharded ``plain``: the AdamW states' share and the buffers of
-    :mod:`tetrad.plan.memory.sharded_optimizer`."""
-    states = tetrad_optimizer_bytes(model, grid) * sharded_optimizer.state_share(grid, True)
+    :mod:`tetrad.plan.memory.sharded_optimizer`. Expert-sharded weights (``expert > 1``) are
+    summed over expert-data, not data: their states stay whole (tetrad/parallel/zero.py,
+    ``DataShards.sharded``) and their flat sum after backward stays in the step."""
+    if model.n_experts and sharded_optimizer.data_group(grid) == 1:
+        return plain  # an MoE model comes here whatever the data group
+    if expert > 1:
+        n = local_parameter_elements(model, grid, expert)
+        share = sharded_optimizer.state_share(grid, True)
+        states = 2.0 * FP32 * ((n["matrices"] + n["vectors"]) * share + n["experts"])
+    else:
+        states = tetrad_optimizer_bytes(model, grid) * sharded_optimizer.state_share(grid, True)
     static = (*plain.static[:2], ("optimizer_states", states))
-    end = embedding_grad_bytes(model, grid) + sharded_optimizer.end_of_backward_bytes(model, grid)
+    end = embedding_grad_bytes(model, grid)
+    end += sharded_optimizer.end_of_backward_bytes(model, grid, expert)
+    step = sharded_optimizer.step_bytes(model, grid, dp_overlap, expert)
+    if expert > 1:
+        step = max(step, step_buffer_bytes(model, grid, expert))
     return plain._replace(
         static=static,
         base=sum(v for _, v in static),
         end_of_backward=end + plain.end_prefetch,
-        step=sharded_optimizer.step_bytes(model, grid, dp_overlap),
+        step=step,
     )

@@ -68,7 +68,11 @@ ENDS = ("backward: end", "optimizer step")
 @functools.lru_cache(maxsize=1 << 12)
 def stage_model(model: ModelSpec, blocks: int) -> ModelSpec:
     """``model`` with ``blocks`` blocks, one object per model and count (the memos keyed on it
-    then hash it once and compare it by identity)."""
+    then hash it once and compare it by identity). A mixture-of-experts model's stage has no
+    dense block (its first ``dense_layers`` are on one stage only; the stage of all MoE blocks
+    is the one that holds the most experts)."""
+    if model.n_experts:
+        return dataclasses.replace(model, n_layers=blocks, dense_layers=0)
     return dataclasses.replace(model, n_layers=blocks)
 
 
@@ -95,16 +99,20 @@ def stage_parts(
     dtype: str,
     prefetch: bool,
     shard_optimizer: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> tuple:
     """The runtime model's static components, phases and saved activations of a ``blocks``
-    model (memoised: the ranks of a pipeline share them); ``shard_optimizer``: as
-    :func:`tetrad.plan.memory.runtime.runtime_memory`'s.
+    model (memoised: the ranks of a pipeline share them); ``shard_optimizer``, ``expert`` and
+    ``imbalance``: as :func:`tetrad.plan.memory.runtime.runtime_memory`'s.
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
     """
     sm = stage_model(model, blocks)
     opts = {"activation_checkpointing": ckpt, "dtype": dtype}
+    if model.n_experts:
+        opts |= {"expert": expert, "imbalance": imbalance}
     static, phases = phase_components(
         sm, grid, micro_batch, seq_len, prefetch=prefetch, shard_optimizer=shard_optimizer, **opts
     )
@@ -112,15 +120,32 @@ def stage_parts(
     return static, phases, saved
 
 
+def _parts_args(opts: tuple, shard_optimizer: bool | None = None) -> tuple:
+    """The arguments of :func:`stage_parts` after the sequence length for ``opts`` =
+    ``(checkpointing, dtype, prefetch)`` (an MoE model's with ``(expert, imbalance)`` after),
+    spelled as the dense model's callers always have (its memo's keys)."""
+    if shard_optimizer is None and len(opts) == 3:
+        return opts
+    return (*opts[:3], bool(shard_optimizer), *opts[3:])
+
+
 @functools.lru_cache(maxsize=1 << 14)
 def stage_saved(
-    model: ModelSpec, blocks: int, grid: tuple, micro_batch: int, seq_len: int, ckpt, dtype
+    model: ModelSpec,
+    blocks: int,
+    grid: tuple,
+    micro_batch: int,
+    seq_len: int,
+    ckpt,
+    dtype,
+    *moe: float,
 ) -> dict[str, float]:
     """:func:`~tetrad.plan.memory.activations.saved_activations` of a ``blocks`` model (one
-    stage), memoised."""
+    stage), memoised; ``moe``: an MoE model's ``(expert, imbalance)``."""
     sm = stage_model(model, blocks)
+    opts = dict(zip(("expert", "imbalance"), moe, strict=False))
     return saved_activations(
-        sm, grid, micro_batch, seq_len, activation_checkpointing=ckpt, dtype=dtype
+        sm, grid, micro_batch, seq_len, activation_checkpointing=ckpt, dtype=dtype, **opts
     )
 
 
@@ -206,9 +231,9 @@ def _chunks(
     saved, held = [], []
     for k, blocks in enumerate(chunk_blocks):
         if blocks == rank_blocks:  # one stage: the rank model's (memoised with its phases)
-            s = stage_parts(model, blocks, grid, micro_batch, seq_len, *opts)[2]
+            s = stage_parts(model, blocks, grid, micro_batch, seq_len, *_parts_args(opts))[2]
         else:
-            s = stage_saved(model, blocks, grid, micro_batch, seq_len, *opts[:2])
+            s = stage_saved(model, blocks, grid, micro_batch, seq_len, *opts[:2], *opts[3:])
         first, last = rank_first and k == 0, rank_last and k == v - 1
         ends = (s["embedding"] if first else 0.0) + (s["final_norm"] + s["loss"] if last else 0.0)
         saved.append(s["blocks"] + ends)
@@ -303,19 +328,27 @@ def stage_memory(
     dtype: str = "bf16",
     prefetch: bool = True,
     shard_optimizer: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> MemoryBreakdown:
     """The memory of pipeline rank ``prank`` of ``pipe`` under ``schedule`` with
     ``micro_batches`` per step (module doc), ``grid`` the 5D roles' sizes; with
     ``shard_optimizer`` the AdamW states over ``G_data G_context``
-    (:mod:`tetrad.plan.memory.sharded_optimizer`).
+    (:mod:`tetrad.plan.memory.sharded_optimizer`); ``expert``, ``imbalance``: an MoE
+    model's, as :func:`tetrad.plan.memory.runtime.runtime_memory`'s (a stage's MoE blocks
+    counted as the model's first blocks would be).
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
     """
     grid = tuple(grid)
     opts = (activation_checkpointing, dtype, prefetch)
+    if model.n_experts:
+        opts += (expert, imbalance)
     # the runtime model's parts first: its errors come before the schedule's
-    stage_parts(model, prank.blocks, grid, micro_batch, seq_len, *opts, shard_optimizer)
+    stage_parts(
+        model, prank.blocks, grid, micro_batch, seq_len, *_parts_args(opts, shard_optimizer)
+    )
     v = len(prank.chunk_blocks)
     sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
     ahead = sum(boundaries_of_rank(pipe, prank.rank, v))
@@ -350,7 +383,7 @@ def _stage_phases(
     it; the caller copies the dicts)."""
     blocks, first, last, _ = layout
     static, phases, saved = stage_parts(
-        model, blocks, grid, micro_batch, seq_len, *opts, shard_optimizer
+        model, blocks, grid, micro_batch, seq_len, *_parts_args(opts, shard_optimizer)
     )
     static = dict(static)
     share = state_share(grid, shard_optimizer and data_group(grid) > 1)
@@ -410,6 +443,8 @@ def pipeline_memory(
     dtype: str = "bf16",
     prefetch: bool = True,
     shard_optimizer: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> tuple[MemoryBreakdown, list[MemoryBreakdown]]:
     """``(worst rank's breakdown, every rank's)`` of a pipeline of ``len(ranks)`` ranks under
     ``schedule`` with ``micro_batches`` per step (module doc); ``virtual``, the stages per
@@ -436,6 +471,8 @@ def pipeline_memory(
             dtype=dtype,
             prefetch=prefetch,
             shard_optimizer=shard_optimizer,
+            expert=expert,
+            imbalance=imbalance,
         )
         for r in ranks
     ]

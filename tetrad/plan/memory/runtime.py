@@ -59,6 +59,8 @@ def runtime_memory(
     dp_overlap: bool = True,
     shard_optimizer: bool = False,
     compiled: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
 
@@ -91,8 +93,11 @@ def runtime_memory(
     ``prefetch``, ``reduce_scatter`` and ``dp_all_reduce`` overlaps (tetrad/parallel/overlap.py,
     on by default). ``shard_optimizer``: the runtime's sharded optimizer (ZeRO-1): the AdamW
     states over ``G_data G_context`` and the end of backward's and the step's buffers of
-    :mod:`tetrad.plan.memory.sharded_optimizer`. ``compiled``: the blocks under
-    ``torch.compile`` (``--compile``), which save less
+    :mod:`tetrad.plan.memory.sharded_optimizer`. ``expert``: an MoE model's ``G_expert``
+    (the expert axis folded over data x context: the routed experts split ``E / G_expert``
+    per rank, whole on Z, Y and X); ``imbalance``: the busiest rank's received rows over the
+    mean (``>= 1``), for its saved expert activations (:mod:`tetrad.plan.memory.moe`).
+    ``compiled``: the blocks under ``torch.compile`` (``--compile``), which save less
     (:func:`tetrad.plan.memory.activations.compiled_block_delta`).
 
     Components (0 when not alive at the peak phase): ``parameters``, ``gradients``,
@@ -118,6 +123,8 @@ def runtime_memory(
         dp_overlap,
         shard_optimizer,
         compiled,
+        expert,
+        imbalance,
     )
     absent = {
         "activations": 0.0,
@@ -152,6 +159,8 @@ def phase_totals(
     dp_overlap: bool = True,
     shard_optimizer: bool = False,
     compiled: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> dict[str, float]:
     """The total bytes at each phase of :func:`runtime_memory` (its ``phases``; the peak is their
     maximum) without the breakdown by component: what the search's memory lines need.
@@ -172,6 +181,8 @@ def phase_totals(
         dp_overlap,
         shard_optimizer,
         compiled,
+        expert,
+        imbalance,
     )
     # each phase: the base plus the sum of its components, in _phases' order (float sums
     # depend on it): equal to runtime_memory()'s phases bit for bit (tests/test_plan_memory_memo.py)
@@ -195,6 +206,8 @@ def phase_components(
     dtype: str = "bf16",
     prefetch: bool = True,
     shard_optimizer: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """``(static components, {phase: live components})`` of :func:`runtime_memory`, bytes: what the
     pipeline's per-stage memory (:mod:`tetrad.plan.memory.pipeline`) adjusts.
@@ -213,6 +226,9 @@ def phase_components(
         True,
         True,
         shard_optimizer,
+        False,  # compiled: the pipeline's stages are modelled eager
+        expert,
+        imbalance,
     )
     return dict(g.static), phases
 
@@ -229,6 +245,8 @@ def _phases(
     dp_overlap: bool,
     shard_optimizer: bool = False,
     compiled: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> tuple[GridBuffers, dict[str, dict[str, float]]]:
     """The grid's buffers and each phase's live components (bytes) of :func:`runtime_memory`."""
     g, a = _parts(
@@ -243,6 +261,8 @@ def _phases(
         dp_overlap,
         shard_optimizer,
         compiled,
+        expert,
+        imbalance,
     )
     phases = {
         "forward: LM head": {
@@ -283,17 +303,34 @@ def _parts(
     dp_overlap: bool,
     shard_optimizer: bool,
     compiled: bool = False,
+    expert: int = 1,
+    imbalance: float = 1.0,
 ) -> tuple[GridBuffers, _ActivationTerms]:
     """The grid's buffers and the micro-batch's activation terms of :func:`runtime_memory`, checked
     in its order (sizes, dtype, grid, checkpointing mode), each memoised (the grid's per grid and
     options, the activations' per ``(G_context, G_y, G_x)``, micro-batch and mode)."""
     _checked_sizes(micro_batch, seq_len)
+    if not model.n_experts:  # a dense model (cheaper to ask than is_moe)
+        g = checked_grid_buffers(
+            model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
+        )
+        ckpt = activation_checkpointing
+        return g, _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype)
+    if imbalance < 1:
+        raise PlanError(f"moe imbalance {imbalance} must be at least 1 (busiest over mean)")
     g = checked_grid_buffers(
-        model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
+        model,
+        tuple(grid),
+        dtype,
+        prefetch,
+        async_reduce_scatter,
+        dp_overlap,
+        shard_optimizer,
+        expert,
     )
+    moe = (expert, imbalance)
     ckpt = activation_checkpointing
-    a = _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled)
-    return g, a
+    return g, _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled, moe)
 
 
 @functools.lru_cache(maxsize=1 << 10)
@@ -331,12 +368,22 @@ def _activation_terms(
     ckpt: str | bool,
     dtype: str,
     compiled: bool = False,
+    moe: tuple[int, float] = (1, 1.0),
 ) -> _ActivationTerms:
     """:class:`_ActivationTerms` once per model, ``shape = (1, G_context, 1, G_y, G_x)``
     (:attr:`GridBuffers.shape`: nothing here depends on ``G_data`` or ``G_z``), micro-batch,
-    sequence, mode, dtype and compilation."""
-    opts = {"activation_checkpointing": ckpt, "dtype": dtype, "compiled": compiled}
-    saved = saved_activations(model, shape, micro_batch, seq_len, **opts)
+    sequence, mode, dtype, compilation (and an MoE model's ``(expert, imbalance)``)."""
+    saved = saved_activations(
+        model,
+        shape,
+        micro_batch,
+        seq_len,
+        activation_checkpointing=ckpt,
+        dtype=dtype,
+        compiled=compiled,
+        expert=moe[0],
+        imbalance=moe[1],
+    )
     e = dtype_bytes(dtype)
     m = micro_batch * local_seq_len(seq_len, context_size(shape))  # this rank's tokens
     return _ActivationTerms(

@@ -45,25 +45,25 @@ def state_share(grid, shard_optimizer: bool) -> float:
     return 1.0 / data_group(grid) if shard_optimizer else 1.0
 
 
-def end_of_backward_bytes(model: ModelSpec, grid) -> float:
+def end_of_backward_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
     """Sharded, ``G > 1``: at the end of backward the reduced pieces ``4 n / G`` of all ``n``
     local elements. The packed copies that the reduce-scatters take
     (:meth:`tetrad.parallel.zero.DataShards.reduce_scatter`: during backward with
     ``dp_overlap``, in ``sync_gradients`` without) replace the gradients, which are dropped
     once packed, so they add nothing to the fp32 gradients counted already (the buckets take
     no gradient in place and ``sync_gradients`` makes no flat copy of the matrices)."""
-    n = local_parameter_elements(model, grid)
+    n = local_parameter_elements(model, grid, expert)  # expert-sharded weights: not here
     return FP32 * (n["matrices"] + n["vectors"]) / data_group(grid)
 
 
-def step_bytes(model: ModelSpec, grid, dp_overlap: bool) -> float:
+def step_bytes(model: ModelSpec, grid, dp_overlap: bool, expert: int = 1) -> float:
     """Sharded, ``G > 1``: the optimizer step's largest temporary: the reduced pieces ``4 n /
     G``; the vectors' sum over Z (``G_z > 1``: a flat copy and its packed copy, their
     gradients dropped); and the all-gathers after the update, all in flight at once until the
     next forward waits them (tetrad/parallel/zero.py), each group's output and this rank's
     packed row: ``4 n (1 + 1/G)`` over every group, whatever the buckets (``dp_overlap``
     changes only how the groups are cut)."""
-    n = local_parameter_elements(model, grid)
+    n = local_parameter_elements(model, grid, expert)  # expert-sharded weights: not here
     g = data_group(grid)
     gz = grid_sizes(grid)[1]
     vectors = 2 * n["vectors"] if gz > 1 else 0

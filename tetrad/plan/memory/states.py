@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+from tetrad.plan.errors import PlanError
 from tetrad.spec.grid import grid_sizes
 from tetrad.spec.model import Linear, ModelSpec
 from tetrad.spec.sharding import check_grid
@@ -19,32 +20,55 @@ def _vector_elements(lin: Linear, gx: int, gy: int) -> int:
     return lin.count * lin.out_features // (gx if lin.transposed else gy)
 
 
-def local_parameter_elements(model: ModelSpec, grid) -> dict[str, int]:
+def local_parameter_elements(model: ModelSpec, grid, expert: int = 1) -> dict[str, int]:
     """Elements of this rank's parameter shards, by kind; the same on every rank.
 
-    Derived from tetrad's layout (tetrad/parallel/{linear,embedding,norm}.py): every Linear and
-    Embedding weight ``[n, k]`` is stored as ``n k / (G_x G_y G_z)`` elements whatever its
-    orientation; biases ``n/G_y`` (``n/G_x`` when transposed); norm weights ``h/G_x`` (GPT
-    LayerNorm: weight and bias, ``2h/G_x``), replicated over Y, Z and data.
+    Derived from tetrad's layout (tetrad/parallel/{linear,embedding,norm,model,experts}.py):
+    every Linear and Embedding weight ``[n, k]`` is stored as ``n k / (G_x G_y G_z)`` elements
+    whatever its orientation; biases ``n/G_y`` (``n/G_x`` when transposed); norm weights
+    ``h/G_x`` (GPT LayerNorm: weight and bias, ``2h/G_x``), replicated over Y, Z and data. An
+    MoE block's router ``[E, h]`` is whole on every rank; its routed experts ``3 E h f_e`` too
+    when ``expert = 1``, else split over the ``expert = G_expert`` ranks of the expert axis
+    (``3 (E / G_expert) h f_e``, whole on every Z, Y and X rank: the runtime folds the expert
+    axis over data x context).
 
     Returns:
-        ``{"matrices": ..., "vectors": ...}``: elements of all 2-D shards (AdamW's
-        weight-decay group) and of all 1-D shards.
+        ``{"matrices": ..., "vectors": ..., "experts": ...}``: elements of the Z-sharded 2-D
+        shards (summed over data in the data-parallel buckets), of the weights replicated
+        over Z and data (norm weights, biases, routers, and the experts when ``expert = 1``:
+        the runtime's ``late`` gradients, summed over Z and data after backward) and of the
+        expert-sharded weights (``expert > 1``: summed over Z and expert-data, never in the
+        buckets, their AdamW states never sharded). ``experts`` is 0 for a dense model.
 
     Raises:
         PlanError: a bad grid, or a size that does not shard on it.
     """
-    matrices, vectors = _checked_elements(model, tuple(grid))
-    return {"matrices": matrices, "vectors": vectors}
+    matrices, vectors, experts = _checked_elements(model, tuple(grid), expert)
+    return {"matrices": matrices, "vectors": vectors, "experts": experts}
 
 
 @functools.lru_cache(maxsize=4096)
-def _checked_elements(model: ModelSpec, grid: tuple[int, ...]) -> tuple[int, int]:
-    """``(matrices, vectors)`` of :func:`local_parameter_elements`, the grid checked once per
-    model and grid."""
+def _checked_elements(
+    model: ModelSpec, grid: tuple[int, ...], expert: int = 1
+) -> tuple[int, int, int]:
+    """``(matrices, vectors, experts)`` of :func:`local_parameter_elements`, the grid checked
+    once per model, grid and expert axis."""
     _, gz, gy, gx = grid_sizes(grid)
     check_grid(model, grid)
-    return _local_elements(model, gz, gy, gx)
+    matrices, vectors = _local_elements(model, gz, gy, gx)
+    if not model.is_moe:
+        return matrices, vectors, 0
+    if model.n_experts % expert:
+        raise PlanError(
+            f"expert parallelism {expert} does not divide n_experts={model.n_experts}: "
+            "choose a divisor"
+        )
+    routed = model.moe_layers * model.expert_params()
+    router = model.moe_layers * model.router_params()
+    matrices -= routed + router  # _local_elements counts them whole with the Linears
+    if expert == 1:
+        return matrices, vectors + router + routed, 0
+    return matrices, vectors + router, routed // expert
 
 
 @functools.lru_cache(maxsize=4096)
@@ -70,7 +94,8 @@ def _local_elements(model: ModelSpec, gz: int, gy: int, gx: int) -> tuple[int, i
 def _moe_matrix_elements(model: ModelSpec, shard: int) -> int:
     """Matrix elements of the MoE blocks on one rank: attention and shared-expert Linears
     sharded as every Linear (``/ (G_x G_y G_z)``), router ``E h`` and experts ``3 E h f_e``
-    whole (tetrad/parallel/model.py: no expert parallelism yet)."""
+    whole (:func:`_checked_elements` moves these two to their kinds and splits the experts
+    over the expert axis)."""
     if not model.is_moe:
         return 0
     lins = model.attention_linears() + model.shared_linears()
@@ -78,22 +103,22 @@ def _moe_matrix_elements(model: ModelSpec, shard: int) -> int:
     return model.moe_layers * (sharded + model.router_params() + model.expert_params())
 
 
-def tetrad_parameter_bytes(model: ModelSpec, grid) -> float:
+def tetrad_parameter_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
     """fp32 master weights of this rank's shards: ``4 * local elements`` (the runtime keeps
-    parameters in fp32; bf16 autocast casts them per GEMM)."""
-    n = local_parameter_elements(model, grid)
-    return float(FP32 * (n["matrices"] + n["vectors"]))
+    parameters in fp32; bf16 autocast casts them per GEMM); ``expert``: ``G_expert``."""
+    n = local_parameter_elements(model, grid, expert)
+    return float(FP32 * (n["matrices"] + n["vectors"] + n["experts"]))
 
 
-def tetrad_gradient_bytes(model: ModelSpec, grid) -> float:
+def tetrad_gradient_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
     """fp32 ``.grad`` of every local shard, same size as the parameters. Counted for the whole
     step (conservative when a step has one micro-batch: then they appear during backward)."""
-    return tetrad_parameter_bytes(model, grid)
+    return tetrad_parameter_bytes(model, grid, expert)
 
 
-def tetrad_optimizer_bytes(model: ModelSpec, grid) -> float:
+def tetrad_optimizer_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
     """AdamW ``exp_avg`` and ``exp_avg_sq``: two fp32 copies of every local shard (torch.optim.AdamW
     built by tetrad.train.step.build_optimizer). The per-parameter ``step`` counters are not
     counted: 0-d fp32 tensors, 4 bytes per parameter tensor (on its device with the fused
     kernel)."""
-    return 2.0 * tetrad_parameter_bytes(model, grid)
+    return 2.0 * tetrad_parameter_bytes(model, grid, expert)

@@ -265,18 +265,26 @@ def cached_rank_time(
 
 
 def pipeline_estimate(
-    ctx: StepQuestion, cfg: PipeConfig, grid, micro_batch: int, ckpt: str, turn: str = "xy"
+    ctx: StepQuestion,
+    cfg: PipeConfig,
+    grid,
+    micro_batch: int,
+    ckpt: str,
+    turn: str = "xy",
+    ranks: tuple[PipeRank, ...] | None = None,
 ) -> PipeEstimate:
     """Predicted step of ``cfg`` on the 5D ``grid = (G_data, [G_context,] G_z, G_y, G_x)`` of
     ``world / G_pipe`` ranks in orientation ``turn`` (module doc). ``ckpt``: ``none``,
-    ``selective`` or ``full`` for every block.
+    ``selective`` or ``full`` for every block. ``ranks``: the stage split (default: the
+    runtime's, :func:`split_ranks` of this model's compute).
 
     Raises:
         PlanError: the batch does not split into micro-batches on this grid.
         tetrad.spec.pipeline_split.PipelineSplitError: more stages than blocks.
     """
     comp = ctx.compute(role_sizes(with_context(grid), turn), micro_batch)
-    ranks = split_ranks(ctx.model.n_layers, split_costs(comp, ckpt), cfg.pipe, cfg.virtual)
+    if ranks is None:
+        ranks = split_ranks(ctx.model.n_layers, split_costs(comp, ckpt), cfg.pipe, cfg.virtual)
     times = [cached_rank_time(ctx, grid, micro_batch, ckpt, turn, r, cfg) for r in ranks]
     physical = with_context(grid)
     acc = ctx.global_batch // (physical[0] * physical[2] * micro_batch)

@@ -8,10 +8,12 @@ import gc
 import time
 from collections.abc import Iterator
 
+from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.classic import search_classic
 from tetrad.plan.search.four_d import search_4d
+from tetrad.plan.search.moe import search_moe_4d, search_moe_classic
 from tetrad.plan.search.rows import SearchResult
 from tetrad.spec.activation_checkpointing import CHECKPOINTING
 from tetrad.spec.model import ModelSpec
@@ -36,16 +38,42 @@ def plan(
     pipeline: bool = True,
     classic_pipeline: bool = True,
     shard_optimizer: str = "auto",
+    moe_imbalance: float = 1.0,
 ) -> SearchResult:
     """Both searches; see :func:`search_4d` (``pipeline``: with the pipeline axis, on by
     default: ``docs/planner.md`` section 8) and :func:`search_classic` (``classic_pipeline``:
     with interleaving and uneven splits); ``shard_optimizer``: ``auto``, ``on`` or ``off``
-    (:func:`search_4d`).
+    (:func:`search_4d`). A mixture-of-experts model takes the searches of
+    :mod:`tetrad.plan.search.moe` (the expert axis beside the others; ``moe_imbalance``: the
+    busiest rank's routed rows over the mean; the 4D space with the ``tetrad`` model only).
 
     Raises:
         PlanError: bad inputs, or no 4D configuration at all (message says what to change).
     """
     t0 = time.perf_counter()
+    if model.is_moe:
+        if comm_model != "tetrad":
+            raise PlanError(
+                f"--comm-model {comm_model} has no model of {model.name}'s experts: use tetrad"
+            )
+        return _plan_moe(
+            model,
+            machine,
+            gpus,
+            global_batch,
+            seq_len,
+            top=top,
+            checkpointing=checkpointing,
+            micro_batches=micro_batches,
+            overlaps=overlaps,
+            classic=classic,
+            dtype=dtype,
+            gpu_memory_bytes=gpu_memory_bytes,
+            pipeline=pipeline,
+            shard_optimizer=shard_optimizer,
+            imbalance=moe_imbalance,
+            t0=t0,
+        )
     with _no_cycle_collection():
         rows, stats = search_4d(
             model,
@@ -92,6 +120,58 @@ def plan(
         "dtype": dtype,
         "shard_optimizer": shard_optimizer,
         "gpu_memory_gib": (gpu_memory_bytes or machine.memory_bytes) / GiB,
+    }
+    all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
+    return SearchResult(rows, crow, all_stats, inputs)
+
+
+def _plan_moe(
+    model: ModelSpec,
+    machine: Machine,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    *,
+    t0: float,
+    classic: bool,
+    imbalance: float,
+    **opts,
+) -> SearchResult:
+    """:func:`plan` of a mixture-of-experts model (:mod:`tetrad.plan.search.moe`)."""
+    with _no_cycle_collection():
+        rows, stats = search_moe_4d(
+            model, machine, gpus, global_batch, seq_len, imbalance=imbalance, **opts
+        )
+        crow, cstats = ([], {})
+        if classic:
+            crow, cstats = search_moe_classic(
+                model,
+                machine,
+                gpus,
+                global_batch,
+                seq_len,
+                top=opts["top"],
+                checkpointing=opts["checkpointing"],
+                micro_batches=opts["micro_batches"],
+                gpu_memory_bytes=opts["gpu_memory_bytes"],
+                imbalance=imbalance,
+            )
+    inputs = {
+        "model": model.name,
+        "model_summary": model.summary(),
+        "machine": machine.name,
+        "machine_summary": machine.summary(),
+        "gpus": gpus,
+        "global_batch": global_batch,
+        "seq_len": seq_len,
+        "overlaps": sorted(
+            StepQuestion(model, machine, seq_len, global_batch, overlaps=opts["overlaps"]).overlaps
+        ),
+        "comm_model": "tetrad",
+        "dtype": opts["dtype"],
+        "shard_optimizer": opts["shard_optimizer"],
+        "moe_imbalance": imbalance,
+        "gpu_memory_gib": (opts["gpu_memory_bytes"] or machine.memory_bytes) / GiB,
     }
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
     return SearchResult(rows, crow, all_stats, inputs)

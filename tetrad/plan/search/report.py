@@ -63,6 +63,8 @@ def rows_table(rows: list[Row]) -> list[str]:
     classic = rows[0].space == "classic"
     piped = not classic and any(r.pipe > 1 for r in rows)
     axes = AXES_CLASSIC if classic else COMM_AXES + (("pipe",) if piped else ())
+    if any(r.expert for r in rows):  # a mixture-of-experts model: its all-to-alls
+        axes += ("ep",) if classic else ("expert",)
     head = (
         [
             "#",
@@ -87,6 +89,7 @@ def rows_table(rows: list[Row]) -> list[str]:
             + ",".join(str(v) for v in r.grid)
             + (" yx" if r.orientation == "yx" else "")
             + (" so" if r.shard_optimizer else "")
+            + (f" ep={r.expert}" if r.expert else "")
             + r.classic_suffix(),
             str(r.micro_batch),
             str(r.grad_accum),
@@ -172,14 +175,25 @@ def format_result(result: SearchResult) -> str:
         f"tokens; overlaps: {', '.join(inp['overlaps']) or 'none'}; comm model: "
         f"{inp['comm_model']}",
         "",
-        "tetrad/AxoNN grids (G_data x G_context x G_z x G_y x G_x, the D,C,Z,Y,X column): "
-        f"{f4.get('grids', 0)} grids, "
-        f"{f4.get('valid_grids', 0)} shard the model; on the {f4.get('memory_groups', 0)} "
-        f"(grid, orientation) whose memory the search needed, {f4.get('fitting', 0)} "
-        f"configurations fit under {100 * FIT_FRACTION:.0f}% of "
-        f"{inp['gpu_memory_gib']:.1f} GiB, {f4.get('evaluated', 0)} timed"
-        + (_pipeline_searched(f4, result.rows) if "pipe_candidates" in f4 else ""),
     ]
+    if "moe_imbalance" in inp:
+        lines.append(
+            f"4D grids with the expert axis (ep = G_expert, folded over data x context; "
+            f"1f1b pipelines; busiest rank's routed rows {inp['moe_imbalance']:g} x the "
+            f"mean): {f4.get('grids', 0)} grids, {f4.get('candidates', 0)} configurations, "
+            f"{f4.get('fitting', 0)} fit under {100 * FIT_FRACTION:.0f}% of "
+            f"{inp['gpu_memory_gib']:.1f} GiB, {f4.get('evaluated', 0)} timed"
+        )
+    else:
+        lines.append(
+            "tetrad/AxoNN grids (G_data x G_context x G_z x G_y x G_x, the D,C,Z,Y,X column): "
+            f"{f4.get('grids', 0)} grids, "
+            f"{f4.get('valid_grids', 0)} shard the model; on the {f4.get('memory_groups', 0)} "
+            f"(grid, orientation) whose memory the search needed, {f4.get('fitting', 0)} "
+            f"configurations fit under {100 * FIT_FRACTION:.0f}% of "
+            f"{inp['gpu_memory_gib']:.1f} GiB, {f4.get('evaluated', 0)} timed"
+            + (_pipeline_searched(f4, result.rows) if "pipe_candidates" in f4 else "")
+        )
     lines += rows_table(result.rows)
     lines += ["", "memory of these (GiB):"] + memory_table(result.rows)
     if "classic" in st and st["classic"]:
@@ -200,7 +214,14 @@ def format_result(result: SearchResult) -> str:
         "(data, z) cell (classic: per DP rank); yx = the grid's X dimension plays the Y role "
         "of the layer pairs (their first layer splits its output over X); so = AdamW states "
         "sharded over data x context (--shard-optimizer: gradients reduce-scattered, "
-        "parameters all-gathered over them); search took "
+        "parameters all-gathered over them); "
+        + (
+            "ep = the expert axis (exp expert: the all-to-alls and the expert gradients' "
+            "sums; classic: EP with ETP = 1, folded over TP x CP x DP); "
+            if "moe_imbalance" in inp
+            else ""
+        )
+        + "search took "
         f"{st.get('seconds', 0.0):.2f} s",
     ]
     return "\n".join(lines)
@@ -241,6 +262,7 @@ def plot(result: SearchResult, path: str, top: int = 10) -> None:
     ]
     for a in (*COMM_AXES, *AXES_CLASSIC):
         parts.append((f"exposed {a}", lambda r, a=a: r.exposed_s.get(a, 0.0)))
+    parts.append(("exposed expert", lambda r: r.exposed_s.get("expert", r.exposed_s.get("ep", 0))))
     parts.append(("pipeline bubble", lambda r: r.other_s.get("pipeline_bubble", 0.0)))
     left = [0.0] * len(rows)
     for name, fn in parts:
@@ -320,6 +342,7 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
             "overlap": _overlap_value(inp["overlaps"]),
             "activation_checkpointing": row.activation_checkpointing,
             **({"shard_optimizer": True} if row.shard_optimizer else {}),
+            **({"expert_parallel": row.expert} if row.expert > 1 else {}),
         },
         "training": {
             "micro_batch": row.micro_batch,
@@ -367,6 +390,17 @@ def emit_config(row: Row, model: ModelSpec, result: SearchResult, path: str) -> 
         raise PlanError(
             f"cannot write {path!r} ({e.strerror}): choose another --emit-config path"
         ) from None
+
+
+def moe_terms_text(terms: dict[str, float]) -> str:
+    """The mixture-of-experts lines of ``tetrad memory`` (:func:`tetrad.plan.memory.moe.
+    moe_terms`, bytes, shown in GiB); empty for a dense model."""
+    if not terms:
+        return ""
+    lines = ["", "MoE terms (inside the components above, per rank; with a pipeline one stage's, "]
+    lines[-1] += "one micro-batch):"
+    lines += [f"  {name}: {v / GiB:.3f} GiB" for name, v in terms.items()]
+    return "\n".join(lines)
 
 
 def memory_text(

@@ -56,6 +56,8 @@ class Row:
             worst's).
         shard_optimizer: 4D: the AdamW states sharded over data x context (the runtime's
             ``shard_optimizer``, ZeRO-1).
+        expert: a mixture-of-experts model's expert axis (4D: ``G_expert``, folded over data
+            x context; classic: ``EP`` with ``ETP = 1``); 0 for a dense model.
     """
 
     space: str
@@ -80,6 +82,7 @@ class Row:
     schedule: str = ""
     stage_memory: list = field(default_factory=list)
     shard_optimizer: bool = False
+    expert: int = 0
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -109,8 +112,10 @@ class Row:
         if self.space == "4d":
             turned = " yx" if self.orientation == "yx" else ""
             turned += " so" if self.shard_optimizer else ""
+            turned += f" ep={self.expert}" if self.expert else ""
             return self.pipe_label() + "D,C,Z,Y,X=" + ",".join(str(v) for v in self.grid) + turned
-        return "TP,CP,PP,DP=" + ",".join(str(v) for v in self.grid) + self.classic_suffix()
+        ep = f" ep={self.expert}" if self.expert else ""
+        return "TP,CP,PP,DP=" + ",".join(str(v) for v in self.grid) + ep + self.classic_suffix()
 
     def classic_suffix(self) -> str:
         """Classic: `` vp5`` (interleaved, virtual stages) or `` L11/10/10/11`` (an uneven
@@ -152,6 +157,7 @@ class Row:
             }
             | ({"orientation": self.orientation} if self.space == "4d" else {})
             | ({"shard_optimizer": True} if self.shard_optimizer else {})
+            | ({"expert_parallel": self.expert} if self.expert else {})
             | self._pipe_dict()
         )
 

@@ -1,0 +1,109 @@
+"""The planner's MoE step model (tetrad/plan/moe_step.py) and search (tetrad/plan/search/moe.py):
+the all-to-all on the network hierarchy, the routed experts' terms, the imbalance input, the
+dense stand-in, and the searches' answers (in process, small questions)."""
+
+import pytest
+
+from tetrad.plan.comm.experts import all_to_all_seconds
+from tetrad.plan.machine.description import get_machine
+from tetrad.plan.moe_step import dense_stand_in, expert_times, moe_estimate, stand_in_question
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.search.moe import search_moe_4d, search_moe_classic
+from tetrad.plan.search.plan import plan
+from tetrad.spec.presets import get_model
+
+H100 = get_machine("dgx-h100")
+
+
+def test_all_to_all_on_the_hierarchy():
+    net = H100.network  # 8 GPUs per node, 360 GB/s in a node, 45 GB/s per GPU across nodes
+    sent = 7 * 2**20  # 1 MiB to each of 7 peers
+    inside = all_to_all_seconds(net, 1, 8, sent)
+    lat = net.latency_base_us * 1e-6 + 7 * net.latency_hop_intra_us * 1e-6
+    assert inside == pytest.approx(lat + sent / (net.intra_node_gbps * 1e9))
+    # stride 8: each member on its own node, every byte through the rank's NIC share
+    across = all_to_all_seconds(net, 8, 8, sent)
+    lat = net.latency_base_us * 1e-6 + 7 * net.latency_hop_inter_us * 1e-6
+    assert across == pytest.approx(lat + sent / (net.inter_node_gbps_per_member * 1e9))
+    # 16 ranks, 8 per node: 7 peers in the node, 8 across; the slower side sets the time
+    mixed = all_to_all_seconds(net, 1, 16, 15 * 2**20)
+    lat = net.latency_base_us * 1e-6 + 15 * net.latency_hop_inter_us * 1e-6
+    assert mixed == pytest.approx(lat + 8 * 2**20 / (net.inter_node_gbps_per_member * 1e9))
+    assert all_to_all_seconds(net, 1, 1, sent) == 0.0
+
+
+def test_dense_stand_in_keeps_everything_but_the_routed_experts():
+    qwen = dense_stand_in(get_model("qwen3-30b-a3b"))  # no dense block, no shared expert
+    assert not qwen.is_moe and qwen.ffn_dim == 128 and qwen.n_layers == 48
+    ds = dense_stand_in(get_model("deepseek-v3"))  # 3 x 18432 and 58 x 2048: mean 2854
+    assert ds.ffn_dim == 2944 and ds.kv_lora_rank == 512
+
+
+def test_routed_expert_terms():
+    model = get_model("qwen3-30b-a3b")
+    ctx = StepQuestion(model, H100, 4096, 64)
+    stand = stand_in_question(ctx)
+    roles = (8, 1, 1, 1, 1)
+    one = expert_times(ctx, stand, roles, 1, 8, 1.0)
+    skew = expert_times(ctx, stand, roles, 1, 8, 1.5)
+    assert skew.fwd > one.fwd and skew.a2a_fwd > one.a2a_fwd  # the busiest rank's rows
+    # grouped GEMMs: 3 x 2 R h f_e FLOPs on R = T k rows, at one group's efficiency
+    rows, h, f = 4096 * 8, 2048, 768
+    group = 2.0 * rows * h * f / 16  # 16 local experts
+    gemm = 3 * 2.0 * rows * h * f / (H100.peak_flops * H100.gemm_efficiency(group))
+    assert one.fwd > gemm and one.bwd > 2 * gemm
+    # one rank: no all-to-all; a rank's own slots only, whatever the imbalance
+    alone = expert_times(ctx, stand, roles, 1, 1, 1.5)
+    assert alone.a2a_fwd == alone.a2a_bwd == 0.0
+    assert alone.fwd == expert_times(ctx, stand, roles, 1, 1, 1.0).fwd
+
+
+def test_moe_estimate_adds_the_expert_axis():
+    model = get_model("qwen3-30b-a3b")
+    ctx = StepQuestion(model, get_machine("h200-node"), 4096, 64)
+    ep = moe_estimate(ctx, (8, 1, 1, 1, 1), 1, "none", 8)
+    ex = expert_times(ctx, stand_in_question(ctx), (8, 1, 1, 1, 1), 1, 8, 1.0)
+    blocks, acc = model.moe_layers, ep.grad_accum
+    a2a = blocks * acc * (ex.a2a_fwd + ex.a2a_bwd)
+    assert ep.exposed_s["expert"] == pytest.approx(a2a)  # no Z, expert-data, Y or X to sum over
+    assert moe_estimate(ctx, (8, 1, 1, 1, 1), 1, "none", 1).exposed_s["expert"] == 0.0
+    skewed = moe_estimate(ctx, (8, 1, 1, 1, 1), 1, "none", 8, imbalance=1.5)
+    assert skewed.step_s > ep.step_s
+    full = moe_estimate(ctx, (8, 1, 1, 1, 1), 1, "full", 8)
+    assert full.recompute_s > 0 and full.exposed_s["expert"] > ep.exposed_s["expert"]
+
+
+def test_the_searches_rank_moe_configurations():
+    model = get_model("mixtral-8x7b")
+    rows, stats = search_moe_4d(model, H100, 64, 256, 4096, top=3)
+    assert len(rows) == 3 and stats["evaluated"] >= 3
+    assert rows[0].step_s <= rows[1].step_s <= rows[2].step_s
+    for r in rows:
+        assert r.memory.fits and r.expert >= 1
+        d, c = r.grid[:2]
+        assert (d * c) % r.expert == 0 and model.n_experts % r.expert == 0
+        assert r.pipe * d * c * r.grid[2] * r.grid[3] * r.grid[4] == 64
+    classic, _ = search_moe_classic(model, H100, 64, 256, 4096, top=2)
+    assert classic and all(r.memory.fits and r.expert >= 1 for r in classic)
+    # the same question through plan(): both spaces, the expert axis in the labels
+    res = plan(model, H100, 64, 256, 4096, top=2)
+    assert " ep=" in res.rows[0].label() and " ep=" in res.classic[0].label()
+    assert res.rows[0].to_dict()["expert_parallel"] == res.rows[0].expert
+
+
+def test_the_search_floor_is_below_every_step(monkeypatch):
+    """The best-first search may skip a configuration only if its floor is not below the top's
+    slowest: each floor must be at most the configuration's step."""
+    import tetrad.plan.search.moe as search
+
+    seen, timed = [], search._row
+
+    def row(ctx, cand, imbalance, *rest):
+        r = timed(ctx, cand, imbalance, *rest)
+        seen.append((search._floor(ctx, *cand[:5], imbalance), r.step_s))
+        return r
+
+    monkeypatch.setattr(search, "_row", row)
+    search_moe_4d(get_model("qwen3-30b-a3b"), H100, 64, 256, 4096, top=20)
+    assert len(seen) >= 20
+    assert all(floor <= step * (1 + 1e-12) for floor, step in seen)
