@@ -11,6 +11,7 @@ import types
 import pytest
 
 from tests.test_user_errors import one_line_error
+from tetrad import cli
 from tetrad.spec.conflicts import RULES, ConflictError, Settings, check_conflicts
 
 PIPE_OPTS = ["--pipeline-schedule", "interleaved-1f1b", "--virtual-stages", "4"]
@@ -140,11 +141,18 @@ def test_expert_conflict_in_a_config_file(no_training, tmp_path, capsys):
     one_line_error(capsys, ["train", "--config", str(toml)], "expert=2", "--expert-parallel is 1")
 
 
-def test_memory_grid_with_expert_names_the_problem(capsys):
-    """``tetrad train`` accepts expert=N in a named grid; ``tetrad memory`` does not model
-    expert parallelism and says so (not "not named sizes")."""
-    args = ["memory", "--model", "moe-small", "--grid", "pipe=4,data=2,expert=2"]
-    line = one_line_error(capsys, args, "expert parallelism", "drop expert=N")
+def test_memory_grid_with_expert_answers_and_a_disagreement_is_one_line(capsys):
+    """``tetrad memory`` takes expert=N in a named grid as ``tetrad train`` does (the expert
+    axis sizes the routed experts per rank); a different ``--expert-parallel`` beside it is one
+    line naming both."""
+    assert cli.main(["memory", "--model", "moe-small", "--grid", "data=2,expert=2"]) == 0
+    assert "expert axis 2" in capsys.readouterr().out
+    assert cli.main(["memory", "--model", "moe-small", "--grid", "pipe=4,data=2,expert=2"]) == 0
+    capsys.readouterr()
+    args = ["memory", "--model", "moe-small", "--grid", "data=2,expert=2"]
+    line = one_line_error(
+        capsys, args + ["--expert-parallel", "4"], "expert=2", "--expert-parallel 4"
+    )
     assert "named sizes" not in line
 
 

@@ -461,13 +461,18 @@ def _grid_and_experts(args: argparse.Namespace, model: ModelSpec) -> tuple[int, 
     ``expert`` and ``imbalance`` keywords of :func:`runtime_memory` (empty for a dense model).
 
     Raises:
-        PlanError: a bad ``expert=N``, or an expert axis the MoE runtime cannot run.
+        PlanError: a bad ``expert=N``, one that ``--expert-parallel`` contradicts, or an
+            expert axis the MoE runtime cannot run.
     """
     text, expert = args.grid, args.expert_parallel
     if "expert=" in text.replace(" ", ""):
         text, named = pop_expert(text)
         if not named.isdigit() or int(named) < 1:
             raise PlanError(f"expert={named} in --grid must be a positive whole number")
+        if expert not in (1, int(named)):  # as tetrad train: the two must agree
+            raise PlanError(
+                f"--grid names expert={named} and --expert-parallel {expert} disagrees: keep one"
+            )
         expert = int(named)
     pipe, grid = parse_pipeline_grid(text)
     if expert > 1 and (problem := moe_grid_problem(model, grid, pipe, expert)):
