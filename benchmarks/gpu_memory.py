@@ -1,7 +1,7 @@
 """Peak memory and throughput of training steps on one GPU, against ``tetrad memory``.
 
     PYTHONPATH=. python benchmarks/gpu_memory.py [--out runs/gpu_memory] [--cases 1b,8b]
-        [--modes none,selective,full] [--compile]
+        [--modes none,selective,full] [--compile] [--micro-batches 4,8]
 
 Each case (model, seq, micro-batch, recompute) runs in this process on the grid 1,1,1,1 (a
 world of one, NCCL): ``ParallelLlama`` with that recompute mode, fused AdamW, global batch two
@@ -195,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test")
     p.add_argument("--modes", default="none,selective,full", help="recompute modes to run")
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
+    p.add_argument("--micro-batches", help="comma-separated: only the cases of these micro-batches")
     args = p.parse_args(argv)
+    only = {int(m) for m in args.micro_batches.split(",")} if args.micro_batches else None
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA device is visible: use --device cpu --cases tiny")
     out = Path(args.out)
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         for key in args.cases.split(","):
             for case in CASES[key]:
                 if case.recompute not in args.modes.split(","):
+                    continue
+                if only is not None and case.micro_batch not in only:
                     continue
                 rows.append(run_case(grid, case, args.steps, gpu_bytes, args.compile))
                 print(json.dumps(rows[-1]), flush=True)
