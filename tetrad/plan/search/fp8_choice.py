@@ -13,7 +13,7 @@ from __future__ import annotations
 from tetrad.plan.compute.fp8 import FP8_RECIPES
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
-from tetrad.plan.question import StepQuestion
+from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.plan import plan
 from tetrad.plan.search.rows import SearchResult
 from tetrad.plan.step_time import estimate
@@ -76,13 +76,15 @@ def fp8_breakdown(
     global_batch: int,
     *,
     orientation: str = "xy",
+    shard_optimizer: bool = False,
     recipes: tuple[str, ...] = FP8_RECIPES,
 ) -> dict[str, dict[str, float]]:
     """Per recipe, the step of one 4D configuration (no pipeline) and its FP8 terms, seconds
     per step: ``step``, ``compute``, ``linear_gemms`` (the block Linears' three GEMMs, casts
     included), ``casts``, ``z_gather`` and ``z_gather_exposed`` (the block Linears' weight
     all-gathers), ``amax`` (the amax all-reduces, all exposed), ``exposed`` (all
-    communication).
+    communication); ``shard_optimizer``: with the sharded optimizer
+    (:func:`tetrad.plan.question.sharded`).
 
     Raises:
         PlanError: the batch does not split on the grid, or FP8 on a machine without it.
@@ -90,6 +92,8 @@ def fp8_breakdown(
     out = {}
     for recipe in recipes:
         ctx = StepQuestion(model, machine, seq_len, global_batch, fp8=recipe)
+        if shard_optimizer:
+            ctx = sharded(ctx)
         est = estimate(ctx, grid, micro_batch, checkpointing, orientation=orientation, detail=True)
         comp = ctx.compute(grid, micro_batch)
         L, acc = model.n_layers, est.grad_accum
