@@ -14,6 +14,7 @@ import sys
 
 from tetrad.plan.cli_conflicts import check_memory_settings, check_plan_settings
 from tetrad.plan.comm.sublayers import format_sublayers, sublayers
+from tetrad.plan.compute.fp8 import FP8_RECIPES
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import get_machine, preset_names
 from tetrad.plan.memory import fujii
@@ -27,6 +28,7 @@ from tetrad.plan.pipe.schedule import SCHEDULES, schedule_problems
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search import report
+from tetrad.plan.search.fp8_choice import plan_fp8_auto
 from tetrad.plan.search.plan import plan
 from tetrad.plan.step_time import best_orientation
 from tetrad.spec.activation_checkpointing import CHECKPOINTING, parse_checkpointing
@@ -181,7 +183,17 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--gemm-efficiency",
         type=float,
         metavar="FRACTION",
-        help="calibrated fraction of peak for every GEMM (default: the machine's table)",
+        help="calibrated fraction of peak for every bf16 GEMM (default: the machine's table; "
+        "FP8 GEMMs keep the machine's FP8 table)",
+    )
+    p.add_argument(
+        "--fp8",
+        choices=(*FP8_RECIPES, "auto"),
+        default="off",
+        help="FP8 training (torchao.float8 recipes): the block Linears' GEMMs at the machine's "
+        "FP8 rate with their casts; tensorwise also gathers weights over Z in FP8 and "
+        "all-reduces their amax; off (default), tensorwise, rowwise, or auto (search with each "
+        "and say where FP8 wins and by how much); the 4D space only",
     )
 
 
@@ -310,12 +322,7 @@ def run_plan(args: argparse.Namespace) -> int:
             raise PlanError(f"--gpu-memory-gib {args.gpu_memory_gib} must be positive")
         mem = args.gpu_memory_gib * GiB
     ckpt = CHECKPOINTING if args.checkpointing == "auto" else (args.checkpointing,)
-    result = plan(
-        model,
-        machine,
-        args.gpus,
-        args.global_batch,
-        args.seq_len,
+    opts = dict(
         top=args.top,
         checkpointing=ckpt,
         micro_batches=args.micro_batch,
@@ -327,14 +334,37 @@ def run_plan(args: argparse.Namespace) -> int:
         shard_optimizer=args.shard_optimizer,
         moe_imbalance=args.moe_imbalance,
     )
+    fp8_lines: list[str] = []
+    if args.fp8 == "auto":
+        result, fp8_lines = plan_fp8_auto(
+            model, machine, args.gpus, args.global_batch, args.seq_len, **opts
+        )
+    else:
+        result = plan(
+            model, machine, args.gpus, args.global_batch, args.seq_len, fp8=args.fp8, **opts
+        )
     if args.emit_config:
         report.emit_config(result.rows[0], model, result, args.emit_config)
     if args.plot:
         report.plot(result, args.plot, args.top)
-    print(report.to_json(result) if args.json else report.format_result(result))
+    if args.json:
+        out = report.to_json(result)
+        if fp8_lines:
+            data = json.loads(out)
+            data["fp8_comparison"] = fp8_lines
+            out = json.dumps(data, indent=2)
+        print(out)
+    else:
+        print(report.format_result(result) + "".join("\n" + line for line in fp8_lines))
     for flag, path in (("config", args.emit_config), ("plot", args.plot)):
         if path:
             print(f"tetrad: wrote {flag} {path}", file=sys.stderr)
+    if args.emit_config and result.inputs.get("fp8", "off") != "off":
+        print(
+            f"tetrad: the plan assumes --fp8 {result.inputs['fp8']}; the train config has no "
+            "[precision] section for it yet, so the written config does not set it",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -33,6 +33,7 @@ from tetrad.plan.comm.context_parallel import (
 )
 from tetrad.plan.comm.fine import CHUNK_CANDIDATES, ring_reduce_scatter_seconds
 from tetrad.plan.compute.block import BlockCompute, block_compute
+from tetrad.plan.compute.fp8 import check_fp8, z_weight_bytes
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER, Link
@@ -60,6 +61,15 @@ class StepQuestion:
             the
             best of :data:`tetrad.plan.comm.context_parallel.PIECE_CANDIDATES` per grid and
             micro-batch (:meth:`kv_choice`).
+        fp8: the FP8 recipe, ``off``, ``tensorwise`` or ``rowwise``
+            (:mod:`tetrad.plan.compute.fp8`): the block Linears' GEMMs it converts at the FP8
+            rate with their casts, the weights' Z all-gather in FP8 bytes and their amax
+            all-reduces (tensorwise). With FP8 the ``fine`` overlap is not modelled (its fused
+            ring computes its own GEMM pieces): ``all`` leaves it out.
+
+    Raises:
+        PlanError: a bad option, an FP8 recipe on a machine without FP8 GEMMs, or ``fine``
+            named with FP8.
     """
 
     def __init__(
@@ -75,7 +85,9 @@ class StepQuestion:
         domino_min_rows: int = DOMINO_MIN_ROWS,
         fine_chunks: int | None = None,
         context_pieces: int | None = None,
+        fp8: str = "off",
     ):
+        check_fp8(fp8, machine)
         if compute_bytes not in (2, 4):
             raise PlanError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
         self.model, self.machine = model, machine
@@ -97,6 +109,17 @@ class StepQuestion:
             self.fine = (fine_chunks,) if fine_chunks else CHUNK_CANDIDATES
             if isinstance(overlaps, str) and overlaps.strip() == "all":
                 self.fine = (0, *self.fine)
+        self.fp8 = fp8
+        """The FP8 recipe (``off``: none)."""
+        self.z_weight_bytes = z_weight_bytes(fp8, compute_bytes)
+        """Bytes per element of a block Linear's weight on its Z all-gather."""
+        if fp8 != "off" and self.fine:
+            if self.fine[0] != 0:
+                raise PlanError(
+                    f"the fine overlap is not modelled with --fp8 {fp8}: its fused ring runs "
+                    "its own GEMM pieces; leave fine out of --overlap"
+                )
+            self.fine = ()
         peak, eff = machine.peak_flops, machine.gemm_efficiency
         self.gemm_s = lambda f: f / (peak * eff(f)) if f > 0 else 0.0
         self.bucket_bytes, self.domino_min_rows = bucket_bytes, domino_min_rows
@@ -160,7 +183,13 @@ class StepQuestion:
         got = self._compute.get(key)
         if got is None:
             got = block_compute(
-                self.model, self.machine, grid, micro_batch, self.seq_len, linears=self.linears
+                self.model,
+                self.machine,
+                grid,
+                micro_batch,
+                self.seq_len,
+                linears=self.linears,
+                fp8=self.fp8,
             )
             self._compute[key] = got
         return got

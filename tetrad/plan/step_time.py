@@ -113,6 +113,7 @@ from dataclasses import dataclass
 
 from tetrad.plan.comm import layers, linears, orientation
 from tetrad.plan.comm.context_parallel import kv_gather_payload, local_seq_len
+from tetrad.plan.comm.fp8_scales import amax_all_reduces
 from tetrad.plan.comm.listing import Collective, listed
 from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.comm.zwindows import z_collectives
@@ -171,6 +172,7 @@ LAYER_KINDS = (
     layers.embedding,
     layers.norms,
     z_collectives,
+    amax_all_reduces,
     layers.data_gradients,
     layers.step_scalars,
 )
@@ -255,6 +257,9 @@ def make_step(
         orientation=orientation,
         zero=shards_optimizer(ctx),
         wrap=wrap and "prefetch" in ov,
+        fp8=ctx.fp8,
+        z_weight_bytes=ctx.z_weight_bytes,
+        scale_link=ctx.machine.network.link(1, gx * gy * gz) if ctx.fp8 == "tensorwise" else None,
     )
 
 
@@ -384,6 +389,7 @@ def collectives(
     orientation: str = "xy",
     context_pieces: int | None = None,
     shard_optimizer: bool = False,
+    fp8: str = "off",
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
     axis, kind, payload bytes per call, calls, ring bytes and seconds per call, the compute it
@@ -392,7 +398,8 @@ def collectives(
     autocast), 4 on CPU; ``bucket_bytes``, ``domino_min_rows`` and ``context_pieces``: the
     runtime's ``Overlap`` options (``context_pieces`` None: the planner's best);
     ``orientation``: as :func:`estimate`'s; ``shard_optimizer``: the runtime's sharded
-    optimizer (:mod:`tetrad.plan.question`).
+    optimizer (:mod:`tetrad.plan.question`); ``fp8``: the FP8 recipe
+    (:mod:`tetrad.plan.compute.fp8`).
 
     Raises:
         PlanError: the batch does not split on the grid, or a bad overlap name.
@@ -408,6 +415,7 @@ def collectives(
         domino_min_rows=domino_min_rows,
         fine_chunks=fine_chunks,
         context_pieces=context_pieces,
+        fp8=fp8,
     )
     est = estimate(
         sharded(ctx) if shard_optimizer else ctx,

@@ -105,6 +105,11 @@ class Step:
         fused_s: seconds of the fused GEMM -> reduce-scatter ring ``(flops, payload bytes,
             link, chunks)`` on this machine (:meth:`tetrad.plan.question.StepQuestion.fused_s`:
             :func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`, memoised per shape).
+        fp8: the FP8 recipe (:mod:`tetrad.plan.compute.fp8`; ``off``: none); ``z_weight_bytes``:
+            bytes per element of a block Linear's weight on its Z all-gather (1 under
+            ``tensorwise``, else ``c``; 0: ``c``); ``scale_link``: the group of the ``G_z G_y
+            G_x`` ranks that shard a weight (its amax all-reduce,
+            :mod:`tetrad.plan.comm.fp8_scales`; None without ``tensorwise``).
     """
 
     model: ModelSpec
@@ -137,6 +142,9 @@ class Step:
     wrap: bool = False
     chunks: int = 1
     rounds: int = 1
+    fp8: str = "off"
+    z_weight_bytes: int = 0
+    scale_link: Link | None = None
 
     @property
     def n_layers(self) -> int:

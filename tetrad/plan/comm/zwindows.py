@@ -144,9 +144,10 @@ class ZWindows:
 
 @dataclass(slots=True)
 class ZWeight:
-    """One weight's Z collectives: ``shard = n k / (G_x G_y)`` elements all-gathered (compute
-    dtype) in every phase of ``phases`` and reduce-scattered (fp32) in backward; ``calls`` per
-    step of each; ``gather_s`` and ``scatter_s`` seconds per call."""
+    """One weight's Z collectives: ``shard = n k / (G_x G_y)`` elements all-gathered (``wbytes``
+    per element: the compute dtype's, FP8's for a block Linear under ``tensorwise``) in every
+    phase of ``phases`` and reduce-scattered (fp32) in backward; ``calls`` per step of each;
+    ``gather_s`` and ``scatter_s`` seconds per call."""
 
     name: str
     shard: float
@@ -154,12 +155,15 @@ class ZWeight:
     phases: tuple[str, ...]
     gather_s: float
     scatter_s: float
+    wbytes: int
 
 
-def _z_weight(st: Step, name: str, nk: int, calls: int, phases: tuple[str, ...]) -> ZWeight:
+def _z_weight(
+    st: Step, name: str, nk: int, calls: int, phases: tuple[str, ...], wbytes: int
+) -> ZWeight:
     lz, shard = st.links["z"], nk / st.xy
-    t_ag, t_rs = lz.time(ALL_GATHER, shard * st.c), lz.time(REDUCE_SCATTER, shard * FP32)
-    return ZWeight(name, shard, calls, phases, t_ag, t_rs)
+    t_ag, t_rs = lz.time(ALL_GATHER, shard * wbytes), lz.time(REDUCE_SCATTER, shard * FP32)
+    return ZWeight(name, shard, calls, phases, t_ag, t_rs, wbytes)
 
 
 def z_collectives(rec: Recorder, st: Step) -> None:
@@ -196,11 +200,12 @@ def _z_weights(st: Step) -> tuple[list[ZWeight], ZWeight, ZTimes]:
     """The Z collectives of every block Linear and of the LM head, and their seconds per call."""
     L, acc, model = st.n_layers, st.acc, st.model
     phases = ("forward", "recompute", "backward") if st.checkpointing else ("forward", "backward")
+    wb = st.z_weight_bytes or st.c
     blocks = [
-        _z_weight(st, lin.name, lin.weight_elements * lin.count, L * acc * lin.count, phases)
+        _z_weight(st, lin.name, lin.weight_elements * lin.count, L * acc * lin.count, phases, wb)
         for lin in st.linears
     ]
-    head = _z_weight(st, "output", model.dim * model.vocab_size, acc, ("forward",))  # kept for bwd
+    head = _z_weight(st, "output", model.dim * model.vocab_size, acc, ("forward",), st.c)
     times = ZTimes(
         tuple(w.name for w in blocks),
         tuple(w.gather_s for w in blocks),
@@ -246,7 +251,7 @@ def _z_record(rec: Recorder, st: Step, sched: ZWindows, w: ZWeight) -> None:
     hid = "previous layers' compute (prefetch)" if st.prefetch else ""
     for phase in w.phases:
         exp = sched.gather.get((w.name, phase), 0.0)
-        rec.add(w.name, phase, "z", ALL_GATHER, w.shard * st.c, w.calls, w.gather_s, exp, hid)
+        rec.add(w.name, phase, "z", ALL_GATHER, w.shard * w.wbytes, w.calls, w.gather_s, exp, hid)
     hid = "later backward compute (async)" if st.async_scatter else ""
     exp = sched.scatter.get((w.name, "backward"), 0.0)
     pay = w.shard * FP32

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.compute.flops import attention_fwd_flops
+from tetrad.plan.compute.fp8 import converts, fp8_gemm
 from tetrad.plan.machine.description import Machine
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.grid import with_context
@@ -77,6 +78,8 @@ class BlockCompute:
         attention, attention_bwd: one block's attention core (SDPA), forward and backward
             seconds (included in ``post_fwd`` / ``post_bwd``; the context overlap hides the
             K/V pieces behind them, :func:`tetrad.plan.comm.layers.context_kv`).
+        casts: one block's FP8 casts per micro-batch, seconds (included in ``gemm``, a third
+            to each GEMM of their Linear: :mod:`tetrad.plan.compute.fp8`; 0 without FP8).
     """
 
     gemm: tuple[float, ...]
@@ -96,6 +99,7 @@ class BlockCompute:
     head_dw_scale: float = 0.0
     attention: float = 0.0
     attention_bwd: float = 0.0
+    casts: float = 0.0
 
     @property
     def block_fwd(self) -> float:
@@ -149,6 +153,9 @@ def block_compute(
     local_params: float = 0.0,
     linears=None,
     gemm_efficiency=None,
+    fp8: str = "off",
+    fp8_efficiency=None,
+    fp8_casts: bool = True,
 ) -> BlockCompute:
     """Compute times of one rank on ``grid = (G_data, [G_context,] G_z, G_y, G_x)``; see the
     module doc (context parallelism: ``m = b S / G_context`` and
@@ -158,6 +165,13 @@ def block_compute(
         local_params: this rank's parameter elements (for the optimizer time).
         linears: ``model.linears()`` (pass it when calling in a loop).
         gemm_efficiency: a callable flops -> fraction (default: the machine's table).
+        fp8: the FP8 recipe (:data:`tetrad.plan.compute.fp8.FP8_RECIPES`): the block Linears
+            it converts run at the machine's FP8 rate with their casts
+            (:func:`tetrad.plan.compute.fp8.fp8_gemm`); the LM head stays in the compute dtype.
+        fp8_efficiency: a callable flops -> fraction of the FP8 peak (default: the machine's
+            FP8 table).
+        fp8_casts: count the FP8 casts (False: GEMMs only, for a lower bound that must not
+            grow with the micro-batch's share of a weight's cast).
     """
     _, gc, _, gy, gx = with_context(grid)
     lins = linears if linears is not None else model.linears()
@@ -165,11 +179,16 @@ def block_compute(
     peak, hbm = machine.peak_flops, machine.hbm_bytes_per_s
     m = micro_batch * local_seq_len(seq_len, gc)
     txy = gx * gy
-    gemm, flops = [], []
+    gemm, flops, casts = [], [], 0.0
     for lin in lins:
         f = 2.0 * m * lin.out_features * lin.in_features * lin.count / txy
         flops.append(f)
-        gemm.append(f / (peak * eff(f)) if f else 0.0)
+        if fp8 != "off" and converts(lin, fp8):
+            t, c = fp8_gemm(lin, f, m, gx, gy, machine, fp8_efficiency, fp8_casts, fp8)
+            gemm.append(t)
+            casts += c
+        else:
+            gemm.append(f / (peak * eff(f)) if f else 0.0)
     ew = ELEMENTWISE
     hx, fy = model.dim / gx, model.ffn_dim / gy
     qk = (model.q_dim + model.kv_dim) / gy
@@ -216,4 +235,5 @@ def block_compute(
         head_dw_scale=dw_scale,
         attention=att,
         attention_bwd=ATTENTION_BWD * att,
+        casts=casts,
     )

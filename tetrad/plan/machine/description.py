@@ -9,6 +9,7 @@ same keys::
     gpus_per_node = 8
     memory_gib = 79.6            # usable device memory, GiB
     peak_tflops = 989.0          # dense bf16 tensor-core peak per GPU, TFLOP/s
+    peak_fp8_tflops = 1979.0     # optional: dense FP8 tensor-core peak (with fp8_gemm_efficiency)
     hbm_gbps = 3350.0            # HBM bandwidth per GPU, GB/s
 
     [network]
@@ -22,6 +23,7 @@ same keys::
     [compute]
     # fraction of peak reached by one GEMM of F FLOPs: [[F, fraction], ...], log-interpolated
     gemm_efficiency = [[1e8, 0.2], [1e10, 0.6], [1e12, 0.75]]
+    fp8_gemm_efficiency = [[1e8, 0.1], [1e10, 0.4], [1e12, 0.7]]   # of peak_fp8_tflops
     attention_efficiency = 0.45  # FlashAttention, fraction of peak
     overlap_slowdown = 0.1       # optional: GEMM slowdown while a transfer runs beside it
 
@@ -68,6 +70,10 @@ class Machine:
             beside it (compute and memory contention; ``[compute] overlap_slowdown``, measured by
             ``tetrad calibrate``; 0 when not given). Used by the ``fine`` overlap's model
             (:mod:`tetrad.plan.comm.fine`).
+        fp8_peak_flops: dense FP8 (E4M3) tensor-core peak per GPU, FLOP/s (``peak_fp8_tflops``;
+            0: the GPU has no FP8 GEMMs, e.g. A100, MI250X).
+        fp8_gemm_table: as ``gemm_table`` for FP8 GEMMs, fractions of ``fp8_peak_flops``
+            (``[compute] fp8_gemm_efficiency``; empty without FP8).
     """
 
     name: str
@@ -82,6 +88,37 @@ class Machine:
     description: str = ""
     sources: dict = field(default_factory=dict, compare=False, hash=False)
     overlap_slowdown: float = 0.0
+    fp8_peak_flops: float = 0.0
+    fp8_gemm_table: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def has_fp8(self) -> bool:
+        """Whether the machine describes FP8 GEMMs (a peak and an efficiency table)."""
+        return self.fp8_peak_flops > 0 and bool(self.fp8_gemm_table)
+
+    def fp8_gemm_efficiency(self, flops: float) -> float:
+        """Fraction of :attr:`fp8_peak_flops` one FP8 GEMM of ``flops`` FLOPs reaches: the FP8
+        table interpolated as :meth:`gemm_efficiency` does the bf16 one.
+
+        Raises:
+            PlanError: the machine has no FP8 table.
+        """
+        table = self.fp8_gemm_table
+        if not table:
+            raise PlanError(f"machine {self.name} describes no FP8 GEMMs (peak_fp8_tflops)")
+        if flops <= table[0][0]:
+            return table[0][1]
+        if flops >= table[-1][0]:
+            return table[-1][1]
+        xs = self.__dict__.get("_fp8_log_x_cache")
+        if xs is None:
+            xs = [math.log10(f) for f, _ in table]
+            object.__setattr__(self, "_fp8_log_x_cache", xs)
+        lx = math.log10(flops)
+        i = bisect.bisect_right(xs, lx)
+        x0, x1 = xs[i - 1], xs[i]
+        y0, y1 = table[i - 1][1], table[i][1]
+        return y0 + (y1 - y0) * (lx - x0) / (x1 - x0)
 
     @property
     def memory_gib(self) -> float:
@@ -111,7 +148,8 @@ class Machine:
         return got
 
     def with_gemm_efficiency(self, fraction: float) -> Machine:
-        """This machine with every GEMM at ``fraction`` of peak (a calibrated constant)."""
+        """This machine with every bf16 GEMM at ``fraction`` of peak (a calibrated constant; the
+        FP8 table, a separate calibration, is kept)."""
         if not 0.0 < fraction <= 1.0:
             raise PlanError(
                 f"GEMM efficiency {fraction} must lie in (0, 1]: give a fraction "
@@ -152,6 +190,48 @@ def _num(raw: dict, key: str, where: str, *, positive: bool = True) -> float:
     return float(v)
 
 
+def _gemm_pairs(comp: dict, key: str, where: str) -> list[tuple[float, float]]:
+    """The ``[[flops, fraction], ...]`` table ``comp[key]``, sorted by FLOPs (one entry is
+    repeated ten times the FLOPs further, so the table has two points).
+
+    Raises:
+        PlanError: not a list of pairs, FLOPs not positive or a fraction outside (0, 1].
+    """
+    gemm = comp.get(key)
+    if not isinstance(gemm, list) or not gemm:
+        raise PlanError(f"machine {where}: compute.{key} must be a list of [flops, fraction] pairs")
+    try:
+        pairs = sorted((float(f), float(e)) for f, e in gemm)
+    except (TypeError, ValueError):
+        raise PlanError(
+            f"machine {where}: compute.{key} must be a list of [flops, fraction] pairs"
+        ) from None
+    if any(f <= 0 or not 0 < e <= 1 for f, e in pairs):
+        raise PlanError(f"machine {where}: {key} needs flops > 0 and fractions in (0, 1]")
+    if len(pairs) == 1:
+        pairs.append((pairs[0][0] * 10, pairs[0][1]))
+    return pairs
+
+
+def _fp8(raw: dict, comp: dict, where: str) -> tuple[float, tuple]:
+    """``(fp8_peak_flops, fp8_gemm_table)``: both keys given, or neither (no FP8).
+
+    Raises:
+        PlanError: one of ``peak_fp8_tflops`` and ``compute.fp8_gemm_efficiency`` without the
+            other, or a malformed one.
+    """
+    has_peak, has_table = "peak_fp8_tflops" in raw, "fp8_gemm_efficiency" in comp
+    if has_peak != has_table:
+        raise PlanError(
+            f"machine {where}: give peak_fp8_tflops and compute.fp8_gemm_efficiency together "
+            "(or neither: no FP8 GEMMs)"
+        )
+    if not has_peak:
+        return 0.0, ()
+    peak = _num(raw, "peak_fp8_tflops", where) * 1e12
+    return peak, tuple(_gemm_pairs(comp, "fp8_gemm_efficiency", where))
+
+
 def parse_machine(raw: dict, name: str) -> Machine:
     """Build a :class:`Machine` from a parsed TOML table.
 
@@ -183,21 +263,8 @@ def parse_machine(raw: dict, name: str) -> Machine:
         latency_hop_intra_us=_num(net, "latency_hop_intra_us", where, positive=False),
         latency_hop_inter_us=_num(net, "latency_hop_inter_us", where, positive=False),
     )
-    gemm = comp.get("gemm_efficiency")
-    if not isinstance(gemm, list) or not gemm:
-        raise PlanError(
-            f"machine {where}: compute.gemm_efficiency must be a list of [flops, fraction] pairs"
-        )
-    try:
-        pairs = sorted((float(f), float(e)) for f, e in gemm)
-    except (TypeError, ValueError):
-        raise PlanError(
-            f"machine {where}: compute.gemm_efficiency must be a list of [flops, fraction] pairs"
-        ) from None
-    if any(f <= 0 or not 0 < e <= 1 for f, e in pairs):
-        raise PlanError(f"machine {where}: gemm_efficiency needs flops > 0 and fractions in (0, 1]")
-    if len(pairs) == 1:
-        pairs.append((pairs[0][0] * 10, pairs[0][1]))
+    pairs = _gemm_pairs(comp, "gemm_efficiency", where)
+    fp8_peak, fp8_table = _fp8(raw, comp, where)
     att = _num(comp, "attention_efficiency", where)
     if att > 1:
         raise PlanError(f"machine {where}: attention_efficiency={att} must be at most 1")
@@ -219,6 +286,8 @@ def parse_machine(raw: dict, name: str) -> Machine:
         description=str(raw.get("description", "")),
         sources=dict(raw.get("sources", {})),
         overlap_slowdown=slow,
+        fp8_peak_flops=fp8_peak,
+        fp8_gemm_table=fp8_table,
     )
 
 

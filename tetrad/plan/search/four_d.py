@@ -362,11 +362,16 @@ class Search4D:
         return got
 
     def _monotone_gemm(self) -> bool:
-        """Whether the machine's GEMM efficiency table never falls as the FLOPs grow
-        (memoised)."""
+        """Whether the machine's GEMM efficiency table (and its FP8 one, with FP8) never falls
+        as the FLOPs grow (memoised)."""
         if self.monotone is None:
-            table = self.ctx.machine.gemm_table
-            self.monotone = all(a[1] <= b[1] for a, b in zip(table, table[1:], strict=False))
+            machine = self.ctx.machine
+            tables = [machine.gemm_table]
+            if self.ctx.fp8 != "off":
+                tables.append(machine.fp8_gemm_table)
+            self.monotone = all(
+                a[1] <= b[1] for t in tables for a, b in zip(t, t[1:], strict=False)
+            )
         return self.monotone
 
     def _per_sample(self, roles: tuple, b: int) -> tuple[float, float, float]:
@@ -462,6 +467,7 @@ def search_4d(
     gpu_memory_bytes: float | None = None,
     pipeline: bool = True,
     shard_optimizer: str = "auto",
+    fp8: str = "off",
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics;
     with ``pipeline`` (and the tetrad comm model) pipeline grids too
@@ -478,10 +484,12 @@ def search_4d(
             ``off``, ``on`` (wherever ``G_data G_context > 1``) or ``auto`` (where the
             configuration does not fit unsharded; unsharded it is as fast or faster: the same
             ring bytes, and the all-gather after the update is exposed).
+        fp8: the FP8 recipe of the step model (:mod:`tetrad.plan.compute.fp8`; ``off``, the
+            default, leaves every estimate as without it); memory as without FP8.
 
     Raises:
         PlanError: no grid shards the model, no grid splits the batch, or nothing fits; the
-            message says what to change.
+            message says what to change; FP8 on a machine without it.
     """
     check_inputs(model, gpus, global_batch, seq_len)
     if comm_model not in ("tetrad", "axonn"):
@@ -495,6 +503,7 @@ def search_4d(
         global_batch,
         overlaps=overlaps,
         compute_bytes=2 if dtype == "bf16" else 4,
+        fp8=fp8,
     )
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None

@@ -39,6 +39,7 @@ def plan(
     classic_pipeline: bool = True,
     shard_optimizer: str = "auto",
     moe_imbalance: float = 1.0,
+    fp8: str = "off",
 ) -> SearchResult:
     """Both searches; see :func:`search_4d` (``pipeline``: with the pipeline axis, on by
     default: ``docs/planner.md`` section 8) and :func:`search_classic` (``classic_pipeline``:
@@ -46,11 +47,23 @@ def plan(
     (:func:`search_4d`). A mixture-of-experts model takes the searches of
     :mod:`tetrad.plan.search.moe` (the expert axis beside the others; ``moe_imbalance``: the
     busiest rank's routed rows over the mean; the 4D space with the ``tetrad`` model only).
+    ``fp8``: the FP8 recipe of the 4D step model (:mod:`tetrad.plan.compute.fp8`; dense models,
+    ``tetrad`` comm model); with FP8 the classic space, modelled in bf16 only, is not searched.
 
     Raises:
-        PlanError: bad inputs, or no 4D configuration at all (message says what to change).
+        PlanError: bad inputs, or no 4D configuration at all (message says what to change);
+            FP8 with a mixture-of-experts model, the axonn comm model or a machine without it.
     """
     t0 = time.perf_counter()
+    if fp8 != "off":
+        if model.is_moe:
+            raise PlanError(
+                f"--fp8 {fp8} is modelled for dense models only; {model.name} is a "
+                "mixture-of-experts model: use --fp8 off"
+            )
+        if comm_model != "tetrad":
+            raise PlanError(f"--fp8 {fp8} is modelled with --comm-model tetrad only")
+        classic = False
     if model.is_moe:
         if comm_model != "tetrad":
             raise PlanError(
@@ -90,6 +103,7 @@ def plan(
             gpu_memory_bytes=gpu_memory_bytes,
             pipeline=pipeline,
             shard_optimizer=shard_optimizer,
+            fp8=fp8,
         )
         crow, cstats = ([], {})
         if classic:
@@ -119,6 +133,7 @@ def plan(
         "comm_model": comm_model,
         "dtype": dtype,
         "shard_optimizer": shard_optimizer,
+        "fp8": fp8,
         "gpu_memory_gib": (gpu_memory_bytes or machine.memory_bytes) / GiB,
     }
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}

@@ -173,7 +173,12 @@ def format_result(result: SearchResult) -> str:
         f"machine {inp['machine_summary']}",
         f"job     {inp['gpus']} GPUs, global batch {inp['global_batch']} x {inp['seq_len']} "
         f"tokens; overlaps: {', '.join(inp['overlaps']) or 'none'}; comm model: "
-        f"{inp['comm_model']}",
+        f"{inp['comm_model']}"
+        + (
+            f"; fp8 {inp['fp8']} (MFU against the bf16 peak; the classic space is not searched)"
+            if inp.get("fp8", "off") != "off"
+            else ""
+        ),
         "",
     ]
     if "moe_imbalance" in inp:

@@ -221,7 +221,7 @@ class FloorTerms:
             got = 0.0
             for lin in ctx.linears:
                 shard = lin.weight_elements * lin.count / xy
-                gather = link.time(ALL_GATHER, shard * ctx.c)
+                gather = link.time(ALL_GATHER, shard * ctx.z_weight_bytes)
                 got += phases * gather + link.time(REDUCE_SCATTER, shard * FP32)
             self.z_queue_memo[key] = got
         return got

@@ -64,9 +64,11 @@ class GroupBounds:
 
     def _per_sample_floors(self, gc: int, gy: int, gx: int) -> dict[str, float]:
         """Bound 1 per sample of one ``(G_context, G_y, G_x)`` rank, per mode: the blocks'
-        compute of one sample with every GEMM at the machine's best efficiency."""
+        compute of one sample with every GEMM at the machine's best efficiency (FP8 GEMMs at
+        the best of the FP8 table)."""
         ctx = self.ctx
         best = max(e for _, e in ctx.machine.gemm_table)
+        best8 = max((e for _, e in ctx.machine.fp8_gemm_table), default=1.0)
         comp = block_compute(
             ctx.model,
             ctx.machine,
@@ -75,6 +77,9 @@ class GroupBounds:
             ctx.seq_len,
             linears=ctx.linears,
             gemm_efficiency=lambda f: best,
+            fp8=ctx.fp8,
+            fp8_efficiency=lambda f: best8,
+            fp8_casts=False,
         )
         rec = {"full": comp.block_fwd, "selective": comp.selective, "none": 0.0}
         base = comp.block_fwd + comp.block_bwd
