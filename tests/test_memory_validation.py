@@ -74,27 +74,21 @@ class SavedBytes:
         return sum(self.seen.values())
 
 
-def _recompute_bytes(model, tokens: torch.Tensor, params: set[int]) -> int:
+def block_recompute_bytes(model, tokens: torch.Tensor, params: set[int], block: str = "0") -> int:
     """Saved bytes of one block's forward as full checkpointing's recomputation runs it (block
-    0, on the embedding of ``tokens``), its input excluded."""
+    ``block``, on the embedding of ``tokens``), its input excluded."""
     with torch.no_grad():
         x = model.tok_embeddings(tokens)
     x.requires_grad_(True)
-    with SavedBytes(params | {x.untyped_storage().data_ptr()}) as block:
-        model.layers["0"](x, model.layer_factory.positions(tokens.shape[1], x.device))
-    return block.total
+    with SavedBytes(params | {x.untyped_storage().data_ptr()}) as saved:
+        model.layers[block](x, model.layer_factory.positions(tokens.shape[1], x.device))
+    return saved.total
 
 
-def _measure(grid: Grid, mode: str) -> dict:
-    model = ParallelLlama(CFG, grid, mode)
-    init_parameters(model, SEED, grid)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    g = torch.Generator().manual_seed(SEED)
-    batch = torch.randint(0, CFG.vocab_size, (MICRO * grid.batch_shards, SEQ + 1), generator=g)
-    mb = local_samples(batch, grid)
+def forward_and_backward_bytes(model, tokens, targets, params: set[int]) -> dict:
+    """Parameter bytes, the saved bytes of one forward in fp32 and under CPU bf16 autocast, and
+    the gradient bytes after the fp32 forward's backward."""
     out = {"parameters": sum(p.numel() * p.element_size() for p in model.parameters())}
-
-    tokens, targets = inputs_targets(mb, grid)
     with SavedBytes(params) as saved:
         loss = model.loss_sum(tokens, targets)
     out["activations"] = saved.total
@@ -104,9 +98,21 @@ def _measure(grid: Grid, mode: str) -> dict:
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
     out["gradients"] = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    return out
+
+
+def _measure(grid: Grid, mode: str) -> dict:
+    model = ParallelLlama(CFG, grid, mode)
+    init_parameters(model, SEED, grid)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    g = torch.Generator().manual_seed(SEED)
+    batch = torch.randint(0, CFG.vocab_size, (MICRO * grid.batch_shards, SEQ + 1), generator=g)
+    mb = local_samples(batch, grid)
+    tokens, targets = inputs_targets(mb, grid)
+    out = forward_and_backward_bytes(model, tokens, targets, params)
 
     if mode == "full":
-        out["recompute"] = _recompute_bytes(model, tokens, params)
+        out["recompute"] = block_recompute_bytes(model, tokens, params)
 
     if mode != "none":  # AdamW's states do not depend on checkpointing: measured once
         return out
@@ -201,7 +207,7 @@ def _compiled_worker(out_dir: str) -> None:
                 model.loss_sum(tokens, targets)
             out["activations_bf16"] = saved.total
         if mode == "full":
-            out["recompute"] = _recompute_bytes(model, tokens, params)
+            out["recompute"] = block_recompute_bytes(model, tokens, params)
         with open(f"{out_dir}/compiled_{mode}.json", "w") as fh:
             json.dump(out, fh)
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.test_memory_validation import SavedBytes
+from tests.test_memory_validation import block_recompute_bytes, forward_and_backward_bytes
 from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.batch import inputs_targets, local_samples
@@ -75,23 +75,9 @@ def _measure(cfg: ModelSpec, grid: Grid, mode: str) -> dict:
     g = torch.Generator().manual_seed(SEED)
     batch = torch.randint(0, cfg.vocab_size, (MICRO * grid.batch_shards, SEQ + 1), generator=g)
     tokens, targets = inputs_targets(local_samples(batch, grid), grid)
-    out = {"parameters": sum(p.numel() * p.element_size() for p in model.parameters())}
-    with SavedBytes(params) as saved:
-        loss = model.loss_sum(tokens, targets)
-    out["activations"] = saved.total
-    with SavedBytes(params) as saved_bf16, torch.autocast("cpu", dtype=torch.bfloat16):
-        model.loss_sum(tokens, targets)
-    out["activations_bf16"] = saved_bf16.total
-    loss.backward()
-    out["gradients"] = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    out = forward_and_backward_bytes(model, tokens, targets, params)
     if mode == "full":  # the top (MoE) block's forward as the recomputation runs it
-        with torch.no_grad():
-            x = model.tok_embeddings(tokens)
-        x.requires_grad_(True)
-        with SavedBytes(params | {x.untyped_storage().data_ptr()}) as block:
-            top = str(cfg.n_layers - 1)
-            model.layers[top](x, model.layer_factory.positions(tokens.shape[1], x.device))
-        out["recompute"] = block.total
+        out["recompute"] = block_recompute_bytes(model, tokens, params, str(cfg.n_layers - 1))
     if mode != "none":
         return out
     model.zero_grad(set_to_none=True)

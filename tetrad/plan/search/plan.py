@@ -119,7 +119,26 @@ def plan(
                 gpu_memory_bytes=gpu_memory_bytes,
                 pipeline=classic_pipeline,
             )
-    inputs = {
+    inputs = _inputs(model, machine, gpus, global_batch, seq_len, overlaps, gpu_memory_bytes)
+    inputs |= {"comm_model": comm_model, "dtype": dtype, "shard_optimizer": shard_optimizer}
+    inputs |= {"fp8": fp8}
+    all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
+    return SearchResult(rows, crow, all_stats, inputs)
+
+
+def _inputs(
+    model: ModelSpec,
+    machine: Machine,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    overlaps,
+    gpu_memory_bytes: float | None,
+) -> dict:
+    """The question a search answered, as :attr:`SearchResult.inputs` reports it (the overlaps
+    the step model runs, the GPU memory in GiB)."""
+    question = StepQuestion(model, machine, seq_len, global_batch, overlaps=overlaps)
+    return {
         "model": model.name,
         "model_summary": model.summary(),
         "machine": machine.name,
@@ -127,17 +146,9 @@ def plan(
         "gpus": gpus,
         "global_batch": global_batch,
         "seq_len": seq_len,
-        "overlaps": sorted(
-            StepQuestion(model, machine, seq_len, global_batch, overlaps=overlaps).overlaps
-        ),
-        "comm_model": comm_model,
-        "dtype": dtype,
-        "shard_optimizer": shard_optimizer,
-        "fp8": fp8,
+        "overlaps": sorted(question.overlaps),
         "gpu_memory_gib": (gpu_memory_bytes or machine.memory_bytes) / GiB,
     }
-    all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
-    return SearchResult(rows, crow, all_stats, inputs)
 
 
 def _plan_moe(
@@ -171,23 +182,10 @@ def _plan_moe(
                 gpu_memory_bytes=opts["gpu_memory_bytes"],
                 imbalance=imbalance,
             )
-    inputs = {
-        "model": model.name,
-        "model_summary": model.summary(),
-        "machine": machine.name,
-        "machine_summary": machine.summary(),
-        "gpus": gpus,
-        "global_batch": global_batch,
-        "seq_len": seq_len,
-        "overlaps": sorted(
-            StepQuestion(model, machine, seq_len, global_batch, overlaps=opts["overlaps"]).overlaps
-        ),
-        "comm_model": "tetrad",
-        "dtype": opts["dtype"],
-        "shard_optimizer": opts["shard_optimizer"],
-        "moe_imbalance": imbalance,
-        "gpu_memory_gib": (opts["gpu_memory_bytes"] or machine.memory_bytes) / GiB,
-    }
+    memory = opts["gpu_memory_bytes"]
+    inputs = _inputs(model, machine, gpus, global_batch, seq_len, opts["overlaps"], memory)
+    inputs |= {"comm_model": "tetrad", "dtype": opts["dtype"]}
+    inputs |= {"shard_optimizer": opts["shard_optimizer"], "moe_imbalance": imbalance}
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
     return SearchResult(rows, crow, all_stats, inputs)
 
