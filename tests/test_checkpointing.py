@@ -91,3 +91,41 @@ def test_selective_runs_each_cheap_function_twice():
     y.sum().backward()
     assert len(calls) == 2
     torch.testing.assert_close(x.grad, torch.ones(4, 2) @ w.detach().T * x.detach().cos())
+
+
+def _compiled_modes_worker() -> None:
+    """One rank: the forward of a ``selective`` model, then of a ``none`` model built alike, with
+    the blocks compiled, in this one process; no cheap function, nor the helper that runs it,
+    compiled as a frame of its own."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from tetrad.grid import Grid
+    from tetrad.models.llama import Attention, swiglu
+    from tetrad.parallel.batch import inputs_targets, local_samples
+    from tetrad.parallel.model import ParallelLlama, compile_blocks
+    from tetrad.parallel.norm import normalise
+
+    torch.set_num_threads(1)
+    grid = Grid.build((1, 1, 1, 1))
+    batch = torch.randint(0, CFG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    tokens, targets = inputs_targets(local_samples(batch, grid), grid)
+    losses = []
+    for mode in ("selective", "none"):
+        model = ParallelLlama(CFG, grid, mode)
+        init_parameters(model, 1, grid)
+        compile_blocks(model)
+        losses.append(model.loss_sum(tokens, targets).detach())
+    torch.testing.assert_close(losses[0], losses[1])
+    own_frames = [recompute.cheap, recompute._plain, swiglu, normalise, Attention._merge_heads]
+    own_frames += [Attention._rotated_queries, Attention._rotated_keys, Attention._values]
+    compiled = {f.__name__: len(_debug_get_cache_entry_list(f.__code__)) for f in own_frames}
+    assert not any(compiled.values()), f"compiled as frames of their own: {compiled}"
+
+
+def test_compiled_blocks_compile_no_frame_per_cheap_function():
+    """Dynamo inlines the cheap functions into the blocks' graphs (``none``) or breaks the graph
+    at the eager recomputation (``selective``), in the calling frame, guarded on the mode: no
+    frame of its own compiled once per function (torch 2.13 went past its recompile limit; torch
+    2.11 gave the keys the queries' graph), neither in selective mode nor in a ``none`` model
+    after it (which reused the selective blocks' entries)."""
+    run_distributed(_compiled_modes_worker, 1)

@@ -20,7 +20,6 @@ from torch.utils.checkpoint import checkpoint
 
 from tetrad.models import recompute
 from tetrad.models.moe import MoEFeedForward
-from tetrad.models.recompute import cheap
 from tetrad.spec.activation_checkpointing import checkpointed_blocks, parse_checkpointing
 from tetrad.spec.model import ModelSpec
 
@@ -136,11 +135,11 @@ class Attention(nn.Module):
         inv_freq = rope_frequencies(self.head_dim, self.cfg, x.device)
         qn, kn = ((self.q_norm.weight,), (self.k_norm.weight,)) if self.cfg.qk_norm else ((), ())
         # RoPE and the head split are recomputed from the kept wqkv output in selective mode.
-        q = cheap(self._rotated_queries, qkv, inv_freq, positions, *qn)
-        k = cheap(self._rotated_keys, qkv, inv_freq, positions, *kn)
-        v = cheap(self._values, qkv)
+        q = recompute.runner()(self._rotated_queries, qkv, inv_freq, positions, *qn)
+        k = recompute.runner()(self._rotated_keys, qkv, inv_freq, positions, *kn)
+        v = recompute.runner()(self._values, qkv)
         o = self.core(q, k, v)
-        return self.wo(cheap(self._merge_heads, o))
+        return self.wo(recompute.runner()(self._merge_heads, o))
 
     def _split(self, qkv: torch.Tensor) -> torch.Tensor:
         """``[b, s, (heads + 2 kv_heads) d]`` -> ``[b, s, kv_heads, group + 2, d]`` (a view)."""
@@ -195,8 +194,10 @@ class FeedForward(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # selective mode keeps the w13 output and recomputes the product in backward
-        return self.w2(cheap(swiglu, self.w13(x)))
+        # selective mode keeps the w13 output and recomputes the product in backward (runner()
+        # after w13's graph break: see recompute.runner)
+        gate_up = self.w13(x)
+        return self.w2(recompute.runner()(swiglu, gate_up))
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

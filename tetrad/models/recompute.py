@@ -15,7 +15,9 @@ once in forward, once in backward. Untagged tensors are kept as they are.
 No collective and no GEMM is ever re-run: only functions passed to :func:`cheap` are recomputed
 (torch's selective-checkpoint machinery would re-run the parallel Linear, whose custom autograd
 Function holds collectives). Outside :func:`selective`, :func:`cheap` is ``fn(*inputs)``, so the
-``none`` and ``full`` modes are unchanged.
+``none`` and ``full`` modes are unchanged. Code that ``torch.compile`` traces (the blocks) calls
+``recompute.runner()(fn, *inputs)`` instead, the same thing in a form Dynamo compiles once per
+mode (see :func:`runner`).
 
 The recomputation restores the forward's autocast state (dtype decisions are the same in both
 passes); functions must be deterministic (no dropout).
@@ -92,15 +94,39 @@ class _Cheap(torch.autograd.Function):
 
 def cheap(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
     """``fn(*inputs)``; inside :func:`selective` with grad on, recomputed in backward instead of
-    kept (see the module docstring).
+    kept (see the module docstring). ``runner()(fn, *inputs)``: code compiled by
+    ``torch.compile`` calls that instead (see :func:`runner`).
 
     ``fn`` must be element-wise-cheap, free of collectives and deterministic; ``inputs`` are
     tensors (non-tensor parameters go into ``fn``, e.g. with ``functools.partial``), and they are
     kept for backward.
     """
-    if not _active or not torch.is_grad_enabled():
-        return fn(*inputs)
-    return _recomputed(fn, *inputs)
+    return runner()(fn, *inputs)
+
+
+def runner() -> Callable[..., torch.Tensor]:
+    """What runs a cheap function now: :func:`_recomputed` inside :func:`selective` with grad on,
+    else :func:`_plain` (``fn(*inputs)``). Call sites write ``recompute.runner()(fn, *inputs)``,
+    with nothing that can break the graph (a collective) between ``runner()`` and the call.
+
+    Why not one function testing the mode (as :func:`cheap` does): Dynamo cannot resume a graph
+    break inside a function it inlines. A ``cheap`` calling the disabled ``_recomputed`` broke
+    inside the inlined ``cheap``, so Dynamo restarted and broke at the caller's ``cheap(...)``:
+    ``cheap`` ran as a frame of its own, compiled and guarded on ``fn``, one cache entry per
+    wrapped function (torch 2.13: past the recompile limit of 8, then run eagerly; torch 2.11
+    told the rotated queries from the keys apart too weakly and gave the keys the queries'
+    graph). And the caller's entry, having traced nothing of ``cheap``, did not guard on the
+    mode, so blocks run outside selective mode later in the process (``selective:K``'s other
+    blocks, another model) reused it and ``cheap``'s frame compiled ``fn(*inputs)`` once per
+    function again. Here the caller's own frame traces ``runner()`` (inlined, no graph break:
+    its entry guards on the mode), then either inlines ``_plain`` (``fn`` fused into the
+    block's graph) or breaks the graph at its own call of the disabled ``_recomputed``.
+    """
+    return _recomputed if _active and torch.is_grad_enabled() else _plain
+
+
+def _plain(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    return fn(*inputs)
 
 
 @torch.compiler.disable

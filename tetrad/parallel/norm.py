@@ -19,7 +19,7 @@ from torch import nn
 from tetrad.comm import all_reduce
 from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
-from tetrad.models.recompute import cheap
+from tetrad.models import recompute
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec.grid import Axis
 
@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
         sum_sq = _all_reduce_sum(x.float().pow(2).sum(-1, keepdim=True), self.grid, self.axis)
         rstd = torch.rsqrt(sum_sq / self.dim + self.eps)  # [..., 1] fp32: kept in every mode
         apply = functools.partial(normalise, dtype=compute_dtype(x))
-        return cheap(apply, x, rstd, self.weight)  # recomputed in selective mode
+        return recompute.runner()(apply, x, rstd, self.weight)  # recomputed in selective mode
 
 
 def normalise(x: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor, dtype: torch.dtype):
