@@ -315,7 +315,7 @@ def _parts(
             model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
         )
         ckpt = activation_checkpointing
-        return g, _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype)
+        return g, _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled)
     if imbalance < 1:
         raise PlanError(f"moe imbalance {imbalance} must be at least 1 (busiest over mean)")
     g = checked_grid_buffers(
