@@ -54,6 +54,7 @@ VALUES = {
     "route_scale": "2.5",
     "aux_loss_coef": "0.001",
     "aux_loss_scope": "batch",
+    "router_z_loss_coef": "0.001",
     "bias_update_rate": "0.001",
     "kv_lora_rank": "0",
     "q_lora_rank": "0",

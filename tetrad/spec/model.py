@@ -56,6 +56,7 @@ _MOE_LEAST = {
     "route_scale": 0,
     "aux_loss_coef": 0,
     "bias_update_rate": 0,
+    "router_z_loss_coef": 0,
 }
 """The least value of each mixture-of-experts size (``route_scale`` must also be above 0)."""
 
@@ -142,6 +143,9 @@ class ModelSpec:
         aux_loss_scope: ``sequence`` (statistics per sequence, DeepSeek-V3's sequence-wise
             loss: grid-independent) or ``batch`` (over the rank's micro-batch, Megatron's
             default ``aux_loss``: depends on the micro-batch split).
+        router_z_loss_coef: router z-loss coefficient per MoE block (ST-MoE, arXiv 2202.08906,
+            eq. 5: the mean over tokens of the squared log-sum-exp of the router logits,
+            :func:`tetrad.models.moe.router_z_loss`; ST-MoE uses 0.001); 0: off.
         bias_update_rate: aux-loss-free balancing rate ``gamma`` (DeepSeek-V3, arXiv
             2412.19437 section 2.1.2: 0.001); 0: no selection bias.
 
@@ -186,6 +190,7 @@ class ModelSpec:
     route_scale: float = 1.0
     aux_loss_coef: float = 0.0
     aux_loss_scope: str = "sequence"
+    router_z_loss_coef: float = 0.0
     bias_update_rate: float = 0.0
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
