@@ -168,3 +168,26 @@ def test_fine_tune_mixtral_then_export_loads_in_transformers(tmp_path, corpus, m
     (tokens,) = val_batches(val, 1, 4, SEQ)
     _, theirs = hf_loss(out, tokens)
     assert theirs == pytest.approx(rows[-1]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_router_aux_coefficient_maps_to_the_pooled_loss(kind):
+    """transformers adds ``router_aux_loss_coef`` x one Switch loss pooled over the MoE blocks
+    (``k`` when balanced); tetrad adds its coefficient x each block's (1 when balanced): the
+    imported coefficient gives the same loss when every block routes alike, and exports back."""
+    from tetrad.models.moe import load_balance_loss
+
+    hf_loss_func = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func
+    layers = 3 if kind == "mixtral" else 5  # Qwen3: block 0 dense, 4 MoE blocks
+    raw = CONFIGS[kind]().to_dict() | {"num_hidden_layers": layers, "router_aux_loss_coef": 0.02}
+    cfg = moe_config(raw)
+    e, k, blocks = cfg.n_experts, cfg.top_k, cfg.moe_layers
+    assert blocks == 3 if kind == "mixtral" else 4
+    assert cfg.aux_loss_coef == pytest.approx(0.02 * k / blocks, rel=1e-12)
+    logits = torch.randn(64, e, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    theirs = 0.02 * hf_loss_func((logits,) * blocks, e, k)
+    probs = torch.softmax(logits, -1)
+    ids = torch.topk(probs, k, -1).indices
+    ours = blocks * cfg.aux_loss_coef * load_balance_loss(probs[None], ids[None], e, "batch")
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)  # theirs sums in fp32
+    assert hf_config(cfg, VOCAB, raw, "float32")["router_aux_loss_coef"] == 0.02

@@ -44,7 +44,7 @@ VALUES = {
     "attn_head_dim": "0",
     "qk_norm": "true",
     "n_experts": "4",
-    "top_k": "1",
+    "top_k": "3",
     "expert_ffn_dim": "128",
     "shared_ffn_dim": "64",
     "dense_layers": "1",
@@ -54,6 +54,7 @@ VALUES = {
     "route_scale": "2.5",
     "aux_loss_coef": "0.001",
     "aux_loss_scope": "batch",
+    "router_z_loss_coef": "0.001",
     "bias_update_rate": "0.001",
     "kv_lora_rank": "0",
     "q_lora_rank": "0",
@@ -139,3 +140,33 @@ def test_planner_answers_for_the_models_people_train(capsys):
 def test_train_refuses_a_model_its_llama_lacks(capsys):
     with pytest.raises(ModelError, match="not a Llama"):
         _train("gpt-5b")
+
+
+def test_top1_renormalised_routing_is_refused_everywhere(capsys, tmp_path):
+    # one weight over itself is 1.0: the router would get no gradient from the LM loss
+    for argv in (
+        ["train", "--model", "moe-tiny,top_k=1", "--steps", "1", "--run-dir", str(tmp_path)],
+        ["memory", "--model", "moe-small,top_k=1", "--grid", "1,1,1,1"],
+        ["plan", "--model", "moe-small,top_k=1", "--gpus", "8", "--global-batch", "8"],
+    ):
+        assert main([*argv, "--machine", "dgx-h100"] if argv[0] == "plan" else argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "top_k=1 with router_renorm=true" in err, argv
+        assert "set router_renorm=false" in err
+    from tetrad.spec.hf_config import moe_config
+
+    qwen = dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=128,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=1,
+    )
+    assert moe_config(qwen).top_k == 1  # norm_topk_prob false (transformers' default)
+    with pytest.raises(ModelError, match="top_k=1 with router_renorm"):
+        moe_config(qwen | {"norm_topk_prob": True})
+    assert get_model("moe-small,top_k=1,router_renorm=false").top_k == 1

@@ -3,6 +3,7 @@ rules, the load-balancing loss's normalisation, the aux-loss-free bias update, a
 activation-checkpointing modes against none."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from tetrad.models.moe import (
     expert_counts,
     expert_swiglu,
     load_balance_loss,
+    router_z_loss,
     routing_figures,
     sort_by_expert,
 )
@@ -140,9 +142,49 @@ def test_load_balance_loss_value_and_routing_figures():
     counts = expert_counts(ids, e)
     assert counts.tolist() == [4, 2, 2, 0] and counts.dtype == torch.int64
     # two such sequences: their summed statistics, then per step max/mean 4/2, balance 1.3
-    stats = torch.cat([2 * counts.float(), torch.tensor([2 * 1.3])])
-    max_load, balance = routing_figures(torch.stack([stats, stats]), 2)
+    stats = torch.cat([2 * counts.float(), torch.tensor([2 * 1.3, 0.0])])
+    max_load, balance, _ = routing_figures(torch.stack([stats, stats]), 2)
     assert max_load.tolist() == [2.0, 2.0] and balance.tolist() == pytest.approx([1.3, 1.3])
+
+
+def test_router_z_loss_is_the_mean_squared_logsumexp():
+    """ST-MoE eq. 5 per sequence, summed over sequences; a sequence cut in two parts (context,
+    Y, X) gives shares that add up to the whole."""
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]]])  # 1 sequence, 2 tokens
+    lse = torch.tensor([math.log(4.0), math.log(sum(math.exp(v) for v in (1, 2, 3, 4)))])
+    assert router_z_loss(logits).item() == pytest.approx(lse.square().mean().item(), rel=1e-6)
+    both = torch.cat([logits, 2 * logits])  # two sequences: the sum of their means
+    want = router_z_loss(logits) + router_z_loss(2 * logits)
+    assert router_z_loss(both).item() == pytest.approx(want.item(), rel=1e-6)
+    parts = [router_z_loss(both[:, i : i + 1], parts=2) for i in (0, 1)]
+    assert sum(parts).item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_z_loss_joins_the_aux_loss_and_the_routing_row():
+    """A block's term is ``aux_loss_coef`` x balance + ``router_z_loss_coef`` x z; the routing
+    row reports z per block; a coefficient of 0 leaves the row as it was."""
+    from tetrad.train.routing import routing_row, take_step_routing
+
+    cfg = dataclasses.replace(CFG, router_z_loss_coef=0.001)
+    model = Llama(cfg)
+    init_parameters(model, 3)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    model.loss_sum(tokens[:, :-1], tokens[:, 1:])
+    aux = model.aux_loss_sum().item()
+    model.record_routing()
+    (block,) = model.moe_blocks().values()
+    row = routing_row(take_step_routing([model], cfg), cfg, 2)
+    (i,) = row["moe_z_loss"]
+    z, balance = row["moe_z_loss"][i], row["moe_balance"][i]
+    assert z > 0 and aux / 2 == pytest.approx(0.01 * balance + 0.001 * z, rel=1e-6)
+    captured = {}
+    hook = block.router.gate.register_forward_hook(lambda m, a, out: captured.update(out=out))
+    model.loss_sum(tokens[:, :-1], tokens[:, 1:])
+    hook.remove()
+    flat = torch.logsumexp(captured["out"].float(), -1).square().mean()
+    assert z == pytest.approx(flat.item(), rel=1e-6)
+    off = routing_row(take_step_routing([model], CFG), CFG, 2)
+    assert "moe_z_loss" not in off
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

@@ -3,8 +3,9 @@
 Experts are replicated on every rank here (expert parallelism: tests/test_moe_expert_parallel.py),
 so data parallelism and Z are the axes tested: a few
 AdamW steps (gradient accumulation, clipping, warm-up) on the same global batches must give the
-reference's LM loss and load-balancing loss to 1e-5 relative, its gradient norm to 1e-4, its
-routing figures per MoE block (max/mean expert load, normalised balance term), and its updated
+reference's LM loss and load-balancing loss (with the router z-loss in one config) to 1e-5
+relative, its gradient norm to 1e-4, its routing figures per MoE block (max/mean expert load,
+normalised balance term, router z-loss), and its updated
 weights (and aux-loss-free selection biases) to 0.05 lr, as tests/test_model.py requires of the
 dense model. Y and X grids: tests/test_moe_tensor.py.
 """
@@ -26,10 +27,12 @@ from tetrad.spec.sharding import check_grid
 from tetrad.train.routing import routing_row, sum_routing, take_step_routing
 from tetrad.train.step import build_optimizer, lr_at, train_step_losses
 
-# sigmoid scores with a selection bias in one config; softmax, a shared expert, a dense block and
-# Qwen3's q/k norms in the other
+# sigmoid scores with a selection bias in one config; softmax, a shared expert, a dense block,
+# Qwen3's q/k norms and the router z-loss (large enough to matter) in the other
 CONFIGS = {
-    "softmax-qk-norm": dataclasses.replace(PRESETS["moe-tiny"], qk_norm=True),
+    "softmax-qk-norm": dataclasses.replace(
+        PRESETS["moe-tiny"], qk_norm=True, router_z_loss_coef=0.05
+    ),
     "sigmoid-bias": dataclasses.replace(
         PRESETS["moe-tiny"],
         router_score="sigmoid",
@@ -108,10 +111,14 @@ def check_routing(parts, grid, want: dict, label: str) -> None:
     choices), the balance terms to 1e-5 relative as the losses."""
     cfg = parts[0].cfg
     got = routing_row(sum_routing(take_step_routing(parts, cfg), grid), cfg, BATCH)
-    assert got.keys() == want.keys() == {"moe_max_load", "moe_balance", "moe_expert_load"}, label
+    keys = {"moe_max_load", "moe_balance", "moe_expert_load"}
+    keys |= {"moe_z_loss"} if cfg.router_z_loss_coef > 0 else set()
+    assert got.keys() == want.keys() == keys, label
     assert got["moe_max_load"] == pytest.approx(want["moe_max_load"], rel=1e-12), label
     assert got["moe_expert_load"] == want["moe_expert_load"], label
     assert got["moe_balance"] == pytest.approx(want["moe_balance"], rel=1e-5), label
+    if cfg.router_z_loss_coef > 0:  # ST-MoE's mean over every token, whatever the split
+        assert got["moe_z_loss"] == pytest.approx(want["moe_z_loss"], rel=1e-5), label
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from tetrad.spec.hf_config import ARCHITECTURES
+from tetrad.spec.hf_config import ARCHITECTURES, aux_coef_to_hf
 from tetrad.spec.model import ModelError, ModelSpec
 
 
@@ -67,7 +67,7 @@ def moe_hf_config(cfg: ModelSpec, kind: str, vocab: int) -> dict:
         hidden_act="silu",
         tie_word_embeddings=False,
         num_experts_per_tok=cfg.top_k,
-        router_aux_loss_coef=cfg.aux_loss_coef,
+        router_aux_loss_coef=aux_coef_to_hf(cfg),  # transformers pools the blocks' loss
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         torch_dtype="float32",
     )

@@ -43,7 +43,7 @@ class Layers(Protocol):
     ``(x [T, dim], ids [T, k], weights [T, k]) -> [T, dim]`` (dispatch, expert GEMMs and
     combine: the module an expert-parallel runtime provides). ``head_norm(d, eps)`` is the
     per-head RMSNorm of queries and keys (``qk_norm``): a module whose ``weight [d]`` is used.
-    Optional attributes: ``sequence_sum`` and ``moe_tokens``
+    Optional attributes: ``sequence_sum``, ``sequence_parts`` and ``moe_tokens``
     (:class:`tetrad.models.moe.MoEFeedForward`).
     """
 

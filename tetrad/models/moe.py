@@ -17,8 +17,8 @@ Per MoE block, tokens ``x [T, h]`` (``T = b s``, this rank's):
 Sources: Mixtral (Jiang et al., arXiv 2401.04088, eq. 1-2; softmax over all E then top-k and
 renormalise, as transformers' ``MixtralTopKRouter``), Qwen3-MoE (``norm_topk_prob``),
 DeepSeek-V3 (arXiv 2412.19437, eq. 12-16: sigmoid scores, bias for selection only, weights from
-the unbiased scores, ``route_scale``). Not implemented: DeepSeek-V3's group-limited routing, token
-dropping (capacity factors), the router z-loss.
+the unbiased scores, ``route_scale``), the router z-loss (ST-MoE, arXiv 2202.08906, eq. 5). Not
+implemented: DeepSeek-V3's group-limited routing, token dropping (capacity factors).
 """
 
 from __future__ import annotations
@@ -56,6 +56,13 @@ class Router(nn.Module):
             self.bias = self.tokens_per_expert = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.route(x)[:3]
+
+    def route(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward`'s ``(ids, weights, probs)`` and the router logits ``[T, E]`` fp32
+        (for :func:`router_z_loss`)."""
         logits = self.gate(x).float()
         if self.cfg.router_score == "softmax":
             scores = torch.softmax(logits, dim=-1)
@@ -72,7 +79,7 @@ class Router(nn.Module):
             weights = weights * self.cfg.route_scale
         if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled():
             self.tokens_per_expert += expert_counts(ids, self.n_experts, torch.float32)
-        return ids, weights, probs
+        return ids, weights, probs, logits
 
     @torch.no_grad()
     def update_bias(self, counts: torch.Tensor) -> None:
@@ -138,6 +145,28 @@ def load_balance_loss(
         f, p = slots / (length * k), probs.sum(1) / length
     per_group = n_experts * (f * p).sum(-1)
     return per_group.sum() * (b if scope == "batch" else 1)
+
+
+def router_z_loss(logits: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """The router z-loss (ST-MoE, Zoph et al., arXiv 2202.08906, eq. 5: the mean over tokens
+    of ``(log sum_i exp(logit_i))^2``), as a sum over this rank's ``b`` sequences of each
+    sequence's mean, so that dividing by the global number of sequences gives the mean over
+    every token (all sequences have the same length). It keeps the router logits small, where
+    the softmax and its round-off stay tame.
+
+    Args:
+        logits: ``[b, s, E]`` router logits (:meth:`Router.route`), this rank's ``s``
+            positions of each sequence.
+        parts: the equal parts each sequence is cut into over the ranks (the layer factory's
+            ``sequence_parts``, ``G_context G_y G_x``; 1: whole sequences): each rank's share
+            is its own tokens' squares over the whole length ``s parts``, so the shares add up
+            to the whole sequences' loss with exact local gradients and no collective.
+
+    Returns:
+        A 0-dim fp32 tensor, differentiable through ``logits``.
+    """
+    s = logits.shape[1]
+    return torch.logsumexp(logits.float(), dim=-1).square().sum() / (s * parts)
 
 
 def expert_counts(
@@ -266,13 +295,15 @@ class MoEFeedForward(nn.Module):
     docstring), with the shared expert when ``cfg.shared_ffn_dim``.
 
     After each forward with grad, :attr:`aux_loss` holds ``aux_loss_coef`` x
-    :func:`load_balance_loss` of its tokens (a 0-dim fp32 tensor, a sum over this rank's
-    sequences: divide by the global number of sequences; None when the coefficient is 0). The
+    :func:`load_balance_loss` plus ``router_z_loss_coef`` x :func:`router_z_loss` of its tokens
+    (a 0-dim fp32 tensor, a sum over this rank's sequences: divide by the global number of
+    sequences; None when both coefficients are 0). The
     training step adds it to the loss (:meth:`tetrad.models.llama.Transformer.aux_loss_sum`).
-    :attr:`routing` holds the forward's routing statistics, ``[E + 1]`` fp32 without gradient
+    :attr:`routing` holds the forward's routing statistics, ``[E + 2]`` fp32 without gradient
     (None without grad): the token slots this rank's tokens sent to each of the ``E`` experts
-    (:func:`expert_counts`), then this rank's share of :func:`load_balance_loss` (the
-    coefficient left out; 0 when the coefficient is 0). Summed over the micro-batches of a step
+    (:func:`expert_counts`), then this rank's shares of :func:`load_balance_loss` and of
+    :func:`router_z_loss` (coefficients left out; 0 where a coefficient is 0). Summed over the
+    micro-batches of a step
     (:meth:`tetrad.models.llama.Transformer.record_routing`) and over the ranks that route
     other tokens, they give the step's loads and balance term (:func:`routing_figures`).
 
@@ -291,6 +322,7 @@ class MoEFeedForward(nn.Module):
         self.experts = layers.experts(cfg.n_experts, cfg.dim, cfg.expert_dim, out_std)
         self.shared = shared
         self.sequence_sum = getattr(layers, "sequence_sum", None)
+        self.sequence_parts = getattr(layers, "sequence_parts", 1)
         self.tokens = getattr(layers, "moe_tokens", None)
         self.aux_loss: torch.Tensor | None = None
         self.routing: torch.Tensor | None = None
@@ -300,11 +332,12 @@ class MoEFeedForward(nn.Module):
         routed = x if self.tokens is None else self.tokens.split(x)
         b, s, h = routed.shape
         flat = routed.reshape(b * s, h)
-        ids, weights, probs = self.router(flat)
+        ids, weights, probs, logits = self.router.route(flat)
         y = self.experts(flat, ids, weights).view(b, s, h)
         self.aux_loss = self.routing = None
         if torch.is_grad_enabled():
-            balance = torch.zeros((), device=x.device)
+            balance = z = torch.zeros((), device=x.device)
+            aux = []
             if self.cfg.aux_loss_coef > 0:
                 balance = load_balance_loss(
                     probs.view(b, s, -1),
@@ -313,27 +346,37 @@ class MoEFeedForward(nn.Module):
                     self.cfg.aux_loss_scope,
                     self.sequence_sum,
                 )
-                self.aux_loss = self.cfg.aux_loss_coef * balance
+                aux.append(self.cfg.aux_loss_coef * balance)
+            if self.cfg.router_z_loss_coef > 0:
+                z = router_z_loss(logits.view(b, s, -1), self.sequence_parts)
+                aux.append(self.cfg.router_z_loss_coef * z)
+            if aux:
+                self.aux_loss = aux[0] if len(aux) == 1 else aux[0] + aux[1]
                 if self.tokens is not None:
                     self.aux_loss = self.tokens.total(self.aux_loss)
             counts = expert_counts(ids, self.cfg.n_experts, torch.float32)
-            self.routing = torch.cat([counts, balance.detach().float().view(1)])
+            terms = torch.stack([balance.detach().float(), z.detach().float()])
+            self.routing = torch.cat([counts, terms])
         if self.tokens is not None:
             y = self.tokens.join(y)
         return y if self.shared is None else y + self.shared(x)
 
 
-def routing_figures(stats: torch.Tensor, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The balance of a step's routing from its statistics ``stats [..., E + 1]``
+def routing_figures(
+    stats: torch.Tensor, sequences: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The balance of a step's routing from its statistics ``stats [..., E + 2]``
     (:attr:`MoEFeedForward.routing` summed over every rank and micro-batch) and the step's
-    ``sequences`` (the global batch): ``(max_load [...], balance [...])``.
+    ``sequences`` (the global batch): ``(max_load [...], balance [...], z_loss [...])``.
 
     ``max_load`` = the slots of the busiest expert over the mean slots per expert (1 balanced,
     ``E/k`` when every token picks the same ``k`` experts). ``balance`` = the block's
     load-balancing term divided by its coefficient, a mean over the sequences of
     :func:`load_balance_loss` (Megatron's normalisation, ``switch_load_balancing_loss_func``:
-    1 balanced, up to ``E/k`` collapsed; 0 when the coefficient is 0).
+    1 balanced, up to ``E/k`` collapsed; 0 when the coefficient is 0). ``z_loss`` = the block's
+    :func:`router_z_loss`, the mean over the step's tokens of the squared log-sum-exp of the
+    router logits (its coefficient left out; 0 when the coefficient is 0).
     """
-    counts = stats[..., :-1]
+    counts = stats[..., :-2]
     mean = counts.mean(-1).clamp_min(torch.finfo(counts.dtype).tiny)
-    return counts.amax(-1) / mean, stats[..., -1] / sequences
+    return counts.amax(-1) / mean, stats[..., -2] / sequences, stats[..., -1] / sequences

@@ -66,6 +66,8 @@ class ParallelLayers:
         # MoE: each tensor rank routes a slice of the tokens (their gradients sum over Y, X)
         self.moe_tokens = TensorTokens(grid) if tensor else None
         self.token_axes = tuple(a for a in (Axis.Y, Axis.X) if grid.size(a) > 1)
+        # the parts of each sequence over the ranks: the MoE router z-loss's whole length
+        self.sequence_parts = grid.context * grid.y * grid.x
         if grid.context == 1 and not tensor:
             self.sequence_sum = None  # whole sequences on every rank
 

@@ -54,6 +54,7 @@ MOE_SIZES = (
     "route_scale",
     "aux_loss_coef",
     "aux_loss_scope",
+    "router_z_loss_coef",
     "bias_update_rate",
 )
 """The :class:`~tetrad.spec.model.ModelSpec` fields that only a mixture-of-experts model reads."""

@@ -4,6 +4,7 @@ Mixtral and Qwen3-MoE. The one reader of those files, for the runtime (``--init-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -153,12 +154,16 @@ def _common_sizes(raw: dict) -> dict:
         top_k=int(raw["num_experts_per_tok"]),
         # transformers 5 writes num_local_experts for both; Qwen3's Hub config num_experts
         n_experts=int(raw.get("num_local_experts") or raw["num_experts"]),
-        aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.0)),
     )
 
 
 def moe_config(raw: dict, name: str = "hf-model") -> ModelSpec:
-    """tetrad's sizes of a Mixtral or Qwen3-MoE ``config.json`` (as a dict).
+    """tetrad's sizes of a Mixtral or Qwen3-MoE ``config.json`` (as a dict), with
+    ``router_aux_loss_coef`` mapped to tetrad's per-block normalisation
+    (:func:`aux_coef_from_hf`). ``output_router_logits`` is not read: transformers adds the
+    loss only when it is true, and the Hub's configs set it false, but the coefficient is the one
+    the model was trained with, and a fine-tune without balancing risks collapsing routers
+    (``--init-from hf:`` takes every size from the folder).
 
     Raises:
         ModelError: another model type, or a feature tetrad lacks (see
@@ -169,6 +174,39 @@ def moe_config(raw: dict, name: str = "hf-model") -> ModelSpec:
         raise ModelError(
             f"model_type {kind!r} is not an MoE tetrad reads: use {', '.join(ARCHITECTURES)}"
         )
+    spec = _moe_sizes(raw, kind, name)
+    coef = aux_coef_from_hf(float(raw.get("router_aux_loss_coef", 0.0)), spec)
+    return dataclasses.replace(spec, aux_loss_coef=coef)
+
+
+def aux_coef_from_hf(coef: float, model: ModelSpec) -> float:
+    """tetrad's ``aux_loss_coef`` for transformers' ``router_aux_loss_coef`` ``c`` of an MoE
+    ``model``: ``c k / L_m`` (to 12 significant digits; :func:`aux_coef_to_hf` rounds to 10,
+    so a round trip gives back any ``c`` of up to 10 digits and the same tetrad value).
+
+    transformers' ``load_balancing_loss_func`` (Mixtral, Qwen3-MoE) pools the router logits of
+    the ``L_m`` MoE blocks into one Switch loss ``E sum_i (slots_i / (L_m T)) P_i``, which is
+    ``k`` when balanced, and the model adds ``c`` times it once. tetrad adds ``aux_loss_coef``
+    times each block's term, 1 when balanced (Megatron's normalisation,
+    :func:`tetrad.models.moe.load_balance_loss`). Copied as it is, ``c`` would pull each
+    block's router ``L_m / k`` times harder (Mixtral-8x7B: 16x); with ``c k / L_m`` the two
+    losses are equal when every block routes alike (tests/test_hf_moe.py) and both give ``c k``
+    when balanced."""
+    return float(f"{coef * model.top_k / model.moe_layers:.12g}") if model.moe_layers else 0.0
+
+
+def aux_coef_to_hf(model: ModelSpec) -> float:
+    """transformers' ``router_aux_loss_coef`` for ``model``'s ``aux_loss_coef``: the inverse of
+    :func:`aux_coef_from_hf`, ``aux_loss_coef L_m / k``."""
+    return float(f"{model.aux_loss_coef * model.moe_layers / model.top_k:.10g}")
+
+
+def _moe_sizes(raw: dict, kind: str, name: str) -> ModelSpec:
+    """The sizes of a Mixtral or Qwen3-MoE config, without the load-balancing coefficient.
+
+    Raises:
+        ModelError: see :func:`moe_config`.
+    """
     sizes = _common_sizes(raw)
     if kind == "mixtral":
         width = int(raw["intermediate_size"])

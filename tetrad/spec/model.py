@@ -56,6 +56,7 @@ _MOE_LEAST = {
     "route_scale": 0,
     "aux_loss_coef": 0,
     "bias_update_rate": 0,
+    "router_z_loss_coef": 0,
 }
 """The least value of each mixture-of-experts size (``route_scale`` must also be above 0)."""
 
@@ -134,13 +135,17 @@ class ModelSpec:
         moe_every: block ``i`` (0-based) is an MoE block when ``(i + 1) % moe_every == 0`` and
             ``i >= dense_layers`` (Qwen3-MoE's ``decoder_sparse_step``).
         router_score: ``softmax`` (Mixtral, Qwen3-MoE) or ``sigmoid`` (DeepSeek-V3).
-        router_renorm: divide the ``k`` routing weights by their sum.
+        router_renorm: divide the ``k`` routing weights by their sum (refused with
+            ``top_k = 1``: the weight is then 1.0 and the router gets no gradient).
         route_scale: multiply the routing weights by this (DeepSeek-V3: 2.5).
         aux_loss_coef: Switch/GShard load-balancing loss coefficient ``c`` per MoE block
             (balanced routing gives ``c``; :func:`tetrad.models.moe.load_balance_loss`).
         aux_loss_scope: ``sequence`` (statistics per sequence, DeepSeek-V3's sequence-wise
             loss: grid-independent) or ``batch`` (over the rank's micro-batch, Megatron's
             default ``aux_loss``: depends on the micro-batch split).
+        router_z_loss_coef: router z-loss coefficient per MoE block (ST-MoE, arXiv 2202.08906,
+            eq. 5: the mean over tokens of the squared log-sum-exp of the router logits,
+            :func:`tetrad.models.moe.router_z_loss`; ST-MoE uses 0.001); 0: off.
         bias_update_rate: aux-loss-free balancing rate ``gamma`` (DeepSeek-V3, arXiv
             2412.19437 section 2.1.2: 0.001); 0: no selection bias.
 
@@ -185,6 +190,7 @@ class ModelSpec:
     route_scale: float = 1.0
     aux_loss_coef: float = 0.0
     aux_loss_scope: str = "sequence"
+    router_z_loss_coef: float = 0.0
     bias_update_rate: float = 0.0
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
@@ -236,6 +242,13 @@ class ModelSpec:
                 bad.append(f"{name}={value} must be {bound}")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             bad.append(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+        elif self.n_experts and self.top_k == 1 and self.router_renorm:
+            # the one weight divided by itself is 1.0 for every token: no gradient reaches the
+            # router from the LM loss (issue 47 measured 3e-6 against 27 with top-2)
+            bad.append(
+                "top_k=1 with router_renorm=true gives every token the weight 1.0, so the router "
+                "learns nothing from the loss: set router_renorm=false (Switch) or top_k=2"
+            )
         if self.n_experts and self.family != "llama":
             bad.append("mixture-of-experts sizes need family llama")
         return bad

@@ -178,7 +178,7 @@ _PRESET_LIST = [
         n_experts=128,
         top_k=8,
         expert_ffn_dim=1536,
-        aux_loss_coef=0.001,
+        aux_loss_coef=0.001 * 8 / 94,  # transformers pools 94 blocks' loss (aux_coef_from_hf)
     ),
     # DeepSeek-V3 (arXiv 2412.19437; inference/configs/config_671B.json): MLA attention, the
     # first 3 blocks dense (18432), then 256 experts of 2048, top-8, one shared expert of

@@ -101,7 +101,8 @@ def scalars(row: dict) -> dict[str, float]:
     """The TensorBoard scalars of a :meth:`StepMeter.row` (``val_loss`` where it has one): tag ->
     value. Tags: ``train/loss, train/lr, train/grad_norm, val/loss`` (nats per token),
     ``train/aux_loss`` (an MoE model's load-balancing term), per MoE block ``i``
-    ``moe/max_load/block_i`` and ``moe/balance/block_i`` (:mod:`tetrad.train.routing`),
+    ``moe/max_load/block_i``, ``moe/balance/block_i`` and (with the router z-loss)
+    ``moe/z_loss/block_i`` (:mod:`tetrad.train.routing`),
     ``perf/tokens_per_s, perf/tokens_per_s_per_rank, perf/mfu, perf/step_time_s`` (seconds),
     ``memory/peak_bytes``, and per mesh axis ``A``: ``comm_exposed_s/A, comm_time_s/A``
     (seconds) and ``comm_bytes/A`` (bytes sent per rank)."""
@@ -119,7 +120,7 @@ def scalars(row: dict) -> dict[str, float]:
         out["val/loss"] = row["val_loss"]
     if "aux_loss" in row:
         out["train/aux_loss"] = row["aux_loss"]
-    for key in ("moe_max_load", "moe_balance"):  # per MoE block
+    for key in ("moe_max_load", "moe_balance", "moe_z_loss"):  # per MoE block
         out |= {f"moe/{key[4:]}/block_{b}": v for b, v in row.get(key, {}).items()}
     for key in ("comm_exposed_s", "comm_time_s", "comm_bytes"):
         out |= {f"{key}/{axis}": v for axis, v in row[key].items()}

@@ -40,7 +40,7 @@ def moe_block_ids(cfg: ModelSpec) -> list[int]:
 
 
 def take_step_routing(parts: Iterable[Transformer], cfg: ModelSpec) -> torch.Tensor | None:
-    """This rank's routing statistics of the step just run, ``[L_m, E + 1]`` fp32 on the
+    """This rank's routing statistics of the step just run, ``[L_m, E + 2]`` fp32 on the
     device (row ``j`` the ``j``-th MoE block of :func:`moe_block_ids`, zeros for the blocks of
     other pipeline stages; layout of :attr:`tetrad.models.moe.MoEFeedForward.routing`), taken
     from ``parts`` (:meth:`~tetrad.models.llama.Transformer.take_routing`: the next step
@@ -51,7 +51,7 @@ def take_step_routing(parts: Iterable[Transformer], cfg: ModelSpec) -> torch.Ten
         return None
     parts = list(parts)
     device = next(parts[0].parameters()).device
-    out = torch.zeros(len(blocks), cfg.n_experts + 1, device=device)
+    out = torch.zeros(len(blocks), cfg.n_experts + 2, device=device)
     for part in parts:
         for i, stats in part.take_routing().items():
             out[blocks.index(i)] = stats
@@ -59,27 +59,31 @@ def take_step_routing(parts: Iterable[Transformer], cfg: ModelSpec) -> torch.Ten
 
 
 def sum_routing(stats: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """``stats [..., L_m, E + 1]`` (:func:`take_step_routing`'s, stacked over steps) summed in
+    """``stats [..., L_m, E + 2]`` (:func:`take_step_routing`'s, stacked over steps) summed in
     place over every rank of the grid (each rank's are its own tokens' or its own blocks')."""
     return all_reduce(stats, grid, Axis.WORLD)
 
 
 def routing_row(stats: torch.Tensor | list, cfg: ModelSpec, sequences: int) -> dict[str, dict]:
     """The ``metrics.jsonl`` entries of one step from its statistics summed over the grid,
-    ``[L_m, E + 1]`` (:func:`sum_routing`), and its global batch of ``sequences``, each keyed by
+    ``[L_m, E + 2]`` (:func:`sum_routing`), and its global batch of ``sequences``, each keyed by
     the MoE block's index: ``moe_max_load`` (the max/mean expert load), ``moe_balance`` (the
     block's load-balancing term over its coefficient, 1.0 balanced; only when
-    ``aux_loss_coef > 0``; :func:`tetrad.models.moe.routing_figures`) and, for at most
+    ``aux_loss_coef > 0``; :func:`tetrad.models.moe.routing_figures`), ``moe_z_loss`` (the
+    block's router z-loss, its coefficient left out; only when ``router_z_loss_coef > 0``) and,
+    for at most
     :data:`EXPERT_LOADS_MAX` experts, ``moe_expert_load`` (each expert's slots over the mean,
     ``E`` values rounded to 4 decimals: 1 each when balanced)."""
     stats = torch.as_tensor(stats, dtype=torch.float64)
-    max_load, balance = routing_figures(stats, sequences)
+    max_load, balance, z_loss = routing_figures(stats, sequences)
     blocks = [str(i) for i in moe_block_ids(cfg)]
     row = {"moe_max_load": dict(zip(blocks, max_load.tolist(), strict=True))}
     if cfg.aux_loss_coef > 0:
         row["moe_balance"] = dict(zip(blocks, balance.tolist(), strict=True))
+    if cfg.router_z_loss_coef > 0:
+        row["moe_z_loss"] = dict(zip(blocks, z_loss.tolist(), strict=True))
     if cfg.n_experts <= EXPERT_LOADS_MAX:
-        counts = stats[:, :-1]
+        counts = stats[:, :-2]
         loads = counts / counts.mean(-1, keepdim=True).clamp_min(1e-300)
         per_block = [[round(v, 4) for v in block] for block in loads.tolist()]
         row["moe_expert_load"] = dict(zip(blocks, per_block, strict=True))

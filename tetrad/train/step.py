@@ -99,7 +99,9 @@ def train_step_losses(
     The loss differentiated is ``lm_loss + aux_loss``: ``lm_loss`` the mean cross-entropy over
     the ``B*S`` tokens, ``aux_loss`` the MoE load-balancing term, the sum over MoE blocks of
     ``aux_loss_coef`` x the mean over the ``B`` sequences of the block's Switch loss
-    (:func:`tetrad.models.moe.load_balance_loss`; 0 for a dense model). After the update, MoE
+    (:func:`tetrad.models.moe.load_balance_loss`) plus ``router_z_loss_coef`` x the block's
+    router z-loss (:func:`tetrad.models.moe.router_z_loss`; 0 for a dense model). After the
+    update, MoE
     routers with a selection bias update it from the step's expert loads
     (:func:`tetrad.parallel.experts.update_expert_biases`). The MoE blocks' routing statistics
     of the step stay on the device in the model

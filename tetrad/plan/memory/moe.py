@@ -76,6 +76,8 @@ def routed_saved_bytes(
         router += FP32 * t * k + FP32 * t
     if model.router_score == "sigmoid":
         router += FP32 * t
+    if model.router_z_loss_coef > 0:  # logsumexp keeps the fp32 logits and its output
+        router += FP32 * t * (n_e + 1)
     dispatch = INT64 * t * k + (2 * INT64 * rows if expert > 1 else 0)
     experts = e * rows * (h + 4 * f) + 4 * local + (3 * e * local * f * h if cast else 0)
     combine = 2 * INT64 * t * k + FP32 * t * k + FP32 * t * k * h
