@@ -62,15 +62,24 @@ def _losses(run_dir) -> list[float]:
     return [json.loads(ln)["loss"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def whole(corpus, tmp_path_factory):
+    """Four uninterrupted steps on one rank: what both resumes below are compared with."""
+    root = tmp_path_factory.mktemp("orientation")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TETRAD_CACHE", str(root / "cache"))
+        _run(_config(corpus, root / "whole", 4, "1,1,1,1"), 1)
+    return root / "whole"
+
+
 @pytest.mark.parametrize("to_grid,world", [("1,1,2,1", 2), ("1,1,2,2", 4)])
 def test_checkpoint_of_x_alone_resumes_on_other_grids(
-    corpus, tmp_path, monkeypatch, to_grid, world
+    corpus, whole, tmp_path, monkeypatch, to_grid, world
 ):
     """Two steps on 1,1,1,2 (turned: X plays Y), resumed for two more on ``to_grid`` (DCP
     reshards from the roles' layout), against four uninterrupted steps."""
     monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))
-    whole, run = tmp_path / "whole", tmp_path / "run"
-    _run(_config(corpus, whole, 4, "1,1,1,1"), 1)
+    run = tmp_path / "run"
     _run(_config(corpus, run, 2, "1,1,1,2"), 2)
     meta = json.loads((run / "checkpoints" / "step_0000002" / "tetrad.json").read_text())
     assert meta["grid"] == [1, 1, 1, 1, 2] and meta["orientation"] == "yx"

@@ -14,9 +14,11 @@ at least one grid, several axes > 1 at once) and, for each grid, every combinati
 Two grids also run turned (orientation ``yx``: the X dimension plays the Y role of the layer
 pairs), where both sides name the ``--grid``'s axes.
 
-The first step records the prefetch order of the overlap schedule; the record is reset before
-the second step and read after it. For every rank, per axis, the counted calls, payload bytes and
-ring bytes must equal :func:`tetrad.plan.comm.listing.axis_totals` of
+The first step records the prefetch order of the overlap schedule (on its first micro-batch,
+whatever the step's micro-batch count) and lays out the data-parallel buckets; the configs that
+differ only in micro-batches share one model and that warm-up step, and the record is reset
+before each config's counted step and read after it. For every rank, per axis, the counted
+calls, payload bytes and ring bytes must equal :func:`tetrad.plan.comm.listing.axis_totals` of
 :func:`tetrad.plan.step_time.collectives` exactly (fp32 compute dtype, the runtime's overlap
 options), and the set of axes must be the same on both sides: the planner predicts no collective
 on an axis the runtime left silent, and the runtime uses no axis the planner missed.
@@ -81,8 +83,9 @@ def _key(sizes, orientation, n_micro, ckpt, overlaps) -> str:
 
 
 def _worker(world_size: int, out_dir: str, grids=None, configs=None, shard=False) -> None:
-    """Two training steps per (grid, config); this rank's counts of the second one to JSON
-    (``shard``: with the sharded optimizer)."""
+    """Per grid, one model per (checkpointing, overlaps): a warm-up step, then one counted
+    step per micro-batch count of the configs; this rank's counts to JSON (``shard``: with the
+    sharded optimizer)."""
     rank = dist.get_rank()
     got = {}
     for sizes, orientation in grids or GRIDS[world_size]:
@@ -91,17 +94,23 @@ def _worker(world_size: int, out_dir: str, grids=None, configs=None, shard=False
         batch = torch.randint(
             0, CFG.vocab_size, (SAMPLES * grid.batch_shards, SEQ + 1), generator=g
         )
+        # One model per (checkpointing, overlaps), warmed up by one step; each of its configs'
+        # micro-batch counts then counts one step of its own.
+        models: dict[tuple, list[int]] = {}
         for n_micro, ckpt, ov in configs or CONFIGS:
+            models.setdefault((ckpt, ov), []).append(n_micro)
+        for (ckpt, ov), n_micros in models.items():
             model = ParallelLlama(CFG, grid, ckpt, OVERLAP_SETS[ov], **OPTIONS)
             init_parameters(model, SEED, grid)
             opt = build_optimizer(model, LR, weight_decay=0.1, shard=grid if shard else None)
-            train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)
-            grid.comm.reset()
-            train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)
-            stats = grid.comm.reset()
-            got[_key(sizes, orientation, n_micro, ckpt, ov)] = {
-                axis: [s.calls, s.payload_bytes, s.bytes] for axis, s in stats.items()
-            }
+            train_step(model, opt, grid, batch, SAMPLES // n_micros[0], CLIP)
+            for n_micro in n_micros:
+                grid.comm.reset()
+                train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)
+                stats = grid.comm.reset()
+                got[_key(sizes, orientation, n_micro, ckpt, ov)] = {
+                    axis: [s.calls, s.payload_bytes, s.bytes] for axis, s in stats.items()
+                }
     with open(f"{out_dir}/{rank}.json", "w") as fh:
         json.dump(got, fh)
 
