@@ -189,18 +189,23 @@ COMPILED_MODES = ("none", "selective", "full")
 def _compiled_worker(out_dir: str) -> None:
     """One rank: each mode's forward with the blocks under ``torch.compile`` (fp32, and bf16
     autocast without checkpointing): saved bytes, and under ``full`` one block's recompute set.
-    Forward only: the backward graphs are never compiled (they would add minutes, not bytes)."""
+    Forward only: the backward graphs are never compiled (they would add minutes, not bytes).
+
+    The models are built one after another in this process, ``full`` after ``selective``, as
+    :func:`_assert_no_frame_per_cheap_function` needs; their losses are the same."""
     grid = Grid.build((1, 1, 1, 1))
+    losses = []
     for mode in COMPILED_MODES:
         model = ParallelLlama(CFG, grid, mode)
         init_parameters(model, SEED, grid)
         compile_blocks(model)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        batch = torch.randint(0, CFG.vocab_size, (MICRO, SEQ + 1))
+        g = torch.Generator().manual_seed(SEED)
+        batch = torch.randint(0, CFG.vocab_size, (MICRO, SEQ + 1), generator=g)
         tokens, targets = inputs_targets(local_samples(batch, grid), grid)
         out = {}
         with SavedBytes(params) as saved:
-            model.loss_sum(tokens, targets)
+            losses.append(model.loss_sum(tokens, targets).detach())
         out["activations"] = saved.total
         if mode == "none":
             with SavedBytes(params) as saved, torch.autocast("cpu", dtype=torch.bfloat16):
@@ -210,12 +215,35 @@ def _compiled_worker(out_dir: str) -> None:
             out["recompute"] = block_recompute_bytes(model, tokens, params)
         with open(f"{out_dir}/compiled_{mode}.json", "w") as fh:
             json.dump(out, fh)
+    for loss in losses[1:]:
+        torch.testing.assert_close(loss, losses[0])
+    _assert_no_frame_per_cheap_function()
+
+
+def _assert_no_frame_per_cheap_function() -> None:
+    """Dynamo inlined the cheap functions into the blocks' graphs (``none``, ``full``) or broke
+    the graph at the eager recomputation (``selective``), in the calling frame, guarded on the
+    mode: none of them, nor the helper that runs them, was compiled as a frame of its own once
+    per function (torch 2.13 went past its recompile limit; torch 2.11 gave the keys the
+    queries' graph), neither in selective mode nor in a model built after it (which reused the
+    selective blocks' entries). ``tetrad.models.recompute.runner``."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from tetrad.models import recompute
+    from tetrad.models.llama import Attention, swiglu
+    from tetrad.parallel.norm import normalise
+
+    own_frames = [recompute.cheap, recompute._plain, swiglu, normalise, Attention._merge_heads]
+    own_frames += [Attention._rotated_queries, Attention._rotated_keys, Attention._values]
+    compiled = {f.__name__: len(_debug_get_cache_entry_list(f.__code__)) for f in own_frames}
+    assert not any(compiled.values()), f"compiled as frames of their own: {compiled}"
 
 
 def test_compiled_memory_model_matches_runtime(tmp_path):
     """``tetrad memory --compile``: the blocks under ``torch.compile`` save what
     :func:`tetrad.plan.memory.activations.compiled_block_delta` says, to the byte (fp32 in
-    each mode, bf16 autocast without checkpointing, one rank)."""
+    each mode, bf16 autocast without checkpointing, one rank), and no cheap function is
+    compiled as a frame of its own (:func:`_assert_no_frame_per_cheap_function`)."""
     run_distributed(_compiled_worker, 1, str(tmp_path))
     sizes = (1, 1, 1, 1)
     for mode in COMPILED_MODES:
