@@ -20,7 +20,6 @@ from tetrad.plan.machine.description import get_machine, parse_machine
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.four_d import search_4d
 from tetrad.plan.search.fp8_choice import fp8_breakdown
-from tetrad.plan.search.step_bounds import StepBounds
 from tetrad.plan.step_time import collectives, estimate
 from tetrad.spec.presets import get_model
 
@@ -171,20 +170,12 @@ def test_fine_overlap_is_left_out_with_fp8():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_bounds_stay_below_the_fp8_estimate(recipe):
-    from tests.test_plan_bounds import configurations
+    from tests.test_plan_bounds import check_bounds_below_estimates
 
     gpus, batch, seq, n = 16, 32, 2048, 0
     for overlaps in ("all", "none"):
         ctx = StepQuestion(L8B, H100, seq, batch, overlaps=overlaps, fp8=recipe)
-        bounds = StepBounds(ctx)
-        for grid, b, ckpt in configurations(L8B, gpus, batch, seq):
-            fwd, bwd, rec = ctx.micro_batch_seconds(grid, b, ckpt)
-            compute = (batch // (grid[0] * grid[2] * b)) * (fwd + bwd + rec)
-            cheap = bounds.cheap(grid, b, ckpt, compute)
-            full = bounds.with_xy(cheap, grid, b, ckpt)
-            step = estimate(ctx, grid, b, ckpt).step_s
-            assert compute <= cheap <= full <= step * (1 + 1e-12), (overlaps, grid, b, ckpt)
-            n += 1
+        n += check_bounds_below_estimates(ctx, gpus)
     assert n > 100
 
 
