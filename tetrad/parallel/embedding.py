@@ -17,6 +17,7 @@ from torch import nn
 from tetrad.comm import all_reduce
 from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
+from tetrad.parallel.masters import grad_dtype
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec.grid import Axis
@@ -48,10 +49,10 @@ class _Embedding3D(torch.autograd.Function):
         e_shard = ctx.weight
         if ctx.ov.grid.y > 1:  # rows of ids in other Y blocks add nothing here
             dout = dout.masked_fill(outside.unsqueeze(-1), 0.0)
-        dout = dout.to(e_shard.dtype)
+        dout = dout.to(grad_dtype(e_shard))
         de = ctx.ov.grad_slot(e_shard)  # its place in the data-parallel bucket, if offered
         if de is None:
-            de = torch.zeros(ctx.rows, dout.shape[-1], dtype=e_shard.dtype, device=dout.device)
+            de = torch.zeros(ctx.rows, dout.shape[-1], dtype=dout.dtype, device=dout.device)
         else:
             de.zero_()
         de.index_add_(0, local.reshape(-1), dout.reshape(-1, dout.shape[-1]))

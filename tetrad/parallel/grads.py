@@ -9,6 +9,7 @@ from torch import nn
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
+from tetrad.parallel.masters import grad_of
 from tetrad.parallel.zero import DataShards
 from tetrad.spec.grid import Axis
 
@@ -37,7 +38,7 @@ def sync_gradients(
     """
     buckets: dict[tuple[str, ...], list[nn.Parameter]] = defaultdict(list)
     for p in model.parameters():
-        if p.grad is not None:
+        if grad_of(p) is not None:
             axes = p.placement.grad_sum_axes
             if id(p) in data_reduced:
                 axes = tuple(a for a in axes if a != Axis.DATA)
@@ -47,7 +48,7 @@ def sync_gradients(
         if not axes:
             continue
         pieces = shards.grads if shards is not None else {}  # those reduced over data
-        grads = [pieces.get(id(p), p.grad) for p in params]
+        grads = [pieces.get(id(p), grad_of(p)) for p in params]
         if shards is not None and axes == (Axis.DATA,):  # packed as they are, no flat copy
             shards.take(params, shards.reduce_scatter(params, grads))
             continue
@@ -117,7 +118,7 @@ def _step_grads(
     pieces = shards.grads if shards is not None else {}
     out = []
     for p in model.parameters():
-        g = pieces.get(id(p), p.grad)
+        g = pieces.get(id(p), grad_of(p))
         if g is not None:
             out.append((p, g))
     return out
