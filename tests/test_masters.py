@@ -2,8 +2,9 @@
 ``--param-dtype bf16``) against the single-process reference under the same policy (bf16
 weights and GEMMs, fp32 gradients accumulated apart, fp32 masters updated by AdamW), on data,
 data x Z, Y x X, data x context and pipeline x data grids, with the sharded optimizer (masters
-sharded with the AdamW states) and without; and checkpoints that keep the fp32 masters, so that
-runs resume across storage formats.
+sharded with the AdamW states) and without, the gradients summed over data in fp32 or in bf16
+(``--grad-reduce-dtype``: every sum over data is seen in that format); and checkpoints that
+keep the fp32 masters, so that runs resume across storage formats.
 
 Tolerances. Both sides round the weights and every GEMM's output to bf16 (unit roundoff
 ``u = 2^-8``) but sum in other orders (over ranks, over micro-batches, in fused collectives), so
@@ -19,12 +20,15 @@ largest, at most twice the sum of the steps' learning rates (an element that fli
 step).
 """
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.distributed import run_distributed
+from tetrad.dtypes import torch_dtype
 from tetrad.grid import Grid
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
@@ -125,13 +129,36 @@ def _train(model, opt, grid, pipe, steps, ref_curves=None, label=""):
     settle_parameters(opt)
 
 
+@contextlib.contextmanager
+def data_sums(grid, into: set):
+    """Collects the dtypes of the tensors (more than one element) summed over data (on gloo a
+    reduce-scatter is an all-reduce too) while active."""
+    plain, group = dist.all_reduce, grid.group("data") if grid.size("data") > 1 else None
+
+    def spy(t, *args, **kwargs):
+        if group is not None and kwargs.get("group") is group and t.numel() > 1:
+            into.add(t.dtype)
+        return plain(t, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        yield
+    finally:
+        dist.all_reduce = plain
+
+
 def master_runs(world_size, ref_curves, ref_masters, cases, run_dir):
-    for pipe, sizes, shard in cases:
+    for pipe, sizes, shard, reduce in cases:
         grid, model, weights = _build(pipe, sizes, BF16)
-        opt = build_optimizer(weights, LR, 0.1, shard=grid if shard else None, policy=BF16)
-        label = f"pipe {pipe} grid {sizes} shard {shard}"
+        policy = precision("cpu", "bf16", grad_reduce=reduce)
+        opt = build_optimizer(weights, LR, 0.1, shard=grid if shard else None, policy=policy)
+        label = f"pipe {pipe} grid {sizes} shard {shard} reduce {reduce}"
         assert {p.dtype for p in weights.parameters()} == {torch.bfloat16}, label
-        _train(model, opt, grid, pipe, enumerate(batches()), ref_curves, label)
+        sums = set()
+        with data_sums(grid, sums):
+            _train(model, opt, grid, pipe, enumerate(batches()), ref_curves, label)
+        if grid.size("data") > 1:
+            assert sums == {torch_dtype(reduce)}, f"{label}: summed over data in {sums}"
         masters, diffs = _masters(opt, weights), []
         for name, p in weights.named_parameters():
             assert masters[name].dtype == torch.float32, label
@@ -172,12 +199,12 @@ def _resume_across_formats(run_dir):
     ckpt.close()
 
 
-CASES = [
-    (1, (4, 1, 1, 1), False),
-    (1, (2, 2, 1, 1), True),
-    (1, (1, 1, 2, 2), False),
-    (1, (2, 2, 1, 1, 1), True),
-    (2, (2, 1, 1, 1, 1), True),
+CASES = [  # (G_pipe, grid, sharded optimizer, grad_reduce)
+    (1, (4, 1, 1, 1), False, "fp32"),
+    (1, (2, 2, 1, 1), True, "bf16"),
+    (1, (1, 1, 2, 2), False, "fp32"),
+    (1, (2, 2, 1, 1, 1), True, "fp32"),
+    (2, (2, 1, 1, 1, 1), False, "bf16"),
 ]
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from tetrad.comm import Handle, all_reduce
 from tetrad.grid import Grid
-from tetrad.parallel.masters import grad_dtype, grad_of, set_grad
+from tetrad.parallel.masters import grad_dtype, grad_of, reduce_dtype, set_grad
 from tetrad.parallel.zero import DataShards
 from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import DP_BUCKET_BYTES
@@ -147,7 +147,7 @@ class GradBuckets:
         self._launch()
         seen = []
         for params, handle in self._launched:
-            flat, offset = handle.wait(), 0
+            flat, offset = handle.wait().to(grad_dtype(params[0])), 0
             seen += params
             if self.shards is not None:
                 self.shards.take(params, flat)
@@ -169,6 +169,7 @@ class GradBuckets:
                 flat = self._in_place(len(self._launched))
                 if flat is None:
                     flat = torch.cat([grad_of(p).reshape(-1) for p in self._bucket])
+                flat = flat.to(reduce_dtype(self._bucket[0]))  # no copy where the same
                 handle = all_reduce(flat, self.grid, Axis.DATA, async_op=True)
             self._launched.append((self._bucket, handle))
             self.counts["dp_buckets"] += 1

@@ -9,7 +9,7 @@ from torch import nn
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
-from tetrad.parallel.masters import grad_of
+from tetrad.parallel.masters import grad_of, reduce_dtype
 from tetrad.parallel.zero import DataShards
 from tetrad.spec.grid import Axis
 
@@ -57,7 +57,10 @@ def sync_gradients(
             if a == Axis.DATA and shards is not None:  # the last of TOKEN_AXES
                 shards.take(params, shards.reduce_scatter(params, _split(flat, grads)))
                 break
-            all_reduce(flat, grid, a)
+            if a == Axis.DATA and reduce_dtype(params[0]) != flat.dtype:
+                flat.copy_(all_reduce(flat.to(reduce_dtype(params[0])), grid, a))
+            else:
+                all_reduce(flat, grid, a)
         else:
             _copy_back(flat, grads)
 

@@ -38,6 +38,13 @@ def grad_dtype(p: torch.Tensor) -> torch.dtype:
     return getattr(p, "grad_dtype_apart", p.dtype)
 
 
+def reduce_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype ``p``'s gradient is summed over data in (the policy's ``grad_reduce``, set by
+    :func:`store_parameters`; else :func:`grad_dtype`): the sum is cast back to
+    :func:`grad_dtype`."""
+    return getattr(p, "grad_reduce_dtype", grad_dtype(p))
+
+
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:
     """``p``'s accumulated gradient (same shape as ``p``, :func:`grad_dtype`), or None."""
     return getattr(p, MAIN_GRAD) if keeps_grad_apart(p) else p.grad
@@ -79,11 +86,16 @@ def _move_grad(p: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def store_parameters(model: nn.Module, params: torch.dtype, grads: torch.dtype) -> None:
+def store_parameters(
+    model: nn.Module, params: torch.dtype, grads: torch.dtype, reduce: torch.dtype | None = None
+) -> None:
     """Store ``model``'s parameters in ``params`` (in place, ``param.data`` cast) and, where
-    that is not ``grads``, keep their gradients apart in ``grads`` (:func:`grad_of`). Buffers
-    keep their dtype. Idempotent."""
+    that is not ``grads``, keep their gradients apart in ``grads`` (:func:`grad_of`); sum them
+    over data in ``reduce`` (default ``grads``; :func:`reduce_dtype`). Buffers keep their
+    dtype. Idempotent."""
     for p in model.parameters():
+        if reduce is not None and reduce != grads:
+            p.grad_reduce_dtype = reduce
         if p.dtype != params:
             p.data = p.data.to(params)
         if params != grads and not keeps_grad_apart(p):

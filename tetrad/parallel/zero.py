@@ -34,7 +34,7 @@ from torch import nn
 
 from tetrad.comm import Handle, all_gather, reduce_scatter
 from tetrad.grid import Grid
-from tetrad.parallel.masters import MasterAdamW, drop_grads, grad_of
+from tetrad.parallel.masters import MasterAdamW, drop_grads, grad_dtype, grad_of, reduce_dtype
 from tetrad.spec.grid import Axis
 
 
@@ -137,13 +137,14 @@ class DataShards:
         the group for the all-gather after the update. The packed buffer takes the place of
         the gradients: ``param.grad`` is dropped (the step needs only the reduced pieces)."""
         self.groups.append(list(params))
-        packed = self.pack(grads)
+        packed = self.pack(grads).to(reduce_dtype(params[0]))
         drop_grads(params)
         return reduce_scatter(packed, self.grid, Axis.DATA, async_op=async_op)
 
     def take(self, params: list[nn.Parameter], row: torch.Tensor) -> None:
-        """Record each parameter's reduced piece from the reduce-scattered ``row``."""
-        offset = 0
+        """Record each parameter's reduced piece from the reduce-scattered ``row`` (cast to the
+        gradients' dtype where it was summed in another)."""
+        row, offset = row.to(grad_dtype(params[0])), 0
         for p in params:
             n, c = p.numel(), self.chunk(p.numel())
             length = max(0, min(c, n - self.rank * c))

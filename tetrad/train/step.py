@@ -34,7 +34,8 @@ def build_optimizer(
     sharded optimizer's masters are its pieces), then the model's parameters are stored in the
     policy's format with their gradients accumulated apart in fp32
     (:func:`tetrad.parallel.masters.store_parameters`): build the optimizer after the weights
-    are initialised or loaded.
+    are initialised or loaded. The policy's ``grad_reduce`` format is the one the gradients are
+    summed over data in.
 
     With ``shard`` (the grid), the sharded optimizer: AdamW states split over the grid's data x
     context ranks, gradients reduce-scattered and parameters all-gathered over them
@@ -63,9 +64,10 @@ def build_optimizer(
     elif masters:
         opt = MasterAdamW(groups, **kwargs)
     else:
-        return torch.optim.AdamW(groups, **kwargs)
-    if masters:
-        store_parameters(model, torch_dtype(policy.params), torch_dtype(policy.grads))
+        opt = torch.optim.AdamW(groups, **kwargs)
+    if policy is not None:
+        dtypes = (policy.params, policy.grads, policy.grad_reduce)
+        store_parameters(model, *map(torch_dtype, dtypes))
     return opt
 
 
