@@ -64,24 +64,21 @@ def test_the_policies():
         Precision(compute="fp16")
     with pytest.raises(PrecisionError, match="stage_boundary=fp32 with compute=bf16"):
         Precision(compute="bf16")
-    # bf16 weights: bf16 GEMMs, residual and boundaries on every device, fp32 masters/grads
+    # bf16 weights: bf16 GEMMs and boundaries on every device; fp32 masters, grads, residual
     for device in ("cpu", "cuda"):
         bf16 = precision(device, "bf16", grad_reduce="bf16")
         assert dataclasses.asdict(bf16) == dataclasses.asdict(cpu) | {
             "compute": "bf16",
             "params": "bf16",
-            "residual": "bf16",
             "stage_boundary": "bf16",
             "grad_reduce": "bf16",
         }
-        assert bf16.masters and not bf16.autocast and bf16.bytes("params") == 2
+        assert bf16.masters and bf16.autocast and bf16.bytes("params") == 2
     assert not cpu.masters and not cuda.masters
     with pytest.raises(PrecisionError, match="master=bf16: the runtime keeps master in fp32"):
-        Precision(
-            compute="bf16", params="bf16", residual="bf16", stage_boundary="bf16", master="bf16"
-        )
+        Precision(compute="bf16", params="bf16", stage_boundary="bf16", master="bf16")
     with pytest.raises(PrecisionError, match="compute=fp32 with params=bf16"):
-        Precision(params="bf16", residual="bf16")
+        Precision(params="bf16")
     with pytest.raises(PrecisionError, match="param dtype 'fp16': use fp32 or bf16"):
         precision("cpu", "fp16")
 

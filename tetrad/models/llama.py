@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tetrad.dtypes import residual_dtype
 from tetrad.models import recompute
 from tetrad.models.moe import MoEFeedForward
 from tetrad.spec.activation_checkpointing import checkpointed_blocks, parse_checkpointing
@@ -294,7 +295,11 @@ class Transformer(nn.Module):
         """The final norm's output ``[b, s, dim]``: what the LM head reads (a part without the
         head: its last block's output; without the embedding, ``tokens`` is the residual
         stream ``[b, s, dim]``)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None:  # the residual stream's format (fp32)
+            h = self.tok_embeddings(tokens)
+            h = h.to(residual_dtype(h.device))
+        else:
+            h = tokens
         positions = self.layer_factory.positions(tokens.shape[1], tokens.device)
         grad = torch.is_grad_enabled()
         for layer, mode in zip(self.layers.values(), self.block_modes, strict=True):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tetrad.comm import all_reduce
-from tetrad.dtypes import compute_dtype
+from tetrad.dtypes import compute_dtype, residual_dtype
 from tetrad.grid import Grid
 from tetrad.parallel.masters import grad_dtype
 from tetrad.parallel.overlap import Overlap
@@ -35,7 +35,7 @@ class _Embedding3D(torch.autograd.Function):
             local = local.masked_fill(outside, 0)
         # rows in the compute dtype on every grid (the same values whatever G_z), then in the
         # residual stream's dtype
-        out = e[local].to(dtype).to(e_shard.dtype)
+        out = e[local].to(dtype).to(residual_dtype(e_shard.device))
         if grid.y > 1:  # rows of other Y blocks' ids are zero here; the sum over Y fills them
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
             all_reduce(out, grid, Axis.Y)

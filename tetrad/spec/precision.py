@@ -23,8 +23,8 @@ and its distributed optimizer, whose masters are sharded over data x context wit
 ``--shard-optimizer``): forward and backward read the bf16 weights, the gradients accumulate in
 fp32 (Megatron's ``main_grad``), AdamW updates the fp32 masters and the bf16 weights are
 refreshed from them after every step. The GEMMs then run in bf16 on every device (on the CPU
-too, natively: a single-process reference under the same policy computes in the same format),
-and the residual stream, tied to the stored format, is bf16. ``grad_reduce="bf16"``
+too, under the CPU's bf16 autocast: a single-process reference under the same policy computes
+in the same formats); the residual stream stays fp32, as under fp32 weights. ``grad_reduce="bf16"``
 (``--grad-reduce-dtype bf16``) sums the fp32 gradients over data in bf16.
 
 The residual stream in the compute dtype under fp32 weights and FP8 GEMM recipes plug in here: a
@@ -51,18 +51,15 @@ FP8_RECIPES = ("off",)
 """FP8 GEMM scaling recipes the runtime implements (``off`` only, so far)."""
 
 
-RUNTIME_TIES = {
-    "stage_boundary": "compute",
-    "residual": "params",
-}
+RUNTIME_TIES = {"stage_boundary": "compute"}
 """Formats the runtime ties together today: a stage sends in the format its GEMMs produce
-(:func:`tetrad.dtypes.compute_dtype` under the step's autocast) and the residual stream adds in
-the parameters' format. An fp32 boundary under bf16 compute, and a bf16 residual stream under
-fp32 weights, untie them."""
+(:func:`tetrad.dtypes.compute_dtype` under the step's autocast). An fp32 boundary under bf16
+compute unties them."""
 
-RUNTIME_FP32 = ("master", "grads", "optimizer_states")
+RUNTIME_FP32 = ("master", "grads", "optimizer_states", "residual")
 """Formats the runtime keeps in fp32 whatever the stored weights: the optimizer's masters, the
-accumulated gradients (Megatron's ``main_grad``) and AdamW's moments."""
+accumulated gradients (Megatron's ``main_grad``), AdamW's moments and the residual stream (the
+embedding's output is cast to it). The residual stream in the compute format unties it."""
 
 PARAM_DTYPES = ("fp32", "bf16")
 """Formats the weights may be stored in (``--param-dtype``)."""
@@ -140,8 +137,9 @@ class Precision:
 
     @property
     def autocast(self) -> bool:
-        """Whether GEMMs run under autocast (their compute dtype is not the parameters')."""
-        return self.compute != self.params
+        """Whether GEMMs run under autocast (their compute dtype is not the residual
+        stream's)."""
+        return self.compute != self.residual
 
     def bytes(self, kind: str) -> int:
         """Bytes per element of the tensors of ``kind`` (a field name: ``compute``,
@@ -154,9 +152,9 @@ def precision(device: str, params: str = "fp32", grad_reduce: str = "fp32") -> P
 
     With fp32 weights (``params``, the default): fp32 everywhere on the CPU; on CUDA, bf16 GEMMs
     and attention under autocast and bf16 stage boundaries (Megatron-LM's activations),
-    everything else fp32. With bf16 weights: bf16 GEMMs, residual stream and stage boundaries
-    on every device, fp32 masters, gradients and AdamW states. ``grad_reduce``: the format of
-    the gradients' sum over data.
+    everything else fp32. With bf16 weights: bf16 GEMMs under autocast and bf16 stage
+    boundaries on every device, fp32 masters, gradients, AdamW states and residual stream.
+    ``grad_reduce``: the format of the gradients' sum over data.
 
     Raises:
         PrecisionError: ``params`` or ``grad_reduce`` not ``fp32`` or ``bf16``.
@@ -167,11 +165,7 @@ def precision(device: str, params: str = "fp32", grad_reduce: str = "fp32") -> P
         raise PrecisionError(f"grad-reduce dtype {grad_reduce!r}: use {' or '.join(DTYPE_BYTES)}")
     compute = "bf16" if device == "cuda" or params == "bf16" else "fp32"
     return Precision(
-        compute=compute,
-        params=params,
-        residual=params,
-        stage_boundary=compute,
-        grad_reduce=grad_reduce,
+        compute=compute, params=params, stage_boundary=compute, grad_reduce=grad_reduce
     )
 
 

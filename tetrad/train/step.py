@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from tetrad.dtypes import autocast, torch_dtype
+from tetrad.dtypes import autocast, stored_policy, torch_dtype
 from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
 from tetrad.parallel.batch import inputs_targets, local_samples, sum_over_batch_axes, to_device
@@ -137,10 +137,11 @@ def train_step_losses(
         overlap.buckets.shards = shards
     loss = torch.zeros((), device=grid.device)
     aux, moe = torch.zeros((), device=grid.device), False
+    policy = stored_policy(model, grid.device)
     for i, mb in enumerate(micro_batches):
         if overlap is not None:
             overlap.begin_micro_batch(last=i == len(micro_batches) - 1)
-        with autocast(grid.device):
+        with autocast(grid.device, policy):
             part = model.loss_sum(*inputs_targets(mb, grid)) / n_tokens
             aux_sum = model.aux_loss_sum() if hasattr(model, "aux_loss_sum") else None
         if hasattr(model, "record_routing"):  # MoE blocks' loads, summed on the device
@@ -166,10 +167,10 @@ def train_step_losses(
 def evaluate(model: nn.Module, grid: Grid, batches: list[torch.Tensor], micro_batch: int) -> float:
     """Mean cross-entropy (nats per token) over the given global batches ``[B, S+1]``."""
     total = torch.zeros((), device=grid.device)
-    n_tokens = 0
+    n_tokens, policy = 0, stored_policy(model, grid.device)
     for batch in batches:
         n_tokens += batch[:, 1:].numel()
         for mb in to_device(local_samples(batch, grid), grid.device).split(micro_batch):
-            with autocast(grid.device):
+            with autocast(grid.device, policy):
                 total += model.loss_sum(*inputs_targets(mb, grid)).float()
     return sum_over_batch_axes(total, grid).item() / n_tokens
