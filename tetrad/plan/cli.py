@@ -42,6 +42,7 @@ from tetrad.spec.grid import (
 )
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.pipeline_split import PipelineSplitError
+from tetrad.spec.precision import PARAM_DTYPES
 from tetrad.spec.presets import PRESETS, get_model
 from tetrad.spec.sharding import moe_grid_problem
 from tetrad.spec.units import GiB
@@ -277,6 +278,13 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         help="tetrad: the blocks under torch.compile (tetrad train --compile), which save less",
     )
     m.add_argument(
+        "--param-dtype",
+        choices=PARAM_DTYPES,
+        default="fp32",
+        help="tetrad: the weights' stored format (tetrad train --param-dtype; bf16: fp32 "
+        "masters with the optimizer states, default fp32)",
+    )
+    m.add_argument(
         "--expert-parallel",
         type=_positive_int,
         default=1,
@@ -423,6 +431,7 @@ def run_memory(args: argparse.Namespace) -> int:
                 activation_checkpointing=ckpt,
                 shard_optimizer=args.shard_optimizer,
                 compiled=args.compile,
+                params=args.param_dtype,
                 **moe,
             )
             title = (
@@ -430,6 +439,7 @@ def run_memory(args: argparse.Namespace) -> int:
                 f"({turn}), micro-batch {args.micro_batch} x {args.seq_len} tokens, "
                 f"checkpointing {ckpt}"
                 + (", AdamW states sharded over data x context" if args.shard_optimizer else "")
+                + _weights_text(args)
                 + (f", expert axis {expert}" if model.is_moe else "")
                 + (", blocks compiled" if args.compile else "")
                 + f"\nGPU memory {gpu / GiB:.1f} GiB ({gpu_from})"
@@ -483,6 +493,13 @@ def run_memory(args: argparse.Namespace) -> int:
     else:
         print(report.memory_text(mem, title, "raise TP, CP or PP, or lower the micro-batch"))
     return 0
+
+
+def _weights_text(args: argparse.Namespace) -> str:
+    """The title's note on the weights' stored format (none for fp32)."""
+    if getattr(args, "param_dtype", "fp32") == "fp32":
+        return ""
+    return f", {args.param_dtype} weights with fp32 masters"
 
 
 def _grid_and_experts(args: argparse.Namespace, model: ModelSpec) -> tuple[int, tuple, dict]:
@@ -559,6 +576,7 @@ def pipeline_memory_text(
         m,
         activation_checkpointing=mode,
         shard_optimizer=getattr(args, "shard_optimizer", False),
+        params=getattr(args, "param_dtype", "fp32"),
         **moe,
     )
     stages = ", ".join(
@@ -568,7 +586,7 @@ def pipeline_memory_text(
     title = (
         f"{model.summary()}\ntetrad runtime, grid P,D,C,Z,Y,X={format_grid(pipe, grid)} "
         f"({turn}), {sched} with {v} stage(s) per rank, {m} micro-batches of "
-        f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}\n"
+        f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}{_weights_text(args)}\n"
         f"pipeline ranks (stage split by {machine.name} compute"
         f"{'' if args.machine else ', the default without --machine'}): {stages}\n"
         f"the worst rank:"

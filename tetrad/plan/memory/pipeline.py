@@ -7,7 +7,9 @@ Per pipeline rank ``r`` holding ``k`` blocks over its ``v`` stages
 (:class:`tetrad.plan.pipe.stages.PipeRank`):
 
 - parameters, gradients and AdamW states (16 bytes per local element; 8 + 8 / (G_data
-  G_context) with the sharded optimizer) of its blocks, plus the
+  G_context) with the sharded optimizer; with bf16 weights 2 + 4 + 12, the fp32 masters with
+  the states, :func:`tetrad.plan.memory.sharded_optimizer.state_bytes_per_element`) of its
+  blocks, plus the
   embedding tables on the rank of stage 0 and the final norm and LM head on the rank of the last
   stage (a tied head is counted as the embedding's copy there);
 - every phase of the runtime's model on a ``k``-block model; the LM head's two phases only on
@@ -50,6 +52,7 @@ from tetrad.plan.memory.activations import context_shared_bytes, dtype_bytes, sa
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.runtime import phase_components
 from tetrad.plan.memory.sharded_optimizer import data_group, state_share
+from tetrad.plan.memory.states import optimizer_bytes_per_element, param_bytes
 from tetrad.plan.pipe.schedule import (
     boundaries_of_rank,
     in_flight_chunks,
@@ -101,10 +104,11 @@ def stage_parts(
     shard_optimizer: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
 ) -> tuple:
     """The runtime model's static components, phases and saved activations of a ``blocks``
-    model (memoised: the ranks of a pipeline share them); ``shard_optimizer``, ``expert`` and
-    ``imbalance``: as :func:`tetrad.plan.memory.runtime.runtime_memory`'s.
+    model (memoised: the ranks of a pipeline share them); ``shard_optimizer``, ``expert``,
+    ``imbalance`` and ``params``: as :func:`tetrad.plan.memory.runtime.runtime_memory`'s.
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
@@ -113,11 +117,20 @@ def stage_parts(
     opts = {"activation_checkpointing": ckpt, "dtype": dtype}
     if model.n_experts:
         opts |= {"expert": expert, "imbalance": imbalance}
+    zero = {"shard_optimizer": shard_optimizer}
+    if params != "fp32":
+        zero["params"] = params
     static, phases = phase_components(
-        sm, grid, micro_batch, seq_len, prefetch=prefetch, shard_optimizer=shard_optimizer, **opts
+        sm, grid, micro_batch, seq_len, prefetch=prefetch, **zero, **opts
     )
     saved = saved_activations(sm, grid, micro_batch, seq_len, **opts)
     return static, phases, saved
+
+
+def _params_arg(params: str) -> dict:
+    """``params`` as :func:`stage_parts`' keyword, absent for fp32 weights (the memo's key of
+    the callers that never give it)."""
+    return {} if params == "fp32" else {"params": params}
 
 
 def _parts_args(opts: tuple, shard_optimizer: bool | None = None) -> tuple:
@@ -330,13 +343,14 @@ def stage_memory(
     shard_optimizer: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
 ) -> MemoryBreakdown:
     """The memory of pipeline rank ``prank`` of ``pipe`` under ``schedule`` with
     ``micro_batches`` per step (module doc), ``grid`` the 5D roles' sizes; with
     ``shard_optimizer`` the AdamW states over ``G_data G_context``
     (:mod:`tetrad.plan.memory.sharded_optimizer`); ``expert``, ``imbalance``: an MoE
     model's, as :func:`tetrad.plan.memory.runtime.runtime_memory`'s (a stage's MoE blocks
-    counted as the model's first blocks would be).
+    counted as the model's first blocks would be); ``params``: the weights' stored format.
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
@@ -347,13 +361,19 @@ def stage_memory(
         opts += (expert, imbalance)
     # the runtime model's parts first: its errors come before the schedule's
     stage_parts(
-        model, prank.blocks, grid, micro_batch, seq_len, *_parts_args(opts, shard_optimizer)
+        model,
+        prank.blocks,
+        grid,
+        micro_batch,
+        seq_len,
+        *_parts_args(opts, shard_optimizer),
+        **_params_arg(params),
     )
     v = len(prank.chunk_blocks)
     sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
     ahead = sum(boundaries_of_rank(pipe, prank.rank, v))
     layout = (prank.blocks, prank.first, prank.last, prank.chunk_blocks)
-    args = (layout, sets, ahead, pipe > 1, opts, shard_optimizer)
+    args = (layout, sets, ahead, pipe > 1, opts, shard_optimizer, params)
     static, live, totals, peak = _stage_phases(model, grid, micro_batch, seq_len, *args)
     zero = dict.fromkeys(COMPONENTS + (("pipeline_buffers",) if pipe > 1 else ()), 0.0)
     return MemoryBreakdown(
@@ -376,6 +396,7 @@ def _stage_phases(
     buffers: bool,
     opts: tuple,
     shard_optimizer: bool,
+    params: str = "fp32",
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], str]:
     """``(static components, the peak phase's live components, every phase's total, the peak
     phase)`` of :func:`stage_memory` for a rank of ``layout`` (:func:`_chunks`), in-flight
@@ -383,7 +404,13 @@ def _stage_phases(
     it; the caller copies the dicts)."""
     blocks, first, last, _ = layout
     static, phases, saved = stage_parts(
-        model, blocks, grid, micro_batch, seq_len, *_parts_args(opts, shard_optimizer)
+        model,
+        blocks,
+        grid,
+        micro_batch,
+        seq_len,
+        *_parts_args(opts, shard_optimizer),
+        **_params_arg(params),
     )
     static = dict(static)
     share = state_share(grid, shard_optimizer and data_group(grid) > 1)
@@ -391,7 +418,9 @@ def _stage_phases(
     head = 0 if model.tied_embeddings else head_el  # a tied head is the embedding's table
     drop = (0 if first else emb_el) + (0 if last else head + final_norm)
     add = head_el if last and not first and model.tied_embeddings else 0
-    for name, per in (("parameters", 4), ("gradients", 4), ("optimizer_states", 8 * share)):
+    per_state = optimizer_bytes_per_element(params) * share
+    per_param = param_bytes(params)
+    for name, per in (("parameters", per_param), ("gradients", 4), ("optimizer_states", per_state)):
         static[name] += per * (add - drop)
     flight = _in_flight(model, grid, micro_batch, seq_len, layout, sets, ahead, opts)
     live = _live_phases(phases, saved, first, last, flight, buffers)
@@ -445,6 +474,7 @@ def pipeline_memory(
     shard_optimizer: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
 ) -> tuple[MemoryBreakdown, list[MemoryBreakdown]]:
     """``(worst rank's breakdown, every rank's)`` of a pipeline of ``len(ranks)`` ranks under
     ``schedule`` with ``micro_batches`` per step (module doc); ``virtual``, the stages per
@@ -473,6 +503,7 @@ def pipeline_memory(
             shard_optimizer=shard_optimizer,
             expert=expert,
             imbalance=imbalance,
+            params=params,
         )
         for r in ranks
     ]

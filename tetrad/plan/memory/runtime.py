@@ -61,6 +61,7 @@ def runtime_memory(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
 ) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
 
@@ -98,7 +99,11 @@ def runtime_memory(
     per rank, whole on Z, Y and X); ``imbalance``: the busiest rank's received rows over the
     mean (``>= 1``), for its saved expert activations (:mod:`tetrad.plan.memory.moe`).
     ``compiled``: the blocks under ``torch.compile`` (``--compile``), which save less
-    (:func:`tetrad.plan.memory.activations.compiled_block_delta`).
+    (:func:`tetrad.plan.memory.activations.compiled_block_delta`). ``params``: the weights'
+    stored format (``tetrad train --param-dtype``): ``fp32``, or ``bf16`` with the fp32
+    masters among the optimizer states (sharded with them), fp32 gradients, the Z-gathered
+    weights and the sharded optimizer's all-gathers in bf16 (:mod:`tetrad.plan.memory.states`);
+    the saved activations are the compute dtype's either way (the residual stream stays fp32).
 
     Components (0 when not alive at the peak phase): ``parameters``, ``gradients``,
     ``optimizer_states``, ``activations`` (blocks, embedding, final norm), ``logits_and_loss``,
@@ -125,6 +130,7 @@ def runtime_memory(
         compiled,
         expert,
         imbalance,
+        params,
     )
     absent = {
         "activations": 0.0,
@@ -161,6 +167,7 @@ def phase_totals(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
 ) -> dict[str, float]:
     """The total bytes at each phase of :func:`runtime_memory` (its ``phases``; the peak is their
     maximum) without the breakdown by component: what the search's memory lines need.
@@ -183,6 +190,7 @@ def phase_totals(
         compiled,
         expert,
         imbalance,
+        params,
     )
     # each phase: the base plus the sum of its components, in _phases' order (float sums
     # depend on it): equal to runtime_memory()'s phases bit for bit (tests/test_plan_memory_memo.py)
@@ -208,6 +216,7 @@ def phase_components(
     shard_optimizer: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """``(static components, {phase: live components})`` of :func:`runtime_memory`, bytes: what the
     pipeline's per-stage memory (:mod:`tetrad.plan.memory.pipeline`) adjusts.
@@ -229,6 +238,7 @@ def phase_components(
         False,  # compiled: the pipeline's stages are modelled eager
         expert,
         imbalance,
+        params,
     )
     return dict(g.static), phases
 
@@ -247,6 +257,7 @@ def _phases(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
 ) -> tuple[GridBuffers, dict[str, dict[str, float]]]:
     """The grid's buffers and each phase's live components (bytes) of :func:`runtime_memory`."""
     g, a = _parts(
@@ -263,6 +274,7 @@ def _phases(
         compiled,
         expert,
         imbalance,
+        params,
     )
     phases = {
         "forward: LM head": {
@@ -305,15 +317,18 @@ def _parts(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
 ) -> tuple[GridBuffers, _ActivationTerms]:
     """The grid's buffers and the micro-batch's activation terms of :func:`runtime_memory`, checked
     in its order (sizes, dtype, grid, checkpointing mode), each memoised (the grid's per grid and
     options, the activations' per ``(G_context, G_y, G_x)``, micro-batch and mode)."""
     _checked_sizes(micro_batch, seq_len)
     if not model.n_experts:  # a dense model (cheaper to ask than is_moe)
-        g = checked_grid_buffers(
-            model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
-        )
+        options = (dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer)
+        if params == "fp32":  # the arguments every dense caller gives (one memo entry)
+            g = checked_grid_buffers(model, tuple(grid), *options)
+        else:
+            g = checked_grid_buffers(model, tuple(grid), *options, 1, params)
         ckpt = activation_checkpointing
         return g, _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled)
     if imbalance < 1:
@@ -327,6 +342,7 @@ def _parts(
         dp_overlap,
         shard_optimizer,
         expert,
+        params,
     )
     moe = (expert, imbalance)
     ckpt = activation_checkpointing
