@@ -123,3 +123,20 @@ def test_the_layers_follow_the_policy(device, tmp_path):
     assert out["residual"] == [name["residual"]]
     assert out["boundary"] == name["stage_boundary"]
     assert out["loss"] == name["statistics"]
+
+
+def test_param_dtype_option(tmp_path):
+    """``--param-dtype`` / ``[precision] params`` and ``--grad-reduce-dtype`` choose the run's
+    policy (fp32 by default on either device); another value is refused in one line."""
+    from tetrad.train.config import load_config
+    from tetrad.train.sections import ConfigError
+
+    assert load_config(None, {}).policy == precision("cpu")
+    assert load_config(None, {"device": "cuda"}).policy == precision("cuda")
+    cfg = load_config(None, {"param_dtype": "bf16", "grad_reduce_dtype": "bf16"})
+    assert cfg.policy == precision("cpu", "bf16", "bf16") and cfg.policy.masters
+    toml = tmp_path / "run.toml"
+    toml.write_text('[precision]\nparams = "bf16"\n')
+    assert load_config(str(toml), {}).policy.params == "bf16"
+    with pytest.raises(ConfigError, match="param_dtype"):
+        load_config(None, {"param_dtype": "fp16"})
