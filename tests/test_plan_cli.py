@@ -326,3 +326,23 @@ def test_memory_with_bf16_weights(capsys):
     assert bf16["gradients"] == fp32["gradients"]
     assert bf16["optimizer_states"] == pytest.approx(fp32["optimizer_states"] * 1.5)
     assert bf16["parameters"] < 8.95 < fp32["parameters"]  # Megatron's (Fujii et al.'s) 8.95
+
+
+def test_plan_with_bf16_weights(tmp_path, capsys):
+    """``tetrad plan --param-dtype bf16``: every ranked row's memory (5D grids, and each rank
+    of the pipeline grids) has 2-byte weights beside fp32 gradients, and the emitted
+    configuration asks for them (``[precision] params``, which ``tetrad train`` reads)."""
+    from tetrad.train.config import load_config
+
+    path = tmp_path / "best.toml"
+    argv = ["plan", "--model", "gpt-80b", "--machine", "perlmutter", "--gpus", "1024"]
+    argv += ["--global-batch", "1024", "--no-classic", "--json"]
+    rc, out, _ = run(argv + ["--param-dtype", "bf16", "--emit-config", str(path)], capsys)
+    assert rc == 0
+    rows = json.loads(out)["four_d"]
+    mems = [r["memory"] for r in rows]
+    mems += [m for r in rows if r["pipeline"] for m in r["pipeline"]["stage_memory"]]
+    assert len(mems) > len(rows)  # pipeline rows among them
+    for m in mems:
+        assert m["components_bytes"]["parameters"] * 2 == m["components_bytes"]["gradients"]
+    assert load_config(str(path)).policy.params == "bf16"

@@ -170,6 +170,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "rows marked so): auto (where a configuration fits only so), on, off",
     )
     p.add_argument(
+        "--param-dtype",
+        choices=PARAM_DTYPES,
+        default="fp32",
+        help="the weights' stored format in the 4D space (tetrad train --param-dtype; bf16: "
+        "fp32 masters with the optimizer states; default fp32, the runtime's default)",
+    )
+    p.add_argument(
         "--gpu-memory-gib", type=float, metavar="GIB", help="GPU memory (default: the machine's)"
     )
     p.add_argument(
@@ -341,6 +348,7 @@ def run_plan(args: argparse.Namespace) -> int:
         pipeline=not args.no_pipeline,
         shard_optimizer=args.shard_optimizer,
         moe_imbalance=args.moe_imbalance,
+        params=args.param_dtype,
     )
     fp8_lines: list[str] = []
     if args.fp8 == "auto":
@@ -496,10 +504,8 @@ def run_memory(args: argparse.Namespace) -> int:
 
 
 def _weights_text(args: argparse.Namespace) -> str:
-    """The title's note on the weights' stored format (none for fp32)."""
-    if getattr(args, "param_dtype", "fp32") == "fp32":
-        return ""
-    return f", {args.param_dtype} weights with fp32 masters"
+    """The title's note on bf16 weights (none for fp32)."""
+    return ", bf16 weights with fp32 masters" if args.param_dtype != "fp32" else ""
 
 
 def _grid_and_experts(args: argparse.Namespace, model: ModelSpec) -> tuple[int, tuple, dict]:

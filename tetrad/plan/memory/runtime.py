@@ -421,9 +421,11 @@ def fewest_selective(
     dtype: str = "bf16",
     prefetch: bool = True,
     shard_optimizer: bool = False,
+    params: str = "fp32",
 ) -> str:
     """``selective:K`` with the fewest blocks ``K`` whose :func:`runtime_memory` estimate fits
-    (80%), or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits.
+    (80%), or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits;
+    ``params``: the weights' stored format.
 
     Every phase's total is affine in ``K`` for ``1 <= K <= L`` (each selective block replaces
     its saved tensors by its selective set; the positions and the recompute set are there from
@@ -438,6 +440,8 @@ def fewest_selective(
 
     def at(mode: str) -> dict[str, float]:
         options = {"activation_checkpointing": mode, "dtype": dtype, "prefetch": prefetch}
+        if params != "fp32":
+            options["params"] = params
         return phase_totals(
             model, grid, micro_batch, seq_len, shard_optimizer=shard_optimizer, **options
         )
@@ -462,14 +466,20 @@ def fewest_selective(
 
 
 @functools.lru_cache(maxsize=1 << 13)
-def sharding_offsets(model: ModelSpec, grid: tuple, dtype: str, prefetch: bool) -> dict:
+def sharding_offsets(
+    model: ModelSpec, grid: tuple, dtype: str, prefetch: bool, params: str = "fp32"
+) -> dict:
     """Per phase of :func:`runtime_memory` (default overlaps): the bytes the sharded optimizer adds
     (negative: saves) to the unsharded total, the same for every micro-batch and checkpointing mode:
     the AdamW states in every phase, the end of backward's and the step's buffers in theirs
     (:mod:`tetrad.plan.memory.sharded_optimizer`): what lets the search derive a grid's sharded
-    memory line from its unsharded one."""
-    plain = grid_buffers(model, grid, dtype, prefetch, True, True, False)
-    zero = grid_buffers(model, grid, dtype, prefetch, True, True, True)
+    memory line from its unsharded one (``params``: the weights' stored format)."""
+    if params == "fp32":  # the memo keys of the callers that never give it
+        plain = grid_buffers(model, grid, dtype, prefetch, True, True, False)
+        zero = grid_buffers(model, grid, dtype, prefetch, True, True, True)
+    else:
+        plain = grid_buffers(model, grid, dtype, prefetch, True, True, False, 1, params)
+        zero = grid_buffers(model, grid, dtype, prefetch, True, True, True, 1, params)
     static = sum(v for _, v in zero.static) - sum(v for _, v in plain.static)
     out = dict.fromkeys(PHASES, static)
     out["backward: end"] += zero.end_of_backward - plain.end_of_backward

@@ -102,6 +102,8 @@ class Search4D:
         modes: the checkpointing modes tried (:func:`tetrad.plan.search.space.
             checkpointing_modes`).
         allowed: the micro-batches allowed (None: every divisor).
+        params: the weights' stored format (``fp32``; ``bf16`` with fp32 masters: the memory
+            model's, :mod:`tetrad.plan.memory.states`).
     """
 
     def __init__(
@@ -114,11 +116,12 @@ class Search4D:
         shard_optimizer: str = "auto",
         modes: tuple[str, ...] = CHECKPOINTING,
         allowed: set | None = None,
+        params: str = "fp32",
     ):
         self.ctx, self.gpus, self.mem_bytes = ctx, gpus, mem_bytes
         check_shard_optimizer(shard_optimizer)
         self.shard_optimizer = shard_optimizer if comm_model == "tetrad" else "off"
-        self.comm_model, self.dtype = comm_model, dtype
+        self.comm_model, self.dtype, self.params = comm_model, dtype, params
         self.prefetch = "prefetch" in ctx.overlaps
         self.modes, self.allowed = modes, allowed
         keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "pruned")
@@ -132,6 +135,7 @@ class Search4D:
             modes,
             allowed,
             self.stats,
+            params,
         )
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
         self.turns: dict = {}  # (G_z, G_y, G_x) -> the orientations that shard the model
@@ -153,6 +157,7 @@ class Search4D:
             allowed=self.allowed,
             orientations=self.orientations,
             stats=self.stats,
+            params=self.params,
         )
 
     def groups(self) -> list[tuple]:
@@ -418,6 +423,7 @@ class Search4D:
             dtype=self.dtype,
             prefetch=self.prefetch,
             shard_optimizer=zero,
+            params=self.params,
         )
         if self.comm_model == "tetrad":
             compute_s, rec_s, exposed, comm_s = (
@@ -468,6 +474,7 @@ def search_4d(
     pipeline: bool = True,
     shard_optimizer: str = "auto",
     fp8: str = "off",
+    params: str = "fp32",
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics;
     with ``pipeline`` (and the tetrad comm model) pipeline grids too
@@ -486,6 +493,10 @@ def search_4d(
             ring bytes, and the all-gather after the update is exposed).
         fp8: the FP8 recipe of the step model (:mod:`tetrad.plan.compute.fp8`; ``off``, the
             default, leaves every estimate as without it); memory as without FP8.
+        params: the weights' stored format (``tetrad train --param-dtype``): ``fp32``, or
+            ``bf16`` with fp32 masters among the optimizer states (the memory model's; the
+            step's time is the same but for the sharded optimizer's all-gathers, modelled at
+            fp32 bytes).
 
     Raises:
         PlanError: no grid shards the model, no grid splits the batch, or nothing fits; the
@@ -507,7 +518,9 @@ def search_4d(
     )
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None
-    search = Search4D(ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer, modes, allowed)
+    search = Search4D(
+        ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer, modes, allowed, params
+    )
     groups = search.groups()
     pipes = None
     if pipeline and comm_model == "tetrad":
