@@ -64,6 +64,7 @@ from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.sharded_optimizer import check_shard_optimizer
+from tetrad.plan.memory.states import param_bytes
 from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.memory_fits import MemoryFits
 from tetrad.plan.search.pipeline.pipe_search import PipeSearch, is_pipeline
@@ -494,9 +495,8 @@ def search_4d(
         fp8: the FP8 recipe of the step model (:mod:`tetrad.plan.compute.fp8`; ``off``, the
             default, leaves every estimate as without it); memory as without FP8.
         params: the weights' stored format (``tetrad train --param-dtype``): ``fp32``, or
-            ``bf16`` with fp32 masters among the optimizer states (the memory model's; the
-            step's time is the same but for the sharded optimizer's all-gathers, modelled at
-            fp32 bytes).
+            ``bf16`` with fp32 masters among the optimizer states (the memory model's; in the
+            step's time, the sharded optimizer's all-gathers after the update carry bf16).
 
     Raises:
         PlanError: no grid shards the model, no grid splits the batch, or nothing fits; the
@@ -514,6 +514,7 @@ def search_4d(
         global_batch,
         overlaps=overlaps,
         compute_bytes=2 if dtype == "bf16" else 4,
+        param_bytes=param_bytes(params),
         fp8=fp8,
     )
     modes = checkpointing_modes(checkpointing)
