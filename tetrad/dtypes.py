@@ -41,10 +41,12 @@ def policy_of(device: torch.device | str) -> Precision:
     return precision(torch.device(device).type)
 
 
-def residual_dtype(device: torch.device | str) -> torch.dtype:
-    """The residual stream's dtype on ``device`` (the policy's ``residual``: fp32, whatever
-    the weights' stored format); the embedding's output is cast to it."""
-    return torch_dtype(policy_of(device).residual)
+def residual_dtype(device: torch.device | str, weights: torch.dtype) -> torch.dtype:
+    """The residual stream's dtype on ``device`` for weights stored as ``weights``: the
+    policy's ``residual`` (fp32, also with bf16 weights), or the weights' own dtype where it is
+    wider (float64 weights, as the float64 tests run, keep a float64 stream); the embedding's
+    output is cast to it."""
+    return torch.promote_types(torch_dtype(policy_of(device).residual), weights)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

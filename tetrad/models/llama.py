@@ -297,7 +297,7 @@ class Transformer(nn.Module):
         stream ``[b, s, dim]``)."""
         if self.tok_embeddings is not None:  # the residual stream's format (fp32)
             h = self.tok_embeddings(tokens)
-            h = h.to(residual_dtype(h.device))
+            h = h.to(residual_dtype(h.device, self.tok_embeddings.weight.dtype))
         else:
             h = tokens
         positions = self.layer_factory.positions(tokens.shape[1], tokens.device)

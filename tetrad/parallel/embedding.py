@@ -35,7 +35,7 @@ class _Embedding3D(torch.autograd.Function):
             local = local.masked_fill(outside, 0)
         # rows in the compute dtype on every grid (the same values whatever G_z), then in the
         # residual stream's dtype
-        out = e[local].to(dtype).to(residual_dtype(e_shard.device))
+        out = e[local].to(dtype).to(residual_dtype(e_shard.device, e_shard.dtype))
         if grid.y > 1:  # rows of other Y blocks' ids are zero here; the sum over Y fills them
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
             all_reduce(out, grid, Axis.Y)
