@@ -33,9 +33,11 @@ Known gaps (strict ``xfail``: a fix that closes one fails here until its entry i
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 
+from tetrad import cli
 from tetrad.plan.machine.description import get_machine
 from tetrad.plan.pipe.pipeline_step import PipeConfig
 from tetrad.plan.question import StepQuestion
@@ -203,3 +205,17 @@ def test_search_reaches_the_mapped_layouts():
     model, machine = get_model(name), get_machine(machine_name)
     best = plan(model, machine, gpus, batch, seq, top=1, params="bf16", classic=False).rows[0]
     assert best.step_s <= min(fitting)
+
+
+def test_memory_args_give_the_layout(capsys):
+    """``tetrad memory`` with :meth:`TetradLayout.memory_args` gives the memory
+    :func:`layout_estimate` ranks by (the llama-3-70b classic winner, CP 8 x PP 8 x DP 8)."""
+    case = CASES[2]
+    key, row, est = _compared(case)[0]
+    assert key == ("llama-3-70b", 1, 8, 8, 8, 1, 1, "none")
+    lay = to_tetrad(ClassicConfig.from_row(row), case[3])
+    argv = ["memory", "--model", case[0], "--seq-len", str(case[4]), "--machine", case[1]]
+    assert cli.main([*argv, "--json", *lay.memory_args(case[3])]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["total_bytes"] == pytest.approx(est.memory.total)
+    assert got["fits"] == est.fits
