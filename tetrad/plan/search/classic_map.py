@@ -1,0 +1,232 @@
+"""Every classic Megatron-style configuration as a layout of tetrad's grid (issue 45: tetrad's
+space contains the classic one).
+
+A configuration of :mod:`tetrad.plan.search.classic` (``TP x CP x PP x DP``, virtual stages,
+micro-batch, recomputation) becomes the tetrad layout with the same parallel sizes
+(:func:`to_tetrad`):
+
+- ``TP`` -> one tensor axis in the ``Y`` role, ``G_y = TP``, ``G_x = G_z = 1``: the pair's first
+  Linear (wqkv, w13) splits its output and the second (wo, w2) its input, Megatron-LM's column-
+  then row-parallel layout (``docs/architecture.md``, *Orientation*); ``Y`` is the fastest
+  dimension of the 5D grid as TP is Megatron's fastest (rank order TP, CP, DP, PP);
+- ``CP`` -> ``G_context`` (tetrad's all-gathered K/V in pieces, where Megatron runs a ring);
+- ``PP`` -> ``G_pipe`` (outermost, as Megatron's); ``v`` virtual stages -> ``interleaved-1f1b``
+  with ``v`` stages per rank; ``v = 1`` -> ``1f1b`` where the step has at least ``PP``
+  micro-batches, else ``gpipe`` (the planner's 1F1B needs ``m >= p``); tetrad splits the blocks
+  by its own balanced split (``tetrad.spec.pipeline_split``), not Megatron-Core's uneven
+  first/last counts, so a classic uneven split maps to the same ``PP`` with tetrad's stages;
+- ``DP`` -> ``G_data``, with the sharded optimizer (ZeRO-1 over data x context, where that group
+  is above 1) and bf16 weights with fp32 masters among the sharded states (``--param-dtype
+  bf16``): Megatron-LM's distributed optimizer;
+- the micro-batch is the same (samples per DP x CP rank = per (data, Z) cell at ``G_z = 1``);
+- recomputation: ``none`` -> ``none``, ``full`` -> ``full``; Megatron's ``selective`` (the
+  attention core, which FlashAttention never stores: the classic model treats it as ``none``)
+  -> ``none``.
+
+:func:`layout_estimate` times the layout with tetrad's step model
+(:func:`tetrad.plan.step_time.estimate` or, with a pipeline,
+:func:`tetrad.plan.pipe.pipeline_step.pipeline_estimate`) and its memory
+(:func:`tetrad.plan.memory.runtime.runtime_memory`,
+:func:`tetrad.plan.memory.pipeline.pipeline_memory`), as ``tetrad plan --param-dtype bf16``
+would rank it (``tests/test_classic_map.py`` compares both spaces on the cases of
+``docs/planner.md`` section 6.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tetrad.plan.memory.breakdown import MemoryBreakdown
+from tetrad.plan.memory.pipeline import pipeline_memory
+from tetrad.plan.memory.runtime import runtime_memory
+from tetrad.plan.memory.states import param_bytes
+from tetrad.plan.pipe.pipeline_step import PipeConfig, pipeline_estimate, split_ranks
+from tetrad.plan.pipe.schedule import schedule_problems
+from tetrad.plan.pipe.stages import split_costs
+from tetrad.plan.question import StepQuestion, sharded
+from tetrad.plan.search.rows import Row
+from tetrad.plan.step_time import estimate
+from tetrad.spec.activation_checkpointing import parse_checkpointing
+
+CLASSIC_TO_TETRAD_MODE = {"none": "none", "selective": "none", "full": "full"}
+"""Megatron-LM's recomputation -> tetrad's (module doc: Megatron's ``selective`` recomputes the
+attention core only, which FlashAttention does not store)."""
+
+
+@dataclass(frozen=True)
+class ClassicConfig:
+    """One configuration of the classic space (:mod:`tetrad.plan.search.classic`).
+
+    Attributes:
+        tp, cp, pp, dp: Megatron-LM's tensor, context, pipeline and data parallel sizes.
+        micro_batch: samples per micro-batch of one DP x CP rank.
+        checkpointing: ``none``, ``selective`` or ``full``.
+        virtual_stages: interleaved 1F1B's chunks per pipeline rank (1: plain 1F1B).
+        stage_layers: Megatron-Core's uneven split (empty: even).
+    """
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    checkpointing: str
+    virtual_stages: int = 1
+    stage_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_row(cls, row: Row) -> ClassicConfig:
+        """The configuration of a classic :class:`~tetrad.plan.search.rows.Row`."""
+        s = row.sizes
+        return cls(
+            s["tp"],
+            s["cp"],
+            s["pp"],
+            s["dp"],
+            row.micro_batch,
+            parse_checkpointing(row.activation_checkpointing),
+            row.virtual_stages,
+            tuple(row.other_s.get("stage_layers", ())),
+        )
+
+
+@dataclass(frozen=True)
+class TetradLayout:
+    """A layout of tetrad's space (the options of ``tetrad train`` / ``tetrad memory``).
+
+    Attributes:
+        grid: ``(G_data, G_context, G_z, G_y, G_x)``, the 5D grid of ``GPUs / G_pipe`` ranks.
+        orientation: ``xy`` (``--grid``'s Y plays the Y role).
+        pipe: the pipeline (``G_pipe``, virtual stages, schedule); None without one.
+        micro_batch: samples per micro-batch of one (data, Z) cell.
+        checkpointing: ``none`` or ``full`` on every block.
+        shard_optimizer: AdamW states (and the fp32 masters) sharded over data x context.
+        params: the weights' stored format (``bf16`` with fp32 masters).
+    """
+
+    grid: tuple[int, int, int, int, int]
+    orientation: str
+    pipe: PipeConfig | None
+    micro_batch: int
+    checkpointing: str
+    shard_optimizer: bool
+    params: str = "bf16"
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def memory_args(self, global_batch: int) -> list[str]:
+        """The options of ``tetrad memory --method tetrad`` that give this layout
+        (``global_batch``: samples per step, for the pipeline's micro-batches)."""
+        names = ("data", "context", "z", "y", "x")
+        parts = [f"{n}={s}" for n, s in zip(names, self.grid, strict=True) if s > 1]
+        if self.pipe is not None:
+            parts.insert(0, f"pipe={self.pipe.pipe}")
+        out = ["--grid", ",".join(parts) or "data=1", "--micro-batch", str(self.micro_batch)]
+        out += ["--orientation", self.orientation, "--activation-checkpointing"]
+        out += [self.checkpointing, "--param-dtype", self.params]
+        if self.shard_optimizer:
+            out.append("--shard-optimizer")
+        if self.pipe is not None:
+            m = global_batch // (self.grid[0] * self.grid[2] * self.micro_batch)
+            out += ["--pipeline-schedule", self.pipe.schedule, "--num-microbatches", str(m)]
+            out += ["--virtual-stages", str(self.pipe.virtual)]
+        return out
+
+
+def to_tetrad(cfg: ClassicConfig, global_batch: int) -> TetradLayout:
+    """The tetrad layout with ``cfg``'s parallel sizes (module doc). ``global_batch``: samples
+    per step (the schedule depends on the micro-batches per step, ``B / (DP b)``)."""
+    grid = (cfg.dp, cfg.cp, 1, cfg.tp, 1)
+    notes = []
+    pipe = None
+    if cfg.pp > 1:
+        m = global_batch // (cfg.dp * cfg.micro_batch)
+        if cfg.virtual_stages > 1:
+            pipe = PipeConfig(cfg.pp, cfg.virtual_stages, "interleaved-1f1b")
+        elif schedule_problems("1f1b", cfg.pp, 1, m):
+            pipe = PipeConfig(cfg.pp, 1, "gpipe")
+            notes.append(f"1F1B with {m} < PP micro-batches: gpipe")
+        else:
+            pipe = PipeConfig(cfg.pp, 1, "1f1b")
+        if cfg.stage_layers:
+            notes.append("uneven split: tetrad's balanced split of the blocks")
+    mode = CLASSIC_TO_TETRAD_MODE[cfg.checkpointing]
+    return TetradLayout(
+        grid,
+        "xy",
+        pipe,
+        cfg.micro_batch,
+        mode,
+        cfg.dp * cfg.cp > 1,
+        "bf16",
+        tuple(notes),
+    )
+
+
+@dataclass(frozen=True)
+class LayoutEstimate:
+    """tetrad's prediction of a layout: ``step_s`` seconds per step, the (worst rank's) memory
+    and whether it fits (80% of the GPU, ``docs/planner.md`` section 5)."""
+
+    step_s: float
+    memory: MemoryBreakdown
+    estimate: object
+
+    @property
+    def fits(self) -> bool:
+        """Within 80% of the GPU's memory."""
+        return self.memory.fits
+
+
+def layout_question(ctx: StepQuestion, layout: TetradLayout) -> StepQuestion:
+    """``ctx`` with the layout's optimizer (:func:`tetrad.plan.question.sharded`); ``ctx``
+    must carry the layout's weight bytes (``param_bytes=2`` for ``bf16``)."""
+    if ctx.param_bytes != param_bytes(layout.params):
+        raise ValueError(
+            f"the question stores {ctx.param_bytes}-byte weights, the layout {layout.params}"
+        )
+    return sharded(ctx) if layout.shard_optimizer else ctx
+
+
+def layout_estimate(
+    ctx: StepQuestion, layout: TetradLayout, gpu_memory_bytes: float, dtype: str = "bf16"
+) -> LayoutEstimate:
+    """tetrad's step time (seconds) and memory of ``layout`` on ``ctx`` (built with
+    ``param_bytes=2`` for bf16 weights), as the 4D search would time it."""
+    q = layout_question(ctx, layout)
+    model, b, mode = ctx.model, layout.micro_batch, layout.checkpointing
+    if layout.pipe is None:
+        est = estimate(q, layout.grid, b, mode, orientation=layout.orientation)
+        mem = runtime_memory(
+            model,
+            layout.grid,
+            b,
+            ctx.seq_len,
+            gpu_memory_bytes,
+            activation_checkpointing=mode,
+            dtype=dtype,
+            shard_optimizer=layout.shard_optimizer,
+            params=layout.params,
+        )
+        return LayoutEstimate(est.step_s, mem, est)
+    cfg = layout.pipe
+    ranks = split_ranks(
+        model.n_layers, split_costs(ctx.compute(layout.grid, b), mode), cfg.pipe, cfg.virtual
+    )
+    est = pipeline_estimate(q, cfg, layout.grid, b, mode, layout.orientation, ranks)
+    m = ctx.global_batch // (layout.grid[0] * layout.grid[2] * b)
+    mem, _ = pipeline_memory(
+        model,
+        layout.grid,
+        b,
+        ctx.seq_len,
+        gpu_memory_bytes,
+        ranks,
+        cfg.schedule,
+        cfg.virtual,
+        m,
+        activation_checkpointing=mode,
+        dtype=dtype,
+        shard_optimizer=layout.shard_optimizer,
+        params=layout.params,
+    )
+    return LayoutEstimate(est.step_s, mem, est)
