@@ -44,7 +44,8 @@ class Layers(Protocol):
     combine: the module an expert-parallel runtime provides). ``head_norm(d, eps)`` is the
     per-head RMSNorm of queries and keys (``qk_norm``): a module whose ``weight [d]`` is used.
     Optional attributes: ``sequence_sum``, ``sequence_parts`` and ``moe_tokens``
-    (:class:`tetrad.models.moe.MoEFeedForward`).
+    (:class:`tetrad.models.moe.MoEFeedForward`); ``sequence_split``: the residual stream
+    between the layers holds ``s / sequence_split`` of each sample's ``s`` tokens (1 if absent).
     """
 
     head_split: int
@@ -294,8 +295,12 @@ class Transformer(nn.Module):
         """The final norm's output ``[b, s, dim]``: what the LM head reads (a part without the
         head: its last block's output; without the embedding, ``tokens`` is the residual
         stream ``[b, s, dim]``)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        positions = self.layer_factory.positions(tokens.shape[1], tokens.device)
+        s = tokens.shape[1]
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+        else:  # the residual stream may hold a part of each sample's tokens
+            h, s = tokens, s * getattr(self.layer_factory, "sequence_split", 1)
+        positions = self.layer_factory.positions(s, tokens.device)
         grad = torch.is_grad_enabled()
         for layer, mode in zip(self.layers.values(), self.block_modes, strict=True):
             if not grad or mode == "none":

@@ -1,0 +1,83 @@
+"""Sequence parallelism on layouts with one tensor axis (Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models", arXiv 2205.05198, section 4.2.2).
+
+With ``G_x = 1`` (in roles) and ``G_y > 1`` tetrad's layer pairs are Megatron-LM's
+column-then-row tensor parallelism over Y, and the residual stream ``[b, S, h]`` between the
+pairs, the norms and the residual adds are the same on every Y rank. Under sequence parallelism
+each Y rank keeps ``S / G_y`` contiguous tokens of every sample of that stream instead:
+``[b, S/G_y, h]``, Y rank ``y`` holding positions ``y S/G_y ... (y + 1) S/G_y - 1`` of this
+rank's ``S`` (with context parallelism, of its two chunks laid end to end). The all-reduce over
+Y that ends each pair becomes two collectives of the same ring bytes:
+
+    first layer of a pair (wqkv, w13), and the LM head:
+        forward   x = all-gather_Y(x_shard) along the sequence        [b, S, k]
+        backward  dx_shard = reduce-scatter_Y(dy W) along the sequence [b, S/G_y, k]
+    second layer (wo, w2), and the token embedding:
+        forward   y_shard = reduce-scatter_Y(x W^T) along the sequence
+        backward  dy = all-gather_Y(dy_shard) along the sequence
+
+(an all-reduce sends ``2 (G-1)/G`` of its payload per rank, an all-gather and a reduce-scatter
+``(G-1)/G`` each). Norm weights then see a slice of the tokens on each Y rank, so their
+gradients are summed over Y too. The gathered input of a first layer is kept for its weight
+gradient, as without sequence parallelism: no collective is added in backward.
+
+On a rank's tensors ``[b, s, ...]`` with ``b > 1`` the Y ranks' pieces interleave in memory,
+so the gather and the reduce-scatter copy once to put them in order; with ``b = 1`` both are
+views.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tetrad.comm import Handle, all_gather, reduce_scatter
+from tetrad.grid import Grid
+from tetrad.spec.grid import Axis
+
+
+def gather_sequence(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """``[b, s/G_y, ...]`` -> ``[b, s, ...]``: the all-gather over Y along the sequence (dim 1),
+    Y rank ``y``'s piece at ``y s/G_y``."""
+    g = grid.y
+    if g == 1:
+        return x
+    b, piece, tail = x.shape[0], x.shape[1], x.shape[2:]
+    out = all_gather(x.contiguous(), grid, Axis.Y)  # [G_y b, s/G_y, ...], Y rank major
+    return out.view(g, b, piece, *tail).transpose(0, 1).reshape(b, g * piece, *tail)
+
+
+def scatter_sequence(x: torch.Tensor, grid: Grid, async_op: bool = False) -> torch.Tensor | Handle:
+    """``[b, s, ...]`` -> ``[b, s/G_y, ...]``: the sum over Y, of which this Y rank keeps its
+    piece of the sequence (a reduce-scatter over Y along dim 1); a :class:`Handle` to it with
+    ``async_op``.
+
+    Raises:
+        ValueError: ``s`` not divisible by ``G_y``.
+    """
+    g = grid.y
+    if g == 1:
+        return Handle(None, x, None, 0.0) if async_op else x
+    b, s, tail = x.shape[0], x.shape[1], x.shape[2:]
+    if s % g:
+        raise ValueError(f"sequence parallelism: {s} tokens do not split over G_y={g}")
+    ordered = x.reshape(b, g, s // g, *tail).transpose(0, 1).reshape(g * b, s // g, *tail)
+    return reduce_scatter(ordered, grid, Axis.Y, async_op=async_op)
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Forward :func:`scatter_sequence`, backward :func:`gather_sequence`."""
+
+    @staticmethod
+    def forward(ctx, x, grid: Grid):
+        ctx.grid = grid
+        return scatter_sequence(x, grid)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return gather_sequence(dy, ctx.grid), None
+
+
+def scatter_sequence_grad(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """:func:`scatter_sequence` of ``x [b, s, ...]`` (a partial sum over Y) with autograd: its
+    gradient is the all-gather over Y of the output's (``[b, s/G_y, ...]`` -> ``[b, s, ...]``)."""
+    return _ScatterSequence.apply(x, grid)
