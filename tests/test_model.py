@@ -78,8 +78,12 @@ def parallel_runs(
             )
 
 
-def run_one(grid, sizes, ref_curves, ref_weights, activation_checkpointing, overlaps, compiled):
-    model = ParallelLlama(CFG, grid, activation_checkpointing, overlaps, **OVERLAP_OPTIONS)
+def run_one(
+    grid, sizes, ref_curves, ref_weights, activation_checkpointing, overlaps, compiled, **kwargs
+):
+    """One grid's run against the reference (``kwargs``: more :class:`ParallelLlama` options)."""
+    opts = OVERLAP_OPTIONS | kwargs
+    model = ParallelLlama(CFG, grid, activation_checkpointing, overlaps, **opts)
     init_parameters(model, SEED, grid)
     if compiled:
         compile_blocks(model)
@@ -103,7 +107,8 @@ def run_one(grid, sizes, ref_curves, ref_weights, activation_checkpointing, over
     assert worst <= 0.05 * LR, f"grid {sizes}: weights differ by {worst / LR:.3g} lr"
     if not any(grid.coord.values()):
         print(
-            f"grid {sizes} overlaps {','.join(sorted(overlaps)) or 'none'}"
+            f"grid {sizes}{''.join(f' {k}' for k in kwargs)} "
+            f"overlaps {','.join(sorted(overlaps)) or 'none'}"
             f"{' compiled' if compiled else ''} checkpointing {model.activation_checkpointing}: "
             f"worst weight difference {worst / LR:.2e} lr"
         )

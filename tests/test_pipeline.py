@@ -48,7 +48,8 @@ def reference():
     return reference_run(CFG, batches())
 
 
-def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False):
+def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False, options=None):
+    """Each case against the reference (``options``: more :class:`ParallelLlama` options)."""
     for pipe, sizes, schedule, virtual, checkpointing, overlaps in cases:
         grid = Grid.build(sizes, pipe=pipe)
         m = BATCH // (grid.data * grid.z) // MICRO
@@ -61,6 +62,7 @@ def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False):
             activation_checkpointing=checkpointing,
             overlaps=overlaps,
             **OVERLAP_OPTIONS,
+            **(options or {}),
         )
         for part in pipeline.parts:
             init_parameters(part, SEED, grid)
@@ -68,6 +70,7 @@ def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False):
                 compile_blocks(part)
         opt = build_optimizer(pipeline.parts, LR, weight_decay=0.1)
         label = f"pipe {pipe} grid {sizes} {schedule} v{virtual} {checkpointing} {sorted(overlaps)}"
+        label += "".join(f" {k}" for k in options or {})
         for step, batch in enumerate(batches()):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)

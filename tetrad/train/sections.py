@@ -160,6 +160,13 @@ class ParallelismSection:
         help="shard the AdamW states over the data x context ranks (ZeRO-1, Megatron's "
         "distributed optimizer): gradients reduce-scattered, parameters all-gathered over them",
     )
+    sequence_parallel: bool = option(
+        False,
+        help="on a grid with one tensor axis (y=N, or x=N with orientation auto or yx), split "
+        "the residual stream and the norms along the sequence over it (Megatron-LM's sequence "
+        "parallelism): their activations divided by N, each layer pair's all-reduce an "
+        "all-gather plus a reduce-scatter of the same bytes",
+    )
     dp_bucket_mb: float = option(
         DP_BUCKET_BYTES / MiB, metavar="MB", help="data-parallel all-reduce bucket size, MiB"
     )

@@ -1,0 +1,61 @@
+"""Sequence parallelism (``sequence_parallel=True``, :mod:`tetrad.parallel.sequence`) against the
+single-process reference: the same losses, gradient norms and updated weights as
+``tests/test_model.py`` and ``tests/test_pipeline.py`` ask of every grid, on layouts with one
+tensor axis (Y; X under orientation ``yx``) with data, Z, context and pipeline ranks, in each
+activation-checkpointing mode once."""
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.test_model import CFG, batches, reference_run, run_one
+from tests.test_pipeline import CFG as PIPE_CFG
+from tests.test_pipeline import batches as pipe_batches
+from tests.test_pipeline import pipeline_runs
+from tetrad.grid import Grid
+from tetrad.spec.overlap import OVERLAPS
+from tetrad.spec.presets import PRESETS
+from tetrad.spec.sharding import sequence_parallel_problem
+from tetrad.train.config import load_config
+from tetrad.train.sections import ConfigError
+
+ALL = tuple(OVERLAPS)
+CASES = [  # (sizes, orientation, checkpointing, overlaps)
+    ((2, 1, 2, 1), "xy", "none", ALL),  # data x Y
+    ((1, 2, 1, 2), "yx", "selective", ALL),  # Z x X, X in the Y role
+    ((1, 2, 1, 2, 1), "xy", "full", ()),  # context x Y, no overlap
+]
+
+
+def _model_runs(world_size, ref_curves, ref_weights):
+    for sizes, orientation, mode, overlaps in CASES:
+        grid = Grid.build(sizes, orientation=orientation)
+        run_one(grid, sizes, ref_curves, ref_weights, mode, overlaps, False, sequence_parallel=True)
+
+
+def test_sequence_parallel_matches_reference():
+    run_distributed(_model_runs, 4, 4, *reference_run(CFG, batches()))
+
+
+def test_sequence_parallel_pipeline_matches_reference():
+    """Two pipeline stages of Y = 2 ranks: the stages exchange the sequence-split stream."""
+    cases = [(2, (1, 1, 1, 2, 1), "1f1b", 1, "selective", ALL)]
+    ref = reference_run(PIPE_CFG, pipe_batches())
+    run_distributed(pipeline_runs, 4, 4, *ref, cases, False, {"sequence_parallel": True})
+
+
+def test_sequence_parallel_refuses_other_layouts():
+    """Two tensor axes, none, an MoE model, a sequence that does not split, or the axis put in
+    the X role: one line each naming what to change."""
+    assert "one tensor axis" in sequence_parallel_problem(CFG, (1, 1, 2, 2))
+    assert "one tensor axis" in sequence_parallel_problem(CFG, (2, 1, 1, 1))
+    assert sequence_parallel_problem(CFG, (1, 2, 1, 2, 1), seq_len=16) is None
+    assert "G_context*G_y=4" in sequence_parallel_problem(CFG, (1, 2, 1, 2, 1), seq_len=18)
+    assert "MoE" in sequence_parallel_problem(PRESETS["moe-tiny"], (1, 1, 2, 1))
+    base = {"model": "tiny", "global_batch": 8, "micro_batch": 2, "seq_len": 32}
+    for options, why in (
+        ({"grid": "y=2,x=2"}, "one tensor axis"),
+        ({"grid": "x=2", "orientation": "xy"}, "--orientation yx"),
+        ({"grid": "context=2,y=4", "seq_len": 36}, "G_context\\*4 = 8"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            load_config(None, base | {"sequence_parallel": True} | options).check()
