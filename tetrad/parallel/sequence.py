@@ -62,22 +62,3 @@ def scatter_sequence(x: torch.Tensor, grid: Grid, async_op: bool = False) -> tor
         raise ValueError(f"sequence parallelism: {s} tokens do not split over G_y={g}")
     ordered = x.reshape(b, g, s // g, *tail).transpose(0, 1).reshape(g * b, s // g, *tail)
     return reduce_scatter(ordered, grid, Axis.Y, async_op=async_op)
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """Forward :func:`scatter_sequence`, backward :func:`gather_sequence`."""
-
-    @staticmethod
-    def forward(ctx, x, grid: Grid):
-        ctx.grid = grid
-        return scatter_sequence(x, grid)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return gather_sequence(dy, ctx.grid), None
-
-
-def scatter_sequence_grad(x: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """:func:`scatter_sequence` of ``x [b, s, ...]`` (a partial sum over Y) with autograd: its
-    gradient is the all-gather over Y of the output's (``[b, s/G_y, ...]`` -> ``[b, s, ...]``)."""
-    return _ScatterSequence.apply(x, grid)

@@ -61,6 +61,7 @@ def runtime_memory(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    sequence_parallel: bool = False,
 ) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
 
@@ -98,7 +99,11 @@ def runtime_memory(
     per rank, whole on Z, Y and X); ``imbalance``: the busiest rank's received rows over the
     mean (``>= 1``), for its saved expert activations (:mod:`tetrad.plan.memory.moe`).
     ``compiled``: the blocks under ``torch.compile`` (``--compile``), which save less
-    (:func:`tetrad.plan.memory.activations.compiled_block_delta`).
+    (:func:`tetrad.plan.memory.activations.compiled_block_delta`). ``sequence_parallel``: the
+    residual stream and norms split along the sequence over Y (``--sequence-parallel``, one
+    tensor axis): their saved tensors divided by ``G_y``
+    (:mod:`tetrad.plan.memory.activations`), and the LM head's input gathered along the
+    sequence, ``e m h``, in its forward.
 
     Components (0 when not alive at the peak phase): ``parameters``, ``gradients``,
     ``optimizer_states``, ``activations`` (blocks, embedding, final norm), ``logits_and_loss``,
@@ -125,6 +130,7 @@ def runtime_memory(
         compiled,
         expert,
         imbalance,
+        sequence_parallel,
     )
     absent = {
         "activations": 0.0,
@@ -161,6 +167,7 @@ def phase_totals(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    sequence_parallel: bool = False,
 ) -> dict[str, float]:
     """The total bytes at each phase of :func:`runtime_memory` (its ``phases``; the peak is their
     maximum) without the breakdown by component: what the search's memory lines need.
@@ -183,6 +190,7 @@ def phase_totals(
         compiled,
         expert,
         imbalance,
+        sequence_parallel,
     )
     # each phase: the base plus the sum of its components, in _phases' order (float sums
     # depend on it): equal to runtime_memory()'s phases bit for bit (tests/test_plan_memory_memo.py)
@@ -208,6 +216,7 @@ def phase_components(
     shard_optimizer: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    sequence_parallel: bool = False,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """``(static components, {phase: live components})`` of :func:`runtime_memory`, bytes: what the
     pipeline's per-stage memory (:mod:`tetrad.plan.memory.pipeline`) adjusts.
@@ -229,6 +238,7 @@ def phase_components(
         False,  # compiled: the pipeline's stages are modelled eager
         expert,
         imbalance,
+        sequence_parallel,
     )
     return dict(g.static), phases
 
@@ -247,6 +257,7 @@ def _phases(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    sequence_parallel: bool = False,
 ) -> tuple[GridBuffers, dict[str, dict[str, float]]]:
     """The grid's buffers and each phase's live components (bytes) of :func:`runtime_memory`."""
     g, a = _parts(
@@ -263,6 +274,7 @@ def _phases(
         compiled,
         expert,
         imbalance,
+        sequence_parallel,
     )
     phases = {
         "forward: LM head": {
@@ -305,6 +317,7 @@ def _parts(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    sequence_parallel: bool = False,
 ) -> tuple[GridBuffers, _ActivationTerms]:
     """The grid's buffers and the micro-batch's activation terms of :func:`runtime_memory`, checked
     in its order (sizes, dtype, grid, checkpointing mode), each memoised (the grid's per grid and
@@ -314,8 +327,9 @@ def _parts(
         g = checked_grid_buffers(
             model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
         )
-        ckpt = activation_checkpointing
-        return g, _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled)
+        ckpt, sp = activation_checkpointing, sequence_parallel
+        args = (model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled)
+        return g, _activation_terms(*args, sequence_parallel=sp)
     if imbalance < 1:
         raise PlanError(f"moe imbalance {imbalance} must be at least 1 (busiest over mean)")
     g = checked_grid_buffers(
@@ -330,7 +344,8 @@ def _parts(
     )
     moe = (expert, imbalance)
     ckpt = activation_checkpointing
-    return g, _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled, moe)
+    args = (model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled, moe)
+    return g, _activation_terms(*args, sequence_parallel=sequence_parallel)  # MoE: refused
 
 
 @functools.lru_cache(maxsize=1 << 10)
@@ -369,10 +384,12 @@ def _activation_terms(
     dtype: str,
     compiled: bool = False,
     moe: tuple[int, float] = (1, 1.0),
+    sequence_parallel: bool = False,
 ) -> _ActivationTerms:
     """:class:`_ActivationTerms` once per model, ``shape = (1, G_context, 1, G_y, G_x)``
     (:attr:`GridBuffers.shape`: nothing here depends on ``G_data`` or ``G_z``), micro-batch,
-    sequence, mode, dtype, compilation (and an MoE model's ``(expert, imbalance)``)."""
+    sequence, mode, dtype, compilation (and an MoE model's ``(expert, imbalance)``; sequence
+    parallelism)."""
     saved = saved_activations(
         model,
         shape,
@@ -383,12 +400,13 @@ def _activation_terms(
         compiled=compiled,
         expert=moe[0],
         imbalance=moe[1],
+        sequence_parallel=sequence_parallel,
     )
     e = dtype_bytes(dtype)
     m = micro_batch * local_seq_len(seq_len, context_size(shape))  # this rank's tokens
     return _ActivationTerms(
         all=saved["blocks"] + saved["embedding"] + saved["final_norm"],
-        head_forward=saved["loss"] + lm_head_logits_bytes(model, shape, m, e),
+        head_forward=saved["loss"] + lm_head_logits_bytes(model, shape, m, e, sequence_parallel),
         head_backward=saved["loss"] + e * m * model.dim,
         blocks=saved["blocks"] + saved["embedding"],
         recompute=saved["recompute"],
