@@ -277,6 +277,12 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         help="tetrad: the blocks under torch.compile (tetrad train --compile), which save less",
     )
     m.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="tetrad, one tensor axis: the residual stream and norms split along the sequence "
+        "over it (tetrad train --sequence-parallel)",
+    )
+    m.add_argument(
         "--expert-parallel",
         type=_positive_int,
         default=1,
@@ -399,6 +405,9 @@ def run_memory(args: argparse.Namespace) -> int:
         check_memory_settings(args, method, pipe)
         ckpt = parse_checkpointing(args.activation_checkpointing)
         turn = args.orientation
+        sp = args.sequence_parallel
+        if sp and turn == "auto":  # the lone tensor axis plays Y
+            turn = "yx" if grid[4] > 1 else "xy"
         if turn == "auto":
             ctx = StepQuestion(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])
             turn = best_orientation(ctx, grid, 1, ckpt)  # the bytes do not depend on the machine
@@ -424,6 +433,7 @@ def run_memory(args: argparse.Namespace) -> int:
                 shard_optimizer=args.shard_optimizer,
                 compiled=args.compile,
                 **moe,
+                **({"sequence_parallel": True} if sp else {}),
             )
             title = (
                 f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))} "
@@ -432,6 +442,7 @@ def run_memory(args: argparse.Namespace) -> int:
                 + (", AdamW states sharded over data x context" if args.shard_optimizer else "")
                 + (f", expert axis {expert}" if model.is_moe else "")
                 + (", blocks compiled" if args.compile else "")
+                + (", sequence-parallel" if sp else "")
                 + f"\nGPU memory {gpu / GiB:.1f} GiB ({gpu_from})"
             )
         # with a pipeline: one stage of the most blocks' (its in-flight copies not included)
@@ -560,6 +571,7 @@ def pipeline_memory_text(
         activation_checkpointing=mode,
         shard_optimizer=getattr(args, "shard_optimizer", False),
         **moe,
+        **({"sequence_parallel": True} if getattr(args, "sequence_parallel", False) else {}),
     )
     stages = ", ".join(
         f"{r.rank}: {'+'.join(map(str, r.chunk_blocks))} blocks {mb.total / GiB:.1f} GiB"
@@ -568,7 +580,8 @@ def pipeline_memory_text(
     title = (
         f"{model.summary()}\ntetrad runtime, grid P,D,C,Z,Y,X={format_grid(pipe, grid)} "
         f"({turn}), {sched} with {v} stage(s) per rank, {m} micro-batches of "
-        f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}\n"
+        f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}"
+        f"{', sequence-parallel' if getattr(args, 'sequence_parallel', False) else ''}\n"
         f"pipeline ranks (stage split by {machine.name} compute"
         f"{'' if args.machine else ', the default without --machine'}): {stages}\n"
         f"the worst rank:"

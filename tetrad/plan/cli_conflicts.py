@@ -33,6 +33,7 @@ MEMORY_TETRAD_DEFAULTS = {
     "orientation": "auto",
     "activation_checkpointing": "none",
     "compile": False,
+    "sequence_parallel": False,
     "expert_parallel": 1,
     "moe_imbalance": 1.0,
     **PIPELINE_DEFAULTS,
