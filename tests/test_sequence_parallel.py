@@ -1,8 +1,8 @@
 """Sequence parallelism (``sequence_parallel=True``, :mod:`tetrad.parallel.sequence`) against the
 single-process reference: the same losses, gradient norms and updated weights as
 ``tests/test_model.py`` and ``tests/test_pipeline.py`` ask of every grid, on layouts with one
-tensor axis (Y; X under orientation ``yx``) with data, Z, context and pipeline ranks, in each
-activation-checkpointing mode once."""
+tensor axis (Y; X under orientation ``yx``) with data (and the sharded optimizer), Z, context
+and pipeline ranks, in each activation-checkpointing mode once."""
 
 import pytest
 
@@ -19,17 +19,18 @@ from tetrad.train.config import load_config
 from tetrad.train.sections import ConfigError
 
 ALL = tuple(OVERLAPS)
-CASES = [  # (sizes, orientation, checkpointing, overlaps)
-    ((2, 1, 2, 1), "xy", "none", ALL),  # data x Y
-    ((1, 2, 1, 2), "yx", "selective", ALL),  # Z x X, X in the Y role
-    ((1, 2, 1, 2, 1), "xy", "full", ()),  # context x Y, no overlap
+CASES = [  # (sizes, orientation, checkpointing, overlaps, sharded optimizer)
+    ((2, 1, 2, 1), "xy", "none", ALL, True),  # data x Y
+    ((1, 2, 1, 2), "yx", "selective", ALL, False),  # Z x X, X in the Y role
+    ((1, 2, 1, 2, 1), "xy", "full", (), False),  # context x Y, no overlap
 ]
 
 
 def _model_runs(world_size, ref_curves, ref_weights):
-    for sizes, orientation, mode, overlaps in CASES:
+    for sizes, orientation, mode, overlaps, shard in CASES:
         grid = Grid.build(sizes, orientation=orientation)
-        run_one(grid, sizes, ref_curves, ref_weights, mode, overlaps, False, sequence_parallel=True)
+        opts = {"sequence_parallel": True, "shard_optimizer": shard}
+        run_one(grid, sizes, ref_curves, ref_weights, mode, overlaps, False, **opts)
 
 
 def test_sequence_parallel_matches_reference():

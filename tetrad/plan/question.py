@@ -61,6 +61,16 @@ class StepQuestion:
             the
             best of :data:`tetrad.plan.comm.context_parallel.PIECE_CANDIDATES` per grid and
             micro-batch (:meth:`kv_choice`).
+        sequence_parallel: the runtime's ``--sequence-parallel``: on grids with one tensor axis
+            in the Y role (``G_x = 1``, ``G_y > 1``) of a dense Llama, the residual stream
+            split along the sequence over Y (tetrad/parallel/sequence.py): each all-reduce over
+            Y becomes an all-gather and a reduce-scatter (:attr:`tetrad.plan.comm.record.Step.
+            sequence_parallel`); other grids are modelled as without it.
+        sequence_parallel: the runtime's ``--sequence-parallel``: on grids with one tensor axis
+            in the Y role (``G_x = 1``, ``G_y > 1``) of a dense Llama, the residual stream
+            split along the sequence over Y (tetrad/parallel/sequence.py): each all-reduce over
+            Y becomes an all-gather and a reduce-scatter (:attr:`tetrad.plan.comm.record.Step.
+            sequence_parallel`); other grids are modelled as without it.
         fp8: the FP8 recipe, ``off``, ``tensorwise`` or ``rowwise``
             (:mod:`tetrad.plan.compute.fp8`): the block Linears' GEMMs it converts at the FP8
             rate with their casts, the weights' Z all-gather in FP8 bytes and their amax
@@ -86,8 +96,10 @@ class StepQuestion:
         fine_chunks: int | None = None,
         context_pieces: int | None = None,
         fp8: str = "off",
+        sequence_parallel: bool = False,
     ):
         check_fp8(fp8, machine)
+        self.sequence_parallel = sequence_parallel
         if compute_bytes not in (2, 4):
             raise PlanError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
         self.model, self.machine = model, machine

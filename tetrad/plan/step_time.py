@@ -125,7 +125,7 @@ from tetrad.spec.activation_checkpointing import parse_checkpointing
 from tetrad.spec.grid import ORIENTATIONS, physical_axis, role_sizes, with_context
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import DOMINO_MIN_ROWS, DP_BUCKET_BYTES
-from tetrad.spec.sharding import grid_problems
+from tetrad.spec.sharding import grid_problems, sequence_parallel_problem
 
 __all__ = ["Estimate", "best_orientation", "collectives", "estimate", "make_step"]
 
@@ -260,7 +260,17 @@ def make_step(
         fp8=ctx.fp8,
         z_weight_bytes=ctx.z_weight_bytes,
         scale_link=ctx.machine.network.link(1, gx * gy * gz) if ctx.fp8 == "tensorwise" else None,
+        sequence_parallel=sequence_parallel_applies(ctx, roles),
     )
+
+
+def sequence_parallel_applies(ctx: StepQuestion, roles: tuple) -> bool:
+    """Whether ``ctx`` asks for sequence parallelism and the runtime has it on these role
+    sizes ``(G_data, G_context, G_z, G_y, G_x)`` (:func:`tetrad.spec.sharding.
+    sequence_parallel_problem`, the sequence's split aside: checked by the runtime)."""
+    if not getattr(ctx, "sequence_parallel", False):
+        return False
+    return sequence_parallel_problem(ctx.model, roles) is None
 
 
 def best_orientation(
@@ -390,6 +400,7 @@ def collectives(
     context_pieces: int | None = None,
     shard_optimizer: bool = False,
     fp8: str = "off",
+    sequence_parallel: bool = False,
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
     axis, kind, payload bytes per call, calls, ring bytes and seconds per call, the compute it
@@ -399,7 +410,8 @@ def collectives(
     runtime's ``Overlap`` options (``context_pieces`` None: the planner's best);
     ``orientation``: as :func:`estimate`'s; ``shard_optimizer``: the runtime's sharded
     optimizer (:mod:`tetrad.plan.question`); ``fp8``: the FP8 recipe
-    (:mod:`tetrad.plan.compute.fp8`).
+    (:mod:`tetrad.plan.compute.fp8`); ``sequence_parallel``: the runtime's
+    ``--sequence-parallel`` (:class:`~tetrad.plan.question.StepQuestion`).
 
     Raises:
         PlanError: the batch does not split on the grid, or a bad overlap name.
@@ -416,6 +428,7 @@ def collectives(
         fine_chunks=fine_chunks,
         context_pieces=context_pieces,
         fp8=fp8,
+        sequence_parallel=sequence_parallel,
     )
     est = estimate(
         sharded(ctx) if shard_optimizer else ctx,
