@@ -12,8 +12,13 @@ from tests.test_pipeline import CFG as PIPE_CFG
 from tests.test_pipeline import batches as pipe_batches
 from tests.test_pipeline import pipeline_runs
 from tetrad.grid import Grid
+from tetrad.plan.machine.description import get_machine
+from tetrad.plan.memory.runtime import runtime_memory
+from tetrad.plan.question import StepQuestion
+from tetrad.plan.search.plan import plan
+from tetrad.plan.step_time import estimate
 from tetrad.spec.overlap import OVERLAPS
-from tetrad.spec.presets import PRESETS
+from tetrad.spec.presets import PRESETS, get_model
 from tetrad.spec.sharding import sequence_parallel_problem
 from tetrad.train.config import load_config
 from tetrad.train.sections import ConfigError
@@ -60,3 +65,31 @@ def test_sequence_parallel_refuses_other_layouts():
     ):
         with pytest.raises(ConfigError, match=why):
             load_config(None, base | {"sequence_parallel": True} | options).check()
+
+
+def test_planner_ranks_sequence_parallel_where_asked():
+    """``tetrad plan --sequence-parallel``: ``on`` ranks the one-tensor-axis grids with it
+    (rows marked sp, their memory and step the models' with sequence parallelism), ``off``
+    (the default) never, ``auto`` both variants of those grids, merged by step time."""
+    model, machine = get_model("llama-3.1-8b"), get_machine("perlmutter")
+    gpus, batch, seq = 8, 32, 4096
+    opts = {"top": 4, "classic": False, "pipeline": False, "checkpointing": ("none",)}
+    rows = {
+        sp: plan(model, machine, gpus, batch, seq, sequence_parallel=sp, **opts).rows
+        for sp in ("off", "on", "auto")
+    }
+    assert not any(r.sequence_parallel for r in rows["off"])
+    on = [r for r in rows["on"] if r.sequence_parallel]
+    assert on and all(r.grid[-1] == 1 and r.grid[-2] > 1 for r in on)
+    for r in on:
+        roles = r.grid  # one tensor axis, orientation xy
+        mem = runtime_memory(model, roles, r.micro_batch, seq, machine.memory_bytes,
+                             sequence_parallel=True)  # fmt: skip
+        assert r.memory.total == mem.total
+        ctx = StepQuestion(model, machine, seq, batch, sequence_parallel=True)
+        assert r.step_s == estimate(ctx, roles, r.micro_batch, "none").step_s
+    steps = [r.step_s for r in rows["auto"]]
+    assert steps == sorted(steps)
+    assert steps[0] == min(rows["off"][0].step_s, rows["on"][0].step_s)
+    labels = {r.label() for r in rows["auto"]}
+    assert {on[0].label(), on[0].label().removesuffix(" sp")} <= labels

@@ -169,6 +169,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "rows marked so): auto (where a configuration fits only so), on, off",
     )
     p.add_argument(
+        "--sequence-parallel",
+        **dict(choices=("off", "on", "auto"), nargs="?", const="on", default="off"),
+        help="4D grids of a Llama with one tensor axis with tetrad train --sequence-parallel "
+        "(rows marked sp): off (default), on, or auto (each grid with or without, whichever "
+        "is faster)",
+    )
+    p.add_argument(
         "--gpu-memory-gib", type=float, metavar="GIB", help="GPU memory (default: the machine's)"
     )
     p.add_argument(
@@ -339,6 +346,7 @@ def run_plan(args: argparse.Namespace) -> int:
         pipeline=not args.no_pipeline,
         shard_optimizer=args.shard_optimizer,
         moe_imbalance=args.moe_imbalance,
+        sequence_parallel=args.sequence_parallel,
     )
     fp8_lines: list[str] = []
     if args.fp8 == "auto":

@@ -24,6 +24,7 @@ PLAN_RANKING_DEFAULTS = {
     "no_classic": False,
     "no_pipeline": False,
     "shard_optimizer": "auto",
+    "sequence_parallel": "off",
     "gpu_memory_gib": None,
 }
 """``tetrad plan``'s options that only ranking reads, and their defaults."""

@@ -39,6 +39,7 @@ from tetrad.plan.machine.description import Machine
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER, Link
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OverlapError, parse_overlaps
+from tetrad.spec.sharding import sequence_parallel_problem
 from tetrad.spec.units import FP32
 
 
@@ -250,6 +251,16 @@ class StepQuestion:
                     got, acc = got + 1, 0.0
             self._buckets[key] = got
         return got
+
+    def sequence_split(self, gc: int, gy: int, gx: int) -> int:
+        """``G_y`` where this question's runtime splits the residual stream along the sequence
+        over Y on a grid of these role sizes (``sequence_parallel`` asked, one tensor axis in
+        the Y role, a dense Llama, each rank's ``S / G_context`` tokens divisible by ``G_y``:
+        :func:`tetrad.spec.sharding.sequence_parallel_problem`), else 1."""
+        if not getattr(self, "sequence_parallel", False) or self.model.family != "llama":
+            return 1  # the runtime builds Llama only
+        problem = sequence_parallel_problem(self.model, (1, gc, 1, gy, gx), self.seq_len)
+        return 1 if problem else gy
 
     def vector_elements(self, gx: int, gy: int) -> float:
         """Local elements of the parameters replicated over Z (norm weights; GPT: LayerNorm

@@ -125,7 +125,7 @@ from tetrad.spec.activation_checkpointing import parse_checkpointing
 from tetrad.spec.grid import ORIENTATIONS, physical_axis, role_sizes, with_context
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import DOMINO_MIN_ROWS, DP_BUCKET_BYTES
-from tetrad.spec.sharding import grid_problems, sequence_parallel_problem
+from tetrad.spec.sharding import grid_problems
 
 __all__ = ["Estimate", "best_orientation", "collectives", "estimate", "make_step"]
 
@@ -266,11 +266,8 @@ def make_step(
 
 def sequence_parallel_applies(ctx: StepQuestion, roles: tuple) -> bool:
     """Whether ``ctx`` asks for sequence parallelism and the runtime has it on these role
-    sizes ``(G_data, G_context, G_z, G_y, G_x)`` (:func:`tetrad.spec.sharding.
-    sequence_parallel_problem`, the sequence's split aside: checked by the runtime)."""
-    if not getattr(ctx, "sequence_parallel", False):
-        return False
-    return sequence_parallel_problem(ctx.model, roles) is None
+    sizes ``(G_data, G_context, G_z, G_y, G_x)`` (:meth:`StepQuestion.sequence_split`)."""
+    return ctx.sequence_split(roles[1], roles[3], roles[4]) > 1
 
 
 def best_orientation(

@@ -123,6 +123,8 @@ def choose_grid(
             classic=False,
             dtype=compute_dtype(t.device),
             shard_optimizer="on" if par.shard_optimizer else "auto",
+            # --sequence-parallel with grid auto: on the chosen grid where it runs and pays
+            sequence_parallel="auto" if par.sequence_parallel else "off",
         )
     except TetradError as e:  # the planner's PlanError, or a grid or model the rules refuse
         raise ConfigError(
@@ -168,6 +170,7 @@ def choose_grid(
         activation_checkpointing=best.activation_checkpointing,
         orientation=best.orientation,
         shard_optimizer=par.shard_optimizer or best.shard_optimizer,
+        sequence_parallel=best.sequence_parallel,
         expert_parallel=best.expert or par.expert_parallel,  # an MoE model's expert axis
     )
     return dataclasses.replace(cfg, parallelism=par)

@@ -165,7 +165,8 @@ class ParallelismSection:
         help="on a grid with one tensor axis (y=N, or x=N with orientation auto or yx), split "
         "the residual stream and the norms along the sequence over it (Megatron-LM's sequence "
         "parallelism): their activations divided by N, each layer pair's all-reduce an "
-        "all-gather plus a reduce-scatter of the same bytes",
+        "all-gather plus a reduce-scatter of the same bytes; with grid auto, where the planner "
+        "finds it faster",
     )
     dp_bucket_mb: float = option(
         DP_BUCKET_BYTES / MiB, metavar="MB", help="data-parallel all-reduce bucket size, MiB"

@@ -423,9 +423,11 @@ def fewest_selective(
     dtype: str = "bf16",
     prefetch: bool = True,
     shard_optimizer: bool = False,
+    sequence_parallel: bool = False,
 ) -> str:
     """``selective:K`` with the fewest blocks ``K`` whose :func:`runtime_memory` estimate fits
-    (80%), or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits.
+    (80%), or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits
+    (``sequence_parallel``: as :func:`runtime_memory`'s).
 
     Every phase's total is affine in ``K`` for ``1 <= K <= L`` (each selective block replaces
     its saved tensors by its selective set; the positions and the recompute set are there from
@@ -440,6 +442,8 @@ def fewest_selective(
 
     def at(mode: str) -> dict[str, float]:
         options = {"activation_checkpointing": mode, "dtype": dtype, "prefetch": prefetch}
+        if sequence_parallel:
+            options["sequence_parallel"] = True
         return phase_totals(
             model, grid, micro_batch, seq_len, shard_optimizer=shard_optimizer, **options
         )

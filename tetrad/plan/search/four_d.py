@@ -408,9 +408,11 @@ class Search4D:
         """The :class:`Row` of one ranked configuration (with its memory estimate)."""
         ctx = self.ctx
         zero = getattr(est, "shard_optimizer", False)
+        roles = role_sizes(grid, turn)
+        sp = self.comm_model == "tetrad" and ctx.sequence_split(roles[1], roles[3], roles[4]) > 1
         mem = runtime_memory(
             ctx.model,
-            role_sizes(grid, turn),
+            roles,
             b,
             ctx.seq_len,
             self.mem_bytes,
@@ -418,6 +420,7 @@ class Search4D:
             dtype=self.dtype,
             prefetch=self.prefetch,
             shard_optimizer=zero,
+            **({"sequence_parallel": True} if sp else {}),
         )
         if self.comm_model == "tetrad":
             compute_s, rec_s, exposed, comm_s = (
@@ -448,6 +451,7 @@ class Search4D:
             self.comm_model,
             orientation=turn,
             shard_optimizer=zero,
+            sequence_parallel=sp,
         ).finish(ctx.model, ctx.machine, self.gpus, ctx.global_batch, ctx.seq_len)
 
 
@@ -468,6 +472,7 @@ def search_4d(
     pipeline: bool = True,
     shard_optimizer: str = "auto",
     fp8: str = "off",
+    sequence_parallel: bool | str = False,
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics;
     with ``pipeline`` (and the tetrad comm model) pipeline grids too
@@ -486,11 +491,45 @@ def search_4d(
             ring bytes, and the all-gather after the update is exposed).
         fp8: the FP8 recipe of the step model (:mod:`tetrad.plan.compute.fp8`; ``off``, the
             default, leaves every estimate as without it); memory as without FP8.
+        sequence_parallel: the runtime's ``--sequence-parallel`` on the grids where it runs
+            (one tensor axis in the Y role of a dense Llama:
+            :meth:`tetrad.plan.question.StepQuestion.sequence_split`), time and memory:
+            ``off`` (or False, the default: every estimate as without it), ``on`` (or True) or
+            ``auto`` (both searched, their rows merged: a grid is ranked with it where that is
+            faster; its collectives are blocking where Domino and ``fine`` hide the
+            all-reduce's, so it can be slower where the memory it saves is not needed).
 
     Raises:
         PlanError: no grid shards the model, no grid splits the batch, or nothing fits; the
             message says what to change; FP8 on a machine without it.
     """
+    sp = {False: "off", True: "on"}.get(sequence_parallel, sequence_parallel)
+    if sp not in ("off", "on", "auto"):
+        raise PlanError(f"sequence_parallel {sequence_parallel!r}: use off, on or auto")
+    if sp == "auto":
+        t0 = time.perf_counter()
+        opts = dict(
+            top=top,
+            checkpointing=checkpointing,
+            micro_batches=micro_batches,
+            overlaps=overlaps,
+            comm_model=comm_model,
+            dtype=dtype,
+            gpu_memory_bytes=gpu_memory_bytes,
+            pipeline=pipeline,
+            shard_optimizer=shard_optimizer,
+            fp8=fp8,
+        )
+        args = (model, machine, gpus, global_batch, seq_len)
+        rows, _ = search_4d(*args, **opts, sequence_parallel="off")
+        more, stats = search_4d(*args, **opts, sequence_parallel="on")
+        seen = {(r.label(), r.micro_batch, r.activation_checkpointing) for r in rows}
+        rows += [
+            r for r in more if (r.label(), r.micro_batch, r.activation_checkpointing) not in seen
+        ]
+        rows.sort(key=lambda r: r.step_s)  # stable: the off search's row first on a tie
+        stats["seconds"] = time.perf_counter() - t0
+        return rows[:top], stats
     check_inputs(model, gpus, global_batch, seq_len)
     if comm_model not in ("tetrad", "axonn"):
         raise PlanError(f"comm model {comm_model!r} is unknown: use tetrad or axonn")
@@ -504,6 +543,7 @@ def search_4d(
         overlaps=overlaps,
         compute_bytes=2 if dtype == "bf16" else 4,
         fp8=fp8,
+        sequence_parallel=sp == "on" and comm_model == "tetrad",
     )
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None

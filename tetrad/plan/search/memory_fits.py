@@ -129,10 +129,12 @@ class MemoryFits:
         raw: dict = {}  # mode -> its phases' lines, once per roles
         lines: dict = {}  # (mode, sharded) -> its memory line
 
+        sp = ctx.sequence_split(gc, roles[3], roles[4]) > 1
+
         def line(mode: str, zero: bool):
             if (mode, zero) not in lines:
                 if mode not in raw:
-                    raw[mode] = phase_lines(model, roles, ctx.seq_len, mode, dt, pre, sizes)
+                    raw[mode] = phase_lines(model, roles, ctx.seq_len, mode, dt, pre, sizes, sp)
                 shift = sharding_offsets(model, roles, dt, pre) if zero else None
                 lines[(mode, zero)] = line_of(raw[mode], self.limit, sizes, shift)
             return lines[(mode, zero)]
@@ -198,13 +200,15 @@ class MemoryFits:
         model = ctx.model
         per_cell = ctx.global_batch // (roles[0] * roles[2])
         mem, dt, pre = self.mem_bytes, self.dtype, self.prefetch
+        sp = ctx.sequence_split(roles[1], roles[3], roles[4]) > 1
         for z, ckpt, sizes, plain in fits.modes:
             if z != zero:
                 continue
             for b in sizes:
                 mode = ckpt
                 if plain is not None and plain(b) > self.limit:
-                    mode = fewest_selective(model, roles, b, ctx.seq_len, mem, dt, pre, zero)
+                    args = (model, roles, b, ctx.seq_len, mem, dt, pre, zero)
+                    mode = fewest_selective(*args, sequence_parallel=sp)
                 fwd, bwd, rec = ctx.micro_batch_seconds(roles, b, mode)
                 got.append(((per_cell // b) * (fwd + bwd + rec), len(got), b, mode))
         got.sort(key=lambda c: c[:2])
@@ -262,8 +266,15 @@ class MemoryFits:
         """The blocks' saved tensors of a micro-batch of ``b`` on ``roles`` in ``mode``,
         bytes (:func:`tetrad.plan.memory.activations.saved_activations`)."""
         ctx = self.ctx
+        sp = ctx.sequence_split(roles[1], roles[3], roles[4]) > 1
         saved = saved_activations(
-            ctx.model, roles, b, ctx.seq_len, activation_checkpointing=mode, dtype=self.dtype
+            ctx.model,
+            roles,
+            b,
+            ctx.seq_len,
+            activation_checkpointing=mode,
+            dtype=self.dtype,
+            sequence_parallel=sp,
         )
         return saved["blocks"]
 
@@ -315,8 +326,11 @@ class PhaseLines:
     bytes at ``b = 1`` (:attr:`lo`) and their growth per sample of the micro-batch (:meth:`slopes`,
     evaluated at ``b = 2`` only when asked: a grid that does not fit at ``b = 1`` needs none)."""
 
-    def __init__(self, model, grid, seq_len, ckpt, dtype, prefetch, sizes: list[int]):
+    def __init__(
+        self, model, grid, seq_len, ckpt, dtype, prefetch, sizes: list[int], sp: bool = False
+    ):
         self._args = (model, grid, seq_len, ckpt, dtype, prefetch)
+        self.sp = sp  # sequence parallelism
         self.last = sizes[-1]
         self.lo = self._at(1)
         self._slopes: dict | None = None
@@ -324,6 +338,8 @@ class PhaseLines:
     def _at(self, b: int) -> dict[str, float]:
         model, grid, seq_len, ckpt, dtype, prefetch = self._args
         options = {"activation_checkpointing": ckpt, "dtype": dtype, "prefetch": prefetch}
+        if self.sp:
+            options["sequence_parallel"] = True
         return phase_totals(model, grid, b, seq_len, **options)
 
     def slopes(self) -> dict[str, float]:
@@ -334,10 +350,17 @@ class PhaseLines:
 
 
 def phase_lines(
-    model: ModelSpec, grid, seq_len: int, ckpt: str, dtype: str, prefetch: bool, sizes: list[int]
+    model: ModelSpec,
+    grid,
+    seq_len: int,
+    ckpt: str,
+    dtype: str,
+    prefetch: bool,
+    sizes: list[int],
+    sp: bool = False,
 ) -> PhaseLines:
-    """The :class:`PhaseLines` of a grid and mode."""
-    return PhaseLines(model, grid, seq_len, ckpt, dtype, prefetch, sizes)
+    """The :class:`PhaseLines` of a grid and mode (``sp``: with sequence parallelism)."""
+    return PhaseLines(model, grid, seq_len, ckpt, dtype, prefetch, sizes, sp)
 
 
 def line_of(lines: PhaseLines, limit: float, sizes: list[int], offsets: dict | None = None):

@@ -40,6 +40,7 @@ def plan(
     shard_optimizer: str = "auto",
     moe_imbalance: float = 1.0,
     fp8: str = "off",
+    sequence_parallel: bool | str = False,
 ) -> SearchResult:
     """Both searches; see :func:`search_4d` (``pipeline``: with the pipeline axis, on by
     default: ``docs/planner.md`` section 8) and :func:`search_classic` (``classic_pipeline``:
@@ -49,6 +50,8 @@ def plan(
     busiest rank's routed rows over the mean; the 4D space with the ``tetrad`` model only).
     ``fp8``: the FP8 recipe of the 4D step model (:mod:`tetrad.plan.compute.fp8`; dense models,
     ``tetrad`` comm model); with FP8 the classic space, modelled in bf16 only, is not searched.
+    ``sequence_parallel``: the 4D space with ``--sequence-parallel`` where it runs,
+    ``off``, ``on`` or ``auto`` (:func:`search_4d`; dense Llama models).
 
     Raises:
         PlanError: bad inputs, or no 4D configuration at all (message says what to change);
@@ -104,6 +107,7 @@ def plan(
             pipeline=pipeline,
             shard_optimizer=shard_optimizer,
             fp8=fp8,
+            sequence_parallel=sequence_parallel,
         )
         crow, cstats = ([], {})
         if classic:
@@ -122,6 +126,8 @@ def plan(
     inputs = _inputs(model, machine, gpus, global_batch, seq_len, overlaps, gpu_memory_bytes)
     inputs |= {"comm_model": comm_model, "dtype": dtype, "shard_optimizer": shard_optimizer}
     inputs |= {"fp8": fp8}
+    if sequence_parallel not in (False, "off"):
+        inputs["sequence_parallel"] = {True: "on"}.get(sequence_parallel, sequence_parallel)
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
     return SearchResult(rows, crow, all_stats, inputs)
 
