@@ -44,8 +44,8 @@ GRIDS = {  # (G_data, G_z, G_y, G_x) or (G_data, G_context, G_z, G_y, G_x)
     4: [(1, 2, 1, 2), (2, 1, 2, 1), (1, 2, 1, 1, 2)],
     8: [(1, 2, 2, 2), (2, 2, 1, 2, 1), (1, 4, 1, 1, 2)],
 }
-# sequence parallelism (tetrad/parallel/sequence.py) on one-tensor-axis grids: data x Y, context x Y
-SEQUENCE_PARALLEL_GRIDS = {4: [(2, 1, 2, 1), (1, 2, 1, 2, 1)]}
+# sequence parallelism (tetrad/parallel/sequence.py): data x Y, context x Y, Y x X
+SEQUENCE_PARALLEL_GRIDS = {4: [(2, 1, 2, 1), (1, 2, 1, 2, 1), (1, 1, 2, 2)]}
 MODES = ("none", "selective", "selective:1", "full")  # selective:1: the top block only
 
 

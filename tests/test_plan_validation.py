@@ -169,7 +169,12 @@ def test_comm_model_predicts_sharded_optimizer_collectives(world_size, tmp_path)
     _compare(world_size, tmp_path, grids, configs, True)
 
 
-SEQUENCE_PARALLEL_GRIDS = [((2, 1, 2, 1), "xy"), ((1, 2, 1, 2), "yx"), ((1, 2, 1, 2, 1), "xy")]
+SEQUENCE_PARALLEL_GRIDS = [
+    ((2, 1, 2, 1), "xy"),
+    ((1, 2, 1, 2), "yx"),
+    ((1, 2, 1, 2, 1), "xy"),
+    ((1, 1, 2, 2), "yx"),
+]
 SEQUENCE_PARALLEL_CONFIGS = [(2, False, "all"), (1, True, "none"), (1, "selective", "all")]
 
 
@@ -181,10 +186,10 @@ def _sequence_parallel_worker(world_size: int, out_dir: str) -> None:
 
 
 def test_comm_model_predicts_sequence_parallel_collectives(tmp_path):
-    """With sequence parallelism (one tensor axis in the Y role: data x Y, Z x X turned,
-    context x Y), under full and selective recompute, each overlap set, and with the sharded
-    optimizer on data x Y: the all-gathers and reduce-scatters along the sequence over Y and
-    the norm weights' gradient sum over Y, call for call and byte for byte."""
+    """With sequence parallelism (data x Y, Z x X turned, context x Y, and Y x X turned: the
+    stream split over both), under full and selective recompute, each overlap set, and with the
+    sharded optimizer on data x Y: the all-gathers and reduce-scatters along the sequence over
+    Y and the norm weights' gradient sum over Y, call for call and byte for byte."""
     for shard in (False, True):
         (tmp_path / str(shard)).mkdir()
     run_distributed(_sequence_parallel_worker, 4, 4, str(tmp_path))

@@ -2,7 +2,7 @@
 single-process reference: the same losses, gradient norms and updated weights as
 ``tests/test_model.py`` and ``tests/test_pipeline.py`` ask of every grid, on layouts with one
 tensor axis (Y; X under orientation ``yx``) with data (and the sharded optimizer), Z, context
-and pipeline ranks, in each activation-checkpointing mode once."""
+and pipeline ranks, and on Y x X, in each activation-checkpointing mode once."""
 
 import pytest
 
@@ -17,6 +17,7 @@ from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.plan import plan
 from tetrad.plan.step_time import estimate
+from tetrad.spec.grid import role_sizes
 from tetrad.spec.overlap import OVERLAPS
 from tetrad.spec.presets import PRESETS, get_model
 from tetrad.spec.sharding import sequence_parallel_problem
@@ -28,6 +29,7 @@ CASES = [  # (sizes, orientation, checkpointing, overlaps, sharded optimizer)
     ((2, 1, 2, 1), "xy", "none", ALL, True),  # data x Y
     ((1, 2, 1, 2), "yx", "selective", ALL, False),  # Z x X, X in the Y role
     ((1, 2, 1, 2, 1), "xy", "full", (), False),  # context x Y, no overlap
+    ((1, 1, 2, 2), "xy", "none", ALL, False),  # Y x X: the stream split over both
 ]
 
 
@@ -50,16 +52,17 @@ def test_sequence_parallel_pipeline_matches_reference():
 
 
 def test_sequence_parallel_refuses_other_layouts():
-    """Two tensor axes, none, an MoE model, a sequence that does not split, or the axis put in
-    the X role: one line each naming what to change."""
-    assert "one tensor axis" in sequence_parallel_problem(CFG, (1, 1, 2, 2))
-    assert "one tensor axis" in sequence_parallel_problem(CFG, (2, 1, 1, 1))
+    """No tensor axis (or none in the Y role), an MoE model, a sequence that does not split:
+    one line each naming what to change; Y and X both above 1 run."""
+    assert sequence_parallel_problem(CFG, (1, 1, 2, 2)) is None
+    assert "G_y=1" in sequence_parallel_problem(CFG, (2, 1, 1, 1))
+    assert "G_y=1" in sequence_parallel_problem(CFG, (1, 1, 1, 2))
     assert sequence_parallel_problem(CFG, (1, 2, 1, 2, 1), seq_len=16) is None
     assert "G_context*G_y=4" in sequence_parallel_problem(CFG, (1, 2, 1, 2, 1), seq_len=18)
     assert "MoE" in sequence_parallel_problem(PRESETS["moe-tiny"], (1, 1, 2, 1))
     base = {"model": "tiny", "global_batch": 8, "micro_batch": 2, "seq_len": 32}
     for options, why in (
-        ({"grid": "y=2,x=2"}, "one tensor axis"),
+        ({"grid": "data=2"}, "has none"),
         ({"grid": "x=2", "orientation": "xy"}, "--orientation yx"),
         ({"grid": "context=2,y=4", "seq_len": 36}, "G_context\\*4 = 8"),
     ):
@@ -68,7 +71,7 @@ def test_sequence_parallel_refuses_other_layouts():
 
 
 def test_planner_ranks_sequence_parallel_where_asked():
-    """``tetrad plan --sequence-parallel``: ``on`` ranks the one-tensor-axis grids with it
+    """``tetrad plan --sequence-parallel``: ``on`` ranks the grids with ``G_y > 1`` with it
     (rows marked sp, their memory and step the models' with sequence parallelism), ``off``
     (the default) never, ``auto`` both variants of those grids, merged by step time."""
     model, machine = get_model("llama-3.1-8b"), get_machine("perlmutter")
@@ -80,14 +83,13 @@ def test_planner_ranks_sequence_parallel_where_asked():
     }
     assert not any(r.sequence_parallel for r in rows["off"])
     on = [r for r in rows["on"] if r.sequence_parallel]
-    assert on and all(r.grid[-1] == 1 and r.grid[-2] > 1 for r in on)
+    assert on and all(role_sizes(r.grid, r.orientation)[3] > 1 for r in on)
+    ctx = StepQuestion(model, machine, seq, batch, sequence_parallel=True)
     for r in on:
-        roles = r.grid  # one tensor axis, orientation xy
-        mem = runtime_memory(model, roles, r.micro_batch, seq, machine.memory_bytes,
-                             sequence_parallel=True)  # fmt: skip
+        roles, b = role_sizes(r.grid, r.orientation), r.micro_batch
+        mem = runtime_memory(model, roles, b, seq, machine.memory_bytes, sequence_parallel=True)
         assert r.memory.total == mem.total
-        ctx = StepQuestion(model, machine, seq, batch, sequence_parallel=True)
-        assert r.step_s == estimate(ctx, roles, r.micro_batch, "none").step_s
+        assert r.step_s == estimate(ctx, r.grid, b, "none", orientation=r.orientation).step_s
     steps = [r.step_s for r in rows["auto"]]
     assert steps == sorted(steps)
     assert steps[0] == min(rows["off"][0].step_s, rows["on"][0].step_s)

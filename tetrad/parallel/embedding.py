@@ -69,8 +69,8 @@ class _Embedding3D(torch.autograd.Function):
 
 class Embedding(nn.Module):
     """Token ids ``[B/(G_data G_z), S]`` -> hidden states ``[B/(G_data G_z), S, h/G_x]``,
-    replicated over Y; with ``sequence_parallel`` (``G_x = 1``) ``[B/(G_data G_z), S/G_y, h]``,
-    this Y rank's piece of the sequence. Weight stored as ``[V/(G_y G_z), h/G_x]``.
+    replicated over Y; with ``sequence_parallel`` ``[B/(G_data G_z), S/G_y, h/G_x]``, this Y
+    rank's piece of the sequence. Weight stored as ``[V/(G_y G_z), h/G_x]``.
 
     Raises:
         ValueError: ``V`` not divisible by ``G_y*G_z`` or ``h`` by ``G_x``.

@@ -19,8 +19,8 @@ The head is the last layer of forward and the first of backward, with only the l
 so its gathered ``W`` is kept from forward to backward rather than all-gathered again (as
 FSDP2 keeps its root module unsharded after forward): one Z all-gather per micro-batch, not two.
 
-With sequence parallelism (``G_x = 1``, :mod:`tetrad.parallel.sequence`) the input is
-``[b, s/G_y, h]`` and is all-gathered along the sequence over Y instead, and ``dx`` is
+With sequence parallelism (:mod:`tetrad.parallel.sequence`) the input is
+``[b, s/G_y, h/G_x]``, all-gathered along the sequence over Y first, and ``dx``
 reduce-scattered along the sequence over Y instead of all-reduced.
 
 Per micro-batch its X/Y collectives move ``m h`` elements (all-gather and reduce-scatter over
@@ -59,19 +59,18 @@ def scatter_hidden(dx: torch.Tensor, grid: Grid) -> torch.Tensor:
 
 def gather_input(x: torch.Tensor, grid: Grid, sequence: bool) -> torch.Tensor:
     """The head's input whole on every rank of its group: ``[b, s, h/G_x]`` -> ``[b, s, h]``
-    (:func:`gather_hidden`), or with ``sequence`` ``[b, s/G_y, h]`` -> ``[b, s, h]``
-    (:func:`tetrad.parallel.sequence.gather_sequence`)."""
-    return gather_sequence(x, grid) if sequence else gather_hidden(x, grid)
+    (:func:`gather_hidden`), with ``sequence`` from ``[b, s/G_y, h/G_x]``, first gathered along
+    the sequence over Y (:func:`tetrad.parallel.sequence.gather_sequence`)."""
+    return gather_hidden(gather_sequence(x, grid) if sequence else x, grid)
 
 
 def scatter_input(dx: torch.Tensor, ov: Overlap, sequence: bool):
     """Start the sum of the input gradient ``dx [b, s, h]`` back to the input's layout
-    (:func:`gather_input`): reduce-scatter over X then all-reduce over Y, or with ``sequence``
-    the reduce-scatter over Y along the sequence; a :class:`tetrad.comm.Handle`, in flight
-    with the ``dx_all_reduce`` overlap."""
-    if sequence:
-        return ov.backward_scatter_sequence(dx)
-    return ov.backward_all_reduce(scatter_hidden(dx, ov.grid), Axis.Y)
+    (:func:`gather_input`): reduce-scatter over X, then all-reduce over Y, or with ``sequence``
+    reduce-scatter over Y along the sequence; a :class:`tetrad.comm.Handle`, in flight with
+    the ``dx_all_reduce`` overlap."""
+    dx = scatter_hidden(dx, ov.grid)
+    return ov.backward_scatter_sequence(dx) if sequence else ov.backward_all_reduce(dx, Axis.Y)
 
 
 class _VocabParallelHead(torch.autograd.Function):
@@ -101,8 +100,8 @@ class _VocabParallelHead(torch.autograd.Function):
 class VocabParallelHead(nn.Module):
     """Hidden states ``[..., dim/G_x]`` (replicated over Y) -> logits ``[..., V/(G_y G_x)]``,
     this rank's vocabulary block ``y G_x + x``. Weight stored as ``[V/(G_y G_x G_z), dim]``.
-    With ``sequence_parallel`` (``G_x = 1``) the input is ``[b, s/G_y, dim]``, this Y rank's
-    piece of the sequence, and the logits ``[b, s, V/G_y]``.
+    With ``sequence_parallel`` the input is ``[b, s/G_y, dim/G_x]``, this Y rank's piece of
+    the sequence, and the logits ``[b, s, V/(G_y G_x)]``.
 
     Raises:
         ValueError: ``V`` not divisible by ``G_y G_x G_z`` or ``dim`` by ``G_x``.

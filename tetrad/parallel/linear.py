@@ -14,10 +14,11 @@ over Z. For the non-transposed layer ``in = X, out = Y``:
 ``transpose=True`` swaps X and Y, so a non-transposed layer followed by a transposed one (QKV ->
 out-proj, gate/up -> down) needs no redistribution of activations.
 
-``sequence_parallel=True`` (``G_x = 1``): the input of a non-transposed layer and the output of
-a transposed one are split along the sequence over Y; the first all-gathers its input and
-reduce-scatters its input gradient, the second reduce-scatters its output and all-gathers its
-output gradient (:mod:`tetrad.parallel.sequence`), in place of the all-reduces over Y.
+``sequence_parallel=True``: the input of a non-transposed layer and the output of a transposed
+one are split along the sequence over Y (``[b, s/G_y, k/G_x]``, ``[b, s/G_y, n/G_x]``); the
+first all-gathers its input and reduce-scatters its input gradient, the second reduce-scatters
+its output and all-gathers its output gradient (:mod:`tetrad.parallel.sequence`), in place of
+the all-reduces over Y.
 
 The weight gradient leaves backward through :meth:`Overlap.reduce_weight_grad` (which fills
 ``weight.grad``), not through autograd, so its reduce-scatter can run asynchronously; see
@@ -108,14 +109,15 @@ class Linear(nn.Module):
         replicated over X, Z and data (its gradient is summed over Z and data by
         :func:`tetrad.parallel.grads.sync_gradients`).
 
-    With ``sequence_parallel`` (``G_x = 1``) the input of a non-transposed layer is
-    ``[b, s/G_y, in_features]`` and the output of a transposed one ``[b, s/G_y, out_features]``,
-    this Y rank's piece of the sequence (:mod:`tetrad.parallel.sequence`).
+    With ``sequence_parallel`` the input of a non-transposed layer is
+    ``[b, s/G_y, in_features/G_x]`` and the output of a transposed one
+    ``[b, s/G_y, out_features/G_x]``, this Y rank's piece of the sequence
+    (:mod:`tetrad.parallel.sequence`).
 
     Raises:
         ValueError: a size not divisible by the grid (check the model with
             :func:`tetrad.spec.sharding.check_grid` first for a friendlier message), or
-            ``sequence_parallel`` with ``G_x > 1`` or a bias.
+            ``sequence_parallel`` with a bias.
     """
 
     def __init__(
@@ -131,8 +133,8 @@ class Linear(nn.Module):
         sequence_parallel: bool = False,
     ):
         super().__init__()
-        if sequence_parallel and (grid.x > 1 or bias):
-            raise ValueError(f"a sequence-parallel Linear needs G_x = 1 (not {grid.x}), no bias")
+        if sequence_parallel and bias:
+            raise ValueError("a sequence-parallel Linear takes no bias")
         self.sequence_parallel = sequence_parallel and grid.y > 1
         self.overlap = overlap if overlap is not None else Overlap(grid, enabled=())
         self.in_axis, self.out_axis = (Axis.Y, Axis.X) if transpose else (Axis.X, Axis.Y)

@@ -247,7 +247,8 @@ def lm_head_loss(
     Args:
         head: the LM head (its weight, grid and overlap).
         x: hidden states ``[b, s, dim/G_x]``, replicated over Y (with the head's
-            ``sequence_parallel``: ``[b, s/G_y, dim]``, this Y rank's piece of the sequence).
+            ``sequence_parallel``: ``[b, s/G_y, dim/G_x]``, this Y rank's piece of the
+            sequence).
         targets: ``[b, s]`` global token ids.
         vocab: the real vocabulary when the head's is padded (ids ``>= vocab`` get no
             probability).

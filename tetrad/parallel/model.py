@@ -21,12 +21,11 @@ Layouts on the grid (AxoNN's algorithm, Singh et al., arXiv 2305.13525):
                           expert-data (and Y, X); whole on every rank when G_expert = 1
     q/k head norms        whole on every rank, gradients summed over Z, data and Y (heads)
 
-With ``sequence_parallel`` (one tensor axis, in the Y role: ``G_x = 1``) the residual stream,
-the norms and the residual adds are split along the sequence over Y instead of replicated,
-``[B/(G_data G_z), S/G_y, h]``; each pair gathers the sequence before its first layer and
-reduce-scatters it after its second, the embedding reduce-scatters its output and the LM head
-gathers its input (:mod:`tetrad.parallel.sequence`); norm weights' gradients are summed over
-Y too.
+With ``sequence_parallel`` (``G_y > 1``) the residual stream, the norms and the residual adds
+are split along the sequence over Y instead of replicated, ``[B/(G_data G_z), S/G_y, h/G_x]``;
+each pair gathers the sequence before its first layer and reduce-scatters it after its second,
+the embedding reduce-scatters its output and the LM head gathers its input
+(:mod:`tetrad.parallel.sequence`); norm weights' gradients are summed over Y too.
 """
 
 from __future__ import annotations
@@ -160,9 +159,9 @@ class ParallelLlama(Transformer):
             (or a bool).
         overlaps: names from :data:`tetrad.spec.overlap.OVERLAPS` (default: all but ``fine``).
         part: the slice of the model to build (a pipeline stage's); default the whole.
-        sequence_parallel: split the residual stream along the sequence over Y (one tensor
-            axis, in the Y role; :mod:`tetrad.parallel.sequence`): the norms' and residual's
-            activations divided by ``G_y``, each pair's all-reduce over Y replaced by an
+        sequence_parallel: split the residual stream along the sequence over Y
+            (:mod:`tetrad.parallel.sequence`): the norms' and residual's activations divided by
+            ``G_y``, each pair's all-reduce over Y replaced by an
             all-gather and a reduce-scatter of the same bytes.
         overlap_options: ``bucket_bytes``, ``domino_min_rows``, ``fine_chunks`` and
             ``context_pieces`` of

@@ -1,17 +1,18 @@
-"""Sequence parallelism on layouts with one tensor axis (Korthikanti et al., "Reducing Activation
-Recomputation in Large Transformer Models", arXiv 2205.05198, section 4.2.2).
+"""Sequence parallelism over the Y role (Korthikanti et al., "Reducing Activation Recomputation
+in Large Transformer Models", arXiv 2205.05198, section 4.2.2).
 
-With ``G_x = 1`` (in roles) and ``G_y > 1`` tetrad's layer pairs are Megatron-LM's
-column-then-row tensor parallelism over Y, and the residual stream ``[b, S, h]`` between the
-pairs, the norms and the residual adds are the same on every Y rank. Under sequence parallelism
-each Y rank keeps ``S / G_y`` contiguous tokens of every sample of that stream instead:
-``[b, S/G_y, h]``, Y rank ``y`` holding positions ``y S/G_y ... (y + 1) S/G_y - 1`` of this
-rank's ``S`` (with context parallelism, of its two chunks laid end to end). The all-reduce over
-Y that ends each pair becomes two collectives of the same ring bytes:
+The residual stream ``[b, S, h/G_x]`` between tetrad's layer pairs, the norms and the residual
+adds are the same on every Y rank (with ``G_x = 1`` the pairs are Megatron-LM's column-then-row
+tensor parallelism over Y). Under sequence parallelism each Y rank keeps ``S / G_y``
+contiguous tokens of every sample of that stream instead: ``[b, S/G_y, h/G_x]``, Y rank ``y``
+holding positions ``y S/G_y ... (y + 1) S/G_y - 1`` of this rank's ``S`` (with context
+parallelism, of its two chunks laid end to end); with ``G_x > 1`` the stream is then split over
+both tensor axes, as the issue asked of the 3D layout. The all-reduce over Y of each pair
+becomes two collectives of the same ring bytes (the all-reduces over X stay):
 
     first layer of a pair (wqkv, w13), and the LM head:
-        forward   x = all-gather_Y(x_shard) along the sequence        [b, S, k]
-        backward  dx_shard = reduce-scatter_Y(dy W) along the sequence [b, S/G_y, k]
+        forward   x = all-gather_Y(x_shard) along the sequence        [b, S, k/G_x]
+        backward  dx_shard = reduce-scatter_Y(dy W) along the sequence [b, S/G_y, k/G_x]
     second layer (wo, w2), and the token embedding:
         forward   y_shard = reduce-scatter_Y(x W^T) along the sequence
         backward  dy = all-gather_Y(dy_shard) along the sequence

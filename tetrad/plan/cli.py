@@ -171,7 +171,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sequence-parallel",
         **dict(choices=("off", "on", "auto"), nargs="?", const="on", default="off"),
-        help="4D grids of a Llama with one tensor axis with tetrad train --sequence-parallel "
+        help="4D grids of a Llama with G_y > 1 with tetrad train --sequence-parallel "
         "(rows marked sp): off (default), on, or auto (each grid with or without, whichever "
         "is faster)",
     )
@@ -286,8 +286,8 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--sequence-parallel",
         action="store_true",
-        help="tetrad, one tensor axis: the residual stream and norms split along the sequence "
-        "over it (tetrad train --sequence-parallel)",
+        help="tetrad: the residual stream and norms split along the sequence over the Y role "
+        "(tetrad train --sequence-parallel)",
     )
     m.add_argument(
         "--expert-parallel",
@@ -414,7 +414,7 @@ def run_memory(args: argparse.Namespace) -> int:
         ckpt = parse_checkpointing(args.activation_checkpointing)
         turn = args.orientation
         sp = args.sequence_parallel
-        if sp and turn == "auto":  # the lone tensor axis plays Y
+        if sp and turn == "auto" and 1 in grid[3:]:  # a lone tensor axis plays Y
             turn = "yx" if grid[4] > 1 else "xy"
         if turn == "auto":
             ctx = StepQuestion(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])

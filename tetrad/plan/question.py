@@ -62,16 +62,11 @@ class StepQuestion:
             the
             best of :data:`tetrad.plan.comm.context_parallel.PIECE_CANDIDATES` per grid and
             micro-batch (:meth:`kv_choice`).
-        sequence_parallel: the runtime's ``--sequence-parallel``: on grids with one tensor axis
-            in the Y role (``G_x = 1``, ``G_y > 1``) of a dense Llama, the residual stream
-            split along the sequence over Y (tetrad/parallel/sequence.py): each all-reduce over
-            Y becomes an all-gather and a reduce-scatter (:attr:`tetrad.plan.comm.record.Step.
-            sequence_parallel`); other grids are modelled as without it.
-        sequence_parallel: the runtime's ``--sequence-parallel``: on grids with one tensor axis
-            in the Y role (``G_x = 1``, ``G_y > 1``) of a dense Llama, the residual stream
-            split along the sequence over Y (tetrad/parallel/sequence.py): each all-reduce over
-            Y becomes an all-gather and a reduce-scatter (:attr:`tetrad.plan.comm.record.Step.
-            sequence_parallel`); other grids are modelled as without it.
+        sequence_parallel: the runtime's ``--sequence-parallel``: on grids of a dense Llama with
+            ``G_y > 1`` the residual stream split along the sequence over Y
+            (tetrad/parallel/sequence.py): each all-reduce over Y becomes an all-gather and a
+            reduce-scatter (:attr:`tetrad.plan.comm.record.Step.sequence_parallel`); other
+            grids are modelled as without it.
         fp8: the FP8 recipe, ``off``, ``tensorwise`` or ``rowwise``
             (:mod:`tetrad.plan.compute.fp8`): the block Linears' GEMMs it converts at the FP8
             rate with their casts, the weights' Z all-gather in FP8 bytes and their amax
@@ -254,8 +249,8 @@ class StepQuestion:
 
     def sequence_split(self, gc: int, gy: int, gx: int) -> int:
         """``G_y`` where this question's runtime splits the residual stream along the sequence
-        over Y on a grid of these role sizes (``sequence_parallel`` asked, one tensor axis in
-        the Y role, a dense Llama, each rank's ``S / G_context`` tokens divisible by ``G_y``:
+        over Y on a grid of these role sizes (``sequence_parallel`` asked, ``G_y > 1``, a dense
+        Llama, each rank's ``S / G_context`` tokens divisible by ``G_y``:
         :func:`tetrad.spec.sharding.sequence_parallel_problem`), else 1."""
         if not getattr(self, "sequence_parallel", False) or self.model.family != "llama":
             return 1  # the runtime builds Llama only

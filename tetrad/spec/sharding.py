@@ -144,15 +144,16 @@ def sequence_parallel_problem(
     G_z, G_y, G_x)`` in roles with sequences of ``seq_len`` tokens (None: not checked), in one
     line that names what to change; None when it can.
 
-    It needs one tensor axis in the Y role (``G_y > 1``, ``G_x = 1``: Megatron-LM's layout; a
-    lone tensor axis gets the Y role under the default orientation), a dense model, and each
-    rank's ``seq_len / G_context`` tokens divisible by ``G_y``.
+    It needs a tensor axis in the Y role (``G_y > 1``; with ``G_x = 1`` Megatron-LM's layout,
+    a lone tensor axis getting the Y role under the default orientation; with ``G_x > 1`` the
+    stream ``[b, S/G_y, h/G_x]`` split over both), a dense model, and each rank's
+    ``seq_len / G_context`` tokens divisible by ``G_y``.
     """
     _, context, _, y, x = (int(g) for g in with_context(grid))
-    if x > 1 or y == 1:
+    if y == 1:
         return (
-            f"sequence parallelism needs one tensor axis in the Y role (G_y > 1, G_x = 1), not "
-            f"G_y={y}, G_x={x}: use a grid with one tensor axis (y=N or x=N with orientation "
+            f"sequence parallelism splits the sequence over the tensor axis in the Y role, and "
+            f"G_y=1 (G_x={x}): use a grid with a tensor axis (y=N, or x=N with orientation "
             "auto) or drop --sequence-parallel"
         )
     if model.is_moe:

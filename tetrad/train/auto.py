@@ -236,8 +236,8 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with ``--orientation auto`` resolved (:data:`tetrad.spec.grid.ORIENTATIONS`): the
     orientation whose X and Y collectives send fewer bytes, or with ``--machine`` the one with
     the shorter predicted step (:func:`tetrad.plan.step_time.best_orientation`); ``xy``
-    when ``G_x = G_y = 1``; with ``--sequence-parallel`` the one that gives the lone tensor
-    axis the Y role. Every rank computes the same answer.
+    when ``G_x = G_y = 1``; with ``--sequence-parallel`` and one tensor axis, the one that gives
+    it the Y role. Every rank computes the same answer.
 
     Raises:
         ConfigError: an unknown ``--machine``.
@@ -250,8 +250,8 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
     if par.orientation != "auto" or par.grid == "auto":
         return cfg
     chosen = "xy"
-    if par.sequence_parallel:  # the lone tensor axis plays Y (tetrad.parallel.sequence)
-        chosen = "yx" if par.grid[4] > 1 else "xy"
+    if par.sequence_parallel and (par.grid[3] == 1 or par.grid[4] == 1):
+        chosen = "yx" if par.grid[4] > 1 else "xy"  # a lone tensor axis plays Y
     elif par.grid[3] > 1 or par.grid[4] > 1:
         machine = machine_for(cfg) if par.machine else get_machine("dgx-h100")  # bytes only
         # the tokenizer's vocabulary is not known before preflight; no X or Y collective

@@ -162,9 +162,9 @@ class ParallelismSection:
     )
     sequence_parallel: bool = option(
         False,
-        help="on a grid with one tensor axis (y=N, or x=N with orientation auto or yx), split "
-        "the residual stream and the norms along the sequence over it (Megatron-LM's sequence "
-        "parallelism): their activations divided by N, each layer pair's all-reduce an "
+        help="split the residual stream and the norms along the sequence over the tensor axis "
+        "in the Y role (y=N, or x=N alone: Megatron-LM's sequence parallelism; with both, "
+        "as the stream is over X): their activations divided by N, each layer pair's all-reduce an "
         "all-gather plus a reduce-scatter of the same bytes; with grid auto, where the planner "
         "finds it faster",
     )

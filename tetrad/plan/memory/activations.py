@@ -3,11 +3,12 @@ autograd graph (tetrad/parallel, tetrad/models/llama.py) and checked against aut
 tensors (tests/test_memory_validation.py). Bytes; symbols as in
 :mod:`tetrad.plan.memory.runtime`.
 
-Sequence parallelism (``sequence_parallel``, tetrad/parallel/sequence.py; one tensor axis, in
-the Y role) splits the residual stream's ``m`` rows over Y: each norm's input, ``rstd`` and
+Sequence parallelism (``sequence_parallel``, tetrad/parallel/sequence.py; ``G_y > 1``) splits
+the residual stream's ``m`` rows over Y: each norm's input, ``rstd`` and
 normalised tensor, and a checkpointed block's input, hold ``r = m / G_y`` rows (the ``split``
 argument below is ``G_y`` then, else 1); the first Linear of each pair keeps its input gathered
-along the sequence, ``[m, h]`` in the compute dtype, as the LM head and loss keep their ``dx``.
+along the sequence, ``[m, h/G_x]`` in the compute dtype, and the LM head and loss their ``dx``
+``[m, h]``.
 Korthikanti et al. (arXiv 2205.05198, section 4.2.2, eq. 5) divide every stored tensor by
 ``t``; tetrad keeps the gathered Linear input instead of gathering it again in backward, so no
 collective is added.

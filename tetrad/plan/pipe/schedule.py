@@ -93,7 +93,7 @@ def p2p_bytes(
     :class:`tetrad.pipeline.stage.StageForward`). Every (data, context, Z, Y, X) rank sends its
     own to the rank of the same coordinates in the next (previous) stage. Under sequence
     parallelism (``sequence_split = G_y``, tetrad/parallel/sequence.py) the stream is
-    ``[b, S / (G_context G_y), h]``."""
+    ``[b, S / (G_context G_y), h / G_x]``."""
     return float(micro_batch * (seq_len // g_context // sequence_split) * (hidden // g_x) * c)
 
 

@@ -492,7 +492,7 @@ def search_4d(
         fp8: the FP8 recipe of the step model (:mod:`tetrad.plan.compute.fp8`; ``off``, the
             default, leaves every estimate as without it); memory as without FP8.
         sequence_parallel: the runtime's ``--sequence-parallel`` on the grids where it runs
-            (one tensor axis in the Y role of a dense Llama:
+            (``G_y > 1``, a dense Llama:
             :meth:`tetrad.plan.question.StepQuestion.sequence_split`), time and memory:
             ``off`` (or False, the default: every estimate as without it), ``on`` (or True) or
             ``auto`` (both searched, their rows merged: a grid is ranked with it where that is
