@@ -60,7 +60,7 @@ class _Linear3D(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_shard, ov: Overlap, in_axis: Axis, out_axis: Axis, sequence: bool):
-        # sequence parallelism (G_x = 1): the first layer of a pair (out over Y) gathers its
+        # sequence parallelism: the first layer of a pair (out over Y) gathers its
         # input along the sequence, the second (in over Y) reduce-scatters its output
         gathers, scatters = sequence and out_axis == Axis.Y, sequence and in_axis == Axis.Y
         dtype = compute_dtype(x)
