@@ -7,8 +7,10 @@ BIN    := $(VENV)/bin
 
 $(BIN)/tetrad: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	# --no-compile: no bytecode for every installed module up front (torch and transformers hold
+	# thousands); Python writes it for the modules a process imports, on first import
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0
+	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
 	touch $@
 
 demo: $(BIN)/tetrad
@@ -16,8 +18,11 @@ demo: $(BIN)/tetrad
 	$(BIN)/tetrad train --run-dir runs/demo --tensorboard
 	$(BIN)/tetrad generate runs/demo --prompt "def " --max-new-tokens 120
 
+# One pytest worker per core (pytest-xdist): most tests are one process and would leave a core
+# idle; the multi-rank tests' ranks share the cores either way. worksteal: an idle worker takes
+# tests queued on the other, so the long tests at the end of a file do not leave a core idle.
 test: lint
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q --durations=15 -n auto --dist worksteal
 
 lint: $(BIN)/tetrad
 	$(BIN)/ruff format --check tetrad tests benchmarks

@@ -13,7 +13,11 @@ On gloo ranks (CPU, fp32), for several grids, each rank measures:
   those that :mod:`tetrad.models.recompute`'s own pack hook keeps (its ``observer``: an outer
   hook does not see them); with ``full`` also the recompute set: one block's saved storages minus
   its input; and the same forward under CPU bf16 autocast (the runtime's Linears follow
-  autocast), against the model's bf16 estimate.
+  autocast), against the model's bf16 estimate;
+- with the weights stored in bf16 (``--param-dtype bf16``, fp32 masters in the optimizer): the
+  parameters, the fp32 gradients kept apart after one micro-batch's backward, the states with
+  the masters (sharded and not), and the saved bytes of one forward (the step's autocast),
+  against ``runtime_memory(..., params="bf16")``.
 
 Model states and activations must equal :func:`tetrad.plan.memory.runtime.tetrad` and
 :func:`tetrad.plan.memory.activations.saved_activations` to the byte.
@@ -26,15 +30,18 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
+from tetrad.dtypes import autocast
 from tetrad.grid import Grid
 from tetrad.models import recompute
 from tetrad.parallel import init_parameters
 from tetrad.parallel.batch import inputs_targets, local_samples
+from tetrad.parallel.masters import grad_of
 from tetrad.parallel.model import ParallelLlama, compile_blocks
 from tetrad.plan.memory.activations import compiled_block_delta, saved_activations
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.model import ModelSpec
+from tetrad.spec.precision import precision
 from tetrad.train.step import build_optimizer, train_step
 
 CFG = ModelSpec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
@@ -133,6 +140,35 @@ def _measure(grid: Grid, mode: str, sequence_parallel: bool = False) -> dict:
     out["optimizer_states_sharded"] = sum(
         s[k].numel() * s[k].element_size() for s in states for k in ("exp_avg", "exp_avg_sq")
     )
+    model.zero_grad(set_to_none=True)
+    return out | _measure_bf16_storage(model, grid, batch, tokens, targets)
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _measure_bf16_storage(model, grid, batch, tokens, targets) -> dict:
+    """The model states and saved bytes with the weights stored in bf16 (the optimizer's
+    masters made from ``model``'s fp32 weights, which it then casts)."""
+    bf16 = precision("cpu", "bf16")
+    opt = build_optimizer(model, 1e-3, weight_decay=0.1, policy=bf16)
+    out = {"parameters_bf16": nbytes(model.parameters())}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with SavedBytes(params) as saved, autocast(grid.device, bf16):
+        loss = model.loss_sum(tokens, targets)
+    out["activations_bf16_storage"] = saved.total
+    loss.backward()
+    assert all(p.grad is None and grad_of(p) is not None for p in model.parameters())
+    out["gradients_bf16"] = nbytes(grad_of(p) for p in model.parameters())
+    opt.zero_grad()
+    for key, shard in (("optimizer_states_bf16", None), ("optimizer_states_sharded_bf16", grid)):
+        if shard is not None:
+            opt = build_optimizer(model, 1e-3, weight_decay=0.1, shard=shard, policy=bf16)
+        train_step(model, opt, grid, batch, MICRO, 1.0)
+        states = [opt.state_of(p) for p in model.parameters()]
+        moments = [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]
+        out[key] = nbytes(moments) + nbytes(opt.master_of(p) for p in model.parameters())
     return out
 
 
@@ -157,6 +193,12 @@ def predicted(sizes, mode: str, sp: bool = False) -> dict:
     out = {k: r.components[k] for k in ("parameters", "gradients", "optimizer_states")}
     zero = runtime_memory(spec, sizes, MICRO, SEQ, 1e9, dtype="fp32", shard_optimizer=True)
     out["optimizer_states_sharded"] = zero.components["optimizer_states"]
+    for key, shard in (("optimizer_states", False), ("optimizer_states_sharded", True)):
+        kw = {"dtype": "bf16", "params": "bf16", "shard_optimizer": shard}
+        r16 = runtime_memory(spec, sizes, MICRO, SEQ, 1e9, **kw).components
+        out[f"{key}_bf16"] = r16["optimizer_states"]
+        if not shard:
+            out["parameters_bf16"], out["gradients_bf16"] = r16["parameters"], r16["gradients"]
     out["activations"] = s["blocks"] + s["embedding"] + s["final_norm"] + s["loss"]
     if mode == "full":
         out["recompute"] = s["recompute"]
@@ -168,6 +210,7 @@ def predicted(sizes, mode: str, sp: bool = False) -> dict:
     copies = len(sizes) == 4  # with context: token-major, in the model
     cpu_copy = plain_blocks * 2 * MICRO * SEQ * spec.q_dim // sizes[2] if copies else 0
     out["activations_bf16"] = b["blocks"] + b["embedding"] + b["final_norm"] + b["loss"] + cpu_copy
+    out["activations_bf16_storage"] = out["activations_bf16"]  # weights bf16: the same saved
     return out
 
 

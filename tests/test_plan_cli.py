@@ -307,3 +307,42 @@ def test_memory_on_a_pipeline_grid(capsys):
         base + ["--grid", "8,8,1,1,2,4", "--pipeline-schedule", "interleaved-1f1b"], capsys
     )
     assert rc != 0 and "virtual stages >= 2" in (out + err)
+
+
+def test_memory_with_bf16_weights(capsys):
+    """``tetrad memory --param-dtype bf16`` on the 70B layout of issue 45 (Megatron's TP 2 x CP
+    4 x PP 8 x DP 8, interleaved, sharded optimizer): the parameters halve, the masters join
+    the sharded states (2 + 4 + 12 / (d c) bytes), the gradients stay fp32."""
+    base = ["memory", "--model", "llama-3-70b", "--seq-len", "8192", "--shard-optimizer"]
+    base += ["--grid", "pipe=8,data=8,context=4,y=2", "--pipeline-schedule", "interleaved-1f1b"]
+    base += ["--virtual-stages", "5", "--json"]
+    got = {}
+    for dtype in ("fp32", "bf16"):
+        rc, out, _ = run(base + ["--param-dtype", dtype], capsys)
+        assert rc == 0
+        got[dtype] = json.loads(out)["components_gib"]
+    fp32, bf16 = got["fp32"], got["bf16"]
+    assert bf16["parameters"] == pytest.approx(fp32["parameters"] / 2)
+    assert bf16["gradients"] == fp32["gradients"]
+    assert bf16["optimizer_states"] == pytest.approx(fp32["optimizer_states"] * 1.5)
+    assert bf16["parameters"] < 8.95 < fp32["parameters"]  # Megatron's (Fujii et al.'s) 8.95
+
+
+def test_plan_with_bf16_weights(tmp_path, capsys):
+    """``tetrad plan --param-dtype bf16``: every ranked row's memory (5D grids, and each rank
+    of the pipeline grids) has 2-byte weights beside fp32 gradients, and the emitted
+    configuration asks for them (``[precision] params``, which ``tetrad train`` reads)."""
+    from tetrad.train.config import load_config
+
+    path = tmp_path / "best.toml"
+    argv = ["plan", "--model", "gpt-80b", "--machine", "perlmutter", "--gpus", "1024"]
+    argv += ["--global-batch", "1024", "--no-classic", "--json"]
+    rc, out, _ = run(argv + ["--param-dtype", "bf16", "--emit-config", str(path)], capsys)
+    assert rc == 0
+    rows = json.loads(out)["four_d"]
+    mems = [r["memory"] for r in rows]
+    mems += [m for r in rows if r["pipeline"] for m in r["pipeline"]["stage_memory"]]
+    assert len(mems) > len(rows)  # pipeline rows among them
+    for m in mems:
+        assert m["components_bytes"]["parameters"] * 2 == m["components_bytes"]["gradients"]
+    assert load_config(str(path)).policy.params == "bf16"

@@ -190,6 +190,42 @@ def test_tetrad_parameters_by_hand():
     assert r.components["optimizer_states"] == 8 * (matrices + vectors)
 
 
+def test_bf16_weights_with_fp32_masters_by_hand():
+    """``params="bf16"`` (``--param-dtype bf16``): 2-byte weights, 4-byte gradients, 12-byte
+    states (masters with the moments, all sharded over data x context with the sharded
+    optimizer: Fujii et al.'s 2 + 4 + 12 / (d c); unsharded 18 bytes, more than fp32
+    weights' 16); with ``G_z = 1`` the bf16 weights are read
+    as they are (no gathered copy) and the sharded all-gathers after the update are bf16."""
+    grid = (8, 4, 1, 2, 1)  # data 8 x context 4 x Y 2: the issue's 70B layout without pipe
+    args = (L3_70B, grid, 1, 8192, 141e9)
+    for shard in (False, True):
+        fp32 = runtime_memory(*args, shard_optimizer=shard)
+        bf16 = runtime_memory(*args, shard_optimizer=shard, params="bf16")
+        n = fp32.components["parameters"] / 4
+        states = 12 * n / (32 if shard else 1)
+        assert bf16.components["parameters"] == 2 * n
+        assert bf16.components["gradients"] == fp32.components["gradients"] == 4 * n
+        assert bf16.components["optimizer_states"] == pytest.approx(states, rel=1e-12)
+        # 18 bytes per element against 16 unsharded (Megatron's too); 6 + 12/G sharded
+        assert (bf16.total < fp32.total) == shard
+    lin = L3_70B.linears()[2]
+    assert gathered_weight_bytes(lin, (1, 1, 2, 1), "bf16", "bf16") == 0
+    assert gathered_weight_bytes(lin, (1, 2, 2, 1), "bf16", "bf16") == gathered_weight_bytes(
+        lin, (1, 2, 2, 1), "bf16", "fp32"
+    )
+    # the sharded step: reduced fp32 pieces 4n/G + the bf16 all-gathers 2n(1 + 1/G)
+    n = local_parameter_elements(L3_70B, (4, 1, 2, 1))
+    n = n["matrices"] + n["vectors"]
+    step = runtime_memory(L3_70B, (4, 1, 2, 1), 1, 8192, 141e9, shard_optimizer=True, params="bf16")
+    assert step.phases["optimizer step"] == pytest.approx(
+        sum(step.components[k] for k in ("parameters", "gradients", "optimizer_states"))
+        + 4 * n / 4
+        + 2 * n * (1 + 1 / 4)
+    )
+    with pytest.raises(PlanError, match="param dtype 'fp16' is unknown: use fp32 or bf16"):
+        runtime_memory(*args, params="fp16")
+
+
 def test_tetrad_gpt_parameters_by_hand():
     m = PRESETS["gpt-5b"]
     h, L, V, P = 4096, 24, 51200, 2048

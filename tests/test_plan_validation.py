@@ -269,3 +269,52 @@ def test_comm_model_predicts_bf16_z_collectives(tmp_path):
     for rank in range(2):
         got = json.loads((tmp_path / f"{rank}.json").read_text())
         assert got == want, f"rank {rank}: runtime {got}, planner {want}"
+
+
+def _bf16_weights_worker(out_dir: str) -> None:
+    """Two steps on ``G_data = 2`` with bf16 weights, fp32 masters and the sharded optimizer
+    (``--param-dtype bf16 --shard-optimizer``), with and without the overlaps; this rank's
+    counts of each second step."""
+    from tetrad.spec.precision import precision
+
+    grid = Grid.build((2, 1, 1, 1), "cpu")
+    batch = torch.randint(0, CFG.vocab_size, (SAMPLES * grid.batch_shards, SEQ + 1))
+    counts = {}
+    for ov in ("all", "none"):
+        model = ParallelLlama(CFG, grid, False, OVERLAP_SETS[ov], **OPTIONS)
+        init_parameters(model, SEED, grid)
+        policy = precision("cpu", "bf16")
+        opt = build_optimizer(model, LR, weight_decay=0.1, shard=grid, policy=policy)
+        train_step(model, opt, grid, batch, SAMPLES // 2, CLIP)
+        grid.comm.reset()
+        train_step(model, opt, grid, batch, SAMPLES // 2, CLIP)
+        stats = grid.comm.reset()
+        counts[ov] = {axis: [s.calls, s.payload_bytes, s.bytes] for axis, s in stats.items()}
+    with open(f"{out_dir}/{dist.get_rank()}.json", "w") as fh:
+        json.dump(counts, fh)
+
+
+def test_comm_model_predicts_bf16_weights_collectives(tmp_path):
+    """With bf16 weights (``--param-dtype bf16``) and the sharded optimizer the gradients are
+    still reduce-scattered in fp32 and the parameters all-gathered after the update in bf16,
+    half the bytes, as the planner's ``param_bytes=2`` says."""
+    run_distributed(_bf16_weights_worker, 2, str(tmp_path))
+    for ov in ("all", "none"):
+        cols = collectives(
+            get_model(SPEC),
+            get_machine("perlmutter"),
+            (2, 1, 1, 1),
+            SAMPLES // 2,
+            SEQ,
+            SAMPLES * 2,
+            activation_checkpointing=False,
+            overlaps=OVERLAP_SETS[ov],
+            compute_bytes=DTYPE_BYTES["bf16"],
+            shard_optimizer=True,
+            param_bytes=DTYPE_BYTES["bf16"],
+            **OPTIONS,
+        )
+        want = {axis: [t[f] for f in FIELDS] for axis, t in axis_totals(cols).items()}
+        for rank in range(2):
+            got = json.loads((tmp_path / f"{rank}.json").read_text())[ov]
+            assert got == want, f"{ov} rank {rank}: runtime {got}, planner {want}"

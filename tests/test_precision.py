@@ -50,6 +50,7 @@ def test_the_policies():
         "residual": "fp32",
         "stage_boundary": "fp32",
         "statistics": "fp32",
+        "grad_reduce": "fp32",
         "fp8": "off",
     }
     assert dataclasses.asdict(cuda) == dataclasses.asdict(cpu) | {
@@ -63,6 +64,23 @@ def test_the_policies():
         Precision(compute="fp16")
     with pytest.raises(PrecisionError, match="stage_boundary=fp32 with compute=bf16"):
         Precision(compute="bf16")
+    # bf16 weights: bf16 GEMMs and boundaries on every device; fp32 masters, grads, residual
+    for device in ("cpu", "cuda"):
+        bf16 = precision(device, "bf16", grad_reduce="bf16")
+        assert dataclasses.asdict(bf16) == dataclasses.asdict(cpu) | {
+            "compute": "bf16",
+            "params": "bf16",
+            "stage_boundary": "bf16",
+            "grad_reduce": "bf16",
+        }
+        assert bf16.masters and bf16.autocast and bf16.bytes("params") == 2
+    assert not cpu.masters and not cuda.masters
+    with pytest.raises(PrecisionError, match="master=bf16: the runtime keeps master in fp32"):
+        Precision(compute="bf16", params="bf16", stage_boundary="bf16", master="bf16")
+    with pytest.raises(PrecisionError, match="compute=fp32 with params=bf16"):
+        Precision(params="bf16")
+    with pytest.raises(PrecisionError, match="param dtype 'fp16': use fp32 or bf16"):
+        precision("cpu", "fp16")
 
 
 def _follow(device_policy: str, path: str) -> None:
@@ -105,3 +123,20 @@ def test_the_layers_follow_the_policy(device, tmp_path):
     assert out["residual"] == [name["residual"]]
     assert out["boundary"] == name["stage_boundary"]
     assert out["loss"] == name["statistics"]
+
+
+def test_param_dtype_option(tmp_path):
+    """``--param-dtype`` / ``[precision] params`` and ``--grad-reduce-dtype`` choose the run's
+    policy (fp32 by default on either device); another value is refused in one line."""
+    from tetrad.train.config import load_config
+    from tetrad.train.sections import ConfigError
+
+    assert load_config(None, {}).policy == precision("cpu")
+    assert load_config(None, {"device": "cuda"}).policy == precision("cuda")
+    cfg = load_config(None, {"param_dtype": "bf16", "grad_reduce_dtype": "bf16"})
+    assert cfg.policy == precision("cpu", "bf16", "bf16") and cfg.policy.masters
+    toml = tmp_path / "run.toml"
+    toml.write_text('[precision]\nparams = "bf16"\n')
+    assert load_config(str(toml), {}).policy.params == "bf16"
+    with pytest.raises(ConfigError, match="param_dtype"):
+        load_config(None, {"param_dtype": "fp16"})

@@ -25,10 +25,28 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
+def stored_policy(model: torch.nn.Module, device: torch.device | str) -> Precision:
+    """The policy of the runtime on ``device`` for ``model``'s weights as they are stored
+    (:func:`tetrad.spec.precision.precision` with ``params`` the format of its parameters:
+    bf16 once :func:`tetrad.parallel.masters.store_parameters` cast them)."""
+    p = next(iter(model.parameters()), None)
+    names = {v: k for k, v in TORCH_DTYPES.items()}
+    params = names.get(p.dtype, "fp32") if p is not None else "fp32"
+    return precision(torch.device(device).type, params)
+
+
 def policy_of(device: torch.device | str) -> Precision:
     """The numeric-format policy of the runtime on ``device``
     (:func:`tetrad.spec.precision.precision` of its type)."""
     return precision(torch.device(device).type)
+
+
+def residual_dtype(device: torch.device | str, weights: torch.dtype) -> torch.dtype:
+    """The residual stream's dtype on ``device`` for weights stored as ``weights``: the
+    policy's ``residual`` (fp32, also with bf16 weights), or the weights' own dtype where it is
+    wider (float64 weights, as the float64 tests run, keep a float64 stream); the embedding's
+    output is cast to it."""
+    return torch.promote_types(torch_dtype(policy_of(device).residual), weights)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -44,10 +62,10 @@ def autocast(
     device: torch.device, policy: Precision | None = None
 ) -> contextlib.AbstractContextManager:
     """The context every forward of a training step runs in: autocast to the policy's compute
-    dtype where it differs from the parameters' (bf16 on CUDA), nothing where it does not (fp32
-    on the CPU). On CUDA, attention is also restricted to the flash kernels (FlashAttention-2's
-    or cuDNN's), so that a shape they do not cover fails loudly instead of falling back to the
-    slow math kernel.
+    dtype where it differs from the residual stream's (bf16 on CUDA, and on the CPU with bf16
+    weights), nothing where it does not (fp32 on the CPU). On CUDA, attention is also
+    restricted to the flash kernels (FlashAttention-2's or cuDNN's), so that a shape they do
+    not cover fails loudly instead of falling back to the slow math kernel.
 
     Args:
         device: where the step runs.

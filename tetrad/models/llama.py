@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tetrad.dtypes import residual_dtype
 from tetrad.models import recompute
 from tetrad.models.moe import MoEFeedForward
 from tetrad.spec.activation_checkpointing import checkpointed_blocks, parse_checkpointing
@@ -296,8 +297,9 @@ class Transformer(nn.Module):
         head: its last block's output; without the embedding, ``tokens`` is the residual
         stream ``[b, s, dim]``)."""
         s = tokens.shape[1]
-        if self.tok_embeddings is not None:
+        if self.tok_embeddings is not None:  # the residual stream's format (fp32)
             h = self.tok_embeddings(tokens)
+            h = h.to(residual_dtype(h.device, self.tok_embeddings.weight.dtype))
         else:  # the residual stream may hold a part of each sample's tokens
             h, s = tokens, s * getattr(self.layer_factory, "sequence_split", 1)
         positions = self.layer_factory.positions(s, tokens.device)

@@ -33,6 +33,7 @@ from torch import nn
 
 from tetrad.comm import Handle, all_reduce
 from tetrad.grid import Grid
+from tetrad.parallel.masters import grad_dtype, grad_of, reduce_dtype, set_grad
 from tetrad.parallel.zero import DataShards
 from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import DP_BUCKET_BYTES
@@ -85,7 +86,7 @@ class GradBuckets:
         of the last bucket (:meth:`finish`). Parameters of mixed dtypes or devices: no plan."""
         self._plan, self._where, self._late = [], {}, list(late)
         params = [*order, *late]
-        if len({(p.dtype, p.device) for p in params}) > 1:
+        if len({(grad_dtype(p), p.device) for p in params}) > 1:
             return
         bucket, size = [], 0
         for i, p in enumerate(order):
@@ -113,13 +114,13 @@ class GradBuckets:
         :meth:`finish`, as the gradients); None when ``param`` is not in the plan or already has
         a gradient (one written elsewhere is copied in at launch)."""
         where = self._where.get(id(param))
-        if where is None or param.grad is not None or self.shards is not None:
+        if where is None or grad_of(param) is not None or self.shards is not None:
             return None  # sharded: the reduce-scatter packs the gradients anyway
         b, offset = where
         flat = self._flats.get(b)
         if flat is None:
             p, last = self._plan[b][-1]
-            flat = torch.empty(last + p.numel(), dtype=param.dtype, device=param.device)
+            flat = torch.empty(last + p.numel(), dtype=grad_dtype(param), device=param.device)
             self._flats[b] = flat
         return flat[offset : offset + param.numel()].view_as(param)
 
@@ -133,25 +134,26 @@ class GradBuckets:
 
     def _queue(self, param: nn.Parameter) -> None:
         self._bucket.append(param)
-        self._bucket_size += param.grad.numel() * param.grad.element_size()
+        g = grad_of(param)
+        self._bucket_size += g.numel() * g.element_size()
         self.reduced.add(id(param))
 
     def finish(self, late: Iterable[nn.Parameter] = ()) -> None:
         """Add ``late`` (gradients complete now; all of them to the last bucket, however full),
         launch the last bucket, wait for all, and make each ``param.grad`` a view of the sums."""
         for p in late:
-            if p.grad is not None:
+            if grad_of(p) is not None:
                 self._queue(p)
         self._launch()
         seen = []
         for params, handle in self._launched:
-            flat, offset = handle.wait(), 0
+            flat, offset = handle.wait().to(grad_dtype(params[0])), 0
             seen += params
             if self.shards is not None:
                 self.shards.take(params, flat)
                 continue
             for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                set_grad(p, flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         if self._off_plan:  # lay the buckets out as backward met the gradients this time
             late = {id(p) for p in self._late}
@@ -161,12 +163,13 @@ class GradBuckets:
     def _launch(self) -> None:
         if self._bucket:
             if self.shards is not None:  # packed from the gradients (no slot was handed out)
-                grads = [p.grad for p in self._bucket]
+                grads = [grad_of(p) for p in self._bucket]
                 handle = self.shards.reduce_scatter(self._bucket, grads, async_op=True)
             else:
                 flat = self._in_place(len(self._launched))
                 if flat is None:
-                    flat = torch.cat([p.grad.reshape(-1) for p in self._bucket])
+                    flat = torch.cat([grad_of(p).reshape(-1) for p in self._bucket])
+                flat = flat.to(reduce_dtype(self._bucket[0]))  # no copy where the same
                 handle = all_reduce(flat, self.grid, Axis.DATA, async_op=True)
             self._launched.append((self._bucket, handle))
             self.counts["dp_buckets"] += 1
@@ -182,6 +185,7 @@ class GradBuckets:
             return None
         for p, offset in self._plan[b]:
             place = flat[offset : offset + p.numel()]
-            if p.grad.data_ptr() != place.data_ptr():
-                place.copy_(p.grad.reshape(-1))
+            g = grad_of(p)
+            if g.data_ptr() != place.data_ptr():
+                place.copy_(g.reshape(-1))
         return flat

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from tetrad.comm import all_reduce
-from tetrad.dtypes import compute_dtype
+from tetrad.dtypes import compute_dtype, residual_dtype
 from tetrad.grid import Grid
+from tetrad.parallel.masters import grad_dtype
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.parallel.sequence import gather_sequence, scatter_sequence
@@ -39,7 +40,7 @@ class _Embedding3D(torch.autograd.Function):
             local = local.masked_fill(outside, 0)
         # rows in the compute dtype on every grid (the same values whatever G_z), then in the
         # residual stream's dtype
-        out = e[local].to(dtype).to(e_shard.dtype)
+        out = e[local].to(dtype).to(residual_dtype(e_shard.device, e_shard.dtype))
         if grid.y > 1:  # rows of other Y blocks' ids are zero here; the sum over Y fills them
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
             out = scatter_sequence(out, grid) if sequence else all_reduce(out, grid, Axis.Y)
@@ -56,10 +57,10 @@ class _Embedding3D(torch.autograd.Function):
             dout = gather_sequence(dout, ctx.ov.grid)
         if ctx.ov.grid.y > 1:  # rows of ids in other Y blocks add nothing here
             dout = dout.masked_fill(outside.unsqueeze(-1), 0.0)
-        dout = dout.to(e_shard.dtype)
+        dout = dout.to(grad_dtype(e_shard))
         de = ctx.ov.grad_slot(e_shard)  # its place in the data-parallel bucket, if offered
         if de is None:
-            de = torch.zeros(ctx.rows, dout.shape[-1], dtype=e_shard.dtype, device=dout.device)
+            de = torch.zeros(ctx.rows, dout.shape[-1], dtype=dout.dtype, device=dout.device)
         else:
             de.zero_()
         de.index_add_(0, local.reshape(-1), dout.reshape(-1, dout.shape[-1]))

@@ -9,6 +9,7 @@ from torch import nn
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
+from tetrad.parallel.masters import grad_of, reduce_dtype
 from tetrad.parallel.zero import DataShards
 from tetrad.spec.grid import Axis
 
@@ -36,10 +37,11 @@ def sync_gradients(
     reduce-scattered by the buckets, and what is left to sum of them is summed on the pieces.
     """
     buckets: dict[tuple[str, ...], list[nn.Parameter]] = defaultdict(list)
-    # with shards, a parameter the buckets reduce-scattered has its piece and no .grad
+    # with shards, a parameter the buckets reduce-scattered has its piece and no gradient
+    # (:func:`grad_of`)
     reduced = shards.grads if shards is not None else {}
     for p in model.parameters():
-        if p.grad is not None or id(p) in reduced:
+        if grad_of(p) is not None or id(p) in reduced:
             axes = p.placement.grad_sum_axes
             if id(p) in data_reduced:
                 axes = tuple(a for a in axes if a != Axis.DATA)
@@ -52,7 +54,7 @@ def sync_gradients(
         if not axes:
             continue
         pieces = shards.grads if shards is not None else {}  # those reduced over data
-        grads = [pieces.get(id(p), p.grad) for p in params]
+        grads = [pieces.get(id(p), grad_of(p)) for p in params]
         if shards is not None and axes == (Axis.DATA,):  # packed as they are, no flat copy
             shards.take(params, shards.reduce_scatter(params, grads))
             continue
@@ -61,7 +63,10 @@ def sync_gradients(
             if a == Axis.DATA and shards is not None:  # the last of TOKEN_AXES
                 shards.take(params, shards.reduce_scatter(params, _split(flat, grads)))
                 break
-            all_reduce(flat, grid, a)
+            if a == Axis.DATA and reduce_dtype(params[0]) != flat.dtype:
+                flat.copy_(all_reduce(flat.to(reduce_dtype(params[0])), grid, a))
+            else:
+                all_reduce(flat, grid, a)
         else:
             _copy_back(flat, grads)
 
@@ -122,7 +127,7 @@ def _step_grads(
     pieces = shards.grads if shards is not None else {}
     out = []
     for p in model.parameters():
-        g = pieces.get(id(p), p.grad)
+        g = pieces.get(id(p), grad_of(p))
         if g is not None:
             out.append((p, g))
     return out

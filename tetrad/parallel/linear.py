@@ -32,6 +32,7 @@ from torch import nn
 
 from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
+from tetrad.parallel.masters import grad_dtype
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.parallel.sequence import gather_sequence, scatter_sequence
@@ -47,7 +48,7 @@ def reduce_weight_gradient(
     a, b = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
     slot = ov.grad_slot(w_shard)
     if slot is None:
-        dw = (a @ b).to(w_shard.dtype)
+        dw = (a @ b).to(grad_dtype(w_shard))
     elif a.dtype == slot.dtype:
         dw = torch.mm(a, b, out=slot)
     else:  # the cast to the parameter dtype lands in the slot

@@ -35,6 +35,7 @@ from tetrad.comm import all_reduce
 from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
 from tetrad.parallel.head import VocabParallelHead, gather_input, scatter_input
+from tetrad.parallel.masters import grad_dtype
 from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import loss_chunk_rows
 
@@ -229,10 +230,10 @@ class _LMHeadLoss(torch.autograd.Function):
         slot = ov.grad_slot(ctx.weight)  # its place in the data-parallel bucket, if offered
         if slot is not None:
             dw = torch.mul(dw, dloss, out=slot)
-        elif dw.dtype == ctx.weight.dtype:
+        elif dw.dtype == grad_dtype(ctx.weight):
             dw.mul_(dloss)
         else:  # scaled into the fp32 reduce-scatter input in one pass
-            dw = torch.mul(dw, dloss, out=torch.empty_like(dw, dtype=ctx.weight.dtype))
+            dw = torch.mul(dw, dloss, out=torch.empty_like(dw, dtype=grad_dtype(ctx.weight)))
         ov.reduce_weight_grad(ctx.weight, dw)
         return handle.wait(), None, None, None, None, None, None, None
 

@@ -47,6 +47,7 @@ from tetrad.comm import Handle, all_gather, all_reduce, reduce_scatter
 from tetrad.comm.fused import ring_matmul_reduce_scatter
 from tetrad.grid import Grid
 from tetrad.parallel.buckets import GradBuckets
+from tetrad.parallel.masters import add_grad
 from tetrad.parallel.sequence import scatter_sequence
 from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import (
@@ -282,10 +283,7 @@ class Overlap:
         self._grad_ready(param, handle.wait())
 
     def _grad_ready(self, param, shard: torch.Tensor) -> None:
-        if param.grad is None:
-            param.grad = shard
-        else:
-            param.grad += shard
+        add_grad(param, shard)
         if (
             self._in_step
             and self._last

@@ -34,6 +34,7 @@ from torch import nn
 
 from tetrad.comm import Handle, all_gather, reduce_scatter
 from tetrad.grid import Grid
+from tetrad.parallel.masters import MasterAdamW, drop_grads, grad_dtype, grad_of, reduce_dtype
 from tetrad.spec.grid import Axis
 
 
@@ -136,14 +137,14 @@ class DataShards:
         the group for the all-gather after the update. The packed buffer takes the place of
         the gradients: ``param.grad`` is dropped (the step needs only the reduced pieces)."""
         self.groups.append(list(params))
-        packed = self.pack(grads)
-        for p in params:
-            p.grad = None
+        packed = self.pack(grads).to(reduce_dtype(params[0]))
+        drop_grads(params)
         return reduce_scatter(packed, self.grid, Axis.DATA, async_op=async_op)
 
     def take(self, params: list[nn.Parameter], row: torch.Tensor) -> None:
-        """Record each parameter's reduced piece from the reduce-scattered ``row``."""
-        offset = 0
+        """Record each parameter's reduced piece from the reduce-scattered ``row`` (cast to the
+        gradients' dtype where it was summed in another)."""
+        row, offset = row.to(grad_dtype(params[0])), 0
         for p in params:
             n, c = p.numel(), self.chunk(p.numel())
             length = max(0, min(c, n - self.rank * c))
@@ -176,9 +177,10 @@ class DataShards:
             offset += c
 
     def pack_row(self, pieces: list[torch.Tensor], params: list[nn.Parameter]) -> torch.Tensor:
-        """``[sum c]``: ``pieces`` (this rank's of ``params``) side by side, zero-padded."""
+        """``[sum c]``: ``pieces`` (this rank's of ``params``) side by side, zero-padded, in
+        the pieces' dtype."""
         chunks = [self.chunk(p.numel()) for p in params]
-        row = torch.zeros(sum(chunks), dtype=params[0].dtype, device=params[0].device)
+        row = torch.zeros(sum(chunks), dtype=pieces[0].dtype, device=params[0].device)
         offset = 0
         for piece, c in zip(pieces, chunks, strict=True):
             row[offset : offset + piece.numel()] = piece
@@ -198,15 +200,19 @@ class DataShards:
         return out
 
 
-class ShardedAdamW(torch.optim.AdamW):
+class ShardedAdamW(MasterAdamW):
     """torch's AdamW over this rank's pieces (:class:`DataShards`) of the parameters whose
     gradients are summed over data; the others whole (none in a dense model).
 
-    Each piece is a view of its parameter, so the update writes into the parameter; its
-    gradient is the reduced piece (:attr:`DataShards.grads`). :meth:`step` then all-gathers
-    the pieces (:meth:`DataShards.all_gather`). AdamW is elementwise, so the update of the
-    pieces equals the update of the whole tensors. States: ``2 * 4 * ceil(n / G)`` bytes per
-    sharded parameter of ``n`` local elements.
+    Without masters each piece is a view of its parameter, so the update writes into the
+    parameter; with masters (weights stored in bf16, :class:`tetrad.parallel.masters.MasterAdamW`)
+    each piece's master is an fp32 copy of that piece only (Megatron-LM's distributed optimizer:
+    masters sharded with the states), copied back into the parameter's piece after the update.
+    A piece's gradient is the reduced piece (:attr:`DataShards.grads`). :meth:`step` then
+    all-gathers the pieces, in the parameters' format (:meth:`DataShards.all_gather`). AdamW is
+    elementwise, so the update of the pieces equals the update of the whole tensors. States:
+    ``2 * 4 * ceil(n / G)`` bytes per sharded parameter of ``n`` local elements, plus
+    ``4 * ceil(n / G)`` for its master.
 
     Args:
         groups: parameter groups as for ``torch.optim.AdamW`` (the model's parameters).
@@ -214,82 +220,79 @@ class ShardedAdamW(torch.optim.AdamW):
         overlap_gather: leave the all-gathers pending after :meth:`step`, each waited before
             the next forward's first read of its parameters (:meth:`DataShards.attach`) or by
             :meth:`DataShards.wait_all`; else :meth:`step` returns with the parameters whole.
+        masters: keep fp32 masters of the pieces (weights stored in another format).
         **kwargs: ``lr``, ``betas``, ``eps``, ``fused``, ``foreach`` of ``torch.optim.AdamW``.
     """
 
     def __init__(
-        self, groups: list[dict], shards: DataShards, overlap_gather: bool = True, **kwargs
+        self,
+        groups: list[dict],
+        shards: DataShards,
+        overlap_gather: bool = True,
+        masters: bool = False,
+        **kwargs,
     ):
         self.shards, self.overlap_gather = shards, overlap_gather
-        self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # (param, what AdamW updates)
-        inner = []
-        for g in groups:
-            views = []
-            for p in g["params"]:
-                v = shards.piece(p.data) if shards.sharded(p) else p
-                self.pairs.append((p, v))
-                views.append(v)
-            inner.append({**g, "params": views})
-        super().__init__(inner, **kwargs)
+        super().__init__(groups, masters=masters, **kwargs)
+
+    def target(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s piece (a view, or an fp32 copy with masters), or ``p`` (its master)."""
+        if not self.shards.sharded(p):
+            return super().target(p)
+        piece = self.shards.piece(p.data)
+        return piece.to(torch.float32, copy=True) if self.masters else piece
+
+    def stored(self, p: nn.Parameter) -> torch.Tensor:
+        """Where ``p``'s updated master is copied: its piece of ``p``'s data."""
+        return self.shards.piece(p.data) if self.shards.sharded(p) else p.data
+
+    def gradient(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The reduced piece of ``p``'s gradient (or its whole gradient, unsharded)."""
+        return self.shards.grads.get(id(p)) if self.shards.sharded(p) else grad_of(p)
 
     @torch.no_grad()
     def step(self, closure=None):
         """The AdamW update of every piece with a reduced gradient, then the all-gather
         (pending with ``overlap_gather``; any still pending from the last step first finish)."""
         self.shards.wait_all()
-        for p, v in self.pairs:
-            if v is not p:
-                v.grad = self.shards.grads.get(id(p))
-        super().step(closure)
+        out = super().step(closure)
         self.shards.all_gather(async_op=self.overlap_gather)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the parameters' gradients and the pieces'."""
-        super().zero_grad(set_to_none)
-        for p, v in self.pairs:
-            if v is not p:
-                p.grad = None
-
-    def state_of(self, p: nn.Parameter) -> dict:
-        """AdamW's state of ``p``'s piece (or of ``p``)."""
-        return self.state[dict((id(q), v) for q, v in self.pairs)[id(p)]]
+        return out
 
     def full_states(self, params: list[nn.Parameter]) -> list[dict]:
         """For each of ``params`` (every rank of the data group passing the same list),
-        ``{"step", "exp_avg", "exp_avg_sq"}`` of the whole local tensor, gathered over data
-        (zeros before the first step): what a checkpoint stores, whatever the sharding."""
-        views = dict((id(q), v) for q, v in self.pairs)
-        out = [None] * len(params)
-        split = [i for i, p in enumerate(params) if views[id(params[i])] is not p]
-        for i, p in enumerate(params):
-            st = self.state[views[id(p)]]
-            out[i] = {"step": st.get("step", torch.tensor(0.0))}
-            if i not in split:
-                for k in ("exp_avg", "exp_avg_sq"):
-                    out[i][k] = st[k] if k in st else torch.zeros_like(p)
-        for k in ("exp_avg", "exp_avg_sq"):
-            pieces = [self._state_piece(views[id(params[i])], k) for i in split]
-            like = [params[i] for i in split]
-            if like:
+        ``{"step", "exp_avg", "exp_avg_sq", "master"}`` of the whole local tensor, gathered
+        over data (zeros before the first step; ``master`` the fp32 weights): what a
+        checkpoint stores, whatever the sharding and the stored format."""
+        out = super().full_states(params)
+        split = [i for i, p in enumerate(params) if self.shards.sharded(p)]
+        like = [params[i] for i in split]
+        for k in ("exp_avg", "exp_avg_sq", "master"):
+            pieces = [out[i][k] for i in split]
+            if k == "master" and not self.masters:
+                for i in split:
+                    out[i][k] = params[i].data
+            elif like:
                 for i, full in zip(split, self.shards.gather_full(pieces, like), strict=True):
                     out[i][k] = full
         return out
 
-    def _state_piece(self, v: torch.Tensor, key: str) -> torch.Tensor:
-        st = self.state[v]
-        return st[key] if key in st else torch.zeros_like(v)
-
     @torch.no_grad()
     def load_full_states(self, params: list[nn.Parameter], states: list[dict]) -> None:
-        """Set the state of each of ``params`` from the whole local tensors in ``states`` (as
-        :meth:`full_states` returns them): each rank keeps its piece."""
-        views = dict((id(q), v) for q, v in self.pairs)
+        """Set the state (and master) of each of ``params`` from the whole local tensors in
+        ``states`` (as :meth:`full_states` returns them): each rank keeps its piece; then the
+        stored weights from the masters."""
+        pieces = []
         for p, full in zip(params, states, strict=True):
-            v = views[id(p)]
-            st = self.state[v]
-            st["step"] = full["step"]
-            for k in ("exp_avg", "exp_avg_sq"):
-                st[k] = (self.shards.piece(full[k]) if v is not p else full[k]).clone()
+            if self.shards.sharded(p):
+                full = {
+                    **full,
+                    **{k: self.shards.piece(full[k]) for k in ("exp_avg", "exp_avg_sq")},
+                }
+                p.data.copy_(full["master"])  # whole: other ranks' pieces too
+                full["master"] = self.shards.piece(full["master"] if self.masters else p.data)
+            pieces.append(full)
+        super().load_full_states(params, pieces)
 
 
 def settle_parameters(optimizer: torch.optim.Optimizer) -> None:

@@ -23,6 +23,7 @@ from tetrad.comm import count_sends
 from tetrad.dtypes import compute_dtype
 from tetrad.models.llama import Transformer
 from tetrad.parallel.experts import biased_routers
+from tetrad.parallel.masters import drop_grads
 from tetrad.spec.grid import Axis
 
 
@@ -116,8 +117,7 @@ class TetradStage(PipelineStage):
         # gradients land in the parameters (torch clears them for FSDP modules only).
         # The same for an MoE part's load-balancing terms and its routers' expert loads.
         super()._post_metadata_inference_cleanup()
-        for p in self.submod.parameters():
-            p.grad = None
+        drop_grads(self.submod.parameters())
         self.submod.aux_total = 0.0
         self.submod.part.take_routing()
         for router in biased_routers(self.submod.part):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tetrad.comm import all_reduce
-from tetrad.dtypes import autocast
+from tetrad.dtypes import autocast, stored_policy
 from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
 from tetrad.parallel.batch import inputs_targets, local_samples, sum_over_batch_axes, to_device
@@ -51,7 +51,7 @@ def pipeline_train_step_losses(
         shards.attach(*pipeline.parts)
     for part in pipeline.parts:
         part.overlap.buckets.shards = shards
-    with autocast(grid.device):
+    with autocast(grid.device, stored_policy(pipeline.parts[0], grid.device)):
         loss = pipeline.step(*inputs_targets(local, grid))
     for part in pipeline.parts:
         sync_gradients(part, grid, part.overlap.buckets.reduced, shards)
@@ -77,7 +77,7 @@ def pipeline_evaluate(pipeline: Pipeline, batches: list[torch.Tensor]) -> float:
     for batch in batches:
         n_tokens += batch[:, 1:].numel()
         local = to_device(local_samples(batch, grid), grid.device)
-        with autocast(grid.device):
+        with autocast(grid.device, stored_policy(pipeline.parts[0], grid.device)):
             total += pipeline.step(*inputs_targets(local, grid))
     return _sum_over_pipe_and_batch_axes(total, grid).item() / n_tokens
 

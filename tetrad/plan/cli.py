@@ -42,6 +42,7 @@ from tetrad.spec.grid import (
 )
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.pipeline_split import PipelineSplitError
+from tetrad.spec.precision import PARAM_DTYPES
 from tetrad.spec.presets import PRESETS, get_model
 from tetrad.spec.sharding import moe_grid_problem
 from tetrad.spec.units import GiB
@@ -169,6 +170,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "rows marked so): auto (where a configuration fits only so), on, off",
     )
     p.add_argument(
+        "--param-dtype",
+        choices=PARAM_DTYPES,
+        default="fp32",
+        help="the weights' stored format in the 4D space (tetrad train --param-dtype; bf16: "
+        "fp32 masters with the optimizer states; default fp32, the runtime's default)",
+    )
+    p.add_argument(
         "--sequence-parallel",
         **dict(choices=("off", "on", "auto"), nargs="?", const="on", default="off"),
         help="4D grids of a Llama with G_y > 1 with tetrad train --sequence-parallel "
@@ -284,6 +292,13 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         help="tetrad: the blocks under torch.compile (tetrad train --compile), which save less",
     )
     m.add_argument(
+        "--param-dtype",
+        choices=PARAM_DTYPES,
+        default="fp32",
+        help="tetrad: the weights' stored format (tetrad train --param-dtype; bf16: fp32 "
+        "masters with the optimizer states, default fp32)",
+    )
+    m.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="tetrad: the residual stream and norms split along the sequence over the Y role "
@@ -346,6 +361,7 @@ def run_plan(args: argparse.Namespace) -> int:
         pipeline=not args.no_pipeline,
         shard_optimizer=args.shard_optimizer,
         moe_imbalance=args.moe_imbalance,
+        params=args.param_dtype,
         sequence_parallel=args.sequence_parallel,
     )
     fp8_lines: list[str] = []
@@ -440,6 +456,7 @@ def run_memory(args: argparse.Namespace) -> int:
                 activation_checkpointing=ckpt,
                 shard_optimizer=args.shard_optimizer,
                 compiled=args.compile,
+                params=args.param_dtype,
                 **moe,
                 **({"sequence_parallel": True} if sp else {}),
             )
@@ -448,6 +465,7 @@ def run_memory(args: argparse.Namespace) -> int:
                 f"({turn}), micro-batch {args.micro_batch} x {args.seq_len} tokens, "
                 f"checkpointing {ckpt}"
                 + (", AdamW states sharded over data x context" if args.shard_optimizer else "")
+                + _weights_text(args)
                 + (f", expert axis {expert}" if model.is_moe else "")
                 + (", blocks compiled" if args.compile else "")
                 + (", sequence-parallel" if sp else "")
@@ -502,6 +520,11 @@ def run_memory(args: argparse.Namespace) -> int:
     else:
         print(report.memory_text(mem, title, "raise TP, CP or PP, or lower the micro-batch"))
     return 0
+
+
+def _weights_text(args: argparse.Namespace) -> str:
+    """The title's note on bf16 weights (none for fp32)."""
+    return ", bf16 weights with fp32 masters" if args.param_dtype != "fp32" else ""
 
 
 def _grid_and_experts(args: argparse.Namespace, model: ModelSpec) -> tuple[int, tuple, dict]:
@@ -578,6 +601,7 @@ def pipeline_memory_text(
         m,
         activation_checkpointing=mode,
         shard_optimizer=getattr(args, "shard_optimizer", False),
+        params=getattr(args, "param_dtype", "fp32"),
         **moe,
         **({"sequence_parallel": True} if getattr(args, "sequence_parallel", False) else {}),
     )
@@ -588,7 +612,7 @@ def pipeline_memory_text(
     title = (
         f"{model.summary()}\ntetrad runtime, grid P,D,C,Z,Y,X={format_grid(pipe, grid)} "
         f"({turn}), {sched} with {v} stage(s) per rank, {m} micro-batches of "
-        f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}"
+        f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}{_weights_text(args)}"
         f"{', sequence-parallel' if getattr(args, 'sequence_parallel', False) else ''}\n"
         f"pipeline ranks (stage split by {machine.name} compute"
         f"{'' if args.machine else ', the default without --machine'}): {stages}\n"

@@ -24,6 +24,7 @@ PLAN_RANKING_DEFAULTS = {
     "no_classic": False,
     "no_pipeline": False,
     "shard_optimizer": "auto",
+    "param_dtype": "fp32",
     "sequence_parallel": "off",
     "gpu_memory_gib": None,
 }
@@ -34,6 +35,7 @@ MEMORY_TETRAD_DEFAULTS = {
     "orientation": "auto",
     "activation_checkpointing": "none",
     "compile": False,
+    "param_dtype": "fp32",
     "sequence_parallel": False,
     "expert_parallel": 1,
     "moe_imbalance": 1.0,

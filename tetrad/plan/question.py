@@ -53,6 +53,9 @@ class StepQuestion:
         overlaps: names from :data:`tetrad.spec.overlap.OVERLAPS` (or "all"/"none"); ``"all"`` uses
             ``fine`` only where it lowers the exposed time, a list naming it always.
         compute_bytes: 2 (bf16, the runtime on GPU) or 4 (fp32, on CPU).
+        param_bytes: the weights' stored bytes per element, 4 (fp32) or 2 (bf16 with fp32
+            masters, ``--param-dtype bf16``): what the sharded optimizer all-gathers after the
+            update.
         bucket_bytes: data-parallel all-reduce bucket, bytes (``dp_all_reduce``).
         domino_min_rows: the ``domino`` split needs ``m >= 2 * domino_min_rows`` token rows.
         fine_chunks: pieces per ring step of ``fine``; None: the best of
@@ -87,6 +90,7 @@ class StepQuestion:
         *,
         overlaps: str | Iterable[str] = "all",
         compute_bytes: int = 2,
+        param_bytes: int = FP32,
         bucket_bytes: int = DP_BUCKET_BYTES,
         domino_min_rows: int = DOMINO_MIN_ROWS,
         fine_chunks: int | None = None,
@@ -104,7 +108,9 @@ class StepQuestion:
             self.overlaps = parse_overlaps(overlaps)
         except OverlapError as e:
             raise PlanError(str(e)) from None
-        self.c = compute_bytes
+        if param_bytes not in (2, 4):
+            raise PlanError(f"param_bytes={param_bytes}: use 2 (bf16) or 4 (fp32)")
+        self.c, self.param_bytes = compute_bytes, param_bytes
         if fine_chunks is not None and fine_chunks < 1:
             raise PlanError(f"fine_chunks={fine_chunks}: give at least 1 piece per ring step")
         if context_pieces is not None and context_pieces < 1:

@@ -259,6 +259,7 @@ def make_step(
         wrap=wrap and "prefetch" in ov,
         fp8=ctx.fp8,
         z_weight_bytes=ctx.z_weight_bytes,
+        param_bytes=ctx.param_bytes,
         scale_link=ctx.machine.network.link(1, gx * gy * gz) if ctx.fp8 == "tensorwise" else None,
         sequence_parallel=sequence_parallel_applies(ctx, roles),
     )
@@ -397,6 +398,7 @@ def collectives(
     context_pieces: int | None = None,
     shard_optimizer: bool = False,
     fp8: str = "off",
+    param_bytes: int = 4,
     sequence_parallel: bool = False,
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
@@ -407,7 +409,8 @@ def collectives(
     runtime's ``Overlap`` options (``context_pieces`` None: the planner's best);
     ``orientation``: as :func:`estimate`'s; ``shard_optimizer``: the runtime's sharded
     optimizer (:mod:`tetrad.plan.question`); ``fp8``: the FP8 recipe
-    (:mod:`tetrad.plan.compute.fp8`); ``sequence_parallel``: the runtime's
+    (:mod:`tetrad.plan.compute.fp8`); ``param_bytes``: the weights' stored bytes per element
+    (2 with ``--param-dtype bf16``); ``sequence_parallel``: the runtime's
     ``--sequence-parallel`` (:class:`~tetrad.plan.question.StepQuestion`).
 
     Raises:
@@ -420,6 +423,7 @@ def collectives(
         global_batch,
         overlaps=overlaps,
         compute_bytes=compute_bytes,
+        param_bytes=param_bytes,
         bucket_bytes=bucket_bytes,
         domino_min_rows=domino_min_rows,
         fine_chunks=fine_chunks,

@@ -9,16 +9,27 @@ policy of a device. Today's policies:
 | GEMMs and attention (``compute``)        | fp32     | bf16 (autocast) |
 | parameters as stored (``params``)        | fp32     | fp32     |
 | master weights in the optimizer          | fp32     | fp32     |
-| gradients and their reductions (``grads``) | fp32   | fp32     |
+| gradients as accumulated (``grads``)     | fp32     | fp32     |
+| their sum over data (``grad_reduce``)    | fp32     | fp32     |
 | AdamW states (``optimizer_states``)      | fp32     | fp32     |
 | residual stream between blocks           | fp32     | fp32     |
 | pipeline stage boundaries                | fp32     | bf16     |
 | norm statistics, softmax, loss           | fp32     | fp32     |
 | FP8 GEMMs (``fp8``)                      | off      | off      |
 
-Storing weights in the compute dtype with fp32 masters in the optimizer, the residual stream in
-the compute dtype, and FP8 GEMM recipes plug in here: a layer never decides a dtype itself, it
-reads the policy (through :func:`tetrad.dtypes.compute_dtype` and :func:`tetrad.dtypes.autocast`).
+``params="bf16"`` (``tetrad train --param-dtype bf16``) stores the weights in bf16 with fp32
+masters in the optimizer (Megatron-LM's mixed precision: Narayanan et al., arXiv 2104.04473,
+and its distributed optimizer, whose masters are sharded over data x context with
+``--shard-optimizer``): forward and backward read the bf16 weights, the gradients accumulate in
+fp32 (Megatron's ``main_grad``), AdamW updates the fp32 masters and the bf16 weights are
+refreshed from them after every step. The GEMMs then run in bf16 on every device (on the CPU
+too, under the CPU's bf16 autocast: a single-process reference under the same policy computes
+in the same formats); the residual stream stays fp32, as under fp32 weights. ``grad_reduce="bf16"``
+(``--grad-reduce-dtype bf16``) sums the fp32 gradients over data in bf16.
+
+The residual stream in the compute dtype under fp32 weights and FP8 GEMM recipes plug in here: a
+layer never decides a dtype itself, it reads the policy (through
+:func:`tetrad.dtypes.compute_dtype` and :func:`tetrad.dtypes.autocast`).
 """
 
 from __future__ import annotations
@@ -40,18 +51,18 @@ FP8_RECIPES = ("off",)
 """FP8 GEMM scaling recipes the runtime implements (``off`` only, so far)."""
 
 
-RUNTIME_TIES = {
-    "stage_boundary": "compute",
-    "residual": "params",
-    "master": "params",
-    "grads": "params",
-    "optimizer_states": "params",
-}
+RUNTIME_TIES = {"stage_boundary": "compute"}
 """Formats the runtime ties together today: a stage sends in the format its GEMMs produce
-(:func:`tetrad.dtypes.compute_dtype` under the step's autocast), the residual stream adds in
-the parameters' format, and the optimizer updates the stored parameters in place, so masters,
-gradients and AdamW states are the parameters' format. Weights stored in the compute format
-with fp32 masters, and an fp32 boundary under bf16 compute, untie them."""
+(:func:`tetrad.dtypes.compute_dtype` under the step's autocast). An fp32 boundary under bf16
+compute unties them."""
+
+RUNTIME_FP32 = ("master", "grads", "optimizer_states", "residual")
+"""Formats the runtime keeps in fp32 whatever the stored weights: the optimizer's masters, the
+accumulated gradients (Megatron's ``main_grad``), AdamW's moments and the residual stream (the
+embedding's output is cast to it). The residual stream in the compute format unties it."""
+
+PARAM_DTYPES = ("fp32", "bf16")
+"""Formats the weights may be stored in (``--param-dtype``)."""
 
 
 class PrecisionError(TetradError):
@@ -68,11 +79,14 @@ class Precision:
             each GEMM reads them; ``fp32``: no autocast).
         params: the parameters as the model stores them.
         master: the optimizer's copy of the weights it updates.
-        grads: gradients as accumulated and as reduced over the data, Z and tensor axes.
+        grads: gradients as accumulated over micro-batches and as reduced over the Z and
+            tensor axes.
         optimizer_states: AdamW's first and second moments.
         residual: the residual stream between blocks.
         stage_boundary: activations (and their gradients) sent between pipeline stages.
         statistics: norm statistics, the softmax and the loss.
+        grad_reduce: gradients as summed over data x context (all-reduce or, with the sharded
+            optimizer, reduce-scatter); the sums are accumulated back in ``grads``.
         fp8: the FP8 GEMM scaling recipe (:data:`FP8_RECIPES`; ``off``: none).
 
     Raises:
@@ -87,6 +101,7 @@ class Precision:
     residual: str = "fp32"
     stage_boundary: str = "fp32"
     statistics: str = "fp32"
+    grad_reduce: str = "fp32"
     fp8: str = "off"
 
     def __post_init__(self) -> None:
@@ -104,11 +119,27 @@ class Precision:
                     f"{name}={getattr(self, name)} with {same}={getattr(self, same)}: the "
                     f"runtime keeps {name} in the {same} format"
                 )
+        for name in RUNTIME_FP32:
+            if getattr(self, name) != "fp32":
+                raise PrecisionError(
+                    f"{name}={getattr(self, name)}: the runtime keeps {name} in fp32"
+                )
+        if self.params == "bf16" and self.compute != "bf16":
+            raise PrecisionError(
+                f"compute={self.compute} with params=bf16: weights stored in bf16 compute in bf16"
+            )
+
+    @property
+    def masters(self) -> bool:
+        """Whether the optimizer keeps master weights apart from the stored ones (their
+        formats differ: ``params="bf16"``); gradients then accumulate apart too."""
+        return self.params != self.master
 
     @property
     def autocast(self) -> bool:
-        """Whether GEMMs run under autocast (their compute dtype is not the parameters')."""
-        return self.compute != self.params
+        """Whether GEMMs run under autocast (their compute dtype is not the residual
+        stream's)."""
+        return self.compute != self.residual
 
     def bytes(self, kind: str) -> int:
         """Bytes per element of the tensors of ``kind`` (a field name: ``compute``,
@@ -116,15 +147,29 @@ class Precision:
         return DTYPE_BYTES[getattr(self, kind)]
 
 
-def precision(device: str) -> Precision:
-    """The numeric-format policy of the runtime on ``device``: fp32 everywhere on the CPU; on
-    CUDA, bf16 GEMMs and attention under autocast and bf16 stage boundaries (Megatron-LM's
-    activations), everything else fp32."""
-    if device == "cuda":
-        return Precision(compute="bf16", stage_boundary="bf16")
-    return Precision()
+def precision(device: str, params: str = "fp32", grad_reduce: str = "fp32") -> Precision:
+    """The numeric-format policy of the runtime on ``device``.
+
+    With fp32 weights (``params``, the default): fp32 everywhere on the CPU; on CUDA, bf16 GEMMs
+    and attention under autocast and bf16 stage boundaries (Megatron-LM's activations),
+    everything else fp32. With bf16 weights: bf16 GEMMs under autocast and bf16 stage
+    boundaries on every device, fp32 masters, gradients, AdamW states and residual stream.
+    ``grad_reduce``: the format of the gradients' sum over data.
+
+    Raises:
+        PrecisionError: ``params`` or ``grad_reduce`` not ``fp32`` or ``bf16``.
+    """
+    if params not in PARAM_DTYPES:
+        raise PrecisionError(f"param dtype {params!r}: use {' or '.join(PARAM_DTYPES)}")
+    if grad_reduce not in DTYPE_BYTES:
+        raise PrecisionError(f"grad-reduce dtype {grad_reduce!r}: use {' or '.join(DTYPE_BYTES)}")
+    compute = "bf16" if device == "cuda" or params == "bf16" else "fp32"
+    return Precision(
+        compute=compute, params=params, stage_boundary=compute, grad_reduce=grad_reduce
+    )
 
 
-def compute_dtype(device: str) -> str:
-    """The compute dtype of the runtime on ``device``: ``precision(device).compute``."""
-    return precision(device).compute
+def compute_dtype(device: str, params: str = "fp32") -> str:
+    """The compute dtype of the runtime on ``device`` with weights stored in ``params``:
+    ``precision(device, params).compute``."""
+    return precision(device, params).compute

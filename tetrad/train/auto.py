@@ -15,7 +15,7 @@ from tetrad.spec.errors import TetradError
 from tetrad.spec.grid import parse_grid
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import FINE_CHUNKS
-from tetrad.spec.precision import DTYPE_BYTES, compute_dtype
+from tetrad.spec.precision import DTYPE_BYTES
 from tetrad.spec.units import GiB
 from tetrad.train.config import ConfigError, TrainConfig
 
@@ -121,8 +121,9 @@ def choose_grid(
             checkpointing=modes,
             overlaps=par.overlap,
             classic=False,
-            dtype=compute_dtype(t.device),
+            dtype=cfg.policy.compute,
             shard_optimizer="on" if par.shard_optimizer else "auto",
+            params=cfg.policy.params,
             # --sequence-parallel with grid auto: on the chosen grid where it runs and pays
             sequence_parallel="auto" if par.sequence_parallel else "off",
         )
@@ -201,7 +202,7 @@ def pipeline_split(cfg: TrainConfig, mc: ModelSpec) -> tuple[tuple[int, int], ..
         machine,
         t.seq_len,
         t.global_batch,
-        compute_bytes=DTYPE_BYTES[compute_dtype(t.device)],
+        compute_bytes=DTYPE_BYTES[cfg.policy.compute],
     )
     roles = role_sizes(with_context(par.grid), par.orientation)
     costs = split_costs(ctx.compute(roles, t.micro_batch), par.activation_checkpointing)
@@ -219,7 +220,7 @@ def _estimate(cfg: TrainConfig, mc: ModelSpec, overlaps, fine_chunks: int | None
         t.seq_len,
         t.global_batch,
         overlaps=overlaps,
-        compute_bytes=DTYPE_BYTES[compute_dtype(t.device)],
+        compute_bytes=DTYPE_BYTES[cfg.policy.compute],
         domino_min_rows=par.domino_min_rows,
         fine_chunks=fine_chunks,
     )
@@ -262,7 +263,7 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
             t.seq_len,
             t.global_batch,
             overlaps=par.overlaps,
-            compute_bytes=DTYPE_BYTES[compute_dtype(t.device)],
+            compute_bytes=DTYPE_BYTES[cfg.policy.compute],
             domino_min_rows=par.domino_min_rows,
         )
         by = "time" if par.machine else "bytes"

@@ -8,9 +8,13 @@ export``) or by any other grid. The folder layout, ``tetrad.json`` and the commi
 
 Keys: ``model.<param>``, ``optim.<param>.exp_avg``, ``optim.<param>.exp_avg_sq``,
 ``optim.<param>.step``, ``step`` and ``rng.<rank>`` (each rank's torch CPU generator state,
-restored when the world size is unchanged). The data position is the step: the batch of step
-``s`` depends only on ``(seed, s)`` (:func:`tetrad.data.loader.sample_batch`), whatever the
-data-parallel split, so it carries over to any grid. The optimizer's states are stored as whole
+restored when the world size is unchanged). ``model.<param>`` holds the fp32 weights AdamW
+updates, whatever the weights' stored format: the parameters themselves, or the optimizer's fp32
+masters when they are stored in bf16 (:mod:`tetrad.parallel.masters`), so keys and formats do
+not depend on the policy and a run resumes with either storage. The data position is the
+step: the batch of step ``s`` depends only on ``(seed, s)``
+(:func:`tetrad.data.loader.sample_batch`), whatever the data-parallel split, so it carries over
+to any grid. The optimizer's states are stored as whole
 local tensors with or without the sharded optimizer (which gathers them over data x context to
 save and keeps its pieces on load: :class:`tetrad.parallel.zero.ShardedAdamW`), so a run resumes
 sharded or not, on any grid.
@@ -38,8 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tetrad.grid import Grid
+from tetrad.parallel.masters import MasterAdamW
 from tetrad.parallel.placement import Placement
-from tetrad.parallel.zero import ShardedAdamW
 from tetrad.spec.grid import Axis
 from tetrad.train.checkpoint_dir import (
     CheckpointError,
@@ -153,7 +157,7 @@ class Checkpointer:
             state[f"model.{name}"] = self._dtensor(b, b.placement)
         named = list(model.named_parameters())
         for (name, p), st in zip(named, _optimizer_states(optimizer, named), strict=True):
-            state[f"model.{name}"] = self._dtensor(p.data, p.placement)
+            state[f"model.{name}"] = self._dtensor(st.get("master", p.data), p.placement)
             for k in ("exp_avg", "exp_avg_sq"):
                 state[f"optim.{name}.{k}"] = self._dtensor(st[k], p.placement)
             state[f"optim.{name}.step"] = st["step"]
@@ -282,10 +286,12 @@ class Checkpointer:
         named = list(model.named_parameters())
         loaded = []
         for name, p in named:
-            p.data.copy_(state[f"model.{name}"].to_local())
+            weights = state[f"model.{name}"].to_local()
+            if not isinstance(optimizer, MasterAdamW):
+                p.data.copy_(weights)
             loaded.append({k: state[f"optim.{name}.{k}"] for k in ("exp_avg", "exp_avg_sq")})
             loaded[-1] = {k: v.to_local() for k, v in loaded[-1].items()}
-            loaded[-1]["step"] = state[f"optim.{name}.step"]
+            loaded[-1] |= {"step": state[f"optim.{name}.step"], "master": weights}
         _load_optimizer_states(optimizer, named, loaded)
         if same_world:
             torch.set_rng_state(state[self._rng_key()])
@@ -294,11 +300,12 @@ class Checkpointer:
 
 def _optimizer_states(optimizer: torch.optim.Optimizer, named: list) -> list[dict]:
     """``{"step", "exp_avg", "exp_avg_sq"}`` of each parameter of ``named`` as whole local
-    tensors: the sharded optimizer's gathered over data (collective,
+    tensors, with ``master`` (the fp32 weights) where they are not the parameter: the sharded
+    optimizer's gathered over data (collective,
     :meth:`tetrad.parallel.zero.ShardedAdamW.full_states`), AdamW's own state otherwise (made
     now, zero, before the first step). The keys are the same with or without sharding."""
     params = [p for _, p in named]
-    if isinstance(optimizer, ShardedAdamW):
+    if isinstance(optimizer, MasterAdamW):
         return optimizer.full_states(params)
     out = []
     for p in params:
@@ -313,9 +320,10 @@ def _optimizer_states(optimizer: torch.optim.Optimizer, named: list) -> list[dic
 
 def _load_optimizer_states(optimizer: torch.optim.Optimizer, named: list, loaded: list) -> None:
     """Set the optimizer's state from the whole local tensors ``loaded`` (one dict per
-    parameter of ``named``): the sharded optimizer keeps this rank's pieces."""
+    parameter of ``named``, with its fp32 ``master`` weights): the sharded optimizer keeps this
+    rank's pieces, the masters and the stored weights follow."""
     params = [p for _, p in named]
-    if isinstance(optimizer, ShardedAdamW):
+    if isinstance(optimizer, MasterAdamW):
         optimizer.load_full_states(params, loaded)
         return
     for p, full in zip(params, loaded, strict=True):

@@ -49,7 +49,7 @@ from tetrad.spec.conflicts import Settings, check_conflicts
 from tetrad.spec.errors import TetradError
 from tetrad.spec.grid import parse_grid, parse_pipeline_grid, pop_expert
 from tetrad.spec.model import ModelSpec, check_trainable
-from tetrad.spec.precision import DEVICES
+from tetrad.spec.precision import DEVICES, Precision, precision
 from tetrad.spec.presets import ALIASES, parse_model, with_sizes
 from tetrad.spec.toml import tomllib
 from tetrad.train.config_checks import check_parallelism, check_pipeline, check_training
@@ -60,6 +60,7 @@ from tetrad.train.sections import (
     LoggingSection,
     ModelSection,
     ParallelismSection,
+    PrecisionSection,
     TrainingSection,
 )
 
@@ -78,6 +79,7 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     parallelism: ParallelismSection = field(default_factory=ParallelismSection)
     training: TrainingSection = field(default_factory=TrainingSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
@@ -108,6 +110,13 @@ class TrainConfig:
             real = tokenizer_vocab if padded > tokenizer_vocab else 0
             cfg = dataclasses.replace(cfg, vocab_size=padded, unpadded_vocab=real)
         return cfg
+
+    @property
+    def policy(self) -> Precision:
+        """The numeric-format policy of the run: the device's with ``[precision]``'s choices
+        (:func:`tetrad.spec.precision.precision`)."""
+        p = self.precision
+        return precision(self.training.device, p.params, p.grad_reduce)
 
     @property
     def hf_folder(self) -> Path | None:

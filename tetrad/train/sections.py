@@ -253,6 +253,24 @@ class TrainingSection:
 
 
 @dataclass
+class PrecisionSection:
+    """Numeric formats (:mod:`tetrad.spec.precision`): how the weights are stored and summed."""
+
+    params: Literal["fp32", "bf16"] = option(
+        "fp32",
+        name="param_dtype",
+        help="format the weights are stored in: bf16 keeps fp32 master weights in the "
+        "optimizer (sharded with it under --shard-optimizer) and fp32 gradients, and computes "
+        "in bf16 on every device (Megatron-LM's mixed precision); fp32: fp32 weights",
+    )
+    grad_reduce: Literal["fp32", "bf16"] = option(
+        "fp32",
+        name="grad_reduce_dtype",
+        help="format of the gradients' sum over data x context (all-reduce or reduce-scatter)",
+    )
+
+
+@dataclass
 class CheckpointSection:
     """Where the run lives, its checkpoints, and restarts after a failure."""
 

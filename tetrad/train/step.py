@@ -7,12 +7,14 @@ import math
 import torch
 from torch import nn
 
-from tetrad.dtypes import autocast
+from tetrad.dtypes import autocast, stored_policy, torch_dtype
 from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
 from tetrad.parallel.batch import inputs_targets, local_samples, sum_over_batch_axes, to_device
 from tetrad.parallel.experts import update_expert_biases
+from tetrad.parallel.masters import MasterAdamW, store_parameters
 from tetrad.parallel.zero import DataShards, ShardedAdamW, optimizer_shards
+from tetrad.spec.precision import Precision
 
 
 def build_optimizer(
@@ -22,8 +24,18 @@ def build_optimizer(
     betas=(0.9, 0.95),
     eps: float = 1e-8,
     shard: Grid | None = None,
+    policy: Precision | None = None,
 ) -> torch.optim.AdamW:
     """AdamW over the local shards; weight decay on matrices only (not norms or biases).
+
+    With a ``policy`` that stores the weights apart from their masters (``params="bf16"``,
+    :attr:`tetrad.spec.precision.Precision.masters`), the optimizer keeps fp32 masters made
+    from the parameters as they are now (:class:`tetrad.parallel.masters.MasterAdamW`; the
+    sharded optimizer's masters are its pieces), then the model's parameters are stored in the
+    policy's format with their gradients accumulated apart in fp32
+    (:func:`tetrad.parallel.masters.store_parameters`): build the optimizer after the weights
+    are initialised or loaded. The policy's ``grad_reduce`` format is the one the gradients are
+    summed over data in.
 
     With ``shard`` (the grid), the sharded optimizer: AdamW states split over the grid's data x
     context ranks, gradients reduce-scattered and parameters all-gathered over them
@@ -46,9 +58,17 @@ def build_optimizer(
     fused = bool(params) and params[0].device.type in ("cpu", "cuda")
     kwargs = {"lr": lr, "betas": betas, "eps": eps, "fused": fused}
     kwargs["foreach"] = None if fused else True
+    masters = policy is not None and policy.masters
     if shard is not None:
-        return ShardedAdamW(groups, DataShards(shard), **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+        opt = ShardedAdamW(groups, DataShards(shard), masters=masters, **kwargs)
+    elif masters:
+        opt = MasterAdamW(groups, **kwargs)
+    else:
+        opt = torch.optim.AdamW(groups, **kwargs)
+    if policy is not None:
+        dtypes = (policy.params, policy.grads, policy.grad_reduce)
+        store_parameters(model, *map(torch_dtype, dtypes))
+    return opt
 
 
 def lr_at(step: int, peak: float, floor: float, warmup: int, total: int) -> float:
@@ -117,10 +137,11 @@ def train_step_losses(
         overlap.buckets.shards = shards
     loss = torch.zeros((), device=grid.device)
     aux, moe = torch.zeros((), device=grid.device), False
+    policy = stored_policy(model, grid.device)
     for i, mb in enumerate(micro_batches):
         if overlap is not None:
             overlap.begin_micro_batch(last=i == len(micro_batches) - 1)
-        with autocast(grid.device):
+        with autocast(grid.device, policy):
             part = model.loss_sum(*inputs_targets(mb, grid)) / n_tokens
             aux_sum = model.aux_loss_sum() if hasattr(model, "aux_loss_sum") else None
         if hasattr(model, "record_routing"):  # MoE blocks' loads, summed on the device
@@ -146,10 +167,10 @@ def train_step_losses(
 def evaluate(model: nn.Module, grid: Grid, batches: list[torch.Tensor], micro_batch: int) -> float:
     """Mean cross-entropy (nats per token) over the given global batches ``[B, S+1]``."""
     total = torch.zeros((), device=grid.device)
-    n_tokens = 0
+    n_tokens, policy = 0, stored_policy(model, grid.device)
     for batch in batches:
         n_tokens += batch[:, 1:].numel()
         for mb in to_device(local_samples(batch, grid), grid.device).split(micro_batch):
-            with autocast(grid.device):
+            with autocast(grid.device, policy):
                 total += model.loss_sum(*inputs_targets(mb, grid)).float()
     return sum_over_batch_axes(total, grid).item() / n_tokens

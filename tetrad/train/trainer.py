@@ -131,8 +131,14 @@ def train(cfg: TrainConfig) -> dict:
     model = build_model(cfg, model_cfg, grid)
     t = cfg.training
     weights = model.weights
+    path = start_checkpoint(cfg)
+    if path is None and cfg.hf_folder is not None:  # before the optimizer copies the masters
+        init_from_hf(weights, grid, cfg.hf_folder)
     shard = grid if par.shard_optimizer else None
-    optimizer = build_optimizer(weights, t.lr, t.weight_decay, (t.beta1, t.beta2), shard=shard)
+    betas = (t.beta1, t.beta2)
+    optimizer = build_optimizer(
+        weights, t.lr, t.weight_decay, betas, shard=shard, policy=cfg.policy
+    )
     tokens = t.global_batch * t.seq_len
     peak = mfu_peak(cfg, model_cfg, grid)
     meter = StepMeter(tokens, model_cfg.flops_per_token(t.seq_len) * tokens, peak, grid.world_size)
@@ -149,9 +155,6 @@ def train(cfg: TrainConfig) -> dict:
     background = ck.async_save == "on" or (ck.async_save == "auto" and grid.device.type == "cuda")
     ckpt = Checkpointer(ck.run_dir, grid, meta=meta, keep_last=ck.keep_last, async_save=background)
     job = Job(cfg, grid, corpus, model, optimizer, ckpt, meter, dist.get_rank() == 0, stop)
-    path = start_checkpoint(cfg)
-    if path is None and cfg.hf_folder is not None:
-        init_from_hf(weights, grid, cfg.hf_folder)
     start = ckpt.load(weights, optimizer, path) if path is not None else 0
     if job.rank0:
         _write_run_files(job, model_cfg, start)

@@ -139,16 +139,17 @@ def data_gradients(rec: Recorder, st: Step) -> None:
     a reduce-scatter of the same payload (bucketed and hidden the same way), and after the
     update each group is all-gathered over data (same payload, one call per reduce-scatter),
     waited before the next step's first forward use of its parameters
-    (:func:`parameter_gathers`)."""
+    (:func:`parameter_gathers`), in the weights' stored format (:attr:`Step.param_bytes`)."""
     if st.sizes["data"] == 1:
         return
     ld, L = st.links["data"], st.n_layers
     kind = REDUCE_SCATTER if st.zero else ALL_REDUCE
     w_total = gradient_bytes(st)
+    weights = w_total * st.param_bytes / FP32  # the same elements as stored
     if not st.dp_overlap:
         t = ld.time(kind, w_total)
         rec.add("gradients", "step", "data", kind, w_total, 1, t, t)
-        parameter_gathers(rec, st, "parameters", w_total, 1)
+        parameter_gathers(rec, st, "parameters", weights, 1)
         return
     calls = st.bucket_calls
     slack = st.comp.block_bwd + (st.comp.block_fwd if st.checkpointing else 0.0)
@@ -157,10 +158,9 @@ def data_gradients(rec: Recorder, st: Step) -> None:
     hid = "backward of the blocks below (last micro-batch, buckets)"
     rec.add("gradients", "backward", "data", kind, w_total / calls, calls, t, exp, hid)
     if st.zero:
-        fwd = gather_exposed(
-            *bucket_seconds(st, ALL_GATHER), st.comp.block_fwd, L, _lead(st), st.chunks, st.rounds
-        )
-        parameter_gathers(rec, st, "parameters", w_total / calls, calls, fwd)
+        big = bucket_seconds(st, ALL_GATHER, st.param_bytes)
+        fwd = gather_exposed(*big, st.comp.block_fwd, L, _lead(st), st.chunks, st.rounds)
+        parameter_gathers(rec, st, "parameters", weights / calls, calls, fwd)
 
 
 def parameter_gathers(
@@ -168,7 +168,8 @@ def parameter_gathers(
 ) -> None:
     """With the sharded optimizer: ``calls`` all-gathers over data of ``payload`` bytes each
     (the updated parameters, fp32), issued after the update in the order the next forward uses
-    the parameters and each waited before that first use (tetrad/parallel/zero.py); ``exposed``
+    the parameters and each waited before that first use (tetrad/parallel/zero.py; fp32, or bf16
+    weights: ``payload`` is in their format); ``exposed``
     seconds per step (:func:`gather_exposed`; None: one group, waited before the embedding's
     lookup, all exposed)."""
     if st.zero and st.sizes["data"] > 1:
@@ -234,19 +235,23 @@ def gradient_bytes(st: Step) -> float:
     return (st.n_layers * st.block_el + st.head_el + st.emb_el + vec) * FP32
 
 
-def bucket_seconds(st: Step, kind: str | None = None) -> tuple[float, float, float]:
+def bucket_seconds(
+    st: Step, kind: str | None = None, elem_bytes: int = FP32
+) -> tuple[float, float, float]:
     """All-reduce (reduce-scatter with :attr:`Step.zero`; ``kind`` when given) seconds of one
     block's, the LM head's and the embedding's (with the vectors riding along) share of the
     ``dp_all_reduce`` buckets: their bytes at the bucketed collective's seconds per byte, the
-    per-call latency spread over the bytes."""
-    ld, calls, w_total = st.links["data"], st.bucket_calls, gradient_bytes(st)
+    per-call latency spread over the bytes; ``elem_bytes`` per element (4: the gradients; the
+    weights' stored bytes for the all-gathers after the sharded update)."""
+    ld, calls = st.links["data"], st.bucket_calls
+    w_total = gradient_bytes(st) * elem_bytes / FP32
     kind = kind or (REDUCE_SCATTER if st.zero else ALL_REDUCE)
     vec = st.vector_el if st.vectors_in_buckets else 0.0
     lat = ld.time(kind, 0.0)
     per_byte = (ld.time(kind, w_total) - lat) / w_total
     rate = calls / w_total * lat + per_byte  # seconds per byte, latency spread over the bytes
-    big_d = st.block_el * FP32 * rate
-    return big_d, st.head_el * FP32 * rate, (st.emb_el + vec) * FP32 * rate
+    big_d = st.block_el * elem_bytes * rate
+    return big_d, st.head_el * elem_bytes * rate, (st.emb_el + vec) * elem_bytes * rate
 
 
 def bucket_exposed(big_d: float, big_h: float, big_e: float, slack: float, n_layers: int) -> float:
@@ -295,7 +300,7 @@ def step_scalars(rec: Recorder, st: Step) -> None:
         t = st.links[Axis.DATA].time(kind, pv)
         rec.add("norm_gradients", "step", Axis.DATA, kind, pv, 1, t, t)
     if not st.vectors_in_buckets:
-        parameter_gathers(rec, st, "norm_parameters", pv, 1)
+        parameter_gathers(rec, st, "norm_parameters", pv * st.param_bytes / FP32, 1)
     for ax in (Axis.Z, Axis.DATA):
         if st.sizes[ax] > 1:
             t = st.links[ax].time(ALL_REDUCE, FP32)

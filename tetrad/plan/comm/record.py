@@ -105,6 +105,8 @@ class Step:
         fused_s: seconds of the fused GEMM -> reduce-scatter ring ``(flops, payload bytes,
             link, chunks)`` on this machine (:meth:`tetrad.plan.question.StepQuestion.fused_s`:
             :func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`, memoised per shape).
+        param_bytes: the weights' stored bytes per element (4, or 2 with bf16 weights): the
+            sharded optimizer's all-gathers after the update.
         fp8: the FP8 recipe (:mod:`tetrad.plan.compute.fp8`; ``off``: none); ``z_weight_bytes``:
             bytes per element of a block Linear's weight on its Z all-gather (1 under
             ``tensorwise``, else ``c``; 0: ``c``); ``scale_link``: the group of the ``G_z G_y
@@ -151,6 +153,7 @@ class Step:
     fp8: str = "off"
     z_weight_bytes: int = 0
     scale_link: Link | None = None
+    param_bytes: int = 4
     sequence_parallel: bool = False
 
     @property

@@ -13,13 +13,13 @@ from tetrad.spec.overlap import loss_chunk_rows
 from tetrad.spec.units import FP32
 
 
-def gathered_weight_bytes(lin: Linear, grid, dtype: str = "bf16") -> float:
+def gathered_weight_bytes(lin: Linear, grid, dtype: str = "bf16", params: str = "fp32") -> float:
     """The Z all-gathered weight block ``n k / (G_x G_y)`` in compute dtype (tetrad/parallel/
-    linear.py: ``all_gather_Z(w_shard.to(dtype))``). 0 in fp32 with ``G_z = 1``: the shard
-    itself is used."""
+    linear.py: ``all_gather_Z(w_shard.to(dtype))``). 0 with ``G_z = 1`` when the weights are
+    stored in the compute dtype (fp32 and fp32, or bf16 and bf16): the shard itself is used."""
     _, gz, gy, gx = grid_sizes(grid)
     e = dtype_bytes(dtype)
-    if gz == 1 and e == FP32:
+    if gz == 1 and dtype == params:
         return 0.0
     return float(e * lin.count * lin.weight_elements // (gx * gy))
 

@@ -20,6 +20,8 @@ from tetrad.plan.memory.buffers import (
 )
 from tetrad.plan.memory.states import (
     local_parameter_elements,
+    optimizer_bytes_per_element,
+    param_bytes,
     tetrad_gradient_bytes,
     tetrad_optimizer_bytes,
     tetrad_parameter_bytes,
@@ -75,22 +77,24 @@ def checked_grid_buffers(
     dp_overlap: bool,
     shard_optimizer: bool = False,
     expert: int = 1,
+    params: str = "fp32",
 ) -> GridBuffers:
     """:func:`grid_buffers` after checking the dtype and that ``model`` shards on ``grid``, in
     :func:`tetrad.plan.memory.runtime.runtime_memory`'s order; once per grid and options (an error
     is not memoised: it is raised again on every call).
 
     Raises:
-        PlanError: an unknown dtype, a bad grid, a size that does not shard on it, or an
-            expert axis that does not divide the experts.
+        PlanError: an unknown dtype or param dtype, a bad grid, a size that does not shard on
+            it, or an expert axis that does not divide the experts.
     """
     dtype_bytes(dtype)
+    param_bytes(params)
     check_grid(model, grid)
     options = (dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer)
-    if expert == 1:  # the arguments every dense caller gives (one memo entry per grid)
+    if expert == 1 and params == "fp32":  # what every dense caller gives (one memo entry)
         return grid_buffers(model, grid, *options)
     local_parameter_elements(model, grid, expert)  # checks the expert axis
-    return grid_buffers(model, grid, *options, expert)
+    return grid_buffers(model, grid, *options, expert, params)
 
 
 @functools.lru_cache(maxsize=256)
@@ -123,6 +127,7 @@ def grid_buffers(
     dp_overlap: bool,
     shard_optimizer: bool = False,
     expert: int = 1,
+    params: str = "fp32",
 ) -> GridBuffers:
     """:class:`GridBuffers` of ``grid = (G_data, G_z, G_y, G_x)`` or ``(G_data, G_context,
     G_z, G_y, G_x)`` and the options of :func:`tetrad.plan.memory.runtime.runtime_memory`, once per
@@ -134,25 +139,30 @@ def grid_buffers(
 
     ``expert``: ``G_expert`` of an MoE model (:func:`tetrad.plan.memory.states.
     local_parameter_elements`); its grids are computed whole, not from ``(1, G_z, G_y, G_x)``.
+    ``params``: the weights' stored format (``fp32``, or ``bf16`` with fp32 masters in the
+    AdamW states; :mod:`tetrad.plan.memory.states`).
 
     Raises:
         PlanError: not four or five positive sizes, or an unknown dtype.
     """
     _, gz, gy, gx = grid_sizes(grid)
     group = sharded_optimizer.data_group(grid)
+    overlaps = (prefetch, async_reduce_scatter)
     if model.n_experts:
-        plain = _unsharded(model, grid, dtype, prefetch, async_reduce_scatter, dp_overlap, expert)
-        return _sharded(model, grid, plain, dp_overlap, expert) if shard_optimizer else plain
+        plain = _unsharded(model, grid, dtype, *overlaps, dp_overlap, expert, params)
+        if shard_optimizer:
+            return _sharded(model, grid, plain, dp_overlap, expert, params)
+        return plain
     if shard_optimizer and group > 1:
-        plain = grid_buffers(model, grid, dtype, prefetch, async_reduce_scatter, dp_overlap, False)
-        return _sharded(model, grid, plain, dp_overlap)
+        plain = grid_buffers(model, grid, dtype, *overlaps, dp_overlap, False, 1, params)
+        return _sharded(model, grid, plain, dp_overlap, 1, params)
     if group > 1:  # as on (1, G_z, G_y, G_x) but for the data-parallel buffers
-        one = grid_buffers(model, (1, gz, gy, gx), dtype, prefetch, async_reduce_scatter, True)
+        one = grid_buffers(model, (1, gz, gy, gx), dtype, *overlaps, True, False, 1, params)
         return one._replace(
             end_of_backward=end_of_backward_bytes(model, grid, dp_overlap) + one.end_prefetch,
             shape=(1, context_size(grid), 1, gy, gx),
         )
-    return _unsharded(model, grid, dtype, prefetch, async_reduce_scatter, dp_overlap)
+    return _unsharded(model, grid, dtype, *overlaps, dp_overlap, 1, params)
 
 
 def _unsharded(
@@ -163,6 +173,7 @@ def _unsharded(
     async_reduce_scatter: bool,
     dp_overlap: bool,
     expert: int = 1,
+    params: str = "fp32",
 ) -> GridBuffers:
     """:func:`grid_buffers` with the optimizer not sharded."""
     gz, gy, gx = grid_sizes(grid)[1:]
@@ -170,8 +181,8 @@ def _unsharded(
     vy = model.vocab_size // (gy * gx)  # logits per rank: V over Y and X
     largest = _largest_linears(model)
     big = largest[0]
-    w_head = gathered_weight_bytes(_lm_head(model), grid, dtype)
-    w_largest = [gathered_weight_bytes(lin, grid, dtype) for lin in largest]
+    w_head = gathered_weight_bytes(_lm_head(model), grid, dtype, params)
+    w_largest = [gathered_weight_bytes(lin, grid, dtype, params) for lin in largest]
     w_big = w_largest[0]
     w_two = sum(w_largest[:2])
     w_three = sum(w_largest[:3])
@@ -184,9 +195,9 @@ def _unsharded(
     if model.is_moe:  # an expert weight's gradient [E/G_expert, f_e, h] before its .grad
         dw_blocks = max(dw_blocks, expert_gradient_bytes(model, dtype, expert))
     static = (
-        ("parameters", tetrad_parameter_bytes(model, grid, expert)),
+        ("parameters", tetrad_parameter_bytes(model, grid, expert, params)),
         ("gradients", tetrad_gradient_bytes(model, grid, expert)),
-        ("optimizer_states", tetrad_optimizer_bytes(model, grid, expert)),
+        ("optimizer_states", tetrad_optimizer_bytes(model, grid, expert, params)),
     )
     return GridBuffers(
         static=static,
@@ -204,10 +215,16 @@ def _unsharded(
 
 
 def _sharded(
-    model: ModelSpec, grid: tuple, plain: GridBuffers, dp_overlap: bool, expert: int = 1
+    model: ModelSpec,
+    grid: tuple,
+    plain: GridBuffers,
+    dp_overlap: bool,
+    expert: int = 1,
+    params: str = "fp32",
 ) -> GridBuffers:
     """:func:`grid_buffers` with the optimizer sharded over ``G_data G_context > 1`` ranks,
-    from the unsharded ``plain``: the AdamW states' share and the buffers of
+    from the unsharded ``plain``: the AdamW states' (and bf16 weights' fp32 masters') share
+    and the buffers of
     :mod:`tetrad.plan.memory.sharded_optimizer`. Expert-sharded weights (``expert > 1``) are
     summed over expert-data, not data: their states stay whole (tetrad/parallel/zero.py,
     ``DataShards.sharded``) and their flat sum after backward stays in the step."""
@@ -216,13 +233,15 @@ def _sharded(
     if expert > 1:
         n = local_parameter_elements(model, grid, expert)
         share = sharded_optimizer.state_share(grid, True)
-        states = 2.0 * FP32 * ((n["matrices"] + n["vectors"]) * share + n["experts"])
+        per = optimizer_bytes_per_element(params)
+        states = float(per * ((n["matrices"] + n["vectors"]) * share + n["experts"]))
     else:
-        states = tetrad_optimizer_bytes(model, grid) * sharded_optimizer.state_share(grid, True)
+        share = sharded_optimizer.state_share(grid, True)
+        states = tetrad_optimizer_bytes(model, grid, 1, params) * share
     static = (*plain.static[:2], ("optimizer_states", states))
     end = embedding_grad_bytes(model, grid)
     end += sharded_optimizer.end_of_backward_bytes(model, grid, expert)
-    step = sharded_optimizer.step_bytes(model, grid, dp_overlap, expert)
+    step = sharded_optimizer.step_bytes(model, grid, dp_overlap, expert, params)
     if expert > 1:
         step = max(step, step_buffer_bytes(model, grid, expert))
     return plain._replace(

@@ -7,7 +7,9 @@ Per pipeline rank ``r`` holding ``k`` blocks over its ``v`` stages
 (:class:`tetrad.plan.pipe.stages.PipeRank`):
 
 - parameters, gradients and AdamW states (16 bytes per local element; 8 + 8 / (G_data
-  G_context) with the sharded optimizer) of its blocks, plus the
+  G_context) with the sharded optimizer; with bf16 weights 2 + 4 + 12, the fp32 masters with
+  the states, :func:`tetrad.plan.memory.sharded_optimizer.state_bytes_per_element`) of its
+  blocks, plus the
   embedding tables on the rank of stage 0 and the final norm and LM head on the rank of the last
   stage (a tied head is counted as the embedding's copy there);
 - every phase of the runtime's model on a ``k``-block model; the LM head's two phases only on
@@ -50,6 +52,7 @@ from tetrad.plan.memory.activations import context_shared_bytes, dtype_bytes, sa
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.runtime import phase_components
 from tetrad.plan.memory.sharded_optimizer import data_group, state_share
+from tetrad.plan.memory.states import optimizer_bytes_per_element, param_bytes
 from tetrad.plan.pipe.schedule import (
     boundaries_of_rank,
     in_flight_chunks,
@@ -101,12 +104,13 @@ def stage_parts(
     shard_optimizer: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
     *,
     sequence_parallel: bool = False,
 ) -> tuple:
     """The runtime model's static components, phases and saved activations of a ``blocks``
     model (memoised: the ranks of a pipeline share them); ``shard_optimizer``, ``expert``,
-    ``imbalance`` and ``sequence_parallel``: as
+    ``imbalance``, ``params`` and ``sequence_parallel``: as
     :func:`tetrad.plan.memory.runtime.runtime_memory`'s.
 
     Raises:
@@ -116,13 +120,22 @@ def stage_parts(
     opts = {"activation_checkpointing": ckpt, "dtype": dtype}
     if model.n_experts:
         opts |= {"expert": expert, "imbalance": imbalance}
+    zero = {"shard_optimizer": shard_optimizer}
+    if params != "fp32":
+        zero["params"] = params
     if sequence_parallel:
         opts |= {"sequence_parallel": True}
     static, phases = phase_components(
-        sm, grid, micro_batch, seq_len, prefetch=prefetch, shard_optimizer=shard_optimizer, **opts
+        sm, grid, micro_batch, seq_len, prefetch=prefetch, **zero, **opts
     )
     saved = saved_activations(sm, grid, micro_batch, seq_len, **opts)
     return static, phases, saved
+
+
+def _params_arg(params: str) -> dict:
+    """``params`` as :func:`stage_parts`' keyword, absent for fp32 weights (the memo's key of
+    the callers that never give it)."""
+    return {} if params == "fp32" else {"params": params}
 
 
 def _parts_args(opts: tuple, shard_optimizer: bool | None = None) -> tuple:
@@ -352,6 +365,7 @@ def stage_memory(
     shard_optimizer: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
     sequence_parallel: bool = False,
 ) -> MemoryBreakdown:
     """The memory of pipeline rank ``prank`` of ``pipe`` under ``schedule`` with
@@ -359,8 +373,9 @@ def stage_memory(
     ``shard_optimizer`` the AdamW states over ``G_data G_context``
     (:mod:`tetrad.plan.memory.sharded_optimizer`); ``expert``, ``imbalance``: an MoE
     model's, as :func:`tetrad.plan.memory.runtime.runtime_memory`'s (a stage's MoE blocks
-    counted as the model's first blocks would be); ``sequence_parallel``: the residual
-    stream split along the sequence over Y, the stage boundaries' tensors too.
+    counted as the model's first blocks would be); ``params``: the weights' stored format;
+    ``sequence_parallel``: the residual stream split along the sequence over Y, the stage
+    boundaries' tensors too.
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
@@ -373,12 +388,14 @@ def stage_memory(
     sp = sequence_parallel
     more = {"sequence_parallel": True} if sp else {}
     args = _parts_args(opts, shard_optimizer)
-    stage_parts(model, prank.blocks, grid, micro_batch, seq_len, *args, **more)
+    stage_parts(
+        model, prank.blocks, grid, micro_batch, seq_len, *args, **_params_arg(params), **more
+    )
     v = len(prank.chunk_blocks)
     sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
     ahead = sum(boundaries_of_rank(pipe, prank.rank, v))
     layout = (prank.blocks, prank.first, prank.last, prank.chunk_blocks)
-    args = (layout, sets, ahead, pipe > 1, opts, shard_optimizer, sp)
+    args = (layout, sets, ahead, pipe > 1, opts, shard_optimizer, params, sp)
     static, live, totals, peak = _stage_phases(model, grid, micro_batch, seq_len, *args)
     zero = dict.fromkeys(COMPONENTS + (("pipeline_buffers",) if pipe > 1 else ()), 0.0)
     return MemoryBreakdown(
@@ -401,6 +418,7 @@ def _stage_phases(
     buffers: bool,
     opts: tuple,
     shard_optimizer: bool,
+    params: str = "fp32",
     sp: bool = False,
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], str]:
     """``(static components, the peak phase's live components, every phase's total, the peak
@@ -410,14 +428,18 @@ def _stage_phases(
     blocks, first, last, _ = layout
     more = {"sequence_parallel": True} if sp else {}
     args = _parts_args(opts, shard_optimizer)
-    static, phases, saved = stage_parts(model, blocks, grid, micro_batch, seq_len, *args, **more)
+    static, phases, saved = stage_parts(
+        model, blocks, grid, micro_batch, seq_len, *args, **_params_arg(params), **more
+    )
     static = dict(static)
     share = state_share(grid, shard_optimizer and data_group(grid) > 1)
     emb_el, head_el, final_norm = table_elements(model, grid)
     head = 0 if model.tied_embeddings else head_el  # a tied head is the embedding's table
     drop = (0 if first else emb_el) + (0 if last else head + final_norm)
     add = head_el if last and not first and model.tied_embeddings else 0
-    for name, per in (("parameters", 4), ("gradients", 4), ("optimizer_states", 8 * share)):
+    per_state = optimizer_bytes_per_element(params) * share
+    per_param = param_bytes(params)
+    for name, per in (("parameters", per_param), ("gradients", 4), ("optimizer_states", per_state)):
         static[name] += per * (add - drop)
     flight = _in_flight(model, grid, micro_batch, seq_len, layout, sets, ahead, opts, sp)
     live = _live_phases(phases, saved, first, last, flight, buffers)
@@ -471,6 +493,7 @@ def pipeline_memory(
     shard_optimizer: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
     sequence_parallel: bool = False,
 ) -> tuple[MemoryBreakdown, list[MemoryBreakdown]]:
     """``(worst rank's breakdown, every rank's)`` of a pipeline of ``len(ranks)`` ranks under
@@ -500,6 +523,7 @@ def pipeline_memory(
             shard_optimizer=shard_optimizer,
             expert=expert,
             imbalance=imbalance,
+            params=params,
             sequence_parallel=sequence_parallel,
         )
         for r in ranks

@@ -61,6 +61,7 @@ def runtime_memory(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
     sequence_parallel: bool = False,
 ) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
@@ -99,11 +100,16 @@ def runtime_memory(
     per rank, whole on Z, Y and X); ``imbalance``: the busiest rank's received rows over the
     mean (``>= 1``), for its saved expert activations (:mod:`tetrad.plan.memory.moe`).
     ``compiled``: the blocks under ``torch.compile`` (``--compile``), which save less
-    (:func:`tetrad.plan.memory.activations.compiled_block_delta`). ``sequence_parallel``: the
-    residual stream and norms split along the sequence over Y (``--sequence-parallel``, one
-    tensor axis): their saved tensors divided by ``G_y``
+    (:func:`tetrad.plan.memory.activations.compiled_block_delta`). ``params``: the weights'
+    stored format (``tetrad train --param-dtype``): ``fp32``, or ``bf16`` with the fp32
+    masters among the optimizer states (sharded with them), fp32 gradients, the Z-gathered
+    weights and the sharded optimizer's all-gathers in bf16 (:mod:`tetrad.plan.memory.states`);
+    the saved activations are the compute dtype's either way (the residual stream stays fp32).
+    ``sequence_parallel``: the residual stream and norms split along the sequence over Y
+    (``--sequence-parallel``, one tensor axis): their saved tensors divided by ``G_y``
     (:mod:`tetrad.plan.memory.activations`), and the LM head's input gathered along the
-    sequence, ``e m h``, in its forward.
+    sequence, ``e m h``, in its forward; it composes with ``params`` (the weights' terms and
+    the activations' are apart).
 
     Components (0 when not alive at the peak phase): ``parameters``, ``gradients``,
     ``optimizer_states``, ``activations`` (blocks, embedding, final norm), ``logits_and_loss``,
@@ -130,6 +136,7 @@ def runtime_memory(
         compiled,
         expert,
         imbalance,
+        params,
         sequence_parallel,
     )
     absent = {
@@ -167,6 +174,7 @@ def phase_totals(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
     sequence_parallel: bool = False,
 ) -> dict[str, float]:
     """The total bytes at each phase of :func:`runtime_memory` (its ``phases``; the peak is their
@@ -190,6 +198,7 @@ def phase_totals(
         compiled,
         expert,
         imbalance,
+        params,
         sequence_parallel,
     )
     # each phase: the base plus the sum of its components, in _phases' order (float sums
@@ -216,6 +225,7 @@ def phase_components(
     shard_optimizer: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
     sequence_parallel: bool = False,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """``(static components, {phase: live components})`` of :func:`runtime_memory`, bytes: what the
@@ -238,6 +248,7 @@ def phase_components(
         False,  # compiled: the pipeline's stages are modelled eager
         expert,
         imbalance,
+        params,
         sequence_parallel,
     )
     return dict(g.static), phases
@@ -257,6 +268,7 @@ def _phases(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
     sequence_parallel: bool = False,
 ) -> tuple[GridBuffers, dict[str, dict[str, float]]]:
     """The grid's buffers and each phase's live components (bytes) of :func:`runtime_memory`."""
@@ -274,6 +286,7 @@ def _phases(
         compiled,
         expert,
         imbalance,
+        params,
         sequence_parallel,
     )
     phases = {
@@ -317,6 +330,7 @@ def _parts(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    params: str = "fp32",
     sequence_parallel: bool = False,
 ) -> tuple[GridBuffers, _ActivationTerms]:
     """The grid's buffers and the micro-batch's activation terms of :func:`runtime_memory`, checked
@@ -324,9 +338,11 @@ def _parts(
     options, the activations' per ``(G_context, G_y, G_x)``, micro-batch and mode)."""
     _checked_sizes(micro_batch, seq_len)
     if not model.n_experts:  # a dense model (cheaper to ask than is_moe)
-        g = checked_grid_buffers(
-            model, tuple(grid), dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer
-        )
+        options = (dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer)
+        if params == "fp32":  # the arguments every dense caller gives (one memo entry)
+            g = checked_grid_buffers(model, tuple(grid), *options)
+        else:
+            g = checked_grid_buffers(model, tuple(grid), *options, 1, params)
         ckpt, sp = activation_checkpointing, sequence_parallel
         args = (model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled)
         return g, _activation_terms(*args, sequence_parallel=sp)
@@ -341,6 +357,7 @@ def _parts(
         dp_overlap,
         shard_optimizer,
         expert,
+        params,
     )
     moe = (expert, imbalance)
     ckpt = activation_checkpointing
@@ -423,11 +440,12 @@ def fewest_selective(
     dtype: str = "bf16",
     prefetch: bool = True,
     shard_optimizer: bool = False,
+    params: str = "fp32",
     sequence_parallel: bool = False,
 ) -> str:
     """``selective:K`` with the fewest blocks ``K`` whose :func:`runtime_memory` estimate fits
-    (80%), or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits
-    (``sequence_parallel``: as :func:`runtime_memory`'s).
+    (80%), or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits;
+    ``params`` and ``sequence_parallel``: as :func:`runtime_memory`'s.
 
     Every phase's total is affine in ``K`` for ``1 <= K <= L`` (each selective block replaces
     its saved tensors by its selective set; the positions and the recompute set are there from
@@ -442,6 +460,8 @@ def fewest_selective(
 
     def at(mode: str) -> dict[str, float]:
         options = {"activation_checkpointing": mode, "dtype": dtype, "prefetch": prefetch}
+        if params != "fp32":
+            options["params"] = params
         if sequence_parallel:
             options["sequence_parallel"] = True
         return phase_totals(
@@ -468,14 +488,20 @@ def fewest_selective(
 
 
 @functools.lru_cache(maxsize=1 << 13)
-def sharding_offsets(model: ModelSpec, grid: tuple, dtype: str, prefetch: bool) -> dict:
+def sharding_offsets(
+    model: ModelSpec, grid: tuple, dtype: str, prefetch: bool, params: str = "fp32"
+) -> dict:
     """Per phase of :func:`runtime_memory` (default overlaps): the bytes the sharded optimizer adds
     (negative: saves) to the unsharded total, the same for every micro-batch and checkpointing mode:
     the AdamW states in every phase, the end of backward's and the step's buffers in theirs
     (:mod:`tetrad.plan.memory.sharded_optimizer`): what lets the search derive a grid's sharded
-    memory line from its unsharded one."""
-    plain = grid_buffers(model, grid, dtype, prefetch, True, True, False)
-    zero = grid_buffers(model, grid, dtype, prefetch, True, True, True)
+    memory line from its unsharded one (``params``: the weights' stored format)."""
+    if params == "fp32":  # the memo keys of the callers that never give it
+        plain = grid_buffers(model, grid, dtype, prefetch, True, True, False)
+        zero = grid_buffers(model, grid, dtype, prefetch, True, True, True)
+    else:
+        plain = grid_buffers(model, grid, dtype, prefetch, True, True, False, 1, params)
+        zero = grid_buffers(model, grid, dtype, prefetch, True, True, True, 1, params)
     static = sum(v for _, v in zero.static) - sum(v for _, v in plain.static)
     out = dict.fromkeys(PHASES, static)
     out["backward: end"] += zero.end_of_backward - plain.end_of_backward

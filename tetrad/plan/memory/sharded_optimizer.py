@@ -11,7 +11,11 @@ searches; else below by at most ``G - 1`` elements per parameter).
 from __future__ import annotations
 
 from tetrad.plan.errors import PlanError
-from tetrad.plan.memory.states import local_parameter_elements
+from tetrad.plan.memory.states import (
+    local_parameter_elements,
+    optimizer_bytes_per_element,
+    param_bytes,
+)
 from tetrad.spec.grid import context_size, grid_sizes
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.units import FP32
@@ -27,11 +31,14 @@ def check_shard_optimizer(choice: str) -> None:
         raise PlanError(f"shard_optimizer {choice!r} is unknown: use auto, on or off")
 
 
-def state_bytes_per_element(sharded: bool, data_group: int) -> float:
+def state_bytes_per_element(sharded: bool, data_group: int, params: str = "fp32") -> float:
     """Bytes per local parameter element of the model states: fp32 parameter and gradient
     and two fp32 AdamW states, 16; with the states sharded over ``data_group`` ranks ``8 + 8 /
-    data_group``."""
-    return 8.0 + 8.0 / data_group if sharded else 16.0
+    data_group``. With bf16 weights (``params``): 2 + 4 + 12, the fp32 master with the states
+    (``6 + 12 / data_group`` sharded: Megatron-LM's distributed optimizer, Fujii et al.'s
+    ``2 + g + 12 / (d c)``)."""
+    states = optimizer_bytes_per_element(params)
+    return param_bytes(params) + FP32 + (states / data_group if sharded else states)
 
 
 def data_group(grid) -> int:
@@ -56,16 +63,20 @@ def end_of_backward_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
     return FP32 * (n["matrices"] + n["vectors"]) / data_group(grid)
 
 
-def step_bytes(model: ModelSpec, grid, dp_overlap: bool, expert: int = 1) -> float:
+def step_bytes(
+    model: ModelSpec, grid, dp_overlap: bool, expert: int = 1, params: str = "fp32"
+) -> float:
     """Sharded, ``G > 1``: the optimizer step's largest temporary: the reduced pieces ``4 n /
     G``; the vectors' sum over Z (``G_z > 1``: a flat copy and its packed copy, their
     gradients dropped); and the all-gathers after the update, all in flight at once until the
     next forward waits them (tetrad/parallel/zero.py), each group's output and this rank's
-    packed row: ``4 n (1 + 1/G)`` over every group, whatever the buckets (``dp_overlap``
-    changes only how the groups are cut)."""
+    packed row, in the weights' stored format (``p`` bytes: 4, or 2 with ``params="bf16"``):
+    ``p n (1 + 1/G)`` over every group, whatever the buckets (``dp_overlap`` changes only how
+    the groups are cut)."""
     n = local_parameter_elements(model, grid, expert)  # expert-sharded weights: not here
     g = data_group(grid)
     gz = grid_sizes(grid)[1]
     vectors = 2 * n["vectors"] if gz > 1 else 0
-    pieces = (n["matrices"] + n["vectors"]) / g
-    return FP32 * (pieces + max(vectors, (n["matrices"] + n["vectors"]) * (1 + 1 / g)))
+    pieces = FP32 * (n["matrices"] + n["vectors"]) / g
+    gathers = param_bytes(params) * (n["matrices"] + n["vectors"]) * (1 + 1 / g)
+    return pieces + max(FP32 * vectors, gathers)

@@ -1,6 +1,7 @@
-"""Model states of one rank of tetrad's runtime, exact: its parameter shards (fp32), their
-gradients (fp32) and AdamW's two states, from tetrad's 3D layout (tetrad/parallel/{linear,
-embedding,norm}.py). Bytes; symbols as in :mod:`tetrad.plan.memory.runtime`."""
+"""Model states of one rank of tetrad's runtime, exact: its parameter shards (fp32, or bf16 with
+``--param-dtype bf16``), their gradients (fp32) and AdamW's two states (and the fp32 masters of
+bf16 weights), from tetrad's 3D layout (tetrad/parallel/{linear,embedding,norm}.py). Bytes;
+symbols as in :mod:`tetrad.plan.memory.runtime`."""
 
 from __future__ import annotations
 
@@ -9,8 +10,29 @@ import functools
 from tetrad.plan.errors import PlanError
 from tetrad.spec.grid import grid_sizes
 from tetrad.spec.model import Linear, ModelSpec
+from tetrad.spec.precision import DTYPE_BYTES, PARAM_DTYPES
 from tetrad.spec.sharding import check_grid
 from tetrad.spec.units import FP32
+
+
+def param_bytes(params: str) -> int:
+    """Bytes per element of weights stored in ``params`` (``fp32`` or ``bf16``,
+    :data:`tetrad.spec.precision.PARAM_DTYPES`).
+
+    Raises:
+        PlanError: another format.
+    """
+    if params not in PARAM_DTYPES:
+        raise PlanError(f"param dtype {params!r} is unknown: use {' or '.join(PARAM_DTYPES)}")
+    return DTYPE_BYTES[params]
+
+
+def optimizer_bytes_per_element(params: str) -> int:
+    """AdamW's bytes per parameter element: ``exp_avg`` and ``exp_avg_sq`` in fp32, 8; with
+    weights stored in bf16 also the fp32 master the optimizer updates, 12 (Megatron-LM's
+    mixed precision: Narayanan et al., arXiv 2104.04473; Fujii et al.'s ``12`` bytes,
+    ``/work/shared/notes/memory-estimation.md`` section 4)."""
+    return 2 * FP32 + (FP32 if param_bytes(params) != FP32 else 0)
 
 
 def _vector_elements(lin: Linear, gx: int, gy: int) -> int:
@@ -103,22 +125,32 @@ def _moe_matrix_elements(model: ModelSpec, shard: int) -> int:
     return model.moe_layers * (sharded + model.router_params() + model.expert_params())
 
 
-def tetrad_parameter_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
-    """fp32 master weights of this rank's shards: ``4 * local elements`` (the runtime keeps
-    parameters in fp32; bf16 autocast casts them per GEMM); ``expert``: ``G_expert``."""
+def _all_elements(model: ModelSpec, grid, expert: int) -> int:
     n = local_parameter_elements(model, grid, expert)
-    return float(FP32 * (n["matrices"] + n["vectors"] + n["experts"]))
+    return n["matrices"] + n["vectors"] + n["experts"]
+
+
+def tetrad_parameter_bytes(model: ModelSpec, grid, expert: int = 1, params: str = "fp32") -> float:
+    """The weights of this rank's shards as stored: ``4`` (fp32; bf16 autocast casts them per
+    GEMM) or ``2`` (``params="bf16"``) bytes per local element; ``expert``: ``G_expert``.
+
+    Raises:
+        PlanError: an unknown ``params``, a bad grid or a size that does not shard on it.
+    """
+    return float(param_bytes(params) * _all_elements(model, grid, expert))
 
 
 def tetrad_gradient_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
-    """fp32 ``.grad`` of every local shard, same size as the parameters. Counted for the whole
-    step (conservative when a step has one micro-batch: then they appear during backward)."""
-    return tetrad_parameter_bytes(model, grid, expert)
+    """fp32 gradient of every local shard (``.grad``, or the fp32 one kept apart from bf16
+    weights: tetrad/parallel/masters.py). Counted for the whole step (conservative when a step
+    has one micro-batch: then they appear during backward)."""
+    return float(FP32 * _all_elements(model, grid, expert))
 
 
-def tetrad_optimizer_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
-    """AdamW ``exp_avg`` and ``exp_avg_sq``: two fp32 copies of every local shard (torch.optim.AdamW
-    built by tetrad.train.step.build_optimizer). The per-parameter ``step`` counters are not
-    counted: 0-d fp32 tensors, 4 bytes per parameter tensor (on its device with the fused
+def tetrad_optimizer_bytes(model: ModelSpec, grid, expert: int = 1, params: str = "fp32") -> float:
+    """AdamW ``exp_avg`` and ``exp_avg_sq``: two fp32 copies of every local shard
+    (torch.optim.AdamW built by tetrad.train.step.build_optimizer), and with bf16 weights the
+    fp32 master (:func:`optimizer_bytes_per_element`). The per-parameter ``step`` counters are
+    not counted: 0-d fp32 tensors, 4 bytes per parameter tensor (on its device with the fused
     kernel)."""
-    return 2.0 * tetrad_parameter_bytes(model, grid, expert)
+    return float(optimizer_bytes_per_element(params) * _all_elements(model, grid, expert))

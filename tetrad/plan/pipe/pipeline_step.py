@@ -131,7 +131,13 @@ def stage_question(ctx: StepQuestion, blocks: int) -> StepQuestion:
     if got is None:
         model = dataclasses.replace(ctx.model, n_layers=blocks)
         got = StepQuestion(
-            model, ctx.machine, ctx.seq_len, ctx.global_batch, compute_bytes=ctx.c, fp8=ctx.fp8
+            model,
+            ctx.machine,
+            ctx.seq_len,
+            ctx.global_batch,
+            compute_bytes=ctx.c,
+            param_bytes=ctx.param_bytes,
+            fp8=ctx.fp8,
         )
         got.overlaps, got.fine = ctx.overlaps, ctx.fine
         got.bucket_bytes, got.domino_min_rows = ctx.bucket_bytes, ctx.domino_min_rows

@@ -64,6 +64,7 @@ from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.sharded_optimizer import check_shard_optimizer
+from tetrad.plan.memory.states import param_bytes
 from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.memory_fits import MemoryFits
 from tetrad.plan.search.pipeline.pipe_search import PipeSearch, is_pipeline
@@ -102,6 +103,8 @@ class Search4D:
         modes: the checkpointing modes tried (:func:`tetrad.plan.search.space.
             checkpointing_modes`).
         allowed: the micro-batches allowed (None: every divisor).
+        params: the weights' stored format (``fp32``; ``bf16`` with fp32 masters: the memory
+            model's, :mod:`tetrad.plan.memory.states`).
     """
 
     def __init__(
@@ -114,11 +117,12 @@ class Search4D:
         shard_optimizer: str = "auto",
         modes: tuple[str, ...] = CHECKPOINTING,
         allowed: set | None = None,
+        params: str = "fp32",
     ):
         self.ctx, self.gpus, self.mem_bytes = ctx, gpus, mem_bytes
         check_shard_optimizer(shard_optimizer)
         self.shard_optimizer = shard_optimizer if comm_model == "tetrad" else "off"
-        self.comm_model, self.dtype = comm_model, dtype
+        self.comm_model, self.dtype, self.params = comm_model, dtype, params
         self.prefetch = "prefetch" in ctx.overlaps
         self.modes, self.allowed = modes, allowed
         keys = ("grids", "valid_grids", "batch_grids", "candidates", "fitting", "pruned")
@@ -132,6 +136,7 @@ class Search4D:
             modes,
             allowed,
             self.stats,
+            params,
         )
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
         self.turns: dict = {}  # (G_z, G_y, G_x) -> the orientations that shard the model
@@ -153,6 +158,7 @@ class Search4D:
             allowed=self.allowed,
             orientations=self.orientations,
             stats=self.stats,
+            params=self.params,
         )
 
     def groups(self) -> list[tuple]:
@@ -420,6 +426,7 @@ class Search4D:
             dtype=self.dtype,
             prefetch=self.prefetch,
             shard_optimizer=zero,
+            params=self.params,
             **({"sequence_parallel": True} if sp else {}),
         )
         if self.comm_model == "tetrad":
@@ -472,6 +479,7 @@ def search_4d(
     pipeline: bool = True,
     shard_optimizer: str = "auto",
     fp8: str = "off",
+    params: str = "fp32",
     sequence_parallel: bool | str = False,
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics;
@@ -491,6 +499,9 @@ def search_4d(
             ring bytes, and the all-gather after the update is exposed).
         fp8: the FP8 recipe of the step model (:mod:`tetrad.plan.compute.fp8`; ``off``, the
             default, leaves every estimate as without it); memory as without FP8.
+        params: the weights' stored format (``tetrad train --param-dtype``): ``fp32``, or
+            ``bf16`` with fp32 masters among the optimizer states (the memory model's; in the
+            step's time, the sharded optimizer's all-gathers after the update carry bf16).
         sequence_parallel: the runtime's ``--sequence-parallel`` on the grids where it runs
             (``G_y > 1``, a dense Llama:
             :meth:`tetrad.plan.question.StepQuestion.sequence_split`), time and memory:
@@ -519,6 +530,7 @@ def search_4d(
             pipeline=pipeline,
             shard_optimizer=shard_optimizer,
             fp8=fp8,
+            params=params,
         )
         args = (model, machine, gpus, global_batch, seq_len)
         rows, _ = search_4d(*args, **opts, sequence_parallel="off")
@@ -542,12 +554,15 @@ def search_4d(
         global_batch,
         overlaps=overlaps,
         compute_bytes=2 if dtype == "bf16" else 4,
+        param_bytes=param_bytes(params),
         fp8=fp8,
         sequence_parallel=sp == "on" and comm_model == "tetrad",
     )
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None
-    search = Search4D(ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer, modes, allowed)
+    search = Search4D(
+        ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer, modes, allowed, params
+    )
     groups = search.groups()
     pipes = None
     if pipeline and comm_model == "tetrad":

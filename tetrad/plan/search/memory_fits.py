@@ -72,6 +72,7 @@ class MemoryFits:
         prefetch: the ``prefetch`` overlap is on (the memory model's gathered weights).
         shard_optimizer: ``"off"``, ``"on"`` or ``"auto"`` (:func:`optimizer_variants`).
         modes: the checkpointing modes tried, in enumeration order.
+        params: the weights' stored format (``fp32``; ``bf16`` with fp32 masters).
         allowed: the micro-batches allowed (None: every divisor).
         stats: the search's statistics, whose ``candidates`` (configurations enumerated: every
             mode and micro-batch up to the first that does not fit) and ``fitting`` counts the
@@ -88,8 +89,10 @@ class MemoryFits:
         modes: tuple[str, ...],
         allowed: set | None,
         stats: dict,
+        params: str = "fp32",
     ):
         self.ctx, self.mem_bytes, self.dtype, self.prefetch = ctx, mem_bytes, dtype, prefetch
+        self.params = params
         self.limit = FIT_FRACTION * mem_bytes
         self.shard_optimizer, self.modes, self.allowed = shard_optimizer, modes, allowed
         self.stats = stats
@@ -134,15 +137,18 @@ class MemoryFits:
         def line(mode: str, zero: bool):
             if (mode, zero) not in lines:
                 if mode not in raw:
-                    raw[mode] = phase_lines(model, roles, ctx.seq_len, mode, dt, pre, sizes, sp)
-                shift = sharding_offsets(model, roles, dt, pre) if zero else None
+                    raw[mode] = phase_lines(
+                        model, roles, ctx.seq_len, mode, dt, pre, sizes, self.params, sp
+                    )
+                shift = sharding_offsets(model, roles, dt, pre, self.params) if zero else None
                 lines[(mode, zero)] = line_of(raw[mode], self.limit, sizes, shift)
             return lines[(mode, zero)]
 
-        plain_fits = 16.0 * local <= self.limit  # exact: 16 B per local element
+        # exact: 16 B per local element (18 with bf16 weights and fp32 masters)
+        plain_fits = state_bytes_per_element(False, 1, self.params) * local <= self.limit
         for zero in self.variants(gd * gc):
             # with the states sharded 8 + 8 / (G_data G_context) B per local element
-            if zero and state_bytes_per_element(True, gd * gc) * local > self.limit:
+            if zero and state_bytes_per_element(True, gd * gc, self.params) * local > self.limit:
                 continue
             if not zero and not plain_fits:
                 continue
@@ -207,7 +213,7 @@ class MemoryFits:
             for b in sizes:
                 mode = ckpt
                 if plain is not None and plain(b) > self.limit:
-                    args = (model, roles, b, ctx.seq_len, mem, dt, pre, zero)
+                    args = (model, roles, b, ctx.seq_len, mem, dt, pre, zero, self.params)
                     mode = fewest_selective(*args, sequence_parallel=sp)
                 fwd, bwd, rec = ctx.micro_batch_seconds(roles, b, mode)
                 got.append(((per_cell // b) * (fwd + bwd + rec), len(got), b, mode))
@@ -230,7 +236,7 @@ class MemoryFits:
         gd, gc = roles[:2]
         local, sizes = self._cell(roles, self.allowed)
         for zero in self.variants(gd * gc):
-            room = self.limit - state_bytes_per_element(zero, gd * gc) * local
+            room = self.limit - state_bytes_per_element(zero, gd * gc, self.params) * local
             classes = {}
             for full in (False, True):
                 line = self._saved_line(roles, full)
@@ -304,6 +310,7 @@ def memory_line(
     prefetch: bool,
     sizes: list[int],
     shard_optimizer: bool = False,
+    params: str = "fp32",
 ):
     """(The search builds these lines itself, per roles: :meth:`MemoryFits.oriented_fits`; this
     one, for a grid, is what tests and docs check against the memory model.)
@@ -316,8 +323,10 @@ def memory_line(
     (constants in ``b``)."""
     if not sizes:
         return lambda b: float("inf")
-    lines = phase_lines(model, grid, seq_len, ckpt, dtype, prefetch, sizes)
-    offsets = sharding_offsets(model, tuple(grid), dtype, prefetch) if shard_optimizer else None
+    lines = phase_lines(model, grid, seq_len, ckpt, dtype, prefetch, sizes, params)
+    offsets = (
+        sharding_offsets(model, tuple(grid), dtype, prefetch, params) if shard_optimizer else None
+    )
     return line_of(lines, FIT_FRACTION * mem_bytes, sizes, offsets)
 
 
@@ -327,17 +336,28 @@ class PhaseLines:
     evaluated at ``b = 2`` only when asked: a grid that does not fit at ``b = 1`` needs none)."""
 
     def __init__(
-        self, model, grid, seq_len, ckpt, dtype, prefetch, sizes: list[int], sp: bool = False
+        self,
+        model,
+        grid,
+        seq_len,
+        ckpt,
+        dtype,
+        prefetch,
+        sizes: list[int],
+        params: str = "fp32",
+        sp: bool = False,
     ):
-        self._args = (model, grid, seq_len, ckpt, dtype, prefetch)
+        self._args = (model, grid, seq_len, ckpt, dtype, prefetch, params)
         self.sp = sp  # sequence parallelism
         self.last = sizes[-1]
         self.lo = self._at(1)
         self._slopes: dict | None = None
 
     def _at(self, b: int) -> dict[str, float]:
-        model, grid, seq_len, ckpt, dtype, prefetch = self._args
+        model, grid, seq_len, ckpt, dtype, prefetch, params = self._args
         options = {"activation_checkpointing": ckpt, "dtype": dtype, "prefetch": prefetch}
+        if params != "fp32":  # the memo keys of the callers that never give it
+            options["params"] = params
         if self.sp:
             options["sequence_parallel"] = True
         return phase_totals(model, grid, b, seq_len, **options)
@@ -357,10 +377,12 @@ def phase_lines(
     dtype: str,
     prefetch: bool,
     sizes: list[int],
+    params: str = "fp32",
     sp: bool = False,
 ) -> PhaseLines:
-    """The :class:`PhaseLines` of a grid and mode (``sp``: with sequence parallelism)."""
-    return PhaseLines(model, grid, seq_len, ckpt, dtype, prefetch, sizes, sp)
+    """The :class:`PhaseLines` of a grid and mode (``params``: the weights' stored format;
+    ``sp``: with sequence parallelism)."""
+    return PhaseLines(model, grid, seq_len, ckpt, dtype, prefetch, sizes, params, sp)
 
 
 def line_of(lines: PhaseLines, limit: float, sizes: list[int], offsets: dict | None = None):

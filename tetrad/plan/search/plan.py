@@ -40,6 +40,7 @@ def plan(
     shard_optimizer: str = "auto",
     moe_imbalance: float = 1.0,
     fp8: str = "off",
+    params: str = "fp32",
     sequence_parallel: bool | str = False,
 ) -> SearchResult:
     """Both searches; see :func:`search_4d` (``pipeline``: with the pipeline axis, on by
@@ -50,6 +51,9 @@ def plan(
     busiest rank's routed rows over the mean; the 4D space with the ``tetrad`` model only).
     ``fp8``: the FP8 recipe of the 4D step model (:mod:`tetrad.plan.compute.fp8`; dense models,
     ``tetrad`` comm model); with FP8 the classic space, modelled in bf16 only, is not searched.
+    ``params``: the weights' stored format of the 4D space (``tetrad train --param-dtype``:
+    ``fp32``, or ``bf16`` with fp32 masters; dense models); the classic space keeps
+    Megatron-LM's bf16 weights with fp32 masters either way.
     ``sequence_parallel``: the 4D space with ``--sequence-parallel`` where it runs,
     ``off``, ``on`` or ``auto`` (:func:`search_4d`; dense Llama models).
 
@@ -67,6 +71,11 @@ def plan(
         if comm_model != "tetrad":
             raise PlanError(f"--fp8 {fp8} is modelled with --comm-model tetrad only")
         classic = False
+    if params != "fp32" and model.is_moe:
+        raise PlanError(
+            f"--param-dtype {params} is searched for dense models only; {model.name} is a "
+            "mixture-of-experts model: use --param-dtype fp32 (tetrad memory models it)"
+        )
     if model.is_moe:
         if comm_model != "tetrad":
             raise PlanError(
@@ -107,6 +116,7 @@ def plan(
             pipeline=pipeline,
             shard_optimizer=shard_optimizer,
             fp8=fp8,
+            params=params,
             sequence_parallel=sequence_parallel,
         )
         crow, cstats = ([], {})
@@ -125,7 +135,7 @@ def plan(
             )
     inputs = _inputs(model, machine, gpus, global_batch, seq_len, overlaps, gpu_memory_bytes)
     inputs |= {"comm_model": comm_model, "dtype": dtype, "shard_optimizer": shard_optimizer}
-    inputs |= {"fp8": fp8}
+    inputs |= {"fp8": fp8, "param_dtype": params}
     if sequence_parallel not in (False, "off"):
         inputs["sequence_parallel"] = {True: "on"}.get(sequence_parallel, sequence_parallel)
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}

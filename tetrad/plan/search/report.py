@@ -358,6 +358,8 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
             "device": "cuda",
         },
     }
+    if inp.get("param_dtype", "fp32") != "fp32":
+        settings["precision"] = {"params": inp["param_dtype"]}
     import tomli_w
 
     return "\n".join(header) + "\n" + tomli_w.dumps(settings)

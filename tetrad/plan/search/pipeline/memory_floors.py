@@ -71,12 +71,20 @@ class MemoryFloors:
         shard_optimizer: ``"off"``, ``"on"`` or ``"auto"``: the states take ``8 + 8 / G`` bytes
             per element where the search may shard them, 16 otherwise.
         terms: the floors' memoised terms (the split's cost ratios).
+        params: the weights' stored format (``bf16``: 18 bytes per element, ``6 + 12 / G``
+            where the search may shard the states with their fp32 masters).
     """
 
     def __init__(
-        self, ctx: StepQuestion, limit: float, dtype: str, shard_optimizer: str, terms: FloorTerms
+        self,
+        ctx: StepQuestion,
+        limit: float,
+        dtype: str,
+        shard_optimizer: str,
+        terms: FloorTerms,
+        params: str = "fp32",
     ):
-        self.ctx, self.limit, self.dtype = ctx, limit, dtype
+        self.ctx, self.limit, self.dtype, self.params = ctx, limit, dtype, params
         self.shard_optimizer, self.terms = shard_optimizer, terms
         self.saved_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), A(2) - A(1), C, F)
         self.flight_memo: dict = {}  # ((embedding, head), cfg, m) -> per rank kind, its terms
@@ -127,7 +135,8 @@ class MemoryFloors:
         """``(16 E, 16 H)`` of the module doc on ``G_y G_x G_z = shard`` ranks, bytes; where
         the search may shard the optimizer over a data group of ``group = G_data G_context > 1``
         ranks, ``8 + 8 / group`` bytes per element instead of 16 (a floor of both)."""
-        per = state_bytes_per_element(self.shard_optimizer != "off" and group > 1, group)
+        sharded = self.shard_optimizer != "off" and group > 1
+        per = state_bytes_per_element(sharded, group, self.params)
         key = (shard, per)
         got = self.elem_memo.get(key)
         if got is None:

@@ -52,6 +52,7 @@ class PipeSearch:
             (:meth:`tetrad.plan.search.four_d.Search4D.orientations`).
         stats: the statistics to count into (``pipe_groups``, ``pipe_candidates``,
             ``pipe_fitting``, ``pipe_evaluated``; a new dict when None).
+        params: the weights' stored format (``fp32``; ``bf16`` with fp32 masters).
     """
 
     def __init__(
@@ -67,14 +68,16 @@ class PipeSearch:
         allowed: set | None = None,
         orientations: Callable[[tuple], tuple[str, ...]],
         stats: dict | None = None,
+        params: str = "fp32",
     ):
         self.ctx, self.gpus, self.mem_bytes = ctx, gpus, mem_bytes
         self.dtype, self.prefetch, self.shard_optimizer = dtype, prefetch, shard_optimizer
+        self.params = params
         self.modes = tuple(m for m in MODE_ORDER if m in modes)
         self.allowed, self.orientations = allowed, orientations
         self.terms = FloorTerms(ctx, gpus)
         self.memory_floors = MemoryFloors(
-            ctx, FIT_FRACTION * mem_bytes, dtype, shard_optimizer, self.terms
+            ctx, FIT_FRACTION * mem_bytes, dtype, shard_optimizer, self.terms, params
         )
         self.group_bounds = GroupBounds(
             ctx, gpus, self.modes, allowed, self.terms, self.memory_floors, self._turns
@@ -219,6 +222,8 @@ class PipeSearch:
             "prefetch": self.prefetch,
             "shard_optimizer": zero,
         }
+        if self.params != "fp32":  # the memo keys of the callers that never give it
+            opts["params"] = self.params
         if ctx.sequence_split(roles[1], roles[3], roles[4]) > 1:
             opts["sequence_parallel"] = True
         return args, opts

@@ -1,0 +1,218 @@
+"""Weights stored in bf16 with fp32 masters in the optimizer (:mod:`tetrad.parallel.masters`,
+``--param-dtype bf16``) against the single-process reference under the same policy (bf16
+weights, bf16 GEMMs under the CPU's autocast, fp32 residual stream, fp32 gradients accumulated
+apart, fp32 masters updated by AdamW), on data,
+data x Z, Y x X, data x context and pipeline x data grids, with the sharded optimizer (masters
+sharded with the AdamW states) and without, the gradients summed over data in fp32 or in bf16
+(``--grad-reduce-dtype``: every sum over data is seen in that format); and checkpoints that
+keep the fp32 masters, so that runs resume across storage formats.
+
+Tolerances. Both sides round the weights and every GEMM's output to bf16 (unit roundoff
+``u = 2^-8``) but sum in other orders (over ranks, over micro-batches, in fused collectives), so
+a forward's activations differ by a few ``u`` relative, and the loss, a mean over 128 tokens of
+``log_softmax``, by far less: ``LOSS_TOL = u / 4`` relative (the runs below differ by at most
+1e-4). The global gradient norm (fp32 sums of bf16-computed gradients) within ``NORM_TOL = u``
+relative. The updated masters: AdamW's update is about ``lr * sign(grad)``, so an element whose
+gradient is near zero may move the other way (up to ``2 lr``, as in fp32, see
+``/work/shared/notes/testing-equivalence.md``), and bf16 rounding makes that common: the masters
+are compared by the mean absolute difference, at most ``0.05 lr`` (a planted bug, such as a
+gradient not summed over data or a master not refreshed, moves it past ``0.3 lr``), and by the
+largest, at most twice the sum of the steps' learning rates (an element that flips every
+step).
+"""
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_distributed
+from tetrad.dtypes import autocast, torch_dtype
+from tetrad.grid import Grid
+from tetrad.models.reference import Llama as Reference
+from tetrad.parallel import init_parameters
+from tetrad.parallel.masters import MasterAdamW, grad_of
+from tetrad.parallel.model import ParallelLlama
+from tetrad.parallel.zero import settle_parameters
+from tetrad.pipeline.schedule import Pipeline
+from tetrad.pipeline.step import pipeline_train_step
+from tetrad.spec.overlap import OVERLAPS
+from tetrad.spec.precision import precision
+from tetrad.spec.presets import PRESETS
+from tetrad.train.checkpoint import Checkpointer
+from tetrad.train.step import build_optimizer, lr_at, train_step
+
+# the reference's torch.nn.RMSNorm reads the fp32 residual stream with a bf16 weight: torch warns
+# that it takes its unfused kernel
+pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+
+CFG = dataclasses.replace(PRESETS["tiny"], n_layers=2)
+STEPS, BATCH, SEQ, MICRO, LR, CLIP, SEED = 3, 8, 16, 2, 3e-3, 1.0, 7
+OVERLAP_OPTIONS = {"bucket_bytes": 1 << 14, "domino_min_rows": 8}
+BF16 = precision("cpu", "bf16")
+U = 2.0**-8
+LR_SUM = sum(lr_at(s, LR, LR / 10, 2, STEPS) for s in range(STEPS)) / LR  # 2.5
+LOSS_TOL, NORM_TOL, MEAN_TOL, MAX_TOL = U / 4, U, 0.05, 2 * LR_SUM
+
+
+def batches():
+    g = torch.Generator().manual_seed(SEED)
+    return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def reference_run():
+    """The plain model under the bf16 policy, micro-batches of ``MICRO``: (losses, norms), the
+    final fp32 masters."""
+    model = Reference(CFG)
+    init_parameters(model, SEED)
+    opt = build_optimizer(model, LR, weight_decay=0.1, policy=BF16)
+    assert isinstance(opt, MasterAdamW)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    losses, norms = [], []
+    for step, batch in enumerate(batches()):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
+        loss = 0.0
+        for mb in batch.split(MICRO):
+            with autocast(torch.device("cpu"), BF16):
+                part = model.loss_sum(mb[:, :-1], mb[:, 1:]) / batch[:, 1:].numel()
+            part.backward()
+            loss += part.item()
+        grads = [grad_of(p) for p in model.parameters()]
+        assert {g.dtype for g in grads} == {torch.float32}
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        torch._foreach_mul_(grads, min(1.0, CLIP / (norm.item() + 1e-6)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss)
+        norms.append(norm.item())
+    masters = {n: opt.master_of(p).clone() for n, p in model.named_parameters()}
+    return (losses, norms), masters
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run()
+
+
+def _build(pipe, sizes, policy):
+    grid = Grid.build(sizes, pipe=pipe)
+    if pipe == 1:
+        model = ParallelLlama(CFG, grid, "none", OVERLAPS, **OVERLAP_OPTIONS)
+        init_parameters(model, SEED, grid)
+        return grid, model, model
+    m = BATCH // (grid.data * grid.z) // MICRO
+    model = Pipeline(CFG, grid, "1f1b", 1, m, overlaps=OVERLAPS, **OVERLAP_OPTIONS)
+    for part in model.parts:
+        init_parameters(part, SEED, grid)
+    return grid, model, model.parts
+
+
+def _masters(opt, weights) -> dict:
+    """Each parameter's whole local fp32 master (collective over data with the sharded
+    optimizer)."""
+    named = list(weights.named_parameters())
+    if not isinstance(opt, MasterAdamW):  # torch's AdamW: the parameters are the masters
+        return {n: p.detach().clone() for n, p in named}
+    states = opt.full_states([p for _, p in named])
+    return {n: st["master"] for (n, _), st in zip(named, states, strict=True)}
+
+
+def _train(model, opt, grid, pipe, steps, ref_curves=None, label=""):
+    for step, batch in steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
+        if pipe > 1:
+            loss, norm = map(float, pipeline_train_step(model, opt, batch, CLIP))
+        else:
+            loss, norm = map(float, train_step(model, opt, grid, batch, MICRO, CLIP))
+        if ref_curves is not None:
+            ref_loss, ref_norm = ref_curves[0][step], ref_curves[1][step]
+            assert abs(loss - ref_loss) <= LOSS_TOL * ref_loss, f"{label} step {step}: {loss}"
+            assert abs(norm - ref_norm) <= NORM_TOL * ref_norm, f"{label} {step}: norm {norm}"
+    settle_parameters(opt)
+
+
+@contextlib.contextmanager
+def data_sums(grid, into: set):
+    """Collects the dtypes of the tensors (more than one element) summed over data (on gloo a
+    reduce-scatter is an all-reduce too) while active."""
+    plain, group = dist.all_reduce, grid.group("data") if grid.size("data") > 1 else None
+
+    def spy(t, *args, **kwargs):
+        if group is not None and kwargs.get("group") is group and t.numel() > 1:
+            into.add(t.dtype)
+        return plain(t, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        yield
+    finally:
+        dist.all_reduce = plain
+
+
+def master_runs(world_size, ref_curves, ref_masters, cases, run_dir):
+    for pipe, sizes, shard, reduce in cases:
+        grid, model, weights = _build(pipe, sizes, BF16)
+        policy = precision("cpu", "bf16", grad_reduce=reduce)
+        opt = build_optimizer(weights, LR, 0.1, shard=grid if shard else None, policy=policy)
+        label = f"pipe {pipe} grid {sizes} shard {shard} reduce {reduce}"
+        assert {p.dtype for p in weights.parameters()} == {torch.bfloat16}, label
+        sums = set()
+        with data_sums(grid, sums):
+            _train(model, opt, grid, pipe, enumerate(batches()), ref_curves, label)
+        if grid.size("data") > 1:
+            assert sums == {torch_dtype(reduce)}, f"{label}: summed over data in {sums}"
+        masters, diffs = _masters(opt, weights), []
+        for name, p in weights.named_parameters():
+            assert masters[name].dtype == torch.float32, label
+            assert torch.equal(p.detach(), masters[name].to(torch.bfloat16)), f"{label} {name}"
+            diffs.append(masters[name] - ref_masters[name][p.placement.local_slices(grid)])
+        flat = torch.cat([d.reshape(-1) for d in diffs]).abs() / LR
+        mean, worst = flat.mean().item(), flat.max().item()
+        assert mean <= MEAN_TOL and worst <= MAX_TOL, f"{label}: masters {mean:.3g} {worst:.3g} lr"
+        if not any(grid.coord.values()):
+            print(f"{label}: masters differ by {mean:.2e} lr on average, {worst:.2f} lr at most")
+    _resume_across_formats(run_dir)
+
+
+def _resume_across_formats(run_dir):
+    """fp32 weights for a step, saved; resumed with bf16 weights and the sharded optimizer (the
+    masters are the saved weights exactly), a step, saved; resumed with fp32 weights (they are
+    the saved masters exactly); the same keys and fp32 tensors in both checkpoints."""
+    sizes, fp32 = (2, 2, 1, 1), precision("cpu")
+    ckpt = Checkpointer(run_dir, Grid.build(sizes))
+    keys, saved = [], {}
+    for i, (policy, shard) in enumerate([(fp32, False), (BF16, True), (fp32, False)]):
+        grid, model, weights = _build(1, sizes, policy)
+        opt = build_optimizer(model, LR, 0.1, shard=grid if shard else None, policy=policy)
+        if i > 0:
+            path = ckpt.run_dir / "checkpoints" / f"step_{i:07d}"
+            assert ckpt.load(model, opt, path) == i
+            masters = _masters(opt, model)
+            for name, p in model.named_parameters():
+                assert torch.equal(masters[name], saved[name]), f"{policy.params} {name}"
+                assert torch.equal(p.detach(), saved[name].to(p.dtype)), f"{policy.params} {name}"
+        _train(model, opt, grid, 1, [(i, batches()[i])])
+        saved = _masters(opt, model)
+        ckpt.save(model, opt, i + 1)
+        ckpt.wait()
+        state = ckpt._state(model, opt, i + 1)
+        keys.append({k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor)})
+    assert keys[0] == keys[1] == keys[2] and keys[1]["model.tok_embeddings.weight"] == torch.float32
+    ckpt.close()
+
+
+CASES = [  # (G_pipe, grid, sharded optimizer, grad_reduce)
+    (1, (4, 1, 1, 1), False, "fp32"),
+    (1, (2, 2, 1, 1), True, "bf16"),
+    (1, (1, 1, 2, 2), False, "fp32"),
+    (1, (2, 2, 1, 1, 1), True, "fp32"),
+    (2, (2, 1, 1, 1, 1), False, "bf16"),
+]
+
+
+def test_bf16_weights_with_fp32_masters_match_reference(reference, tmp_path):
+    run_distributed(master_runs, 4, 4, *reference, CASES, tmp_path / "run")
