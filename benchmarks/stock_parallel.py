@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
@@ -34,9 +35,9 @@ from tetrad.spec.pipeline_split import balanced_split
 
 @dataclass(frozen=True)
 class Stock:
-    """A stock PyTorch mode: ``kind`` (ddp, fsdp2, tp, fsdp2-tp, pp), its tensor-parallel size
-    ``tp``; for ``pp`` the pipeline stages ``pp``, the DDP replicas ``dp`` of each stage and the
-    ``schedule`` (a key of :data:`SCHEDULE_LABELS`)."""
+    """A stock PyTorch mode: ``kind`` (ddp, fsdp2, tp, tp-sp, fsdp2-tp, pp), its
+    tensor-parallel size ``tp``; for ``pp`` the pipeline stages ``pp``, the DDP replicas ``dp``
+    of each stage and the ``schedule`` (a key of :data:`SCHEDULE_LABELS`)."""
 
     kind: str
     tp: int = 1
@@ -48,11 +49,12 @@ class Stock:
         if self.kind == "pp":
             ddp = f"xDDP({self.dp})" if self.dp > 1 else ""
             return f"PP({self.pp}){ddp} {SCHEDULE_LABELS[self.schedule]}"
-        names = {"ddp": "DDP", "fsdp2": "FSDP2", "tp": "TP({})", "fsdp2-tp": "FSDP2xTP({})"}
+        names = {"ddp": "DDP", "fsdp2": "FSDP2", "tp": "TP({})", "tp-sp": "TP({})+SP"}
+        names["fsdp2-tp"] = "FSDP2xTP({})"
         return names[self.kind].format(self.tp)
 
 
-STOCK_KINDS = ("ddp", "fsdp2", "tp", "fsdp2-tp", "pp")
+STOCK_KINDS = ("ddp", "fsdp2", "tp", "tp-sp", "fsdp2-tp", "pp")
 
 
 @dataclass
@@ -76,8 +78,8 @@ def build_stock(mode: Stock, s: Settings, world: int) -> StockModel:
     if mode.kind == "fsdp2":
         apply_fsdp(model, init_device_mesh("cpu", (world,)))
         return StockModel(model, world, rank)
-    if mode.kind == "tp":
-        apply_tp(model, init_device_mesh("cpu", (world,)))
+    if mode.kind in ("tp", "tp-sp"):
+        apply_tp(model, init_device_mesh("cpu", (world,)), mode.kind == "tp-sp")
         return StockModel(model, parallel_loss=True)
     mesh = init_device_mesh("cpu", (world // mode.tp, mode.tp), mesh_dim_names=("dp", "tp"))
     apply_tp(model, mesh["tp"])
@@ -93,38 +95,52 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
-    """1D tensor parallelism over ``mesh`` (see the module docstring for the plan)."""
+def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """1D tensor parallelism over ``mesh`` (see the module docstring for the plan); with
+    ``sequence_parallel`` torch's ``SequenceParallel`` on the norms, the residual stream
+    ``Shard(1)`` between the blocks (the embedding's output, the row-parallel projections'
+    outputs), gathered before each attention, feed-forward and the LM head (torchtitan's Llama
+    plan)."""
     tp = mesh.size()
+    seq = Shard(1) if sequence_parallel else Replicate()
     top = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+        ),
     }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, mesh, block_plan(block))
+        parallelize_module(block, mesh, block_plan(block, sequence_parallel))
         block.attention.n_heads //= tp
         block.attention.n_kv_heads //= tp
-        replicate(block.attention_norm, mesh)
-        replicate(block.ffn_norm, mesh)
-    replicate(model.norm, mesh)
+        if not sequence_parallel:
+            replicate(block.attention_norm, mesh)
+            replicate(block.ffn_norm, mesh)
+    if not sequence_parallel:
+        replicate(model.norm, mesh)
 
 
-def block_plan(block: nn.Module) -> dict:
+def block_plan(block: nn.Module, sequence_parallel: bool = False) -> dict:
     """A block's TP plan: its attention and feed-forward inputs one replicated DTensor, their
     output projections (``wo``, ``w2``) rowwise, every other projection (q, k, v, gate, up,
-    separate or fused) columnwise."""
-    one_input = PrepareModuleInput(
-        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
-    )
+    separate or fused) columnwise; with ``sequence_parallel`` the inputs gathered from
+    ``Shard(1)``, the rowwise outputs reduce-scattered to it, the norms ``SequenceParallel``."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    one_input = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     with_positions = PrepareModuleInput(  # attention also takes the plain positions tensor
-        input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None)
+        input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
     )
     plan = {"attention": with_positions, "feed_forward": one_input}
+    if sequence_parallel:
+        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
     for part, out in (("attention", "wo"), ("feed_forward", "w2")):
         for name, child in getattr(block, part).named_children():
             if isinstance(child, nn.Linear):
-                plan[f"{part}.{name}"] = RowwiseParallel() if name == out else ColwiseParallel()
+                row = RowwiseParallel(output_layouts=seq)
+                plan[f"{part}.{name}"] = row if name == out else ColwiseParallel()
     return plan
 
 

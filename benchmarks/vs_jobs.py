@@ -20,6 +20,7 @@ ROWS: dict[int, list[tuple[GridShape, Stock]]] = {
         ((1, 2, 1, 1), Stock("fsdp2")),
         ((1, 1, 2, 1), Stock("tp", 2)),
         ((1, 1, 1, 2), Stock("tp", 2)),
+        ((1, 1, 2, 1), Stock("tp-sp", 2)),
         ((2, 1, 1, 1, 1, 1), Stock("pp", pp=2, schedule="1f1b")),
         ((2, 1, 1, 1, 1, 1), Stock("pp", pp=2, schedule="gpipe")),
     ],
@@ -29,6 +30,7 @@ ROWS: dict[int, list[tuple[GridShape, Stock]]] = {
         ((1, 1, 2, 2), Stock("tp", 4)),
         ((1, 1, 1, 4), Stock("tp", 4)),
         ((1, 1, 4, 1), Stock("tp", 4)),
+        ((1, 1, 4, 1), Stock("tp-sp", 4)),
         ((1, 2, 2, 1), Stock("fsdp2-tp", 2)),
         ((2, 1, 2, 1), Stock("fsdp2-tp", 2)),
         ((1, 2, 1, 2), Stock("fsdp2-tp", 2)),
@@ -40,7 +42,7 @@ ROWS: dict[int, list[tuple[GridShape, Stock]]] = {
 }
 """Per world size: (tetrad grid, the stock mode it is compared with). A grid of six is
 ``(G_pipe, G_data, G_context, G_z, G_y, G_x)``, run through tetrad's pipeline with the stock
-mode's schedule."""
+mode's schedule. Against ``TP(n)+SP`` tetrad runs with ``sequence_parallel``."""
 
 PIPE_MICRO_BATCHES = 8
 """Micro-batches per pipeline step on both sides (fewer where a replica has fewer samples)."""
@@ -62,12 +64,13 @@ class Job:
     stock: Stock | None = None
     orientation: str = "xy"
     schedule: str = ""  # a pipeline grid's schedule (a key of SCHEDULE_LABELS)
+    sequence_parallel: bool = False
 
     def name(self) -> str:
         """tetrad's grid as the tables print it: ``1,2,1,1`` (`` yx`` when turned), a pipeline
         grid by its axes above 1 and schedule (``pipe=2,data=2 1F1B``)."""
         if len(self.grid) < 6:
-            return fmt_grid(self.grid, self.orientation)
+            return fmt_grid(self.grid, self.orientation) + (" sp" if self.sequence_parallel else "")
         axes = [f"{n}={g}" for n, g in zip(GRID_NAMES, self.grid, strict=True) if g > 1]
         return f"{','.join(axes)} {SCHEDULE_LABELS[self.schedule]}"
 
@@ -89,6 +92,8 @@ def tetrad_jobs(world: int, s: Settings, grid: GridShape, how: str, stock: Stock
     X and Y 1: nothing to turn) once, with ``stock``'s schedule."""
     if len(grid) == 6:
         return [Job(world, s, grid=grid, schedule=stock.schedule)]
+    if stock.kind == "tp-sp":  # one tensor axis, in the Y role
+        return [Job(world, s, grid=grid, sequence_parallel=True)]
     turns = {"auto": [auto_orientation(s, grid)], "xy": ["xy"]}.get(how)
     if turns is None:
         turns = list(dict.fromkeys(["xy", auto_orientation(s, grid)]))

@@ -22,6 +22,9 @@ Stock modes, parallelised only with stock APIs:
   locally and all-reduce them once (without it each would all-reduce its own). The RMSNorm
   weights become replicated DTensors (``distribute_module``), which ``clip_grad_norm_`` needs:
   it cannot mix DTensor and plain-tensor gradients.
+- ``TP(n)+SP``: the same with torch's ``SequenceParallel`` on the norms and the residual
+  stream ``Shard(1)`` between the blocks (torchtitan's Llama plan), against tetrad's
+  ``y=n`` grid with ``sequence_parallel``.
 - ``FSDP2xTP(n)``: a 2D mesh ``("dp", "tp")``: TP as above on ``tp``, then ``fully_shard`` on
   ``dp``.
 - ``PP(p) 1F1B`` / ``PP(p) GPipe`` (``--modes pp``; against tetrad's pipeline grids, with the
@@ -67,7 +70,7 @@ stage: it sends activations only (the gradients it receives are sent by rank 1).
 Run from the repository root (several minutes on 2 cores, as many again with ``pp``)::
 
     python benchmarks/vs_pytorch.py [--model small] [--seq 256] [--batch 16] [--steps 12]
-        [--warmup 3] [--repeats 2] [--worlds 2,4] [--modes ddp,fsdp2,tp,fsdp2-tp,pp]
+        [--warmup 3] [--repeats 2] [--worlds 2,4] [--modes ddp,fsdp2,tp,tp-sp,fsdp2-tp,pp]
         [--orientation auto|xy|both] [--json FILE] [--start-method spawn|forkserver]
 
 The exit status is 1 if a first-step loss differs from tetrad's by more than 1e-4 relative (the
@@ -223,7 +226,7 @@ def tetrad_grid(job: Job) -> tuple[Grid, Callable[[], float]]:
     """The grid and the step (returning the loss) of :func:`train_step` on ``job.grid``."""
     s = job.settings
     grid = Grid.build(job.grid, "cpu", job.orientation)
-    model = ParallelLlama(s.cfg, grid)
+    model = ParallelLlama(s.cfg, grid, sequence_parallel=job.sequence_parallel)
     init_parameters(model, s.seed, grid)
     opt = build_optimizer(model, s.lr, s.weight_decay)
     batch, micro_batch = s.global_batch(), s.batch // grid.batch_shards

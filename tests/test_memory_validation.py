@@ -51,6 +51,8 @@ GRIDS = {  # (G_data, G_z, G_y, G_x) or (G_data, G_context, G_z, G_y, G_x)
     4: [(1, 2, 1, 2), (2, 1, 2, 1), (1, 2, 1, 1, 2)],
     8: [(1, 2, 2, 2), (2, 2, 1, 2, 1), (1, 4, 1, 1, 2)],
 }
+# sequence parallelism (tetrad/parallel/sequence.py): data x Y, context x Y, Y x X
+SEQUENCE_PARALLEL_GRIDS = {4: [(2, 1, 2, 1), (1, 2, 1, 2, 1), (1, 1, 2, 2)]}
 MODES = ("none", "selective", "selective:1", "full")  # selective:1: the top block only
 
 
@@ -108,8 +110,8 @@ def forward_and_backward_bytes(model, tokens, targets, params: set[int]) -> dict
     return out
 
 
-def _measure(grid: Grid, mode: str) -> dict:
-    model = ParallelLlama(CFG, grid, mode)
+def _measure(grid: Grid, mode: str, sequence_parallel: bool = False) -> dict:
+    model = ParallelLlama(CFG, grid, mode, sequence_parallel=sequence_parallel)
     init_parameters(model, SEED, grid)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     g = torch.Generator().manual_seed(SEED)
@@ -172,19 +174,22 @@ def _measure_bf16_storage(model, grid, batch, tokens, targets) -> dict:
 
 def _worker(world_size: int, out_dir: str) -> None:
     rank = dist.get_rank()
-    for sizes in GRIDS[world_size]:
+    runs = [(s, False) for s in GRIDS[world_size]]
+    runs += [(s, True) for s in SEQUENCE_PARALLEL_GRIDS.get(world_size, [])]
+    for sizes, sp in runs:
         grid = Grid.build(sizes)
         for mode in MODES:
-            result = _measure(grid, mode)
-            name = f"{'-'.join(map(str, sizes))}_{mode}_{rank}.json"
+            result = _measure(grid, mode, sp)
+            name = f"{'-'.join(map(str, sizes))}{'_sp' * sp}_{mode}_{rank}.json"
             with open(f"{out_dir}/{name}", "w") as fh:
                 json.dump(result, fh)
 
 
-def predicted(sizes, mode: str) -> dict:
+def predicted(sizes, mode: str, sp: bool = False) -> dict:
     spec = CFG
-    r = runtime_memory(spec, sizes, MICRO, SEQ, 1e9, activation_checkpointing=mode, dtype="fp32")
-    s = saved_activations(spec, sizes, MICRO, SEQ, activation_checkpointing=mode, dtype="fp32")
+    opts = {"activation_checkpointing": mode, "dtype": "fp32", "sequence_parallel": sp}
+    r = runtime_memory(spec, sizes, MICRO, SEQ, 1e9, **opts)
+    s = saved_activations(spec, sizes, MICRO, SEQ, **opts)
     out = {k: r.components[k] for k in ("parameters", "gradients", "optimizer_states")}
     zero = runtime_memory(spec, sizes, MICRO, SEQ, 1e9, dtype="fp32", shard_optimizer=True)
     out["optimizer_states_sharded"] = zero.components["optimizer_states"]
@@ -200,7 +205,7 @@ def predicted(sizes, mode: str) -> dict:
     # bf16 autocast on CPU: the model's "bf16" describes CUDA, where FlashAttention returns its
     # output token-major; the CPU kernel returns it heads-major, so each block also saves the
     # out-projection input [m, a d/G_y] as a bf16 copy (selective rebuilds it instead).
-    b = saved_activations(spec, sizes, MICRO, SEQ, activation_checkpointing=mode, dtype="bf16")
+    b = saved_activations(spec, sizes, MICRO, SEQ, **(opts | {"dtype": "bf16"}))
     plain_blocks = spec.n_layers - checkpointed_blocks(mode, spec.n_layers)[1]
     copies = len(sizes) == 4  # with context: token-major, in the model
     cpu_copy = plain_blocks * 2 * MICRO * SEQ * spec.q_dim // sizes[2] if copies else 0
@@ -212,18 +217,21 @@ def predicted(sizes, mode: str) -> dict:
 @pytest.mark.parametrize("world_size", sorted(GRIDS))
 def test_memory_model_matches_runtime(world_size, tmp_path):
     run_distributed(_worker, world_size, world_size, str(tmp_path))
-    for sizes in GRIDS[world_size]:
+    runs = [(s, False) for s in GRIDS[world_size]]
+    runs += [(s, True) for s in SEQUENCE_PARALLEL_GRIDS.get(world_size, [])]
+    for sizes, sp in runs:
         for mode in MODES:
-            want = predicted(sizes, mode)
+            want = predicted(sizes, mode, sp)
+            label = f"grid {sizes}{' sequence-parallel' * sp} {mode}"
             for rank in range(world_size):
-                name = f"{'-'.join(map(str, sizes))}_{mode}_{rank}.json"
+                name = f"{'-'.join(map(str, sizes))}{'_sp' * sp}_{mode}_{rank}.json"
                 got = json.loads((tmp_path / name).read_text())
                 line = ", ".join(f"{k} {got[k]}/{want[k]:.0f}" for k in want if k in got)
                 if rank == 0:
-                    print(f"grid {sizes} {mode} measured/predicted bytes: {line}")
+                    print(f"{label} measured/predicted bytes: {line}")
                 for k in want:
                     if k in got:
-                        assert got[k] == want[k], f"grid {sizes} {mode} rank {rank} {k}: {line}"
+                        assert got[k] == want[k], f"{label} rank {rank} {k}: {line}"
 
 
 COMPILED_MODES = ("none", "selective", "full")

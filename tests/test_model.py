@@ -18,6 +18,7 @@ from tetrad.grid import Grid
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama, compile_blocks
+from tetrad.parallel.zero import optimizer_shards
 from tetrad.spec.activation_checkpointing import CHECKPOINTING
 from tetrad.spec.overlap import OVERLAPS
 from tetrad.spec.presets import PRESETS
@@ -78,12 +79,18 @@ def parallel_runs(
             )
 
 
-def run_one(grid, sizes, ref_curves, ref_weights, activation_checkpointing, overlaps, compiled):
-    model = ParallelLlama(CFG, grid, activation_checkpointing, overlaps, **OVERLAP_OPTIONS)
+def run_one(
+    grid, sizes, ref_curves, ref_weights, activation_checkpointing, overlaps, compiled, **kwargs
+):
+    """One grid's run against the reference (``kwargs``: more :class:`ParallelLlama` options,
+    and ``shard_optimizer``)."""
+    shard = kwargs.pop("shard_optimizer", False)
+    opts = OVERLAP_OPTIONS | kwargs
+    model = ParallelLlama(CFG, grid, activation_checkpointing, overlaps, **opts)
     init_parameters(model, SEED, grid)
     if compiled:
         compile_blocks(model)
-    opt = build_optimizer(model, LR, weight_decay=0.1)
+    opt = build_optimizer(model, LR, weight_decay=0.1, shard=grid if shard else None)
     for step, batch in enumerate(batches()):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
@@ -96,6 +103,8 @@ def run_one(grid, sizes, ref_curves, ref_weights, activation_checkpointing, over
         assert abs(norm - ref_norm) <= 1e-4 * ref_norm, (
             f"grid {sizes} step {step}: gradient norm {norm} vs {ref_norm}"
         )
+    if shard:  # the updated pieces' all-gathers are left for the next forward
+        optimizer_shards(opt).wait_all()
     worst = 0.0
     for name, p in model.named_parameters():
         expected = ref_weights[name][p.placement.local_slices(grid)]
@@ -103,7 +112,8 @@ def run_one(grid, sizes, ref_curves, ref_weights, activation_checkpointing, over
     assert worst <= 0.05 * LR, f"grid {sizes}: weights differ by {worst / LR:.3g} lr"
     if not any(grid.coord.values()):
         print(
-            f"grid {sizes} overlaps {','.join(sorted(overlaps)) or 'none'}"
+            f"grid {sizes}{''.join(f' {k}' for k in kwargs)}{' shard_optimizer' * shard} "
+            f"overlaps {','.join(sorted(overlaps)) or 'none'}"
             f"{' compiled' if compiled else ''} checkpointing {model.activation_checkpointing}: "
             f"worst weight difference {worst / LR:.2e} lr"
         )

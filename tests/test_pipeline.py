@@ -48,7 +48,8 @@ def reference():
     return reference_run(CFG, batches())
 
 
-def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False):
+def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False, options=None):
+    """Each case against the reference (``options``: more :class:`ParallelLlama` options)."""
     for pipe, sizes, schedule, virtual, checkpointing, overlaps in cases:
         grid = Grid.build(sizes, pipe=pipe)
         m = BATCH // (grid.data * grid.z) // MICRO
@@ -61,6 +62,7 @@ def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False):
             activation_checkpointing=checkpointing,
             overlaps=overlaps,
             **OVERLAP_OPTIONS,
+            **(options or {}),
         )
         for part in pipeline.parts:
             init_parameters(part, SEED, grid)
@@ -68,6 +70,7 @@ def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False):
                 compile_blocks(part)
         opt = build_optimizer(pipeline.parts, LR, weight_decay=0.1)
         label = f"pipe {pipe} grid {sizes} {schedule} v{virtual} {checkpointing} {sorted(overlaps)}"
+        label += "".join(f" {k}" for k in options or {})
         for step, batch in enumerate(batches()):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
@@ -126,10 +129,10 @@ def test_compiled_stages_match_reference(reference):
 
 
 def pipeline_bytes_runs(world_size, cases):
-    for pipe, sizes, schedule, virtual, dtype in cases:
+    for pipe, sizes, schedule, virtual, dtype, *sp in cases:
         grid = Grid.build(sizes, pipe=pipe)
         m = BATCH // (grid.data * grid.z) // MICRO
-        pipeline = Pipeline(CFG, grid, schedule, virtual, m)
+        pipeline = Pipeline(CFG, grid, schedule, virtual, m, sequence_parallel=bool(sp))
         for part in pipeline.parts:
             init_parameters(part, SEED, grid)
         opt = build_optimizer(pipeline.parts, LR, weight_decay=0.1)
@@ -141,7 +144,8 @@ def pipeline_bytes_runs(world_size, cases):
         sent = grid.comm.reset()["pipe"]
         stages = pipeline.stages
         sends = sum(not s.is_last for s in stages) + sum(not s.is_first for s in stages)
-        per = p2p_bytes(MICRO, SEQ, CFG.dim, grid.context, grid.x, DTYPE_BYTES[dtype])
+        split = grid.y if sp else 1  # sequence parallelism: [b, S/(G_context G_y), h]
+        per = p2p_bytes(MICRO, SEQ, CFG.dim, grid.context, grid.x, DTYPE_BYTES[dtype], split)
         loss = 2 * (pipe - 1) / pipe * 4  # the step's fp32 loss all-reduced over the stages
         assert sent.bytes == per * m * sends + loss, f"pipe {pipe} {sizes} {schedule}"
         assert sent.calls == m * sends + 1
@@ -151,9 +155,10 @@ def test_pipeline_bytes_equal_the_planner():
     """Point-to-point bytes per step on the ``pipe`` record equal the planner's
     ``p2p_bytes`` per boundary and micro-batch, times the rank's sends (plus the loss's
     all-reduce over the stages): in fp32, and under bf16 autocast, where the residual stream
-    crosses the boundaries in bf16."""
+    crosses the boundaries in bf16; with sequence parallelism, split along the sequence."""
     cases = [
         (2, (1, 1, 1, 1, 2), "1f1b", 1, "fp32"),
+        (2, (1, 1, 1, 2, 1), "1f1b", 1, "bf16", "sequence_parallel"),
         (2, (1, 2, 1, 1, 1), "interleaved-1f1b", 2, "fp32"),
         (2, (1, 1, 1, 1, 2), "1f1b", 1, "bf16"),
         (2, (1, 1, 2, 1, 1), "interleaved-1f1b", 2, "bf16"),

@@ -328,6 +328,31 @@ def test_memory_with_bf16_weights(capsys):
     assert bf16["parameters"] < 8.95 < fp32["parameters"]  # Megatron's (Fujii et al.'s) 8.95
 
 
+def test_memory_with_bf16_weights_and_sequence_parallel(capsys):
+    """The two compose on the 70B layout of issue 45: ``--param-dtype bf16`` moves the weights'
+    terms (parameters, states, no gathered copy at G_z = 1) and ``--sequence-parallel`` the
+    activations' (saved tensors and the stage boundaries' buffers split over Y), each as alone."""
+    base = ["memory", "--model", "llama-3-70b", "--seq-len", "8192", "--shard-optimizer"]
+    base += ["--grid", "pipe=8,data=8,context=4,y=2", "--pipeline-schedule", "interleaved-1f1b"]
+    base += ["--virtual-stages", "5", "--micro-batch", "1", "--json"]
+    got = {}
+    for dtype in ("fp32", "bf16"):
+        for sp in ([], ["--sequence-parallel"]):
+            rc, out, _ = run(base + ["--param-dtype", dtype, *sp], capsys)
+            assert rc == 0
+            got[dtype, bool(sp)] = json.loads(out)["components_gib"]
+    plain, both = got["fp32", False], got["bf16", True]
+    weights, sequence = got["bf16", False], got["fp32", True]
+    for k in ("parameters", "gradients", "optimizer_states", "gathered_weights"):
+        assert both[k] == pytest.approx(weights[k])
+    for k in ("activations", "pipeline_buffers"):
+        assert both[k] == pytest.approx(sequence[k]) and sequence[k] < plain[k]
+    total = {key: sum(c.values()) for key, c in got.items()}  # each saving as alone
+    assert total["bf16", True] == pytest.approx(
+        total["bf16", False] + total["fp32", True] - total["fp32", False]
+    )
+
+
 def test_plan_with_bf16_weights(tmp_path, capsys):
     """``tetrad plan --param-dtype bf16``: every ranked row's memory (5D grids, and each rank
     of the pipeline grids) has 2-byte weights beside fp32 gradients, and the emitted

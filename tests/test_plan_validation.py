@@ -82,10 +82,10 @@ def _key(sizes, orientation, n_micro, ckpt, overlaps) -> str:
     )
 
 
-def _worker(world_size: int, out_dir: str, grids=None, configs=None, shard=False) -> None:
+def _worker(world_size: int, out_dir: str, grids=None, configs=None, shard=False, sp=False) -> None:
     """Per grid, one model per (checkpointing, overlaps): a warm-up step, then one counted
     step per micro-batch count of the configs; this rank's counts to JSON (``shard``: with the
-    sharded optimizer)."""
+    sharded optimizer; ``sp``: with sequence parallelism)."""
     rank = dist.get_rank()
     got = {}
     for sizes, orientation in grids or GRIDS[world_size]:
@@ -100,7 +100,9 @@ def _worker(world_size: int, out_dir: str, grids=None, configs=None, shard=False
         for n_micro, ckpt, ov in configs or CONFIGS:
             models.setdefault((ckpt, ov), []).append(n_micro)
         for (ckpt, ov), n_micros in models.items():
-            model = ParallelLlama(CFG, grid, ckpt, OVERLAP_SETS[ov], **OPTIONS)
+            model = ParallelLlama(
+                CFG, grid, ckpt, OVERLAP_SETS[ov], sequence_parallel=sp, **OPTIONS
+            )
             init_parameters(model, SEED, grid)
             opt = build_optimizer(model, LR, weight_decay=0.1, shard=grid if shard else None)
             train_step(model, opt, grid, batch, SAMPLES // n_micros[0], CLIP)
@@ -116,7 +118,13 @@ def _worker(world_size: int, out_dir: str, grids=None, configs=None, shard=False
 
 
 def predicted(
-    sizes, orientation: str, n_micro: int, ckpt: bool, overlaps: str, shard: bool = False
+    sizes,
+    orientation: str,
+    n_micro: int,
+    ckpt: bool,
+    overlaps: str,
+    shard: bool = False,
+    sp: bool = False,
 ) -> dict:
     """The planner's per-axis calls, payload bytes and ring bytes of one optimizer step."""
     cells = sizes[0] * sizes[-3]  # G_data G_z
@@ -132,6 +140,7 @@ def predicted(
         compute_bytes=DTYPE_BYTES["fp32"],
         orientation=orientation,
         shard_optimizer=shard,
+        sequence_parallel=sp,
         **OPTIONS,
     )
     return {axis: [t[f] for f in FIELDS] for axis, t in axis_totals(cols).items()}
@@ -160,12 +169,42 @@ def test_comm_model_predicts_sharded_optimizer_collectives(world_size, tmp_path)
     _compare(world_size, tmp_path, grids, configs, True)
 
 
-def _compare(world_size: int, tmp_path, grids, configs, shard: bool) -> None:
+SEQUENCE_PARALLEL_GRIDS = [
+    ((2, 1, 2, 1), "xy"),
+    ((1, 2, 1, 2), "yx"),
+    ((1, 2, 1, 2, 1), "xy"),
+    ((1, 1, 2, 2), "yx"),
+]
+SEQUENCE_PARALLEL_CONFIGS = [(2, False, "all"), (1, True, "none"), (1, "selective", "all")]
+
+
+def _sequence_parallel_worker(world_size: int, out_dir: str) -> None:
+    for shard in (False, True):
+        grids = SEQUENCE_PARALLEL_GRIDS if not shard else SEQUENCE_PARALLEL_GRIDS[:1]
+        configs = SEQUENCE_PARALLEL_CONFIGS if not shard else SHARDED_CONFIGS[:2]
+        _worker(world_size, f"{out_dir}/{shard}", grids, configs, shard, True)
+
+
+def test_comm_model_predicts_sequence_parallel_collectives(tmp_path):
+    """With sequence parallelism (data x Y, Z x X turned, context x Y, and Y x X turned: the
+    stream split over both), under full and selective recompute, each overlap set, and with the
+    sharded optimizer on data x Y: the all-gathers and reduce-scatters along the sequence over
+    Y and the norm weights' gradient sum over Y, call for call and byte for byte."""
+    for shard in (False, True):
+        (tmp_path / str(shard)).mkdir()
+    run_distributed(_sequence_parallel_worker, 4, 4, str(tmp_path))
+    for shard in (False, True):
+        grids = SEQUENCE_PARALLEL_GRIDS if not shard else SEQUENCE_PARALLEL_GRIDS[:1]
+        configs = SEQUENCE_PARALLEL_CONFIGS if not shard else SHARDED_CONFIGS[:2]
+        _compare(4, tmp_path / str(shard), grids, configs, shard, True)
+
+
+def _compare(world_size: int, tmp_path, grids, configs, shard: bool, sp: bool = False) -> None:
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world_size)]
     for sizes, orientation in grids:
         for n_micro, ckpt, ov in configs:
             key = _key(sizes, orientation, n_micro, ckpt, ov)
-            want = predicted(sizes, orientation, n_micro, ckpt, ov, shard)
+            want = predicted(sizes, orientation, n_micro, ckpt, ov, shard, sp)
             for rank, got in enumerate(ranks):
                 got = got[key]
                 if rank == 0:

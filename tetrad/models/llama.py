@@ -45,7 +45,8 @@ class Layers(Protocol):
     combine: the module an expert-parallel runtime provides). ``head_norm(d, eps)`` is the
     per-head RMSNorm of queries and keys (``qk_norm``): a module whose ``weight [d]`` is used.
     Optional attributes: ``sequence_sum``, ``sequence_parts`` and ``moe_tokens``
-    (:class:`tetrad.models.moe.MoEFeedForward`).
+    (:class:`tetrad.models.moe.MoEFeedForward`); ``sequence_split``: the residual stream
+    between the layers holds ``s / sequence_split`` of each sample's ``s`` tokens (1 if absent).
     """
 
     head_split: int
@@ -295,12 +296,13 @@ class Transformer(nn.Module):
         """The final norm's output ``[b, s, dim]``: what the LM head reads (a part without the
         head: its last block's output; without the embedding, ``tokens`` is the residual
         stream ``[b, s, dim]``)."""
+        s = tokens.shape[1]
         if self.tok_embeddings is not None:  # the residual stream's format (fp32)
             h = self.tok_embeddings(tokens)
             h = h.to(residual_dtype(h.device, self.tok_embeddings.weight.dtype))
-        else:
-            h = tokens
-        positions = self.layer_factory.positions(tokens.shape[1], tokens.device)
+        else:  # the residual stream may hold a part of each sample's tokens
+            h, s = tokens, s * getattr(self.layer_factory, "sequence_split", 1)
+        positions = self.layer_factory.positions(s, tokens.device)
         grad = torch.is_grad_enabled()
         for layer, mode in zip(self.layers.values(), self.block_modes, strict=True):
             if not grad or mode == "none":

@@ -7,6 +7,10 @@ vocabulary rows over Y (each block's rows again over Z), hidden columns over X. 
     forward:   E = all-gather_Z(E_shard) (compute dtype);  out = all-reduce_Y(lookup of ids in
                this Y block), in the residual stream's dtype (fp32)
     backward:  dE_shard = reduce-scatter_Z(scatter-add of d_out into this Y block's rows)
+
+With sequence parallelism (:mod:`tetrad.parallel.sequence`) the all-reduce over Y is a
+reduce-scatter along the sequence (out ``[b, s/G_y, h]``), and backward first all-gathers
+``d_out`` along the sequence.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from tetrad.grid import Grid
 from tetrad.parallel.masters import grad_dtype
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
+from tetrad.parallel.sequence import gather_sequence, scatter_sequence
 from tetrad.spec.grid import Axis
 
 
 class _Embedding3D(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, e_shard, ov: Overlap):
+    def forward(ctx, ids, e_shard, ov: Overlap, sequence: bool):
         grid, dtype = ov.grid, compute_dtype(e_shard)
         # [V/G_y, h/G_x]: over Z gathered in the compute dtype, as every Linear weight is
         e = ov.gather_weight(e_shard, dtype) if grid.z > 1 else e_shard
@@ -38,15 +43,18 @@ class _Embedding3D(torch.autograd.Function):
         out = e[local].to(dtype).to(residual_dtype(e_shard.device, e_shard.dtype))
         if grid.y > 1:  # rows of other Y blocks' ids are zero here; the sum over Y fills them
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-            all_reduce(out, grid, Axis.Y)
+            out = scatter_sequence(out, grid) if sequence else all_reduce(out, grid, Axis.Y)
         ctx.save_for_backward(local, outside)
         ctx.weight, ctx.ov, ctx.rows = e_shard, ov, e.shape[0]  # the Parameter itself
+        ctx.sequence = sequence
         return out
 
     @staticmethod
     def backward(ctx, dout):
         local, outside = ctx.saved_tensors
         e_shard = ctx.weight
+        if ctx.sequence:  # [b, s/G_y, h] -> [b, s, h]
+            dout = gather_sequence(dout, ctx.ov.grid)
         if ctx.ov.grid.y > 1:  # rows of ids in other Y blocks add nothing here
             dout = dout.masked_fill(outside.unsqueeze(-1), 0.0)
         dout = dout.to(grad_dtype(e_shard))
@@ -57,12 +65,13 @@ class _Embedding3D(torch.autograd.Function):
             de.zero_()
         de.index_add_(0, local.reshape(-1), dout.reshape(-1, dout.shape[-1]))
         ctx.ov.reduce_weight_grad(e_shard, de)
-        return None, None, None
+        return None, None, None, None
 
 
 class Embedding(nn.Module):
     """Token ids ``[B/(G_data G_z), S]`` -> hidden states ``[B/(G_data G_z), S, h/G_x]``,
-    replicated over Y. Weight stored as ``[V/(G_y G_z), h/G_x]``.
+    replicated over Y; with ``sequence_parallel`` ``[B/(G_data G_z), S/G_y, h/G_x]``, this Y
+    rank's piece of the sequence. Weight stored as ``[V/(G_y G_z), h/G_x]``.
 
     Raises:
         ValueError: ``V`` not divisible by ``G_y*G_z`` or ``h`` by ``G_x``.
@@ -75,8 +84,10 @@ class Embedding(nn.Module):
         grid: Grid,
         init_std: float = 0.02,
         overlap: Overlap | None = None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
+        self.sequence_parallel = sequence_parallel and grid.y > 1
         self.overlap = overlap if overlap is not None else Overlap(grid, enabled=())
         if num_embeddings % (grid.y * grid.z) or dim % grid.x:
             raise ValueError(f"Embedding {num_embeddings}x{dim} does not divide over grid {grid}")
@@ -86,4 +97,4 @@ class Embedding(nn.Module):
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _Embedding3D.apply(ids, self.weight, self.overlap)
+        return _Embedding3D.apply(ids, self.weight, self.overlap, self.sequence_parallel)

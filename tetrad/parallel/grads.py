@@ -37,14 +37,20 @@ def sync_gradients(
     reduce-scattered by the buckets, and what is left to sum of them is summed on the pieces.
     """
     buckets: dict[tuple[str, ...], list[nn.Parameter]] = defaultdict(list)
+    # with shards, a parameter the buckets reduce-scattered has its piece and no gradient
+    # (:func:`grad_of`)
+    reduced = shards.grads if shards is not None else {}
     for p in model.parameters():
-        if grad_of(p) is not None:
+        if grad_of(p) is not None or id(p) in reduced:
             axes = p.placement.grad_sum_axes
             if id(p) in data_reduced:
                 axes = tuple(a for a in axes if a != Axis.DATA)
             buckets[axes].append(p)
     for axes, params in buckets.items():
-        axes = tuple(a for a in axes if grid.size(a) > 1)
+        # data last: with shards its sum is the reduce-scatter that ends the loop
+        axes = tuple(a for a in axes if grid.size(a) > 1 and a != Axis.DATA) + tuple(
+            a for a in axes if a == Axis.DATA and grid.size(a) > 1
+        )
         if not axes:
             continue
         pieces = shards.grads if shards is not None else {}  # those reduced over data

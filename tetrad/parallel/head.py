@@ -19,6 +19,10 @@ The head is the last layer of forward and the first of backward, with only the l
 so its gathered ``W`` is kept from forward to backward rather than all-gathered again (as
 FSDP2 keeps its root module unsharded after forward): one Z all-gather per micro-batch, not two.
 
+With sequence parallelism (:mod:`tetrad.parallel.sequence`) the input is
+``[b, s/G_y, h/G_x]``, all-gathered along the sequence over Y first, and ``dx``
+reduce-scattered along the sequence over Y instead of all-reduced.
+
 Per micro-batch its X/Y collectives move ``m h`` elements (all-gather and reduce-scatter over
 X, payload ``m h``) and ``m h / G_x`` (all-reduce over Y), whatever ``V``.
 """
@@ -34,6 +38,7 @@ from tetrad.grid import Grid
 from tetrad.parallel.linear import reduce_weight_gradient
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
+from tetrad.parallel.sequence import gather_sequence
 from tetrad.spec.grid import Axis
 
 
@@ -52,16 +57,32 @@ def scatter_hidden(dx: torch.Tensor, grid: Grid) -> torch.Tensor:
     return reduce_scatter(rows, grid, Axis.X).view(*lead, h // g)
 
 
+def gather_input(x: torch.Tensor, grid: Grid, sequence: bool) -> torch.Tensor:
+    """The head's input whole on every rank of its group: ``[b, s, h/G_x]`` -> ``[b, s, h]``
+    (:func:`gather_hidden`), with ``sequence`` from ``[b, s/G_y, h/G_x]``, first gathered along
+    the sequence over Y (:func:`tetrad.parallel.sequence.gather_sequence`)."""
+    return gather_hidden(gather_sequence(x, grid) if sequence else x, grid)
+
+
+def scatter_input(dx: torch.Tensor, ov: Overlap, sequence: bool):
+    """Start the sum of the input gradient ``dx [b, s, h]`` back to the input's layout
+    (:func:`gather_input`): reduce-scatter over X, then all-reduce over Y, or with ``sequence``
+    reduce-scatter over Y along the sequence; a :class:`tetrad.comm.Handle`, in flight with
+    the ``dx_all_reduce`` overlap."""
+    dx = scatter_hidden(dx, ov.grid)
+    return ov.backward_scatter_sequence(dx) if sequence else ov.backward_all_reduce(dx, Axis.Y)
+
+
 class _VocabParallelHead(torch.autograd.Function):
     """``logits = all-gather_X(x) @ all-gather_Z(W_shard)^T``; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, w_shard, ov: Overlap):
+    def forward(ctx, x, w_shard, ov: Overlap, sequence: bool):
         dtype = compute_dtype(x)
         w = ov.gather_weight(w_shard, dtype)
-        x_full = gather_hidden(x.to(dtype), ov.grid)
+        x_full = gather_input(x.to(dtype), ov.grid, sequence)
         ctx.save_for_backward(x_full)
-        ctx.weight, ctx.ov = w_shard, ov  # the Parameter itself (see linear.py)
+        ctx.weight, ctx.ov, ctx.sequence = w_shard, ov, sequence  # the Parameter itself
         ctx.w = w  # kept for backward: no second all-gather (module docstring)
         return x_full @ w.t()
 
@@ -71,14 +92,16 @@ class _VocabParallelHead(torch.autograd.Function):
         w_shard, ov, w = ctx.weight, ctx.ov, ctx.w
         ctx.w = None  # ctx attributes outlive backward with the graph: release the weight now
         dlogits = dlogits.to(w.dtype)
-        dx = ov.backward_all_reduce(scatter_hidden(dlogits @ w, ov.grid), Axis.Y)  # during dW
+        dx = scatter_input(dlogits @ w, ov, ctx.sequence)  # during dW
         reduce_weight_gradient(ov, w_shard, dlogits, x_full)
-        return dx.wait(), None, None
+        return dx.wait(), None, None, None
 
 
 class VocabParallelHead(nn.Module):
     """Hidden states ``[..., dim/G_x]`` (replicated over Y) -> logits ``[..., V/(G_y G_x)]``,
     this rank's vocabulary block ``y G_x + x``. Weight stored as ``[V/(G_y G_x G_z), dim]``.
+    With ``sequence_parallel`` the input is ``[b, s/G_y, dim/G_x]``, this Y rank's piece of
+    the sequence, and the logits ``[b, s, V/(G_y G_x)]``.
 
     Raises:
         ValueError: ``V`` not divisible by ``G_y G_x G_z`` or ``dim`` by ``G_x``.
@@ -91,8 +114,10 @@ class VocabParallelHead(nn.Module):
         grid: Grid,
         init_std: float = 0.02,
         overlap: Overlap | None = None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
+        self.sequence_parallel = sequence_parallel and grid.y > 1
         if vocab % (grid.y * grid.x * grid.z) or dim % grid.x:
             raise ValueError(
                 f"LM head {dim}->{vocab} needs vocab % (G_y*G_x*G_z) == 0 and dim % G_x == 0 "
@@ -106,7 +131,7 @@ class VocabParallelHead(nn.Module):
 
     @torch.compiler.disable  # collectives and the overlap state stay outside compiled graphs
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _VocabParallelHead.apply(x, self.weight, self.overlap)
+        return _VocabParallelHead.apply(x, self.weight, self.overlap, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return f"{self.dim}->{self.vocab}, vocabulary over Y and X, input gathered over X"

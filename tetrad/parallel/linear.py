@@ -14,6 +14,12 @@ over Z. For the non-transposed layer ``in = X, out = Y``:
 ``transpose=True`` swaps X and Y, so a non-transposed layer followed by a transposed one (QKV ->
 out-proj, gate/up -> down) needs no redistribution of activations.
 
+``sequence_parallel=True``: the input of a non-transposed layer and the output of a transposed
+one are split along the sequence over Y (``[b, s/G_y, k/G_x]``, ``[b, s/G_y, n/G_x]``); the
+first all-gathers its input and reduce-scatters its input gradient, the second reduce-scatters
+its output and all-gathers its output gradient (:mod:`tetrad.parallel.sequence`), in place of
+the all-reduces over Y.
+
 The weight gradient leaves backward through :meth:`Overlap.reduce_weight_grad` (which fills
 ``weight.grad``), not through autograd, so its reduce-scatter can run asynchronously; see
 :mod:`tetrad.parallel.overlap` for the other overlaps.
@@ -29,6 +35,7 @@ from tetrad.grid import Grid
 from tetrad.parallel.masters import grad_dtype
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
+from tetrad.parallel.sequence import gather_sequence, scatter_sequence
 from tetrad.spec.grid import Axis
 
 
@@ -53,16 +60,27 @@ class _Linear3D(torch.autograd.Function):
     """``y = all-reduce_in(x @ all-gather_Z(W_shard)^T)``; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, w_shard, ov: Overlap, in_axis: Axis, out_axis: Axis):
+    def forward(ctx, x, w_shard, ov: Overlap, in_axis: Axis, out_axis: Axis, sequence: bool):
+        # sequence parallelism: the first layer of a pair (out over Y) gathers its
+        # input along the sequence, the second (in over Y) reduce-scatters its output
+        gathers, scatters = sequence and out_axis == Axis.Y, sequence and in_axis == Axis.Y
         dtype = compute_dtype(x)
+        x_shape = x.shape
         x = x.to(dtype)
         w = ov.gather_weight(w_shard, dtype)
+        if gathers:
+            x = gather_sequence(x, ov.grid)
         rows = x.reshape(-1, x.shape[-1])
-        y = ov.forward_gemm_all_reduce(rows, w, in_axis).view(*x.shape[:-1], w.shape[0])
+        out_shape = (*x.shape[:-1], w.shape[0])
+        if scatters:
+            y = scatter_sequence((rows @ w.t()).view(out_shape), ov.grid)
+        else:
+            y = ov.forward_gemm_all_reduce(rows, w, in_axis).view(out_shape)
         ctx.save_for_backward(x)
         # The Parameter object itself (a saved tensor comes back as an alias under activation
         # checkpointing): its .grad is filled by the overlap and its identity drives prefetch.
         ctx.weight, ctx.ov, ctx.out_axis, ctx.dtype = w_shard, ov, out_axis, dtype
+        ctx.gathers, ctx.scatters, ctx.x_shape = gathers, scatters, x_shape
         return y
 
     @staticmethod
@@ -70,11 +88,16 @@ class _Linear3D(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         w_shard, ov, dtype = ctx.weight, ctx.ov, ctx.dtype
         dy = dy.to(dtype)
+        if ctx.scatters:  # [b, s/G_y, n] -> [b, s, n]
+            dy = gather_sequence(dy, ov.grid)
         w = ov.gather_weight(w_shard, dtype)
         rows = dy.reshape(-1, dy.shape[-1])
-        dx = ov.backward_gemm_all_reduce(rows, w, ctx.out_axis)  # runs during the dW GEMM
+        if ctx.gathers:  # dx [b, s, k] -> [b, s/G_y, k], during the dW GEMM
+            dx = ov.backward_scatter_sequence((rows @ w).view(x.shape))
+        else:
+            dx = ov.backward_gemm_all_reduce(rows, w, ctx.out_axis)  # runs during the dW GEMM
         reduce_weight_gradient(ov, w_shard, dy, x)
-        return dx.wait().view(x.shape), None, None, None, None
+        return dx.wait().view(ctx.x_shape), None, None, None, None, None
 
 
 class Linear(nn.Module):
@@ -87,9 +110,15 @@ class Linear(nn.Module):
         replicated over X, Z and data (its gradient is summed over Z and data by
         :func:`tetrad.parallel.grads.sync_gradients`).
 
+    With ``sequence_parallel`` the input of a non-transposed layer is
+    ``[b, s/G_y, in_features/G_x]`` and the output of a transposed one
+    ``[b, s/G_y, out_features/G_x]``, this Y rank's piece of the sequence
+    (:mod:`tetrad.parallel.sequence`).
+
     Raises:
         ValueError: a size not divisible by the grid (check the model with
-            :func:`tetrad.spec.sharding.check_grid` first for a friendlier message).
+            :func:`tetrad.spec.sharding.check_grid` first for a friendlier message), or
+            ``sequence_parallel`` with a bias.
     """
 
     def __init__(
@@ -102,8 +131,12 @@ class Linear(nn.Module):
         bias: bool = False,
         init_std: float = 0.02,
         overlap: Overlap | None = None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
+        if sequence_parallel and bias:
+            raise ValueError("a sequence-parallel Linear takes no bias")
+        self.sequence_parallel = sequence_parallel and grid.y > 1
         self.overlap = overlap if overlap is not None else Overlap(grid, enabled=())
         self.in_axis, self.out_axis = (Axis.Y, Axis.X) if transpose else (Axis.X, Axis.Y)
         g_in, g_out = grid.size(self.in_axis), grid.size(self.out_axis)
@@ -129,11 +162,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k_local = self.in_features // self.grid.size(self.in_axis)
         assert x.shape[-1] == k_local, f"expected [..., {k_local}], got {tuple(x.shape)}"
-        y = _Linear3D.apply(x, self.weight, self.overlap, self.in_axis, self.out_axis)
+        y = _Linear3D.apply(
+            x, self.weight, self.overlap, self.in_axis, self.out_axis, self.sequence_parallel
+        )
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return (
             f"{self.in_features}->{self.out_features}, in over {self.in_axis.upper()}, "
             f"out over {self.out_axis.upper()}, bias={self.bias is not None}"
+            + (", sequence-parallel" if self.sequence_parallel else "")
         )

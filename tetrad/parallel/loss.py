@@ -34,7 +34,7 @@ import torch
 from tetrad.comm import all_reduce
 from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
-from tetrad.parallel.head import VocabParallelHead, gather_hidden, scatter_hidden
+from tetrad.parallel.head import VocabParallelHead, gather_input, scatter_input
 from tetrad.parallel.masters import grad_dtype
 from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import loss_chunk_rows
@@ -177,10 +177,12 @@ class _LMHeadLoss(torch.autograd.Function):
     """``sum_t CE(all-gather_X(x_t) all-gather_Z(W_shard)^T, target_t)``; module docstring."""
 
     @staticmethod
-    def forward(ctx, x, w_shard, targets, ov, vocab: int | None, rows: int, need_grad: bool):
+    def forward(
+        ctx, x, w_shard, targets, ov, vocab: int | None, rows: int, need_grad: bool, seq: bool
+    ):
         grid, dtype = ov.grid, compute_dtype(x)
         w = ov.gather_weight(w_shard, dtype)  # [V/(G_y G_x), h]
-        x_full = gather_hidden(x.to(dtype), grid)  # [..., h]
+        x_full = gather_input(x.to(dtype), grid, seq)  # [..., h], the whole sequence
         xm = x_full.reshape(-1, x_full.shape[-1])
         v_local, split = w.shape[0], grid.y * grid.x > 1
         first = _block(grid, HEAD_AXES) * v_local
@@ -217,15 +219,14 @@ class _LMHeadLoss(torch.autograd.Function):
                         blocks.gradient(s, e, p, sum_exp[s:e], dx, dw)
         if need_grad:
             ctx.save_for_backward(dx, dw)
-            ctx.weight, ctx.ov, ctx.shape = w_shard, ov, x_full.shape
+            ctx.weight, ctx.ov, ctx.shape, ctx.seq = w_shard, ov, x_full.shape, seq
         return (sum_exp.log() + row_max - z_target).sum()
 
     @staticmethod
     def backward(ctx, dloss):
         dx, dw = ctx.saved_tensors
         ov = ctx.ov
-        dx = scatter_hidden((dx * dloss.to(dx.dtype)).view(ctx.shape), ov.grid)
-        handle = ov.backward_all_reduce(dx, Axis.Y)  # during the dW scaling
+        handle = scatter_input((dx * dloss.to(dx.dtype)).view(ctx.shape), ov, ctx.seq)
         slot = ov.grad_slot(ctx.weight)  # its place in the data-parallel bucket, if offered
         if slot is not None:
             dw = torch.mul(dw, dloss, out=slot)
@@ -234,7 +235,7 @@ class _LMHeadLoss(torch.autograd.Function):
         else:  # scaled into the fp32 reduce-scatter input in one pass
             dw = torch.mul(dw, dloss, out=torch.empty_like(dw, dtype=grad_dtype(ctx.weight)))
         ov.reduce_weight_grad(ctx.weight, dw)
-        return handle.wait(), None, None, None, None, None, None
+        return handle.wait(), None, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # collectives and the overlap state stay outside compiled graphs
@@ -246,7 +247,9 @@ def lm_head_loss(
 
     Args:
         head: the LM head (its weight, grid and overlap).
-        x: hidden states ``[b, s, dim/G_x]``, replicated over Y.
+        x: hidden states ``[b, s, dim/G_x]``, replicated over Y (with the head's
+            ``sequence_parallel``: ``[b, s/G_y, dim/G_x]``, this Y rank's piece of the
+            sequence).
         targets: ``[b, s]`` global token ids.
         vocab: the real vocabulary when the head's is padded (ids ``>= vocab`` get no
             probability).
@@ -258,4 +261,5 @@ def lm_head_loss(
     v_local = head.vocab // (grid.y * grid.x)
     rows = loss_chunk_rows(v_local, targets.numel(), x.device.type)
     need_grad = torch.is_grad_enabled() and (x.requires_grad or head.weight.requires_grad)
-    return _LMHeadLoss.apply(x, head.weight, targets, head.overlap, vocab, rows, need_grad)
+    seq = head.sequence_parallel
+    return _LMHeadLoss.apply(x, head.weight, targets, head.overlap, vocab, rows, need_grad, seq)

@@ -20,6 +20,12 @@ Layouts on the grid (AxoNN's algorithm, Singh et al., arXiv 2305.13525):
                           :mod:`tetrad.parallel.experts`), gradients summed over Z and
                           expert-data (and Y, X); whole on every rank when G_expert = 1
     q/k head norms        whole on every rank, gradients summed over Z, data and Y (heads)
+
+With ``sequence_parallel`` (``G_y > 1``) the residual stream, the norms and the residual adds
+are split along the sequence over Y instead of replicated, ``[B/(G_data G_z), S/G_y, h/G_x]``;
+each pair gathers the sequence before its first layer and reduce-scatters it after its second,
+the embedding reduce-scatters its output and the LM head gathers its input
+(:mod:`tetrad.parallel.sequence`); norm weights' gradients are summed over Y too.
 """
 
 from __future__ import annotations
@@ -44,19 +50,23 @@ from tetrad.parallel.moe_tensor import TensorTokens
 from tetrad.parallel.norm import RMSNorm
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import Placement
-from tetrad.spec.grid import Axis
+from tetrad.spec.grid import Axis, GridError
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import DEFAULT_OVERLAPS
-from tetrad.spec.sharding import check_grid, check_moe_grid
+from tetrad.spec.sharding import check_grid, check_moe_grid, sequence_parallel_problem
 
 
 class ParallelLayers:
     """A :class:`tetrad.models.llama.Layers` factory of 3D tensor-parallel layers on ``grid``,
     sharing one :class:`Overlap`; attention heads are split over Y, sequences over context
-    (:mod:`tetrad.parallel.context`)."""
+    (:mod:`tetrad.parallel.context`); with ``sequence_parallel`` the residual stream split
+    along the sequence over Y (:mod:`tetrad.parallel.sequence`)."""
 
-    def __init__(self, grid: Grid, overlap: Overlap):
+    def __init__(self, grid: Grid, overlap: Overlap, sequence_parallel: bool = False):
         self.grid, self.overlap = grid, overlap
+        self.sequence_parallel = sequence_parallel
+        # the residual stream holds 1/sequence_split of this rank's tokens of each sample
+        self.sequence_split = grid.y if sequence_parallel else 1
         self.head_split = grid.y
         if grid.context == 1:
             self.attention = causal_attention
@@ -75,16 +85,22 @@ class ParallelLayers:
         return local_positions(s, self.grid, device)
 
     def linear(self, k: int, n: int, *, transpose: bool = False, std: float = 0.02) -> nn.Module:
-        return Linear(k, n, self.grid, transpose=transpose, init_std=std, overlap=self.overlap)
+        ov, sp = self.overlap, self.sequence_parallel
+        return Linear(
+            k, n, self.grid, transpose=transpose, init_std=std, overlap=ov, sequence_parallel=sp
+        )
 
     def embedding(self, vocab: int, dim: int) -> nn.Module:
-        return Embedding(vocab, dim, self.grid, overlap=self.overlap)
+        sp = self.sequence_parallel
+        return Embedding(vocab, dim, self.grid, overlap=self.overlap, sequence_parallel=sp)
 
     def head(self, dim: int, vocab: int) -> nn.Module:
-        return VocabParallelHead(dim, vocab, self.grid, overlap=self.overlap)
+        sp = self.sequence_parallel
+        return VocabParallelHead(dim, vocab, self.grid, overlap=self.overlap, sequence_parallel=sp)
 
     def norm(self, dim: int, eps: float) -> nn.Module:
-        return RMSNorm(dim, self.grid, Axis.X, eps)
+        sum_axes = (Axis.Y,) if self.sequence_parallel else ()  # each Y rank: its tokens
+        return RMSNorm(dim, self.grid, Axis.X, eps, sum_axes)
 
     def loss_sum(
         self, head: nn.Module, x: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
@@ -143,6 +159,10 @@ class ParallelLlama(Transformer):
             (or a bool).
         overlaps: names from :data:`tetrad.spec.overlap.OVERLAPS` (default: all but ``fine``).
         part: the slice of the model to build (a pipeline stage's); default the whole.
+        sequence_parallel: split the residual stream along the sequence over Y
+            (:mod:`tetrad.parallel.sequence`): the norms' and residual's activations divided by
+            ``G_y``, each pair's all-reduce over Y replaced by an
+            all-gather and a reduce-scatter of the same bytes.
         overlap_options: ``bucket_bytes``, ``domino_min_rows``, ``fine_chunks`` and
             ``context_pieces`` of
             :class:`Overlap`.
@@ -152,7 +172,9 @@ class ParallelLlama(Transformer):
 
     Raises:
         GridError: a size of ``cfg`` that does not shard on ``grid`` (heads or KV heads
-            by ``G_y``, a weight dimension by its axes), listing what to change.
+            by ``G_y``, a weight dimension by its axes), listing what to change; or
+            ``sequence_parallel`` on a grid or model without it
+            (:func:`tetrad.spec.sharding.sequence_parallel_problem`).
     """
 
     def __init__(
@@ -162,12 +184,15 @@ class ParallelLlama(Transformer):
         activation_checkpointing: str | bool = "none",
         overlaps: Iterable[str] = DEFAULT_OVERLAPS,
         part: ModelPart | None = None,
+        sequence_parallel: bool = False,
         **overlap_options: int,
     ):
         check_grid(cfg, grid.sizes)
         check_moe_grid(cfg, grid.sizes, grid.pipe, grid.expert)
+        if sequence_parallel and (problem := sequence_parallel_problem(cfg, grid.sizes)):
+            raise GridError(problem)
         overlap = Overlap(grid, overlaps, **overlap_options)
-        layers = ParallelLayers(grid, overlap)
+        layers = ParallelLayers(grid, overlap, sequence_parallel)
         with torch.device("meta"):  # shapes only: each rank then allocates its own shards
             super().__init__(cfg, layers, activation_checkpointing, part)
         materialize(self, grid.device)

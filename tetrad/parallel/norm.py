@@ -43,14 +43,23 @@ _all_reduce_sum = torch.compiler.disable(_AllReduceSum.apply)
 
 class RMSNorm(nn.Module):
     """RMSNorm of ``[..., dim/G_axis]`` activations; weight ``[dim/G_axis]``, replicated over
-    the other axes (its gradient is summed over Z and data by ``sync_gradients``)."""
+    the other axes (its gradient is summed over Z and data by ``sync_gradients``, and over
+    ``sum_axes`` too: Y under sequence parallelism, where each Y rank normalises its own piece
+    of the sequence, :mod:`tetrad.parallel.sequence`)."""
 
-    def __init__(self, dim: int, grid: Grid, axis: Axis = Axis.X, eps: float = 1e-5):
+    def __init__(
+        self,
+        dim: int,
+        grid: Grid,
+        axis: Axis = Axis.X,
+        eps: float = 1e-5,
+        sum_axes: tuple[Axis, ...] = (),
+    ):
         super().__init__()
         if dim % grid.size(axis):
             raise ValueError(f"RMSNorm dim {dim} is not divisible by G_{axis}={grid.size(axis)}")
         self.grid, self.axis, self.dim, self.eps = grid, axis, dim, eps
-        self.weight = sharded_parameter((dim,), ((axis,),), grid, ("ones",))
+        self.weight = sharded_parameter((dim,), ((axis,),), grid, ("ones",), sum_axes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., dim/G_axis]`` -> the same shape in the compute dtype (the autocast dtype

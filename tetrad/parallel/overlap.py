@@ -48,6 +48,7 @@ from tetrad.comm.fused import ring_matmul_reduce_scatter
 from tetrad.grid import Grid
 from tetrad.parallel.buckets import GradBuckets
 from tetrad.parallel.masters import add_grad
+from tetrad.parallel.sequence import scatter_sequence
 from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import (
     CONTEXT_PIECES,
@@ -336,3 +337,12 @@ class Overlap:
             self.counts["async_dx_all_reduces"] += self.grid.size(axis) > 1
             return all_reduce(dx, self.grid, axis, async_op=True)
         return Handle(None, all_reduce(dx, self.grid, axis), None, 0.0)
+
+    def backward_scatter_sequence(self, dx: torch.Tensor) -> Handle:
+        """Start the sequence-parallel input gradient's reduce-scatter over Y along the sequence
+        (``[b, s, k]`` -> ``[b, s/G_y, k]``, :func:`tetrad.parallel.sequence.scatter_sequence`);
+        in flight during the caller's dW GEMM with ``dx_all_reduce``, else blocking."""
+        if self._in_step and self.on("dx_all_reduce"):
+            self.counts["async_dx_all_reduces"] += self.grid.y > 1
+            return scatter_sequence(dx, self.grid, async_op=True)
+        return Handle(None, scatter_sequence(dx, self.grid), None, 0.0)

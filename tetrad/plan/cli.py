@@ -2,8 +2,9 @@
 
 :mod:`tetrad.cli` builds the sub-commands with :func:`add_plan_arguments` and
 :func:`add_memory_arguments` and runs :func:`run_plan` / :func:`run_memory` (on a pipeline grid,
-:func:`pipeline_memory_text`), which raise :class:`~tetrad.plan.errors.PlanError` (printed as one
-line by the command) for bad input. Plain Python: no torch.
+:func:`tetrad.plan.cli_memory.pipeline_memory_text`), which raise
+:class:`~tetrad.plan.errors.PlanError` (printed as one line by the command) for bad input. Plain
+Python: no torch.
 """
 
 from __future__ import annotations
@@ -13,19 +14,17 @@ import json
 import sys
 
 from tetrad.plan.cli_conflicts import check_memory_settings, check_plan_settings
+from tetrad.plan.cli_memory import grid_and_experts, pipeline_memory_text, weights_text
 from tetrad.plan.comm.sublayers import format_sublayers, sublayers
 from tetrad.plan.compute.fp8 import FP8_RECIPES
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import get_machine, preset_names
 from tetrad.plan.memory import fujii
-from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.moe import moe_terms
-from tetrad.plan.memory.pipeline import pipeline_memory, stage_model
+from tetrad.plan.memory.pipeline import stage_model
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.sharded_optimizer import SHARD_OPTIMIZER
-from tetrad.plan.pipe.pipeline_step import split_ranks
-from tetrad.plan.pipe.schedule import SCHEDULES, schedule_problems
-from tetrad.plan.pipe.stages import split_costs
+from tetrad.plan.pipe.schedule import SCHEDULES
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search import report
 from tetrad.plan.search.fp8_choice import plan_fp8_auto
@@ -35,16 +34,10 @@ from tetrad.spec.activation_checkpointing import CHECKPOINTING, parse_checkpoint
 from tetrad.spec.conflicts import PIPELINE_DEFAULTS
 from tetrad.spec.grid import (
     ORIENTATIONS,
-    format_grid,
-    parse_pipeline_grid,
-    pop_expert,
     role_sizes,
 )
-from tetrad.spec.model import ModelSpec
-from tetrad.spec.pipeline_split import PipelineSplitError
 from tetrad.spec.precision import PARAM_DTYPES
 from tetrad.spec.presets import PRESETS, get_model
-from tetrad.spec.sharding import moe_grid_problem
 from tetrad.spec.units import GiB
 
 
@@ -177,6 +170,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "fp32 masters with the optimizer states; default fp32, the runtime's default)",
     )
     p.add_argument(
+        "--sequence-parallel",
+        **dict(choices=("off", "on", "auto"), nargs="?", const="on", default="off"),
+        help="4D grids of a Llama with G_y > 1 with tetrad train --sequence-parallel "
+        "(rows marked sp): off (default), on, or auto (each grid with or without, whichever "
+        "is faster)",
+    )
+    p.add_argument(
         "--gpu-memory-gib", type=float, metavar="GIB", help="GPU memory (default: the machine's)"
     )
     p.add_argument(
@@ -292,6 +292,12 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         "masters with the optimizer states, default fp32)",
     )
     m.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="tetrad: the residual stream and norms split along the sequence over the Y role "
+        "(tetrad train --sequence-parallel)",
+    )
+    m.add_argument(
         "--expert-parallel",
         type=_positive_int,
         default=1,
@@ -349,6 +355,7 @@ def run_plan(args: argparse.Namespace) -> int:
         shard_optimizer=args.shard_optimizer,
         moe_imbalance=args.moe_imbalance,
         params=args.param_dtype,
+        sequence_parallel=args.sequence_parallel,
     )
     fp8_lines: list[str] = []
     if args.fp8 == "auto":
@@ -410,11 +417,14 @@ def run_memory(args: argparse.Namespace) -> int:
     if method == "tetrad":
         if not args.grid:
             raise PlanError("--method tetrad needs --grid DATA,Z,Y,X (for example 2,1,1,2)")
-        pipe, grid, moe = _grid_and_experts(args, model)
+        pipe, grid, moe = grid_and_experts(args, model)
         expert = moe.get("expert", 1)
         check_memory_settings(args, method, pipe)
         ckpt = parse_checkpointing(args.activation_checkpointing)
         turn = args.orientation
+        sp = args.sequence_parallel
+        if sp and turn == "auto" and 1 in grid[3:]:  # a lone tensor axis plays Y
+            turn = "yx" if grid[4] > 1 else "xy"
         if turn == "auto":
             ctx = StepQuestion(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])
             turn = best_orientation(ctx, grid, 1, ckpt)  # the bytes do not depend on the machine
@@ -441,15 +451,17 @@ def run_memory(args: argparse.Namespace) -> int:
                 compiled=args.compile,
                 params=args.param_dtype,
                 **moe,
+                **({"sequence_parallel": True} if sp else {}),
             )
             title = (
                 f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))} "
                 f"({turn}), micro-batch {args.micro_batch} x {args.seq_len} tokens, "
                 f"checkpointing {ckpt}"
                 + (", AdamW states sharded over data x context" if args.shard_optimizer else "")
-                + _weights_text(args)
+                + weights_text(args)
                 + (f", expert axis {expert}" if model.is_moe else "")
                 + (", blocks compiled" if args.compile else "")
+                + (", sequence-parallel" if sp else "")
                 + f"\nGPU memory {gpu / GiB:.1f} GiB ({gpu_from})"
             )
         # with a pipeline: one stage of the most blocks' (its in-flight copies not included)
@@ -501,100 +513,3 @@ def run_memory(args: argparse.Namespace) -> int:
     else:
         print(report.memory_text(mem, title, "raise TP, CP or PP, or lower the micro-batch"))
     return 0
-
-
-def _weights_text(args: argparse.Namespace) -> str:
-    """The title's note on bf16 weights (none for fp32)."""
-    return ", bf16 weights with fp32 masters" if args.param_dtype != "fp32" else ""
-
-
-def _grid_and_experts(args: argparse.Namespace, model: ModelSpec) -> tuple[int, tuple, dict]:
-    """``(G_pipe, the five sizes, MoE options)`` of ``tetrad memory --grid``: an ``expert=N``
-    item of a named grid, else ``--expert-parallel``, and ``--moe-imbalance``, as the
-    ``expert`` and ``imbalance`` keywords of :func:`runtime_memory` (empty for a dense model).
-
-    Raises:
-        PlanError: a bad ``expert=N``, one that ``--expert-parallel`` contradicts, or an
-            expert axis the MoE runtime cannot run.
-    """
-    text, expert = args.grid, args.expert_parallel
-    if "expert=" in text.replace(" ", ""):
-        text, named = pop_expert(text)
-        if not named.isdigit() or int(named) < 1:
-            raise PlanError(f"expert={named} in --grid must be a positive whole number")
-        if expert not in (1, int(named)):  # as tetrad train: the two must agree
-            raise PlanError(
-                f"--grid names expert={named} and --expert-parallel {expert} disagrees: keep one"
-            )
-        expert = int(named)
-    pipe, grid = parse_pipeline_grid(text)
-    if expert > 1 and (problem := moe_grid_problem(model, grid, pipe, expert)):
-        raise PlanError(problem)
-    if not model.is_moe:
-        return pipe, grid, {}
-    return pipe, grid, {"expert": expert, "imbalance": args.moe_imbalance}
-
-
-def pipeline_memory_text(
-    args: argparse.Namespace,
-    model: ModelSpec,
-    pipe: int,
-    grid: tuple,
-    turn: str,
-    ckpt: str,
-    gpu_memory_bytes: float,
-    moe: dict | None = None,
-) -> tuple[MemoryBreakdown, str]:
-    """The worst rank's breakdown and the title of ``tetrad memory`` on a pipeline grid: the
-    stage split is the runtime's (:func:`tetrad.spec.pipeline_split.balanced_split` by the per-block
-    compute of ``--machine``, default dgx-h100); ``--num-microbatches`` defaults to ``8 G_pipe``.
-
-    Raises:
-        PlanError: the schedule cannot run these sizes, or more stages than blocks.
-    """
-    v, sched = args.virtual_stages, args.pipeline_schedule
-    m = args.num_microbatches or 8 * pipe
-    if bad := schedule_problems(sched, pipe, v, m):
-        raise PlanError(
-            "; ".join(bad) + ": change --pipeline-schedule, --virtual-stages or --num-microbatches"
-        )
-    mode, moe = ckpt.partition(":")[0], moe or {}
-    if mode != ckpt:
-        raise PlanError("a pipeline grid takes --activation-checkpointing none, selective or full")
-    machine = get_machine(args.machine or "dgx-h100")
-    roles = role_sizes(grid, turn)
-    ctx = StepQuestion(model, machine, args.seq_len, grid[0] * grid[2] * args.micro_batch * m)
-    try:
-        ranks = split_ranks(
-            model.n_layers, split_costs(ctx.compute(roles, args.micro_batch), mode), pipe, v
-        )
-    except PipelineSplitError as e:
-        raise PlanError(str(e)) from None
-    worst, per_rank = pipeline_memory(
-        model,
-        roles,
-        args.micro_batch,
-        args.seq_len,
-        gpu_memory_bytes,
-        ranks,
-        sched,
-        v,
-        m,
-        activation_checkpointing=mode,
-        shard_optimizer=getattr(args, "shard_optimizer", False),
-        params=getattr(args, "param_dtype", "fp32"),
-        **moe,
-    )
-    stages = ", ".join(
-        f"{r.rank}: {'+'.join(map(str, r.chunk_blocks))} blocks {mb.total / GiB:.1f} GiB"
-        for r, mb in zip(ranks, per_rank, strict=True)
-    )
-    title = (
-        f"{model.summary()}\ntetrad runtime, grid P,D,C,Z,Y,X={format_grid(pipe, grid)} "
-        f"({turn}), {sched} with {v} stage(s) per rank, {m} micro-batches of "
-        f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}{_weights_text(args)}\n"
-        f"pipeline ranks (stage split by {machine.name} compute"
-        f"{'' if args.machine else ', the default without --machine'}): {stages}\n"
-        f"the worst rank:"
-    )
-    return worst, title

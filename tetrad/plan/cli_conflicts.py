@@ -25,6 +25,7 @@ PLAN_RANKING_DEFAULTS = {
     "no_pipeline": False,
     "shard_optimizer": "auto",
     "param_dtype": "fp32",
+    "sequence_parallel": "off",
     "gpu_memory_gib": None,
 }
 """``tetrad plan``'s options that only ranking reads, and their defaults."""
@@ -35,6 +36,7 @@ MEMORY_TETRAD_DEFAULTS = {
     "activation_checkpointing": "none",
     "compile": False,
     "param_dtype": "fp32",
+    "sequence_parallel": False,
     "expert_parallel": 1,
     "moe_imbalance": 1.0,
     **PIPELINE_DEFAULTS,

@@ -39,6 +39,7 @@ from tetrad.plan.machine.description import Machine
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER, Link
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import DOMINO_MIN_ROWS, DP_BUCKET_BYTES, OverlapError, parse_overlaps
+from tetrad.spec.sharding import sequence_parallel_problem
 from tetrad.spec.units import FP32
 
 
@@ -64,6 +65,11 @@ class StepQuestion:
             the
             best of :data:`tetrad.plan.comm.context_parallel.PIECE_CANDIDATES` per grid and
             micro-batch (:meth:`kv_choice`).
+        sequence_parallel: the runtime's ``--sequence-parallel``: on grids of a dense Llama with
+            ``G_y > 1`` the residual stream split along the sequence over Y
+            (tetrad/parallel/sequence.py): each all-reduce over Y becomes an all-gather and a
+            reduce-scatter (:attr:`tetrad.plan.comm.record.Step.sequence_parallel`); other
+            grids are modelled as without it.
         fp8: the FP8 recipe, ``off``, ``tensorwise`` or ``rowwise``
             (:mod:`tetrad.plan.compute.fp8`): the block Linears' GEMMs it converts at the FP8
             rate with their casts, the weights' Z all-gather in FP8 bytes and their amax
@@ -90,8 +96,10 @@ class StepQuestion:
         fine_chunks: int | None = None,
         context_pieces: int | None = None,
         fp8: str = "off",
+        sequence_parallel: bool = False,
     ):
         check_fp8(fp8, machine)
+        self.sequence_parallel = sequence_parallel
         if compute_bytes not in (2, 4):
             raise PlanError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
         self.model, self.machine = model, machine
@@ -244,6 +252,16 @@ class StepQuestion:
                     got, acc = got + 1, 0.0
             self._buckets[key] = got
         return got
+
+    def sequence_split(self, gc: int, gy: int, gx: int) -> int:
+        """``G_y`` where this question's runtime splits the residual stream along the sequence
+        over Y on a grid of these role sizes (``sequence_parallel`` asked, ``G_y > 1``, a dense
+        Llama, each rank's ``S / G_context`` tokens divisible by ``G_y``:
+        :func:`tetrad.spec.sharding.sequence_parallel_problem`), else 1."""
+        if not getattr(self, "sequence_parallel", False) or self.model.family != "llama":
+            return 1  # the runtime builds Llama only
+        problem = sequence_parallel_problem(self.model, (1, gc, 1, gy, gx), self.seq_len)
+        return 1 if problem else gy
 
     def vector_elements(self, gx: int, gy: int) -> float:
         """Local elements of the parameters replicated over Z (norm weights; GPT: LayerNorm

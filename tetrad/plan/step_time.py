@@ -261,7 +261,14 @@ def make_step(
         z_weight_bytes=ctx.z_weight_bytes,
         param_bytes=ctx.param_bytes,
         scale_link=ctx.machine.network.link(1, gx * gy * gz) if ctx.fp8 == "tensorwise" else None,
+        sequence_parallel=sequence_parallel_applies(ctx, roles),
     )
+
+
+def sequence_parallel_applies(ctx: StepQuestion, roles: tuple) -> bool:
+    """Whether ``ctx`` asks for sequence parallelism and the runtime has it on these role
+    sizes ``(G_data, G_context, G_z, G_y, G_x)`` (:meth:`StepQuestion.sequence_split`)."""
+    return ctx.sequence_split(roles[1], roles[3], roles[4]) > 1
 
 
 def best_orientation(
@@ -392,6 +399,7 @@ def collectives(
     shard_optimizer: bool = False,
     fp8: str = "off",
     param_bytes: int = 4,
+    sequence_parallel: bool = False,
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
     axis, kind, payload bytes per call, calls, ring bytes and seconds per call, the compute it
@@ -402,7 +410,8 @@ def collectives(
     ``orientation``: as :func:`estimate`'s; ``shard_optimizer``: the runtime's sharded
     optimizer (:mod:`tetrad.plan.question`); ``fp8``: the FP8 recipe
     (:mod:`tetrad.plan.compute.fp8`); ``param_bytes``: the weights' stored bytes per element
-    (2 with ``--param-dtype bf16``).
+    (2 with ``--param-dtype bf16``); ``sequence_parallel``: the runtime's
+    ``--sequence-parallel`` (:class:`~tetrad.plan.question.StepQuestion`).
 
     Raises:
         PlanError: the batch does not split on the grid, or a bad overlap name.
@@ -420,6 +429,7 @@ def collectives(
         fine_chunks=fine_chunks,
         context_pieces=context_pieces,
         fp8=fp8,
+        sequence_parallel=sequence_parallel,
     )
     est = estimate(
         sharded(ctx) if shard_optimizer else ctx,

@@ -134,3 +134,33 @@ def context_problems(seq_len: int, gc: int) -> list[str]:
     if gc > 1 and seq_len % (2 * gc):
         return [f"seq_len {seq_len} % (2*G_context = {2 * gc}) == 0"]
     return []
+
+
+def sequence_parallel_problem(
+    model: ModelSpec, grid: GridShape, seq_len: int | None = None
+) -> str | None:
+    """Why sequence parallelism (the residual stream split along the sequence over Y,
+    :mod:`tetrad.parallel.sequence`) cannot run ``model`` on ``grid = (G_data, [G_context,]
+    G_z, G_y, G_x)`` in roles with sequences of ``seq_len`` tokens (None: not checked), in one
+    line that names what to change; None when it can.
+
+    It needs a tensor axis in the Y role (``G_y > 1``; with ``G_x = 1`` Megatron-LM's layout,
+    a lone tensor axis getting the Y role under the default orientation; with ``G_x > 1`` the
+    stream ``[b, S/G_y, h/G_x]`` split over both), a dense model, and each rank's
+    ``seq_len / G_context`` tokens divisible by ``G_y``.
+    """
+    _, context, _, y, x = (int(g) for g in with_context(grid))
+    if y == 1:
+        return (
+            f"sequence parallelism splits the sequence over the tensor axis in the Y role, and "
+            f"G_y=1 (G_x={x}): use a grid with a tensor axis (y=N, or x=N with orientation "
+            "auto) or drop --sequence-parallel"
+        )
+    if model.is_moe:
+        return "sequence parallelism is not built for MoE models yet: drop --sequence-parallel"
+    if seq_len is not None and seq_len % (context * y):
+        return (
+            f"sequence parallelism splits each rank's seq_len/G_context tokens over G_y={y}: "
+            f"use a seq_len divisible by G_context*G_y={context * y}"
+        )
+    return None

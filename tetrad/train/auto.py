@@ -124,6 +124,8 @@ def choose_grid(
             dtype=cfg.policy.compute,
             shard_optimizer="on" if par.shard_optimizer else "auto",
             params=cfg.policy.params,
+            # --sequence-parallel with grid auto: on the chosen grid where it runs and pays
+            sequence_parallel="auto" if par.sequence_parallel else "off",
         )
     except TetradError as e:  # the planner's PlanError, or a grid or model the rules refuse
         raise ConfigError(
@@ -169,6 +171,7 @@ def choose_grid(
         activation_checkpointing=best.activation_checkpointing,
         orientation=best.orientation,
         shard_optimizer=par.shard_optimizer or best.shard_optimizer,
+        sequence_parallel=best.sequence_parallel,
         expert_parallel=best.expert or par.expert_parallel,  # an MoE model's expert axis
     )
     return dataclasses.replace(cfg, parallelism=par)
@@ -234,7 +237,8 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with ``--orientation auto`` resolved (:data:`tetrad.spec.grid.ORIENTATIONS`): the
     orientation whose X and Y collectives send fewer bytes, or with ``--machine`` the one with
     the shorter predicted step (:func:`tetrad.plan.step_time.best_orientation`); ``xy``
-    when ``G_x = G_y = 1``. Every rank computes the same answer.
+    when ``G_x = G_y = 1``; with ``--sequence-parallel`` and one tensor axis, the one that gives
+    it the Y role. Every rank computes the same answer.
 
     Raises:
         ConfigError: an unknown ``--machine``.
@@ -247,7 +251,9 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
     if par.orientation != "auto" or par.grid == "auto":
         return cfg
     chosen = "xy"
-    if par.grid[3] > 1 or par.grid[4] > 1:
+    if par.sequence_parallel and (par.grid[3] == 1 or par.grid[4] == 1):
+        chosen = "yx" if par.grid[4] > 1 else "xy"  # a lone tensor axis plays Y
+    elif par.grid[3] > 1 or par.grid[4] > 1:
         machine = machine_for(cfg) if par.machine else get_machine("dgx-h100")  # bytes only
         # the tokenizer's vocabulary is not known before preflight; no X or Y collective
         # depends on it, so the BPE size stands in (every rank alike)

@@ -42,6 +42,33 @@ def check_parallelism(par: ParallelismSection, seq_len: int) -> None:
             "--expert-parallel"
         )
     _check_pieces(par)
+    if par.sequence_parallel:
+        _check_sequence_parallel(par, seq_len)
+
+
+def _check_sequence_parallel(par: ParallelismSection, seq_len: int) -> None:
+    """A tensor axis in the Y role (with one, the orientation gives it that role), and
+    ``seq_len`` divisible by ``G_context`` times the size of each axis that may play Y
+    (:func:`tetrad.spec.sharding.sequence_parallel_problem`; the model's kind is checked when
+    it is built)."""
+    d, c, z, y, x = par.grid
+    if y == 1 and x == 1:
+        raise ConfigError(
+            "--sequence-parallel splits the sequence over a tensor axis and the grid has none: "
+            "add y=N (or x=N), or drop --sequence-parallel"
+        )
+    if par.orientation != "auto" and (y if par.orientation == "xy" else x) == 1:
+        raise ConfigError(
+            f"--sequence-parallel needs a tensor axis in the Y role: use --orientation "
+            f"{'yx' if par.orientation == 'xy' else 'xy'} or auto"
+        )
+    roles = {"xy": (y,), "yx": (x,)}.get(par.orientation, (y, x))
+    for n in (n for n in roles if n > 1):
+        if seq_len % (c * n):
+            raise ConfigError(
+                f"--sequence-parallel splits each rank's seq_len/G_context tokens {n} ways: "
+                f"use a seq_len divisible by G_context*{n} = {c * n}"
+            )
 
 
 def _check_pieces(par: ParallelismSection) -> None:

@@ -160,6 +160,14 @@ class ParallelismSection:
         help="shard the AdamW states over the data x context ranks (ZeRO-1, Megatron's "
         "distributed optimizer): gradients reduce-scattered, parameters all-gathered over them",
     )
+    sequence_parallel: bool = option(
+        False,
+        help="split the residual stream and the norms along the sequence over the tensor axis "
+        "in the Y role (y=N, or x=N alone: Megatron-LM's sequence parallelism; with both, "
+        "as the stream is over X): their activations divided by N, each layer pair's all-reduce an "
+        "all-gather plus a reduce-scatter of the same bytes; with grid auto, where the planner "
+        "finds it faster",
+    )
     dp_bucket_mb: float = option(
         DP_BUCKET_BYTES / MiB, metavar="MB", help="data-parallel all-reduce bucket size, MiB"
     )

@@ -92,6 +92,7 @@ def build_model(cfg: TrainConfig, model_cfg: ModelSpec, grid: Grid) -> Runner:
         domino_min_rows=par.domino_min_rows,
         fine_chunks=chunks or FINE_CHUNKS,
         context_pieces=context_pieces(cfg, model_cfg),
+        sequence_parallel=par.sequence_parallel,
     )
     if grid.pipe > 1:
         micro_batches = cfg.grad_accum

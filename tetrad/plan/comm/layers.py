@@ -50,9 +50,15 @@ def lm_head(rec: Recorder, st: Step) -> None:
     over X of its input, payload ``m h c`` (the output). Backward: reduce-scatter over X of the
     input gradient, payload ``m h c`` (the input), then all-reduce over Y of ``m h / G_x * c``
     (with ``dx_all_reduce`` during the scaling of the head's ``dW``, which the fused loss formed
-    in forward: exposed ``max(0, t - scaling)``)."""
+    in forward: exposed ``max(0, t - scaling)``). Under sequence parallelism the input is first
+    all-gathered along the sequence over Y, payload ``m h / G_x c``, and in backward that
+    all-reduce over Y is a reduce-scatter of the same payload (hidden as the all-reduce was)."""
     m, h, c, acc = st.m, st.model.dim, st.c, st.acc
     gx, gy = st.sizes["x"], st.sizes["y"]
+    if st.sequence_parallel:
+        p = m * h / gx * c
+        t = st.links["y"].time(ALL_GATHER, p)
+        rec.add("output", "forward", "y", ALL_GATHER, p, acc, t, acc * t)
     if gx > 1:
         p = m * h * c
         t = st.links["x"].time(ALL_GATHER, p)
@@ -61,10 +67,11 @@ def lm_head(rec: Recorder, st: Step) -> None:
         rec.add("output", "backward", "x", REDUCE_SCATTER, p, acc, t, acc * t)
     if gy > 1:
         p = m * h / gx * c
-        t = st.links["y"].time(ALL_REDUCE, p)
+        kind = REDUCE_SCATTER if st.sequence_parallel else ALL_REDUCE
+        t = st.links["y"].time(kind, p)
         e = _max0(t - st.comp.head_dw_scale) if st.dx_overlap else t
         hid = "dW scaling" if st.dx_overlap else ""
-        rec.add("output", "backward", "y", ALL_REDUCE, p, acc, t, acc * e, hid)
+        rec.add("output", "backward", "y", kind, p, acc, t, acc * e, hid)
 
 
 # ---- always-exposed all-reduces: loss, embedding, norms ---------------------------------------
@@ -82,7 +89,17 @@ def loss(rec: Recorder, st: Step) -> None:
 
 def embedding(rec: Recorder, st: Step) -> None:
     """Embedding lookups (token table, GPT: position table): all-reduce ``m h / G_x * 4`` bytes
-    (fp32) over Y per table and micro-batch."""
+    (fp32) over Y per table and micro-batch; under sequence parallelism a reduce-scatter along
+    the sequence over Y of the same payload in forward and an all-gather of its gradient (the
+    same payload, fp32) in backward."""
+    if st.sequence_parallel:
+        p = st.m * st.model.dim / st.sizes["x"] * FP32
+        link = st.links["y"]
+        t = link.time(REDUCE_SCATTER, p)
+        rec.add("embedding", "forward", "y", REDUCE_SCATTER, p, st.acc, t, st.acc * t)
+        t = link.time(ALL_GATHER, p)
+        rec.add("embedding", "backward", "y", ALL_GATHER, p, st.acc, t, st.acc * t)
+        return
     if st.sizes["y"] > 1:
         p = st.m * st.model.dim / st.sizes["x"] * FP32
         t = st.links["y"].time(ALL_REDUCE, p)
@@ -93,9 +110,11 @@ def embedding(rec: Recorder, st: Step) -> None:
 
 def norms(rec: Recorder, st: Step) -> None:
     """Norm statistics: all-reduce ``m * 4`` bytes (GPT LayerNorm: ``m * 8``) over X, ``2 L + 1``
-    per micro-batch forward and backward, ``2 L`` in recompute."""
+    per micro-batch forward and backward, ``2 L`` in recompute (``m / G_y`` rows under sequence
+    parallelism)."""
     if st.sizes["x"] > 1:
-        p = st.m * FP32 * (2 if st.model.family == "gpt" else 1)
+        rows = st.m // st.sizes["y"] if st.sequence_parallel else st.m
+        p = rows * FP32 * (2 if st.model.family == "gpt" else 1)
         t = st.links["x"].time(ALL_REDUCE, p)
         L, acc = st.n_layers, st.acc
         nf = (2 * L + 1) * acc
@@ -257,13 +276,29 @@ def step_scalars(rec: Recorder, st: Step) -> None:
     the loss scalar (4 B) over Z and data, the gradient norm (8 B, float64) over the world unless
     only the data axis is above 1 (every rank then has the whole gradient). With the sharded
     optimizer the vectors' sum over data is a reduce-scatter, their all-gather follows the
-    update, and the norm is always summed over the world (each rank holds its pieces)."""
+    update, and the norm is always summed over the world (each rank holds its pieces).
+
+    Under sequence parallelism the norm weights' gradients are summed over Y too (each Y rank
+    normalised its own tokens), after Z and before data
+    (:func:`tetrad.parallel.grads.sync_gradients`): an all-reduce of ``pv``, or, when they rode
+    in the sharded optimizer's buckets, of this rank's pieces, ``ceil(h / (G_x G_data))``
+    elements of each of the ``2 L + 1`` norms (:mod:`tetrad.parallel.zero`)."""
     pv = st.vector_el * FP32
-    for ax in (Axis.Z, Axis.DATA):
-        if st.sizes[ax] > 1 and not (ax == Axis.DATA and st.vectors_in_buckets):
-            kind = REDUCE_SCATTER if st.zero and ax == Axis.DATA else ALL_REDUCE
-            t = st.links[ax].time(kind, pv)
-            rec.add("norm_gradients", "step", ax, kind, pv, 1, t, t)
+    if st.sizes[Axis.Z] > 1:
+        t = st.links[Axis.Z].time(ALL_REDUCE, pv)
+        rec.add("norm_gradients", "step", Axis.Z, ALL_REDUCE, pv, 1, t, t)
+    if st.sequence_parallel:
+        py = pv
+        if st.zero and st.vectors_in_buckets:
+            norms, g = 2 * st.n_layers + 1, st.sizes[Axis.DATA]
+            hx = st.model.dim // st.sizes[Axis.X]
+            py = norms * -(-hx // g) * FP32
+        t = st.links[Axis.Y].time(ALL_REDUCE, py)
+        rec.add("norm_gradients", "step", Axis.Y, ALL_REDUCE, py, 1, t, t)
+    if st.sizes[Axis.DATA] > 1 and not st.vectors_in_buckets:
+        kind = REDUCE_SCATTER if st.zero else ALL_REDUCE
+        t = st.links[Axis.DATA].time(kind, pv)
+        rec.add("norm_gradients", "step", Axis.DATA, kind, pv, 1, t, t)
     if not st.vectors_in_buckets:
         parameter_gathers(rec, st, "norm_parameters", pv * st.param_bytes / FP32, 1)
     for ax in (Axis.Z, Axis.DATA):

@@ -16,7 +16,13 @@ def _max0(v: float) -> float:
 
 def forward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear, fine: int = 0) -> None:
     """The all-reduce of ``lin``'s output ``m n / G_out * c`` bytes over its input axis, in every
-    forward phase. The one place that picks its overlap model (``fine``: chunks, 0 for off)."""
+    forward phase. The one place that picks its overlap model (``fine``: chunks, 0 for off).
+    Under sequence parallelism :func:`sequence_forward` first; a second layer's all-reduce over
+    Y is its reduce-scatter then."""
+    if st.sequence_parallel:
+        sequence_forward(rec, st, lin)
+        if lin.in_axis == "y":
+            return
     g = st.sizes[lin.in_axis]
     if g > 1:
         if fine and st.m % g == 0:
@@ -56,7 +62,12 @@ def domino_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear) -> None:
 def backward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear, fine: int = 0) -> None:
     """The dx all-reduce ``m k / G_in * c`` bytes over the output axis; with ``dx_all_reduce``
     it runs during the dW GEMM: exposed ``max(0, t - GEMM)`` seconds (``fine``: chunks of
-    :func:`fine_all_reduce`, 0 for off)."""
+    :func:`fine_all_reduce`, 0 for off). Under sequence parallelism :func:`sequence_backward`
+    first; a first layer's all-reduce over Y is its reduce-scatter then."""
+    if st.sequence_parallel:
+        sequence_backward(rec, st, lin)
+        if lin.out_axis == "y":
+            return
     g = st.sizes[lin.out_axis]
     if g > 1:
         p = st.m * lin.k / st.sizes[lin.in_axis] * st.c
@@ -67,6 +78,39 @@ def backward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear, fine: int = 
         e = _max0(t - lin.gemm) if st.dx_overlap else t
         hid = "dW GEMM" if st.dx_overlap else ""
         rec.add(lin.name, "backward", lin.out_axis, ALL_REDUCE, p, lin.calls, t, lin.calls * e, hid)
+
+
+def sequence_forward(rec: Recorder, st: Step, lin: PlacedLinear) -> None:
+    """Sequence parallelism (tetrad/parallel/sequence.py), in every forward phase, blocking: a
+    pair's first Linear (output over Y) all-gathers its input along the sequence over Y,
+    payload ``m k / G_x c`` (the output; its all-reduce over X follows as without it); the
+    second (input over Y) reduce-scatters its output, payload ``m n / G_x c`` (the input), in
+    place of its all-reduce. Neither is split by Domino nor fused by ``fine``."""
+    if lin.out_axis == "y":
+        kind, p = ALL_GATHER, st.m * lin.k / st.sizes[lin.in_axis] * st.c
+    else:
+        kind, p = REDUCE_SCATTER, st.m * lin.n / st.sizes[lin.out_axis] * st.c
+    t = st.links["y"].time(kind, p)
+    for phase in lin.phases:
+        rec.add(lin.name, phase, "y", kind, p, lin.calls, t, lin.calls * t)
+
+
+def sequence_backward(rec: Recorder, st: Step, lin: PlacedLinear) -> None:
+    """Sequence parallelism in backward: a pair's first Linear reduce-scatters its input
+    gradient along the sequence over Y, payload ``m k / G_x c``, with ``dx_all_reduce`` during
+    the dW GEMM (exposed ``max(0, t - GEMM)``), in place of its all-reduce; the second
+    all-gathers its output gradient, payload ``m n / G_x c``, before its GEMMs (exposed; its
+    input gradient's all-reduce over X follows as without it)."""
+    if lin.out_axis == "y":
+        p = st.m * lin.k / st.sizes[lin.in_axis] * st.c
+        t = st.links["y"].time(REDUCE_SCATTER, p)
+        e = _max0(t - lin.gemm) if st.dx_overlap else t
+        hid = "dW GEMM" if st.dx_overlap else ""
+        rec.add(lin.name, "backward", "y", REDUCE_SCATTER, p, lin.calls, t, lin.calls * e, hid)
+    else:
+        p = st.m * lin.n / st.sizes[lin.out_axis] * st.c
+        t = st.links["y"].time(ALL_GATHER, p)
+        rec.add(lin.name, "backward", "y", ALL_GATHER, p, lin.calls, t, lin.calls * t)
 
 
 def block_linears(rec: Recorder, st: Step) -> None:

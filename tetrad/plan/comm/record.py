@@ -112,6 +112,12 @@ class Step:
             ``tensorwise``, else ``c``; 0: ``c``); ``scale_link``: the group of the ``G_z G_y
             G_x`` ranks that shard a weight (its amax all-reduce,
             :mod:`tetrad.plan.comm.fp8_scales`; None without ``tensorwise``).
+        sequence_parallel: the residual stream split along the sequence over Y
+            (tetrad/parallel/sequence.py): a pair's first Linear and the LM head all-gather
+            their input over Y and reduce-scatter its gradient, the second Linear and the
+            embedding reduce-scatter their output and all-gather its gradient (each pair
+            of the same ring bytes as the all-reduce it replaces), and the norm weights'
+            gradients are summed over Y.
     """
 
     model: ModelSpec
@@ -148,6 +154,7 @@ class Step:
     z_weight_bytes: int = 0
     scale_link: Link | None = None
     param_bytes: int = 4
+    sequence_parallel: bool = False
 
     @property
     def n_layers(self) -> int:

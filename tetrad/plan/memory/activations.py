@@ -2,6 +2,16 @@
 autograd graph (tetrad/parallel, tetrad/models/llama.py) and checked against autograd's saved
 tensors (tests/test_memory_validation.py). Bytes; symbols as in
 :mod:`tetrad.plan.memory.runtime`.
+
+Sequence parallelism (``sequence_parallel``, tetrad/parallel/sequence.py; ``G_y > 1``) splits
+the residual stream's ``m`` rows over Y: each norm's input, ``rstd`` and
+normalised tensor, and a checkpointed block's input, hold ``r = m / G_y`` rows (the ``split``
+argument below is ``G_y`` then, else 1); the first Linear of each pair keeps its input gathered
+along the sequence, ``[m, h/G_x]`` in the compute dtype, and the LM head and loss their ``dx``
+``[m, h]``.
+Korthikanti et al. (arXiv 2205.05198, section 4.2.2, eq. 5) divide every stored tensor by
+``t``; tetrad keeps the gathered Linear input instead of gathering it again in backward, so no
+collective is added.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.grid import context_size, grid_sizes
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.precision import DTYPE_BYTES
+from tetrad.spec.sharding import sequence_parallel_problem
 from tetrad.spec.units import FP32
 
 
@@ -30,18 +41,23 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def _norm_saved_bytes(model: ModelSpec, m: int, hx: int, e: int, consumers: int) -> float:
+def _norm_saved_bytes(
+    model: ModelSpec, m: int, hx: int, e: int, consumers: int, split: int = 1
+) -> float:
     """One norm (tetrad/parallel/norm.py) and the cast of its output for its consumers, per rank.
 
     RMSNorm saves its input ``[m, h/G_x]`` fp32 (``pow``), ``rsqrt`` ``[m, 1]`` fp32 and the
     normalised ``[m, h/G_x]`` fp32 (for the weight's gradient). Its output is saved by the
     following Linears as ``x.to(compute dtype)``: one shared fp32 tensor when ``e = 4``, one bf16
     copy per consumer otherwise (one: the fused wqkv, the fused w13). GPT LayerNorm (not in the
-    runtime): the same with two fp32 statistics ``[m]`` (mean, rstd).
+    runtime): the same with two fp32 statistics ``[m]`` (mean, rstd). With sequence parallelism
+    (``split = G_y``) the norm's three tensors hold ``m / G_y`` rows and each consumer keeps
+    the output gathered along the sequence, ``e m h`` (module docstring).
     """
     stats = 2 if model.family == "gpt" else 1
+    r = m // split
     out = FP32 * m * hx if e == FP32 else consumers * e * m * hx
-    return FP32 * m * hx + stats * FP32 * m + FP32 * m * hx + out
+    return FP32 * r * hx + stats * FP32 * r + FP32 * r * hx + out
 
 
 def _attention_saved_bytes(model: ModelSpec, m: int, seq_len: int, gy: int, e: int) -> float:
@@ -77,23 +93,24 @@ def _mlp_saved_bytes(model: ModelSpec, m: int, gy: int, e: int) -> float:
 
 
 def block_saved_bytes(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16", split: int = 1
 ) -> float:
     """Bytes autograd saves for ONE block on one rank (no checkpointing): two norms with their
     output casts, attention, MLP, and the residual stream (block input and the mid-block sum
-    ``h``, both ``[m, h/G_x]`` fp32, counted as the two norms' inputs)."""
+    ``h``, both ``[m, h/G_x]`` fp32, counted as the two norms' inputs; ``[m/G_y, h]`` with
+    sequence parallelism, ``split = G_y``)."""
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
     return (  # each norm feeds one (fused) Linear
-        _norm_saved_bytes(model, m, hx, e, 1)
+        _norm_saved_bytes(model, m, hx, e, 1, split)
         + _attention_saved_bytes(model, m, seq_len, gy, e)
-        + _norm_saved_bytes(model, m, hx, e, 1)
+        + _norm_saved_bytes(model, m, hx, e, 1, split)
         + _mlp_saved_bytes(model, m, gy, e)
     )
 
 
 def selective_block_saved_bytes(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16", split: int = 1
 ) -> float:
     """Bytes ONE block keeps on one rank under selective checkpointing (tetrad/models/recompute.py;
     Korthikanti et al., arXiv 2205.05198, section 5): the tensors that are expensive to recompute
@@ -106,13 +123,17 @@ def selective_block_saved_bytes(
     output ``[m, a d/G_y]`` and fp32 log-sum-exp ``[m, a/G_y]`` (the out-projection's
     token-major input is rebuilt from the output). MLP: the w13 output ``[m, 2f/G_y]`` (llama:
     ``silu(gate) * up`` is rebuilt; gpt: fc1's ``[m, f/G_y]``, GeLU rebuilt). The positions
-    ``[S]`` int64 shared by all blocks: :func:`saved_activations`.
+    ``[S]`` int64 shared by all blocks: :func:`saved_activations`. With sequence parallelism
+    (``split = G_y``) the norms' input and statistics hold ``m / G_y`` rows, and each pair's
+    first Linear keeps its input gathered along the sequence, ``e m h`` (no recipe rebuilds a
+    collective's output).
     """
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
     qy, kvy, ay = model.q_dim // gy, model.kv_dim // gy, model.n_heads // gy
     stats = 2 if model.family == "gpt" else 1
-    norms = 2 * (FP32 * m * hx + stats * FP32 * m)
+    r = m // split
+    norms = 2 * (FP32 * r * hx + stats * FP32 * r) + (2 * e * m * hx if split > 1 else 0)
     if model.family == "gpt":
         qkv, rope, mlp = 3 * qy, 0, model.ffn_dim // gy
     else:
@@ -121,23 +142,24 @@ def selective_block_saved_bytes(
 
 
 def selective_recompute_bytes(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16", split: int = 1
 ) -> float:
     """The largest set rebuilt at once in a selective block's backward (one rank, bytes): the
     rotated q, k and v copy for SDPA's backward ``e m (a d + 2 k d)/G_y``; SwiGLU's
     recomputation with grad, ``silu(gate)`` and the product, ``2 e m f/G_y``; or the norm's,
     the fp32 normalised input and product and the cast output, ``(8 + e) m h/G_x`` (``8 m
-    h/G_x`` when ``e = 4``: the cast is a no-op). Not checked against the runtime (transient)."""
+    h/G_x`` when ``e = 4``: the cast is a no-op; ``m / G_y`` rows with sequence parallelism,
+    ``split = G_y``). Not checked against the runtime (transient)."""
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
     attention = e * m * (model.q_dim + 2 * model.kv_dim) // gy
     mlp = 2 * e * m * (model.ffn_dim // gy)
-    norm = (8 + (e if e != FP32 else 0)) * m * hx
+    norm = (8 + (e if e != FP32 else 0)) * (m // split) * hx
     return float(max(attention, mlp, norm))
 
 
 def compiled_block_delta(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16", split: int = 1
 ) -> tuple[float, float]:
     """What ``torch.compile`` of the blocks (``tetrad train --compile``) changes in one block's
     saved tensors on one rank, bytes: ``(without checkpointing, under selective)``.
@@ -153,22 +175,26 @@ def compiled_block_delta(
     Measured with saved-tensor hooks on CPU (fp32
     and bf16 autocast, torch 2.13, ``tests/test_memory_validation.py``) and on an H200 (llama-1b,
     micro-batch 16, seq 2048: 62.63 GiB measured against 60.55 predicted, docs/performance.md).
-    Context grids were not measured compiled: the same delta is assumed.
+    Context grids were not measured compiled: the same delta is assumed, and under sequence
+    parallelism (``split = G_y``) the normalised tensors' ``m / G_y`` rows.
     """
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
     if model.family != "llama":  # gpt is not in the runtime: nothing compiled to model
         return 0.0, 0.0
     rope = 4 * seq_len * (model.head_dim // 2) * FP32
-    none = -(2 * FP32 * m * hx + e * m * (model.ffn_dim // gy) + rope) + FP32 * seq_len
+    none = -(2 * FP32 * (m // split) * hx + e * m * (model.ffn_dim // gy) + rope) + FP32 * seq_len
     return float(none), float(e * m * (model.kv_dim // gy))
 
 
-def block_input_bytes(model: ModelSpec, grid, micro_batch: int, seq_len: int) -> float:
+def block_input_bytes(
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, split: int = 1
+) -> float:
     """A block's input ``[m, h/G_x]`` fp32 (the residual stream stays fp32 under autocast): all
-    that non-reentrant ``torch.utils.checkpoint`` keeps of a checkpointed block."""
+    that non-reentrant ``torch.utils.checkpoint`` keeps of a checkpointed block (``[m/G_y, h]``
+    with sequence parallelism, ``split = G_y``)."""
     _, _, _, gx = grid_sizes(grid)
-    return float(FP32 * micro_batch * seq_len * (model.dim // gx))
+    return float(FP32 * micro_batch * seq_len // split * (model.dim // gx))
 
 
 def embedding_saved_bytes(model: ModelSpec, micro_batch: int, seq_len: int) -> float:
@@ -178,17 +204,18 @@ def embedding_saved_bytes(model: ModelSpec, micro_batch: int, seq_len: int) -> f
 
 
 def final_norm_saved_bytes(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16"
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16", split: int = 1
 ) -> float:
     """The final norm and the input gradient the fused LM head and loss keep for backward
     (tetrad/parallel/loss.py ``lm_head_loss``): the norm's input, ``rstd`` and normalised
     tensor (its output is not saved: the head forms its share of the input gradient, ``[m, h]``
     in the compute dtype, in forward instead). Byte for byte this is what a Linear consumer
     saving the output (``G_x = 1``) or its X-gathered ``[m, h]`` copy (``G_x > 1``) would
-    keep."""
+    keep; under sequence parallelism (``split = G_y``) the norm's tensors hold ``m / G_y`` rows
+    and ``dx`` is ``[m, h]`` (the head's input is gathered along the sequence)."""
     _, _, _, gx = grid_sizes(grid)
     m, e, h = micro_batch * seq_len, dtype_bytes(dtype), model.dim
-    norm = _norm_saved_bytes(model, m, h // gx, e, 1)
+    norm = _norm_saved_bytes(model, m, h // gx, e, 1, split)
     if gx == 1:
         return norm
     return norm - (FP32 if e == FP32 else e) * m * (h // gx) + e * m * h
@@ -249,6 +276,7 @@ def saved_activations(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
+    sequence_parallel: bool = False,
 ) -> dict[str, float]:
     """What autograd holds on one rank at the end of one micro-batch's forward, in bytes.
 
@@ -270,13 +298,24 @@ def saved_activations(
         the busiest rank's received rows over the mean): ``blocks`` counts each kind's own,
         ``selective:K`` their mean per block, ``recompute`` the larger kind's.
 
+    ``sequence_parallel``: the residual stream split along the sequence over Y (module
+    docstring).
+
     Raises:
         tetrad.spec.activation_checkpointing.CheckpointingError: an unknown mode, or ``K`` above the
             model's blocks.
+        PlanError: ``sequence_parallel`` where the runtime has none
+            (:func:`tetrad.spec.sharding.sequence_parallel_problem`).
     """
     _, _, gy, gx = grid_sizes(grid)
     shape = (1, context_size(grid), 1, gy, gx)  # nothing here depends on G_data or G_z
     ckpt = activation_checkpointing
+    if sequence_parallel:
+        problem = sequence_parallel_problem(model, shape, seq_len)
+        if problem:
+            raise PlanError(problem)
+        args = (model, shape, micro_batch, seq_len, ckpt, dtype, compiled)
+        return dict(_saved_activations(*args, split=gy))
     if not model.n_experts:  # a dense model
         return dict(_saved_activations(model, shape, micro_batch, seq_len, ckpt, dtype, compiled))
     moe = (expert, imbalance)
@@ -293,12 +332,13 @@ def _saved_activations(
     dtype: str,
     compiled: bool = False,
     moe: tuple[int, float] = (1, 1.0),
+    split: int = 1,
 ) -> tuple[tuple[str, float], ...]:
     """:func:`saved_activations` once per model, ``(G_context, G_y, G_x)``, micro-batch,
     sequence, mode, dtype and compilation (``grid``: ``(1, G_context, 1, G_y, G_x)``; ``moe``:
-    ``(expert, imbalance)`` of an MoE model)."""
+    ``(expert, imbalance)`` of an MoE model; ``split``: ``G_y`` under sequence parallelism)."""
     mode, k = checkpointed_blocks(ckpt, model.n_layers)
-    t = _block_terms(model, grid, micro_batch, seq_len, dtype, compiled)
+    t = _block_terms(model, grid, micro_batch, seq_len, dtype, compiled, split)
     if model.n_experts:
         t = _moe_block_terms(model, grid, micro_batch, seq_len, dtype, t, *moe)
     if mode == "full":
@@ -345,19 +385,26 @@ class _BlockTerms(NamedTuple):
 
 @functools.lru_cache(maxsize=1 << 14)
 def _block_terms(
-    model: ModelSpec, grid: tuple, micro_batch: int, seq_len: int, dtype: str, compiled: bool
+    model: ModelSpec,
+    grid: tuple,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str,
+    compiled: bool,
+    split: int = 1,
 ) -> _BlockTerms:
     """:class:`_BlockTerms` once per model, ``grid = (1, G_context, 1, G_y, G_x)``,
-    micro-batch, sequence, dtype and compilation (shared by the checkpointing modes)."""
+    micro-batch, sequence, dtype, compilation and ``split`` (``G_y`` under sequence
+    parallelism; shared by the checkpointing modes)."""
     gc, full_len, e = context_size(grid), seq_len, dtype_bytes(dtype)
     seq_len = local_seq_len(seq_len, gc)  # this rank's tokens per sample
-    blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
-    sel = selective_block_saved_bytes(model, grid, micro_batch, seq_len, dtype)
+    blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype, split)
+    sel = selective_block_saved_bytes(model, grid, micro_batch, seq_len, dtype, split)
     if gc > 1:
         blk += context_block_delta(model, grid, micro_batch, full_len, e, "none")
         sel += context_block_delta(model, grid, micro_batch, full_len, e, "selective")
     if compiled:
-        none, selective = compiled_block_delta(model, grid, micro_batch, seq_len, dtype)
+        none, selective = compiled_block_delta(model, grid, micro_batch, seq_len, dtype, split)
         blk, sel = blk + none, sel + selective
     # the positions [S] int64, one tensor for all blocks: an input of each full checkpoint, and
     # of RoPE's recipes under selective (none: RoPE's angles are built from it and not kept)
@@ -365,12 +412,14 @@ def _block_terms(
     return _BlockTerms(
         block=blk,
         selective=sel,
-        block_input=block_input_bytes(model, grid, micro_batch, seq_len),
+        block_input=block_input_bytes(model, grid, micro_batch, seq_len, split),
         positions=positions,
         shared=context_shared_bytes(full_len, gc, e),
-        selective_recompute=selective_recompute_bytes(model, grid, micro_batch, seq_len, dtype),
+        selective_recompute=selective_recompute_bytes(
+            model, grid, micro_batch, seq_len, dtype, split
+        ),
         embedding=embedding_saved_bytes(model, micro_batch, seq_len),
-        final_norm=final_norm_saved_bytes(model, grid, micro_batch, seq_len, dtype),
+        final_norm=final_norm_saved_bytes(model, grid, micro_batch, seq_len, dtype, split),
         loss=loss_saved_bytes(model, grid, dtype),
     )
 

@@ -105,10 +105,13 @@ def stage_parts(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
+    *,
+    sequence_parallel: bool = False,
 ) -> tuple:
     """The runtime model's static components, phases and saved activations of a ``blocks``
     model (memoised: the ranks of a pipeline share them); ``shard_optimizer``, ``expert``,
-    ``imbalance`` and ``params``: as :func:`tetrad.plan.memory.runtime.runtime_memory`'s.
+    ``imbalance``, ``params`` and ``sequence_parallel``: as
+    :func:`tetrad.plan.memory.runtime.runtime_memory`'s.
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
@@ -120,6 +123,8 @@ def stage_parts(
     zero = {"shard_optimizer": shard_optimizer}
     if params != "fp32":
         zero["params"] = params
+    if sequence_parallel:
+        opts |= {"sequence_parallel": True}
     static, phases = phase_components(
         sm, grid, micro_batch, seq_len, prefetch=prefetch, **zero, **opts
     )
@@ -152,11 +157,14 @@ def stage_saved(
     ckpt,
     dtype,
     *moe: float,
+    sequence_parallel: bool = False,
 ) -> dict[str, float]:
     """:func:`~tetrad.plan.memory.activations.saved_activations` of a ``blocks`` model (one
     stage), memoised; ``moe``: an MoE model's ``(expert, imbalance)``."""
     sm = stage_model(model, blocks)
     opts = dict(zip(("expert", "imbalance"), moe, strict=False))
+    if sequence_parallel:
+        opts["sequence_parallel"] = True
     return saved_activations(
         sm, grid, micro_batch, seq_len, activation_checkpointing=ckpt, dtype=dtype, **opts
     )
@@ -215,7 +223,13 @@ def in_flight_sets(
 
 
 def _chunks(
-    model: ModelSpec, grid: tuple, micro_batch: int, seq_len: int, layout: tuple, opts: tuple
+    model: ModelSpec,
+    grid: tuple,
+    micro_batch: int,
+    seq_len: int,
+    layout: tuple,
+    opts: tuple,
+    sp: bool = False,
 ) -> tuple[list[float], list[float], float]:
     """``(saved, held, out)``: for one micro-batch through each of the rank's stages (execution
     order), the bytes autograd saves (its blocks', with the embedding's on stage 0 and the final
@@ -229,24 +243,30 @@ def _chunks(
     counted among the receive buffers (:func:`in_flight_bytes`) and in the saved bytes, and its
     output is the next stage's tensor, not saved here: the two cancel, so only stage 0 holds
     ``out``. In bf16 the received input is cast to fp32 (the copy is what is saved) and the
-    output cast to bf16: every stage but the last holds its ``out``."""
+    output cast to bf16: every stage but the last holds its ``out``. ``sp``: sequence
+    parallelism (``out`` is ``[b, S/(G_context G_y), h]``)."""
+    _, _, gy, gx = grid_sizes(grid)
     out = p2p_bytes(
         micro_batch,
         seq_len,
         model.dim,
         context_size(grid),
-        grid_sizes(grid)[3],
+        gx,
         dtype_bytes(opts[1]),
+        gy if sp else 1,
     )
+    more = {"sequence_parallel": True} if sp else {}
     rank_blocks, rank_first, rank_last, chunk_blocks = layout
     v = len(chunk_blocks)
     cast = dtype_bytes(opts[1]) != dtype_bytes("fp32")
     saved, held = [], []
     for k, blocks in enumerate(chunk_blocks):
         if blocks == rank_blocks:  # one stage: the rank model's (memoised with its phases)
-            s = stage_parts(model, blocks, grid, micro_batch, seq_len, *_parts_args(opts))[2]
+            args = _parts_args(opts)
+            s = stage_parts(model, blocks, grid, micro_batch, seq_len, *args, **more)[2]
         else:
-            s = stage_saved(model, blocks, grid, micro_batch, seq_len, *opts[:2], *opts[3:])
+            args = (*opts[:2], *opts[3:])
+            s = stage_saved(model, blocks, grid, micro_batch, seq_len, *args, **more)
         first, last = rank_first and k == 0, rank_last and k == v - 1
         ends = (s["embedding"] if first else 0.0) + (s["final_norm"] + s["loss"] if last else 0.0)
         saved.append(s["blocks"] + ends)
@@ -264,6 +284,7 @@ def in_flight_bytes(
     pipe: int,
     micro_batches: int,
     opts: tuple,
+    sp: bool = False,
 ) -> tuple[float, float, float]:
     """``(saved, held, persistent)`` bytes of pipeline rank ``prank`` at its peak: the saved
     tensors of the chunk passes in flight (:func:`in_flight_sets`, the set with the most bytes),
@@ -274,12 +295,12 @@ def in_flight_bytes(
     one receive posted ahead per stage and direction the rank receives in
     (:func:`tetrad.plan.pipe.schedule.boundaries_of_rank`; at the peak some of those are
     not posted yet: the runtime holds up to those fewer, never more; tested).
-    ``opts``: ``(checkpointing, dtype, prefetch)``."""
+    ``opts``: ``(checkpointing, dtype, prefetch)``; ``sp``: sequence parallelism."""
     v = len(prank.chunk_blocks)
     sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
     ahead = sum(boundaries_of_rank(pipe, prank.rank, v))
     layout = (prank.blocks, prank.first, prank.last, prank.chunk_blocks)
-    return _in_flight(model, tuple(grid), micro_batch, seq_len, layout, sets, ahead, opts)
+    return _in_flight(model, tuple(grid), micro_batch, seq_len, layout, sets, ahead, opts, sp)
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -292,11 +313,12 @@ def _in_flight(
     sets: tuple,
     ahead: int,
     opts: tuple,
+    sp: bool = False,
 ) -> tuple[float, float, float]:
     """:func:`in_flight_bytes` of a rank of ``layout`` (:func:`_chunks`), in-flight ``sets``
     and ``ahead`` receives posted ahead, once per those (ranks alike in them share it, with
     the optimizer sharded or not)."""
-    saved, held, out = _chunks(model, grid, micro_batch, seq_len, layout, opts)
+    saved, held, out = _chunks(model, grid, micro_batch, seq_len, layout, opts, sp)
     # the context masks and chunk order: built once per stage and shared by its passes
     shared = 0.0
     if opts[0].partition(":")[0] != "full":
@@ -344,13 +366,16 @@ def stage_memory(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
+    sequence_parallel: bool = False,
 ) -> MemoryBreakdown:
     """The memory of pipeline rank ``prank`` of ``pipe`` under ``schedule`` with
     ``micro_batches`` per step (module doc), ``grid`` the 5D roles' sizes; with
     ``shard_optimizer`` the AdamW states over ``G_data G_context``
     (:mod:`tetrad.plan.memory.sharded_optimizer`); ``expert``, ``imbalance``: an MoE
     model's, as :func:`tetrad.plan.memory.runtime.runtime_memory`'s (a stage's MoE blocks
-    counted as the model's first blocks would be); ``params``: the weights' stored format.
+    counted as the model's first blocks would be); ``params``: the weights' stored format;
+    ``sequence_parallel``: the residual stream split along the sequence over Y, the stage
+    boundaries' tensors too.
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
@@ -360,20 +385,17 @@ def stage_memory(
     if model.n_experts:
         opts += (expert, imbalance)
     # the runtime model's parts first: its errors come before the schedule's
+    sp = sequence_parallel
+    more = {"sequence_parallel": True} if sp else {}
+    args = _parts_args(opts, shard_optimizer)
     stage_parts(
-        model,
-        prank.blocks,
-        grid,
-        micro_batch,
-        seq_len,
-        *_parts_args(opts, shard_optimizer),
-        **_params_arg(params),
+        model, prank.blocks, grid, micro_batch, seq_len, *args, **_params_arg(params), **more
     )
     v = len(prank.chunk_blocks)
     sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
     ahead = sum(boundaries_of_rank(pipe, prank.rank, v))
     layout = (prank.blocks, prank.first, prank.last, prank.chunk_blocks)
-    args = (layout, sets, ahead, pipe > 1, opts, shard_optimizer, params)
+    args = (layout, sets, ahead, pipe > 1, opts, shard_optimizer, params, sp)
     static, live, totals, peak = _stage_phases(model, grid, micro_batch, seq_len, *args)
     zero = dict.fromkeys(COMPONENTS + (("pipeline_buffers",) if pipe > 1 else ()), 0.0)
     return MemoryBreakdown(
@@ -397,20 +419,17 @@ def _stage_phases(
     opts: tuple,
     shard_optimizer: bool,
     params: str = "fp32",
+    sp: bool = False,
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], str]:
     """``(static components, the peak phase's live components, every phase's total, the peak
     phase)`` of :func:`stage_memory` for a rank of ``layout`` (:func:`_chunks`), in-flight
     ``sets`` and ``ahead`` receives posted ahead, once per those (ranks alike in them share
     it; the caller copies the dicts)."""
     blocks, first, last, _ = layout
+    more = {"sequence_parallel": True} if sp else {}
+    args = _parts_args(opts, shard_optimizer)
     static, phases, saved = stage_parts(
-        model,
-        blocks,
-        grid,
-        micro_batch,
-        seq_len,
-        *_parts_args(opts, shard_optimizer),
-        **_params_arg(params),
+        model, blocks, grid, micro_batch, seq_len, *args, **_params_arg(params), **more
     )
     static = dict(static)
     share = state_share(grid, shard_optimizer and data_group(grid) > 1)
@@ -422,7 +441,7 @@ def _stage_phases(
     per_param = param_bytes(params)
     for name, per in (("parameters", per_param), ("gradients", 4), ("optimizer_states", per_state)):
         static[name] += per * (add - drop)
-    flight = _in_flight(model, grid, micro_batch, seq_len, layout, sets, ahead, opts)
+    flight = _in_flight(model, grid, micro_batch, seq_len, layout, sets, ahead, opts, sp)
     live = _live_phases(phases, saved, first, last, flight, buffers)
     base = sum(static.values())
     totals = {name: base + sum(c.values()) for name, c in live.items()}
@@ -475,6 +494,7 @@ def pipeline_memory(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
+    sequence_parallel: bool = False,
 ) -> tuple[MemoryBreakdown, list[MemoryBreakdown]]:
     """``(worst rank's breakdown, every rank's)`` of a pipeline of ``len(ranks)`` ranks under
     ``schedule`` with ``micro_batches`` per step (module doc); ``virtual``, the stages per
@@ -504,6 +524,7 @@ def pipeline_memory(
             expert=expert,
             imbalance=imbalance,
             params=params,
+            sequence_parallel=sequence_parallel,
         )
         for r in ranks
     ]

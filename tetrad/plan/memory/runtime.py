@@ -62,6 +62,7 @@ def runtime_memory(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
+    sequence_parallel: bool = False,
 ) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
 
@@ -104,6 +105,11 @@ def runtime_memory(
     masters among the optimizer states (sharded with them), fp32 gradients, the Z-gathered
     weights and the sharded optimizer's all-gathers in bf16 (:mod:`tetrad.plan.memory.states`);
     the saved activations are the compute dtype's either way (the residual stream stays fp32).
+    ``sequence_parallel``: the residual stream and norms split along the sequence over Y
+    (``--sequence-parallel``, one tensor axis): their saved tensors divided by ``G_y``
+    (:mod:`tetrad.plan.memory.activations`), and the LM head's input gathered along the
+    sequence, ``e m h``, in its forward; it composes with ``params`` (the weights' terms and
+    the activations' are apart).
 
     Components (0 when not alive at the peak phase): ``parameters``, ``gradients``,
     ``optimizer_states``, ``activations`` (blocks, embedding, final norm), ``logits_and_loss``,
@@ -131,6 +137,7 @@ def runtime_memory(
         expert,
         imbalance,
         params,
+        sequence_parallel,
     )
     absent = {
         "activations": 0.0,
@@ -168,6 +175,7 @@ def phase_totals(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
+    sequence_parallel: bool = False,
 ) -> dict[str, float]:
     """The total bytes at each phase of :func:`runtime_memory` (its ``phases``; the peak is their
     maximum) without the breakdown by component: what the search's memory lines need.
@@ -191,6 +199,7 @@ def phase_totals(
         expert,
         imbalance,
         params,
+        sequence_parallel,
     )
     # each phase: the base plus the sum of its components, in _phases' order (float sums
     # depend on it): equal to runtime_memory()'s phases bit for bit (tests/test_plan_memory_memo.py)
@@ -217,6 +226,7 @@ def phase_components(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
+    sequence_parallel: bool = False,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """``(static components, {phase: live components})`` of :func:`runtime_memory`, bytes: what the
     pipeline's per-stage memory (:mod:`tetrad.plan.memory.pipeline`) adjusts.
@@ -239,6 +249,7 @@ def phase_components(
         expert,
         imbalance,
         params,
+        sequence_parallel,
     )
     return dict(g.static), phases
 
@@ -258,6 +269,7 @@ def _phases(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
+    sequence_parallel: bool = False,
 ) -> tuple[GridBuffers, dict[str, dict[str, float]]]:
     """The grid's buffers and each phase's live components (bytes) of :func:`runtime_memory`."""
     g, a = _parts(
@@ -275,6 +287,7 @@ def _phases(
         expert,
         imbalance,
         params,
+        sequence_parallel,
     )
     phases = {
         "forward: LM head": {
@@ -318,6 +331,7 @@ def _parts(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
+    sequence_parallel: bool = False,
 ) -> tuple[GridBuffers, _ActivationTerms]:
     """The grid's buffers and the micro-batch's activation terms of :func:`runtime_memory`, checked
     in its order (sizes, dtype, grid, checkpointing mode), each memoised (the grid's per grid and
@@ -329,8 +343,9 @@ def _parts(
             g = checked_grid_buffers(model, tuple(grid), *options)
         else:
             g = checked_grid_buffers(model, tuple(grid), *options, 1, params)
-        ckpt = activation_checkpointing
-        return g, _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled)
+        ckpt, sp = activation_checkpointing, sequence_parallel
+        args = (model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled)
+        return g, _activation_terms(*args, sequence_parallel=sp)
     if imbalance < 1:
         raise PlanError(f"moe imbalance {imbalance} must be at least 1 (busiest over mean)")
     g = checked_grid_buffers(
@@ -346,7 +361,8 @@ def _parts(
     )
     moe = (expert, imbalance)
     ckpt = activation_checkpointing
-    return g, _activation_terms(model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled, moe)
+    args = (model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled, moe)
+    return g, _activation_terms(*args, sequence_parallel=sequence_parallel)  # MoE: refused
 
 
 @functools.lru_cache(maxsize=1 << 10)
@@ -385,10 +401,12 @@ def _activation_terms(
     dtype: str,
     compiled: bool = False,
     moe: tuple[int, float] = (1, 1.0),
+    sequence_parallel: bool = False,
 ) -> _ActivationTerms:
     """:class:`_ActivationTerms` once per model, ``shape = (1, G_context, 1, G_y, G_x)``
     (:attr:`GridBuffers.shape`: nothing here depends on ``G_data`` or ``G_z``), micro-batch,
-    sequence, mode, dtype, compilation (and an MoE model's ``(expert, imbalance)``)."""
+    sequence, mode, dtype, compilation (and an MoE model's ``(expert, imbalance)``; sequence
+    parallelism)."""
     saved = saved_activations(
         model,
         shape,
@@ -399,12 +417,13 @@ def _activation_terms(
         compiled=compiled,
         expert=moe[0],
         imbalance=moe[1],
+        sequence_parallel=sequence_parallel,
     )
     e = dtype_bytes(dtype)
     m = micro_batch * local_seq_len(seq_len, context_size(shape))  # this rank's tokens
     return _ActivationTerms(
         all=saved["blocks"] + saved["embedding"] + saved["final_norm"],
-        head_forward=saved["loss"] + lm_head_logits_bytes(model, shape, m, e),
+        head_forward=saved["loss"] + lm_head_logits_bytes(model, shape, m, e, sequence_parallel),
         head_backward=saved["loss"] + e * m * model.dim,
         blocks=saved["blocks"] + saved["embedding"],
         recompute=saved["recompute"],
@@ -422,10 +441,11 @@ def fewest_selective(
     prefetch: bool = True,
     shard_optimizer: bool = False,
     params: str = "fp32",
+    sequence_parallel: bool = False,
 ) -> str:
     """``selective:K`` with the fewest blocks ``K`` whose :func:`runtime_memory` estimate fits
     (80%), or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits;
-    ``params``: the weights' stored format.
+    ``params`` and ``sequence_parallel``: as :func:`runtime_memory`'s.
 
     Every phase's total is affine in ``K`` for ``1 <= K <= L`` (each selective block replaces
     its saved tensors by its selective set; the positions and the recompute set are there from
@@ -442,6 +462,8 @@ def fewest_selective(
         options = {"activation_checkpointing": mode, "dtype": dtype, "prefetch": prefetch}
         if params != "fp32":
             options["params"] = params
+        if sequence_parallel:
+            options["sequence_parallel"] = True
         return phase_totals(
             model, grid, micro_batch, seq_len, shard_optimizer=shard_optimizer, **options
         )

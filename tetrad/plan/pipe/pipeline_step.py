@@ -45,7 +45,7 @@ from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
 from tetrad.plan.pipe.stage_times import stage_times
 from tetrad.plan.pipe.stages import PipeRank, balanced_stages, pipe_ranks, split_costs
 from tetrad.plan.question import FLAG, StepQuestion, shards_optimizer
-from tetrad.plan.step_time import LAYER_KINDS, make_step
+from tetrad.plan.step_time import LAYER_KINDS, make_step, sequence_parallel_applies
 from tetrad.spec.activation_checkpointing import parse_checkpointing
 from tetrad.spec.grid import COMM_AXES, physical_axis, role_sizes, with_context
 
@@ -142,6 +142,7 @@ def stage_question(ctx: StepQuestion, blocks: int) -> StepQuestion:
         got.overlaps, got.fine = ctx.overlaps, ctx.fine
         got.bucket_bytes, got.domino_min_rows = ctx.bucket_bytes, ctx.domino_min_rows
         got.context_pieces = ctx.context_pieces
+        got.sequence_parallel = getattr(ctx, "sequence_parallel", False)
         setattr(got, FLAG, shards_optimizer(ctx))
         cache[blocks] = got
     return got
@@ -214,7 +215,8 @@ def rank_time(
     rec = st.comp.micro_batch_seconds(k, ckpt)[2]
     local = k * st.block_el + st.head_el + st.emb_el + st.vector_el
     opt = ELEMENTWISE["optimizer_per_param"] * local / ctx.machine.hbm_bytes_per_s
-    # the residual stream [b, S / G_context, h / G_x] (G_x of the X role)
+    # the residual stream [b, S / G_context, h / G_x] (G_x of the X role; under sequence
+    # parallelism [b, S / (G_context G_y), h])
     nbytes = p2p_bytes(
         micro_batch,
         ctx.seq_len,
@@ -222,6 +224,7 @@ def rank_time(
         st.sizes["context"],
         st.sizes["x"],
         ctx.c,
+        st.sizes["y"] if st.sequence_parallel else 1,
     )
     world5 = 1
     for g in with_context(grid):
@@ -314,13 +317,15 @@ def pipeline_estimate(
     comm = {a: acc * w.total.get(a, 0.0) + w.tail_total.get(a, 0.0) for a in COMM_AXES}
     comm[PIPE_AXIS] = exposed[PIPE_AXIS]
     step = chain + tails[end]
+    roles = role_sizes(physical, turn)
     per_boundary = p2p_bytes(
         micro_batch,
         ctx.seq_len,
         ctx.model.dim,
         physical[1],
-        role_sizes(physical, turn)[4],
+        roles[4],
         ctx.c,
+        roles[3] if sequence_parallel_applies(ctx, roles) else 1,
     )
     return PipeEstimate(
         step,

@@ -78,15 +78,23 @@ def in_flight_chunks(schedule: str, pipe: int, rank: int, virtual: int, micro_ba
 
 
 def p2p_bytes(
-    micro_batch: int, seq_len: int, hidden: int, g_context: int, g_x: int, c: int
+    micro_batch: int,
+    seq_len: int,
+    hidden: int,
+    g_context: int,
+    g_x: int,
+    c: int,
+    sequence_split: int = 1,
 ) -> float:
     """Bytes one rank sends across one stage boundary per micro-batch and direction: the
     residual stream ``[b, S / G_context, h / G_x]`` forward, its gradient (same shape)
     backward, ``c`` bytes per element: the compute dtype (tetrad's stages send the residual
     stream cast to it, bf16 on CUDA, and continue in fp32:
     :class:`tetrad.pipeline.stage.StageForward`). Every (data, context, Z, Y, X) rank sends its
-    own to the rank of the same coordinates in the next (previous) stage."""
-    return float(micro_batch * (seq_len // g_context) * (hidden // g_x) * c)
+    own to the rank of the same coordinates in the next (previous) stage. Under sequence
+    parallelism (``sequence_split = G_y``, tetrad/parallel/sequence.py) the stream is
+    ``[b, S / (G_context G_y), h / G_x]``."""
+    return float(micro_batch * (seq_len // g_context // sequence_split) * (hidden // g_x) * c)
 
 
 def boundaries_of_rank(pipe: int, rank: int, virtual: int) -> tuple[int, int]:

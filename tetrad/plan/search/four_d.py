@@ -414,9 +414,11 @@ class Search4D:
         """The :class:`Row` of one ranked configuration (with its memory estimate)."""
         ctx = self.ctx
         zero = getattr(est, "shard_optimizer", False)
+        roles = role_sizes(grid, turn)
+        sp = self.comm_model == "tetrad" and ctx.sequence_split(roles[1], roles[3], roles[4]) > 1
         mem = runtime_memory(
             ctx.model,
-            role_sizes(grid, turn),
+            roles,
             b,
             ctx.seq_len,
             self.mem_bytes,
@@ -425,6 +427,7 @@ class Search4D:
             prefetch=self.prefetch,
             shard_optimizer=zero,
             params=self.params,
+            **({"sequence_parallel": True} if sp else {}),
         )
         if self.comm_model == "tetrad":
             compute_s, rec_s, exposed, comm_s = (
@@ -455,6 +458,7 @@ class Search4D:
             self.comm_model,
             orientation=turn,
             shard_optimizer=zero,
+            sequence_parallel=sp,
         ).finish(ctx.model, ctx.machine, self.gpus, ctx.global_batch, ctx.seq_len)
 
 
@@ -476,6 +480,7 @@ def search_4d(
     shard_optimizer: str = "auto",
     fp8: str = "off",
     params: str = "fp32",
+    sequence_parallel: bool | str = False,
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics;
     with ``pipeline`` (and the tetrad comm model) pipeline grids too
@@ -497,11 +502,46 @@ def search_4d(
         params: the weights' stored format (``tetrad train --param-dtype``): ``fp32``, or
             ``bf16`` with fp32 masters among the optimizer states (the memory model's; in the
             step's time, the sharded optimizer's all-gathers after the update carry bf16).
+        sequence_parallel: the runtime's ``--sequence-parallel`` on the grids where it runs
+            (``G_y > 1``, a dense Llama:
+            :meth:`tetrad.plan.question.StepQuestion.sequence_split`), time and memory:
+            ``off`` (or False, the default: every estimate as without it), ``on`` (or True) or
+            ``auto`` (both searched, their rows merged: a grid is ranked with it where that is
+            faster; its collectives are blocking where Domino and ``fine`` hide the
+            all-reduce's, so it can be slower where the memory it saves is not needed).
 
     Raises:
         PlanError: no grid shards the model, no grid splits the batch, or nothing fits; the
             message says what to change; FP8 on a machine without it.
     """
+    sp = {False: "off", True: "on"}.get(sequence_parallel, sequence_parallel)
+    if sp not in ("off", "on", "auto"):
+        raise PlanError(f"sequence_parallel {sequence_parallel!r}: use off, on or auto")
+    if sp == "auto":
+        t0 = time.perf_counter()
+        opts = dict(
+            top=top,
+            checkpointing=checkpointing,
+            micro_batches=micro_batches,
+            overlaps=overlaps,
+            comm_model=comm_model,
+            dtype=dtype,
+            gpu_memory_bytes=gpu_memory_bytes,
+            pipeline=pipeline,
+            shard_optimizer=shard_optimizer,
+            fp8=fp8,
+            params=params,
+        )
+        args = (model, machine, gpus, global_batch, seq_len)
+        rows, _ = search_4d(*args, **opts, sequence_parallel="off")
+        more, stats = search_4d(*args, **opts, sequence_parallel="on")
+        seen = {(r.label(), r.micro_batch, r.activation_checkpointing) for r in rows}
+        rows += [
+            r for r in more if (r.label(), r.micro_batch, r.activation_checkpointing) not in seen
+        ]
+        rows.sort(key=lambda r: r.step_s)  # stable: the off search's row first on a tie
+        stats["seconds"] = time.perf_counter() - t0
+        return rows[:top], stats
     check_inputs(model, gpus, global_batch, seq_len)
     if comm_model not in ("tetrad", "axonn"):
         raise PlanError(f"comm model {comm_model!r} is unknown: use tetrad or axonn")
@@ -516,6 +556,7 @@ def search_4d(
         compute_bytes=2 if dtype == "bf16" else 4,
         param_bytes=param_bytes(params),
         fp8=fp8,
+        sequence_parallel=sp == "on" and comm_model == "tetrad",
     )
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None

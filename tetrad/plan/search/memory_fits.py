@@ -132,11 +132,13 @@ class MemoryFits:
         raw: dict = {}  # mode -> its phases' lines, once per roles
         lines: dict = {}  # (mode, sharded) -> its memory line
 
+        sp = ctx.sequence_split(gc, roles[3], roles[4]) > 1
+
         def line(mode: str, zero: bool):
             if (mode, zero) not in lines:
                 if mode not in raw:
                     raw[mode] = phase_lines(
-                        model, roles, ctx.seq_len, mode, dt, pre, sizes, self.params
+                        model, roles, ctx.seq_len, mode, dt, pre, sizes, self.params, sp
                     )
                 shift = sharding_offsets(model, roles, dt, pre, self.params) if zero else None
                 lines[(mode, zero)] = line_of(raw[mode], self.limit, sizes, shift)
@@ -204,15 +206,15 @@ class MemoryFits:
         model = ctx.model
         per_cell = ctx.global_batch // (roles[0] * roles[2])
         mem, dt, pre = self.mem_bytes, self.dtype, self.prefetch
+        sp = ctx.sequence_split(roles[1], roles[3], roles[4]) > 1
         for z, ckpt, sizes, plain in fits.modes:
             if z != zero:
                 continue
             for b in sizes:
                 mode = ckpt
                 if plain is not None and plain(b) > self.limit:
-                    mode = fewest_selective(
-                        model, roles, b, ctx.seq_len, mem, dt, pre, zero, self.params
-                    )
+                    args = (model, roles, b, ctx.seq_len, mem, dt, pre, zero, self.params)
+                    mode = fewest_selective(*args, sequence_parallel=sp)
                 fwd, bwd, rec = ctx.micro_batch_seconds(roles, b, mode)
                 got.append(((per_cell // b) * (fwd + bwd + rec), len(got), b, mode))
         got.sort(key=lambda c: c[:2])
@@ -270,8 +272,15 @@ class MemoryFits:
         """The blocks' saved tensors of a micro-batch of ``b`` on ``roles`` in ``mode``,
         bytes (:func:`tetrad.plan.memory.activations.saved_activations`)."""
         ctx = self.ctx
+        sp = ctx.sequence_split(roles[1], roles[3], roles[4]) > 1
         saved = saved_activations(
-            ctx.model, roles, b, ctx.seq_len, activation_checkpointing=mode, dtype=self.dtype
+            ctx.model,
+            roles,
+            b,
+            ctx.seq_len,
+            activation_checkpointing=mode,
+            dtype=self.dtype,
+            sequence_parallel=sp,
         )
         return saved["blocks"]
 
@@ -327,9 +336,19 @@ class PhaseLines:
     evaluated at ``b = 2`` only when asked: a grid that does not fit at ``b = 1`` needs none)."""
 
     def __init__(
-        self, model, grid, seq_len, ckpt, dtype, prefetch, sizes: list[int], params: str = "fp32"
+        self,
+        model,
+        grid,
+        seq_len,
+        ckpt,
+        dtype,
+        prefetch,
+        sizes: list[int],
+        params: str = "fp32",
+        sp: bool = False,
     ):
         self._args = (model, grid, seq_len, ckpt, dtype, prefetch, params)
+        self.sp = sp  # sequence parallelism
         self.last = sizes[-1]
         self.lo = self._at(1)
         self._slopes: dict | None = None
@@ -339,6 +358,8 @@ class PhaseLines:
         options = {"activation_checkpointing": ckpt, "dtype": dtype, "prefetch": prefetch}
         if params != "fp32":  # the memo keys of the callers that never give it
             options["params"] = params
+        if self.sp:
+            options["sequence_parallel"] = True
         return phase_totals(model, grid, b, seq_len, **options)
 
     def slopes(self) -> dict[str, float]:
@@ -357,9 +378,11 @@ def phase_lines(
     prefetch: bool,
     sizes: list[int],
     params: str = "fp32",
+    sp: bool = False,
 ) -> PhaseLines:
-    """The :class:`PhaseLines` of a grid and mode (``params``: the weights' stored format)."""
-    return PhaseLines(model, grid, seq_len, ckpt, dtype, prefetch, sizes, params)
+    """The :class:`PhaseLines` of a grid and mode (``params``: the weights' stored format;
+    ``sp``: with sequence parallelism)."""
+    return PhaseLines(model, grid, seq_len, ckpt, dtype, prefetch, sizes, params, sp)
 
 
 def line_of(lines: PhaseLines, limit: float, sizes: list[int], offsets: dict | None = None):

@@ -41,6 +41,7 @@ def plan(
     moe_imbalance: float = 1.0,
     fp8: str = "off",
     params: str = "fp32",
+    sequence_parallel: bool | str = False,
 ) -> SearchResult:
     """Both searches; see :func:`search_4d` (``pipeline``: with the pipeline axis, on by
     default: ``docs/planner.md`` section 8) and :func:`search_classic` (``classic_pipeline``:
@@ -53,6 +54,8 @@ def plan(
     ``params``: the weights' stored format of the 4D space (``tetrad train --param-dtype``:
     ``fp32``, or ``bf16`` with fp32 masters; dense models); the classic space keeps
     Megatron-LM's bf16 weights with fp32 masters either way.
+    ``sequence_parallel``: the 4D space with ``--sequence-parallel`` where it runs,
+    ``off``, ``on`` or ``auto`` (:func:`search_4d`; dense Llama models).
 
     Raises:
         PlanError: bad inputs, or no 4D configuration at all (message says what to change);
@@ -114,6 +117,7 @@ def plan(
             shard_optimizer=shard_optimizer,
             fp8=fp8,
             params=params,
+            sequence_parallel=sequence_parallel,
         )
         crow, cstats = ([], {})
         if classic:
@@ -132,6 +136,8 @@ def plan(
     inputs = _inputs(model, machine, gpus, global_batch, seq_len, overlaps, gpu_memory_bytes)
     inputs |= {"comm_model": comm_model, "dtype": dtype, "shard_optimizer": shard_optimizer}
     inputs |= {"fp8": fp8, "param_dtype": params}
+    if sequence_parallel not in (False, "off"):
+        inputs["sequence_parallel"] = {True: "on"}.get(sequence_parallel, sequence_parallel)
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
     return SearchResult(rows, crow, all_stats, inputs)
 

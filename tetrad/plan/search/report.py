@@ -89,6 +89,7 @@ def rows_table(rows: list[Row]) -> list[str]:
             + ",".join(str(v) for v in r.grid)
             + (" yx" if r.orientation == "yx" else "")
             + (" so" if r.shard_optimizer else "")
+            + (" sp" if r.sequence_parallel else "")
             + (f" ep={r.expert}" if r.expert else "")
             + r.classic_suffix(),
             str(r.micro_batch),
@@ -347,6 +348,7 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
             "overlap": _overlap_value(inp["overlaps"]),
             "activation_checkpointing": row.activation_checkpointing,
             **({"shard_optimizer": True} if row.shard_optimizer else {}),
+            **({"sequence_parallel": True} if row.sequence_parallel else {}),
             **({"expert_parallel": row.expert} if row.expert > 1 else {}),
         },
         "training": {

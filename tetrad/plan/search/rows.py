@@ -58,6 +58,8 @@ class Row:
             ``shard_optimizer``, ZeRO-1).
         expert: a mixture-of-experts model's expert axis (4D: ``G_expert``, folded over data
             x context; classic: ``EP`` with ``ETP = 1``); 0 for a dense model.
+        sequence_parallel: 4D: the residual stream split along the sequence over Y (the
+            runtime's ``--sequence-parallel``).
     """
 
     space: str
@@ -83,6 +85,7 @@ class Row:
     stage_memory: list = field(default_factory=list)
     shard_optimizer: bool = False
     expert: int = 0
+    sequence_parallel: bool = False
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -107,11 +110,12 @@ class Row:
         return self
 
     def label(self) -> str:
-        """``D,C,Z,Y,X=...`` (`` yx`` added when turned, `` so`` with the optimizer sharded)
-        or ``TP,CP,PP,DP=...``."""
+        """``D,C,Z,Y,X=...`` (`` yx`` added when turned, `` so`` with the optimizer sharded,
+        `` sp`` with sequence parallelism) or ``TP,CP,PP,DP=...``."""
         if self.space == "4d":
             turned = " yx" if self.orientation == "yx" else ""
             turned += " so" if self.shard_optimizer else ""
+            turned += " sp" if self.sequence_parallel else ""
             turned += f" ep={self.expert}" if self.expert else ""
             return self.pipe_label() + "D,C,Z,Y,X=" + ",".join(str(v) for v in self.grid) + turned
         ep = f" ep={self.expert}" if self.expert else ""
@@ -157,6 +161,7 @@ class Row:
             }
             | ({"orientation": self.orientation} if self.space == "4d" else {})
             | ({"shard_optimizer": True} if self.shard_optimizer else {})
+            | ({"sequence_parallel": True} if self.sequence_parallel else {})
             | ({"expert_parallel": self.expert} if self.expert else {})
             | self._pipe_dict()
         )

@@ -148,7 +148,8 @@ class GroupBounds:
         ``m < p``, else 0). Not memoised: each group asks once."""
         ctx = self.ctx
         model, block, costs, ratios = self.terms.micro_batch_costs(gc, gy, gx, b, mode)
-        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.dim, gc, gx, ctx.c)
+        split = ctx.sequence_split(gc, gy, gx)
+        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.dim, gc, gx, ctx.c, split)
         link = self.terms.pipe_links[pipe]
         one = link.base_latency + nbytes / link.bandwidth
         m = ctx.global_batch // (q * b)

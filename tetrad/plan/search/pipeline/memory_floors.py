@@ -113,6 +113,7 @@ class MemoryFloors:
                         ctx.seq_len,
                         activation_checkpointing=mode,
                         dtype=self.dtype,
+                        sequence_parallel=ctx.sequence_split(gc, gy, gx) > 1,
                     )
                 )
             one, two = saved[0]["blocks"], saved[1]["blocks"]
@@ -189,7 +190,9 @@ class MemoryFloors:
         got = self.terms_memo.get(key)
         if got is None:
             ctx = self.ctx
-            out = p2p_bytes(b, ctx.seq_len, ctx.model.dim, gc, gx, dtype_bytes(self.dtype))
+            split = ctx.sequence_split(gc, gy, gx)
+            e = dtype_bytes(self.dtype)
+            out = p2p_bytes(b, ctx.seq_len, ctx.model.dim, gc, gx, e, split)
             split = self.terms.micro_batch_costs(gc, gy, gx, b, mode)[3]
             got = (*self._saved_line(gc, gy, gx, b, mode), out, split)
             self.terms_memo[key] = got

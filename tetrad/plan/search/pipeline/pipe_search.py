@@ -224,6 +224,8 @@ class PipeSearch:
         }
         if self.params != "fp32":  # the memo keys of the callers that never give it
             opts["params"] = self.params
+        if ctx.sequence_split(roles[1], roles[3], roles[4]) > 1:
+            opts["sequence_parallel"] = True
         return args, opts
 
     def _fits(self, grid, turn, b, mode, cfg, zero: bool = False):
@@ -282,6 +284,7 @@ class PipeSearch:
         est, cfg, _, zero = item
         ctx = self.ctx
         worst, per_rank = self.memory(grid, turn, b, mode, cfg, zero)
+        opts = self._memory_args(grid, turn, b, mode, cfg, zero)[1]
         return Row(
             "4d",
             dict(zip(GRID_AXES, grid, strict=True)),
@@ -304,6 +307,7 @@ class PipeSearch:
             schedule=cfg.schedule,
             stage_memory=per_rank,
             shard_optimizer=zero,
+            sequence_parallel="sequence_parallel" in opts,
         ).finish(ctx.model, ctx.machine, self.gpus, ctx.global_batch, ctx.seq_len)
 
 

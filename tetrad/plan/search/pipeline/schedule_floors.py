@@ -49,7 +49,8 @@ class ScheduleFloors:
         ctx, p = self.ctx, cfg.pipe
         block, _, zb, ze = self.terms.block_floor(grid, turn, b, mode)
         roles = role_sizes(grid, turn)
-        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.dim, roles[1], roles[4], ctx.c)
+        split = ctx.sequence_split(roles[1], roles[3], roles[4])
+        nbytes = p2p_bytes(b, ctx.seq_len, ctx.model.dim, roles[1], roles[4], ctx.c, split)
         world5 = grid[0] * grid[1] * grid[2] * grid[3] * grid[4]
         link = ctx.machine.network.link(world5, 2)
         one = link.base_latency + nbytes / link.bandwidth

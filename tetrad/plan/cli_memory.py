@@ -1,0 +1,121 @@
+"""``tetrad memory``'s helpers beside :mod:`tetrad.plan.cli`: the grid and expert options of
+``--grid``, the title's note on the weights' format, and the memory of a pipeline grid
+(:func:`pipeline_memory_text`). Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tetrad.plan.errors import PlanError
+from tetrad.plan.machine.description import get_machine
+from tetrad.plan.memory.breakdown import MemoryBreakdown
+from tetrad.plan.memory.pipeline import pipeline_memory
+from tetrad.plan.pipe.pipeline_step import split_ranks
+from tetrad.plan.pipe.schedule import schedule_problems
+from tetrad.plan.pipe.stages import split_costs
+from tetrad.plan.question import StepQuestion
+from tetrad.spec.grid import format_grid, parse_pipeline_grid, pop_expert, role_sizes
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.pipeline_split import PipelineSplitError
+from tetrad.spec.sharding import moe_grid_problem
+from tetrad.spec.units import GiB
+
+
+def weights_text(args: argparse.Namespace) -> str:
+    """The title's note on bf16 weights (none for fp32)."""
+    return ", bf16 weights with fp32 masters" if args.param_dtype != "fp32" else ""
+
+
+def grid_and_experts(args: argparse.Namespace, model: ModelSpec) -> tuple[int, tuple, dict]:
+    """``(G_pipe, the five sizes, MoE options)`` of ``tetrad memory --grid``: an ``expert=N``
+    item of a named grid, else ``--expert-parallel``, and ``--moe-imbalance``, as the
+    ``expert`` and ``imbalance`` keywords of :func:`runtime_memory` (empty for a dense model).
+
+    Raises:
+        PlanError: a bad ``expert=N``, one that ``--expert-parallel`` contradicts, or an
+            expert axis the MoE runtime cannot run.
+    """
+    text, expert = args.grid, args.expert_parallel
+    if "expert=" in text.replace(" ", ""):
+        text, named = pop_expert(text)
+        if not named.isdigit() or int(named) < 1:
+            raise PlanError(f"expert={named} in --grid must be a positive whole number")
+        if expert not in (1, int(named)):  # as tetrad train: the two must agree
+            raise PlanError(
+                f"--grid names expert={named} and --expert-parallel {expert} disagrees: keep one"
+            )
+        expert = int(named)
+    pipe, grid = parse_pipeline_grid(text)
+    if expert > 1 and (problem := moe_grid_problem(model, grid, pipe, expert)):
+        raise PlanError(problem)
+    if not model.is_moe:
+        return pipe, grid, {}
+    return pipe, grid, {"expert": expert, "imbalance": args.moe_imbalance}
+
+
+def pipeline_memory_text(
+    args: argparse.Namespace,
+    model: ModelSpec,
+    pipe: int,
+    grid: tuple,
+    turn: str,
+    ckpt: str,
+    gpu_memory_bytes: float,
+    moe: dict | None = None,
+) -> tuple[MemoryBreakdown, str]:
+    """The worst rank's breakdown and the title of ``tetrad memory`` on a pipeline grid: the
+    stage split is the runtime's (:func:`tetrad.spec.pipeline_split.balanced_split` by the per-block
+    compute of ``--machine``, default dgx-h100); ``--num-microbatches`` defaults to ``8 G_pipe``.
+
+    Raises:
+        PlanError: the schedule cannot run these sizes, or more stages than blocks.
+    """
+    v, sched = args.virtual_stages, args.pipeline_schedule
+    m = args.num_microbatches or 8 * pipe
+    if bad := schedule_problems(sched, pipe, v, m):
+        raise PlanError(
+            "; ".join(bad) + ": change --pipeline-schedule, --virtual-stages or --num-microbatches"
+        )
+    mode, moe = ckpt.partition(":")[0], moe or {}
+    if mode != ckpt:
+        raise PlanError("a pipeline grid takes --activation-checkpointing none, selective or full")
+    machine = get_machine(args.machine or "dgx-h100")
+    roles = role_sizes(grid, turn)
+    ctx = StepQuestion(model, machine, args.seq_len, grid[0] * grid[2] * args.micro_batch * m)
+    try:
+        ranks = split_ranks(
+            model.n_layers, split_costs(ctx.compute(roles, args.micro_batch), mode), pipe, v
+        )
+    except PipelineSplitError as e:
+        raise PlanError(str(e)) from None
+    worst, per_rank = pipeline_memory(
+        model,
+        roles,
+        args.micro_batch,
+        args.seq_len,
+        gpu_memory_bytes,
+        ranks,
+        sched,
+        v,
+        m,
+        activation_checkpointing=mode,
+        shard_optimizer=getattr(args, "shard_optimizer", False),
+        params=getattr(args, "param_dtype", "fp32"),
+        **moe,
+        **({"sequence_parallel": True} if getattr(args, "sequence_parallel", False) else {}),
+    )
+    stages = ", ".join(
+        f"{r.rank}: {'+'.join(map(str, r.chunk_blocks))} blocks {mb.total / GiB:.1f} GiB"
+        for r, mb in zip(ranks, per_rank, strict=True)
+    )
+    title = (
+        f"{model.summary()}\ntetrad runtime, grid P,D,C,Z,Y,X={format_grid(pipe, grid)} "
+        f"({turn}), {sched} with {v} stage(s) per rank, {m} micro-batches of "
+        f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}{weights_text(args)}"
+        f"{', sequence-parallel' if getattr(args, 'sequence_parallel', False) else ''}\n"
+        f"pipeline ranks (stage split by {machine.name} compute"
+        f"{'' if args.machine else ', the default without --machine'}): {stages}\n"
+        f"the worst rank:"
+    )
+    return worst, title
