@@ -29,14 +29,13 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
+from tests.test_zero import build_model
 from tetrad.dtypes import autocast, torch_dtype
 from tetrad.grid import Grid
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
 from tetrad.parallel.masters import MasterAdamW, grad_of
-from tetrad.parallel.model import ParallelLlama
 from tetrad.parallel.zero import settle_parameters
-from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.step import pipeline_train_step
 from tetrad.spec.overlap import OVERLAPS
 from tetrad.spec.precision import precision
@@ -97,19 +96,6 @@ def reference():
     return reference_run()
 
 
-def _build(pipe, sizes, policy):
-    grid = Grid.build(sizes, pipe=pipe)
-    if pipe == 1:
-        model = ParallelLlama(CFG, grid, "none", OVERLAPS, **OVERLAP_OPTIONS)
-        init_parameters(model, SEED, grid)
-        return grid, model, model
-    m = BATCH // (grid.data * grid.z) // MICRO
-    model = Pipeline(CFG, grid, "1f1b", 1, m, overlaps=OVERLAPS, **OVERLAP_OPTIONS)
-    for part in model.parts:
-        init_parameters(part, SEED, grid)
-    return grid, model, model.parts
-
-
 def _masters(opt, weights) -> dict:
     """Each parameter's whole local fp32 master (collective over data with the sharded
     optimizer)."""
@@ -155,7 +141,7 @@ def data_sums(grid, into: set):
 
 def master_runs(world_size, ref_curves, ref_masters, cases, run_dir):
     for pipe, sizes, shard, reduce in cases:
-        grid, model, weights = _build(pipe, sizes, BF16)
+        grid, model, weights = build_model(pipe, sizes, OVERLAPS, CFG)
         policy = precision("cpu", "bf16", grad_reduce=reduce)
         opt = build_optimizer(weights, LR, 0.1, shard=grid if shard else None, policy=policy)
         label = f"pipe {pipe} grid {sizes} shard {shard} reduce {reduce}"
@@ -186,7 +172,7 @@ def _resume_across_formats(run_dir):
     ckpt = Checkpointer(run_dir, Grid.build(sizes))
     keys, saved = [], {}
     for i, (policy, shard) in enumerate([(fp32, False), (BF16, True), (fp32, False)]):
-        grid, model, weights = _build(1, sizes, policy)
+        grid, model, weights = build_model(1, sizes, OVERLAPS, CFG)
         opt = build_optimizer(model, LR, 0.1, shard=grid if shard else None, policy=policy)
         if i > 0:
             path = ckpt.run_dir / "checkpoints" / f"step_{i:07d}"

@@ -70,14 +70,16 @@ def _snapshot_pieces(opt: ShardedAdamW, into: dict) -> None:
     opt.shards.all_gather = run
 
 
-def _build(pipe, sizes, overlaps):
+def build_model(pipe, sizes, overlaps, cfg=CFG):
+    """``(grid, model, the modules holding its weights)``: a ParallelLlama of ``cfg`` on
+    ``sizes``, or with ``pipe > 1`` a 1F1B Pipeline of it, initialised from :data:`SEED`."""
     grid = Grid.build(sizes, pipe=pipe)
     if pipe == 1:
-        model = ParallelLlama(CFG, grid, "none", overlaps, **OVERLAP_OPTIONS)
+        model = ParallelLlama(cfg, grid, "none", overlaps, **OVERLAP_OPTIONS)
         init_parameters(model, SEED, grid)
         return grid, model, model
     m = BATCH // (grid.data * grid.z) // MICRO
-    model = Pipeline(CFG, grid, "1f1b", 1, m, overlaps=overlaps, **OVERLAP_OPTIONS)
+    model = Pipeline(cfg, grid, "1f1b", 1, m, overlaps=overlaps, **OVERLAP_OPTIONS)
     for part in model.parts:
         init_parameters(part, SEED, grid)
     return grid, model, model.parts
@@ -85,7 +87,7 @@ def _build(pipe, sizes, overlaps):
 
 def zero_runs(world_size, ref_curves, ref_first, ref_weights, cases):
     for pipe, sizes, overlaps in cases:
-        grid, model, weights = _build(pipe, sizes, overlaps)
+        grid, model, weights = build_model(pipe, sizes, overlaps)
         opt = build_optimizer(weights, LR, weight_decay=0.1, shard=grid)
         assert isinstance(opt, ShardedAdamW) and opt.shards.size == grid.size("data")
         pieces: dict = {}
@@ -210,7 +212,7 @@ def _overlap_worker(world_size):
     step's forward, one module at a time: at a module's forward pre-hook (after the optimizer's
     own, registered first) none of its parameters is pending while the later modules' still
     are; the head's were issued last."""
-    grid, model, _ = _build(1, (world_size, 1, 1, 1), ALL)
+    grid, model, _ = build_model(1, (world_size, 1, 1, 1), ALL)
     opt = build_optimizer(model, LR, weight_decay=0.1, shard=grid)
     seen: list[tuple[bool, int]] = []
     for batch in batches()[:2]:
