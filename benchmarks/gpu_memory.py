@@ -1,7 +1,7 @@
 """Peak memory and throughput of training steps on one GPU, against ``tetrad memory``.
 
     PYTHONPATH=. python benchmarks/gpu_memory.py [--out runs/gpu_memory] [--cases 1b,8b]
-        [--modes none,selective,full] [--compile] [--micro-batches 4,8]
+        [--modes none,selective,full] [--compile] [--micro-batches 4,8] [--param-dtypes fp32,bf16]
 
 Each case (model, seq, micro-batch, recompute) runs in this process on the grid 1,1,1,1 (a
 world of one, NCCL): ``ParallelLlama`` with that recompute mode, fused AdamW, global batch two
@@ -24,11 +24,15 @@ next one runs.
 The allocator runs with ``expandable_segments:True`` unless ``PYTORCH_CUDA_ALLOC_CONF`` is set
 (the peak allocated is the same either way; fixed segments fragment near the card's limit).
 
-Cases ``1b``: llama-1b (vocabulary 32768), seq 2048, micro-batches 4 and 8, recompute none,
-selective and full. ``8b``: Llama-3.1-8B, seq 4096, micro-batch 1, selective and full (needs
-the H200's 141 GB; the planner's verdict is printed either way); ``--cases 8b,1b`` runs the 8b
-cases first. Writes ``OUT/gpu_memory.json`` and ``OUT/gpu_memory.md`` after each case (a run
-cut short keeps the cases it finished).
+Each case runs once per ``--param-dtypes`` entry (``tetrad train --param-dtype``: ``fp32``
+weights, or ``bf16`` weights with fp32 masters in the optimizer, the prediction then ``tetrad
+memory --param-dtype bf16``).
+
+Cases ``1b``: llama-1b (vocabulary 32768), seq 2048, micro-batches 4 and 8 (or those of
+``--micro-batches``), recompute none, selective and full. ``8b``: Llama-3.1-8B, seq 4096,
+micro-batch 1, selective and full (needs the H200's 141 GB; the planner's verdict is printed
+either way); ``--cases 8b,1b`` runs the 8b cases first. Writes ``OUT/gpu_memory.json`` and
+``OUT/gpu_memory.md`` after each case (a run cut short keeps the cases it finished).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from gpu.memory import device_memory_bytes, memory_estimate  # noqa: E402
 from tetrad.device import datasheet_flops, device_name, peak_memory_bytes  # noqa: E402
 from tetrad.parallel import init_parameters  # noqa: E402
 from tetrad.parallel.model import ParallelLlama, compile_blocks  # noqa: E402
+from tetrad.spec.precision import precision  # noqa: E402
 from tetrad.spec.presets import parse_model  # noqa: E402
 from tetrad.spec.units import GiB  # noqa: E402
 from tetrad.train.step import build_optimizer, train_step  # noqa: E402
@@ -73,24 +78,44 @@ class Case:
     seq_len: int
     micro_batch: int
     recompute: str
+    param_dtype: str = "fp32"
 
 
-CASES = {
-    "1b": [
-        Case("llama-1b,vocab_size=32768", 2048, mb, mode)
-        for mb in (4, 8)
-        for mode in ("none", "selective", "full")
-    ],
-    "8b": [Case("llama-3.1-8b,vocab_size=128256", 4096, 1, m) for m in ("selective", "full")],
-    "tiny": [Case("tiny", 64, 2, m) for m in ("none", "selective", "full")],  # CPU smoke test
-}
+MODES = ("none", "selective", "full")
+
+
+def cases(key: str, micro_batches: list[int] | None, param_dtypes: list[str]) -> list[Case]:
+    """The cases of ``key`` (``1b``, ``8b`` or ``tiny``), each in every format of
+    ``param_dtypes``; ``micro_batches`` replaces the 1b cases' 4 and 8, and filters the others'.
+
+    Raises:
+        KeyError: an unknown ``key``."""
+    if key == "1b":
+        base = [
+            Case("llama-1b,vocab_size=32768", 2048, mb, mode)
+            for mb in (micro_batches or (4, 8))
+            for mode in MODES
+        ]
+    else:
+        base = {
+            "8b": [Case("llama-3.1-8b,vocab_size=128256", 4096, 1, m) for m in MODES[1:]],
+            "tiny": [Case("tiny", 64, 2, m) for m in MODES],  # CPU smoke test
+        }[key]
+        base = [c for c in base if not micro_batches or c.micro_batch in micro_batches]
+    return [Case(**{**c.__dict__, "param_dtype": d}) for c in base for d in param_dtypes]
 
 
 def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = False) -> dict:
     """Measure one case (``compiled``: every block under ``torch.compile``, as ``tetrad train
     --compile``); frees its model and optimizer afterwards."""
     est = memory_estimate(
-        case.model, case.micro_batch, case.seq_len, gpu_bytes, case.recompute, compiled
+        case.model,
+        case.micro_batch,
+        case.seq_len,
+        gpu_bytes,
+        case.recompute,
+        compiled,
+        case.param_dtype,
     )
     out = {**case.__dict__, "compiled": compiled}
     out |= {"predicted_bytes": est["total_bytes"], "fits": est["fits"]}
@@ -103,7 +128,8 @@ def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = Fals
         init_parameters(model, 0, grid)
         if compiled:
             compile_blocks(model)
-        opt = build_optimizer(model, 3e-4, 0.1)
+        policy = precision(grid.device.type, case.param_dtype)
+        opt = build_optimizer(model, 3e-4, 0.1, policy=policy)
         gen = torch.Generator().manual_seed(0)
         shape = (2 * case.micro_batch, case.seq_len + 1)
         batch = torch.randint(0, cfg.vocab_size, shape, generator=gen)
@@ -159,9 +185,9 @@ def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
     head = (
         f"# gpu_memory: {name}, {gpu_bytes / GiB:.1f} GiB, torch {torch.__version__}, "
         f"CUDA {torch.version.cuda}\n\n"
-        "| model | seq | micro-batch | recompute | predicted | measured peak | measured / "
-        "predicted | step | tokens/s | MFU | start to first step |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| model | seq | micro-batch | recompute | weights | predicted | measured peak | "
+        "measured / predicted | step | tokens/s | MFU | start to first step |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -181,6 +207,7 @@ def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
             ]
         mode = r["recompute"] + (" + compile" if r.get("compiled") else "")
         row = [r["model"].split(",")[0], str(r["seq_len"]), str(r["micro_batch"]), mode]
+        row.append(r.get("param_dtype", "fp32"))
         lines.append("| " + " | ".join(row + [pred] + cells) + " |")
     return head + "\n".join(lines) + "\n"
 
@@ -195,9 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test")
     p.add_argument("--modes", default="none,selective,full", help="recompute modes to run")
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
-    p.add_argument("--micro-batches", help="comma-separated: only the cases of these micro-batches")
+    p.add_argument(
+        "--micro-batches", help="comma-separated: the 1b cases' micro-batches (others: a filter)"
+    )
+    p.add_argument(
+        "--param-dtypes", default="fp32", help="comma-separated weight formats: fp32, bf16"
+    )
     args = p.parse_args(argv)
-    only = {int(m) for m in args.micro_batches.split(",")} if args.micro_batches else None
+    mbs = [int(m) for m in args.micro_batches.split(",")] if args.micro_batches else None
+    dtypes = args.param_dtypes.split(",")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA device is visible: use --device cpu --cases tiny")
     out = Path(args.out)
@@ -207,10 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     with world_of_one(args.device) as grid:
         name = device_name(grid.device)
         for key in args.cases.split(","):
-            for case in CASES[key]:
+            for case in cases(key, mbs, dtypes):
                 if case.recompute not in args.modes.split(","):
-                    continue
-                if only is not None and case.micro_batch not in only:
                     continue
                 rows.append(run_case(grid, case, args.steps, gpu_bytes, args.compile))
                 print(json.dumps(rows[-1]), flush=True)
