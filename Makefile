@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-torch-min lint bench clean
 
 $(BIN)/tetrad: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,23 @@ demo: $(BIN)/tetrad
 test: lint
 	$(BIN)/pytest -q --durations=15 -n auto --dist worksteal
 
+# The tests of the private torch APIs (tetrad/torch_private.py and the pipeline stages built on
+# them) on the lowest torch pyproject.toml admits, the GPU images' 2.11, in a second environment.
+# torch 2.11 for CPUs alone is not in the default package index: pip takes the CUDA build (about
+# 4.6 GB with its libraries), which runs these tests on the CPU as well.
+TORCH_MIN := 2.11.0
+MIN_TESTS := tests/test_torch_private.py tests/test_pipeline.py tests/test_pipeline_memory.py \
+	tests/test_masters.py tests/test_zero.py
+test-torch-min:
+	$(PYTHON) -m venv .venv-min
+	.venv-min/bin/pip install --quiet --no-compile torch==$(TORCH_MIN)
+	.venv-min/bin/pip install --quiet --no-compile -e '.[dev]'
+	.venv-min/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH_MIN)')"
+	.venv-min/bin/pytest -q -n auto $(MIN_TESTS)
+
 lint: $(BIN)/tetrad
 	$(BIN)/ruff format --check tetrad tests benchmarks
 	$(BIN)/ruff check tetrad tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs *.egg-info
+	rm -rf $(VENV) .venv-min runs *.egg-info

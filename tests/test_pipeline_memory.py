@@ -171,8 +171,7 @@ def _storages(tensors) -> dict[int, int]:
 
 def _recv_buffers(stages) -> list[torch.Tensor]:
     """The stages' receive buffers (one per micro-batch and direction)."""
-    infos = [i for s in stages for r in (s.args_recv_info, s.grad_recv_info) for i in r.values()]
-    return [i.buffer for group in infos for i in group if i.buffer is not None]
+    return [b for s in stages for b in s.recv_buffers()]
 
 
 def _held(stages) -> dict[int, int]:

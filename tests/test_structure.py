@@ -16,7 +16,18 @@ import tetrad
 PACKAGE = Path(tetrad.__file__).parent
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 MAX_LINES = 600
-RUNTIME = {"train", "parallel", "pipeline", "models", "comm", "data", "grid", "device", "dtypes"}
+RUNTIME = {
+    "train",
+    "parallel",
+    "pipeline",
+    "models",
+    "comm",
+    "data",
+    "grid",
+    "device",
+    "dtypes",
+    "torch_private",
+}
 """The runtime's packages and top-level modules: the planner imports none of them."""
 
 HIDE_TORCH = """
@@ -59,6 +70,61 @@ def long_modules(package: Path = PACKAGE, limit: int = MAX_LINES) -> dict[str, i
 def test_modules_are_at_most_600_lines():
     """A concept that outgrows a file becomes a package of sub-concepts (docs/architecture.md)."""
     assert not long_modules(), f"modules over {MAX_LINES} lines: {long_modules()}"
+
+
+PRIVATE_MEMBERS = {
+    "_flatten",
+    "args_recv_info",
+    "grad_recv_info",
+    "_post_metadata_inference_cleanup",
+    "_setup_forward_recv_info",
+    "_setup_backward_recv_info",
+}
+"""Private members of torch objects (``DeviceMesh``, ``PipelineStage``) that only
+``tetrad/torch_private.py`` may touch, besides every ``torch._x`` and ``dist._x``."""
+
+
+def private_torch_uses(package: Path = PACKAGE) -> list[str]:
+    """Where a module other than ``torch_private.py`` uses a private torch API: ``torch._x``
+    or ``dist._x`` (an underscore name anywhere in an attribute chain from ``torch`` or
+    ``dist``), an import of such a name or module, or a member of :data:`PRIVATE_MEMBERS`
+    (read, or defined as an override)."""
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        rel = str(path.relative_to(package))
+        if rel == "torch_private.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            what = None
+            if isinstance(node, ast.Attribute):
+                chain, root = [node.attr], node.value
+                while isinstance(root, ast.Attribute):
+                    chain.append(root.attr)
+                    root = root.value
+                from_torch = isinstance(root, ast.Name) and root.id in ("torch", "dist")
+                if node.attr in PRIVATE_MEMBERS or (
+                    from_torch and any(a.startswith("_") for a in chain)
+                ):
+                    what = node.attr
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+                names = [*node.module.split("."), *(a.name for a in node.names)]
+                what = next((n for n in names if n.startswith("_")), None)
+            elif isinstance(node, ast.Import):
+                names = [
+                    n for a in node.names if a.name.startswith("torch") for n in a.name.split(".")
+                ]
+                what = next((n for n in names if n.startswith("_")), None)
+            elif isinstance(node, ast.FunctionDef) and node.name in PRIVATE_MEMBERS:
+                what = node.name
+            if what:
+                bad.append(f"{rel}:{node.lineno} {what}")
+    return bad
+
+
+def test_private_torch_apis_only_in_torch_private():
+    """Every private torch API sits behind tetrad/torch_private.py, the one module whose tests
+    ``make test-torch-min`` runs on the minimum torch."""
+    assert not private_torch_uses(), private_torch_uses()
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -347,3 +413,20 @@ def test_architecture_check_fails_on_an_undocumented_arrow(tmp_path):
     root = _plant(tmp_path, {"train/auto.py": "from tetrad.models import x\n"})
     actual = {a: set(b) for a, b in package_imports(root).items()}
     assert actual["train"] - documented_arrows(doc)["train"] == {"models"}
+
+
+@pytest.mark.parametrize(
+    "source, what",
+    [
+        ("import torch\nn = torch._foreach_norm([])\n", "_foreach_norm"),
+        ("from torch._dynamo.utils import counters\n", "_dynamo"),
+        ("import torch.distributed as dist\ndist.distributed_c10d._world\n", "_world"),
+        ("def f(mesh):\n    return mesh._flatten('a')\n", "_flatten"),
+        ("class S:\n    def _setup_forward_recv_info(self):\n        pass\n", "_setup_forward"),
+    ],
+)
+def test_private_torch_check_fails_on_a_planted_use(tmp_path, source, what):
+    root = _plant(tmp_path, {"parallel/x.py": source, "torch_private.py": source})
+    bad = private_torch_uses(root)
+    assert len(bad) == 1 and bad[0].startswith("parallel/x.py:") and what in bad[0], bad
+    assert not private_torch_uses(_plant(tmp_path / "ok", {"parallel/x.py": "x = self._y\n"}))

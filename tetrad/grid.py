@@ -41,6 +41,7 @@ from tetrad.spec.grid import (
     physical_axis,
     role_sizes,
 )
+from tetrad.torch_private import flatten_mesh
 
 
 def backend_for(device_type: str) -> str:
@@ -135,7 +136,7 @@ class Grid:
         coord[Axis.PIPE] = mesh.get_local_rank("pipe") if pipe > 1 else 0
         data_group = None
         if sizes[1] > 1:  # the data x context group, created on every rank at once
-            data_group = mesh["data", "context"]._flatten("data_context").get_group()
+            data_group = flatten_mesh(mesh, ("data", "context"), "data_context").get_group()
         grid = cls(
             *role_sizes(sizes, orientation),
             mesh=mesh,

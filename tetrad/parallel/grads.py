@@ -12,6 +12,7 @@ from tetrad.grid import Grid
 from tetrad.parallel.masters import grad_of, reduce_dtype
 from tetrad.parallel.zero import DataShards
 from tetrad.spec.grid import Axis
+from tetrad.torch_private import foreach_mul_, foreach_norm
 
 
 def sync_gradients(
@@ -114,7 +115,7 @@ def global_grad_norm(
             grads.append(g.detach())
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
     if grads:
-        total += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+        total += torch.stack(foreach_norm(grads)).double().pow(2).sum()
     if sharded:
         all_reduce(total, grid, Axis.WORLD)
     return total.sqrt().float()
@@ -146,5 +147,5 @@ def clip_grad_norm(
     grads = [g for _, g in _step_grads(model, shards)]
     if max_norm > 0 and grads:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        foreach_mul_(grads, coef.to(grads[0].dtype))
     return norm

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tetrad.torch_private import foreach_copy_
+
 MAIN_GRAD = "main_grad"
 """The attribute holding a parameter's gradient when it is kept apart (:func:`grad_of`)."""
 
@@ -166,7 +168,7 @@ class MasterAdamW(torch.optim.AdamW):
         """Copy every master into its stored weight (one multi-tensor copy)."""
         pairs = [(self.stored(p), v) for p, v in self.pairs if v is not p]
         if pairs and self.masters:
-            torch._foreach_copy_([p for p, _ in pairs], [v for _, v in pairs])
+            foreach_copy_([p for p, _ in pairs], [v for _, v in pairs])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the masters' gradients and the parameters' (kept apart or not)."""

@@ -54,6 +54,7 @@ from tetrad.spec.grid import Axis, GridError
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import DEFAULT_OVERLAPS
 from tetrad.spec.sharding import check_grid, check_moe_grid, sequence_parallel_problem
+from tetrad.torch_private import dynamo_counts
 
 
 class ParallelLayers:
@@ -234,11 +235,6 @@ def compile_blocks(model: Transformer) -> None:
 
 
 def compile_stats() -> dict[str, int]:
-    """``{"graphs": ..., "graph_breaks": ...}`` compiled so far in this process (from
-    ``torch._dynamo``'s counters)."""
-    from torch._dynamo.utils import counters
-
-    return {
-        "graphs": int(counters["stats"]["unique_graphs"]),
-        "graph_breaks": int(sum(counters["graph_break"].values())),
-    }
+    """``{"graphs": ..., "graph_breaks": ...}`` compiled so far in this process
+    (:func:`tetrad.torch_private.dynamo_counts`)."""
+    return dynamo_counts()

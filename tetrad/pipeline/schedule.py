@@ -122,7 +122,9 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         for stage in self.stages:  # MoE load-balancing terms (StageForward)
             stage.submod.aux_scale, stage.submod.aux_total = self.aux_scale, 0.0
-        args = (inputs,) if self.is_first else ()
+        # contiguous: torch 2.11's first stage checks each micro-batch's strides against those
+        # of its shape inference, made on contiguous meta copies (inputs are a slice of [b, S+1])
+        args = (inputs.contiguous(),) if self.is_first else ()
         run = self.schedule.step if torch.is_grad_enabled() else self.schedule.eval
         if self.last is not None:
             run(*args, target=targets, losses=losses, return_outputs=False)

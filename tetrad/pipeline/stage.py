@@ -11,13 +11,11 @@ other stages' cool-down).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from tetrad.comm import count_sends
 from tetrad.dtypes import compute_dtype
@@ -25,6 +23,7 @@ from tetrad.models.llama import Transformer
 from tetrad.parallel.experts import biased_routers
 from tetrad.parallel.masters import drop_grads
 from tetrad.spec.grid import Axis
+from tetrad.torch_private import LeanRecvStage
 
 
 class StageForward(nn.Module):
@@ -79,8 +78,10 @@ class AttachAux(torch.autograd.Function):
         return dh, torch.ones(ctx.aux_shape, device=dh.device)
 
 
-class TetradStage(PipelineStage):
-    """``PipelineStage`` over a model part that drives the part's overlap per phase.
+class TetradStage(LeanRecvStage):
+    """``PipelineStage`` over a model part that drives the part's overlap per phase, holding
+    receive buffers only for the micro-batches in flight
+    (:class:`tetrad.torch_private.LeanRecvStage`).
 
     Args:
         part: the stage's :class:`~tetrad.parallel.model.ParallelLlama` part (its ``overlap``
@@ -112,11 +113,9 @@ class TetradStage(PipelineStage):
             sends = [op.tensor for op in ops if op.op in (dist.isend, dist.send)]
             count_sends(self.grid, Axis.PIPE, sends)
 
-    def _post_metadata_inference_cleanup(self) -> None:
-        # The first step infers the boundary shapes with a real forward and backward, whose
-        # gradients land in the parameters (torch clears them for FSDP modules only).
-        # The same for an MoE part's load-balancing terms and its routers' expert loads.
-        super()._post_metadata_inference_cleanup()
+    def after_shape_inference(self) -> None:
+        # The inference's forward and backward leave gradients in the parameters, an MoE
+        # part's load-balancing terms and its routers' expert loads: none belongs to a step.
         drop_grads(self.submod.parameters())
         self.submod.aux_total = 0.0
         self.submod.part.take_routing()
@@ -124,12 +123,7 @@ class TetradStage(PipelineStage):
             router.tokens_per_expert.zero_()
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs=None, *rest: Any, **kw):
-        if not torch.is_grad_enabled():  # evaluation: no backward will release the input
-            try:
-                return super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
-            finally:
-                _release(self.args_recv_info[fwd_chunk_id])
-        if self.overlap is None:
+        if self.overlap is None or not torch.is_grad_enabled():
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
         self.overlap.begin_micro_batch(last=False, phase="forward")
         try:
@@ -140,58 +134,10 @@ class TetradStage(PipelineStage):
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss=None, full_backward=True, last_backward=False
     ):
+        if self.overlap is None:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        self.overlap.begin_micro_batch(last=last_backward, phase="backward")
         try:
-            if self.overlap is None:
-                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-            self.overlap.begin_micro_batch(last=last_backward, phase="backward")
-            try:
-                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-            finally:
-                self.overlap.end_micro_batch()
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         finally:
-            _release(self.args_recv_info[bwd_chunk_id])
-            _release(self.grad_recv_info.get(bwd_chunk_id, ()))
-
-    # -- receive buffers: allocated when a receive is posted, released after the backward --
-
-    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
-        # torch allocates one buffer per micro-batch here and keeps them all for the run (m of
-        # them per stage and direction); tetrad holds only those of the passes in flight
-        super()._setup_forward_recv_info(num_microbatches, has_backward)
-        for infos in self.args_recv_info.values():
-            _release(infos)
-
-    def _setup_backward_recv_info(self, num_microbatches: int) -> None:
-        super()._setup_backward_recv_info(num_microbatches)
-        for infos in self.grad_recv_info.values():
-            _release(infos)
-
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        _allocate(self.args_recv_info[fwd_chunk_id], self.device)
-        return super().get_fwd_recv_ops(fwd_chunk_id)
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        if self.has_backward and not self.is_last:
-            _allocate(self.grad_recv_info[bwd_chunk_id], self.device)
-        return super().get_bwd_recv_ops(bwd_chunk_id)
-
-
-def _release(infos) -> None:
-    """Drop the receive buffers of one micro-batch's ``_RecvInfo``s (an empty tensor of the
-    same dtype stands in: ``None`` means "no tensor expected" to torch)."""
-    for info in infos:
-        if not info.is_root_arg and info.buffer is not None and info.buffer.numel():
-            info.buffer = info.buffer.new_empty(0)
-
-
-def _allocate(infos, device) -> None:
-    """Give each released receive buffer of one micro-batch its tensor again (the layout of its
-    recorded metadata), before its receive is posted."""
-    for info in infos:
-        meta = info.tensor_meta
-        if info.is_root_arg or info.buffer is None or info.buffer.numel() or meta is None:
-            continue
-        if math.prod(meta.shape):
-            info.buffer = torch.empty_strided(
-                meta.shape, meta.stride, dtype=meta.dtype, device=device
-            )
+            self.overlap.end_micro_batch()

@@ -118,8 +118,13 @@ class Checkpointer:
                 ranks = ranks.view(self.grid.pipe, -1, self.grid.expert, *ranks.shape[3:])
                 names = ("pipe", Axis.EXPERT_DATA.value, Axis.EXPERT.value, *names[3:])
             perm = [names.index(a) for a in ("pipe", *order)]
+            # a copy with row-major strides: torch 2.11 takes a mesh's layout from its tensor's
+            # strides (a permuted size-1 dim keeps its old stride, even through contiguous())
+            # and slices only dims whose strides descend
             mesh = DeviceMesh(
-                self.grid.device.type, ranks.permute(perm), mesh_dim_names=("pipe", *order)
+                self.grid.device.type,
+                ranks.permute(perm).clone(memory_format=torch.contiguous_format),
+                mesh_dim_names=("pipe", *order),
             )
             self._meshes[order] = mesh[order]
         return self._meshes[order]

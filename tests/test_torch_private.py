@@ -1,0 +1,131 @@
+"""tetrad/torch_private.py: each private torch API it wraps does what tetrad relies on.
+
+``make test-torch-min`` runs this file (with the pipeline tests that drive a
+:class:`~tetrad.torch_private.LeanRecvStage`) on the minimum torch of ``pyproject.toml``;
+``make test`` runs it on the installed one.
+"""
+
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from tests.distributed import run_distributed
+from tetrad.spec.toml import tomllib
+from tetrad.torch_private import (
+    SHAPES_INFERRED_BY_A_REAL_STEP,
+    LeanRecvStage,
+    dynamo_counts,
+    flatten_mesh,
+    foreach_copy_,
+    foreach_mul_,
+    foreach_norm,
+)
+
+
+def test_foreach_kernels_equal_per_tensor_ops():
+    gen = torch.Generator().manual_seed(0)
+    ts = [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen)]
+    for n, t in zip(foreach_norm(ts), ts, strict=True):
+        torch.testing.assert_close(n, t.norm())
+    scaled = [t.clone() for t in ts]
+    foreach_mul_(scaled, torch.tensor(0.5))
+    for s, t in zip(scaled, ts, strict=True):
+        torch.testing.assert_close(s, t * 0.5)
+    targets = [torch.zeros_like(t, dtype=torch.bfloat16) for t in ts]
+    foreach_copy_(targets, ts)
+    for s, t in zip(targets, ts, strict=True):
+        assert s.dtype == torch.bfloat16 and torch.equal(s, t.to(torch.bfloat16))
+
+
+def test_dynamo_counts_count_graphs_and_breaks():
+    before = dynamo_counts()
+
+    @torch.compile(backend="eager")
+    def f(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+
+    f(torch.ones(3))
+    after = dynamo_counts()
+    assert after["graphs"] >= before["graphs"] + 2  # one graph each side of the break
+    assert after["graph_breaks"] >= before["graph_breaks"] + 1
+
+
+def _flatten() -> None:
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "context"))
+    flat = flatten_mesh(mesh, ("data", "context"), "data_context")
+    group = flat.get_group()
+    assert dist.get_process_group_ranks(group) == [0, 1, 2, 3]
+    assert flat.get_local_rank() == rank  # row-major: data major, context minor
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=group)
+    assert t.item() == 6.0
+
+
+def test_flatten_mesh_is_one_group_over_both_dimensions():
+    run_distributed(_flatten, 4)
+
+
+MICRO_BATCHES = 4
+
+
+def _stage_module(index: int) -> nn.Module:
+    torch.manual_seed(100 + index)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+
+def _run(stage_cls, x: torch.Tensor, y: torch.Tensor):
+    """One 1F1B step of the two-stage pipeline; returns (stage, losses, gradients)."""
+    rank = dist.get_rank()
+    module = _stage_module(rank)
+    stage = stage_cls(module, rank, 2, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=lambda out, t: ((out - t) ** 2).sum())
+    losses = []
+    if rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+    return stage, losses, [p.grad.clone() for p in module.parameters()]
+
+
+class _Counting(LeanRecvStage):
+    inferred = 0
+
+    def after_shape_inference(self) -> None:
+        _Counting.inferred += 1
+
+
+def _lean_equals_torch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)
+    plain, losses, grads = _run(PipelineStage, x, y)
+    lean, lean_losses, lean_grads = _run(_Counting, x, y)
+    for a, b in zip(losses, lean_losses, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(grads, lean_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert _Counting.inferred == int(SHAPES_INFERRED_BY_A_REAL_STEP)
+    # torch keeps one buffer per micro-batch received; the lean stage released every one
+    assert all(b.numel() for b in LeanRecvStage.recv_buffers(plain))
+    assert lean.recv_buffers() and all(b.numel() == 0 for b in lean.recv_buffers())
+
+
+def test_lean_recv_stage_equals_torch_stage_and_releases_its_buffers():
+    run_distributed(_lean_equals_torch, 2)
+
+
+def test_make_test_torch_min_installs_the_declared_minimum():
+    root = Path(__file__).resolve().parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    minimum = next(re.match(r"torch>=([\d.]+)", d) for d in deps if d.startswith("torch"))
+    make = (root / "Makefile").read_text()
+    pinned = re.search(r"^TORCH_MIN := ([\d.]+)$", make, re.M)
+    assert pinned and pinned.group(1).startswith(minimum.group(1)), (minimum, pinned)
+    assert "tests/test_torch_private.py" in make.split("MIN_TESTS :=")[1].split("\n\n")[0]
