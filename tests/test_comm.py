@@ -220,3 +220,56 @@ def test_init_process_group_binds_the_gpu(monkeypatch):
     monkeypatch.setattr(grid_module, "local_device", lambda t: torch.device(t))
     assert grid_module.init_process_group("cpu")
     assert calls[-1] == (("gloo",), {})
+
+
+class TickClock:
+    """A deferred clock like NCCL's device events (read only when the log is reset): each mark
+    is the next integer, so a call's seconds are the marks between its two ends."""
+
+    deferred = True
+
+    def __init__(self):
+        self.marks = self.reads = 0
+
+    def mark(self) -> int:
+        self.marks += 1
+        return self.marks
+
+    def seconds(self, start: int, end: int) -> float:
+        self.reads += 1
+        return float(end - start)
+
+
+def deferred_times():
+    from tetrad.comm import all_gather, all_reduce
+    from tetrad.comm.fused import ring_all_gather_matmul
+
+    grid = Grid.build((2, 1, 1, 1))
+    clock = grid.comm.clock = TickClock()
+    x = torch.ones(4, 3)
+    h = all_reduce(x.clone(), grid, Axis.DATA, async_op=True)  # marks: issue 1
+    all_gather(x, grid, Axis.DATA)  # issue 2, before wait 3, after 4
+    h.wait()  # before 5, after 6
+    ring_all_gather_matmul(x, torch.ones(5, 3), grid, Axis.DATA)  # start 7, wait 8-9, close 10
+    stats = grid.comm.stats(Axis.DATA)
+    assert (stats.exposed_s, stats.time_s, clock.reads) == (0.0, 0.0, 0)  # nothing read yet
+    totals = grid.comm.reset()[Axis.DATA]
+    assert totals.calls == 3
+    assert totals.exposed_s == (4 - 3) + (6 - 5) + (9 - 8)
+    assert totals.time_s == (4 - 2) + (6 - 1) + (10 - 7)
+    assert clock.reads == 6 and not grid.comm.unread  # two per collective, two for the ring
+
+
+def test_device_clock_times_are_read_at_reset_not_during_the_step():
+    """With NCCL the collectives are timed by events on the computation's stream, read only
+    when the log is reset (logging time): a deferred clock's marks are kept, then summed per
+    axis as the host clock's are (exposed: around each wait; time: issue to end of wait)."""
+    run_distributed(deferred_times, 2)
+
+
+def test_clock_follows_the_backend():
+    from tetrad.comm.collectives import DeviceClock, HostClock, clock_for
+
+    assert isinstance(clock_for(torch.device("cuda", 0), "nccl"), DeviceClock)
+    assert isinstance(clock_for(torch.device("cuda", 0), "gloo"), HostClock)  # blocks the host
+    assert isinstance(clock_for(torch.device("cpu"), "gloo"), HostClock)

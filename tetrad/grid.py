@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from tetrad.comm.collectives import CommLog
+from tetrad.comm.collectives import CommLog, clock_for
 from tetrad.device import local_device
 from tetrad.spec.grid import (
     GRID_AXES,
@@ -152,6 +152,7 @@ class Grid:
         if expert > 1:
             grid._groups.update(expert_groups(grid, expert))
         grid.comm.names = {a: physical_axis(a, orientation) for a in ("x", "y")}
+        grid.comm.clock = clock_for(grid.device, dist.get_backend())
         return grid
 
     def size(self, axis: Axis | str) -> int:

@@ -12,6 +12,13 @@ import it.
 
 With ``async_op=True`` a function returns a :class:`Handle`; the result is valid after
 ``handle.wait()``. A blocking call is an async call waited at once, so all its time is exposed.
+
+Times are read from the log's clock. With gloo the host waits for the transfer itself, so host
+timers measure it (:class:`HostClock`). With NCCL ``wait()`` only makes the device's current
+stream wait for the collective's stream and returns at once, so the times are taken from timing
+events on that stream (:class:`DeviceClock`): the exposed time is how long the computation's
+stream stalled at the wait. Events are read when the log is :meth:`CommLog.reset` (at logging
+time, after the step's results were read), never during the step.
 """
 
 from __future__ import annotations
@@ -47,9 +54,10 @@ class AxisStats:
             in MPICH", 2005, section 4).
         time_s: seconds from issue to completion. An async call's completion is stamped at the
             first collective event (an issue or a wait) that finds it done, or at the end of its
-            wait: an upper bound, tight to the next communication event.
+            wait: an upper bound, tight to the next communication event. With device events
+            (NCCL), from the issue to the end of the wait on the computation's stream.
         exposed_s: seconds the caller was blocked (the whole call when blocking, the wait
-            otherwise).
+            otherwise): the host with gloo, the computation's stream with NCCL.
     """
 
     calls: int = 0
@@ -57,6 +65,46 @@ class AxisStats:
     bytes: float = 0.0
     time_s: float = 0.0
     exposed_s: float = 0.0
+
+
+class HostClock:
+    """Host time (``time.perf_counter``, seconds): what the host waited. Right where the host
+    blocks until the transfer is done (gloo)."""
+
+    deferred = False
+    """Marks are numbers, read at once."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class DeviceClock:
+    """Timing events recorded on ``device``'s current stream (``torch.Event``): the time that
+    stream spent between two marks. Right where a wait makes the stream, not the host, wait
+    (NCCL). Marks are read later (:attr:`deferred`): reading one waits for it."""
+
+    deferred = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self) -> torch.Event:
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: torch.Event, end: torch.Event) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
+
+
+def clock_for(device: torch.device, backend: str) -> HostClock | DeviceClock:
+    """The clock that measures collectives of ``backend`` on ``device``: device events for
+    NCCL, the host's timer otherwise (gloo, also with CUDA tensors: it blocks the host)."""
+    return DeviceClock(device) if backend == "nccl" else HostClock()
 
 
 @dataclass
@@ -68,13 +116,29 @@ class CommLog:
     in_flight: list = field(default_factory=list)  # issued, not yet seen complete
     names: dict[str, str] = field(default_factory=dict)
     """Role -> the mesh dimension it is recorded under (the grid's orientation); others as is."""
+    clock: HostClock | DeviceClock = field(default_factory=HostClock)
+    """What times the collectives (:func:`clock_for` the grid's device and backend)."""
+    unread: list = field(default_factory=list)
+    """``(stats, attribute, start, end)``: a deferred clock's marks, read at :meth:`reset`."""
+
+    def add_time(self, stats: AxisStats, attribute: str, start, end) -> None:
+        """Add the clock's seconds from mark ``start`` to mark ``end`` to ``stats.attribute``
+        (``time_s`` or ``exposed_s``): now, or at :meth:`reset` for a deferred clock."""
+        if self.clock.deferred:
+            self.unread.append((stats, attribute, start, end))
+        else:
+            setattr(stats, attribute, getattr(stats, attribute) + self.clock.seconds(start, end))
 
     def stats(self, axis: str) -> AxisStats:
         """The totals of the collectives over role ``axis`` (recorded under its mesh name)."""
         return self.axes[self.names.get(axis, axis)]
 
     def sweep(self, now: float) -> None:
-        """Stamp the completion time of in-flight collectives that have finished."""
+        """Stamp the completion time of in-flight collectives that have finished (host clock;
+        with a deferred clock, completion is the end of the wait on the stream)."""
+        if self.clock.deferred:
+            self.in_flight = []
+            return
         still = []
         for h in self.in_flight:
             if h.done_at is None and h.work is not None and h.work.is_completed():
@@ -84,7 +148,12 @@ class CommLog:
         self.in_flight = still
 
     def reset(self) -> dict[str, AxisStats]:
-        """Return the totals so far and start counting from zero."""
+        """Return the totals so far and start counting from zero (reading a deferred clock's
+        marks first: this waits for the collectives they follow)."""
+        unread, self.unread = self.unread, []
+        for stats, attribute, start, end in unread:
+            seconds = self.clock.seconds(start, end)
+            setattr(stats, attribute, getattr(stats, attribute) + seconds)
         out, self.axes = dict(self.axes), defaultdict(AxisStats)
         return out
 
@@ -97,7 +166,7 @@ class Handle:
         work,
         result: torch.Tensor,
         stats: AxisStats | None,
-        issued: float,
+        issued,
         log: CommLog | None = None,
         post=None,
     ):
@@ -110,16 +179,18 @@ class Handle:
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            t0 = time.perf_counter()
-            if self.log is not None:
-                self.log.sweep(t0)
-            if self.done_at is None and self.work.is_completed():
-                self.done_at = t0
+            clock = self.log.clock if self.log is not None else HostClock()
+            t0 = clock.mark()
+            if not clock.deferred:
+                if self.log is not None:
+                    self.log.sweep(t0)
+                if self.done_at is None and self.work.is_completed():
+                    self.done_at = t0
             self.work.wait()
-            t1 = time.perf_counter()
+            t1 = clock.mark()
             if self.stats is not None:
-                self.stats.exposed_s += t1 - t0
-                self.stats.time_s += (self.done_at or t1) - self.issued
+                self.log.add_time(self.stats, "exposed_s", t0, t1)
+                self.log.add_time(self.stats, "time_s", self.issued, self.done_at or t1)
             self.work = None
             if self.post is not None:
                 self.result, self.post = self.post(self.result), None
@@ -161,12 +232,12 @@ def _issue(
         stats.calls += 1
         stats.payload_bytes += payload
         stats.bytes += ring
-    issued = time.perf_counter()
     log = grid.comm if stats is not None else None
+    issued = log.clock.mark() if log is not None else time.perf_counter()
     if log is not None:
         log.sweep(issued)
     h = Handle(launch(), result, stats, issued, log, post)
-    if log is not None:
+    if log is not None and not log.clock.deferred:
         log.in_flight.append(h)
     return h
 

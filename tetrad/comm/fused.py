@@ -24,8 +24,6 @@ collective, ``(G-1)/G`` of the gathered (or reduced) tensor, recorded on the axi
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -44,12 +42,13 @@ class _Ring:
         self.r = dist.get_group_rank(self.group, me) if self.group is not None else me
         glob = (lambda i: dist.get_global_rank(self.group, i)) if self.group is not None else int
         self.next, self.prev = glob((self.r + 1) % self.g), glob((self.r - 1) % self.g)
+        self.log = grid.comm
         self.stats = grid.comm.stats(axis) if grid.comm.enabled else None
         if self.stats is not None:
             self.stats.calls += 1
             self.stats.payload_bytes += payload
             self.stats.bytes += (self.g - 1) / self.g * payload
-        self.started = time.perf_counter()
+        self.started = self.log.clock.mark()
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
         """Post the send of ``send`` to the next rank and the receive into ``recv`` from the
@@ -63,16 +62,17 @@ class _Ring:
         )
 
     def wait(self, works: list) -> None:
-        """Wait for one :meth:`exchange` (its send and its receive), timed as exposed."""
-        t0 = time.perf_counter()
+        """Wait for one :meth:`exchange` (its send and its receive), timed as exposed (on the
+        log's clock: the host with gloo, the computation's stream with NCCL)."""
+        t0 = self.log.clock.mark()
         for work in works:
             work.wait()
         if self.stats is not None:
-            self.stats.exposed_s += time.perf_counter() - t0
+            self.log.add_time(self.stats, "exposed_s", t0, self.log.clock.mark())
 
     def close(self) -> None:
         if self.stats is not None:
-            self.stats.time_s += time.perf_counter() - self.started
+            self.log.add_time(self.stats, "time_s", self.started, self.log.clock.mark())
 
 
 def _pieces(rows: int, chunks: int) -> list[tuple[int, int]]:
