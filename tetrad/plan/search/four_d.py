@@ -33,9 +33,9 @@ Speed, by design: memory is evaluated once per (grid, checkpointing mode) as a l
 micro-batch (:mod:`tetrad.plan.search.memory_fits`) and rejects a configuration before anything
 is timed; what fits gives each group (grid, orientation, optimizer variant) a floor of its
 steps before its configurations are built, and the groups are visited best first
-(:meth:`Search4D.rank`, :func:`tetrad.plan.search.top.best_first`), then, with the pipeline
-axis, the pipeline search (:class:`tetrad.plan.search.pipeline.pipe_search.PipeSearch`) against
-the bar they set (its bounds are looser: visited first, with no bar yet, it times more).
+(:meth:`Search4D.rank`, :func:`tetrad.plan.search.top.best_first`), in one queue with the
+pipeline search's entries (:class:`tetrad.plan.search.pipeline.pipe_search.PipeSearch`), so
+whichever axis sets the bar prunes the other's.
 
 A 5D group's floor (:meth:`Search4D._group_floor`,
 :meth:`tetrad.plan.search.step_bounds.StepBounds.group_floor`) needs what fits (the memory
@@ -84,9 +84,10 @@ from tetrad.spec.model import ModelSpec
 from tetrad.spec.sharding import context_problems, grid_problems
 from tetrad.spec.units import GiB
 
-MAY_FIT, FITS, CHEAP, TIME = 0, 1, 2, 3
+MAY_FIT, FITS, CHEAP, TIME, PIPE = 0, 1, 2, 3, 4
 """Kinds of the queue's entries: a 5D group at the floor of what may fit, of what fits; one of
-its configurations at its cheap bound, at its bound with the X/Y collectives (then timed)."""
+its configurations at its cheap bound, at its bound with the X/Y collectives (then timed);
+``PIPE`` plus a kind of the pipeline search's entries (:meth:`PipeSearch.visit`)."""
 
 
 class Search4D:
@@ -251,7 +252,11 @@ class Search4D:
         visited again, its configurations enter at their cheap bounds (:meth:`_visit_group`),
         then at their bounds with the X/Y collectives, and are timed when the queue reaches
         them (:meth:`_visit_config`): the first timed are those with the lowest bounds, so the
-        bar is near its last value after the first ``top``."""
+        bar is near its last value after the first ``top``. The pipeline search's entries
+        (:meth:`PipeSearch.entries`, then what :meth:`PipeSearch.visit` gives) share the
+        queue: a pipeline that sets the bar prunes 5D groups, and the reverse. Ties in step
+        time go to the lower sequence number whatever the order of visits
+        (:mod:`tetrad.plan.search.top`), the pipelines' after every 5D one's."""
         bounds = None
         if self.comm_model == "tetrad":
             plain = StepBounds(self.ctx)
@@ -261,6 +266,10 @@ class Search4D:
             for zero, classes in self.memory_fits.may_fit(role_sizes(grid, turn)).items():
                 floor = self._group_floor(bounds, grid, turn, zero, classes)
                 queue.append((floor, MAY_FIT, len(queue), (gi, zero)))
+        if pipes is not None:
+            pipes.seq = PIPELINE_SEQ
+            for bound, kind, shape in pipes.entries():
+                queue.append((bound, PIPE + kind, len(queue), shape))
         heapq.heapify(queue)
         best: list = []
         fits: dict = {}  # group -> its RoleFits
@@ -270,6 +279,10 @@ class Search4D:
             heapq.heappush(queue, (bound, kind, next(numbers), payload))
 
         def visit(kind: int, payload) -> None:
+            if kind >= PIPE:
+                for bound, sub, more in pipes.visit(kind - PIPE, payload, best, top):
+                    push(bound, PIPE + sub, more)
+                return
             if kind >= CHEAP:
                 self._visit_config(best, top, bounds, push, kind, payload)
                 return
@@ -285,8 +298,6 @@ class Search4D:
 
         best_first(queue, best, top, visit, MARGIN)
         self.stats["memory_groups"] = len(fits)
-        if pipes is not None:
-            pipes.extend(best, top, PIPELINE_SEQ)
         self.stats["pruned"] = self.stats["fitting"] - self.stats["evaluated"]
         return best
 
