@@ -191,15 +191,27 @@ class GroupBounds:
         leads = self.terms.least_lead(pipe, m, costs, one, ratios)
         return bf, model / pipe, L / pipe, k, block, one, leads, pipe if m < pipe else 0
 
-    def grids(self, pipe, q, gc, gy, gx, b, mode, limit: float) -> list:
+    def refined(self, pipe, q, gc, gy, gx, b, mode) -> tuple[float, tuple]:
+        """``(bound, terms)``: the group's bound with its context collectives at their least
+        over ``G_z`` and the X/Y seconds known so far (:meth:`FloorTerms.known_xy`), the first
+        test of :meth:`grids`, and its :meth:`bound_terms` (for :meth:`grids`), seconds."""
+        full, terms = mode == "full", self.bound_terms(pipe, q, gc, gy, gx, b, mode)
+        extra = self.terms.known_xy(gc, gy, gx, b, full)
+        if gc > 1:
+            extra += self.terms.kv_floor(q, gc, gy, gx, b, full)
+        return _bound(terms, extra), terms
+
+    def grids(self, pipe, q, gc, gy, gx, b, mode, limit: float, terms=None) -> list:
         """``(bound, --grid, orientation)`` of the group's grids whose memory floor fits and whose
         bound is below ``limit`` seconds (less MARGIN; ``inf``: every grid that fits, bound 0), in
         ascending ``G_z`` and orientation order. Cheapest first: the context collectives at their
         least over ``G_z``, the memory floor (the ``G_z`` it leaves), per ``G_z`` the context and Z
         floors (:meth:`FloorTerms.z_exposed`), then per orientation the X/Y collectives
-        (:meth:`FloorTerms.xy_seconds`)."""
+        (:meth:`FloorTerms.xy_seconds`); ``terms``: the group's :meth:`bound_terms` where
+        known."""
         full, timed = mode == "full", limit < float("inf")
-        terms = self.bound_terms(pipe, q, gc, gy, gx, b, mode) if timed else None
+        if timed and terms is None:
+            terms = self.bound_terms(pipe, q, gc, gy, gx, b, mode)
         cap = limit / (1 - MARGIN)  # a bound at or above it prunes
         if timed:
             xy = self.terms.known_xy(gc, gy, gx, b, full)

@@ -149,25 +149,33 @@ class PipeSearch:
         for pipe in bounds.pipes:
             if not bounds.monotone():
                 for group in bounds.groups(pipe, gc, gy, gx, mode, per_sample, limit):
-                    out.append((max(group[0], lb_kv), GROUP, (group, (), lb_kv)))
+                    out.append((max(group[0], lb_kv), GROUP, (group, (), lb_kv, None)))
                 continue
             q, sizes = bounds.micro_batches(pipe, gc, gy, gx, per_sample, limit)
             if sizes:
                 group = bounds.group(pipe, q, gc, gy, gx, sizes[-1], mode)
-                out.append((max(group[0], lb_kv), GROUP, (group, sizes[-2::-1], lb_kv)))
+                out.append((max(group[0], lb_kv), GROUP, (group, sizes[-2::-1], lb_kv, None)))
         return out
 
     def _group(self, payload: tuple, limit: float) -> list[tuple]:
-        """The next group of the chain (:meth:`_shape`), and the group's grids whose memory
-        floor fits at their bounds (:meth:`GroupBounds.grids`; with no bar yet, every such
-        grid at its bound)."""
-        (lb, pipe, q, gc, gy, gx, b, mode), smaller, floor = payload
-        out, lb = [], max(lb, floor)
-        if smaller:
-            group = self.group_bounds.group(pipe, q, gc, gy, gx, smaller[0], mode)
-            out.append((max(group[0], floor), GROUP, (group, smaller[1:], floor)))
-        grids = self.group_bounds.grids(pipe, q, gc, gy, gx, b, mode, min(limit, 1e300))
-        for bound, grid, turn in grids:
+        """First visit: the next group of the chain (:meth:`_shape`), and the group again at
+        its bound with the context and known X/Y collectives (:meth:`GroupBounds.refined`)
+        unless that cannot enter; second: the group's grids whose memory floor fits at their
+        bounds (:meth:`GroupBounds.grids`; with no bar yet, every such grid at its bound)."""
+        (lb, pipe, q, gc, gy, gx, b, mode), smaller, floor, terms = payload
+        out, lb, bounds = [], max(lb, floor), self.group_bounds
+        if terms is None:
+            if smaller:
+                group = bounds.group(pipe, q, gc, gy, gx, smaller[0], mode)
+                out.append((max(group[0], floor), GROUP, (group, smaller[1:], floor, None)))
+            refined, terms = bounds.refined(pipe, q, gc, gy, gx, b, mode)
+            if refined * (1 - MARGIN) < limit:
+                refined = max(lb, refined)
+                out.append((refined, GROUP, (payload[0], (), refined, terms)))
+            return out
+        for bound, grid, turn in bounds.grids(
+            pipe, q, gc, gy, gx, b, mode, min(limit, 1e300), terms
+        ):
             bound = max(lb, bound)
             out.append((bound, GRID, (bound, (pipe, grid, turn, b, mode))))
         return out
