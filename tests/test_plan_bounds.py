@@ -136,6 +136,30 @@ def test_group_floor_is_below_every_member(case):
     assert checked > 100
 
 
+@pytest.mark.parametrize("case", CASES[:3], ids=[c[0] for c in CASES[:3]])
+def test_shape_floor_is_below_its_groups(case):
+    """The floor at which a tensor/context shape's 5D groups enter the queue
+    (GroupFloors.shape_floor) is at most the floor of each of its groups from what may fit,
+    in each optimizer variant (and so at most every configuration's step)."""
+    from tetrad.plan.question import sharded
+    from tetrad.plan.search.four_d import Search4D
+
+    name, machine, gpus, batch, seq = case
+    model, mc = get_model(name), get_machine(machine)
+    ctx = StepQuestion(model, mc, seq, batch)
+    search = Search4D(ctx, gpus, mc.memory_bytes, "tetrad", "bf16", "auto")
+    bounds = {False: StepBounds(ctx), True: StepBounds(sharded(ctx))}
+    checked = 0
+    for grid, turn in search.groups():
+        roles = role_sizes(grid, turn)
+        shape = search.floors.shape_floor(roles)
+        for zero, classes in search.memory_fits.may_fit(roles).items():
+            floor = search._group_floor(bounds, grid, turn, zero, classes)
+            assert shape <= floor * (1 + 1e-12), (grid, turn, zero)
+            checked += 1
+    assert checked > 20
+
+
 def test_top_k_does_not_depend_on_the_order_of_offers():
     """Ties in step time go to the lower sequence number, whatever order they are offered in."""
     import random

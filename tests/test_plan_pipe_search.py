@@ -194,3 +194,21 @@ def test_fits_is_the_worst_rank_within_the_limit():
                                 assert got.peak_phase == worst.peak_phase
                         fit[fits] += 1
     assert fit[True] > 10 and fit[False] > 10
+
+
+def test_group_bound_does_not_grow_with_the_micro_batch():
+    """On a machine whose GEMM efficiency never falls with the FLOPs, a group's bound 2 does not
+    grow with its micro-batch: the search enters a shape's groups as a chain in descending
+    micro-batch, each group's bound the floor of the rest (PipeSearch._shape)."""
+    model, machine = get_model("gpt-80b"), get_machine("perlmutter")
+    ps = _search(model, machine, 1024, 2048)
+    bounds, seen = ps.group_bounds, 0
+    assert bounds.monotone()
+    for gc, gy, gx in ((1, 2, 4), (2, 1, 8), (4, 4, 2), (1, 8, 8)):
+        for mode in ("none", "selective", "full"):
+            for pipe in bounds.pipes:
+                q, sizes = bounds.micro_batches(pipe, gc, gy, gx, 0.0, float("inf"))
+                got = [bounds.group(pipe, q, gc, gy, gx, b, mode)[0] for b in sizes]
+                assert all(a >= b for a, b in zip(got, got[1:], strict=False)), (pipe, gc, gy)
+                seen += len(got) > 1
+    assert seen > 20

@@ -33,9 +33,9 @@ Speed, by design: memory is evaluated once per (grid, checkpointing mode) as a l
 micro-batch (:mod:`tetrad.plan.search.memory_fits`) and rejects a configuration before anything
 is timed; what fits gives each group (grid, orientation, optimizer variant) a floor of its
 steps before its configurations are built, and the groups are visited best first
-(:meth:`Search4D.rank`, :func:`tetrad.plan.search.top.best_first`), then, with the pipeline
-axis, the pipeline search (:class:`tetrad.plan.search.pipeline.pipe_search.PipeSearch`) against
-the bar they set (its bounds are looser: visited first, with no bar yet, it times more).
+(:meth:`Search4D.rank`, :func:`tetrad.plan.search.top.best_first`), in one queue with the
+pipeline search's entries (:class:`tetrad.plan.search.pipeline.pipe_search.PipeSearch`), so
+whichever axis sets the bar prunes the other's.
 
 A 5D group's floor (:meth:`Search4D._group_floor`,
 :meth:`tetrad.plan.search.step_bounds.StepBounds.group_floor`) needs what fits (the memory
@@ -55,9 +55,11 @@ timed) and timed (``evaluated``); the groups a floor rejected before their memor
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import time
+from types import SimpleNamespace
 
 from tetrad.plan.comm.axonn import axonn_comm
 from tetrad.plan.errors import PlanError
@@ -66,6 +68,7 @@ from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.sharded_optimizer import check_shard_optimizer
 from tetrad.plan.memory.states import param_bytes
 from tetrad.plan.question import StepQuestion, sharded
+from tetrad.plan.search.group_floors import GroupFloors
 from tetrad.plan.search.memory_fits import MemoryFits
 from tetrad.plan.search.pipeline.pipe_search import PipeSearch, is_pipeline
 from tetrad.plan.search.rows import Row
@@ -84,9 +87,12 @@ from tetrad.spec.model import ModelSpec
 from tetrad.spec.sharding import context_problems, grid_problems
 from tetrad.spec.units import GiB
 
-MAY_FIT, FITS, CHEAP, TIME = 0, 1, 2, 3
-"""Kinds of the queue's entries: a 5D group at the floor of what may fit, of what fits; one of
-its configurations at its cheap bound, at its bound with the X/Y collectives (then timed)."""
+SHAPE, MAY_FIT, FITS, CHEAP, TIME, PIPE = 0, 1, 2, 3, 4, 5
+"""Kinds of the queue's entries: the 5D groups of a tensor/context shape at their floor
+(:meth:`~tetrad.plan.search.group_floors.GroupFloors.shape_floor`); a 5D group at the floor of
+what may fit, of what fits; one of
+its configurations at its cheap bound, at its bound with the X/Y collectives (then timed);
+``PIPE`` plus a kind of the pipeline search's entries (:meth:`PipeSearch.visit`)."""
 
 
 class Search4D:
@@ -140,9 +146,7 @@ class Search4D:
         )
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
         self.turns: dict = {}  # (G_z, G_y, G_x) -> the orientations that shard the model
-        self.class_memo: dict = {}  # (G_context, G_y, G_x, B / (G_data G_z), full, sizes)
-        self.monotone: bool | None = None  # the GEMM table never falls (_monotone_gemm)
-        self.per_sample: dict = {}  # (G_context, G_y, G_x, b) -> seconds (_per_sample)
+        self.floors = GroupFloors(ctx, allowed)
 
     def pipeline_search(self) -> PipeSearch:
         """The pipeline part of this search (:mod:`tetrad.plan.search.pipeline`), on its question,
@@ -251,44 +255,83 @@ class Search4D:
         visited again, its configurations enter at their cheap bounds (:meth:`_visit_group`),
         then at their bounds with the X/Y collectives, and are timed when the queue reaches
         them (:meth:`_visit_config`): the first timed are those with the lowest bounds, so the
-        bar is near its last value after the first ``top``."""
+        bar is near its last value after the first ``top``. The pipeline search's entries
+        (:meth:`PipeSearch.entries`, then what :meth:`PipeSearch.visit` gives) share the
+        queue: a pipeline that sets the bar prunes 5D groups, and the reverse. Ties in step
+        time go to the lower sequence number whatever the order of visits
+        (:mod:`tetrad.plan.search.top`), the pipelines' after every 5D one's."""
         bounds = None
         if self.comm_model == "tetrad":
             plain = StepBounds(self.ctx)
             bounds = {False: plain, True: StepBounds(sharded(self.ctx), like=plain)}
-        queue = []
+        queue: list = []
+        shapes: dict = {}  # the roles' (G_context, G_y, G_x) -> (shape floor, groups' indices)
         for gi, (grid, turn) in enumerate(groups):
-            for zero, classes in self.memory_fits.may_fit(role_sizes(grid, turn)).items():
-                floor = self._group_floor(bounds, grid, turn, zero, classes)
-                queue.append((floor, MAY_FIT, len(queue), (gi, zero)))
+            roles = role_sizes(grid, turn)
+            got = shapes.get(key := (roles[1], roles[3], roles[4]))
+            if got is None:
+                got = shapes[key] = (self.floors.shape_floor(roles), [])
+            got[1].append(gi)
+        for floor, members in shapes.values():
+            queue.append((floor, SHAPE, len(queue), members))
+        if pipes is not None:
+            pipes.seq = PIPELINE_SEQ
+            for bound, kind, shape in pipes.entries():
+                queue.append((bound, PIPE + kind, len(queue), shape))
         heapq.heapify(queue)
-        best: list = []
-        fits: dict = {}  # group -> its RoleFits
         numbers = itertools.count(len(queue))
 
         def push(bound: float, kind: int, payload: tuple) -> None:
             heapq.heappush(queue, (bound, kind, next(numbers), payload))
 
-        def visit(kind: int, payload) -> None:
-            if kind >= CHEAP:
-                self._visit_config(best, top, bounds, push, kind, payload)
-                return
-            gi, zero = payload
-            grid, turn = groups[gi]
-            got = fits.get(gi)
-            if got is None:
-                got = fits[gi] = self.memory_fits.oriented_fits(grid, turn)
-            if kind == FITS:
-                self._visit_group(best, top, bounds, push, gi, grid, turn, got, zero)
-            elif zero in got.variants():
-                push(self._group_floor(bounds, grid, turn, zero, got.classes(zero)), FITS, payload)
-
-        best_first(queue, best, top, visit, MARGIN)
-        self.stats["memory_groups"] = len(fits)
-        if pipes is not None:
-            pipes.extend(best, top, PIPELINE_SEQ)
+        # fits: group -> its RoleFits; floors: (roles, variant, kind) -> group floor (both
+        # follow the roles)
+        run = SimpleNamespace(groups=groups, bounds=bounds, best=[], top=top, pipes=pipes)
+        run.push, run.fits, run.floors = push, {}, {}
+        best_first(queue, run.best, top, functools.partial(self._visit, run), MARGIN)
+        self.stats["memory_groups"] = len(run.fits)
+        best = run.best
         self.stats["pruned"] = self.stats["fitting"] - self.stats["evaluated"]
         return best
+
+    def _visit(self, run: SimpleNamespace, kind: int, payload) -> None:
+        """Visit an entry of :meth:`rank`'s queue (``run``: its groups, bounds, best, top,
+        pipeline search, push, and memos): a pipeline entry (:meth:`PipeSearch.visit`), a
+        configuration (:meth:`_visit_config`), a shape (its groups at the floor of what may
+        fit), a group at that floor (its memory lines; the floor of what fits) or at that
+        (:meth:`_visit_group`)."""
+        best, top, bounds, push = run.best, run.top, run.bounds, run.push
+        if kind >= PIPE:
+            for bound, sub, more in run.pipes.visit(kind - PIPE, payload, best, top):
+                push(bound, PIPE + sub, more)
+            return
+        if kind >= CHEAP:
+            self._visit_config(best, top, bounds, push, kind, payload)
+            return
+        if kind == SHAPE:
+            for gi in payload:
+                for zero, classes in self.memory_fits.may_fit(role_sizes(*run.groups[gi])).items():
+                    push(self._floor_of(run, MAY_FIT, gi, zero, classes), MAY_FIT, (gi, zero))
+            return
+        gi, zero = payload
+        grid, turn = run.groups[gi]
+        got = run.fits.get(gi)
+        if got is None:
+            got = run.fits[gi] = self.memory_fits.oriented_fits(grid, turn)
+        if kind == FITS:
+            self._visit_group(best, top, bounds, push, gi, grid, turn, got, zero)
+        elif zero in got.variants():
+            push(self._floor_of(run, FITS, gi, zero, got.classes(zero)), FITS, payload)
+
+    def _floor_of(self, run: SimpleNamespace, kind: int, gi: int, zero: bool, classes) -> float:
+        """:meth:`_group_floor` of group ``gi`` in variant ``zero`` (``kind``: from what may
+        fit or what fits), memoised per roles in ``run.floors``."""
+        grid, turn = run.groups[gi]
+        key = (role_sizes(grid, turn), zero, kind)
+        got = run.floors.get(key)
+        if got is None:
+            got = run.floors[key] = self._group_floor(run.bounds, grid, turn, zero, classes)
+        return got
 
     def _visit_group(self, best: list, top: int, bounds, push, gi: int, grid, turn, fits, zero):
         """Queue the configurations of group ``gi`` (``grid`` in orientation ``turn``, what
@@ -325,74 +368,8 @@ class Search4D:
         offer(best, top, step, seq, (grid, b, ckpt, turn, est))
 
     def _group_floor(self, bounds, grid, turn: str, zero: bool, classes: dict) -> float:
-        """A floor of the steps of ``grid``'s configurations in orientation ``turn`` and
-        optimizer variant ``zero`` whose micro-batches are, per ``full`` (whether the mode is
-        ``full``), among ``classes[full]`` (ascending), from the compute per sample
-        (:meth:`_per_sample`): :meth:`~tetrad.plan.search.step_bounds.StepBounds.group_floor`
-        (``bounds``: per variant; None with the axonn model: the least compute of the blocks),
-        seconds."""
-        roles = role_sizes(grid, turn)
-        per_cell = self.ctx.global_batch // (roles[0] * roles[2])
-        terms = {
-            full: self._class_floor(roles, per_cell, full, sizes) for full, sizes in classes.items()
-        }
-        if bounds is None:
-            return min(t[0] for t in terms.values())
-        return bounds[zero].group_floor(grid, turn, terms)
-
-    def _class_floor(self, roles: tuple, per_cell: int, full: bool, sizes: list) -> tuple:
-        """``(compute, slack, largest)`` of :meth:`~tetrad.plan.search.step_bounds.StepBounds.
-        group_floor` for the micro-batches ``sizes`` (ascending) of a ``G_data G_z`` cell of
-        ``per_cell`` samples: ``per_cell`` times the least per-sample seconds (``acc = per_cell
-        / b`` micro-batches of ``b`` samples); memoised per ``(G_context, G_y, G_x)``, cell,
-        class and micro-batches. Where the machine's GEMM efficiency does not fall with the
-        FLOPs, a block's seconds per sample do not grow with ``b`` (its GEMMs' FLOPs, attention
-        and element-wise work are linear in ``b``): the largest micro-batch's are the least."""
-        monotone = self._monotone_gemm()
-        key = (
-            roles[1],
-            roles[3],
-            roles[4],
-            per_cell,
-            full,
-            sizes[-1] if monotone else tuple(sizes),
-        )
-        got = self.class_memo.get(key)
-        if got is None:
-            compute, slack = float("inf"), float("inf")
-            for b in sizes[-1:] if monotone else sizes:
-                blocks, blocks_full, tail = self._per_sample(roles, b)
-                compute = min(compute, blocks_full if full else blocks)
-                slack = min(slack, tail)
-            got = self.class_memo[key] = (per_cell * compute, per_cell * slack, sizes[-1])
-        return got
-
-    def _monotone_gemm(self) -> bool:
-        """Whether the machine's GEMM efficiency table (and its FP8 one, with FP8) never falls
-        as the FLOPs grow (memoised)."""
-        if self.monotone is None:
-            machine = self.ctx.machine
-            tables = [machine.gemm_table]
-            if self.ctx.fp8 != "off":
-                tables.append(machine.fp8_gemm_table)
-            self.monotone = all(
-                a[1] <= b[1] for t in tables for a, b in zip(t, t[1:], strict=False)
-            )
-        return self.monotone
-
-    def _per_sample(self, roles: tuple, b: int) -> tuple[float, float, float]:
-        """Per sample of a micro-batch of ``b`` on the roles' ``(G_context, G_y, G_x)``: the
-        blocks' forward and backward, the same with a recomputed forward, and ``t_final_norm -
-        t_post / 2`` (:meth:`~tetrad.plan.search.step_bounds.StepBounds.group_floor`), seconds
-        (memoised)."""
-        key = (roles[1], roles[3], roles[4], b)
-        got = self.per_sample.get(key)
-        if got is None:
-            comp, L = self.ctx.compute(roles, b), self.ctx.model.n_layers
-            fwd, bwd = comp.block_fwd, comp.block_bwd
-            tail = comp.final_norm_fwd - 0.5 * comp.post_fwd[-1]
-            got = self.per_sample[key] = (L * (fwd + bwd) / b, L * (2 * fwd + bwd) / b, tail / b)
-        return got
+        """:meth:`~tetrad.plan.search.group_floors.GroupFloors.group_floor`, seconds."""
+        return self.floors.group_floor(bounds, grid, turn, zero, classes)
 
     def _time(self, grid, b: int, ckpt: str, turn: str, zero: bool) -> tuple[float, object]:
         """Step seconds and what the row needs: an :class:`~tetrad.plan.step_time.Estimate`

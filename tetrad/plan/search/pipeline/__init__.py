@@ -42,8 +42,12 @@ Pruning, exact (no configuration that could enter the top-K is skipped):
    adds the largest); then the estimate. Every floor of the path is at most the critical path
    of :func:`tetrad.plan.pipe.critical_path.schedule_step` (whose module doc gives the paths).
 
-Groups are visited in ascending order of bound 1 and stop at the first whose bound is not below
-the slowest of the top-K so far; memory floors reject whatever the top-K.
+Shapes, groups, grids, schedules at bound 3 and schedules at their rank floor are entries of one
+best-first queue (with the 5D search's, :meth:`tetrad.plan.search.four_d.Search4D.rank`), each
+at least its parent's bound, visited in ascending bound until the next is not below the slowest
+of the top-K so far; a shape's groups enter as a chain in descending micro-batch where bound 2
+does not grow with it (a monotone GEMM table), one group at a time; memory floors reject
+whatever the top-K.
 
 Modules, each a class or functions with explicit inputs, memoised on its own:
 :mod:`~tetrad.plan.search.pipeline.configs` (the space),

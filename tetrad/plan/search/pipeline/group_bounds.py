@@ -61,6 +61,7 @@ class GroupBounds:
         self.ctx, self.gpus, self.modes, self.allowed = ctx, gpus, modes, allowed
         self.terms, self.memory, self.turns = terms, memory, turns
         self.pipes = pipe_sizes(gpus, ctx.model.n_layers)  # the G_pipe tried
+        self._monotone: bool | None = None
 
     def _per_sample_floors(self, gc: int, gy: int, gx: int) -> dict[str, float]:
         """Bound 1 per sample of one ``(G_context, G_y, G_x)`` rank, per mode: the blocks'
@@ -117,24 +118,56 @@ class GroupBounds:
         ``limit`` (less MARGIN) only (``m`` times the slowest rank's compute); none where ``B /
         (G_data G_z)`` samples at ``per_sample`` seconds (:meth:`shapes`) over ``p`` (a
         floor of every group bound) reach ``limit``."""
+        q, sizes = self.micro_batches(pipe, gc, gy, gx, per_sample, limit)
         out = []
+        for b in sizes:
+            group = self.group(pipe, q, gc, gy, gx, b, mode)
+            if group[0] * (1 - MARGIN) < limit:
+                out.append(group)
+        return out
+
+    def micro_batches(self, pipe, gc, gy, gx, per_sample: float, limit: float) -> tuple:
+        """``(G_data G_z, micro-batches)`` of the groups of ``G_pipe = pipe`` on the roles
+        ``(G_context, G_y, G_x)`` (ascending; none where the pipeline does not split the
+        grid, the batch does not split over ``G_data G_z``, or :meth:`groups`' floor of every
+        group bound reaches ``limit``)."""
         if (self.gpus // pipe) % (gc * gy * gx):
-            return out
+            return 0, ()
         q = self.gpus // (pipe * gc * gy * gx)  # G_data G_z
         if self.ctx.global_batch % q:
-            return out
+            return q, ()
         per_cell = self.ctx.global_batch // q
         if per_cell * per_sample / pipe * (1 - MARGIN) >= limit:
-            return out
-        k = self.terms.most_blocks(pipe)
-        for b in divisors_of(per_cell):
-            if self.allowed is not None and b not in self.allowed:
-                continue
-            model, block = self.terms.micro_batch_costs(gc, gy, gx, b, mode)[:2]
-            lb = self._bubble_factor(pipe, per_cell // b) * max(model / pipe, k * block)
-            if lb * (1 - MARGIN) < limit:
-                out.append((lb, pipe, q, gc, gy, gx, b, mode))
-        return out
+            return q, ()
+        sizes = divisors_of(per_cell)
+        if self.allowed is not None:
+            sizes = [b for b in sizes if b in self.allowed]
+        return q, sizes
+
+    def group(self, pipe, q, gc, gy, gx, b, mode) -> tuple:
+        """``(bound 2, pipe, q, G_context, G_y, G_x, b, mode)`` of one group: ``m`` times the
+        slowest rank's compute, at least the whole model's over ``p`` and ``ceil(L / p)``
+        blocks'. Where the GEMM efficiency never falls with the FLOPs (:meth:`monotone`) it
+        does not grow with ``b``: a block's and the model's seconds per sample do not."""
+        model, block = self.terms.micro_batch_costs(gc, gy, gx, b, mode)[:2]
+        per_cell = self.ctx.global_batch // q
+        lb = self._bubble_factor(pipe, per_cell // b) * max(
+            model / pipe, self.terms.most_blocks(pipe) * block
+        )
+        return (lb, pipe, q, gc, gy, gx, b, mode)
+
+    def monotone(self) -> bool:
+        """Whether the machine's GEMM efficiency tables (the FP8 one too, with FP8) never fall
+        as the FLOPs grow (memoised)."""
+        if self._monotone is None:
+            machine = self.ctx.machine
+            tables = [machine.gemm_table]
+            if self.ctx.fp8 != "off":
+                tables.append(machine.fp8_gemm_table)
+            self._monotone = all(
+                a[1] <= b[1] for t in tables for a, b in zip(t, t[1:], strict=False)
+            )
+        return self._monotone
 
     def group_bound(self, pipe, q, gc, gy, gx, b, mode, extra: float, z: float = 0.0) -> float:
         """Bound 2 with ``extra`` seconds per block and micro-batch on every block, ``z``
@@ -158,15 +191,27 @@ class GroupBounds:
         leads = self.terms.least_lead(pipe, m, costs, one, ratios)
         return bf, model / pipe, L / pipe, k, block, one, leads, pipe if m < pipe else 0
 
-    def grids(self, pipe, q, gc, gy, gx, b, mode, limit: float) -> list:
+    def refined(self, pipe, q, gc, gy, gx, b, mode) -> tuple[float, tuple]:
+        """``(bound, terms)``: the group's bound with its context collectives at their least
+        over ``G_z`` and the X/Y seconds known so far (:meth:`FloorTerms.known_xy`), the first
+        test of :meth:`grids`, and its :meth:`bound_terms` (for :meth:`grids`), seconds."""
+        full, terms = mode == "full", self.bound_terms(pipe, q, gc, gy, gx, b, mode)
+        extra = self.terms.known_xy(gc, gy, gx, b, full)
+        if gc > 1:
+            extra += self.terms.kv_floor(q, gc, gy, gx, b, full)
+        return _bound(terms, extra), terms
+
+    def grids(self, pipe, q, gc, gy, gx, b, mode, limit: float, terms=None) -> list:
         """``(bound, --grid, orientation)`` of the group's grids whose memory floor fits and whose
         bound is below ``limit`` seconds (less MARGIN; ``inf``: every grid that fits, bound 0), in
         ascending ``G_z`` and orientation order. Cheapest first: the context collectives at their
         least over ``G_z``, the memory floor (the ``G_z`` it leaves), per ``G_z`` the context and Z
         floors (:meth:`FloorTerms.z_exposed`), then per orientation the X/Y collectives
-        (:meth:`FloorTerms.xy_seconds`)."""
+        (:meth:`FloorTerms.xy_seconds`); ``terms``: the group's :meth:`bound_terms` where
+        known."""
         full, timed = mode == "full", limit < float("inf")
-        terms = self.bound_terms(pipe, q, gc, gy, gx, b, mode) if timed else None
+        if timed and terms is None:
+            terms = self.bound_terms(pipe, q, gc, gy, gx, b, mode)
         cap = limit / (1 - MARGIN)  # a bound at or above it prunes
         if timed:
             xy = self.terms.known_xy(gc, gy, gx, b, full)

@@ -30,8 +30,9 @@ from tetrad.plan.search.top import best_first, offer, slowest
 from tetrad.spec.grid import GRID_AXES, role_sizes
 from tetrad.spec.sharding import grid_problems
 
-SHAPE, GROUP = 1, 2
-"""Kinds of the search's entries (:meth:`PipeSearch.visit`): a tensor/context shape, a group."""
+SHAPE, GROUP, GRID, SCHEDULE, RANKED = 1, 2, 3, 4, 5
+"""Kinds of the search's entries (:meth:`PipeSearch.visit`): a tensor/context shape, a group,
+a grid in an orientation, a schedule at bound 3, a schedule at its rank floor."""
 
 
 class PipeSearch:
@@ -116,25 +117,95 @@ class PipeSearch:
         return [(shape[0], SHAPE, shape) for shape in self.group_bounds.shapes()]
 
     def visit(self, kind: int, payload: tuple, best: list, top: int) -> list[tuple]:
-        """Visit an entry: a shape (:data:`SHAPE`) gives ``(bound 2, GROUP, group)`` of its
-        groups below the slowest of ``best`` (:meth:`GroupBounds.groups`); a group (:data:`GROUP`)
-        times the schedules of its grids that may enter ``best`` and gives nothing."""
+        """Visit an entry; gives ``(bound, kind, payload)`` of the finer entries that may enter
+        ``best``, each bound at least its parent's: a shape (:data:`SHAPE`) its groups
+        (:meth:`_shape`), a group (:data:`GROUP`) its grids (:meth:`_group`), a grid
+        (:data:`GRID`) its schedules at bound 3 (:meth:`_grid`), a schedule
+        (:data:`SCHEDULE`) itself at its rank floor (:meth:`_schedule`); a schedule at that
+        (:data:`RANKED`) is timed into ``best`` (:meth:`_time`). Visited best first (in one
+        queue with the 5D search's entries, :meth:`tetrad.plan.search.four_d.Search4D.rank`),
+        the first configurations timed are those of the lowest floors."""
+        if kind == RANKED:
+            self._time(best, top, *payload[1])
+            return []
         limit = slowest(best, top)
         if kind == SHAPE:
-            lb, gc, gy, gx, mode, per_sample, lb_kv = payload
-            self.stats["pipe_groups"] += 1
-            if lb_kv * (1 - MARGIN) >= limit:
-                return []  # no group of this shape can enter (their context collectives)
-            out = []
-            for pipe in self.group_bounds.pipes:
-                for group in self.group_bounds.groups(pipe, gc, gy, gx, mode, per_sample, limit):
-                    out.append((group[0], GROUP, group))
+            return self._shape(payload, limit)
+        if kind == GROUP:
+            return self._group(payload, limit)
+        return self._grid(payload, limit) if kind == GRID else self._schedule(payload, limit)
+
+    def _shape(self, shape: tuple, limit: float) -> list[tuple]:
+        """The groups of a shape (:meth:`GroupBounds.groups`) at bound 2, at least the shape's
+        bound 1 with its context collectives (a floor of every group of the shape). Where bound
+        2 does not grow with the micro-batch (:meth:`GroupBounds.monotone`), per ``G_pipe``
+        only the largest micro-batch's group, with the smaller ones to follow it
+        (:meth:`_group`): a chain in descending ``b``, each group's bound the next's floor."""
+        _, gc, gy, gx, mode, per_sample, lb_kv = shape
+        self.stats["pipe_groups"] += 1
+        keep, out, bounds = 1 - MARGIN, [], self.group_bounds
+        if lb_kv * keep >= limit:
+            return out  # no group of this shape can enter (their context collectives)
+        for pipe in bounds.pipes:
+            if not bounds.monotone():
+                for group in bounds.groups(pipe, gc, gy, gx, mode, per_sample, limit):
+                    out.append((max(group[0], lb_kv), GROUP, (group, (), lb_kv, None)))
+                continue
+            q, sizes = bounds.micro_batches(pipe, gc, gy, gx, per_sample, limit)
+            if sizes:
+                group = bounds.group(pipe, q, gc, gy, gx, sizes[-1], mode)
+                out.append((max(group[0], lb_kv), GROUP, (group, sizes[-2::-1], lb_kv, None)))
+        return out
+
+    def _group(self, payload: tuple, limit: float) -> list[tuple]:
+        """First visit: the next group of the chain (:meth:`_shape`), and the group again at
+        its bound with the context and known X/Y collectives (:meth:`GroupBounds.refined`)
+        unless that cannot enter; second: the group's grids whose memory floor fits at their
+        bounds (:meth:`GroupBounds.grids`; with no bar yet, every such grid at its bound)."""
+        (lb, pipe, q, gc, gy, gx, b, mode), smaller, floor, terms = payload
+        out, lb, bounds = [], max(lb, floor), self.group_bounds
+        if terms is None:
+            if smaller:
+                group = bounds.group(pipe, q, gc, gy, gx, smaller[0], mode)
+                out.append((max(group[0], floor), GROUP, (group, smaller[1:], floor, None)))
+            refined, terms = bounds.refined(pipe, q, gc, gy, gx, b, mode)
+            if refined * (1 - MARGIN) < limit:
+                refined = max(lb, refined)
+                out.append((refined, GROUP, (payload[0], (), refined, terms)))
             return out
-        _, pipe, q, gc, gy, gx, b, mode = payload
-        for bound, grid, turn in self.group_bounds.grids(pipe, q, gc, gy, gx, b, mode, limit):
-            if bound * (1 - MARGIN) < slowest(best, top):
-                self._grid(best, top, pipe, grid, turn, b, mode)
-        return []
+        for bound, grid, turn in bounds.grids(
+            pipe, q, gc, gy, gx, b, mode, min(limit, 1e300), terms
+        ):
+            bound = max(lb, bound)
+            out.append((bound, GRID, (bound, (pipe, grid, turn, b, mode))))
+        return out
+
+    def _grid(self, payload: tuple, limit: float) -> list[tuple]:
+        """The schedules of a grid in an orientation at bound 3
+        (:meth:`ScheduleFloors.config_floor`), those below ``limit`` (less MARGIN)."""
+        lb, (pipe, grid, turn, b, mode) = payload
+        m = self.ctx.global_batch // (grid[0] * grid[2] * b)
+        keep, out = 1 - MARGIN, []
+        for cfg in schedules(pipe, m, self.ctx.model.n_layers):
+            self.stats["pipe_candidates"] += 1
+            floor = self.schedule_floors.config_floor(grid, turn, b, mode, cfg, m)
+            if floor * keep < limit:
+                floor = max(lb, floor)
+                out.append((floor, SCHEDULE, (floor, (grid, turn, b, mode, cfg, m))))
+        return out
+
+    def _schedule(self, payload: tuple, limit: float) -> list[tuple]:
+        """The schedule at its rank floor (:meth:`ScheduleFloors.rank_floor`) unless its memory
+        floor fails (:meth:`MemoryFloors.schedule_fails`) or that is not below ``limit``."""
+        lb, config = payload
+        grid, turn, b, mode, cfg, m = config
+        if self.memory_floors.schedule_fails(grid, turn, b, mode, cfg):
+            return []
+        floor = self.schedule_floors.rank_floor(grid, turn, b, mode, cfg, m)
+        if floor * (1 - MARGIN) >= limit:
+            return []
+        floor = max(lb, floor)
+        return [(floor, RANKED, (floor, config))]
 
     def _turns(self, roles: tuple) -> tuple:
         """``(--grid, orientation)`` of the roles ``roles``: the grid itself in ``xy``, and
@@ -152,52 +223,42 @@ class PipeSearch:
             got = self.turn_memo[roles] = tuple(out)
         return got
 
-    def _grid(self, best, top, pipe, grid, turn, b, mode) -> None:
-        """Every schedule of ``grid`` in orientation ``turn``."""
-        m = self.ctx.global_batch // (grid[0] * grid[2] * b)
-        for cfg in schedules(pipe, m, self.ctx.model.n_layers):
-            self.stats["pipe_candidates"] += 1
-            if len(best) >= top and self._config_pruned(grid, turn, b, mode, cfg, m, -best[0][0]):
-                continue
-            for mem, zero in self._fitting(grid, turn, b, mode, cfg):
-                self.stats["pipe_fitting"] += 1
-                ctx = sharded(self.ctx) if zero else self.ctx
-                if len(best) >= top and self.schedule_floors.tail_pruned(
-                    ctx, grid, turn, b, mode, cfg, m, -best[0][0]
-                ):
-                    continue
-                self.stats["pipe_evaluated"] += 1
-                est = pipeline_estimate(ctx, cfg, grid, b, mode, turn)
-                item = (grid, b, mode, turn, (est, cfg, mem, zero))
-                offer(
-                    best,
-                    top,
-                    est.step_s,
-                    self.seq + enumeration_order(grid, turn, b, mode, cfg, zero),
-                    item,
+    def _time(self, best, top, grid, turn, b, mode, cfg, m: int) -> None:
+        """Time the schedule ``cfg`` of ``grid`` in orientation ``turn`` into ``best`` in each
+        optimizer variant where it fits (:meth:`_fitting`), unless its rank floor plus a rank's
+        tail cannot enter: ``rho``'s in every variant it may be timed in, then every rank's in
+        the variant timed (:meth:`ScheduleFloors.tail_pruned`)."""
+        floors = self.schedule_floors
+        if len(best) >= top:
+            roles = role_sizes(grid, turn)
+            limit = -best[0][0]
+            if all(
+                floors.tail_pruned(
+                    sharded(self.ctx) if zero else self.ctx,
+                    grid,
+                    turn,
+                    b,
+                    mode,
+                    cfg,
+                    m,
+                    limit,
+                    every=False,
                 )
-
-    def _config_pruned(self, grid, turn, b, mode, cfg, m: int, limit: float) -> bool:
-        """Whether the schedule cannot enter below ``limit`` seconds (less MARGIN) or cannot
-        fit: cheapest first, bound 3, its memory floor, its slowest rank's time, then that plus
-        the rank's tail in each optimizer variant the search may time it in."""
-        keep = 1 - MARGIN
-        if self.schedule_floors.config_floor(grid, turn, b, mode, cfg, m) * keep >= limit:
-            return True
-        if self.memory_floors.schedule_fails(grid, turn, b, mode, cfg):
-            return True
-        if self.schedule_floors.rank_floor(grid, turn, b, mode, cfg, m) * keep >= limit:
-            return True
-        roles = role_sizes(grid, turn)
-        questions = [
-            sharded(self.ctx) if zero else self.ctx
-            for zero in optimizer_variants(self.shard_optimizer, roles[0] * roles[1])
-        ]
-        # with its tail in each optimizer variant it may be timed in
-        return all(
-            self.schedule_floors.tail_pruned(ctx, grid, turn, b, mode, cfg, m, limit, every=False)
-            for ctx in questions
-        )
+                for zero in optimizer_variants(self.shard_optimizer, roles[0] * roles[1])
+            ):
+                return
+        for mem, zero in self._fitting(grid, turn, b, mode, cfg):
+            self.stats["pipe_fitting"] += 1
+            ctx = sharded(self.ctx) if zero else self.ctx
+            if len(best) >= top and floors.tail_pruned(
+                ctx, grid, turn, b, mode, cfg, m, -best[0][0]
+            ):
+                continue
+            self.stats["pipe_evaluated"] += 1
+            est = pipeline_estimate(ctx, cfg, grid, b, mode, turn)
+            item = (grid, b, mode, turn, (est, cfg, mem, zero))
+            seq = self.seq + enumeration_order(grid, turn, b, mode, cfg, zero)
+            offer(best, top, est.step_s, seq, item)
 
     def memory(self, grid, turn: str, b: int, mode: str, cfg: PipeConfig, zero: bool = False):
         """The worst rank's :class:`~tetrad.plan.memory.breakdown.MemoryBreakdown` and every
