@@ -250,8 +250,8 @@ def test_tetrad_block_activations_by_hand():
     rest += 4 * 2 * m * fy
     bf16 = 4 * 4 * m * hx + rest
     assert block_saved_bytes(L31_8B, grid, b, S, "bf16", residual="fp32") == bf16
-    # the bf16 stream (the default): [x, h] and the normalised tensors in bf16
-    assert block_saved_bytes(L31_8B, grid, b, S, "bf16") == 4 * 2 * m * hx + rest
+    # the bf16 stream (the default): [x, h] in bf16, no normalised tensor (rebuilt in backward)
+    assert block_saved_bytes(L31_8B, grid, b, S, "bf16") == 2 * 2 * m * hx + rest
     # fp32: one norm output each, SDPA out plus the out-proj input copy.
     fp32 = (
         6 * 4 * m * hx + 2 * 4 * m + 4 * m * (3 * qy + 2 * kvy) + 4 * m * ay + rope + 4 * 4 * m * fy
@@ -267,8 +267,8 @@ def test_tetrad_gpt_block_by_hand():
     attn = 2 * m * (3 * qy + qy) + 4 * m * ay
     want = 2 * norm + attn + 2 * 2 * m * fy
     assert block_saved_bytes(m_spec, grid, 1, S, "bf16", residual="fp32") == want
-    # a bf16 stream: the input and the normalised tensor in bf16
-    assert block_saved_bytes(m_spec, grid, 1, S, "bf16") == want - 2 * 2 * (2 * m * hx)
+    # a bf16 stream: the input in bf16, no normalised tensor
+    assert block_saved_bytes(m_spec, grid, 1, S, "bf16") == want - 2 * (2 + 4) * m * hx
 
 
 def test_tetrad_checkpointing_and_totals():

@@ -10,8 +10,10 @@ backward, from the kept input and ``rstd``.
 
 The statistics are fp32 whatever the input's format (the policy's ``statistics``), and no fp32
 copy of a bf16 input is kept for backward: the sum of squares keeps the input itself
-(:class:`_SquareSum`), the apply multiplies it by the fp32 ``rstd`` directly (type promotion
-computes in fp32) and keeps the normalised tensor in the input's format.
+(:class:`_SquareSum`), and the apply of a bf16 input keeps only the input, ``rstd`` and the
+weight, rebuilding the normalised tensor in backward (:class:`_NarrowApply`; Megatron-LM's
+fused norms keep the same). An fp32 input's apply keeps its normalised tensor, as autograd
+does.
 """
 
 from __future__ import annotations
@@ -93,7 +95,38 @@ class RMSNorm(nn.Module):
 
 def normalise(x: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor, dtype: torch.dtype):
     """RMSNorm's element-wise part: ``((x rstd) w)`` cast to ``dtype`` (``x [..., n]``, ``rstd
-    [..., 1]`` fp32, ``w [n]``); the product is taken in fp32 (at least: type promotion, so a
-    bf16 ``x`` is kept as it is, not as an fp32 copy) and rounded to ``x``'s dtype before the
-    weight, as the fused form did."""
+    [..., 1]`` fp32, ``w [n]``); the product is taken in fp32 (at least: type promotion) and
+    rounded to ``x``'s dtype before the weight, as the fused form did. A bf16 ``x``: through
+    :class:`_NarrowApply` (nothing but ``x``, ``rstd`` and ``w`` kept for backward)."""
+    if x.dtype == torch.bfloat16 and torch.is_grad_enabled():
+        return _NarrowApply.apply(x, rstd, w, dtype)
+    return _apply(x, rstd, w, dtype)
+
+
+def _apply(x: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor, dtype: torch.dtype):
+    """``((x rstd) rounded to x's dtype) w``, cast to ``dtype``."""
     return ((x * rstd).type_as(x) * w).to(dtype)
+
+
+class _NarrowApply(torch.autograd.Function):
+    """:func:`_apply` keeping ``x``, ``rstd`` and ``w`` for backward, which rebuilds the
+    normalised ``(x rstd)`` rounded to ``x``'s dtype (autograd would keep it, ``2 n`` bytes per
+    row of a bf16 ``x``). The gradients are autograd's for the same operations: ``dw = sum of g
+    xn`` over the rows (in the product's dtype, then ``w``'s), ``dxn = g w`` rounded to ``x``'s
+    dtype, ``dx = dxn rstd`` (fp32, rounded to ``x``'s), ``drstd = sum_n dxn x`` (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, rstd, w, dtype):
+        ctx.save_for_backward(x, rstd, w)
+        return _apply(x, rstd, w, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, rstd, w = ctx.saved_tensors
+        xn = (x * rstd).type_as(x)
+        g = g.to(torch.result_type(xn, w))
+        dw = (g * xn).flatten(0, -2).sum(0).to(w.dtype)
+        dxr = (g * w).to(x.dtype).to(rstd.dtype)
+        dx = (dxr * rstd).to(x.dtype)
+        drstd = (dxr * x).sum(-1, keepdim=True)
+        return dx, drstd, dw, None

@@ -14,10 +14,11 @@ Korthikanti et al. (arXiv 2205.05198, section 4.2.2, eq. 5) divide every stored 
 collective is added.
 
 The residual stream's format (``residual``, ``tetrad train --residual-dtype``; ``r`` bytes per
-element, :func:`residual_bytes`) sizes each norm's input and normalised tensor and a
-checkpointed block's input: the compute dtype's by default (``r = e``: a bf16 stream on GPUs,
-Megatron-LM's), fp32 with ``--residual-dtype fp32`` (``r = 4`` under bf16 compute). The norms
-keep no fp32 copy of a bf16 input (tetrad/parallel/norm.py).
+element, :func:`residual_bytes`) sizes each norm's input and a checkpointed block's input: the
+compute dtype's by default (``r = e``: a bf16 stream on GPUs, Megatron-LM's), fp32 with
+``--residual-dtype fp32`` (``r = 4`` under bf16 compute). The norms keep no fp32 copy of a bf16
+input, and with a bf16 stream no normalised tensor either (rebuilt in backward,
+tetrad/parallel/norm.py), as Megatron-LM's fused norms.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def _norm_saved_bytes(
     (``rb``: the residual stream's bytes per element).
 
     RMSNorm saves its input ``[m, h/G_x]`` in the residual format (its sum of squares and its
-    product by ``rstd`` keep it as it is), ``rsqrt`` ``[m, 1]`` fp32 and the normalised ``[m,
-    h/G_x]`` rounded to the residual format (for the weight's gradient). Its output is saved by
+    apply keep it as it is), ``rsqrt`` ``[m, 1]`` fp32 and, with an fp32 stream, the normalised
+    ``[m, h/G_x]`` fp32 (for the weight's gradient; a bf16 stream's apply rebuilds it in
+    backward instead, tetrad/parallel/norm.py ``_NarrowApply``). Its output is saved by
     the following Linears as ``x.to(compute dtype)``: one shared fp32 tensor when ``e = 4``, one
     bf16 tensor per consumer otherwise (one: the fused wqkv, the fused w13; the norm's own
     output when the stream is bf16). GPT LayerNorm (not in the runtime): the same with two fp32
@@ -81,7 +83,8 @@ def _norm_saved_bytes(
     stats = 2 if model.family == "gpt" else 1
     r = m // split
     out = FP32 * m * hx if e == FP32 else consumers * e * m * hx
-    return rb * r * hx + stats * FP32 * r + rb * r * hx + out
+    normalised = FP32 * r * hx if rb == FP32 else 0
+    return rb * r * hx + stats * FP32 * r + normalised + out
 
 
 def _attention_saved_bytes(model: ModelSpec, m: int, seq_len: int, gy: int, e: int) -> float:
@@ -233,7 +236,8 @@ def compiled_block_delta(
     micro-batch 16, seq 2048: 62.63 GiB measured against 60.55 predicted, docs/performance.md).
     Context grids were not measured compiled: the same delta is assumed, and under sequence
     parallelism (``split = G_y``) the normalised tensors' ``m / G_y`` rows. With a bf16 stream
-    (``residual``) the dropped normalised tensors are bf16 (assumed, not measured compiled).
+    (``residual``) the eager norms keep no normalised tensor, so there is none to drop (assumed,
+    not measured compiled).
     """
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
@@ -241,7 +245,8 @@ def compiled_block_delta(
     if model.family != "llama":  # gpt is not in the runtime: nothing compiled to model
         return 0.0, 0.0
     rope = 4 * seq_len * (model.head_dim // 2) * FP32
-    none = -(2 * rb * (m // split) * hx + e * m * (model.ffn_dim // gy) + rope) + FP32 * seq_len
+    normalised = 2 * FP32 * (m // split) * hx if rb == FP32 else 0
+    none = -(normalised + e * m * (model.ffn_dim // gy) + rope) + FP32 * seq_len
     return float(none), float(e * m * (model.kv_dim // gy))
 
 
