@@ -175,3 +175,28 @@ def test_param_dtype_option(tmp_path):
     assert load_config(str(toml), {}).policy.params == "bf16"
     with pytest.raises(ConfigError, match="param_dtype"):
         load_config(None, {"param_dtype": "fp16"})
+
+
+def test_residual_dtype_option(tmp_path):
+    """``--residual-dtype`` / ``[precision] residual``: ``auto`` (the default) is the compute
+    dtype (fp32 on the CPU, bf16 with bf16 weights or on CUDA); ``fp32`` keeps an fp32 stream
+    under bf16 compute; bf16 under fp32 compute and an unknown format are refused in one
+    line."""
+    from tests.test_cli import assert_one_line_error, tetrad_cmd
+    from tetrad.train.config import load_config
+    from tetrad.train.sections import ConfigError
+
+    assert load_config(None, {}).policy.residual == "fp32"
+    assert load_config(None, {"device": "cuda"}).policy.residual == "bf16"
+    assert load_config(None, {"param_dtype": "bf16"}).policy.residual == "bf16"
+    kept = load_config(None, {"param_dtype": "bf16", "residual_dtype": "fp32"}).policy
+    assert kept == precision("cpu", "bf16", residual="fp32") and kept.residual == "fp32"
+    toml = tmp_path / "run.toml"
+    toml.write_text('[precision]\nparams = "bf16"\nresidual = "fp32"\n')
+    assert load_config(str(toml), {}).policy == kept
+    with pytest.raises(ConfigError, match="residual_dtype"):
+        load_config(None, {"residual_dtype": "fp16"})
+    with pytest.raises(ConfigError, match="residual dtype bf16 on cpu with fp32 weights"):
+        load_config(None, {"residual_dtype": "bf16"}).check()
+    r = tetrad_cmd("train", "--residual-dtype", "bf16", "--run-dir", str(tmp_path / "run"))
+    assert_one_line_error(r, "--param-dtype bf16", "--residual-dtype auto or fp32")
