@@ -1,11 +1,14 @@
 """Weights stored in bf16 with fp32 masters in the optimizer (:mod:`tetrad.parallel.masters`,
 ``--param-dtype bf16``) against the single-process reference under the same policy (bf16
-weights, bf16 GEMMs under the CPU's autocast, fp32 residual stream, fp32 gradients accumulated
-apart, fp32 masters updated by AdamW), on data,
+weights, bf16 GEMMs under the CPU's autocast, a bf16 residual stream, fp32 gradients
+accumulated apart, fp32 masters updated by AdamW), on data,
 data x Z, Y x X, data x context and pipeline x data grids, with the sharded optimizer (masters
 sharded with the AdamW states) and without, the gradients summed over data in fp32 or in bf16
-(``--grad-reduce-dtype``: every sum over data is seen in that format); and checkpoints that
-keep the fp32 masters, so that runs resume across storage formats.
+(``--grad-reduce-dtype``: every sum over data is seen in that format); the bf16 stream also
+with sequence parallelism (data x Y, selective recompute) and under full recompute (context x
+X); an fp32 residual stream (``--residual-dtype fp32``) on Y x X against the reference with the
+same stream; and checkpoints that keep the fp32 masters, so that runs resume across storage
+formats.
 
 Tolerances. Both sides round the weights and every GEMM's output to bf16 (unit roundoff
 ``u = 2^-8``) but sum in other orders (over ranks, over micro-batches, in fused collectives), so
@@ -32,9 +35,11 @@ from tests.distributed import run_distributed
 from tests.test_zero import build_model
 from tetrad.dtypes import autocast, torch_dtype
 from tetrad.grid import Grid
+from tetrad.models.llama import Block
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
 from tetrad.parallel.masters import MasterAdamW, grad_of
+from tetrad.parallel.model import ParallelLlama
 from tetrad.parallel.zero import settle_parameters
 from tetrad.pipeline.step import pipeline_train_step
 from tetrad.spec.overlap import OVERLAPS
@@ -61,12 +66,12 @@ def batches():
     return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def reference_run():
-    """The plain model under the bf16 policy, micro-batches of ``MICRO``: (losses, norms), the
-    final fp32 masters."""
+def reference_run(policy=BF16):
+    """The plain model under ``policy`` (bf16 weights), micro-batches of ``MICRO``: (losses,
+    norms), the final fp32 masters."""
     model = Reference(CFG)
     init_parameters(model, SEED)
-    opt = build_optimizer(model, LR, weight_decay=0.1, policy=BF16)
+    opt = build_optimizer(model, LR, weight_decay=0.1, policy=policy)
     assert isinstance(opt, MasterAdamW)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     losses, norms = [], []
@@ -75,8 +80,10 @@ def reference_run():
             group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
         loss = 0.0
         for mb in batch.split(MICRO):
-            with autocast(torch.device("cpu"), BF16):
+            with autocast(torch.device("cpu"), policy):
+                h = model.hidden(mb[:, :-1])
                 part = model.loss_sum(mb[:, :-1], mb[:, 1:]) / batch[:, 1:].numel()
+            assert h.dtype == torch_dtype(policy.residual)  # the final norm's input's format
             part.backward()
             loss += part.item()
         grads = [grad_of(p) for p in model.parameters()]
@@ -93,7 +100,8 @@ def reference_run():
 
 @pytest.fixture(scope="module")
 def reference():
-    return reference_run()
+    """The reference runs by residual stream format."""
+    return {r: reference_run(precision("cpu", "bf16", residual=r)) for r in ("bf16", "fp32")}
 
 
 def _masters(opt, weights) -> dict:
@@ -139,16 +147,30 @@ def data_sums(grid, into: set):
         dist.all_reduce = plain
 
 
-def master_runs(world_size, ref_curves, ref_masters, cases, run_dir):
-    for pipe, sizes, shard, reduce in cases:
-        grid, model, weights = build_model(pipe, sizes, OVERLAPS, CFG)
-        policy = precision("cpu", "bf16", grad_reduce=reduce)
+def _build(pipe, sizes, variant):
+    """``build_model``'s ``(grid, model, weights)``, or for a ``variant`` ``(checkpointing,
+    sequence_parallel)`` the ParallelLlama so built (no pipeline)."""
+    if variant is None:
+        return build_model(pipe, sizes, OVERLAPS, CFG)
+    grid = Grid.build(sizes)
+    mode, sp = variant
+    model = ParallelLlama(CFG, grid, mode, OVERLAPS, sequence_parallel=sp, **OVERLAP_OPTIONS)
+    init_parameters(model, SEED, grid)
+    return grid, model, model
+
+
+def master_runs(world_size, references, cases, run_dir):
+    for pipe, sizes, shard, reduce, residual, variant in cases:
+        ref_curves, ref_masters = references[residual]
+        grid, model, weights = _build(pipe, sizes, variant)
+        policy = precision("cpu", "bf16", grad_reduce=reduce, residual=residual)
         opt = build_optimizer(weights, LR, 0.1, shard=grid if shard else None, policy=policy)
-        label = f"pipe {pipe} grid {sizes} shard {shard} reduce {reduce}"
+        label = f"pipe {pipe} grid {sizes} shard {shard} reduce {reduce} {residual} {variant}"
         assert {p.dtype for p in weights.parameters()} == {torch.bfloat16}, label
-        sums = set()
-        with data_sums(grid, sums):
+        sums, streams = set(), set()
+        with data_sums(grid, sums), _block_outputs(weights, streams):
             _train(model, opt, grid, pipe, enumerate(batches()), ref_curves, label)
+        assert streams == {torch_dtype(residual)}, f"{label}: residual stream in {streams}"
         if grid.size("data") > 1:
             assert sums == {torch_dtype(reduce)}, f"{label}: summed over data in {sums}"
         masters, diffs = _masters(opt, weights), []
@@ -162,6 +184,21 @@ def master_runs(world_size, ref_curves, ref_masters, cases, run_dir):
         if not any(grid.coord.values()):
             print(f"{label}: masters differ by {mean:.2e} lr on average, {worst:.2f} lr at most")
     _resume_across_formats(run_dir)
+
+
+@contextlib.contextmanager
+def _block_outputs(weights, into: set):
+    """Collects the dtypes of the blocks' outputs (the residual stream) while active."""
+    hooks = [
+        m.register_forward_hook(lambda _m, _a, out: into.add(out.dtype))
+        for m in weights.modules()
+        if isinstance(m, Block)
+    ]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _resume_across_formats(run_dir):
@@ -191,14 +228,17 @@ def _resume_across_formats(run_dir):
     ckpt.close()
 
 
-CASES = [  # (G_pipe, grid, sharded optimizer, grad_reduce)
-    (1, (4, 1, 1, 1), False, "fp32"),
-    (1, (2, 2, 1, 1), True, "bf16"),
-    (1, (1, 1, 2, 2), False, "fp32"),
-    (1, (2, 2, 1, 1, 1), True, "fp32"),
-    (2, (2, 1, 1, 1, 1), False, "bf16"),
+CASES = [  # (G_pipe, grid, sharded optimizer, grad_reduce, residual stream, variant)
+    (1, (4, 1, 1, 1), False, "fp32", "bf16", None),
+    (1, (2, 2, 1, 1), True, "bf16", "bf16", None),
+    (1, (1, 1, 2, 2), False, "fp32", "bf16", None),
+    (1, (2, 2, 1, 1, 1), True, "fp32", "bf16", None),
+    (2, (2, 1, 1, 1, 1), False, "bf16", "bf16", None),
+    (1, (2, 1, 2, 1), False, "fp32", "bf16", ("selective", True)),  # sequence parallelism
+    (1, (1, 2, 1, 1, 2), False, "fp32", "bf16", ("full", False)),
+    (1, (1, 1, 2, 2), False, "fp32", "fp32", None),  # --residual-dtype fp32
 ]
 
 
 def test_bf16_weights_with_fp32_masters_match_reference(reference, tmp_path):
-    run_distributed(master_runs, 4, 4, *reference, CASES, tmp_path / "run")
+    run_distributed(master_runs, 4, 4, reference, CASES, tmp_path / "run")

@@ -13,16 +13,20 @@ On gloo ranks (CPU, fp32), for several grids, each rank measures:
   those that :mod:`tetrad.models.recompute`'s own pack hook keeps (its ``observer``: an outer
   hook does not see them); with ``full`` also the recompute set: one block's saved storages minus
   its input; and the same forward under CPU bf16 autocast (the runtime's Linears follow
-  autocast), against the model's bf16 estimate;
+  autocast; plain ``torch.autocast``, so an fp32 residual stream), against the model's bf16
+  estimate with ``residual="fp32"``; and under the step's autocast with the CUDA policy (fp32
+  weights, bf16 GEMMs, the bf16 residual stream of ``--residual-dtype auto``), in every mode
+  (with ``full`` its recompute set too), against the model's bf16 estimate;
 - with the weights stored in bf16 (``--param-dtype bf16``, fp32 masters in the optimizer): the
   parameters, the fp32 gradients kept apart after one micro-batch's backward, the states with
-  the masters (sharded and not), and the saved bytes of one forward (the step's autocast),
-  against ``runtime_memory(..., params="bf16")``.
+  the masters (sharded and not), and the saved bytes of one forward (the step's autocast: a
+  bf16 residual stream), against ``runtime_memory(..., params="bf16")``.
 
 Model states and activations must equal :func:`tetrad.plan.memory.runtime.tetrad` and
 :func:`tetrad.plan.memory.activations.saved_activations` to the byte.
 """
 
+import contextlib
 import json
 
 import pytest
@@ -30,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tetrad.dtypes import autocast
+from tetrad.dtypes import autocast, residual_dtype
 from tetrad.grid import Grid
 from tetrad.models import recompute
 from tetrad.parallel import init_parameters
@@ -83,15 +87,27 @@ class SavedBytes:
         return sum(self.seen.values())
 
 
-def block_recompute_bytes(model, tokens: torch.Tensor, params: set[int], block: str = "0") -> int:
+def block_recompute_bytes(
+    model, tokens: torch.Tensor, params: set[int], block: str = "0", policy=None
+) -> int:
     """Saved bytes of one block's forward as full checkpointing's recomputation runs it (block
-    ``block``, on the embedding of ``tokens``), its input excluded."""
-    with torch.no_grad():
-        x = model.tok_embeddings(tokens)
-    x.requires_grad_(True)
-    with SavedBytes(params | {x.untyped_storage().data_ptr()}) as saved:
-        model.layers[block](x, model.layer_factory.positions(tokens.shape[1], x.device))
+    ``block``, on the embedding of ``tokens``), its input excluded; under the step's autocast
+    with ``policy`` when given."""
+    step = autocast(tokens.device, policy) if policy is not None else contextlib.nullcontext()
+    with step:
+        with torch.no_grad():
+            x = _embedded(model, tokens)
+        x.requires_grad_(True)
+        with SavedBytes(params | {x.untyped_storage().data_ptr()}) as saved:
+            model.layers[block](x, model.layer_factory.positions(tokens.shape[1], x.device))
     return saved.total
+
+
+def _embedded(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The residual stream's first tensor: the embedding of ``tokens`` in the active policy's
+    residual format (as ``Transformer.hidden`` casts it)."""
+    h = model.tok_embeddings(tokens)
+    return h.to(residual_dtype(h.device, model.tok_embeddings.weight.dtype))
 
 
 def forward_and_backward_bytes(model, tokens, targets, params: set[int]) -> dict:
@@ -104,6 +120,9 @@ def forward_and_backward_bytes(model, tokens, targets, params: set[int]) -> dict
     with SavedBytes(params) as saved_bf16, torch.autocast("cpu", dtype=torch.bfloat16):
         model.loss_sum(tokens, targets)
     out["activations_bf16"] = saved_bf16.total
+    with SavedBytes(params) as saved_stream, autocast(tokens.device, precision("cuda")):
+        model.loss_sum(tokens, targets)
+    out["activations_bf16_stream"] = saved_stream.total
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
     out["gradients"] = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
@@ -122,6 +141,8 @@ def _measure(grid: Grid, mode: str, sequence_parallel: bool = False) -> dict:
 
     if mode == "full":
         out["recompute"] = block_recompute_bytes(model, tokens, params)
+        cuda = precision("cuda")  # fp32 weights, bf16 GEMMs and residual stream
+        out["recompute_bf16_stream"] = block_recompute_bytes(model, tokens, params, policy=cuda)
 
     if mode != "none":  # AdamW's states do not depend on checkpointing: measured once
         return out
@@ -205,12 +226,19 @@ def predicted(sizes, mode: str, sp: bool = False) -> dict:
     # bf16 autocast on CPU: the model's "bf16" describes CUDA, where FlashAttention returns its
     # output token-major; the CPU kernel returns it heads-major, so each block also saves the
     # out-projection input [m, a d/G_y] as a bf16 copy (selective rebuilds it instead).
-    b = saved_activations(spec, sizes, MICRO, SEQ, **(opts | {"dtype": "bf16"}))
     plain_blocks = spec.n_layers - checkpointed_blocks(mode, spec.n_layers)[1]
     copies = len(sizes) == 4  # with context: token-major, in the model
     cpu_copy = plain_blocks * 2 * MICRO * SEQ * spec.q_dim // sizes[2] if copies else 0
-    out["activations_bf16"] = b["blocks"] + b["embedding"] + b["final_norm"] + b["loss"] + cpu_copy
-    out["activations_bf16_storage"] = out["activations_bf16"]  # weights bf16: the same saved
+    for key, residual in (("activations_bf16", "fp32"), ("activations_bf16_stream", None)):
+        b = saved_activations(
+            spec, sizes, MICRO, SEQ, **(opts | {"dtype": "bf16"}), residual=residual
+        )
+        out[key] = b["blocks"] + b["embedding"] + b["final_norm"] + b["loss"] + cpu_copy
+        if mode == "full" and residual is None:  # one block rebuilt: no copy saved in the model
+            block_copy = 2 * MICRO * SEQ * spec.q_dim // sizes[2] if copies else 0
+            out["recompute_bf16_stream"] = b["recompute"] + block_copy
+    # weights bf16 (the step's autocast, a bf16 stream): the same saved as fp32 weights
+    out["activations_bf16_storage"] = out["activations_bf16_stream"]
     return out
 
 
@@ -301,8 +329,15 @@ def test_compiled_memory_model_matches_runtime(tmp_path):
         got = json.loads((tmp_path / f"compiled_{mode}.json").read_text())
         want = {}
         for key, dtype in (("activations", "fp32"), ("activations_bf16", "bf16")):
-            s = saved_activations(
-                CFG, sizes, MICRO, SEQ, activation_checkpointing=mode, dtype=dtype, compiled=True
+            s = saved_activations(  # plain torch.autocast: an fp32 residual stream
+                CFG,
+                sizes,
+                MICRO,
+                SEQ,
+                activation_checkpointing=mode,
+                dtype=dtype,
+                compiled=True,
+                residual="fp32",
             )
             want[key] = s["blocks"] + s["embedding"] + s["final_norm"] + s["loss"]
             if dtype == "fp32":

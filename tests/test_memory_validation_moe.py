@@ -6,7 +6,8 @@ block on one rank; a sigmoid router with selection biases and route scaling, its
 over 2 data ranks (``expert=2``); 8 experts of another width with a batch-scoped balance loss,
 split over 2 data ranks on a tensor grid (``x=2``: each tensor rank routes half the tokens).
 Each rank measures its parameter, gradient and AdamW-state bytes and the unique storages
-autograd saves during one micro-batch's forward (fp32, and under CPU bf16 autocast), in the
+autograd saves during one micro-batch's forward (fp32, under CPU bf16 autocast with an fp32
+residual stream, and under the step's autocast with the bf16 stream of the CUDA policy), in the
 checkpointing modes ``none``, ``selective`` and ``full`` (and the recompute set of one block
 under ``full``). Model states must equal :func:`tetrad.plan.memory.runtime.runtime_memory` to
 the byte; saved activations must be within 5% of
@@ -104,15 +105,23 @@ def predicted(name: str, mode: str) -> dict:
     opts = {"activation_checkpointing": mode, "expert": expert}
     r = runtime_memory(cfg, sizes, MICRO, SEQ, 1e9, dtype="fp32", **opts)
     out = {k: r.components[k] for k in ("parameters", "gradients", "optimizer_states")}
-    for dtype, key in (("fp32", "activations"), ("bf16", "activations_bf16")):
-        s = saved_activations(cfg, sizes, MICRO, SEQ, dtype=dtype, **opts)
+    # plain torch.autocast keeps an fp32 residual stream; the step's autocast with the CUDA
+    # policy a bf16 one (the default, residual None)
+    cases = (
+        ("fp32", "activations", "fp32"),
+        ("bf16", "activations_bf16", "fp32"),
+        ("bf16", "activations_bf16_stream", None),
+    )
+    for dtype, key, residual in cases:
+        s = saved_activations(cfg, sizes, MICRO, SEQ, dtype=dtype, residual=residual, **opts)
         out[key] = s["blocks"] + s["embedding"] + s["final_norm"] + s["loss"]
         if mode == "full" and dtype == "fp32":
             out["recompute"] = s["recompute"]
     # as for dense models: the CPU kernel's heads-major attention output is copied token-major
     # under bf16 (the model's bf16 describes CUDA's FlashAttention, token-major already)
     plain = cfg.n_layers - checkpointed_blocks(mode, cfg.n_layers)[1]
-    out["activations_bf16"] += plain * 2 * MICRO * SEQ * cfg.q_dim // sizes[2]
+    for key in ("activations_bf16", "activations_bf16_stream"):
+        out[key] += plain * 2 * MICRO * SEQ * cfg.q_dim // sizes[2]
     return out
 
 

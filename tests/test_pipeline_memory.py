@@ -56,7 +56,7 @@ from tetrad.plan.memory.pipeline import (
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
 from tetrad.plan.pipe.stages import ranks_of_split
 from tetrad.spec.grid import Axis
-from tetrad.spec.precision import DTYPE_BYTES
+from tetrad.spec.precision import DTYPE_BYTES, precision
 from tetrad.spec.presets import PRESETS
 from tetrad.train.step import build_optimizer
 
@@ -70,9 +70,13 @@ CASES = {  # (pipe, (G_data, G_context, G_z, G_y, G_x), schedule, virtual, micro
         (2, (1, 1, 1, 1, 1), "interleaved-1f1b", 2, 4, "full"),
         # bf16 autocast: what crosses a boundary is bf16 (CPU's SDPA returns its output
         # heads-major, one more saved copy per plain block than CUDA's, which the planner
-        # describes: so full and selective, whose blocks keep no SDPA output)
+        # describes: so full and selective, whose blocks keep no SDPA output); "bf16" under
+        # plain torch.autocast, an fp32 residual stream (the stages cast what they receive);
+        # "bf16-stream" under the step's autocast with the CUDA policy, a bf16 stream (no cast)
         (2, (1, 1, 1, 1, 1), "1f1b", 1, 4, "full", "bf16"),
         (2, (1, 1, 1, 1, 1), "interleaved-1f1b", 2, 4, "selective", "bf16"),
+        (2, (1, 1, 1, 1, 1), "1f1b", 1, 4, "full", "bf16-stream"),
+        (2, (1, 1, 1, 1, 1), "interleaved-1f1b", 2, 4, "selective", "bf16-stream"),
     ],
     4: [
         (4, (1, 1, 1, 1, 1), "1f1b", 1, 4, "none"),
@@ -219,11 +223,16 @@ def _measure(pipe, sizes, schedule, virtual, m, mode, dtype="fp32") -> dict:
     for part in pipeline.parts:
         init_parameters(part, SEED, grid)
     params = list(pipeline.parts.parameters())
-    opt = _Recording(build_optimizer(pipeline.parts, 1e-3, weight_decay=0.1), params)
+    # "bf16-stream": the step runs under the CUDA policy (fp32 weights, bf16 GEMMs and stream)
+    policy = precision("cuda") if dtype == "bf16-stream" else None
+    opt = _Recording(build_optimizer(pipeline.parts, 1e-3, weight_decay=0.1, policy=policy), params)
     g = torch.Generator().manual_seed(SEED)
     batch = torch.randint(0, CFG.vocab_size, (m * MICRO * grid.data * grid.z, SEQ + 1), generator=g)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
-    with autocast:
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+    with autocast():
         pipeline_train_step(pipeline, opt, batch, 1.0)  # the first step also infers the shapes
     live = LiveBytes(set(_storages(params)), lambda: _held(pipeline.stages))
     for stage in pipeline.stages:
@@ -234,7 +243,7 @@ def _measure(pipe, sizes, schedule, virtual, m, mode, dtype="fp32") -> dict:
         # receive buffers come to life when their receives are posted
         stage.get_fwd_recv_ops = _sampling(stage.get_fwd_recv_ops, live)
         stage.get_bwd_recv_ops = _sampling(stage.get_bwd_recv_ops, live)
-    with live, autocast:
+    with live, autocast():
         pipeline_train_step(pipeline, opt, batch, 1.0)
     assert live.now == 0, f"{live.now} saved bytes outlive the step"
     states = [opt.opt.state[p] for p in params]
@@ -269,12 +278,16 @@ def planned(case, split, rank: int) -> dict:
     """The planner's bytes of pipeline rank ``rank`` for ``case`` on the runtime's ``split``."""
     pipe, sizes, schedule, virtual, m, mode, *rest = case
     dtype = rest[0] if rest else "fp32"
-    spec, opts = CFG, {"activation_checkpointing": mode, "dtype": dtype}
+    # plain torch.autocast keeps an fp32 stream; the step's autocast a bf16 one (the default)
+    residual = "fp32" if dtype != "bf16-stream" else None
+    dtype = dtype.removesuffix("-stream")
+    spec = CFG
+    opts = {"activation_checkpointing": mode, "dtype": dtype, "residual": residual}
     ranks = ranks_of_split(split, pipe, virtual)
     _, per = pipeline_memory(spec, sizes, MICRO, SEQ, 1e9, ranks, schedule, virtual, m, **opts)
     mem, prank = per[rank], ranks[rank]
     saved, held, persistent = in_flight_bytes(
-        spec, sizes, MICRO, SEQ, prank, schedule, pipe, m, (mode, dtype, True)
+        spec, sizes, MICRO, SEQ, prank, schedule, pipe, m, (mode, dtype, True), False, residual
     )
     out = {k: mem.components[k] for k in STATES}
     out.update(saved_peak=saved, recv_buffers=0, held_peak=saved + held + persistent)

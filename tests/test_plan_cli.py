@@ -371,3 +371,30 @@ def test_plan_with_bf16_weights(tmp_path, capsys):
     for m in mems:
         assert m["components_bytes"]["parameters"] * 2 == m["components_bytes"]["gradients"]
     assert load_config(str(path)).policy.params == "bf16"
+
+
+def test_memory_with_the_residual_stream_in_bf16(capsys):
+    """``tetrad memory --residual-dtype`` on the 70B layout of issue 45 with bf16 weights and
+    sequence parallelism: the default (``auto``, the compute dtype: bf16) keeps fewer
+    activations and pipeline buffers than ``fp32`` (no fp32 stream, no fp32 copy of what a stage
+    receives, no normalised tensor), the weights' terms the same; the option is tetrad's only."""
+    base = ["memory", "--model", "llama-3-70b", "--seq-len", "8192", "--shard-optimizer"]
+    base += ["--grid", "pipe=8,data=8,context=4,y=2", "--pipeline-schedule", "interleaved-1f1b"]
+    base += ["--virtual-stages", "5", "--micro-batch", "1", "--json"]
+    base += ["--param-dtype", "bf16", "--sequence-parallel"]
+    got = {}
+    for residual in ("fp32", "auto", "bf16"):
+        rc, out, _ = run(base + ["--residual-dtype", residual], capsys)
+        assert rc == 0
+        got[residual] = json.loads(out)["components_gib"]
+    fp32, bf16 = got["fp32"], got["auto"]
+    assert got["bf16"] == bf16
+    for k in ("parameters", "gradients", "optimizer_states"):
+        assert bf16[k] == fp32[k]
+    for k in ("activations", "pipeline_buffers"):
+        assert bf16[k] < fp32[k]
+    total = {key: sum(c.values()) for key, c in got.items()}
+    assert total["fp32"] == pytest.approx(72.69, abs=0.01)  # the fp32 stream, before
+    assert total["auto"] == pytest.approx(63.71, abs=0.01)  # Fujii et al.: 54.33
+    rc, out, err = run(["memory", "--model", "llama-3-70b", "--residual-dtype", "fp32"], capsys)
+    assert rc != 0 and "--residual-dtype fp32" in out + err

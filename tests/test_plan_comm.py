@@ -91,9 +91,10 @@ def test_linear_bytes_all_axes_by_hand():
         ("output", "forward", "z", "all_gather"): 1024 * 256 // 4 * 2,  # 131072
         ("output", "backward", "z", "reduce_scatter"): 1024 * 256 // 4 * 4,  # 262144
         # embedding [1024, 256], rows over (Y, Z), columns over X: gathered in bf16 like a
-        # Linear's weight, its gradient reduce-scattered in fp32
+        # Linear's weight, its gradient reduce-scattered in fp32; its rows summed over Y in
+        # the residual stream's format (bf16: the compute dtype's)
         ("embedding", "forward", "z", "all_gather"): 1024 * 256 // 4 * 2,  # 131072
-        ("embedding", "forward", "y", "all_reduce"): 32 * 256 // 2 * 4,  # 16384
+        ("embedding", "forward", "y", "all_reduce"): 32 * 256 // 2 * 2,  # 8192
         ("embedding", "backward", "z", "reduce_scatter"): 262144,
         # RMSNorm: m fp32; loss: m fp32
         ("norm", "forward", "x", "all_reduce"): 32 * 4,

@@ -243,18 +243,15 @@ def test_tetrad_block_activations_by_hand():
     grid = (1, 1, 2, 2)
     hx, qy, kvy, fy, ay, hd = 2048, 2048, 512, 7168, 16, 128
     rope = 4 * S * (hd // 2) * 4
-    # bf16: residual fp32 [x, h], normalised fp32 (x2), rsqrt (x2), bf16 copies of the norm
-    # outputs for the fused wqkv and w13; q, k, v, SDPA out in bf16, fp32 log-sum-exp; 4 SwiGLU.
-    bf16 = (
-        4 * 4 * m * hx
-        + 2 * 4 * m
-        + 2 * 2 * m * hx
-        + 2 * m * (2 * qy + 2 * kvy)
-        + 4 * m * ay
-        + rope
-        + 4 * 2 * m * fy
-    )
-    assert block_saved_bytes(L31_8B, grid, b, S, "bf16") == bf16
+    # bf16 with an fp32 stream (--residual-dtype fp32): residual fp32 [x, h], normalised fp32
+    # (x2), rsqrt (x2), bf16 copies of the norm outputs for the fused wqkv and w13; q, k, v,
+    # SDPA out in bf16, fp32 log-sum-exp; 4 SwiGLU.
+    rest = 2 * 4 * m + 2 * 2 * m * hx + 2 * m * (2 * qy + 2 * kvy) + 4 * m * ay + rope
+    rest += 4 * 2 * m * fy
+    bf16 = 4 * 4 * m * hx + rest
+    assert block_saved_bytes(L31_8B, grid, b, S, "bf16", residual="fp32") == bf16
+    # the bf16 stream (the default): [x, h] in bf16, no normalised tensor (rebuilt in backward)
+    assert block_saved_bytes(L31_8B, grid, b, S, "bf16") == 2 * 2 * m * hx + rest
     # fp32: one norm output each, SDPA out plus the out-proj input copy.
     fp32 = (
         6 * 4 * m * hx + 2 * 4 * m + 4 * m * (3 * qy + 2 * kvy) + 4 * m * ay + rope + 4 * 4 * m * fy
@@ -268,7 +265,10 @@ def test_tetrad_gpt_block_by_hand():
     m, hx, qy, fy, ay = S, 2048, 2048, 8192, 16
     norm = 4 * m * hx + 2 * 4 * m + 4 * m * hx + 2 * m * hx  # input, mean+rstd, normed, cast
     attn = 2 * m * (3 * qy + qy) + 4 * m * ay
-    assert block_saved_bytes(m_spec, grid, 1, S, "bf16") == 2 * norm + attn + 2 * 2 * m * fy
+    want = 2 * norm + attn + 2 * 2 * m * fy
+    assert block_saved_bytes(m_spec, grid, 1, S, "bf16", residual="fp32") == want
+    # a bf16 stream: the input in bf16, no normalised tensor
+    assert block_saved_bytes(m_spec, grid, 1, S, "bf16") == want - 2 * (2 + 4) * m * hx
 
 
 def test_tetrad_checkpointing_and_totals():
@@ -276,7 +276,7 @@ def test_tetrad_checkpointing_and_totals():
     plain = saved_activations(L31_8B, grid, 1, S, dtype="bf16")
     ckpt = saved_activations(L31_8B, grid, 1, S, activation_checkpointing=True, dtype="bf16")
     blk = block_saved_bytes(L31_8B, grid, 1, S, "bf16")
-    inp = 4 * S * 4096 // 4
+    inp = 2 * S * 4096 // 4  # bf16: the residual stream in the compute dtype
     assert plain["blocks"] == 32 * blk and plain["recompute"] == 0
     # the block inputs and the one positions tensor [S] int64 every checkpoint keeps
     assert ckpt["blocks"] == 32 * inp + 8 * S and ckpt["recompute"] == blk - inp
@@ -305,16 +305,22 @@ def test_tetrad_checkpointing_and_totals():
 
 
 def test_tetrad_selective_block_by_hand():
-    """Selective checkpointing keeps per block the two fp32 norm inputs and their rstd, the
-    wqkv output, inv_freq, SDPA's output and log-sum-exp and the w13 output (bf16); the
-    positions [S] int64 once; in backward the largest rebuilt set (here SwiGLU's)."""
+    """Selective checkpointing keeps per block the two norm inputs (bf16: the residual stream)
+    and their rstd, the wqkv output, inv_freq, SDPA's output and log-sum-exp and the w13 output
+    (bf16); the positions [S] int64 once; in backward the largest rebuilt set (here
+    SwiGLU's). With an fp32 stream the norm inputs are fp32."""
     grid, S, b = (2, 1, 2, 4), 4096, 2
     m, hx, qy, kvy, ay, fy, d = b * S, 4096 // 4, 4096 // 2, 1024 // 2, 32 // 2, 14336 // 2, 128
-    per_block = 2 * (4 * m * hx + 4 * m) + 2 * m * (qy + 2 * kvy) + 2 * m * qy + 4 * m * ay
+    per_block = 2 * (2 * m * hx + 4 * m) + 2 * m * (qy + 2 * kvy) + 2 * m * qy + 4 * m * ay
     per_block += 2 * m * 2 * fy + 4 * d // 2
     sel = saved_activations(L31_8B, grid, b, S, activation_checkpointing="selective")
     assert sel["blocks"] == 32 * per_block + 8 * S
-    assert sel["recompute"] == max(2 * m * (qy + 2 * kvy), 2 * 2 * m * fy, 10 * m * hx)
+    assert sel["recompute"] == max(2 * m * (qy + 2 * kvy), 2 * 2 * m * fy, 12 * m * hx)
+    kept = saved_activations(
+        L31_8B, grid, b, S, activation_checkpointing="selective", residual="fp32"
+    )
+    assert kept["blocks"] == sel["blocks"] + 32 * 2 * 2 * m * hx
+    assert kept["recompute"] == max(2 * m * (qy + 2 * kvy), 2 * 2 * m * fy, 10 * m * hx)
     plain = saved_activations(L31_8B, grid, b, S, activation_checkpointing="none")
     assert {k: sel[k] for k in ("embedding", "final_norm", "loss")} == {
         k: plain[k] for k in ("embedding", "final_norm", "loss")
@@ -331,16 +337,16 @@ def test_tetrad_selective_block_by_hand():
 
 
 def test_fewest_selective_blocks_fit_and_one_fewer_does_not():
-    """Llama-3.1-8B on 64 H100s, S 8192: ``none`` does not fit on 4,1,16,1,1, ``selective``
-    does; the search's ``selective:K`` is the smallest K that fits (K - 1 does not), and the
-    compute model charges K blocks' recompute."""
-    grid, gpu, S = (4, 1, 16, 1, 1), 79.6 * GiB, 8192
+    """Llama-3.1-8B on 64 H100s, S 8192, an fp32 residual stream: ``none`` does not fit on
+    4,1,16,1,1, ``selective`` does; the search's ``selective:K`` is the smallest K that fits
+    (K - 1 does not), and the compute model charges K blocks' recompute."""
+    grid, gpu, S, fp32 = (4, 1, 16, 1, 1), 79.6 * GiB, 8192, {"residual": "fp32"}
 
     def fits(mode):
-        return runtime_memory(L31_8B, grid, 1, S, gpu, activation_checkpointing=mode).fits
+        return runtime_memory(L31_8B, grid, 1, S, gpu, activation_checkpointing=mode, **fp32).fits
 
     assert not fits("none") and fits("selective")
-    mode = fewest_selective(L31_8B, grid, 1, S, gpu)
+    mode = fewest_selective(L31_8B, grid, 1, S, gpu, **fp32)
     k = int(mode.split(":")[1])
     assert 1 < k < 32 and fits(mode) and not fits(f"selective:{k - 1}")
     assert recompute_order("none") < recompute_order(mode) < recompute_order("selective")
@@ -434,18 +440,24 @@ def test_fujii2024_refuses_sizes_that_do_not_split():
 def test_compiled_blocks_lower_the_estimate_through_every_door(capsys):
     """``compiled`` reaches the saved sets from :func:`runtime_memory`, its phase totals and
     ``tetrad memory --compile`` (llama-1b, micro-batch 16, seq 2048: the H200 lease's compiled
-    run peaked at 62.63 GiB, docs/performance.md)."""
+    run peaked at 62.63 GiB with the fp32 residual stream of the time, docs/performance.md;
+    ``--residual-dtype fp32`` reproduces it)."""
     from tetrad import cli
     from tetrad.plan.memory.runtime import phase_totals
     from tetrad.spec.presets import parse_model
 
     model, _ = parse_model("llama-1b,vocab_size=32768")
-    args = (model, (1, 1, 1, 1), 16, 2048)
-    eager, compiled = (runtime_memory(*args, 139.8 * GiB, compiled=c) for c in (False, True))
+    args, fp32 = (model, (1, 1, 1, 1), 16, 2048), {"residual": "fp32"}
+    eager, compiled = (
+        runtime_memory(*args, 139.8 * GiB, compiled=c, **fp32) for c in (False, True)
+    )
     assert compiled.total < eager.total
     assert abs(compiled.total / GiB - 60.54) < 0.01 and abs(eager.total / GiB - 76.55) < 0.01
-    assert max(phase_totals(*args, compiled=True).values()) == compiled.total
+    assert max(phase_totals(*args, compiled=True, **fp32).values()) == compiled.total
+    stream = runtime_memory(*args, 139.8 * GiB, compiled=True)  # the bf16 stream: less
+    assert stream.total < compiled.total
     argv = ["memory", "--model", "llama-1b,vocab_size=32768", "--grid", "1,1,1,1"]
     argv += ["--micro-batch", "16", "--seq-len", "2048", "--compile", "--json"]
+    argv += ["--residual-dtype", "fp32"]
     assert cli.main(argv) == 0
     assert abs(json.loads(capsys.readouterr().out)["total_bytes"] - compiled.total) < 1

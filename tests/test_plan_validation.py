@@ -318,3 +318,51 @@ def test_comm_model_predicts_bf16_weights_collectives(tmp_path):
         for rank in range(2):
             got = json.loads((tmp_path / f"{rank}.json").read_text())[ov]
             assert got == want, f"{ov} rank {rank}: runtime {got}, planner {want}"
+
+
+def _bf16_stream_worker(out_dir: str) -> None:
+    """Two steps on ``G_y = 2`` with bf16 weights and the bf16 residual stream of their policy
+    (``--param-dtype bf16``, ``--residual-dtype auto``), without and with sequence parallelism;
+    this rank's counts of each second step."""
+    from tetrad.spec.precision import precision
+
+    grid = Grid.build((1, 1, 2, 1), "cpu")
+    batch = torch.randint(0, CFG.vocab_size, (SAMPLES * grid.batch_shards, SEQ + 1))
+    counts = {}
+    for sp in (False, True):
+        model = ParallelLlama(CFG, grid, False, OVERLAPS, sequence_parallel=sp, **OPTIONS)
+        init_parameters(model, SEED, grid)
+        opt = build_optimizer(model, LR, weight_decay=0.1, policy=precision("cpu", "bf16"))
+        train_step(model, opt, grid, batch, SAMPLES // 2, CLIP)
+        grid.comm.reset()
+        train_step(model, opt, grid, batch, SAMPLES // 2, CLIP)
+        stats = grid.comm.reset()
+        counts[str(sp)] = {axis: [s.calls, s.payload_bytes, s.bytes] for axis, s in stats.items()}
+    with open(f"{out_dir}/{dist.get_rank()}.json", "w") as fh:
+        json.dump(counts, fh)
+
+
+def test_comm_model_predicts_bf16_stream_collectives(tmp_path):
+    """With the residual stream in bf16 the embedding's sum over Y (an all-reduce, or under
+    sequence parallelism a reduce-scatter and its gradient's all-gather) carries bf16 rows, as
+    the planner's ``compute_bytes=2`` says, and every other collective is as modelled."""
+    run_distributed(_bf16_stream_worker, 2, str(tmp_path))
+    for sp in (False, True):
+        cols = collectives(
+            get_model(SPEC),
+            get_machine("perlmutter"),
+            (1, 1, 2, 1),
+            SAMPLES // 2,
+            SEQ,
+            SAMPLES,
+            activation_checkpointing=False,
+            overlaps=OVERLAPS,
+            compute_bytes=DTYPE_BYTES["bf16"],
+            param_bytes=DTYPE_BYTES["bf16"],
+            sequence_parallel=sp,
+            **OPTIONS,
+        )
+        want = {axis: [t[f] for f in FIELDS] for axis, t in axis_totals(cols).items()}
+        for rank in range(2):
+            got = json.loads((tmp_path / f"{rank}.json").read_text())[str(sp)]
+            assert got == want, f"sp {sp} rank {rank}: runtime {got}, planner {want}"

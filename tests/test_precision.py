@@ -55,6 +55,7 @@ def test_the_policies():
     }
     assert dataclasses.asdict(cuda) == dataclasses.asdict(cpu) | {
         "compute": "bf16",
+        "residual": "bf16",
         "stage_boundary": "bf16",
     }
     assert not cpu.autocast and cuda.autocast
@@ -64,16 +65,30 @@ def test_the_policies():
         Precision(compute="fp16")
     with pytest.raises(PrecisionError, match="stage_boundary=fp32 with compute=bf16"):
         Precision(compute="bf16")
-    # bf16 weights: bf16 GEMMs and boundaries on every device; fp32 masters, grads, residual
+    # bf16 weights: bf16 GEMMs, residual stream and boundaries on every device; fp32 masters,
+    # grads; --residual-dtype fp32 keeps an fp32 stream under bf16 compute
     for device in ("cpu", "cuda"):
         bf16 = precision(device, "bf16", grad_reduce="bf16")
         assert dataclasses.asdict(bf16) == dataclasses.asdict(cpu) | {
             "compute": "bf16",
             "params": "bf16",
+            "residual": "bf16",
             "stage_boundary": "bf16",
             "grad_reduce": "bf16",
         }
         assert bf16.masters and bf16.autocast and bf16.bytes("params") == 2
+        assert precision(device, "bf16", residual="bf16") == precision(device, "bf16")
+        kept = precision(device, "bf16", residual="fp32")
+        assert kept == dataclasses.replace(precision(device, "bf16"), residual="fp32")
+        assert kept.autocast and kept.bytes("residual") == 4
+    assert precision("cuda", residual="fp32").residual == "fp32"
+    assert precision("cpu", residual="fp32") == precision("cpu", residual="auto") == cpu
+    with pytest.raises(PrecisionError, match="residual dtype bf16 on cpu with fp32 weights"):
+        precision("cpu", residual="bf16")
+    with pytest.raises(PrecisionError, match="residual dtype 'fp16': use auto, fp32, bf16"):
+        precision("cuda", residual="fp16")
+    with pytest.raises(PrecisionError, match="residual=bf16 with compute=fp32"):
+        Precision(residual="bf16")
     assert not cpu.masters and not cuda.masters
     with pytest.raises(PrecisionError, match="master=bf16: the runtime keeps master in fp32"):
         Precision(compute="bf16", params="bf16", stage_boundary="bf16", master="bf16")
@@ -83,8 +98,8 @@ def test_the_policies():
         precision("cpu", "fp16")
 
 
-def _follow(device_policy: str, path: str) -> None:
-    policy = precision(device_policy)
+def _follow(device_policy: str, residual: str, path: str) -> None:
+    policy = precision(device_policy, residual=residual)
     grid = Grid.build((1, 1, 1, 1, 1), "cpu")
     cfg = dataclasses.replace(PRESETS["moe-tiny"], vocab_size=256)
     model = ParallelLlama(cfg, grid)
@@ -94,8 +109,16 @@ def _follow(device_policy: str, path: str) -> None:
     for block in model.layers.values():
         block.register_forward_hook(lambda m, a, o: residual.append(o.dtype))
         block.ffn_norm.register_forward_hook(lambda m, a, o: normed.append(o.dtype))
-    gemms = GemmDtypes()
-    with gemms, autocast(torch.device("cpu"), policy):
+    gemms, saved = GemmDtypes(), []  # saved: the dtypes of the saved [b, s, h] tensors
+    hidden = (2, 15, cfg.dim)
+
+    def pack(t):
+        if t.shape == hidden and not isinstance(t, torch.nn.Parameter):
+            saved.append(str(t.dtype))
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with gemms, hooks, autocast(torch.device("cpu"), policy):
         loss = model.loss_sum(tokens[:, :-1], tokens[:, 1:])
         boundary = StageForward(model, sends=True)(tokens[:, :-1])
     loss.backward()
@@ -107,20 +130,32 @@ def _follow(device_policy: str, path: str) -> None:
         normed=sorted(map(str, set(normed))),
         loss=str(loss.dtype),
         boundary=str(boundary.dtype),
+        saved=sorted(set(saved)),
     )
     Path(path).write_text(json.dumps(out))
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_the_layers_follow_the_policy(device, tmp_path):
-    policy = precision(device)
-    run_distributed(_follow, 1, device, str(tmp_path / "out.json"))
+@pytest.mark.parametrize(
+    ("device", "residual"), [("cpu", "auto"), ("cuda", "auto"), ("cuda", "fp32")]
+)
+def test_the_layers_follow_the_policy(device, residual, tmp_path):
+    """The GEMMs, the norms' outputs, the residual stream (each block's output), the stage
+    boundary and the loss are in the policy's formats; the residual stream's tensors that
+    autograd saves (``[b, s, h]``: the norms' inputs and normalised tensors) are in the
+    residual format too: with a bf16 stream no fp32 copy of it is kept (``cuda`` with fp32
+    weights and the default stream, on the CPU's autocast), with ``--residual-dtype fp32``
+    the fp32 stream is."""
+    policy = precision(device, residual=residual)
+    run_distributed(_follow, 1, device, residual, str(tmp_path / "out.json"))
     out = json.loads((tmp_path / "out.json").read_text())
     name = {f: str(torch_dtype(v)) for f, v in dataclasses.asdict(policy).items() if f != "fp8"}
     assert out["gemms"] and all(v == [name["compute"]] for v in out["gemms"].values()), out
     assert out["normed"] == [name["compute"]]  # a norm's output is the next GEMM's input
     assert out["params"] == [name["params"]] and out["grads"] == [name["grads"]]
     assert out["residual"] == [name["residual"]]
+    assert name["residual"] in out["saved"]
+    if policy.residual == "bf16":
+        assert out["saved"] == ["torch.bfloat16"], out["saved"]
     assert out["boundary"] == name["stage_boundary"]
     assert out["loss"] == name["statistics"]
 
@@ -140,3 +175,28 @@ def test_param_dtype_option(tmp_path):
     assert load_config(str(toml), {}).policy.params == "bf16"
     with pytest.raises(ConfigError, match="param_dtype"):
         load_config(None, {"param_dtype": "fp16"})
+
+
+def test_residual_dtype_option(tmp_path):
+    """``--residual-dtype`` / ``[precision] residual``: ``auto`` (the default) is the compute
+    dtype (fp32 on the CPU, bf16 with bf16 weights or on CUDA); ``fp32`` keeps an fp32 stream
+    under bf16 compute; bf16 under fp32 compute and an unknown format are refused in one
+    line."""
+    from tests.test_cli import assert_one_line_error, tetrad_cmd
+    from tetrad.train.config import load_config
+    from tetrad.train.sections import ConfigError
+
+    assert load_config(None, {}).policy.residual == "fp32"
+    assert load_config(None, {"device": "cuda"}).policy.residual == "bf16"
+    assert load_config(None, {"param_dtype": "bf16"}).policy.residual == "bf16"
+    kept = load_config(None, {"param_dtype": "bf16", "residual_dtype": "fp32"}).policy
+    assert kept == precision("cpu", "bf16", residual="fp32") and kept.residual == "fp32"
+    toml = tmp_path / "run.toml"
+    toml.write_text('[precision]\nparams = "bf16"\nresidual = "fp32"\n')
+    assert load_config(str(toml), {}).policy == kept
+    with pytest.raises(ConfigError, match="residual_dtype"):
+        load_config(None, {"residual_dtype": "fp16"})
+    with pytest.raises(ConfigError, match="residual dtype bf16 on cpu with fp32 weights"):
+        load_config(None, {"residual_dtype": "bf16"}).check()
+    r = tetrad_cmd("train", "--residual-dtype", "bf16", "--run-dir", str(tmp_path / "run"))
+    assert_one_line_error(r, "--param-dtype bf16", "--residual-dtype auto or fp32")

@@ -297,7 +297,7 @@ class Transformer(nn.Module):
         head: its last block's output; without the embedding, ``tokens`` is the residual
         stream ``[b, s, dim]``)."""
         s = tokens.shape[1]
-        if self.tok_embeddings is not None:  # the residual stream's format (fp32)
+        if self.tok_embeddings is not None:  # the residual stream's format (the policy's)
             h = self.tok_embeddings(tokens)
             h = h.to(residual_dtype(h.device, self.tok_embeddings.weight.dtype))
         else:  # the residual stream may hold a part of each sample's tokens

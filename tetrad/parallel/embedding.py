@@ -5,7 +5,7 @@ vocabulary rows over Y (each block's rows again over Z), hidden columns over X. 
 ``[V/(G_y G_z), h/G_x]``.
 
     forward:   E = all-gather_Z(E_shard) (compute dtype);  out = all-reduce_Y(lookup of ids in
-               this Y block), in the residual stream's dtype (fp32)
+               this Y block), in the residual stream's dtype (the policy's: bf16 or fp32)
     backward:  dE_shard = reduce-scatter_Z(scatter-add of d_out into this Y block's rows)
 
 With sequence parallelism (:mod:`tetrad.parallel.sequence`) the all-reduce over Y is a

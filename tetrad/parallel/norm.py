@@ -7,6 +7,13 @@ all-reduce: each rank's output shard contributes its own part of d(loss)/d(sum o
 The statistic (with the collective) and the element-wise apply are separate: under selective
 activation checkpointing (:mod:`tetrad.models.recompute`) only the apply is recomputed in
 backward, from the kept input and ``rstd``.
+
+The statistics are fp32 whatever the input's format (the policy's ``statistics``), and no fp32
+copy of a bf16 input is kept for backward: the sum of squares keeps the input itself
+(:class:`_SquareSum`), and the apply of a bf16 input keeps only the input, ``rstd`` and the
+weight, rebuilding the normalised tensor in backward (:class:`_NarrowApply`; Megatron-LM's
+fused norms keep the same). An fp32 input's apply keeps its normalised tensor, as autograd
+does.
 """
 
 from __future__ import annotations
@@ -41,6 +48,22 @@ class _AllReduceSum(torch.autograd.Function):
 _all_reduce_sum = torch.compiler.disable(_AllReduceSum.apply)
 
 
+class _SquareSum(torch.autograd.Function):
+    """``x [..., n]`` -> ``sum(x^2) [..., 1]`` in fp32, saving ``x`` as it is (a bf16 input
+    keeps no fp32 copy; ``x.float().pow(2)`` would save one). The gradient ``2 x g`` is the
+    one ``pow`` gives, in ``x``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.float().pow(2).sum(-1, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return (g * (2 * x.float())).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm of ``[..., dim/G_axis]`` activations; weight ``[dim/G_axis]``, replicated over
     the other axes (its gradient is summed over Z and data by ``sync_gradients``, and over
@@ -64,7 +87,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., dim/G_axis]`` -> the same shape in the compute dtype (the autocast dtype
         under autocast, so the next Linear's cast is a no-op and saves this very tensor)."""
-        sum_sq = _all_reduce_sum(x.float().pow(2).sum(-1, keepdim=True), self.grid, self.axis)
+        sum_sq = _all_reduce_sum(_SquareSum.apply(x), self.grid, self.axis)
         rstd = torch.rsqrt(sum_sq / self.dim + self.eps)  # [..., 1] fp32: kept in every mode
         apply = functools.partial(normalise, dtype=compute_dtype(x))
         return recompute.runner()(apply, x, rstd, self.weight)  # recomputed in selective mode
@@ -72,6 +95,38 @@ class RMSNorm(nn.Module):
 
 def normalise(x: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor, dtype: torch.dtype):
     """RMSNorm's element-wise part: ``((x rstd) w)`` cast to ``dtype`` (``x [..., n]``, ``rstd
-    [..., 1]`` fp32, ``w [n]``); the product is taken in fp32 and rounded to ``x``'s dtype
-    before the weight, as the fused form did."""
-    return ((x.float() * rstd).type_as(x) * w).to(dtype)
+    [..., 1]`` fp32, ``w [n]``); the product is taken in fp32 (at least: type promotion) and
+    rounded to ``x``'s dtype before the weight, as the fused form did. A bf16 ``x``: through
+    :class:`_NarrowApply` (nothing but ``x``, ``rstd`` and ``w`` kept for backward)."""
+    if x.dtype == torch.bfloat16 and torch.is_grad_enabled():
+        return _NarrowApply.apply(x, rstd, w, dtype)
+    return _apply(x, rstd, w, dtype)
+
+
+def _apply(x: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor, dtype: torch.dtype):
+    """``((x rstd) rounded to x's dtype) w``, cast to ``dtype``."""
+    return ((x * rstd).type_as(x) * w).to(dtype)
+
+
+class _NarrowApply(torch.autograd.Function):
+    """:func:`_apply` keeping ``x``, ``rstd`` and ``w`` for backward, which rebuilds the
+    normalised ``(x rstd)`` rounded to ``x``'s dtype (autograd would keep it, ``2 n`` bytes per
+    row of a bf16 ``x``). The gradients are autograd's for the same operations: ``dw = sum of g
+    xn`` over the rows (in the product's dtype, then ``w``'s), ``dxn = g w`` rounded to ``x``'s
+    dtype, ``dx = dxn rstd`` (fp32, rounded to ``x``'s), ``drstd = sum_n dxn x`` (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, rstd, w, dtype):
+        ctx.save_for_backward(x, rstd, w)
+        return _apply(x, rstd, w, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, rstd, w = ctx.saved_tensors
+        xn = (x * rstd).type_as(x)
+        g = g.to(torch.result_type(xn, w))
+        dw = (g * xn).flatten(0, -2).sum(0).to(w.dtype)
+        dxr = (g * w).to(x.dtype).to(rstd.dtype)
+        dx = (dxr * rstd).to(x.dtype)
+        drstd = (dxr * x).sum(-1, keepdim=True)
+        return dx, drstd, dw, None

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tetrad.comm import count_sends
-from tetrad.dtypes import compute_dtype
+from tetrad.dtypes import compute_dtype, residual_dtype
 from tetrad.models.llama import Transformer
 from tetrad.parallel.experts import biased_routers
 from tetrad.parallel.masters import drop_grads
@@ -36,7 +36,8 @@ class StageForward(nn.Module):
     The residual stream crosses a stage boundary in the policy's ``stage_boundary`` format,
     its compute format (:mod:`tetrad.spec.precision`): what the step's autocast gives the
     GEMMs (bf16 on CUDA, as Megatron-LM's activations: half the point-to-point bytes of fp32;
-    fp32 on CPU). It continues in the ``residual`` format, the parameters', on the next stage.
+    fp32 on CPU). It continues in the ``residual`` format on the next stage
+    (:func:`tetrad.dtypes.residual_dtype`: the same bf16 by default, no cast).
 
     Args:
         part: the stage's model part.
@@ -51,7 +52,7 @@ class StageForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point():  # the residual stream, received in the boundary format
-            x = x.to(next(self.part.parameters()).dtype)
+            x = x.to(residual_dtype(x.device, next(self.part.parameters()).dtype))
         h = self.part.hidden(x)
         aux = self.part.aux_loss_sum() if self.aux_scale and torch.is_grad_enabled() else None
         if self.aux_scale and torch.is_grad_enabled():  # MoE loads, summed on the device

@@ -14,7 +14,12 @@ import json
 import sys
 
 from tetrad.plan.cli_conflicts import check_memory_settings, check_plan_settings
-from tetrad.plan.cli_memory import grid_and_experts, pipeline_memory_text, weights_text
+from tetrad.plan.cli_memory import (
+    grid_and_experts,
+    pipeline_memory_text,
+    residual_arg,
+    weights_text,
+)
 from tetrad.plan.comm.sublayers import format_sublayers, sublayers
 from tetrad.plan.compute.fp8 import FP8_RECIPES
 from tetrad.plan.errors import PlanError
@@ -36,7 +41,7 @@ from tetrad.spec.grid import (
     ORIENTATIONS,
     role_sizes,
 )
-from tetrad.spec.precision import PARAM_DTYPES
+from tetrad.spec.precision import PARAM_DTYPES, RESIDUAL_DTYPES
 from tetrad.spec.presets import PRESETS, get_model
 from tetrad.spec.units import GiB
 
@@ -292,6 +297,13 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         "masters with the optimizer states, default fp32)",
     )
     m.add_argument(
+        "--residual-dtype",
+        choices=RESIDUAL_DTYPES,
+        default="auto",
+        help="tetrad: the residual stream's format (tetrad train --residual-dtype): auto "
+        "(default) the compute dtype, bf16 on GPUs; fp32 keeps an fp32 stream",
+    )
+    m.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="tetrad: the residual stream and norms split along the sequence over the Y role "
@@ -450,6 +462,7 @@ def run_memory(args: argparse.Namespace) -> int:
                 shard_optimizer=args.shard_optimizer,
                 compiled=args.compile,
                 params=args.param_dtype,
+                **residual_arg(args),
                 **moe,
                 **({"sequence_parallel": True} if sp else {}),
             )

@@ -36,6 +36,7 @@ MEMORY_TETRAD_DEFAULTS = {
     "activation_checkpointing": "none",
     "compile": False,
     "param_dtype": "fp32",
+    "residual_dtype": "auto",
     "sequence_parallel": False,
     "expert_parallel": 1,
     "moe_imbalance": 1.0,

@@ -23,8 +23,19 @@ from tetrad.spec.units import GiB
 
 
 def weights_text(args: argparse.Namespace) -> str:
-    """The title's note on bf16 weights (none for fp32)."""
-    return ", bf16 weights with fp32 masters" if args.param_dtype != "fp32" else ""
+    """The title's note on bf16 weights (none for fp32) and on the residual stream's format
+    (none for ``auto``, the compute dtype's)."""
+    text = ", bf16 weights with fp32 masters" if args.param_dtype != "fp32" else ""
+    residual = getattr(args, "residual_dtype", "auto")
+    return text + (f", {residual} residual stream" if residual != "auto" else "")
+
+
+def residual_arg(args: argparse.Namespace) -> dict:
+    """``--residual-dtype`` as the ``residual`` keyword of
+    :func:`tetrad.plan.memory.runtime.runtime_memory` (absent for ``auto``: the compute
+    dtype's, bf16, as ``tetrad memory`` models the GPU runtime)."""
+    residual = getattr(args, "residual_dtype", "auto")
+    return {} if residual == "auto" else {"residual": residual}
 
 
 def grid_and_experts(args: argparse.Namespace, model: ModelSpec) -> tuple[int, tuple, dict]:
@@ -102,6 +113,7 @@ def pipeline_memory_text(
         activation_checkpointing=mode,
         shard_optimizer=getattr(args, "shard_optimizer", False),
         params=getattr(args, "param_dtype", "fp32"),
+        **residual_arg(args),
         **moe,
         **({"sequence_parallel": True} if getattr(args, "sequence_parallel", False) else {}),
     )

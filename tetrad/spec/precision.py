@@ -12,7 +12,7 @@ policy of a device. Today's policies:
 | gradients as accumulated (``grads``)     | fp32     | fp32     |
 | their sum over data (``grad_reduce``)    | fp32     | fp32     |
 | AdamW states (``optimizer_states``)      | fp32     | fp32     |
-| residual stream between blocks           | fp32     | fp32     |
+| residual stream between blocks           | fp32     | bf16     |
 | pipeline stage boundaries                | fp32     | bf16     |
 | norm statistics, softmax, loss           | fp32     | fp32     |
 | FP8 GEMMs (``fp8``)                      | off      | off      |
@@ -24,12 +24,19 @@ and its distributed optimizer, whose masters are sharded over data x context wit
 fp32 (Megatron's ``main_grad``), AdamW updates the fp32 masters and the bf16 weights are
 refreshed from them after every step. The GEMMs then run in bf16 on every device (on the CPU
 too, under the CPU's bf16 autocast: a single-process reference under the same policy computes
-in the same formats); the residual stream stays fp32, as under fp32 weights. ``grad_reduce="bf16"``
-(``--grad-reduce-dtype bf16``) sums the fp32 gradients over data in bf16.
+in the same formats). ``grad_reduce="bf16"`` (``--grad-reduce-dtype bf16``) sums the fp32
+gradients over data in bf16.
 
-The residual stream in the compute dtype under fp32 weights and FP8 GEMM recipes plug in here: a
-layer never decides a dtype itself, it reads the policy (through
-:func:`tetrad.dtypes.compute_dtype` and :func:`tetrad.dtypes.autocast`).
+The residual stream (``residual``, ``--residual-dtype``): by default (``auto``) in the compute
+format, as Megatron-LM keeps its activations (bf16 wherever the GEMMs are bf16: on CUDA, and
+with bf16 weights on any device), so the embedding's output, the residual adds, the blocks'
+outputs, the norms' inputs and outputs and the head's input are bf16, and a stage boundary
+needs no cast; ``fp32`` keeps an fp32 stream (each block's output is its bf16 branch added to
+the fp32 stream). The norms' statistics stay fp32 (``statistics``) either way.
+
+FP8 GEMM recipes plug in here too: a layer never decides a dtype itself, it reads the policy
+(through :func:`tetrad.dtypes.compute_dtype`, :func:`tetrad.dtypes.residual_dtype` and
+:func:`tetrad.dtypes.autocast`).
 """
 
 from __future__ import annotations
@@ -56,13 +63,16 @@ RUNTIME_TIES = {"stage_boundary": "compute"}
 (:func:`tetrad.dtypes.compute_dtype` under the step's autocast). An fp32 boundary under bf16
 compute unties them."""
 
-RUNTIME_FP32 = ("master", "grads", "optimizer_states", "residual")
+RUNTIME_FP32 = ("master", "grads", "optimizer_states", "statistics")
 """Formats the runtime keeps in fp32 whatever the stored weights: the optimizer's masters, the
-accumulated gradients (Megatron's ``main_grad``), AdamW's moments and the residual stream (the
-embedding's output is cast to it). The residual stream in the compute format unties it."""
+accumulated gradients (Megatron's ``main_grad``), AdamW's moments, and the norms' statistics,
+the softmax and the loss."""
 
 PARAM_DTYPES = ("fp32", "bf16")
 """Formats the weights may be stored in (``--param-dtype``)."""
+
+RESIDUAL_DTYPES = ("auto", "fp32", "bf16")
+"""Formats of the residual stream (``--residual-dtype``); ``auto``: the compute format."""
 
 
 class PrecisionError(TetradError):
@@ -128,6 +138,11 @@ class Precision:
             raise PrecisionError(
                 f"compute={self.compute} with params=bf16: weights stored in bf16 compute in bf16"
             )
+        if self.residual == "bf16" and self.compute != "bf16":
+            raise PrecisionError(
+                f"residual=bf16 with compute={self.compute}: a bf16 residual stream needs bf16 "
+                "compute (bf16 weights, or cuda)"
+            )
 
     @property
     def masters(self) -> bool:
@@ -137,9 +152,9 @@ class Precision:
 
     @property
     def autocast(self) -> bool:
-        """Whether GEMMs run under autocast (their compute dtype is not the residual
-        stream's)."""
-        return self.compute != self.residual
+        """Whether the step runs under autocast: its GEMMs compute in a narrower format than
+        the statistics (bf16 against fp32), whatever the residual stream's format."""
+        return self.compute != self.statistics
 
     def bytes(self, kind: str) -> int:
         """Bytes per element of the tensors of ``kind`` (a field name: ``compute``,
@@ -147,25 +162,44 @@ class Precision:
         return DTYPE_BYTES[getattr(self, kind)]
 
 
-def precision(device: str, params: str = "fp32", grad_reduce: str = "fp32") -> Precision:
+def precision(
+    device: str, params: str = "fp32", grad_reduce: str = "fp32", residual: str = "auto"
+) -> Precision:
     """The numeric-format policy of the runtime on ``device``.
 
     With fp32 weights (``params``, the default): fp32 everywhere on the CPU; on CUDA, bf16 GEMMs
-    and attention under autocast and bf16 stage boundaries (Megatron-LM's activations),
-    everything else fp32. With bf16 weights: bf16 GEMMs under autocast and bf16 stage
-    boundaries on every device, fp32 masters, gradients, AdamW states and residual stream.
-    ``grad_reduce``: the format of the gradients' sum over data.
+    and attention under autocast, a bf16 residual stream and bf16 stage boundaries
+    (Megatron-LM's activations), everything else fp32. With bf16 weights: bf16 GEMMs under
+    autocast, residual stream and stage boundaries on every device; fp32 masters, gradients
+    and AdamW states. ``grad_reduce``: the format of the gradients' sum over data.
+    ``residual``: the residual stream's format, ``auto`` (the compute format), ``fp32``, or
+    ``bf16`` (where the compute format is bf16).
 
     Raises:
-        PrecisionError: ``params`` or ``grad_reduce`` not ``fp32`` or ``bf16``.
+        PrecisionError: ``params`` or ``grad_reduce`` not ``fp32`` or ``bf16``, ``residual``
+            not one of :data:`RESIDUAL_DTYPES`, or ``bf16`` with fp32 compute.
     """
     if params not in PARAM_DTYPES:
         raise PrecisionError(f"param dtype {params!r}: use {' or '.join(PARAM_DTYPES)}")
     if grad_reduce not in DTYPE_BYTES:
         raise PrecisionError(f"grad-reduce dtype {grad_reduce!r}: use {' or '.join(DTYPE_BYTES)}")
+    if residual not in RESIDUAL_DTYPES:
+        raise PrecisionError(
+            f"residual dtype {residual!r}: use {', '.join(RESIDUAL_DTYPES)} (auto: the compute "
+            "dtype)"
+        )
     compute = "bf16" if device == "cuda" or params == "bf16" else "fp32"
+    if residual == "bf16" and compute != "bf16":
+        raise PrecisionError(
+            f"residual dtype bf16 on {device} with {params} weights computes in fp32: use "
+            "--param-dtype bf16 (or cuda), or --residual-dtype auto or fp32"
+        )
     return Precision(
-        compute=compute, params=params, stage_boundary=compute, grad_reduce=grad_reduce
+        compute=compute,
+        params=params,
+        residual=compute if residual == "auto" else residual,
+        stage_boundary=compute,
+        grad_reduce=grad_reduce,
     )
 
 

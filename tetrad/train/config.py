@@ -49,7 +49,7 @@ from tetrad.spec.conflicts import Settings, check_conflicts
 from tetrad.spec.errors import TetradError
 from tetrad.spec.grid import parse_grid, parse_pipeline_grid, pop_expert
 from tetrad.spec.model import ModelSpec, check_trainable
-from tetrad.spec.precision import DEVICES, Precision, precision
+from tetrad.spec.precision import DEVICES, Precision, PrecisionError, precision
 from tetrad.spec.presets import ALIASES, parse_model, with_sizes
 from tetrad.spec.toml import tomllib
 from tetrad.train.config_checks import check_parallelism, check_pipeline, check_training
@@ -116,7 +116,7 @@ class TrainConfig:
         """The numeric-format policy of the run: the device's with ``[precision]``'s choices
         (:func:`tetrad.spec.precision.precision`)."""
         p = self.precision
-        return precision(self.training.device, p.params, p.grad_reduce)
+        return precision(self.training.device, p.params, p.grad_reduce, p.residual)
 
     @property
     def hf_folder(self) -> Path | None:
@@ -146,6 +146,10 @@ class TrainConfig:
             self.model_config()  # its sizes, and MoE sizes without experts
         if t.device not in DEVICES:
             raise ConfigError(f"device {t.device!r} is not {' or '.join(DEVICES)}")
+        try:
+            self.policy  # noqa: B018  (the formats agree: a bf16 stream needs bf16 compute)
+        except PrecisionError as e:
+            raise ConfigError(str(e)) from None
         for name in ("steps", "micro_batch", "global_batch", "seq_len"):
             if getattr(t, name) < 1:
                 raise ConfigError(f"{name}={getattr(t, name)} must be at least 1")

@@ -268,6 +268,13 @@ class PrecisionSection:
         name="grad_reduce_dtype",
         help="format of the gradients' sum over data x context (all-reduce or reduce-scatter)",
     )
+    residual: Literal["auto", "fp32", "bf16"] = option(
+        "auto",
+        name="residual_dtype",
+        help="format of the residual stream (embedding output, residual adds, norms' input and "
+        "output, stage boundaries): auto is the compute dtype (bf16 on cuda or with "
+        "--param-dtype bf16, as Megatron-LM; fp32 otherwise); fp32 keeps an fp32 stream",
+    )
 
 
 @dataclass

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from tetrad.dtypes import autocast, stored_policy, torch_dtype
+from tetrad.dtypes import autocast, keep_policy, stored_policy, torch_dtype
 from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
 from tetrad.parallel.batch import inputs_targets, local_samples, sum_over_batch_axes, to_device
@@ -35,7 +35,9 @@ def build_optimizer(
     policy's format with their gradients accumulated apart in fp32
     (:func:`tetrad.parallel.masters.store_parameters`): build the optimizer after the weights
     are initialised or loaded. The policy's ``grad_reduce`` format is the one the gradients are
-    summed over data in.
+    summed over data in. The policy is recorded on the parameters
+    (:func:`tetrad.dtypes.keep_policy`): the training steps run under it (its residual stream's
+    format among the rest).
 
     With ``shard`` (the grid), the sharded optimizer: AdamW states split over the grid's data x
     context ranks, gradients reduce-scattered and parameters all-gathered over them
@@ -68,6 +70,7 @@ def build_optimizer(
     if policy is not None:
         dtypes = (policy.params, policy.grads, policy.grad_reduce)
         store_parameters(model, *map(torch_dtype, dtypes))
+        keep_policy(model, policy)  # the steps run under it (its residual stream's format)
     return opt
 
 

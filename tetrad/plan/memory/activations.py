@@ -12,6 +12,13 @@ along the sequence, ``[m, h/G_x]`` in the compute dtype, and the LM head and los
 Korthikanti et al. (arXiv 2205.05198, section 4.2.2, eq. 5) divide every stored tensor by
 ``t``; tetrad keeps the gathered Linear input instead of gathering it again in backward, so no
 collective is added.
+
+The residual stream's format (``residual``, ``tetrad train --residual-dtype``; ``r`` bytes per
+element, :func:`residual_bytes`) sizes each norm's input and a checkpointed block's input: the
+compute dtype's by default (``r = e``: a bf16 stream on GPUs, Megatron-LM's), fp32 with
+``--residual-dtype fp32`` (``r = 4`` under bf16 compute). The norms keep no fp32 copy of a bf16
+input, and with a bf16 stream no normalised tensor either (rebuilt in backward,
+tetrad/parallel/norm.py), as Megatron-LM's fused norms.
 """
 
 from __future__ import annotations
@@ -41,23 +48,43 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def _norm_saved_bytes(
-    model: ModelSpec, m: int, hx: int, e: int, consumers: int, split: int = 1
-) -> float:
-    """One norm (tetrad/parallel/norm.py) and the cast of its output for its consumers, per rank.
+def residual_bytes(dtype: str, residual: str | None) -> int:
+    """Bytes per element of the residual stream: ``residual`` (``fp32`` or ``bf16``), or with
+    None (``--residual-dtype auto``) the compute dtype ``dtype``'s.
 
-    RMSNorm saves its input ``[m, h/G_x]`` fp32 (``pow``), ``rsqrt`` ``[m, 1]`` fp32 and the
-    normalised ``[m, h/G_x]`` fp32 (for the weight's gradient). Its output is saved by the
-    following Linears as ``x.to(compute dtype)``: one shared fp32 tensor when ``e = 4``, one bf16
-    copy per consumer otherwise (one: the fused wqkv, the fused w13). GPT LayerNorm (not in the
-    runtime): the same with two fp32 statistics ``[m]`` (mean, rstd). With sequence parallelism
-    (``split = G_y``) the norm's three tensors hold ``m / G_y`` rows and each consumer keeps
-    the output gathered along the sequence, ``e m h`` (module docstring).
+    Raises:
+        PlanError: an unknown dtype, or a bf16 stream under fp32 compute (the runtime refuses
+            it).
+    """
+    if residual is None:
+        return dtype_bytes(dtype)
+    if dtype_bytes(residual) < dtype_bytes(dtype):
+        raise PlanError(f"residual={residual} with dtype={dtype}: a bf16 stream needs bf16 compute")
+    return dtype_bytes(residual)
+
+
+def _norm_saved_bytes(
+    model: ModelSpec, m: int, hx: int, e: int, consumers: int, split: int = 1, rb: int = FP32
+) -> float:
+    """One norm (tetrad/parallel/norm.py) and the cast of its output for its consumers, per rank
+    (``rb``: the residual stream's bytes per element).
+
+    RMSNorm saves its input ``[m, h/G_x]`` in the residual format (its sum of squares and its
+    apply keep it as it is), ``rsqrt`` ``[m, 1]`` fp32 and, with an fp32 stream, the normalised
+    ``[m, h/G_x]`` fp32 (for the weight's gradient; a bf16 stream's apply rebuilds it in
+    backward instead, tetrad/parallel/norm.py ``_NarrowApply``). Its output is saved by
+    the following Linears as ``x.to(compute dtype)``: one shared fp32 tensor when ``e = 4``, one
+    bf16 tensor per consumer otherwise (one: the fused wqkv, the fused w13; the norm's own
+    output when the stream is bf16). GPT LayerNorm (not in the runtime): the same with two fp32
+    statistics ``[m]`` (mean, rstd). With sequence parallelism (``split = G_y``) the norm's
+    three tensors hold ``m / G_y`` rows and each consumer keeps the output gathered along the
+    sequence, ``e m h`` (module docstring).
     """
     stats = 2 if model.family == "gpt" else 1
     r = m // split
     out = FP32 * m * hx if e == FP32 else consumers * e * m * hx
-    return FP32 * r * hx + stats * FP32 * r + FP32 * r * hx + out
+    normalised = FP32 * r * hx if rb == FP32 else 0
+    return rb * r * hx + stats * FP32 * r + normalised + out
 
 
 def _attention_saved_bytes(model: ModelSpec, m: int, seq_len: int, gy: int, e: int) -> float:
@@ -93,47 +120,59 @@ def _mlp_saved_bytes(model: ModelSpec, m: int, gy: int, e: int) -> float:
 
 
 def block_saved_bytes(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16", split: int = 1
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str = "bf16",
+    split: int = 1,
+    residual: str | None = None,
 ) -> float:
     """Bytes autograd saves for ONE block on one rank (no checkpointing): two norms with their
     output casts, attention, MLP, and the residual stream (block input and the mid-block sum
-    ``h``, both ``[m, h/G_x]`` fp32, counted as the two norms' inputs; ``[m/G_y, h]`` with
-    sequence parallelism, ``split = G_y``)."""
+    ``h``, both ``[m, h/G_x]`` in the ``residual`` format, :func:`residual_bytes`, counted as
+    the two norms' inputs; ``[m/G_y, h]`` with sequence parallelism, ``split = G_y``)."""
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
+    rb = residual_bytes(dtype, residual)
     return (  # each norm feeds one (fused) Linear
-        _norm_saved_bytes(model, m, hx, e, 1, split)
+        _norm_saved_bytes(model, m, hx, e, 1, split, rb)
         + _attention_saved_bytes(model, m, seq_len, gy, e)
-        + _norm_saved_bytes(model, m, hx, e, 1, split)
+        + _norm_saved_bytes(model, m, hx, e, 1, split, rb)
         + _mlp_saved_bytes(model, m, gy, e)
     )
 
 
 def selective_block_saved_bytes(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16", split: int = 1
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str = "bf16",
+    split: int = 1,
+    residual: str | None = None,
 ) -> float:
     """Bytes ONE block keeps on one rank under selective checkpointing (tetrad/models/recompute.py;
     Korthikanti et al., arXiv 2205.05198, section 5): the tensors that are expensive to recompute
     or cheap to keep; the element-wise outputs they feed are rebuilt from them in backward.
 
-    Per norm: its fp32 input ``[m, h/G_x]`` (the block input ``x``, the mid-block sum ``h``) and
-    ``rstd [m, 1]`` fp32 (GPT's LayerNorm: mean and rstd, ``[m]`` each); the normalised output
-    is rebuilt. Attention: the wqkv output ``[m, (a d + 2 k d)/G_y]`` (rotated q and k and the v
-    copy are rebuilt from it), ``inv_freq [d/2]`` fp32 (RoPE's input, ``2d`` bytes), SDPA's
-    output ``[m, a d/G_y]`` and fp32 log-sum-exp ``[m, a/G_y]`` (the out-projection's
+    Per norm: its input ``[m, h/G_x]`` in the ``residual`` format (the block input ``x``, the
+    mid-block sum ``h``) and ``rstd [m, 1]`` fp32 (GPT's LayerNorm: mean and rstd, ``[m]`` each);
+    the normalised output is rebuilt. Attention: the wqkv output ``[m, (a d + 2 k d)/G_y]`` (rotated
+    q and k and the v copy are rebuilt from it), ``inv_freq [d/2]`` fp32 (RoPE's input, ``2d``
+    bytes), SDPA's output ``[m, a d/G_y]`` and fp32 log-sum-exp ``[m, a/G_y]`` (the out-projection's
     token-major input is rebuilt from the output). MLP: the w13 output ``[m, 2f/G_y]`` (llama:
-    ``silu(gate) * up`` is rebuilt; gpt: fc1's ``[m, f/G_y]``, GeLU rebuilt). The positions
-    ``[S]`` int64 shared by all blocks: :func:`saved_activations`. With sequence parallelism
-    (``split = G_y``) the norms' input and statistics hold ``m / G_y`` rows, and each pair's
-    first Linear keeps its input gathered along the sequence, ``e m h`` (no recipe rebuilds a
-    collective's output).
+    ``silu(gate) * up`` is rebuilt; gpt: fc1's ``[m, f/G_y]``, GeLU rebuilt). The positions ``[S]``
+    int64 shared by all blocks: :func:`saved_activations`. With sequence parallelism (``split =
+    G_y``) the norms' input and statistics hold ``m / G_y`` rows, and each pair's first Linear keeps
+    its input gathered along the sequence, ``e m h`` (no recipe rebuilds a collective's output).
     """
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
     qy, kvy, ay = model.q_dim // gy, model.kv_dim // gy, model.n_heads // gy
     stats = 2 if model.family == "gpt" else 1
-    r = m // split
-    norms = 2 * (FP32 * r * hx + stats * FP32 * r) + (2 * e * m * hx if split > 1 else 0)
+    r, rb = m // split, residual_bytes(dtype, residual)
+    norms = 2 * (rb * r * hx + stats * FP32 * r) + (2 * e * m * hx if split > 1 else 0)
     if model.family == "gpt":
         qkv, rope, mlp = 3 * qy, 0, model.ffn_dim // gy
     else:
@@ -142,24 +181,44 @@ def selective_block_saved_bytes(
 
 
 def selective_recompute_bytes(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16", split: int = 1
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str = "bf16",
+    split: int = 1,
+    residual: str | None = None,
 ) -> float:
     """The largest set rebuilt at once in a selective block's backward (one rank, bytes): the
     rotated q, k and v copy for SDPA's backward ``e m (a d + 2 k d)/G_y``; SwiGLU's
-    recomputation with grad, ``silu(gate)`` and the product, ``2 e m f/G_y``; or the norm's,
-    the fp32 normalised input and product and the cast output, ``(8 + e) m h/G_x`` (``8 m
-    h/G_x`` when ``e = 4``: the cast is a no-op; ``m / G_y`` rows with sequence parallelism,
-    ``split = G_y``). Not checked against the runtime (transient)."""
+    recomputation with grad, ``silu(gate)`` and the product, ``2 e m f/G_y``; or the norm's
+    (:func:`norm_recompute_bytes`; ``m / G_y`` rows with sequence parallelism, ``split =
+    G_y``). Not checked against the runtime (transient)."""
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
     attention = e * m * (model.q_dim + 2 * model.kv_dim) // gy
     mlp = 2 * e * m * (model.ffn_dim // gy)
-    norm = (8 + (e if e != FP32 else 0)) * (m // split) * hx
+    norm = norm_recompute_bytes(e, residual_bytes(dtype, residual)) * (m // split) * hx
     return float(max(attention, mlp, norm))
 
 
+def norm_recompute_bytes(e: int, rb: int) -> int:
+    """Bytes per element of a norm's apply rebuilt with grad (transient): the fp32 product by
+    ``rstd``, its rounding to the residual format (``rb`` bytes; none when that is fp32), the
+    product by the weight (fp32, the widest case) and its cast to the compute dtype (``e``;
+    none when that is fp32): ``8 + e`` for an fp32 stream under bf16 compute, ``8`` in fp32,
+    ``10 + e`` = 12 for a bf16 stream."""
+    return FP32 + (rb if rb != FP32 else 0) + FP32 + (e if e != FP32 else 0)
+
+
 def compiled_block_delta(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16", split: int = 1
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str = "bf16",
+    split: int = 1,
+    residual: str | None = None,
 ) -> tuple[float, float]:
     """What ``torch.compile`` of the blocks (``tetrad train --compile``) changes in one block's
     saved tensors on one rank, bytes: ``(without checkpointing, under selective)``.
@@ -176,25 +235,29 @@ def compiled_block_delta(
     and bf16 autocast, torch 2.13, ``tests/test_memory_validation.py``) and on an H200 (llama-1b,
     micro-batch 16, seq 2048: 62.63 GiB measured against 60.55 predicted, docs/performance.md).
     Context grids were not measured compiled: the same delta is assumed, and under sequence
-    parallelism (``split = G_y``) the normalised tensors' ``m / G_y`` rows.
+    parallelism (``split = G_y``) the normalised tensors' ``m / G_y`` rows. With a bf16 stream
+    (``residual``) the eager norms keep no normalised tensor, so there is none to drop (assumed,
+    not measured compiled).
     """
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
+    rb = residual_bytes(dtype, residual)
     if model.family != "llama":  # gpt is not in the runtime: nothing compiled to model
         return 0.0, 0.0
     rope = 4 * seq_len * (model.head_dim // 2) * FP32
-    none = -(2 * FP32 * (m // split) * hx + e * m * (model.ffn_dim // gy) + rope) + FP32 * seq_len
+    normalised = 2 * FP32 * (m // split) * hx if rb == FP32 else 0
+    none = -(normalised + e * m * (model.ffn_dim // gy) + rope) + FP32 * seq_len
     return float(none), float(e * m * (model.kv_dim // gy))
 
 
 def block_input_bytes(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, split: int = 1
+    model: ModelSpec, grid, micro_batch: int, seq_len: int, split: int = 1, rb: int = FP32
 ) -> float:
-    """A block's input ``[m, h/G_x]`` fp32 (the residual stream stays fp32 under autocast): all
+    """A block's input ``[m, h/G_x]`` in the residual format (``rb`` bytes per element): all
     that non-reentrant ``torch.utils.checkpoint`` keeps of a checkpointed block (``[m/G_y, h]``
     with sequence parallelism, ``split = G_y``)."""
     _, _, _, gx = grid_sizes(grid)
-    return float(FP32 * micro_batch * seq_len // split * (model.dim // gx))
+    return float(rb * micro_batch * seq_len // split * (model.dim // gx))
 
 
 def embedding_saved_bytes(model: ModelSpec, micro_batch: int, seq_len: int) -> float:
@@ -204,7 +267,13 @@ def embedding_saved_bytes(model: ModelSpec, micro_batch: int, seq_len: int) -> f
 
 
 def final_norm_saved_bytes(
-    model: ModelSpec, grid, micro_batch: int, seq_len: int, dtype: str = "bf16", split: int = 1
+    model: ModelSpec,
+    grid,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str = "bf16",
+    split: int = 1,
+    residual: str | None = None,
 ) -> float:
     """The final norm and the input gradient the fused LM head and loss keep for backward
     (tetrad/parallel/loss.py ``lm_head_loss``): the norm's input, ``rstd`` and normalised
@@ -212,10 +281,11 @@ def final_norm_saved_bytes(
     in the compute dtype, in forward instead). Byte for byte this is what a Linear consumer
     saving the output (``G_x = 1``) or its X-gathered ``[m, h]`` copy (``G_x > 1``) would
     keep; under sequence parallelism (``split = G_y``) the norm's tensors hold ``m / G_y`` rows
-    and ``dx`` is ``[m, h]`` (the head's input is gathered along the sequence)."""
+    and ``dx`` is ``[m, h]`` (the head's input is gathered along the sequence). ``residual``:
+    the stream's format (:func:`residual_bytes`), the norm's input's and normalised tensor's."""
     _, _, _, gx = grid_sizes(grid)
     m, e, h = micro_batch * seq_len, dtype_bytes(dtype), model.dim
-    norm = _norm_saved_bytes(model, m, h // gx, e, 1, split)
+    norm = _norm_saved_bytes(model, m, h // gx, e, 1, split, residual_bytes(dtype, residual))
     if gx == 1:
         return norm
     return norm - (FP32 if e == FP32 else e) * m * (h // gx) + e * m * h
@@ -277,6 +347,7 @@ def saved_activations(
     expert: int = 1,
     imbalance: float = 1.0,
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> dict[str, float]:
     """What autograd holds on one rank at the end of one micro-batch's forward, in bytes.
 
@@ -299,27 +370,33 @@ def saved_activations(
         ``selective:K`` their mean per block, ``recompute`` the larger kind's.
 
     ``sequence_parallel``: the residual stream split along the sequence over Y (module
-    docstring).
+    docstring). ``residual``: the residual stream's format, ``fp32`` or ``bf16``; None (the
+    runtime's ``auto``) is ``dtype`` (:func:`residual_bytes`).
 
     Raises:
         tetrad.spec.activation_checkpointing.CheckpointingError: an unknown mode, or ``K`` above the
             model's blocks.
         PlanError: ``sequence_parallel`` where the runtime has none
-            (:func:`tetrad.spec.sharding.sequence_parallel_problem`).
+            (:func:`tetrad.spec.sharding.sequence_parallel_problem`); an unknown dtype or
+            residual format, or a bf16 stream under fp32 compute.
     """
     _, _, gy, gx = grid_sizes(grid)
     shape = (1, context_size(grid), 1, gy, gx)  # nothing here depends on G_data or G_z
     ckpt = activation_checkpointing
+    # the memo's key: None where the stream is the compute dtype's (as the callers that never
+    # give it spell it)
+    rs = None if residual_bytes(dtype, residual) == dtype_bytes(dtype) else residual
+    more = {} if rs is None else {"residual": rs}
     if sequence_parallel:
         problem = sequence_parallel_problem(model, shape, seq_len)
         if problem:
             raise PlanError(problem)
         args = (model, shape, micro_batch, seq_len, ckpt, dtype, compiled)
-        return dict(_saved_activations(*args, split=gy))
+        return dict(_saved_activations(*args, split=gy, **more))
+    args = (model, shape, micro_batch, seq_len, ckpt, dtype, compiled)
     if not model.n_experts:  # a dense model
-        return dict(_saved_activations(model, shape, micro_batch, seq_len, ckpt, dtype, compiled))
-    moe = (expert, imbalance)
-    return dict(_saved_activations(model, shape, micro_batch, seq_len, ckpt, dtype, compiled, moe))
+        return dict(_saved_activations(*args, **more))
+    return dict(_saved_activations(*args, (expert, imbalance), **more))
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -333,14 +410,17 @@ def _saved_activations(
     compiled: bool = False,
     moe: tuple[int, float] = (1, 1.0),
     split: int = 1,
+    residual: str | None = None,
 ) -> tuple[tuple[str, float], ...]:
     """:func:`saved_activations` once per model, ``(G_context, G_y, G_x)``, micro-batch,
     sequence, mode, dtype and compilation (``grid``: ``(1, G_context, 1, G_y, G_x)``; ``moe``:
-    ``(expert, imbalance)`` of an MoE model; ``split``: ``G_y`` under sequence parallelism)."""
+    ``(expert, imbalance)`` of an MoE model; ``split``: ``G_y`` under sequence parallelism;
+    ``residual``: the stream's format, None for the compute dtype's)."""
     mode, k = checkpointed_blocks(ckpt, model.n_layers)
-    t = _block_terms(model, grid, micro_batch, seq_len, dtype, compiled, split)
+    more = {} if residual is None else {"residual": residual}
+    t = _block_terms(model, grid, micro_batch, seq_len, dtype, compiled, split, **more)
     if model.n_experts:
-        t = _moe_block_terms(model, grid, micro_batch, seq_len, dtype, t, *moe)
+        t = _moe_block_terms(model, grid, micro_batch, seq_len, dtype, t, *moe, **more)
     if mode == "full":
         biggest = t.block_max or t.block
         blocks, recompute = model.n_layers * t.block_input + t.positions, biggest - t.block_input
@@ -392,19 +472,23 @@ def _block_terms(
     dtype: str,
     compiled: bool,
     split: int = 1,
+    residual: str | None = None,
 ) -> _BlockTerms:
     """:class:`_BlockTerms` once per model, ``grid = (1, G_context, 1, G_y, G_x)``,
-    micro-batch, sequence, dtype, compilation and ``split`` (``G_y`` under sequence
-    parallelism; shared by the checkpointing modes)."""
+    micro-batch, sequence, dtype, compilation, ``split`` (``G_y`` under sequence
+    parallelism) and the residual stream's format (shared by the checkpointing modes)."""
     gc, full_len, e = context_size(grid), seq_len, dtype_bytes(dtype)
+    rb = residual_bytes(dtype, residual)
     seq_len = local_seq_len(seq_len, gc)  # this rank's tokens per sample
-    blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype, split)
-    sel = selective_block_saved_bytes(model, grid, micro_batch, seq_len, dtype, split)
+    blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype, split, residual)
+    sel = selective_block_saved_bytes(model, grid, micro_batch, seq_len, dtype, split, residual)
     if gc > 1:
         blk += context_block_delta(model, grid, micro_batch, full_len, e, "none")
         sel += context_block_delta(model, grid, micro_batch, full_len, e, "selective")
     if compiled:
-        none, selective = compiled_block_delta(model, grid, micro_batch, seq_len, dtype, split)
+        none, selective = compiled_block_delta(
+            model, grid, micro_batch, seq_len, dtype, split, residual
+        )
         blk, sel = blk + none, sel + selective
     # the positions [S] int64, one tensor for all blocks: an input of each full checkpoint, and
     # of RoPE's recipes under selective (none: RoPE's angles are built from it and not kept)
@@ -412,14 +496,16 @@ def _block_terms(
     return _BlockTerms(
         block=blk,
         selective=sel,
-        block_input=block_input_bytes(model, grid, micro_batch, seq_len, split),
+        block_input=block_input_bytes(model, grid, micro_batch, seq_len, split, rb),
         positions=positions,
         shared=context_shared_bytes(full_len, gc, e),
         selective_recompute=selective_recompute_bytes(
-            model, grid, micro_batch, seq_len, dtype, split
+            model, grid, micro_batch, seq_len, dtype, split, residual
         ),
         embedding=embedding_saved_bytes(model, micro_batch, seq_len),
-        final_norm=final_norm_saved_bytes(model, grid, micro_batch, seq_len, dtype, split),
+        final_norm=final_norm_saved_bytes(
+            model, grid, micro_batch, seq_len, dtype, split, residual
+        ),
         loss=loss_saved_bytes(model, grid, dtype),
     )
 
@@ -433,6 +519,7 @@ def _moe_block_terms(
     dense: _BlockTerms,
     expert: int,
     imbalance: float,
+    residual: str | None = None,
 ) -> _BlockTerms:
     """:class:`_BlockTerms` of an MoE model: ``dense`` (its dense blocks' terms) with the
     per-block terms replaced by the mean over its ``L - L_m`` dense and ``L_m`` MoE blocks
@@ -452,7 +539,7 @@ def _moe_block_terms(
     lm, ld = model.moe_layers, model.dense_blocks
     shared = 2 * e * m * (model.shared_ffn_dim // gy)
     attention = e * m * (model.q_dim + 2 * model.kv_dim) // gy
-    norm = (8 + (e if e != FP32 else 0)) * m * hx
+    norm = norm_recompute_bytes(e, residual_bytes(dtype, residual)) * m * hx
     sel_recompute = float(max(attention, shared, norm))
     if ld:
         sel_recompute = max(sel_recompute, dense.selective_recompute)

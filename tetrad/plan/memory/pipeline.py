@@ -48,7 +48,12 @@ import functools
 import operator
 
 from tetrad.plan.errors import PlanError
-from tetrad.plan.memory.activations import context_shared_bytes, dtype_bytes, saved_activations
+from tetrad.plan.memory.activations import (
+    context_shared_bytes,
+    dtype_bytes,
+    residual_bytes,
+    saved_activations,
+)
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.runtime import phase_components
 from tetrad.plan.memory.sharded_optimizer import data_group, state_share
@@ -107,10 +112,11 @@ def stage_parts(
     params: str = "fp32",
     *,
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> tuple:
     """The runtime model's static components, phases and saved activations of a ``blocks``
     model (memoised: the ranks of a pipeline share them); ``shard_optimizer``, ``expert``,
-    ``imbalance``, ``params`` and ``sequence_parallel``: as
+    ``imbalance``, ``params``, ``sequence_parallel`` and ``residual``: as
     :func:`tetrad.plan.memory.runtime.runtime_memory`'s.
 
     Raises:
@@ -125,6 +131,8 @@ def stage_parts(
         zero["params"] = params
     if sequence_parallel:
         opts |= {"sequence_parallel": True}
+    if residual is not None:
+        opts |= {"residual": residual}
     static, phases = phase_components(
         sm, grid, micro_batch, seq_len, prefetch=prefetch, **zero, **opts
     )
@@ -136,6 +144,14 @@ def _params_arg(params: str) -> dict:
     """``params`` as :func:`stage_parts`' keyword, absent for fp32 weights (the memo's key of
     the callers that never give it)."""
     return {} if params == "fp32" else {"params": params}
+
+
+def _activation_args(sp: bool, residual: str | None) -> dict:
+    """The keywords of :func:`stage_parts` and :func:`stage_saved` for sequence parallelism
+    and the residual stream's format, absent at their defaults (the memos' keys of the callers
+    that never give them)."""
+    more: dict = {"sequence_parallel": True} if sp else {}
+    return more if residual is None else more | {"residual": residual}
 
 
 def _parts_args(opts: tuple, shard_optimizer: bool | None = None) -> tuple:
@@ -158,6 +174,7 @@ def stage_saved(
     dtype,
     *moe: float,
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> dict[str, float]:
     """:func:`~tetrad.plan.memory.activations.saved_activations` of a ``blocks`` model (one
     stage), memoised; ``moe``: an MoE model's ``(expert, imbalance)``."""
@@ -165,6 +182,8 @@ def stage_saved(
     opts = dict(zip(("expert", "imbalance"), moe, strict=False))
     if sequence_parallel:
         opts["sequence_parallel"] = True
+    if residual is not None:
+        opts["residual"] = residual
     return saved_activations(
         sm, grid, micro_batch, seq_len, activation_checkpointing=ckpt, dtype=dtype, **opts
     )
@@ -230,6 +249,7 @@ def _chunks(
     layout: tuple,
     opts: tuple,
     sp: bool = False,
+    residual: str | None = None,
 ) -> tuple[list[float], list[float], float]:
     """``(saved, held, out)``: for one micro-batch through each of the rank's stages (execution
     order), the bytes autograd saves (its blocks', with the embedding's on stage 0 and the final
@@ -238,13 +258,14 @@ def _chunks(
     is one boundary tensor ``[b, S/G_context, h/G_x]`` in the compute dtype (what crosses a
     stage boundary).
 
-    Held: the stage's output, kept in the stage's forward cache. In fp32 (no cast at the
-    boundaries) a later stage's input receive buffer is the very tensor its first block saves,
-    counted among the receive buffers (:func:`in_flight_bytes`) and in the saved bytes, and its
-    output is the next stage's tensor, not saved here: the two cancel, so only stage 0 holds
-    ``out``. In bf16 the received input is cast to fp32 (the copy is what is saved) and the
-    output cast to bf16: every stage but the last holds its ``out``. ``sp``: sequence
-    parallelism (``out`` is ``[b, S/(G_context G_y), h]``)."""
+    Held: the stage's output, kept in the stage's forward cache. With the residual stream in
+    the compute dtype (no cast at the boundaries: fp32, or bf16 by default) a later stage's
+    input receive buffer is the very tensor its first block saves, counted among the receive
+    buffers (:func:`in_flight_bytes`) and in the saved bytes, and its output is the next
+    stage's tensor, not saved here: the two cancel, so only stage 0 holds ``out``. With an
+    fp32 stream under bf16 compute (``residual="fp32"``) the received input is cast to fp32
+    (the copy is what is saved) and the output cast to bf16: every stage but the last holds
+    its ``out``. ``sp``: sequence parallelism (``out`` is ``[b, S/(G_context G_y), h]``)."""
     _, _, gy, gx = grid_sizes(grid)
     out = p2p_bytes(
         micro_batch,
@@ -255,10 +276,10 @@ def _chunks(
         dtype_bytes(opts[1]),
         gy if sp else 1,
     )
-    more = {"sequence_parallel": True} if sp else {}
+    more = _activation_args(sp, residual)
     rank_blocks, rank_first, rank_last, chunk_blocks = layout
     v = len(chunk_blocks)
-    cast = dtype_bytes(opts[1]) != dtype_bytes("fp32")
+    cast = residual_bytes(opts[1], residual) != dtype_bytes(opts[1])
     saved, held = [], []
     for k, blocks in enumerate(chunk_blocks):
         if blocks == rank_blocks:  # one stage: the rank model's (memoised with its phases)
@@ -285,6 +306,7 @@ def in_flight_bytes(
     micro_batches: int,
     opts: tuple,
     sp: bool = False,
+    residual: str | None = None,
 ) -> tuple[float, float, float]:
     """``(saved, held, persistent)`` bytes of pipeline rank ``prank`` at its peak: the saved
     tensors of the chunk passes in flight (:func:`in_flight_sets`, the set with the most bytes),
@@ -295,12 +317,14 @@ def in_flight_bytes(
     one receive posted ahead per stage and direction the rank receives in
     (:func:`tetrad.plan.pipe.schedule.boundaries_of_rank`; at the peak some of those are
     not posted yet: the runtime holds up to those fewer, never more; tested).
-    ``opts``: ``(checkpointing, dtype, prefetch)``; ``sp``: sequence parallelism."""
+    ``opts``: ``(checkpointing, dtype, prefetch)``; ``sp``: sequence parallelism;
+    ``residual``: the residual stream's format (None: the compute dtype's)."""
     v = len(prank.chunk_blocks)
     sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
     ahead = sum(boundaries_of_rank(pipe, prank.rank, v))
     layout = (prank.blocks, prank.first, prank.last, prank.chunk_blocks)
-    return _in_flight(model, tuple(grid), micro_batch, seq_len, layout, sets, ahead, opts, sp)
+    args = (layout, sets, ahead, opts, sp, residual)
+    return _in_flight(model, tuple(grid), micro_batch, seq_len, *args)
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -314,11 +338,12 @@ def _in_flight(
     ahead: int,
     opts: tuple,
     sp: bool = False,
+    residual: str | None = None,
 ) -> tuple[float, float, float]:
     """:func:`in_flight_bytes` of a rank of ``layout`` (:func:`_chunks`), in-flight ``sets``
     and ``ahead`` receives posted ahead, once per those (ranks alike in them share it, with
     the optimizer sharded or not)."""
-    saved, held, out = _chunks(model, grid, micro_batch, seq_len, layout, opts, sp)
+    saved, held, out = _chunks(model, grid, micro_batch, seq_len, layout, opts, sp, residual)
     # the context masks and chunk order: built once per stage and shared by its passes
     shared = 0.0
     if opts[0].partition(":")[0] != "full":
@@ -367,6 +392,7 @@ def stage_memory(
     imbalance: float = 1.0,
     params: str = "fp32",
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> MemoryBreakdown:
     """The memory of pipeline rank ``prank`` of ``pipe`` under ``schedule`` with
     ``micro_batches`` per step (module doc), ``grid`` the 5D roles' sizes; with
@@ -375,7 +401,7 @@ def stage_memory(
     model's, as :func:`tetrad.plan.memory.runtime.runtime_memory`'s (a stage's MoE blocks
     counted as the model's first blocks would be); ``params``: the weights' stored format;
     ``sequence_parallel``: the residual stream split along the sequence over Y, the stage
-    boundaries' tensors too.
+    boundaries' tensors too; ``residual``: the residual stream's format (None: ``dtype``).
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.
@@ -386,7 +412,7 @@ def stage_memory(
         opts += (expert, imbalance)
     # the runtime model's parts first: its errors come before the schedule's
     sp = sequence_parallel
-    more = {"sequence_parallel": True} if sp else {}
+    more = _activation_args(sp, residual)
     args = _parts_args(opts, shard_optimizer)
     stage_parts(
         model, prank.blocks, grid, micro_batch, seq_len, *args, **_params_arg(params), **more
@@ -395,7 +421,7 @@ def stage_memory(
     sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
     ahead = sum(boundaries_of_rank(pipe, prank.rank, v))
     layout = (prank.blocks, prank.first, prank.last, prank.chunk_blocks)
-    args = (layout, sets, ahead, pipe > 1, opts, shard_optimizer, params, sp)
+    args = (layout, sets, ahead, pipe > 1, opts, shard_optimizer, params, sp, residual)
     static, live, totals, peak = _stage_phases(model, grid, micro_batch, seq_len, *args)
     zero = dict.fromkeys(COMPONENTS + (("pipeline_buffers",) if pipe > 1 else ()), 0.0)
     return MemoryBreakdown(
@@ -420,13 +446,14 @@ def _stage_phases(
     shard_optimizer: bool,
     params: str = "fp32",
     sp: bool = False,
+    residual: str | None = None,
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], str]:
     """``(static components, the peak phase's live components, every phase's total, the peak
     phase)`` of :func:`stage_memory` for a rank of ``layout`` (:func:`_chunks`), in-flight
     ``sets`` and ``ahead`` receives posted ahead, once per those (ranks alike in them share
     it; the caller copies the dicts)."""
     blocks, first, last, _ = layout
-    more = {"sequence_parallel": True} if sp else {}
+    more = _activation_args(sp, residual)
     args = _parts_args(opts, shard_optimizer)
     static, phases, saved = stage_parts(
         model, blocks, grid, micro_batch, seq_len, *args, **_params_arg(params), **more
@@ -441,7 +468,7 @@ def _stage_phases(
     per_param = param_bytes(params)
     for name, per in (("parameters", per_param), ("gradients", 4), ("optimizer_states", per_state)):
         static[name] += per * (add - drop)
-    flight = _in_flight(model, grid, micro_batch, seq_len, layout, sets, ahead, opts, sp)
+    flight = _in_flight(model, grid, micro_batch, seq_len, layout, sets, ahead, opts, sp, residual)
     live = _live_phases(phases, saved, first, last, flight, buffers)
     base = sum(static.values())
     totals = {name: base + sum(c.values()) for name, c in live.items()}
@@ -495,6 +522,7 @@ def pipeline_memory(
     imbalance: float = 1.0,
     params: str = "fp32",
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> tuple[MemoryBreakdown, list[MemoryBreakdown]]:
     """``(worst rank's breakdown, every rank's)`` of a pipeline of ``len(ranks)`` ranks under
     ``schedule`` with ``micro_batches`` per step (module doc); ``virtual``, the stages per
@@ -525,6 +553,7 @@ def pipeline_memory(
             imbalance=imbalance,
             params=params,
             sequence_parallel=sequence_parallel,
+            residual=residual,
         )
         for r in ranks
     ]

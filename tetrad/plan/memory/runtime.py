@@ -63,6 +63,7 @@ def runtime_memory(
     imbalance: float = 1.0,
     params: str = "fp32",
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
 
@@ -104,7 +105,10 @@ def runtime_memory(
     stored format (``tetrad train --param-dtype``): ``fp32``, or ``bf16`` with the fp32
     masters among the optimizer states (sharded with them), fp32 gradients, the Z-gathered
     weights and the sharded optimizer's all-gathers in bf16 (:mod:`tetrad.plan.memory.states`);
-    the saved activations are the compute dtype's either way (the residual stream stays fp32).
+    ``residual``: the residual stream's format (``--residual-dtype``: ``fp32`` or ``bf16``;
+    None, the runtime's ``auto``, is ``dtype``): each norm's input and normalised tensor and a
+    checkpointed block's input (:mod:`tetrad.plan.memory.activations`); the other saved
+    activations are the compute dtype's.
     ``sequence_parallel``: the residual stream and norms split along the sequence over Y
     (``--sequence-parallel``, one tensor axis): their saved tensors divided by ``G_y``
     (:mod:`tetrad.plan.memory.activations`), and the LM head's input gathered along the
@@ -138,6 +142,7 @@ def runtime_memory(
         imbalance,
         params,
         sequence_parallel,
+        residual,
     )
     absent = {
         "activations": 0.0,
@@ -176,6 +181,7 @@ def phase_totals(
     imbalance: float = 1.0,
     params: str = "fp32",
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> dict[str, float]:
     """The total bytes at each phase of :func:`runtime_memory` (its ``phases``; the peak is their
     maximum) without the breakdown by component: what the search's memory lines need.
@@ -200,6 +206,7 @@ def phase_totals(
         imbalance,
         params,
         sequence_parallel,
+        residual,
     )
     # each phase: the base plus the sum of its components, in _phases' order (float sums
     # depend on it): equal to runtime_memory()'s phases bit for bit (tests/test_plan_memory_memo.py)
@@ -227,6 +234,7 @@ def phase_components(
     imbalance: float = 1.0,
     params: str = "fp32",
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """``(static components, {phase: live components})`` of :func:`runtime_memory`, bytes: what the
     pipeline's per-stage memory (:mod:`tetrad.plan.memory.pipeline`) adjusts.
@@ -250,6 +258,7 @@ def phase_components(
         imbalance,
         params,
         sequence_parallel,
+        residual,
     )
     return dict(g.static), phases
 
@@ -270,6 +279,7 @@ def _phases(
     imbalance: float = 1.0,
     params: str = "fp32",
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> tuple[GridBuffers, dict[str, dict[str, float]]]:
     """The grid's buffers and each phase's live components (bytes) of :func:`runtime_memory`."""
     g, a = _parts(
@@ -288,6 +298,7 @@ def _phases(
         imbalance,
         params,
         sequence_parallel,
+        residual,
     )
     phases = {
         "forward: LM head": {
@@ -332,11 +343,13 @@ def _parts(
     imbalance: float = 1.0,
     params: str = "fp32",
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> tuple[GridBuffers, _ActivationTerms]:
     """The grid's buffers and the micro-batch's activation terms of :func:`runtime_memory`, checked
     in its order (sizes, dtype, grid, checkpointing mode), each memoised (the grid's per grid and
     options, the activations' per ``(G_context, G_y, G_x)``, micro-batch and mode)."""
     _checked_sizes(micro_batch, seq_len)
+    more = {} if residual is None else {"residual": residual}
     if not model.n_experts:  # a dense model (cheaper to ask than is_moe)
         options = (dtype, prefetch, async_reduce_scatter, dp_overlap, shard_optimizer)
         if params == "fp32":  # the arguments every dense caller gives (one memo entry)
@@ -345,7 +358,7 @@ def _parts(
             g = checked_grid_buffers(model, tuple(grid), *options, 1, params)
         ckpt, sp = activation_checkpointing, sequence_parallel
         args = (model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled)
-        return g, _activation_terms(*args, sequence_parallel=sp)
+        return g, _activation_terms(*args, sequence_parallel=sp, **more)
     if imbalance < 1:
         raise PlanError(f"moe imbalance {imbalance} must be at least 1 (busiest over mean)")
     g = checked_grid_buffers(
@@ -362,7 +375,8 @@ def _parts(
     moe = (expert, imbalance)
     ckpt = activation_checkpointing
     args = (model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled, moe)
-    return g, _activation_terms(*args, sequence_parallel=sequence_parallel)  # MoE: refused
+    sp = sequence_parallel  # MoE: refused
+    return g, _activation_terms(*args, sequence_parallel=sp, **more)
 
 
 @functools.lru_cache(maxsize=1 << 10)
@@ -402,11 +416,12 @@ def _activation_terms(
     compiled: bool = False,
     moe: tuple[int, float] = (1, 1.0),
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> _ActivationTerms:
     """:class:`_ActivationTerms` once per model, ``shape = (1, G_context, 1, G_y, G_x)``
     (:attr:`GridBuffers.shape`: nothing here depends on ``G_data`` or ``G_z``), micro-batch,
     sequence, mode, dtype, compilation (and an MoE model's ``(expert, imbalance)``; sequence
-    parallelism)."""
+    parallelism; the residual stream's format)."""
     saved = saved_activations(
         model,
         shape,
@@ -418,6 +433,7 @@ def _activation_terms(
         expert=moe[0],
         imbalance=moe[1],
         sequence_parallel=sequence_parallel,
+        residual=residual,
     )
     e = dtype_bytes(dtype)
     m = micro_batch * local_seq_len(seq_len, context_size(shape))  # this rank's tokens
@@ -442,10 +458,11 @@ def fewest_selective(
     shard_optimizer: bool = False,
     params: str = "fp32",
     sequence_parallel: bool = False,
+    residual: str | None = None,
 ) -> str:
     """``selective:K`` with the fewest blocks ``K`` whose :func:`runtime_memory` estimate fits
     (80%), or ``selective`` when every block must be (``K = L``) or ``selective:1`` already fits;
-    ``params`` and ``sequence_parallel``: as :func:`runtime_memory`'s.
+    ``params``, ``sequence_parallel`` and ``residual``: as :func:`runtime_memory`'s.
 
     Every phase's total is affine in ``K`` for ``1 <= K <= L`` (each selective block replaces
     its saved tensors by its selective set; the positions and the recompute set are there from
@@ -464,6 +481,8 @@ def fewest_selective(
             options["params"] = params
         if sequence_parallel:
             options["sequence_parallel"] = True
+        if residual is not None:
+            options["residual"] = residual
         return phase_totals(
             model, grid, micro_batch, seq_len, shard_optimizer=shard_optimizer, **options
         )
