@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/gpu_memory.py [--out runs/gpu_memory] [--cases 1b,8b]
         [--modes none,selective,full] [--compile] [--micro-batches 4,8] [--param-dtypes fp32,bf16]
+        [--residual-dtypes auto,fp32]
 
 Each case (model, seq, micro-batch, recompute) runs in this process on the grid 1,1,1,1 (a
 world of one, NCCL): ``ParallelLlama`` with that recompute mode, fused AdamW, global batch two
@@ -26,7 +27,9 @@ The allocator runs with ``expandable_segments:True`` unless ``PYTORCH_CUDA_ALLOC
 
 Each case runs once per ``--param-dtypes`` entry (``tetrad train --param-dtype``: ``fp32``
 weights, or ``bf16`` weights with fp32 masters in the optimizer, the prediction then ``tetrad
-memory --param-dtype bf16``).
+memory --param-dtype bf16``), and once per ``--residual-dtypes`` entry (``tetrad train
+--residual-dtype``: ``auto``, the compute dtype, bf16 on CUDA; ``fp32``; the prediction with the
+same option).
 
 Cases ``1b``: llama-1b (vocabulary 32768), seq 2048, micro-batches 4 and 8 (or those of
 ``--micro-batches``), recompute none, selective and full. ``8b``: Llama-3.1-8B, seq 4096,
@@ -79,14 +82,21 @@ class Case:
     micro_batch: int
     recompute: str
     param_dtype: str = "fp32"
+    residual_dtype: str = "auto"
 
 
 MODES = ("none", "selective", "full")
 
 
-def cases(key: str, micro_batches: list[int] | None, param_dtypes: list[str]) -> list[Case]:
+def cases(
+    key: str,
+    micro_batches: list[int] | None,
+    param_dtypes: list[str],
+    residual_dtypes: tuple[str, ...] = ("auto",),
+) -> list[Case]:
     """The cases of ``key`` (``1b``, ``8b`` or ``tiny``), each in every format of
-    ``param_dtypes``; ``micro_batches`` replaces the 1b cases' 4 and 8, and filters the others'.
+    ``param_dtypes`` and ``residual_dtypes``; ``micro_batches`` replaces the 1b cases' 4 and 8,
+    and filters the others'.
 
     Raises:
         KeyError: an unknown ``key``."""
@@ -102,7 +112,12 @@ def cases(key: str, micro_batches: list[int] | None, param_dtypes: list[str]) ->
             "tiny": [Case("tiny", 64, 2, m) for m in MODES],  # CPU smoke test
         }[key]
         base = [c for c in base if not micro_batches or c.micro_batch in micro_batches]
-    return [Case(**{**c.__dict__, "param_dtype": d}) for c in base for d in param_dtypes]
+    return [
+        Case(**{**c.__dict__, "param_dtype": d, "residual_dtype": r})
+        for c in base
+        for d in param_dtypes
+        for r in residual_dtypes
+    ]
 
 
 def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = False) -> dict:
@@ -116,6 +131,7 @@ def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = Fals
         case.recompute,
         compiled,
         case.param_dtype,
+        case.residual_dtype,
     )
     out = {**case.__dict__, "compiled": compiled}
     out |= {"predicted_bytes": est["total_bytes"], "fits": est["fits"]}
@@ -128,7 +144,7 @@ def run_case(grid, case: Case, steps: int, gpu_bytes: int, compiled: bool = Fals
         init_parameters(model, 0, grid)
         if compiled:
             compile_blocks(model)
-        policy = precision(grid.device.type, case.param_dtype)
+        policy = precision(grid.device.type, case.param_dtype, residual=case.residual_dtype)
         opt = build_optimizer(model, 3e-4, 0.1, policy=policy)
         gen = torch.Generator().manual_seed(0)
         shape = (2 * case.micro_batch, case.seq_len + 1)
@@ -185,7 +201,7 @@ def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
     head = (
         f"# gpu_memory: {name}, {gpu_bytes / GiB:.1f} GiB, torch {torch.__version__}, "
         f"CUDA {torch.version.cuda}\n\n"
-        "| model | seq | micro-batch | recompute | weights | predicted | measured peak | "
+        "| model | seq | micro-batch | recompute | weights, stream | predicted | measured peak | "
         "measured / predicted | step | tokens/s | MFU | start to first step |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
@@ -207,7 +223,7 @@ def markdown(rows: list[dict], name: str, gpu_bytes: int) -> str:
             ]
         mode = r["recompute"] + (" + compile" if r.get("compiled") else "")
         row = [r["model"].split(",")[0], str(r["seq_len"]), str(r["micro_batch"]), mode]
-        row.append(r.get("param_dtype", "fp32"))
+        row.append(f"{r.get('param_dtype', 'fp32')}, {r.get('residual_dtype', 'auto')}")
         lines.append("| " + " | ".join(row + [pred] + cells) + " |")
     return head + "\n".join(lines) + "\n"
 
@@ -228,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--param-dtypes", default="fp32", help="comma-separated weight formats: fp32, bf16"
     )
+    p.add_argument(
+        "--residual-dtypes", default="auto", help="comma-separated stream formats: auto, fp32"
+    )
     args = p.parse_args(argv)
     mbs = [int(m) for m in args.micro_batches.split(",")] if args.micro_batches else None
     dtypes = args.param_dtypes.split(",")
@@ -240,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     with world_of_one(args.device) as grid:
         name = device_name(grid.device)
         for key in args.cases.split(","):
-            for case in cases(key, mbs, dtypes):
+            for case in cases(key, mbs, dtypes, tuple(args.residual_dtypes.split(","))):
                 if case.recompute not in args.modes.split(","):
                     continue
                 rows.append(run_case(grid, case, args.steps, gpu_bytes, args.compile))

@@ -36,11 +36,12 @@ def memory_estimate(
     recompute: str = "none",
     compiled: bool = False,
     param_dtype: str = "fp32",
+    residual_dtype: str = "auto",
 ) -> dict:
     """``tetrad memory --method tetrad --grid 1,1,1,1 --activation-checkpointing RECOMPUTE
-    --param-dtype PARAM_DTYPE ... --json`` (and ``--compile`` when ``compiled``; run in this
-    process): the planner's breakdown (bytes) and verdict (``fits``: total <= 80% of
-    ``gpu_bytes``)."""
+    --param-dtype PARAM_DTYPE --residual-dtype RESIDUAL_DTYPE ... --json`` (and ``--compile``
+    when ``compiled``; run in this process): the planner's breakdown (bytes) and verdict
+    (``fits``: total <= 80% of ``gpu_bytes``)."""
     from tetrad.cli import main as tetrad_main
 
     argv = ["memory", "--method", "tetrad", "--grid", ",".join(map(str, GRID))]
@@ -48,7 +49,7 @@ def memory_estimate(
     argv += ["--activation-checkpointing", recompute]
     argv += ["--seq-len", str(seq_len), "--gpu-memory-gib", f"{gpu_bytes / GiB:.4f}", "--json"]
     argv += ["--compile"] if compiled else []
-    argv += ["--param-dtype", param_dtype]
+    argv += ["--param-dtype", param_dtype, "--residual-dtype", residual_dtype]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = tetrad_main(argv)
