@@ -10,10 +10,13 @@ set) travels with the arguments; the working directory and ``sys.path`` travel a
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import multiprocessing
 import os
 import socket
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -44,10 +47,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, env: dict, fn, args) -> None:
+def _one_compile_at_a_time(lock_path: str) -> None:
+    """Make this rank's Inductor compilations take turns with the other ranks' (an exclusive
+    ``flock`` on ``lock_path`` around each), so that a graph the ranks compile alike is
+    compiled once and read from the FX graph and AOTAutograd caches by the others, instead of
+    compiled by all of them at the same moment (each missing the cache: on the tiny model's
+    4-rank compiled test, 56 Inductor compilations became 14). The backward graph is compiled
+    with its forward graph, under the same turn (not at the first backward), so that the
+    AOTAutograd cache entry, written after both, is there for the next rank.
+
+    The lock is held only while compiling, never across a collective, so the ranks cannot
+    deadlock on it. Compiled code and results are those of separate compilations (a cache hit
+    returns what a miss would have compiled)."""
+    import torch._functorch.config
+    import torch._inductor.compile_fx as cfx
+
+    original, held = cfx.compile_fx, [False]
+
+    def locked(compile_fn):
+        @functools.wraps(compile_fn)
+        def call(*args, **kwargs):
+            if held[0]:  # a compilation inside one that holds the lock
+                return compile_fn(*args, **kwargs)
+            with open(lock_path, "a") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)  # released when fh closes
+                held[0] = True
+                try:
+                    return compile_fn(*args, **kwargs)
+                finally:
+                    held[0] = False
+
+        return call
+
+    def compile_fx(model, example_inputs, inner_compile=cfx.compile_fx_inner, **kwargs):
+        # inner_compile compiles the forward and the backward graph (the latter inside the
+        # forward's turn here, or in a turn of its own where AOTAutograd still defers it)
+        return locked(original)(
+            model, example_inputs, inner_compile=locked(inner_compile), **kwargs
+        )
+
+    cfx.compile_fx = compile_fx
+    torch._functorch.config.force_non_lazy_backward_lowering = True
+
+
+def _worker(rank: int, world_size: int, port: int, env: dict, lock: str, fn, args) -> None:
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(1)
+    _one_compile_at_a_time(lock)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -72,11 +119,13 @@ def run_distributed(fn, world_size: int, *args) -> None:
     """Call ``fn(*args)`` on ``world_size`` gloo ranks; a failure on any rank fails the caller.
 
     ``fn`` must be a module-level function (it is pickled into the new processes), and the
-    ranks see the caller's environment variables as they are at this call.
+    ranks see the caller's environment variables as they are at this call. The ranks compile
+    (``torch.compile``) one at a time (:func:`_one_compile_at_a_time`).
     """
-    mp.start_processes(
-        _worker,
-        args=(world_size, _free_port(), dict(os.environ), fn, args),
-        nprocs=world_size,
-        start_method=START_METHOD,
-    )
+    with tempfile.NamedTemporaryFile(prefix="tetrad_compile_", suffix=".lock") as lock:
+        mp.start_processes(
+            _worker,
+            args=(world_size, _free_port(), dict(os.environ), lock.name, fn, args),
+            nprocs=world_size,
+            start_method=START_METHOD,
+        )
