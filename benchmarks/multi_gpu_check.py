@@ -217,6 +217,7 @@ def planned_bytes(config: dict) -> tuple[str, dict[str, float]]:
     """The planner's bytes per axis of one step on rank 0 of the run ``config`` (its
     ``config.json``): ``("all axes", {axis: bytes})`` for a dense grid without a pipeline,
     ``("pipe", {"pipe": bytes})`` for a pipeline, ``("none", {})`` for an MoE model."""
+    from tetrad.plan.comm.listing import axis_totals
     from tetrad.plan.machine.description import get_machine
     from tetrad.plan.pipe.schedule import p2p_bytes
     from tetrad.plan.step_time import collectives
@@ -228,7 +229,8 @@ def planned_bytes(config: dict) -> tuple[str, dict[str, float]]:
     mc = ModelSpec(**config["model_config"])
     par, t = config["parallelism"], config["training"]
     data, context, z, y, x = par["grid"]
-    c = DTYPE_BYTES["bf16" if t["device"] == "cuda" else "fp32"]
+    params = config["precision"]["params"]  # bf16 weights compute in bf16 on the CPU too
+    c = DTYPE_BYTES["bf16" if t["device"] == "cuda" or params == "bf16" else "fp32"]
     if mc.n_experts:
         return "none", {}
     if par["pipe"] > 1:  # rank 0 holds stages 0, p, 2p...: each sends forward, all but 0 back
@@ -256,9 +258,8 @@ def planned_bytes(config: dict) -> tuple[str, dict[str, float]]:
         context_pieces=par["context_pieces"] or 1,
         shard_optimizer=par["shard_optimizer"],
         sequence_parallel=par["sequence_parallel"],
+        param_bytes=DTYPE_BYTES[params],
     )
-    from tetrad.plan.comm.listing import axis_totals
-
     return "all axes", {a: tot["bytes"] for a, tot in axis_totals(cols).items()}
 
 
@@ -274,7 +275,7 @@ def bytes_check(rows: list[dict], config: dict) -> tuple[str, dict, list[str]]:
     table = {a: [later[-1]["comm_bytes"].get(a, 0), planned.get(a)] for a in axes}
     problems = []
     for r in later:
-        for a in planned if scope == "pipe" else axes:
+        for a in {"all axes": axes, "pipe": list(planned), "none": []}[scope]:
             got, want = r["comm_bytes"].get(a, 0), planned.get(a, 0)
             if got != want:
                 problems.append(f"step {r['step']} axis {a}: {got:.0f} bytes, planner {want:.0f}")
