@@ -221,6 +221,7 @@ def planned_bytes(config: dict) -> tuple[str, dict[str, float]]:
     from tetrad.plan.machine.description import get_machine
     from tetrad.plan.pipe.schedule import p2p_bytes
     from tetrad.plan.step_time import collectives
+    from tetrad.spec.grid import role_sizes
     from tetrad.spec.model import ModelSpec
     from tetrad.spec.overlap import FINE_CHUNKS, parse_overlaps
     from tetrad.spec.precision import DTYPE_BYTES
@@ -228,7 +229,8 @@ def planned_bytes(config: dict) -> tuple[str, dict[str, float]]:
 
     mc = ModelSpec(**config["model_config"])
     par, t = config["parallelism"], config["training"]
-    data, context, z, y, x = par["grid"]
+    # the roles: under orientation yx the --grid's Y splits the residual stream's hidden size
+    data, context, z, _, x = role_sizes(tuple(par["grid"]), par["orientation"])
     params = config["precision"]["params"]  # bf16 weights compute in bf16 on the CPU too
     c = DTYPE_BYTES["bf16" if t["device"] == "cuda" or params == "bf16" else "fp32"]
     if mc.n_experts:
