@@ -12,7 +12,7 @@ tensors for some collectives. Two processes, both on ``cuda:0``, gloo:
    The point-to-point probe runs last (it has killed a rank on CUDA tensors) and only prints;
    the ``fine`` overlap's ring needs it.
 2. **Equivalence** (only if the all-reduce and all-gather work): the check of
-   ``tests/test_model.py`` on each grid, on CUDA: the tiny Llama, 4 AdamW steps with warm-up,
+   ``tests/test_model.py`` on each grid, on CUDA: the tiny Llama, 3 AdamW steps with warm-up,
    clipping and two micro-batches, every overlap on; loss and gradient norm against the fp32
    single-process reference within 1e-5 and 1e-4 relative, every updated weight shard within
    0.05 lr. The steps run in fp32 (``tetrad.dtypes.autocast`` replaced by no autocast, TF32

@@ -25,7 +25,7 @@ from tetrad.spec.presets import PRESETS
 from tetrad.train.step import build_optimizer, lr_at, train_step
 
 CFG = PRESETS["tiny"]
-STEPS, BATCH, SEQ, MICRO, LR, CLIP, SEED = 4, 8, 16, 2, 3e-3, 1.0, 7
+STEPS, BATCH, SEQ, MICRO, LR, CLIP, SEED = 3, 8, 16, 2, 3e-3, 1.0, 7
 GRIDS = {
     1: [(1, 1, 1, 1)],
     2: [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)],
