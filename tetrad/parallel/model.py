@@ -39,7 +39,7 @@ from tetrad.comm import all_reduce
 from tetrad.grid import Grid
 from tetrad.models.llama import ModelPart, Transformer, causal_attention
 from tetrad.models.meta import materialize
-from tetrad.models.moe import GroupedExperts, MoEFeedForward
+from tetrad.models.moe import GroupedExperts
 from tetrad.parallel.context import ContextAttention, local_positions
 from tetrad.parallel.embedding import Embedding
 from tetrad.parallel.experts import ExpertParallelExperts
@@ -229,18 +229,9 @@ def compile_blocks(model: Transformer) -> None:
     gate and the residual adds, fused by Inductor; the GEMMs stay cuBLAS (or the CPU BLAS).
     Every collective-bearing layer call is one graph break (count them with
     :func:`compile_stats`).
-
-    Dense blocks compile with static shapes (``dynamic=False``): consecutive blocks swap the X
-    and Y roles, so where ``G_x != G_y`` the second block's input ``[b, s, h/G_y]`` differs from
-    the first's ``[b, s, h/G_x]``, and Dynamo's default would recompile it with the hidden size
-    symbolic. Static, each orientation gets a graph of its own, specialised to its sizes (the
-    CPU suite's five compiled tests took 192 s of CPU instead of 244). Mixture-of-experts
-    blocks keep the default: the tokens an expert-parallel rank receives vary from step to
-    step, which static shapes would recompile each time.
     """
     for block in model.layers.values():
-        moe = isinstance(getattr(block, "feed_forward", None), MoEFeedForward)
-        block.compile(dynamic=None if moe else False)
+        block.compile()
 
 
 def compile_stats() -> dict[str, int]:
