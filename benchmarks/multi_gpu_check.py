@@ -132,12 +132,13 @@ class Result:
     problems: list[str] = field(default_factory=list)
 
 
-def write_corpus(folder: Path) -> Path:
-    """A small Python-like corpus (4 files, about 6,000 BPE tokens), the same on every call."""
+def write_corpus(folder: Path, files: int = 4) -> Path:
+    """A small Python-like corpus (``files`` files, about 1,500 BPE tokens each), the same on
+    every call; the first files are the same whatever ``files`` is."""
     folder.mkdir(parents=True, exist_ok=True)
     rnd = random.Random(0)
     words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "None"]
-    for i in range(4):
+    for i in range(files):
         lines = [f"def f{i}_{j}(x):\n    return x + {rnd.randint(0, 99)}\n" for j in range(60)]
         lines += [" ".join(rnd.choice(words) for _ in range(8)) + "\n" for _ in range(60)]
         (folder / f"m{i}.py").write_text("".join(lines))

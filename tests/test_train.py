@@ -1,11 +1,11 @@
 """``tetrad train`` end to end on a small corpus: metrics, checkpoint, exact resume, generate."""
 
 import json
-import random
 
 import pytest
 import torch
 
+from benchmarks.multi_gpu_check import write_corpus
 from tests.distributed import run_distributed
 from tetrad.train import trainer
 from tetrad.train.config import load_config
@@ -17,14 +17,7 @@ def _train(cfg):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    rnd = random.Random(0)
-    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "None"]
-    for i in range(12):
-        lines = [f"def f{i}_{j}(x):\n    return x + {rnd.randint(0, 99)}\n" for j in range(60)]
-        lines += [" ".join(rnd.choice(words) for _ in range(8)) + "\n" for _ in range(60)]
-        (root / f"m{i}.py").write_text("".join(lines))
-    return root
+    return write_corpus(tmp_path_factory.mktemp("corpus"), files=12)
 
 
 def config(corpus, run_dir, steps, resume=False, **extra):
