@@ -25,7 +25,6 @@ Prints one line per check and ``gloo_cuda: ok`` (exit 0) or the failures (exit 1
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import queue as queue_module
 import socket
@@ -54,6 +53,7 @@ from tetrad.grid import Grid, parse_grid  # noqa: E402
 from tetrad.parallel import init_parameters  # noqa: E402
 from tetrad.parallel.model import ParallelLlama  # noqa: E402
 from tetrad.spec.overlap import OVERLAPS
+from tetrad.spec.precision import precision  # noqa: E402
 from tetrad.train import step as step_module  # noqa: E402
 
 
@@ -121,7 +121,8 @@ def equivalence(sizes: tuple[int, ...], ref, device_type: str) -> str:
     grid = Grid.build(sizes, device_type)
     model = ParallelLlama(CFG, grid, "none", OVERLAPS, bucket_bytes=1 << 14, domino_min_rows=8)
     init_parameters(model, SEED, grid)
-    opt = step_module.build_optimizer(model, LR, weight_decay=0.1)
+    # the CPU's policy (fp32 everywhere, no autocast) on CUDA too: the reference's numbers
+    opt = step_module.build_optimizer(model, LR, weight_decay=0.1, policy=precision("cpu"))
     for step, batch in enumerate(batches()):
         for group in opt.param_groups:
             group["lr"] = step_module.lr_at(step, LR, LR / 10, 2, STEPS)
@@ -157,7 +158,6 @@ def worker(rank: int, port: int, grids: list[tuple[int, ...]], device_type: str,
         usable = all(out["probe"][k] == "ok" for k in ("all_reduce (async)", "all-gather"))
         out["equivalence"] = {}
         if usable:
-            step_module.autocast = lambda device: contextlib.nullcontext()  # fp32 on CUDA
             ref = reference_run()
             for sizes in grids:
                 try:
