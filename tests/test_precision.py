@@ -200,3 +200,53 @@ def test_residual_dtype_option(tmp_path):
         load_config(None, {"residual_dtype": "bf16"}).check()
     r = tetrad_cmd("train", "--residual-dtype", "bf16", "--run-dir", str(tmp_path / "run"))
     assert_one_line_error(r, "--param-dtype bf16", "--residual-dtype auto or fp32")
+
+
+class Fp32Writes(TorchDispatchMode):
+    """Counts the fp32 tensors of ``numel`` elements that aten ops return while active."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            self.count += out.numel() == self.numel and func._overloadpacket.__name__ != "detach"
+        return out
+
+
+def test_bf16_rmsnorm_is_autograds_without_fp32_copies_and_compiles_whole():
+    """RMSNorm of a bf16 stream (:class:`tetrad.parallel.norm._NarrowApply` and ``_SquareSum``):
+    output and gradients equal plain autograd's on the same operations bit for bit; the
+    apply's forward writes no fp32 tensor of the activation's size (its products are rounded
+    as they are written); and torch.compile traces it whole (``fullgraph``: an op Dynamo cannot
+    trace in its backward left it eager in every compiled block, 8% of a compiled llama-1b
+    step on an H200)."""
+    from tetrad.parallel.norm import _apply, _NarrowApply, _SquareSum
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 24, 64).bfloat16()
+    w, g = torch.rand(64) + 0.5, torch.randn(2, 24, 64).bfloat16()
+
+    def norm(x, w):
+        rstd = torch.rsqrt(_SquareSum.apply(x) / 64 + 1e-5)
+        return _NarrowApply.apply(x, rstd, w, torch.bfloat16)
+
+    def plain(x, w):
+        rstd = torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) / 64 + 1e-5)
+        return ((x * rstd).type_as(x) * w).to(torch.bfloat16)
+
+    results = []
+    for f in (plain, norm, torch.compile(norm, fullgraph=True, backend="aot_eager")):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = f(xi, wi)
+        y.backward(g)
+        results.append((y, xi.grad, wi.grad))
+    for got in results[1:]:
+        for a, b in zip(got, results[0], strict=True):
+            assert torch.equal(a, b)
+    rstd = torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) / 64 + 1e-5)
+    with torch.no_grad(), Fp32Writes(x.numel()) as seen:
+        _apply(x, rstd, w, torch.bfloat16)
+    assert seen.count == 0
