@@ -136,10 +136,12 @@ class Attention(nn.Module):
         qkv = self.wqkv(x)
         inv_freq = rope_frequencies(self.head_dim, self.cfg, x.device)
         qn, kn = ((self.q_norm.weight,), (self.k_norm.weight,)) if self.cfg.qk_norm else ((), ())
-        # RoPE and the head split are recomputed from the kept wqkv output in selective mode.
-        q = recompute.runner()(self._rotated_queries, qkv, inv_freq, positions, *qn)
-        k = recompute.runner()(self._rotated_keys, qkv, inv_freq, positions, *kn)
-        v = recompute.runner()(self._values, qkv)
+        # One split (its backward concatenates the three gradients into one tensor); RoPE and
+        # the head split are recomputed from the kept wqkv output (these views) in selective mode.
+        q, k, v = self._split(qkv).split((self.group, 1, 1), dim=-2)
+        q = recompute.runner()(self._rotated_queries, q, inv_freq, positions, *qn)
+        k = recompute.runner()(self._rotated_keys, k, inv_freq, positions, *kn)
+        v = recompute.runner()(self._values, v)
         o = self.core(q, k, v)
         return self.wo(recompute.runner()(self._merge_heads, o))
 
@@ -147,23 +149,25 @@ class Attention(nn.Module):
         """``[b, s, (heads + 2 kv_heads) d]`` -> ``[b, s, kv_heads, group + 2, d]`` (a view)."""
         return qkv.unflatten(-1, (self.n_kv_heads, self.group + 2, self.head_dim))
 
-    def _rotated_queries(self, qkv, inv_freq, positions, *norm) -> torch.Tensor:
-        """Rotated q ``[b, heads, s, d]`` from the wqkv output ``qkv [b, s, ...]`` (each head
-        RMS-normalised with weight ``norm[0]`` first when given)."""
-        b, s = qkv.shape[:2]
-        q = self._split(qkv)[..., : self.group, :].reshape(b, s, self.n_heads, self.head_dim)
+    def _rotated_queries(self, q, inv_freq, positions, *norm) -> torch.Tensor:
+        """Rotated q ``[b, heads, s, d]`` from its piece ``q [b, s, kv_heads, group, d]`` of the
+        wqkv output (each head RMS-normalised with weight ``norm[0]`` first when given)."""
+        b, s = q.shape[:2]
+        q = q.reshape(b, s, self.n_heads, self.head_dim)
         q = head_rms_norm(q, norm[0], self.cfg.norm_eps) if norm else q
         return rope(q.transpose(1, 2), inv_freq, positions)
 
-    def _rotated_keys(self, qkv, inv_freq, positions, *norm) -> torch.Tensor:
-        """Rotated k ``[b, kv_heads, s, d]`` (normalised first with ``norm[0]``, as q)."""
-        k = self._split(qkv)[..., self.group, :]
+    def _rotated_keys(self, k, inv_freq, positions, *norm) -> torch.Tensor:
+        """Rotated k ``[b, kv_heads, s, d]`` from its piece ``k [b, s, kv_heads, 1, d]``
+        (normalised first with ``norm[0]``, as q)."""
+        k = k.squeeze(-2)
         k = head_rms_norm(k, norm[0], self.cfg.norm_eps) if norm else k
         return rope(k.transpose(1, 2), inv_freq, positions)
 
-    def _values(self, qkv: torch.Tensor) -> torch.Tensor:
-        """v ``[b, kv_heads, s, d]``, a copy: SDPA keeps v, not all of qkv."""
-        return self._split(qkv)[..., self.group + 1, :].contiguous().transpose(1, 2)
+    def _values(self, v: torch.Tensor) -> torch.Tensor:
+        """v ``[b, kv_heads, s, d]`` from its piece ``[b, s, kv_heads, 1, d]``, a copy: SDPA
+        keeps v, not all of qkv."""
+        return v.squeeze(-2).contiguous().transpose(1, 2)
 
     @staticmethod
     def _merge_heads(o: torch.Tensor) -> torch.Tensor:
