@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from tetrad.dtypes import residual_dtype
 from tetrad.models import recompute
 from tetrad.models.moe import MoEFeedForward
+from tetrad.models.swiglu import swiglu
 from tetrad.spec.activation_checkpointing import checkpointed_blocks, parse_checkpointing
 from tetrad.spec.model import ModelSpec
 
@@ -204,12 +205,6 @@ class FeedForward(nn.Module):
         # after w13's graph break: see recompute.runner)
         gate_up = self.w13(x)
         return self.w2(recompute.runner()(swiglu, gate_up))
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of interleaved ``[..., 2f]`` features -> ``[..., f]``."""
-    pairs = gate_up.unflatten(-1, (-1, 2))
-    return F.silu(pairs[..., 0]) * pairs[..., 1]
 
 
 class Block(nn.Module):

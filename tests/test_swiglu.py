@@ -1,0 +1,62 @@
+"""SwiGLU's gate on interleaved features (:mod:`tetrad.models.swiglu`): autograd's numbers bit for
+bit, without the zero-filled tensors indexing gives backward, and traced whole by torch.compile."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tetrad.models.swiglu import swiglu
+
+
+def plain(gate_up: torch.Tensor) -> torch.Tensor:
+    pairs = gate_up.unflatten(-1, (-1, 2))
+    return F.silu(pairs[..., 0]) * pairs[..., 1]
+
+
+FILLING = ("zeros", "zero_", "fill_", "new_zeros", "select_backward", "slice_backward")
+
+
+class Fills(TorchDispatchMode):
+    """Counts the aten ops that fill a tensor with zeros (``zeros``, ``zero_``, ``fill_``, and
+    the backward of indexing, which fills a tensor of the input's size inside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._overloadpacket.__name__ in FILLING
+        return func(*args, **(kwargs or {}))
+
+
+def _run(f, x: torch.Tensor, g: torch.Tensor, autocast: bool):
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = f(x @ torch.eye(x.shape[-1], dtype=x.dtype))  # a GEMM upstream, as w13
+    with Fills() as fills:
+        y.backward(g.to(y.dtype))
+    return y, x.grad, fills.count
+
+
+@pytest.mark.parametrize(
+    "dtype, autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
+)
+def test_swiglu_is_autograds_without_zero_fills(dtype, autocast):
+    torch.manual_seed(0)
+    x, g = torch.randn(3, 17, 64, dtype=dtype), torch.randn(3, 17, 32)
+    y_ref, dx_ref, fills_ref = _run(plain, x, g, autocast)
+    y, dx, fills = _run(swiglu, x, g, autocast)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    assert fills_ref > 0 and fills == 0  # indexing's backward fills; ours writes each once
+
+
+def test_swiglu_compiles_whole():
+    """Under torch.compile the plain expression is traced (Inductor fuses it): no graph
+    break, the same numbers as eager."""
+    torch.manual_seed(0)
+    x, g = torch.randn(2, 8, 32), torch.randn(2, 8, 16)
+    y_ref, dx_ref, _ = _run(swiglu, x, g, False)
+    y, dx, _ = _run(torch.compile(swiglu, fullgraph=True, backend="aot_eager"), x, g, False)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(dx, dx_ref)
