@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from tests.distributed import run_distributed
 from tests.test_model import (
+    AOT_EAGER,
     BATCH,
     CLIP,
     LR,
@@ -49,7 +50,8 @@ def reference():
 
 
 def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False, options=None):
-    """Each case against the reference (``options``: more :class:`ParallelLlama` options)."""
+    """Each case against the reference (``options``: more :class:`ParallelLlama` options;
+    ``compiled``: the torch.compile backend of every block, or False)."""
     for pipe, sizes, schedule, virtual, checkpointing, overlaps in cases:
         grid = Grid.build(sizes, pipe=pipe)
         m = BATCH // (grid.data * grid.z) // MICRO
@@ -67,7 +69,7 @@ def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False, op
         for part in pipeline.parts:
             init_parameters(part, SEED, grid)
             if compiled:
-                compile_blocks(part)
+                compile_blocks(part, compiled)
         opt = build_optimizer(pipeline.parts, LR, weight_decay=0.1)
         label = f"pipe {pipe} grid {sizes} {schedule} v{virtual} {checkpointing} {sorted(overlaps)}"
         label += "".join(f" {k}" for k in options or {})
@@ -120,12 +122,12 @@ def test_pipeline_matches_reference(world_size, reference):
 
 def test_compiled_stages_match_reference(reference):
     """``--compile`` (every block of every stage) under 1F1B with selective recompute and
-    under interleaved 1F1B: the same tolerances."""
+    under interleaved 1F1B: the same tolerances (Dynamo's side: ``tests.test_model.AOT_EAGER``)."""
     cases = [
         (2, (1, 1, 1, 1, 2), "1f1b", 1, "selective", ALL),
         (2, (1, 1, 2, 1, 1), "interleaved-1f1b", 2, "none", ALL),
     ]
-    run_distributed(pipeline_runs, 4, 4, *reference, cases, True)
+    run_distributed(pipeline_runs, 4, 4, *reference, cases, AOT_EAGER)
 
 
 def pipeline_bytes_runs(world_size, cases):

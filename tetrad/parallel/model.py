@@ -221,17 +221,18 @@ class ParallelLlama(Transformer):
                     b.placement = Placement(tuple(b.shape), ())
 
 
-def compile_blocks(model: Transformer) -> None:
+def compile_blocks(model: Transformer, backend: str = "inductor") -> None:
     """``torch.compile`` each transformer block in place (the granularity torchtitan uses).
 
     The parallel layers' collectives run eagerly (``torch.compiler.disable``), so each block's
     graphs are the computation between them: RMSNorm's arithmetic, RoPE, attention, SwiGLU's
     gate and the residual adds, fused by Inductor; the GEMMs stay cuBLAS (or the CPU BLAS).
     Every collective-bearing layer call is one graph break (count them with
-    :func:`compile_stats`).
+    :func:`compile_stats`). ``backend``: torch.compile's (``aot_eager`` traces and
+    differentiates the same graphs without generating code: the tests of Dynamo's side use it).
     """
     for block in model.layers.values():
-        block.compile()
+        block.compile(backend=backend)
 
 
 def compile_stats() -> dict[str, int]:
