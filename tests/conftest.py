@@ -2,10 +2,19 @@
 corpus of the training tests that need no particular text (a test module may define its own
 ``corpus``)."""
 
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# Inductor's CPU kernels without SIMD, in every test process, rank and subprocess (inherited):
+# the compiled tests check what Dynamo traces, AOTAutograd differentiates and Inductor fuses and
+# frees; the vector instructions change only the C++ it writes, whose headers made each kernel's
+# compile slower (a cold cache's test_compiled_blocks_match_reference: 63 s of CPU with them,
+# 52 s without).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 
 @pytest.fixture(scope="session")
