@@ -111,8 +111,9 @@ def _apply(x: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor, dtype: torch.dt
 def _mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(a b).to(dtype)``, the product taken in the promoted dtype of ``a`` and ``b`` (fp32
     for a bf16 ``a`` and an fp32 ``b``) and rounded once. Outside torch.compile (which fuses
-    the cast itself) and autograd, one kernel writes the result straight in ``dtype`` (no fp32
-    temporary: 4 bytes per element of a bf16 result instead of 12)."""
+    the cast itself) and autograd, one ``torch.mul`` with ``out=`` in ``dtype``: on CUDA one
+    kernel casts as it reads and writes (no fp32 temporary: 4 bytes per element of a bf16
+    result instead of 12); the CPU's kernels cast through temporaries inside the op."""
     if torch.compiler.is_compiling() or (
         torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
     ):
