@@ -2,11 +2,10 @@
 
 The gate and up projections are one Linear whose output features interleave them (``gate_0,
 up_0, gate_1, up_1, ...``: :class:`tetrad.models.llama.FeedForward`). Taken apart by indexing,
-autograd's backward gives each half a zero-filled tensor of the whole ``[..., 2f]`` input, copies
-its gradient into every other element and sums the two: three passes over ``2f`` features that
-write nothing but zeros and copies. Eagerly, :class:`_SwiGLU` writes both halves' gradients into
-one new tensor instead; under ``torch.compile`` the plain expression is traced and Inductor fuses
-it.
+autograd's backward gives each half a zero-filled tensor of the whole ``[..., 2f]`` input with its
+gradient copied into every other element, then adds the two: two fills, two copies and a sum
+where one write would do. Eagerly, :class:`_SwiGLU` writes both halves' gradients into one new
+tensor instead; under ``torch.compile`` the plain expression is traced and Inductor fuses it.
 """
 
 from __future__ import annotations
