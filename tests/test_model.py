@@ -89,7 +89,7 @@ def run_one(
     model = ParallelLlama(CFG, grid, activation_checkpointing, overlaps, **opts)
     init_parameters(model, SEED, grid)
     if compiled:  # True: Inductor; else the torch.compile backend named
-        compile_blocks(model, *(() if compiled is True else (compiled,)))
+        compile_blocks(model, "inductor" if compiled is True else compiled)
     opt = build_optimizer(model, LR, weight_decay=0.1, shard=grid if shard else None)
     for step, batch in enumerate(batches()):
         for group in opt.param_groups:
