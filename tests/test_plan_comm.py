@@ -134,6 +134,25 @@ def test_linear_bytes_all_axes_by_hand():
     assert not [k for k in cols if k[0] == "loss" and k[1] != "forward"]
 
 
+def test_embedding_sum_in_an_fp32_residual_stream():
+    """``--residual-dtype fp32`` under bf16 compute (``residual_bytes=4``): the embedding's rows
+    are summed over Y in 4 bytes (all-reduced; under sequence parallelism reduce-scattered and
+    their gradient all-gathered), the runtime's cast before the sum; every other collective as
+    with the default stream (the Linears and the LM head cast their input to bf16 first)."""
+    model = get_model(SMALL)
+    args = (model, PERL, (2, 2, 2, 2), 2, 16, 8)
+    for sp in (False, True):
+        plain = by_key(collectives(*args, overlaps="none", sequence_parallel=sp))
+        fp32 = by_key(collectives(*args, overlaps="none", sequence_parallel=sp, residual_bytes=4))
+        assert set(fp32) == set(plain)
+        stream = [k for k in plain if k[0] == "embedding" and k[2] == "y"]
+        assert len(stream) == (2 if sp else 1)
+        for key, c in fp32.items():
+            want = plain[key].payload_bytes * (2 if key in stream else 1)
+            assert c.payload_bytes == want, key
+        assert fp32[stream[0]].payload_bytes == 32 * 256 // 2 * 4
+
+
 def test_size_one_axes_and_other_grid():
     # D,Z,Y,X = 1,4,1,2: no Y, no data collectives; Z gathers n k / G_x; m = 1 x 16
     model = get_model(SMALL)

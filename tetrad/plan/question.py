@@ -56,6 +56,10 @@ class StepQuestion:
         param_bytes: the weights' stored bytes per element, 4 (fp32) or 2 (bf16 with fp32
             masters, ``--param-dtype bf16``): what the sharded optimizer all-gathers after the
             update.
+        residual_bytes: the residual stream's bytes per element (``--residual-dtype``; None:
+            ``compute_bytes``, the runtime's ``auto``): what the embedding's sum over Y
+            carries (the one collective of the stream's format: the block Linears and the LM
+            head cast their input to the compute dtype before theirs).
         bucket_bytes: data-parallel all-reduce bucket, bytes (``dp_all_reduce``).
         domino_min_rows: the ``domino`` split needs ``m >= 2 * domino_min_rows`` token rows.
         fine_chunks: pieces per ring step of ``fine``; None: the best of
@@ -91,6 +95,7 @@ class StepQuestion:
         overlaps: str | Iterable[str] = "all",
         compute_bytes: int = 2,
         param_bytes: int = FP32,
+        residual_bytes: int | None = None,
         bucket_bytes: int = DP_BUCKET_BYTES,
         domino_min_rows: int = DOMINO_MIN_ROWS,
         fine_chunks: int | None = None,
@@ -111,6 +116,9 @@ class StepQuestion:
         if param_bytes not in (2, 4):
             raise PlanError(f"param_bytes={param_bytes}: use 2 (bf16) or 4 (fp32)")
         self.c, self.param_bytes = compute_bytes, param_bytes
+        if residual_bytes not in (None, 2, 4):
+            raise PlanError(f"residual_bytes={residual_bytes}: use 2 (bf16) or 4 (fp32)")
+        self.residual_bytes = residual_bytes or compute_bytes
         if fine_chunks is not None and fine_chunks < 1:
             raise PlanError(f"fine_chunks={fine_chunks}: give at least 1 piece per ring step")
         if context_pieces is not None and context_pieces < 1:

@@ -260,6 +260,7 @@ def make_step(
         fp8=ctx.fp8,
         z_weight_bytes=ctx.z_weight_bytes,
         param_bytes=ctx.param_bytes,
+        residual_bytes=ctx.residual_bytes,
         scale_link=ctx.machine.network.link(1, gx * gy * gz) if ctx.fp8 == "tensorwise" else None,
         sequence_parallel=sequence_parallel_applies(ctx, roles),
     )
@@ -400,6 +401,7 @@ def collectives(
     fp8: str = "off",
     param_bytes: int = 4,
     sequence_parallel: bool = False,
+    residual_bytes: int | None = None,
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
     axis, kind, payload bytes per call, calls, ring bytes and seconds per call, the compute it
@@ -411,7 +413,8 @@ def collectives(
     optimizer (:mod:`tetrad.plan.question`); ``fp8``: the FP8 recipe
     (:mod:`tetrad.plan.compute.fp8`); ``param_bytes``: the weights' stored bytes per element
     (2 with ``--param-dtype bf16``); ``sequence_parallel``: the runtime's
-    ``--sequence-parallel`` (:class:`~tetrad.plan.question.StepQuestion`).
+    ``--sequence-parallel``; ``residual_bytes``: the residual stream's bytes per element
+    (``--residual-dtype``; None: ``compute_bytes``) (:class:`~tetrad.plan.question.StepQuestion`).
 
     Raises:
         PlanError: the batch does not split on the grid, or a bad overlap name.
@@ -424,6 +427,7 @@ def collectives(
         overlaps=overlaps,
         compute_bytes=compute_bytes,
         param_bytes=param_bytes,
+        residual_bytes=residual_bytes,
         bucket_bytes=bucket_bytes,
         domino_min_rows=domino_min_rows,
         fine_chunks=fine_chunks,

@@ -88,13 +88,15 @@ def loss(rec: Recorder, st: Step) -> None:
 
 
 def embedding(rec: Recorder, st: Step) -> None:
-    """Embedding lookups (token table, GPT: position table): all-reduce ``m h / G_x * c`` bytes
+    """Embedding lookups (token table, GPT: position table): all-reduce ``m h / G_x * r`` bytes
     over Y per table and micro-batch, in the residual stream's format (the runtime casts the
-    rows to it before the sum: the compute dtype's, ``c``, under ``--residual-dtype auto``);
-    under sequence parallelism a reduce-scatter along the sequence over Y of the same payload
-    in forward and an all-gather of its gradient (the same payload) in backward."""
+    rows to it before the sum): ``r`` = :attr:`Step.residual_bytes`, the compute dtype's ``c``
+    under ``--residual-dtype auto``; under sequence parallelism a reduce-scatter along the
+    sequence over Y of the same payload in forward and an all-gather of its gradient (the
+    same payload: the stream's gradient has its format) in backward."""
+    r = st.residual_bytes or st.c
     if st.sequence_parallel:
-        p = st.m * st.model.dim / st.sizes["x"] * st.c
+        p = st.m * st.model.dim / st.sizes["x"] * r
         link = st.links["y"]
         t = link.time(REDUCE_SCATTER, p)
         rec.add("embedding", "forward", "y", REDUCE_SCATTER, p, st.acc, t, st.acc * t)
@@ -102,7 +104,7 @@ def embedding(rec: Recorder, st: Step) -> None:
         rec.add("embedding", "backward", "y", ALL_GATHER, p, st.acc, t, st.acc * t)
         return
     if st.sizes["y"] > 1:
-        p = st.m * st.model.dim / st.sizes["x"] * st.c
+        p = st.m * st.model.dim / st.sizes["x"] * r
         t = st.links["y"].time(ALL_REDUCE, p)
         rec.add("embedding", "forward", "y", ALL_REDUCE, p, st.acc, t, st.acc * t)
         if st.model.max_positions:

@@ -42,8 +42,8 @@ def tensor_bytes(st: Step) -> float:
     )
     total += acc * ring_bytes(ALL_REDUCE, m * h / gx * c, gy)  # the LM head's dx
     total += 3 * acc * (ring_bytes(ALL_REDUCE, m * FP32, gy) + ring_bytes(ALL_REDUCE, m * FP32, gx))
-    tables = 2 if st.model.max_positions else 1  # rows summed in the residual format (``c``)
-    total += tables * acc * ring_bytes(ALL_REDUCE, m * h / gx * c, gy)
+    tables = 2 if st.model.max_positions else 1  # rows summed in the residual format
+    total += tables * acc * ring_bytes(ALL_REDUCE, m * h / gx * (st.residual_bytes or c), gy)
     norm_calls = 2 * (2 * L + 1) * acc + (2 * L * acc if st.checkpointing else 0)
     norm_p = m * FP32 * (2 if st.model.family == "gpt" else 1)
     return total + norm_calls * ring_bytes(ALL_REDUCE, norm_p, gx)

@@ -107,6 +107,8 @@ class Step:
             :func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`, memoised per shape).
         param_bytes: the weights' stored bytes per element (4, or 2 with bf16 weights): the
             sharded optimizer's all-gathers after the update.
+        residual_bytes: the residual stream's bytes per element (0: ``c``, ``--residual-dtype
+            auto``): the embedding's sum over Y (:func:`tetrad.plan.comm.layers.embedding`).
         fp8: the FP8 recipe (:mod:`tetrad.plan.compute.fp8`; ``off``: none); ``z_weight_bytes``:
             bytes per element of a block Linear's weight on its Z all-gather (1 under
             ``tensorwise``, else ``c``; 0: ``c``); ``scale_link``: the group of the ``G_z G_y
@@ -155,6 +157,7 @@ class Step:
     scale_link: Link | None = None
     param_bytes: int = 4
     sequence_parallel: bool = False
+    residual_bytes: int = 0
 
     @property
     def n_layers(self) -> int:

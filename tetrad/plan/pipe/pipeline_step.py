@@ -137,6 +137,7 @@ def stage_question(ctx: StepQuestion, blocks: int) -> StepQuestion:
             ctx.global_batch,
             compute_bytes=ctx.c,
             param_bytes=ctx.param_bytes,
+            residual_bytes=ctx.residual_bytes,
             fp8=ctx.fp8,
         )
         got.overlaps, got.fine = ctx.overlaps, ctx.fine
