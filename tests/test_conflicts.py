@@ -106,6 +106,14 @@ CASES = [
         },
         ["--gpus 8", "--sublayers"],
     ),
+    (
+        "the residual stream's format with --sublayers",
+        {
+            "plan": ["--model", "llama-1b", "--machine", "dgx-h100", "--sublayers", "2"]
+            + ["--residual-dtype", "fp32"]
+        },
+        ["--residual-dtype fp32", "--sublayers"],
+    ),
 ]
 
 

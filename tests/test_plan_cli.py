@@ -398,3 +398,76 @@ def test_memory_with_the_residual_stream_in_bf16(capsys):
     assert total["auto"] == pytest.approx(63.71, abs=0.01)  # Fujii et al.: 54.33
     rc, out, err = run(["memory", "--model", "llama-3-70b", "--residual-dtype", "fp32"], capsys)
     assert rc != 0 and "--residual-dtype fp32" in out + err
+
+
+def _memory_of_row(row, residual, capsys) -> float:
+    """``tetrad memory --method tetrad`` of a ``tetrad plan --json`` row of llama-3-70b on
+    dgx-h100 at 4096 tokens (its grid, orientation, micro-batch, mode, optimizer, pipeline),
+    with ``--residual-dtype residual``: the total bytes (a pipeline's worst rank's)."""
+    sizes, pipe = row["sizes"], row.get("pipeline")
+    grid = ",".join(f"{k}={sizes[k]}" for k in ("data", "context", "z", "y", "x"))
+    argv = ["memory", "--model", "llama-3-70b", "--machine", "dgx-h100", "--seq-len", "4096"]
+    argv += ["--micro-batch", str(row["micro_batch"]), "--orientation", row["orientation"]]
+    argv += ["--activation-checkpointing", row["activation_checkpointing"], "--json"]
+    argv += ["--residual-dtype", residual] + (
+        ["--shard-optimizer"] if row.get("shard_optimizer") else []
+    )
+    if pipe:
+        grid = f"pipe={pipe['pipe']}," + grid
+        argv += ["--pipeline-schedule", pipe["schedule"], "--virtual-stages"]
+        argv += [str(pipe["virtual_stages"]), "--num-microbatches", str(row["grad_accum"])]
+    rc, out, _ = run(argv + ["--grid", grid], capsys)
+    assert rc == 0
+    return json.loads(out)["total_bytes"]
+
+
+def test_plan_with_an_fp32_residual_stream(capsys):
+    """``tetrad plan --residual-dtype fp32`` (as ``tetrad memory``'s): every ranked row's memory,
+    5D grids and pipeline grids (their worst rank), is ``tetrad memory``'s of the same
+    configuration with ``--residual-dtype fp32``, and more than with the default stream (auto:
+    bf16 on GPUs) on the same configuration; the inputs record the format."""
+    argv = ["plan", "--model", "llama-3-70b", "--machine", "dgx-h100", "--gpus", "64"]
+    argv += ["--global-batch", "128", "--seq-len", "4096", "--top", "4", "--no-classic"]
+    rc, out, _ = run(argv + ["--json", "--residual-dtype", "fp32"], capsys)
+    assert rc == 0
+    data = json.loads(out)
+    assert data["inputs"]["residual_dtype"] == "fp32"
+    rows = data["four_d"]
+    assert {"pipeline" in r for r in rows} == {True, False}  # both kinds among them
+    for row in rows:
+        fp32 = _memory_of_row(row, "fp32", capsys)
+        assert row["memory"]["total_bytes"] == fp32 > _memory_of_row(row, "auto", capsys)
+    rc, out, _ = run(argv + ["--residual-dtype", "fp32"], capsys)
+    assert rc == 0 and "residual stream fp32" in out  # the text report says so too
+
+
+def test_plan_emits_the_residual_stream_format(tmp_path, capsys):
+    """``--emit-config`` of ``tetrad plan --residual-dtype fp32`` asks ``tetrad train`` for the
+    same stream (``[precision] residual``); with the default (auto) it leaves the runtime's
+    (bf16 on cuda)."""
+    from tetrad.train.config import load_config
+
+    argv = ["plan", "--model", "llama-1b", "--machine", "dgx-h100", "--gpus", "8"]
+    argv += ["--global-batch", "64", "--seq-len", "4096", "--top", "1", "--no-classic"]
+    for residual, want in (("fp32", "fp32"), ("auto", "bf16")):
+        path = tmp_path / f"{residual}.toml"
+        rc, _, _ = run(argv + ["--residual-dtype", residual, "--emit-config", str(path)], capsys)
+        assert rc == 0
+        cfg = load_config(str(path))
+        assert cfg.precision.residual == residual and cfg.policy.residual == want
+
+
+def test_plan_rejects_what_fits_only_with_a_bf16_stream(capsys):
+    """llama-1b on one GPU at 4096 tokens, micro-batch 1, no checkpointing: 23.54 GiB with the
+    default bf16 stream, 25.09 GiB with an fp32 one (``tetrad memory``); with 30 GiB (24 GiB
+    usable) ``tetrad plan`` ranks it under auto and finds nothing under fp32."""
+    argv = ["plan", "--model", "llama-1b", "--machine", "dgx-h100", "--gpus", "1"]
+    argv += ["--global-batch", "1", "--seq-len", "4096", "--checkpointing", "off"]
+    argv += ["--no-classic", "--gpu-memory-gib", "30", "--json"]
+    rc, out, _ = run(argv, capsys)
+    assert rc == 0
+    row = json.loads(out)["four_d"][0]
+    assert row["memory"]["total_gib"] == pytest.approx(23.54, abs=0.01)
+    rc, out, err = run(argv + ["--residual-dtype", "fp32"], capsys)
+    assert rc != 0 and "fits under 80% of 30 GiB" in out + err
+    assert "--residual-dtype auto" in out + err

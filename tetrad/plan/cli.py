@@ -175,6 +175,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "fp32 masters with the optimizer states; default fp32, the runtime's default)",
     )
     p.add_argument(
+        "--residual-dtype",
+        choices=RESIDUAL_DTYPES,
+        default="auto",
+        help="the residual stream's format in the 4D space (tetrad train --residual-dtype): "
+        "auto (default) the compute dtype, bf16 on GPUs; fp32 keeps an fp32 stream (more "
+        "saved activations; in the step time only the embedding's sum over Y)",
+    )
+    p.add_argument(
         "--sequence-parallel",
         **dict(choices=("off", "on", "auto"), nargs="?", const="on", default="off"),
         help="4D grids of a Llama with G_y > 1 with tetrad train --sequence-parallel "
@@ -368,6 +376,7 @@ def run_plan(args: argparse.Namespace) -> int:
         moe_imbalance=args.moe_imbalance,
         params=args.param_dtype,
         sequence_parallel=args.sequence_parallel,
+        residual=args.residual_dtype,
     )
     fp8_lines: list[str] = []
     if args.fp8 == "auto":
@@ -438,7 +447,13 @@ def run_memory(args: argparse.Namespace) -> int:
         if sp and turn == "auto" and 1 in grid[3:]:  # a lone tensor axis plays Y
             turn = "yx" if grid[4] > 1 else "xy"
         if turn == "auto":
-            ctx = StepQuestion(model, get_machine("dgx-h100"), args.seq_len, grid[0] * grid[2])
+            ctx = StepQuestion(
+                model,
+                get_machine("dgx-h100"),
+                args.seq_len,
+                grid[0] * grid[2],
+                residual_bytes=4 if args.residual_dtype == "fp32" else None,
+            )
             turn = best_orientation(ctx, grid, 1, ckpt)  # the bytes do not depend on the machine
         if pipe > 1:
             if args.compile:

@@ -25,6 +25,7 @@ PLAN_RANKING_DEFAULTS = {
     "no_pipeline": False,
     "shard_optimizer": "auto",
     "param_dtype": "fp32",
+    "residual_dtype": "auto",
     "sequence_parallel": "off",
     "gpu_memory_gib": None,
 }

@@ -124,6 +124,7 @@ def choose_grid(
             dtype=cfg.policy.compute,
             shard_optimizer="on" if par.shard_optimizer else "auto",
             params=cfg.policy.params,
+            residual=cfg.policy.residual,
             # --sequence-parallel with grid auto: on the chosen grid where it runs and pays
             sequence_parallel="auto" if par.sequence_parallel else "off",
         )
@@ -221,6 +222,7 @@ def _estimate(cfg: TrainConfig, mc: ModelSpec, overlaps, fine_chunks: int | None
         t.global_batch,
         overlaps=overlaps,
         compute_bytes=DTYPE_BYTES[cfg.policy.compute],
+        residual_bytes=DTYPE_BYTES[cfg.policy.residual],
         domino_min_rows=par.domino_min_rows,
         fine_chunks=fine_chunks,
     )
@@ -264,6 +266,7 @@ def with_orientation(cfg: TrainConfig) -> TrainConfig:
             t.global_batch,
             overlaps=par.overlaps,
             compute_bytes=DTYPE_BYTES[cfg.policy.compute],
+            residual_bytes=DTYPE_BYTES[cfg.policy.residual],
             domino_min_rows=par.domino_min_rows,
         )
         by = "time" if par.machine else "bytes"

@@ -63,6 +63,20 @@ def residual_bytes(dtype: str, residual: str | None) -> int:
     return dtype_bytes(residual)
 
 
+def residual_option(dtype: str, residual: str | None) -> str | None:
+    """``--residual-dtype`` (``auto``, ``fp32`` or ``bf16``) as the ``residual`` keyword of the
+    memory model: None for ``auto`` and for the compute dtype ``dtype``'s own format (the same
+    bytes: one memo key), else ``residual``.
+
+    Raises:
+        PlanError: an unknown format, or a bf16 stream under fp32 compute.
+    """
+    if residual in (None, "auto"):
+        return None
+    residual_bytes(dtype, residual)  # checks it
+    return None if residual == dtype else residual
+
+
 def _norm_saved_bytes(
     model: ModelSpec, m: int, hx: int, e: int, consumers: int, split: int = 1, rb: int = FP32
 ) -> float:

@@ -64,6 +64,7 @@ from types import SimpleNamespace
 from tetrad.plan.comm.axonn import axonn_comm
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
+from tetrad.plan.memory.activations import residual_bytes, residual_option
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.sharded_optimizer import check_shard_optimizer
 from tetrad.plan.memory.states import param_bytes
@@ -111,6 +112,9 @@ class Search4D:
         allowed: the micro-batches allowed (None: every divisor).
         params: the weights' stored format (``fp32``; ``bf16`` with fp32 masters: the memory
             model's, :mod:`tetrad.plan.memory.states`).
+        residual: the residual stream's format (None: ``dtype``'s; ``fp32`` under bf16
+            compute: the memory model's saved norm inputs and checkpointed block inputs,
+            :mod:`tetrad.plan.memory.activations`).
     """
 
     def __init__(
@@ -124,8 +128,10 @@ class Search4D:
         modes: tuple[str, ...] = CHECKPOINTING,
         allowed: set | None = None,
         params: str = "fp32",
+        residual: str | None = None,
     ):
         self.ctx, self.gpus, self.mem_bytes = ctx, gpus, mem_bytes
+        self.residual = residual
         check_shard_optimizer(shard_optimizer)
         self.shard_optimizer = shard_optimizer if comm_model == "tetrad" else "off"
         self.comm_model, self.dtype, self.params = comm_model, dtype, params
@@ -143,6 +149,7 @@ class Search4D:
             allowed,
             self.stats,
             params,
+            residual,
         )
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
         self.turns: dict = {}  # (G_z, G_y, G_x) -> the orientations that shard the model
@@ -163,6 +170,7 @@ class Search4D:
             orientations=self.orientations,
             stats=self.stats,
             params=self.params,
+            residual=self.residual,
         )
 
     def groups(self) -> list[tuple]:
@@ -239,6 +247,7 @@ class Search4D:
                 f"{self.mem_bytes / GiB:.0f} GiB per GPU on {gpus} GPUs (batch "
                 f"{gb} x {self.ctx.seq_len}): use more --gpus, a shorter --seq-len, "
                 "a smaller model or a machine with more memory"
+                + (", or --residual-dtype auto" if self.residual == "fp32" else "")
             )
 
     def rank(self, groups: list, top: int, pipes=None) -> list:
@@ -405,6 +414,7 @@ class Search4D:
             shard_optimizer=zero,
             params=self.params,
             **({"sequence_parallel": True} if sp else {}),
+            **({"residual": self.residual} if self.residual is not None else {}),
         )
         if self.comm_model == "tetrad":
             compute_s, rec_s, exposed, comm_s = (
@@ -458,6 +468,7 @@ def search_4d(
     fp8: str = "off",
     params: str = "fp32",
     sequence_parallel: bool | str = False,
+    residual: str | None = None,
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics;
     with ``pipeline`` (and the tetrad comm model) pipeline grids too
@@ -479,6 +490,10 @@ def search_4d(
         params: the weights' stored format (``tetrad train --param-dtype``): ``fp32``, or
             ``bf16`` with fp32 masters among the optimizer states (the memory model's; in the
             step's time, the sharded optimizer's all-gathers after the update carry bf16).
+        residual: the residual stream's format (``tetrad train --residual-dtype``): ``auto``
+            or None (the compute dtype's, the default), ``fp32`` or ``bf16``: the memory
+            model's (each norm's saved input and normalised tensor, a checkpointed block's
+            input); in the step's time only the embedding's sum over Y carries it.
         sequence_parallel: the runtime's ``--sequence-parallel`` on the grids where it runs
             (``G_y > 1``, a dense Llama:
             :meth:`tetrad.plan.question.StepQuestion.sequence_split`), time and memory:
@@ -508,6 +523,7 @@ def search_4d(
             shard_optimizer=shard_optimizer,
             fp8=fp8,
             params=params,
+            residual=residual,
         )
         args = (model, machine, gpus, global_batch, seq_len)
         rows, _ = search_4d(*args, **opts, sequence_parallel="off")
@@ -524,6 +540,7 @@ def search_4d(
         raise PlanError(f"comm model {comm_model!r} is unknown: use tetrad or axonn")
     t0 = time.perf_counter()
     mem_bytes = float(gpu_memory_bytes or machine.memory_bytes)
+    residual = residual_option(dtype, residual)
     ctx = StepQuestion(
         model,
         machine,
@@ -532,13 +549,14 @@ def search_4d(
         overlaps=overlaps,
         compute_bytes=2 if dtype == "bf16" else 4,
         param_bytes=param_bytes(params),
+        residual_bytes=residual_bytes(dtype, residual),
         fp8=fp8,
         sequence_parallel=sp == "on" and comm_model == "tetrad",
     )
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None
     search = Search4D(
-        ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer, modes, allowed, params
+        ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer, modes, allowed, params, residual
     )
     groups = search.groups()
     pipes = None

@@ -73,6 +73,8 @@ class MemoryFits:
         shard_optimizer: ``"off"``, ``"on"`` or ``"auto"`` (:func:`optimizer_variants`).
         modes: the checkpointing modes tried, in enumeration order.
         params: the weights' stored format (``fp32``; ``bf16`` with fp32 masters).
+        residual: the residual stream's format (``--residual-dtype``: ``fp32`` or ``bf16``;
+            None, ``auto``: ``dtype``'s), as :func:`~tetrad.plan.memory.runtime.runtime_memory`'s.
         allowed: the micro-batches allowed (None: every divisor).
         stats: the search's statistics, whose ``candidates`` (configurations enumerated: every
             mode and micro-batch up to the first that does not fit) and ``fitting`` counts the
@@ -90,9 +92,10 @@ class MemoryFits:
         allowed: set | None,
         stats: dict,
         params: str = "fp32",
+        residual: str | None = None,
     ):
         self.ctx, self.mem_bytes, self.dtype, self.prefetch = ctx, mem_bytes, dtype, prefetch
-        self.params = params
+        self.params, self.residual = params, residual
         self.limit = FIT_FRACTION * mem_bytes
         self.shard_optimizer, self.modes, self.allowed = shard_optimizer, modes, allowed
         self.stats = stats
@@ -137,9 +140,8 @@ class MemoryFits:
         def line(mode: str, zero: bool):
             if (mode, zero) not in lines:
                 if mode not in raw:
-                    raw[mode] = phase_lines(
-                        model, roles, ctx.seq_len, mode, dt, pre, sizes, self.params, sp
-                    )
+                    args = (model, roles, ctx.seq_len, mode, dt, pre, sizes, self.params)
+                    raw[mode] = phase_lines(*args, sp, self.residual)
                 shift = sharding_offsets(model, roles, dt, pre, self.params) if zero else None
                 lines[(mode, zero)] = line_of(raw[mode], self.limit, sizes, shift)
             return lines[(mode, zero)]
@@ -214,7 +216,7 @@ class MemoryFits:
                 mode = ckpt
                 if plain is not None and plain(b) > self.limit:
                     args = (model, roles, b, ctx.seq_len, mem, dt, pre, zero, self.params)
-                    mode = fewest_selective(*args, sequence_parallel=sp)
+                    mode = fewest_selective(*args, sequence_parallel=sp, residual=self.residual)
                 fwd, bwd, rec = ctx.micro_batch_seconds(roles, b, mode)
                 got.append(((per_cell // b) * (fwd + bwd + rec), len(got), b, mode))
         got.sort(key=lambda c: c[:2])
@@ -281,6 +283,7 @@ class MemoryFits:
             activation_checkpointing=mode,
             dtype=self.dtype,
             sequence_parallel=sp,
+            residual=self.residual,
         )
         return saved["blocks"]
 
@@ -311,6 +314,7 @@ def memory_line(
     sizes: list[int],
     shard_optimizer: bool = False,
     params: str = "fp32",
+    residual: str | None = None,
 ):
     """(The search builds these lines itself, per roles: :meth:`MemoryFits.oriented_fits`; this
     one, for a grid, is what tests and docs check against the memory model.)
@@ -320,10 +324,10 @@ def memory_line(
     with ``m``; weights, gathered blocks and step buffers do not), so the peak is the maximum of the
     phases' lines. ``inf`` for every ``b`` when ``b = 1`` already does not fit. With
     ``shard_optimizer`` the phases move by :func:`tetrad.plan.memory.runtime.sharding_offsets`
-    (constants in ``b``)."""
+    (constants in ``b``). ``params`` and ``residual``: as ``runtime_memory``'s."""
     if not sizes:
         return lambda b: float("inf")
-    lines = phase_lines(model, grid, seq_len, ckpt, dtype, prefetch, sizes, params)
+    lines = phase_lines(model, grid, seq_len, ckpt, dtype, prefetch, sizes, params, False, residual)
     offsets = (
         sharding_offsets(model, tuple(grid), dtype, prefetch, params) if shard_optimizer else None
     )
@@ -346,9 +350,10 @@ class PhaseLines:
         sizes: list[int],
         params: str = "fp32",
         sp: bool = False,
+        residual: str | None = None,
     ):
         self._args = (model, grid, seq_len, ckpt, dtype, prefetch, params)
-        self.sp = sp  # sequence parallelism
+        self.sp, self.residual = sp, residual  # sequence parallelism, the stream's format
         self.last = sizes[-1]
         self.lo = self._at(1)
         self._slopes: dict | None = None
@@ -360,6 +365,8 @@ class PhaseLines:
             options["params"] = params
         if self.sp:
             options["sequence_parallel"] = True
+        if self.residual is not None:
+            options["residual"] = self.residual
         return phase_totals(model, grid, b, seq_len, **options)
 
     def slopes(self) -> dict[str, float]:
@@ -379,10 +386,12 @@ def phase_lines(
     sizes: list[int],
     params: str = "fp32",
     sp: bool = False,
+    residual: str | None = None,
 ) -> PhaseLines:
     """The :class:`PhaseLines` of a grid and mode (``params``: the weights' stored format;
-    ``sp``: with sequence parallelism)."""
-    return PhaseLines(model, grid, seq_len, ckpt, dtype, prefetch, sizes, params, sp)
+    ``sp``: with sequence parallelism; ``residual``: the residual stream's format, None for
+    the compute dtype's)."""
+    return PhaseLines(model, grid, seq_len, ckpt, dtype, prefetch, sizes, params, sp, residual)
 
 
 def line_of(lines: PhaseLines, limit: float, sizes: list[int], offsets: dict | None = None):

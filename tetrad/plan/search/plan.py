@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
+from tetrad.plan.memory.activations import residual_option
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.classic import search_classic
 from tetrad.plan.search.four_d import search_4d
@@ -42,6 +43,7 @@ def plan(
     fp8: str = "off",
     params: str = "fp32",
     sequence_parallel: bool | str = False,
+    residual: str = "auto",
 ) -> SearchResult:
     """Both searches; see :func:`search_4d` (``pipeline``: with the pipeline axis, on by
     default: ``docs/planner.md`` section 8) and :func:`search_classic` (``classic_pipeline``:
@@ -56,6 +58,9 @@ def plan(
     Megatron-LM's bf16 weights with fp32 masters either way.
     ``sequence_parallel``: the 4D space with ``--sequence-parallel`` where it runs,
     ``off``, ``on`` or ``auto`` (:func:`search_4d`; dense Llama models).
+    ``residual``: the residual stream's format of the 4D space (``tetrad train
+    --residual-dtype``: ``auto``, the compute dtype's, ``fp32`` or ``bf16``; dense models):
+    its memory (:func:`search_4d`); the classic space keeps Megatron-LM's bf16 activations.
 
     Raises:
         PlanError: bad inputs, or no 4D configuration at all (message says what to change);
@@ -75,6 +80,11 @@ def plan(
         raise PlanError(
             f"--param-dtype {params} is searched for dense models only; {model.name} is a "
             "mixture-of-experts model: use --param-dtype fp32 (tetrad memory models it)"
+        )
+    if residual_option(dtype, residual) is not None and model.is_moe:
+        raise PlanError(
+            f"--residual-dtype {residual} is searched for dense models only; {model.name} is a "
+            "mixture-of-experts model: use --residual-dtype auto (tetrad memory models it)"
         )
     if model.is_moe:
         if comm_model != "tetrad":
@@ -118,6 +128,7 @@ def plan(
             fp8=fp8,
             params=params,
             sequence_parallel=sequence_parallel,
+            residual=residual,
         )
         crow, cstats = ([], {})
         if classic:
@@ -135,7 +146,7 @@ def plan(
             )
     inputs = _inputs(model, machine, gpus, global_batch, seq_len, overlaps, gpu_memory_bytes)
     inputs |= {"comm_model": comm_model, "dtype": dtype, "shard_optimizer": shard_optimizer}
-    inputs |= {"fp8": fp8, "param_dtype": params}
+    inputs |= {"fp8": fp8, "param_dtype": params, "residual_dtype": residual}
     if sequence_parallel not in (False, "off"):
         inputs["sequence_parallel"] = {True: "on"}.get(sequence_parallel, sequence_parallel)
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}

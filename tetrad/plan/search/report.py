@@ -179,6 +179,11 @@ def format_result(result: SearchResult) -> str:
             f"; fp8 {inp['fp8']} (MFU against the bf16 peak; the classic space is not searched)"
             if inp.get("fp8", "off") != "off"
             else ""
+        )
+        + (
+            f"; residual stream {inp['residual_dtype']} (the 4D space)"
+            if inp.get("residual_dtype", "auto") != "auto"
+            else ""
         ),
         "",
     ]
@@ -358,8 +363,13 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
             "device": "cuda",
         },
     }
+    precision = {}  # [precision] of tetrad.train.config, where not the default
     if inp.get("param_dtype", "fp32") != "fp32":
-        settings["precision"] = {"params": inp["param_dtype"]}
+        precision["params"] = inp["param_dtype"]
+    if inp.get("residual_dtype", "auto") != "auto":
+        precision["residual"] = inp["residual_dtype"]
+    if precision:
+        settings["precision"] = precision
     import tomli_w
 
     return "\n".join(header) + "\n" + tomli_w.dumps(settings)

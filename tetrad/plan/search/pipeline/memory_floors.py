@@ -73,6 +73,7 @@ class MemoryFloors:
         terms: the floors' memoised terms (the split's cost ratios).
         params: the weights' stored format (``bf16``: 18 bytes per element, ``6 + 12 / G``
             where the search may shard the states with their fp32 masters).
+        residual: the residual stream's format (None: ``dtype``'s): the saved activations'.
     """
 
     def __init__(
@@ -83,8 +84,10 @@ class MemoryFloors:
         shard_optimizer: str,
         terms: FloorTerms,
         params: str = "fp32",
+        residual: str | None = None,
     ):
         self.ctx, self.limit, self.dtype, self.params = ctx, limit, dtype, params
+        self.residual = residual
         self.shard_optimizer, self.terms = shard_optimizer, terms
         self.saved_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), A(2) - A(1), C, F)
         self.flight_memo: dict = {}  # ((embedding, head), cfg, m) -> per rank kind, its terms
@@ -114,6 +117,7 @@ class MemoryFloors:
                         activation_checkpointing=mode,
                         dtype=self.dtype,
                         sequence_parallel=ctx.sequence_split(gc, gy, gx) > 1,
+                        residual=self.residual,
                     )
                 )
             one, two = saved[0]["blocks"], saved[1]["blocks"]

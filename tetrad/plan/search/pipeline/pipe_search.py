@@ -54,6 +54,7 @@ class PipeSearch:
         stats: the statistics to count into (``pipe_groups``, ``pipe_candidates``,
             ``pipe_fitting``, ``pipe_evaluated``; a new dict when None).
         params: the weights' stored format (``fp32``; ``bf16`` with fp32 masters).
+        residual: the residual stream's format (``--residual-dtype``; None: ``dtype``'s).
     """
 
     def __init__(
@@ -70,15 +71,16 @@ class PipeSearch:
         orientations: Callable[[tuple], tuple[str, ...]],
         stats: dict | None = None,
         params: str = "fp32",
+        residual: str | None = None,
     ):
         self.ctx, self.gpus, self.mem_bytes = ctx, gpus, mem_bytes
         self.dtype, self.prefetch, self.shard_optimizer = dtype, prefetch, shard_optimizer
-        self.params = params
+        self.params, self.residual = params, residual
         self.modes = tuple(m for m in MODE_ORDER if m in modes)
         self.allowed, self.orientations = allowed, orientations
         self.terms = FloorTerms(ctx, gpus)
         self.memory_floors = MemoryFloors(
-            ctx, FIT_FRACTION * mem_bytes, dtype, shard_optimizer, self.terms, params
+            ctx, FIT_FRACTION * mem_bytes, dtype, shard_optimizer, self.terms, params, residual
         )
         self.group_bounds = GroupBounds(
             ctx, gpus, self.modes, allowed, self.terms, self.memory_floors, self._turns
@@ -287,6 +289,8 @@ class PipeSearch:
             opts["params"] = self.params
         if ctx.sequence_split(roles[1], roles[3], roles[4]) > 1:
             opts["sequence_parallel"] = True
+        if self.residual is not None:
+            opts["residual"] = self.residual
         return args, opts
 
     def _fits(self, grid, turn, b, mode, cfg, zero: bool = False):
