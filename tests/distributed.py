@@ -14,9 +14,11 @@ import fcntl
 import functools
 import multiprocessing
 import os
+import random
 import socket
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,9 +44,26 @@ multiprocessing.get_context(START_METHOD).set_forkserver_preload(PRELOAD)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port below the kernel's ephemeral range, for rank 0's store.
+
+    A port the kernel chose (bind to port 0) is in the ephemeral range, from which it also
+    picks the local port of every outgoing connection: between this probe and rank 0's bind,
+    another test's gloo connection could take it (seen as ``EADDRINUSE`` in a full suite run).
+    Below that range only an explicit bind can, and the probe finds those."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # the Linux default's start
+    rng = random.Random()  # seeded from the OS: not the caller's (tests seed ``random``)
+    for _ in range(100):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port found in 10000-{low - 1}")
 
 
 def _one_compile_at_a_time(lock_path: str) -> None:
