@@ -57,7 +57,8 @@ class AxisStats:
             wait: an upper bound, tight to the next communication event. With device events
             (NCCL), from the issue to the end of the wait on the computation's stream.
         exposed_s: seconds the caller was blocked (the whole call when blocking, the wait
-            otherwise): the host with gloo, the computation's stream with NCCL.
+            otherwise; none for a wait on a collective the host clock found complete): the
+            host with gloo, the computation's stream with NCCL. At most ``time_s``.
     """
 
     calls: int = 0
@@ -186,10 +187,12 @@ class Handle:
                     self.log.sweep(t0)
                 if self.done_at is None and self.work.is_completed():
                     self.done_at = t0
+            done_before = self.done_at is not None  # host clock: complete when asked
             self.work.wait()
             t1 = clock.mark()
             if self.stats is not None:
-                self.log.add_time(self.stats, "exposed_s", t0, t1)
+                if not done_before:  # else nothing blocked the caller, however long wait took
+                    self.log.add_time(self.stats, "exposed_s", t0, t1)
                 self.log.add_time(self.stats, "time_s", self.issued, self.done_at or t1)
             self.work = None
             if self.post is not None:
