@@ -196,11 +196,38 @@ CONTEXT_GRIDS = {  # (G_data, G_context, G_z, G_y, G_x): context with each other
 }
 
 
+def context_runs(world_size: int, mode: str) -> list[tuple[tuple, tuple]]:
+    """The (grid, overlaps) runs of checkpointing ``mode``: grid ``i`` of ``world_size`` runs
+    every overlap under mode ``i`` of :data:`CHECKPOINTING` (cyclically) and none under mode
+    ``i + 1``. So every grid runs twice, with and without overlaps, and every mode meets
+    both overlap sets on each world size, in a third of the runs of every grid x mode x set."""
+    k, grids = CHECKPOINTING.index(mode), CONTEXT_GRIDS[world_size]
+    return [(g, OVERLAPS) for i, g in enumerate(grids) if i % 3 == k] + [
+        (g, ()) for i, g in enumerate(grids) if (i + 1) % 3 == k
+    ]
+
+
+def paired_runs(world_size, ref_curves, ref_weights, activation_checkpointing, runs):
+    """:func:`run_one` for each ``(grid sizes, overlaps)`` of ``runs``."""
+    for sizes, overlaps in runs:
+        grid = Grid.build(sizes)
+        run_one(grid, sizes, ref_curves, ref_weights, activation_checkpointing, overlaps, False)
+
+
 @pytest.mark.parametrize("mode", CHECKPOINTING)
 @pytest.mark.parametrize("world_size", sorted(CONTEXT_GRIDS))
 def test_context_parallel_matches_reference(world_size, mode, reference):
     """Sequences split over G_context = 2 and 4 ranks (load-balanced chunks, K/V all-gather)
     combined with data, Z, Y and X, with every overlap and with none, under each activation
-    checkpointing mode: the same tolerances."""
-    grids = CONTEXT_GRIDS[world_size]
-    run_distributed(parallel_runs, world_size, world_size, *reference, mode, (OVERLAPS, ()), grids)
+    checkpointing mode (:func:`context_runs`): the same tolerances."""
+    runs = context_runs(world_size, mode)
+    run_distributed(paired_runs, world_size, world_size, *reference, mode, runs)
+
+
+def test_context_runs_cover_each_grid_and_mode():
+    """Every context grid runs with and without overlaps; every mode with both, per world
+    size."""
+    for size, grids in CONTEXT_GRIDS.items():
+        runs = [(m, g, o) for m in CHECKPOINTING for g, o in context_runs(size, m)]
+        assert {(g, bool(o)) for _, g, o in runs} == {(g, b) for g in grids for b in (0, 1)}
+        assert {(m, bool(o)) for m, _, o in runs} == {(m, b) for m in CHECKPOINTING for b in (0, 1)}
