@@ -3,13 +3,19 @@
 Every collective of the runtime goes through :mod:`tetrad.comm.collectives`, which counts it per
 mesh axis in ``grid.comm`` (calls, payload bytes, ring bytes sent per rank). On gloo ranks (CPU,
 fp32) each rank trains a small Llama for two optimizer steps on several grids (every axis > 1 in
-at least one grid, several axes > 1 at once) and, for each grid, every combination of
+at least one grid, several axes > 1 at once) and, over each world size's grids, every
+combination of
 
 - 1 or 2 micro-batches per step (gradient accumulation),
 - activation checkpointing off and on (``none``, ``full``), and ``selective`` with 1 micro-batch
   and all overlaps, 2 and none,
 - overlaps ``all`` and ``none`` (small data-parallel buckets and a low Domino threshold, so that
   several buckets and both Domino halves really run on these tiny shapes).
+
+Each grid runs one of two halves of these combinations (:func:`grid_configs`), the halves
+alternating along the grids: one without checkpointing (and full checkpointing with every
+overlap but ``fine``), one with full and selective checkpointing, each half with and without
+overlaps. Every combination still runs on every world size, in half the steps.
 
 Two grids also run turned (orientation ``yx``: the X dimension plays the Y role of the layer
 pairs), where both sides name the ``--grid``'s axes.
@@ -63,10 +69,23 @@ GRIDS = {
         ((1, 2, 2, 2), "yx"),
     ],
 }
-# (micro-batches per step, activation checkpointing, overlaps)
-CONFIGS = [(n, ckpt, ov) for n in (1, 2) for ckpt in (False, True) for ov in ("all", "none")]
-CONFIGS += [(1, True, "all but fine"), (2, False, "all but fine")]
-CONFIGS += [(1, "selective", "all"), (2, "selective", "none")]
+# (micro-batches per step, activation checkpointing, overlaps), in two halves (grid_configs)
+HALVES = (
+    [(n, False, ov) for n in (1, 2) for ov in ("all", "none")]
+    + [(1, True, "all but fine"), (2, False, "all but fine")],
+    [(n, True, ov) for n in (1, 2) for ov in ("all", "none")]
+    + [(1, "selective", "all"), (2, "selective", "none")],
+)
+CONFIGS = HALVES[0] + HALVES[1]
+
+
+def grid_configs(world_size: int) -> list[list[tuple]]:
+    """The configs each grid of ``GRIDS[world_size]`` runs: the halves of :data:`HALVES` in
+    turn, the 4-rank grids starting with the second (so each turned grid, the last of its
+    world size, runs a different half)."""
+    return [HALVES[(j + (world_size == 4)) % 2] for j in range(len(GRIDS[world_size]))]
+
+
 OVERLAP_SETS = {
     "all": OVERLAPS,  # a list naming fine: always on, in the runtime and the planner
     "all but fine": tuple(o for o in OVERLAPS if o != "fine"),
@@ -88,7 +107,9 @@ def _worker(world_size: int, out_dir: str, grids=None, configs=None, shard=False
     sharded optimizer; ``sp``: with sequence parallelism)."""
     rank = dist.get_rank()
     got = {}
-    for sizes, orientation in grids or GRIDS[world_size]:
+    grids = grids or GRIDS[world_size]
+    per_grid = grid_configs(world_size) if configs is None else [configs] * len(grids)
+    for (sizes, orientation), grid_cfgs in zip(grids, per_grid, strict=True):
         grid = Grid.build(sizes, "cpu", orientation)
         g = torch.Generator().manual_seed(SEED)
         batch = torch.randint(
@@ -97,7 +118,7 @@ def _worker(world_size: int, out_dir: str, grids=None, configs=None, shard=False
         # One model per (checkpointing, overlaps), warmed up by one step; each of its configs'
         # micro-batch counts then counts one step of its own.
         models: dict[tuple, list[int]] = {}
-        for n_micro, ckpt, ov in configs or CONFIGS:
+        for n_micro, ckpt, ov in grid_cfgs:
             models.setdefault((ckpt, ov), []).append(n_micro)
         for (ckpt, ov), n_micros in models.items():
             model = ParallelLlama(
@@ -149,7 +170,7 @@ def predicted(
 @pytest.mark.parametrize("world_size", sorted(GRIDS))
 def test_comm_model_predicts_runtime_collectives(world_size, tmp_path):
     run_distributed(_worker, world_size, world_size, str(tmp_path))
-    _compare(world_size, tmp_path, GRIDS[world_size], CONFIGS, False)
+    _compare(world_size, tmp_path, GRIDS[world_size], None, False)
 
 
 SHARDED_GRIDS = {
@@ -200,9 +221,12 @@ def test_comm_model_predicts_sequence_parallel_collectives(tmp_path):
 
 
 def _compare(world_size: int, tmp_path, grids, configs, shard: bool, sp: bool = False) -> None:
+    """Each rank's counts against the planner's; ``configs``: those of every grid, or None
+    for :func:`grid_configs`."""
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world_size)]
-    for sizes, orientation in grids:
-        for n_micro, ckpt, ov in configs:
+    per_grid = grid_configs(world_size) if configs is None else [configs] * len(grids)
+    for (sizes, orientation), grid_cfgs in zip(grids, per_grid, strict=True):
+        for n_micro, ckpt, ov in grid_cfgs:
             key = _key(sizes, orientation, n_micro, ckpt, ov)
             want = predicted(sizes, orientation, n_micro, ckpt, ov, shard, sp)
             for rank, got in enumerate(ranks):
@@ -218,6 +242,13 @@ def _compare(world_size: int, tmp_path, grids, configs, shard: bool, sp: bool = 
                             f"{key} rank {rank} axis {axis} {field}: runtime {g}, "
                             f"planner {w} (runtime {got[axis]}, planner {want[axis]})"
                         )
+
+
+def test_every_config_runs_on_each_world_size_and_every_grid_with_and_without_overlaps():
+    for size in GRIDS:
+        per_grid = grid_configs(size)
+        assert {c for cfgs in per_grid for c in cfgs} == set(CONFIGS), size
+        assert all({ov for _, _, ov in cfgs} >= {"all", "none"} for cfgs in per_grid), size
 
 
 def test_grids_cover_every_axis():
