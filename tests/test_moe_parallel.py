@@ -20,7 +20,7 @@ from tetrad.grid import Grid
 from tetrad.models.moe import Router
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
-from tetrad.parallel.model import ParallelLlama
+from tetrad.parallel.model import ParallelLlama, compile_blocks, compile_stats
 from tetrad.spec.grid import GridError
 from tetrad.spec.presets import PRESETS
 from tetrad.spec.sharding import check_grid
@@ -80,12 +80,17 @@ def reference_run(cfg):
     return curves, state
 
 
-def parallel_run(name, curves, ref_state, grids):
+def parallel_run(name, curves, ref_state, grids, backend=None):
+    """Train on each grid (sizes, or ``(sizes, G_expert)``) and compare with the reference;
+    ``backend``: the blocks compiled with this torch.compile backend first."""
     cfg = CONFIGS[name]
     for sizes in grids:
-        grid = Grid.build(sizes)
+        sizes, ep = (sizes, 1) if isinstance(sizes[0], int) else sizes
+        grid = Grid.build(sizes, expert=ep)
         model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "reduce_scatter"))
         init_parameters(model, SEED, grid)
+        if backend is not None:
+            compile_blocks(model, backend)
         opt = build_optimizer(model, LR, weight_decay=0.1)
         for step, batch in enumerate(batches(cfg)):
             set_lr(opt, step)
@@ -95,6 +100,10 @@ def parallel_run(name, curves, ref_state, grids):
             ):
                 assert abs(g - r) <= tol * abs(r), f"{name} {sizes} step {step} {what}: {g} vs {r}"
             check_routing([model], grid, curves[step][3], f"{name} {sizes} step {step}")
+            if backend is not None and step == 0:
+                graphs = compile_stats()["graphs"]
+        if backend is not None:  # no recompilation (a host-read size would force one a step)
+            assert compile_stats()["graphs"] == graphs, f"{name} {sizes}: compiled again"
         worst = 0.0
         for key, t in model.state_dict().items():
             p = dict(model.named_parameters()).get(key)
@@ -126,6 +135,19 @@ def test_data_and_z_match_reference(name):
     curves, state = reference_run(CONFIGS[name])
     assert curves[0][1] > 0  # the load-balancing term is really on
     run_distributed(parallel_run, 2, name, curves, state, [(2, 1, 1, 1), (1, 2, 1, 1)])
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_compiled_blocks_match_reference(name):
+    """``--compile`` on the MoE model (``aot_eager``: what Dynamo traces and AOTAutograd
+    differentiates; Inductor's side is the dense model's tests'), the same tolerances as
+    eager, on data, expert-parallel and Y grids: the fp32 experts' grouped GEMMs run eagerly
+    inside the compiled blocks (Dynamo traces ``grouped_mm`` in bf16 only), and the
+    all-to-alls and the routing statistics' sums stay outside the graphs: nothing is compiled
+    again after the first step."""
+    curves, state = reference_run(CONFIGS[name])
+    grids = [((2, 1, 1, 1, 1), 2), (1, 1, 1, 2, 1)]
+    run_distributed(parallel_run, 2, name, curves, state, grids, "aot_eager")
 
 
 @pytest.mark.parametrize("grid", [(1, 1, 1, 2, 1), (1, 1, 1, 1, 2), (1, 2, 1, 2, 2)])

@@ -239,6 +239,11 @@ def expert_swiglu(
     """
     if grouped is None:
         grouped = can_grouped_mm(xs, w1.shape[-1], w1.shape[-2])
+    if torch.compiler.is_compiling() and not (grouped and xs.dtype == torch.bfloat16):
+        # torch.compile traces grouped_mm in bf16 only (its meta function refuses fp32), and
+        # the loop's sizes are this step's counts (a recompile each step): the experts then
+        # run eagerly, one graph break, the rest of the block compiled
+        return _expert_swiglu_eager(xs, counts, w1, w3, w2, grouped)
     if grouped:  # no host synchronisation (on CUDA before SM90 torch's fallback reads offs)
         offs = torch.cumsum(counts, 0).to(torch.int32)
         gate = F.grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
@@ -250,6 +255,9 @@ def expert_swiglu(
         outs.append((F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())) @ w2[e].t())
         start += n
     return torch.cat(outs) if outs else xs.new_zeros(0, w2.shape[1])
+
+
+_expert_swiglu_eager = torch.compiler.disable(expert_swiglu)
 
 
 class GroupedExperts(nn.Module):

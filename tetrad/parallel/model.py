@@ -121,6 +121,7 @@ class ParallelLayers:
             )
         return self._replicated(GroupedExperts(n_experts, dim, ffn_dim, out_std), self.token_axes)
 
+    @torch.compiler.disable  # collectives stay outside compiled graphs
     def sequence_sum(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t`` (no gradient) summed in place over the context ranks and the Y and X ranks,
         which hold the other parts of this rank's sequences (the MoE load-balancing

@@ -115,6 +115,7 @@ class TensorTokens:
         Y), differentiable."""
         return _join_apply(y, self.grid)
 
+    @torch.compiler.disable  # collectives stay outside compiled graphs
     def total(self, aux: torch.Tensor) -> torch.Tensor:
         """``aux`` (0-dim, this tensor rank's share of a block's load-balancing term) with the
         value of the sum over the tensor group and the gradient of this rank's share only: the
