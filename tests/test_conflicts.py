@@ -81,6 +81,14 @@ CASES = [
         ["--nproc 8", "2 ranks"],
     ),
     (
+        "regather without sequence parallelism",
+        {
+            "train": ["--grid", "1,1,2,1", "--sequence-parallel-regather"],
+            "memory": ["--model", "llama-1b", "--grid", "1,1,2,1", "--sequence-parallel-regather"],
+        },
+        ["--sequence-parallel-regather", "--sequence-parallel is off"],
+    ),
+    (
         "fujii2024 does not model the sharded optimizer",
         {"memory": ["--model", "llama-3-8b", "--tp", "2", "--dp", "4", "--shard-optimizer"]},
         ["--shard-optimizer", "fujii2024", "--grid"],

@@ -57,6 +57,9 @@ GRIDS = {  # (G_data, G_z, G_y, G_x) or (G_data, G_context, G_z, G_y, G_x)
 }
 # sequence parallelism (tetrad/parallel/sequence.py): data x Y, context x Y, Y x X
 SEQUENCE_PARALLEL_GRIDS = {4: [(2, 1, 2, 1), (1, 2, 1, 2, 1), (1, 1, 2, 2)]}
+# and the first Linears' inputs kept split, gathered again in backward (Y x X; activations only)
+REGATHER_GRIDS = {4: [(1, 1, 2, 2)]}
+SUFFIX = {False: "", True: "_sp", "regather": "_sp_regather"}
 MODES = ("none", "selective", "selective:1", "full")  # selective:1: the top block only
 
 
@@ -129,8 +132,23 @@ def forward_and_backward_bytes(model, tokens, targets, params: set[int]) -> dict
     return out
 
 
-def _measure(grid: Grid, mode: str, sequence_parallel: bool = False) -> dict:
-    model = ParallelLlama(CFG, grid, mode, sequence_parallel=sequence_parallel)
+def _runs(world_size: int) -> list[tuple[tuple, bool | str]]:
+    """``(sizes, sequence_parallel)`` measured on ``world_size`` ranks (``"regather"``: with
+    ``sequence_parallel_regather``)."""
+    runs = [(s, False) for s in GRIDS[world_size]]
+    runs += [(s, True) for s in SEQUENCE_PARALLEL_GRIDS.get(world_size, [])]
+    return runs + [(s, "regather") for s in REGATHER_GRIDS.get(world_size, [])]
+
+
+def _measure(grid: Grid, mode: str, sequence_parallel: bool | str = False) -> dict:
+    regather = sequence_parallel == "regather"
+    model = ParallelLlama(
+        CFG,
+        grid,
+        mode,
+        sequence_parallel=bool(sequence_parallel),
+        sequence_parallel_regather=regather,
+    )
     init_parameters(model, SEED, grid)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     g = torch.Generator().manual_seed(SEED)
@@ -144,7 +162,7 @@ def _measure(grid: Grid, mode: str, sequence_parallel: bool = False) -> dict:
         cuda = precision("cuda")  # fp32 weights, bf16 GEMMs and residual stream
         out["recompute_bf16_stream"] = block_recompute_bytes(model, tokens, params, policy=cuda)
 
-    if mode != "none":  # AdamW's states do not depend on checkpointing: measured once
+    if mode != "none" or regather:  # AdamW's states: measured once per grid
         return out
     model.zero_grad(set_to_none=True)
     opt = build_optimizer(model, 1e-3, weight_decay=0.1)
@@ -195,18 +213,16 @@ def _measure_bf16_storage(model, grid, batch, tokens, targets) -> dict:
 
 def _worker(world_size: int, out_dir: str) -> None:
     rank = dist.get_rank()
-    runs = [(s, False) for s in GRIDS[world_size]]
-    runs += [(s, True) for s in SEQUENCE_PARALLEL_GRIDS.get(world_size, [])]
-    for sizes, sp in runs:
+    for sizes, sp in _runs(world_size):
         grid = Grid.build(sizes)
         for mode in MODES:
             result = _measure(grid, mode, sp)
-            name = f"{'-'.join(map(str, sizes))}{'_sp' * sp}_{mode}_{rank}.json"
+            name = f"{'-'.join(map(str, sizes))}{SUFFIX[sp]}_{mode}_{rank}.json"
             with open(f"{out_dir}/{name}", "w") as fh:
                 json.dump(result, fh)
 
 
-def predicted(sizes, mode: str, sp: bool = False) -> dict:
+def predicted(sizes, mode: str, sp: bool | str = False) -> dict:
     spec = CFG
     opts = {"activation_checkpointing": mode, "dtype": "fp32", "sequence_parallel": sp}
     r = runtime_memory(spec, sizes, MICRO, SEQ, 1e9, **opts)
@@ -245,14 +261,12 @@ def predicted(sizes, mode: str, sp: bool = False) -> dict:
 @pytest.mark.parametrize("world_size", sorted(GRIDS))
 def test_memory_model_matches_runtime(world_size, tmp_path):
     run_distributed(_worker, world_size, world_size, str(tmp_path))
-    runs = [(s, False) for s in GRIDS[world_size]]
-    runs += [(s, True) for s in SEQUENCE_PARALLEL_GRIDS.get(world_size, [])]
-    for sizes, sp in runs:
+    for sizes, sp in _runs(world_size):
         for mode in MODES:
             want = predicted(sizes, mode, sp)
-            label = f"grid {sizes}{' sequence-parallel' * sp} {mode}"
+            label = f"grid {sizes}{SUFFIX[sp].replace('_', ' ')} {mode}"
             for rank in range(world_size):
-                name = f"{'-'.join(map(str, sizes))}{'_sp' * sp}_{mode}_{rank}.json"
+                name = f"{'-'.join(map(str, sizes))}{SUFFIX[sp]}_{mode}_{rank}.json"
                 got = json.loads((tmp_path / name).read_text())
                 line = ", ".join(f"{k} {got[k]}/{want[k]:.0f}" for k in want if k in got)
                 if rank == 0:

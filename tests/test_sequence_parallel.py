@@ -44,6 +44,26 @@ def test_sequence_parallel_matches_reference():
     run_distributed(_model_runs, 4, 4, *reference_run(CFG, batches()))
 
 
+REGATHER_CASES = [  # (sizes, orientation, checkpointing, overlaps): inputs gathered again
+    ((2, 1, 2, 1), "xy", "none", ALL),  # data x Y
+    ((1, 1, 2, 2), "xy", "selective", ALL),  # Y x X: the recipe-kept shard regathered
+    ((1, 1, 2, 2), "xy", "full", ()),  # Y x X, recomputed blocks, blocking collectives
+]
+
+
+def _regather_runs(world_size, ref_curves, ref_weights):
+    for sizes, orientation, mode, overlaps in REGATHER_CASES:
+        grid = Grid.build(sizes, orientation=orientation)
+        opts = {"sequence_parallel": True, "sequence_parallel_regather": True}
+        run_one(grid, sizes, ref_curves, ref_weights, mode, overlaps, False, **opts)
+
+
+def test_sequence_parallel_regather_matches_reference():
+    """``sequence_parallel_regather``: the first Linear of each pair keeps its sequence shard
+    and all-gathers it again in backward; the same losses, gradient norms and weights."""
+    run_distributed(_regather_runs, 4, 4, *reference_run(CFG, batches()))
+
+
 def test_sequence_parallel_pipeline_matches_reference():
     """Two pipeline stages of Y = 2 ranks: the stages exchange the sequence-split stream."""
     cases = [(2, (1, 1, 1, 2, 1), "1f1b", 1, "selective", ALL)]

@@ -18,7 +18,9 @@ out-proj, gate/up -> down) needs no redistribution of activations.
 one are split along the sequence over Y (``[b, s/G_y, k/G_x]``, ``[b, s/G_y, n/G_x]``); the
 first all-gathers its input and reduce-scatters its input gradient, the second reduce-scatters
 its output and all-gathers its output gradient (:mod:`tetrad.parallel.sequence`), in place of
-the all-reduces over Y.
+the all-reduces over Y. The first keeps its gathered input ``[b, s, k/G_x]`` for the weight
+gradient; with ``regather`` its shard ``[b, s/G_y, k/G_x]``, all-gathered again in backward
+(issued before the ``dx`` GEMM, waited before the ``dW`` GEMM).
 
 The weight gradient leaves backward through :meth:`Overlap.reduce_weight_grad` (which fills
 ``weight.grad``), not through autograd, so its reduce-scatter can run asynchronously; see
@@ -60,13 +62,22 @@ class _Linear3D(torch.autograd.Function):
     """``y = all-reduce_in(x @ all-gather_Z(W_shard)^T)``; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, w_shard, ov: Overlap, in_axis: Axis, out_axis: Axis, sequence: bool):
+    def forward(
+        ctx,
+        x,
+        w_shard,
+        ov: Overlap,
+        in_axis: Axis,
+        out_axis: Axis,
+        sequence: bool,
+        regather: bool = False,
+    ):
         # sequence parallelism: the first layer of a pair (out over Y) gathers its
         # input along the sequence, the second (in over Y) reduce-scatters its output
         gathers, scatters = sequence and out_axis == Axis.Y, sequence and in_axis == Axis.Y
         dtype = compute_dtype(x)
         x_shape = x.shape
-        x = x.to(dtype)
+        x = shard = x.to(dtype)
         w = ov.gather_weight(w_shard, dtype)
         if gathers:
             x = gather_sequence(x, ov.grid)
@@ -76,7 +87,8 @@ class _Linear3D(torch.autograd.Function):
             y = scatter_sequence((rows @ w.t()).view(out_shape), ov.grid)
         else:
             y = ov.forward_gemm_all_reduce(rows, w, in_axis).view(out_shape)
-        ctx.save_for_backward(x)
+        ctx.regather = gathers and regather  # keep the shard, gather it again in backward
+        ctx.save_for_backward(shard if ctx.regather else x)
         # The Parameter object itself (a saved tensor comes back as an alias under activation
         # checkpointing): its .grad is filled by the overlap and its identity drives prefetch.
         ctx.weight, ctx.ov, ctx.out_axis, ctx.dtype = w_shard, ov, out_axis, dtype
@@ -87,17 +99,21 @@ class _Linear3D(torch.autograd.Function):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         w_shard, ov, dtype = ctx.weight, ctx.ov, ctx.dtype
+        if ctx.regather:  # [b, s/G_y, k] -> [b, s, k], in flight during the dx GEMM
+            x = gather_sequence(x, ov.grid, async_op=True)
         dy = dy.to(dtype)
         if ctx.scatters:  # [b, s/G_y, n] -> [b, s, n]
             dy = gather_sequence(dy, ov.grid)
         w = ov.gather_weight(w_shard, dtype)
         rows = dy.reshape(-1, dy.shape[-1])
         if ctx.gathers:  # dx [b, s, k] -> [b, s/G_y, k], during the dW GEMM
-            dx = ov.backward_scatter_sequence((rows @ w).view(x.shape))
+            dx = ov.backward_scatter_sequence((rows @ w).view(*dy.shape[:-1], w.shape[1]))
         else:
             dx = ov.backward_gemm_all_reduce(rows, w, ctx.out_axis)  # runs during the dW GEMM
+        if ctx.regather:
+            x = x.wait()
         reduce_weight_gradient(ov, w_shard, dy, x)
-        return dx.wait().view(ctx.x_shape), None, None, None, None, None
+        return dx.wait().view(ctx.x_shape), None, None, None, None, None, None
 
 
 class Linear(nn.Module):
@@ -113,7 +129,9 @@ class Linear(nn.Module):
     With ``sequence_parallel`` the input of a non-transposed layer is
     ``[b, s/G_y, in_features/G_x]`` and the output of a transposed one
     ``[b, s/G_y, out_features/G_x]``, this Y rank's piece of the sequence
-    (:mod:`tetrad.parallel.sequence`).
+    (:mod:`tetrad.parallel.sequence`). ``regather`` (with ``sequence_parallel``): a
+    non-transposed layer saves that piece for its weight gradient and all-gathers it again in
+    backward, instead of saving the gathered ``[b, s, in_features/G_x]``.
 
     Raises:
         ValueError: a size not divisible by the grid (check the model with
@@ -132,11 +150,15 @@ class Linear(nn.Module):
         init_std: float = 0.02,
         overlap: Overlap | None = None,
         sequence_parallel: bool = False,
+        regather: bool = False,
     ):
         super().__init__()
         if sequence_parallel and bias:
             raise ValueError("a sequence-parallel Linear takes no bias")
+        if regather and not sequence_parallel:
+            raise ValueError("regather needs sequence_parallel (it re-gathers its input)")
         self.sequence_parallel = sequence_parallel and grid.y > 1
+        self.regather = regather and self.sequence_parallel
         self.overlap = overlap if overlap is not None else Overlap(grid, enabled=())
         self.in_axis, self.out_axis = (Axis.Y, Axis.X) if transpose else (Axis.X, Axis.Y)
         g_in, g_out = grid.size(self.in_axis), grid.size(self.out_axis)
@@ -163,7 +185,13 @@ class Linear(nn.Module):
         k_local = self.in_features // self.grid.size(self.in_axis)
         assert x.shape[-1] == k_local, f"expected [..., {k_local}], got {tuple(x.shape)}"
         y = _Linear3D.apply(
-            x, self.weight, self.overlap, self.in_axis, self.out_axis, self.sequence_parallel
+            x,
+            self.weight,
+            self.overlap,
+            self.in_axis,
+            self.out_axis,
+            self.sequence_parallel,
+            self.regather,
         )
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -172,4 +200,5 @@ class Linear(nn.Module):
             f"{self.in_features}->{self.out_features}, in over {self.in_axis.upper()}, "
             f"out over {self.out_axis.upper()}, bias={self.bias is not None}"
             + (", sequence-parallel" if self.sequence_parallel else "")
+            + (" (input gathered again in backward)" if self.regather else "")
         )

@@ -61,11 +61,18 @@ class ParallelLayers:
     """A :class:`tetrad.models.llama.Layers` factory of 3D tensor-parallel layers on ``grid``,
     sharing one :class:`Overlap`; attention heads are split over Y, sequences over context
     (:mod:`tetrad.parallel.context`); with ``sequence_parallel`` the residual stream split
-    along the sequence over Y (:mod:`tetrad.parallel.sequence`)."""
+    along the sequence over Y (:mod:`tetrad.parallel.sequence`), and with ``regather`` each
+    pair's first Linear gathering its input again in backward instead of keeping it gathered."""
 
-    def __init__(self, grid: Grid, overlap: Overlap, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        grid: Grid,
+        overlap: Overlap,
+        sequence_parallel: bool = False,
+        regather: bool = False,
+    ):
         self.grid, self.overlap = grid, overlap
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.regather = sequence_parallel, regather
         # the residual stream holds 1/sequence_split of this rank's tokens of each sample
         self.sequence_split = grid.y if sequence_parallel else 1
         self.head_split = grid.y
@@ -86,9 +93,15 @@ class ParallelLayers:
         return local_positions(s, self.grid, device)
 
     def linear(self, k: int, n: int, *, transpose: bool = False, std: float = 0.02) -> nn.Module:
-        ov, sp = self.overlap, self.sequence_parallel
         return Linear(
-            k, n, self.grid, transpose=transpose, init_std=std, overlap=ov, sequence_parallel=sp
+            k,
+            n,
+            self.grid,
+            transpose=transpose,
+            init_std=std,
+            overlap=self.overlap,
+            sequence_parallel=self.sequence_parallel,
+            regather=self.regather,
         )
 
     def embedding(self, vocab: int, dim: int) -> nn.Module:
@@ -165,6 +178,10 @@ class ParallelLlama(Transformer):
             (:mod:`tetrad.parallel.sequence`): the norms' and residual's activations divided by
             ``G_y``, each pair's all-reduce over Y replaced by an
             all-gather and a reduce-scatter of the same bytes.
+        sequence_parallel_regather: with ``sequence_parallel``, each pair's first Linear
+            (wqkv, w13) keeps its input's sequence shard ``[b, s/G_y, h/G_x]`` and all-gathers
+            it again in backward, instead of keeping the gathered ``[b, s, h/G_x]``
+            (Korthikanti et al., arXiv 2205.05198, section 4.2.2).
         overlap_options: ``bucket_bytes``, ``domino_min_rows``, ``fine_chunks`` and
             ``context_pieces`` of
             :class:`Overlap`.
@@ -176,7 +193,8 @@ class ParallelLlama(Transformer):
         GridError: a size of ``cfg`` that does not shard on ``grid`` (heads or KV heads
             by ``G_y``, a weight dimension by its axes), listing what to change; or
             ``sequence_parallel`` on a grid or model without it
-            (:func:`tetrad.spec.sharding.sequence_parallel_problem`).
+            (:func:`tetrad.spec.sharding.sequence_parallel_problem`);
+            ``sequence_parallel_regather`` without ``sequence_parallel``.
     """
 
     def __init__(
@@ -187,14 +205,20 @@ class ParallelLlama(Transformer):
         overlaps: Iterable[str] = DEFAULT_OVERLAPS,
         part: ModelPart | None = None,
         sequence_parallel: bool = False,
+        sequence_parallel_regather: bool = False,
         **overlap_options: int,
     ):
         check_grid(cfg, grid.sizes)
         check_moe_grid(cfg, grid.sizes, grid.pipe, grid.expert)
         if sequence_parallel and (problem := sequence_parallel_problem(cfg, grid.sizes)):
             raise GridError(problem)
+        if sequence_parallel_regather and not sequence_parallel:
+            raise GridError(
+                "sequence_parallel_regather gathers a sequence-parallel input again: "
+                "turn on sequence_parallel, or drop sequence_parallel_regather"
+            )
         overlap = Overlap(grid, overlaps, **overlap_options)
-        layers = ParallelLayers(grid, overlap, sequence_parallel)
+        layers = ParallelLayers(grid, overlap, sequence_parallel, sequence_parallel_regather)
         with torch.device("meta"):  # shapes only: each rank then allocates its own shards
             super().__init__(cfg, layers, activation_checkpointing, part)
         materialize(self, grid.device)

@@ -20,7 +20,11 @@ becomes two collectives of the same ring bytes (the all-reduces over X stay):
 (an all-reduce sends ``2 (G-1)/G`` of its payload per rank, an all-gather and a reduce-scatter
 ``(G-1)/G`` each). Norm weights then see a slice of the tokens on each Y rank, so their
 gradients are summed over Y too. The gathered input of a first layer is kept for its weight
-gradient, as without sequence parallelism: no collective is added in backward.
+gradient, as without sequence parallelism: no collective is added in backward. With
+``regather`` (Korthikanti et al.'s choice, and Megatron-LM's) it keeps its shard
+``[b, S/G_y, k/G_x]`` instead and all-gathers it again in backward, issued before the input
+gradient's GEMM and waited before the weight gradient's: one more all-gather over Y per first
+layer and micro-batch, ``G_y`` times less saved.
 
 On a rank's tensors ``[b, s, ...]`` with ``b > 1`` the Y ranks' pieces interleave in memory,
 so the gather and the reduce-scatter copy once to put them in order; with ``b = 1`` both are
@@ -36,15 +40,21 @@ from tetrad.grid import Grid
 from tetrad.spec.grid import Axis
 
 
-def gather_sequence(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, grid: Grid, async_op: bool = False) -> torch.Tensor | Handle:
     """``[b, s/G_y, ...]`` -> ``[b, s, ...]``: the all-gather over Y along the sequence (dim 1),
-    Y rank ``y``'s piece at ``y s/G_y``."""
+    Y rank ``y``'s piece at ``y s/G_y``; a :class:`Handle` to it with ``async_op`` (the pieces
+    are put in order by its ``wait``)."""
     g = grid.y
     if g == 1:
-        return x
+        return Handle(None, x, None, 0.0) if async_op else x
     b, piece, tail = x.shape[0], x.shape[1], x.shape[2:]
-    out = all_gather(x.contiguous(), grid, Axis.Y)  # [G_y b, s/G_y, ...], Y rank major
-    return out.view(g, b, piece, *tail).transpose(0, 1).reshape(b, g * piece, *tail)
+
+    def in_order(out: torch.Tensor) -> torch.Tensor:  # [G_y b, s/G_y, ...], Y rank major
+        return out.view(g, b, piece, *tail).transpose(0, 1).reshape(b, g * piece, *tail)
+
+    h = all_gather(x.contiguous(), grid, Axis.Y, async_op=True)
+    h.post = in_order
+    return h if async_op else h.wait()
 
 
 def scatter_sequence(x: torch.Tensor, grid: Grid, async_op: bool = False) -> torch.Tensor | Handle:

@@ -18,6 +18,8 @@ from tetrad.plan.cli_memory import (
     grid_and_experts,
     pipeline_memory_text,
     residual_arg,
+    sequence_parallel_arg,
+    sequence_parallel_text,
     weights_text,
 )
 from tetrad.plan.comm.sublayers import format_sublayers, sublayers
@@ -318,6 +320,13 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         "(tetrad train --sequence-parallel)",
     )
     m.add_argument(
+        "--sequence-parallel-regather",
+        action="store_true",
+        help="tetrad, with --sequence-parallel: each layer pair's first Linear keeps its "
+        "input's sequence shard and gathers it again in backward "
+        "(tetrad train --sequence-parallel-regather)",
+    )
+    m.add_argument(
         "--expert-parallel",
         type=_positive_int,
         default=1,
@@ -479,7 +488,7 @@ def run_memory(args: argparse.Namespace) -> int:
                 params=args.param_dtype,
                 **residual_arg(args),
                 **moe,
-                **({"sequence_parallel": True} if sp else {}),
+                **sequence_parallel_arg(args),
             )
             title = (
                 f"{model.summary()}\ntetrad runtime, grid D,C,Z,Y,X={','.join(map(str, grid))} "
@@ -489,7 +498,7 @@ def run_memory(args: argparse.Namespace) -> int:
                 + weights_text(args)
                 + (f", expert axis {expert}" if model.is_moe else "")
                 + (", blocks compiled" if args.compile else "")
-                + (", sequence-parallel" if sp else "")
+                + sequence_parallel_text(args)
                 + f"\nGPU memory {gpu / GiB:.1f} GiB ({gpu_from})"
             )
         # with a pipeline: one stage of the most blocks' (its in-flight copies not included)

@@ -39,6 +39,7 @@ MEMORY_TETRAD_DEFAULTS = {
     "param_dtype": "fp32",
     "residual_dtype": "auto",
     "sequence_parallel": False,
+    "sequence_parallel_regather": False,
     "expert_parallel": 1,
     "moe_imbalance": 1.0,
     **PIPELINE_DEFAULTS,
@@ -88,6 +89,8 @@ def check_memory_settings(args: argparse.Namespace, method: str, pipe: int) -> N
             args.virtual_stages,
             args.num_microbatches,
             other_mode_options=other,
+            sequence_parallel=args.sequence_parallel,
+            sequence_parallel_regather=args.sequence_parallel_regather,
         )
     else:
         other = _given(args, MEMORY_TETRAD_DEFAULTS)

@@ -38,6 +38,22 @@ def residual_arg(args: argparse.Namespace) -> dict:
     return {} if residual == "auto" else {"residual": residual}
 
 
+def sequence_parallel_arg(args: argparse.Namespace) -> dict:
+    """``--sequence-parallel`` (and ``--sequence-parallel-regather``) as the
+    ``sequence_parallel`` keyword of :func:`tetrad.plan.memory.runtime.runtime_memory`:
+    ``True``, ``"regather"``, or absent when off."""
+    if not getattr(args, "sequence_parallel", False):
+        return {}
+    regather = getattr(args, "sequence_parallel_regather", False)
+    return {"sequence_parallel": "regather" if regather else True}
+
+
+def sequence_parallel_text(args: argparse.Namespace) -> str:
+    """The title's note on sequence parallelism (none when off)."""
+    sp = sequence_parallel_arg(args).get("sequence_parallel")
+    return {True: ", sequence-parallel", "regather": ", sequence-parallel (regather)"}.get(sp, "")
+
+
 def grid_and_experts(args: argparse.Namespace, model: ModelSpec) -> tuple[int, tuple, dict]:
     """``(G_pipe, the five sizes, MoE options)`` of ``tetrad memory --grid``: an ``expert=N``
     item of a named grid, else ``--expert-parallel``, and ``--moe-imbalance``, as the
@@ -115,7 +131,7 @@ def pipeline_memory_text(
         params=getattr(args, "param_dtype", "fp32"),
         **residual_arg(args),
         **moe,
-        **({"sequence_parallel": True} if getattr(args, "sequence_parallel", False) else {}),
+        **sequence_parallel_arg(args),
     )
     stages = ", ".join(
         f"{r.rank}: {'+'.join(map(str, r.chunk_blocks))} blocks {mb.total / GiB:.1f} GiB"
@@ -125,7 +141,7 @@ def pipeline_memory_text(
         f"{model.summary()}\ntetrad runtime, grid P,D,C,Z,Y,X={format_grid(pipe, grid)} "
         f"({turn}), {sched} with {v} stage(s) per rank, {m} micro-batches of "
         f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}{weights_text(args)}"
-        f"{', sequence-parallel' if getattr(args, 'sequence_parallel', False) else ''}\n"
+        f"{sequence_parallel_text(args)}\n"
         f"pipeline ranks (stage split by {machine.name} compute"
         f"{'' if args.machine else ', the default without --machine'}): {stages}\n"
         f"the worst rank:"

@@ -20,7 +20,7 @@ The rows of :data:`RULES`:
   does not model the sharded optimizer; ``--grid`` options without ``--grid``);
 - options of a feature that is off (``--fine-chunks`` without the fine overlap,
   ``--context-pieces`` without a context axis or overlap, ``--nproc`` with a grid of another
-  size);
+  size, ``--sequence-parallel-regather`` without ``--sequence-parallel``);
 - a resumed run given another ``--steps`` (or ``--warmup-steps``, ``--lr``, ``--min-lr``): the
   learning-rate schedule changes; warned, since training further is a reason to resume.
 """
@@ -99,6 +99,10 @@ class Settings:
     """``G_context`` of the grid."""
     nproc: int = 0
     """``--nproc`` (0: not given)."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel``."""
+    sequence_parallel_regather: bool = False
+    """``--sequence-parallel-regather``."""
     ranks: int | None = None
     """The grid's ranks, ``G_pipe`` times the product of its sizes (None: ``--grid auto``)."""
     resumed: Mapping | None = None
@@ -193,6 +197,12 @@ def _other_mode(s: Settings) -> str | None:
 
 
 def _unused_options(s: Settings) -> str | None:
+    if s.sequence_parallel_regather and not s.sequence_parallel:
+        return (
+            "--sequence-parallel-regather gathers the sequence-parallel input again in backward "
+            "but --sequence-parallel is off: add --sequence-parallel, or drop "
+            "--sequence-parallel-regather"
+        )
     if s.overlaps is not None and s.fine_chunks and "fine" not in s.overlaps:
         return (
             f"--fine-chunks {s.fine_chunks} sets the fine overlap's pieces but --overlap leaves "

@@ -173,6 +173,8 @@ def choose_grid(
         orientation=best.orientation,
         shard_optimizer=par.shard_optimizer or best.shard_optimizer,
         sequence_parallel=best.sequence_parallel,
+        # asked with --sequence-parallel: kept where the planner chose it (not in its search)
+        sequence_parallel_regather=par.sequence_parallel_regather and best.sequence_parallel,
         expert_parallel=best.expert or par.expert_parallel,  # an MoE model's expert axis
     )
     return dataclasses.replace(cfg, parallelism=par)

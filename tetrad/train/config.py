@@ -190,6 +190,8 @@ class TrainConfig:
                 context=grid[1],
                 nproc=par.nproc,
                 ranks=par.pipe * math.prod(grid),
+                sequence_parallel=par.sequence_parallel,
+                sequence_parallel_regather=par.sequence_parallel_regather,
             )
         )
         self.logging.profile_range()

@@ -168,6 +168,13 @@ class ParallelismSection:
         "all-gather plus a reduce-scatter of the same bytes; with grid auto, where the planner "
         "finds it faster",
     )
+    sequence_parallel_regather: bool = option(
+        False,
+        help="with --sequence-parallel: each layer pair's first Linear keeps its input's "
+        "sequence shard and all-gathers it again in backward (Megatron-LM's choice) instead of "
+        "keeping it gathered: saved activations lower by that copy's (N-1)/N, one more "
+        "all-gather over Y per pair and micro-batch",
+    )
     dp_bucket_mb: float = option(
         DP_BUCKET_BYTES / MiB, metavar="MB", help="data-parallel all-reduce bucket size, MiB"
     )

@@ -93,6 +93,7 @@ def build_model(cfg: TrainConfig, model_cfg: ModelSpec, grid: Grid) -> Runner:
         fine_chunks=chunks or FINE_CHUNKS,
         context_pieces=context_pieces(cfg, model_cfg),
         sequence_parallel=par.sequence_parallel,
+        sequence_parallel_regather=par.sequence_parallel_regather,
     )
     if grid.pipe > 1:
         micro_batches = cfg.grad_accum

@@ -11,7 +11,11 @@ along the sequence, ``[m, h/G_x]`` in the compute dtype, and the LM head and los
 ``[m, h]``.
 Korthikanti et al. (arXiv 2205.05198, section 4.2.2, eq. 5) divide every stored tensor by
 ``t``; tetrad keeps the gathered Linear input instead of gathering it again in backward, so no
-collective is added.
+collective is added. With ``regather`` (``sequence_parallel="regather"``, ``tetrad train
+--sequence-parallel-regather``) the first Linear keeps its shard, ``[m/G_y, h/G_x]``, and
+gathers it again in backward, as Korthikanti et al. and Megatron-LM: its saved input is then
+``r`` rows like the norm's (under selective checkpointing it is the norm's recipe-tagged
+output, so nothing is kept for it).
 
 The residual stream's format (``residual``, ``tetrad train --residual-dtype``; ``r`` bytes per
 element, :func:`residual_bytes`) sizes each norm's input and a checkpointed block's input: the
@@ -78,7 +82,14 @@ def residual_option(dtype: str, residual: str | None) -> str | None:
 
 
 def _norm_saved_bytes(
-    model: ModelSpec, m: int, hx: int, e: int, consumers: int, split: int = 1, rb: int = FP32
+    model: ModelSpec,
+    m: int,
+    hx: int,
+    e: int,
+    consumers: int,
+    split: int = 1,
+    rb: int = FP32,
+    regather: bool = False,
 ) -> float:
     """One norm (tetrad/parallel/norm.py) and the cast of its output for its consumers, per rank
     (``rb``: the residual stream's bytes per element).
@@ -92,11 +103,12 @@ def _norm_saved_bytes(
     output when the stream is bf16). GPT LayerNorm (not in the runtime): the same with two fp32
     statistics ``[m]`` (mean, rstd). With sequence parallelism (``split = G_y``) the norm's
     three tensors hold ``m / G_y`` rows and each consumer keeps the output gathered along the
-    sequence, ``e m h`` (module docstring).
+    sequence, ``e m h`` (module docstring); with ``regather`` its shard, ``e (m / G_y) h``.
     """
     stats = 2 if model.family == "gpt" else 1
     r = m // split
-    out = FP32 * m * hx if e == FP32 else consumers * e * m * hx
+    kept = r if regather else m  # the consumers' saved rows
+    out = FP32 * kept * hx if e == FP32 else consumers * e * kept * hx
     normalised = FP32 * r * hx if rb == FP32 else 0
     return rb * r * hx + stats * FP32 * r + normalised + out
 
@@ -141,18 +153,20 @@ def block_saved_bytes(
     dtype: str = "bf16",
     split: int = 1,
     residual: str | None = None,
+    regather: bool = False,
 ) -> float:
     """Bytes autograd saves for ONE block on one rank (no checkpointing): two norms with their
     output casts, attention, MLP, and the residual stream (block input and the mid-block sum
     ``h``, both ``[m, h/G_x]`` in the ``residual`` format, :func:`residual_bytes`, counted as
-    the two norms' inputs; ``[m/G_y, h]`` with sequence parallelism, ``split = G_y``)."""
+    the two norms' inputs; ``[m/G_y, h]`` with sequence parallelism, ``split = G_y``;
+    ``regather``: the first Linears keep their input's shard, module docstring)."""
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
     rb = residual_bytes(dtype, residual)
     return (  # each norm feeds one (fused) Linear
-        _norm_saved_bytes(model, m, hx, e, 1, split, rb)
+        _norm_saved_bytes(model, m, hx, e, 1, split, rb, regather)
         + _attention_saved_bytes(model, m, seq_len, gy, e)
-        + _norm_saved_bytes(model, m, hx, e, 1, split, rb)
+        + _norm_saved_bytes(model, m, hx, e, 1, split, rb, regather)
         + _mlp_saved_bytes(model, m, gy, e)
     )
 
@@ -165,6 +179,7 @@ def selective_block_saved_bytes(
     dtype: str = "bf16",
     split: int = 1,
     residual: str | None = None,
+    regather: bool = False,
 ) -> float:
     """Bytes ONE block keeps on one rank under selective checkpointing (tetrad/models/recompute.py;
     Korthikanti et al., arXiv 2205.05198, section 5): the tensors that are expensive to recompute
@@ -179,14 +194,16 @@ def selective_block_saved_bytes(
     ``silu(gate) * up`` is rebuilt; gpt: fc1's ``[m, f/G_y]``, GeLU rebuilt). The positions ``[S]``
     int64 shared by all blocks: :func:`saved_activations`. With sequence parallelism (``split =
     G_y``) the norms' input and statistics hold ``m / G_y`` rows, and each pair's first Linear keeps
-    its input gathered along the sequence, ``e m h`` (no recipe rebuilds a collective's output).
+    its input gathered along the sequence, ``e m h`` (no recipe rebuilds a collective's output);
+    with ``regather`` it keeps the norm's output, rebuilt from its recipe: nothing.
     """
     _, _, gy, gx = grid_sizes(grid)
     e, m, hx = dtype_bytes(dtype), micro_batch * seq_len, model.dim // gx
     qy, kvy, ay = model.q_dim // gy, model.kv_dim // gy, model.n_heads // gy
     stats = 2 if model.family == "gpt" else 1
     r, rb = m // split, residual_bytes(dtype, residual)
-    norms = 2 * (rb * r * hx + stats * FP32 * r) + (2 * e * m * hx if split > 1 else 0)
+    gathered = split > 1 and not regather  # the first Linears' gathered inputs
+    norms = 2 * (rb * r * hx + stats * FP32 * r) + (2 * e * m * hx if gathered else 0)
     if model.family == "gpt":
         qkv, rope, mlp = 3 * qy, 0, model.ffn_dim // gy
     else:
@@ -360,7 +377,7 @@ def saved_activations(
     compiled: bool = False,
     expert: int = 1,
     imbalance: float = 1.0,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     residual: str | None = None,
 ) -> dict[str, float]:
     """What autograd holds on one rank at the end of one micro-batch's forward, in bytes.
@@ -384,8 +401,10 @@ def saved_activations(
         ``selective:K`` their mean per block, ``recompute`` the larger kind's.
 
     ``sequence_parallel``: the residual stream split along the sequence over Y (module
-    docstring). ``residual``: the residual stream's format, ``fp32`` or ``bf16``; None (the
-    runtime's ``auto``) is ``dtype`` (:func:`residual_bytes`).
+    docstring); ``"regather"``: and each pair's first Linear keeping its input's sequence
+    shard, gathered again in backward (``--sequence-parallel-regather``). ``residual``: the
+    residual stream's format, ``fp32`` or ``bf16``; None (the runtime's ``auto``) is ``dtype``
+    (:func:`residual_bytes`).
 
     Raises:
         tetrad.spec.activation_checkpointing.CheckpointingError: an unknown mode, or ``K`` above the
@@ -406,6 +425,8 @@ def saved_activations(
         if problem:
             raise PlanError(problem)
         args = (model, shape, micro_batch, seq_len, ckpt, dtype, compiled)
+        if sequence_parallel == "regather":
+            more["regather"] = True
         return dict(_saved_activations(*args, split=gy, **more))
     args = (model, shape, micro_batch, seq_len, ckpt, dtype, compiled)
     if not model.n_experts:  # a dense model
@@ -425,14 +446,17 @@ def _saved_activations(
     moe: tuple[int, float] = (1, 1.0),
     split: int = 1,
     residual: str | None = None,
+    regather: bool = False,
 ) -> tuple[tuple[str, float], ...]:
     """:func:`saved_activations` once per model, ``(G_context, G_y, G_x)``, micro-batch,
     sequence, mode, dtype and compilation (``grid``: ``(1, G_context, 1, G_y, G_x)``; ``moe``:
     ``(expert, imbalance)`` of an MoE model; ``split``: ``G_y`` under sequence parallelism;
-    ``residual``: the stream's format, None for the compute dtype's)."""
+    ``residual``: the stream's format, None for the compute dtype's; ``regather``: the first
+    Linears keep their input's shard)."""
     mode, k = checkpointed_blocks(ckpt, model.n_layers)
     more = {} if residual is None else {"residual": residual}
-    t = _block_terms(model, grid, micro_batch, seq_len, dtype, compiled, split, **more)
+    rg = {"regather": True} if regather else {}  # the memo's key of the callers without it
+    t = _block_terms(model, grid, micro_batch, seq_len, dtype, compiled, split, **more, **rg)
     if model.n_experts:
         t = _moe_block_terms(model, grid, micro_batch, seq_len, dtype, t, *moe, **more)
     if mode == "full":
@@ -487,15 +511,17 @@ def _block_terms(
     compiled: bool,
     split: int = 1,
     residual: str | None = None,
+    regather: bool = False,
 ) -> _BlockTerms:
     """:class:`_BlockTerms` once per model, ``grid = (1, G_context, 1, G_y, G_x)``,
     micro-batch, sequence, dtype, compilation, ``split`` (``G_y`` under sequence
-    parallelism) and the residual stream's format (shared by the checkpointing modes)."""
+    parallelism), the residual stream's format and ``regather`` (shared by the checkpointing
+    modes)."""
     gc, full_len, e = context_size(grid), seq_len, dtype_bytes(dtype)
     rb = residual_bytes(dtype, residual)
     seq_len = local_seq_len(seq_len, gc)  # this rank's tokens per sample
-    blk = block_saved_bytes(model, grid, micro_batch, seq_len, dtype, split, residual)
-    sel = selective_block_saved_bytes(model, grid, micro_batch, seq_len, dtype, split, residual)
+    args = (model, grid, micro_batch, seq_len, dtype, split, residual, regather)
+    blk, sel = block_saved_bytes(*args), selective_block_saved_bytes(*args)
     if gc > 1:
         blk += context_block_delta(model, grid, micro_batch, full_len, e, "none")
         sel += context_block_delta(model, grid, micro_batch, full_len, e, "selective")

@@ -129,8 +129,8 @@ def stage_parts(
     zero = {"shard_optimizer": shard_optimizer}
     if params != "fp32":
         zero["params"] = params
-    if sequence_parallel:
-        opts |= {"sequence_parallel": True}
+    if sequence_parallel:  # True, or "regather"
+        opts |= {"sequence_parallel": sequence_parallel}
     if residual is not None:
         opts |= {"residual": residual}
     static, phases = phase_components(
@@ -146,11 +146,11 @@ def _params_arg(params: str) -> dict:
     return {} if params == "fp32" else {"params": params}
 
 
-def _activation_args(sp: bool, residual: str | None) -> dict:
+def _activation_args(sp: bool | str, residual: str | None) -> dict:
     """The keywords of :func:`stage_parts` and :func:`stage_saved` for sequence parallelism
     and the residual stream's format, absent at their defaults (the memos' keys of the callers
     that never give them)."""
-    more: dict = {"sequence_parallel": True} if sp else {}
+    more: dict = {"sequence_parallel": sp} if sp else {}
     return more if residual is None else more | {"residual": residual}
 
 
@@ -181,7 +181,7 @@ def stage_saved(
     sm = stage_model(model, blocks)
     opts = dict(zip(("expert", "imbalance"), moe, strict=False))
     if sequence_parallel:
-        opts["sequence_parallel"] = True
+        opts["sequence_parallel"] = sequence_parallel
     if residual is not None:
         opts["residual"] = residual
     return saved_activations(
@@ -401,7 +401,8 @@ def stage_memory(
     model's, as :func:`tetrad.plan.memory.runtime.runtime_memory`'s (a stage's MoE blocks
     counted as the model's first blocks would be); ``params``: the weights' stored format;
     ``sequence_parallel``: the residual stream split along the sequence over Y, the stage
-    boundaries' tensors too; ``residual``: the residual stream's format (None: ``dtype``).
+    boundaries' tensors too (``"regather"``: and the first Linears' inputs kept split);
+    ``residual``: the residual stream's format (None: ``dtype``).
 
     Raises:
         PlanError: a bad grid, a size that does not shard on it, or an unknown dtype.

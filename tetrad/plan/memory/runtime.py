@@ -62,7 +62,7 @@ def runtime_memory(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     residual: str | None = None,
 ) -> MemoryBreakdown:
     """Peak memory of one rank of tetrad's runtime on ``grid = (G_data, G_z, G_y, G_x)``, bytes.
@@ -113,7 +113,9 @@ def runtime_memory(
     (``--sequence-parallel``, one tensor axis): their saved tensors divided by ``G_y``
     (:mod:`tetrad.plan.memory.activations`), and the LM head's input gathered along the
     sequence, ``e m h``, in its forward; it composes with ``params`` (the weights' terms and
-    the activations' are apart).
+    the activations' are apart). ``"regather"``: the same with
+    ``--sequence-parallel-regather``, each pair's first Linear keeping its input's sequence
+    shard (gathered again in backward) instead of the gathered input.
 
     Components (0 when not alive at the peak phase): ``parameters``, ``gradients``,
     ``optimizer_states``, ``activations`` (blocks, embedding, final norm), ``logits_and_loss``,
@@ -180,7 +182,7 @@ def phase_totals(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     residual: str | None = None,
 ) -> dict[str, float]:
     """The total bytes at each phase of :func:`runtime_memory` (its ``phases``; the peak is their
@@ -233,7 +235,7 @@ def phase_components(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     residual: str | None = None,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """``(static components, {phase: live components})`` of :func:`runtime_memory`, bytes: what the
@@ -278,7 +280,7 @@ def _phases(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     residual: str | None = None,
 ) -> tuple[GridBuffers, dict[str, dict[str, float]]]:
     """The grid's buffers and each phase's live components (bytes) of :func:`runtime_memory`."""
@@ -342,7 +344,7 @@ def _parts(
     expert: int = 1,
     imbalance: float = 1.0,
     params: str = "fp32",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     residual: str | None = None,
 ) -> tuple[GridBuffers, _ActivationTerms]:
     """The grid's buffers and the micro-batch's activation terms of :func:`runtime_memory`, checked
@@ -415,7 +417,7 @@ def _activation_terms(
     dtype: str,
     compiled: bool = False,
     moe: tuple[int, float] = (1, 1.0),
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     residual: str | None = None,
 ) -> _ActivationTerms:
     """:class:`_ActivationTerms` once per model, ``shape = (1, G_context, 1, G_y, G_x)``
@@ -457,7 +459,7 @@ def fewest_selective(
     prefetch: bool = True,
     shard_optimizer: bool = False,
     params: str = "fp32",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     residual: str | None = None,
 ) -> str:
     """``selective:K`` with the fewest blocks ``K`` whose :func:`runtime_memory` estimate fits
