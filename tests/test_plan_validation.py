@@ -104,7 +104,8 @@ def _key(sizes, orientation, n_micro, ckpt, overlaps) -> str:
 def _worker(world_size: int, out_dir: str, grids=None, configs=None, shard=False, sp=False) -> None:
     """Per grid, one model per (checkpointing, overlaps): a warm-up step, then one counted
     step per micro-batch count of the configs; this rank's counts to JSON (``shard``: with the
-    sharded optimizer; ``sp``: with sequence parallelism)."""
+    sharded optimizer; ``sp``: with sequence parallelism, ``"regather"``: with
+    ``sequence_parallel_regather``)."""
     rank = dist.get_rank()
     got = {}
     grids = grids or GRIDS[world_size]
@@ -122,7 +123,13 @@ def _worker(world_size: int, out_dir: str, grids=None, configs=None, shard=False
             models.setdefault((ckpt, ov), []).append(n_micro)
         for (ckpt, ov), n_micros in models.items():
             model = ParallelLlama(
-                CFG, grid, ckpt, OVERLAP_SETS[ov], sequence_parallel=sp, **OPTIONS
+                CFG,
+                grid,
+                ckpt,
+                OVERLAP_SETS[ov],
+                sequence_parallel=bool(sp),
+                sequence_parallel_regather=sp == "regather",
+                **OPTIONS,
             )
             init_parameters(model, SEED, grid)
             opt = build_optimizer(model, LR, weight_decay=0.1, shard=grid if shard else None)
@@ -145,7 +152,7 @@ def predicted(
     ckpt: bool,
     overlaps: str,
     shard: bool = False,
-    sp: bool = False,
+    sp: bool | str = False,
 ) -> dict:
     """The planner's per-axis calls, payload bytes and ring bytes of one optimizer step."""
     cells = sizes[0] * sizes[-3]  # G_data G_z
@@ -197,6 +204,8 @@ SEQUENCE_PARALLEL_GRIDS = [
     ((1, 1, 2, 2), "yx"),
 ]
 SEQUENCE_PARALLEL_CONFIGS = [(2, False, "all"), (1, True, "none"), (1, "selective", "all")]
+# the first Linears' inputs gathered again in backward: once more per recomputed block under full
+REGATHER_GRIDS, REGATHER_CONFIGS = [((2, 1, 2, 1), "xy")], SEQUENCE_PARALLEL_CONFIGS[:2]
 
 
 def _sequence_parallel_worker(world_size: int, out_dir: str) -> None:
@@ -204,6 +213,7 @@ def _sequence_parallel_worker(world_size: int, out_dir: str) -> None:
         grids = SEQUENCE_PARALLEL_GRIDS if not shard else SEQUENCE_PARALLEL_GRIDS[:1]
         configs = SEQUENCE_PARALLEL_CONFIGS if not shard else SHARDED_CONFIGS[:2]
         _worker(world_size, f"{out_dir}/{shard}", grids, configs, shard, True)
+    _worker(world_size, f"{out_dir}/regather", REGATHER_GRIDS, REGATHER_CONFIGS, False, "regather")
 
 
 def test_comm_model_predicts_sequence_parallel_collectives(tmp_path):
@@ -211,16 +221,19 @@ def test_comm_model_predicts_sequence_parallel_collectives(tmp_path):
     stream split over both), under full and selective recompute, each overlap set, and with the
     sharded optimizer on data x Y: the all-gathers and reduce-scatters along the sequence over
     Y and the norm weights' gradient sum over Y, call for call and byte for byte."""
-    for shard in (False, True):
-        (tmp_path / str(shard)).mkdir()
+    for name in ("False", "True", "regather"):
+        (tmp_path / name).mkdir()
     run_distributed(_sequence_parallel_worker, 4, 4, str(tmp_path))
     for shard in (False, True):
         grids = SEQUENCE_PARALLEL_GRIDS if not shard else SEQUENCE_PARALLEL_GRIDS[:1]
         configs = SEQUENCE_PARALLEL_CONFIGS if not shard else SHARDED_CONFIGS[:2]
         _compare(4, tmp_path / str(shard), grids, configs, shard, True)
+    _compare(4, tmp_path / "regather", REGATHER_GRIDS, REGATHER_CONFIGS, False, "regather")
 
 
-def _compare(world_size: int, tmp_path, grids, configs, shard: bool, sp: bool = False) -> None:
+def _compare(
+    world_size: int, tmp_path, grids, configs, shard: bool, sp: bool | str = False
+) -> None:
     """Each rank's counts against the planner's; ``configs``: those of every grid, or None
     for :func:`grid_configs`."""
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world_size)]

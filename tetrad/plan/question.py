@@ -73,7 +73,9 @@ class StepQuestion:
             ``G_y > 1`` the residual stream split along the sequence over Y
             (tetrad/parallel/sequence.py): each all-reduce over Y becomes an all-gather and a
             reduce-scatter (:attr:`tetrad.plan.comm.record.Step.sequence_parallel`); other
-            grids are modelled as without it.
+            grids are modelled as without it. ``"regather"``: the same with
+            ``--sequence-parallel-regather`` (one more all-gather over Y per pair's first
+            Linear in backward, :attr:`tetrad.plan.comm.record.Step.sequence_regather`).
         fp8: the FP8 recipe, ``off``, ``tensorwise`` or ``rowwise``
             (:mod:`tetrad.plan.compute.fp8`): the block Linears' GEMMs it converts at the FP8
             rate with their casts, the weights' Z all-gather in FP8 bytes and their amax
@@ -101,7 +103,7 @@ class StepQuestion:
         fine_chunks: int | None = None,
         context_pieces: int | None = None,
         fp8: str = "off",
-        sequence_parallel: bool = False,
+        sequence_parallel: bool | str = False,
     ):
         check_fp8(fp8, machine)
         self.sequence_parallel = sequence_parallel

@@ -263,6 +263,8 @@ def make_step(
         residual_bytes=ctx.residual_bytes,
         scale_link=ctx.machine.network.link(1, gx * gy * gz) if ctx.fp8 == "tensorwise" else None,
         sequence_parallel=sequence_parallel_applies(ctx, roles),
+        sequence_regather=sequence_parallel_applies(ctx, roles)
+        and ctx.sequence_parallel == "regather",
     )
 
 
@@ -400,7 +402,7 @@ def collectives(
     shard_optimizer: bool = False,
     fp8: str = "off",
     param_bytes: int = 4,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     residual_bytes: int | None = None,
 ) -> list[Collective]:
     """Every collective of one optimizer step of tetrad's runtime on one rank: layer, phase,
@@ -413,7 +415,8 @@ def collectives(
     optimizer (:mod:`tetrad.plan.question`); ``fp8``: the FP8 recipe
     (:mod:`tetrad.plan.compute.fp8`); ``param_bytes``: the weights' stored bytes per element
     (2 with ``--param-dtype bf16``); ``sequence_parallel``: the runtime's
-    ``--sequence-parallel``; ``residual_bytes``: the residual stream's bytes per element
+    ``--sequence-parallel`` (``"regather"``: with ``--sequence-parallel-regather``);
+    ``residual_bytes``: the residual stream's bytes per element
     (``--residual-dtype``; None: ``compute_bytes``) (:class:`~tetrad.plan.question.StepQuestion`).
 
     Raises:

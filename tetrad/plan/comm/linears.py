@@ -100,9 +100,19 @@ def sequence_backward(rec: Recorder, st: Step, lin: PlacedLinear) -> None:
     gradient along the sequence over Y, payload ``m k / G_x c``, with ``dx_all_reduce`` during
     the dW GEMM (exposed ``max(0, t - GEMM)``), in place of its all-reduce; the second
     all-gathers its output gradient, payload ``m n / G_x c``, before its GEMMs (exposed; its
-    input gradient's all-reduce over X follows as without it)."""
+    input gradient's all-reduce over X follows as without it). With ``sequence_regather`` the
+    first Linear all-gathers its saved input shard again first, the forward's payload ``m k /
+    G_x c`` once per backward (not in recompute), issued before the dx GEMM and waited before
+    the dW GEMM: exposed ``max(0, t - GEMM)`` (Korthikanti et al., arXiv 2205.05198, section
+    4.2.2)."""
     if lin.out_axis == "y":
         p = st.m * lin.k / st.sizes[lin.in_axis] * st.c
+        if st.sequence_regather:
+            t = st.links["y"].time(ALL_GATHER, p)
+            e = lin.calls * _max0(t - lin.gemm)
+            rec.add(
+                f"{lin.name} (input)", "backward", "y", ALL_GATHER, p, lin.calls, t, e, "dx GEMM"
+            )
         t = st.links["y"].time(REDUCE_SCATTER, p)
         e = _max0(t - lin.gemm) if st.dx_overlap else t
         hid = "dW GEMM" if st.dx_overlap else ""

@@ -120,6 +120,9 @@ class Step:
             embedding reduce-scatter their output and all-gather its gradient (each pair
             of the same ring bytes as the all-reduce it replaces), and the norm weights'
             gradients are summed over Y.
+        sequence_regather: with ``sequence_parallel``, a pair's first Linear all-gathers its
+            input over Y again in backward (``--sequence-parallel-regather``,
+            :func:`tetrad.plan.comm.linears.sequence_backward`).
     """
 
     model: ModelSpec
@@ -157,6 +160,7 @@ class Step:
     scale_link: Link | None = None
     param_bytes: int = 4
     sequence_parallel: bool = False
+    sequence_regather: bool = False
     residual_bytes: int = 0
 
     @property
