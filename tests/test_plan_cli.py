@@ -471,3 +471,21 @@ def test_plan_rejects_what_fits_only_with_a_bf16_stream(capsys):
     rc, out, err = run(argv + ["--residual-dtype", "fp32"], capsys)
     assert rc != 0 and "fits under 80% of 30 GiB" in out + err
     assert "--residual-dtype auto" in out + err
+
+
+def test_memory_with_the_first_linears_inputs_gathered_again(capsys):
+    """``tetrad memory --sequence-parallel-regather`` on the 70B layout of issue 45 (bf16
+    weights and stream, sequence parallelism): only the activations shrink, by the first
+    Linears' gathered copies' ``(G_y - 1)/G_y`` (docs/memory.md: 33.66 -> 30.88 GiB)."""
+    base = ["memory", "--model", "llama-3-70b", "--seq-len", "8192", "--shard-optimizer"]
+    base += ["--grid", "pipe=8,data=8,context=4,y=2", "--pipeline-schedule", "interleaved-1f1b"]
+    base += ["--virtual-stages", "5", "--micro-batch", "1", "--json"]
+    base += ["--param-dtype", "bf16", "--sequence-parallel"]
+    got = {}
+    for extra in ([], ["--sequence-parallel-regather"]):
+        rc, out, _ = run(base + extra, capsys)
+        assert rc == 0
+        got[bool(extra)] = json.loads(out)["components_gib"]
+    kept, again = got[False], got[True]
+    assert {k for k in kept if kept[k] != again[k]} == {"activations"}
+    assert round(kept["activations"], 2) == 33.66 and round(again["activations"], 2) == 30.88
