@@ -247,14 +247,14 @@ def test_tetrad_block_activations_by_hand():
     # (x2), rsqrt (x2), bf16 copies of the norm outputs for the fused wqkv and w13; q, k, v,
     # SDPA out in bf16, fp32 log-sum-exp; 4 SwiGLU.
     rest = 2 * 4 * m + 2 * 2 * m * hx + 2 * m * (2 * qy + 2 * kvy) + 4 * m * ay + rope
-    rest += 4 * 2 * m * fy
+    rest += 3 * 2 * m * fy  # w13 output 2f, the product f (silu(gate) rebuilt)
     bf16 = 4 * 4 * m * hx + rest
     assert block_saved_bytes(L31_8B, grid, b, S, "bf16", residual="fp32") == bf16
     # the bf16 stream (the default): [x, h] in bf16, no normalised tensor (rebuilt in backward)
     assert block_saved_bytes(L31_8B, grid, b, S, "bf16") == 2 * 2 * m * hx + rest
     # fp32: one norm output each, SDPA out plus the out-proj input copy.
     fp32 = (
-        6 * 4 * m * hx + 2 * 4 * m + 4 * m * (3 * qy + 2 * kvy) + 4 * m * ay + rope + 4 * 4 * m * fy
+        6 * 4 * m * hx + 2 * 4 * m + 4 * m * (3 * qy + 2 * kvy) + 4 * m * ay + rope + 3 * 4 * m * fy
     )
     assert block_saved_bytes(L31_8B, grid, b, S, "fp32") == fp32
 
@@ -337,10 +337,10 @@ def test_tetrad_selective_block_by_hand():
 
 
 def test_fewest_selective_blocks_fit_and_one_fewer_does_not():
-    """Llama-3.1-8B on 64 H100s, S 8192, an fp32 residual stream: ``none`` does not fit on
-    4,1,16,1,1, ``selective`` does; the search's ``selective:K`` is the smallest K that fits
-    (K - 1 does not), and the compute model charges K blocks' recompute."""
-    grid, gpu, S, fp32 = (4, 1, 16, 1, 1), 79.6 * GiB, 8192, {"residual": "fp32"}
+    """Llama-3.1-8B on 64 GPUs of 64 GiB, S 8192, an fp32 residual stream: ``none`` does not
+    fit on 4,1,16,1,1, ``selective`` does; the search's ``selective:K`` is the smallest K that
+    fits (K - 1 does not), and the compute model charges K blocks' recompute."""
+    grid, gpu, S, fp32 = (4, 1, 16, 1, 1), 64 * GiB, 8192, {"residual": "fp32"}
 
     def fits(mode):
         return runtime_memory(L31_8B, grid, 1, S, gpu, activation_checkpointing=mode, **fp32).fits
@@ -452,7 +452,7 @@ def test_compiled_blocks_lower_the_estimate_through_every_door(capsys):
         runtime_memory(*args, 139.8 * GiB, compiled=c, **fp32) for c in (False, True)
     )
     assert compiled.total < eager.total
-    assert abs(compiled.total / GiB - 60.54) < 0.01 and abs(eager.total / GiB - 76.55) < 0.01
+    assert abs(compiled.total / GiB - 60.54) < 0.01 and abs(eager.total / GiB - 68.55) < 0.01
     assert max(phase_totals(*args, compiled=True, **fp32).values()) == compiled.total
     stream = runtime_memory(*args, 139.8 * GiB, compiled=True)  # the bf16 stream: less
     assert stream.total < compiled.total

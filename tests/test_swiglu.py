@@ -51,6 +51,16 @@ def test_swiglu_is_autograds_without_zero_fills(dtype, autocast):
     assert fills_ref > 0 and fills == 0  # indexing's backward fills; ours writes each once
 
 
+def test_swiglu_keeps_only_its_input():
+    """Backward rebuilds ``silu(gate)``: the only tensor saved is the ``[..., 2f]`` input."""
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    gate_up = x * 1.0  # a non-leaf, as the w13 output
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        swiglu(gate_up)
+    assert [tuple(t.shape) for t in saved] == [(2, 8, 32)]
+
+
 def test_swiglu_compiles_whole():
     """Under torch.compile the plain expression is traced (Inductor fuses it): no graph
     break, the same numbers as eager."""

@@ -5,7 +5,9 @@ up_0, gate_1, up_1, ...``: :class:`tetrad.models.llama.FeedForward`). Taken apar
 autograd's backward gives each half a zero-filled tensor of the whole ``[..., 2f]`` input with its
 gradient copied into every other element, then adds the two: two fills, two copies and a sum
 where one write would do. Eagerly, :class:`_SwiGLU` writes both halves' gradients into one new
-tensor instead; under ``torch.compile`` the plain expression is traced and Inductor fuses it.
+tensor instead, and keeps only its input for backward (``silu(gate)`` is rebuilt there: a
+quarter of the MLP's saved activations); under ``torch.compile`` the plain expression is traced
+and Inductor fuses it (its partitioner recomputes ``silu(gate)`` as well).
 """
 
 from __future__ import annotations
@@ -30,22 +32,23 @@ def _halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _SwiGLU(torch.autograd.Function):
-    """:func:`swiglu` keeping what autograd keeps (the input and ``silu(gate)``); backward
-    computes autograd's gradients (``d up = g silu(gate)``, ``d gate = silu'(gate) g up``, with
-    ``aten.silu_backward``) and writes them straight into the interleaved ``[..., 2f]``
-    gradient."""
+    """:func:`swiglu` keeping only its input ``[..., 2f]`` (autograd would keep ``silu(gate)
+    [..., f]`` too; Megatron-LM's fused SwiGLU keeps the input alone as well); backward rebuilds
+    ``silu(gate)``, computes autograd's gradients (``d up = g silu(gate)``, ``d gate =
+    silu'(gate) g up``, with ``aten.silu_backward``) and writes them straight into the
+    interleaved ``[..., 2f]`` gradient."""
 
     @staticmethod
     def forward(ctx, gate_up):
         gate, up = _halves(gate_up)
-        silu = F.silu(gate)
-        ctx.save_for_backward(gate_up, silu)
-        return silu * up
+        ctx.save_for_backward(gate_up)
+        return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, g):
-        gate_up, silu = ctx.saved_tensors
+        (gate_up,) = ctx.saved_tensors
         gate, up = _halves(gate_up)
+        silu = F.silu(gate)  # rebuilt: an element-wise pass instead of [..., f] kept per block
         grad = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
         d_gate, d_up = _halves(grad)
         torch.mul(g, silu, out=d_up)

@@ -137,11 +137,12 @@ def _mlp_saved_bytes(model: ModelSpec, m: int, gy: int, e: int) -> float:
     """MLP of one block per rank, inner width ``f/G_y``.
 
     llama SwiGLU ``w2(silu(gate) * up)``: the fused ``w13`` output ``[m, 2f/G_y]`` (silu's input
-    and the product's other input are views of it), ``silu(gate)``, the product (w2's input):
-    ``4 [m, f/G_y]`` in compute dtype.
+    and the product's other input are views of it; :mod:`tetrad.models.swiglu` rebuilds
+    ``silu(gate)`` in backward instead of keeping it) and the product (w2's input):
+    ``3 [m, f/G_y]`` in compute dtype.
     gpt GeLU: fc1's output (GeLU's input) and GeLU's output (fc2's input): ``2 [m, f/G_y]``.
     """
-    n = 2 if model.family == "gpt" else 4
+    n = 2 if model.family == "gpt" else 3
     return n * e * m * (model.ffn_dim // gy)
 
 
@@ -257,8 +258,9 @@ def compiled_block_delta(
     AOTAutograd's partitioner (Inductor's default min-cut) keeps a fused block's cheap
     element-wise outputs for recomputation in its backward kernels instead of saving them, so
     against :func:`block_saved_bytes` a compiled block drops each norm's fp32 normalised tensor
-    (``2 x 4 m h/G_x``), ``silu(gate)`` (``e m f/G_y``) and RoPE's four ``cos``/``sin`` tables
-    (``4 x 4 S d/2``), and keeps one ``[S, 1]`` fp32 column of positions instead. Under selective
+    (``2 x 4 m h/G_x``) and RoPE's four ``cos``/``sin`` tables (``4 x 4 S d/2``), and keeps one
+    ``[S, 1]`` fp32 column of positions instead (``silu(gate)``, which it recomputes too, the
+    eager block keeps no more either: :mod:`tetrad.models.swiglu`). Under selective
     checkpointing the compiled block keeps the rotated keys ``[m, k d/G_y]`` that the eager one
     rebuilds (``+ e m k d/G_y``). Under full checkpointing the kept block inputs are the same,
     and the block rebuilt in backward saves the compiled set (the first delta) too.
@@ -277,7 +279,7 @@ def compiled_block_delta(
         return 0.0, 0.0
     rope = 4 * seq_len * (model.head_dim // 2) * FP32
     normalised = 2 * FP32 * (m // split) * hx if rb == FP32 else 0
-    none = -(normalised + e * m * (model.ffn_dim // gy) + rope) + FP32 * seq_len
+    none = -(normalised + rope) + FP32 * seq_len
     return float(none), float(e * m * (model.kv_dim // gy))
 
 
