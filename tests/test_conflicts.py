@@ -85,6 +85,8 @@ CASES = [
         {
             "train": ["--grid", "1,1,2,1", "--sequence-parallel-regather"],
             "memory": ["--model", "llama-1b", "--grid", "1,1,2,1", "--sequence-parallel-regather"],
+            "plan": ["--model", "llama-1b", "--machine", "dgx-h100", "--gpus", "8"]
+            + ["--global-batch", "8", "--sequence-parallel-regather"],
         },
         ["--sequence-parallel-regather", "--sequence-parallel is off"],
     ),

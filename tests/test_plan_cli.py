@@ -400,10 +400,11 @@ def test_memory_with_the_residual_stream_in_bf16(capsys):
     assert rc != 0 and "--residual-dtype fp32" in out + err
 
 
-def _memory_of_row(row, residual, capsys) -> float:
+def _memory_of_row(row, residual, capsys, more=()) -> float:
     """``tetrad memory --method tetrad`` of a ``tetrad plan --json`` row of llama-3-70b on
     dgx-h100 at 4096 tokens (its grid, orientation, micro-batch, mode, optimizer, pipeline),
-    with ``--residual-dtype residual``: the total bytes (a pipeline's worst rank's)."""
+    with ``--residual-dtype residual`` and the options ``more``: the total bytes (a
+    pipeline's worst rank's)."""
     sizes, pipe = row["sizes"], row.get("pipeline")
     grid = ",".join(f"{k}={sizes[k]}" for k in ("data", "context", "z", "y", "x"))
     argv = ["memory", "--model", "llama-3-70b", "--machine", "dgx-h100", "--seq-len", "4096"]
@@ -416,7 +417,7 @@ def _memory_of_row(row, residual, capsys) -> float:
         grid = f"pipe={pipe['pipe']}," + grid
         argv += ["--pipeline-schedule", pipe["schedule"], "--virtual-stages"]
         argv += [str(pipe["virtual_stages"]), "--num-microbatches", str(row["grad_accum"])]
-    rc, out, _ = run(argv + ["--grid", grid], capsys)
+    rc, out, _ = run(argv + list(more) + ["--grid", grid], capsys)
     assert rc == 0
     return json.loads(out)["total_bytes"]
 
@@ -489,3 +490,49 @@ def test_memory_with_the_first_linears_inputs_gathered_again(capsys):
     kept, again = got[False], got[True]
     assert {k for k in kept if kept[k] != again[k]} == {"activations"}
     assert round(kept["activations"], 2) == 28.79 and round(again["activations"], 2) == 26.01
+
+
+def test_plan_with_sequence_parallel_regather(capsys):
+    """``tetrad plan --sequence-parallel on --sequence-parallel-regather``: every ranked row
+    with sequence parallelism, 5D grids and pipeline grids (their worst rank), has ``tetrad
+    memory --sequence-parallel --sequence-parallel-regather``'s memory of the same
+    configuration, less than without regather where blocks save their activations (not
+    ``full``); the inputs and the text report say so."""
+    argv = ["plan", "--model", "llama-3-70b", "--machine", "dgx-h100", "--gpus", "64"]
+    argv += ["--global-batch", "128", "--seq-len", "4096", "--top", "2", "--no-classic"]
+    argv += ["--sequence-parallel", "on", "--sequence-parallel-regather"]
+    rows = []
+    for more in ([], ["--no-pipeline"]):
+        rc, out, _ = run(argv + more + ["--json"], capsys)
+        assert rc == 0
+        data = json.loads(out)
+        assert data["inputs"]["sequence_parallel_regather"] is True
+        rows += data["four_d"]
+    assert {"pipeline" in r for r in rows} == {True, False}  # both kinds among them
+    sp = ["--sequence-parallel"]
+    for row in rows:
+        assert row["sequence_parallel"]
+        regather = _memory_of_row(row, "auto", capsys, sp + ["--sequence-parallel-regather"])
+        assert row["memory"]["total_bytes"] == regather
+        if row["activation_checkpointing"] != "full":
+            assert regather < _memory_of_row(row, "auto", capsys, sp)
+    rc, out, _ = run(argv + ["--top", "1"], capsys)
+    assert rc == 0 and "sp = sequence parallelism, regather" in out
+
+
+def test_plan_emits_sequence_parallel_regather(tmp_path, capsys):
+    """``--emit-config`` of a ``--sequence-parallel-regather`` plan whose row runs sequence
+    parallelism writes ``sequence_parallel_regather = true`` in ``[parallelism]``, which
+    ``tetrad train``'s config parser reads back; without the flag the key is absent."""
+    from tetrad.train.config import load_config
+
+    argv = ["plan", "--model", "llama-3-70b", "--machine", "dgx-h100", "--gpus", "64"]
+    argv += ["--global-batch", "128", "--seq-len", "4096", "--top", "1", "--no-classic"]
+    argv += ["--sequence-parallel", "on"]
+    for flag, want in (["--sequence-parallel-regather"], True), ([], False):
+        path = tmp_path / f"{want}.toml"
+        rc, _, _ = run(argv + flag + ["--emit-config", str(path)], capsys)
+        assert rc == 0
+        assert ("sequence_parallel_regather = true" in path.read_text()) == want
+        par = load_config(str(path)).parallelism
+        assert par.sequence_parallel and par.sequence_parallel_regather == want

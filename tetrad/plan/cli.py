@@ -192,6 +192,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "is faster)",
     )
     p.add_argument(
+        "--sequence-parallel-regather",
+        action="store_true",
+        help="with --sequence-parallel on or auto: the rows with sequence parallelism keep each "
+        "layer pair's first Linear's input split along the sequence and gather it again in "
+        "backward (tetrad train --sequence-parallel-regather): less memory, one more "
+        "all-gather over Y per pair and micro-batch",
+    )
+    p.add_argument(
         "--gpu-memory-gib", type=float, metavar="GIB", help="GPU memory (default: the machine's)"
     )
     p.add_argument(
@@ -386,6 +394,7 @@ def run_plan(args: argparse.Namespace) -> int:
         params=args.param_dtype,
         sequence_parallel=args.sequence_parallel,
         residual=args.residual_dtype,
+        regather=args.sequence_parallel_regather,
     )
     fp8_lines: list[str] = []
     if args.fp8 == "auto":

@@ -27,6 +27,7 @@ PLAN_RANKING_DEFAULTS = {
     "param_dtype": "fp32",
     "residual_dtype": "auto",
     "sequence_parallel": "off",
+    "sequence_parallel_regather": False,
     "gpu_memory_gib": None,
 }
 """``tetrad plan``'s options that only ranking reads, and their defaults."""
@@ -63,11 +64,19 @@ def check_plan_settings(args: argparse.Namespace) -> None:
     """``tetrad plan``'s options checked against :mod:`tetrad.spec.conflicts`.
 
     Raises:
-        ConflictError: ``--sublayers`` with options only ranking reads.
+        ConflictError: ``--sublayers`` with options only ranking reads;
+            ``--sequence-parallel-regather`` with ``--sequence-parallel off``.
     """
     mode = "sublayers" if args.sublayers else "rank"
     other = _given(args, PLAN_RANKING_DEFAULTS) if args.sublayers else ()
-    _warn(check_conflicts(Settings("plan", mode, other_mode_options=other)))
+    settings = Settings(
+        "plan",
+        mode,
+        other_mode_options=other,
+        sequence_parallel=args.sequence_parallel != "off",
+        sequence_parallel_regather=args.sequence_parallel_regather,
+    )
+    _warn(check_conflicts(settings))
 
 
 def check_memory_settings(args: argparse.Namespace, method: str, pipe: int) -> None:

@@ -127,6 +127,7 @@ def choose_grid(
             residual=cfg.policy.residual,
             # --sequence-parallel with grid auto: on the chosen grid where it runs and pays
             sequence_parallel="auto" if par.sequence_parallel else "off",
+            regather=par.sequence_parallel and par.sequence_parallel_regather,
         )
     except TetradError as e:  # the planner's PlanError, or a grid or model the rules refuse
         raise ConfigError(
@@ -173,7 +174,7 @@ def choose_grid(
         orientation=best.orientation,
         shard_optimizer=par.shard_optimizer or best.shard_optimizer,
         sequence_parallel=best.sequence_parallel,
-        # asked with --sequence-parallel: kept where the planner chose it (not in its search)
+        # asked with --sequence-parallel: kept where the planner chose it (and planned with it)
         sequence_parallel_regather=par.sequence_parallel_regather and best.sequence_parallel,
         expert_parallel=best.expert or par.expert_parallel,  # an MoE model's expert axis
     )

@@ -481,8 +481,8 @@ def fewest_selective(
         options = {"activation_checkpointing": mode, "dtype": dtype, "prefetch": prefetch}
         if params != "fp32":
             options["params"] = params
-        if sequence_parallel:
-            options["sequence_parallel"] = True
+        if sequence_parallel:  # True, or "regather"
+            options["sequence_parallel"] = sequence_parallel
         if residual is not None:
             options["residual"] = residual
         return phase_totals(

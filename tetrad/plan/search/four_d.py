@@ -70,7 +70,7 @@ from tetrad.plan.memory.sharded_optimizer import check_shard_optimizer
 from tetrad.plan.memory.states import param_bytes
 from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.group_floors import GroupFloors
-from tetrad.plan.search.memory_fits import MemoryFits
+from tetrad.plan.search.memory_fits import MemoryFits, sequence_parallel_memory
 from tetrad.plan.search.pipeline.pipe_search import PipeSearch, is_pipeline
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.space import (
@@ -115,6 +115,9 @@ class Search4D:
         residual: the residual stream's format (None: ``dtype``'s; ``fp32`` under bf16
             compute: the memory model's saved norm inputs and checkpointed block inputs,
             :mod:`tetrad.plan.memory.activations`).
+        regather: where sequence parallelism runs, each pair's first Linear keeps its input's
+            sequence shard (``--sequence-parallel-regather``): the memory model's
+            ``sequence_parallel="regather"`` (the step time's is ``ctx``'s).
     """
 
     def __init__(
@@ -129,9 +132,10 @@ class Search4D:
         allowed: set | None = None,
         params: str = "fp32",
         residual: str | None = None,
+        regather: bool = False,
     ):
         self.ctx, self.gpus, self.mem_bytes = ctx, gpus, mem_bytes
-        self.residual = residual
+        self.residual, self.regather = residual, regather
         check_shard_optimizer(shard_optimizer)
         self.shard_optimizer = shard_optimizer if comm_model == "tetrad" else "off"
         self.comm_model, self.dtype, self.params = comm_model, dtype, params
@@ -150,6 +154,7 @@ class Search4D:
             self.stats,
             params,
             residual,
+            regather,
         )
         self.valid: dict = {}  # (G_z, G_y, G_x) -> the grid shards the model
         self.turns: dict = {}  # (G_z, G_y, G_x) -> the orientations that shard the model
@@ -171,6 +176,7 @@ class Search4D:
             stats=self.stats,
             params=self.params,
             residual=self.residual,
+            regather=self.regather,
         )
 
     def groups(self) -> list[tuple]:
@@ -401,7 +407,8 @@ class Search4D:
         ctx = self.ctx
         zero = getattr(est, "shard_optimizer", False)
         roles = role_sizes(grid, turn)
-        sp = self.comm_model == "tetrad" and ctx.sequence_split(roles[1], roles[3], roles[4]) > 1
+        split = ctx.sequence_split(roles[1], roles[3], roles[4])
+        sp = self.comm_model == "tetrad" and split > 1
         mem = runtime_memory(
             ctx.model,
             roles,
@@ -413,7 +420,7 @@ class Search4D:
             prefetch=self.prefetch,
             shard_optimizer=zero,
             params=self.params,
-            **({"sequence_parallel": True} if sp else {}),
+            **({"sequence_parallel": sequence_parallel_memory(split, self.regather)} if sp else {}),
             **({"residual": self.residual} if self.residual is not None else {}),
         )
         if self.comm_model == "tetrad":
@@ -469,6 +476,7 @@ def search_4d(
     params: str = "fp32",
     sequence_parallel: bool | str = False,
     residual: str | None = None,
+    regather: bool = False,
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting 4D configurations (by step seconds) and search statistics;
     with ``pipeline`` (and the tetrad comm model) pipeline grids too
@@ -501,6 +509,11 @@ def search_4d(
             ``auto`` (both searched, their rows merged: a grid is ranked with it where that is
             faster; its collectives are blocking where Domino and ``fine`` hide the
             all-reduce's, so it can be slower where the memory it saves is not needed).
+        regather: with ``sequence_parallel`` (``on``, or ``auto``'s search with it), each
+            pair's first Linear keeps its input's sequence shard and all-gathers it again in
+            backward (``tetrad train --sequence-parallel-regather``): the memory model's and
+            the step model's ``sequence_parallel="regather"`` (fewer saved bytes, one more
+            all-gather over Y per pair and micro-batch); ignored where it is off.
 
     Raises:
         PlanError: no grid shards the model, no grid splits the batch, or nothing fits; the
@@ -524,6 +537,7 @@ def search_4d(
             fp8=fp8,
             params=params,
             residual=residual,
+            regather=regather,
         )
         args = (model, machine, gpus, global_batch, seq_len)
         rows, _ = search_4d(*args, **opts, sequence_parallel="off")
@@ -551,13 +565,14 @@ def search_4d(
         param_bytes=param_bytes(params),
         residual_bytes=residual_bytes(dtype, residual),
         fp8=fp8,
-        sequence_parallel=sp == "on" and comm_model == "tetrad",
+        sequence_parallel=("regather" if regather else True)
+        if sp == "on" and comm_model == "tetrad"
+        else False,
     )
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None
-    search = Search4D(
-        ctx, gpus, mem_bytes, comm_model, dtype, shard_optimizer, modes, allowed, params, residual
-    )
+    more = (shard_optimizer, modes, allowed, params, residual, regather)
+    search = Search4D(ctx, gpus, mem_bytes, comm_model, dtype, *more)
     groups = search.groups()
     pipes = None
     if pipeline and comm_model == "tetrad":

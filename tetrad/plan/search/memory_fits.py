@@ -62,6 +62,17 @@ class RoleFits:
         return {full: sorted(sizes) for full, sizes in out.items()}
 
 
+def sequence_parallel_memory(split: int, regather: bool = False) -> bool | str:
+    """The ``sequence_parallel`` keyword of the memory model
+    (:func:`~tetrad.plan.memory.runtime.runtime_memory`) on a grid whose sequence split over Y
+    is ``split`` (:meth:`~tetrad.plan.question.StepQuestion.sequence_split`): False where it
+    is 1, else ``"regather"`` with ``regather`` (``--sequence-parallel-regather``: each pair's
+    first Linear keeps its input's sequence shard), else True."""
+    if split <= 1:
+        return False
+    return "regather" if regather else True
+
+
 class MemoryFits:
     """What fits in memory on the grids of one 4D search, memoised per role assignment.
 
@@ -75,6 +86,8 @@ class MemoryFits:
         params: the weights' stored format (``fp32``; ``bf16`` with fp32 masters).
         residual: the residual stream's format (``--residual-dtype``: ``fp32`` or ``bf16``;
             None, ``auto``: ``dtype``'s), as :func:`~tetrad.plan.memory.runtime.runtime_memory`'s.
+        regather: with sequence parallelism, each pair's first Linear keeps its input's sequence
+            shard (``--sequence-parallel-regather``; :func:`sequence_parallel_memory`).
         allowed: the micro-batches allowed (None: every divisor).
         stats: the search's statistics, whose ``candidates`` (configurations enumerated: every
             mode and micro-batch up to the first that does not fit) and ``fitting`` counts the
@@ -93,9 +106,10 @@ class MemoryFits:
         stats: dict,
         params: str = "fp32",
         residual: str | None = None,
+        regather: bool = False,
     ):
         self.ctx, self.mem_bytes, self.dtype, self.prefetch = ctx, mem_bytes, dtype, prefetch
-        self.params, self.residual = params, residual
+        self.params, self.residual, self.regather = params, residual, regather
         self.limit = FIT_FRACTION * mem_bytes
         self.shard_optimizer, self.modes, self.allowed = shard_optimizer, modes, allowed
         self.stats = stats
@@ -135,7 +149,7 @@ class MemoryFits:
         raw: dict = {}  # mode -> its phases' lines, once per roles
         lines: dict = {}  # (mode, sharded) -> its memory line
 
-        sp = ctx.sequence_split(gc, roles[3], roles[4]) > 1
+        sp = sequence_parallel_memory(ctx.sequence_split(gc, roles[3], roles[4]), self.regather)
 
         def line(mode: str, zero: bool):
             if (mode, zero) not in lines:
@@ -208,7 +222,9 @@ class MemoryFits:
         model = ctx.model
         per_cell = ctx.global_batch // (roles[0] * roles[2])
         mem, dt, pre = self.mem_bytes, self.dtype, self.prefetch
-        sp = ctx.sequence_split(roles[1], roles[3], roles[4]) > 1
+        sp = sequence_parallel_memory(
+            ctx.sequence_split(roles[1], roles[3], roles[4]), self.regather
+        )
         for z, ckpt, sizes, plain in fits.modes:
             if z != zero:
                 continue
@@ -274,7 +290,9 @@ class MemoryFits:
         """The blocks' saved tensors of a micro-batch of ``b`` on ``roles`` in ``mode``,
         bytes (:func:`tetrad.plan.memory.activations.saved_activations`)."""
         ctx = self.ctx
-        sp = ctx.sequence_split(roles[1], roles[3], roles[4]) > 1
+        sp = sequence_parallel_memory(
+            ctx.sequence_split(roles[1], roles[3], roles[4]), self.regather
+        )
         saved = saved_activations(
             ctx.model,
             roles,
@@ -349,7 +367,7 @@ class PhaseLines:
         prefetch,
         sizes: list[int],
         params: str = "fp32",
-        sp: bool = False,
+        sp: bool | str = False,
         residual: str | None = None,
     ):
         self._args = (model, grid, seq_len, ckpt, dtype, prefetch, params)
@@ -363,8 +381,8 @@ class PhaseLines:
         options = {"activation_checkpointing": ckpt, "dtype": dtype, "prefetch": prefetch}
         if params != "fp32":  # the memo keys of the callers that never give it
             options["params"] = params
-        if self.sp:
-            options["sequence_parallel"] = True
+        if self.sp:  # True, or "regather"
+            options["sequence_parallel"] = self.sp
         if self.residual is not None:
             options["residual"] = self.residual
         return phase_totals(model, grid, b, seq_len, **options)
@@ -385,12 +403,12 @@ def phase_lines(
     prefetch: bool,
     sizes: list[int],
     params: str = "fp32",
-    sp: bool = False,
+    sp: bool | str = False,
     residual: str | None = None,
 ) -> PhaseLines:
     """The :class:`PhaseLines` of a grid and mode (``params``: the weights' stored format;
-    ``sp``: with sequence parallelism; ``residual``: the residual stream's format, None for
-    the compute dtype's)."""
+    ``sp``: with sequence parallelism, ``"regather"`` with the first Linears' inputs kept
+    split; ``residual``: the residual stream's format, None for the compute dtype's)."""
     return PhaseLines(model, grid, seq_len, ckpt, dtype, prefetch, sizes, params, sp, residual)
 
 

@@ -44,6 +44,7 @@ def plan(
     params: str = "fp32",
     sequence_parallel: bool | str = False,
     residual: str = "auto",
+    regather: bool = False,
 ) -> SearchResult:
     """Both searches; see :func:`search_4d` (``pipeline``: with the pipeline axis, on by
     default: ``docs/planner.md`` section 8) and :func:`search_classic` (``classic_pipeline``:
@@ -61,6 +62,11 @@ def plan(
     ``residual``: the residual stream's format of the 4D space (``tetrad train
     --residual-dtype``: ``auto``, the compute dtype's, ``fp32`` or ``bf16``; dense models):
     its memory (:func:`search_4d`); the classic space keeps Megatron-LM's bf16 activations.
+    ``regather``: where the 4D space runs sequence parallelism, each pair's first Linear keeps
+    its input's sequence shard and all-gathers it again in backward (``tetrad train
+    --sequence-parallel-regather``): its memory and step time (:func:`search_4d`; ignored
+    where ``sequence_parallel`` is off, which ``tetrad plan`` refuses through
+    :mod:`tetrad.spec.conflicts`).
 
     Raises:
         PlanError: bad inputs, or no 4D configuration at all (message says what to change);
@@ -129,6 +135,7 @@ def plan(
             params=params,
             sequence_parallel=sequence_parallel,
             residual=residual,
+            regather=regather,
         )
         crow, cstats = ([], {})
         if classic:
@@ -149,6 +156,8 @@ def plan(
     inputs |= {"fp8": fp8, "param_dtype": params, "residual_dtype": residual}
     if sequence_parallel not in (False, "off"):
         inputs["sequence_parallel"] = {True: "on"}.get(sequence_parallel, sequence_parallel)
+        if regather:
+            inputs["sequence_parallel_regather"] = True
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
     return SearchResult(rows, crow, all_stats, inputs)
 

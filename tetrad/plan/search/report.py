@@ -184,6 +184,11 @@ def format_result(result: SearchResult) -> str:
             f"; residual stream {inp['residual_dtype']} (the 4D space)"
             if inp.get("residual_dtype", "auto") != "auto"
             else ""
+        )
+        + (
+            "; sequence parallelism with regather (the 4D space)"
+            if inp.get("sequence_parallel_regather")
+            else ""
         ),
         "",
     ]
@@ -226,6 +231,13 @@ def format_result(result: SearchResult) -> str:
         "of the layer pairs (their first layer splits its output over X); so = AdamW states "
         "sharded over data x context (--shard-optimizer: gradients reduce-scattered, "
         "parameters all-gathered over them); "
+        + (
+            "sp = sequence parallelism, regather (--sequence-parallel-regather: each layer "
+            "pair's first Linear keeps its input split along the sequence over Y and "
+            "all-gathers it again in backward); "
+            if inp.get("sequence_parallel_regather")
+            else ""
+        )
         + (
             "ep = the expert axis (exp expert: the all-to-alls and the expert gradients' "
             "sums; classic: EP with ETP = 1, folded over TP x CP x DP); "
@@ -354,6 +366,11 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
             "activation_checkpointing": row.activation_checkpointing,
             **({"shard_optimizer": True} if row.shard_optimizer else {}),
             **({"sequence_parallel": True} if row.sequence_parallel else {}),
+            **(
+                {"sequence_parallel_regather": True}
+                if row.sequence_parallel and inp.get("sequence_parallel_regather")
+                else {}
+            ),
             **({"expert_parallel": row.expert} if row.expert > 1 else {}),
         },
         "training": {

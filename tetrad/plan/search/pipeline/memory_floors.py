@@ -53,6 +53,7 @@ from tetrad.plan.memory.sharded_optimizer import state_bytes_per_element
 from tetrad.plan.pipe.pipeline_step import split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
 from tetrad.plan.question import StepQuestion
+from tetrad.plan.search.memory_fits import sequence_parallel_memory
 from tetrad.plan.search.pipeline.configs import schedules
 from tetrad.plan.search.pipeline.floor_terms import FloorTerms
 from tetrad.plan.search.space import divisors_of
@@ -74,6 +75,8 @@ class MemoryFloors:
         params: the weights' stored format (``bf16``: 18 bytes per element, ``6 + 12 / G``
             where the search may shard the states with their fp32 masters).
         residual: the residual stream's format (None: ``dtype``'s): the saved activations'.
+        regather: with sequence parallelism, the first Linears' inputs kept split
+            (``--sequence-parallel-regather``): the saved activations'.
     """
 
     def __init__(
@@ -85,9 +88,10 @@ class MemoryFloors:
         terms: FloorTerms,
         params: str = "fp32",
         residual: str | None = None,
+        regather: bool = False,
     ):
         self.ctx, self.limit, self.dtype, self.params = ctx, limit, dtype, params
-        self.residual = residual
+        self.residual, self.regather = residual, regather
         self.shard_optimizer, self.terms = shard_optimizer, terms
         self.saved_memo: dict = {}  # (G_context, G_y, G_x, b, mode) -> (A(1), A(2) - A(1), C, F)
         self.flight_memo: dict = {}  # ((embedding, head), cfg, m) -> per rank kind, its terms
@@ -116,7 +120,9 @@ class MemoryFloors:
                         ctx.seq_len,
                         activation_checkpointing=mode,
                         dtype=self.dtype,
-                        sequence_parallel=ctx.sequence_split(gc, gy, gx) > 1,
+                        sequence_parallel=sequence_parallel_memory(
+                            ctx.sequence_split(gc, gy, gx), self.regather
+                        ),
                         residual=self.residual,
                     )
                 )

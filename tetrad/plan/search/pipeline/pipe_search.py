@@ -18,7 +18,7 @@ from tetrad.plan.memory.pipeline import pipeline_memory, stage_memory
 from tetrad.plan.pipe.pipeline_step import PipeConfig, PipeEstimate, pipeline_estimate, split_ranks
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.question import StepQuestion, sharded
-from tetrad.plan.search.memory_fits import optimizer_variants
+from tetrad.plan.search.memory_fits import optimizer_variants, sequence_parallel_memory
 from tetrad.plan.search.pipeline.configs import MODE_ORDER, enumeration_order, schedules
 from tetrad.plan.search.pipeline.floor_terms import FloorTerms
 from tetrad.plan.search.pipeline.group_bounds import GroupBounds
@@ -55,6 +55,8 @@ class PipeSearch:
             ``pipe_fitting``, ``pipe_evaluated``; a new dict when None).
         params: the weights' stored format (``fp32``; ``bf16`` with fp32 masters).
         residual: the residual stream's format (``--residual-dtype``; None: ``dtype``'s).
+        regather: with sequence parallelism, the first Linears' inputs kept split
+            (``--sequence-parallel-regather``): the memory model's ``"regather"``.
     """
 
     def __init__(
@@ -72,15 +74,17 @@ class PipeSearch:
         stats: dict | None = None,
         params: str = "fp32",
         residual: str | None = None,
+        regather: bool = False,
     ):
         self.ctx, self.gpus, self.mem_bytes = ctx, gpus, mem_bytes
         self.dtype, self.prefetch, self.shard_optimizer = dtype, prefetch, shard_optimizer
-        self.params, self.residual = params, residual
+        self.params, self.residual, self.regather = params, residual, regather
         self.modes = tuple(m for m in MODE_ORDER if m in modes)
         self.allowed, self.orientations = allowed, orientations
         self.terms = FloorTerms(ctx, gpus)
+        limit = FIT_FRACTION * mem_bytes
         self.memory_floors = MemoryFloors(
-            ctx, FIT_FRACTION * mem_bytes, dtype, shard_optimizer, self.terms, params, residual
+            ctx, limit, dtype, shard_optimizer, self.terms, params, residual, regather
         )
         self.group_bounds = GroupBounds(
             ctx, gpus, self.modes, allowed, self.terms, self.memory_floors, self._turns
@@ -287,8 +291,9 @@ class PipeSearch:
         }
         if self.params != "fp32":  # the memo keys of the callers that never give it
             opts["params"] = self.params
-        if ctx.sequence_split(roles[1], roles[3], roles[4]) > 1:
-            opts["sequence_parallel"] = True
+        split = ctx.sequence_split(roles[1], roles[3], roles[4])
+        if split > 1:  # True, or "regather"
+            opts["sequence_parallel"] = sequence_parallel_memory(split, self.regather)
         if self.residual is not None:
             opts["residual"] = self.residual
         return args, opts
