@@ -214,3 +214,24 @@ def test_grid_auto_plans_a_mixture_of_experts_model():
     assert par.pipe * d * c * z * y * x == 4
     assert par.expert_parallel >= 1 and (d * c) % par.expert_parallel == 0
     chosen.check()
+
+
+def test_grid_auto_plans_with_sequence_parallel_regather(monkeypatch):
+    """``--grid auto --sequence-parallel --sequence-parallel-regather`` asks the planner with
+    regather (its ``sp`` rows priced with the regather memory and step models), and keeps it
+    exactly where the chosen grid runs sequence parallelism."""
+    import tetrad.plan.search.plan as planner
+
+    asked = []
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("regather", False))
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan", recording)
+    base = {"machine": "dgx-h100", "sequence_parallel": True}
+    for regather in (True, False):
+        over = base | {"sequence_parallel_regather": regather}
+        par = choose_grid(cfg(**over), 4, vocab_size=256, verbose=False).parallelism
+        assert asked.pop() == regather
+        assert par.sequence_parallel_regather == (regather and par.sequence_parallel)

@@ -145,3 +145,27 @@ def test_tied_embeddings_fit_where_the_memory_model_says():
     mem = peak / 0.8 * 1.001  # "full" at b = 1 fits, just
     rows, _ = search_4d(model, H100, 1, 1, 256, top=3, gpu_memory_bytes=mem, pipeline=False)
     assert rows and all(r.memory.total <= 0.8 * mem for r in rows)
+
+
+def test_sequence_parallel_regather_rows_are_timed_with_it():
+    """``search_4d(sequence_parallel="on", regather=True)``: a sequence-parallel 5D row's step
+    and all-communication seconds are :func:`estimate`'s with
+    ``StepQuestion(sequence_parallel="regather")`` (llama-3-70b on 64 H100s), whose Y
+    communication exceeds plain sequence parallelism's (the backward all-gathers again)."""
+    from tetrad.plan.question import sharded
+
+    model = get_model("llama-3-70b")
+    rows, _ = search_4d(
+        model, H100, 64, 128, 4096, top=1, pipeline=False, sequence_parallel="on", regather=True
+    )
+    row = rows[0]
+    assert row.sequence_parallel
+    got = {}
+    for sp in ("regather", True):
+        ctx = StepQuestion(model, H100, 4096, 128, sequence_parallel=sp)
+        ctx = sharded(ctx) if row.shard_optimizer else ctx
+        args = (tuple(row.grid), row.micro_batch, row.activation_checkpointing)
+        got[sp] = estimate(ctx, *args, orientation=row.orientation)
+    assert row.step_s == got["regather"].step_s
+    assert row.comm_s == got["regather"].comm_s
+    assert got["regather"].comm_s["y"] > got[True].comm_s["y"]
