@@ -27,7 +27,7 @@ combine                        the slot order and its inverse ``[T k]`` int64 ea
 load-balancing loss            ``f [groups, E]`` fp32 (groups: ``b`` sequences, or 1 for
                                ``batch``), with the whole-sequence length ``[groups, 1]`` where
                                the sequence is split (context, Y or X)
-shared expert                  as the dense SwiGLU of width ``f_s`` (``4 e m f_s / G_y``)
+shared expert                  as the dense SwiGLU of width ``f_s`` (``3 e m f_s / G_y``)
 =============================  ===============================================================
 
 ``selective`` keeps all of it but the shared expert's rebuilt part (its ``w13`` output
@@ -124,7 +124,7 @@ def moe_block_saved_bytes(
     shared = 0.0
     if model.shared_ffn_dim:
         width = model.shared_ffn_dim // gy
-        shared = (4 if mode == "none" else 2) * e * m * width
+        shared = (3 if mode == "none" else 2) * e * m * width  # w13 output and product
     routed = routed_saved_bytes(model, t, micro_batch, e, expert, imbalance, split_sequence)
     return float(router_input + routed + shared)
 
@@ -170,7 +170,7 @@ def moe_terms(
     shared = 0.0
     if model.shared_ffn_dim:
         mode = "none" if full else activation_checkpointing.partition(":")[0]
-        shared = (4 if mode == "none" else 2) * e * m * (model.shared_ffn_dim // gy)
+        shared = (3 if mode == "none" else 2) * e * m * (model.shared_ffn_dim // gy)
     return {
         "routed expert states (fp32 weights, gradients, AdamW)": 16.0 * lm * local * 3 * f * h,
         "router states": 16.0 * lm * model.n_experts * h,
