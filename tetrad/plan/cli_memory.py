@@ -15,6 +15,7 @@ from tetrad.plan.pipe.pipeline_step import split_ranks
 from tetrad.plan.pipe.schedule import schedule_problems
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.question import StepQuestion
+from tetrad.plan.search.memory_fits import sequence_parallel_memory
 from tetrad.spec.grid import format_grid, parse_pipeline_grid, pop_expert, role_sizes
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.pipeline_split import PipelineSplitError
@@ -42,10 +43,11 @@ def sequence_parallel_arg(args: argparse.Namespace) -> dict:
     """``--sequence-parallel`` (and ``--sequence-parallel-regather``) as the
     ``sequence_parallel`` keyword of :func:`tetrad.plan.memory.runtime.runtime_memory`:
     ``True``, ``"regather"``, or absent when off."""
-    if not getattr(args, "sequence_parallel", False):
-        return {}
-    regather = getattr(args, "sequence_parallel_regather", False)
-    return {"sequence_parallel": "regather" if regather else True}
+    sp = sequence_parallel_memory(
+        getattr(args, "sequence_parallel", False),
+        getattr(args, "sequence_parallel_regather", False),
+    )
+    return {"sequence_parallel": sp} if sp else {}
 
 
 def sequence_parallel_text(args: argparse.Namespace) -> str:

@@ -407,8 +407,10 @@ class Search4D:
         ctx = self.ctx
         zero = getattr(est, "shard_optimizer", False)
         roles = role_sizes(grid, turn)
-        split = ctx.sequence_split(roles[1], roles[3], roles[4])
-        sp = self.comm_model == "tetrad" and split > 1
+        sp = sequence_parallel_memory(
+            self.comm_model == "tetrad" and ctx.sequence_split(roles[1], roles[3], roles[4]) > 1,
+            self.regather,
+        )
         mem = runtime_memory(
             ctx.model,
             roles,
@@ -420,7 +422,7 @@ class Search4D:
             prefetch=self.prefetch,
             shard_optimizer=zero,
             params=self.params,
-            **({"sequence_parallel": sequence_parallel_memory(split, self.regather)} if sp else {}),
+            **({"sequence_parallel": sp} if sp else {}),
             **({"residual": self.residual} if self.residual is not None else {}),
         )
         if self.comm_model == "tetrad":
@@ -452,7 +454,7 @@ class Search4D:
             self.comm_model,
             orientation=turn,
             shard_optimizer=zero,
-            sequence_parallel=sp,
+            sequence_parallel=bool(sp),
         ).finish(ctx.model, ctx.machine, self.gpus, ctx.global_batch, ctx.seq_len)
 
 
@@ -565,9 +567,7 @@ def search_4d(
         param_bytes=param_bytes(params),
         residual_bytes=residual_bytes(dtype, residual),
         fp8=fp8,
-        sequence_parallel=("regather" if regather else True)
-        if sp == "on" and comm_model == "tetrad"
-        else False,
+        sequence_parallel=sequence_parallel_memory(sp == "on" and comm_model == "tetrad", regather),
     )
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None

@@ -62,13 +62,15 @@ class RoleFits:
         return {full: sorted(sizes) for full, sizes in out.items()}
 
 
-def sequence_parallel_memory(split: int, regather: bool = False) -> bool | str:
-    """The ``sequence_parallel`` keyword of the memory model
-    (:func:`~tetrad.plan.memory.runtime.runtime_memory`) on a grid whose sequence split over Y
-    is ``split`` (:meth:`~tetrad.plan.question.StepQuestion.sequence_split`): False where it
-    is 1, else ``"regather"`` with ``regather`` (``--sequence-parallel-regather``: each pair's
-    first Linear keeps its input's sequence shard), else True."""
-    if split <= 1:
+def sequence_parallel_memory(on: bool, regather: bool = False) -> bool | str:
+    """The ``sequence_parallel`` keyword of the memory and step models
+    (:func:`~tetrad.plan.memory.runtime.runtime_memory`,
+    :class:`~tetrad.plan.question.StepQuestion`) where sequence parallelism runs (``on``; on a
+    grid: its sequence split over Y, :meth:`~tetrad.plan.question.StepQuestion.sequence_split`,
+    above 1): False where it does not, else ``"regather"`` with ``regather``
+    (``--sequence-parallel-regather``: each pair's first Linear keeps its input's sequence
+    shard), else True."""
+    if not on:
         return False
     return "regather" if regather else True
 
@@ -149,7 +151,7 @@ class MemoryFits:
         raw: dict = {}  # mode -> its phases' lines, once per roles
         lines: dict = {}  # (mode, sharded) -> its memory line
 
-        sp = sequence_parallel_memory(ctx.sequence_split(gc, roles[3], roles[4]), self.regather)
+        sp = sequence_parallel_memory(ctx.sequence_split(gc, roles[3], roles[4]) > 1, self.regather)
 
         def line(mode: str, zero: bool):
             if (mode, zero) not in lines:
@@ -223,7 +225,7 @@ class MemoryFits:
         per_cell = ctx.global_batch // (roles[0] * roles[2])
         mem, dt, pre = self.mem_bytes, self.dtype, self.prefetch
         sp = sequence_parallel_memory(
-            ctx.sequence_split(roles[1], roles[3], roles[4]), self.regather
+            ctx.sequence_split(roles[1], roles[3], roles[4]) > 1, self.regather
         )
         for z, ckpt, sizes, plain in fits.modes:
             if z != zero:
@@ -291,7 +293,7 @@ class MemoryFits:
         bytes (:func:`tetrad.plan.memory.activations.saved_activations`)."""
         ctx = self.ctx
         sp = sequence_parallel_memory(
-            ctx.sequence_split(roles[1], roles[3], roles[4]), self.regather
+            ctx.sequence_split(roles[1], roles[3], roles[4]) > 1, self.regather
         )
         saved = saved_activations(
             ctx.model,

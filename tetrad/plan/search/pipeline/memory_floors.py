@@ -121,7 +121,7 @@ class MemoryFloors:
                         activation_checkpointing=mode,
                         dtype=self.dtype,
                         sequence_parallel=sequence_parallel_memory(
-                            ctx.sequence_split(gc, gy, gx), self.regather
+                            ctx.sequence_split(gc, gy, gx) > 1, self.regather
                         ),
                         residual=self.residual,
                     )

@@ -293,7 +293,7 @@ class PipeSearch:
             opts["params"] = self.params
         split = ctx.sequence_split(roles[1], roles[3], roles[4])
         if split > 1:  # True, or "regather"
-            opts["sequence_parallel"] = sequence_parallel_memory(split, self.regather)
+            opts["sequence_parallel"] = sequence_parallel_memory(True, self.regather)
         if self.residual is not None:
             opts["residual"] = self.residual
         return args, opts
