@@ -213,14 +213,16 @@ def test_bf16_weights_with_fp32_masters_by_hand():
     assert gathered_weight_bytes(lin, (1, 2, 2, 1), "bf16", "bf16") == gathered_weight_bytes(
         lin, (1, 2, 2, 1), "bf16", "fp32"
     )
-    # the sharded step: reduced fp32 pieces 4n/G + the bf16 all-gathers 2n(1 + 1/G)
+    # the sharded step: reduced fp32 pieces 4n/G + the first unit's (the embedding's) bf16
+    # all-gather 2 e (1 + 1/G), e = V h / G_y: the only one in flight
     n = local_parameter_elements(L3_70B, (4, 1, 2, 1))
     n = n["matrices"] + n["vectors"]
     step = runtime_memory(L3_70B, (4, 1, 2, 1), 1, 8192, 141e9, shard_optimizer=True, params="bf16")
+    e = L3_70B.vocab_size * L3_70B.dim / 2
     assert step.phases["optimizer step"] == pytest.approx(
         sum(step.components[k] for k in ("parameters", "gradients", "optimizer_states"))
         + 4 * n / 4
-        + 2 * n * (1 + 1 / 4)
+        + 2 * e * (1 + 1 / 4)
     )
     with pytest.raises(PlanError, match="param dtype 'fp16' is unknown: use fp32 or bf16"):
         runtime_memory(*args, params="fp16")

@@ -18,6 +18,7 @@ from tetrad.parallel.model import ParallelLlama
 from tetrad.parallel.zero import DataShards, ShardedAdamW, settle_parameters
 from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.step import pipeline_train_step
+from tetrad.plan.memory.sharded_optimizer import unit_elements
 from tetrad.spec.overlap import OVERLAPS
 from tetrad.spec.presets import PRESETS
 from tetrad.train.step import build_optimizer, lr_at, train_step
@@ -209,9 +210,10 @@ def test_planner_offers_the_sharded_optimizer():
 
 def _overlap_worker(world_size):
     """The parameter all-gathers after the update are left pending and waited in the next
-    step's forward, one module at a time: at a module's forward pre-hook (after the optimizer's
-    own, registered first) none of its parameters is pending while the later modules' still
-    are; the head's were issued last."""
+    step's forward, one unit (embedding, block, final norm with head) at a time: after the update
+    only the embedding's is in flight and the head's is queued last; at a module's forward
+    pre-hook (after the optimizer's own, registered first) none of its parameters is pending
+    while the later modules' still are, and at most one unit is ever in flight."""
     grid, model, _ = build_model(1, (world_size, 1, 1, 1), ALL)
     opt = build_optimizer(model, LR, weight_decay=0.1, shard=grid)
     seen: list[tuple[bool, int]] = []
@@ -220,15 +222,31 @@ def _overlap_worker(world_size):
         if not seen:  # after the first step: the optimizer's hooks exist, ours run after them
             pending = dict(opt.shards.pending)
             assert pending, "nothing left pending after the update"
-            issued = list(dict.fromkeys(id(e[1]) for e in pending.values()))
-            head = next(p for n, p in model.named_parameters() if "head" in n or "output" in n)
-            assert id(pending[id(head)][1]) == issued[-1], "the head's all-gather is not last"
+            units = list({id(e[0]): e for e in pending.values()}.values())
+            assert len(units) == 2 + len(model.layers)  # embedding, blocks, norm with head
+            flying = [e for e in units if e[1] is not None]
+            emb = model.tok_embeddings.weight
+            assert len(flying) == 1 and flying[0][0] == [emb], "not the embedding's alone"
+            head = model.output.weight
+            tail = [model.norm.weight, head]
+            assert units[-1][0] == tail, "the head's all-gather is not queued last"
+            # the planner's units (tetrad memory's step buffers) are the runtime's
+            want = unit_elements(CFG, (world_size, 1, 1, 1))
+            sizes = [sum(p.numel() for p in e[0]) for e in units]
+            tail = want["final_norm"] + want["head"]
+            assert sizes == [want["embedding"]] + [want["block"]] * CFG.n_layers + [tail]
+            assert flying[0][1].result.numel() == want["embedding"]
             for m in model.modules():
                 own = list(m.parameters(recurse=False))
                 if own:
                     m.register_forward_pre_hook(
                         lambda _m, _a, own=own: seen.append(
-                            (any(id(p) in opt.shards.pending for p in own), len(opt.shards.pending))
+                            (
+                                any(id(p) in opt.shards.pending for p in own)
+                                or len({id(e[1]) for e in opt.shards.pending.values()} - {id(None)})
+                                > 1,
+                                len(opt.shards.pending),
+                            )
                         )
                     )
     assert seen and not any(mine for mine, _ in seen), "a module ran before its all-gather"
@@ -242,21 +260,23 @@ def test_parameter_gathers_overlap_the_next_forward():
 
 
 def test_gather_exposure_is_the_forwards_lateness():
-    """:func:`tetrad.plan.comm.layers.gather_exposed` against a replay of the queue: the
-    all-gathers back to back (embedding, blocks, head), each unit's forward waiting for its
-    own; the exposure is the forward's delay. Without forward to hide behind, all of it; with
-    interleaved stages, at most the one-stage figure."""
-    from tetrad.plan.comm.layers import gather_exposed
+    """:func:`tetrad.plan.comm.layers.chain_exposed` against a replay of the runtime's chain
+    (tetrad/parallel/zero.py): unit ``i + 1``'s all-gather issued when unit ``i`` is waited,
+    its first read ``slack[i]`` later; the exposure is how long each read waits."""
+    from tetrad.plan.comm.layers import chain_exposed
 
-    def replay(d, h, e, fwd, n):
-        done, t = e, e  # the embedding waits for its all-gather; its lookup costs nothing here
-        for _ in range(n):
-            done += d
-            t = max(t, done) + fwd
-        return max(t, done + h) - n * fwd
+    def replay(times, slack):
+        waited, out = times[0], [times[0]]  # the first, issued by the update, read at once
+        for i in range(1, len(times)):
+            read, done = waited + slack[i - 1], waited + times[i]
+            out.append(max(0.0, done - read))
+            waited = max(read, done)
+        return out
 
-    for d, h, e, fwd, n in [(3, 2, 1, 1, 6), (1, 5, 2, 3, 4), (2, 2, 2, 2, 1), (0.5, 9, 1, 2, 8)]:
-        assert abs(gather_exposed(d, h, e, fwd, n) - replay(d, h, e, fwd, n)) < 1e-12
-        assert gather_exposed(d, h, e, 0.0, n) == e + n * d + h
-        assert gather_exposed(d, h, e, fwd, n) >= e + d
-        assert gather_exposed(d, h, e, fwd, 2 * n, 0, 2, 4) <= gather_exposed(d, h, e, fwd, 2 * n)
+    for times, slack in [
+        ([3, 1, 1, 1, 5], [0, 2, 2, 2, 0]),
+        ([1, 4, 4, 4, 2], [0, 1, 9, 1, 0]),
+        ([2, 2], [0, 0]),
+    ]:
+        assert chain_exposed(times, slack) == replay(times, slack)
+        assert sum(chain_exposed(times, [0] * len(times))) == sum(times)

@@ -14,12 +14,18 @@ groups' columns side by side (``[G, sum c]``), so that row ``r`` holds rank ``r`
 reduce-scatter leaves row ``r`` on rank ``r``. The all-gather after the update packs the same
 way. The padding is zero (none when ``G`` divides ``n``).
 
-The all-gathers after the update are asynchronous (as Megatron-LM's ``overlap_param_gather``):
-issued in the order the next forward first reads the parameters (:meth:`DataShards.attach`:
-embedding, blocks, head), each waited just before that first read (a forward pre-hook on every
-module below the model, and :meth:`tetrad.parallel.overlap.Overlap` before a Z
-all-gather reads a weight), or all at once by :meth:`DataShards.wait_all` (before a checkpoint
-save, an evaluation, the end of training, and the next update).
+The all-gathers after the update run one unit at a time, asynchronously (as Megatron-LM's
+``overlap_param_gather``): a unit is one module of the forward (:func:`gather_units`: the
+embedding, each block, the final norm with the LM head), gathered in the order the next forward
+first reads them. The first unit's all-gather is issued by the update; each is waited just
+before its first read (a forward pre-hook on every module below the model, and
+:meth:`tetrad.parallel.overlap.Overlap` before a Z all-gather reads a weight), copied into the
+parameters, and the next unit's is issued then, so it runs behind this unit's forward. So at most
+one unit's buffers exist at a time (its output ``[G, sum c]`` and this rank's row ``[sum c]``,
+in the weights' format), where gathering every unit at once would hold the whole model again:
+Megatron-LM gathers into its parameter buffer in place, and dispatches the next bucket's
+all-gather when the current one is waited, likewise. :meth:`DataShards.wait_all` finishes them
+all in order (before a checkpoint save, an evaluation, the end of training, and the next update).
 
 Pieces depend only on the parameter and ``G``, never on the buckets, so a step whose buckets
 differ from the last's still finds its states, and a checkpoint stores the whole local tensors
@@ -46,8 +52,10 @@ class DataShards:
         rank: this rank's index in the data group.
         grads: ``id(param) -> [len]`` this rank's piece of the gradient summed over every
             token axis, set by :meth:`take` (or :func:`tetrad.parallel.grads.sync_gradients`).
-        groups: the parameter groups reduce-scattered this step, in order (the all-gathers
-            after the update follow them, one call each).
+        groups: the parameter groups reduce-scattered this step, in order.
+        pending: ``id(param) -> (its unit's params, Handle or None)`` for every parameter whose
+            all-gather after the update is not yet copied in (None: queued, not yet issued;
+            at most one unit has a handle).
     """
 
     def __init__(self, grid: Grid):
@@ -58,7 +66,11 @@ class DataShards:
         self.grads: dict[int, torch.Tensor] = {}
         self.groups: list[list[nn.Parameter]] = []
         self.order: dict[int, int] = {}  # id(param) -> its place in the forward (attach)
-        self.pending: dict[int, tuple] = {}  # id(param) -> (params, Handle) of its all-gather
+        self.unit: dict[int, int] = {}  # id(param) -> its gather unit (attach)
+        self._units = 0
+        self.pending: dict[int, tuple] = {}  # id(param) -> (unit params, Handle or None)
+        self._queue: list[list[nn.Parameter]] = []  # units not yet issued, in forward order
+        self._in_flight: tuple | None = None  # (unit params, Handle) of the one issued
         self._hooked: set[int] = set()
 
     def attach(self, *models: nn.Module) -> None:
@@ -71,6 +83,11 @@ class DataShards:
         for model in models:
             for p in model.parameters():
                 self.order.setdefault(id(p), len(self.order))
+            for unit in gather_units(model):
+                fresh = [p for p in unit if id(p) not in self.unit]
+                if fresh:
+                    self.unit.update((id(p), self._units) for p in fresh)
+                    self._units += 1
             for m in model.modules():
                 own = list(m.parameters())
                 if m is not model and own and id(m) not in self._hooked:
@@ -78,24 +95,38 @@ class DataShards:
                     m.register_forward_pre_hook(lambda _m, _a, own=own: self.wait_for(own))
 
     def wait_for(self, params) -> None:
-        """Finish the pending all-gathers (:meth:`all_gather`) of any of ``params``."""
-        for p in params:
-            entry = self.pending.get(id(p))
-            if entry is not None:
-                for q in entry[0]:
-                    self.pending.pop(id(q), None)
-                self._copy_in(*entry)
+        """Finish the all-gathers after the update (:meth:`all_gather`) of any of ``params``:
+        those of the units before theirs first, in order (one in flight at a time)."""
+        while any(id(p) in self.pending for p in params):
+            self._finish_next()
 
     def wait_all(self) -> None:
-        """Finish every pending all-gather, in the order they were issued."""
+        """Finish every pending all-gather, in the order they were queued."""
         while self.pending:
-            entry = next(iter(self.pending.values()))
-            for q in entry[0]:
-                self.pending.pop(id(q), None)
-            self._copy_in(*entry)
+            self._finish_next()
 
-    def _first_read(self, params: list[nn.Parameter]) -> int:
-        return min(self.order.get(id(p), len(self.order)) for p in params)
+    def _finish_next(self) -> None:
+        """Wait the unit in flight (issuing the first queued one if none is), copy it into its
+        parameters, and issue the next."""
+        if self._in_flight is None:
+            self._issue_next()
+        params, handle = self._in_flight
+        self._in_flight = None
+        for p in params:
+            self.pending.pop(id(p), None)
+        self._copy_in(params, handle)
+        self._issue_next()
+
+    @torch.no_grad()
+    def _issue_next(self) -> None:
+        """Issue the first queued unit's all-gather (none while one is in flight)."""
+        if self._in_flight is not None or not self._queue:
+            return
+        params = self._queue.pop(0)
+        mine = self.pack_row([self.piece(p.data) for p in params], params)
+        handle = all_gather(mine, self.grid, Axis.DATA, async_op=True)
+        self._in_flight = (params, handle)
+        self.pending.update((id(p), (params, handle)) for p in params)
 
     def sharded(self, p: nn.Parameter) -> bool:
         """Whether ``p``'s optimizer state is split: its gradient is summed over data."""
@@ -151,21 +182,36 @@ class DataShards:
             self.grads[id(p)] = row[offset : offset + length]
             offset += c
 
+    def units(self) -> list[list[nn.Parameter]]:
+        """The parameters reduce-scattered this step (:attr:`groups`) in gather units: one per
+        module of :func:`gather_units` (:meth:`attach`), in the order of the next forward's
+        first reads; a parameter of no attached module stays with its reduce-scatter group,
+        after them."""
+        params = [p for group in self.groups for p in group]
+        params.sort(key=lambda p: self.order.get(id(p), len(self.order)))  # stable
+        where = {id(p): i for i, group in enumerate(self.groups) for p in group}
+        units: dict[tuple, list[nn.Parameter]] = {}
+        for p in params:
+            key = (0, self.unit[id(p)]) if id(p) in self.unit else (1, where[id(p)])
+            units.setdefault(key, []).append(p)
+        return list(units.values())
+
     @torch.no_grad()
     def all_gather(self, async_op: bool = False) -> None:
-        """After the update: all-gather every group's pieces over data into the parameters
-        (one call per group), then forget the step. ``async_op``: issued in the order of the
-        next forward's first reads (:meth:`attach`; else as reduce-scattered) and left pending
-        (:meth:`wait_for`, :meth:`wait_all`); else each waited at once."""
-        groups = sorted(self.groups, key=self._first_read) if async_op else self.groups
-        for params in groups:
-            mine = self.pack_row([self.piece(p.data) for p in params], params)
-            handle = all_gather(mine, self.grid, Axis.DATA, async_op=True)
-            if async_op:
-                self.pending.update((id(p), (params, handle)) for p in params)
-            else:
-                self._copy_in(params, handle)
+        """After the update: all-gather this rank's pieces over data into the parameters, one
+        call per unit (:meth:`units`), one unit in flight at a time, then forget the step.
+        ``async_op``: the first unit's issued and the rest queued, each finished by the next
+        forward's first read of its parameters (:meth:`wait_for`) or :meth:`wait_all`; else
+        all finished now."""
+        self.wait_all()
+        for params in self.units():
+            self._queue.append(params)
+            self.pending.update((id(p), (params, None)) for p in params)
         self.groups, self.grads = [], {}
+        if async_op:
+            self._issue_next()
+        else:
+            self.wait_all()
 
     @torch.no_grad()
     def _copy_in(self, params: list[nn.Parameter], handle) -> None:
@@ -198,6 +244,40 @@ class DataShards:
             out.append(full[:, offset : offset + c].reshape(-1)[:n].view_as(p).clone())
             offset += c
         return out
+
+
+def gather_units(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The parameters the sharded optimizer all-gathers together after the update
+    (:meth:`DataShards.all_gather`), in ``model``'s order: those held by ``model`` itself, then
+    each child module's, a container's (``ModuleList``, ``ModuleDict``, ``Sequential``) children
+    each apart; a module with no matrix (a norm) joins the next unit (the last: the one before),
+    so that it neither costs a call of its own nor delays the next unit's all-gather by a
+    forward of nothing. A parameter shared with an earlier module (a tied head's table) counts
+    with that one. For :class:`tetrad.models.llama.Transformer`: the embedding, each block, and
+    the final norm with the LM head."""
+    units = [list(model.parameters(recurse=False))]
+    for child in model.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            units += [list(c.parameters()) for c in child.children()]
+        else:
+            units.append(list(child.parameters()))
+    seen: set[int] = set()
+    out: list[list[nn.Parameter]] = []
+    carry: list[nn.Parameter] = []
+    for unit in units:
+        unit = carry + [p for p in unit if id(p) not in seen]
+        seen.update(id(p) for p in unit)
+        if any(p.dim() > 1 for p in unit):
+            out.append(unit)
+            carry = []
+        else:
+            carry = unit
+    if carry:
+        if out:
+            out[-1] += carry
+        else:
+            out.append(carry)
+    return out
 
 
 class ShardedAdamW(MasterAdamW):

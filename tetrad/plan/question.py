@@ -11,12 +11,12 @@ question (:func:`sharded`; :func:`shards_optimizer` says whether a question is o
 is asked about; the flag lives on the question because the estimates memoised in it (a pipeline
 rank's times) depend on it. What changes (:func:`tetrad.plan.comm.layers.data_gradients`,
 :func:`~tetrad.plan.comm.layers.step_scalars`): the data-parallel all-reduces become
-reduce-scatters of the same payload, one all-gather of the updated parameters per
-reduce-scatter follows the update (hidden by the next step's forward as far as
-:func:`~tetrad.plan.comm.layers.gather_exposed` says), and the gradient norm is summed over the
-world. The optimizer's element-wise time is left as AdamW's over the whole local shard: the
-update of ``1/G`` of the elements plus the runtime's packing copies (gradients into the
-reduce-scatter's buffer, the gathered parameters back) move about as many bytes.
+reduce-scatters of the same payload, the updated parameters are all-gathered one unit (embedding,
+block, head) at a time after the update (each behind the next step's forward of the unit before:
+:func:`~tetrad.plan.comm.layers.parameter_gathers`), and the gradient norm is summed over the world.
+The optimizer's element-wise time is left as AdamW's over the whole local shard: the update of
+``1/G`` of the elements plus the runtime's packing copies (gradients into the reduce-scatter's
+buffer, the gathered parameters back) move about as many bytes.
 """
 
 from __future__ import annotations

@@ -45,8 +45,9 @@ axis ``I`` and output axis ``O`` (X and Y; swapped when transposed):
               over Z and data; the gradient-norm scalar (8 B, float64) over the world (none
               with data parallelism alone). With the sharded optimizer
               (:mod:`tetrad.plan.question`) the data all-reduces are reduce-scatters of the
-              same payload, each followed after the update by an all-gather of the same
-              payload (hidden by the next forward: layers.gather_exposed); norm: world.
+              same payload, followed after the update by one all-gather per unit
+              (embedding, block, head; behind the next forward: layers.parameter_gathers);
+              norm: world.
 
 A size-1 axis issues nothing. Times come from the alpha-beta ring model of
 :mod:`tetrad.plan.machine.network` with each axis's placement.

@@ -140,95 +140,90 @@ def data_gradients(rec: Recorder, st: Step) -> None:
 
     With the sharded optimizer (:attr:`Step.zero`, tetrad/parallel/zero.py) each all-reduce is
     a reduce-scatter of the same payload (bucketed and hidden the same way), and after the
-    update each group is all-gathered over data (same payload, one call per reduce-scatter),
-    waited before the next step's first forward use of its parameters
-    (:func:`parameter_gathers`), in the weights' stored format (:attr:`Step.param_bytes`)."""
+    update the parameters are all-gathered over data one unit at a time
+    (:func:`parameter_gathers`)."""
     if st.sizes["data"] == 1:
         return
     ld, L = st.links["data"], st.n_layers
     kind = REDUCE_SCATTER if st.zero else ALL_REDUCE
     w_total = gradient_bytes(st)
-    weights = w_total * st.param_bytes / FP32  # the same elements as stored
     if not st.dp_overlap:
         t = ld.time(kind, w_total)
         rec.add("gradients", "step", "data", kind, w_total, 1, t, t)
-        parameter_gathers(rec, st, "parameters", weights, 1)
+    else:
+        calls = st.bucket_calls
+        slack = st.comp.block_bwd + (st.comp.block_fwd if st.checkpointing else 0.0)
+        exp = bucket_exposed(*bucket_seconds(st), slack, L)
+        t = ld.time(kind, w_total / calls)
+        hid = "backward of the blocks below (last micro-batch, buckets)"
+        rec.add("gradients", "backward", "data", kind, w_total / calls, calls, t, exp, hid)
+    parameter_gathers(rec, st)
+
+
+def gather_units(st: Step) -> list[tuple[str, float, float]]:
+    """The units the sharded optimizer all-gathers over data after the update, in the order of
+    the next forward (tetrad/parallel/zero.py, ``gather_units``): ``(name, local elements,
+    forward seconds between its wait and the next unit's first read)``: the embedding (first
+    rank; its lookup counted as nothing), each block (a block's forward; the last block of a
+    stage followed by another stage of the rank: ``rounds`` micro-batches through the stage
+    first), the final norm with the LM head (last rank). Every block carries its norms and
+    biases (``(vector_el - h / G_x) / L`` elements); the final norm's ``h / G_x`` go with the
+    head, or with the last block where the rank has no head."""
+    L, fwd = st.n_layers, st.comp.block_fwd
+    norm = st.model.norm_params() / st.sizes["x"]
+    block = st.block_el + (st.vector_el - norm) / L
+    units: list[tuple[str, float, float]] = []
+    if st.emb_el:
+        units.append(("embedding", st.emb_el, 0.0))
+    per = -(-L // st.chunks)
+    for k in range(L):
+        stage_end = (k + 1) % per == 0 and k + 1 < L
+        units.append(("blocks", block, fwd * (1 + (st.rounds - 1) * per) if stage_end else fwd))
+    if st.head_el:
+        units.append(("head", st.head_el + norm, 0.0))
+    else:
+        name, el, after = units[-1]
+        units[-1] = (name, el + norm, after)
+    return units
+
+
+def parameter_gathers(rec: Recorder, st: Step) -> None:
+    """With the sharded optimizer (``G_data G_context > 1``): after the update, one all-gather
+    over data per unit (:func:`gather_units`) of its elements in the weights' stored format
+    (:attr:`Step.param_bytes`), one in flight at a time: the first issued by the update, each
+    next one when the next step's forward waits the one before (Megatron-LM's
+    ``overlap_param_gather`` dispatches the next bucket so). A unit's all-gather runs behind
+    the forward of the unit before it (:func:`chain_exposed`): the first unit's is exposed
+    whole, and so is the one after the embedding (its lookup hides nothing). Not counted: a
+    pipeline's fill (later stages start later), and the Z prefetch's lead (it reads a block's
+    first weights during the block before, so waits that block's all-gather early, but then
+    issues the next one as early)."""
+    if not (st.zero and st.sizes["data"] > 1):
         return
-    calls = st.bucket_calls
-    slack = st.comp.block_bwd + (st.comp.block_fwd if st.checkpointing else 0.0)
-    exp = bucket_exposed(*bucket_seconds(st), slack, L)
-    t = ld.time(kind, w_total / calls)
-    hid = "backward of the blocks below (last micro-batch, buckets)"
-    rec.add("gradients", "backward", "data", kind, w_total / calls, calls, t, exp, hid)
-    if st.zero:
-        big = bucket_seconds(st, ALL_GATHER, st.param_bytes)
-        fwd = gather_exposed(*big, st.comp.block_fwd, L, _lead(st), st.chunks, st.rounds)
-        parameter_gathers(rec, st, "parameters", weights / calls, calls, fwd)
+    ld = st.links["data"]
+    units = gather_units(st)
+    times = [ld.time(ALL_GATHER, el * st.param_bytes) for _, el, _ in units]
+    exposed = chain_exposed(times, [after for _, _, after in units])
+    hid = "the forward of the unit before (next step, first micro-batch)"
+    rows: dict[str, list] = {}
+    for (name, el, _), t, e in zip(units, times, exposed, strict=True):
+        row = rows.setdefault(name, [el * st.param_bytes, 0, t, 0.0])
+        row[1] += 1
+        row[3] += e
+    for name, (payload, calls, t, e) in rows.items():
+        rec.add(f"parameters: {name}", "step", "data", ALL_GATHER, payload, calls, t, e, hid)
 
 
-def parameter_gathers(
-    rec: Recorder, st: Step, layer: str, payload: float, calls: int, exposed: float | None = None
-) -> None:
-    """With the sharded optimizer: ``calls`` all-gathers over data of ``payload`` bytes each
-    (the updated parameters, fp32), issued after the update in the order the next forward uses
-    the parameters and each waited before that first use (tetrad/parallel/zero.py; fp32, or bf16
-    weights: ``payload`` is in their format); ``exposed``
-    seconds per step (:func:`gather_exposed`; None: one group, waited before the embedding's
-    lookup, all exposed)."""
-    if st.zero and st.sizes["data"] > 1:
-        t = st.links["data"].time(ALL_GATHER, payload)
-        hid = "" if exposed is None else "next step's forward (first micro-batch)"
-        e = calls * t if exposed is None else exposed
-        rec.add(layer, "step", "data", ALL_GATHER, payload, calls, t, e, hid)
-
-
-def _lead(st: Step) -> int:
-    """Blocks by which a weight's first read comes before its block's forward: 1 when the Z
-    all-gathers prefetch (:data:`tetrad.spec.overlap.PREFETCH_DEPTH` weights ahead, less than a
-    block:
-    counted as a whole block, so the exposure is not underestimated), else 0."""
-    return 1 if st.prefetch and st.sizes["z"] > 1 else 0
-
-
-def gather_exposed(
-    big_d: float,
-    big_h: float,
-    big_e: float,
-    fwd: float,
-    n_layers: int,
-    lead: int = 0,
-    chunks: int = 1,
-    rounds: int = 1,
-) -> float:
-    """Exposed seconds of the sharded optimizer's bucketed parameter all-gathers over data
-    (:func:`data_gradients`), from the seconds of a block's, the LM head's and the embedding's
-    (with the vectors) share of the buckets (:func:`bucket_seconds` of the all-gather) and a
-    block's forward ``fwd`` (seconds, one micro-batch).
-
-    The all-gathers are issued back to back after the update in the order of the next forward,
-    embedding, block 1 to ``L``, head; a unit waits for its own (done at ``C``: the seconds of
-    those before it and its own) before its first read, after ``H`` seconds of the next step's
-    forward (the embedding: none, its lookup is the step's first read; block ``k``:
-    ``max(0, k - 1 - lead)`` block forwards, ``lead`` the blocks by which a Z prefetch reads a
-    weight early). The forward is delayed by the largest ``C - H`` (a queue: a late wait
-    delays every later one by as much); ``C - H`` is linear in ``k``, so blocks 1, ``1 + lead``
-    and the last are enough. The embedding's and the first block's all-gathers are always
-    exposed.
-
-    A pipeline rank with ``chunks`` stages (interleaved 1F1B) runs ``rounds`` micro-batches
-    through a stage before the next stage's first forward: stage ``c``'s blocks are read
-    ``c rounds`` stage forwards later. Stages counted at the largest's blocks in ``C`` and the
-    smallest's in ``H``, and a pipeline's fill not counted, so the exposure is never below the
-    runtime's. Megatron-LM's ``overlap_param_gather`` hides them the same way (Shoeybi et al.,
-    arXiv 1909.08053; Narayanan et al., arXiv 2104.04473, interleaved schedule)."""
-    big, small = -(-n_layers // chunks), n_layers // chunks
-    late = big_e
-    for c in range(chunks):
-        c0, h0 = big_e + c * big * big_d, c * rounds * small * fwd
-        for k in {1, min(big, 1 + lead), big}:
-            late = max(late, c0 + k * big_d - h0 - max(0, k - 1 - lead) * fwd)
-    h_head = (chunks - 1) * rounds * small * fwd + max(0, small - lead) * fwd
-    return max(late, big_e + chunks * big * big_d + big_h - h_head)
+def chain_exposed(times: list[float], slack: list[float]) -> list[float]:
+    """Exposed seconds of each of a chain of collectives issued one at a time, the next when
+    the compute waits the one before: ``times[i]`` seconds each, ``slack[i]`` seconds of
+    compute between the wait of ``i`` and the first read of ``i + 1``. The first is exposed
+    whole, each next ``max(0, times[i + 1] - slack[i])``: it starts when ``i`` is waited,
+    whatever ``i``'s own lateness."""
+    out = [times[0]] if times else []
+    for i in range(1, len(times)):
+        out.append(max(0.0, times[i] - slack[i - 1]))
+    return out
 
 
 def gradient_bytes(st: Step) -> float:
@@ -302,8 +297,6 @@ def step_scalars(rec: Recorder, st: Step) -> None:
         kind = REDUCE_SCATTER if st.zero else ALL_REDUCE
         t = st.links[Axis.DATA].time(kind, pv)
         rec.add("norm_gradients", "step", Axis.DATA, kind, pv, 1, t, t)
-    if not st.vectors_in_buckets:
-        parameter_gathers(rec, st, "norm_parameters", pv * st.param_bytes / FP32, 1)
     for ax in (Axis.Z, Axis.DATA):
         if st.sizes[ax] > 1:
             t = st.links[ax].time(ALL_REDUCE, FP32)

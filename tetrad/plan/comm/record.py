@@ -101,7 +101,7 @@ class Step:
         chunks, rounds: a pipeline rank's stages (interleaved 1F1B: ``v``) and the micro-batches
             each runs forward before the next stage's first (``min(G_pipe, acc)``); the next
             step's forward hides the parameter all-gathers in that order
-            (:func:`tetrad.plan.comm.layers.gather_exposed`).
+            (:func:`tetrad.plan.comm.layers.gather_units`).
         fused_s: seconds of the fused GEMM -> reduce-scatter ring ``(flops, payload bytes,
             link, chunks)`` on this machine (:meth:`tetrad.plan.question.StepQuestion.fused_s`:
             :func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`, memoised per shape).

@@ -48,6 +48,7 @@ import functools
 import operator
 
 from tetrad.plan.errors import PlanError
+from tetrad.plan.memory import sharded_optimizer
 from tetrad.plan.memory.activations import (
     context_shared_bytes,
     dtype_bytes,
@@ -55,6 +56,7 @@ from tetrad.plan.memory.activations import (
     saved_activations,
 )
 from tetrad.plan.memory.breakdown import MemoryBreakdown
+from tetrad.plan.memory.buffers import step_buffer_bytes
 from tetrad.plan.memory.runtime import phase_components
 from tetrad.plan.memory.sharded_optimizer import data_group, state_share
 from tetrad.plan.memory.states import optimizer_bytes_per_element, param_bytes
@@ -469,12 +471,33 @@ def _stage_phases(
     per_param = param_bytes(params)
     for name, per in (("parameters", per_param), ("gradients", 4), ("optimizer_states", per_state)):
         static[name] += per * (add - drop)
+    if shard_optimizer and data_group(grid) > 1 and not (first and last):
+        phases = {
+            **phases,
+            "optimizer step": {
+                "step_buffers": _stage_step(model, blocks, grid, opts, params, first, last)
+            },
+        }
     flight = _in_flight(model, grid, micro_batch, seq_len, layout, sets, ahead, opts, sp, residual)
     live = _live_phases(phases, saved, first, last, flight, buffers)
     base = sum(static.values())
     totals = {name: base + sum(c.values()) for name, c in live.items()}
     peak = max(totals, key=lambda k: totals[k])
     return static, live[peak], totals, peak
+
+
+def _stage_step(
+    model: ModelSpec, blocks: int, grid: tuple, opts: tuple, params: str, first: bool, last: bool
+) -> float:
+    """The sharded optimizer's step buffers on a pipeline rank that holds ``blocks`` blocks and
+    the embedding (``first``) or the final norm and LM head (``last``) or neither: its own
+    reduced pieces and its first unit's all-gather
+    (:func:`tetrad.plan.memory.sharded_optimizer.step_bytes`), or an MoE stage's flat sum of
+    its expert-sharded weights if larger (as the whole model's)."""
+    sm = stage_model(model, blocks)
+    expert = opts[3] if len(opts) > 3 else 1
+    step = sharded_optimizer.step_bytes(sm, grid, True, expert, params, first, last)
+    return max(step, step_buffer_bytes(sm, grid, expert)) if expert > 1 else step
 
 
 def _live_phases(

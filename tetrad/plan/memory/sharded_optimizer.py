@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.states import (
+    bias_elements,
     local_parameter_elements,
     optimizer_bytes_per_element,
     param_bytes,
@@ -63,20 +64,68 @@ def end_of_backward_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
     return FP32 * (n["matrices"] + n["vectors"]) / data_group(grid)
 
 
+def unit_elements(model: ModelSpec, grid, expert: int = 1) -> dict[str, int]:
+    """Local elements of each unit the sharded optimizer all-gathers after the update
+    (tetrad/parallel/zero.py, ``gather_units``): ``embedding`` (the token table, with GPT's
+    position table), ``block`` (the largest block: its Linears' shards ``n k / (G_x G_y G_z)``,
+    its two norms and biases; an MoE block's router and, with ``expert = 1``, its experts;
+    expert-sharded weights are not gathered over data), ``final_norm`` and ``head`` (0 when tied
+    to the embedding). As :func:`tetrad.plan.memory.states.local_parameter_elements` counts
+    them; they sum to its matrices and vectors (less expert-sharded experts)."""
+    _, gz, gy, gx = grid_sizes(grid)
+    shard = gx * gy * gz
+    norm = model.norm_params() // gx
+    bias = sum(bias_elements(lin, gx, gy) for lin in model.linears())
+    dense = sum(lin.count * (lin.weight_elements // shard) for lin in model.linears())
+    block = dense + 2 * norm + bias if model.dense_blocks else 0
+    if model.is_moe:
+        lins = model.attention_linears() + model.shared_linears()
+        moe = sum(lin.count * (lin.weight_elements // shard) for lin in lins)
+        moe += model.router_params() + (model.expert_params() if expert == 1 else 0)
+        block = max(block, moe + 2 * norm + bias)
+    head = 0 if model.tied_embeddings else model.lm_head().weight_elements // shard
+    emb = (model.vocab_size + model.max_positions) * model.dim // shard
+    return {"embedding": emb, "block": block, "final_norm": norm, "head": head}
+
+
+def gather_unit_bytes(elements: float, group: int, params: str = "fp32") -> float:
+    """Bytes of one unit's all-gather after the update over ``group = G_data G_context`` ranks:
+    its output ``[G, sum c]`` and this rank's packed row ``[sum c]`` in the weights' format,
+    ``p n (1 + 1/G)`` (``c = n / G``)."""
+    return param_bytes(params) * elements * (1 + 1 / group)
+
+
 def step_bytes(
-    model: ModelSpec, grid, dp_overlap: bool, expert: int = 1, params: str = "fp32"
+    model: ModelSpec,
+    grid,
+    dp_overlap: bool,
+    expert: int = 1,
+    params: str = "fp32",
+    first: bool = True,
+    last: bool = True,
 ) -> float:
     """Sharded, ``G > 1``: the optimizer step's largest temporary: the reduced pieces ``4 n /
     G``; the vectors' sum over Z (``G_z > 1``: a flat copy and its packed copy, their
-    gradients dropped); and the all-gathers after the update, all in flight at once until the
-    next forward waits them (tetrad/parallel/zero.py), each group's output and this rank's
-    packed row, in the weights' stored format (``p`` bytes: 4, or 2 with ``params="bf16"``):
-    ``p n (1 + 1/G)`` over every group, whatever the buckets (``dp_overlap`` changes only how
-    the groups are cut)."""
+    gradients dropped); and the first unit's all-gather after the update
+    (:func:`gather_unit_bytes` of :func:`unit_elements`: the embedding, or on a pipeline
+    rank without the first stage the first block), the only one in flight: the next is issued
+    when the next forward waits this one (tetrad/parallel/zero.py). ``first``, ``last``: the
+    rank holds the embedding, the final norm and LM head (a pipeline stage's, ``model`` its
+    blocks; ``n`` counts only the tables held). ``dp_overlap`` changes only how the
+    reduce-scatters are cut.
+
+    Not a phase of the model: the next forward, in which one unit's all-gather is in flight
+    beside the micro-batch's activations (below the backward's peak, which holds the same
+    activations and a block Linear's weight gradient at least as large)."""
     n = local_parameter_elements(model, grid, expert)  # expert-sharded weights: not here
+    units = unit_elements(model, grid, expert)
+    held = n["matrices"] + n["vectors"]
+    held -= (0 if first else units["embedding"]) + (
+        0 if last else units["head"] + units["final_norm"]
+    )
     g = data_group(grid)
     gz = grid_sizes(grid)[1]
     vectors = 2 * n["vectors"] if gz > 1 else 0
-    pieces = FP32 * (n["matrices"] + n["vectors"]) / g
-    gathers = param_bytes(params) * (n["matrices"] + n["vectors"]) * (1 + 1 / g)
-    return pieces + max(FP32 * vectors, gathers)
+    pieces = FP32 * held / g
+    gather = gather_unit_bytes(units["embedding"] if first else units["block"], g, params)
+    return pieces + max(FP32 * vectors, gather)

@@ -35,7 +35,7 @@ def optimizer_bytes_per_element(params: str) -> int:
     return 2 * FP32 + (FP32 if param_bytes(params) != FP32 else 0)
 
 
-def _vector_elements(lin: Linear, gx: int, gy: int) -> int:
+def bias_elements(lin: Linear, gx: int, gy: int) -> int:
     """Local bias elements ``n / G_out`` (replicated over the input axis, Z and data)."""
     if not lin.bias:
         return 0
@@ -108,7 +108,7 @@ def _local_elements(model: ModelSpec, gz: int, gy: int, gx: int) -> tuple[int, i
         tables.append(model.lm_head().weight_elements // shard)
     matrices = model.dense_blocks * sum(block) + moe + sum(tables)
     norm = model.norm_params() // gx
-    bias = sum(_vector_elements(lin, gx, gy) for lin in model.linears())
+    bias = sum(bias_elements(lin, gx, gy) for lin in model.linears())
     vectors = model.n_layers * (2 * norm + bias) + norm
     return matrices, vectors
 

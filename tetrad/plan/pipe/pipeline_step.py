@@ -190,7 +190,7 @@ def rank_time(
         st.head_el = 0.0
     if not prank.first:
         st.emb_el = 0.0
-    if cfg.schedule == "interleaved-1f1b":  # the next forward's stage order (gather_exposed)
+    if cfg.schedule == "interleaved-1f1b":  # the next forward's stage order (gather_units)
         st.chunks, st.rounds = cfg.virtual, min(cfg.pipe, st.acc)
     mb, tail = Recorder(False), Recorder(False)
     per_block = block_xy(ctx, grid, micro_batch, ckpt, turn)
