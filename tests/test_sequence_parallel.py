@@ -14,7 +14,7 @@ from tests.test_pipeline import pipeline_runs
 from tetrad.grid import Grid
 from tetrad.plan.machine.description import get_machine
 from tetrad.plan.memory.runtime import runtime_memory
-from tetrad.plan.question import StepQuestion
+from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.plan import plan
 from tetrad.plan.step_time import estimate
 from tetrad.spec.grid import role_sizes
@@ -96,7 +96,7 @@ def test_planner_ranks_sequence_parallel_where_asked():
     (the default) never, ``auto`` both variants of those grids, merged by step time."""
     model, machine = get_model("llama-3.1-8b"), get_machine("perlmutter")
     gpus, batch, seq = 8, 32, 4096
-    opts = {"top": 4, "classic": False, "pipeline": False, "checkpointing": ("none",)}
+    opts = {"top": 8, "classic": False, "pipeline": False, "checkpointing": ("none",)}
     rows = {
         sp: plan(model, machine, gpus, batch, seq, sequence_parallel=sp, **opts).rows
         for sp in ("off", "on", "auto")
@@ -107,11 +107,16 @@ def test_planner_ranks_sequence_parallel_where_asked():
     ctx = StepQuestion(model, machine, seq, batch, sequence_parallel=True)
     for r in on:
         roles, b = role_sizes(r.grid, r.orientation), r.micro_batch
-        mem = runtime_memory(model, roles, b, seq, machine.memory_bytes, sequence_parallel=True)
+        so = r.shard_optimizer
+        mem = runtime_memory(
+            model, roles, b, seq, machine.memory_bytes, sequence_parallel=True, shard_optimizer=so
+        )
         assert r.memory.total == mem.total
-        assert r.step_s == estimate(ctx, r.grid, b, "none", orientation=r.orientation).step_s
+        q = sharded(ctx) if so else ctx
+        assert r.step_s == estimate(q, r.grid, b, "none", orientation=r.orientation).step_s
     steps = [r.step_s for r in rows["auto"]]
     assert steps == sorted(steps)
     assert steps[0] == min(rows["off"][0].step_s, rows["on"][0].step_s)
     labels = {r.label() for r in rows["auto"]}
-    assert {on[0].label(), on[0].label().removesuffix(" sp")} <= labels
+    assert {rows["off"][0].label(), on[0].label()} <= labels
+    assert any(f"{label} sp" in labels for label in labels)  # one grid with and without

@@ -46,11 +46,15 @@ def reduce_weight_gradient(
 ) -> None:
     """The block gradient ``dy^T x`` (``dy [..., n]``, ``x [..., k]`` -> ``[n, k]``), handed to
     the overlap as ``w_shard``'s (its Z reduce-scatter fills ``w_shard.grad``); written straight
-    into its data-parallel bucket where the overlap offers a place (:meth:`Overlap.grad_slot`)."""
+    into its data-parallel bucket where the overlap offers a place (:meth:`Overlap.grad_slot`).
+    Cast to the gradients' dtype only where a Z reduce-scatter sums it (``G_z > 1``): with
+    ``G_z = 1`` it is added to the gradient as it is (:func:`tetrad.parallel.masters.add_grad`:
+    an in-place add across dtypes, no fp32 copy of the block)."""
     a, b = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
     slot = ov.grad_slot(w_shard)
     if slot is None:
-        dw = (a @ b).to(grad_dtype(w_shard))
+        dw = a @ b
+        dw = dw.to(grad_dtype(w_shard)) if ov.grid.z > 1 else dw
     elif a.dtype == slot.dtype:
         dw = torch.mm(a, b, out=slot)
     else:  # the cast to the parameter dtype lands in the slot

@@ -26,10 +26,12 @@ def gathered_weight_bytes(lin: Linear, grid, dtype: str = "bf16", params: str = 
 
 def weight_gradient_bytes(lin: Linear, grid, dtype: str = "bf16") -> float:
     """The local weight gradient ``dy^T x`` ``[n/G_y, k/G_x]`` before the Z reduce-scatter: in
-    compute dtype, plus its fp32 copy (the reduce-scatter input) when the compute dtype is bf16."""
-    _, _, gy, gx = grid_sizes(grid)
+    compute dtype, plus its fp32 copy (the reduce-scatter input) when the compute dtype is bf16
+    and ``G_z > 1`` (with ``G_z = 1`` it is added to the fp32 gradient as it is,
+    tetrad/parallel/linear.py ``reduce_weight_gradient``)."""
+    _, gz, gy, gx = grid_sizes(grid)
     e = dtype_bytes(dtype)
-    per = e + (FP32 if e != FP32 else 0)
+    per = e + (FP32 if e != FP32 and gz > 1 else 0)
     return float(per * lin.count * lin.weight_elements // (gx * gy))
 
 
