@@ -394,8 +394,9 @@ def test_memory_with_the_residual_stream_in_bf16(capsys):
     for k in ("activations", "pipeline_buffers"):
         assert bf16[k] < fp32[k]
     total = {key: sum(c.values()) for key, c in got.items()}
-    assert total["fp32"] == pytest.approx(67.83, abs=0.01)  # the fp32 stream, before
-    assert total["auto"] == pytest.approx(58.84, abs=0.01)  # Fujii et al.: 54.33
+    # 67.83 and 58.84 before a block Linear's weight gradient lost its fp32 copy (G_z = 1)
+    assert total["fp32"] == pytest.approx(66.95, abs=0.01)  # the fp32 stream, before
+    assert total["auto"] == pytest.approx(57.97, abs=0.01)  # Fujii et al.: 54.33
     rc, out, err = run(["memory", "--model", "llama-3-70b", "--residual-dtype", "fp32"], capsys)
     assert rc != 0 and "--residual-dtype fp32" in out + err
 
