@@ -120,3 +120,27 @@ def test_planner_ranks_sequence_parallel_where_asked():
     labels = {r.label() for r in rows["auto"]}
     assert {rows["off"][0].label(), on[0].label()} <= labels
     assert any(f"{label} sp" in labels for label in labels)  # one grid with and without
+
+
+def test_planner_counts_the_norms_on_the_sequence_shard():
+    """Under sequence parallelism the norms and residual adds run on ``[b, S/G_y, h/G_x]``:
+    the step model's element-wise norm work is ``1/G_y`` of the same grid's without it, the
+    GEMMs, attention and LM head unchanged; GPT models too (counted as if the runtime built
+    them); grids where it does not run (``G_y = 1``) keep every term."""
+    machine, seq, batch = get_machine("dgx-h100"), 2048, 64
+    for name in ("llama-3.1-8b", "gpt-20b"):
+        model = get_model(name)
+        on = StepQuestion(model, machine, seq, batch, sequence_parallel="regather")
+        off = StepQuestion(model, machine, seq, batch)
+        grid = (2, 1, 1, 4, 1)
+        assert on.sequence_split(1, 4, 1) == 4
+        a, b = on.compute(grid, 2), off.compute(grid, 2)
+        assert a.gemm == b.gemm and a.attention == b.attention and a.head == b.head
+        assert a.final_norm_fwd == pytest.approx(b.final_norm_fwd / 4)
+        assert a.final_norm_bwd == pytest.approx(b.final_norm_bwd / 4)
+        assert a.embedding_fwd == b.embedding_fwd  # the lookup runs on all m tokens
+        norms = 4 * a.final_norm_fwd  # a block's two norms and two residual adds
+        assert sum(b.post_fwd) - sum(a.post_fwd) == pytest.approx(norms * (4 - 1))
+        assert b.selective - a.selective == pytest.approx(norms / 2 * (4 - 1))  # the norms
+        plain = (4, 1, 1, 1, 2)
+        assert on.compute(plain, 2) == off.compute(plain, 2)

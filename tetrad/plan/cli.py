@@ -187,7 +187,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sequence-parallel",
         **dict(choices=("off", "on", "auto"), nargs="?", const="on", default="off"),
-        help="4D grids of a Llama with G_y > 1 with tetrad train --sequence-parallel "
+        help="4D grids of a dense model with G_y > 1 with tetrad train --sequence-parallel "
         "(rows marked sp): off (default), on, or auto (each grid with or without, whichever "
         "is faster)",
     )

@@ -69,11 +69,13 @@ class StepQuestion:
             the
             best of :data:`tetrad.plan.comm.context_parallel.PIECE_CANDIDATES` per grid and
             micro-batch (:meth:`kv_choice`).
-        sequence_parallel: the runtime's ``--sequence-parallel``: on grids of a dense Llama with
-            ``G_y > 1`` the residual stream split along the sequence over Y
-            (tetrad/parallel/sequence.py): each all-reduce over Y becomes an all-gather and a
-            reduce-scatter (:attr:`tetrad.plan.comm.record.Step.sequence_parallel`); other
-            grids are modelled as without it. ``"regather"``: the same with
+        sequence_parallel: the runtime's ``--sequence-parallel``: on grids of a dense model
+            with ``G_y > 1`` (:meth:`sequence_split`) the residual stream split along the
+            sequence over Y (tetrad/parallel/sequence.py): each all-reduce over Y becomes an
+            all-gather and a reduce-scatter (:attr:`tetrad.plan.comm.record.Step.sequence_parallel`)
+            and the norms and residual adds run on ``1/G_y`` of the tokens
+            (:func:`tetrad.plan.compute.block.block_compute`); other grids are modelled as
+            without it. ``"regather"``: the same with
             ``--sequence-parallel-regather`` (one more all-gather over Y per pair's first
             Linear in backward, :attr:`tetrad.plan.comm.record.Step.sequence_regather`).
         fp8: the FP8 recipe, ``off``, ``tensorwise`` or ``rowwise``
@@ -214,6 +216,7 @@ class StepQuestion:
                 self.seq_len,
                 linears=self.linears,
                 fp8=self.fp8,
+                sequence_split=self.sequence_split(key[0], key[1], key[2]),
             )
             self._compute[key] = got
         return got
@@ -266,10 +269,11 @@ class StepQuestion:
     def sequence_split(self, gc: int, gy: int, gx: int) -> int:
         """``G_y`` where this question's runtime splits the residual stream along the sequence
         over Y on a grid of these role sizes (``sequence_parallel`` asked, ``G_y > 1``, a dense
-        Llama, each rank's ``S / G_context`` tokens divisible by ``G_y``:
-        :func:`tetrad.spec.sharding.sequence_parallel_problem`), else 1."""
-        if not getattr(self, "sequence_parallel", False) or self.model.family != "llama":
-            return 1  # the runtime builds Llama only
+        model, each rank's ``S / G_context`` tokens divisible by ``G_y``:
+        :func:`tetrad.spec.sharding.sequence_parallel_problem`; GPT models counted as if the
+        runtime built them, as everywhere in the planner), else 1."""
+        if not getattr(self, "sequence_parallel", False):
+            return 1
         problem = sequence_parallel_problem(self.model, (1, gc, 1, gy, gx), self.seq_len)
         return 1 if problem else gy
 

@@ -19,7 +19,9 @@ Time of a GEMM = FLOPs / (peak * efficiency(FLOPs)), the efficiency from the mac
 ``attention_efficiency``. Element-wise work (norms, residual adds, RoPE, SwiGLU/GeLU, the
 vocabulary-parallel softmax, the embedding lookup, AdamW) is memory bound: bytes moved / HBM
 bandwidth, with byte counts per token estimated from the runtime's unfused PyTorch ops (rough:
-see :data:`ELEMENTWISE`).
+see :data:`ELEMENTWISE`). Under sequence parallelism (``sequence_split = G_y``,
+tetrad/parallel/sequence.py; Korthikanti et al., arXiv 2205.05198, section 4.2.2) the norms
+and residual adds run on the ``[b, S/(G_context G_y), h/G_x]`` stream: ``m / G_y`` tokens.
 
 Activation checkpointing (:data:`tetrad.spec.activation_checkpointing.CHECKPOINTING`): ``full``
 re-runs each block's forward in backward (GEMMs, attention, element-wise, and its collectives:
@@ -156,6 +158,7 @@ def block_compute(
     fp8: str = "off",
     fp8_efficiency=None,
     fp8_casts: bool = True,
+    sequence_split: int = 1,
 ) -> BlockCompute:
     """Compute times of one rank on ``grid = (G_data, [G_context,] G_z, G_y, G_x)``; see the
     module doc (context parallelism: ``m = b S / G_context`` and
@@ -172,6 +175,10 @@ def block_compute(
             FP8 table).
         fp8_casts: count the FP8 casts (False: GEMMs only, for a lower bound that must not
             grow with the micro-batch's share of a weight's cast).
+        sequence_split: the residual stream's split along the sequence over Y (``G_y`` under
+            sequence parallelism, :meth:`tetrad.plan.question.StepQuestion.sequence_split`;
+            1 without): the norms and residual adds (the final norm and the selective
+            recompute's norm applies too) run on ``m / sequence_split`` tokens.
     """
     _, gc, _, gy, gx = with_context(grid)
     lins = linears if linears is not None else model.linears()
@@ -197,7 +204,7 @@ def block_compute(
     )
     rope = 0.0 if model.family == "gpt" else ew["rope_per_qk"] * m * qk / hbm
     act = (ew["act_per_f_gpt"] if model.family == "gpt" else ew["act_per_f_llama"]) * m * fy / hbm
-    half_norm = 0.5 * ew["norm_residual_per_h"] * m * hx / hbm
+    half_norm = 0.5 * ew["norm_residual_per_h"] * m * hx / sequence_split / hbm
     i_att, i_act = _post_slots(model)
     post = [0.0] * len(lins)
     post_b = [0.0] * len(lins)

@@ -505,7 +505,7 @@ def search_4d(
             model's (each norm's saved input and normalised tensor, a checkpointed block's
             input); in the step's time only the embedding's sum over Y carries it.
         sequence_parallel: the runtime's ``--sequence-parallel`` on the grids where it runs
-            (``G_y > 1``, a dense Llama:
+            (``G_y > 1``, a dense model:
             :meth:`tetrad.plan.question.StepQuestion.sequence_split`), time and memory:
             ``off`` (or False, the default: every estimate as without it), ``on`` (or True) or
             ``auto`` (both searched, their rows merged: a grid is ranked with it where that is

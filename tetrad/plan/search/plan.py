@@ -58,7 +58,7 @@ def plan(
     ``fp32``, or ``bf16`` with fp32 masters; dense models); the classic space keeps
     Megatron-LM's bf16 weights with fp32 masters either way.
     ``sequence_parallel``: the 4D space with ``--sequence-parallel`` where it runs,
-    ``off``, ``on`` or ``auto`` (:func:`search_4d`; dense Llama models).
+    ``off``, ``on`` or ``auto`` (:func:`search_4d`; dense models).
     ``residual``: the residual stream's format of the 4D space (``tetrad train
     --residual-dtype``: ``auto``, the compute dtype's, ``fp32`` or ``bf16``; dense models):
     its memory (:func:`search_4d`); the classic space keeps Megatron-LM's bf16 activations.

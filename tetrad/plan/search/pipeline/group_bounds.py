@@ -81,6 +81,7 @@ class GroupBounds:
             fp8=ctx.fp8,
             fp8_efficiency=lambda f: best8,
             fp8_casts=False,
+            sequence_split=ctx.sequence_split(gc, gy, gx),
         )
         rec = {"full": comp.block_fwd, "selective": comp.selective, "none": 0.0}
         base = comp.block_fwd + comp.block_bwd
