@@ -73,6 +73,21 @@ def test_grid_auto_can_pick_a_pipeline():
     assert pipeline_split(cfg(**big, grid="2,1,1,1,2", pipe=2), mc) is None  # no machine on CPU
 
 
+def test_pipeline_split_counts_sequence_parallelism():
+    """With ``--sequence-parallel`` the planner's compute runs the norms on the sequence shard
+    (:func:`tetrad.plan.compute.block.block_compute`), and the runtime's stage split is the
+    planner's of that compute (Llama-3.1-8B, pipe 4 x Y 8, 2,048 tokens: 8/9/9/6 blocks where
+    without it 7/9/9/7)."""
+    opts = {"model": "llama-3.1-8b", "grid": "1,1,1,8,1", "orientation": "xy", "pipe": 4}
+    opts |= {"machine": "dgx-h100", "seq_len": 2048, "micro_batch": 1, "global_batch": 8}
+    got = {}
+    for sp in (False, True):
+        c = cfg(**opts, sequence_parallel=sp)
+        got[sp] = pipeline_split(c, c.model_config(128256))
+    assert got[False] == ((0, 7), (7, 16), (16, 25), (25, 32))
+    assert got[True] == ((0, 8), (8, 17), (17, 26), (26, 32))
+
+
 def test_grid_auto_needs_a_machine_on_cpu():
     with pytest.raises(ConfigError, match="--machine"):
         choose_grid(cfg(), 4, vocab_size=256)

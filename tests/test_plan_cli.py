@@ -353,6 +353,19 @@ def test_memory_with_bf16_weights_and_sequence_parallel(capsys):
     )
 
 
+def test_memory_splits_stages_by_the_sequence_parallel_compute(capsys):
+    """``tetrad memory --sequence-parallel`` on a pipeline grid splits the blocks by the
+    planner's compute with it (the norms on the sequence shard), as the search and ``tetrad
+    train`` do: Llama-3.1-8B, pipe 4 x Y 8, 2,048 tokens, 8/9/9/6 blocks (7/9/9/7 without)."""
+    argv = ["memory", "--model", "llama-3.1-8b", "--seq-len", "2048", "--machine", "dgx-h100"]
+    argv += ["--grid", "pipe=4,y=8", "--micro-batch", "1", "--num-microbatches", "8"]
+    for sp, blocks in (([], (7, 9, 9, 7)), (["--sequence-parallel"], (8, 9, 9, 6))):
+        rc, out, _ = run(argv + sp, capsys)
+        assert rc == 0
+        split = re.search(r"pipeline ranks \(stage split[^)]*\): (.*)", out).group(1)
+        assert tuple(int(n) for n in re.findall(r"\d+: (\d+) blocks", split)) == blocks
+
+
 def test_plan_with_bf16_weights(tmp_path, capsys):
     """``tetrad plan --param-dtype bf16``: every ranked row's memory (5D grids, and each rank
     of the pipeline grids) has 2-byte weights beside fp32 gradients, and the emitted

@@ -111,7 +111,8 @@ def pipeline_memory_text(
         raise PlanError("a pipeline grid takes --activation-checkpointing none, selective or full")
     machine = get_machine(args.machine or "dgx-h100")
     roles = role_sizes(grid, turn)
-    ctx = StepQuestion(model, machine, args.seq_len, grid[0] * grid[2] * args.micro_batch * m)
+    batch = grid[0] * grid[2] * args.micro_batch * m
+    ctx = StepQuestion(model, machine, args.seq_len, batch, **sequence_parallel_arg(args))
     try:
         ranks = split_ranks(
             model.n_layers, split_costs(ctx.compute(roles, args.micro_batch), mode), pipe, v

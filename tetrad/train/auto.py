@@ -207,6 +207,7 @@ def pipeline_split(cfg: TrainConfig, mc: ModelSpec) -> tuple[tuple[int, int], ..
         t.seq_len,
         t.global_batch,
         compute_bytes=DTYPE_BYTES[cfg.policy.compute],
+        sequence_parallel=par.sequence_parallel,  # the norms' compute on the sequence shard
     )
     roles = role_sizes(with_context(par.grid), par.orientation)
     costs = split_costs(ctx.compute(roles, t.micro_batch), par.activation_checkpointing)
