@@ -8,7 +8,16 @@ micro-batch, recomputation) becomes the tetrad layout with the same parallel siz
 - ``TP`` -> one tensor axis in the ``Y`` role, ``G_y = TP``, ``G_x = G_z = 1``: the pair's first
   Linear (wqkv, w13) splits its output and the second (wo, w2) its input, Megatron-LM's column-
   then row-parallel layout (``docs/architecture.md``, *Orientation*); ``Y`` is the fastest
-  dimension of the 5D grid as TP is Megatron's fastest (rank order TP, CP, DP, PP);
+  dimension of the 5D grid as TP is Megatron's fastest (rank order TP, CP, DP, PP). With
+  ``TP > 1``, Megatron-LM's ``--sequence-parallel`` (Korthikanti et al., arXiv 2205.05198,
+  section 4.2.2), which the classic model assumes (its all-gathers and reduce-scatters, and
+  Fujii et al.'s activations all divided by ``TP``): tetrad's ``--sequence-parallel
+  --sequence-parallel-regather`` (the residual stream and norms ``[b, S/(CP TP), h]``, each
+  pair's first Linear keeping its input's sequence shard and all-gathering it again in
+  backward, as Megatron-LM does), where tetrad has it
+  (:func:`tetrad.spec.sharding.sequence_parallel_problem`: a dense model, ``S`` divisible by
+  ``CP TP``); elsewhere without it (:attr:`TetradLayout.notes` says why). The classic time
+  counts no re-gather in backward; tetrad's step model hides it behind the dx GEMM;
 - ``CP`` -> ``G_context`` (tetrad's all-gathered K/V in pieces, where Megatron runs a ring);
 - ``PP`` -> ``G_pipe`` (outermost, as Megatron's); ``v`` virtual stages -> ``interleaved-1f1b``
   with ``v`` stages per rank; ``v = 1`` -> ``1f1b`` where the step has at least ``PP``
@@ -27,8 +36,9 @@ micro-batch, recomputation) becomes the tetrad layout with the same parallel siz
 (:func:`tetrad.plan.step_time.estimate` or, with a pipeline,
 :func:`tetrad.plan.pipe.pipeline_step.pipeline_estimate`) and its memory
 (:func:`tetrad.plan.memory.runtime.runtime_memory`,
-:func:`tetrad.plan.memory.pipeline.pipeline_memory`), as ``tetrad plan --param-dtype bf16``
-would rank it (``tests/test_classic_map.py`` compares both spaces on the cases of
+:func:`tetrad.plan.memory.pipeline.pipeline_memory`), sequence parallelism included, as
+``tetrad plan --param-dtype bf16 --sequence-parallel on --sequence-parallel-regather`` would
+rank it (``tests/test_classic_map.py`` compares both spaces on the cases of
 ``docs/planner.md`` section 6.1).
 """
 
@@ -44,9 +54,12 @@ from tetrad.plan.pipe.pipeline_step import PipeConfig, pipeline_estimate, split_
 from tetrad.plan.pipe.schedule import schedule_problems
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.question import StepQuestion, sharded
+from tetrad.plan.search.memory_fits import sequence_parallel_memory
 from tetrad.plan.search.rows import Row
 from tetrad.plan.step_time import estimate
 from tetrad.spec.activation_checkpointing import parse_checkpointing
+from tetrad.spec.model import ModelSpec
+from tetrad.spec.sharding import sequence_parallel_problem
 
 CLASSIC_TO_TETRAD_MODE = {"none": "none", "selective": "none", "full": "full"}
 """Megatron-LM's recomputation -> tetrad's (module doc: Megatron's ``selective`` recomputes the
@@ -102,6 +115,11 @@ class TetradLayout:
         checkpointing: ``none`` or ``full`` on every block.
         shard_optimizer: AdamW states (and the fp32 masters) sharded over data x context.
         params: the weights' stored format (``bf16`` with fp32 masters).
+        sequence_parallel: Megatron-LM's sequence parallelism over Y (``--sequence-parallel
+            --sequence-parallel-regather``, module doc): the residual stream ``[b,
+            S/(G_context G_y), h]``, each pair's first Linear re-gathering its input in
+            backward.
+        notes: how the layout departs from the classic configuration (not compared).
     """
 
     grid: tuple[int, int, int, int, int]
@@ -111,7 +129,15 @@ class TetradLayout:
     checkpointing: str
     shard_optimizer: bool
     params: str = "bf16"
+    sequence_parallel: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def sequence_parallel_keyword(self) -> bool | str:
+        """The models' ``sequence_parallel`` keyword of this layout (``"regather"`` with
+        sequence parallelism, else False;
+        :func:`tetrad.plan.search.memory_fits.sequence_parallel_memory`)."""
+        return sequence_parallel_memory(self.sequence_parallel, regather=True)
 
     def memory_args(self, global_batch: int) -> list[str]:
         """The options of ``tetrad memory --method tetrad`` that give this layout
@@ -125,6 +151,8 @@ class TetradLayout:
         out += [self.checkpointing, "--param-dtype", self.params]
         if self.shard_optimizer:
             out.append("--shard-optimizer")
+        if self.sequence_parallel:
+            out += ["--sequence-parallel", "--sequence-parallel-regather"]
         if self.pipe is not None:
             m = global_batch // (self.grid[0] * self.grid[2] * self.micro_batch)
             out += ["--pipeline-schedule", self.pipe.schedule, "--num-microbatches", str(m)]
@@ -132,11 +160,19 @@ class TetradLayout:
         return out
 
 
-def to_tetrad(cfg: ClassicConfig, global_batch: int) -> TetradLayout:
+def to_tetrad(
+    cfg: ClassicConfig, global_batch: int, model: ModelSpec, seq_len: int
+) -> TetradLayout:
     """The tetrad layout with ``cfg``'s parallel sizes (module doc). ``global_batch``: samples
-    per step (the schedule depends on the micro-batches per step, ``B / (DP b)``)."""
+    per step (the schedule depends on the micro-batches per step, ``B / (DP b)``); ``model``
+    and ``seq_len`` (tokens per sample): where tetrad's sequence parallelism runs
+    (:func:`tetrad.spec.sharding.sequence_parallel_problem`)."""
     grid = (cfg.dp, cfg.cp, 1, cfg.tp, 1)
     notes = []
+    sp = cfg.tp > 1
+    if sp and (problem := sequence_parallel_problem(model, grid, seq_len)):
+        sp = False
+        notes.append(f"no sequence parallelism: {problem}")
     pipe = None
     if cfg.pp > 1:
         m = global_batch // (cfg.dp * cfg.micro_batch)
@@ -158,6 +194,7 @@ def to_tetrad(cfg: ClassicConfig, global_batch: int) -> TetradLayout:
         mode,
         cfg.dp * cfg.cp > 1,
         "bf16",
+        sp,
         tuple(notes),
     )
 
@@ -179,10 +216,24 @@ class LayoutEstimate:
 
 def layout_question(ctx: StepQuestion, layout: TetradLayout) -> StepQuestion:
     """``ctx`` with the layout's optimizer (:func:`tetrad.plan.question.sharded`); ``ctx``
-    must carry the layout's weight bytes (``param_bytes=2`` for ``bf16``)."""
+    must carry the layout's weight bytes (``param_bytes=2`` for ``bf16``) and, where the layout
+    runs sequence parallelism, ask for it with the re-gather
+    (``StepQuestion(..., sequence_parallel="regather")``: its runtime splits the sequence over
+    Y exactly where the layout does, :meth:`~tetrad.plan.question.StepQuestion.sequence_split`).
+
+    Raises:
+        ValueError: ``ctx`` models other weights or other sequence parallelism than the layout.
+    """
     if ctx.param_bytes != param_bytes(layout.params):
         raise ValueError(
             f"the question stores {ctx.param_bytes}-byte weights, the layout {layout.params}"
+        )
+    _, gc, _, gy, gx = layout.grid
+    asked = ctx.sequence_parallel if ctx.sequence_split(gc, gy, gx) > 1 else False
+    if asked != layout.sequence_parallel_keyword:
+        raise ValueError(
+            f"the question runs sequence parallelism {asked!r} on this grid, the layout "
+            f"{layout.sequence_parallel_keyword!r}: build it with sequence_parallel='regather'"
         )
     return sharded(ctx) if layout.shard_optimizer else ctx
 
@@ -191,9 +242,15 @@ def layout_estimate(
     ctx: StepQuestion, layout: TetradLayout, gpu_memory_bytes: float, dtype: str = "bf16"
 ) -> LayoutEstimate:
     """tetrad's step time (seconds) and memory of ``layout`` on ``ctx`` (built with
-    ``param_bytes=2`` for bf16 weights), as the 4D search would time it."""
+    ``param_bytes=2`` for bf16 weights and ``sequence_parallel="regather"``,
+    :func:`layout_question`), as the 4D search would time it.
+
+    Raises:
+        ValueError: ``ctx`` does not model the layout's weights or sequence parallelism.
+    """
     q = layout_question(ctx, layout)
     model, b, mode = ctx.model, layout.micro_batch, layout.checkpointing
+    sp = layout.sequence_parallel_keyword
     if layout.pipe is None:
         est = estimate(q, layout.grid, b, mode, orientation=layout.orientation)
         mem = runtime_memory(
@@ -206,6 +263,7 @@ def layout_estimate(
             dtype=dtype,
             shard_optimizer=layout.shard_optimizer,
             params=layout.params,
+            sequence_parallel=sp,
         )
         return LayoutEstimate(est.step_s, mem, est)
     cfg = layout.pipe
@@ -228,5 +286,6 @@ def layout_estimate(
         dtype=dtype,
         shard_optimizer=layout.shard_optimizer,
         params=layout.params,
+        sequence_parallel=sp,
     )
     return LayoutEstimate(est.step_s, mem, est)
