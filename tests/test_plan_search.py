@@ -7,7 +7,7 @@ import pytest
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import get_machine
 from tetrad.plan.memory.runtime import runtime_memory
-from tetrad.plan.question import StepQuestion
+from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.classic import search_classic
 from tetrad.plan.search.four_d import search_4d
 from tetrad.plan.search.memory_fits import memory_line as _memory_line
@@ -48,6 +48,8 @@ def test_rows_fit_divide_and_are_sorted():
 
 
 def test_pruned_search_equals_exhaustive():
+    """The 4D search's top rows are the fastest of every fitting configuration, the optimizer
+    unsharded and sharded (``shard_optimizer="auto"``: both, where both fit)."""
     model = get_model("llama-1b")
     gpus, batch, seq = 32, 32, 1024
     rows, _ = search_4d(model, H100, gpus, batch, seq, top=5, pipeline=False)
@@ -57,16 +59,25 @@ def test_pruned_search_equals_exhaustive():
         if grid_problems(model, grid) or batch % (grid[0] * grid[2]) or seq % (2 * grid[1]):
             continue
         modes = ("none", "selective", "full")
-        for ckpt, b in itertools.product(modes, divisors(batch // (grid[0] * grid[2]))):
+        zeros = (False, True) if grid[0] * grid[1] > 1 else (False,)
+        for ckpt, b, zero in itertools.product(
+            modes, divisors(batch // (grid[0] * grid[2])), zeros
+        ):
             mem = runtime_memory(
-                model, grid, b, seq, H100.memory_bytes, activation_checkpointing=ckpt
+                model,
+                grid,
+                b,
+                seq,
+                H100.memory_bytes,
+                activation_checkpointing=ckpt,
+                shard_optimizer=zero,
             )
             if mem.fits:
-                every.append((estimate(ctx, grid, b, ckpt).step_s, grid, b, ckpt))
+                q = sharded(ctx) if zero else ctx
+                every.append((estimate(q, grid, b, ckpt).step_s, grid, b, ckpt, zero))
     every.sort()
-    assert [(r.grid, r.micro_batch, r.activation_checkpointing) for r in rows] == [
-        e[1:] for e in every[:5]
-    ]
+    got = [(r.grid, r.micro_batch, r.activation_checkpointing, r.shard_optimizer) for r in rows]
+    assert got == [e[1:] for e in every[:5]]
     assert [r.step_s for r in rows] == pytest.approx([e[0] for e in every[:5]])
 
 

@@ -167,7 +167,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         choices=SHARD_OPTIMIZER,
         default="auto",
         help="the runtime's sharded optimizer (AdamW states over data x context, ZeRO-1; "
-        "rows marked so): auto (where a configuration fits only so), on, off",
+        "rows marked so): auto (each configuration both ways where it fits, ranked by "
+        "step time), on, off",
     )
     p.add_argument(
         "--param-dtype",

@@ -18,9 +18,10 @@ first that does not fit. The survivors are ranked by :func:`tetrad.plan.step_tim
 
 The sharded optimizer (``shard_optimizer``: AdamW states over data x context, ZeRO-1) is a
 dimension: under ``auto`` a grid with ``G_data G_context > 1`` also offers each (mode,
-micro-batch) that fits only with the states sharded, timed with
-:func:`tetrad.plan.question.sharded`'s question (where both fit, unsharded is as fast or
-faster: the same ring bytes, and the sharded all-gather after the update is exposed).
+micro-batch) that fits with the states sharded, timed with
+:func:`tetrad.plan.question.sharded`'s question (where both fit, either may be the faster:
+the sharded all-gather after the update is exposed, but with bf16 weights it carries half
+the bytes, and in a pipeline less of the tail is left to the cool-down).
 
 The classic Megatron-style space beside it: :mod:`tetrad.plan.search.classic`; both together:
 :func:`tetrad.plan.search.plan.plan`.
@@ -492,9 +493,8 @@ def search_4d(
         comm_model: ``"tetrad"`` (runtime-exact, alpha-beta, overlap) or ``"axonn"``.
         gpu_memory_bytes: override of the machine's memory, bytes.
         shard_optimizer: the runtime's sharded optimizer (AdamW states over data x context):
-            ``off``, ``on`` (wherever ``G_data G_context > 1``) or ``auto`` (where the
-            configuration does not fit unsharded; unsharded it is as fast or faster: the same
-            ring bytes, and the all-gather after the update is exposed).
+            ``off``, ``on`` (wherever ``G_data G_context > 1``) or ``auto`` (both where
+            ``G_data G_context > 1``, each where it fits, ranked by step time: module doc).
         fp8: the FP8 recipe of the step model (:mod:`tetrad.plan.compute.fp8`; ``off``, the
             default, leaves every estimate as without it); memory as without FP8.
         params: the weights' stored format (``tetrad train --param-dtype``): ``fp32``, or

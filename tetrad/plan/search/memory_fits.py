@@ -9,8 +9,10 @@ configurations with their compute seconds, only for the groups the search times
 (:meth:`MemoryFits.expand`).
 
 The optimizer variants tried (:func:`optimizer_variants`): the AdamW states unsharded, sharded
-over the data group (data x context, ZeRO-1), or both under ``auto``, sharded only where the
-same mode unsharded does not fit (:mod:`tetrad.plan.memory.sharded_optimizer`)."""
+over the data group (data x context, ZeRO-1), or both under ``auto``, each where it fits
+(:mod:`tetrad.plan.memory.sharded_optimizer`; neither is always the faster: the sharded one's
+all-gather after the update is exposed, but with bf16 weights it carries half the bytes, and
+in a pipeline the reduce-scatter leaves less of the tail to the cool-down)."""
 
 from __future__ import annotations
 
@@ -171,13 +173,7 @@ class MemoryFits:
             if not zero and not plain_fits:
                 continue
             for ckpt in checkpointing:
-                # auto: sharded only where the same mode unsharded does not fit
-                other = None
-                if zero and self.shard_optimizer == "auto" and plain_fits:
-                    other = line(ckpt, False)
-                    if other(sizes[-1]) <= self.limit:
-                        continue  # every micro-batch fits unsharded (memory grows with it)
-                out.modes.append(self._mode_fits(ckpt, zero, sizes, line, other))
+                out.modes.append(self._mode_fits(ckpt, zero, sizes, line))
         return out
 
     def _cell(self, roles: tuple, allowed: set | None) -> tuple[int, list[int]]:
@@ -191,18 +187,15 @@ class MemoryFits:
         sizes = [b for b in divisors_of(per_cell) if allowed is None or b in allowed]
         return elements["matrices"] + elements["vectors"], sizes
 
-    def _mode_fits(self, ckpt, zero, sizes, line, other) -> tuple:
+    def _mode_fits(self, ckpt, zero, sizes, line) -> tuple:
         """``(sharded, mode, fitting micro-batches, the mode-none line or None)`` of one
         checkpointing mode ``ckpt`` (``zero``: the states sharded), ``line(mode, zero)`` the
-        memory lines, ``other`` the unsharded line of a sharded variant under ``auto`` (None
-        otherwise: every fitting micro-batch counts)."""
+        memory lines."""
         stats = self.stats
         peak = line(ckpt, zero)
         plain = None  # selective where none does not fit: only as many blocks as needed
         if ckpt == "selective" and self.ctx.model.n_layers > 1:
             plain = line("none", zero)
-        if other is not None:  # the micro-batches too large to fit unsharded (the later ones)
-            sizes = sizes[bisect.bisect_left(sizes, True, key=lambda b: other(b) > self.limit) :]
         fit = []
         for b in sizes:
             stats["candidates"] += 1
@@ -316,8 +309,8 @@ class MemoryFits:
 def optimizer_variants(shard_optimizer: str, data_group: int) -> tuple[bool, ...]:
     """Whether the optimizer is sharded, the choices tried under ``shard_optimizer`` on a grid
     whose data group has ``data_group = G_data G_context`` ranks: ``off`` unsharded; ``on``
-    sharded (unsharded with one rank); ``auto`` both, sharded only where unsharded does not
-    fit."""
+    sharded (unsharded with one rank); ``auto`` both (each where it fits: the search ranks
+    them by their step times, module doc)."""
     if data_group == 1 or shard_optimizer == "off":
         return (False,)
     return (True,) if shard_optimizer == "on" else (False, True)

@@ -331,13 +331,11 @@ class PipeSearch:
     def _fitting(self, grid, turn, b, mode, cfg) -> list[tuple]:
         """``[(memory, sharded)]`` of the configuration in each optimizer variant the search
         tries (:func:`tetrad.plan.search.memory_fits.optimizer_variants`) where it fits and no
-        cheaper mode fits in the same variant; under ``auto`` the sharded one only where the
-        unsharded one does not fit."""
+        cheaper mode fits in the same variant (under ``auto`` both variants where both fit:
+        either may be the faster)."""
         out = []
         roles = role_sizes(grid, turn)
         for zero in optimizer_variants(self.shard_optimizer, roles[0] * roles[1]):
-            if zero and out:
-                break  # auto: fits unsharded
             if any(
                 cheaper in self.modes and self._fits(grid, turn, b, cheaper, cfg, zero) is not None
                 for cheaper in MODE_ORDER[: MODE_ORDER.index(mode)]
