@@ -14,6 +14,12 @@ from tetrad.parallel.zero import DataShards
 from tetrad.spec.grid import Axis
 from tetrad.torch_private import foreach_mul_, foreach_norm
 
+SUMS_OVER_DATA = (Axis.DATA, Axis.EXPERT_DATA)
+"""The axes whose gradient sums run in the policy's ``grad_reduce`` format
+(:func:`tetrad.parallel.masters.reduce_dtype`): data x context, and its part expert-data, over
+which the expert-sharded weights are summed (Megatron-LM reduces its expert-parallel gradient
+buffers in the same format as the others); Z, Y and X sum in the gradients' own format."""
+
 
 def sync_gradients(
     model: nn.Module,
@@ -64,7 +70,7 @@ def sync_gradients(
             if a == Axis.DATA and shards is not None:  # the last of TOKEN_AXES
                 shards.take(params, shards.reduce_scatter(params, _split(flat, grads)))
                 break
-            if a == Axis.DATA and reduce_dtype(params[0]) != flat.dtype:
+            if a in SUMS_OVER_DATA and reduce_dtype(params[0]) != flat.dtype:
                 flat.copy_(all_reduce(flat.to(reduce_dtype(params[0])), grid, a))
             else:
                 all_reduce(flat, grid, a)
