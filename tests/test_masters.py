@@ -7,8 +7,12 @@ sharded with the AdamW states) and without, the gradients summed over data in fp
 (``--grad-reduce-dtype``: every sum over data is seen in that format); the bf16 stream also
 with sequence parallelism (data x Y, selective recompute) and under full recompute (context x
 X); an fp32 residual stream (``--residual-dtype fp32``) on Y x X against the reference with the
-same stream; and checkpoints that keep the fp32 masters, so that runs resume across storage
-formats.
+same stream; checkpoints that keep the fp32 masters, so that runs resume across storage
+formats; and the MoE model (both router configurations of tests/test_moe_parallel.py) with
+expert parallelism (``G_expert = 2`` on data=4, its experts summed over expert-data, and on
+data x Z, summed over Z), with the sharded optimizer and without: the routed experts' grouped
+GEMMs in bf16, their gradients kept apart in fp32 and summed over expert-data in the
+``--grad-reduce-dtype`` format as the others over data.
 
 Tolerances. Both sides round the weights and every GEMM's output to bf16 (unit roundoff
 ``u = 2^-8``) but sum in other orders (over ranks, over micro-batches, in fused collectives), so
@@ -21,7 +25,12 @@ gradient is near zero may move the other way (up to ``2 lr``, as in fp32, see
 are compared by the mean absolute difference, at most ``0.05 lr`` (a planted bug, such as a
 gradient not summed over data or a master not refreshed, moves it past ``0.3 lr``), and by the
 largest, at most twice the sum of the steps' learning rates (an element that flips every
-step).
+step). The MoE runs: the same tolerances, the load-balancing loss (fp32, from the same choices
+of experts and the fp32 probabilities of bf16 logits) within ``LOSS_TOL`` as the LM loss (they
+differ by at most 1.5e-4 relative, the LM loss by 2.5e-5, the norm by 1.2e-3; the masters by
+0.018-0.024 lr on average, 3.4 lr at most; experts not summed over expert-data move the mean
+to 0.14 lr). A near-tie of two bf16 router logits may choose another expert for a slot on one
+side, so the selection biases (sign updates from the step's loads) are not compared.
 """
 
 import contextlib
@@ -32,21 +41,24 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
+from tests.test_moe_parallel import CONFIGS
 from tests.test_zero import build_model
 from tetrad.dtypes import autocast, torch_dtype
 from tetrad.grid import Grid
 from tetrad.models.llama import Block
 from tetrad.models.reference import Llama as Reference
 from tetrad.parallel import init_parameters
+from tetrad.parallel.experts import biased_routers
 from tetrad.parallel.masters import MasterAdamW, grad_of
 from tetrad.parallel.model import ParallelLlama
 from tetrad.parallel.zero import settle_parameters
 from tetrad.pipeline.step import pipeline_train_step
+from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import OVERLAPS
 from tetrad.spec.precision import precision
 from tetrad.spec.presets import PRESETS
 from tetrad.train.checkpoint import Checkpointer
-from tetrad.train.step import build_optimizer, lr_at, train_step
+from tetrad.train.step import build_optimizer, lr_at, train_step, train_step_losses
 
 # the reference's torch.nn.RMSNorm reads the fp32 residual stream with a bf16 weight: torch warns
 # that it takes its unfused kernel
@@ -86,16 +98,23 @@ def reference_run(policy=BF16):
             assert h.dtype == torch_dtype(policy.residual)  # the final norm's input's format
             part.backward()
             loss += part.item()
-        grads = [grad_of(p) for p in model.parameters()]
-        assert {g.dtype for g in grads} == {torch.float32}
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        torch._foreach_mul_(grads, min(1.0, CLIP / (norm.item() + 1e-6)))
+        norm = _clip(model)
         opt.step()
         opt.zero_grad()
         losses.append(loss)
-        norms.append(norm.item())
+        norms.append(norm)
     masters = {n: opt.master_of(p).clone() for n, p in model.named_parameters()}
     return (losses, norms), masters
+
+
+def _clip(model) -> float:
+    """Clip the reference's fp32 gradients (kept apart) to a global norm of ``CLIP``; the norm
+    before."""
+    grads = [grad_of(p) for p in model.parameters()]
+    assert {g.dtype for g in grads} == {torch.float32}
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    torch._foreach_mul_(grads, min(1.0, CLIP / (norm.item() + 1e-6)))
+    return norm.item()
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +149,17 @@ def _train(model, opt, grid, pipe, steps, ref_curves=None, label=""):
 
 
 @contextlib.contextmanager
-def data_sums(grid, into: set):
-    """Collects the dtypes of the tensors (more than one element) summed over data (on gloo a
-    reduce-scatter is an all-reduce too) while active."""
-    plain, group = dist.all_reduce, grid.group("data") if grid.size("data") > 1 else None
+def data_sums(grid, into: set, counts: int = 0):
+    """Collects the dtypes of the tensors (more than one element) summed over data, or over
+    expert-data (the expert-sharded weights' part of data), while active (on gloo a
+    reduce-scatter is an all-reduce too); not those of ``counts`` elements (the routers'
+    expert loads, summed for the selection biases' update, are no gradients)."""
+    plain = dist.all_reduce
+    axes = (Axis.DATA, Axis.EXPERT_DATA) if grid.expert > 1 else (Axis.DATA,)
+    groups = [grid.group(a) for a in axes if grid.size(a) > 1]
 
     def spy(t, *args, **kwargs):
-        if group is not None and kwargs.get("group") is group and t.numel() > 1:
+        if any(kwargs.get("group") is g for g in groups) and t.numel() not in (1, counts):
             into.add(t.dtype)
         return plain(t, *args, **kwargs)
 
@@ -173,17 +196,23 @@ def master_runs(world_size, references, cases, run_dir):
         assert streams == {torch_dtype(residual)}, f"{label}: residual stream in {streams}"
         if grid.size("data") > 1:
             assert sums == {torch_dtype(reduce)}, f"{label}: summed over data in {sums}"
-        masters, diffs = _masters(opt, weights), []
-        for name, p in weights.named_parameters():
-            assert masters[name].dtype == torch.float32, label
-            assert torch.equal(p.detach(), masters[name].to(torch.bfloat16)), f"{label} {name}"
-            diffs.append(masters[name] - ref_masters[name][p.placement.local_slices(grid)])
-        flat = torch.cat([d.reshape(-1) for d in diffs]).abs() / LR
-        mean, worst = flat.mean().item(), flat.max().item()
-        assert mean <= MEAN_TOL and worst <= MAX_TOL, f"{label}: masters {mean:.3g} {worst:.3g} lr"
-        if not any(grid.coord.values()):
-            print(f"{label}: masters differ by {mean:.2e} lr on average, {worst:.2f} lr at most")
+        _check_masters(opt, weights, grid, ref_masters, label)
     _resume_across_formats(run_dir)
+
+
+def _check_masters(opt, weights, grid, ref_masters: dict, label: str) -> None:
+    """Every local fp32 master of ``weights`` against the reference's slice (mean and largest
+    difference, in units of ``LR``), and the stored bf16 weights are the masters rounded."""
+    masters, diffs = _masters(opt, weights), []
+    for name, p in weights.named_parameters():
+        assert masters[name].dtype == torch.float32, label
+        assert torch.equal(p.detach(), masters[name].to(torch.bfloat16)), f"{label} {name}"
+        diffs.append(masters[name] - ref_masters[name][p.placement.local_slices(grid)])
+    flat = torch.cat([d.reshape(-1) for d in diffs]).abs() / LR
+    mean, worst = flat.mean().item(), flat.max().item()
+    assert mean <= MEAN_TOL and worst <= MAX_TOL, f"{label}: masters {mean:.3g} {worst:.3g} lr"
+    if not any(grid.coord.values()):
+        print(f"{label}: masters differ by {mean:.2e} lr on average, {worst:.2f} lr at most")
 
 
 @contextlib.contextmanager
@@ -242,3 +271,78 @@ CASES = [  # (G_pipe, grid, sharded optimizer, grad_reduce, residual stream, var
 
 def test_bf16_weights_with_fp32_masters_match_reference(reference, tmp_path):
     run_distributed(master_runs, 4, 4, reference, CASES, tmp_path / "run")
+
+
+def moe_reference_run(cfg) -> tuple:
+    """The plain MoE model under ``BF16``, micro-batches of ``MICRO``, differentiating
+    ``lm + aux`` as :func:`tetrad.train.step.train_step_losses` does: ``((lm loss, aux loss,
+    norm) per step, the final fp32 masters)``."""
+    assert cfg.vocab_size == CFG.vocab_size  # batches() draws from CFG's vocabulary
+    model = Reference(cfg)
+    init_parameters(model, SEED)
+    opt = build_optimizer(model, LR, weight_decay=0.1, policy=BF16)
+    curves = []
+    for step, batch in enumerate(batches()):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
+        lm = aux = 0.0
+        for mb in batch.split(MICRO):
+            with autocast(torch.device("cpu"), BF16):
+                part = model.loss_sum(mb[:, :-1], mb[:, 1:]) / batch[:, 1:].numel()
+                extra = model.aux_loss_sum() / len(batch)
+            (part + extra).backward()
+            lm, aux = lm + part.item(), aux + extra.item()
+        norm = _clip(model)
+        opt.step()
+        opt.zero_grad()
+        for r in biased_routers(model):
+            r.update_bias(r.tokens_per_expert.clone())
+        curves.append((lm, aux, norm))
+    masters = {n: opt.master_of(p).clone() for n, p in model.named_parameters()}
+    return curves, masters
+
+
+def moe_master_runs(name, reference, cases):
+    """Train the MoE model ``CONFIGS[name]`` on each ``(sizes, G_expert, sharded optimizer,
+    grad_reduce)`` of ``cases`` with bf16 weights and compare each step's LM loss, load-balancing
+    loss and gradient norm, the format of every sum over data and expert-data, the residual
+    stream's format and the final masters with :func:`moe_reference_run`'s."""
+    curves, ref_masters = reference
+    for sizes, ep, shard, reduce in cases:
+        grid = Grid.build(sizes, expert=ep)
+        model = ParallelLlama(CONFIGS[name], grid, "none", OVERLAPS, **OVERLAP_OPTIONS)
+        init_parameters(model, SEED, grid)
+        assert model.layers["1"].feed_forward.experts.w1.shape[0] == CONFIGS[name].n_experts // ep
+        policy = precision("cpu", "bf16", grad_reduce=reduce)
+        opt = build_optimizer(model, LR, 0.1, shard=grid if shard else None, policy=policy)
+        label = f"{name} grid {sizes} expert {ep} shard {shard} reduce {reduce}"
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}, label
+        sums, streams = set(), set()
+        counts = sum(r.n_experts for r in biased_routers(model))
+        with data_sums(grid, sums, counts), _block_outputs(model, streams):
+            for step, batch in enumerate(batches()):
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step, LR, LR / 10, 2, STEPS)
+                grid.comm.reset()
+                got = [float(t) for t in train_step_losses(model, opt, grid, batch, MICRO, CLIP)]
+                assert grid.comm.stats(Axis.EXPERT).calls > 0, label  # tokens left their rank
+                want = zip(("lm", "aux", "norm"), curves[step], TOLS, strict=True)
+                for g, (what, r, tol) in zip(got, want, strict=True):
+                    assert abs(g - r) <= tol * r, f"{label} step {step} {what}: {g} vs {r}"
+        settle_parameters(opt)
+        assert streams == {torch.bfloat16}, f"{label}: residual stream in {streams}"
+        assert sums == {torch_dtype(reduce)}, f"{label}: summed over data in {sums}"
+        _check_masters(opt, model, grid, ref_masters, label)
+
+
+TOLS = (LOSS_TOL, LOSS_TOL, NORM_TOL)  # LM loss, load-balancing loss, gradient norm
+MOE_CASES = [  # (G_data, G_context, G_z, G_y, G_x), G_expert, sharded optimizer, grad_reduce
+    ((4, 1, 1, 1, 1), 2, True, "bf16"),  # experts summed over expert-data (2 ranks)
+    ((4, 1, 1, 1, 1), 2, False, "fp32"),
+    ((2, 1, 2, 1, 1), 2, True, "fp32"),  # experts summed over Z
+]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_moe_expert_parallel_bf16_weights_match_reference(name):
+    run_distributed(moe_master_runs, 4, name, moe_reference_run(CONFIGS[name]), MOE_CASES)
