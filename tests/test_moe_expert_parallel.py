@@ -159,7 +159,8 @@ def _train(cfg):
 
 def test_resume_across_expert_parallel_sizes(corpus, tmp_path, monkeypatch):  # noqa: F811
     """The MoE run on ``data=4`` resumed from its DCP checkpoints with another expert
-    parallelism each time (2 -> 4 -> none, the experts' shards re-cut) gives the uninterrupted
+    parallelism each time (2 -> 4 -> none, the experts' shards re-cut; the first two parts with
+    the sharded optimizer, whose expert weights keep whole states) gives the uninterrupted
     run's losses and routing figures; the checkpoints' keys do not depend on ``G_expert``."""
     from tests.test_resume import full_state
     from tests.test_train import config, losses
@@ -170,9 +171,9 @@ def test_resume_across_expert_parallel_sizes(corpus, tmp_path, monkeypatch):  # 
     opts = dict(model=MODEL, grid="data=4,expert=2", checkpoint_every=2, lr=3e-3, min_lr=3e-3)
     run_distributed(_train, 4, config(corpus, whole, 6, **opts))
     rows, expected = losses(whole)
-    run_distributed(_train, 4, config(corpus, split, 2, **opts))
+    run_distributed(_train, 4, config(corpus, split, 2, shard_optimizer=True, **opts))
     four = opts | {"grid": "data=4,expert=4"}  # expert=2 and --expert-parallel 4 disagree
-    run_distributed(_train, 4, config(corpus, split, 4, resume=True, **four))
+    run_distributed(_train, 4, config(corpus, split, 4, resume=True, shard_optimizer=True, **four))
     opts["grid"] = "4,1,1,1"
     run_distributed(_train, 4, config(corpus, split, 6, resume=True, **opts))
     got_rows, got = losses(split)
@@ -196,6 +197,7 @@ def test_expert_parallel_options_and_one_line_refusals():
 
     cfg = load_config(None, {"grid": "data=4,expert=2"})
     assert cfg.parallelism.grid == (4, 1, 1, 1, 1) and cfg.parallelism.expert_parallel == 2
+    load_config(None, {"grid": "data=4,expert=2", "shard_optimizer": True}).check()
     cfg = load_config(None, {"grid": "2,1,1,1", "expert_parallel": 4})
     with pytest.raises(ConfigError, match="use --expert-parallel 1 or 2") as e:
         cfg.check()

@@ -18,8 +18,9 @@ from tetrad.train.sections import ConfigError, ParallelismSection, TrainingSecti
 
 def check_parallelism(par: ParallelismSection, seq_len: int) -> None:
     """The sequence splits over the context ranks; ``G_expert`` divides ``G_data G_context``;
-    the sharded optimizer is not combined with expert parallelism; the overlap piece counts
-    are 0 (the planner's choice) or counts.
+    the overlap piece counts are 0 (the planner's choice) or counts. (The sharded optimizer
+    combines with expert parallelism: the expert-sharded weights, summed over expert-data, keep
+    whole AdamW states and masters, :meth:`tetrad.parallel.zero.DataShards.sharded`.)
 
     Raises:
         ConfigError: one line saying which value to change.
@@ -35,12 +36,6 @@ def check_parallelism(par: ParallelismSection, seq_len: int) -> None:
         check_expert_parallel(par.expert_parallel, grid)
     except TetradError as e:
         raise ConfigError(str(e)) from None
-    if par.shard_optimizer and par.expert_parallel > 1:
-        raise ConfigError(
-            "shard_optimizer with expert parallelism is not supported yet (expert weights "
-            "are reduced over their own expert-data group): drop --shard-optimizer or "
-            "--expert-parallel"
-        )
     _check_pieces(par)
     if par.sequence_parallel:
         _check_sequence_parallel(par, seq_len)
