@@ -5,9 +5,15 @@ Prints, per run, each block's max/mean load at steps 100, 150, ..., the worst an
 after step ``--after`` and the validation losses, and draws one panel per run (load against
 step, one line per block, the ``--limit`` line) into ``--out`` (a small PNG).
 
+With ``--batches N`` it also loads each run's last checkpoint and routes ``N`` fresh batches
+of the run's global batch (training windows from steps the run never drew) through those fixed
+weights: each block's max/mean load per batch against the load of all ``N`` batches together,
+the part of a step's figure that comes from which sequences the batch holds rather than from
+the router's weights.
+
 Usage: ``PYTHONPATH=. python benchmarks/moe_routing.py RUN_DIR [RUN_DIR ...] [--out
-docs/moe_routing.png] [--label NAME ...]``. Exits 1 if a block of the last run reaches
-``--limit`` after step ``--after``.
+docs/moe_routing.png] [--label NAME ...] [--batches 24]``. Exits 1 if a block of the last run
+reaches ``--limit`` after step ``--after``.
 """
 
 from __future__ import annotations
@@ -65,6 +71,56 @@ def summary(name: str, rows: dict[int, dict], after: int, limit: float) -> bool:
     return ok
 
 
+def fixed_weights(run_dir: str, n_batches: int) -> None:
+    """Route ``n_batches`` fresh global batches through the run's last checkpoint and print,
+    per MoE block, the max/mean load of all of them together and per batch (mean, worst)."""
+    import torch
+
+    from tetrad.data.loader import sample_batch
+    from tetrad.train.config import TrainConfig
+    from tetrad.train.generate import load_model
+    from tetrad.train.preflight import load_corpus
+
+    torch.set_num_threads(1)
+    model, _, run_cfg = load_model(run_dir)
+    t, data = run_cfg["training"], run_cfg["data"]
+    cfg = TrainConfig()
+    cfg.data.paths, cfg.data.vocab_size = data["paths"], data["vocab_size"]
+    corpus = load_corpus(cfg)
+    routers = [m for m in model.modules() if type(m).__name__ == "Router"]
+    ids: list[torch.Tensor] = []
+    for r in routers:
+        route = r.route
+
+        def recording(x: torch.Tensor, route=route) -> tuple:
+            out = route(x)
+            ids.append(out[0])
+            return out
+
+        r.route = recording
+    counts: list[list[torch.Tensor]] = [[] for _ in routers]
+    with torch.no_grad():
+        for i in range(n_batches):  # steps far beyond any run's: windows it never trained on
+            batch = sample_batch(
+                corpus.train, 10**6 + i, t["global_batch"], t["seq_len"], t["seed"]
+            )
+            ids.clear()
+            model(batch[:, :-1])
+            for block, chosen in enumerate(ids):
+                n = routers[block].n_experts
+                counts[block].append(torch.bincount(chosen.flatten(), minlength=n).double())
+    print(
+        f"{run_dir}: last checkpoint, {n_batches} batches of {t['global_batch']} x {t['seq_len']}"
+    )
+    for block, cs in enumerate(counts):
+        whole = torch.stack(cs).sum(0)
+        each = [float(c.max() / c.mean()) for c in cs]
+        print(
+            f"  MoE block {block}: all batches {float(whole.max() / whole.mean()):.3f}; "
+            f"per batch mean {sum(each) / len(each):.3f}, worst {max(each):.3f}"
+        )
+
+
 def plot(runs: list[tuple[str, dict[int, dict]]], after: int, limit: float, out: str) -> None:
     """One panel per run: max/mean load against step, a line per block, ``limit`` dashed."""
     import matplotlib
@@ -97,12 +153,17 @@ def main() -> int:
     ap.add_argument("--after", type=int, default=100, help="the step after which loads count")
     ap.add_argument("--limit", type=float, default=1.3, help="the max/mean load to stay below")
     ap.add_argument("--out", default="", help="PNG to write (default: none)")
+    ap.add_argument(
+        "--batches", type=int, default=0, help="route N fresh batches through the last checkpoint"
+    )
     args = ap.parse_args()
     names = args.label + args.runs[len(args.label) :]
     runs = [(name, read_rows(d)) for name, d in zip(names, args.runs, strict=True)]
     ok = [summary(name, rows, args.after, args.limit) for name, rows in runs]
     if args.out:
         plot(runs, args.after, args.limit, args.out)
+    for d in args.runs if args.batches else []:
+        fixed_weights(d, args.batches)
     return 0 if ok[-1] else 1
 
 
