@@ -216,6 +216,7 @@ def _overlap_worker(world_size):
     while the later modules' still are, and at most one unit is ever in flight."""
     grid, model, _ = build_model(1, (world_size, 1, 1, 1), ALL)
     opt = build_optimizer(model, LR, weight_decay=0.1, shard=grid)
+    opt.shards.least = 0  # one all-gather per unit (the tiny model's would go in one group)
     seen: list[tuple[bool, int]] = []
     for batch in batches()[:2]:
         train_step(model, opt, grid, batch, MICRO, CLIP)
@@ -257,6 +258,18 @@ def _overlap_worker(world_size):
 
 def test_parameter_gathers_overlap_the_next_forward():
     run_distributed(_overlap_worker, 2, 2)
+
+
+def test_gather_groups_close_at_the_least_bytes():
+    """:func:`tetrad.spec.overlap.gather_groups`: consecutive units together until their bytes
+    reach the least, the last run below it if that is what is left; units at or above it alone."""
+    from tetrad.spec.overlap import gather_groups
+
+    assert gather_groups([5, 5, 5, 5, 5], 10) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert gather_groups([30, 1, 1, 30], 10) == [range(0, 1), range(1, 4)]
+    assert gather_groups([3, 3], 10) == [range(0, 2)]
+    assert gather_groups([], 10) == []
+    assert gather_groups([1, 2, 3], 0) == [range(0, 1), range(1, 2), range(2, 3)]
 
 
 def test_gather_exposure_is_the_forwards_lateness():

@@ -16,16 +16,18 @@ way. The padding is zero (none when ``G`` divides ``n``).
 
 The all-gathers after the update run one unit at a time, asynchronously (as Megatron-LM's
 ``overlap_param_gather``): a unit is one module of the forward (:func:`gather_units`: the
-embedding, each block, the final norm with the LM head), gathered in the order the next forward
-first reads them. The first unit's all-gather is issued by the update; each is waited just
-before its first read (a forward pre-hook on every module below the model, and
-:meth:`tetrad.parallel.overlap.Overlap` before a Z all-gather reads a weight), copied into the
-parameters, and the next unit's is issued then, so it runs behind this unit's forward. So at most
-one unit's buffers exist at a time (its output ``[G, sum c]`` and this rank's row ``[sum c]``,
-in the weights' format), where gathering every unit at once would hold the whole model again:
-Megatron-LM gathers into its parameter buffer in place, and dispatches the next bucket's
-all-gather when the current one is waited, likewise. :meth:`DataShards.wait_all` finishes them
-all in order (before a checkpoint save, an evaluation, the end of training, and the next update).
+embedding, each block, the final norm with the LM head; consecutive units together while their
+bytes are below :data:`tetrad.spec.overlap.GATHER_GROUP_BYTES`, so a small model makes few
+calls), gathered in the order the next forward first reads them. The first unit's all-gather is
+issued by the update; each is waited just before its first read (a forward pre-hook on every
+module below the model, and :meth:`tetrad.parallel.overlap.Overlap` before a Z all-gather reads
+a weight), copied into the parameters, and the next unit's is issued then, so it runs behind
+this unit's forward. So at most one unit's buffers exist at a time (its output ``[G, sum c]``
+and this rank's row ``[sum c]``, in the weights' format), where gathering every unit at once
+would hold the whole model again: Megatron-LM gathers into its parameter buffer in place, and
+dispatches the next bucket's all-gather when the current one is waited, likewise.
+:meth:`DataShards.wait_all` finishes them all in order (before a checkpoint save, an evaluation,
+the end of training, and the next update).
 
 Pieces depend only on the parameter and ``G``, never on the buckets, so a step whose buckets
 differ from the last's still finds its states, and a checkpoint stores the whole local tensors
@@ -42,6 +44,7 @@ from tetrad.comm import Handle, all_gather, reduce_scatter
 from tetrad.grid import Grid
 from tetrad.parallel.masters import MasterAdamW, drop_grads, grad_dtype, grad_of, reduce_dtype
 from tetrad.spec.grid import Axis
+from tetrad.spec.overlap import GATHER_GROUP_BYTES, gather_groups
 
 
 class DataShards:
@@ -71,6 +74,7 @@ class DataShards:
         self.pending: dict[int, tuple] = {}  # id(param) -> (unit params, Handle or None)
         self._queue: list[list[nn.Parameter]] = []  # units not yet issued, in forward order
         self._in_flight: tuple | None = None  # (unit params, Handle) of the one issued
+        self.least = GATHER_GROUP_BYTES  # bytes below which units are gathered together
         self._hooked: set[int] = set()
 
     def attach(self, *models: nn.Module) -> None:
@@ -183,10 +187,11 @@ class DataShards:
             offset += c
 
     def units(self) -> list[list[nn.Parameter]]:
-        """The parameters reduce-scattered this step (:attr:`groups`) in gather units: one per
-        module of :func:`gather_units` (:meth:`attach`), in the order of the next forward's
-        first reads; a parameter of no attached module stays with its reduce-scatter group,
-        after them."""
+        """The parameters reduce-scattered this step (:attr:`groups`) in gather units: the
+        modules of :func:`gather_units` (:meth:`attach`) in the order of the next forward's
+        first reads, consecutive ones together until their bytes reach :attr:`least`
+        (:func:`tetrad.spec.overlap.gather_groups`); a parameter of no attached module stays
+        with its reduce-scatter group, after them."""
         params = [p for group in self.groups for p in group]
         params.sort(key=lambda p: self.order.get(id(p), len(self.order)))  # stable
         where = {id(p): i for i, group in enumerate(self.groups) for p in group}
@@ -194,7 +199,10 @@ class DataShards:
         for p in params:
             key = (0, self.unit[id(p)]) if id(p) in self.unit else (1, where[id(p)])
             units.setdefault(key, []).append(p)
-        return list(units.values())
+        attached = [u for k, u in units.items() if k[0] == 0]
+        sizes = [sum(p.numel() * p.element_size() for p in u) for u in attached]
+        merged = [[p for i in run for p in attached[i]] for run in gather_groups(sizes, self.least)]
+        return merged + [u for k, u in units.items() if k[0] == 1]
 
     @torch.no_grad()
     def all_gather(self, async_op: bool = False) -> None:

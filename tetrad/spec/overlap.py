@@ -31,6 +31,29 @@ DP_BUCKET_BYTES = 25 * MiB
 the ``small`` model's data-parallel step took 0.99x (4 ranks) and 0.99x (2 ranks) of its time
 with 4 MiB buckets: fewer gloo calls (each costs about 1 ms of CPU at 4 ranks)."""
 
+GATHER_GROUP_BYTES = DP_BUCKET_BYTES
+"""Smallest all-gather of the sharded optimizer's parameters after the update, bytes (the
+weights' stored format): consecutive units (embedding, blocks, final norm with head) are gathered
+together until they reach it (:func:`gather_groups`), as Megatron-LM gathers buckets of about
+40M parameters, so that a small model does not pay one call per block."""
+
+
+def gather_groups(unit_bytes: list[float], least: float = GATHER_GROUP_BYTES) -> list[range]:
+    """The sharded optimizer's all-gather groups after the update: ``unit_bytes`` (each unit's
+    bytes, in forward order) cut into consecutive runs, each closed as soon as its bytes reach
+    ``least`` (the last run may stay below). Returns the runs as index ranges; the runtime
+    (:mod:`tetrad.parallel.zero`) and the planner's models cut alike."""
+    out, start, total = [], 0, 0.0
+    for i, b in enumerate(unit_bytes):
+        total += b
+        if total >= least:
+            out.append(range(start, i + 1))
+            start, total = i + 1, 0.0
+    if start < len(unit_bytes):
+        out.append(range(start, len(unit_bytes)))
+    return out
+
+
 DOMINO_MIN_ROWS = 256
 """The ``domino`` overlap splits a forward GEMM only when the micro-batch has at least twice
 this many token rows (below it the extra launch costs more than the split hides)."""

@@ -16,6 +16,7 @@ from tetrad.plan.comm.context_parallel import pieces_exposed_seconds
 from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from tetrad.spec.grid import Axis
+from tetrad.spec.overlap import gather_groups
 from tetrad.spec.units import FP32
 
 
@@ -187,9 +188,31 @@ def gather_units(st: Step) -> list[tuple[str, float, float]]:
     return units
 
 
+def gather_groups_of(st: Step) -> list[tuple[str, float, float]]:
+    """The all-gathers after the update: :func:`gather_units` taken together while their bytes
+    in the weights' format stay below :data:`tetrad.spec.overlap.GATHER_GROUP_BYTES`
+    (:func:`tetrad.spec.overlap.gather_groups`, as the runtime cuts them): ``(label, local
+    elements, forward seconds between its wait and the next group's first read)``, the label
+    naming the units it holds (``embedding + 2 blocks``)."""
+    units = gather_units(st)
+    out = []
+    for run in gather_groups([el * st.param_bytes for _, el, _ in units]):
+        part = [units[i] for i in run]
+        blocks = sum(1 for name, _, _ in part if name == "blocks")
+        names = [name for name, _, _ in part if name != "blocks"]
+        words = names[:1] if names[:1] == ["embedding"] else []
+        if blocks:
+            words.append(f"{blocks} block" + ("s" if blocks > 1 else ""))
+        words += [n for n in names if n == "head"]
+        label = " + ".join(words)
+        out.append((label, sum(el for _, el, _ in part), sum(a for _, _, a in part)))
+    return out
+
+
 def parameter_gathers(rec: Recorder, st: Step) -> None:
     """With the sharded optimizer (``G_data G_context > 1``): after the update, one all-gather
-    over data per unit (:func:`gather_units`) of its elements in the weights' stored format
+    over data per group of units (:func:`gather_groups_of`) of its elements in the weights'
+    stored format
     (:attr:`Step.param_bytes`), one in flight at a time: the first issued by the update, each
     next one when the next step's forward waits the one before (Megatron-LM's
     ``overlap_param_gather`` dispatches the next bucket so). A unit's all-gather runs behind
@@ -201,7 +224,7 @@ def parameter_gathers(rec: Recorder, st: Step) -> None:
     if not (st.zero and st.sizes["data"] > 1):
         return
     ld = st.links["data"]
-    units = gather_units(st)
+    units = gather_groups_of(st)
     times = [ld.time(ALL_GATHER, el * st.param_bytes) for _, el, _ in units]
     exposed = chain_exposed(times, [after for _, _, after in units])
     hid = "the forward of the unit before (next step, first micro-batch)"

@@ -19,6 +19,7 @@ from tetrad.plan.memory.states import (
 )
 from tetrad.spec.grid import context_size, grid_sizes
 from tetrad.spec.model import ModelSpec
+from tetrad.spec.overlap import gather_groups
 from tetrad.spec.units import FP32
 
 SHARD_OPTIMIZER = ("auto", "on", "off")
@@ -72,20 +73,52 @@ def unit_elements(model: ModelSpec, grid, expert: int = 1) -> dict[str, int]:
     expert-sharded weights are not gathered over data), ``final_norm`` and ``head`` (0 when tied
     to the embedding). As :func:`tetrad.plan.memory.states.local_parameter_elements` counts
     them; they sum to its matrices and vectors (less expert-sharded experts)."""
+    dense, moe = _block_elements(model, grid, expert)
+    _, gz, gy, gx = grid_sizes(grid)
+    shard = gx * gy * gz
+    block = max(dense if model.dense_blocks else 0, moe if model.is_moe else 0)
+    head = 0 if model.tied_embeddings else model.lm_head().weight_elements // shard
+    emb = (model.vocab_size + model.max_positions) * model.dim // shard
+    norm = model.norm_params() // gx
+    return {"embedding": emb, "block": block, "final_norm": norm, "head": head}
+
+
+def _block_elements(model: ModelSpec, grid, expert: int) -> tuple[int, int]:
+    """Local elements of a dense block and of an MoE block (:func:`unit_elements`)."""
     _, gz, gy, gx = grid_sizes(grid)
     shard = gx * gy * gz
     norm = model.norm_params() // gx
-    bias = sum(bias_elements(lin, gx, gy) for lin in model.linears())
+    vectors = 2 * norm + sum(bias_elements(lin, gx, gy) for lin in model.linears())
     dense = sum(lin.count * (lin.weight_elements // shard) for lin in model.linears())
-    block = dense + 2 * norm + bias if model.dense_blocks else 0
+    moe = 0
     if model.is_moe:
         lins = model.attention_linears() + model.shared_linears()
         moe = sum(lin.count * (lin.weight_elements // shard) for lin in lins)
         moe += model.router_params() + (model.expert_params() if expert == 1 else 0)
-        block = max(block, moe + 2 * norm + bias)
-    head = 0 if model.tied_embeddings else model.lm_head().weight_elements // shard
-    emb = (model.vocab_size + model.max_positions) * model.dim // shard
-    return {"embedding": emb, "block": block, "final_norm": norm, "head": head}
+    return dense + vectors, moe + vectors
+
+
+def gather_group_elements(
+    model: ModelSpec,
+    grid,
+    expert: int = 1,
+    params: str = "fp32",
+    first: bool = True,
+    last: bool = True,
+) -> list[float]:
+    """Local elements of each all-gather after the update on a rank holding ``model``'s blocks,
+    the embedding (``first``) and the final norm with the LM head (``last``): the units of
+    :func:`unit_elements` in forward order, consecutive ones together until their bytes in the
+    weights' format reach :data:`tetrad.spec.overlap.GATHER_GROUP_BYTES`
+    (:func:`tetrad.spec.overlap.gather_groups`, as tetrad/parallel/zero.py cuts them)."""
+    units = unit_elements(model, grid, expert)
+    dense, moe = _block_elements(model, grid, expert)
+    sizes = [units["embedding"]] if first else []
+    sizes += [moe if model.moe_block(i) else dense for i in range(model.n_layers)]
+    if last:
+        sizes.append(units["final_norm"] + units["head"])
+    p = param_bytes(params)
+    return [sum(sizes[i] for i in run) for run in gather_groups([p * n for n in sizes])]
 
 
 def gather_unit_bytes(elements: float, group: int, params: str = "fp32") -> float:
@@ -108,7 +141,9 @@ def step_bytes(
     G``; the vectors' sum over Z (``G_z > 1``: a flat copy and its packed copy, their
     gradients dropped); and the first unit's all-gather after the update
     (:func:`gather_unit_bytes` of :func:`unit_elements`: the embedding, or on a pipeline
-    rank without the first stage the first block), the only one in flight: the next is issued
+    rank without the first stage the first block; with the units after it while their bytes
+    are below :data:`tetrad.spec.overlap.GATHER_GROUP_BYTES`: :func:`gather_group_elements`),
+    the only one in flight: the next is issued
     when the next forward waits this one (tetrad/parallel/zero.py). ``first``, ``last``: the
     rank holds the embedding, the final norm and LM head (a pipeline stage's, ``model`` its
     blocks; ``n`` counts only the tables held). ``dp_overlap`` changes only how the
@@ -127,5 +162,6 @@ def step_bytes(
     gz = grid_sizes(grid)[1]
     vectors = 2 * n["vectors"] if gz > 1 else 0
     pieces = FP32 * held / g
-    gather = gather_unit_bytes(units["embedding"] if first else units["block"], g, params)
+    groups = gather_group_elements(model, grid, expert, params, first, last)
+    gather = gather_unit_bytes(groups[0] if groups else 0.0, g, params)
     return pieces + max(FP32 * vectors, gather)
