@@ -250,3 +250,48 @@ def test_grid_auto_plans_with_sequence_parallel_regather(monkeypatch):
         par = choose_grid(cfg(**over), 4, vocab_size=256, verbose=False).parallelism
         assert asked.pop() == regather
         assert par.sequence_parallel_regather == (regather and par.sequence_parallel)
+
+
+def test_decisions_estimate_the_step_as_configured():
+    """The Domino, ``fine`` and context-piece decisions time the grid as it will run: with
+    ``--sequence-parallel`` (and its re-gather), bf16 weights and the sharded optimizer the
+    estimate is the planner's for those options, not the plain grid's."""
+    from tetrad.plan.question import sharded
+    from tetrad.train.auto import _estimate
+
+    over = {"model": "llama-1b", "grid": "data=2,y=4", "seq_len": 1024, "machine": "dgx-h100"}
+    plain = cfg(**over)
+    mc, ov = plain.model_config(), plain.parallelism.overlaps
+
+    def question(c, **kw):
+        p = c.policy
+        return StepQuestion(
+            mc,
+            get_machine("dgx-h100"),
+            1024,
+            8,
+            overlaps=ov,
+            compute_bytes=DTYPE_BYTES[p.compute],
+            residual_bytes=DTYPE_BYTES[p.residual],
+            domino_min_rows=c.parallelism.domino_min_rows,
+            **kw,
+        )
+
+    steps = []
+    for extra, kw, shard in (
+        ({}, {}, False),
+        ({"sequence_parallel": True}, {"sequence_parallel": True}, False),
+        (
+            {"sequence_parallel": True, "sequence_parallel_regather": True},
+            {"sequence_parallel": "regather"},
+            False,
+        ),
+        ({"shard_optimizer": True, "param_dtype": "bf16"}, {"param_bytes": 2}, True),
+    ):
+        c = cfg(**over, **extra)
+        want = question(c, **kw)
+        want = sharded(want) if shard else want
+        got = _estimate(c, mc, ov, None).step_s
+        assert got == estimate(want, c.parallelism.grid, 2, "none").step_s, extra
+        steps.append(got)
+    assert len(set(steps)) == len(steps)  # each option moves the estimate

@@ -215,7 +215,10 @@ def pipeline_split(cfg: TrainConfig, mc: ModelSpec) -> tuple[tuple[int, int], ..
 
 
 def _estimate(cfg: TrainConfig, mc: ModelSpec, overlaps, fine_chunks: int | None):
-    from tetrad.plan.question import StepQuestion
+    """The step model's estimate of ``cfg``'s grid as the runtime runs it: formats, sequence
+    parallelism (and its re-gather) and the sharded optimizer as configured."""
+    from tetrad.plan.question import StepQuestion, sharded
+    from tetrad.plan.search.memory_fits import sequence_parallel_memory
     from tetrad.plan.step_time import estimate
 
     t, par = cfg.training, cfg.parallelism
@@ -227,9 +230,15 @@ def _estimate(cfg: TrainConfig, mc: ModelSpec, overlaps, fine_chunks: int | None
         overlaps=overlaps,
         compute_bytes=DTYPE_BYTES[cfg.policy.compute],
         residual_bytes=DTYPE_BYTES[cfg.policy.residual],
+        param_bytes=DTYPE_BYTES[cfg.policy.params],
         domino_min_rows=par.domino_min_rows,
         fine_chunks=fine_chunks,
+        sequence_parallel=sequence_parallel_memory(
+            par.sequence_parallel, par.sequence_parallel_regather
+        ),
     )
+    if par.shard_optimizer:
+        ctx = sharded(ctx)
     return estimate(
         ctx,
         par.grid,
