@@ -76,6 +76,7 @@ class DataShards:
         self._in_flight: tuple | None = None  # (unit params, Handle) of the one issued
         self.least = GATHER_GROUP_BYTES  # bytes below which units are gathered together
         self._hooked: set[int] = set()
+        self._attached: set[int] = set()  # id of each model given to attach
 
     def attach(self, *models: nn.Module) -> None:
         """Wait for a parameter's pending all-gather before the forward of any module that
@@ -85,6 +86,9 @@ class DataShards:
         a pipeline's parts in order) is the order of the next forward, in which
         :meth:`all_gather` issues the groups."""
         for model in models:
+            if id(model) in self._attached:  # every step attaches the same modules again
+                continue
+            self._attached.add(id(model))
             for p in model.parameters():
                 self.order.setdefault(id(p), len(self.order))
             for unit in gather_units(model):

@@ -212,8 +212,8 @@ def gather_groups_of(st: Step) -> list[tuple[str, float, float]]:
 def parameter_gathers(rec: Recorder, st: Step) -> None:
     """With the sharded optimizer (``G_data G_context > 1``): after the update, one all-gather
     over data per group of units (:func:`gather_groups_of`) of its elements in the weights'
-    stored format
-    (:attr:`Step.param_bytes`), one in flight at a time: the first issued by the update, each
+    stored format (:attr:`Step.param_bytes`), one in flight at a time: the first issued by the
+    update, each
     next one when the next step's forward waits the one before (Megatron-LM's
     ``overlap_param_gather`` dispatches the next bucket so). A unit's all-gather runs behind
     the forward of the unit before it (:func:`chain_exposed`): the first unit's is exposed
