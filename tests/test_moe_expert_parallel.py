@@ -142,8 +142,8 @@ def test_pipeline_with_expert_parallel_matches_reference(name):
 
 
 def bad_expert_grid():
-    with pytest.raises(GridError, match="must divide G_data\\*G_context = 2") as e:
-        Grid.build((2, 1, 1, 1, 1), expert=4)
+    with pytest.raises(GridError, match="must divide the 2 ranks of a pipeline stage") as e:
+        Grid.build((1, 1, 2, 1, 1), expert=4)
     assert "\n" not in str(e.value)
 
 

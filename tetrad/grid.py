@@ -79,9 +79,9 @@ class Grid:
         coord: this rank's coordinate on each axis, e.g. ``coord["x"]``.
         comm: the record of every collective this rank issued, per axis.
         data_group: with ``G_context > 1``, the data x context group (gradient sums).
-        expert: ``G_expert``, the expert-parallel size (1: none), folded over data x context
-            (:data:`tetrad.spec.grid.EXPERT_GRID_AXES`): ``coord["expert"]`` and
-            ``coord["expert_data"]`` are this rank's place on it.
+        expert: ``G_expert``, the expert-parallel size (1: none), folded over the stage's
+            ranks, X first (:data:`tetrad.spec.grid.EXPERT_GRID_AXES`): ``coord["expert"]``
+            and ``coord["expert_data"]`` are this rank's place on it.
     """
 
     data: int
@@ -121,7 +121,7 @@ class Grid:
 
         Raises:
             GridError: the product of ``sizes`` differs from the world size, an unknown
-                orientation, or ``expert`` does not divide ``G_data G_context``.
+                orientation, or ``expert`` does not divide ``G_data G_context G_z G_y G_x``.
         """
         init_process_group(device_type)
         sizes = parse_grid(sizes)
@@ -147,8 +147,9 @@ class Grid:
             pipe=pipe,
             expert=expert,
         )
-        dc = coord[Axis.DATA] * sizes[1] + coord[Axis.CONTEXT]
-        grid.coord[Axis.EXPERT], grid.coord[Axis.EXPERT_DATA] = dc % expert, dc // expert
+        stage_rank = dist.get_rank() % grid.stage_size  # the --grid's order: X fastest
+        grid.coord[Axis.EXPERT] = stage_rank % expert
+        grid.coord[Axis.EXPERT_DATA] = stage_rank // expert
         if expert > 1:
             grid._groups.update(expert_groups(grid, expert))
         grid.comm.names = {a: physical_axis(a, orientation) for a in ("x", "y")}
@@ -161,7 +162,7 @@ class Grid:
         if axis == Axis.DATA:
             return self.data * self.context
         if axis == Axis.EXPERT_DATA:
-            return self.data * self.context // self.expert
+            return self.stage_size // self.expert
         return getattr(self, axis)
 
     def group(self, axis: Axis | str) -> dist.ProcessGroup:
@@ -182,6 +183,11 @@ class Grid:
     def physical(self) -> GridShape:
         """The ``--grid`` this grid was built from (the mesh's sizes, X innermost)."""
         return role_sizes(self.sizes, self.orientation)
+
+    @property
+    def stage_size(self) -> int:
+        """The ranks of one pipeline stage: ``G_data G_context G_z G_y G_x``."""
+        return self.data * self.context * self.z * self.y * self.x
 
     @property
     def world_size(self) -> int:
@@ -211,14 +217,13 @@ def expert_groups(grid: Grid, expert: int) -> dict[str, dist.ProcessGroup]:
     """Create the expert-parallel and expert-data process groups of every rank (a collective
     over the world) and return this rank's, keyed ``"expert"`` and ``"expert_data"``.
 
-    The data x context index ``dc`` of a rank splits as ``dc = expert_data G_expert + expert``
-    (:data:`tetrad.spec.grid.EXPERT_GRID_AXES`): an expert group is ``G_expert`` consecutive ``dc``
-    at fixed pipe, Z, Y, X (Megatron-Core's order tp-cp-ep-dp, EP inside DP), an expert-data
-    group the ``G_data G_context / G_expert`` ranks of one expert coordinate.
+    The stage rank ``r`` (X fastest, :data:`tetrad.spec.grid.GRID_AXES`) splits as ``r =
+    expert_data G_expert + expert`` (:data:`tetrad.spec.grid.EXPERT_GRID_AXES`): an expert group
+    is ``G_expert`` consecutive ranks of a stage (X, then Y, Z, context, data: Megatron-Core's
+    folding, EP innermost after an expert tensor parallelism of 1), an expert-data group the
+    ``G_stage / G_expert`` ranks of one expert coordinate, at stride ``G_expert``.
     """
-    shape = (grid.pipe, grid.data * grid.context, *grid.physical[2:])
-    ranks = torch.arange(grid.world_size).view(shape)
-    ranks = ranks.view(grid.pipe, -1, expert, *grid.physical[2:])  # [pipe, ed, ep, z, y, x]
+    ranks = torch.arange(grid.world_size).view(grid.pipe, -1, expert)  # [pipe, ed, ep]
     out = {}
     for axis, dim in ((Axis.EXPERT, 2), (Axis.EXPERT_DATA, 1)):
         lines = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()

@@ -3,10 +3,12 @@ split over the expert-parallel axis (token dispatch and combine by all-to-all), 
 expert loads summed over the ranks that saw other tokens, for DeepSeek-V3's aux-loss-free bias
 update.
 
-Expert parallelism (``G_expert = P``) folds over the data x context ranks
-(:data:`tetrad.spec.grid.EXPERT_GRID_AXES`, Megatron-Core's parallel folding; torchtitan's
-``ep`` borrowing from ``dp_shard`` and ``cp``): each rank of an expert group holds ``E/P``
-experts and routes its own tokens; per MoE block and micro-batch (torchtitan's
+Expert parallelism (``G_expert = P``) folds over the ranks of a pipeline stage, X first, then
+Y, Z, context and data (:data:`tetrad.spec.grid.EXPERT_GRID_AXES`, Megatron-Core's MoE Parallel
+Folding with expert tensor parallelism 1): each rank of an expert group holds ``E/P`` experts
+and routes its own tokens (on Z, data and context ranks other sequences or positions; on Y and
+X ranks its slice of the positions, :mod:`tetrad.parallel.moe_tensor`), so no expert is held
+twice in a group, whichever axes it spans; per MoE block and micro-batch (torchtitan's
 ``AllToAllTokenDispatcher``, dropless):
 
     1. the ``T k`` slots sorted by expert (``counts [E]``), their token rows gathered;
@@ -17,7 +19,8 @@ experts and routes its own tokens; per MoE block and micro-batch (torchtitan's
     4. the all-to-all back, then the weighted combine on the token's own rank.
 
 Backward runs the two row all-to-alls the other way (their autograd). Expert gradients are
-summed over Z and expert-data only (:attr:`tetrad.parallel.placement.Placement.grad_sum_axes`).
+summed over expert-data only, the stage's other ranks holding the same experts
+(:attr:`tetrad.parallel.placement.Placement.grad_sum_axes`).
 """
 
 from __future__ import annotations
@@ -61,9 +64,6 @@ class ExpertParallelExperts(nn.Module):
     F]``, each a shard of the global ``[E, ...]`` split on dim 0 over ``expert`` (checkpoint
     keys and initial values those of the reference, whatever ``P``).
 
-    ``sum_axes``: replicated axes whose ranks route other tokens (Y and X on tensor grids,
-    :mod:`tetrad.parallel.moe_tensor`): the weights' gradients are summed over them too.
-
     Raises:
         ValueError: ``E`` not divisible by ``G_expert``.
     """
@@ -75,7 +75,6 @@ class ExpertParallelExperts(nn.Module):
         ffn_dim: int,
         out_std: float,
         grid: Grid,
-        sum_axes: tuple[str, ...] = (),
     ):
         super().__init__()
         if n_experts % grid.expert:
@@ -85,9 +84,9 @@ class ExpertParallelExperts(nn.Module):
             )
         self.grid, self.n_experts = grid, n_experts
         split, f, h = ((Axis.EXPERT,),), ffn_dim, dim
-        self.w1 = sharded_parameter((n_experts, f, h), split, grid, ("normal", 0.02), sum_axes)
-        self.w3 = sharded_parameter((n_experts, f, h), split, grid, ("normal", 0.02), sum_axes)
-        self.w2 = sharded_parameter((n_experts, h, f), split, grid, ("normal", out_std), sum_axes)
+        self.w1 = sharded_parameter((n_experts, f, h), split, grid, ("normal", 0.02))
+        self.w3 = sharded_parameter((n_experts, f, h), split, grid, ("normal", 0.02))
+        self.w2 = sharded_parameter((n_experts, h, f), split, grid, ("normal", out_std))
 
     @torch.compiler.disable  # all-to-alls with host-read split sizes: eager, like every collective
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

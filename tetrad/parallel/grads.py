@@ -16,9 +16,9 @@ from tetrad.torch_private import foreach_mul_, foreach_norm
 
 SUMS_OVER_DATA = (Axis.DATA, Axis.EXPERT_DATA)
 """The axes whose gradient sums run in the policy's ``grad_reduce`` format
-(:func:`tetrad.parallel.masters.reduce_dtype`): data x context, and its part expert-data, over
-which the expert-sharded weights are summed (Megatron-LM reduces its expert-parallel gradient
-buffers in the same format as the others); Z, Y and X sum in the gradients' own format."""
+(:func:`tetrad.parallel.masters.reduce_dtype`): data x context, and expert-data, over which the
+expert-sharded weights are summed (Megatron-LM reduces its expert-parallel gradient buffers in
+the same format as the others); Z, Y and X sum in the gradients' own format."""
 
 
 def sync_gradients(

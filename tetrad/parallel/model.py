@@ -16,9 +16,9 @@ Layouts on the grid (AxoNN's algorithm, Singh et al., arXiv 2305.13525):
                           norm weights', and over Y and X on tensor grids, where each tensor
                           rank routes its own slice of the tokens, whole
                           (:mod:`tetrad.parallel.moe_tensor`)
-    MoE experts           [E/G_expert, ...] on the expert axis (folded over data x context,
-                          :mod:`tetrad.parallel.experts`), gradients summed over Z and
-                          expert-data (and Y, X); whole on every rank when G_expert = 1
+    MoE experts           [E/G_expert, ...] on the expert axis (folded over the stage's
+                          ranks, :mod:`tetrad.parallel.experts`), gradients summed over
+                          expert-data; whole on every rank when G_expert = 1
     q/k head norms        whole on every rank, gradients summed over Z, data and Y (heads)
 
 With ``sequence_parallel`` (``G_y > 1``) the residual stream, the norms and the residual adds
@@ -129,9 +129,7 @@ class ParallelLayers:
         """The routed experts: split over the expert axis (:class:`ExpertParallelExperts`)
         when ``G_expert > 1``, else :class:`GroupedExperts` whole on every rank."""
         if self.grid.expert > 1:
-            return ExpertParallelExperts(
-                n_experts, dim, ffn_dim, out_std, self.grid, self.token_axes
-            )
+            return ExpertParallelExperts(n_experts, dim, ffn_dim, out_std, self.grid)
         return self._replicated(GroupedExperts(n_experts, dim, ffn_dim, out_std), self.token_axes)
 
     @torch.compiler.disable  # collectives stay outside compiled graphs

@@ -50,7 +50,7 @@ class Placement:
     @property
     def expert_sharded(self) -> bool:
         """Whether the tensor is split over the expert axis (a routed expert's weight): its
-        grid is then :data:`tetrad.spec.grid.EXPERT_GRID_AXES`, the data x context ranks seen as
+        grid is then :data:`tetrad.spec.grid.EXPERT_GRID_AXES`, the stage's ranks seen as
         expert-data x expert."""
         return Axis.EXPERT in self.sharded_axes
 
@@ -62,11 +62,13 @@ class Placement:
     @property
     def grad_sum_axes(self) -> tuple[str, ...]:
         """Replicated axes over which the gradient must be summed (they see other tokens):
-        Z and data, or Z and expert-data for an expert-sharded weight (each of its ranks
-        axis, so no rescaling: losses are sums divided by the global token count), then
-        :attr:`sum_axes`."""
-        axes = (Axis.Z, Axis.EXPERT_DATA) if self.expert_sharded else TOKEN_AXES
-        return tuple(a for a in axes + self.sum_axes if a not in self.sharded_axes)
+        Z and data, then :attr:`sum_axes`; for an expert-sharded weight expert-data alone,
+        every other rank of the stage that holds the same experts (Z, Y and X included; each
+        sums the tokens its experts received, so no rescaling: losses are sums divided by the
+        global token count)."""
+        if self.expert_sharded:
+            return (Axis.EXPERT_DATA,)
+        return tuple(a for a in TOKEN_AXES + self.sum_axes if a not in self.sharded_axes)
 
     def local_slices(self, grid: Grid) -> tuple[slice, ...]:
         """This rank's rectangle of the global tensor, one slice per dim."""

@@ -27,10 +27,11 @@ class Axis(str, enum.Enum):
     sees other tokens outside Z: ``G_data G_context`` ranks (Megatron-LM's data-parallel group
     with context parallelism), over which gradients and losses are summed; ``CONTEXT`` is the
     ``G_context`` ranks holding the chunks of the same sequences (the K/V all-gather).
-    ``EXPERT`` (expert parallelism, folded over data x context: no ranks of its own) is the
-    ``G_expert`` ranks that split the routed experts and exchange tokens (all-to-all);
-    ``EXPERT_DATA`` the ``G_data G_context / G_expert`` ranks holding the same experts, over
-    which expert gradients are summed (Megatron-Core's expert-data-parallel group).
+    ``EXPERT`` (expert parallelism, folded over the ranks of a pipeline stage: no ranks of its
+    own) is the ``G_expert`` ranks that split the routed experts and exchange tokens
+    (all-to-all); ``EXPERT_DATA`` the other ``G_data G_context G_z G_y G_x / G_expert`` ranks
+    of the stage holding the same experts, over which expert gradients are summed
+    (Megatron-Core's expert-data-parallel group).
     """
 
     PIPE = "pipe"
@@ -56,11 +57,15 @@ so an X group is a run of consecutive ranks inside one node,
 ``rank = (((data * G_context + context) * G_z + z) * G_y + y) * G_x + x``. The data-parallel
 gradient group (data x context) is then ``G_data G_context`` ranks at stride ``G_z G_y G_x``."""
 
-EXPERT_GRID_AXES = (Axis.EXPERT_DATA, Axis.EXPERT, Axis.Z, Axis.Y, Axis.X)
-"""The same ranks seen by the routed experts under expert parallelism (Megatron-Core's
-"parallel folding", arXiv 2504.14960): the data x context index ``dc = data G_context +
-context`` split as ``dc = expert_data G_expert + expert`` (the expert axis innermost, so an
-expert-parallel group is ``G_expert`` consecutive data x context ranks)."""
+EXPERT_GRID_AXES = (Axis.EXPERT_DATA, Axis.EXPERT)
+"""The ranks of a pipeline stage as the routed experts see them under expert parallelism
+(Megatron-Core's MoE Parallel Folding with expert tensor parallelism 1, Liu et al., arXiv
+2504.14960): the stage rank ``r`` (the --grid's rank order, :data:`GRID_AXES`, X fastest) split
+as ``r = expert_data G_expert + expert``. The expert axis is innermost, so an expert-parallel
+group is ``G_expert`` consecutive ranks: the X ranks first, then Y, Z, context and data, and
+inside one node whenever ``G_expert`` is at most its GPUs. No two ranks of an expert group hold
+the same expert, whichever axes it spans; an expert-data group is the ``G_stage / G_expert``
+ranks at stride ``G_expert`` that hold the same experts."""
 
 ORIENTATIONS = ("xy", "yx")
 """Which mesh dimension plays which role of AxoNN's layer pair. ``xy``: the ``--grid``'s X
@@ -229,25 +234,26 @@ def check_world_size(sizes: GridShape, world_size: int, pipe: int = 1) -> None:
 
 def pop_expert(text: str) -> tuple[str, str]:
     """A named ``--grid`` such as ``"data=4,expert=2"`` without its ``expert=N`` item, and
-    ``N`` (as text): the expert axis folds over data x context and adds no ranks."""
+    ``N`` (as text): the expert axis folds over the stage's ranks and adds no ranks."""
     items = [i for i in text.split(",") if i.partition("=")[0].strip() != "expert"]
     expert = [i.partition("=")[2].strip() for i in text.split(",") if i not in items]
     return ",".join(items) or "data=1", expert[-1]
 
 
 def check_expert_parallel(expert: int, sizes: GridShape) -> None:
-    """Check that ``G_expert`` divides ``G_data G_context`` (expert parallelism folds over
-    those ranks and adds none).
+    """Check that ``G_expert`` divides the ranks of a pipeline stage, ``G_data G_context G_z
+    G_y G_x`` (expert parallelism folds over them and adds none: :data:`EXPERT_GRID_AXES`).
 
     Raises:
         GridError: one line naming the sizes that would do.
     """
-    dc = sizes[0] * sizes[1]
-    if expert < 1 or dc % expert:
-        fits = [n for n in range(1, dc + 1) if dc % n == 0]
+    stage = math.prod(with_context(sizes))
+    if expert < 1 or stage % expert:
+        fits = [n for n in range(1, stage + 1) if stage % n == 0]
         raise GridError(
-            f"expert parallelism {expert} must divide G_data*G_context = {dc} (it folds over "
-            f"the data and context ranks): use --expert-parallel {' or '.join(map(str, fits))}"
+            f"expert parallelism {expert} must divide the {stage} ranks of a pipeline stage "
+            f"(G_data*G_context*G_z*G_y*G_x; it folds over them): use --expert-parallel "
+            f"{' or '.join(map(str, fits))}"
         )
 
 

@@ -90,13 +90,13 @@ def moe_grid_problem(
     (None: not checked), in one line that names what to use instead; None when it can (and for
     every dense model without expert parallelism).
 
-    The router is replicated on every rank; the experts too, or split over ``G_expert`` ranks
-    folded over data x context (:mod:`tetrad.parallel.experts`). MoE models run on every axis:
-    on Y and X each tensor rank routes its own slice of the tokens
+    The router is replicated on every rank; the experts too, or split over ``G_expert``
+    consecutive ranks of a stage (:data:`tetrad.spec.grid.EXPERT_GRID_AXES`). MoE models run
+    on every axis: on Y and X each tensor rank routes its own slice of the tokens
     (:mod:`tetrad.parallel.moe_tensor`; the sequence positions per rank must divide by
     ``G_y G_x``).
     """
-    data, context, _, y, x = (int(g) for g in with_context(grid))
+    data, context, z, y, x = (int(g) for g in with_context(grid))
     if not cfg.is_moe:
         if expert > 1:
             return f"expert parallelism {expert} needs a model with experts: drop --expert-parallel"
@@ -107,10 +107,11 @@ def moe_grid_problem(
             f"positions {y * x} ways: use a seq_len divisible by G_context*G_y*G_x="
             f"{context * y * x}"
         )
-    if expert > 1 and (cfg.n_experts % expert or (data * context) % expert):
+    stage = data * context * z * y * x
+    if expert > 1 and (cfg.n_experts % expert or stage % expert):
         return (
-            f"expert parallelism {expert} must divide n_experts={cfg.n_experts} and "
-            f"G_data*G_context={data * context}: change --expert-parallel"
+            f"expert parallelism {expert} must divide n_experts={cfg.n_experts} and the "
+            f"{stage} ranks of a pipeline stage: change --expert-parallel"
         )
     return None
 

@@ -114,9 +114,9 @@ class Checkpointer:
             # collectively), then keeps its own stage's slice
             ranks = torch.arange(self.grid.world_size).view(self.grid.pipe, *self.grid.physical)
             names = ("pipe", *(n for n in self.grid.mesh.mesh_dim_names if n != "pipe"))
-            if Axis.EXPERT in order:  # data x context seen as expert-data x expert
-                ranks = ranks.view(self.grid.pipe, -1, self.grid.expert, *ranks.shape[3:])
-                names = ("pipe", Axis.EXPERT_DATA.value, Axis.EXPERT.value, *names[3:])
+            if Axis.EXPERT in order:  # the stage's ranks seen as expert-data x expert
+                ranks = ranks.view(self.grid.pipe, -1, self.grid.expert)
+                names = ("pipe", Axis.EXPERT_DATA.value, Axis.EXPERT.value)
             perm = [names.index(a) for a in ("pipe", *order)]
             # a copy with row-major strides: torch 2.11 takes a mesh's layout from its tensor's
             # strides (a permuted size-1 dim keeps its old stride, even through contiguous())

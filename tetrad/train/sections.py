@@ -117,8 +117,9 @@ class ParallelismSection:
         1,
         metavar="N",
         help="expert parallelism G_expert of an MoE model: its routed experts split over N "
-        "of the data x context ranks, tokens exchanged by all-to-all (N divides "
-        "G_data*G_context and n_experts; also expert=N in a named --grid)",
+        "consecutive ranks of a pipeline stage (X first, then Y, Z, context, data), tokens "
+        "exchanged by all-to-all (N divides G_data*G_context*G_z*G_y*G_x and n_experts; also "
+        "expert=N in a named --grid)",
     )
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = option(
         PIPELINE_DEFAULTS["pipeline_schedule"],
