@@ -340,8 +340,8 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=1,
         metavar="N",
-        help="tetrad, MoE models: experts split over N data x context ranks (or expert=N in a "
-        "named --grid)",
+        help="tetrad, MoE models: experts split over N consecutive ranks of a pipeline stage "
+        "(N divides its ranks; or expert=N in a named --grid)",
     )
     m.add_argument(
         "--moe-imbalance",

@@ -13,8 +13,10 @@ block's ``[m, h]`` rows, of the order of the FFN's all-reduces of them); the GEM
 stand-in's width beyond the real mean are taken off again.
 
 Routed experts, per MoE block and micro-batch, ``T = m / (G_y G_x)`` tokens routed on the rank
-(each tensor rank routes its slice), ``k`` top-k, ``P = G_expert`` (folded over data x context,
-as the runtime does: ``P`` consecutive data x context ranks at stride ``G_z G_y G_x``),
+(each tensor rank routes its slice), ``k`` top-k, ``P = G_expert`` (folded over all ranks of a
+pipeline stage, innermost first, as the runtime does: MoE Parallel Folding with ``ETP = 1``,
+Liu et al., arXiv 2504.14960; an expert group is ``P`` consecutive stage ranks, stride 1, in
+one node whenever ``P`` is at most its GPUs),
 ``R = T k imbalance`` rows on the busiest rank (``imbalance``: ``--moe-imbalance``, its rows
 over the mean; 1 without expert parallelism), compute dtype ``c`` bytes:
 
@@ -29,10 +31,10 @@ over the mean; 1 without expert parallelism), compute dtype ``c`` bytes:
                blocking in the runtime: all exposed (:func:`tetrad.plan.comm.experts.
                all_to_all_seconds`, on the network hierarchy)
 
-Per step: the expert weights' gradients (fp32, ``3 (E/P) h f_e`` per MoE block) summed over Z
-and expert-data (``G_data G_context / P`` ranks at stride ``P G_z G_y G_x``), and over Y and X
-(whose ranks route other tokens), after backward, blocking (``sync_gradients``); the routers'
-(and with ``P = 1`` the whole experts') over Z and data; AdamW over the local expert and router
+Per step: the expert weights' gradients (fp32, ``3 (E/P) h f_e`` per MoE block) summed over
+their expert-data group only (the stage's ``G_data G_context G_z G_y G_x / P`` ranks at stride
+``P``: one all-reduce), after backward, blocking (``sync_gradients``); the routers' (and with
+``P = 1`` the whole experts') over Z, data, Y and X; AdamW over the local expert and router
 weights. With a pipeline of ``p`` stages (1F1B, the runtime's split: :func:`moe_split`) the
 per-micro-batch terms of the slowest stage's MoE blocks grow the critical path ``m + p - 1``
 times (its bubble ``p - 1`` times).
@@ -150,12 +152,11 @@ def expert_times(
     fwd = router + grouped + moved
     bwd = 2 * (router + grouped) + ELEMENTWISE["backward_factor"] * moved
     a2a_fwd = a2a_bwd = 0.0
-    if expert > 1:
+    if expert > 1:  # the expert group: ``expert`` consecutive stage ranks
         net = machine.network
-        stride = gz * gy * gx
         sent = t * k * h * ctx.c * (expert - 1) / expert * max(1.0, imbalance)
-        row = all_to_all_seconds(net, stride, expert, sent)
-        counts = all_to_all_seconds(net, stride, expert, COUNT_BYTES * (e - local))
+        row = all_to_all_seconds(net, 1, expert, sent)
+        counts = all_to_all_seconds(net, 1, expert, COUNT_BYTES * (e - local))
         a2a_fwd, a2a_bwd = 2 * row + counts, 2 * row
     comp = stand_in.compute(roles, micro_batch)
     fake = 1.0 - real_ffn_mean(model) / stand_in.model.ffn_dim
@@ -167,9 +168,10 @@ def grad_sync_seconds(
     ctx: StepQuestion, roles: tuple, expert: int, pipe: int = 1
 ) -> tuple[float, float]:
     """``(expert-axis seconds, data seconds)`` of the per-step gradient sums the stand-in does
-    not have, blocking (module doc): the expert-sharded weights' over Z, expert-data, Y and X;
-    the routers' (and with ``expert = 1`` the whole experts') over Z, data, Y and X; one
-    pipeline stage's share with ``pipe`` stages."""
+    not have, blocking (module doc): the expert-sharded weights' one all-reduce over their
+    expert-data group (the stage's ranks over ``expert``, at stride ``expert``); the routers'
+    (and with ``expert = 1`` the whole experts') over Z, data, Y and X; one pipeline stage's
+    share with ``pipe`` stages."""
     model, net = ctx.model, ctx.machine.network
     gd, gc, gz, gy, gx = roles
     lm = model.moe_layers / pipe
@@ -177,9 +179,9 @@ def grad_sync_seconds(
     routers = FP32 * lm * model.router_params() + (experts if expert == 1 else 0.0)
     inner = gz * gy * gx
     tensor = [net.link(1, gx), net.link(gx, gy)]
-    sharded_links = [net.link(gy * gx, gz), net.link(expert * inner, gd * gc // expert), *tensor]
     replicated = [net.link(gy * gx, gz), net.link(inner, gd * gc), *tensor]
-    ep = sum(lk.time(ALL_REDUCE, experts) for lk in sharded_links) if expert > 1 else 0.0
+    stage = gd * gc * inner
+    ep = net.link(expert, stage // expert).time(ALL_REDUCE, experts) if expert > 1 else 0.0
     data = sum(lk.time(ALL_REDUCE, routers) for lk in replicated)
     return ep, data
 
@@ -224,10 +226,10 @@ def moe_estimate(
 ) -> MoEEstimate:
     """Predicted step of an MoE model (module doc) on the ``--grid`` ``grid = (G_data,
     [G_context,] G_z, G_y, G_x)`` (of ``world / pipe`` ranks) with ``expert = G_expert``
-    (dividing ``G_data G_context`` and ``E``), ``pipe`` pipeline stages (1F1B), ``micro_batch``
-    samples per (data, z) cell and ``checkpointing`` ``none``, ``selective`` or ``full``.
-    ``ctx`` is the MoE model's question (with :func:`tetrad.plan.question.sharded` for the
-    sharded optimizer).
+    (dividing the stage's ``G_data G_context G_z G_y G_x`` ranks and ``E``), ``pipe``
+    pipeline stages (1F1B), ``micro_batch`` samples per (data, z) cell and ``checkpointing``
+    ``none``, ``selective`` or ``full``. ``ctx`` is the MoE model's question (with
+    :func:`tetrad.plan.question.sharded` for the sharded optimizer).
 
     Raises:
         PlanError: the batch does not split into micro-batches on this grid.
@@ -277,9 +279,14 @@ def moe_split(
     """The stage split the runtime runs an MoE model with (1F1B, one stage per rank): as
     ``tetrad train`` splits with a machine (:func:`tetrad.plan.pipe.pipeline_step.
     planner_split`, by the planner's compute of the model's blocks, which counts each block as
-    a dense one of ``ffn_dim``)."""
-    costs = split_costs(ctx.compute(roles, micro_batch), checkpointing)
-    return split_ranks(ctx.model.n_layers, costs, pipe, 1)
+    a dense one of ``ffn_dim``); memoised in ``ctx``."""
+    memo = ctx.__dict__.setdefault("_moe_splits", {})
+    key = (tuple(roles), micro_batch, checkpointing, pipe)
+    got = memo.get(key)
+    if got is None:
+        costs = split_costs(ctx.compute(roles, micro_batch), checkpointing)
+        got = memo[key] = split_ranks(ctx.model.n_layers, costs, pipe, 1)
+    return got
 
 
 def dense_estimate(

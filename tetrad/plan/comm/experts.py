@@ -192,7 +192,7 @@ def tensor_token_traffic(
 
 def all_to_all_seconds(network: Network, stride: int, size: int, sent_bytes: float) -> float:
     """Seconds of one all-to-all over the group ``{base + i * stride : i < size}`` (an expert
-    group: ``G_expert`` data x context ranks at stride ``G_z G_y G_x``) in which the busiest
+    group: ``G_expert`` consecutive ranks of a pipeline stage, stride 1) in which the busiest
     rank sends (or receives) ``sent_bytes`` to (from) the other members, split evenly between
     them: NCCL's grouped point-to-point all-to-all, each rank exchanging with every peer at once.
 

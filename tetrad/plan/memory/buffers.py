@@ -110,9 +110,9 @@ def step_buffer_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
     - ``sync_gradients`` of the vectors (norm weights, biases; an MoE model's routers): one
       flat fp32 copy when ``G_z > 1`` (with ``G_z = 1`` their data-parallel sum rode in the
       last bucket: :func:`end_of_backward_bytes`); of the expert-sharded weights
-      (``expert > 1``): one flat fp32 copy when any of their sum axes (Z, expert-data
-      ``G_data G_context / G_expert``, and Y and X, whose ranks route other tokens) has more
-      than one rank. One group at a time: the larger copy counts;
+      (``expert > 1``): one flat fp32 copy when their expert-data group (the stage's ``G_data
+      G_context G_z G_y G_x / G_expert`` ranks at stride ``G_expert``, the only sum they take)
+      has more than one rank. One group at a time: the larger copy counts;
     - ``clip_grad_norm``: none (``torch._foreach_norm``: one scalar per gradient; the scaling
       multiplies in place);
     - AdamW: none (torch's fused kernel, on CPU and CUDA, updates in place).

@@ -97,10 +97,11 @@ def runtime_memory(
     on by default). ``shard_optimizer``: the runtime's sharded optimizer (ZeRO-1): the AdamW
     states over ``G_data G_context`` and the end of backward's and the step's buffers of
     :mod:`tetrad.plan.memory.sharded_optimizer`. ``expert``: an MoE model's ``G_expert``
-    (the expert axis folded over data x context: the routed experts split ``E / G_expert``
-    per rank, whole on Z, Y and X); ``imbalance``: the busiest rank's received rows over the
-    mean (``>= 1``), for its saved expert activations (:mod:`tetrad.plan.memory.moe`).
-    ``compiled``: the blocks under ``torch.compile`` (``--compile``), which save less
+    (the expert axis folded over the stage's data x context x Z x Y x X ranks, innermost
+    first: ``E / G_expert`` routed experts whole per rank); ``imbalance``: the busiest rank's
+    received rows over the mean (``>= 1``), for its saved expert activations
+    (:mod:`tetrad.plan.memory.moe`). ``compiled``: the blocks under ``torch.compile``
+    (``--compile``), which save less
     (:func:`tetrad.plan.memory.activations.compiled_block_delta`). ``params``: the weights'
     stored format (``tetrad train --param-dtype``): ``fp32``, or ``bf16`` with the fp32
     masters among the optimizer states (sharded with them), fp32 gradients, the Z-gathered

@@ -50,17 +50,20 @@ def local_parameter_elements(model: ModelSpec, grid, expert: int = 1) -> dict[st
     whatever its orientation; biases ``n/G_y`` (``n/G_x`` when transposed); norm weights
     ``h/G_x`` (GPT LayerNorm: weight and bias, ``2h/G_x``), replicated over Y, Z and data. An
     MoE block's router ``[E, h]`` is whole on every rank; its routed experts ``3 E h f_e`` too
-    when ``expert = 1``, else split over the ``expert = G_expert`` ranks of the expert axis
-    (``3 (E / G_expert) h f_e``, whole on every Z, Y and X rank: the runtime folds the expert
-    axis over data x context).
+    when ``expert = 1``, else split over the ``expert = G_expert`` ranks of an expert group:
+    ``3 (E / G_expert) h f_e``, ``E / G_expert`` experts whole per rank, never replicated within
+    the group (MoE Parallel Folding with ``ETP = 1``, Liu et al., arXiv 2504.14960: the expert
+    axis folds over all ``G_data G_context G_z G_y G_x`` ranks of a pipeline stage, innermost
+    first, so an expert group may span Z, Y and X ranks; the count does not depend on which).
 
     Returns:
         ``{"matrices": ..., "vectors": ..., "experts": ...}``: elements of the Z-sharded 2-D
         shards (summed over data in the data-parallel buckets), of the weights replicated
         over Z and data (norm weights, biases, routers, and the experts when ``expert = 1``:
         the runtime's ``late`` gradients, summed over Z and data after backward) and of the
-        expert-sharded weights (``expert > 1``: summed over Z and expert-data, never in the
-        buckets, their AdamW states never sharded). ``experts`` is 0 for a dense model.
+        expert-sharded weights (``expert > 1``: summed over the expert-data group only, the
+        stage's ranks over ``G_expert``, never in the buckets, their AdamW states never
+        sharded). ``experts`` is 0 for a dense model.
 
     Raises:
         PlanError: a bad grid, or a size that does not shard on it.

@@ -7,9 +7,10 @@ PP``, here ``ETP = 1``).
 4D space: every ``G_pipe`` dividing the GPUs (up to :data:`MAX_PIPE` and the blocks; 1F1B, one
 stage per rank), every 5D grid of the rest that the MoE runtime runs
 (:func:`tetrad.spec.sharding.moe_grid_problem`) with ``G_context G_y G_x`` within a node (the
-tokens' splits: as Megatron keeps TP x CP in a node), every expert axis
-``G_expert`` dividing ``G_data G_context`` and ``E`` (folded over data x context, as the
-runtime does today; experts whole on Z, Y and X), every micro-batch, checkpointing ``none``,
+tokens' splits: as Megatron keeps TP x CP in a node), every expert axis ``G_expert`` dividing
+the stage's ``G_data G_context G_z G_y G_x`` ranks and ``E`` (folded over them innermost first,
+as the runtime does: ``G_expert`` consecutive ranks hold ``E / G_expert`` experts each, never
+replicated within the group), every micro-batch, checkpointing ``none``,
 ``selective`` and ``full``, and the sharded optimizer where only it fits. Memory from
 :func:`tetrad.plan.memory.runtime.phase_totals` (with a pipeline
 :func:`tetrad.plan.memory.pipeline.pipeline_memory`) at the 80% rule; the survivors are
@@ -23,12 +24,14 @@ import heapq
 import math
 import time
 
+from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.comm.experts import all_to_all_seconds
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
-from tetrad.plan.memory.activations import dtype_bytes
+from tetrad.plan.memory.activations import block_input_bytes, dtype_bytes
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
+from tetrad.plan.memory.moe import moe_block_saved_bytes
 from tetrad.plan.memory.pipeline import stage_memory
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.states import local_parameter_elements
@@ -42,6 +45,7 @@ from tetrad.plan.moe_step import (
 )
 from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.classic import classic_memory, megatron_estimate, pipeline_variants
+from tetrad.plan.search.pipeline.floor_terms import FloorTerms
 from tetrad.plan.search.rows import Row
 from tetrad.plan.search.space import check_inputs, checkpointing_modes, divisors, factorizations
 from tetrad.spec.activation_checkpointing import CHECKPOINTING
@@ -96,7 +100,7 @@ def search_moe_4d(
     for cand in _candidates(ctx, gpus, pipes if pipeline else [1], limit, shard_optimizer, stats):
         states = _states_floor(model, *cand, shard_optimizer)
         for mode, b in _choices(ctx, cand[0], cand[1], modes, allowed):
-            if states + _copies_floor(ctx, *cand, b, mode) > limit:
+            if states + _saved_floor(ctx, *cand, b, mode, imbalance) > limit:
                 continue
             stats["candidates"] += 1
             full = (*cand, b, mode)
@@ -111,10 +115,12 @@ def search_moe_4d(
         if b >= too_big.get((pipe, grid, ep, mode), math.inf):
             continue  # memory grows with the micro-batch, and with less recomputation
         fit = _fit(ctx, cand, limit, mem, dtype, shard_optimizer, imbalance)
-        if fit is None:
+        if fit is None:  # nor with less recomputation, nor with fewer experts' ranks (2 or more)
+            smaller = [e for e in divisors(ep) if e > 1] or [ep]
             for more in MODES_BY_MEMORY[: MODES_BY_MEMORY.index(mode) + 1]:
-                key = (pipe, grid, ep, more)
-                too_big[key] = min(b, too_big.get(key, math.inf))
+                for e in smaller:
+                    key = (pipe, grid, e, more)
+                    too_big[key] = min(b, too_big.get(key, math.inf))
             continue
         stats["fitting"] += 1
         row = _row(ctx, (*cand, *fit), imbalance, machine, gpus, global_batch, seq_len)
@@ -125,8 +131,7 @@ def search_moe_4d(
     if not best:
         raise PlanError(
             f"no configuration of {model.name} fits in 80% of {mem / 2**30:.1f} GiB on {gpus} "
-            "GPUs (the runtime holds E / G_expert experts whole on every Z, Y and X rank): "
-            "raise --gpus or take a machine with more memory"
+            "GPUs: raise --gpus or take a machine with more memory"
         )
     rows = sorted((r for _, _, r in best), key=lambda r: r.step_s)
     stats["seconds"] = time.perf_counter() - t0
@@ -147,7 +152,7 @@ def _candidates(ctx, gpus, pipes, limit, shard_optimizer, stats):
             if moe_grid_problem(model, grid, pipe, 1, seq_len):
                 continue
             stats["grids"] += 1
-            for ep in divisors(math.gcd(gd * gc, model.n_experts)):
+            for ep in divisors(math.gcd(gpus // pipe, model.n_experts)):
                 if _states_floor(model, pipe, grid, ep, shard_optimizer) <= limit:
                     yield pipe, grid, ep
 
@@ -168,16 +173,23 @@ def _states_floor(model: ModelSpec, pipe: int, grid: tuple, ep: int, shard: str)
     return per * rest + 16.0 * n["experts"] * share
 
 
-def _copies_floor(ctx, pipe, grid, ep, b, mode) -> float:
-    """A lower bound of the bf16 expert-weight copies autograd keeps on the fullest rank
-    (bytes; :mod:`tetrad.plan.memory.moe`), 0 under ``full`` checkpointing or in fp32: ``3
-    (E / G_expert) f_e h`` per MoE block and micro-batch in flight, on the pipeline rank with
-    the most (rank ``r`` of :func:`tetrad.plan.moe_step.moe_split`'s stages holds ``min(m, p -
+def _saved_floor(ctx, pipe, grid, ep, b, mode, imbalance) -> float:
+    """A lower bound of the activations the fullest rank keeps for backward (bytes): per MoE
+    block and micro-batch in flight, what its routed experts, router, dispatch and combine
+    save (:func:`tetrad.plan.memory.moe.moe_block_saved_bytes`: the bf16 expert-weight copies
+    among them), or under ``full`` checkpointing the block's input
+    (:func:`tetrad.plan.memory.activations.block_input_bytes`); on the pipeline rank with the
+    most (rank ``r`` of :func:`tetrad.plan.moe_step.moe_split`'s stages holds ``min(m, p -
     r)`` micro-batches in flight under 1F1B)."""
     model = ctx.model
-    if mode == "full" or ctx.c == 4:
-        return 0.0
-    per_block = ctx.c * model.expert_params() / ep
+    gd, gc, gz, gy, gx = grid
+    s = local_seq_len(ctx.seq_len, gc)
+    if mode == "full":
+        per_block = block_input_bytes(model, grid, b, s, 1, ctx.c)
+    else:
+        split = gc * gy * gx > 1
+        args = (model, b * s, b, gy, gx, ctx.c, mode, ep, imbalance, split)
+        per_block = moe_block_saved_bytes(*args)
     if pipe == 1:
         return float(model.moe_layers * per_block)
     acc = ctx.global_batch // (grid[0] * grid[2] * b)
@@ -202,14 +214,21 @@ def _choices(ctx, pipe, grid, modes, allowed):
             yield mode, b
 
 
+def _variants(grid: tuple, shard_optimizer: str) -> tuple[bool, ...]:
+    """The optimizer variants of a grid, in the order :func:`_fit` tries them: the sharded
+    one only where the plain one does not fit (``auto``), and only with a data x context
+    group to shard over."""
+    if grid[0] * grid[1] == 1:
+        return (False,)
+    return {"off": (False,), "on": (True,), "auto": (False, True)}[shard_optimizer]
+
+
 def _fit(ctx, cand, limit, mem, dtype, shard_optimizer, imbalance):
     """``(sharded, memory)`` of the first optimizer variant of a configuration that fits (the
     sharded one only where the plain one does not, ``shard_optimizer="auto"``), else None."""
     pipe, grid, ep, b, mode = cand
-    gd, gc = grid[:2]
-    choices = {"off": (False,), "on": (True,), "auto": (False, True)}[shard_optimizer]
-    acc = ctx.global_batch // (gd * grid[2] * b)
-    for zero in choices if gd * gc > 1 else (False,):
+    acc = ctx.global_batch // (grid[0] * grid[2] * b)
+    for zero in _variants(grid, shard_optimizer):
         m = _memory(ctx, pipe, grid, ep, b, mode, dtype, zero, imbalance, mem, acc)
         if m.total <= limit:
             return zero, m
@@ -253,23 +272,51 @@ def _memory(ctx, pipe, grid, ep, b, mode, dtype, zero, imbalance, mem, acc) -> M
 def _floor(ctx, pipe, grid, ep, b, mode, imbalance) -> float:
     """A lower bound of the step of a configuration (seconds): per micro-batch, the stand-in's
     compute (memoised per shape; with a pipeline, the fullest stage's blocks only) and the
-    routed experts' compute and blocking all-to-alls, over ``m`` micro-batches (1F1B on ``p``
-    stages: ``m + p - 1`` of the slowest stage's), and the per-step gradient sums the stand-in
-    lacks (all exposed in :func:`tetrad.plan.moe_step.moe_estimate`)."""
+    routed experts' compute and blocking all-to-alls (under ``full`` checkpointing their
+    forward twice), over ``m`` micro-batches (1F1B on ``p`` stages: ``m + p - 1`` of the
+    slowest stage's), the stand-in's exposed collectives of ``m`` micro-batches at least
+    (:func:`_comm_floor`), and the per-step gradient sums the stand-in lacks (all exposed in
+    :func:`tetrad.plan.moe_step.moe_estimate`)."""
     gd, gc, gz, gy, gx = grid
     acc = ctx.global_batch // (gd * gz * b)
     stand = stand_in_question(ctx)
-    ex = expert_times(ctx, stand, grid, b, ep, imbalance)
-    expert = ex.fwd + ex.bwd + ex.a2a_fwd + ex.a2a_bwd - 3 * ex.fake_ffn
-    sync = sum(grad_sync_seconds(ctx, grid, ep, pipe))
+    memo = ctx.__dict__.setdefault("_moe_floor_memo", {})
+    key = (pipe, grid, ep, b, imbalance)
+    got = memo.get(key)
+    if got is None:  # the same for every checkpointing mode
+        ex = expert_times(ctx, stand, grid, b, ep, imbalance)
+        expert = ex.fwd + ex.bwd + ex.a2a_fwd + ex.a2a_bwd - 3 * ex.fake_ffn
+        again = ex.fwd + ex.a2a_fwd - ex.fake_ffn  # full recomputation's forward once more
+        got = memo[key] = (expert, again, sum(grad_sync_seconds(ctx, grid, ep, pipe)))
+    expert, again, sync = got
+    if mode == "full":
+        expert += again
     if pipe == 1:
         f, bw, r = stand.micro_batch_seconds(grid, b, mode)
-        return acc * (f + bw + r + ctx.model.moe_layers * expert) + sync
+        comm = _comm_floor(ctx, pipe, grid, b, mode, ctx.model.n_layers)
+        return acc * (f + bw + r + ctx.model.moe_layers * expert + comm) + sync
     comp = stand.compute(grid, b)
     rec = {"full": comp.block_fwd, "selective": comp.selective}.get(mode, 0.0)
     blocks = max(r.blocks for r in moe_split(ctx, grid, b, mode, pipe))
     stage = blocks * (comp.block_fwd + comp.block_bwd + rec + expert)
-    return (acc + pipe - 1) * stage + sync
+    return (acc + pipe - 1) * stage + acc * _comm_floor(ctx, pipe, grid, b, mode, blocks) + sync
+
+
+def _comm_floor(ctx, pipe, grid, b, mode, blocks) -> float:
+    """The stand-in's exposed collectives per micro-batch on a rank of ``blocks`` blocks at
+    least (seconds): each block's context K/V and X/Y collectives, and the Z seconds its
+    windows cannot hide (:class:`tetrad.plan.search.pipeline.floor_terms.FloorTerms`, whose
+    terms are at most what the estimates count)."""
+    gd, gc, gz, gy, gx = grid
+    terms = ctx.__dict__.get("_moe_floor_terms")
+    if terms is None:
+        gpus = pipe * gd * gc * gz * gy * gx
+        terms = ctx.__dict__["_moe_floor_terms"] = FloorTerms(stand_in_question(ctx), gpus)
+    full = mode == "full"
+    kv = terms.kv_seconds(gc, gz, gy, gx, b, full) if gc > 1 else 0.0
+    xy = terms.xy_seconds(grid, b, mode, "xy")
+    z_block, z_ends = terms.z_floor(grid, b, full)
+    return blocks * (kv + xy) + max(0.0, blocks * z_block - z_ends)
 
 
 def _row(ctx, cand, imbalance, machine, gpus, global_batch, seq_len) -> Row:

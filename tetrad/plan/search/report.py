@@ -194,7 +194,7 @@ def format_result(result: SearchResult) -> str:
     ]
     if "moe_imbalance" in inp:
         lines.append(
-            f"4D grids with the expert axis (ep = G_expert, folded over data x context; "
+            f"4D grids with the expert axis (ep = G_expert, folded over a stage's ranks; "
             f"1f1b pipelines; busiest rank's routed rows {inp['moe_imbalance']:g} x the "
             f"mean): {f4.get('grids', 0)} grids, {f4.get('candidates', 0)} configurations, "
             f"{f4.get('fitting', 0)} fit under {100 * FIT_FRACTION:.0f}% of "

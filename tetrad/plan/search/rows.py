@@ -56,8 +56,8 @@ class Row:
             worst's).
         shard_optimizer: 4D: the AdamW states sharded over data x context (the runtime's
             ``shard_optimizer``, ZeRO-1).
-        expert: a mixture-of-experts model's expert axis (4D: ``G_expert``, folded over data
-            x context; classic: ``EP`` with ``ETP = 1``); 0 for a dense model.
+        expert: a mixture-of-experts model's expert axis (4D: ``G_expert``, folded over the
+            stage's ranks innermost first; classic: ``EP`` with ``ETP = 1``); 0 for a dense model.
         sequence_parallel: 4D: the residual stream split along the sequence over Y (the
             runtime's ``--sequence-parallel``).
     """
