@@ -1,6 +1,6 @@
 """The planner's mixture-of-experts models: sizes of the published presets, active-parameter
-FLOPs, the runtime's expert memory (whole on every rank), and one-line refusals where the
-planner cannot model them yet."""
+FLOPs, the runtime's expert memory (``E / G_expert`` experts per rank, the expert axis folded
+over any ranks of a stage), and one-line refusals where the planner cannot model them yet."""
 
 import pytest
 
@@ -64,6 +64,30 @@ def test_runtime_memory_splits_experts_over_the_expert_axis_only():
     check_grid(m, (1, 1, 2, 1))  # experts whole on every tensor rank (tetrad/parallel/moe_tensor)
 
 
+@pytest.mark.parametrize("grid", [(1, 8, 1, 1), (1, 1, 4, 2), (2, 4, 1, 1), (8, 1, 1, 1)])
+def test_expert_states_fall_as_one_over_the_expert_axis_on_any_ranks(grid):
+    """MoE Parallel Folding: ``G_expert`` consecutive ranks of the stage, whatever axes they
+    span, hold ``E / G_expert`` experts each; Z, Y and X shard the other Linears as before."""
+    m = PRESETS["qwen3-30b-a3b"]
+    routed = m.moe_layers * m.expert_params()
+    whole = local_parameter_elements(m, grid)
+    for ep in (2, 4, 8):
+        n = local_parameter_elements(m, grid, expert=ep)
+        assert n["experts"] == routed // ep
+        assert n["matrices"] == whole["matrices"]
+        assert n["vectors"] == whole["vectors"] - routed
+
+
+def test_the_expert_axis_divides_a_stage_and_the_experts():
+    from tetrad.spec.sharding import moe_grid_problem
+
+    m = PRESETS["qwen3-30b-a3b"]  # 128 experts
+    for grid, ep in [((1, 1, 2, 1, 1), 2), ((1, 1, 1, 2, 2), 4), ((2, 1, 2, 1, 1), 4)]:
+        assert moe_grid_problem(m, grid, 1, ep, 4096) is None
+    assert "G_data*G_context*G_z*G_y*G_x=4 ranks" in moe_grid_problem(m, (2, 1, 2, 1, 1), 1, 8)
+    assert "n_experts=128" in moe_grid_problem(m, (3, 1, 1, 1, 1), 1, 3)
+
+
 def test_the_runtime_refuses_the_presets_it_lacks():
     for name in ("moe-tiny", "moe-small", "mixtral-8x7b"):
         assert check_trainable(PRESETS[name]) is PRESETS[name]
@@ -96,3 +120,10 @@ def test_memory_prints_the_moe_terms(capsys):
     assert "moe_terms_bytes" in capsys.readouterr().out
     assert main([*argv, "--grid", "data=8,expert=3"]) == 2
     assert "divide n_experts" in capsys.readouterr().err
+    # the expert axis over the tensor ranks: the same expert states, the Linears 8 ways
+    assert main([*argv, "--grid", "z=8,expert=8", "--activation-checkpointing"]) == 0
+    assert "routed expert states (fp32 weights, gradients, AdamW): 54.000 GiB" in (
+        capsys.readouterr().out
+    )
+    assert main([*argv, "--grid", "z=4,expert=8"]) == 2
+    assert "G_data*G_context*G_z*G_y*G_x=4 ranks" in capsys.readouterr().err

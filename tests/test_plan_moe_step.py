@@ -6,7 +6,14 @@ import pytest
 
 from tetrad.plan.comm.experts import all_to_all_seconds
 from tetrad.plan.machine.description import get_machine
-from tetrad.plan.moe_step import dense_stand_in, expert_times, moe_estimate, stand_in_question
+from tetrad.plan.machine.network import ALL_REDUCE
+from tetrad.plan.moe_step import (
+    dense_stand_in,
+    expert_times,
+    grad_sync_seconds,
+    moe_estimate,
+    stand_in_question,
+)
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.moe import search_moe_4d, search_moe_classic
 from tetrad.plan.search.plan import plan
@@ -58,6 +65,33 @@ def test_routed_expert_terms():
     assert alone.fwd == expert_times(ctx, stand, roles, 1, 1, 1.0).fwd
 
 
+def test_the_expert_group_is_consecutive_ranks_on_any_axes():
+    """The expert axis folds over the stage's ranks innermost first: its all-to-alls run over
+    ``G_expert`` consecutive ranks (stride 1) whatever axes they span, with the bytes of the
+    tokens each rank routes; the expert gradients are summed over expert-data only (the
+    stage's ranks over ``G_expert``, at stride ``G_expert``)."""
+    model = get_model("qwen3-30b-a3b")
+    ctx = StepQuestion(model, H100, 4096, 64)
+    stand = stand_in_question(ctx)
+    data = expert_times(ctx, stand, (8, 1, 1, 1, 1), 1, 8, 1.0)
+    z = expert_times(ctx, stand, (1, 1, 8, 1, 1), 1, 8, 1.0)  # Z ranks: other samples' tokens
+    assert (z.a2a_fwd, z.a2a_bwd) == (data.a2a_fwd, data.a2a_bwd)
+    t, k, h = 4096 / 8, model.top_k, model.dim  # y=4, x=2: each tensor rank routes 1/8
+    yx = expert_times(ctx, stand, (1, 1, 1, 4, 2), 1, 8, 1.0)
+    sent = t * k * h * 2 * 7 / 8
+    want = 2 * all_to_all_seconds(H100.network, 1, 8, sent)
+    assert yx.a2a_bwd == pytest.approx(want) and yx.a2a_bwd < z.a2a_bwd
+    # 16 consecutive ranks: two nodes, where 8 of them were in one
+    wide = expert_times(ctx, stand, (2, 1, 8, 1, 1), 1, 16, 1.0)
+    assert wide.a2a_bwd > 2 * data.a2a_bwd
+    # gradients: one all-reduce over the stage's 32 / 4 = 8 ranks at stride 4
+    experts = 4 * model.moe_layers * model.expert_params() / 4
+    ep, _ = grad_sync_seconds(ctx, (2, 1, 4, 2, 2), 4)
+    assert ep == pytest.approx(H100.network.link(4, 8).time(ALL_REDUCE, experts))
+    assert grad_sync_seconds(ctx, (1, 1, 2, 2, 2), 8)[0] == 0.0  # no expert-data group
+    assert grad_sync_seconds(ctx, (1, 1, 2, 2, 2), 4)[0] > 0.0  # over Z's... and Y's ranks
+
+
 def test_moe_estimate_adds_the_expert_axis():
     model = get_model("qwen3-30b-a3b")
     ctx = StepQuestion(model, get_machine("h200-node"), 4096, 64)
@@ -80,9 +114,9 @@ def test_the_searches_rank_moe_configurations():
     assert rows[0].step_s <= rows[1].step_s <= rows[2].step_s
     for r in rows:
         assert r.memory.fits and r.expert >= 1
-        d, c = r.grid[:2]
-        assert (d * c) % r.expert == 0 and model.n_experts % r.expert == 0
-        assert r.pipe * d * c * r.grid[2] * r.grid[3] * r.grid[4] == 64
+        d, c, z, y, x = r.grid
+        assert (d * c * z * y * x) % r.expert == 0 and model.n_experts % r.expert == 0
+        assert r.pipe * d * c * z * y * x == 64
     classic, _ = search_moe_classic(model, H100, 64, 256, 4096, top=2)
     assert classic and all(r.memory.fits and r.expert >= 1 for r in classic)
     # the same question through plan(): both spaces, the expert axis in the labels
@@ -91,7 +125,77 @@ def test_the_searches_rank_moe_configurations():
     assert res.rows[0].to_dict()["expert_parallel"] == res.rows[0].expert
 
 
-def test_the_search_floor_is_below_every_step(monkeypatch):
+def test_qwen3_30b_fits_on_eight_h100s_with_experts_over_tensor_ranks():
+    """Issue 46's question: Qwen3-30B-A3B on one DGX H100 node (global batch 64 x 4096) fits
+    only with the expert axis over tensor ranks (the Linears and the experts both split 8
+    ways; over data alone the other weights stay whole)."""
+    from tetrad.plan.memory.runtime import runtime_memory
+
+    model = get_model("qwen3-30b-a3b")
+    rows, _ = search_moe_4d(model, H100, 8, 64, 4096, top=3)
+    for r in rows:
+        d, c, z, y, x = r.grid
+        assert r.memory.fits and r.expert == 8 and d * c < 8  # over Z, Y or X ranks too
+    data = runtime_memory(
+        model,
+        (8, 1, 1, 1, 1),
+        1,
+        4096,
+        H100.memory_bytes,
+        activation_checkpointing="full",
+        expert=8,
+        shard_optimizer=True,
+    )
+    assert not data.fits  # the experts over data alone: the attention and tables whole
+
+
+def test_memory_falls_with_the_expert_axis():
+    """The search takes a configuration that does not fit with ``G_expert`` as not fitting
+    with any smaller one (2 or more): the memory model must be monotone in it."""
+    from tetrad.plan.memory.pipeline import stage_memory
+    from tetrad.plan.memory.runtime import runtime_memory
+    from tetrad.plan.moe_step import moe_split
+
+    model = get_model("qwen3-30b-a3b")
+    ctx = StepQuestion(model, H100, 4096, 64)
+    for grid, mode, zero in [((1, 1, 8, 1, 1), "full", False), ((2, 2, 1, 2, 1), "none", True)]:
+        totals = [
+            runtime_memory(
+                model,
+                grid,
+                1,
+                4096,
+                H100.memory_bytes,
+                activation_checkpointing=mode,
+                expert=ep,
+                shard_optimizer=zero,
+            ).total
+            for ep in (2, 4, 8)
+        ]
+        assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1]
+        rank = moe_split(ctx, grid, 1, mode, 2)[0]
+        stages = [
+            stage_memory(
+                model,
+                grid,
+                1,
+                4096,
+                H100.memory_bytes,
+                rank,
+                "1f1b",
+                2,
+                8,
+                activation_checkpointing=mode,
+                expert=ep,
+                shard_optimizer=zero,
+            ).total
+            for ep in (2, 4, 8)
+        ]
+        assert stages == sorted(stages, reverse=True) and stages[0] > stages[-1]
+
+
+@pytest.mark.parametrize("gpus, batch", [(64, 256), (8, 64)])
+def test_the_search_floor_is_below_every_step(monkeypatch, gpus, batch):
     """The best-first search may skip a configuration only if its floor is not below the top's
     slowest: each floor must be at most the configuration's step."""
     import tetrad.plan.search.moe as search
@@ -104,6 +208,6 @@ def test_the_search_floor_is_below_every_step(monkeypatch):
         return r
 
     monkeypatch.setattr(search, "_row", row)
-    search_moe_4d(get_model("qwen3-30b-a3b"), H100, 64, 256, 4096, top=20)
+    search_moe_4d(get_model("qwen3-30b-a3b"), H100, gpus, batch, 4096, top=20)
     assert len(seen) >= 20
     assert all(floor <= step * (1 + 1e-12) for floor, step in seen)
