@@ -1,6 +1,8 @@
 """The planner's expert-parallel all-to-all traffic (:mod:`tetrad.plan.comm.experts`) equals
 what the runtime records (calls, payload bytes, bytes sent) for the same routing counts, on 2
-and 4 gloo ranks, skewed routing and a rank that receives nothing included."""
+and 4 gloo ranks, skewed routing and a rank that receives nothing included, and for a whole MoE
+block on grids whose expert axis spans Z, Y or X ranks (the expert group the consecutive ranks
+the step model times)."""
 
 import pytest
 import torch
@@ -108,3 +110,69 @@ def test_planner_tensor_exchanges_equal_runtime(world, sizes, ep):
     """The MoE block's X and Y collectives on tensor grids (split, join, load-balancing
     statistics) equal :func:`tetrad.plan.comm.experts.tensor_token_traffic`."""
     run_distributed(tensor_traffic_matches, world, sizes, ep)
+
+
+def block_all_to_alls_match(sizes, ep):
+    """One MoE block on a grid whose expert axis spans Z, Y or X ranks: each rank routes its
+    own tokens (on Y and X its slice of the positions), and the all-to-alls of its expert group
+    (``ep`` consecutive ranks) are what :func:`all_to_all_traffic` gives for the group's
+    routing counts, the rows of ``T = b s / (G_y G_x)`` tokens as the step model takes them."""
+    from tests.test_moe_parallel import CONFIGS
+    from tetrad.parallel.model import ParallelLlama
+
+    cfg = CONFIGS["sigmoid-bias"]
+    grid = Grid.build(sizes, expert=ep)
+    model = ParallelLlama(cfg, grid)
+    init_parameters(model, 3, grid)
+    block = model.layers["1"].feed_forward
+    experts, counts = block.experts, []
+
+    def recording(x, ids, weights):
+        counts.append(torch.bincount(ids.flatten(), minlength=cfg.n_experts))
+        return type(experts).forward(experts, x, ids, weights)
+
+    experts.forward = recording
+    group = dist.get_process_group_ranks(grid.group(Axis.EXPERT))
+    first = dist.get_rank() // ep * ep
+    assert group == list(range(first, first + ep))  # stride 1, as all_to_all_seconds takes it
+    b, s = 2, 8
+    cell = (grid.coord["data"] * grid.context + grid.coord["context"]) * grid.z + grid.coord["z"]
+    g = torch.Generator().manual_seed(cell)  # the same tokens on the ranks of a tensor group
+    hx = cfg.dim // grid.x
+    whole = torch.randn(b, s, cfg.dim, generator=g)
+    x = whole[..., grid.coord["x"] * hx : (grid.coord["x"] + 1) * hx].clone().requires_grad_()
+    for backward in (False, True):
+        grid.comm.reset()
+        counts.clear()
+        y = block(x)
+        if backward:
+            y.backward(torch.randn(y.shape, generator=g))
+        (mine,) = counts
+        assert int(mine.sum()) == b * s // (grid.y * grid.x) * cfg.top_k
+        every = [torch.zeros_like(mine) for _ in range(ep)]
+        dist.all_gather(every, mine, group=grid.group(Axis.EXPERT))
+        want = all_to_all_traffic(
+            [c.tolist() for c in every], grid.coord["expert"], cfg.dim, 4, backward=backward
+        )
+        got = grid.comm.stats(Axis.EXPERT)
+        assert (got.calls, got.payload_bytes, got.bytes) == (
+            want.calls,
+            want.payload_bytes,
+            want.sent_bytes,
+        ), (sizes, ep, backward)
+
+
+@pytest.mark.parametrize(
+    "world, sizes, ep",
+    [
+        (2, (1, 1, 2, 1, 1), 2),  # z=2,expert=2
+        (2, (1, 1, 1, 2, 1), 2),  # y=2,expert=2
+        (4, (1, 1, 1, 2, 2), 4),  # y=2,x=2,expert=4
+        (4, (2, 1, 2, 1, 1), 4),  # data=2,z=2,expert=4
+        (4, (2, 1, 2, 1, 1), 2),  # data=2,z=2,expert=2: groups over Z, expert-data over data
+    ],
+)
+def test_planner_all_to_alls_equal_runtime_with_experts_over_tensor_ranks(world, sizes, ep):
+    """Issue 46: the planner's all-to-all calls and bytes equal the runtime's on grids whose
+    expert axis spans Z, Y or X ranks (MoE Parallel Folding)."""
+    run_distributed(block_all_to_alls_match, world, sizes, ep)
