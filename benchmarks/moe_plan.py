@@ -38,6 +38,21 @@ def breakdown(row: dict) -> str:
     )
 
 
+def expert_span(sizes: dict, ep: int) -> str:
+    """The axes a 4D row's expert group spans: ``ep`` consecutive ranks of a stage, X first,
+    then Y, Z, context and data (``z8``, ``y2 c4 d8``; ``d2`` on ``G_data = 8``: 2 of its
+    ranks, the rest expert-data)."""
+    parts, left = [], ep
+    for axis in ("x", "y", "z", "context", "data"):
+        g = sizes.get(axis, 1)
+        if left == 1 or g == 1:
+            continue
+        take = min(g, left)
+        parts.append(f"{axis[0]}{take}")
+        left //= take
+    return " ".join(parts) or "-"
+
+
 def describe(row: dict, peak: float) -> str:
     """One line of a ranked row's JSON: where it runs, step, tokens/s, TFLOP/s per GPU (``peak``
     FLOP/s times its MFU), memory and :func:`breakdown`."""
@@ -47,8 +62,10 @@ def describe(row: dict, peak: float) -> str:
     where = (f"P={pipe} " if pipe > 1 else "") + grid
     tflops = row["mfu"] * peak / 1e12
     mem = row["memory"]
+    ep = row.get("expert_parallel", 1)
+    span = f" ({expert_span(sizes, ep)})" if row["space"] == "4d" and ep > 1 else ""
     return (
-        f"{where} ep={row.get('expert_parallel', 1)}"
+        f"{where} ep={ep}{span}"
         + (" so" if row.get("shard_optimizer") else "")
         + f" mb={row['micro_batch']} {row['activation_checkpointing']}: step "
         f"{row['step_s']:.2f} s, {row['tokens_per_s'] / 1e3:.1f}k tok/s, {tflops:.0f} "
