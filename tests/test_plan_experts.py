@@ -14,13 +14,27 @@ from tetrad.parallel import init_parameters
 from tetrad.parallel.experts import ExpertParallelExperts
 from tetrad.plan.comm.experts import all_to_all_traffic, uniform_all_to_all_traffic
 from tetrad.spec.grid import Axis
+from tetrad.spec.overlap import expert_pieces, piece_sizes
 
 E, H, F, K, T = 8, 16, 8, 2, 24
 
 
-def traffic_matches(world, skew):
+def piece_counts(ids, pieces, n_experts, group=None):
+    """Every rank's routing counts per piece of its tokens, as the runtime cuts them:
+    ``[n][P][E]`` lists (the expert group's ranks in group order)."""
+    n = expert_pieces(ids.shape[0], pieces)
+    out = []
+    for part in ids.split(piece_sizes(ids.shape[0], n)):
+        mine = torch.bincount(part.flatten(), minlength=n_experts)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        out.append([c.tolist() for c in every])
+    return out
+
+
+def traffic_matches(world, skew, pieces):
     grid = Grid.build((world, 1, 1, 1, 1), expert=world)
-    experts = ExpertParallelExperts(E, H, F, 0.02, grid)
+    experts = ExpertParallelExperts(E, H, F, 0.02, grid, pieces)
     init_parameters(experts, 3, grid)
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(T, H, generator=g, requires_grad=True)
@@ -28,37 +42,40 @@ def traffic_matches(world, skew):
     if skew:  # every token prefers the first experts: the last rank receives nothing
         scores[:, : E // world] += 10
     weights, ids = torch.topk(scores.softmax(-1), K)
-    mine = torch.bincount(ids.flatten(), minlength=E)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
+    every = piece_counts(ids, pieces, E)
     for backward in (False, True):
         grid.comm.reset()
         y = experts(x, ids, weights)
         if backward:
             y.backward(torch.randn_like(y))
         got = grid.comm.stats(Axis.EXPERT)
-        want = all_to_all_traffic(
-            [c.tolist() for c in every], dist.get_rank(), H, 4, backward=backward
-        )
+        want = all_to_all_traffic(every, dist.get_rank(), H, 4, backward=backward)
         assert (got.calls, got.payload_bytes, got.bytes) == (
             want.calls,
             want.payload_bytes,
             want.sent_bytes,
         )
+        assert want.calls == 1 + len(every) * (4 if backward else 2)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("skew", [False, True])
-def test_planner_all_to_all_equals_runtime(world, skew):
-    run_distributed(traffic_matches, world, world, skew)
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_planner_all_to_all_equals_runtime(world, skew, pieces):
+    """With and without the ``expert`` overlap (3 pieces of the 24 tokens)."""
+    run_distributed(traffic_matches, world, world, skew, pieces)
 
 
 def test_uniform_estimate():
     p, tokens, h, b = 4, 4096, 4096, 2
     balanced = [[tokens * 2 // 8] * 8 for _ in range(p)]  # top-2 of 8, every expert alike
-    exact = all_to_all_traffic(balanced, 0, h, b)
+    exact = all_to_all_traffic([balanced], 0, h, b)
     est = uniform_all_to_all_traffic(tokens, 2, 8, p, h, b)
     assert exact == est and est.calls == 5
+    halves = [[[tokens // 8] * 8 for _ in range(p)]] * 2  # two pieces of tokens / 2
+    two = uniform_all_to_all_traffic(tokens, 2, 8, p, h, b, pieces=2)
+    assert all_to_all_traffic(halves, 0, h, b) == two and two.calls == 9
+    assert two.sent_bytes == est.sent_bytes + (8 - 2) * 8  # the rows' bytes, twice the counts
     v = tokens * 2 * h * b * (p - 1) / p  # the fact sheet's V per row all-to-all
     assert est.sent_bytes == 4 * v + (8 - 2) * 8
     skewed = uniform_all_to_all_traffic(tokens, 2, 8, p, h, b, imbalance=1.5)
@@ -128,7 +145,7 @@ def block_all_to_alls_match(sizes, ep):
     experts, counts = block.experts, []
 
     def recording(x, ids, weights):
-        counts.append(torch.bincount(ids.flatten(), minlength=cfg.n_experts))
+        counts.append(ids)
         return type(experts).forward(experts, x, ids, weights)
 
     experts.forward = recording
@@ -147,13 +164,11 @@ def block_all_to_alls_match(sizes, ep):
         y = block(x)
         if backward:
             y.backward(torch.randn(y.shape, generator=g))
-        (mine,) = counts
-        assert int(mine.sum()) == b * s // (grid.y * grid.x) * cfg.top_k
-        every = [torch.zeros_like(mine) for _ in range(ep)]
-        dist.all_gather(every, mine, group=grid.group(Axis.EXPERT))
-        want = all_to_all_traffic(
-            [c.tolist() for c in every], grid.coord["expert"], cfg.dim, 4, backward=backward
-        )
+        (ids,) = counts
+        assert ids.numel() == b * s // (grid.y * grid.x) * cfg.top_k
+        assert experts.pieces == 2  # the default overlaps' expert pieces
+        every = piece_counts(ids, experts.pieces, cfg.n_experts, grid.group(Axis.EXPERT))
+        want = all_to_all_traffic(every, grid.coord["expert"], cfg.dim, 4, backward=backward)
         got = grid.comm.stats(Axis.EXPERT)
         assert (got.calls, got.payload_bytes, got.bytes) == (
             want.calls,

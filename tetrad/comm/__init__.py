@@ -1,6 +1,6 @@
 """Collectives over the axes of the process grid (the one place tetrad issues them)."""
 
-from tetrad.comm.all_to_all import all_to_all, all_to_all_autograd
+from tetrad.comm.all_to_all import all_to_all
 from tetrad.comm.collectives import (
     AxisStats,
     CommLog,
@@ -17,7 +17,6 @@ __all__ = [
     "Handle",
     "all_gather",
     "all_to_all",
-    "all_to_all_autograd",
     "all_reduce",
     "count_sends",
     "reduce_scatter",

@@ -55,31 +55,3 @@ def all_to_all(
         out,
     )
     return h if async_op else h.wait()
-
-
-class _AllToAll(torch.autograd.Function):
-    """:func:`all_to_all` whose backward is the all-to-all of the gradient with the splits
-    swapped (a combine-shaped exchange)."""
-
-    @staticmethod
-    def forward(ctx, t, grid, axis, output_splits, input_splits):
-        ctx.grid, ctx.axis, ctx.splits = grid, axis, (output_splits, input_splits)
-        return all_to_all(t, grid, axis, output_splits, input_splits)
-
-    @staticmethod
-    def backward(ctx, dy):
-        outs, ins = ctx.splits
-        return all_to_all(dy, ctx.grid, ctx.axis, ins, outs), None, None, None, None
-
-
-def all_to_all_autograd(
-    t: torch.Tensor,
-    grid: Groups,
-    axis: Axis | str,
-    output_splits: list[int],
-    input_splits: list[int],
-) -> torch.Tensor:
-    """:func:`all_to_all` (blocking) that autograd differentiates: ``[sum(input_splits), ...]``
-    -> ``[sum(output_splits), ...]``; its backward sends the gradient rows back the way they
-    came (one more counted all-to-all)."""
-    return _AllToAll.apply(t, grid, axis, output_splits, input_splits)

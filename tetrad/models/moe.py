@@ -190,16 +190,39 @@ def sort_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, tor
     return order, expert_counts(ids, n_experts)
 
 
+class _PutRows(torch.autograd.Function):
+    """``out[index[i]] = x[i]``; backward gathers ``grad[index]``, keeping only ``index``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        return x.new_empty(x.shape).index_copy_(0, index, x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None
+
+
+def put_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows of ``x [N, ...]`` put at the places ``index [N]`` (a permutation of ``0..N-1``)
+    says: ``out[index[i]] = x[i]``, i.e. ``x[argsort(index)]`` without sorting for the inverse
+    (deterministic, no atomics); its backward is the gather ``grad[index]`` and keeps ``index``
+    alone (autograd's ``index_copy`` would keep ``x`` too, a gather with the inverse's
+    ``index_put`` backward a zero-filled tensor of ``x``'s shape)."""
+    return _PutRows.apply(x, index)
+
+
 def combine(
     ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """The routed output ``[T, h]`` in ``dtype`` from the expert outputs ``ys [T k, h]`` of the
     slots in expert order (``order`` from :func:`sort_by_expert`) and the routing weights
-    ``weights [T, k]`` (fp32): each slot times its weight in fp32, put back in token order by a
-    gather (a permutation: deterministic, no atomics), the ``k`` slots of a token summed."""
+    ``weights [T, k]`` (fp32): each slot times its weight in fp32, put back in token order
+    (:func:`put_rows`), the ``k`` slots of a token summed."""
     t, k = weights.shape
     weighted = ys.float() * weights.flatten()[order, None]
-    back = weighted[torch.argsort(order)]  # slot order: token t's k slots adjacent
+    back = put_rows(weighted, order)  # slot order: token t's k slots adjacent
     return back.view(t, k, -1).sum(1).to(dtype)
 
 
@@ -269,8 +292,8 @@ class GroupedExperts(nn.Module):
 
     Dispatch: the ``T k`` slots are sorted by expert (:func:`sort_by_expert`) and their tokens
     gathered; the expert GEMMs run grouped (:func:`expert_swiglu`); combine multiplies each
-    slot by its routing weight in fp32 and puts the slots back in token order by a gather
-    (a permutation: deterministic, no atomics), then sums each token's ``k`` slots.
+    slot by its routing weight in fp32 and puts the slots back in token order (a permutation:
+    deterministic, no atomics), then sums each token's ``k`` slots.
     An expert-parallel version keeps this interface and sends the sorted rows to the experts'
     ranks between the sort and the GEMMs (all-to-all), and back before the combine.
     """

@@ -18,6 +18,16 @@ twice in a group, whichever axes it spans; per MoE block and micro-batch (torcht
        grouped GEMMs, rows put back source-major;
     4. the all-to-all back, then the weighted combine on the token's own rank.
 
+With the ``expert`` overlap (``pieces > 1``, :func:`tetrad.spec.overlap.expert_pieces`) the
+rank's ``T`` tokens are cut into ``n`` pieces of consecutive tokens (Tutel's pipelining, Hwang
+et al., arXiv 2206.03382): one all-to-all of every piece's counts and one host read, then every
+piece's dispatch issued at once; piece ``i``'s experts compute while pieces ``i+1 ..`` are
+still arriving, and its combine travels while piece ``i+1``'s experts compute. In backward the
+pieces' gradient exchanges overlap the other pieces' expert GEMM backward the same way (the
+launch and arrival are two autograd nodes, as the context overlap's pieces,
+:mod:`tetrad.parallel.context`). Exposed: the first dispatch and the last combine, each ``1/n``
+of the rows, in forward and in backward.
+
 Backward runs the two row all-to-alls the other way (their autograd). Expert gradients are
 summed over expert-data only, the stage's other ranks holding the same experts
 (:attr:`tetrad.parallel.placement.Placement.grad_sum_axes`).
@@ -26,16 +36,18 @@ summed over expert-data only, the stage's other ranks holding the same experts
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 from torch import nn
 
-from tetrad.comm import all_reduce, all_to_all, all_to_all_autograd
+from tetrad.comm import Handle, all_reduce, all_to_all
 from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
-from tetrad.models.moe import Router, combine, expert_swiglu, sort_by_expert
+from tetrad.models.moe import Router, combine, expert_swiglu, put_rows, sort_by_expert
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.spec.grid import Axis
+from tetrad.spec.overlap import expert_pieces, piece_sizes
 
 
 def expert_major(recv_counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,13 +68,62 @@ def expert_major(recv_counts: torch.Tensor, total: int) -> tuple[torch.Tensor, t
     return perm, recv_counts.sum(0)
 
 
+class _Exchange:
+    """The in-flight row all-to-alls of one MoE block's pieces, keyed ``(kind, piece)``: those
+    issued in forward (waited by :class:`_Arrive`) and the gradients' issued in backward (waited
+    by :class:`_Send`)."""
+
+    def __init__(self, grid: Grid):
+        self.grid = grid
+        self.forward: dict[tuple[str, int], Handle] = {}
+        self.backward: dict[tuple[str, int], Handle] = {}
+
+
+class _Send(torch.autograd.Function):
+    """Forward: issue the all-to-all of ``t`` (rows ``input_splits`` to each rank of the expert
+    group, ``output_splits`` back) and return an empty token for :class:`_Arrive`. Backward:
+    wait for the gradient's all-to-all that :class:`_Arrive`'s backward issued."""
+
+    @staticmethod
+    def forward(ctx, t, state: _Exchange, key, output_splits, input_splits):
+        ctx.state, ctx.key = state, key
+        state.forward[key] = all_to_all(
+            t, state.grid, Axis.EXPERT, output_splits, input_splits, async_op=True
+        )
+        return t.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token):
+        return ctx.state.backward.pop(ctx.key).wait(), None, None, None, None
+
+
+class _Arrive(torch.autograd.Function):
+    """Forward: wait for the all-to-all :class:`_Send` issued under ``key``. Backward: issue the
+    all-to-all of the gradient, splits swapped (the rows go back the way they came), and go
+    on."""
+
+    @staticmethod
+    def forward(ctx, token, state: _Exchange, key, output_splits, input_splits):
+        ctx.state, ctx.key, ctx.splits = state, key, (output_splits, input_splits)
+        return state.forward.pop(key).wait()
+
+    @staticmethod
+    def backward(ctx, g):
+        outs, ins = ctx.splits
+        ctx.state.backward[ctx.key] = all_to_all(
+            g, ctx.state.grid, Axis.EXPERT, ins, outs, async_op=True
+        )
+        return g.new_zeros(0), None, None, None, None
+
+
 class ExpertParallelExperts(nn.Module):
     """``E`` routed SwiGLU experts split over the expert axis of ``grid``: this rank holds
     experts ``[c E/P, (c+1) E/P)`` (``c = coord["expert"]``), the same interface as
     :class:`tetrad.models.moe.GroupedExperts`: ``(x [T, h], ids [T, k], weights [T, k] fp32)``
     -> ``[T, h]``, ``T`` this rank's tokens. Weights ``w1, w3 [E/P, F, h]``, ``w2 [E/P, h,
     F]``, each a shard of the global ``[E, ...]`` split on dim 0 over ``expert`` (checkpoint
-    keys and initial values those of the reference, whatever ``P``).
+    keys and initial values those of the reference, whatever ``P``). ``pieces``: the ``expert``
+    overlap's most pieces (1: blocking all-to-alls; module docstring).
 
     Raises:
         ValueError: ``E`` not divisible by ``G_expert``.
@@ -75,6 +136,7 @@ class ExpertParallelExperts(nn.Module):
         ffn_dim: int,
         out_std: float,
         grid: Grid,
+        pieces: int = 1,
     ):
         super().__init__()
         if n_experts % grid.expert:
@@ -82,7 +144,7 @@ class ExpertParallelExperts(nn.Module):
                 f"n_experts={n_experts} is not divisible by the expert parallelism "
                 f"{grid.expert}: use an --expert-parallel that divides {n_experts}"
             )
-        self.grid, self.n_experts = grid, n_experts
+        self.grid, self.n_experts, self.pieces = grid, n_experts, pieces
         split, f, h = ((Axis.EXPERT,),), ffn_dim, dim
         self.w1 = sharded_parameter((n_experts, f, h), split, grid, ("normal", 0.02))
         self.w3 = sharded_parameter((n_experts, f, h), split, grid, ("normal", 0.02))
@@ -90,24 +152,37 @@ class ExpertParallelExperts(nn.Module):
 
     @torch.compiler.disable  # all-to-alls with host-read split sizes: eager, like every collective
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        k, p = ids.shape[1], self.grid.expert
-        order, counts = sort_by_expert(ids, self.n_experts)
-        dtype = compute_dtype(x)
-        xs = x.to(dtype)[order // k]
-        recv_counts = all_to_all(counts, self.grid, Axis.EXPERT).view(p, -1)
-        send = counts.view(p, -1).sum(1)
+        k, p, t = ids.shape[1], self.grid.expert, x.shape[0]
+        n = expert_pieces(t, self.pieces)
+        ends = list(itertools.accumulate(piece_sizes(t, n), initial=0))
+        pieces = list(zip(ends[:-1], ends[1:], strict=True))
+        sorts = [sort_by_expert(ids[a:b], self.n_experts) for a, b in pieces]
+        counts = torch.stack([c for _, c in sorts]).view(n, p, -1)  # [n, P, E/P]
+        # from each rank of the group, per piece, the rows for each of this rank's experts
+        recv_counts = all_to_all(counts.transpose(0, 1).contiguous(), self.grid, Axis.EXPERT)
         # The one host synchronisation of the block, inherent to dropless dispatch: the row
         # all-to-alls need their split sizes on the host (torch's all_to_all_single takes
         # lists), and they depend on this step's routing on every rank of the group.
-        splits = torch.cat([send, recv_counts.sum(1)]).tolist()
-        send_splits, recv_splits = splits[:p], splits[p:]
-        rows = all_to_all_autograd(xs, self.grid, Axis.EXPERT, recv_splits, send_splits)
-        perm, local_counts = expert_major(recv_counts, sum(recv_splits))
+        splits = torch.cat([counts.sum(2).flatten(), recv_counts.sum(2).t().flatten()]).tolist()
+        send = [splits[i * p : (i + 1) * p] for i in range(n)]
+        recv = [splits[(n + i) * p : (n + i + 1) * p] for i in range(n)]
+        dtype = compute_dtype(x)
+        xc, state = x.to(dtype), _Exchange(self.grid)
+        out = [  # every piece's dispatch issued at once
+            _Send.apply(xc[a:b][order // k], state, ("dispatch", i), recv[i], send[i])
+            for i, ((a, b), (order, _)) in enumerate(zip(pieces, sorts, strict=True))
+        ]
         w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
-        ys = expert_swiglu(rows[perm], local_counts, w1, w3, w2)
-        ys = ys[torch.argsort(perm)]  # back to source-major
-        home = all_to_all_autograd(ys, self.grid, Axis.EXPERT, send_splits, recv_splits)
-        return combine(home, order, weights, dtype)
+        for i in range(n):
+            rows = _Arrive.apply(out[i], state, ("dispatch", i), recv[i], send[i])
+            perm, local_counts = expert_major(recv_counts[:, i], sum(recv[i]))
+            ys = expert_swiglu(rows[perm], local_counts, w1, w3, w2)
+            ys = put_rows(ys, perm)  # back to source-major
+            out[i] = _Send.apply(ys, state, ("combine", i), send[i], recv[i])
+        for i, ((a, b), (order, _)) in enumerate(zip(pieces, sorts, strict=True)):
+            home = _Arrive.apply(out[i], state, ("combine", i), send[i], recv[i])
+            out[i] = combine(home, order, weights[a:b], dtype)
+        return torch.cat(out) if n > 1 else out[0]
 
     def extra_repr(self) -> str:
         e, f, h = self.w1.shape

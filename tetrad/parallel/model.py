@@ -129,7 +129,8 @@ class ParallelLayers:
         """The routed experts: split over the expert axis (:class:`ExpertParallelExperts`)
         when ``G_expert > 1``, else :class:`GroupedExperts` whole on every rank."""
         if self.grid.expert > 1:
-            return ExpertParallelExperts(n_experts, dim, ffn_dim, out_std, self.grid)
+            pieces = self.overlap.expert_pieces
+            return ExpertParallelExperts(n_experts, dim, ffn_dim, out_std, self.grid, pieces)
         return self._replicated(GroupedExperts(n_experts, dim, ffn_dim, out_std), self.token_axes)
 
     @torch.compiler.disable  # collectives stay outside compiled graphs

@@ -1,6 +1,6 @@
 """Overlap of collectives with computation: which ones, and the state that makes it happen.
 
-Seven overlaps, each switchable (AxoNN, arXiv 2305.13525, "aggressively overlap expensive
+Eight overlaps, each switchable (AxoNN, arXiv 2305.13525, "aggressively overlap expensive
 collective operations"; Domino, arXiv 2409.15241, for the forward split; T3, arXiv 2401.16677,
 for ``fine``):
 
@@ -31,6 +31,10 @@ for ``fine``):
                     piece's attention running while the next piece travels; in backward each
                     piece's K/V gradient reduce-scatter runs during the next piece's attention
                     backward (:mod:`tetrad.parallel.context`).
+``expert``          an MoE block's expert-parallel dispatch and combine all-to-alls are cut into
+                    ``expert_pieces`` pieces of its tokens, each piece's exchanges running
+                    while another piece's experts compute, in forward and backward (Tutel's
+                    pipelining; :mod:`tetrad.parallel.experts`).
 
 All collectives are issued from the main thread in program order, so every rank of a group issues
 the same sequence. Waits use the work handles only.
@@ -55,6 +59,7 @@ from tetrad.spec.overlap import (
     DEFAULT_OVERLAPS,
     DOMINO_MIN_ROWS,
     DP_BUCKET_BYTES,
+    EXPERT_PIECES,
     FINE_CHUNKS,
     PREFETCH_DEPTH,
 )
@@ -77,6 +82,8 @@ class Overlap:
         fine_chunks: pieces per ring step of the ``fine`` overlap's fused reduce-scatter.
         context_pieces: most pieces of the ``context`` overlap's K/V all-gather
             (:func:`tetrad.spec.overlap.context_pieces`).
+        expert_pieces: most pieces of the ``expert`` overlap's all-to-alls
+            (:func:`tetrad.spec.overlap.expert_pieces`).
     """
 
     def __init__(
@@ -87,16 +94,21 @@ class Overlap:
         domino_min_rows: int = DOMINO_MIN_ROWS,
         fine_chunks: int = FINE_CHUNKS,
         context_pieces: int = CONTEXT_PIECES,
+        expert_pieces: int = EXPERT_PIECES,
     ):
         if fine_chunks < 1:
             raise ValueError(f"fine_chunks={fine_chunks}: give at least 1 piece per ring step")
-        if context_pieces < 1:
-            raise ValueError(f"context_pieces={context_pieces}: give at least 1 piece")
+        if min(context_pieces, expert_pieces) < 1:
+            raise ValueError(
+                f"context_pieces={context_pieces}, expert_pieces={expert_pieces}: give at "
+                "least 1 piece"
+            )
         self.grid = grid
         self.enabled = frozenset(enabled)
         self._prefetching = self.on("prefetch") and grid.z > 1  # G_z = 1: nothing to gather
         self.domino_min_rows, self.fine_chunks = domino_min_rows, fine_chunks
         self.context_pieces = context_pieces if self.on("context") else 1
+        self.expert_pieces = expert_pieces if self.on("expert") else 1
         self._in_step = self._last = False
         # [(param, dtype)] of one micro-batch per phase, in execution order
         self._orders: dict[str, list] = {}

@@ -27,9 +27,14 @@ over the mean; 1 without expert parallelism), compute dtype ``c`` bytes:
                R x f_e: bytes / HBM bandwidth (MOE_ELEMENTWISE); backward twice that
     dispatch   all-to-all of the rows, T k h c (P - 1)/P bytes sent, imbalance x that received
     combine    the same back; forward 2 row all-to-alls and one of the E counts (int64, then a
-               host read of the splits); backward 2; full recomputation the forward's 3 again;
-               blocking in the runtime: all exposed (:func:`tetrad.plan.comm.experts.
-               all_to_all_seconds`, on the network hierarchy)
+               host read of the splits); backward 2; full recomputation the forward's 3 again
+               (:func:`tetrad.plan.comm.experts.all_to_all_seconds`, on the network
+               hierarchy). Without the ``expert`` overlap all blocking, all exposed; with it
+               the tokens in ``n`` pieces (:func:`tetrad.spec.overlap.expert_pieces`): the
+               counts exposed, each piece's row exchanges behind the other pieces' expert
+               GEMMs and SwiGLU as the runtime orders them
+               (:func:`tetrad.plan.comm.experts.pipelined_seconds`), each piece's GEMMs timed
+               at its own rows' efficiency
 
 Per step: the expert weights' gradients (fp32, ``3 (E/P) h f_e`` per MoE block) summed over
 their expert-data group only (the stage's ``G_data G_context G_z G_y G_x / P`` ranks at stride
@@ -47,7 +52,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from tetrad.plan.comm.experts import COUNT_BYTES, all_to_all_seconds
+from tetrad.plan.comm.experts import COUNT_BYTES, all_to_all_seconds, pipelined_seconds
 from tetrad.plan.compute.elementwise import ELEMENTWISE
 from tetrad.plan.machine.network import ALL_REDUCE
 from tetrad.plan.pipe.pipeline_step import PipeConfig, pipeline_estimate, split_ranks
@@ -57,6 +62,7 @@ from tetrad.plan.step_time import estimate
 from tetrad.spec.activation_checkpointing import parse_checkpointing
 from tetrad.spec.grid import role_sizes, with_context
 from tetrad.spec.model import ModelSpec
+from tetrad.spec.overlap import EXPERT_PIECES, expert_pieces, piece_sizes
 from tetrad.spec.units import FP32
 
 STAND_IN_MIN_FFN = 128
@@ -111,6 +117,8 @@ class ExpertTimes:
     Attributes:
         fwd, bwd: compute (router and expert GEMMs, element-wise work), forward and backward.
         a2a_fwd, a2a_bwd: exposed all-to-alls (counts and rows), forward and backward.
+        a2a_total_fwd, a2a_total_bwd: all the all-to-alls' seconds, forward and backward
+            (what the exposed parts come from).
         fake_ffn: the GEMM seconds of the stand-in's FFN width beyond the real mean, per block
             and micro-batch, forward (its backward: twice that).
     """
@@ -120,6 +128,8 @@ class ExpertTimes:
     a2a_fwd: float
     a2a_bwd: float
     fake_ffn: float
+    a2a_total_fwd: float = 0.0
+    a2a_total_bwd: float = 0.0
 
 
 def expert_times(
@@ -129,19 +139,32 @@ def expert_times(
     micro_batch: int,
     expert: int,
     imbalance: float,
+    pieces: int | None = None,
 ) -> ExpertTimes:
     """:class:`ExpertTimes` of the roles ``(G_data, G_context, G_z, G_y, G_x)`` (module doc);
-    ``stand_in``: the question of :func:`dense_stand_in`."""
+    ``stand_in``: the question of :func:`dense_stand_in`; ``pieces``: the ``expert``
+    overlap's pieces (None: the runtime's, :data:`tetrad.spec.overlap.EXPERT_PIECES` when the
+    question's overlaps name ``expert``, else 1)."""
     model, machine = ctx.model, ctx.machine
     gd, gc, gz, gy, gx = roles
     m = micro_batch * ctx.seq_len / gc
     t = m / (gy * gx)
     k, h, e, f = model.top_k, model.dim, model.n_experts, model.expert_dim
-    rows = t * k * (imbalance if expert > 1 else 1.0)
+    imb = imbalance if expert > 1 else 1.0
+    rows = t * k * imb
     local = e // expert
+    if pieces is None:
+        pieces = EXPERT_PIECES if "expert" in ctx.overlaps else 1
+    n = expert_pieces(round(t), pieces) if expert > 1 else 1
+    sizes = piece_sizes(round(t), n) if n > 1 else [t]
     router = ctx.gemm_s(2.0 * t * e * h)
-    per_group = 2.0 * rows * h * f / local  # one expert's GEMM
-    grouped = 3 * local * per_group / (machine.peak_flops * machine.gemm_efficiency(per_group))
+    act_per_row = ELEMENTWISE["act_per_f_llama"] * f / machine.hbm_bytes_per_s
+    piece_fwd = []  # each piece's expert GEMMs and SwiGLU, forward
+    for size in sizes:
+        per_group = 2.0 * size * k * imb * h * f / local  # one expert's GEMM
+        gemms = 3 * local * per_group / (machine.peak_flops * machine.gemm_efficiency(per_group))
+        piece_fwd.append(gemms + act_per_row * size * k * imb)
+    grouped = sum(piece_fwd) - act_per_row * rows
     ew = MOE_ELEMENTWISE
     moved = (
         ew["router_per_score"] * t * e
@@ -151,17 +174,25 @@ def expert_times(
     ) / machine.hbm_bytes_per_s
     fwd = router + grouped + moved
     bwd = 2 * (router + grouped) + ELEMENTWISE["backward_factor"] * moved
-    a2a_fwd = a2a_bwd = 0.0
+    a2a_fwd = a2a_bwd = total_fwd = total_bwd = 0.0
     if expert > 1:  # the expert group: ``expert`` consecutive stage ranks
         net = machine.network
-        sent = t * k * h * ctx.c * (expert - 1) / expert * max(1.0, imbalance)
-        row = all_to_all_seconds(net, 1, expert, sent)
-        counts = all_to_all_seconds(net, 1, expert, COUNT_BYTES * (e - local))
-        a2a_fwd, a2a_bwd = 2 * row + counts, 2 * row
+        sent = [s * k * h * ctx.c * (expert - 1) / expert * max(1.0, imb) for s in sizes]
+        row = [all_to_all_seconds(net, 1, expert, b) for b in sent]
+        counts = all_to_all_seconds(net, 1, expert, COUNT_BYTES * (e - local) * n)
+        # backward: dx and dW GEMMs, SwiGLU's backward; the pieces in reverse order
+        bf = ELEMENTWISE["backward_factor"]
+        piece_bwd = [
+            2 * (c - act_per_row * s * k * imb) + bf * act_per_row * s * k * imb
+            for c, s in zip(piece_fwd, sizes, strict=True)
+        ][::-1]
+        a2a_fwd = counts + pipelined_seconds(row, piece_fwd, row) - sum(piece_fwd)
+        a2a_bwd = pipelined_seconds(row[::-1], piece_bwd, row[::-1]) - sum(piece_bwd)
+        total_fwd, total_bwd = counts + 2 * sum(row), 2 * sum(row)
     comp = stand_in.compute(roles, micro_batch)
     fake = 1.0 - real_ffn_mean(model) / stand_in.model.ffn_dim
     fake_ffn = fake * (comp.gemm[-2] + comp.gemm[-1])
-    return ExpertTimes(fwd, bwd, a2a_fwd, a2a_bwd, fake_ffn)
+    return ExpertTimes(fwd, bwd, a2a_fwd, a2a_bwd, fake_ffn, total_fwd, total_bwd)
 
 
 def grad_sync_seconds(
@@ -249,6 +280,7 @@ def moe_estimate(
     per_block = ex.fwd + ex.bwd + (ex.fwd if full else 0.0)
     fake = ex.fake_ffn * (3 + (1 if full else 0)) * (ctx.model.n_layers if pipe == 1 else blocks)
     a2a = ex.a2a_fwd * (2 if full else 1) + ex.a2a_bwd
+    a2a_total = ex.a2a_total_fwd * (2 if full else 1) + ex.a2a_total_bwd
     slots = acc + pipe - 1  # 1F1B: the stage's per-micro-batch time enters m + p - 1 times
     compute_mb = blocks * per_block - fake
     ep_sync, data_sync = grad_sync_seconds(ctx, roles, expert, pipe)
@@ -261,7 +293,7 @@ def moe_estimate(
     exposed = dict(dense.exposed_s)
     comm = dict(dense.comm_s)
     exposed["expert"] = slots * blocks * a2a + ep_sync
-    comm["expert"] = acc * blocks * a2a + ep_sync
+    comm["expert"] = acc * blocks * a2a_total + ep_sync
     exposed["data"] = exposed.get("data", 0.0) + data_sync
     comm["data"] = comm.get("data", 0.0) + data_sync
     compute = dense.compute_s + acc * compute_mb + optimizer

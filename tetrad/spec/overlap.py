@@ -16,6 +16,7 @@ OVERLAPS = (
     "domino",
     "fine",
     "context",
+    "expert",
 )
 """What the runtime overlaps with computation (:mod:`tetrad.parallel.overlap`, where each is
 described) and the planner models (:mod:`tetrad.plan.step_time`)."""
@@ -89,6 +90,28 @@ def context_pieces(micro_batch: int, kv_heads_local: int, most: int = CONTEXT_PI
     left = most // n_h
     n_b = max(d for d in range(1, min(left, micro_batch) + 1) if micro_batch % d == 0)
     return n_b, n_h
+
+
+EXPERT_PIECES = 2
+"""Pieces of the ``expert`` overlap (:mod:`tetrad.parallel.experts`): an MoE block's tokens on
+a rank are cut into this many, and each piece's dispatch and combine all-to-alls run while
+another piece's experts compute (Tutel's pipelining of the all-to-all with the expert GEMMs,
+Hwang et al., arXiv 2206.03382, section 3.2; the planner models the same rule,
+:func:`expert_pieces`)."""
+
+
+def expert_pieces(tokens: int, most: int = EXPERT_PIECES) -> int:
+    """Pieces of the ``expert`` overlap for an MoE block's ``tokens`` on a rank (the same on
+    every rank of an expert group): ``most``, but no more than the tokens (1: the blocking
+    all-to-alls)."""
+    return max(1, min(most, tokens))
+
+
+def piece_sizes(tokens: int, pieces: int) -> list[int]:
+    """Tokens of each of ``pieces`` consecutive pieces of ``tokens`` (piece ``i`` ends at
+    ``tokens (i+1) // pieces``), as the runtime cuts them and the planner counts them."""
+    ends = [tokens * i // pieces for i in range(pieces + 1)]
+    return [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]
 
 
 FINE_CHUNKS = 2

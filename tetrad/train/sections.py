@@ -141,8 +141,8 @@ class ParallelismSection:
         "all",
         metavar="LIST",
         help="overlapped collectives: all, none, or a list of prefetch,"
-        "reduce_scatter,dx_all_reduce,dp_all_reduce,domino,fine,context (all: domino and fine "
-        "only where the planner predicts a gain on --machine)",
+        "reduce_scatter,dx_all_reduce,dp_all_reduce,domino,fine,context,expert (all: domino "
+        "and fine only where the planner predicts a gain on --machine)",
     )
     fine_chunks: int = option(
         0,

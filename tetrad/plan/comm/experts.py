@@ -11,6 +11,10 @@ The runtime, per MoE block and micro-batch, on each rank of an expert group of `
     backward   the two row all-to-alls again, each the other way (their autograd)
     recompute  (full activation checkpointing) the three forward calls once more
 
+With the ``expert`` overlap the ``T`` tokens are cut into ``n`` pieces
+(:func:`tetrad.spec.overlap.piece_sizes`): one counts all-to-all of ``n E`` counts, and a
+dispatch and a combine per piece (and their two backward calls), each of its own rows.
+
 Per call the runtime records (:mod:`tetrad.comm.all_to_all`) the payload, the larger of
 input and output (``max(T k, R) h b`` for a row all-to-all), and the bytes sent to the other
 ranks (``(T k - out_self) h b`` for a dispatch, ``(R - in_self) h b`` for a combine). Under
@@ -24,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tetrad.plan.machine.network import GB, Network, placement
+from tetrad.spec.overlap import piece_sizes
 
 COUNT_BYTES = 8
 """Bytes of one routing count (int64, as ``torch.bincount`` gives)."""
@@ -45,7 +50,7 @@ class AllToAllTraffic:
 
 
 def all_to_all_traffic(
-    counts: Sequence[Sequence[int]],
+    pieces: Sequence[Sequence[Sequence[int]]],
     rank: int,
     hidden: int,
     elem_bytes: int,
@@ -55,29 +60,40 @@ def all_to_all_traffic(
     """The exact all-to-all traffic of rank ``rank`` of an expert group of ``P`` ranks.
 
     Args:
-        counts: ``[P][E]``: ``counts[s][e]`` = token slots of rank ``s``'s tokens routed to
-            expert ``e`` (global index; rank ``j`` holds experts ``[j E/P, (j+1) E/P)``).
+        pieces: ``[n][P][E]``, per piece of the tokens (``n`` of the ``expert`` overlap, 1
+            without it): ``pieces[i][s][e]`` = token slots of rank ``s``'s piece ``i`` routed
+            to expert ``e`` (global index; rank ``j`` holds experts ``[j E/P, (j+1) E/P)``).
         rank: the rank whose traffic to return (its place in the expert group).
         hidden: ``h``, elements per token row.
         elem_bytes: ``b``, bytes per element of the rows (the compute dtype's).
-        backward: include the backward's two row all-to-alls.
-        recompute: include the forward's three calls once more (full recomputation).
+        backward: include the backward's row all-to-alls.
+        recompute: include the forward's calls once more (full recomputation).
 
     Raises:
-        ValueError: ``E`` not divisible by ``P``, or ragged ``counts``.
+        ValueError: ``E`` not divisible by ``P``, or ragged counts.
     """
-    p, e = len(counts), len(counts[0])
-    if e % p or any(len(c) != e for c in counts):
-        raise ValueError(f"counts must be [P][E] with E divisible by P (got {p} x {e})")
+    p, e = len(pieces[0]), len(pieces[0][0])
+    if e % p or any(len(c) != e for counts in pieces for c in counts):
+        raise ValueError(f"counts must be [n][P][E] with E divisible by P (got {p} x {e})")
     n = e // p
-    to_rank = [[sum(c[j * n : (j + 1) * n]) for j in range(p)] for c in counts]  # [src][dst]
-    out_rows = sum(to_rank[rank])
-    in_rows = sum(to_rank[s][rank] for s in range(p))
-    own = to_rank[rank][rank]
     row = hidden * elem_bytes
-    rows_payload = max(out_rows, in_rows) * row
-    counts_call = (e * COUNT_BYTES, (e - n) * COUNT_BYTES)
-    rows_calls = [(rows_payload, (out_rows - own) * row), (rows_payload, (in_rows - own) * row)]
+    rows_calls = []
+    for counts in pieces:
+        to_rank = [[sum(c[j * n : (j + 1) * n]) for j in range(p)] for c in counts]  # [src][dst]
+        out_rows = sum(to_rank[rank])
+        in_rows = sum(to_rank[s][rank] for s in range(p))
+        own = to_rank[rank][rank]
+        payload = max(out_rows, in_rows) * row
+        rows_calls += [(payload, (out_rows - own) * row), (payload, (in_rows - own) * row)]
+    return _traffic(len(pieces), e, n, rows_calls, backward, recompute)
+
+
+def _traffic(
+    pieces: int, e: int, local: int, rows_calls: list, backward: bool, recompute: bool
+) -> AllToAllTraffic:
+    """The calls of a block: the counts' (``pieces E`` int64), the rows' (``rows_calls``:
+    ``(payload, sent)`` of every piece's dispatch and combine), the rows' again in backward."""
+    counts_call = (pieces * e * COUNT_BYTES, pieces * (e - local) * COUNT_BYTES)
     forward = [counts_call, *rows_calls]
     calls = forward + (rows_calls if backward else []) + (forward if recompute else [])
     return AllToAllTraffic(
@@ -95,12 +111,14 @@ def uniform_all_to_all_traffic(
     imbalance: float = 1.0,
     backward: bool = True,
     recompute: bool = False,
+    pieces: int = 1,
 ) -> AllToAllTraffic:
     """The all-to-all traffic of the busiest rank when every rank's ``T = tokens`` tokens
     choose their ``k = top_k`` experts uniformly, except that the busiest rank's experts
     receive ``imbalance`` times the mean number of rows, ``T k imbalance`` (``imbalance`` >= 1;
-    its own tokens spread evenly: ``T k / P`` of them stay on the rank). Equal to
-    :func:`all_to_all_traffic` for perfectly balanced counts with ``imbalance = 1``.
+    its own tokens spread evenly: ``T k / P`` of them stay on the rank), the tokens in
+    ``pieces`` pieces (the ``expert`` overlap's). Equal to :func:`all_to_all_traffic` for
+    perfectly balanced counts with ``imbalance = 1``.
 
     Raises:
         ValueError: ``imbalance < 1`` or ``n_experts`` not divisible by ``expert_parallel``.
@@ -108,21 +126,34 @@ def uniform_all_to_all_traffic(
     p = expert_parallel
     if imbalance < 1 or n_experts % p:
         raise ValueError("imbalance must be >= 1 and n_experts divisible by expert_parallel")
-    slots = tokens * top_k
-    own = slots / p
-    in_rows = slots * imbalance
     row = hidden * elem_bytes
-    rows_payload = max(slots, in_rows) * row
-    counts_call = (n_experts * COUNT_BYTES, (n_experts - n_experts // p) * COUNT_BYTES)
-    rows_calls = [
-        (rows_payload, (slots - own) * row),
-        (rows_payload, (in_rows - own) * row),
-    ]
-    forward = [counts_call, *rows_calls]
-    calls = forward + (rows_calls if backward else []) + (forward if recompute else [])
-    return AllToAllTraffic(
-        len(calls), float(sum(c[0] for c in calls)), float(sum(c[1] for c in calls))
-    )
+    rows_calls = []
+    for size in piece_sizes(tokens, pieces):
+        slots = size * top_k
+        own, in_rows = slots / p, slots * imbalance
+        payload = max(slots, in_rows) * row
+        rows_calls += [(payload, (slots - own) * row), (payload, (in_rows - own) * row)]
+    return _traffic(pieces, n_experts, n_experts // p, rows_calls, backward, recompute)
+
+
+def pipelined_seconds(first: list[float], compute: list[float], after: list[float]) -> float:
+    """The span of the ``expert`` overlap's pieces in the order they are processed: every
+    piece's ``first`` exchange (forward: the dispatches; backward: the combines' gradients)
+    issued at once, one at a time on the communicator; piece ``i``'s ``compute`` once its own
+    has arrived and piece ``i-1``'s compute is done; its ``after`` exchange (forward: the
+    combine; backward: the dispatch's gradient) issued when its compute ends, behind what the
+    communicator is already running. Seconds until the last of them ends; with one piece
+    ``first + compute + after``."""
+    link = 0.0  # when the communicator is free
+    arrived = []
+    for t in first:
+        link += t
+        arrived.append(link)
+    done = 0.0  # when the compute stream is free
+    for got, c, a in zip(arrived, compute, after, strict=True):
+        done = max(done, got) + c
+        link = max(link, done) + a
+    return max(link, done)
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,13 @@ router                         its input (the norm's output, or with ``n > 1`` t
                                ``router_renorm`` the chosen weights ``[T, k]`` and their sum
                                ``[T, 1]`` fp32; sigmoid scores also their sum ``[T, 1]``
 dispatch                       the gather index ``[T k]`` int64; with ``P > 1`` the received
-                               rows' order and its inverse ``[R]`` int64 each
+                               rows' order ``[R]`` int64 (its ``index_copy`` back keeps the
+                               same tensor)
 experts (grouped GEMMs)        the rows ``[R, h]``, gate, up, ``silu(gate)`` and the product
                                ``[R, f_e]`` each, in the compute dtype; the group ends ``[E/P]``
                                int32; under bf16 the cast weights ``3 e (E/P) f_e h``
-combine                        the slot order and its inverse ``[T k]`` int64 each, the slots'
-                               weights ``[T k, 1]`` fp32, the expert outputs ``[T k, h]`` fp32
+combine                        the slot order ``[T k]`` int64, the slots' weights ``[T k, 1]``
+                               fp32, the expert outputs ``[T k, h]`` fp32
 load-balancing loss            ``f [groups, E]`` fp32 (groups: ``b`` sequences, or 1 for
                                ``batch``), with the whole-sequence length ``[groups, 1]`` where
                                the sequence is split (context, Y or X)
@@ -78,9 +79,9 @@ def routed_saved_bytes(
         router += FP32 * t
     if model.router_z_loss_coef > 0:  # logsumexp keeps the fp32 logits and its output
         router += FP32 * t * (n_e + 1)
-    dispatch = INT64 * t * k + (2 * INT64 * rows if expert > 1 else 0)
+    dispatch = INT64 * t * k + (INT64 * rows if expert > 1 else 0)
     experts = e * rows * (h + 4 * f) + 4 * local + (3 * e * local * f * h if cast else 0)
-    combine = 2 * INT64 * t * k + FP32 * t * k + FP32 * t * k * h
+    combine = INT64 * t * k + FP32 * t * k + FP32 * t * k * h
     stats = 0.0
     if model.aux_loss_coef > 0:
         groups = micro_batch if model.aux_loss_scope == "sequence" else 1

@@ -454,7 +454,9 @@ def _classic_rows(
         est = megatron_estimate(stand, machine, tp, cp, pp, dp, b, seq, batch, ckpt, 1, layers)
         # each TP rank routes its own b S / (CP TP) tokens (sequence parallelism), the
         # all-to-alls over EP consecutive ranks (stride 1), not expert_times' tetrad group
-        ex = expert_times(ctx, stand_in_question(ctx), (1, cp, 1, tp, 1), b, ep, imbalance)
+        ex = expert_times(
+            ctx, stand_in_question(ctx), (1, cp, 1, tp, 1), b, ep, imbalance, pieces=1
+        )
         blocks = math.ceil(moe_layers)
         a2a = 0.0
         if ep > 1:
