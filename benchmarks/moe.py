@@ -116,7 +116,7 @@ def worker(args: argparse.Namespace, world: int, out: str) -> None:
                         exposed[side].append(grid.comm.reset()[Axis.EXPERT].exposed_s)
     grid.comm.reset()
     one_step(ours, x, dy, True)
-    recorded = grid.comm.stats(Axis.EXPERT)
+    recorded = grid.comm.reset()[Axis.EXPERT]
     with CollectiveCounter() as counter:
         one_step(stock, x, dy, False)
     ids = ours.router(x)[0]
@@ -147,19 +147,22 @@ def worker(args: argparse.Namespace, world: int, out: str) -> None:
 
 def predicted_hidden(grid: Grid, layer, x: torch.Tensor, dy: torch.Tensor, n: int) -> float:
     """The all-to-all seconds the planner's schedule hides with the overlap's pieces
-    (:func:`pipelined_seconds`), from the blocking layer's own figures on this machine: each
-    row all-to-all's seconds (the CommLog's, per call) and the expert GEMMs and SwiGLU between
-    them (timed alone on this rank's received rows, forward and backward), each cut in
-    ``n`` equal pieces; the medians of 5 steps."""
+    (:func:`pipelined_seconds`), from the blocking layer's own figures on this machine: a row
+    all-to-all's seconds (the CommLog's over the backward, whose calls are the rows' alone)
+    and the expert GEMMs and SwiGLU between them (timed alone on as many rows as this rank's
+    slots, forward and backward), each cut in ``n`` equal pieces; the medians of 5 steps."""
     experts = layer.experts
     ids = layer.router(x)[0]
+    rows = ids.numel()
     hidden = []
     for _ in range(5):
+        layer.zero_grad(set_to_none=True)
+        grid.comm.reset()  # the forward's calls (the counts' among them) left out
+        y = layer(x.detach().requires_grad_().view(1, *x.shape)).view_as(x)
         grid.comm.reset()
-        one_step(layer, x, dy, True)
+        y.backward(dy)
         stats = grid.comm.reset()[Axis.EXPERT]
-        row = stats.time_s / stats.calls  # counts and rows alike: the rows dominate
-        rows = int(torch.bincount(ids.flatten(), minlength=experts.n_experts).sum())
+        row = stats.time_s / stats.calls
         xs = torch.randn(rows, x.shape[1], requires_grad=True)
         counts = torch.full((experts.w1.shape[0],), rows // experts.w1.shape[0])
         counts[-1] += rows - int(counts.sum())
