@@ -42,6 +42,8 @@ CONFIGS = {
         dense_layers=0,
     ),
 }
+# and the preset of the demo-sized MoE runs, for tests/test_moe_expert_parallel.py's compiled one
+PRESET_CONFIGS = CONFIGS | {"moe-small": PRESETS["moe-small"]}
 STEPS, BATCH, SEQ, MICRO, LR, CLIP, SEED = 3, 8, 16, 2, 3e-3, 1.0, 7
 
 
@@ -83,7 +85,7 @@ def reference_run(cfg):
 def parallel_run(name, curves, ref_state, grids, backend=None):
     """Train on each grid (sizes, or ``(sizes, G_expert)``) and compare with the reference;
     ``backend``: the blocks compiled with this torch.compile backend first."""
-    cfg = CONFIGS[name]
+    cfg = PRESET_CONFIGS[name]
     for sizes in grids:
         sizes, ep = (sizes, 1) if isinstance(sizes[0], int) else sizes
         grid = Grid.build(sizes, expert=ep)
