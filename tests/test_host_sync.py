@@ -148,7 +148,7 @@ def _moe_steps(out: str) -> None:
     reads = {}
     for ep in (1, 2):
         grid = Grid.build((2, 1, 1, 1, 1), expert=ep)
-        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce",))
+        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "expert"))
         init_parameters(model, 0, grid)
         opt = build_optimizer(model, 1e-3, 0.1)
         with HostReads(opt) as mode:

@@ -68,7 +68,7 @@ def ep_run(name, curves, ref_state, grids):
             cfg,
             grid,
             activation_checkpointing=recompute[0] if recompute else "none",
-            overlaps=("dp_all_reduce", "reduce_scatter"),
+            overlaps=("dp_all_reduce", "reduce_scatter", "expert"),
         )
         init_parameters(model, SEED, grid)
         experts = model.layers["1"].feed_forward.experts
@@ -118,7 +118,7 @@ def pipeline_run(name, curves, ref_state, grids):
     for pipe, sizes, ep in grids:
         grid = Grid.build(sizes, pipe=pipe, expert=ep)
         m = 8 // (sizes[0] * sizes[2]) // MICRO
-        pipeline = Pipeline(cfg, grid, "1f1b", 1, m, overlaps=("dp_all_reduce",))
+        pipeline = Pipeline(cfg, grid, "1f1b", 1, m, overlaps=("dp_all_reduce", "expert"))
         for part in pipeline.parts:
             init_parameters(part, SEED, grid)
         opt = build_optimizer(pipeline.parts, LR, weight_decay=0.1)
@@ -152,7 +152,7 @@ def compiled_and_eager(name, curves):
     grid = Grid.build((2, 1, 1, 1, 1), expert=2)
     runs = []
     for backend in (None, "aot_eager"):
-        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "reduce_scatter"))
+        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "reduce_scatter", "expert"))
         init_parameters(model, SEED, grid)
         if backend is not None:
             compile_blocks(model, backend)

@@ -89,7 +89,7 @@ def parallel_run(name, curves, ref_state, grids, backend=None):
     for sizes in grids:
         sizes, ep = (sizes, 1) if isinstance(sizes[0], int) else sizes
         grid = Grid.build(sizes, expert=ep)
-        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "reduce_scatter"))
+        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "reduce_scatter", "expert"))
         init_parameters(model, SEED, grid)
         if backend is not None:
             compile_blocks(model, backend)
