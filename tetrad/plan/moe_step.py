@@ -23,7 +23,7 @@ over the mean; 1 without expert parallelism), compute dtype ``c`` bytes:
     router     GEMM 2 T E h FLOPs forward; dx and dW the same in backward
     experts    3 grouped GEMMs over the E/P local experts, 2 R h f_e FLOPs each, timed at the
                machine's efficiency for one group's GEMM (R P / E rows): forward; dx and dW
-    memory     router softmax and top-k, the rows' permutation and the fp32 combine, SwiGLU on
+    memory     router softmax and top-k, the rows' permutation and the combine, SwiGLU on
                R x f_e: bytes / HBM bandwidth (MOE_ELEMENTWISE); backward twice that
     dispatch   all-to-all of the rows, T k h c (P - 1)/P bytes sent, imbalance x that received
     combine    the same back; forward 2 row all-to-alls and one of the E counts (int64, then a
@@ -72,15 +72,15 @@ STAND_IN_MIN_FFN = 128
 MOE_ELEMENTWISE = {
     "router_per_score": 16.0,
     "permute_per_slot_h": 4.0,
-    "combine_per_slot_h": 16.0,
+    "combine_per_slot_h": 10.0,
 }
 """Bytes moved per element by an MoE block's memory-bound work (rough counts of the runtime's
 unfused ops, tetrad/models/moe.py, forward; SwiGLU on the experts' rows uses
 ``ELEMENTWISE["act_per_f_llama"]``): ``router_per_score`` (per ``[T, E]`` score: fp32 logits
 cast, softmax or sigmoid, top-k, gather), ``permute_per_slot_h`` (per slot and feature, ``c =
 2``: the rows gathered in expert order and put back, read and write), ``combine_per_slot_h``
-(per slot and feature: the bf16 rows to fp32, times their weight, the inverse permutation, the
-sum over ``k``)."""
+(per slot and feature, bf16: times its weight, read and write; put back in token order, read
+and write; read by the fp32 sum over ``k``)."""
 
 
 @functools.lru_cache(maxsize=64)

@@ -24,7 +24,7 @@ experts (grouped GEMMs)        the rows ``[R, h]``, gate, up, ``silu(gate)`` and
                                ``[R, f_e]`` each, in the compute dtype; the group ends ``[E/P]``
                                int32; under bf16 the cast weights ``3 e (E/P) f_e h``
 combine                        the slot order ``[T k]`` int64, the slots' weights ``[T k, 1]``
-                               fp32, the expert outputs ``[T k, h]`` fp32
+                               and the expert outputs ``[T k, h]``, in the compute dtype
 load-balancing loss            ``f [groups, E]`` fp32 (groups: ``b`` sequences, or 1 for
                                ``batch``), with the whole-sequence length ``[groups, 1]`` where
                                the sequence is split (context, Y or X)
@@ -81,7 +81,7 @@ def routed_saved_bytes(
         router += FP32 * t * (n_e + 1)
     dispatch = INT64 * t * k + (INT64 * rows if expert > 1 else 0)
     experts = e * rows * (h + 4 * f) + 4 * local + (3 * e * local * f * h if cast else 0)
-    combine = INT64 * t * k + FP32 * t * k + FP32 * t * k * h
+    combine = INT64 * t * k + e * t * k + e * t * k * h
     stats = 0.0
     if model.aux_loss_coef > 0:
         groups = micro_batch if model.aux_loss_scope == "sequence" else 1
