@@ -13,9 +13,11 @@ from tetrad.models.moe import (
     GroupedExperts,
     Router,
     can_grouped_mm,
+    combine,
     expert_counts,
     expert_swiglu,
     load_balance_loss,
+    put_rows,
     router_z_loss,
     routing_figures,
     sort_by_expert,
@@ -72,6 +74,32 @@ def test_experts_equal_a_dense_per_token_sum():
         ]
     )
     torch.testing.assert_close(experts(x, ids, w), want, rtol=1e-5, atol=1e-6)
+
+
+def test_combine_in_bf16_within_its_tolerance_and_put_rows_is_the_inverse_gather():
+    """In bf16 each slot's weight and its product with the expert output are rounded to bf16
+    (2**-8 of each, bf16's unit roundoff) before the sum over ``k``, where the fp32 combine
+    multiplied the same bf16 outputs by the fp32 weights exactly: each token's output is within
+    2**-7 of the sum of its terms' magnitudes of that; put_rows equals a gather by the inverse
+    permutation, forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    t, k, h = 64, 4, 32
+    ys = torch.randn(t * k, h, generator=g).bfloat16()
+    ids = torch.randint(0, 8, (t, k), generator=g)
+    weights = torch.rand(t, k, generator=g)
+    order, _ = sort_by_expert(ids, 8)
+    slot = ys.double() * weights.flatten()[order, None].double()  # the fp32 path's terms
+    exact = put_rows(slot, order).view(t, k, h).sum(1)
+    scale = put_rows(slot.abs(), order).view(t, k, h).sum(1)
+    got = combine(ys, order, weights, torch.float64)
+    assert ((got - exact).abs() <= 2**-7 * scale).all()
+    assert (got - exact).abs().max() > 0  # really rounded
+    x = torch.randn(t * k, h, generator=g, requires_grad=True)
+    y = put_rows(x, order)
+    assert torch.equal(y, x[torch.argsort(order)])
+    dy = torch.randn(t * k, h, generator=g)
+    (gx,) = torch.autograd.grad(y, x, dy)
+    assert torch.equal(gx, dy[order])
 
 
 def test_sort_by_expert_is_stable():

@@ -220,17 +220,19 @@ def combine(
     slots in expert order (``order`` from :func:`sort_by_expert`) and the routing weights
     ``weights [T, k]`` (fp32): each slot times its weight in ``ys``'s dtype (the compute
     dtype), put back in token order (:func:`put_rows`), the ``k`` slots of a token summed in
-    fp32.
+    fp32 (float64 in a float64 run).
 
-    In bf16 the product is rounded once more than an fp32 product would be before the final
-    rounding to ``dtype``: each slot's term is within ``2**-8`` of the fp32 path's (relative;
-    bf16 keeps 8 significant bits), as Megatron-LM's unpermute and torchtitan's combine
-    multiply in the tokens' dtype. What it saves: autograd keeps ``ys`` in bf16 ``[T k, h]``
-    instead of an fp32 copy, half the bytes, and the weights ``[T k, 1]`` in bf16."""
+    In bf16 the weight and the product are rounded to bf16 (``2**-8`` each, bf16's unit
+    roundoff) where the fp32 path multiplied the same bf16 outputs by the fp32 weights: each
+    slot's term is within ``2**-7`` of that path's, relative (tests/test_moe.py), as
+    Megatron-LM's unpermute and torchtitan's combine multiply in the tokens' dtype. What it
+    saves: autograd keeps ``ys`` in bf16 ``[T k, h]`` instead of an fp32 copy, half the bytes,
+    and the weights ``[T k, 1]`` in bf16."""
     t, k = weights.shape
     weighted = ys * weights.flatten()[order, None].to(ys.dtype)
     back = put_rows(weighted, order)  # slot order: token t's k slots adjacent
-    return back.view(t, k, -1).sum(1, dtype=torch.float32).to(dtype)
+    total = torch.promote_types(ys.dtype, torch.float32)  # fp32, or float64 in float64 runs
+    return back.view(t, k, -1).sum(1, dtype=total).to(dtype)
 
 
 def can_grouped_mm(x: torch.Tensor, *dims: int) -> bool:
