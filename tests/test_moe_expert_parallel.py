@@ -28,6 +28,7 @@ from tests.test_moe_parallel import (
     check_routing,
     reference_run,
     set_lr,
+    train_checked,
 )
 from tests.test_train import corpus  # noqa: F401  (a fixture)
 from tetrad.grid import Grid
@@ -144,37 +145,17 @@ def test_pipeline_with_expert_parallel_matches_reference(name):
 
 def compiled_and_eager(name, curves):
     """``name`` trained on ``data=2`` with ``G_expert = 2``, eagerly and with its blocks
-    compiled (``aot_eager``): each run's losses and gradient norm against the reference's, the
-    two runs' against each other, and their weights to 0.05 lr of each other."""
-    from tetrad.parallel.model import compile_blocks, compile_stats
-
-    cfg = PRESET_CONFIGS[name]
+    compiled (``aot_eager``), each against the reference's losses and gradient norm
+    (:func:`train_checked`), the two runs' against each other, and their weights to 0.05 lr of
+    each other."""
     grid = Grid.build((2, 1, 1, 1, 1), expert=2)
-    runs = []
-    for backend in (None, "aot_eager"):
-        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "reduce_scatter", "expert"))
-        init_parameters(model, SEED, grid)
-        if backend is not None:
-            compile_blocks(model, backend)
-        opt = build_optimizer(model, LR, weight_decay=0.1)
-        losses = []
-        for step, batch in enumerate(batches(cfg)):
-            set_lr(opt, step)
-            got = [float(t) for t in train_step_losses(model, opt, grid, batch, MICRO, CLIP)]
-            for what, g, r, tol in zip(
-                ("lm", "aux", "norm"), got, curves[step][:3], (1e-5, 1e-5, 1e-4), strict=True
-            ):
-                assert abs(g - r) <= tol * abs(r), f"{name} {backend} {step} {what}: {g} {r}"
-            losses.append(got)
-            if backend is not None and step == 0:
-                graphs = compile_stats()["graphs"]
-        if backend is not None:
-            assert compile_stats()["graphs"] == graphs, f"{name}: compiled again"
-        runs.append((losses, model.state_dict()))
-    (eager, weights), (compiled, compiled_weights) = runs
-    for e, c in zip(eager, compiled, strict=True):
+    (eager, losses), (compiled, compiled_losses) = (
+        train_checked(name, grid, curves, backend, routing=False) for backend in (None, "aot_eager")
+    )
+    for e, c in zip(losses, compiled_losses, strict=True):
         assert c == pytest.approx(e, rel=1e-5), (name, e, c)
-    worst = max((weights[k] - t).abs().max().item() for k, t in compiled_weights.items())
+    weights = eager.state_dict()
+    worst = max((weights[k] - t).abs().max().item() for k, t in compiled.state_dict().items())
     assert worst <= 0.05 * LR, f"{name}: compiled weights {worst / LR:.3g} lr from eager"
 
 

@@ -82,30 +82,44 @@ def reference_run(cfg):
     return curves, state
 
 
-def parallel_run(name, curves, ref_state, grids, backend=None):
-    """Train on each grid (sizes, or ``(sizes, G_expert)``) and compare with the reference;
-    ``backend``: the blocks compiled with this torch.compile backend first."""
+def train_checked(name, grid, curves, backend=None, routing=True):
+    """``name`` trained on ``grid`` from the seed's weights (its blocks compiled with the
+    ``backend`` first): each step's LM and load-balancing losses (1e-5) and gradient norm (1e-4)
+    against the reference's ``curves``, its routing figures too (``routing``), and with a
+    backend nothing compiled again after the first step. Returns the model and its losses."""
     cfg = PRESET_CONFIGS[name]
+    label = f"{name} {grid.sizes} {backend}"
+    model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "reduce_scatter", "expert"))
+    init_parameters(model, SEED, grid)
+    if backend is not None:
+        compile_blocks(model, backend)
+    opt = build_optimizer(model, LR, weight_decay=0.1)
+    losses = []
+    for step, batch in enumerate(batches(cfg)):
+        set_lr(opt, step)
+        got = [float(t) for t in train_step_losses(model, opt, grid, batch, MICRO, CLIP)]
+        for what, g, r, tol in zip(
+            ("lm", "aux", "norm"), got, curves[step][:3], (1e-5, 1e-5, 1e-4), strict=True
+        ):
+            assert abs(g - r) <= tol * abs(r), f"{label} step {step} {what}: {g} vs {r}"
+        if routing:
+            check_routing([model], grid, curves[step][3], f"{label} step {step}")
+        if backend is not None and step == 0:
+            graphs = compile_stats()["graphs"]
+        losses.append(got)
+    if backend is not None:  # no recompilation (a host-read size would force one a step)
+        assert compile_stats()["graphs"] == graphs, f"{label}: compiled again"
+    return model, losses
+
+
+def parallel_run(name, curves, ref_state, grids, backend=None):
+    """Train on each grid (sizes, or ``(sizes, G_expert)``) and compare with the reference
+    (:func:`train_checked`, then every weight to 0.05 lr); ``backend``: the blocks compiled
+    with this torch.compile backend first."""
     for sizes in grids:
         sizes, ep = (sizes, 1) if isinstance(sizes[0], int) else sizes
         grid = Grid.build(sizes, expert=ep)
-        model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce", "reduce_scatter", "expert"))
-        init_parameters(model, SEED, grid)
-        if backend is not None:
-            compile_blocks(model, backend)
-        opt = build_optimizer(model, LR, weight_decay=0.1)
-        for step, batch in enumerate(batches(cfg)):
-            set_lr(opt, step)
-            got = [float(t) for t in train_step_losses(model, opt, grid, batch, MICRO, CLIP)]
-            for what, g, r, tol in zip(
-                ("lm", "aux", "norm"), got, curves[step][:3], (1e-5, 1e-5, 1e-4), strict=True
-            ):
-                assert abs(g - r) <= tol * abs(r), f"{name} {sizes} step {step} {what}: {g} vs {r}"
-            check_routing([model], grid, curves[step][3], f"{name} {sizes} step {step}")
-            if backend is not None and step == 0:
-                graphs = compile_stats()["graphs"]
-        if backend is not None:  # no recompilation (a host-read size would force one a step)
-            assert compile_stats()["graphs"] == graphs, f"{name} {sizes}: compiled again"
+        model, _ = train_checked(name, grid, curves, backend)
         worst = 0.0
         for key, t in model.state_dict().items():
             p = dict(model.named_parameters()).get(key)
