@@ -10,7 +10,8 @@ X); an fp32 residual stream (``--residual-dtype fp32``) on Y x X against the ref
 same stream; checkpoints that keep the fp32 masters, so that runs resume across storage
 formats; and the MoE model (both router configurations of tests/test_moe_parallel.py) with
 expert parallelism (``G_expert = 2`` on data=4, its experts summed over expert-data, and on
-data x Z, summed over Z), with the sharded optimizer and without: the routed experts' grouped
+data x Z, split over Z and summed over data), with the sharded optimizer (the experts' states
+and masters split over expert-data too) and without: the routed experts' grouped
 GEMMs in bf16, their gradients kept apart in fp32 and summed over expert-data in the
 ``--grad-reduce-dtype`` format as the others over data.
 
@@ -339,13 +340,19 @@ def moe_master_runs(name, reference, cases):
         assert streams == {torch.bfloat16}, f"{label}: residual stream in {streams}"
         assert sums == {torch_dtype(reduce)}, f"{label}: summed over data in {sums}"
         _check_masters(opt, model, grid, ref_masters, label)
+        edp = grid.size(Axis.EXPERT_DATA) if shard else 1  # expert states split over it
+        for p in model.parameters():
+            if p.placement.expert_sharded:
+                state = opt.state_of(p)
+                want = -(-p.numel() // edp)
+                assert state["exp_avg"].numel() == opt.master_of(p).numel() == want, label
 
 
 TOLS = (LOSS_TOL, LOSS_TOL, NORM_TOL)  # LM loss, load-balancing loss, gradient norm
 MOE_CASES = [  # (G_data, G_context, G_z, G_y, G_x), G_expert, sharded optimizer, grad_reduce
     ((4, 1, 1, 1, 1), 2, True, "bf16"),  # experts summed over expert-data (2 ranks)
     ((4, 1, 1, 1, 1), 2, False, "fp32"),
-    ((2, 1, 2, 1, 1), 2, True, "fp32"),  # experts summed over Z
+    ((2, 1, 2, 1, 1), 2, True, "fp32"),  # experts split over Z, summed over data
 ]
 
 

@@ -42,6 +42,8 @@ def sync_gradients(
     reduce-scatter (:meth:`DataShards.reduce_scatter`, after the other axes' all-reduces) that
     leaves each rank its pieces in ``shards.grads``; the ``data_reduced`` parameters were
     reduce-scattered by the buckets, and what is left to sum of them is summed on the pieces.
+    An MoE model's expert-sharded weights, summed over expert-data alone, are reduce-scattered
+    over it likewise (:attr:`DataShards.experts`, where that group has more than one rank).
     """
     buckets: dict[tuple[str, ...], list[nn.Parameter]] = defaultdict(list)
     # with shards, a parameter the buckets reduce-scattered has its piece and no gradient
@@ -64,6 +66,10 @@ def sync_gradients(
         grads = [pieces.get(id(p), grad_of(p)) for p in params]
         if shards is not None and axes == (Axis.DATA,):  # packed as they are, no flat copy
             shards.take(params, shards.reduce_scatter(params, grads))
+            continue
+        experts = shards.experts if shards is not None else None
+        if experts is not None and axes == (Axis.EXPERT_DATA,):  # the expert-sharded weights
+            experts.take(params, experts.reduce_scatter(params, grads))
             continue
         flat = torch.cat([g.reshape(-1) for g in grads])
         for a in axes:
@@ -113,7 +119,8 @@ def global_grad_norm(
     zero = shards is not None and shards.size > 1
     # stages hold different weights, and so do expert-parallel ranks
     sharded = zero or grid.z * grid.y * grid.x > 1 or grid.pipe > 1 or grid.expert > 1
-    own = (Axis.DATA, Axis.CONTEXT)  # axes whose ranks count their own copy or piece
+    # axes whose ranks count their own copy or piece (expert-data: the experts' pieces)
+    own = (Axis.DATA, Axis.CONTEXT, Axis.EXPERT_DATA)
     grads = []
     for p, g in _step_grads(model, shards):
         local = own if (id(p) in shards.grads if zero else not sharded) else ()

@@ -1,4 +1,5 @@
-"""The sharded optimizer (ZeRO-1): AdamW states split over data x context.
+"""The sharded optimizer (ZeRO-1): AdamW states split over data x context, and the routed
+experts' over expert-data.
 
 ZeRO stage 1 (Rajbhandari et al., arXiv 1910.02054, section 5.1 "P_os"), as Megatron-LM's
 distributed optimizer does it: the weight gradients are reduce-scattered over the data group
@@ -29,6 +30,15 @@ dispatches the next bucket's all-gather when the current one is waited, likewise
 :meth:`DataShards.wait_all` finishes them all in order (before a checkpoint save, an evaluation,
 the end of training, and the next update).
 
+An MoE model's expert-sharded weights (split over the expert axis, their gradients summed over
+expert-data only: :attr:`tetrad.parallel.placement.Placement.grad_sum_axes`) are sharded the
+same way over their expert-data group, the stage's ``G_stage / G_expert`` ranks holding the
+same experts (:attr:`DataShards.experts`, a second :class:`DataShards` on that axis): their
+gradients reduce-scattered over it, their AdamW states (and masters) split over it, their pieces
+all-gathered back after the update, one unit in flight as for the others (Megatron-LM's
+distributed optimizer shards the expert parameters over the expert-data-parallel group
+likewise: 6 + 12 / EDP bytes per expert parameter with bf16 weights).
+
 Pieces depend only on the parameter and ``G``, never on the buckets, so a step whose buckets
 differ from the last's still finds its states, and a checkpoint stores the whole local tensors
 (:meth:`ShardedAdamW.full_states`): it loads on any grid, with or without sharding.
@@ -51,8 +61,14 @@ class DataShards:
     """Which piece of each parameter this rank owns, and the step's reduced pieces.
 
     Attributes:
-        size: ``G = G_data G_context``.
-        rank: this rank's index in the data group.
+        axis: the group the pieces split over: data (``G_data G_context`` ranks), or
+            expert-data for the expert-sharded weights (:attr:`experts`).
+        size: ``G``, the ranks of :attr:`axis`.
+        rank: this rank's index in that group.
+        experts: over data, with ``G > 1`` and an expert-data group of more than one rank: the
+            expert-sharded weights' :class:`DataShards` over expert-data (sharing
+            :attr:`grads`; :meth:`attach`, :meth:`wait_for`, :meth:`wait_all` and
+            :meth:`all_gather` act on both); else None.
         grads: ``id(param) -> [len]`` this rank's piece of the gradient summed over every
             token axis, set by :meth:`take` (or :func:`tetrad.parallel.grads.sync_gradients`).
         groups: the parameter groups reduce-scattered this step, in order.
@@ -61,10 +77,10 @@ class DataShards:
             at most one unit has a handle).
     """
 
-    def __init__(self, grid: Grid):
-        self.grid = grid
-        self.size = grid.size(Axis.DATA)
-        group = grid.group(Axis.DATA) if self.size > 1 else None
+    def __init__(self, grid: Grid, axis: Axis = Axis.DATA):
+        self.grid, self.axis = grid, axis
+        self.size = grid.size(axis)
+        group = grid.group(axis) if self.size > 1 else None
         self.rank = dist.get_group_rank(group, dist.get_rank()) if group is not None else 0
         self.grads: dict[int, torch.Tensor] = {}
         self.groups: list[list[nn.Parameter]] = []
@@ -77,6 +93,15 @@ class DataShards:
         self.least = GATHER_GROUP_BYTES  # bytes below which units are gathered together
         self._hooked: set[int] = set()
         self._attached: set[int] = set()  # id of each model given to attach
+        self.experts: DataShards | None = None
+        if (
+            axis == Axis.DATA
+            and self.size > 1
+            and grid.expert > 1
+            and grid.size(Axis.EXPERT_DATA) > 1
+        ):
+            self.experts = DataShards(grid, Axis.EXPERT_DATA)
+            self.experts.grads = self.grads  # one dict of reduced pieces for the step
 
     def attach(self, *models: nn.Module) -> None:
         """Wait for a parameter's pending all-gather before the forward of any module that
@@ -85,6 +110,8 @@ class DataShards:
         where a parent reads a child's weights); the parameters' order in ``models`` (as given:
         a pipeline's parts in order) is the order of the next forward, in which
         :meth:`all_gather` issues the groups."""
+        if self.experts is not None:
+            self.experts.attach(*models)
         for model in models:
             if id(model) in self._attached:  # every step attaches the same modules again
                 continue
@@ -107,11 +134,15 @@ class DataShards:
         those of the units before theirs first, in order (one in flight at a time)."""
         while any(id(p) in self.pending for p in params):
             self._finish_next()
+        if self.experts is not None:
+            self.experts.wait_for(params)
 
     def wait_all(self) -> None:
         """Finish every pending all-gather, in the order they were queued."""
         while self.pending:
             self._finish_next()
+        if self.experts is not None:
+            self.experts.wait_all()
 
     def _finish_next(self) -> None:
         """Wait the unit in flight (issuing the first queued one if none is), copy it into its
@@ -132,15 +163,22 @@ class DataShards:
             return
         params = self._queue.pop(0)
         mine = self.pack_row([self.piece(p.data) for p in params], params)
-        handle = all_gather(mine, self.grid, Axis.DATA, async_op=True)
+        handle = all_gather(mine, self.grid, self.axis, async_op=True)
         self._in_flight = (params, handle)
         self.pending.update((id(p), (params, handle)) for p in params)
 
     def sharded(self, p: nn.Parameter) -> bool:
-        """Whether ``p``'s optimizer state is split: its gradient is summed over data."""
+        """Whether ``p``'s optimizer state is split here: its gradient is summed over
+        :attr:`axis`."""
         placement = getattr(p, "placement", None)
         axes = placement.grad_sum_axes if placement is not None else (Axis.DATA,)
-        return self.size > 1 and Axis.DATA in axes
+        return self.size > 1 and self.axis in axes
+
+    def of(self, p: nn.Parameter) -> DataShards | None:
+        """The shards that split ``p``'s optimizer state: these, :attr:`experts`, or None."""
+        if self.sharded(p):
+            return self
+        return self.experts if self.experts is not None and self.experts.sharded(p) else None
 
     def chunk(self, n: int) -> int:
         """Elements per piece of an ``n``-element tensor: ``ceil(n / G)``."""
@@ -171,14 +209,14 @@ class DataShards:
     def reduce_scatter(
         self, params: list[nn.Parameter], grads: list[torch.Tensor], async_op: bool = False
     ) -> torch.Tensor | Handle:
-        """Start the reduce-scatter over data of ``grads`` (those of ``params``) packed
+        """Start the reduce-scatter over :attr:`axis` of ``grads`` (those of ``params``) packed
         (:meth:`pack`); returns this rank's row ``[sum c]`` (or its :class:`Handle`). Records
         the group for the all-gather after the update. The packed buffer takes the place of
         the gradients: ``param.grad`` is dropped (the step needs only the reduced pieces)."""
         self.groups.append(list(params))
         packed = self.pack(grads).to(reduce_dtype(params[0]))
         drop_grads(params)
-        return reduce_scatter(packed, self.grid, Axis.DATA, async_op=async_op)
+        return reduce_scatter(packed, self.grid, self.axis, async_op=async_op)
 
     def take(self, params: list[nn.Parameter], row: torch.Tensor) -> None:
         """Record each parameter's reduced piece from the reduce-scattered ``row`` (cast to the
@@ -210,7 +248,8 @@ class DataShards:
 
     @torch.no_grad()
     def all_gather(self, async_op: bool = False) -> None:
-        """After the update: all-gather this rank's pieces over data into the parameters, one
+        """After the update: all-gather this rank's pieces over :attr:`axis` into the
+        parameters (and :attr:`experts`' theirs), one
         call per unit (:meth:`units`), one unit in flight at a time, then forget the step.
         ``async_op``: the first unit's issued and the rest queued, each finished by the next
         forward's first read of its parameters (:meth:`wait_for`) or :meth:`wait_all`; else
@@ -219,11 +258,14 @@ class DataShards:
         for params in self.units():
             self._queue.append(params)
             self.pending.update((id(p), (params, None)) for p in params)
-        self.groups, self.grads = [], {}
+        self.groups = []
+        self.grads.clear()  # (the dict :attr:`experts` shares)
         if async_op:
             self._issue_next()
         else:
             self.wait_all()
+        if self.experts is not None:
+            self.experts.all_gather(async_op)
 
     @torch.no_grad()
     def _copy_in(self, params: list[nn.Parameter], handle) -> None:
@@ -248,8 +290,8 @@ class DataShards:
     @torch.no_grad()
     def gather_full(self, pieces: list[torch.Tensor], like: list[nn.Parameter]) -> list:
         """The whole local tensors (shaped as ``like``) of which ``pieces`` are this rank's
-        (one all-gather over data); for checkpoints."""
-        full = all_gather(self.pack_row(pieces, like), self.grid, Axis.DATA).view(self.size, -1)
+        (one all-gather over :attr:`axis`); for checkpoints."""
+        full = all_gather(self.pack_row(pieces, like), self.grid, self.axis).view(self.size, -1)
         out, offset = [], 0
         for p in like:
             n, c = p.numel(), self.chunk(p.numel())
@@ -294,7 +336,8 @@ def gather_units(model: nn.Module) -> list[list[nn.Parameter]]:
 
 class ShardedAdamW(MasterAdamW):
     """torch's AdamW over this rank's pieces (:class:`DataShards`) of the parameters whose
-    gradients are summed over data; the others whole (none in a dense model).
+    gradients are summed over data, and of an MoE model's expert-sharded weights over
+    expert-data (:attr:`DataShards.experts`); the others whole (none in a dense model).
 
     Without masters each piece is a view of its parameter, so the update writes into the
     parameter; with masters (weights stored in bf16, :class:`tetrad.parallel.masters.MasterAdamW`)
@@ -304,7 +347,7 @@ class ShardedAdamW(MasterAdamW):
     all-gathers the pieces, in the parameters' format (:meth:`DataShards.all_gather`). AdamW is
     elementwise, so the update of the pieces equals the update of the whole tensors. States:
     ``2 * 4 * ceil(n / G)`` bytes per sharded parameter of ``n`` local elements, plus
-    ``4 * ceil(n / G)`` for its master.
+    ``4 * ceil(n / G)`` for its master (``G`` the ranks of the parameter's shards' axis).
 
     Args:
         groups: parameter groups as for ``torch.optim.AdamW`` (the model's parameters).
@@ -329,18 +372,20 @@ class ShardedAdamW(MasterAdamW):
 
     def target(self, p: nn.Parameter) -> torch.Tensor:
         """``p``'s piece (a view, or an fp32 copy with masters), or ``p`` (its master)."""
-        if not self.shards.sharded(p):
+        shards = self.shards.of(p)
+        if shards is None:
             return super().target(p)
-        piece = self.shards.piece(p.data)
+        piece = shards.piece(p.data)
         return piece.to(torch.float32, copy=True) if self.masters else piece
 
     def stored(self, p: nn.Parameter) -> torch.Tensor:
         """Where ``p``'s updated master is copied: its piece of ``p``'s data."""
-        return self.shards.piece(p.data) if self.shards.sharded(p) else p.data
+        shards = self.shards.of(p)
+        return shards.piece(p.data) if shards is not None else p.data
 
     def gradient(self, p: nn.Parameter) -> torch.Tensor | None:
         """The reduced piece of ``p``'s gradient (or its whole gradient, unsharded)."""
-        return self.shards.grads.get(id(p)) if self.shards.sharded(p) else grad_of(p)
+        return self.shards.grads.get(id(p)) if self.shards.of(p) is not None else grad_of(p)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -357,16 +402,19 @@ class ShardedAdamW(MasterAdamW):
         over data (zeros before the first step; ``master`` the fp32 weights): what a
         checkpoint stores, whatever the sharding and the stored format."""
         out = super().full_states(params)
-        split = [i for i, p in enumerate(params) if self.shards.sharded(p)]
-        like = [params[i] for i in split]
-        for k in ("exp_avg", "exp_avg_sq", "master"):
-            pieces = [out[i][k] for i in split]
-            if k == "master" and not self.masters:
-                for i in split:
-                    out[i][k] = params[i].data
-            elif like:
-                for i, full in zip(split, self.shards.gather_full(pieces, like), strict=True):
-                    out[i][k] = full
+        for shards in (self.shards, self.shards.experts):
+            split = [
+                i for i, p in enumerate(params) if shards is not None and shards.of(p) is shards
+            ]
+            like = [params[i] for i in split]
+            for k in ("exp_avg", "exp_avg_sq", "master"):
+                pieces = [out[i][k] for i in split]
+                if k == "master" and not self.masters:
+                    for i in split:
+                        out[i][k] = params[i].data
+                elif like:
+                    for i, full in zip(split, shards.gather_full(pieces, like), strict=True):
+                        out[i][k] = full
         return out
 
     @torch.no_grad()
@@ -376,13 +424,11 @@ class ShardedAdamW(MasterAdamW):
         stored weights from the masters."""
         pieces = []
         for p, full in zip(params, states, strict=True):
-            if self.shards.sharded(p):
-                full = {
-                    **full,
-                    **{k: self.shards.piece(full[k]) for k in ("exp_avg", "exp_avg_sq")},
-                }
+            shards = self.shards.of(p)
+            if shards is not None:
+                full = {**full, **{k: shards.piece(full[k]) for k in ("exp_avg", "exp_avg_sq")}}
                 p.data.copy_(full["master"])  # whole: other ranks' pieces too
-                full["master"] = self.shards.piece(full["master"] if self.masters else p.data)
+                full["master"] = shards.piece(full["master"] if self.masters else p.data)
             pieces.append(full)
         super().load_full_states(params, pieces)
 
