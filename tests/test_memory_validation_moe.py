@@ -29,6 +29,7 @@ from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.batch import inputs_targets, local_samples
 from tetrad.parallel.model import ParallelLlama
+from tetrad.parallel.zero import settle_parameters
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
@@ -89,6 +90,17 @@ def _measure(cfg: ModelSpec, grid: Grid, mode: str) -> dict:
         for p in model.parameters()
         for k in ("exp_avg", "exp_avg_sq")
     )
+    # the sharded optimizer: the AdamW states of this rank's pieces (the experts' split over
+    # their expert-data group where it has more than one rank)
+    opt = build_optimizer(model, 1e-3, weight_decay=0.1, shard=grid)
+    train_step(model, opt, grid, batch, MICRO, 1.0)
+    settle_parameters(opt)
+    out["optimizer_states_sharded"] = sum(
+        t.numel() * t.element_size()
+        for st in opt.state.values()
+        for k, t in st.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
     return out
 
 
@@ -105,6 +117,8 @@ def predicted(name: str, mode: str) -> dict:
     opts = {"activation_checkpointing": mode, "expert": expert}
     r = runtime_memory(cfg, sizes, MICRO, SEQ, 1e9, dtype="fp32", **opts)
     out = {k: r.components[k] for k in ("parameters", "gradients", "optimizer_states")}
+    zero = runtime_memory(cfg, sizes, MICRO, SEQ, 1e9, dtype="fp32", shard_optimizer=True, **opts)
+    out["optimizer_states_sharded"] = zero.components["optimizer_states"]
     # plain torch.autocast keeps an fp32 residual stream; the step's autocast with the CUDA
     # policy a bf16 one (the default, residual None)
     cases = (
@@ -141,7 +155,7 @@ def test_moe_memory_model_matches_runtime(name, tmp_path):
             print(
                 f"{name} {mode} {k}: measured {values} (mean {mean:.0f}), predicted {want[k]:.0f}"
             )
-            if k in ("parameters", "gradients", "optimizer_states"):
+            if k in ("parameters", "gradients", "optimizer_states", "optimizer_states_sharded"):
                 assert values == [want[k]] * world, f"{name} {mode} {k}"
             elif expert > 1:  # the received rows vary by rank; their sum does not
                 assert abs(mean - want[k]) <= TOLERANCE * want[k], f"{name} {mode} {k}"

@@ -200,7 +200,10 @@ def grad_sync_seconds(
 ) -> tuple[float, float]:
     """``(expert-axis seconds, data seconds)`` of the per-step gradient sums the stand-in does
     not have, blocking (module doc): the expert-sharded weights' one all-reduce over their
-    expert-data group (the stage's ranks over ``expert``, at stride ``expert``); the routers'
+    expert-data group (the stage's ranks over ``expert``, at stride ``expert``; with the
+    sharded optimizer a reduce-scatter over it and, after the update, an all-gather of the
+    pieces, the same ring bytes, counted as that all-reduce: the all-gather's overlap with the
+    next forward is not taken off); the routers'
     (and with ``expert = 1`` the whole experts') over Z, data, Y and X; one pipeline stage's
     share with ``pipe`` stages."""
     model, net = ctx.model, ctx.machine.network

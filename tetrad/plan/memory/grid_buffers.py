@@ -226,15 +226,20 @@ def _sharded(
     from the unsharded ``plain``: the AdamW states' (and bf16 weights' fp32 masters') share
     and the buffers of
     :mod:`tetrad.plan.memory.sharded_optimizer`. Expert-sharded weights (``expert > 1``) are
-    summed over expert-data, not data: their states stay whole (tetrad/parallel/zero.py,
-    ``DataShards.sharded``) and their flat sum after backward stays in the step."""
+    summed over expert-data, not data: their states (and masters) are split over it
+    (:func:`tetrad.plan.memory.sharded_optimizer.expert_data_group`; whole with one rank:
+    tetrad/parallel/zero.py, ``DataShards.experts``); the step holds the packed copy of their
+    reduce-scatter (as large as the flat sum it replaces) and then their reduced pieces ``4
+    n_e / G_ed`` beside the data pieces until the update (counted together, above the
+    pieces' all-gathers after it, which are smaller than the packed copy)."""
     if model.n_experts and sharded_optimizer.data_group(grid) == 1:
         return plain  # an MoE model comes here whatever the data group
     if expert > 1:
         n = local_parameter_elements(model, grid, expert)
         share = sharded_optimizer.state_share(grid, True)
         per = optimizer_bytes_per_element(params)
-        states = float(per * ((n["matrices"] + n["vectors"]) * share + n["experts"]))
+        edp = sharded_optimizer.expert_data_group(grid, expert)
+        states = float(per * ((n["matrices"] + n["vectors"]) * share + n["experts"] / edp))
     else:
         share = sharded_optimizer.state_share(grid, True)
         states = tetrad_optimizer_bytes(model, grid, 1, params) * share
@@ -244,6 +249,9 @@ def _sharded(
     step = sharded_optimizer.step_bytes(model, grid, dp_overlap, expert, params)
     if expert > 1:
         step = max(step, step_buffer_bytes(model, grid, expert))
+        edp = sharded_optimizer.expert_data_group(grid, expert)
+        if edp > 1:  # the experts' reduced pieces, held with the data's through the update
+            step += FP32 * local_parameter_elements(model, grid, expert)["experts"] / edp
     return plain._replace(
         static=static,
         base=sum(v for _, v in static),

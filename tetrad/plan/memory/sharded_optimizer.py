@@ -48,6 +48,17 @@ def data_group(grid) -> int:
     return grid_sizes(grid)[0] * context_size(grid)
 
 
+def expert_data_group(grid, expert: int) -> int:
+    """An MoE model's expert-data group, the stage's ``G_data G_context G_z G_y G_x /
+    G_expert`` ranks over which the sharded optimizer splits the routed experts' states
+    (tetrad/parallel/zero.py ``DataShards.experts``, with ``G_data G_context > 1``); 1 without
+    expert parallelism (the experts are then in the data group's share)."""
+    if expert == 1:
+        return 1
+    gd, gz, gy, gx = grid_sizes(grid)
+    return gd * context_size(grid) * gz * gy * gx // expert
+
+
 def state_share(grid, shard_optimizer: bool) -> float:
     """The fraction of the AdamW states a rank keeps: ``1 / (G_data G_context)`` when sharded,
     else 1."""

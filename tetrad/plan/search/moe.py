@@ -160,17 +160,20 @@ def _candidates(ctx, gpus, pipes, limit, shard_optimizer, stats):
 def _states_floor(model: ModelSpec, pipe: int, grid: tuple, ep: int, shard: str) -> float:
     """A lower bound of the fullest rank's model states (bytes) for a grid and expert axis:
     the fp32 weights, gradients and AdamW states of ``ceil(L / pipe)`` blocks' local elements
-    (the AdamW states of the non-expert ones over ``G_data G_context`` when the optimizer may
-    be sharded; an MoE model's pipeline stages hold MoE blocks only, :func:`tetrad.plan.memory.
-    pipeline.stage_model`)."""
+    (the AdamW states of the non-expert ones over ``G_data G_context`` and of the experts over
+    their expert-data group when the optimizer may be sharded; an MoE model's pipeline stages
+    hold MoE blocks only, :func:`tetrad.plan.memory.pipeline.stage_model`)."""
     gd, gc, gz, gy, gx = grid
     n = local_parameter_elements(model, grid, ep)
     tables = (model.vocab_size + model.max_positions) * model.dim // (gz * gy * gx)
     blocks = n["matrices"] - tables - (0 if model.tied_embeddings else tables)
     share = math.ceil(model.n_layers / pipe) / model.n_layers  # the fullest stage's blocks
     rest = (blocks + n["vectors"]) * share
-    per = 8.0 + 8.0 / (gd * gc) if shard != "off" else 16.0
-    return per * rest + 16.0 * n["experts"] * share
+    zero = shard != "off" and gd * gc > 1
+    per = 8.0 + 8.0 / (gd * gc) if zero else 16.0
+    edp = gd * gc * gz * gy * gx // ep  # the experts' expert-data group
+    per_expert = 8.0 + 8.0 / edp if zero else 16.0
+    return per * rest + per_expert * n["experts"] * share
 
 
 def _saved_floor(ctx, pipe, grid, ep, b, mode, imbalance) -> float:
