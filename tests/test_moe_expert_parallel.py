@@ -191,7 +191,8 @@ def _train(cfg):
 def test_resume_across_expert_parallel_sizes(corpus, tmp_path, monkeypatch):  # noqa: F811
     """The MoE run on ``data=4`` resumed from its DCP checkpoints with another expert
     parallelism each time (2 -> 4 -> none, the experts' shards re-cut; the first two parts with
-    the sharded optimizer, whose expert weights keep whole states) gives the uninterrupted
+    the sharded optimizer, whose expert weights' states are split over expert-data, 2 ranks,
+    then whole with ``G_expert = 4``) gives the uninterrupted
     run's losses and routing figures; the checkpoints' keys do not depend on ``G_expert``."""
     from tests.test_resume import full_state
     from tests.test_train import config, losses

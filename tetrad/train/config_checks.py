@@ -19,8 +19,9 @@ from tetrad.train.sections import ConfigError, ParallelismSection, TrainingSecti
 def check_parallelism(par: ParallelismSection, seq_len: int) -> None:
     """The sequence splits over the context ranks; ``G_expert`` divides the stage's ranks;
     the overlap piece counts are 0 (the planner's choice) or counts. (The sharded optimizer
-    combines with expert parallelism: the expert-sharded weights, summed over expert-data, keep
-    whole AdamW states and masters, :meth:`tetrad.parallel.zero.DataShards.sharded`.)
+    combines with expert parallelism: the expert-sharded weights, summed over expert-data, have
+    their AdamW states and masters split over it, :attr:`tetrad.parallel.zero.DataShards.
+    experts`.)
 
     Raises:
         ConfigError: one line saying which value to change.
