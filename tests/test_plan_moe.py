@@ -127,3 +127,10 @@ def test_memory_prints_the_moe_terms(capsys):
     )
     assert main([*argv, "--grid", "z=4,expert=8"]) == 2
     assert "the 4 ranks of a pipeline stage" in capsys.readouterr().err
+    # the sharded optimizer splits the experts' AdamW states over expert-data (data=16 over
+    # G_expert 8: 2 ranks): 8 + 8/2 bytes per element, 40.5 GiB; with G_expert 16, whole (one)
+    wide = [*argv, "--grid", "data=16,expert=8", "--shard-optimizer"]
+    assert main(wide) == 0
+    assert "routed expert states (fp32 weights, gradients, AdamW): 40.500 GiB" in (
+        capsys.readouterr().out
+    )

@@ -519,6 +519,7 @@ def run_memory(args: argparse.Namespace) -> int:
             args.micro_batch,
             args.seq_len,
             activation_checkpointing=ckpt,
+            shard_optimizer=args.shard_optimizer,
             **moe,
         )
     else:

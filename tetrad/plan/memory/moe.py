@@ -140,10 +140,13 @@ def moe_terms(
     dtype: str = "bf16",
     expert: int = 1,
     imbalance: float = 1.0,
+    shard_optimizer: bool = False,
 ) -> dict[str, float]:
     """The mixture-of-experts terms inside :func:`tetrad.plan.memory.runtime.runtime_memory`
     of one rank, bytes, for ``tetrad memory`` (``grid``: four or five sizes): the routed
-    experts' and the routers' fp32 parameters, gradients and AdamW states, and what the
+    experts' and the routers' fp32 parameters, gradients and AdamW states (with
+    ``shard_optimizer`` the experts' AdamW states split over their expert-data group, where
+    it and the data group have more than one rank), and what the
     ``L_m`` MoE blocks of one micro-batch save (module table; under ``full`` checkpointing one
     block's set, rebuilt in backward), split into the router, the dispatch and combine, the
     experts' rows and intermediates, the cast expert weights (bf16) and the shared expert.
@@ -157,7 +160,7 @@ def moe_terms(
 
     if not model.is_moe:
         return {}
-    _, _, gy, gx = grid_sizes(grid)
+    gd, gz, gy, gx = grid_sizes(grid)
     gc, e = context_size(grid), dtype_bytes(dtype)
     m = micro_batch * (seq_len // gc)
     t, lm, k, h = m / (gy * gx), model.moe_layers, model.top_k, model.dim
@@ -167,16 +170,24 @@ def moe_terms(
     full = activation_checkpointing.partition(":")[0] == "full"
     blocks = 1 if full else lm
     router = FP32 * t * model.n_experts + INT64 * t * k + (e * model.n_experts * h if cast else 0)
-    moves = 3 * INT64 * t * k + FP32 * t * k * (1 + h) + (2 * INT64 * rows if expert > 1 else 0)
+    moves = 2 * INT64 * t * k + e * t * k * (1 + h) + (INT64 * rows if expert > 1 else 0)
+    edp = gd * gc * gz * gy * gx // expert if expert > 1 else 1  # the experts' expert-data
+    split = shard_optimizer and gd * gc > 1 and edp > 1
+    per_expert = 8.0 + 8.0 / edp if split else 16.0
     shared = 0.0
     if model.shared_ffn_dim:
         mode = "none" if full else activation_checkpointing.partition(":")[0]
         shared = (3 if mode == "none" else 2) * e * m * (model.shared_ffn_dim // gy)
     return {
-        "routed expert states (fp32 weights, gradients, AdamW)": 16.0 * lm * local * 3 * f * h,
+        "routed expert states (fp32 weights, gradients, AdamW)": per_expert
+        * lm
+        * local
+        * 3
+        * f
+        * h,
         "router states": 16.0 * lm * model.n_experts * h,
         f"router activations ({blocks} block(s))": blocks * router,
-        "dispatch and combine (indices, weights, fp32 outputs)": blocks * moves,
+        "dispatch and combine (indices, weights, outputs)": blocks * moves,
         f"expert rows and intermediates ({rows:.0f} rows x (h + 4 f_e))": blocks
         * e
         * rows
