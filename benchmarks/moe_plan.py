@@ -78,12 +78,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--machine", default="dgx-h100")
     ap.add_argument("--imbalance", type=float, default=1.0)
+    ap.add_argument(
+        "--param-dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="the weights' stored format tetrad's 4D space is searched with (bf16: fp32 masters)",
+    )
     args = ap.parse_args()
     failed = False
     for model, gpus, batch in QUESTIONS:
         argv = [sys.executable, "-m", "tetrad.cli", "plan", "--model", model, "--machine"]
         argv += [args.machine, "--gpus", str(gpus), "--global-batch", str(batch)]
         argv += ["--seq-len", "4096", "--moe-imbalance", str(args.imbalance), "--json"]
+        argv += ["--param-dtype", args.param_dtype]
         env = dict(os.environ, PYTHONPATH=ROOT)
         run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
         if run.returncode:

@@ -24,16 +24,23 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.test_memory_validation import block_recompute_bytes, forward_and_backward_bytes
+from tests.test_memory_validation import (
+    SavedBytes,
+    block_recompute_bytes,
+    forward_and_backward_bytes,
+)
+from tetrad.dtypes import autocast
 from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.batch import inputs_targets, local_samples
+from tetrad.parallel.masters import store_parameters
 from tetrad.parallel.model import ParallelLlama
 from tetrad.parallel.zero import settle_parameters
 from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.model import ModelSpec
+from tetrad.spec.precision import precision
 from tetrad.train.step import build_optimizer, train_step
 
 BASE = ModelSpec(
@@ -80,6 +87,14 @@ def _measure(cfg: ModelSpec, grid: Grid, mode: str) -> dict:
     out = forward_and_backward_bytes(model, tokens, targets, params)
     if mode == "full":  # the top (MoE) block's forward as the recomputation runs it
         out["recompute"] = block_recompute_bytes(model, tokens, params, str(cfg.n_layers - 1))
+    # weights stored in bf16 (--param-dtype bf16): the expert and router weights are no copies
+    bf16 = ParallelLlama(cfg, grid, mode)
+    init_parameters(bf16, SEED, grid)
+    store_parameters(bf16, torch.bfloat16, torch.float32)
+    stored = {p.untyped_storage().data_ptr() for p in bf16.parameters()}
+    with SavedBytes(stored) as saved, autocast(tokens.device, precision("cuda")):
+        bf16.loss_sum(tokens, targets)
+    out["activations_bf16_params"] = saved.total
     if mode != "none":
         return out
     model.zero_grad(set_to_none=True)
@@ -122,19 +137,21 @@ def predicted(name: str, mode: str) -> dict:
     # plain torch.autocast keeps an fp32 residual stream; the step's autocast with the CUDA
     # policy a bf16 one (the default, residual None)
     cases = (
-        ("fp32", "activations", "fp32"),
-        ("bf16", "activations_bf16", "fp32"),
-        ("bf16", "activations_bf16_stream", None),
+        ("fp32", "activations", "fp32", "fp32"),
+        ("bf16", "activations_bf16", "fp32", "fp32"),
+        ("bf16", "activations_bf16_stream", None, "fp32"),
+        ("bf16", "activations_bf16_params", None, "bf16"),
     )
-    for dtype, key, residual in cases:
-        s = saved_activations(cfg, sizes, MICRO, SEQ, dtype=dtype, residual=residual, **opts)
+    for dtype, key, residual, params in cases:
+        more = {"residual": residual, "params": params}
+        s = saved_activations(cfg, sizes, MICRO, SEQ, dtype=dtype, **more, **opts)
         out[key] = s["blocks"] + s["embedding"] + s["final_norm"] + s["loss"]
         if mode == "full" and dtype == "fp32":
             out["recompute"] = s["recompute"]
     # as for dense models: the CPU kernel's heads-major attention output is copied token-major
     # under bf16 (the model's bf16 describes CUDA's FlashAttention, token-major already)
     plain = cfg.n_layers - checkpointed_blocks(mode, cfg.n_layers)[1]
-    for key in ("activations_bf16", "activations_bf16_stream"):
+    for key in ("activations_bf16", "activations_bf16_stream", "activations_bf16_params"):
         out[key] += plain * 2 * MICRO * SEQ * cfg.q_dim // sizes[2]
     return out
 

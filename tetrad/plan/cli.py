@@ -520,6 +520,7 @@ def run_memory(args: argparse.Namespace) -> int:
             args.seq_len,
             activation_checkpointing=ckpt,
             shard_optimizer=args.shard_optimizer,
+            params=args.param_dtype,
             **moe,
         )
     else:

@@ -361,6 +361,7 @@ def stand_in_question(ctx: StepQuestion) -> StepQuestion:
             ctx.global_batch,
             overlaps=overlaps,
             compute_bytes=ctx.c,
+            param_bytes=ctx.param_bytes,
             bucket_bytes=ctx.bucket_bytes,
             domino_min_rows=ctx.domino_min_rows,
             fine_chunks=ctx.fine[0] if len(ctx.fine) == 1 else None,

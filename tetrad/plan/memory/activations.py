@@ -381,6 +381,7 @@ def saved_activations(
     imbalance: float = 1.0,
     sequence_parallel: bool | str = False,
     residual: str | None = None,
+    params: str = "fp32",
 ) -> dict[str, float]:
     """What autograd holds on one rank at the end of one micro-batch's forward, in bytes.
 
@@ -399,7 +400,8 @@ def saved_activations(
         ``selective:K``: :func:`selective_recompute_bytes`, the top block's, rebuilt while every
         block's tensors are still saved; none: 0). An MoE model's blocks are its dense and
         MoE blocks (:mod:`tetrad.plan.memory.moe`; ``expert`` = ``G_expert``, ``imbalance``
-        the busiest rank's received rows over the mean): ``blocks`` counts each kind's own,
+        the busiest rank's received rows over the mean; ``params`` the weights' stored format,
+        whose bf16 expert weights are no copies): ``blocks`` counts each kind's own,
         ``selective:K`` their mean per block, ``recompute`` the larger kind's.
 
     ``sequence_parallel``: the residual stream split along the sequence over Y (module
@@ -433,7 +435,8 @@ def saved_activations(
     args = (model, shape, micro_batch, seq_len, ckpt, dtype, compiled)
     if not model.n_experts:  # a dense model
         return dict(_saved_activations(*args, **more))
-    return dict(_saved_activations(*args, (expert, imbalance), **more))
+    moe = (expert, imbalance) if params == "fp32" else (expert, imbalance, params)
+    return dict(_saved_activations(*args, moe, **more))
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -445,16 +448,16 @@ def _saved_activations(
     ckpt: str | bool,
     dtype: str,
     compiled: bool = False,
-    moe: tuple[int, float] = (1, 1.0),
+    moe: tuple = (1, 1.0),
     split: int = 1,
     residual: str | None = None,
     regather: bool = False,
 ) -> tuple[tuple[str, float], ...]:
     """:func:`saved_activations` once per model, ``(G_context, G_y, G_x)``, micro-batch,
     sequence, mode, dtype and compilation (``grid``: ``(1, G_context, 1, G_y, G_x)``; ``moe``:
-    ``(expert, imbalance)`` of an MoE model; ``split``: ``G_y`` under sequence parallelism;
-    ``residual``: the stream's format, None for the compute dtype's; ``regather``: the first
-    Linears keep their input's shard)."""
+    ``(expert, imbalance[, params])`` of an MoE model; ``split``: ``G_y`` under sequence
+    parallelism; ``residual``: the stream's format, None for the compute dtype's;
+    ``regather``: the first Linears keep their input's shard)."""
     mode, k = checkpointed_blocks(ckpt, model.n_layers)
     more = {} if residual is None else {"residual": residual}
     rg = {"regather": True} if regather else {}  # the memo's key of the callers without it
@@ -561,6 +564,7 @@ def _moe_block_terms(
     dense: _BlockTerms,
     expert: int,
     imbalance: float,
+    params: str = "fp32",
     residual: str | None = None,
 ) -> _BlockTerms:
     """:class:`_BlockTerms` of an MoE model: ``dense`` (its dense blocks' terms) with the
@@ -572,8 +576,8 @@ def _moe_block_terms(
     m, hx, fy = micro_batch * s, model.dim // gx, model.ffn_dim // gy
     split = gc * gy * gx > 1
     args = (model, m, micro_batch, gy, gx, e)
-    moe_none = moe_block_saved_bytes(*args, "none", expert, imbalance, split)
-    moe_sel = moe_block_saved_bytes(*args, "selective", expert, imbalance, split)
+    moe_none = moe_block_saved_bytes(*args, "none", expert, imbalance, split, params)
+    moe_sel = moe_block_saved_bytes(*args, "selective", expert, imbalance, split, params)
     # the dense block's FFN norm output (one consumer) and SwiGLU, which an MoE block lacks
     out = FP32 * m * hx if e == FP32 else e * m * hx
     block = dense.block - out - _mlp_saved_bytes(model, m, gy, e) + moe_none

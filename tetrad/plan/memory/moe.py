@@ -39,6 +39,7 @@ the whole set.
 
 from __future__ import annotations
 
+from tetrad.plan.memory.states import optimizer_bytes_per_element, param_bytes
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.units import FP32
 
@@ -61,17 +62,21 @@ def routed_saved_bytes(
     expert: int,
     imbalance: float,
     split_sequence: bool,
+    params: str = "fp32",
 ) -> float:
     """What the router, the dispatch, the routed experts, the combine and the load-balancing
     statistics of one MoE block save on one rank (the module table), bytes: ``tokens`` = ``T``
     routed here, ``micro_batch`` = ``b`` sequences (the statistics' groups), ``e``
     compute-dtype bytes, ``expert`` = ``P``, ``split_sequence``: the sequences are split over
-    context, Y or X (the statistics keep the whole length). The router's input is the
-    norm's output or the split's, counted by :func:`moe_block_saved_bytes`."""
+    context, Y or X (the statistics keep the whole length), ``params``: the weights' stored
+    format (bf16 weights under bf16 compute are no copies: autograd keeps the parameters). The
+    router's input is the norm's output or the split's, counted by
+    :func:`moe_block_saved_bytes`."""
     t, k, h, n_e = tokens, model.top_k, model.dim, model.n_experts
     local, f = n_e // expert, model.expert_dim
     rows = routed_rows(t, model, expert, imbalance)
-    cast = e != FP32  # bf16: the weights' copies are saved, not the fp32 parameters
+    # bf16 compute of fp32 weights: the weights' bf16 copies are saved, not the parameters
+    cast = e != FP32 and params == "fp32"
     router = (e * n_e * h if cast else 0) + FP32 * t * n_e + INT64 * t * k
     if model.router_renorm:
         router += FP32 * t * k + FP32 * t
@@ -100,6 +105,7 @@ def moe_block_saved_bytes(
     expert: int = 1,
     imbalance: float = 1.0,
     split_sequence: bool = False,
+    params: str = "fp32",
 ) -> float:
     """An MoE block's feed-forward saves on one rank beyond the ffn norm's own statistics
     (input, ``rstd`` and the normalised tensor, counted with the block's norms), bytes:
@@ -107,7 +113,7 @@ def moe_block_saved_bytes(
     compute-dtype bytes, ``mode`` ``none`` or ``selective`` (``full`` keeps the block input
     only: :func:`tetrad.plan.memory.activations.block_input_bytes`), ``expert`` =
     ``G_expert``, ``imbalance`` as :func:`routed_rows`; ``split_sequence``: context, Y or X
-    split the sequences.
+    split the sequences; ``params``: the weights' stored format (:func:`routed_saved_bytes`).
 
     The ffn norm's output ``[m, h/G_x]``: with ``n = 1`` the router keeps it (one tensor, the
     shared expert's ``w13`` takes the same); with ``n > 1`` the router keeps the split's
@@ -126,7 +132,7 @@ def moe_block_saved_bytes(
     if model.shared_ffn_dim:
         width = model.shared_ffn_dim // gy
         shared = (3 if mode == "none" else 2) * e * m * width  # w13 output and product
-    routed = routed_saved_bytes(model, t, micro_batch, e, expert, imbalance, split_sequence)
+    routed = routed_saved_bytes(model, t, micro_batch, e, expert, imbalance, split_sequence, params)
     return float(router_input + routed + shared)
 
 
@@ -141,12 +147,14 @@ def moe_terms(
     expert: int = 1,
     imbalance: float = 1.0,
     shard_optimizer: bool = False,
+    params: str = "fp32",
 ) -> dict[str, float]:
     """The mixture-of-experts terms inside :func:`tetrad.plan.memory.runtime.runtime_memory`
     of one rank, bytes, for ``tetrad memory`` (``grid``: four or five sizes): the routed
     experts' and the routers' fp32 parameters, gradients and AdamW states (with
     ``shard_optimizer`` the experts' AdamW states split over their expert-data group, where
-    it and the data group have more than one rank), and what the
+    it and the data group have more than one rank; ``params``: the weights' stored format,
+    bf16 with fp32 masters among the states), and what the
     ``L_m`` MoE blocks of one micro-batch save (module table; under ``full`` checkpointing one
     block's set, rebuilt in backward), split into the router, the dispatch and combine, the
     experts' rows and intermediates, the cast expert weights (bf16) and the shared expert.
@@ -166,20 +174,21 @@ def moe_terms(
     t, lm, k, h = m / (gy * gx), model.moe_layers, model.top_k, model.dim
     local, f = model.n_experts // expert, model.expert_dim
     rows = routed_rows(t, model, expert, imbalance)
-    cast = e != FP32
+    cast = e != FP32 and params == "fp32"
     full = activation_checkpointing.partition(":")[0] == "full"
     blocks = 1 if full else lm
     router = FP32 * t * model.n_experts + INT64 * t * k + (e * model.n_experts * h if cast else 0)
     moves = 2 * INT64 * t * k + e * t * k * (1 + h) + (INT64 * rows if expert > 1 else 0)
     edp = gd * gc * gz * gy * gx // expert if expert > 1 else 1  # the experts' expert-data
     split = shard_optimizer and gd * gc > 1 and edp > 1
-    per_expert = 8.0 + 8.0 / edp if split else 16.0
+    states = optimizer_bytes_per_element(params)
+    per_expert = param_bytes(params) + FP32 + (states / edp if split else states)
     shared = 0.0
     if model.shared_ffn_dim:
         mode = "none" if full else activation_checkpointing.partition(":")[0]
         shared = (3 if mode == "none" else 2) * e * m * (model.shared_ffn_dim // gy)
     return {
-        "routed expert states (fp32 weights, gradients, AdamW)": per_expert
+        f"routed expert states ({params} weights, fp32 gradients, AdamW)": per_expert
         * lm
         * local
         * 3

@@ -138,14 +138,16 @@ def stage_parts(
     static, phases = phase_components(
         sm, grid, micro_batch, seq_len, prefetch=prefetch, **zero, **opts
     )
-    saved = saved_activations(sm, grid, micro_batch, seq_len, **opts)
+    moe_params = {"params": params} if model.n_experts and params != "fp32" else {}
+    saved = saved_activations(sm, grid, micro_batch, seq_len, **opts, **moe_params)
     return static, phases, saved
 
 
-def _params_arg(params: str) -> dict:
+def _params_arg(params: str, opts: tuple = ()) -> dict:
     """``params`` as :func:`stage_parts`' keyword, absent for fp32 weights (the memo's key of
-    the callers that never give it)."""
-    return {} if params == "fp32" else {"params": params}
+    the callers that never give it) and where ``opts`` carries it already (an MoE model's,
+    whose saved activations depend on it: :func:`stage_memory`)."""
+    return {} if params == "fp32" or len(opts) > 5 else {"params": params}
 
 
 def _activation_args(sp: bool | str, residual: str | None) -> dict:
@@ -158,7 +160,8 @@ def _activation_args(sp: bool | str, residual: str | None) -> dict:
 
 def _parts_args(opts: tuple, shard_optimizer: bool | None = None) -> tuple:
     """The arguments of :func:`stage_parts` after the sequence length for ``opts`` =
-    ``(checkpointing, dtype, prefetch)`` (an MoE model's with ``(expert, imbalance)`` after),
+    ``(checkpointing, dtype, prefetch)`` (an MoE model's with ``(expert, imbalance)`` after,
+    and its weights' format where not fp32),
     spelled as the dense model's callers always have (its memo's keys)."""
     if shard_optimizer is None and len(opts) == 3:
         return opts
@@ -179,9 +182,9 @@ def stage_saved(
     residual: str | None = None,
 ) -> dict[str, float]:
     """:func:`~tetrad.plan.memory.activations.saved_activations` of a ``blocks`` model (one
-    stage), memoised; ``moe``: an MoE model's ``(expert, imbalance)``."""
+    stage), memoised; ``moe``: an MoE model's ``(expert, imbalance[, params])``."""
     sm = stage_model(model, blocks)
-    opts = dict(zip(("expert", "imbalance"), moe, strict=False))
+    opts = dict(zip(("expert", "imbalance", "params"), moe, strict=False))
     if sequence_parallel:
         opts["sequence_parallel"] = sequence_parallel
     if residual is not None:
@@ -411,14 +414,14 @@ def stage_memory(
     """
     grid = tuple(grid)
     opts = (activation_checkpointing, dtype, prefetch)
-    if model.n_experts:
-        opts += (expert, imbalance)
+    if model.n_experts:  # its weights' format changes its saved activations: in opts too
+        opts += (expert, imbalance) + ((params,) if params != "fp32" else ())
     # the runtime model's parts first: its errors come before the schedule's
     sp = sequence_parallel
     more = _activation_args(sp, residual)
     args = _parts_args(opts, shard_optimizer)
     stage_parts(
-        model, prank.blocks, grid, micro_batch, seq_len, *args, **_params_arg(params), **more
+        model, prank.blocks, grid, micro_batch, seq_len, *args, **_params_arg(params, opts), **more
     )
     v = len(prank.chunk_blocks)
     sets = in_flight_sets(schedule, pipe, prank.rank, v, micro_batches)
@@ -459,7 +462,7 @@ def _stage_phases(
     more = _activation_args(sp, residual)
     args = _parts_args(opts, shard_optimizer)
     static, phases, saved = stage_parts(
-        model, blocks, grid, micro_batch, seq_len, *args, **_params_arg(params), **more
+        model, blocks, grid, micro_batch, seq_len, *args, **_params_arg(params, opts), **more
     )
     static = dict(static)
     share = state_share(grid, shard_optimizer and data_group(grid) > 1)

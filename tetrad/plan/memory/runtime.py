@@ -375,7 +375,7 @@ def _parts(
         expert,
         params,
     )
-    moe = (expert, imbalance)
+    moe = (expert, imbalance) if params == "fp32" else (expert, imbalance, params)
     ckpt = activation_checkpointing
     args = (model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled, moe)
     sp = sequence_parallel  # MoE: refused
@@ -417,7 +417,7 @@ def _activation_terms(
     ckpt: str | bool,
     dtype: str,
     compiled: bool = False,
-    moe: tuple[int, float] = (1, 1.0),
+    moe: tuple = (1, 1.0),
     sequence_parallel: bool | str = False,
     residual: str | None = None,
 ) -> _ActivationTerms:
@@ -437,6 +437,7 @@ def _activation_terms(
         imbalance=moe[1],
         sequence_parallel=sequence_parallel,
         residual=residual,
+        **({"params": moe[2]} if len(moe) > 2 else {}),
     )
     e = dtype_bytes(dtype)
     m = micro_batch * local_seq_len(seq_len, context_size(shape))  # this rank's tokens

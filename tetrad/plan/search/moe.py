@@ -34,7 +34,11 @@ from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
 from tetrad.plan.memory.moe import moe_block_saved_bytes
 from tetrad.plan.memory.pipeline import stage_memory
 from tetrad.plan.memory.runtime import runtime_memory
-from tetrad.plan.memory.states import local_parameter_elements
+from tetrad.plan.memory.states import (
+    local_parameter_elements,
+    optimizer_bytes_per_element,
+    param_bytes,
+)
 from tetrad.plan.moe_step import (
     dense_stand_in,
     expert_times,
@@ -51,6 +55,7 @@ from tetrad.plan.search.space import check_inputs, checkpointing_modes, divisors
 from tetrad.spec.activation_checkpointing import CHECKPOINTING
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.sharding import context_problems, grid_problems, moe_grid_problem, tp_problems
+from tetrad.spec.units import FP32
 
 MODES_BY_MEMORY = ("none", "selective", "full")
 """Checkpointing modes from the most memory to the least (what does not fit in one does not in
@@ -75,10 +80,13 @@ def search_moe_4d(
     pipeline: bool = True,
     shard_optimizer: str = "auto",
     imbalance: float = 1.0,
+    params: str = "fp32",
 ) -> tuple[list[Row], dict]:
     """The ``top`` fastest fitting configurations of the 4D space with the expert axis (module
     doc) and counts (``grids``, ``candidates``, ``fitting``, ``evaluated``, ``seconds``).
-    ``imbalance``: the busiest rank's routed rows over the mean (``>= 1``).
+    ``imbalance``: the busiest rank's routed rows over the mean (``>= 1``); ``params``: the
+    weights' stored format (``tetrad train --param-dtype``: ``bf16`` with fp32 masters among
+    the AdamW states, sharded with them; no bf16 copies of the weights saved for backward).
 
     Raises:
         PlanError: bad inputs, or no grid of ``gpus`` runs the model.
@@ -90,7 +98,13 @@ def search_moe_4d(
     mem = float(gpu_memory_bytes or machine.memory_bytes)
     limit = FIT_FRACTION * mem
     ctx = StepQuestion(
-        model, machine, seq_len, global_batch, overlaps=overlaps, compute_bytes=dtype_bytes(dtype)
+        model,
+        machine,
+        seq_len,
+        global_batch,
+        overlaps=overlaps,
+        compute_bytes=dtype_bytes(dtype),
+        param_bytes=param_bytes(params),
     )
     modes = checkpointing_modes(checkpointing)
     allowed = set(micro_batches) if micro_batches else None
@@ -98,7 +112,7 @@ def search_moe_4d(
     queue: list = []
     pipes = [p for p in divisors(gpus) if p <= min(MAX_PIPE, model.n_layers)]
     for cand in _candidates(ctx, gpus, pipes if pipeline else [1], limit, shard_optimizer, stats):
-        states = _states_floor(model, *cand, shard_optimizer)
+        states = _states_floor(model, *cand, shard_optimizer, params)
         for mode, b in _choices(ctx, cand[0], cand[1], modes, allowed):
             if states + _saved_floor(ctx, *cand, b, mode, imbalance) > limit:
                 continue
@@ -153,16 +167,24 @@ def _candidates(ctx, gpus, pipes, limit, shard_optimizer, stats):
                 continue
             stats["grids"] += 1
             for ep in divisors(math.gcd(gpus // pipe, model.n_experts)):
-                if _states_floor(model, pipe, grid, ep, shard_optimizer) <= limit:
+                if _states_floor(model, pipe, grid, ep, shard_optimizer, _weights(ctx)) <= limit:
                     yield pipe, grid, ep
 
 
-def _states_floor(model: ModelSpec, pipe: int, grid: tuple, ep: int, shard: str) -> float:
+def _weights(ctx: StepQuestion) -> str:
+    """The weights' stored format of a question (``bf16`` where it stores 2 bytes each)."""
+    return "bf16" if ctx.param_bytes == 2 else "fp32"
+
+
+def _states_floor(
+    model: ModelSpec, pipe: int, grid: tuple, ep: int, shard: str, params: str = "fp32"
+) -> float:
     """A lower bound of the fullest rank's model states (bytes) for a grid and expert axis:
-    the fp32 weights, gradients and AdamW states of ``ceil(L / pipe)`` blocks' local elements
-    (the AdamW states of the non-expert ones over ``G_data G_context`` and of the experts over
-    their expert-data group when the optimizer may be sharded; an MoE model's pipeline stages
-    hold MoE blocks only, :func:`tetrad.plan.memory.pipeline.stage_model`)."""
+    the weights (in ``params``), fp32 gradients and AdamW states (with bf16 weights their fp32
+    masters) of ``ceil(L / pipe)`` blocks' local elements (the states of the non-expert ones
+    over ``G_data G_context`` and of the experts over their expert-data group when the
+    optimizer may be sharded; an MoE model's pipeline stages hold MoE blocks only,
+    :func:`tetrad.plan.memory.pipeline.stage_model`)."""
     gd, gc, gz, gy, gx = grid
     n = local_parameter_elements(model, grid, ep)
     tables = (model.vocab_size + model.max_positions) * model.dim // (gz * gy * gx)
@@ -170,9 +192,10 @@ def _states_floor(model: ModelSpec, pipe: int, grid: tuple, ep: int, shard: str)
     share = math.ceil(model.n_layers / pipe) / model.n_layers  # the fullest stage's blocks
     rest = (blocks + n["vectors"]) * share
     zero = shard != "off" and gd * gc > 1
-    per = 8.0 + 8.0 / (gd * gc) if zero else 16.0
+    stored, states = param_bytes(params) + FP32, optimizer_bytes_per_element(params)
+    per = stored + (states / (gd * gc) if zero else states)
     edp = gd * gc * gz * gy * gx // ep  # the experts' expert-data group
-    per_expert = 8.0 + 8.0 / edp if zero else 16.0
+    per_expert = stored + (states / edp if zero else states)
     return per * rest + per_expert * n["experts"] * share
 
 
@@ -191,7 +214,7 @@ def _saved_floor(ctx, pipe, grid, ep, b, mode, imbalance) -> float:
         per_block = block_input_bytes(model, grid, b, s, 1, ctx.c)
     else:
         split = gc * gy * gx > 1
-        args = (model, b * s, b, gy, gx, ctx.c, mode, ep, imbalance, split)
+        args = (model, b * s, b, gy, gx, ctx.c, mode, ep, imbalance, split, _weights(ctx))
         per_block = moe_block_saved_bytes(*args)
     if pipe == 1:
         return float(model.moe_layers * per_block)
@@ -244,6 +267,8 @@ def _memory(ctx, pipe, grid, ep, b, mode, dtype, zero, imbalance, mem, acc) -> M
     :func:`moe_estimate` times it)."""
     model = ctx.model
     opts = {"expert": ep, "imbalance": imbalance, "shard_optimizer": zero, "dtype": dtype}
+    if _weights(ctx) != "fp32":
+        opts["params"] = _weights(ctx)
     if pipe == 1:
         return runtime_memory(
             model, grid, b, ctx.seq_len, mem, activation_checkpointing=mode, **opts

@@ -82,11 +82,6 @@ def plan(
         if comm_model != "tetrad":
             raise PlanError(f"--fp8 {fp8} is modelled with --comm-model tetrad only")
         classic = False
-    if params != "fp32" and model.is_moe:
-        raise PlanError(
-            f"--param-dtype {params} is searched for dense models only; {model.name} is a "
-            "mixture-of-experts model: use --param-dtype fp32 (tetrad memory models it)"
-        )
     if residual_option(dtype, residual) is not None and model.is_moe:
         raise PlanError(
             f"--residual-dtype {residual} is searched for dense models only; {model.name} is a "
@@ -113,6 +108,7 @@ def plan(
             pipeline=pipeline,
             shard_optimizer=shard_optimizer,
             imbalance=moe_imbalance,
+            params=params,
             t0=t0,
         )
     with _no_cycle_collection():
@@ -222,6 +218,7 @@ def _plan_moe(
     inputs = _inputs(model, machine, gpus, global_batch, seq_len, opts["overlaps"], memory)
     inputs |= {"comm_model": "tetrad", "dtype": opts["dtype"]}
     inputs |= {"shard_optimizer": opts["shard_optimizer"], "moe_imbalance": imbalance}
+    inputs |= {"param_dtype": opts["params"]}
     all_stats = {"four_d": stats, "classic": cstats, "seconds": time.perf_counter() - t0}
     return SearchResult(rows, crow, all_stats, inputs)
 

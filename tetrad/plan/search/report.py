@@ -353,6 +353,7 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
         "vocab_size": model.vocab_size,
         "rope_theta": model.rope_theta,
     }
+    sizes |= _other_sizes(model)
     settings = {  # the sections of tetrad.train.config
         "model": sizes,
         "parallelism": {
@@ -390,6 +391,42 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
     import tomli_w
 
     return "\n".join(header) + "\n" + tomli_w.dumps(settings)
+
+
+TRAINED_SIZES = (
+    "norm_eps",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_positions",
+    "attn_head_dim",
+    "qk_norm",
+    "n_experts",
+    "top_k",
+    "expert_ffn_dim",
+    "shared_ffn_dim",
+    "dense_layers",
+    "moe_every",
+    "router_score",
+    "router_renorm",
+    "route_scale",
+    "aux_loss_coef",
+    "aux_loss_scope",
+    "router_z_loss_coef",
+    "bias_update_rate",
+)
+"""The model sizes :func:`train_config_text` writes beside the widths where they differ from
+:class:`~tetrad.spec.model.ModelSpec`'s defaults: a Llama's norm and RoPE scaling, Qwen3's q/k
+norms and a mixture of experts' whole description (without them the file would build a dense
+model of the same widths)."""
+
+
+def _other_sizes(model: ModelSpec) -> dict:
+    """The :data:`TRAINED_SIZES` of ``model`` that differ from the defaults."""
+    defaults = ModelSpec()
+    return {
+        k: getattr(model, k) for k in TRAINED_SIZES if getattr(model, k) != getattr(defaults, k)
+    }
 
 
 def _pipeline_keys(row: Row) -> dict:
