@@ -13,6 +13,7 @@ import os
 from tetrad.plan.errors import PlanError
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
 from tetrad.plan.search.rows import Row, SearchResult
+from tetrad.spec.conflicts import MOE_SIZES
 from tetrad.spec.grid import COMM_AXES, format_grid
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.overlap import OVERLAPS
@@ -402,18 +403,7 @@ TRAINED_SIZES = (
     "attn_head_dim",
     "qk_norm",
     "n_experts",
-    "top_k",
-    "expert_ffn_dim",
-    "shared_ffn_dim",
-    "dense_layers",
-    "moe_every",
-    "router_score",
-    "router_renorm",
-    "route_scale",
-    "aux_loss_coef",
-    "aux_loss_scope",
-    "router_z_loss_coef",
-    "bias_update_rate",
+    *MOE_SIZES,
 )
 """The model sizes :func:`train_config_text` writes beside the widths where they differ from
 :class:`~tetrad.spec.model.ModelSpec`'s defaults: a Llama's norm and RoPE scaling, Qwen3's q/k
