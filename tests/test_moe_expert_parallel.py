@@ -141,6 +141,9 @@ def test_pipeline_with_expert_parallel_matches_reference(name):
     curves, state = float64_run(CONFIGS[name])
     run_distributed(pipeline_run, 2, name, curves, state, [(2, (1, 1, 1, 1, 1), 1)])
     run_distributed(pipeline_run, 4, name, curves, state, [(2, (2, 1, 1, 1, 1), 2)])
+    # data=2 y=2 ep2 (over Y): an expert-data group of 2, the experts' sums issued during the last
+    # micro-batch's backward phase (tetrad/parallel/expert_grads.py)
+    run_distributed(pipeline_run, 8, name, curves, state, [(2, (2, 1, 1, 2, 1), 2)])
 
 
 def compiled_and_eager(name, curves):
@@ -239,3 +242,31 @@ def test_expert_parallel_options_and_one_line_refusals():
     with pytest.raises(GridError, match="needs a model with experts"):
         check_moe_grid(PRESETS["tiny"], (2, 1, 1, 1, 1), expert=2)
     check_moe_grid(PRESETS["moe-tiny"], (2, 2, 1, 1, 1), pipe=2, expert=4)
+
+
+def expert_sums_during_backward():
+    """On ``data=4`` with ``G_expert = 2`` (an expert-data group of 2) and the
+    ``dp_all_reduce`` overlap, the last micro-batch's backward has issued one expert-data sum
+    per MoE block before it returns; the end of the micro-batch waits for them, and
+    ``sync_gradients`` sums nothing more over expert-data."""
+    from tetrad.parallel.batch import inputs_targets, local_samples
+    from tetrad.parallel.grads import sync_gradients
+
+    cfg = CONFIGS["sigmoid-bias"]
+    grid = Grid.build((4, 1, 1, 1, 1), expert=2)
+    model = ParallelLlama(cfg, grid, overlaps=("dp_all_reduce",))
+    init_parameters(model, SEED, grid)
+    tokens, targets = inputs_targets(local_samples(batches(cfg)[0], grid), grid)
+    overlap = model.overlap
+    overlap.begin_micro_batch(last=True)
+    grid.comm.reset()
+    model.loss_sum(tokens, targets).backward()
+    issued = grid.comm.stats(Axis.EXPERT_DATA).calls
+    assert issued == cfg.moe_layers, issued
+    overlap.end_micro_batch()
+    sync_gradients(model, grid, overlap.buckets.reduced)
+    assert grid.comm.stats(Axis.EXPERT_DATA).calls == issued
+
+
+def test_expert_gradient_sums_run_during_backward():
+    run_distributed(expert_sums_during_backward, 4)

@@ -240,3 +240,18 @@ def test_expert_overlap_hides_exchanges_behind_the_other_pieces():
     assert pipelined_seconds([1], [3], [1]) == 5
     # exchanges longer than the GEMMs: the communicator is the critical path
     assert pipelined_seconds([4, 4], [1, 1], [4, 4]) == 16  # every exchange back to back
+
+
+def test_expert_gradient_sums_hide_behind_backward():
+    """With the ``dp_all_reduce`` overlap the experts' expert-data sum is issued a block at a
+    time during backward (tetrad/parallel/expert_grads.py): exposed, one block's share and
+    whatever each share exceeds a block's backward by; without it all of it."""
+    from tetrad.plan.moe_step import expert_sync_exposed
+
+    model = get_model("qwen3-30b-a3b")
+    on = StepQuestion(model, H100, 4096, 64)
+    off = StepQuestion(model, H100, 4096, 64, overlaps="prefetch,reduce_scatter")
+    assert expert_sync_exposed(off, 4.8, 48, 0.01) == 4.8
+    assert expert_sync_exposed(on, 4.8, 48, 0.2) == pytest.approx(0.1)  # shares hidden
+    assert expert_sync_exposed(on, 4.8, 48, 0.04) == pytest.approx(0.1 + 47 * 0.06)
+    assert expert_sync_exposed(on, 0.0, 48, 0.04) == 0.0

@@ -52,8 +52,8 @@ def sync_gradients(
     for p in model.parameters():
         if grad_of(p) is not None or id(p) in reduced:
             axes = p.placement.grad_sum_axes
-            if id(p) in data_reduced:
-                axes = tuple(a for a in axes if a != Axis.DATA)
+            if id(p) in data_reduced:  # the buckets' data sum, or the experts' expert-data one
+                axes = tuple(a for a in axes if a not in SUMS_OVER_DATA)
             buckets[axes].append(p)
     for axes, params in buckets.items():
         # data last: with shards its sum is the reduce-scatter that ends the loop

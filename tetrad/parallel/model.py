@@ -42,6 +42,7 @@ from tetrad.models.meta import materialize
 from tetrad.models.moe import GroupedExperts
 from tetrad.parallel.context import ContextAttention, local_positions
 from tetrad.parallel.embedding import Embedding
+from tetrad.parallel.expert_grads import ExpertGradSums
 from tetrad.parallel.experts import ExpertParallelExperts
 from tetrad.parallel.head import VocabParallelHead
 from tetrad.parallel.linear import Linear
@@ -226,6 +227,9 @@ class ParallelLlama(Transformer):
         # expert-sharded weights are summed over expert-data, never in the data buckets
         params = [p for p in self.parameters() if not p.placement.expert_sharded]
         overlap.late = [p for p in params if Axis.Z in p.placement.grad_sum_axes]
+        if overlap.on("dp_all_reduce") and grid.expert > 1 and grid.size(Axis.EXPERT_DATA) > 1:
+            experts = [m for m in self.modules() if isinstance(m, ExpertParallelExperts)]
+            overlap.expert_sums = ExpertGradSums(grid, experts)
         overlap.buckets.expected = len(params) - len(overlap.late)
         if overlap.folds_late():  # backward meets the weights in reverse order
             late = {id(p) for p in overlap.late}

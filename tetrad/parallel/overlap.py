@@ -17,6 +17,8 @@ for ``fine``):
 ``dx_all_reduce``   the backward all-reduce of the input gradient runs during the dW GEMM;
 ``dp_all_reduce``   data-parallel gradient all-reduces are bucketed and issued during the last
                     micro-batch's backward as buckets fill (AxoNN leaves this synchronous);
+                    an MoE block's expert gradients' sum over expert-data as its experts'
+                    backward ends (:mod:`tetrad.parallel.expert_grads`);
 ``domino``          the forward activation all-reduce: the micro-batch's rows are split in two so
                     the first half's all-reduce runs during the second half's GEMM;
 ``fine``            a Linear's all-reduce (forward over its input axis, backward dx over its
@@ -51,6 +53,7 @@ from tetrad.comm import Handle, all_gather, all_reduce, reduce_scatter
 from tetrad.comm.fused import ring_matmul_reduce_scatter
 from tetrad.grid import Grid
 from tetrad.parallel.buckets import GradBuckets
+from tetrad.parallel.expert_grads import ExpertGradSums
 from tetrad.parallel.masters import add_grad
 from tetrad.parallel.sequence import scatter_sequence
 from tetrad.spec.grid import Axis
@@ -136,6 +139,8 @@ class Overlap:
         # their gradients, which join the last data-parallel bucket when G_z = 1 (their sum is
         # then over data only).
         self.late: list[torch.nn.Parameter] = []
+        # the routed experts' expert-data sums during backward (set by the model)
+        self.expert_sums: ExpertGradSums | None = None
 
     def on(self, name: str) -> bool:
         return name in self.enabled
@@ -149,6 +154,9 @@ class Overlap:
         self._in_step, self._last, self._pos = True, last, 0
         if last:
             self.buckets.clear()
+        if self.expert_sums is not None:
+            self.expert_sums.shards = self.buckets.shards
+            self.expert_sums.begin(last and phase != "forward")
         self._phase = phase
         self._order = self._orders.get(phase)
         if self._order is None and self._prefetching:
@@ -164,6 +172,8 @@ class Overlap:
             self._finish_rs(*self._pending_rs.pop(0))
         if self._last:
             self.buckets.finish(self.late if self.folds_late() else ())
+            if self.expert_sums is not None and self._phase != "forward":
+                self.expert_sums.finish(self.buckets.reduced)
         if self._recording is not None:
             self._orders[self._phase], self._recording = self._recording, None
         self._drop_prefetch()

@@ -195,6 +195,22 @@ def expert_times(
     return ExpertTimes(fwd, bwd, a2a_fwd, a2a_bwd, fake_ffn, total_fwd, total_bwd)
 
 
+def expert_sync_exposed(
+    ctx: StepQuestion, seconds: float, blocks: int, block_backward: float
+) -> float:
+    """The exposed seconds of the expert gradients' sum over expert-data (``seconds`` in all,
+    :func:`grad_sync_seconds`) on a rank of ``blocks`` MoE blocks whose last micro-batch's
+    backward takes ``block_backward`` seconds per block: all of it after backward without the
+    ``dp_all_reduce`` overlap; with it one block's share issued as each block's experts finish
+    (tetrad/parallel/expert_grads.py), on one communicator, each share hidden behind the
+    backward of the blocks below it: the last block's share and whatever the shares exceed
+    the backward by."""
+    if "dp_all_reduce" not in ctx.overlaps or seconds == 0 or blocks < 1:
+        return seconds
+    share = seconds / blocks
+    return share + (blocks - 1) * max(0.0, share - block_backward)
+
+
 def grad_sync_seconds(
     ctx: StepQuestion, roles: tuple, expert: int, pipe: int = 1
 ) -> tuple[float, float]:
@@ -286,7 +302,9 @@ def moe_estimate(
     a2a_total = ex.a2a_total_fwd * (2 if full else 1) + ex.a2a_total_bwd
     slots = acc + pipe - 1  # 1F1B: the stage's per-micro-batch time enters m + p - 1 times
     compute_mb = blocks * per_block - fake
-    ep_sync, data_sync = grad_sync_seconds(ctx, roles, expert, pipe)
+    ep_total, data_sync = grad_sync_seconds(ctx, roles, expert, pipe)
+    block_bwd = stand.compute(roles, micro_batch).block_bwd + ex.bwd + ex.a2a_bwd
+    ep_sync = expert_sync_exposed(ctx, ep_total, blocks, block_bwd)
     local = (
         ctx.model.moe_layers
         / pipe
@@ -296,7 +314,7 @@ def moe_estimate(
     exposed = dict(dense.exposed_s)
     comm = dict(dense.comm_s)
     exposed["expert"] = slots * blocks * a2a + ep_sync
-    comm["expert"] = acc * blocks * a2a_total + ep_sync
+    comm["expert"] = acc * blocks * a2a_total + ep_total
     exposed["data"] = exposed.get("data", 0.0) + data_sync
     comm["data"] = comm.get("data", 0.0) + data_sync
     compute = dense.compute_s + acc * compute_mb + optimizer

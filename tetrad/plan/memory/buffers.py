@@ -91,7 +91,10 @@ def end_of_backward_bytes(
     The gradients become views of these buffers when the last micro-batch's backward ends.
     An MoE model's routers (and its experts when ``expert = G_expert = 1``) are replicated
     over Z and data like the norm weights, so they count with the vectors; expert-sharded
-    weights are summed after backward (:func:`step_buffer_bytes`)."""
+    weights summed over an expert-data group of more than one rank: with the overlap their
+    blocks' flat fp32 copies, all in flight at the end of backward
+    (tetrad/parallel/expert_grads.py), counted here; without it, summed after backward
+    (:func:`step_buffer_bytes`)."""
     gz = grid_sizes(grid)[1]
     gd = grid_sizes(grid)[0] * context_size(grid)  # the data x context group
     n = local_parameter_elements(model, grid, expert)
@@ -101,10 +104,19 @@ def end_of_backward_bytes(
         flat = n["vectors"]
     else:
         flat = n["matrices"]
+    if dp_overlap and _expert_data_summed(grid, expert):
+        flat += n["experts"]
     return FP32 * flat + embedding_grad_bytes(model, grid)
 
 
-def step_buffer_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
+def _expert_data_summed(grid, expert: int) -> bool:
+    """Whether expert-sharded weights (``expert > 1``) are summed over an expert-data group
+    of more than one rank (the stage's ``G_data G_context G_z G_y G_x / G_expert``)."""
+    gd, gz, gy, gx = grid_sizes(grid)
+    return expert > 1 and gz * gy * gx * gd * context_size(grid) // expert > 1
+
+
+def step_buffer_bytes(model: ModelSpec, grid, expert: int = 1, dp_overlap: bool = False) -> float:
     """Largest temporary of the optimizer step, after backward (tetrad/train/step.py):
 
     - ``sync_gradients`` of the vectors (norm weights, biases; an MoE model's routers): one
@@ -112,7 +124,8 @@ def step_buffer_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
       last bucket: :func:`end_of_backward_bytes`); of the expert-sharded weights
       (``expert > 1``): one flat fp32 copy when their expert-data group (the stage's ``G_data
       G_context G_z G_y G_x / G_expert`` ranks at stride ``G_expert``, the only sum they take)
-      has more than one rank. One group at a time: the larger copy counts;
+      has more than one rank, and not summed during backward already (``dp_overlap``:
+      :func:`end_of_backward_bytes`). One group at a time: the larger copy counts;
     - ``clip_grad_norm``: none (``torch._foreach_norm``: one scalar per gradient; the scaling
       multiplies in place);
     - AdamW: none (torch's fused kernel, on CPU and CUDA, updates in place).
@@ -123,6 +136,6 @@ def step_buffer_bytes(model: ModelSpec, grid, expert: int = 1) -> float:
     gd, gz, gy, gx = grid_sizes(grid)
     n = local_parameter_elements(model, grid, expert)
     vectors = FP32 * n["vectors"] if gz > 1 else 0
-    summed = gz * gy * gx * gd * context_size(grid) // expert > 1
+    summed = _expert_data_summed(grid, expert) and not dp_overlap
     experts = FP32 * n["experts"] if summed else 0
     return float(max(vectors, experts))

@@ -208,7 +208,7 @@ def _unsharded(
         blocks=w_three if prefetch else w_big,
         block_gradients=dw_blocks,
         end_of_backward=end_of_backward_bytes(model, grid, dp_overlap, expert) + wrap,
-        step=step_buffer_bytes(model, grid, expert),
+        step=step_buffer_bytes(model, grid, expert, dp_overlap),
         end_prefetch=wrap,
         shape=(1, context_size(grid), 1, gy, gx),
     )
@@ -248,7 +248,7 @@ def _sharded(
     end += sharded_optimizer.end_of_backward_bytes(model, grid, expert)
     step = sharded_optimizer.step_bytes(model, grid, dp_overlap, expert, params)
     if expert > 1:
-        step = max(step, step_buffer_bytes(model, grid, expert))
+        step = max(step, step_buffer_bytes(model, grid, expert, dp_overlap))
         edp = sharded_optimizer.expert_data_group(grid, expert)
         if edp > 1:  # the experts' reduced pieces, held with the data's through the update
             step += FP32 * local_parameter_elements(model, grid, expert)["experts"] / edp

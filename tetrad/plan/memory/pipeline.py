@@ -500,7 +500,8 @@ def _stage_step(
     sm = stage_model(model, blocks)
     expert = opts[3] if len(opts) > 3 else 1
     step = sharded_optimizer.step_bytes(sm, grid, True, expert, params, first, last)
-    return max(step, step_buffer_bytes(sm, grid, expert)) if expert > 1 else step
+    # (the pipeline's parts run the default overlaps: their expert sums during backward)
+    return max(step, step_buffer_bytes(sm, grid, expert, True)) if expert > 1 else step
 
 
 def _live_phases(

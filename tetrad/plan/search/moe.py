@@ -303,8 +303,9 @@ def _floor(ctx, pipe, grid, ep, b, mode, imbalance) -> float:
     routed experts' compute and blocking all-to-alls (under ``full`` checkpointing their
     forward twice), over ``m`` micro-batches (1F1B on ``p`` stages: ``m + p - 1`` of the
     slowest stage's), the stand-in's exposed collectives of ``m`` micro-batches at least
-    (:func:`_comm_floor`), and the per-step gradient sums the stand-in lacks (all exposed in
-    :func:`tetrad.plan.moe_step.moe_estimate`)."""
+    (:func:`_comm_floor`), and the per-step gradient sums the stand-in lacks (the experts' at
+    least one block's share where they overlap backward:
+    :func:`tetrad.plan.moe_step.expert_sync_exposed`)."""
     gd, gc, gz, gy, gx = grid
     acc = ctx.global_batch // (gd * gz * b)
     stand = stand_in_question(ctx)
@@ -315,18 +316,21 @@ def _floor(ctx, pipe, grid, ep, b, mode, imbalance) -> float:
         ex = expert_times(ctx, stand, grid, b, ep, imbalance)
         expert = ex.fwd + ex.bwd + ex.a2a_fwd + ex.a2a_bwd - 3 * ex.fake_ffn
         again = ex.fwd + ex.a2a_fwd - ex.fake_ffn  # full recomputation's forward once more
-        got = memo[key] = (expert, again, sum(grad_sync_seconds(ctx, grid, ep, pipe)))
-    expert, again, sync = got
+        got = memo[key] = (expert, again, *grad_sync_seconds(ctx, grid, ep, pipe))
+    expert, again, ep_sync, data_sync = got
+    overlapped = "dp_all_reduce" in ctx.overlaps
     if mode == "full":
         expert += again
     if pipe == 1:
         f, bw, r = stand.micro_batch_seconds(grid, b, mode)
         comm = _comm_floor(ctx, pipe, grid, b, mode, ctx.model.n_layers)
+        sync = data_sync + (ep_sync / ctx.model.moe_layers if overlapped else ep_sync)
         return acc * (f + bw + r + ctx.model.moe_layers * expert + comm) + sync
     comp = stand.compute(grid, b)
     rec = {"full": comp.block_fwd, "selective": comp.selective}.get(mode, 0.0)
     blocks = max(r.blocks for r in moe_split(ctx, grid, b, mode, pipe))
     stage = blocks * (comp.block_fwd + comp.block_bwd + rec + expert)
+    sync = data_sync + (ep_sync / blocks if overlapped else ep_sync)
     return (acc + pipe - 1) * stage + acc * _comm_floor(ctx, pipe, grid, b, mode, blocks) + sync
 
 
