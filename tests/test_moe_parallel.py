@@ -164,6 +164,9 @@ def test_compiled_blocks_match_reference(name):
     curves, state = reference_run(CONFIGS[name])
     grids = [((2, 1, 1, 1, 1), 2), (1, 1, 1, 2, 1)]
     run_distributed(parallel_run, 2, name, curves, state, grids, "aot_eager")
+    # an expert-data group of 2: the experts' backward hook that issues their sum
+    # (tetrad/parallel/expert_grads.py) on a compiled block
+    run_distributed(parallel_run, 4, name, curves, state, [((4, 1, 1, 1, 1), 2)], "aot_eager")
 
 
 @pytest.mark.parametrize("grid", [(1, 1, 1, 2, 1), (1, 1, 1, 1, 2), (1, 2, 1, 2, 2)])
