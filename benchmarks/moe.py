@@ -140,6 +140,10 @@ def worker(args: argparse.Namespace, world: int, out: str) -> None:
             "plan_payload": plan.payload_bytes,
             "plan_sent": plan.sent_bytes,
             "plan_calls": plan.calls,
+            # the routing of the step's tokens over all ranks: busiest expert over the mean
+            "max_mean_load": float(
+                torch.stack(every).sum(0).max() / torch.stack(every).sum(0).float().mean()
+            ),
         }
         Path(out).write_text(json.dumps(result))
     dist.barrier()
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "world  tetrad s  +overlap s  stock s  ratio  +overlap  exposed a2a s  +overlap  "
         "hidden measured  predicted  payload B tetrad  stock  planner  sent B tetrad planner  "
-        "max|dy|"
+        "max|dy|  max/mean load"
     )
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['tetrad_exposed_s']:13.4f}  {r['overlap_exposed_s']:8.4f}  {hidden:15.4f}  "
             f"{r['predicted_hidden_s']:9.4f}  {r['tetrad_payload']:16,.0f}  "
             f"{r['stock_payload']:,.0f}  {r['plan_payload']:,.0f}  {r['tetrad_sent']:,.0f} "
-            f"{r['plan_sent']:,.0f}  {r['max_output_diff']:.1e}"
+            f"{r['plan_sent']:,.0f}  {r['max_output_diff']:.1e}  {r['max_mean_load']:.3f}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
