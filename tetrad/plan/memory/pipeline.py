@@ -143,11 +143,17 @@ def stage_parts(
     return static, phases, saved
 
 
+MOE_OPTS_WITH_PARAMS = 6
+"""Length of an MoE model's ``opts`` (:func:`_parts_args`) that carries its weights' format:
+``(checkpointing, dtype, prefetch, expert, imbalance, params)``."""
+
+
 def _params_arg(params: str, opts: tuple = ()) -> dict:
     """``params`` as :func:`stage_parts`' keyword, absent for fp32 weights (the memo's key of
     the callers that never give it) and where ``opts`` carries it already (an MoE model's,
     whose saved activations depend on it: :func:`stage_memory`)."""
-    return {} if params == "fp32" or len(opts) > 5 else {"params": params}
+    carried = len(opts) == MOE_OPTS_WITH_PARAMS
+    return {} if params == "fp32" or carried else {"params": params}
 
 
 def _activation_args(sp: bool | str, residual: str | None) -> dict:
