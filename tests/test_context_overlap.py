@@ -92,10 +92,15 @@ def test_pieces_overlap_attention(tmp_path):
         assert bwd == piece * 4 + ["wait"] * 4, bwd
 
 
-def _equivalence_worker(out_dir: str, sizes: tuple, dtype: str) -> None:
+def _equivalence_worker(out_dir: str, sizes: tuple, dtype: str, bias: bool = False) -> None:
     """Context attention on ``sizes`` with 1 and 4 pieces against causal SDPA over the whole
-    sequence on one rank: outputs and q/k/v gradients of this rank's tokens."""
+    sequence on one rank: outputs and q/k/v gradients of this rank's tokens. ``bias``: with
+    the masks CUDA uses (lower-right ``CausalBias``, which torch materialises on the CPU)."""
+    from tetrad.parallel import context
     from tetrad.parallel.context import ContextAttention, split_sequence
+
+    if bias:
+        context.lower_right_bias = lambda device: True
 
     grid = Grid.build(sizes, "cpu")
     g = torch.Generator().manual_seed(11)
@@ -130,14 +135,19 @@ def _equivalence_worker(out_dir: str, sizes: tuple, dtype: str) -> None:
         ((1, 4, 1, 1, 1), "fp32"),
         ((1, 2, 1, 2, 1), "fp32"),
         ((1, 2, 1, 1, 1), "bf16"),
+        ((1, 4, 1, 1, 1), "bias"),
+        ((1, 2, 1, 2, 1), "bias"),
     ],
 )
 def test_pieces_equal_whole_sequence_attention(tmp_path, sizes, dtype):
     """Output and q/k/v gradients of this rank's tokens equal causal SDPA over the whole
     sequence (fp32: to 1e-5; CPU bf16 autocast: to 0.05, bf16 rounding of values ~1), with the
-    blocking all-gather and with pieces."""
+    blocking all-gather and with pieces; ``bias``: fp32 with CUDA's lower-right
+    ``CausalBias`` masks (grouped-query heads on both grids)."""
     world = sizes[1] * sizes[3]
-    run_distributed(_equivalence_worker, world, str(tmp_path), sizes, dtype)
+    bias = dtype == "bias"
+    dtype = "fp32" if bias else dtype
+    run_distributed(_equivalence_worker, world, str(tmp_path), sizes, dtype, bias)
     tol = 1e-5 if dtype == "fp32" else 5e-2
     for r in range(world):
         worst = json.loads((tmp_path / f"{r}.json").read_text())

@@ -245,6 +245,11 @@ def predicted(sizes, mode: str, sp: bool | str = False) -> dict:
     plain_blocks = spec.n_layers - checkpointed_blocks(mode, spec.n_layers)[1]
     copies = len(sizes) == 4  # with context: token-major, in the model
     cpu_copy = plain_blocks * 2 * MICRO * SEQ * spec.q_dim // sizes[2] if copies else 0
+    # and with context parallelism the CPU's additive bf16 masks, shared by the blocks (CUDA's
+    # lower-right CausalBias is no tensor: tetrad/parallel/context.py)
+    gc = sizes[1] if len(sizes) == 5 else 1
+    masks = 2 * (SEQ // (2 * gc)) ** 2 * (2 * gc + 1) if gc > 1 else 0
+    cpu_copy += masks if mode != "full" else 0
     for key, residual in (("activations_bf16", "fp32"), ("activations_bf16_stream", None)):
         b = saved_activations(
             spec, sizes, MICRO, SEQ, **(opts | {"dtype": "bf16"}), residual=residual
@@ -252,6 +257,7 @@ def predicted(sizes, mode: str, sp: bool | str = False) -> dict:
         out[key] = b["blocks"] + b["embedding"] + b["final_norm"] + b["loss"] + cpu_copy
         if mode == "full" and residual is None:  # one block rebuilt: no copy saved in the model
             block_copy = 2 * MICRO * SEQ * spec.q_dim // sizes[2] if copies else 0
+            block_copy += masks  # saved by the recomputed block
             out["recompute_bf16_stream"] = b["recompute"] + block_copy
     # weights bf16 (the step's autocast, a bf16 stream): the same saved as fp32 weights
     out["activations_bf16_storage"] = out["activations_bf16_stream"]

@@ -4,12 +4,21 @@ Causal attention costs more for late tokens than for early ones, so the sequence
 is cut into ``2 G_context`` chunks of ``c = S / (2 G_context)`` and context rank ``r`` holds
 chunks ``r`` and ``2 G_context - 1 - r`` (the load-balanced order of Megatron-LM's context
 parallelism and of Llama 3, Dubey et al., arXiv 2407.21783, section 3.3.2): every rank then
-attends over ``(2 G_context + 1) c`` keys.
+attends over ``(2 G_context + 1) c`` keys, ``2 G_context c`` of them unmasked.
 
 Attention all-gathers keys and values over the context axis (Llama 3's choice: with grouped-query
 attention K and V are ``2 kv_heads / heads`` of the query's size) and each local chunk attends over
 the keys up to its end with a lower-right causal mask. Backward sums the key/value gradients with
 a reduce-scatter over context.
+
+The mask, by device (:func:`lower_right_bias`). On CUDA it is PyTorch's lower-right
+:class:`torch.nn.attention.bias.CausalBias` (``causal_lower_right``): FlashAttention-2 aligns its
+causal mask to the lower right when queries are fewer than keys, and the memory-efficient kernel
+takes the variant as its mask type, so no mask tensor exists and the kernel skips the masked half
+of the last ``c x c`` block: each rank computes the causal ideal, ``1 / G_context`` of the
+sequence's causal attention. Elsewhere (the CPU kernel computes every score it is given) an
+additive mask ``[c, (i+1) c]`` per chunk, built once per shape and shared by every block; there
+the kernel computes ``(2 G_context + 1) / (2 G_context)`` of the ideal.
 
 Overlap (the ``context`` overlap, :mod:`tetrad.parallel.overlap`): the all-gather is issued in
 ``n = n_b n_h`` pieces, over the micro-batch's samples and this rank's KV heads
@@ -48,6 +57,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from tetrad.comm import all_gather, reduce_scatter
 from tetrad.grid import Grid
@@ -90,6 +100,13 @@ def local_positions(s: int, grid: Grid, device: torch.device) -> torch.Tensor:
             for i in chunk_ids(grid.context, grid.coord[Axis.CONTEXT])
         ]
     )
+
+
+def lower_right_bias(device: torch.device) -> bool:
+    """Whether the chunks' masks on ``device`` are the lower-right
+    :class:`~torch.nn.attention.bias.CausalBias` (CUDA: its kernels skip the masked scores)
+    rather than additive mask tensors (module doc)."""
+    return device.type == "cuda"
 
 
 class _Pieces:
@@ -159,8 +176,9 @@ class ContextAttention:
     """Causal attention of this rank's two chunks over the whole sequence's keys and values.
 
     Called as ``attention(q, k, v)`` with the module docstring's shapes; returns
-    ``[b, heads/G_y, s, d]``. The masks (additive, compute dtype, ``[c, (i+1) c]`` for chunk
-    ``i``) and the chunk order are built once per shape and shared by every block.
+    ``[b, heads/G_y, s, d]``. The masks (for chunk ``i``, over ``(i+1) c`` keys: on CUDA a
+    lower-right :class:`~torch.nn.attention.bias.CausalBias`, elsewhere additive, compute dtype,
+    ``[c, (i+1) c]``) and the chunk order are built once per shape and shared by every block.
 
     Args:
         pieces: most pieces of the K/V all-gather (:func:`tetrad.spec.overlap.context_pieces`;
@@ -176,9 +194,12 @@ class ContextAttention:
         if key not in self._cache:
             g, c = self.grid.context, s // 2
             order = [2 * j if j < g else 2 * (2 * g - 1 - j) + 1 for j in range(2 * g)]
-            masks = []
+            masks: list = []
             for i in chunk_ids(g, self.grid.coord[Axis.CONTEXT]):
                 keys = (i + 1) * c
+                if lower_right_bias(device):
+                    masks.append(causal_lower_right(c, keys))
+                    continue
                 allowed = torch.ones(c, keys, dtype=torch.bool, device=device).tril(keys - c)
                 masks.append(
                     torch.zeros(c, keys, dtype=dtype, device=device).masked_fill(
@@ -196,6 +217,7 @@ class ContextAttention:
         bw, hw = b // n_b, kvh // n_h
         qw = q.shape[1] // n_h  # query heads per piece
         index, *masks = self._constants(s, q.dtype, q.device)
+        ends = [(j + 1) * c for j in chunk_ids(g, self.grid.coord[Axis.CONTEXT])]  # keys per chunk
         kv = torch.stack((k, v)).view(2, n_b, bw, n_h, hw, s, d)
         kv = kv.permute(1, 3, 5, 0, 2, 4, 6).contiguous()  # [n_b, n_h, s, 2, bw, hw, d]
         state, tokens = _launch_all(kv, self.grid)
@@ -207,8 +229,9 @@ class ContextAttention:
                 keys, values = full[:, 0].permute(1, 2, 0, 3), full[:, 1].permute(1, 2, 0, 3)
                 ib, ih = divmod(p, n_h)
                 qp = q[ib * bw : (ib + 1) * bw, ih * qw : (ih + 1) * qw]
-                for i, (half, mask) in enumerate(zip(qp.split(c, dim=2), masks, strict=True)):
-                    n = mask.shape[1]
+                for i, (half, mask, n) in enumerate(
+                    zip(qp.split(c, dim=2), masks, ends, strict=True)
+                ):
                     outs[i].append(
                         F.scaled_dot_product_attention(
                             half,
@@ -231,9 +254,13 @@ def _assemble(outs: list[torch.Tensor], n_b: int, n_h: int) -> torch.Tensor:
 
 
 def _masked_kernels(device: torch.device) -> contextlib.AbstractContextManager:
-    """On CUDA the SDPA kernels that take an additive mask (memory-efficient attention, cuDNN);
-    the training step otherwise allows only the flash kernels, which take none. Not yet run on
-    a GPU. Elsewhere nothing: the CPU flash kernel takes the mask."""
+    """On CUDA the kernels the lower-right bias runs on: FlashAttention-2 (bf16, any KV heads),
+    else the memory-efficient kernel with the lower-right mask type (no grouped-query heads),
+    else one that takes the bias as a mask (memory-efficient, cuDNN); the training step
+    otherwise allows only the flash kernels. Not yet run on a GPU. Elsewhere nothing: the CPU
+    flash kernel takes the additive mask."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    )

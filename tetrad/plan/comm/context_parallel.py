@@ -14,15 +14,17 @@ With ``G_context = G`` each rank holds ``s = S / G`` tokens of every sample, as 
   transfer hidden behind the attention of the piece before it (:func:`pieces_exposed_seconds`);
   ``n = 1`` (or the overlap off) is one blocking call (nothing to hide it behind: q, k and v
   come from one GEMM).
-- each chunk ``i`` attends over the ``(i + 1) c`` keys up to its end with an additive
-  lower-right causal mask, so the kernel computes the masked upper triangle of the last
-  ``c x c`` block too: ``Q K^T`` and ``P V`` cost ``2 c (i+1) c d`` FLOPs per head each, over
-  both chunks ``4 b d a/G_y c^2 (2G + 1)`` forward (against the ideal causal
-  ``2 b S^2 d a / (G G_y)``: ``(2G + 1) / (2G)`` of it).
+- each chunk ``i`` attends over the ``(i + 1) c`` keys up to its end with a lower-right causal
+  mask; on CUDA the mask is PyTorch's lower-right ``CausalBias``, whose kernels skip the masked
+  upper triangle of the last ``c x c`` block: ``Q K^T`` and ``P V`` cost ``2 c (i + 1/2) c d``
+  FLOPs per head each, over both chunks (``i = r`` and ``2G - 1 - r``)
+  ``4 b d a / G_y c^2 2G = 2 b S^2 d a / (G G_y)`` forward, the ideal causal share. (The CPU
+  kernel takes additive masks and computes the masked triangles too, ``(2G + 1) / (2G)`` of
+  it; the planner models GPUs.)
 - saved tensors per block: the gathered K/V (``2 b S kv_dim / G_y`` elements) instead of the
   local k and v; the attention output twice (SDPA's two halves, and their token-major
-  concatenation, the out-projection's input); the masks (``c (2G + 1) c`` elements) once for
-  all blocks.
+  concatenation, the out-projection's input); once for all blocks the chunk order, and on
+  the CPU the additive masks (``c (2G + 1) c`` elements).
 
 Where each part lives: the tokens per rank and the split's rules here (:func:`local_seq_len`,
 :func:`context_problems`), with the K/V collectives (:func:`kv_gather_payload`, the pieces);

@@ -1,7 +1,7 @@
 """FLOP counts: model FLOPs of one optimizer step, for MFU and HFU (the runtime's definition,
 :meth:`tetrad.spec.model.ModelSpec.flops_per_token`), the FLOPs full recomputation adds, and
 causal attention's forward FLOPs on one rank (:func:`attention_fwd_flops`, with context
-parallelism's masked chunks: :mod:`tetrad.plan.comm.context_parallel`).
+parallelism's chunks: :mod:`tetrad.plan.comm.context_parallel`).
 """
 
 from __future__ import annotations
@@ -40,14 +40,11 @@ def recompute_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) 
 def attention_fwd_flops(
     model: ModelSpec, micro_batch: int, seq_len: int, gy: int, gc: int = 1
 ) -> float:
-    """Causal attention forward FLOPs on one rank. ``G_context = 1``: ``2 b S^2 d a / G_y``
-    (half of ``4 b S^2 d a`` for the causal mask: PaLM, Chowdhery et al., arXiv 2204.02311,
-    appendix B). ``G_context = G > 1``: ``4 b d a / G_y c^2 (2G + 1)``, ``c = S / (2G)``: each
-    rank's two chunks of ``c`` tokens attend over the keys up to their ends, the masked triangle
-    of the last ``c x c`` block computed too (derived in the module doc of
-    :mod:`tetrad.plan.comm.context_parallel`)."""
+    """Causal attention forward FLOPs on one rank: ``2 b S^2 d a / (G_y G_context)`` (half of
+    ``4 b S^2 d a`` for the causal mask: PaLM, Chowdhery et al., arXiv 2204.02311, appendix B).
+    With ``G_context = G > 1`` each rank's two chunks of ``c = S / (2G)`` tokens attend over the
+    keys up to their ends, ``4 b d a / G_y c^2 2G`` with the lower-right causal kernel on CUDA,
+    which skips the masked half of each chunk's last ``c x c`` block: the same (derived in the
+    module doc of :mod:`tetrad.plan.comm.context_parallel`)."""
     a_d = model.head_dim * model.n_heads / gy
-    if gc == 1:
-        return 2.0 * micro_batch * seq_len * seq_len * a_d
-    c = seq_len / (2 * gc)
-    return 4.0 * micro_batch * a_d * c * c * (2 * gc + 1)
+    return 2.0 * micro_batch * seq_len * seq_len * a_d / gc

@@ -334,13 +334,14 @@ def loss_saved_bytes(model: ModelSpec, grid, dtype: str = "bf16") -> float:
 
 
 def context_shared_bytes(seq_len: int, gc: int, e: int) -> float:
-    """Saved tensors shared by every block (bytes): the two additive masks ``[c, (i+1) c]`` in
-    the compute dtype (``e`` bytes) and the chunk order ``[2G]`` int64; 0 without context
-    parallelism."""
+    """Saved tensors shared by every block (bytes): the chunk order ``[2G]`` int64, and with
+    ``e = 4`` (fp32: the CPU) the two additive masks ``[c, (i+1) c]``, ``c^2 (2G + 1)``
+    elements; in bf16 (CUDA) the masks are the lower-right ``CausalBias``, no tensor
+    (tetrad/parallel/context.py); 0 without context parallelism."""
     if gc == 1:
         return 0.0
     c = seq_len // (2 * gc)
-    return float(e * c * c * (2 * gc + 1) + 8 * 2 * gc)
+    return float((e * c * c * (2 * gc + 1) if e == 4 else 0) + 8 * 2 * gc)
 
 
 def context_block_delta(
