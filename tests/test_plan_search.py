@@ -180,3 +180,24 @@ def test_sequence_parallel_regather_rows_are_timed_with_it():
     assert row.step_s == got["regather"].step_s
     assert row.comm_s == got["regather"].comm_s
     assert got["regather"].comm_s["y"] > got[True].comm_s["y"]
+
+
+def test_sharded_optimizer_updates_its_piece():
+    """With the sharded optimizer the step's optimizer term is AdamW over this rank's
+    ``1/(G_data G_context)`` piece plus the copies sharding adds over every local element
+    (tetrad/parallel/zero.py: the gradients packed, the gathered weights copied back), not
+    AdamW over every local element: on ``data=4, y=2`` the compute differs from the unsharded
+    step's by exactly that."""
+    from tetrad.plan.compute.elementwise import ELEMENTWISE, optimizer_seconds
+
+    model, machine = get_model("llama-3.1-8b"), get_machine("dgx-h100")
+    ctx = StepQuestion(model, machine, 2048, 64, param_bytes=2)
+    grid, hbm = (4, 1, 2, 1), machine.hbm_bytes_per_s
+    plain, zero = (estimate(q, grid, 1, "none") for q in (ctx, sharded(ctx)))
+    _, block, head, emb = ctx.weight_shards(1, 2, 1)
+    local = model.n_layers * block + head + emb + ctx.vector_elements(1, 2)
+    want = optimizer_seconds(local, hbm, 4, 2) - optimizer_seconds(local, hbm)
+    assert zero.compute_s - plain.compute_s == pytest.approx(want, rel=1e-9)
+    assert want < 0  # a quarter of AdamW's 36 bytes plus 12 bytes of copies per element
+    per_element = (ELEMENTWISE["optimizer_per_param"] / 4 + 8 + 4) / hbm
+    assert optimizer_seconds(local, hbm, 4, 2) == pytest.approx(per_element * local, rel=1e-12)

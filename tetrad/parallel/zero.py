@@ -191,9 +191,10 @@ class DataShards:
         return t.view(-1)[min(self.rank * c, n) : min((self.rank + 1) * c, n)]
 
     def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """``[G * sum c]``: row ``r`` of ``[G, sum c]`` holds every tensor's piece ``r``."""
+        """``[G * sum c]``: row ``r`` of ``[G, sum c]`` holds every tensor's piece ``r`` (each
+        column block written once, padding included: no zero fill first)."""
         chunks = [self.chunk(t.numel()) for t in tensors]
-        buf = torch.zeros(self.size, sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
+        buf = torch.empty(self.size, sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
         offset = 0
         for t, c in zip(tensors, chunks, strict=True):
             col = buf[:, offset : offset + c]

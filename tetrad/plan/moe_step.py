@@ -53,8 +53,9 @@ import math
 from dataclasses import dataclass
 
 from tetrad.plan.comm.experts import COUNT_BYTES, all_to_all_seconds, pipelined_seconds
-from tetrad.plan.compute.elementwise import ELEMENTWISE
+from tetrad.plan.compute.elementwise import ELEMENTWISE, optimizer_seconds
 from tetrad.plan.machine.network import ALL_REDUCE
+from tetrad.plan.memory.sharded_optimizer import data_group, expert_data_group
 from tetrad.plan.pipe.pipeline_step import PipeConfig, pipeline_estimate, split_ranks
 from tetrad.plan.pipe.stages import split_costs
 from tetrad.plan.question import StepQuestion, sharded, shards_optimizer
@@ -305,12 +306,13 @@ def moe_estimate(
     ep_total, data_sync = grad_sync_seconds(ctx, roles, expert, pipe)
     block_bwd = stand.compute(roles, micro_batch).block_bwd + ex.bwd + ex.a2a_bwd
     ep_sync = expert_sync_exposed(ctx, ep_total, blocks, block_bwd)
-    local = (
-        ctx.model.moe_layers
-        / pipe
-        * (ctx.model.router_params() + ctx.model.expert_params() / expert)
-    )
-    optimizer = ELEMENTWISE["optimizer_per_param"] * local / ctx.machine.hbm_bytes_per_s
+    # the routers' pieces over data x context, the routed experts' over expert-data (with the
+    # sharded optimizer: tetrad/parallel/zero.py DataShards.experts), each as the dense ones
+    data = data_group(physical) if shards_optimizer(ctx) else 1
+    edp = expert_data_group(physical, expert) if data > 1 else 1
+    per, hbm, pb = ctx.model.moe_layers / pipe, ctx.machine.hbm_bytes_per_s, ctx.param_bytes
+    optimizer = optimizer_seconds(per * ctx.model.router_params(), hbm, data, pb)
+    optimizer += optimizer_seconds(per * ctx.model.expert_params() / expert, hbm, edp, pb)
     exposed = dict(dense.exposed_s)
     comm = dict(dense.comm_s)
     exposed["expert"] = slots * blocks * a2a + ep_sync

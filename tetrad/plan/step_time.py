@@ -118,7 +118,7 @@ from tetrad.plan.comm.fp8_scales import amax_all_reduces
 from tetrad.plan.comm.listing import Collective, listed
 from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.comm.zwindows import z_collectives
-from tetrad.plan.compute.elementwise import ELEMENTWISE
+from tetrad.plan.compute.elementwise import optimizer_seconds
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
 from tetrad.plan.question import StepQuestion, sharded, shards_optimizer
@@ -344,7 +344,9 @@ def estimate(
         for kind in OTHER_KINDS:
             kind(rec, st)
     local = st.n_layers * st.block_el + st.head_el + st.emb_el + st.vector_el
-    optimizer = ELEMENTWISE["optimizer_per_param"] * local / ctx.machine.hbm_bytes_per_s
+    optimizer = optimizer_seconds(
+        local, ctx.machine.hbm_bytes_per_s, st.optimizer_shards, ctx.param_bytes
+    )
     fwd_mb, bwd_mb, rec_mb = st.comp.micro_batch_seconds(st.n_layers, checkpointing)
     compute = st.acc * (fwd_mb + bwd_mb + rec_mb) + optimizer
     step = compute + sum(rec.exposed.values())

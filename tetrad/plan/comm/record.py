@@ -169,6 +169,12 @@ class Step:
         return self.model.n_layers
 
     @property
+    def optimizer_shards(self) -> int:
+        """Ranks the optimizer's states are split over: ``G_data G_context`` with the sharded
+        optimizer, else 1."""
+        return self.sizes["data"] if self.zero else 1
+
+    @property
     def vectors_in_buckets(self) -> bool:
         """Whether the vectors' data-parallel sum rides in the last bucket (the runtime's
         :meth:`tetrad.parallel.overlap.Overlap.folds_late`: ``dp_overlap``, data > 1, ``G_z =

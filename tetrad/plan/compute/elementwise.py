@@ -15,6 +15,7 @@ ELEMENTWISE = {
     "loss_bwd_per_dx": 4.0,
     "loss_bwd_per_dw": 6.0,
     "optimizer_per_param": 36.0,
+    "shard_pack_per_param": 8.0,
     "backward_factor": 2.0,
 }
 """Bytes moved per element by the memory-bound parts (forward unless noted), rough counts of the
@@ -36,6 +37,23 @@ runtime's unfused ops, in bytes per token and per local feature:
   element: scale, read 2, write 2) and ``loss_bwd_per_dw`` (per ``dW`` element: scaled into its
   fp32 copy, read 2, write 4);
 - ``optimizer_per_param``: AdamW reads param, grad, m, v and writes param, m, v (28 B), plus the
-  gradient clipping scale (8 B);
+  gradient clipping scale (8 B); per element it updates (:func:`optimizer_seconds`);
+- ``shard_pack_per_param``: the sharded optimizer packs every local fp32 gradient into the
+  reduce-scatter's rows (read 4, write 4; tetrad/parallel/zero.py ``DataShards.pack``);
 - ``backward_factor``: backward of element-wise work moves about twice the forward's bytes.
 """
+
+
+def optimizer_seconds(local: float, hbm: float, shards: int = 1, param_bytes: int = 4) -> float:
+    """Seconds of the optimizer step's element-wise work on one rank holding ``local`` parameter
+    elements (``hbm``: bytes/s). Without sharding: AdamW with the clipping scale
+    (``optimizer_per_param`` bytes) over all of them. With the sharded optimizer over
+    ``shards = G > 1`` ranks (tetrad/parallel/zero.py): AdamW over this rank's ``1/G`` piece of
+    each, plus the copies of every local element that sharding adds: the gradients packed into
+    the reduce-scatter's rows (``shard_pack_per_param``) and the all-gathered weights copied
+    back into the parameters (read and write, ``2 param_bytes``)."""
+    adamw = ELEMENTWISE["optimizer_per_param"] * local
+    if shards <= 1:
+        return adamw / hbm
+    copies = (ELEMENTWISE["shard_pack_per_param"] + 2 * param_bytes) * local
+    return (adamw / shards + copies) / hbm

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from tetrad.plan.comm import layers, linears
 from tetrad.plan.comm.record import Recorder
-from tetrad.plan.compute.elementwise import ELEMENTWISE
+from tetrad.plan.compute.elementwise import optimizer_seconds
 from tetrad.plan.pipe.critical_path import schedule_step
 from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
 from tetrad.plan.pipe.stage_times import stage_times
@@ -215,7 +215,7 @@ def rank_time(
         bwd += c.final_norm_bwd + c.loss_bwd
     rec = st.comp.micro_batch_seconds(k, ckpt)[2]
     local = k * st.block_el + st.head_el + st.emb_el + st.vector_el
-    opt = ELEMENTWISE["optimizer_per_param"] * local / ctx.machine.hbm_bytes_per_s
+    opt = optimizer_seconds(local, ctx.machine.hbm_bytes_per_s, st.optimizer_shards, st.param_bytes)
     # the residual stream [b, S / G_context, h / G_x] (G_x of the X role; under sequence
     # parallelism [b, S / (G_context G_y), h])
     nbytes = p2p_bytes(

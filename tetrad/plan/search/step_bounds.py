@@ -34,7 +34,7 @@ from __future__ import annotations
 from tetrad.plan.comm import layers
 from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.comm.zwindows import table_seconds, window_seconds, z_queue_seconds
-from tetrad.plan.compute.elementwise import ELEMENTWISE
+from tetrad.plan.compute.elementwise import optimizer_seconds
 from tetrad.plan.machine.network import ALL_REDUCE, REDUCE_SCATTER
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.step_time import make_step, xy_record
@@ -71,8 +71,8 @@ class StepBounds:
         got = self._grid.get(grid)
         if got is None:
             local = st.n_layers * st.block_el + st.head_el + st.emb_el + st.vector_el
-            optimizer = (
-                ELEMENTWISE["optimizer_per_param"] * local / self.ctx.machine.hbm_bytes_per_s
+            optimizer = optimizer_seconds(
+                local, self.ctx.machine.hbm_bytes_per_s, st.optimizer_shards, st.param_bytes
             )
             rec = Recorder(False)
             layers.step_scalars(rec, st)
