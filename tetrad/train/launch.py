@@ -304,10 +304,13 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
     if LOCAL_WORKER not in os.environ:
         os.environ[LOCAL_WORKER] = "1"
         added.append(LOCAL_WORKER)
-    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+    if _max_restarts(cfg) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
         # A store shared by the agent outlives the workers: restarted workers then read the
         # dead workers' addresses and fail to connect (PyTorch issue 135712). Without sharing,
-        # each attempt's rank 0 hosts a fresh store.
+        # each attempt's rank 0 hosts a fresh store. Only with restarts: that store's port is
+        # probed free by the agent and bound later by rank 0, and in between any outgoing
+        # connection on the host may take it (EADDRINUSE, seen twice in one test-suite run);
+        # the shared store is bound by the agent before the workers start.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         added.append("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     try:
