@@ -189,6 +189,7 @@ class ContextAttention:
         self.grid, self.pieces = grid, pieces
         self._cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
+    @torch.compiler.disable  # Dynamo cannot build a CausalBias; built here, it enters as input
     def _constants(self, s: int, dtype: torch.dtype, device: torch.device):
         key = (s, dtype, device)
         if key not in self._cache:
