@@ -131,20 +131,34 @@ def test_z_all_gather_moves_fp8_bytes_under_tensorwise_only():
         assert gathers[r][("embedding", "forward")] == gathers["off"][("embedding", "forward")]
 
 
-def test_amax_all_reduces_one_per_weight_cast_over_the_shard_group():
+def test_amax_all_reduces_as_the_runtime_issues_them():
+    """``tensorwise``: per block Linear and micro-batch, one fp32 all-reduce of the weight's
+    amax on each of Z, Y and X at every gather (forward, backward, recompute), of ``x``'s on
+    the input axis (forward, recompute) and of ``dy``'s on the output axis (backward), and on
+    context for both (tetrad/parallel/fp8.py; ``tests/test_plan_validation.py`` counts the
+    runtime's). None under rowwise, nor for data-parallel replicas."""
     grid, b, seq, gb = (2, 1, 2, 2, 2), 1, 2048, 8  # acc = 2
-    L = L8B.n_layers
-    for ckpt, phases in (("none", {"forward"}), ("full", {"forward", "recompute"})):
+    calls = L8B.n_layers * 2
+    for ckpt, phases in (("none", ("forward", "backward")), ("full", ("forward", "recompute"))):
         cols = collectives(
             L8B, H100, grid, b, seq, gb, fp8="tensorwise", **{"activation_checkpointing": ckpt}
         )
         amax = [c for c in cols if c.layer.endswith(" amax")]
-        assert {c.layer for c in amax} == {f"{lin.name} amax" for lin in L8B.linears()}
-        assert {c.phase for c in amax} == phases
-        link = H100.network.link(1, 8)  # Z x Y x X = 8 consecutive ranks
+        got = {(c.layer, c.phase, c.axis) for c in amax}
+        for lin in L8B.linears():
+            in_ax, out_ax = ("y", "x") if lin.transposed else ("x", "y")
+            for phase in phases:
+                assert {(f"{lin.name} weight amax", phase, a) for a in "zyx"} <= got
+                operand = ("dy", out_ax) if phase == "backward" else ("x", in_ax)
+                assert (f"{lin.name} {operand[0]} amax", phase, operand[1]) in got
+        assert len(got) == len(amax) == 4 * len(L8B.linears()) * (2 + (ckpt == "full"))
         for c in amax:
-            assert (c.axis, c.kind, c.payload_bytes, c.calls) == ("z", "all_reduce", 4, L * 2)
+            link = H100.network.grid_links(grid)[c.axis]
+            assert (c.kind, c.payload_bytes, c.calls) == ("all_reduce", 4, calls)
             assert c.time_s == link.time("all_reduce", 4) and c.exposed_s == c.calls * c.time_s
+    context = collectives(L8B, H100, (1, 2, 2, 1, 1), b, seq, gb // 2, fp8="tensorwise")
+    on_context = {c.layer for c in context if c.layer.endswith(" amax") and c.axis == "context"}
+    assert on_context == {f"{lin.name} {op} amax" for lin in L8B.linears() for op in ("x", "dy")}
     for r, g in (("rowwise", grid), ("tensorwise", (8, 1, 1, 1, 1))):  # none: rowwise, replicas
         cols = collectives(L8B, H100, g, b, seq, gb, fp8=r)
         assert not [c for c in cols if c.layer.endswith(" amax")], r
@@ -212,7 +226,11 @@ def test_plan_fp8_auto_says_where_fp8_wins(capsys, tmp_path):
     assert "fp8 tensorwise: 1.2" in out and "x bf16's best (wins" in out
     assert "fp8 rowwise: 1.1" in out and "fp8 auto: the fastest is tensorwise" in out
     assert "; fp8 tensorwise (MFU against the bf16 peak" in out
-    assert "no [precision] section" in err and "precision" not in path.read_text()
+    # the written config trains with the recipe it was planned with
+    from tetrad.train.config import load_config
+
+    assert '[precision]\nfp8 = "tensorwise"' in path.read_text()
+    assert load_config(str(path), {}).policy.fp8 == "tensorwise"
 
 
 def test_plan_fp8_errors_are_one_line(capsys):

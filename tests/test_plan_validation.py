@@ -410,3 +410,69 @@ def test_comm_model_predicts_bf16_stream_collectives(tmp_path):
         for rank in range(2):
             got = json.loads((tmp_path / f"{rank}.json").read_text())[str(sp)]
             assert got == want, f"sp {sp} rank {rank}: runtime {got}, planner {want}"
+
+
+FP8_GRIDS = [((1, 2, 2, 1), "xy"), ((1, 1, 2, 2), "yx"), ((2, 2, 1, 1, 1), "xy")]
+"""FP8 grids: Z x Y, Y x X turned, data x context x Z."""
+
+
+def _fp8_worker(out_dir: str, recipe: str) -> None:
+    """Per FP8 grid and (micro-batches, checkpointing, overlaps) of :data:`FP8_CONFIGS`, this
+    rank's counts of the second step under ``--fp8 recipe``."""
+    from tetrad.spec.precision import precision
+
+    got = {}
+    for sizes, orientation in FP8_GRIDS:
+        grid = Grid.build(sizes, "cpu", orientation)
+        batch = torch.randint(0, CFG.vocab_size, (SAMPLES * grid.batch_shards, SEQ + 1))
+        for n_micro, ckpt, ov in FP8_CONFIGS:
+            model = ParallelLlama(CFG, grid, ckpt, OVERLAP_SETS[ov], **OPTIONS)
+            init_parameters(model, SEED, grid)
+            policy = precision("cpu", fp8=recipe)
+            opt = build_optimizer(model, LR, weight_decay=0.1, policy=policy)
+            train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)
+            grid.comm.reset()
+            train_step(model, opt, grid, batch, SAMPLES // n_micro, CLIP)
+            stats = grid.comm.reset()
+            key = _key(sizes, orientation, n_micro, ckpt, ov)
+            got[key] = {axis: [s.calls, s.payload_bytes, s.bytes] for axis, s in stats.items()}
+    with open(f"{out_dir}/{dist.get_rank()}.json", "w") as fh:
+        json.dump(got, fh)
+
+
+FP8_CONFIGS = [(2, False, "all but fine"), (1, True, "all but fine"), (2, False, "none")]
+"""(micro-batches, full checkpointing, overlaps): ``fine`` fuses nothing under FP8."""
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_comm_model_predicts_fp8_collectives(tmp_path, recipe):
+    """``--fp8``: the amax all-reduces of ``tensorwise`` (weights over Z and the tensor axes at
+    every gather, activations over their feature axis and context), its Z all-gathers of FP8
+    bytes (1 per element, a quarter of fp32's), and every FP8 Linear's GEMM whole before its
+    all-reduce (no Domino halves): the runtime's calls and bytes per axis equal the planner's
+    (``rowwise``: the tiny model's Linears are below its size filter, so the counts are the
+    compute dtype's, as the planner's)."""
+    pytest.importorskip("torchao.float8")
+    run_distributed(_fp8_worker, 4, str(tmp_path), recipe)
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    for sizes, orientation in FP8_GRIDS:
+        for n_micro, ckpt, ov in FP8_CONFIGS:
+            key = _key(sizes, orientation, n_micro, ckpt, ov)
+            cells = sizes[0] * sizes[-3]
+            cols = collectives(
+                get_model(SPEC),
+                get_machine("dgx-h100"),
+                sizes,
+                SAMPLES // n_micro,
+                SEQ,
+                SAMPLES * cells,
+                activation_checkpointing=ckpt,
+                overlaps=OVERLAP_SETS[ov],
+                compute_bytes=DTYPE_BYTES["fp32"],
+                orientation=orientation,
+                fp8=recipe,
+                **OPTIONS,
+            )
+            want = {axis: [t[f] for f in FIELDS] for axis, t in axis_totals(cols).items()}
+            for rank, got in enumerate(ranks):
+                assert got[key] == want, f"{key} rank {rank}: runtime {got[key]}, planner {want}"

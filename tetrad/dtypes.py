@@ -78,6 +78,24 @@ def residual_dtype(device: torch.device | str, weights: torch.dtype) -> torch.dt
     return torch_dtype(name)
 
 
+def fp8_recipe() -> str:
+    """The FP8 GEMM recipe of the policy whose :func:`autocast` the forward runs in (``off``
+    outside one): :mod:`tetrad.parallel.fp8`."""
+    active = _ACTIVE.get()
+    return active.fp8 if active is not None else "off"
+
+
+def recompute_context() -> tuple[contextlib.AbstractContextManager, ...]:
+    """``torch.utils.checkpoint``'s ``context_fn`` for a block recomputed in backward: the
+    forward runs as it is, the recomputation under the policy active now (the backward runs
+    outside the step's :func:`autocast`, on the engine's thread, where the policy that
+    :func:`fp8_recipe` reads is not set: without this a block would recompute its Linears
+    without their FP8 casts). torch restores autocast itself."""
+    policy = _ACTIVE.get()
+    again = _active(policy) if policy is not None else contextlib.nullcontext()
+    return contextlib.nullcontext(), again
+
+
 @contextlib.contextmanager
 def _active(policy: Precision):
     """Make ``policy`` the one :func:`residual_dtype` reads while active."""

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tetrad.dtypes import residual_dtype
+from tetrad.dtypes import recompute_context, residual_dtype
 from tetrad.models import recompute
 from tetrad.models.moe import MoEFeedForward
 from tetrad.models.swiglu import swiglu
@@ -307,7 +307,9 @@ class Transformer(nn.Module):
             if not grad or mode == "none":
                 h = layer(h, positions)
             elif mode == "full":
-                h = checkpoint(layer, h, positions, use_reentrant=False)
+                h = checkpoint(
+                    layer, h, positions, use_reentrant=False, context_fn=recompute_context
+                )
             else:  # selective (tetrad.models.recompute): no GEMM or collective re-runs
                 with recompute.selective():
                     h = layer(h, positions)

@@ -32,33 +32,43 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tetrad.dtypes import compute_dtype
+from tetrad.comm import all_reduce
+from tetrad.dtypes import compute_dtype, fp8_recipe
 from tetrad.grid import Grid
+from tetrad.parallel.fp8 import Fp8Gemms
 from tetrad.parallel.masters import grad_dtype
 from tetrad.parallel.overlap import Overlap
 from tetrad.parallel.placement import sharded_parameter
 from tetrad.parallel.sequence import gather_sequence, scatter_sequence
 from tetrad.spec.grid import Axis
+from tetrad.spec.precision import fp8_converts
 
 
 def reduce_weight_gradient(
-    ov: Overlap, w_shard: nn.Parameter, dy: torch.Tensor, x: torch.Tensor
+    ov: Overlap,
+    w_shard: nn.Parameter,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    dw: torch.Tensor | None = None,
 ) -> None:
-    """The block gradient ``dy^T x`` (``dy [..., n]``, ``x [..., k]`` -> ``[n, k]``), handed to
-    the overlap as ``w_shard``'s (its Z reduce-scatter fills ``w_shard.grad``); written straight
-    into its data-parallel bucket where the overlap offers a place (:meth:`Overlap.grad_slot`).
-    Cast to the gradients' dtype only where a Z reduce-scatter sums it (``G_z > 1``): with
-    ``G_z = 1`` it is added to the gradient as it is (:func:`tetrad.parallel.masters.add_grad`:
-    an in-place add across dtypes, no fp32 copy of the block)."""
-    a, b = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
+    """The block gradient ``dy^T x`` (``dy [..., n]``, ``x [..., k]`` -> ``[n, k]``; or ``dw``,
+    computed already, as FP8 GEMMs give it), handed to the overlap as ``w_shard``'s (its Z
+    reduce-scatter fills ``w_shard.grad``); written straight into its data-parallel bucket
+    where the overlap offers a place (:meth:`Overlap.grad_slot`). Cast to the gradients' dtype
+    only where a Z reduce-scatter sums it (``G_z > 1``): with ``G_z = 1`` it is added to the
+    gradient as it is (:func:`tetrad.parallel.masters.add_grad`: an in-place add across
+    dtypes, no fp32 copy of the block)."""
     slot = ov.grad_slot(w_shard)
+    if dw is None:
+        a, b = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
+        if slot is not None and a.dtype == slot.dtype:
+            dw = torch.mm(a, b, out=slot)
+        else:
+            dw = a @ b
     if slot is None:
-        dw = a @ b
         dw = dw.to(grad_dtype(w_shard)) if ov.grid.z > 1 else dw
-    elif a.dtype == slot.dtype:
-        dw = torch.mm(a, b, out=slot)
-    else:  # the cast to the parameter dtype lands in the slot
-        dw = slot.copy_(a @ b)
+    elif dw is not slot:  # the cast to the parameter dtype lands in the slot
+        dw = slot.copy_(dw)
     ov.reduce_weight_grad(w_shard, dw)
 
 
@@ -75,6 +85,7 @@ class _Linear3D(torch.autograd.Function):
         out_axis: Axis,
         sequence: bool,
         regather: bool = False,
+        fp8: Fp8Gemms | None = None,
     ):
         # sequence parallelism: the first layer of a pair (out over Y) gathers its
         # input along the sequence, the second (in over Y) reduce-scatters its output
@@ -82,12 +93,19 @@ class _Linear3D(torch.autograd.Function):
         dtype = compute_dtype(x)
         x_shape = x.shape
         x = shard = x.to(dtype)
-        w = ov.gather_weight(w_shard, dtype)
+        w = ov.gather_weight(w_shard, fp8.weight_format(dtype) if fp8 else dtype)
         if gathers:
             x = gather_sequence(x, ov.grid)
         rows = x.reshape(-1, x.shape[-1])
         out_shape = (*x.shape[:-1], w.shape[0])
-        if scatters:
+        ctx.fp8, ctx.x_scale = fp8, None
+        if fp8 is not None:  # the GEMM whole, then its collective (tetrad/parallel/fp8.py)
+            y, ctx.x_scale = fp8.forward(rows, w)
+            if scatters:
+                y = scatter_sequence(y.view(out_shape), ov.grid)
+            else:
+                y = all_reduce(y, ov.grid, in_axis).view(out_shape)
+        elif scatters:
             y = scatter_sequence((rows @ w.t()).view(out_shape), ov.grid)
         else:
             y = ov.forward_gemm_all_reduce(rows, w, in_axis).view(out_shape)
@@ -108,16 +126,26 @@ class _Linear3D(torch.autograd.Function):
         dy = dy.to(dtype)
         if ctx.scatters:  # [b, s/G_y, n] -> [b, s, n]
             dy = gather_sequence(dy, ov.grid)
-        w = ov.gather_weight(w_shard, dtype)
+        fp8 = ctx.fp8
+        w = ov.gather_weight(w_shard, fp8.weight_format(dtype) if fp8 else dtype)
         rows = dy.reshape(-1, dy.shape[-1])
-        if ctx.gathers:  # dx [b, s, k] -> [b, s/G_y, k], during the dW GEMM
+        if fp8 is not None:
+            dx, dy8 = fp8.grad_input(rows, w)
+            if ctx.gathers:
+                dx = ov.backward_scatter_sequence(dx.view(*dy.shape[:-1], w.shape[1]))
+            else:
+                dx = ov.backward_all_reduce(dx, ctx.out_axis)
+        elif ctx.gathers:  # dx [b, s, k] -> [b, s/G_y, k], during the dW GEMM
             dx = ov.backward_scatter_sequence((rows @ w).view(*dy.shape[:-1], w.shape[1]))
         else:
             dx = ov.backward_gemm_all_reduce(rows, w, ctx.out_axis)  # runs during the dW GEMM
         if ctx.regather:
             x = x.wait()
-        reduce_weight_gradient(ov, w_shard, dy, x)
-        return dx.wait().view(ctx.x_shape), None, None, None, None, None, None
+        dw = None
+        if fp8 is not None:
+            dw = fp8.grad_weight(rows, x.reshape(-1, x.shape[-1]), ctx.x_scale, dy8)
+        reduce_weight_gradient(ov, w_shard, dy, x, dw)
+        return dx.wait().view(ctx.x_shape), None, None, None, None, None, None, None
 
 
 class Linear(nn.Module):
@@ -183,6 +211,7 @@ class Linear(nn.Module):
             if bias
             else None
         )
+        self._fp8_gemms: dict[tuple[str, str], Fp8Gemms] = {}  # (recipe, device type) -> GEMMs
 
     @torch.compiler.disable  # collectives and the overlap state stay outside compiled graphs
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,8 +225,20 @@ class Linear(nn.Module):
             self.out_axis,
             self.sequence_parallel,
             self.regather,
+            self._fp8(x.device),
         )
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _fp8(self, device: torch.device) -> Fp8Gemms | None:
+        """This Linear's FP8 GEMMs under the active policy's recipe (:func:`fp8_recipe`), or
+        None where it runs in the compute dtype (:func:`fp8_converts`)."""
+        recipe = fp8_recipe()
+        if not fp8_converts(recipe, self.out_features, self.in_features):
+            return None
+        key = (recipe, device.type)
+        if key not in self._fp8_gemms:
+            self._fp8_gemms[key] = Fp8Gemms(recipe, self.grid, self.in_axis, self.out_axis, device)
+        return self._fp8_gemms[key]
 
     def extra_repr(self) -> str:
         return (

@@ -51,6 +51,7 @@ import torch
 
 from tetrad.comm import Handle, all_gather, all_reduce, reduce_scatter
 from tetrad.comm.fused import ring_matmul_reduce_scatter
+from tetrad.dtypes import fp8_recipe
 from tetrad.grid import Grid
 from tetrad.parallel.buckets import GradBuckets
 from tetrad.parallel.expert_grads import ExpertGradSums
@@ -185,25 +186,27 @@ class Overlap:
         return self.on("dp_all_reduce") and self.grid.size(Axis.DATA) > 1 and self.grid.z == 1
 
     # -- weights: all-gather over Z ------------------------------------------------------
-    def gather_weight(self, param: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
-        """The Z all-gather of ``param`` (a dim-0 shard) cast to ``dtype``: prefetched when it
-        was; before returning, the all-gathers of the next :data:`PREFETCH_DEPTH` weights of
-        the recorded order (running on into the step's next micro-batch when there is one and
-        the micro-batches run whole, ``phase="step"``), then the reduce-scatters deferred
-        since the last call."""
+    def gather_weight(self, param: torch.nn.Parameter, dtype) -> torch.Tensor:
+        """The Z all-gather of ``param`` (a dim-0 shard) cast to ``dtype`` (a torch dtype, or
+        the FP8 format :class:`tetrad.parallel.fp8.Fp8WeightGather`: the FP8 shard's bytes
+        gathered, the result an FP8 tensor): prefetched when it was; before returning, the
+        all-gathers of the next :data:`PREFETCH_DEPTH` weights of the recorded order (running
+        on into the step's next micro-batch when there is one and the micro-batches run
+        whole, ``phase="step"``), then the reduce-scatters deferred since the last call."""
         got = None
         if self._prefetched:
-            p, dt, h = self._prefetched.pop(0)
+            p, dt, h, meta = self._prefetched.pop(0)
             w = h.wait()
             if p is param and dt == dtype:
-                got = w
+                got = _received(dt, w, meta)
                 self.counts["prefetch_hits"] += 1
             else:
                 self.counts["prefetch_misses"] += 1
         if got is None:
             self._traced("all_gather", param)
             self._settle(param)
-            got = all_gather(param.detach().to(dtype), self.grid, Axis.Z)
+            shard, meta = _to_send(param, dtype)
+            got = _received(dtype, all_gather(shard, self.grid, Axis.Z), meta)
         if self._in_step and self._prefetching:
             if self._recording is not None:
                 self._recording.append((param, dtype))
@@ -245,8 +248,9 @@ class Overlap:
         self._traced("all_gather", param)
         self._settle(param)
         with torch.no_grad():
-            h = all_gather(param.detach().to(dtype), self.grid, Axis.Z, async_op=True)
-        return (param, dtype, h)
+            shard, meta = _to_send(param, dtype)
+            h = all_gather(shard, self.grid, Axis.Z, async_op=True)
+        return (param, dtype, h, meta)
 
     def _drop_prefetch(self) -> None:
         while self._prefetched:
@@ -316,8 +320,11 @@ class Overlap:
 
     # -- activations: a Linear's GEMM and its all-reduce -----------------------------------
     def _fine(self, axis: Axis, rows: int) -> bool:
+        """Whether ``fine`` fuses this GEMM with its reduce-scatter: not under an FP8 recipe
+        (whose GEMMs run whole, and whose small Linears the planner models without it)."""
         g = self.grid.size(axis)
         fine = self._in_step and self.on("fine") and g > 1 and rows % g == 0
+        fine = fine and fp8_recipe() == "off"
         self.counts["fine_fused"] += fine
         return fine
 
@@ -368,3 +375,16 @@ class Overlap:
             self.counts["async_dx_all_reduces"] += self.grid.y > 1
             return scatter_sequence(dx, self.grid, async_op=True)
         return Handle(None, scatter_sequence(dx, self.grid), None, 0.0)
+
+
+def _to_send(param: torch.nn.Parameter, dtype) -> tuple[torch.Tensor, object]:
+    """What the Z all-gather of ``param`` in ``dtype`` sends: ``(the shard cast, None)``, or
+    for an FP8 format its ``pack`` (the FP8 bytes and their scale)."""
+    if isinstance(dtype, torch.dtype):
+        return param.detach().to(dtype), None
+    return dtype.pack(param)
+
+
+def _received(dtype, gathered: torch.Tensor, meta) -> torch.Tensor:
+    """The gathered weight: as it came, or an FP8 format's ``unpack`` of it."""
+    return gathered if meta is None else dtype.unpack(gathered, meta)

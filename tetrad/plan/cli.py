@@ -422,12 +422,6 @@ def run_plan(args: argparse.Namespace) -> int:
     for flag, path in (("config", args.emit_config), ("plot", args.plot)):
         if path:
             print(f"tetrad: wrote {flag} {path}", file=sys.stderr)
-    if args.emit_config and result.inputs.get("fp8", "off") != "off":
-        print(
-            f"tetrad: the plan assumes --fp8 {result.inputs['fp8']}; the train config has no "
-            "[precision] section for it yet, so the written config does not set it",
-            file=sys.stderr,
-        )
     return 0
 
 

@@ -262,7 +262,6 @@ def make_step(
         z_weight_bytes=ctx.z_weight_bytes,
         param_bytes=ctx.param_bytes,
         residual_bytes=ctx.residual_bytes,
-        scale_link=ctx.machine.network.link(1, gx * gy * gz) if ctx.fp8 == "tensorwise" else None,
         sequence_parallel=sequence_parallel_applies(ctx, roles),
         sequence_regather=sequence_parallel_applies(ctx, roles)
         and ctx.sequence_parallel == "regather",

@@ -15,7 +15,7 @@ policy of a device. Today's policies:
 | residual stream between blocks           | fp32     | bf16     |
 | pipeline stage boundaries                | fp32     | bf16     |
 | norm statistics, softmax, loss           | fp32     | fp32     |
-| FP8 GEMMs (``fp8``)                      | off      | off      |
+| FP8 GEMMs of the block Linears (``fp8``) | off      | off      |
 
 ``params="bf16"`` (``tetrad train --param-dtype bf16``) stores the weights in bf16 with fp32
 masters in the optimizer (Megatron-LM's mixed precision: Narayanan et al., arXiv 2104.04473,
@@ -54,8 +54,25 @@ DEVICES: tuple[Device, ...] = ("cpu", "cuda")
 DTYPE_BYTES = {"bf16": 2, "fp32": FP32}
 """Bytes per element of each format name."""
 
-FP8_RECIPES = ("off",)
-"""FP8 GEMM scaling recipes the runtime implements (``off`` only, so far)."""
+FP8_RECIPES = ("off", "tensorwise", "rowwise")
+"""FP8 GEMM scaling recipes (``--fp8``; torchao.float8's recipes of the same names): ``off``,
+``tensorwise`` (one dynamic scale per tensor), ``rowwise`` (a scale per row of the activations
+and per output feature of the weights)."""
+
+
+def fp8_converts(recipe: str, out_features: int, in_features: int) -> bool:
+    """Whether ``recipe`` runs a block Linear of full weight ``[out_features, in_features]`` in
+    FP8: ``tensorwise`` every one; ``rowwise`` those torchao's auto filter
+    (``torchao/float8/float8_linear_utils.py``) keeps, not when ``N <= 2048``, ``K <= 1024`` or
+    ``N <= 4096 and K <= 2048`` (small GEMMs lose more to the casts than they gain); ``off``
+    none. The embedding, the LM head, the MoE router and experts and the norms stay in the
+    compute dtype under every recipe."""
+    if recipe == "tensorwise":
+        return True
+    if recipe != "rowwise":
+        return False
+    n, k = out_features, in_features
+    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
 
 
 RUNTIME_TIES = {"stage_boundary": "compute"}
@@ -163,7 +180,11 @@ class Precision:
 
 
 def precision(
-    device: str, params: str = "fp32", grad_reduce: str = "fp32", residual: str = "auto"
+    device: str,
+    params: str = "fp32",
+    grad_reduce: str = "fp32",
+    residual: str = "auto",
+    fp8: str = "off",
 ) -> Precision:
     """The numeric-format policy of the runtime on ``device``.
 
@@ -173,11 +194,13 @@ def precision(
     autocast, residual stream and stage boundaries on every device; fp32 masters, gradients
     and AdamW states. ``grad_reduce``: the format of the gradients' sum over data.
     ``residual``: the residual stream's format, ``auto`` (the compute format), ``fp32``, or
-    ``bf16`` (where the compute format is bf16).
+    ``bf16`` (where the compute format is bf16). ``fp8``: the block Linears' FP8 GEMM recipe
+    (:data:`FP8_RECIPES`; their inputs and outputs stay in the compute format).
 
     Raises:
         PrecisionError: ``params`` or ``grad_reduce`` not ``fp32`` or ``bf16``, ``residual``
-            not one of :data:`RESIDUAL_DTYPES`, or ``bf16`` with fp32 compute.
+            not one of :data:`RESIDUAL_DTYPES`, ``bf16`` with fp32 compute, or ``fp8`` not one
+            of :data:`FP8_RECIPES`.
     """
     if params not in PARAM_DTYPES:
         raise PrecisionError(f"param dtype {params!r}: use {' or '.join(PARAM_DTYPES)}")
@@ -200,6 +223,7 @@ def precision(
         residual=compute if residual == "auto" else residual,
         stage_boundary=compute,
         grad_reduce=grad_reduce,
+        fp8=fp8,
     )
 
 

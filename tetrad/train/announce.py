@@ -12,6 +12,7 @@ from tqdm import tqdm
 from tetrad.device import device_name
 from tetrad.parallel.model import compile_stats
 from tetrad.spec.model import ModelSpec
+from tetrad.spec.precision import fp8_converts
 from tetrad.train.checkpoint_dir import read_meta
 from tetrad.train.job import Job
 from tetrad.train.peak import Peak
@@ -58,6 +59,19 @@ def print_start(job: Job, model_cfg: ModelSpec, start: int) -> None:
         f"tetrad: corpus {corpus.n_files} files, {len(corpus.train):,} train tokens, "
         f"{len(corpus.val):,} val tokens; unigram entropy {corpus.unigram_entropy:.3f} nats"
     )
+    fp8 = job.cfg.precision.fp8
+    if fp8 != "off":
+        n, of = fp8_linears(model_cfg, fp8)
+        print(
+            f"tetrad: FP8 {fp8} GEMMs (torchao.float8"
+            f"{', emulated on the CPU' if grid.device.type != 'cuda' else ''}) in {n} of {of} "
+            "block Linears"
+            + (
+                "; rowwise keeps Linears below its size filter in the compute dtype"
+                if n < of
+                else ""
+            )
+        )
     peak = job.meter.peak
     if peak.flops:
         print(f"tetrad: MFU against {peak.flops / 1e9:,.1f} GFLOP/s per rank ({peak.source})")
@@ -81,3 +95,17 @@ def notes(job: Job, first: bool, peak: Peak) -> list[str]:
             "(a step beat the measured peak)"
         )
     return notes
+
+
+def fp8_linears(model_cfg: ModelSpec, recipe: str) -> tuple[int, int]:
+    """``(converted, all)``: the model's block Linears that ``recipe`` runs in FP8
+    (:func:`tetrad.spec.precision.fp8_converts`) and all of them: attention's in every block,
+    the feed-forward's in the dense blocks (an MoE block's routed experts stay in the compute
+    dtype; its shared expert is not counted)."""
+    n = total = 0
+    dense = model_cfg.n_layers - model_cfg.moe_layers
+    for lin in model_cfg.linears():
+        blocks = (model_cfg.n_layers if lin.name in ("wqkv", "wo") else dense) * lin.count
+        total += blocks
+        n += blocks * fp8_converts(recipe, lin.out_features, lin.in_features)
+    return n, total

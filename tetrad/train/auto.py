@@ -128,6 +128,7 @@ def choose_grid(
             # --sequence-parallel with grid auto: on the chosen grid where it runs and pays
             sequence_parallel="auto" if par.sequence_parallel else "off",
             regather=par.sequence_parallel and par.sequence_parallel_regather,
+            fp8=cfg.policy.fp8,
         )
     except TetradError as e:  # the planner's PlanError, or a grid or model the rules refuse
         raise ConfigError(
@@ -233,6 +234,7 @@ def _estimate(cfg: TrainConfig, mc: ModelSpec, overlaps, fine_chunks: int | None
         param_bytes=DTYPE_BYTES[cfg.policy.params],
         domino_min_rows=par.domino_min_rows,
         fine_chunks=fine_chunks,
+        fp8=cfg.policy.fp8,
         sequence_parallel=sequence_parallel_memory(
             par.sequence_parallel, par.sequence_parallel_regather
         ),
@@ -308,9 +310,10 @@ def fine_chunks(cfg: TrainConfig, mc: ModelSpec) -> int:
     ``--machine`` (:data:`tetrad.spec.overlap.FINE_CHUNKS` without one). In ``all``: only where the
     planner predicts less exposed communication on ``--machine`` than without it
     (:attr:`tetrad.plan.step_time.Estimate.fine_chunks`), with its chunk count (or
-    ``--fine-chunks``); off without a machine."""
+    ``--fine-chunks``); off without a machine, and under ``--fp8`` (an FP8 GEMM runs whole:
+    tetrad/parallel/fp8.py)."""
     par = cfg.parallelism
-    if "fine" not in par.overlaps:
+    if "fine" not in par.overlaps or cfg.policy.fp8 != "off":
         return 0
     named = "fine" in par.named_overlaps
     if not par.machine:

@@ -52,7 +52,12 @@ from tetrad.spec.model import ModelSpec, check_trainable
 from tetrad.spec.precision import DEVICES, Precision, PrecisionError, precision
 from tetrad.spec.presets import ALIASES, parse_model, with_sizes
 from tetrad.spec.toml import tomllib
-from tetrad.train.config_checks import check_parallelism, check_pipeline, check_training
+from tetrad.train.config_checks import (
+    check_fp8,
+    check_parallelism,
+    check_pipeline,
+    check_training,
+)
 from tetrad.train.sections import (
     CheckpointSection,
     ConfigError,
@@ -116,7 +121,7 @@ class TrainConfig:
         """The numeric-format policy of the run: the device's with ``[precision]``'s choices
         (:func:`tetrad.spec.precision.precision`)."""
         p = self.precision
-        return precision(self.training.device, p.params, p.grad_reduce, p.residual)
+        return precision(self.training.device, p.params, p.grad_reduce, p.residual, p.fp8)
 
     @property
     def hf_folder(self) -> Path | None:
@@ -150,6 +155,7 @@ class TrainConfig:
             self.policy  # noqa: B018  (the formats agree: a bf16 stream needs bf16 compute)
         except PrecisionError as e:
             raise ConfigError(str(e)) from None
+        check_fp8(self.precision.fp8)
         for name in ("steps", "micro_batch", "global_batch", "seq_len"):
             if getattr(t, name) < 1:
                 raise ConfigError(f"{name}={getattr(t, name)} must be at least 1")

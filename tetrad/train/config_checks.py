@@ -6,6 +6,7 @@ change.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 from tetrad.spec.conflicts import Settings, check_conflicts
@@ -115,3 +116,16 @@ def check_training(t: TrainingSection) -> None:
     for name in ("weight_decay", "grad_clip", "warmup_steps"):
         if not getattr(t, name) >= 0:
             raise ConfigError(f"{name}={getattr(t, name)} must be 0 or more")
+
+
+def check_fp8(recipe: str) -> None:
+    """``--fp8`` other than ``off`` needs torchao (tetrad/parallel/fp8.py).
+
+    Raises:
+        ConfigError: an FP8 recipe without torchao installed (one line that says how).
+    """
+    if recipe != "off" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(
+            f"--fp8 {recipe} needs torchao: pip install 'tetrad[fp8]' (torchao==0.18.0), or "
+            "--fp8 off"
+        )

@@ -283,6 +283,14 @@ class PrecisionSection:
         "output, stage boundaries): auto is the compute dtype (bf16 on cuda or with "
         "--param-dtype bf16, as Megatron-LM; fp32 otherwise); fp32 keeps an fp32 stream",
     )
+    fp8: Literal["off", "tensorwise", "rowwise"] = option(
+        "off",
+        help="FP8 GEMMs in the transformer blocks' Linears, torchao.float8's recipe of that name "
+        "(tensorwise: a scale per tensor, the weights all-gathered over Z in FP8; rowwise: per "
+        "row, small Linears kept in the compute dtype); the embedding, LM head, router and "
+        "experts stay in the compute dtype; needs torchao (pip install 'tetrad[fp8]'); on the "
+        "CPU torchao emulates the FP8 GEMMs",
+    )
 
 
 @dataclass

@@ -1,20 +1,22 @@
-"""The amax all-reduces of FP8 ``tensorwise`` scaling (:mod:`tetrad.plan.compute.fp8`).
+"""The amax all-reduces of FP8 ``tensorwise`` scaling (:mod:`tetrad.plan.compute.fp8`), as the
+runtime issues them (tetrad/parallel/fp8.py).
 
-A tensorwise scale is the whole tensor's: a block Linear's weight is sharded over Z, Y and X
-(``n k / (G_z G_y G_x)`` elements a rank), so before its shard is cast the shard's amax is
-all-reduced (max) over the ``G_z G_y G_x`` ranks that hold the pieces (torchtitan
-``docs/float8.md``, "Why composing Float8 with torch.distributed"; FSDP2's
-``precompute_float8_dynamic_scale_for_fsdp``). Those ranks are consecutive (X innermost, then
-Y, then Z: :mod:`tetrad.plan.machine.network`), one group of stride 1.
+A tensorwise scale is the whole tensor's where the tensor is split over ranks that must cast it
+alike (torchtitan ``docs/float8.md``, "Why composing Float8 with torch.distributed"; FSDP2's
+``precompute_float8_dynamic_scale_for_fsdp``; torchao's tensor-parallel float8 reduces its
+inputs' amax over the TP mesh). Per block Linear and micro-batch, one all-reduce (max) of one
+fp32 scalar on each of these axes that is above 1:
 
-Model: one all-reduce of one fp32 scalar per weight each time the forward casts it (forward,
-and recompute under ``full`` checkpointing), ``L acc`` per block Linear a step; backward
-reuses the forward's scale (the weight has not changed). All exposed: the cast waits for it.
-It is latency: ``latency_base + hops * latency_hop`` (:meth:`tetrad.plan.machine.network.Link.
-time`). A runtime that computed every weight's amax once per step in one all-reduce (as
-``precompute_float8_dynamic_scale_for_fsdp`` does) would pay one such call a step. Recorded on
-the outermost axis of the group (Z, else Y, else X). Data-parallel replicas hold the same
-weights: no all-reduce over data. ``rowwise`` keeps its per-row weight scales local: none is
+- the weight, each time it is gathered (forward, backward, and recompute under ``full``
+  checkpointing): over Z, then its output axis, then its input axis, before the shard is cast
+  and all-gathered over Z in FP8;
+- the input ``x`` (forward, recompute): over the Linear's input axis and over context;
+- the output gradient ``dy`` (backward): over its output axis and over context (the weight
+  gradient reuses both casts).
+
+All exposed: the cast waits for it. Each is latency: ``latency_base + hops * latency_hop``
+(:meth:`tetrad.plan.machine.network.Link.time`) on its axis. Data-parallel replicas hold the
+same weights and other samples: nothing over data. ``rowwise`` keeps every scale local: none is
 modelled (its collectives stay in the compute dtype).
 """
 
@@ -26,15 +28,32 @@ from tetrad.spec.units import FP32
 
 
 def amax_all_reduces(rec: Recorder, st: Step) -> None:
-    """Record the amax all-reduces of every block Linear's weight under ``tensorwise`` (module
-    doc); nothing under another recipe or when one rank holds the whole weight."""
-    if st.fp8 != "tensorwise" or st.scale_link is None or st.scale_link.size == 1:
+    """Record the amax all-reduces of every block Linear under ``tensorwise`` (module doc);
+    nothing under another recipe."""
+    if st.fp8 != "tensorwise":
         return
-    s = st.sizes
-    axis = "z" if s["z"] > 1 else "y" if s["y"] > 1 else "x"
-    t = st.scale_link.time(ALL_REDUCE, FP32)
-    phases = ("forward", "recompute") if st.checkpointing else ("forward",)
+    phases = ("forward", "backward", "recompute") if st.checkpointing else ("forward", "backward")
     for lin in st.linears:
+        in_ax, out_ax = ("y", "x") if lin.transposed else ("x", "y")
         calls = st.n_layers * st.acc * lin.count
         for phase in phases:
-            rec.add(f"{lin.name} amax", phase, axis, ALL_REDUCE, FP32, calls, t, calls * t)
+            operand = ("dy", out_ax) if phase == "backward" else ("x", in_ax)
+            for what, axis in (
+                ("weight", "z"),
+                ("weight", out_ax),
+                ("weight", in_ax),
+                operand,
+                (operand[0], "context"),
+            ):
+                if st.sizes[axis] > 1:
+                    t = st.links[axis].time(ALL_REDUCE, FP32)
+                    rec.add(
+                        f"{lin.name} {what} amax",
+                        phase,
+                        axis,
+                        ALL_REDUCE,
+                        FP32,
+                        calls,
+                        t,
+                        calls * t,
+                    )

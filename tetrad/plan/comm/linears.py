@@ -1,13 +1,15 @@
 """The X/Y collectives of the block Linears: the forward all-reduce of each Linear's output over
 its input axis and the backward all-reduce of its input gradient over its output axis, with the
 overlap model in force: blocking, Domino's halves, ``dx_all_reduce`` behind the dW GEMM, or the
-``fine`` reduce-scatter fused with its GEMM (:mod:`tetrad.plan.comm.fine`). The model is stated
+``fine`` reduce-scatter fused with its GEMM (:mod:`tetrad.plan.comm.fine`); a Linear in FP8
+runs its GEMM whole, then its collective (no Domino halves, no ``fine`` fusion). The model is stated
 in the module doc of :mod:`tetrad.plan.step_time`."""
 
 from __future__ import annotations
 
 from tetrad.plan.comm.record import PlacedLinear, Recorder, Step, place
 from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from tetrad.spec.precision import fp8_converts
 
 
 def _max0(v: float) -> float:
@@ -25,12 +27,13 @@ def forward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear, fine: int = 0
             return
     g = st.sizes[lin.in_axis]
     if g > 1:
-        if fine and st.m % g == 0:
+        whole = fp8_converts(st.fp8, lin.n, lin.k)  # an FP8 GEMM runs whole, then its collective
+        if fine and st.m % g == 0 and not whole:
             p = st.m * lin.n / st.sizes[lin.out_axis] * st.c
             for phase in lin.phases:
                 fine_all_reduce(rec, st, lin, phase, lin.in_axis, p, fine, False)
         else:
-            overlap = domino_all_reduce if st.domino else plain_all_reduce
+            overlap = domino_all_reduce if st.domino and not whole else plain_all_reduce
             overlap(rec, st, lin)
 
 
@@ -71,7 +74,7 @@ def backward_all_reduce(rec: Recorder, st: Step, lin: PlacedLinear, fine: int = 
     g = st.sizes[lin.out_axis]
     if g > 1:
         p = st.m * lin.k / st.sizes[lin.in_axis] * st.c
-        if fine and st.m % g == 0:
+        if fine and st.m % g == 0 and not fp8_converts(st.fp8, lin.n, lin.k):
             fine_all_reduce(rec, st, lin, "backward", lin.out_axis, p, fine, st.dx_overlap)
             return
         t = st.links[lin.out_axis].time(ALL_REDUCE, p)

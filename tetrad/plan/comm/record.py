@@ -111,9 +111,7 @@ class Step:
             auto``): the embedding's sum over Y (:func:`tetrad.plan.comm.layers.embedding`).
         fp8: the FP8 recipe (:mod:`tetrad.plan.compute.fp8`; ``off``: none); ``z_weight_bytes``:
             bytes per element of a block Linear's weight on its Z all-gather (1 under
-            ``tensorwise``, else ``c``; 0: ``c``); ``scale_link``: the group of the ``G_z G_y
-            G_x`` ranks that shard a weight (its amax all-reduce,
-            :mod:`tetrad.plan.comm.fp8_scales`; None without ``tensorwise``).
+            ``tensorwise``, else ``c``; 0: ``c``).
         sequence_parallel: the residual stream split along the sequence over Y
             (tetrad/parallel/sequence.py): a pair's first Linear and the LM head all-gather
             their input over Y and reduce-scatter its gradient, the second Linear and the
@@ -157,7 +155,6 @@ class Step:
     rounds: int = 1
     fp8: str = "off"
     z_weight_bytes: int = 0
-    scale_link: Link | None = None
     param_bytes: int = 4
     sequence_parallel: bool = False
     sequence_regather: bool = False

@@ -47,9 +47,7 @@ from __future__ import annotations
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
 from tetrad.spec.model import Linear
-
-FP8_RECIPES = ("off", "tensorwise", "rowwise")
-"""The ``--fp8`` recipes of the step model (``off``: every GEMM in the compute dtype)."""
+from tetrad.spec.precision import FP8_RECIPES, fp8_converts  # noqa: F401 (the planner's too)
 
 CAST_BYTES = 5.0
 """Bytes moved per element of one operand's cast to FP8: read bf16 for the amax (2), read it
@@ -68,14 +66,10 @@ RESCALE_BYTES = 4.0
 
 
 def converts(lin: Linear, recipe: str) -> bool:
-    """Whether ``recipe`` runs ``lin``'s GEMMs in FP8: ``tensorwise`` every block Linear,
-    ``rowwise`` those torchao's auto filter keeps (module doc), ``off`` none."""
-    if recipe == "tensorwise":
-        return True
-    if recipe != "rowwise":
-        return False
-    n, k = lin.out_features, lin.in_features
-    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+    """Whether ``recipe`` runs ``lin``'s GEMMs in FP8, as the runtime decides it
+    (:func:`tetrad.spec.precision.fp8_converts`: ``tensorwise`` every block Linear, ``rowwise``
+    those torchao's auto filter keeps, ``off`` none)."""
+    return fp8_converts(recipe, lin.out_features, lin.in_features)
 
 
 def cast_elements(lin: Linear, m: int, gx: int, gy: int) -> float:

@@ -387,6 +387,8 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
         precision["params"] = inp["param_dtype"]
     if inp.get("residual_dtype", "auto") != "auto":
         precision["residual"] = inp["residual_dtype"]
+    if inp.get("fp8", "off") != "off":
+        precision["fp8"] = inp["fp8"]
     if precision:
         settings["precision"] = precision
     import tomli_w
