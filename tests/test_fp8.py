@@ -109,11 +109,12 @@ def _tetrad_losses(
     cfg=CFG,
     expert: int = 1,
     checkpointing: str = "none",
+    model_options: dict | None = None,
 ) -> None:
     if every:
         _everything_converts()
     grid = Grid.build(sizes, expert=expert)
-    model = ParallelLlama(cfg, grid, checkpointing)
+    model = ParallelLlama(cfg, grid, checkpointing, **(model_options or {}))
     init_parameters(model, SEED, grid)
     opt = build_optimizer(model, LR, weight_decay=0.1, policy=precision("cpu", fp8=recipe))
     for step, batch in enumerate(batches()):
@@ -255,3 +256,14 @@ def test_checkpoints_resume_with_or_without_fp8(corpus, tmp_path):
         if k.startswith(("model.", "optim.")) and t.is_floating_point()
     ]
     assert floats and set(floats) == {torch.float32}
+
+
+@pytest.mark.parametrize("regather", [False, True], ids=["kept", "regathered"])
+def test_tensorwise_with_sequence_parallelism_matches_torchao(references, regather):
+    """Sequence parallelism (the residual stream split over Y; a pair's first Linear casts its
+    gathered input, with ``regather`` gathered again for the weight gradient) on ``data=2,
+    y=2``: the losses of ``--fp8 tensorwise`` to 1e-5."""
+    ref, plain = references["tensorwise"], references["off"]
+    opts = {"sequence_parallel": True, "sequence_parallel_regather": regather}
+    args = ("tensorwise", True, ref, plain, False, CFG, 1, "none", opts)
+    run_distributed(_tetrad_losses, 4, (2, 1, 2, 1), *args)
