@@ -165,16 +165,17 @@ class Fp8Gemms:
             t, scale, cast.target_dtype, self.mm_config, role, dim
         )
 
-    def forward(self, x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(x W^T [m, n], x's scale)`` for ``x [m, k]`` and ``w [n, k]`` (FP8 when gathered
-        so, else in the compute dtype)."""
+        so, else in the compute dtype); the scale (a scalar, for :meth:`grad_weight`) under
+        tensorwise only: rowwise casts ``x`` for the weight gradient along the other axis."""
         cfg = self.config
         x8 = self.cast(x, cfg.cast_config_input, self.INPUT, -1, (self.in_axis, Axis.CONTEXT))
         if isinstance(w, self.ao.tensor.Float8TrainingTensor):
             w_t = w.t()
         else:
             w_t = self.cast(w.t(), cfg.cast_config_weight, self.WEIGHT, 0)
-        return torch.mm(x8, w_t), x8._scale
+        return torch.mm(x8, w_t), (x8._scale if self.tensorwise else None)
 
     def grad_input(self, dy: torch.Tensor, w):
         """``(dy W [m, k], dy cast for the weight gradient or None)`` for ``dy [m, n]``."""
