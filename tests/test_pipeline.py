@@ -218,6 +218,34 @@ def test_balanced_split_counts_embedding_and_head():
         balanced_split([1.0] * 3, 0.0, 0.0, 4)
 
 
+def test_explicit_split_gives_the_stages_or_says_what_to_change(capsys):
+    """``--pipeline-split``: blocks per stage in pipeline order -> ``(start, stop)`` ranges;
+    a wrong count, a zero or a wrong sum is one line; ``tetrad train`` runs it as given and
+    ``tetrad memory`` sizes it."""
+    from tetrad import cli
+    from tetrad.spec.pipeline_split import explicit_split
+    from tetrad.train.auto import pipeline_split
+    from tetrad.train.config import load_config
+    from tetrad.train.sections import ConfigError
+
+    assert explicit_split("3,5", 8, 2) == ((0, 3), (3, 8))
+    for bad in ("4,4,0", "4,4", "4,3,2", "a,b,c"):
+        with pytest.raises(PipelineSplitError, match="give 3 block counts"):
+            explicit_split(bad, 8, 3)
+    over = {"model": "tiny", "grid": "pipe=2,data=1", "global_batch": 8, "micro_batch": 2}
+    cfg = load_config(None, over | {"pipeline_split": "1,1"})
+    cfg.check()
+    assert pipeline_split(cfg, cfg.model_config()) == ((0, 1), (1, 2))
+    with pytest.raises(ConfigError, match="sum to the model's 2 blocks"):
+        load_config(None, over | {"pipeline_split": "1,2"}).check()
+    with pytest.raises(ConfigError, match="needs a pipeline"):
+        load_config(None, over | {"grid": "2,1,1,1", "pipeline_split": "1,1"}).check()
+    argv = ["memory", "--model", "llama-3-70b", "--grid", "pipe=4,data=8", "--seq-len", "2048"]
+    argv += ["--pipeline-schedule", "1f1b", "--pipeline-split", "17,21,21,21"]
+    assert cli.main(argv) == 0
+    assert "stage split as given): 0: 17 blocks" in capsys.readouterr().out
+
+
 def test_schedule_checks_name_what_to_change():
     with pytest.raises(PipelineSplitError, match="choose one of gpipe, 1f1b"):
         check_schedule("zb", 2, 1, 4)

@@ -286,6 +286,13 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         "K blocks selective)",
     )
     m.add_argument(
+        "--pipeline-split",
+        default="",
+        metavar="N,N,...",
+        help="tetrad with a pipeline axis: blocks of each stage in pipeline order (default: "
+        "balanced by the compute of --machine, as tetrad train)",
+    )
+    m.add_argument(
         "--num-microbatches",
         type=_positive_int,
         metavar="N",

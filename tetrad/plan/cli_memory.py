@@ -13,12 +13,12 @@ from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.pipeline import pipeline_memory
 from tetrad.plan.pipe.pipeline_step import split_ranks
 from tetrad.plan.pipe.schedule import schedule_problems
-from tetrad.plan.pipe.stages import split_costs
+from tetrad.plan.pipe.stages import ranks_of_split, split_costs
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.memory_fits import sequence_parallel_memory
 from tetrad.spec.grid import format_grid, parse_pipeline_grid, pop_expert, role_sizes
 from tetrad.spec.model import ModelSpec
-from tetrad.spec.pipeline_split import PipelineSplitError
+from tetrad.spec.pipeline_split import PipelineSplitError, explicit_split
 from tetrad.spec.sharding import moe_grid_problem
 from tetrad.spec.units import GiB
 
@@ -113,10 +113,13 @@ def pipeline_memory_text(
     roles = role_sizes(grid, turn)
     batch = grid[0] * grid[2] * args.micro_batch * m
     ctx = StepQuestion(model, machine, args.seq_len, batch, **sequence_parallel_arg(args))
+    given = getattr(args, "pipeline_split", "")
     try:
-        ranks = split_ranks(
-            model.n_layers, split_costs(ctx.compute(roles, args.micro_batch), mode), pipe, v
-        )
+        if given:
+            ranks = ranks_of_split(explicit_split(given, model.n_layers, pipe * v), pipe, v)
+        else:
+            costs = split_costs(ctx.compute(roles, args.micro_batch), mode)
+            ranks = split_ranks(model.n_layers, costs, pipe, v)
     except PipelineSplitError as e:
         raise PlanError(str(e)) from None
     worst, per_rank = pipeline_memory(
@@ -140,13 +143,17 @@ def pipeline_memory_text(
         f"{r.rank}: {'+'.join(map(str, r.chunk_blocks))} blocks {mb.total / GiB:.1f} GiB"
         for r, mb in zip(ranks, per_rank, strict=True)
     )
+    how = (
+        "as given"
+        if given
+        else f"by {machine.name} compute{'' if args.machine else ', the default without --machine'}"
+    )
     title = (
         f"{model.summary()}\ntetrad runtime, grid P,D,C,Z,Y,X={format_grid(pipe, grid)} "
         f"({turn}), {sched} with {v} stage(s) per rank, {m} micro-batches of "
         f"{args.micro_batch} x {args.seq_len} tokens, checkpointing {ckpt}{weights_text(args)}"
         f"{sequence_parallel_text(args)}\n"
-        f"pipeline ranks (stage split by {machine.name} compute"
-        f"{'' if args.machine else ', the default without --machine'}): {stages}\n"
+        f"pipeline ranks (stage split {how}): {stages}\n"
         f"the worst rank:"
     )
     return worst, title

@@ -92,6 +92,28 @@ def check_split(split: Sequence[tuple[int, int]], n_blocks: int) -> tuple[tuple[
     return tuple((int(s), int(e)) for s, e in split)
 
 
+def explicit_split(text: str, n_blocks: int, n_stages: int) -> tuple[tuple[int, int], ...]:
+    """The ``(start, stop)`` blocks of each stage given as ``--pipeline-split`` (blocks per
+    stage in pipeline order, comma-separated, ``G_pipe v`` of them: ``"20,20,20,20"``;
+    Megatron-LM's even split, or its uneven first and last stages, or any other).
+
+    Raises:
+        PipelineSplitError: not ``n_stages`` whole numbers of at least 1 summing to
+            ``n_blocks`` (one line that says so).
+    """
+    try:
+        blocks = [int(b) for b in text.split(",")]
+    except ValueError:
+        blocks = []
+    if len(blocks) != n_stages or min(blocks, default=0) < 1 or sum(blocks) != n_blocks:
+        raise PipelineSplitError(
+            f"--pipeline-split {text}: give {n_stages} block counts of at least 1 (G_pipe x "
+            f"virtual stages, in pipeline order) that sum to the model's {n_blocks} blocks"
+        )
+    starts = [sum(blocks[:i]) for i in range(n_stages)]
+    return check_split([(a, a + b) for a, b in zip(starts, blocks, strict=True)], n_blocks)
+
+
 def stages_of_rank(pipe_rank: int, pipe: int, virtual: int) -> tuple[int, ...]:
     """The stages pipeline rank ``pipe_rank`` runs, "loop" placement: ``pipe_rank + k G_pipe``
     for ``k < virtual``."""

@@ -188,14 +188,23 @@ def pipeline_split(cfg: TrainConfig, mc: ModelSpec) -> tuple[tuple[int, int], ..
     planner's compute of a block, of the embedding and of the final norm, LM head and loss on
     this grid, micro-batch and checkpointing (:func:`tetrad.plan.pipe.pipeline_step.planner_split`),
     the split the planner's estimate and memory of this configuration take, so that ``--grid
-    auto`` runs the split it ranked; ``(start, stop)`` blocks per stage. None without a machine
-    (the runtime's default: the embedding and the head count one block each)."""
+    auto`` runs the split it ranked; ``(start, stop)`` blocks per stage. ``--pipeline-split``
+    when given (:func:`tetrad.spec.pipeline_split.explicit_split`). None without a machine
+    (the runtime's default: the embedding and the head count one block each).
+
+    Raises:
+        tetrad.spec.pipeline_split.PipelineSplitError: a ``--pipeline-split`` that does not
+            fit the model's blocks and the grid's stages.
+    """
     from tetrad.plan.pipe.pipeline_step import planner_split
     from tetrad.plan.pipe.stages import split_costs
     from tetrad.plan.question import StepQuestion
     from tetrad.spec.grid import role_sizes, with_context
+    from tetrad.spec.pipeline_split import explicit_split
 
     par, t = cfg.parallelism, cfg.training
+    if par.pipeline_split:
+        return explicit_split(par.pipeline_split, mc.n_layers, par.pipe * par.virtual_stages)
     if not par.machine and t.device != "cuda":
         return None
     try:

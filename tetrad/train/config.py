@@ -56,6 +56,7 @@ from tetrad.train.config_checks import (
     check_fp8,
     check_parallelism,
     check_pipeline,
+    check_pipeline_split,
     check_training,
 )
 from tetrad.train.sections import (
@@ -147,8 +148,8 @@ class TrainConfig:
         """
         t, grid = self.training, self.parallelism.grid
         self.parallelism.check_resolved()
-        if self.hf_folder is None:
-            self.model_config()  # its sizes, and MoE sizes without experts
+        if self.hf_folder is None:  # its sizes, MoE sizes without experts, a stage split
+            check_pipeline_split(self.parallelism, self.model_config().n_layers)
         if t.device not in DEVICES:
             raise ConfigError(f"device {t.device!r} is not {' or '.join(DEVICES)}")
         try:

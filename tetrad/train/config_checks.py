@@ -12,7 +12,7 @@ import math
 from tetrad.spec.conflicts import Settings, check_conflicts
 from tetrad.spec.errors import TetradError
 from tetrad.spec.grid import check_expert_parallel
-from tetrad.spec.pipeline_split import PipelineSplitError, check_schedule
+from tetrad.spec.pipeline_split import PipelineSplitError, check_schedule, explicit_split
 from tetrad.spec.sharding import context_problems
 from tetrad.train.sections import ConfigError, ParallelismSection, TrainingSection
 
@@ -96,6 +96,21 @@ def check_pipeline(par: ParallelismSection, micro_batches: int) -> None:
     if par.pipe > 1:
         try:
             check_schedule(par.pipeline_schedule, par.pipe, par.virtual_stages, micro_batches)
+        except PipelineSplitError as e:
+            raise ConfigError(str(e)) from None
+    elif par.pipeline_split:
+        raise ConfigError("--pipeline-split needs a pipeline: a --grid with pipe= above 1")
+
+
+def check_pipeline_split(par: ParallelismSection, n_blocks: int) -> None:
+    """``--pipeline-split`` against the model's ``n_blocks`` blocks and the grid's stages.
+
+    Raises:
+        ConfigError: one line saying what to change.
+    """
+    if par.pipeline_split and par.pipe > 1:
+        try:
+            explicit_split(par.pipeline_split, n_blocks, par.pipe * par.virtual_stages)
         except PipelineSplitError as e:
             raise ConfigError(str(e)) from None
 

@@ -130,6 +130,14 @@ class ParallelismSection:
         metavar="V",
         help="stages per pipeline rank (2 or more: interleaved-1f1b)",
     )
+    pipeline_split: str = option(
+        "",
+        metavar="N,N,...",
+        help="blocks of each pipeline stage, in pipeline order (G_pipe x V counts summing to the "
+        "model's blocks; for example Megatron's even split); default: balanced by the "
+        "planner's compute with --machine, else counting the embedding and the head as a "
+        "block each",
+    )
     orientation: Literal["auto", "xy", "yx"] = option(
         "auto",
         help="which grid dimension plays which role of the layer pairs: xy (a pair's first "

@@ -101,7 +101,8 @@ def build_model(cfg: TrainConfig, model_cfg: ModelSpec, grid: Grid) -> Runner:
         split = pipeline_split(cfg, model_cfg)
         if split and dist.get_rank() == 0:
             stages = ", ".join(f"{b - a}" for a, b in split)
-            print(f"tetrad: pipeline stages of {stages} blocks (the planner's split)")
+            whose = "as given" if cfg.parallelism.pipeline_split else "the planner's split"
+            print(f"tetrad: pipeline stages of {stages} blocks ({whose})")
         model = Pipeline(model_cfg, grid, schedule, virtual, micro_batches, split, **kwargs)
     else:
         model = ParallelLlama(model_cfg, grid, **kwargs)

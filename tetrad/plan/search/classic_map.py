@@ -21,9 +21,9 @@ micro-batch, recomputation) becomes the tetrad layout with the same parallel siz
 - ``CP`` -> ``G_context`` (tetrad's all-gathered K/V in pieces, where Megatron runs a ring);
 - ``PP`` -> ``G_pipe`` (outermost, as Megatron's); ``v`` virtual stages -> ``interleaved-1f1b``
   with ``v`` stages per rank; ``v = 1`` -> ``1f1b`` where the step has at least ``PP``
-  micro-batches, else ``gpipe`` (the planner's 1F1B needs ``m >= p``); tetrad splits the blocks
-  by its own balanced split (``tetrad.spec.pipeline_split``), not Megatron-Core's uneven
-  first/last counts, so a classic uneven split maps to the same ``PP`` with tetrad's stages;
+  micro-batches, else ``gpipe`` (the planner's 1F1B needs ``m >= p``); the classic split (its
+  even one, or Megatron-Core's uneven first/last counts) is the layout's ``--pipeline-split``,
+  timed beside tetrad's own balanced split (``tetrad.spec.pipeline_split``);
 - ``DP`` -> ``G_data``, with the sharded optimizer (ZeRO-1 over data x context, where that group
   is above 1) and bf16 weights with fp32 masters among the sharded states (``--param-dtype
   bf16``): Megatron-LM's distributed optimizer;
@@ -52,13 +52,14 @@ from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.states import param_bytes
 from tetrad.plan.pipe.pipeline_step import PipeConfig, pipeline_estimate, split_ranks
 from tetrad.plan.pipe.schedule import schedule_problems
-from tetrad.plan.pipe.stages import split_costs
+from tetrad.plan.pipe.stages import ranks_of_split, split_costs
 from tetrad.plan.question import StepQuestion, sharded
 from tetrad.plan.search.memory_fits import sequence_parallel_memory
 from tetrad.plan.search.rows import Row
 from tetrad.plan.step_time import estimate
 from tetrad.spec.activation_checkpointing import parse_checkpointing
 from tetrad.spec.model import ModelSpec
+from tetrad.spec.pipeline_split import explicit_split
 from tetrad.spec.sharding import sequence_parallel_problem
 
 CLASSIC_TO_TETRAD_MODE = {"none": "none", "selective": "none", "full": "full"}
@@ -119,6 +120,10 @@ class TetradLayout:
             --sequence-parallel-regather``, module doc): the residual stream ``[b,
             S/(G_context G_y), h]``, each pair's first Linear re-gathering its input in
             backward.
+        classic_split: with a pipeline, the classic configuration's blocks per stage
+            (Megatron-Core's uneven split, else its even one where the stages divide the
+            blocks; empty otherwise), which ``--pipeline-split`` runs: :func:`layout_estimate`
+            times it beside tetrad's own split and keeps the better that fits.
         notes: how the layout departs from the classic configuration (not compared).
     """
 
@@ -130,6 +135,7 @@ class TetradLayout:
     shard_optimizer: bool
     params: str = "bf16"
     sequence_parallel: bool = False
+    classic_split: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -139,9 +145,10 @@ class TetradLayout:
         :func:`tetrad.plan.search.memory_fits.sequence_parallel_memory`)."""
         return sequence_parallel_memory(self.sequence_parallel, regather=True)
 
-    def memory_args(self, global_batch: int) -> list[str]:
+    def memory_args(self, global_batch: int, split: tuple[int, ...] = ()) -> list[str]:
         """The options of ``tetrad memory --method tetrad`` that give this layout
-        (``global_batch``: samples per step, for the pipeline's micro-batches)."""
+        (``global_batch``: samples per step, for the pipeline's micro-batches; ``split``: the
+        blocks per stage, :attr:`LayoutEstimate.split`, empty for tetrad's own)."""
         names = ("data", "context", "z", "y", "x")
         parts = [f"{n}={s}" for n, s in zip(names, self.grid, strict=True) if s > 1]
         if self.pipe is not None:
@@ -157,6 +164,8 @@ class TetradLayout:
             m = global_batch // (self.grid[0] * self.grid[2] * self.micro_batch)
             out += ["--pipeline-schedule", self.pipe.schedule, "--num-microbatches", str(m)]
             out += ["--virtual-stages", str(self.pipe.virtual)]
+            if split:
+                out += ["--pipeline-split", ",".join(map(str, split))]
         return out
 
 
@@ -183,8 +192,13 @@ def to_tetrad(
             notes.append(f"1F1B with {m} < PP micro-batches: gpipe")
         else:
             pipe = PipeConfig(cfg.pp, 1, "1f1b")
+    split: tuple[int, ...] = ()
+    if cfg.pp > 1:
+        stages = cfg.pp * cfg.virtual_stages
         if cfg.stage_layers:
-            notes.append("uneven split: tetrad's balanced split of the blocks")
+            split = tuple(cfg.stage_layers)
+        elif model.n_layers % stages == 0:
+            split = (model.n_layers // stages,) * stages
     mode = CLASSIC_TO_TETRAD_MODE[cfg.checkpointing]
     return TetradLayout(
         grid,
@@ -195,6 +209,7 @@ def to_tetrad(
         cfg.dp * cfg.cp > 1,
         "bf16",
         sp,
+        split,
         tuple(notes),
     )
 
@@ -202,11 +217,14 @@ def to_tetrad(
 @dataclass(frozen=True)
 class LayoutEstimate:
     """tetrad's prediction of a layout: ``step_s`` seconds per step, the (worst rank's) memory
-    and whether it fits (80% of the GPU, ``docs/planner.md`` section 5)."""
+    and whether it fits (80% of the GPU, ``docs/planner.md`` section 5); ``split``: the blocks
+    per stage it was timed with, the classic one (``--pipeline-split``), or empty for tetrad's
+    balanced split."""
 
     step_s: float
     memory: MemoryBreakdown
     estimate: object
+    split: tuple[int, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -243,7 +261,9 @@ def layout_estimate(
 ) -> LayoutEstimate:
     """tetrad's step time (seconds) and memory of ``layout`` on ``ctx`` (built with
     ``param_bytes=2`` for bf16 weights and ``sequence_parallel="regather"``,
-    :func:`layout_question`), as the 4D search would time it.
+    :func:`layout_question`), as the 4D search would time it. With a pipeline, under tetrad's
+    balanced split and, where the layout has one, the classic split (``--pipeline-split``):
+    the one that fits, the faster if both or neither do.
 
     Raises:
         ValueError: ``ctx`` does not model the layout's weights or sequence parallelism.
@@ -267,25 +287,36 @@ def layout_estimate(
         )
         return LayoutEstimate(est.step_s, mem, est)
     cfg = layout.pipe
-    ranks = split_ranks(
-        model.n_layers, split_costs(ctx.compute(layout.grid, b), mode), cfg.pipe, cfg.virtual
-    )
-    est = pipeline_estimate(q, cfg, layout.grid, b, mode, layout.orientation, ranks)
     m = ctx.global_batch // (layout.grid[0] * layout.grid[2] * b)
-    mem, _ = pipeline_memory(
-        model,
-        layout.grid,
-        b,
-        ctx.seq_len,
-        gpu_memory_bytes,
-        ranks,
-        cfg.schedule,
-        cfg.virtual,
-        m,
-        activation_checkpointing=mode,
-        dtype=dtype,
-        shard_optimizer=layout.shard_optimizer,
-        params=layout.params,
-        sequence_parallel=sp,
-    )
-    return LayoutEstimate(est.step_s, mem, est)
+    splits: list[tuple[int, ...]] = [()]
+    if layout.classic_split:
+        splits.append(layout.classic_split)
+    best = None
+    for split in splits:  # tetrad's balanced split, then the classic one
+        if split:
+            stages = explicit_split(",".join(map(str, split)), model.n_layers, len(split))
+            ranks = ranks_of_split(stages, cfg.pipe, cfg.virtual)
+        else:
+            costs = split_costs(ctx.compute(layout.grid, b), mode)
+            ranks = split_ranks(model.n_layers, costs, cfg.pipe, cfg.virtual)
+        est = pipeline_estimate(q, cfg, layout.grid, b, mode, layout.orientation, ranks)
+        mem, _ = pipeline_memory(
+            model,
+            layout.grid,
+            b,
+            ctx.seq_len,
+            gpu_memory_bytes,
+            ranks,
+            cfg.schedule,
+            cfg.virtual,
+            m,
+            activation_checkpointing=mode,
+            dtype=dtype,
+            shard_optimizer=layout.shard_optimizer,
+            params=layout.params,
+            sequence_parallel=sp,
+        )
+        got = LayoutEstimate(est.step_s, mem, est, split)
+        if best is None or (got.fits, -got.step_s) > (best.fits, -best.step_s):
+            best = got
+    return best
