@@ -110,7 +110,17 @@ def explicit_split(text: str, n_blocks: int, n_stages: int) -> tuple[tuple[int, 
             f"--pipeline-split {text}: give {n_stages} block counts of at least 1 (G_pipe x "
             f"virtual stages, in pipeline order) that sum to the model's {n_blocks} blocks"
         )
-    starts = [sum(blocks[:i]) for i in range(n_stages)]
+    return split_of_blocks(blocks, n_blocks)
+
+
+def split_of_blocks(blocks: Sequence[int], n_blocks: int) -> tuple[tuple[int, int], ...]:
+    """``(start, stop)`` per stage of ``blocks`` blocks per stage, in pipeline order.
+
+    Raises:
+        PipelineSplitError: a stage of no blocks, or not ``n_blocks`` in all
+            (:func:`check_split`).
+    """
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
     return check_split([(a, a + b) for a, b in zip(starts, blocks, strict=True)], n_blocks)
 
 

@@ -59,7 +59,7 @@ from tetrad.plan.search.rows import Row
 from tetrad.plan.step_time import estimate
 from tetrad.spec.activation_checkpointing import parse_checkpointing
 from tetrad.spec.model import ModelSpec
-from tetrad.spec.pipeline_split import explicit_split
+from tetrad.spec.pipeline_split import split_of_blocks
 from tetrad.spec.sharding import sequence_parallel_problem
 
 CLASSIC_TO_TETRAD_MODE = {"none": "none", "selective": "none", "full": "full"}
@@ -294,7 +294,7 @@ def layout_estimate(
     best = None
     for split in splits:  # tetrad's balanced split, then the classic one
         if split:
-            stages = explicit_split(",".join(map(str, split)), model.n_layers, len(split))
+            stages = split_of_blocks(split, model.n_layers)
             ranks = ranks_of_split(stages, cfg.pipe, cfg.virtual)
         else:
             costs = split_costs(ctx.compute(layout.grid, b), mode)
