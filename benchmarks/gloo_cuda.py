@@ -133,7 +133,7 @@ def equivalence(sizes: tuple[int, ...], ref, device_type: str) -> str:
             return f"step {step}: gradient norm {norm} vs {ref_norms[step]}"
     worst = 0.0
     for name, p in model.named_parameters():
-        expected = ref_weights[name][p.placement.local_slices(grid)]
+        expected = p.placement.shard_of(ref_weights[name], grid)
         worst = max(worst, (p.detach().cpu() - expected).abs().max().item())
     if worst > 0.05 * LR:
         return f"weights differ by {worst / LR:.3g} lr"

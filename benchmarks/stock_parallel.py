@@ -113,6 +113,10 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False
         top["norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     for block in model.layers.values():
+        w13 = getattr(block.feed_forward, "w13", None)
+        if w13 is not None:  # [gate; up] -> [gate_0; up_0; gate_1; up_1 ...], a block per rank
+            with torch.no_grad():
+                w13.weight.copy_(by_rank(w13.weight, tp))
         parallelize_module(block, mesh, block_plan(block, sequence_parallel))
         block.attention.n_heads //= tp
         block.attention.n_kv_heads //= tp
@@ -121,6 +125,14 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False
             replicate(block.ffn_norm, mesh)
     if not sequence_parallel:
         replicate(model.norm, mesh)
+
+
+def by_rank(w13: torch.Tensor, tp: int) -> torch.Tensor:
+    """The stacked gate/up weight ``[2f, h]`` (``[gate; up]``) with its rows ordered by TP rank,
+    ``[gate_0; up_0; gate_1; up_1; ...]``, so that ``ColwiseParallel``'s contiguous row block
+    ``r`` holds rank ``r``'s gate rows and their up rows, and the local output is ``[gate_r,
+    up_r]``, what the model's SwiGLU reads (how a stock user fusing gate and up shards them)."""
+    return w13.view(2, tp, -1, w13.shape[-1]).transpose(0, 1).reshape(w13.shape)
 
 
 def block_plan(block: nn.Module, sequence_parallel: bool = False) -> dict:

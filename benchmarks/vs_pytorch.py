@@ -15,13 +15,14 @@ Stock modes, parallelised only with stock APIs:
   for the q, k, v, gate (w1) and up (w3) projections, ``RowwiseParallel`` for wo and the down
   projection w2; the embedding ``RowwiseParallel`` (vocabulary-sharded); the LM head
   ``ColwiseParallel`` with vocabulary-sharded logits and ``loss_parallel``. tetrad's Llama may
-  fuse q, k, v into ``wqkv`` and gate, up into ``w13``; their output features are ordered so
-  that contiguous column shards hold whole KV-head groups and matching gate/up pairs, so the
-  same plan applies to them. ``PrepareModuleInput`` makes each block's attention and
-  feed-forward input one replicated DTensor, so separate projections sum their input gradients
-  locally and all-reduce them once (without it each would all-reduce its own). The RMSNorm
-  weights become replicated DTensors (``distribute_module``), which ``clip_grad_norm_`` needs:
-  it cannot mix DTensor and plain-tensor gradients.
+  fuse q, k, v into ``wqkv`` (output features ordered so that contiguous column shards hold
+  whole KV-head groups) and gate, up into ``w13`` (``[gate; up]``, its rows put in rank order
+  first: ``stock_parallel.by_rank``), so the same plan applies to them.
+  ``PrepareModuleInput`` makes each block's attention and feed-forward input one replicated
+  DTensor, so separate projections sum their input gradients locally and all-reduce them once
+  (without it each would all-reduce its own). The RMSNorm weights become replicated DTensors
+  (``distribute_module``), which ``clip_grad_norm_`` needs: it cannot mix DTensor and
+  plain-tensor gradients.
 - ``TP(n)+SP``: the same with torch's ``SequenceParallel`` on the norms and the residual
   stream ``Shard(1)`` between the blocks (torchtitan's Llama plan), against tetrad's
   ``y=n`` grid with ``sequence_parallel``.

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tetrad.train.legacy_layout import STACKED_NAMES
+
 
 def bpe_tokenizer(end_token: str = "<|endoftext|>"):
     """A byte-level BPE of about 300 tokens trained on one line of Python, with ``end_token``."""
@@ -40,6 +42,14 @@ def fake_run_dir(path: Path, model_config, name: str = "step_0000300") -> Path:
     return path / "checkpoints" / name
 
 
+def saved_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape ``tetrad train`` saves a plain parameter of ``shape`` as: a stacked weight
+    ``[2f, h]`` (SwiGLU's ``w13``) as ``[2, f, h]``, anything else as it is."""
+    if name.endswith(STACKED_NAMES):
+        return (2, shape[0] // 2, *shape[1:])
+    return tuple(shape)
+
+
 def save_checkpoint(model: nn.Module, folder: Path) -> None:
     """A one-process checkpoint with the keys ``tetrad train`` writes: model, optimizer state
     and step."""
@@ -47,8 +57,8 @@ def save_checkpoint(model: nn.Module, folder: Path) -> None:
 
     state: dict = {"step": torch.tensor(300)}
     for n, p in model.named_parameters():
-        state["model." + n] = p.detach()
-        state[f"optim.{n}.exp_avg"] = torch.zeros_like(p)
+        state["model." + n] = p.detach().view(saved_shape(n, p.shape))
+        state[f"optim.{n}.exp_avg"] = torch.zeros(saved_shape(n, p.shape))
         state[f"optim.{n}.step"] = torch.tensor(300.0)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore")
@@ -64,7 +74,7 @@ def save_sharded(folder: str, names: list[str], shapes: list[tuple[int, ...]]) -
 
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)
-    full = [torch.randn(s) for s in shapes]
+    full = [torch.randn(saved_shape(n, s)) for n, s in zip(names, shapes, strict=True)]
     state = {
         "model." + n: distribute_tensor(t, mesh, [Shard(0)])
         for n, t in zip(names, full, strict=True)

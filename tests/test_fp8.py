@@ -9,11 +9,15 @@ depends on what is cast together).
 ``tensorwise``: the weights' amax is all-reduced over Z, Y and X and the activations' over the
 tensor axis that splits their features and over context, so on every grid each operand is cast
 with the reference's scale and the FP8 values are the reference's: only the order of the sums
-differs, and the losses agree to 1e-5 (relative) as the fp32 grids of ``tests/test_model.py``
-do, where FP8 itself moves them by 2e-4 to 7e-4 (:func:`test_fp8_changes_the_reference`).
-Planted errors fail it: the weights' amax not all-reduced over their output axis (the loss
-2.0e-4 off at the first step on ``y2``, 6.8e-5 on ``x2``), the activations' not over context
-(3.3e-4 off).
+differs, and the first step's loss (:data:`EXACT_STEPS`) agrees to 1e-5 (relative) as the
+fp32 grids of ``tests/test_model.py`` do, where FP8 itself moves it by 3e-5
+(:func:`test_fp8_changes_the_reference`). Planted errors fail it: the weights' amax not
+all-reduced over their output axis (the loss 2.0e-4 off at the first step on ``y2``, 6.8e-5 on
+``x2``), the activations' not over context (3.3e-4 off). Later steps are held to the
+:data:`NOISE` bound: another order of a sum can put an element on the other side of an FP8
+rounding boundary, and the updates compound that one value's change (seen with other data
+seeds: on X 1.4e-4 at the second step, where FP8 itself moves the loss by 4.1e-4, and on one
+rank 7e-5 at the third, against 2.3e-4).
 
 ``rowwise``: every scale is this rank's piece's (the planner charges no all-reduce for it), so
 the casts equal the reference's where a rank holds whole rows and columns (one rank, data, Z);
@@ -44,7 +48,9 @@ CFG = PRESETS["tiny"]
 STEPS, BATCH, SEQ, MICRO, LR, CLIP, SEED = 3, 8, 16, 2, 3e-3, 1.0, 7
 NOISE = 4.0
 """Largest |tetrad - reference| of a step's loss over |reference FP8 - reference fp32| at that
-step, where rowwise scales rows by pieces (module doc)."""
+step, where rowwise scales rows by pieces, and after :data:`EXACT_STEPS` (module doc)."""
+EXACT_STEPS = 1
+"""Steps whose losses are compared to 1e-5 where the casts are the reference's (module doc)."""
 BLOCK_LINEARS = ("wqkv", "wo", "w13", "w2")
 MOE = get_model("moe-tiny,aux_loss_coef=0,router_z_loss_coef=0,bias_update_rate=0")
 """An MoE model: attention's Linears (and the dense block's feed-forward) in FP8, the routed
@@ -128,7 +134,7 @@ def _tetrad_losses(
         gap, noise = abs(loss - ref[step]), abs(ref[step] - plain[step])
         if torch.distributed.get_rank() == 0 and os.environ.get("FP8_GAPS"):
             print(f"FP8 {sizes} {recipe} step {step}: gap {gap:.2e}, FP8 itself {noise:.2e}")
-        if exact:
+        if exact and step < EXACT_STEPS:
             assert gap <= 1e-5 * ref[step], (sizes, recipe, step, loss, ref[step], noise)
         else:
             assert gap <= NOISE * noise, (sizes, recipe, step, loss, ref[step], noise)
@@ -142,9 +148,11 @@ def references():
 
 
 def test_fp8_changes_the_reference(references):
-    """The emulated FP8 reference is not the fp32 one (else the noise bound is vacuous)."""
+    """The emulated FP8 reference is not the fp32 one (else the noise bound is vacuous). The
+    first loss has FP8 in the forward alone, its rounding averaged over every token (3e-5
+    here); the updates move the later ones by more."""
     gaps = [abs(a - b) for a, b in zip(references["tensorwise"], references["off"], strict=True)]
-    assert min(gaps) > 1e-4, gaps
+    assert gaps[0] > 1e-5 and min(gaps[1:]) > 1e-4, gaps
 
 
 TENSORWISE_GRIDS = [

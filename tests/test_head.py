@@ -42,8 +42,8 @@ def _layers(grid: Grid, vocab: int):
     emb_ref, head_ref = nn.Embedding(vocab, H), nn.Linear(H, vocab, bias=False)
     emb, head = Embedding(vocab, H, grid), VocabParallelHead(H, vocab, grid)
     with torch.no_grad():
-        emb.weight.copy_(emb_ref.weight[emb.weight.placement.local_slices(grid)])
-        head.weight.copy_(head_ref.weight[head.weight.placement.local_slices(grid)])
+        emb.weight.copy_(emb.weight.placement.shard_of(emb_ref.weight, grid))
+        head.weight.copy_(head.weight.placement.shard_of(head_ref.weight, grid))
     return emb, head, emb_ref, head_ref
 
 
@@ -65,7 +65,7 @@ def _step(grid: Grid, vocab: int, real: int | None, fused: bool, ids: torch.Tens
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
     for layer, r in ((emb, emb_ref), (head, head_ref)):
-        expected = r.weight.grad[layer.weight.placement.local_slices(grid)]
+        expected = layer.weight.placement.shard_of(r.weight.grad, grid)
         torch.testing.assert_close(layer.weight.grad, expected, rtol=1e-5, atol=1e-5)
     return counts
 

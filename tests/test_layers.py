@@ -58,9 +58,9 @@ def check_linear(grid, transpose, bias):
 
     layer = Linear(k, n, grid, transpose=transpose, bias=bias)
     with torch.no_grad():
-        layer.weight.copy_(ref.weight[layer.weight.placement.local_slices(grid)])
+        layer.weight.copy_(layer.weight.placement.shard_of(ref.weight, grid))
         if bias:
-            layer.bias.copy_(ref.bias[layer.bias.placement.local_slices(grid)])
+            layer.bias.copy_(layer.bias.placement.shard_of(ref.bias, grid))
     i, o = (cols(grid, layer.in_axis, k), cols(grid, layer.out_axis, n))
     xl = x.detach()[rows(grid)][..., i].requires_grad_()
     y = layer(xl)
@@ -70,13 +70,13 @@ def check_linear(grid, transpose, bias):
     close(xl.grad, x.grad[rows(grid)][..., i], "Linear input grad")
     close(
         layer.weight.grad,
-        ref.weight.grad[layer.weight.placement.local_slices(grid)],
+        layer.weight.placement.shard_of(ref.weight.grad, grid),
         "Linear weight grad",
     )
     if bias:
         close(
             layer.bias.grad,
-            ref.bias.grad[layer.bias.placement.local_slices(grid)],
+            layer.bias.placement.shard_of(ref.bias.grad, grid),
             "Linear bias grad",
         )
 
@@ -90,7 +90,7 @@ def check_embedding(grid):
     (ref(ids) * r).sum().backward()
     layer = Embedding(v, h, grid)
     with torch.no_grad():
-        layer.weight.copy_(ref.weight[layer.weight.placement.local_slices(grid)])
+        layer.weight.copy_(layer.weight.placement.shard_of(ref.weight, grid))
     c = cols(grid, "x", h)
     out = layer(ids[rows(grid)])
     close(out, ref(ids).detach()[rows(grid)][..., c], "Embedding output")
@@ -98,7 +98,7 @@ def check_embedding(grid):
     sync_gradients(layer, grid)
     close(
         layer.weight.grad,
-        ref.weight.grad[layer.weight.placement.local_slices(grid)],
+        layer.weight.placement.shard_of(ref.weight.grad, grid),
         "Embedding weight grad",
     )
 

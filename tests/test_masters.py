@@ -214,7 +214,7 @@ def _check_masters(opt, weights, grid, ref_masters: dict, label: str) -> None:
     for name, p in weights.named_parameters():
         assert masters[name].dtype == torch.float32, label
         assert torch.equal(p.detach(), masters[name].to(torch.bfloat16)), f"{label} {name}"
-        diffs.append(masters[name] - ref_masters[name][p.placement.local_slices(grid)])
+        diffs.append(masters[name] - p.placement.shard_of(ref_masters[name], grid))
     flat = torch.cat([d.reshape(-1) for d in diffs]).abs() / LR
     mean, worst = flat.mean().item(), flat.max().item()
     assert mean <= MEAN_TOL and worst <= MAX_TOL, f"{label}: masters {mean:.3g} {worst:.3g} lr"

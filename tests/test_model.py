@@ -107,7 +107,7 @@ def run_one(
         optimizer_shards(opt).wait_all()
     worst = 0.0
     for name, p in model.named_parameters():
-        expected = ref_weights[name][p.placement.local_slices(grid)]
+        expected = p.placement.shard_of(ref_weights[name], grid)
         worst = max(worst, (p.detach() - expected).abs().max().item())
     assert worst <= 0.05 * LR, f"grid {sizes}: weights differ by {worst / LR:.3g} lr"
     if not any(grid.coord.values()):

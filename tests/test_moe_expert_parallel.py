@@ -96,7 +96,7 @@ def check_weights(models, ref_state, grid, label):
         params = dict(model.named_parameters())
         for key, t in model.state_dict().items():
             p = params.get(key)
-            want = ref_state[key] if p is None else ref_state[key][p.placement.local_slices(grid)]
+            want = ref_state[key] if p is None else p.placement.shard_of(ref_state[key], grid)
             assert t.dtype == want.dtype == torch.float64, f"{label}: {key} {t.dtype}"
             worst = max(worst, (t - want).abs().max().item())
     assert worst <= 0.05 * LR, f"{label}: {worst / LR:.3g} lr"

@@ -123,9 +123,7 @@ def parallel_run(name, curves, ref_state, grids, backend=None):
         worst = 0.0
         for key, t in model.state_dict().items():
             p = dict(model.named_parameters()).get(key)
-            want = (
-                ref_state[key][p.placement.local_slices(grid)] if p is not None else ref_state[key]
-            )
+            want = p.placement.shard_of(ref_state[key], grid) if p is not None else ref_state[key]
             worst = max(worst, (t - want).abs().max().item())
         assert worst <= 0.05 * LR, f"{name} {sizes}: weights differ by {worst / LR:.3g} lr"
 

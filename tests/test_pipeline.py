@@ -82,7 +82,7 @@ def pipeline_runs(world_size, ref_curves, ref_weights, cases, compiled=False, op
             assert abs(norm - ref_norm) <= 1e-4 * ref_norm, f"{label} step {step}: norm {norm}"
         worst = 0.0
         for name, p in pipeline.parts.named_parameters():
-            expected = ref_weights[name][p.placement.local_slices(grid)]
+            expected = p.placement.shard_of(ref_weights[name], grid)
             worst = max(worst, (p.detach() - expected).abs().max().item())
         assert worst <= 0.05 * LR, f"{label}: weights differ by {worst / LR:.3g} lr"
         if any(grid.coord.values()):

@@ -108,10 +108,10 @@ def zero_runs(world_size, ref_curves, ref_first, ref_weights, cases):
         settle_parameters(opt)
         worst_grad = worst = 0.0
         for name, p in weights.named_parameters():
-            local = p.placement.local_slices(grid)
-            expected = opt.shards.piece(ref_first[name][local].contiguous())
+            expected = opt.shards.piece(p.placement.shard_of(ref_first[name], grid).contiguous())
             worst_grad = max(worst_grad, (pieces[id(p)] - expected).abs().max().item())
-            worst = max(worst, (p.detach() - ref_weights[name][local]).abs().max().item())
+            local = p.placement.shard_of(ref_weights[name], grid)
+            worst = max(worst, (p.detach() - local).abs().max().item())
             state = opt.state_of(p)
             assert state["exp_avg"].numel() == opt.shards.piece(p.data).numel(), label
         assert worst_grad <= 1e-5, f"{label}: gradients differ by {worst_grad:.3g}"

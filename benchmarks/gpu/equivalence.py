@@ -79,13 +79,13 @@ def _load(layer: nn.Module, ref: nn.Module, grid: Grid) -> None:
     refs = dict(ref.named_parameters())
     with torch.no_grad():
         for name, p in layer.named_parameters():
-            p.copy_(refs[name][p.placement.local_slices(grid)])
+            p.copy_(p.placement.shard_of(refs[name], grid))
 
 
 def _param_grads(layer: nn.Module, ref: nn.Module, grid: Grid) -> dict[str, float]:
     refs = dict(ref.named_parameters())
     return {
-        f"{name} grad": rel_norm(p.grad, refs[name].grad[p.placement.local_slices(grid)])
+        f"{name} grad": rel_norm(p.grad, p.placement.shard_of(refs[name].grad, grid))
         for name, p in layer.named_parameters()
     }
 
@@ -271,7 +271,7 @@ def model_check(
     num = den = 0.0
     worst, worst_name = -1.0, ""
     for name, p in model.named_parameters():
-        expected = ref["grads"][name][p.placement.local_slices(grid)]
+        expected = p.placement.shard_of(ref["grads"][name], grid)
         err = rel_norm(grads[name], expected)
         num += ((grads[name].float() - expected.float()).norm().item()) ** 2
         den += expected.float().norm().item() ** 2

@@ -10,7 +10,7 @@ except the two fused projections (:mod:`tetrad.models.llama`)::
                                        per KV head j: q heads j*g .. j*g+g-1, k_j, v_j
     layers.L.attention.wo.weight       model.layers.L.self_attn.o_proj.weight
     layers.L.ffn_norm.weight           model.layers.L.post_attention_layernorm.weight
-    layers.L.feed_forward.w13.weight   model.layers.L.mlp.{gate,up}_proj.weight, rows interleaved
+    layers.L.feed_forward.w13.weight   model.layers.L.mlp.{gate,up}_proj.weight, stacked [2, f, h]
     layers.L.feed_forward.w2.weight    model.layers.L.mlp.down_proj.weight
     norm.weight                        model.norm.weight
     output.weight                      lm_head.weight (embed_tokens with tied embeddings)
@@ -139,6 +139,8 @@ class Weights:
         moe = read_moe(self._rows, name, slices, self.cfg)
         if moe is not None:
             return moe.float()
+        if name.endswith("feed_forward.w13.weight"):
+            return self._gate_up(f"model.layers.{name.split('.')[1]}.", slices).float()
         rows = slices[0]
         cols = slices[1] if len(slices) > 1 else slice(None)
         parts = name.split(".")
@@ -154,13 +156,23 @@ class Weights:
             return self._rows(layer + _LAYER[rest], rows, cols).float()
         if rest == "attention.wqkv.weight":
             return torch.cat(list(self._qkv_rows(layer, rows, cols))).float()
-        if rest == "feed_forward.w13.weight":
-            lo, hi = rows.start // 2, (rows.stop + 1) // 2
-            gate = self._rows(layer + "mlp.gate_proj.weight", slice(lo, hi), cols)
-            up = self._rows(layer + "mlp.up_proj.weight", slice(lo, hi), cols)
-            both = torch.stack([gate, up], dim=1).flatten(0, 1)
-            return both[rows.start - 2 * lo : rows.stop - 2 * lo].float()
         raise ModelError(f"tetrad parameter {name} has no Hugging Face counterpart")
+
+    def _gate_up(self, layer: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        """``w13`` (``[2, f, h]``: gate_proj and up_proj stacked) restricted to ``slices``: three
+        of the stacked tensor, or two of its ``[2f, h]`` storage (rows across both halves)."""
+        names = (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight")
+        f = self.cfg.ffn_dim
+        if len(slices) == 3:
+            halves, rows, cols = slices
+            return torch.stack([self._rows(names[i], rows, cols) for i in range(2)[halves]])
+        rows, cols = slices[0], slices[1] if len(slices) > 1 else slice(None)
+        parts = []
+        for i, name in enumerate(names):  # storage rows [i f, (i+1) f) are matrix i's
+            lo, hi = max(rows.start, i * f), min(rows.stop, (i + 1) * f)
+            if lo < hi:
+                parts.append(self._rows(name, slice(lo - i * f, hi - i * f), cols))
+        return torch.cat(parts)
 
     def _vocab_rows(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
         """Rows of an embedding-like tensor; rows past the folder's vocabulary are zeros."""
@@ -209,7 +221,7 @@ def load_weights(
     whole = lambda p: tuple(slice(0, n) for n in p.shape)  # noqa: E731
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(weights.read(name, (slices or whole)(p)))
+            p.copy_(weights.read(name, (slices or whole)(p)).reshape(p.shape))
 
 
 def to_hf(name: str, full: torch.Tensor, cfg: ModelSpec, vocab: int) -> dict[str, torch.Tensor]:
@@ -224,12 +236,9 @@ def to_hf(name: str, full: torch.Tensor, cfg: ModelSpec, vocab: int) -> dict[str
     layer, rest = f"model.layers.{parts[1]}.", ".".join(parts[2:])
     if rest in _LAYER:
         return {layer + _LAYER[rest]: full}
-    if rest == "feed_forward.w13.weight":
-        pairs = full.unflatten(0, (-1, 2))
-        return {
-            layer + "mlp.gate_proj.weight": pairs[:, 0],
-            layer + "mlp.up_proj.weight": pairs[:, 1],
-        }
+    if rest == "feed_forward.w13.weight":  # [2, f, h], or stored [2f, h]
+        gate, up = full.reshape(2, -1, full.shape[-1])
+        return {layer + "mlp.gate_proj.weight": gate, layer + "mlp.up_proj.weight": up}
     if rest == "attention.wqkv.weight":
         g, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         groups = full.unflatten(0, (cfg.n_kv_heads, g + 2, hd))

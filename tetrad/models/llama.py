@@ -9,6 +9,7 @@ layouts on the grid). Nothing here knows the grid.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,7 +36,10 @@ class Layers(Protocol):
     ``attention(q, k, v)`` is causal attention of this rank's queries ``[b, heads, s, d]`` over
     keys and values ``[b, kv_heads, s, d]`` (grouped-query when the head counts differ);
     ``linear(k, n)`` maps ``[..., k] -> [..., n]`` (``transpose`` marks the second layer of a
-    pair: the attention out-projection and the SwiGLU down-projection); ``head(dim, V)`` is the
+    pair: the attention out-projection and the SwiGLU down-projection; ``stacked=s``: its weight
+    stacks ``s`` matrices of ``n/s`` rows, SwiGLU's gate and up, and its output features come in
+    ``stacked_pieces`` pieces of ``s`` contiguous blocks each, 1 piece in the reference:
+    :func:`tetrad.models.swiglu.swiglu`); ``head(dim, V)`` is the
     LM head ``[..., dim] -> [..., V]``; ``loss_sum(head, x, targets, vocab)`` gives the sum over
     tokens of the cross-entropy (nats) of ``head(x)`` against ``targets [...]``, over the first
     ``vocab`` ids only when given (the rest is padding); it may never form all the logits.
@@ -51,9 +55,10 @@ class Layers(Protocol):
     """
 
     head_split: int
+    stacked_pieces: int
 
     def linear(
-        self, k: int, n: int, *, transpose: bool = False, std: float = 0.02
+        self, k: int, n: int, *, transpose: bool = False, std: float = 0.02, stacked: int = 1
     ) -> nn.Module: ...
 
     def embedding(self, vocab: int, dim: int) -> nn.Module: ...
@@ -187,15 +192,16 @@ def head_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 class FeedForward(nn.Module):
     """SwiGLU (Shazeer, arXiv 2002.05202, eq. 6): ``w2(silu(x W1^T) * x W3^T)``.
 
-    The gate ``W1`` and up ``W3`` projections are one Linear ``w13`` whose output features
-    interleave them (``gate_0, up_0, gate_1, up_1, ...``), so any split into equal contiguous
-    blocks gives each rank matching gate and up features.
+    The gate ``W1`` and up ``W3`` projections are one Linear ``w13`` whose weight stacks them,
+    ``[2, f, dim]`` (``[W1; W3]``, stored ``[2f, dim]``): its output is ``[gate, up]``, or on a
+    split weight ``layers.stacked_pieces`` such pairs of blocks.
     """
 
     def __init__(self, cfg: ModelSpec, layers: Layers, ffn_dim: int | None = None):
         super().__init__()
         ffn_dim = ffn_dim or cfg.ffn_dim  # another width: an MoE block's shared expert
-        self.w13 = layers.linear(cfg.dim, 2 * ffn_dim)
+        self.w13 = layers.linear(cfg.dim, 2 * ffn_dim, stacked=2)
+        self.act = functools.partial(swiglu, pieces=layers.stacked_pieces)
         self.w2 = layers.linear(
             ffn_dim, cfg.dim, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
         )
@@ -204,7 +210,7 @@ class FeedForward(nn.Module):
         # selective mode keeps the w13 output and recomputes the product in backward (runner()
         # after w13's graph break: see recompute.runner)
         gate_up = self.w13(x)
-        return self.w2(recompute.runner()(swiglu, gate_up))
+        return self.w2(recompute.runner()(self.act, gate_up))
 
 
 class Block(nn.Module):

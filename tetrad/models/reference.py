@@ -1,7 +1,7 @@
 """The single-process reference: the same Llama on plain ``torch.nn`` layers, full tensors.
 
 Parameter names equal those of :class:`tetrad.models.llama.Llama`, so a parallel shard is
-``reference_param[shard.placement.local_slices(grid)]``.
+``shard.placement.shard_of(reference_param, grid)``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ class PlainLayers:
     """Builds ``torch.nn`` layers; no head split."""
 
     head_split = 1
+    stacked_pieces = 1
 
-    def linear(self, k: int, n: int, *, transpose: bool = False, std: float = 0.02) -> nn.Module:
-        layer = nn.Linear(k, n, bias=False)
+    def linear(
+        self, k: int, n: int, *, transpose: bool = False, std: float = 0.02, stacked: int = 1
+    ) -> nn.Module:
+        layer = nn.Linear(k, n, bias=False)  # stacked: the global [s, n/s, k] as [n, k]
         layer.weight.init = ("normal", std)
         return layer
 

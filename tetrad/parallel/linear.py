@@ -158,6 +158,13 @@ class Linear(nn.Module):
         replicated over X, Z and data (its gradient is summed over Z and data by
         :func:`tetrad.parallel.grads.sync_gradients`).
 
+    ``stacked=s``: the weight is ``s`` matrices of ``out/s`` rows stacked (SwiGLU's gate and
+    up), global ``[s, out/s, in]``, each split over the out axis and Z alike
+    (:attr:`tetrad.parallel.placement.Placement.stacked`). The stored ``[out/(G_y G_z),
+    in/G_x]`` is then ``s`` row blocks, one per matrix, and the output ``[..., out/G_y]`` is
+    ``G_z`` pieces (the Z all-gather's order) of ``s`` contiguous blocks each
+    (:func:`tetrad.models.swiglu.swiglu` takes them so).
+
     With ``sequence_parallel`` the input of a non-transposed layer is
     ``[b, s/G_y, in_features/G_x]`` and the output of a transposed one
     ``[b, s/G_y, out_features/G_x]``, this Y rank's piece of the sequence
@@ -183,6 +190,7 @@ class Linear(nn.Module):
         overlap: Overlap | None = None,
         sequence_parallel: bool = False,
         regather: bool = False,
+        stacked: int = 1,
     ):
         super().__init__()
         if sequence_parallel and bias:
@@ -194,17 +202,19 @@ class Linear(nn.Module):
         self.overlap = overlap if overlap is not None else Overlap(grid, enabled=())
         self.in_axis, self.out_axis = (Axis.Y, Axis.X) if transpose else (Axis.X, Axis.Y)
         g_in, g_out = grid.size(self.in_axis), grid.size(self.out_axis)
-        if in_features % g_in or out_features % (g_out * grid.z):
+        if in_features % g_in or out_features % (stacked * g_out * grid.z):
             raise ValueError(
                 f"Linear {in_features}->{out_features} needs in % G_{self.in_axis} == 0 and "
-                f"out % (G_{self.out_axis}*G_z) == 0 on grid {grid}"
+                f"out % ({stacked}*G_{self.out_axis}*G_z) == 0 on grid {grid}"
             )
         self.grid, self.in_features, self.out_features = grid, in_features, out_features
+        shape, rows = (out_features, in_features), (self.out_axis, Axis.Z)
         self.weight = sharded_parameter(
-            (out_features, in_features),
-            ((self.out_axis, Axis.Z), (self.in_axis,)),
+            shape if stacked == 1 else (stacked, out_features // stacked, in_features),
+            (rows, (self.in_axis,)) if stacked == 1 else ((), rows, (self.in_axis,)),
             grid,
             ("normal", init_std),
+            stacked=stacked > 1,
         )
         self.bias = (
             sharded_parameter((out_features,), ((self.out_axis,),), grid, ("zeros",))

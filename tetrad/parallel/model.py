@@ -8,8 +8,8 @@ Layouts on the grid (AxoNN's algorithm, Singh et al., arXiv 2305.13525):
     q / k / v, attention  [B/(G_data G_z), S, heads/G_y, d]  (wqkv: in X, out Y; each Y rank
                                                                holds whole KV groups)
     attention out-proj    transposed (in Y, out X) -> back to the residual layout
-    SwiGLU                w13 (gate and up interleaved): in X, out Y; w2 transposed (in Y,
-                          out X)
+    SwiGLU                w13 (gate and up stacked, [2, f, h]): in X, out Y, its output
+                          G_z pieces of [gate, up]; w2 transposed (in Y, out X)
     logits                [B/(G_data G_z), S, V/(G_y G_x)]     (LM head: input gathered over X,
                                                                vocabulary over Y and X)
     MoE router            whole on every rank, its gradient summed over Z and data like the
@@ -93,7 +93,9 @@ class ParallelLayers:
     def positions(self, s: int, device: torch.device) -> torch.Tensor:
         return local_positions(s, self.grid, device)
 
-    def linear(self, k: int, n: int, *, transpose: bool = False, std: float = 0.02) -> nn.Module:
+    def linear(
+        self, k: int, n: int, *, transpose: bool = False, std: float = 0.02, stacked: int = 1
+    ) -> nn.Module:
         return Linear(
             k,
             n,
@@ -103,7 +105,14 @@ class ParallelLayers:
             overlap=self.overlap,
             sequence_parallel=self.sequence_parallel,
             regather=self.regather,
+            stacked=stacked,
         )
+
+    @property
+    def stacked_pieces(self) -> int:
+        """A stacked Linear's output comes in ``G_z`` pieces: its weight's Z all-gather
+        concatenates the Z ranks' shards, each holding its rows of every stacked matrix."""
+        return self.grid.z
 
     def embedding(self, vocab: int, dim: int) -> nn.Module:
         sp = self.sequence_parallel

@@ -3,7 +3,9 @@
 A :class:`Placement` says, for each tensor dimension, which grid axes split it (outer to inner).
 Every shard is then a rectangle of the global tensor at a known offset, and an axis not named is
 one over which the parameter is replicated. Gradient synchronisation, global-norm clipping and
-checkpoints read only this.
+checkpoints read only this. A stacked weight (SwiGLU's ``w13``: gate and up, ``[2, f, h]``) is
+stored as its rectangle with the two leading dims merged, the 2D weight of one GEMM
+(:attr:`Placement.stacked`).
 """
 
 from __future__ import annotations
@@ -37,11 +39,16 @@ class Placement:
             experts on tensor grids (each tensor rank routes its own slice of the tokens,
             :mod:`tetrad.parallel.moe_tensor`), Y for per-head q/k norm weights (heads split
             over Y).
+        stacked: the global tensor ``[s, n/s, k]`` stacks ``s`` matrices split alike (dim 0
+            unsplit; SwiGLU's gate and up, ``s = 2``) and the parameter stores its rectangle
+            ``[s, n/(s G_out G_z), k/G_in]`` as the 2D ``[n/(G_out G_z), k/G_in]``: every
+            stacked matrix's rows of this rank in one GEMM weight (:meth:`param_shape`).
     """
 
     shape: tuple[int, ...]
     split: tuple[tuple[str, ...], ...]
     sum_axes: tuple[str, ...] = ()
+    stacked: bool = False
 
     @property
     def sharded_axes(self) -> tuple[str, ...]:
@@ -82,7 +89,20 @@ class Placement:
         return tuple(out)
 
     def local_shape(self, grid: Grid) -> tuple[int, ...]:
+        """The shape of this rank's rectangle (:meth:`local_slices`)."""
         return tuple(s.stop - s.start for s in self.local_slices(grid))
+
+    def param_shape(self, grid: Grid) -> tuple[int, ...]:
+        """The shape of the stored parameter: :meth:`local_shape`, with dims 0 and 1 merged
+        when :attr:`stacked`."""
+        shape = self.local_shape(grid)
+        return (shape[0] * shape[1], *shape[2:]) if self.stacked else shape
+
+    def shard_of(self, full: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """This rank's parameter cut from ``full``, the global tensor in :attr:`shape` or any
+        shape of the same elements in the same order (a stacked weight's plain ``[n, k]``):
+        ``[*param_shape(grid)]``, a view where slicing allows."""
+        return full.reshape(self.shape)[self.local_slices(grid)].reshape(self.param_shape(grid))
 
 
 def sharded_parameter(
@@ -91,14 +111,16 @@ def sharded_parameter(
     grid: Grid,
     init: tuple,
     sum_axes: tuple[str, ...] = (),
+    stacked: bool = False,
 ) -> nn.Parameter:
-    """An uninitialised local shard ``Placement(shape, split, sum_axes).local_shape(grid)``
-    tagged with its placement and its init rule (see :func:`init_parameters`): on the grid's
-    device, or on the meta device inside ``with torch.device("meta")`` (how the models are
-    built: :func:`tetrad.models.meta.materialize` then allocates it on the grid's device)."""
-    placement = Placement(tuple(shape), split, tuple(sum_axes))
+    """An uninitialised local shard ``Placement(shape, split, sum_axes, stacked)
+    .param_shape(grid)`` tagged with its placement and its init rule (see
+    :func:`init_parameters`): on the grid's device, or on the meta device inside ``with
+    torch.device("meta")`` (how the models are built: :func:`tetrad.models.meta.materialize`
+    then allocates it on the grid's device)."""
+    placement = Placement(tuple(shape), split, tuple(sum_axes), stacked)
     device = "meta" if torch.get_default_device().type == "meta" else grid.device
-    p = nn.Parameter(torch.empty(placement.local_shape(grid), device=device))
+    p = nn.Parameter(torch.empty(placement.param_shape(grid), device=device))
     p.placement = placement
     p.init = init
     return p

@@ -57,6 +57,11 @@ from tetrad.train.checkpoint_dir import (
     step_dir,
     write_meta,
 )
+from tetrad.train.legacy_layout import (
+    interleaved_placement,
+    is_interleaved,
+    stacked_from_interleaved,
+)
 
 __all__ = ["CheckpointError", "Checkpointer", "latest_checkpoint"]
 
@@ -136,7 +141,12 @@ class Checkpointer:
         places = [Shard(dim_of[a]) if a in dim_of else Replicate() for a in order]
         full = torch.empty(placement.shape, device="meta")
         return DTensor.from_local(
-            t, self._meshes[order], places, run_check=False, shape=full.shape, stride=full.stride()
+            t.view(placement.local_shape(self.grid)),  # a stacked weight's 2D storage as 3D
+            self._meshes[order],
+            places,
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
         )
 
     def _make_meshes(self, model: nn.Module) -> None:
@@ -167,6 +177,21 @@ class Checkpointer:
                 state[f"optim.{name}.{k}"] = self._dtensor(st[k], p.placement)
             state[f"optim.{name}.step"] = st["step"]
         return state
+
+    def _interleaved(self, model: nn.Module, state: dict, path: Path) -> dict:
+        """The stacked weights that the checkpoint at ``path`` saved in the old interleaved
+        layout (:mod:`tetrad.train.legacy_layout`): each such entry of ``state`` is replaced
+        by a tensor of that layout to load into, and returned as ``{key: (today's, old)}``."""
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        out = {}
+        for name, p in model.named_parameters():
+            for key in (f"model.{name}", f"optim.{name}.exp_avg", f"optim.{name}.exp_avg_sq"):
+                if key in saved and is_interleaved(p.placement, tuple(saved[key].size)):
+                    new = state[key]
+                    rows = torch.empty_like(new.to_local()).view(p.shape)
+                    out[key] = (new, self._dtensor(rows, interleaved_placement(p.placement)))
+                    state[key] = out[key][1]
+        return out
 
     def _rng_key(self) -> str:
         return f"rng.{dist.get_rank()}"
@@ -279,7 +304,11 @@ class Checkpointer:
         if same_world:
             state[self._rng_key()] = torch.get_rng_state()
         try:
+            old = self._interleaved(model, state, path)
             dcp.load(state, checkpoint_id=path, process_group=self._io)
+            for key, rows in old.items():  # w13 saved interleaved: this rank's rows, stacked
+                state[key] = rows[0]
+                rows[0].to_local().copy_(stacked_from_interleaved(rows[1].to_local()))
         except Exception as e:  # DCP raises a CheckpointException carrying every rank's error
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise CheckpointError(
@@ -291,11 +320,11 @@ class Checkpointer:
         named = list(model.named_parameters())
         loaded = []
         for name, p in named:
-            weights = state[f"model.{name}"].to_local()
+            weights = state[f"model.{name}"].to_local().view(p.shape)  # stacked: 3D -> stored 2D
             if not isinstance(optimizer, MasterAdamW):
                 p.data.copy_(weights)
             loaded.append({k: state[f"optim.{name}.{k}"] for k in ("exp_avg", "exp_avg_sq")})
-            loaded[-1] = {k: v.to_local() for k, v in loaded[-1].items()}
+            loaded[-1] = {k: v.to_local().view(p.shape) for k, v in loaded[-1].items()}
             loaded[-1] |= {"step": state[f"optim.{name}.step"], "master": weights}
         _load_optimizer_states(optimizer, named, loaded)
         if same_world:

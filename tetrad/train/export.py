@@ -30,6 +30,7 @@ import torch
 from tetrad.spec.units import GiB
 from tetrad.train.checkpoint_dir import CheckpointError, verified_latest
 from tetrad.train.generate import _first_line, read_run_config
+from tetrad.train.legacy_layout import whole_from_saved
 
 FORMATS = ("safetensors", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -196,7 +197,7 @@ def export(
         for keys, name in zip(shards, names, strict=True):
             shard = {}
             for k in keys:
-                t = _load_one(folder, k, tensors[k][0], tensors[k][1])
+                t = whole_from_saved(k, _load_one(folder, k, tensors[k][0], tensors[k][1]))
                 for out_name, v in convert(k[len("model.") :], t).items():
                     shard[out_name] = v.to(out_dtype[k]).contiguous()
                     total += shard[out_name].nbytes

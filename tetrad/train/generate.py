@@ -27,6 +27,7 @@ from tetrad.spec.model import ModelSpec
 from tetrad.spec.precision import DEVICES
 from tetrad.train.checkpoint_dir import CheckpointError, verified_latest
 from tetrad.train.config import ConfigError
+from tetrad.train.legacy_layout import whole_from_saved
 
 
 def _first_line(e: BaseException) -> str:
@@ -75,16 +76,23 @@ def _load_checkpoint(model: torch.nn.Module, folder: Path, mcfg: ModelSpec) -> N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    state = {"model." + n: torch.empty_like(t) for n, t in model.state_dict().items()}
+    own = {"model." + n: t for n, t in model.state_dict().items()}
     try:
+        saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        # a stacked weight is saved [2, f, h] and stored [2f, h] (Placement.stacked)
+        state = {
+            k: torch.empty(tuple(saved[k].size) if k in saved else t.shape, dtype=t.dtype)
+            for k, t in own.items()
+        }
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
             dcp.load(state, checkpoint_id=str(folder))
+        whole = {k: whole_from_saved(k, v).view(own[k].shape) for k, v in state.items()}
+        model.load_state_dict({k[len("model.") :]: v for k, v in whole.items()})
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(
             f"checkpoint {folder} cannot be loaded into model {mcfg} ({_first_line(e)})"
         ) from None
-    model.load_state_dict({k[len("model.") :]: v for k, v in state.items()})
 
 
 def _load_export(model: torch.nn.Module, folder: Path, mcfg: ModelSpec) -> None:
