@@ -1,0 +1,183 @@
+"""tetrad against an independent stock baseline (issue 51): ``tetrad train`` as a user runs it
+against a plain-PyTorch training script written apart from this project (the shared tools'
+``torch_baseline.py``, given with ``--baseline``), same sizes, CPU, gloo, one thread per rank.
+
+    python benchmarks/vs_independent.py rows ddp4 pp2 --repeats 4 --baseline PATH
+    python benchmarks/vs_independent.py one-process --baseline PATH
+
+``rows``: for each row, the two sides launched alternately in fresh processes (ABBA: every
+other repeat in reverse order), ``--repeats`` times; per run the median step time of steps
+4-12 (the baseline's own median over 9 steps after 3 of warm-up; tetrad's ``step_time_s`` of
+``metrics.jsonl``, ``--log-every 1``); printed: each side's median over the runs, their ratio
+and the runs. The model: dim 256, 4 layers, 8 heads, 4 KV heads, ffn 768, vocabulary 4,096,
+seq 256, global batch 16, fp32, AdamW (tetrad clips at 1.0, the baseline does not clip).
+
+=========  =====================================  =========================================
+row        baseline                               tetrad
+=========  =====================================  =========================================
+ddp2/ddp4  ``--mode ddp`` on 2/4 ranks            ``--grid 2,1,1,1`` / ``4,1,1,1``
+pp2/pp4    ``--mode pp --pp-schedule 1f1b``, 8    ``--grid pipe=2`` / ``pipe=4``,
+           micro-batches                          ``--pipeline-schedule 1f1b --micro-batch 2``
+gpipe2     ``--pp-schedule gpipe``                ``--pipeline-schedule gpipe``
+=========  =====================================  =========================================
+
+``one-process``: one rank's share of ``ddp4`` in one process and one thread, the baseline's
+``Llama`` step (forward, loss, backward, AdamW) against tetrad's ``train_step`` on the grid
+1,1,1,1 (batch 4 x 256), alternated step by step, medians of ``--steps`` steps after 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {"vocab": 4096, "hidden": 256, "ffn": 768, "layers": 4, "heads": 8, "kv-heads": 4}
+SEQ, BATCH = 256, 16
+ROWS = {
+    "ddp2": (2, ["--mode", "ddp"], ["--grid", "2,1,1,1", "--micro-batch", "8"]),
+    "ddp4": (4, ["--mode", "ddp"], ["--grid", "4,1,1,1", "--micro-batch", "4"]),
+    "pp2": (2, ["--mode", "pp", "--pp-schedule", "1f1b"], ["--grid", "pipe=2,data=1"]),
+    "pp4": (4, ["--mode", "pp", "--pp-schedule", "1f1b"], ["--grid", "pipe=4,data=1"]),
+    "gpipe2": (2, ["--mode", "pp", "--pp-schedule", "gpipe"], ["--grid", "pipe=2,data=1"]),
+}
+"""Row -> (ranks, the baseline's arguments, ``tetrad train``'s arguments)."""
+PIPELINE = (["--microbatches", "8"], ["--micro-batch", "2"])
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def baseline_run(baseline: Path, row: str) -> float:
+    """One run of the baseline's row: its median step seconds."""
+    n, args, _ = ROWS[row]
+    if "pp" in args:
+        args = args + PIPELINE[0]
+    sizes = [x for k, v in SIZES.items() for x in (f"--{k}", str(v))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
+    cmd += [str(baseline), *args, "--device", "cpu", *sizes, "--seq-len", str(SEQ)]
+    cmd += ["--global-batch", str(BATCH), "--threads", "1", "--steps", "9", "--warmup", "3"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tempfile.gettempdir())
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        raise SystemExit(f"baseline {row} failed:\n{out.stderr[-2000:]}")
+    return json.loads(lines[-1])["step_time_s_median"]
+
+
+def tetrad_run(row: str) -> float:
+    """One run of ``tetrad train`` on the row's grid: the median step seconds of steps 4-12."""
+    _, _, args = ROWS[row]
+    if args[1].startswith("pipe"):
+        schedule = "gpipe" if row.startswith("gpipe") else "1f1b"
+        args = args + PIPELINE[1] + ["--pipeline-schedule", schedule]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "tetrad.cli", "train", "--model", "small", *args]
+        cmd += ["--global-batch", str(BATCH), "--seq-len", str(SEQ), "--steps", "12"]
+        cmd += ["--log-every", "1", "--val-every", "1000", "--run-dir", f"{tmp}/run"]
+        cmd += ["--device", "cpu"]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT)
+        if out.returncode:
+            raise SystemExit(f"tetrad {row} failed:\n{out.stderr[-2000:]}")
+        rows = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+    return statistics.median(r["step_time_s"] for r in rows if 4 <= r["step"] <= 12)
+
+
+def compare_rows(baseline: Path, rows: list[str], repeats: int) -> None:
+    """The ``rows`` command (module doc)."""
+    for row in rows:
+        times: dict[str, list[float]] = {"baseline": [], "tetrad": []}
+        sides = [("baseline", lambda r=row: baseline_run(baseline, r)), ("tetrad", tetrad_run)]
+        for i in range(repeats):
+            for name, run in sides if i % 2 == 0 else sides[::-1]:
+                times[name].append(run(row) if name == "tetrad" else run())
+        b, t = (statistics.median(times[k]) for k in ("baseline", "tetrad"))
+        runs = {k: [round(x, 3) for x in v] for k, v in times.items()}
+        print(f"{row}: baseline {b:.4f} s, tetrad {t:.4f} s, ratio {t / b:.3f}  runs {runs}")
+
+
+def one_process(baseline: Path, steps: int) -> None:
+    """The ``one-process`` command (module doc)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("torch_baseline", baseline)
+    tb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tb)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29611"))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    sys.path.insert(0, str(ROOT))
+    from tetrad.grid import Grid
+    from tetrad.parallel import init_parameters
+    from tetrad.parallel.model import ParallelLlama
+    from tetrad.spec.presets import PRESETS
+    from tetrad.train.step import build_optimizer, train_step
+
+    grid = Grid.build((1, 1, 1, 1))
+    model = ParallelLlama(PRESETS["small"], grid, "none")
+    init_parameters(model, 0, grid)
+    opt = build_optimizer(model, 1e-3, 0.1)
+    sizes = argparse.Namespace(
+        **{k.replace("-", "_"): v for k, v in SIZES.items()}, rope_theta=10000.0
+    )
+    torch.manual_seed(0)
+    stock = tb.Llama(sizes)
+    stock_opt = torch.optim.AdamW(stock.parameters(), lr=1e-3, fused=True)
+
+    def stock_step(tokens):
+        stock_opt.zero_grad(set_to_none=True)
+        logits = stock(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        stock_opt.step()
+
+    def tetrad_step(tokens):
+        train_step(model, opt, grid, tokens, 4, 1.0)
+
+    gen = torch.Generator().manual_seed(1)
+    times: dict[str, list[float]] = {"baseline": [], "tetrad": []}
+    sides = [("baseline", stock_step), ("tetrad", tetrad_step)]
+    for i in range(steps + 3):
+        tokens = torch.randint(0, SIZES["vocab"], (4, SEQ + 1), generator=gen)
+        for name, step in sides if i % 2 else sides[::-1]:
+            t0 = time.perf_counter()
+            step(tokens)
+            if i >= 3:
+                times[name].append(time.perf_counter() - t0)
+    b, t = (statistics.median(times[k]) for k in ("baseline", "tetrad"))
+    print(f"one process: baseline {b * 1e3:.1f} ms, tetrad {t * 1e3:.1f} ms, ratio {t / b:.3f}")
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("command", choices=["rows", "one-process"])
+    p.add_argument("rows", nargs="*", default=["ddp4", "pp2"], help=f"of {', '.join(ROWS)}")
+    p.add_argument("--baseline", type=Path, default=ROOT.parent / "shared/tools/torch_baseline.py")
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--steps", type=int, default=14)
+    a = p.parse_args(argv)
+    if not a.baseline.is_file():
+        p.error(f"--baseline {a.baseline} is not a file: give the baseline script's path")
+    if a.command == "rows":
+        unknown = [r for r in a.rows if r not in ROWS]
+        if unknown:
+            p.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
+        compare_rows(a.baseline, a.rows, a.repeats)
+    else:
+        one_process(a.baseline, a.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""``benchmarks/vs_independent.py`` runs (a smoke test of its one-process comparison; skipped
+where the independent baseline script is not beside the checkout)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = ROOT.parent / "shared/tools/torch_baseline.py"
+
+
+@pytest.mark.skipif(not BASELINE.is_file(), reason="no ../shared/tools/torch_baseline.py")
+def test_one_process_comparison_runs():
+    cmd = [sys.executable, str(ROOT / "benchmarks/vs_independent.py"), "one-process"]
+    out = subprocess.run(cmd + ["--steps", "1"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "one process: baseline" in out.stdout and "ratio" in out.stdout
+
+
+def test_unknown_row_is_one_line():
+    cmd = [sys.executable, str(ROOT / "benchmarks/vs_independent.py"), "rows", "ddp9"]
+    out = subprocess.run(cmd + ["--baseline", __file__], capture_output=True, text=True)
+    assert out.returncode == 2 and "unknown rows ['ddp9']" in out.stderr
