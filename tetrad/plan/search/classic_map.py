@@ -256,14 +256,33 @@ def layout_question(ctx: StepQuestion, layout: TetradLayout) -> StepQuestion:
     return sharded(ctx) if layout.shard_optimizer else ctx
 
 
+def head_relieved(split: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """``split`` (blocks per stage, the last stage with the LM head) with one block moved from
+    the last stage to each other stage in turn: ``len(split) - 1`` splits, none where the last
+    stage has one block. The head and loss weigh about two blocks of a large Llama, so the
+    stage holding them is the slowest of an even split; Megatron-Core's
+    ``--decoder-last-pipeline-num-layers`` takes blocks off it the same way."""
+    if len(split) < 2 or split[-1] < 2:
+        return []
+    out = []
+    for j in range(len(split) - 1):
+        moved = list(split)
+        moved[-1] -= 1
+        moved[j] += 1
+        out.append(tuple(moved))
+    return out
+
+
 def layout_estimate(
     ctx: StepQuestion, layout: TetradLayout, gpu_memory_bytes: float, dtype: str = "bf16"
 ) -> LayoutEstimate:
     """tetrad's step time (seconds) and memory of ``layout`` on ``ctx`` (built with
     ``param_bytes=2`` for bf16 weights and ``sequence_parallel="regather"``,
     :func:`layout_question`), as the 4D search would time it. With a pipeline, under tetrad's
-    balanced split and, where the layout has one, the classic split (``--pipeline-split``):
-    the one that fits, the faster if both or neither do.
+    balanced split and, where the layout has one, the classic split (``--pipeline-split``) and
+    the classic split with one block moved from the LM head's stage to any other stage
+    (:func:`head_relieved`): the one that fits, the fastest among those that fit (or among all
+    where none does).
 
     Raises:
         ValueError: ``ctx`` does not model the layout's weights or sequence parallelism.
@@ -290,9 +309,9 @@ def layout_estimate(
     m = ctx.global_batch // (layout.grid[0] * layout.grid[2] * b)
     splits: list[tuple[int, ...]] = [()]
     if layout.classic_split:
-        splits.append(layout.classic_split)
+        splits += [layout.classic_split, *head_relieved(layout.classic_split)]
     best = None
-    for split in splits:  # tetrad's balanced split, then the classic one
+    for split in splits:  # tetrad's balanced split, then the classic ones
         if split:
             stages = split_of_blocks(split, model.n_layers)
             ranks = ranks_of_split(stages, cfg.pipe, cfg.virtual)
