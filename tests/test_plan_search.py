@@ -21,6 +21,15 @@ H100 = get_machine("dgx-h100")
 PERL = get_machine("perlmutter")
 
 
+def test_stacked_w13_needs_each_matrix_split():
+    """w13 stacks gate and up (``[2, f, h]``): each ``f`` rows split over ``G_y G_z``, not only
+    the ``2 f`` (the runtime's Linear refuses otherwise). llama-2-7b: f = 11008 = 2^8 x 43."""
+    model = get_model("llama-2-7b")
+    bad = grid_problems(model, (1, 64, 8, 1))  # G_z G_y = 512 divides 2f, not f
+    assert any("w13 out=11008 (per stacked matrix)" in b for b in bad), bad
+    assert not any("w13" in b for b in grid_problems(model, (1, 32, 8, 1)))
+
+
 def test_factorizations_and_divisors():
     assert divisors(12) == [1, 2, 3, 4, 6, 12]
     assert len(factorizations(1024, 4)) == 286  # C(10 + 3, 3)

@@ -175,7 +175,7 @@ class Linear(nn.Module):
     Raises:
         ValueError: a size not divisible by the grid (check the model with
             :func:`tetrad.spec.sharding.check_grid` first for a friendlier message), or
-            ``sequence_parallel`` with a bias.
+            ``sequence_parallel`` or ``stacked`` with a bias.
     """
 
     def __init__(
@@ -195,6 +195,8 @@ class Linear(nn.Module):
         super().__init__()
         if sequence_parallel and bias:
             raise ValueError("a sequence-parallel Linear takes no bias")
+        if stacked > 1 and bias:
+            raise ValueError("a stacked Linear takes no bias (its rows are not in global order)")
         if regather and not sequence_parallel:
             raise ValueError("regather needs sequence_parallel (it re-gathers its input)")
         self.sequence_parallel = sequence_parallel and grid.y > 1

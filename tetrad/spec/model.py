@@ -74,6 +74,9 @@ class Linear:
             (stored ``[n/(G_x G_z), k/G_y]``).
         count: how many such layers one block has (always 1 for the presets).
         bias: whether the layer has a bias of ``n`` elements (GPT blocks).
+        stacked: how many matrices of ``n / stacked`` rows the weight stacks, each split over
+            the output axis and Z alike (Llama's ``w13``: gate and up, 2;
+            tetrad/parallel/placement.py ``Placement.stacked``).
     """
 
     name: str
@@ -82,6 +85,7 @@ class Linear:
     transposed: bool
     count: int = 1
     bias: bool = False
+    stacked: int = 1
 
     @property
     def weight_elements(self) -> int:
@@ -331,7 +335,10 @@ class ModelSpec:
         if not self.shared_ffn_dim:
             return []
         h, f = self.dim, self.shared_ffn_dim
-        return [Linear("shared.w13", h, 2 * f, False), Linear("shared.w2", f, h, True)]
+        return [
+            Linear("shared.w13", h, 2 * f, False, stacked=2),
+            Linear("shared.w2", f, h, True),
+        ]
 
     def router_params(self) -> int:
         """Router weight of one MoE block ``E h``."""
@@ -461,7 +468,7 @@ def _block_linears(model: ModelSpec) -> tuple[Linear, ...]:
             Linear("fc1", h, f, False, bias=True),
             Linear("fc2", f, h, True, bias=True),
         )
-    ffn = (Linear("w13", h, 2 * f, False), Linear("w2", f, h, True))
+    ffn = (Linear("w13", h, 2 * f, False, stacked=2), Linear("w2", f, h, True))
     if model.kv_lora_rank:
         return (*_mla_linears(model), *ffn)
     return (

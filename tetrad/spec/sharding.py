@@ -13,9 +13,10 @@ def grid_problems(model: ModelSpec, grid) -> list[str]:
     """Sizes of ``model`` that do not shard on ``grid = (G_data, G_z, G_y, G_x)``; empty if all do.
 
     Derived from tetrad's layout (tetrad/parallel: the runtime's rule too): a non-transposed weight
-    ``[n, k]`` needs ``n % (G_y G_z) == 0`` and ``k % G_x == 0``, a transposed one the same with X
-    and Y swapped; heads and KV heads split over Y; the LM head (vocabulary over Y, X and Z) and
-    so the embedding ``V % (G_y G_x G_z)``; norms ``h % G_x``. An MoE model's router and
+    ``[n, k]`` needs ``n % (G_y G_z) == 0`` (each stacked matrix's ``n / stacked`` rows, for
+    ``w13``) and ``k % G_x == 0``, a transposed one the same with X and Y swapped; heads and KV
+    heads split over Y; the LM head (vocabulary over Y, X and Z) and so the embedding
+    ``V % (G_y G_x G_z)``; norms ``h % G_x``. An MoE model's router and
     experts split no further (whole on every tensor rank, which routes its own slice of the
     tokens: :mod:`tetrad.parallel.moe_tensor`).
     ``grid``: four sizes or five (with ``G_context``, which splits no weight).
@@ -39,9 +40,12 @@ def _grid_problems(model: ModelSpec, gz: int, gy: int, gx: int) -> tuple[str, ..
         g_out, g_in, a_out, a_in = (
             (gx, gy, "G_x", "G_y") if lin.transposed else (gy, gx, "G_y", "G_x")
         )
+        rows = lin.out_features // lin.stacked  # of each stacked matrix (w13: gate, up)
         need(
-            lin.out_features % (g_out * gz) == 0,
-            f"{lin.name} out={lin.out_features} divisible by {a_out}*G_z={g_out * gz}",
+            rows % (g_out * gz) == 0,
+            f"{lin.name} out={rows} (per stacked matrix) divisible by {a_out}*G_z={g_out * gz}"
+            if lin.stacked > 1
+            else f"{lin.name} out={lin.out_features} divisible by {a_out}*G_z={g_out * gz}",
         )
         need(
             lin.in_features % g_in == 0,
