@@ -68,8 +68,10 @@ def baseline_run(baseline: Path, row: str) -> float:
     cmd += ["--global-batch", str(BATCH), "--threads", "1", "--steps", "9", "--warmup", "3"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tempfile.gettempdir())
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode or not lines:
-        raise SystemExit(f"baseline {row} failed:\n{out.stderr[-2000:]}")
+    # A pipeline run of the baseline sometimes aborts in torch's teardown after printing its
+    # result ("terminate called without an active exception" on one rank): the result stands.
+    if not lines:
+        raise SystemExit(f"baseline {row} failed:\n{out.stderr[-4000:]}")
     return json.loads(lines[-1])["step_time_s_median"]
 
 
