@@ -164,3 +164,24 @@ def all_layers(world_size):
 @pytest.mark.parametrize("world_size", sorted(GRIDS))
 def test_layers_match_torch_nn(world_size):
     run_distributed(all_layers, world_size, world_size)
+
+
+def test_fp32_accumulating_gemm_probe():
+    """The bf16 GEMM that adds into an fp32 gradient is used only where torch runs it: never on
+    the CPU (no kernel); on a GPU, when the probe says yes, it equals the fp32 sum on a full-size
+    block (the other way, the separate add, is what the model tests check)."""
+    from tetrad.parallel.linear import adds_into_fp32
+
+    assert adds_into_fp32(torch.device("cpu"), torch.bfloat16) is False
+    if not torch.cuda.is_available():
+        return
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if not adds_into_fp32(dev, torch.bfloat16):
+        pytest.skip("this torch has no fp32-output addmm for bf16 on CUDA")
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(512, 1024, device=dev, generator=g).bfloat16()
+    b = torch.randn(1024, 256, device=dev, generator=g).bfloat16()
+    have = torch.randn(512, 256, device=dev, generator=g)
+    want = have + a.float() @ b.float()
+    torch.addmm(have, a, b, out_dtype=torch.float32, out=have)
+    torch.testing.assert_close(have, want, rtol=1e-3, atol=1e-2)

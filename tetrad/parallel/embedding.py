@@ -58,12 +58,18 @@ class _Embedding3D(torch.autograd.Function):
         if ctx.ov.grid.y > 1:  # rows of ids in other Y blocks add nothing here
             dout = dout.masked_fill(outside.unsqueeze(-1), 0.0)
         dout = dout.to(grad_dtype(e_shard))
+        ids, rows = local.reshape(-1), dout.reshape(-1, dout.shape[-1])
+        have = ctx.ov.grad_to_add_into(e_shard)  # a later micro-batch: no zeroed table, no add
+        if have is not None:
+            have.index_add_(0, ids, rows)
+            ctx.ov.weight_grad_added(e_shard)
+            return None, None, None, None
         de = ctx.ov.grad_slot(e_shard)  # its place in the data-parallel bucket, if offered
         if de is None:
             de = torch.zeros(ctx.rows, dout.shape[-1], dtype=dout.dtype, device=dout.device)
         else:
             de.zero_()
-        de.index_add_(0, local.reshape(-1), dout.reshape(-1, dout.shape[-1]))
+        de.index_add_(0, ids, rows)
         ctx.ov.reduce_weight_grad(e_shard, de)
         return None, None, None, None
 

@@ -29,6 +29,8 @@ The weight gradient leaves backward through :meth:`Overlap.reduce_weight_grad` (
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -57,7 +59,26 @@ def reduce_weight_gradient(
     where the overlap offers a place (:meth:`Overlap.grad_slot`). Cast to the gradients' dtype
     only where a Z reduce-scatter sums it (``G_z > 1``): with ``G_z = 1`` it is added to the
     gradient as it is (:func:`tetrad.parallel.masters.add_grad`: an in-place add across
-    dtypes, no fp32 copy of the block)."""
+    dtypes, no fp32 copy of the block). Where the gradient exists already (a later
+    micro-batch, ``G_z = 1``, :meth:`Overlap.grad_to_add_into`), the GEMM adds into it, as
+    Megatron-LM's gradient-accumulation fusion does: ``addmm_`` where the gradient has the
+    operands' dtype, ``torch.addmm(..., out_dtype=fp32, out=grad)`` for bf16 operands and an
+    fp32 gradient where torch runs it (:func:`adds_into_fp32`). No block tensor and no separate
+    add, which moves 10-12 bytes per element (read both, write the sum) per micro-batch: on a
+    GPU 24 ms per micro-batch for 8B local parameters at 3.35 TB/s."""
+    if dw is None:
+        have = ov.grad_to_add_into(w_shard)
+        if have is not None and dy.dtype == x.dtype:
+            a, b = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
+            if have.dtype == a.dtype:
+                have.addmm_(a, b)
+            elif adds_into_fp32(have.device, a.dtype) and have.dtype == torch.float32:
+                torch.addmm(have, a, b, out_dtype=torch.float32, out=have)
+            else:
+                have = None
+            if have is not None:
+                ov.weight_grad_added(w_shard)
+                return
     slot = ov.grad_slot(w_shard)
     if dw is None:
         a, b = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
@@ -70,6 +91,26 @@ def reduce_weight_gradient(
     elif dw is not slot:  # the cast to the parameter dtype lands in the slot
         dw = slot.copy_(dw)
     ov.reduce_weight_grad(w_shard, dw)
+
+
+@functools.cache
+def adds_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)`` adds the product of
+    ``dtype`` (bf16/fp16) matrices into an fp32 ``c`` in place on ``device``: cuBLAS accumulates
+    in fp32 and writes fp32 (PyTorch pull request 150812); versions differ in whether ``c`` may
+    be fp32, and the CPU has no such kernel. Tried once per device and dtype on a 2 x 2 case
+    against the fp32 product; False on any error."""
+    if device.type != "cuda":
+        return False
+    try:
+        with torch.no_grad():
+            a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device)
+            c = torch.full((2, 2), 0.5, device=device)
+            want = c + a @ a
+            torch.addmm(c, a.to(dtype), a.to(dtype), out_dtype=torch.float32, out=c)
+            return bool(torch.equal(c, want))
+    except (RuntimeError, TypeError):
+        return False
 
 
 class _Linear3D(torch.autograd.Function):

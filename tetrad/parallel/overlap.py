@@ -55,7 +55,7 @@ from tetrad.dtypes import fp8_recipe
 from tetrad.grid import Grid
 from tetrad.parallel.buckets import GradBuckets
 from tetrad.parallel.expert_grads import ExpertGradSums
-from tetrad.parallel.masters import add_grad
+from tetrad.parallel.masters import add_grad, grad_of
 from tetrad.parallel.sequence import scatter_sequence
 from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import (
@@ -268,6 +268,18 @@ class Overlap:
             return self.buckets.slot(param)
         return None
 
+    def grad_to_add_into(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """``param``'s gradient, when a layer may add its next full-block weight gradient into
+        it in place (a later micro-batch: the gradient exists; ``G_z = 1``: no Z reduce-scatter
+        stands between the block and the gradient); None otherwise. Hand the sum on with
+        :meth:`weight_grad_added`."""
+        return grad_of(param) if self.grid.z == 1 else None
+
+    def weight_grad_added(self, param: torch.nn.Parameter) -> None:
+        """:meth:`reduce_weight_grad` for a block gradient already added into ``param``'s
+        gradient (:meth:`grad_to_add_into`): ``param`` is ready for its data-parallel bucket."""
+        self._grad_ready(param, None)
+
     def reduce_weight_grad(self, param: torch.nn.Parameter, block_grad: torch.Tensor) -> None:
         """Sum a full-block weight gradient over Z into ``param.grad`` (this rank's rows),
         asynchronously when ``reduce_scatter`` overlap is on."""
@@ -308,8 +320,9 @@ class Overlap:
     def _finish_rs(self, param, handle: Handle) -> None:
         self._grad_ready(param, handle.wait())
 
-    def _grad_ready(self, param, shard: torch.Tensor) -> None:
-        add_grad(param, shard)
+    def _grad_ready(self, param, shard: torch.Tensor | None) -> None:
+        if shard is not None:  # None: added in place already (:meth:`weight_grad_added`)
+            add_grad(param, shard)
         if (
             self._in_step
             and self._last
