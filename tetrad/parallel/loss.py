@@ -228,11 +228,11 @@ class _LMHeadLoss(torch.autograd.Function):
         ov = ctx.ov
         handle = scatter_input((dx * dloss.to(dx.dtype)).view(ctx.shape), ov, ctx.seq)
         have = ov.grad_to_add_into(ctx.weight)  # a later micro-batch: scaled and added at once
-        slot = ov.grad_slot(ctx.weight)  # its place in the data-parallel bucket, if offered
         if have is not None:
             have.addcmul_(dw, dloss.to(have.dtype))
             ov.weight_grad_added(ctx.weight)
             return handle.wait(), None, None, None, None, None, None, None
+        slot = ov.grad_slot(ctx.weight)  # its place in the data-parallel bucket, if offered
         if slot is not None:
             dw = torch.mul(dw, dloss, out=slot)
         elif dw.dtype == grad_dtype(ctx.weight):
