@@ -6,8 +6,8 @@ against a plain-PyTorch training script written apart from this project (the sha
     python benchmarks/vs_independent.py one-process --baseline PATH
 
 ``rows``: for each row, the two sides launched alternately in fresh processes (ABBA: every
-other repeat in reverse order), ``--repeats`` times; per run the median step time of steps
-4-12 (the baseline's own median over 9 steps after 3 of warm-up; tetrad's ``step_time_s`` of
+other repeat in reverse order), ``--repeats`` times; per run the median step time of the
+``--steps`` steps after 3 of warm-up (the baseline's own median; tetrad's ``step_time_s`` of
 ``metrics.jsonl``, ``--log-every 1``); printed: each side's median over the runs, their ratio
 and the runs. The model: dim 256, 4 layers, 8 heads, 4 KV heads, ffn 768, vocabulary 4,096,
 seq 256, global batch 16, fp32, AdamW (tetrad clips at 1.0, the baseline does not clip).
@@ -57,15 +57,15 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
-def baseline_run(baseline: Path, row: str) -> float:
-    """One run of the baseline's row: its median step seconds."""
+def baseline_run(baseline: Path, row: str, steps: int) -> float:
+    """One run of the baseline's row: its median step seconds over ``steps`` steps after 3."""
     n, args, _ = ROWS[row]
     if "pp" in args:
         args = args + PIPELINE[0]
     sizes = [x for k, v in SIZES.items() for x in (f"--{k}", str(v))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
     cmd += [str(baseline), *args, "--device", "cpu", *sizes, "--seq-len", str(SEQ)]
-    cmd += ["--global-batch", str(BATCH), "--threads", "1", "--steps", "9", "--warmup", "3"]
+    cmd += ["--global-batch", str(BATCH), "--threads", "1", "--steps", str(steps), "--warmup", "3"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tempfile.gettempdir())
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     # A pipeline run of the baseline sometimes aborts in torch's teardown after printing its
@@ -75,32 +75,38 @@ def baseline_run(baseline: Path, row: str) -> float:
     return json.loads(lines[-1])["step_time_s_median"]
 
 
-def tetrad_run(row: str) -> float:
-    """One run of ``tetrad train`` on the row's grid: the median step seconds of steps 4-12."""
+def tetrad_run(row: str, steps: int, extra: list[str]) -> float:
+    """One run of ``tetrad train`` on the row's grid (``extra`` appended to its arguments): the
+    median step seconds of the ``steps`` steps after 3."""
     _, _, args = ROWS[row]
     if args[1].startswith("pipe"):
         schedule = "gpipe" if row.startswith("gpipe") else "1f1b"
         args = args + PIPELINE[1] + ["--pipeline-schedule", schedule]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "tetrad.cli", "train", "--model", "small", *args]
-        cmd += ["--global-batch", str(BATCH), "--seq-len", str(SEQ), "--steps", "12"]
+        cmd += ["--global-batch", str(BATCH), "--seq-len", str(SEQ), "--steps", str(steps + 3)]
         cmd += ["--log-every", "1", "--val-every", "1000", "--run-dir", f"{tmp}/run"]
-        cmd += ["--device", "cpu"]
+        cmd += ["--device", "cpu", *extra]
         out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT)
         if out.returncode:
             raise SystemExit(f"tetrad {row} failed:\n{out.stderr[-2000:]}")
         rows = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
-    return statistics.median(r["step_time_s"] for r in rows if 4 <= r["step"] <= 12)
+    return statistics.median(r["step_time_s"] for r in rows if r["step"] > 3)
 
 
-def compare_rows(baseline: Path, rows: list[str], repeats: int) -> None:
+def compare_rows(
+    baseline: Path, rows: list[str], repeats: int, steps: int, extra: list[str]
+) -> None:
     """The ``rows`` command (module doc)."""
     for row in rows:
         times: dict[str, list[float]] = {"baseline": [], "tetrad": []}
-        sides = [("baseline", lambda r=row: baseline_run(baseline, r)), ("tetrad", tetrad_run)]
+        sides = [
+            ("baseline", lambda r=row: baseline_run(baseline, r, steps)),
+            ("tetrad", lambda r=row: tetrad_run(r, steps, extra)),
+        ]
         for i in range(repeats):
             for name, run in sides if i % 2 == 0 else sides[::-1]:
-                times[name].append(run(row) if name == "tetrad" else run())
+                times[name].append(run())
         b, t = (statistics.median(times[k]) for k in ("baseline", "tetrad"))
         runs = {k: [round(x, 3) for x in v] for k, v in times.items()}
         print(f"{row}: baseline {b:.4f} s, tetrad {t:.4f} s, ratio {t / b:.3f}  runs {runs}")
@@ -167,7 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("rows", nargs="*", default=["ddp4", "pp2"], help=f"of {', '.join(ROWS)}")
     p.add_argument("--baseline", type=Path, default=ROOT.parent / "shared/tools/torch_baseline.py")
     p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--steps", type=int, default=14, help="timed steps per run, after 3")
+    p.add_argument(
+        "--tetrad-args",
+        default="",
+        help="more `tetrad train` arguments for rows, e.g. '--grad-clip 0' (the baseline "
+        "does not clip)",
+    )
     a = p.parse_args(argv)
     if not a.baseline.is_file():
         p.error(f"--baseline {a.baseline} is not a file: give the baseline script's path")
@@ -175,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [r for r in a.rows if r not in ROWS]
         if unknown:
             p.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
-        compare_rows(a.baseline, a.rows, a.repeats)
+        compare_rows(a.baseline, a.rows, a.repeats, a.steps, a.tetrad_args.split())
     else:
         one_process(a.baseline, a.steps)
     return 0
