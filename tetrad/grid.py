@@ -72,9 +72,9 @@ class Grid:
         data, context, z, y, x: axis sizes ``G_data, G_context, G_z, G_y, G_x`` of the roles.
         pipe: ``G_pipe``, the pipeline stages (outermost; 1: no pipeline); every attribute but
             ``pipe`` and ``world_size`` describes one stage's grid.
-        mesh: the DeviceMesh over the ``--grid``'s dimensions, named by the roles they play:
-            ``("data", "context", "z", "y", "x")``, or ``(..., "x", "y")`` under ``yx``, with
-            ``"pipe"`` in front when ``G_pipe > 1``.
+        mesh: the DeviceMesh over the ``--grid``'s dimensions of size above 1, named by the
+            roles they play: of ``("pipe", "data", "context", "z", "y", "x")``, or ``(...,
+            "x", "y")`` under ``yx``; one rank's ``("data",)`` when every size is 1.
         device: this rank's device (``cpu`` or ``cuda:LOCAL_RANK``).
         coord: this rank's coordinate on each axis, e.g. ``coord["x"]``.
         comm: the record of every collective this rank issued, per axis.
@@ -128,15 +128,15 @@ class Grid:
         check_world_size(sizes, dist.get_world_size(), pipe)
         check_expert_parallel(expert, sizes)
         names = tuple(physical_axis(a, orientation) for a in GRID_AXES)  # the roles, in order
-        if pipe > 1:
-            mesh = init_device_mesh(device_type, (pipe, *sizes), mesh_dim_names=("pipe", *names))
-        else:
-            mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
-        coord = {a: mesh.get_local_rank(a) for a in GRID_AXES}
-        coord[Axis.PIPE] = mesh.get_local_rank("pipe") if pipe > 1 else 0
+        mesh = _mesh(device_type, (pipe, *sizes), ("pipe", *names))
+        coord = {a: _local_rank(mesh, a) for a in (*GRID_AXES, Axis.PIPE)}
         data_group = None
         if sizes[1] > 1:  # the data x context group, created on every rank at once
-            data_group = flatten_mesh(mesh, ("data", "context"), "data_context").get_group()
+            # a group of its own even when it holds the context group's ranks (G_data = 1):
+            # gradient buckets launch as Z reduce-scatters complete, so their order against
+            # the context K/V collectives differs across ranks, which one group would deadlock
+            dims = ("data", "context") if sizes[0] > 1 else ("context",)
+            data_group = flatten_mesh(mesh, dims, "data_context").get_group()
         grid = cls(
             *role_sizes(sizes, orientation),
             mesh=mesh,
@@ -185,6 +185,12 @@ class Grid:
         return role_sizes(self.sizes, self.orientation)
 
     @property
+    def dim_names(self) -> tuple[str, ...]:
+        """The roles of the ``--grid``'s dimensions in its order, ``pipe`` first: ``("pipe",
+        "data", "context", "z", "y", "x")``, or ``(..., "x", "y")`` under ``yx``."""
+        return ("pipe", *(physical_axis(a, self.orientation) for a in GRID_AXES))
+
+    @property
     def stage_size(self) -> int:
         """The ranks of one pipeline stage: ``G_data G_context G_z G_y G_x``."""
         return self.data * self.context * self.z * self.y * self.x
@@ -211,6 +217,21 @@ class Grid:
         pipe = f"pipe={self.pipe} " if self.pipe > 1 else ""
         ep = f" expert={self.expert}" if self.expert > 1 else ""
         return f"{pipe}data={d}{ctx} z={z} y={y} x={x}{ep}{turned}"
+
+
+def _mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """The DeviceMesh over the dimensions of ``sizes`` above 1 (ranks in row-major order of all
+    of them), or one rank's 1D ``data`` mesh. A size-1 dimension gets no process group: it
+    would carry no collective, and on gloo every group runs a thread that wakes every 10 ms
+    (four ranks on two cores lost 4% of their step to seven idle groups)."""
+    kept = [(n, s) for n, s in zip(names, sizes, strict=True) if s > 1] or [("data", 1)]
+    shape, kept_names = (s for _, s in kept), (n for n, _ in kept)
+    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(kept_names))
+
+
+def _local_rank(mesh: DeviceMesh, name: str) -> int:
+    """This rank's coordinate on the mesh dimension ``name``; 0 on one the mesh left out."""
+    return mesh.get_local_rank(name) if name in (mesh.mesh_dim_names or ()) else 0
 
 
 def expert_groups(grid: Grid, expert: int) -> dict[str, dist.ProcessGroup]:

@@ -28,6 +28,7 @@ at the end.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -105,12 +106,20 @@ class Checkpointer:
         self.keep_last = keep_last
         self.async_save = async_save
         self._meshes: dict[tuple[str, ...], DeviceMesh] = {}
-        # DCP's collectives (run by a background thread when saving asynchronously) and ours
-        # each get a gloo group of their own, apart from the training's collectives.
-        self._io = dist.new_group(backend="gloo")
-        self._ctl = dist.new_group(backend="gloo")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tetrad-ckpt")
         self._pending: _Pending | None = None
+
+    # DCP's collectives (run by a background thread when saving asynchronously) and ours each
+    # get a gloo group of their own, apart from the training's collectives; made at their first
+    # use (a collective of every rank, as each use is), since every gloo group runs a thread
+    # that wakes every 10 ms, which a CPU run pays for in every step.
+    @functools.cached_property
+    def _io(self) -> dist.ProcessGroup:
+        return dist.new_group(backend="gloo")
+
+    @functools.cached_property
+    def _ctl(self) -> dist.ProcessGroup:
+        return dist.new_group(backend="gloo")
 
     def _mesh(self, order: tuple[str, ...]) -> DeviceMesh:
         """The ranks of this rank's stage laid out as the ``--grid``, dims in role ``order``."""
@@ -118,7 +127,7 @@ class Checkpointer:
             # with a pipeline axis: every rank builds the whole mesh (its groups are created
             # collectively), then keeps its own stage's slice
             ranks = torch.arange(self.grid.world_size).view(self.grid.pipe, *self.grid.physical)
-            names = ("pipe", *(n for n in self.grid.mesh.mesh_dim_names if n != "pipe"))
+            names = self.grid.dim_names
             if Axis.EXPERT in order:  # the stage's ranks seen as expert-data x expert
                 ranks = ranks.view(self.grid.pipe, -1, self.grid.expert)
                 names = ("pipe", Axis.EXPERT_DATA.value, Axis.EXPERT.value)

@@ -60,8 +60,9 @@ class StopSignals:
 
     Create it as early as possible on every rank (a signal during start-up is then acted on
     after the first step); the first :meth:`agreed` creates the gloo group it agrees over
-    (collective). With ``enabled`` False it installs nothing and :meth:`agreed` returns 0
-    without communicating (the signals keep their default actions).
+    (collective), unless the world's own group is gloo (no idle group: each wakes every 10 ms).
+    With ``enabled`` False it installs nothing and :meth:`agreed` returns 0 without
+    communicating (the signals keep their default actions).
     """
 
     def __init__(self, enabled: bool):
@@ -85,8 +86,9 @@ class StopSignals:
         """The signal every rank stops for after this step (0: none). Collective."""
         if not self.enabled:
             return 0
-        if self.group is None:
-            self.group = dist.new_group(backend="gloo")
+        if self.group is None:  # a gloo world (CPU) serves; NCCL needs a gloo group beside it
+            gloo = dist.get_backend() == "gloo"
+            self.group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
         flag = torch.tensor([self.signum], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return int(flag.item())
