@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tetrad.comm import all_reduce
+from tetrad.comm import Handle, all_reduce
 from tetrad.grid import Grid
 from tetrad.parallel.context import split_sequence
 from tetrad.spec.grid import Axis
@@ -32,8 +32,11 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def sum_over_batch_axes(t: torch.Tensor, grid: Grid) -> torch.Tensor:
+def sum_over_batch_axes(
+    t: torch.Tensor, grid: Grid, async_op: bool = False
+) -> torch.Tensor | Handle:
     """``t`` (a 0-dim loss sum) summed in place over the axes whose ranks see other samples or
-    tokens: Z, then data x context."""
+    tokens: Z, then data x context. ``async_op``: the sum over data x context is left in
+    flight, a :class:`~tetrad.comm.Handle` returned (wait it before reading ``t``)."""
     all_reduce(t, grid, Axis.Z)
-    return all_reduce(t, grid, Axis.DATA)  # data x context
+    return all_reduce(t, grid, Axis.DATA, async_op=async_op)  # data x context

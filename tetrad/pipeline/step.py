@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tetrad.comm import all_reduce
+from tetrad.comm import Handle, all_reduce
 from tetrad.dtypes import autocast, stored_policy
 from tetrad.grid import Grid
 from tetrad.parallel import clip_grad_norm, sync_gradients
@@ -53,17 +53,21 @@ def pipeline_train_step_losses(
         part.overlap.buckets.shards = shards
     with autocast(grid.device, stored_policy(pipeline.parts[0], grid.device)):
         loss = pipeline.step(*inputs_targets(local, grid))
+    # the loss's sum runs behind the gradients' and the update (no collective of its own to
+    # wait for); an MoE model's term has to wait for its routers' updates
+    summed = _sum_over_pipe_and_batch_axes(loss, grid, async_op=True)
     for part in pipeline.parts:
         sync_gradients(part, grid, part.overlap.buckets.reduced, shards)
     norm = clip_grad_norm(pipeline.parts, grid, grad_clip, shards)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    loss = summed.wait()
     aux = pipeline.aux_loss()
     if moe:
         for part in pipeline.parts:
             update_expert_biases(part, grid)
         aux = _sum_over_pipe_and_batch_axes(aux, grid)
-    return _sum_over_pipe_and_batch_axes(loss, grid), aux, norm
+    return loss, aux, norm
 
 
 @torch.no_grad()
@@ -82,6 +86,8 @@ def pipeline_evaluate(pipeline: Pipeline, batches: list[torch.Tensor]) -> float:
     return _sum_over_pipe_and_batch_axes(total, grid).item() / n_tokens
 
 
-def _sum_over_pipe_and_batch_axes(t: torch.Tensor, grid: Grid) -> torch.Tensor:
-    all_reduce(t, grid, Axis.PIPE)  # only the last stage's is not 0
-    return sum_over_batch_axes(t, grid)
+def _sum_over_pipe_and_batch_axes(
+    t: torch.Tensor, grid: Grid, async_op: bool = False
+) -> torch.Tensor | Handle:
+    sum_over_batch_axes(t, grid)
+    return all_reduce(t, grid, Axis.PIPE, async_op=async_op)  # only the last stage's is not 0

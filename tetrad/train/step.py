@@ -156,14 +156,18 @@ def train_step_losses(
         loss += part.detach()
         if aux_sum is not None:
             aux, moe = aux + aux_sum.detach() / n_seqs, True
+    # the loss's sum over the batch axes runs behind the gradients' and the update: no rank
+    # waits for the others at a collective of its own
+    summed = sum_over_batch_axes(loss, grid, async_op=True)
     sync_gradients(model, grid, overlap.buckets.reduced if overlap is not None else set(), shards)
     norm = clip_grad_norm(model, grid, grad_clip, shards)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     update_expert_biases(model, grid)
+    loss = summed.wait()
     if moe:  # a dense model's step issues the one loss all-reduce it always did
         aux = sum_over_batch_axes(aux, grid)
-    return sum_over_batch_axes(loss, grid), aux, norm
+    return loss, aux, norm
 
 
 @torch.no_grad()

@@ -294,7 +294,9 @@ def bucket_exposed(big_d: float, big_h: float, big_e: float, slack: float, n_lay
 def step_scalars(rec: Recorder, st: Step) -> None:
     """Step-level, blocking: the Z-replicated vectors' gradients (``vector_el * 4`` bytes) over Z
     then data (not over data when they rode in the last bucket: :attr:`Step.vectors_in_buckets`),
-    the loss scalar (4 B) over Z and data, the gradient norm (8 B, float64) over the world unless
+    the loss scalar (4 B) over Z and data (the sum over data left in flight behind the
+    gradients' sum and the update: hidden, a few microseconds of latency against milliseconds of
+    AdamW; tetrad/train/step.py), the gradient norm (8 B, float64) over the world unless
     only the data axis is above 1 (every rank then has the whole gradient). With the sharded
     optimizer the vectors' sum over data is a reduce-scatter, their all-gather follows the
     update, and the norm is always summed over the world (each rank holds its pieces).
@@ -323,7 +325,10 @@ def step_scalars(rec: Recorder, st: Step) -> None:
     for ax in (Axis.Z, Axis.DATA):
         if st.sizes[ax] > 1:
             t = st.links[ax].time(ALL_REDUCE, FP32)
-            rec.add("loss_scalar", "step", ax, ALL_REDUCE, FP32, 1, t, t)
+            if ax == Axis.DATA:  # left in flight behind the gradients' sum and the update
+                rec.add("loss_scalar", "step", ax, ALL_REDUCE, FP32, 1, t, 0.0, "the update")
+            else:
+                rec.add("loss_scalar", "step", ax, ALL_REDUCE, FP32, 1, t, t)
     if st.world > st.sizes[Axis.DATA] or (st.zero and st.sizes[Axis.DATA] > 1):
         t = st.links["world"].time(ALL_REDUCE, 8)
         rec.add("grad_norm", "step", "world", ALL_REDUCE, 8, 1, t, t)
