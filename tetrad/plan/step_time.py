@@ -223,7 +223,8 @@ def make_step(
         )
     ov, m = ctx.overlaps, micro_batch * local_seq_len(ctx.seq_len, gc)
     _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
-    dp, comp = "dp_all_reduce" in ov, ctx.compute(roles, micro_batch)
+    acc = ctx.global_batch // cells
+    dp, comp = "dp_all_reduce" in ov, ctx.compute(roles, micro_batch).over_step(acc, gz)
     full = parse_checkpointing(checkpointing) == "full"
     most, pieces = (1, 1)
     if gc > 1:
@@ -234,7 +235,7 @@ def make_step(
         sizes={"x": gx, "y": gy, "z": gz, "context": gc, "data": gd * gc},
         links=links,
         m=m,
-        acc=ctx.global_batch // cells,
+        acc=acc,
         c=ctx.c,
         checkpointing=full,
         comp=comp,

@@ -36,7 +36,7 @@ Model FLOPs (for MFU) are the runtime's definition, :meth:`ModelSpec.flops_per_t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.compute.elementwise import ELEMENTWISE
@@ -72,7 +72,15 @@ class BlockCompute:
         loss_bwd: its backward: ``dx`` and ``dW`` scaled by the loss's gradient, seconds.
         head_dw_scale: of ``loss_bwd``, the ``dW`` part (the head's Y all-reduce runs during
             it).
-        embedding_fwd, embedding_bwd: lookup and scatter-add into a zeroed ``[V/G_y, h/G_x]``.
+        embedding_fwd, embedding_bwd: lookup, and the scatter-add of the micro-batch's rows
+            into the ``[V/G_y, h/G_x]`` gradient table.
+        embedding_zero: the zeroing of that table (4 bytes per element), on the first
+            micro-batch of a step, or on each with ``G_z > 1`` (:meth:`over_step`).
+        head_dw_add: what a later micro-batch adds to ``loss_bwd`` with ``G_z = 1``: its
+            scaled ``dW`` is added into the gradient (read 4 more bytes per element).
+
+    ``embedding_bwd`` and ``loss_bwd`` are each their least over a step's micro-batches, so
+    every sum of them is a floor of the step's compute; :meth:`over_step` gives the averages.
         final_norm_fwd, final_norm_bwd: the last norm.
         optimizer: AdamW + clipping over the local shards, per step.
         selective: one block's extra seconds under selective checkpointing (the norm applies,
@@ -102,6 +110,26 @@ class BlockCompute:
     attention: float = 0.0
     attention_bwd: float = 0.0
     casts: float = 0.0
+    embedding_zero: float = 0.0
+    head_dw_add: float = 0.0
+
+    def over_step(self, acc: int, gz: int) -> BlockCompute:
+        """The per-micro-batch average over a step of ``acc`` micro-batches. With ``G_z = 1``
+        every micro-batch after the first adds into the gradients in place
+        (tetrad/parallel/overlap.py, ``grad_to_add_into``): the embedding's rows go into the
+        table without zeroing it (``embedding_zero`` on the first only) and the LM head's
+        scaled ``dW`` is added as it is scaled (``+ head_dw_add``; the head's Y all-reduce runs
+        during it). With ``G_z > 1`` every micro-batch forms its full-block gradients apart
+        (``embedding_zero`` on each)."""
+        if gz > 1:
+            return replace(self, embedding_bwd=self.embedding_bwd + self.embedding_zero)
+        later = (acc - 1) / acc
+        return replace(
+            self,
+            embedding_bwd=self.embedding_bwd + self.embedding_zero / acc,
+            loss_bwd=self.loss_bwd + later * self.head_dw_add,
+            head_dw_scale=self.head_dw_scale + later * self.head_dw_add,
+        )
 
     @property
     def block_fwd(self) -> float:
@@ -234,7 +262,7 @@ def block_compute(
         loss_fwd=(per_logit * m * vy + ew["loss_dw_per_block"] * (blocks - 1) * dw_el) / hbm,
         loss_bwd=ew["loss_bwd_per_dx"] * m * model.dim / hbm + dw_scale,
         embedding_fwd=8.0 * m * hx / hbm,
-        embedding_bwd=(8.0 * m * hx + 4.0 * emb_rows * hx) / hbm,
+        embedding_bwd=8.0 * m * hx / hbm,
         final_norm_fwd=half_norm / 2.0,
         final_norm_bwd=ew["backward_factor"] * half_norm / 2.0,
         optimizer=ew["optimizer_per_param"] * local_params / hbm,
@@ -243,4 +271,6 @@ def block_compute(
         attention=att,
         attention_bwd=ATTENTION_BWD * att,
         casts=casts,
+        embedding_zero=4.0 * emb_rows * hx / hbm,
+        head_dw_add=ew["loss_add_per_dw"] * dw_el / hbm,
     )

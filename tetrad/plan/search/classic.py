@@ -95,7 +95,10 @@ def megatron_estimate(
     ``tp-cp-ep-dp-pp``).
 
     - compute per micro-batch and stage: the stage's ``L/p`` layers on ``b S / c`` tokens with
-      GEMMs split over TP (attention also over CP), the LM head and loss on the last stage;
+      GEMMs split over TP (attention also over CP), the LM head, loss and final norm on the
+      last stage, the word embedding on the first (its backward forms a dense ``[V/TP, h]``
+      gradient that is added into the fp32 main gradient: 12 bytes per element per
+      micro-batch);
     - TP (sequence parallel, Korthikanti et al. arXiv 2205.05198 section 4.2.2): per layer 2
       all-gathers + 2 reduce-scatters of ``b (S/c) h`` bf16 in forward, the same in backward
       (and again under recomputation), not overlapped;
@@ -149,13 +152,27 @@ def megatron_estimate(
     # Megatron's unfused vocabulary-parallel cross-entropy moves about the bytes of tetrad's
     # fused one (softmax forward, gradient in backward)
     loss = ew["loss_fwd_per_logit"] * m * model.vocab_size / tp / hbm
-    t_f = ls * layer_f + head
-    t_b = ls * layer_b + 2.0 * head + loss
-    if stage_layers and pp > 1:  # the last stage's layers + head vs the largest other
-        last = stage_layers[-1]
-        rest = max(stage_layers[:-1])
-        t_f = max(rest * layer_f, last * layer_f + head)
-        t_b = max(rest * layer_b, last * layer_b + 2.0 * head + loss)
+    # The word embedding on the first stage: the lookup, and in backward torch's dense
+    # gradient of the [V/TP, h] table (bf16, zeroed: 2 B per element) that Megatron-LM's DDP
+    # hook adds into the fp32 main gradient (read 2 + 4, write 4) every micro-batch (the
+    # embedding has no gradient-accumulation fusion: megatron/core/distributed/
+    # distributed_data_parallel.py, _make_backward_post_hook); the final norm on the last.
+    emb_f = 8.0 * m * model.dim / tp / hbm
+    emb_b = emb_f + 12.0 * model.embedding_params() / tp / hbm
+    norm = 0.25 * ew["norm_residual_per_h"] * m * model.dim / tp / hbm
+    last_f, last_b = head + norm, 2.0 * head + loss + ew["backward_factor"] * norm
+    if pp == 1:
+        t_f = ls * layer_f + emb_f + last_f
+        t_b = ls * layer_b + emb_b + last_b
+    elif stage_layers:  # the slowest stage: the first with the embedding, the last the head
+        f = [n * layer_f for n in stage_layers]
+        b = [n * layer_b for n in stage_layers]
+        f[0], b[0] = f[0] + emb_f, b[0] + emb_b
+        f[-1], b[-1] = f[-1] + last_f, b[-1] + last_b
+        t_f, t_b = max(f), max(b)
+    else:  # equal stages: the last, with the head, is the slowest
+        t_f = ls * layer_f + last_f
+        t_b = ls * layer_b + last_b
     t_r = ls * layer_f if full else 0.0
     # per micro-batch and stage: (total, exposed) seconds per axis
     per = dict.fromkeys(CLASSIC_AXES, 0.0)

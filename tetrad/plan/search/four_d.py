@@ -396,7 +396,8 @@ class Search4D:
             est = estimate(sharded(ctx) if zero else ctx, grid, b, ckpt, orientation=turn)
             return est.step_s, est
         acc = ctx.global_batch // (grid[0] * grid[2] * b)
-        fwd, bwd, rec = ctx.compute(grid, b).micro_batch_seconds(ctx.model.n_layers, ckpt)
+        comp = ctx.compute(grid, b).over_step(acc, grid_sizes(grid)[1])
+        fwd, bwd, rec = comp.micro_batch_seconds(ctx.model.n_layers, ckpt)
         ax = axonn_comm(
             ctx.model, ctx.machine, grid_sizes(grid), ctx.global_batch, ctx.seq_len, acc
         )
