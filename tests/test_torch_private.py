@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests.distributed import run_distributed
 from tetrad.spec.toml import tomllib
@@ -24,6 +25,7 @@ from tetrad.torch_private import (
     foreach_copy_,
     foreach_mul_,
     foreach_norm,
+    layout_mesh,
 )
 
 
@@ -71,6 +73,22 @@ def _flatten() -> None:
 
 def test_flatten_mesh_is_one_group_over_both_dimensions():
     run_distributed(_flatten, 4)
+
+
+def _layout() -> None:
+    rank = dist.get_rank()
+    groups = len(dist.distributed_c10d._world.pg_names)
+    # ranks 0-3 as (z, x) = 2 x 2, x fastest; laid out x-major
+    mesh = layout_mesh("cpu", torch.arange(4).view(2, 2).t().contiguous(), ("x", "z"))
+    assert len(dist.distributed_c10d._world.pg_names) == groups  # no process group made
+    assert list(mesh.get_coordinate()) == [rank % 2, rank // 2]
+    local = torch.full((2, 3), float(rank))
+    t = DTensor.from_local(local, mesh, [Shard(0), Replicate()], run_check=False)
+    assert t.shape == (4, 3) and torch.equal(t.to_local(), local)
+
+
+def test_layout_mesh_makes_no_group_and_places_pieces():
+    run_distributed(_layout, 4)
 
 
 MICRO_BATCHES = 4

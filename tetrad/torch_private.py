@@ -7,6 +7,8 @@ on the minimum. When torch changes one, this file is the one to change.
 
 - ``DeviceMesh._flatten``: one process group over several mesh dimensions
   (:func:`flatten_mesh`; the data x context group).
+- ``DeviceMesh(..., _init_backend=False)``: a mesh without process groups, for DTensors that
+  only describe a layout (:func:`layout_mesh`; the checkpointer's).
 - ``torch._foreach_norm``, ``torch._foreach_mul_``, ``torch._foreach_copy_``: one kernel per
   list of tensors, as ``torch.nn.utils.clip_grad_norm_`` uses them (:func:`foreach_norm`,
   :func:`foreach_mul_`, :func:`foreach_copy_`).
@@ -33,6 +35,13 @@ def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMe
     ``dims``), named ``name``; its ``get_group()`` is one process group over them. Collective:
     every rank of ``mesh`` calls it at once."""
     return mesh[dims]._flatten(name)
+
+
+def layout_mesh(device_type: str, ranks: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+    """A DeviceMesh over ``ranks`` named ``names`` that creates no process group: enough for
+    DTensors that only say which piece of a tensor a rank holds (DCP plans and reads with its
+    own group). Not collective."""
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_backend=False)
 
 
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -46,6 +46,7 @@ from tetrad.grid import Grid
 from tetrad.parallel.masters import MasterAdamW
 from tetrad.parallel.placement import Placement
 from tetrad.spec.grid import Axis
+from tetrad.torch_private import layout_mesh
 from tetrad.train.checkpoint_dir import (
     CheckpointError,
     check_files,
@@ -124,23 +125,20 @@ class Checkpointer:
     def _mesh(self, order: tuple[str, ...]) -> DeviceMesh:
         """The ranks of this rank's stage laid out as the ``--grid``, dims in role ``order``."""
         if order not in self._meshes:
-            # with a pipeline axis: every rank builds the whole mesh (its groups are created
-            # collectively), then keeps its own stage's slice
+            # this rank's stage only: the mesh has no process groups (it only lays out the
+            # pieces; DCP plans and reads with its own group), so nothing is collective
             ranks = torch.arange(self.grid.world_size).view(self.grid.pipe, *self.grid.physical)
-            names = self.grid.dim_names
+            names = self.grid.dim_names[1:]
             if Axis.EXPERT in order:  # the stage's ranks seen as expert-data x expert
                 ranks = ranks.view(self.grid.pipe, -1, self.grid.expert)
-                names = ("pipe", Axis.EXPERT_DATA.value, Axis.EXPERT.value)
-            perm = [names.index(a) for a in ("pipe", *order)]
+                names = (Axis.EXPERT_DATA.value, Axis.EXPERT.value)
+            stage = ranks[self.grid.coord[Axis.PIPE]]
             # a copy with row-major strides: torch 2.11 takes a mesh's layout from its tensor's
             # strides (a permuted size-1 dim keeps its old stride, even through contiguous())
-            # and slices only dims whose strides descend
-            mesh = DeviceMesh(
-                self.grid.device.type,
-                ranks.permute(perm).clone(memory_format=torch.contiguous_format),
-                mesh_dim_names=("pipe", *order),
+            stage = stage.permute([names.index(a) for a in order])
+            self._meshes[order] = layout_mesh(
+                self.grid.device.type, stage.clone(memory_format=torch.contiguous_format), order
             )
-            self._meshes[order] = mesh[order]
         return self._meshes[order]
 
     def _dtensor(self, t: torch.Tensor, placement: Placement) -> DTensor:
