@@ -28,7 +28,9 @@ the current micro-batch in ``logits_and_loss``; the rest is ``pipeline_buffers``
 peak is never above the planner's, and below it by at most the receives the planner counts as
 posted ahead (one boundary tensor ``[b, S/G_context, h/G_x]`` per stage and direction the rank
 receives in): at the peak torch has not always posted them yet (and in fp32 one may be the very
-tensor the first block saves).
+tensor the first block saves). Under GPipe a gloo rank that receives gradients posts all of a
+step's at its first backward, up to ``m - 1`` boundary tensors above the planner's (NCCL) model
+(:func:`_gradients_posted_ahead`).
 """
 
 import dataclasses
@@ -305,6 +307,18 @@ def planned(case, split, rank: int) -> dict:
 MEASURED = ("saved_peak", "recv_buffers", "held_peak", *STATES)
 
 
+def _gradients_posted_ahead(case, rank: int) -> int:
+    """Bytes a gloo rank holds beyond the planner's model: under GPipe a stage posts every
+    micro-batch's gradient receive at its first backward (``LeanRecvStage.post_ahead``), up to
+    ``m - 1`` more boundary tensors than the one posted ahead that the planner counts (its
+    model is of NCCL ranks, which post as torch does)."""
+    pipe, sizes, schedule, _, m, _, *rest = case
+    if schedule != "gpipe" or rank == pipe - 1:
+        return 0
+    dtype = (rest[0] if rest else "fp32").removesuffix("-stream")
+    return (m - 1) * p2p_bytes(MICRO, SEQ, CFG.dim, sizes[-4], sizes[-1], DTYPE_BYTES[dtype])
+
+
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_pipeline_memory_matches_runtime(world_size, tmp_path):
     run_distributed(_worker, world_size, world_size, str(tmp_path))
@@ -317,9 +331,11 @@ def test_pipeline_memory_matches_runtime(world_size, tmp_path):
             if grid_rank == rank * world_size // case[0]:  # the first of each pipeline rank
                 print(f"{_name(case)} rank {rank} measured/planned bytes: {line}")
             slack = {"held_peak": want["posted"]}  # receives not posted yet (module doc)
+            over = {"held_peak": _gradients_posted_ahead(case, rank)}
             for k in MEASURED:
                 low = want[k] - slack.get(k, 0)
-                assert low <= got[k] <= want[k], f"{_name(case)} rank {rank} {k}: {line}"
+                high = want[k] + over.get(k, 0)
+                assert low <= got[k] <= high, f"{_name(case)} rank {rank} {k}: {line}"
             if want["peak_phase"] not in ("backward: end", "optimizer step"):
                 assert want["peak_buffers"] == want["held_peak"] - want["saved_peak"]
             if want["peak_phase"] != "backward: blocks" or rank < case[0] - 1:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests.distributed import run_distributed
@@ -99,17 +99,19 @@ def _stage_module(index: int) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 8), nn.Tanh())
 
 
-def _run(stage_cls, x: torch.Tensor, y: torch.Tensor):
-    """One 1F1B step of the two-stage pipeline; returns (stage, losses, gradients)."""
+def _run(stage_cls, x: torch.Tensor, y: torch.Tensor, schedule_cls=Schedule1F1B, steps: int = 1):
+    """``steps`` steps of the two-stage pipeline (1F1B by default); returns (stage, losses,
+    gradients)."""
     rank = dist.get_rank()
     module = _stage_module(rank)
     stage = stage_cls(module, rank, 2, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=lambda out, t: ((out - t) ** 2).sum())
+    schedule = schedule_cls(stage, MICRO_BATCHES, loss_fn=lambda out, t: ((out - t) ** 2).sum())
     losses = []
-    if rank == 0:
-        schedule.step(x)
-    else:
-        schedule.step(target=y, losses=losses)
+    for _ in range(steps):
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
     return stage, losses, [p.grad.clone() for p in module.parameters()]
 
 
@@ -137,6 +139,45 @@ def _lean_equals_torch() -> None:
 
 def test_lean_recv_stage_equals_torch_stage_and_releases_its_buffers():
     run_distributed(_lean_equals_torch, 2)
+
+
+class _PostsAhead(LeanRecvStage):
+    post_ahead = True
+    posted_at_first: list[tuple[str, int]] = []
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        if fwd_chunk_id == 0:
+            _PostsAhead.posted_at_first.append(("fwd", len(self._posted["fwd"])))
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        if bwd_chunk_id == 0:
+            _PostsAhead.posted_at_first.append(("bwd", len(self._posted["bwd"])))
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
+def _posted_ahead_equals_torch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)
+    _, losses, grads = _run(PipelineStage, x, y, ScheduleGPipe, steps=2)
+    ahead, ahead_losses, ahead_grads = _run(_PostsAhead, x, y, ScheduleGPipe, steps=2)
+    for a, b in zip(losses, ahead_losses, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(grads, ahead_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # every micro-batch's receive was posted before the first pass of its direction (stage 1
+    # receives activations, stage 0 gradients), none is left over, every buffer released
+    receives = "fwd" if dist.get_rank() == 1 else "bwd"
+    first = [n for d, n in _PostsAhead.posted_at_first if d == receives]
+    assert first == [MICRO_BATCHES, MICRO_BATCHES], _PostsAhead.posted_at_first
+    assert not ahead._posted["fwd"] and not ahead._posted["bwd"]
+    assert all(b.numel() == 0 for b in ahead.recv_buffers())
+
+
+def test_receives_posted_ahead_equal_torch_stage_over_two_gpipe_steps():
+    """:attr:`LeanRecvStage.post_ahead` (what tetrad's GPipe sets on gloo): same losses and
+    gradients as torch's own stage."""
+    run_distributed(_posted_ahead_equals_torch, 2)
 
 
 def test_make_test_torch_min_installs_the_declared_minimum():

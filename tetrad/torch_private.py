@@ -85,7 +85,26 @@ class LeanRecvStage(PipelineStage):
     (after its forward when no backward follows: evaluation), so a stage holds the inputs of
     the passes in flight, as the schedule's memory model counts them. Subclasses override
     :meth:`after_shape_inference` instead of torch's cleanup hook.
+
+    With :attr:`post_ahead` set (its owner's choice: gloo groups, one stage per rank, a schedule
+    that runs every forward and then every backward in micro-batch order: GPipe), a step's
+    first receive of a direction posts that direction's receives of every micro-batch at once,
+    and each pass waits for its own. On gloo a receive posted after the sender's notice makes
+    the peer answer at once, while the posting thread still holds the connection's lock; on
+    cores shared with compute the connection's event thread is woken onto the poster's core and
+    spins on that lock (``gloo/transport/tcp/pair.cc``, ``Pair::handleEvents``'s try-lock),
+    about 5 ms a receive on 2 cores, where a receiver that lags its sender pays it for every
+    micro-batch. Posted before the sender sends, the data arrives while the lock is free. The
+    buffers of a GPipe step's forward receives are all alive at its peak in any case; posting
+    the gradients' ahead keeps up to ``m - 1`` more of them during the backward.
     """
+
+    post_ahead = False
+    """Post each direction's receives of a step at its first (see above)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._posted: dict[str, dict[int, list[dist.Work]]] = {"fwd": {}, "bwd": {}}
 
     def after_shape_inference(self) -> None:
         """Called once after the first step's shape inference where that is a real forward
@@ -107,15 +126,42 @@ class LeanRecvStage(PipelineStage):
             _release(infos)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        _allocate(self.args_recv_info[fwd_chunk_id], self.device)
-        return super().get_fwd_recv_ops(fwd_chunk_id)
+        if self.post_ahead:
+            return self._posted_ahead("fwd", fwd_chunk_id, self._fwd_recv_ops)
+        return self._fwd_recv_ops(fwd_chunk_id)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        if self.post_ahead and self.has_backward and not self.is_last:
+            return self._posted_ahead("bwd", bwd_chunk_id, self._bwd_recv_ops)
+        return self._bwd_recv_ops(bwd_chunk_id)
+
+    def _fwd_recv_ops(self, chunk: int) -> list[dist.P2POp]:
+        _allocate(self.args_recv_info[chunk], self.device)
+        return PipelineStage.get_fwd_recv_ops(self, chunk)
+
+    def _bwd_recv_ops(self, chunk: int) -> list[dist.P2POp]:
         if self.has_backward and not self.is_last:
-            _allocate(self.grad_recv_info[bwd_chunk_id], self.device)
-        return super().get_bwd_recv_ops(bwd_chunk_id)
+            _allocate(self.grad_recv_info[chunk], self.device)
+        return PipelineStage.get_bwd_recv_ops(self, chunk)
+
+    def _posted_ahead(self, direction: str, chunk: int, ops_of) -> list[dist.P2POp]:
+        """No receive for the schedule to post: at micro-batch 0 every micro-batch's are
+        posted here (in micro-batch order, the order the peer sends them), and each pass waits
+        for its own (:meth:`_wait_posted`)."""
+        posted = self._posted[direction]
+        if chunk == 0 and not posted:
+            for i in range(self.chunks):
+                posted[i] = [_irecv(op) for op in ops_of(i)]
+        if chunk in posted:
+            return []
+        return ops_of(chunk)  # not posted ahead: as torch does
+
+    def _wait_posted(self, direction: str, chunk: int) -> None:
+        for work in self._posted[direction].pop(chunk, ()):
+            work.wait()
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs=None, *rest: Any, **kw):
+        self._wait_posted("fwd", fwd_chunk_id)
         if torch.is_grad_enabled():
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
         try:  # evaluation: no backward will release the input
@@ -126,6 +172,7 @@ class LeanRecvStage(PipelineStage):
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss=None, full_backward=True, last_backward=False
     ):
+        self._wait_posted("bwd", bwd_chunk_id)
         try:
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         finally:
@@ -139,6 +186,11 @@ class LeanRecvStage(PipelineStage):
         return [
             b for group in infos for i in group if (b := getattr(i, "buffer", None)) is not None
         ]
+
+
+def _irecv(op: dist.P2POp) -> dist.Work:
+    """Post ``op``'s receive now, as torch's schedules post a batch of receives alone."""
+    return dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
 
 
 def _release(infos: Iterable) -> None:

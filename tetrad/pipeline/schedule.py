@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -95,6 +96,9 @@ class Pipeline:
             self.stages.append(TetradStage(model, s, n_stages, grid.device, group))
         self.last = self.parts[-1] if self.stages[-1].is_last else None
         cls = SCHEDULES[schedule]
+        if cls is ScheduleGPipe and dist.get_backend(group) == "gloo":  # LeanRecvStage's doc
+            for stage in self.stages:
+                stage.post_ahead = True
         first = self.stages if cls is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = cls(first, micro_batches, loss_fn=self._loss, scale_grads=False)
 
