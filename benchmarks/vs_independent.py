@@ -2,7 +2,7 @@
 against a plain-PyTorch training script written apart from this project (the shared tools'
 ``torch_baseline.py``, given with ``--baseline``), same sizes, CPU, gloo, one thread per rank.
 
-    python benchmarks/vs_independent.py rows ddp4 pp2 --repeats 4 --baseline PATH
+    python benchmarks/vs_independent.py rows ddp4 pp2 --repeats 4 --baseline PATH [--analogue]
     python benchmarks/vs_independent.py one-process --baseline PATH
 
 ``rows``: for each row, the two sides launched alternately in fresh processes (ABBA: every
@@ -20,6 +20,11 @@ pp2/pp4    ``--mode pp --pp-schedule 1f1b``, 8    ``--grid pipe=2`` / ``pipe=4``
            micro-batches                          ``--pipeline-schedule 1f1b --micro-batch 2``
 gpipe2     ``--pp-schedule gpipe``                ``--pipeline-schedule gpipe``
 =========  =====================================  =========================================
+
+With ``--analogue`` the project's own stock analogue of each row (``benchmarks/vs_pytorch.py``'s
+stock mode, :data:`ANALOGUES`, measured as that benchmark measures: fresh processes, a barrier
+before each step, the slowest rank's time) runs as a third side in the same alternation, and
+the line adds tetrad over it and it over the baseline.
 
 ``one-process``: one rank's share of ``ddp4`` in one process and one thread, the baseline's
 ``Llama`` step (forward, loss, backward, AdamW) against tetrad's ``train_step`` on the grid
@@ -51,6 +56,15 @@ ROWS = {
 }
 """Row -> (ranks, the baseline's arguments, ``tetrad train``'s arguments)."""
 PIPELINE = (["--microbatches", "8"], ["--micro-batch", "2"])
+ANALOGUES = {
+    "ddp2": ("ddp", 1, 1, ""),
+    "ddp4": ("ddp", 1, 1, ""),
+    "pp2": ("pp", 2, 1, "1f1b"),
+    "pp4": ("pp", 4, 1, "1f1b"),
+    "gpipe2": ("pp", 2, 1, "gpipe"),
+}
+"""Row -> the project's own stock analogue in ``benchmarks/vs_pytorch.py`` (its ``Stock`` mode:
+kind, pipeline ranks, data ranks, schedule), run with ``--analogue``."""
 
 
 def _env() -> dict:
@@ -94,22 +108,58 @@ def tetrad_run(row: str, steps: int, extra: list[str]) -> float:
     return statistics.median(r["step_time_s"] for r in rows if r["step"] > 3)
 
 
+def analogue_run(row: str, steps: int) -> float:
+    """One run of the project's stock analogue of ``row`` (:data:`ANALOGUES`), as
+    ``benchmarks/vs_pytorch.py`` runs it (fresh processes; a barrier before each step, the
+    slowest rank's time): the median step seconds of the ``steps`` steps after 3."""
+    sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
+    from stock_parallel import Stock
+    from vs_jobs import Job
+    from vs_pytorch import spawn
+    from vs_settings import Settings
+
+    from tetrad.spec.presets import parse_model
+
+    kind, pp, dp, schedule = ANALOGUES[row]
+    settings = Settings(parse_model("small")[0], SEQ, BATCH, steps + 3, 3)
+    job = Job(ROWS[row][0], settings, stock=Stock(kind, pp=pp, dp=dp, schedule=schedule))
+    result = spawn(job)
+    if "error" in result:
+        raise SystemExit(f"analogue {row} failed: {result['error']}")
+    return statistics.median(result["times"][3:])
+
+
 def compare_rows(
-    baseline: Path, rows: list[str], repeats: int, steps: int, extra: list[str]
+    baseline: Path,
+    rows: list[str],
+    repeats: int,
+    steps: int,
+    extra: list[str],
+    analogue: bool = False,
 ) -> None:
-    """The ``rows`` command (module doc)."""
+    """The ``rows`` command (module doc); with ``analogue`` the project's stock analogue runs
+    as a third side, in the same alternation."""
     for row in rows:
-        times: dict[str, list[float]] = {"baseline": [], "tetrad": []}
         sides = [
             ("baseline", lambda r=row: baseline_run(baseline, r, steps)),
             ("tetrad", lambda r=row: tetrad_run(r, steps, extra)),
         ]
+        if analogue:
+            sides.append(("analogue", lambda r=row: analogue_run(r, steps)))
+        times: dict[str, list[float]] = {name: [] for name, _ in sides}
         for i in range(repeats):
             for name, run in sides if i % 2 == 0 else sides[::-1]:
                 times[name].append(run())
-        b, t = (statistics.median(times[k]) for k in ("baseline", "tetrad"))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        b, t = med["baseline"], med["tetrad"]
+        line = f"{row}: baseline {b:.4f} s, tetrad {t:.4f} s, ratio {t / b:.3f}"
+        if analogue:
+            a = med["analogue"]
+            line += (
+                f"; analogue {a:.4f} s, tetrad/analogue {t / a:.3f}, analogue/baseline {a / b:.3f}"
+            )
         runs = {k: [round(x, 3) for x in v] for k, v in times.items()}
-        print(f"{row}: baseline {b:.4f} s, tetrad {t:.4f} s, ratio {t / b:.3f}  runs {runs}")
+        print(f"{line}  runs {runs}", flush=True)
 
 
 def one_process(baseline: Path, steps: int) -> None:
@@ -180,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         help="more `tetrad train` arguments for rows, e.g. '--grad-clip 0' (the baseline "
         "does not clip)",
     )
+    p.add_argument(
+        "--analogue",
+        action="store_true",
+        help="rows: also run the project's stock analogue (benchmarks/vs_pytorch.py's) as a "
+        "third side",
+    )
     a = p.parse_args(argv)
     if not a.baseline.is_file():
         p.error(f"--baseline {a.baseline} is not a file: give the baseline script's path")
@@ -187,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [r for r in a.rows if r not in ROWS]
         if unknown:
             p.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
-        compare_rows(a.baseline, a.rows, a.repeats, a.steps, a.tetrad_args.split())
+        compare_rows(a.baseline, a.rows, a.repeats, a.steps, a.tetrad_args.split(), a.analogue)
     else:
         one_process(a.baseline, a.steps)
     return 0

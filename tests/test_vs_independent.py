@@ -23,3 +23,17 @@ def test_unknown_row_is_one_line():
     cmd = [sys.executable, str(ROOT / "benchmarks/vs_independent.py"), "rows", "ddp9"]
     out = subprocess.run(cmd + ["--baseline", __file__], capture_output=True, text=True)
     assert out.returncode == 2 and "unknown rows ['ddp9']" in out.stderr
+
+
+def test_every_row_has_the_analogue_vs_pytorch_compares_with():
+    """``--analogue`` runs, for each row, a stock mode that ``benchmarks/vs_pytorch.py`` itself
+    pairs with the same tetrad grid on the same world size."""
+    sys.path[:0] = [str(ROOT / "benchmarks")]
+    import vs_independent
+    from stock_parallel import Stock
+    from vs_jobs import ROWS
+
+    for row, (kind, pp, dp, schedule) in vs_independent.ANALOGUES.items():
+        world = vs_independent.ROWS[row][0]
+        stock = Stock(kind, pp=pp, dp=dp, schedule=schedule)
+        assert stock in [s for _, s in ROWS[world]], (row, stock)
