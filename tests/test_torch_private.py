@@ -99,19 +99,23 @@ def _stage_module(index: int) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 8), nn.Tanh())
 
 
-def _run(stage_cls, x: torch.Tensor, y: torch.Tensor, schedule_cls=Schedule1F1B, steps: int = 1):
-    """``steps`` steps of the two-stage pipeline (1F1B by default); returns (stage, losses,
-    gradients)."""
+def _run(
+    stage_cls, x: torch.Tensor, y: torch.Tensor, schedule_cls=Schedule1F1B, steps: int = 1, evals=0
+):
+    """``steps`` steps of the two-stage pipeline (1F1B by default), then ``evals`` forward-only
+    passes (the schedule's ``eval``); returns (stage, losses, gradients)."""
     rank = dist.get_rank()
     module = _stage_module(rank)
     stage = stage_cls(module, rank, 2, torch.device("cpu"))
     schedule = schedule_cls(stage, MICRO_BATCHES, loss_fn=lambda out, t: ((out - t) ** 2).sum())
     losses = []
-    for _ in range(steps):
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=losses)
+    for i in range(steps + evals):
+        run = schedule.step if i < steps else schedule.eval
+        with torch.set_grad_enabled(i < steps):
+            if rank == 0:
+                run(x)
+            else:
+                run(target=y, losses=losses)
     return stage, losses, [p.grad.clone() for p in module.parameters()]
 
 
@@ -159,8 +163,8 @@ class _PostsAhead(LeanRecvStage):
 def _posted_ahead_equals_torch() -> None:
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)
-    _, losses, grads = _run(PipelineStage, x, y, ScheduleGPipe, steps=2)
-    ahead, ahead_losses, ahead_grads = _run(_PostsAhead, x, y, ScheduleGPipe, steps=2)
+    _, losses, grads = _run(PipelineStage, x, y, ScheduleGPipe, steps=2, evals=1)
+    ahead, ahead_losses, ahead_grads = _run(_PostsAhead, x, y, ScheduleGPipe, steps=2, evals=1)
     for a, b in zip(losses, ahead_losses, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(grads, ahead_grads, strict=True):
@@ -169,14 +173,17 @@ def _posted_ahead_equals_torch() -> None:
     # receives activations, stage 0 gradients), none is left over, every buffer released
     receives = "fwd" if dist.get_rank() == 1 else "bwd"
     first = [n for d, n in _PostsAhead.posted_at_first if d == receives]
-    assert first == [MICRO_BATCHES, MICRO_BATCHES], _PostsAhead.posted_at_first
+    # evaluation (the third pass) posts activations' receives ahead, never gradients'
+    want = [MICRO_BATCHES] * 3 if receives == "fwd" else [MICRO_BATCHES, MICRO_BATCHES, 0]
+    assert first == want, _PostsAhead.posted_at_first
     assert not ahead._posted["fwd"] and not ahead._posted["bwd"]
     assert all(b.numel() == 0 for b in ahead.recv_buffers())
 
 
 def test_receives_posted_ahead_equal_torch_stage_over_two_gpipe_steps():
     """:attr:`LeanRecvStage.post_ahead` (what tetrad's GPipe sets on gloo): same losses and
-    gradients as torch's own stage."""
+    gradients as torch's own stage, then the same forward-only losses (evaluation posts the
+    activations' receives ahead, never the gradients')."""
     run_distributed(_posted_ahead_equals_torch, 2)
 
 
