@@ -126,7 +126,7 @@ class LeanRecvStage(PipelineStage):
             _release(infos)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        if self.post_ahead:
+        if self.post_ahead and not self.is_first:
             return self._posted_ahead("fwd", fwd_chunk_id, self._fwd_recv_ops)
         return self._fwd_recv_ops(fwd_chunk_id)
 
