@@ -28,9 +28,9 @@ the current micro-batch in ``logits_and_loss``; the rest is ``pipeline_buffers``
 peak is never above the planner's, and below it by at most the receives the planner counts as
 posted ahead (one boundary tensor ``[b, S/G_context, h/G_x]`` per stage and direction the rank
 receives in): at the peak torch has not always posted them yet (and in fp32 one may be the very
-tensor the first block saves). Under GPipe a gloo rank that receives gradients posts all of a
-step's at its first backward, up to ``m - 1`` boundary tensors above the planner's (NCCL) model
-(:func:`_gradients_posted_ahead`).
+tensor the first block saves). Under GPipe and 1F1B a gloo rank posts all of a step's receives
+of a direction at its first pass, up to ``m - 1`` boundary tensors per direction above the
+planner's (NCCL) model (:func:`_posted_ahead`).
 """
 
 import dataclasses
@@ -307,16 +307,20 @@ def planned(case, split, rank: int) -> dict:
 MEASURED = ("saved_peak", "recv_buffers", "held_peak", *STATES)
 
 
-def _gradients_posted_ahead(case, rank: int) -> int:
-    """Bytes a gloo rank holds beyond the planner's model: under GPipe a stage posts every
-    micro-batch's gradient receive at its first backward (``LeanRecvStage.post_ahead``), up to
-    ``m - 1`` more boundary tensors than the one posted ahead that the planner counts (its
-    model is of NCCL ranks, which post as torch does)."""
+def _posted_ahead(case, rank: int) -> int:
+    """Bytes a gloo rank may hold beyond the planner's model: under GPipe and 1F1B a stage
+    posts every micro-batch's receive of a direction at that direction's first pass
+    (``LeanRecvStage.post_ahead``), up to ``m - 1`` more boundary tensors per direction it
+    receives in than the one posted ahead that the planner counts (its model is of NCCL
+    ranks, which post as torch does). Under GPipe the forward's are all alive at its peak in
+    any case, so only the gradients' count."""
     pipe, sizes, schedule, _, m, _, *rest = case
-    if schedule != "gpipe" or rank == pipe - 1:
+    if schedule not in ("gpipe", "1f1b"):
         return 0
+    directions = int(rank < pipe - 1) + int(schedule == "1f1b" and rank > 0)
     dtype = (rest[0] if rest else "fp32").removesuffix("-stream")
-    return (m - 1) * p2p_bytes(MICRO, SEQ, CFG.dim, sizes[-4], sizes[-1], DTYPE_BYTES[dtype])
+    boundary = p2p_bytes(MICRO, SEQ, CFG.dim, sizes[-4], sizes[-1], DTYPE_BYTES[dtype])
+    return directions * (m - 1) * boundary
 
 
 @pytest.mark.parametrize("world_size", sorted(CASES))
@@ -331,7 +335,7 @@ def test_pipeline_memory_matches_runtime(world_size, tmp_path):
             if grid_rank == rank * world_size // case[0]:  # the first of each pipeline rank
                 print(f"{_name(case)} rank {rank} measured/planned bytes: {line}")
             slack = {"held_peak": want["posted"]}  # receives not posted yet (module doc)
-            over = {"held_peak": _gradients_posted_ahead(case, rank)}
+            over = {"held_peak": _posted_ahead(case, rank)}
             for k in MEASURED:
                 low = want[k] - slack.get(k, 0)
                 high = want[k] + over.get(k, 0)

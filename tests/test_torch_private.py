@@ -8,6 +8,7 @@
 import re
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -160,11 +161,12 @@ class _PostsAhead(LeanRecvStage):
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
-def _posted_ahead_equals_torch() -> None:
+def _posted_ahead_equals_torch(schedule: str) -> None:
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)
-    _, losses, grads = _run(PipelineStage, x, y, ScheduleGPipe, steps=2, evals=1)
-    ahead, ahead_losses, ahead_grads = _run(_PostsAhead, x, y, ScheduleGPipe, steps=2, evals=1)
+    _, losses, grads = _run(PipelineStage, x, y, cls, steps=2, evals=1)
+    ahead, ahead_losses, ahead_grads = _run(_PostsAhead, x, y, cls, steps=2, evals=1)
     for a, b in zip(losses, ahead_losses, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(grads, ahead_grads, strict=True):
@@ -180,11 +182,12 @@ def _posted_ahead_equals_torch() -> None:
     assert all(b.numel() == 0 for b in ahead.recv_buffers())
 
 
-def test_receives_posted_ahead_equal_torch_stage_over_two_gpipe_steps():
-    """:attr:`LeanRecvStage.post_ahead` (what tetrad's GPipe sets on gloo): same losses and
-    gradients as torch's own stage, then the same forward-only losses (evaluation posts the
-    activations' receives ahead, never the gradients')."""
-    run_distributed(_posted_ahead_equals_torch, 2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_receives_posted_ahead_equal_torch_stage_over_two_steps(schedule):
+    """:attr:`LeanRecvStage.post_ahead` (what tetrad's GPipe and 1F1B set on gloo): same
+    losses and gradients as torch's own stage, then the same forward-only losses (evaluation
+    posts the activations' receives ahead, never the gradients')."""
+    run_distributed(_posted_ahead_equals_torch, 2, schedule)
 
 
 def test_make_test_torch_min_installs_the_declared_minimum():

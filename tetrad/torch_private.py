@@ -87,16 +87,18 @@ class LeanRecvStage(PipelineStage):
     :meth:`after_shape_inference` instead of torch's cleanup hook.
 
     With :attr:`post_ahead` set (its owner's choice: gloo groups, one stage per rank, a schedule
-    that runs every forward and then every backward in micro-batch order: GPipe), a step's
-    first receive of a direction posts that direction's receives of every micro-batch at once,
-    and each pass waits for its own. On gloo a receive posted after the sender's notice makes
+    that runs each direction's passes in micro-batch order: GPipe and 1F1B), a step's first
+    receive of a direction posts that direction's receives of every micro-batch at once, and
+    each pass waits for its own. On gloo a receive posted after the sender's notice makes
     the peer answer at once, while the posting thread still holds the connection's lock; on
     cores shared with compute the connection's event thread is woken onto the poster's core and
     spins on that lock (``gloo/transport/tcp/pair.cc``, ``Pair::handleEvents``'s try-lock),
     about 5 ms a receive on 2 cores, where a receiver that lags its sender pays it for every
     micro-batch. Posted before the sender sends, the data arrives while the lock is free. The
     buffers of a GPipe step's forward receives are all alive at its peak in any case; posting
-    the gradients' ahead keeps up to ``m - 1`` more of them during the backward.
+    the gradients' ahead keeps up to ``m - 1`` more of them during the backward. Under 1F1B a
+    stage holds up to ``m`` buffers per direction where torch's posting holds the passes in
+    flight (a CPU rank's boundary tensors: 512 KiB each for the demo's sizes).
     """
 
     post_ahead = False

@@ -34,8 +34,9 @@ Per pipeline rank ``r`` holding ``k`` blocks over its ``v`` stages
 Checked against the runtime on gloo ranks (tests/test_pipeline_memory.py): model states, saved
 activations at the peak to the byte; receive buffers and held outputs never above the planner's,
 below it by at most the receives it counts as posted ahead. (One exception, gloo's own: under
-GPipe a gloo stage posts all of a step's gradient receives at its first backward, up to ``m - 1``
-boundary tensors more than modelled; :class:`tetrad.torch_private.LeanRecvStage`.)
+GPipe and 1F1B a gloo stage posts all of a step's receives of a direction at its first pass, up
+to ``m - 1`` boundary tensors per direction more than modelled;
+:class:`tetrad.torch_private.LeanRecvStage`.)
 
 What each rank adjusts comes from the runtime model's parts of one stage, a model of ``k``
 blocks (:func:`stage_parts`, :func:`stage_saved`), and the tables a stage holds or drops
