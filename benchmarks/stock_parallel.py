@@ -186,7 +186,8 @@ def stock_step(
     targets: torch.Tensor,
     grad_clip: float,
 ) -> float:
-    """Forward, backward, clip, update on this data rank's share; returns the global mean loss.
+    """Forward, backward, clip (where ``grad_clip > 0``), update on this data rank's share;
+    returns the global mean loss.
 
     The loss is this rank's token mean: DDP and FSDP2 average gradients over data ranks, so the
     gradient is that of the mean over the global batch.
@@ -196,7 +197,8 @@ def stock_step(
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
         loss = loss / targets.numel()
         loss.backward()
-    torch.nn.utils.clip_grad_norm_(run.model.parameters(), grad_clip)
+    if grad_clip > 0:  # 0: no clipping, and no norm (a stock loop that does not clip)
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     loss = loss.detach()
@@ -282,19 +284,20 @@ def stock_pipeline_step(
 ) -> float:
     """One step of the schedule on this replica's share, then what a stock user adds: the
     global gradient norm over the stages (``get_total_norm`` is this stage's; its square summed
-    over ``pp``, as torchtitan's ``clip_grad_norm_``), ``clip_grads_with_norm_``, AdamW.
-    Returns the global mean loss (the last stages' sums all-reduced over the world, over the
-    replicas)."""
+    over ``pp``, as torchtitan's ``clip_grad_norm_``) and ``clip_grads_with_norm_`` where
+    ``grad_clip > 0``, AdamW. Returns the global mean loss (the last stages' sums all-reduced
+    over the world, over the replicas)."""
     losses: list[torch.Tensor] = []
     args = (tokens,) if run.stage.is_first else ()
     if run.stage.is_last:
         run.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
     else:
         run.schedule.step(*args, return_outputs=False)
-    params = [p for p in run.model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params]) ** 2
-    dist.all_reduce(norm, group=run.pp_group)
-    torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm.sqrt())
+    if grad_clip > 0:  # 0: no clipping, and no norm's all-reduce
+        params = [p for p in run.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) ** 2
+        dist.all_reduce(norm, group=run.pp_group)
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm.sqrt())
     opt.step()
     opt.zero_grad(set_to_none=True)
     loss = torch.stack(losses).sum().detach() if losses else torch.zeros(())

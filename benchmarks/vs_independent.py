@@ -24,7 +24,9 @@ gpipe2     ``--pp-schedule gpipe``                ``--pipeline-schedule gpipe``
 With ``--analogue`` the project's own stock analogue of each row (``benchmarks/vs_pytorch.py``'s
 stock mode, :data:`ANALOGUES`, measured as that benchmark measures: fresh processes, a barrier
 before each step, the slowest rank's time) runs as a third side in the same alternation, and
-the line adds tetrad over it and it over the baseline.
+the line adds tetrad over it and it over the baseline. It clips as tetrad does: with
+``--tetrad-args '--grad-clip 0'`` neither clips, which is the baseline's work (the analogue then
+computes no norm either; tetrad still computes it for its metrics).
 
 ``one-process``: one rank's share of ``ddp4`` in one process and one thread, the baseline's
 ``Llama`` step (forward, loss, backward, AdamW) against tetrad's ``train_step`` on the grid
@@ -108,10 +110,11 @@ def tetrad_run(row: str, steps: int, extra: list[str]) -> float:
     return statistics.median(r["step_time_s"] for r in rows if r["step"] > 3)
 
 
-def analogue_run(row: str, steps: int) -> float:
+def analogue_run(row: str, steps: int, grad_clip: float = 1.0) -> float:
     """One run of the project's stock analogue of ``row`` (:data:`ANALOGUES`), as
     ``benchmarks/vs_pytorch.py`` runs it (fresh processes; a barrier before each step, the
-    slowest rank's time): the median step seconds of the ``steps`` steps after 3."""
+    slowest rank's time), clipping at ``grad_clip`` as tetrad does (0: no clipping and no
+    norm): the median step seconds of the ``steps`` steps after 3."""
     sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
     from stock_parallel import Stock
     from vs_jobs import Job
@@ -121,12 +124,23 @@ def analogue_run(row: str, steps: int) -> float:
     from tetrad.spec.presets import parse_model
 
     kind, pp, dp, schedule = ANALOGUES[row]
-    settings = Settings(parse_model("small")[0], SEQ, BATCH, steps + 3, 3)
+    settings = Settings(parse_model("small")[0], SEQ, BATCH, steps + 3, 3, grad_clip=grad_clip)
     job = Job(ROWS[row][0], settings, stock=Stock(kind, pp=pp, dp=dp, schedule=schedule))
     result = spawn(job)
     if "error" in result:
         raise SystemExit(f"analogue {row} failed: {result['error']}")
     return statistics.median(result["times"][3:])
+
+
+def grad_clip_of(tetrad_args: list[str]) -> float:
+    """The ``--grad-clip`` among ``tetrad train`` arguments (the analogue clips alike), else
+    tetrad's default, 1.0."""
+    for i, a in enumerate(tetrad_args):
+        if a == "--grad-clip" and i + 1 < len(tetrad_args):
+            return float(tetrad_args[i + 1])
+        if a.startswith("--grad-clip="):
+            return float(a.split("=", 1)[1])
+    return 1.0
 
 
 def compare_rows(
@@ -139,13 +153,14 @@ def compare_rows(
 ) -> None:
     """The ``rows`` command (module doc); with ``analogue`` the project's stock analogue runs
     as a third side, in the same alternation."""
+    clip = grad_clip_of(extra)
     for row in rows:
         sides = [
             ("baseline", lambda r=row: baseline_run(baseline, r, steps)),
             ("tetrad", lambda r=row: tetrad_run(r, steps, extra)),
         ]
         if analogue:
-            sides.append(("analogue", lambda r=row: analogue_run(r, steps)))
+            sides.append(("analogue", lambda r=row: analogue_run(r, steps, clip)))
         times: dict[str, list[float]] = {name: [] for name, _ in sides}
         for i in range(repeats):
             for name, run in sides if i % 2 == 0 else sides[::-1]:

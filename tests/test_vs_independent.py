@@ -37,3 +37,37 @@ def test_every_row_has_the_analogue_vs_pytorch_compares_with():
         world = vs_independent.ROWS[row][0]
         stock = Stock(kind, pp=pp, dp=dp, schedule=schedule)
         assert stock in [s for _, s in ROWS[world]], (row, stock)
+
+
+def test_the_analogue_clips_as_tetrad_does():
+    """``--tetrad-args '--grad-clip 0'`` turns the analogue's clipping off too (the baseline's
+    work), and a stock step with ``grad_clip = 0`` leaves the gradients as backward made them."""
+    import torch
+
+    sys.path[:0] = [str(ROOT / "benchmarks")]
+    import vs_independent
+    from stock_parallel import StockModel, stock_step
+
+    assert vs_independent.grad_clip_of([]) == 1.0
+    assert vs_independent.grad_clip_of(["--log-every", "1", "--grad-clip", "0"]) == 0.0
+    assert vs_independent.grad_clip_of(["--grad-clip=0.5"]) == 0.5
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(4, 8, bias=False)
+
+        def forward(self, tokens):
+            return self.w(torch.nn.functional.one_hot(tokens, 4).float())
+
+    tokens, targets = torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2, 3]])
+    grads = {}
+    for clip in (0.0, 1e-3):
+        torch.manual_seed(0)
+        model = Tiny()
+        run = StockModel(model, parallel_loss=False, dp_size=1, dp_rank=0, dp_group=None)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        opt.zero_grad = lambda set_to_none=True: None  # keep the gradients to compare
+        stock_step(run, opt, tokens, targets, clip)
+        grads[clip] = model.w.weight.grad.norm().item()
+    assert grads[0.0] > 1e-3 and abs(grads[1e-3] - 1e-3) < 1e-6
