@@ -96,7 +96,8 @@ class Pipeline:
             self.stages.append(TetradStage(model, s, n_stages, grid.device, group))
         self.last = self.parts[-1] if self.stages[-1].is_last else None
         cls = SCHEDULES[schedule]
-        if cls is not ScheduleInterleaved1F1B and dist.get_backend(group) == "gloo":  # its doc
+        # one stage per rank on gloo: receives posted ahead (LeanRecvStage.post_ahead)
+        if cls is not ScheduleInterleaved1F1B and dist.get_backend(group) == "gloo":
             for stage in self.stages:
                 stage.post_ahead = True
         first = self.stages if cls is ScheduleInterleaved1F1B else self.stages[0]
