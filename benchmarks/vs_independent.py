@@ -135,12 +135,9 @@ def analogue_run(row: str, steps: int, grad_clip: float = 1.0) -> float:
 def grad_clip_of(tetrad_args: list[str]) -> float:
     """The ``--grad-clip`` among ``tetrad train`` arguments (the analogue clips alike), else
     tetrad's default, 1.0."""
-    for i, a in enumerate(tetrad_args):
-        if a == "--grad-clip" and i + 1 < len(tetrad_args):
-            return float(tetrad_args[i + 1])
-        if a.startswith("--grad-clip="):
-            return float(a.split("=", 1)[1])
-    return 1.0
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    return p.parse_known_args(tetrad_args)[0].grad_clip
 
 
 def compare_rows(
