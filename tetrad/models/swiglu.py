@@ -49,16 +49,18 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = _halves(gate_up, pieces)
         ctx.save_for_backward(gate_up)
         ctx.pieces = pieces
-        return (F.silu(gate) * up).flatten(-2)
+        return F.silu(gate).mul_(up).flatten(-2)  # the product in silu's buffer
 
     @staticmethod
     def backward(ctx, g):
         (gate_up,) = ctx.saved_tensors
         gate, up = _halves(gate_up, ctx.pieces)
         g = g.unflatten(-1, (ctx.pieces, -1))
-        silu = F.silu(gate)  # rebuilt: an element-wise pass instead of [..., f] kept per block
         grad = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
         d_gate, d_up = _halves(grad, ctx.pieces)
-        torch.mul(g, silu, out=d_up)
-        torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=d_gate)
+        # d_up's half holds g * up first (no temporary), then silu(gate), rebuilt: an
+        # element-wise pass instead of [..., f] kept per block, then g times it
+        torch.mul(g, up, out=d_up)
+        torch.ops.aten.silu_backward.grad_input(d_up, gate, grad_input=d_gate)
+        torch.ops.aten.silu.out(gate, out=d_up).mul_(g)
         return grad, None
