@@ -22,11 +22,11 @@ gpipe2     ``--pp-schedule gpipe``                ``--pipeline-schedule gpipe``
 =========  =====================================  =========================================
 
 With ``--analogue`` the project's own stock analogue of each row (``benchmarks/vs_pytorch.py``'s
-stock mode, :data:`ANALOGUES`, measured as that benchmark measures: fresh processes, a barrier
-before each step, the slowest rank's time) runs as a third side in the same alternation, and
-the line adds tetrad over it and it over the baseline. It clips as tetrad does: with
-``--tetrad-args '--grad-clip 0'`` neither clips, which is the baseline's work (the analogue then
-computes no norm either; tetrad still computes it for its metrics).
+stock mode, :data:`ANALOGUES`, in fresh processes, the slowest rank's time per step, with no
+barrier before a step: the other two sides have none) runs as a third side in the same
+alternation, and the line adds tetrad over it and it over the baseline. It clips as tetrad
+does: with ``--tetrad-args '--grad-clip 0'`` neither clips, which is the baseline's work (the
+analogue then computes no norm either; tetrad still computes it for its metrics).
 
 ``one-process``: one rank's share of ``ddp4`` in one process and one thread, the baseline's
 ``Llama`` step (forward, loss, backward, AdamW) against tetrad's ``train_step`` on the grid
@@ -112,9 +112,10 @@ def tetrad_run(row: str, steps: int, extra: list[str]) -> float:
 
 def analogue_run(row: str, steps: int, grad_clip: float = 1.0) -> float:
     """One run of the project's stock analogue of ``row`` (:data:`ANALOGUES`), as
-    ``benchmarks/vs_pytorch.py`` runs it (fresh processes; a barrier before each step, the
-    slowest rank's time), clipping at ``grad_clip`` as tetrad does (0: no clipping and no
-    norm): the median step seconds of the ``steps`` steps after 3."""
+    ``benchmarks/vs_pytorch.py`` runs it (fresh processes, the slowest rank's time per step)
+    but timed as the other two sides time their steps: no barrier before a step, each rank's
+    clock running from its previous step's end. It clips at ``grad_clip`` as tetrad does (0:
+    no clipping and no norm). Returns the median step seconds of the ``steps`` steps after 3."""
     sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
     from stock_parallel import Stock
     from vs_jobs import Job
@@ -124,7 +125,8 @@ def analogue_run(row: str, steps: int, grad_clip: float = 1.0) -> float:
     from tetrad.spec.presets import parse_model
 
     kind, pp, dp, schedule = ANALOGUES[row]
-    settings = Settings(parse_model("small")[0], SEQ, BATCH, steps + 3, 3, grad_clip=grad_clip)
+    cfg = parse_model("small")[0]
+    settings = Settings(cfg, SEQ, BATCH, steps + 3, 3, grad_clip=grad_clip, step_barrier=False)
     job = Job(ROWS[row][0], settings, stock=Stock(kind, pp=pp, dp=dp, schedule=schedule))
     result = spawn(job)
     if "error" in result:

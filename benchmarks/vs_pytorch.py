@@ -195,13 +195,16 @@ def spawn(job: Job, start_method: str = "spawn") -> dict:
 # ---- measuring (inside a worker) ---------------------------------------------------------------
 
 
-def measure(step: Callable[[], float], steps: int) -> dict:
+def measure(step: Callable[[], float], steps: int, barrier: bool = True) -> dict:
     """Run ``step`` (returns the loss) ``steps`` times: per-step seconds (maximum over ranks)
-    and losses. A barrier before each step starts every rank's clock together, so a rank's
-    lag in one step is not counted in the next."""
+    and losses. With ``barrier`` a barrier before each step starts every rank's clock
+    together, so a rank's lag in one step is not counted in the next; without, each rank's
+    clock starts where its previous step ended, as tetrad's trainer and the independent
+    baseline (``benchmarks/vs_independent.py``) time their steps."""
     times, losses = [], []
     for _ in range(steps):
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
@@ -214,7 +217,7 @@ def run_tetrad(job: Job) -> dict:
     """tetrad's training step on ``job.grid``; bytes from the grid's :class:`CommLog`."""
     s = job.settings
     grid, step = tetrad_pipeline(job) if len(job.grid) == 6 else tetrad_grid(job)
-    result = measure(step, s.steps)
+    result = measure(step, s.steps, s.step_barrier)
     grid.comm.reset()
     step()
     stats = grid.comm.reset()
@@ -270,7 +273,7 @@ def run_stock(job: Job) -> dict:
     def step() -> float:
         return stock_fn(run, opt, tokens, targets, s.grad_clip)
 
-    result = measure(step, s.steps)
+    result = measure(step, s.steps, s.step_barrier)
     with CollectiveCounter() as counter:
         step()
     result["bytes"], result["calls"] = dict(counter.bytes), dict(counter.calls)

@@ -20,7 +20,8 @@ SCHEDULE_LABELS = {"1f1b": "1F1B", "gpipe": "GPipe"}
 
 @dataclass(frozen=True)
 class Settings:
-    """What every run shares: model, batch, steps, optimizer."""
+    """What every run shares: model, batch, steps, optimizer, and how steps are timed
+    (``step_barrier``: a barrier before each step, ``vs_pytorch.measure``)."""
 
     cfg: ModelSpec
     seq: int = 256
@@ -31,6 +32,7 @@ class Settings:
     lr: float = 3e-3
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    step_barrier: bool = True
 
     def global_batch(self) -> torch.Tensor:
         """The global batch ``[batch, seq+1]`` of token ids, the same in every run and step."""
