@@ -71,3 +71,23 @@ def test_the_analogue_clips_as_tetrad_does():
         stock_step(run, opt, tokens, targets, clip)
         grads[clip] = model.w.weight.grad.norm().item()
     assert grads[0.0] > 1e-3 and abs(grads[1e-3] - 1e-3) < 1e-6
+
+
+def test_the_analogue_is_timed_as_the_other_sides(monkeypatch):
+    """The analogue's steps are timed without a barrier before each (tetrad's trainer and the
+    baseline have none), where ``benchmarks/vs_pytorch.py`` keeps its barrier."""
+    sys.path[:0] = [str(ROOT / "benchmarks")]
+    import vs_independent
+    import vs_pytorch
+
+    barriers = []
+    monkeypatch.setattr(vs_pytorch.dist, "barrier", lambda: barriers.append(1))
+    monkeypatch.setattr(vs_pytorch.dist, "all_reduce", lambda t, op=None: None)
+    assert len(vs_pytorch.measure(lambda: 0.0, 3, barrier=False)["times"]) == 3 and not barriers
+    vs_pytorch.measure(lambda: 0.0, 3)
+    assert len(barriers) == 3
+
+    jobs = []
+    monkeypatch.setattr(vs_pytorch, "spawn", lambda job: jobs.append(job) or {"times": [1.0] * 5})
+    assert vs_independent.analogue_run("pp2", 2) == 1.0
+    assert jobs[0].settings.step_barrier is False and jobs[0].settings.steps == 5
