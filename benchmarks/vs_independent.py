@@ -28,9 +28,13 @@ alternation, and the line adds tetrad over it and it over the baseline. It clips
 does: with ``--tetrad-args '--grad-clip 0'`` neither clips, which is the baseline's work (the
 analogue then computes no norm either; tetrad still computes it for its metrics).
 
-``one-process``: one rank's share of ``ddp4`` in one process and one thread, the baseline's
-``Llama`` step (forward, loss, backward, AdamW) against tetrad's ``train_step`` on the grid
-1,1,1,1 (batch 4 x 256), alternated step by step, medians of ``--steps`` steps after 3.
+``one-process``: one rank's share of ``ddp4`` (batch 4 x 256) in one process and one thread,
+by phase (forward with the loss, backward, clip at 1.0 and fused AdamW): the baseline's
+``Llama``, the analogue's model (:class:`tetrad.models.reference.Llama`, full logits and
+cross-entropy, the analogue's AdamW) and tetrad's ``ParallelLlama`` on the grid 1,1,1,1 (its
+fused loss, the overlap's micro-batch calls, gradient sync and clip as ``train_step`` makes
+them), alternated step by step, medians of ``--steps`` steps after 3, and each step over the
+baseline's.
 """
 
 from __future__ import annotations
@@ -188,17 +192,25 @@ def one_process(baseline: Path, steps: int) -> None:
     spec.loader.exec_module(tb)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29611"))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
+    from stock_parallel import stock_optimizer
+    from vs_settings import Settings
+
     from tetrad.grid import Grid
+    from tetrad.models.reference import Llama
     from tetrad.parallel import init_parameters
+    from tetrad.parallel.grads import clip_grad_norm, sync_gradients
     from tetrad.parallel.model import ParallelLlama
     from tetrad.spec.presets import PRESETS
-    from tetrad.train.step import build_optimizer, train_step
+    from tetrad.train.step import build_optimizer
 
-    grid = Grid.build((1, 1, 1, 1))
-    model = ParallelLlama(PRESETS["small"], grid, "none")
+    cfg, grid = PRESETS["small"], Grid.build((1, 1, 1, 1))
+    model = ParallelLlama(cfg, grid, "none")
     init_parameters(model, 0, grid)
     opt = build_optimizer(model, 1e-3, 0.1)
+    reference = Llama(cfg, device="cpu")
+    init_parameters(reference, 0)
+    ref_opt = stock_optimizer(reference, Settings(cfg, lr=1e-3))
     sizes = argparse.Namespace(
         **{k.replace("-", "_"): v for k, v in SIZES.items()}, rope_theta=10000.0
     )
@@ -206,28 +218,53 @@ def one_process(baseline: Path, steps: int) -> None:
     stock = tb.Llama(sizes)
     stock_opt = torch.optim.AdamW(stock.parameters(), lr=1e-3, fused=True)
 
-    def stock_step(tokens):
-        stock_opt.zero_grad(set_to_none=True)
-        logits = stock(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        stock_opt.step()
+    def update(module, optimizer) -> None:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-    def tetrad_step(tokens):
-        train_step(model, opt, grid, tokens, 4, 1.0)
+    def baseline_step(tokens, targets):
+        yield F.cross_entropy(stock(tokens).flatten(0, 1).float(), targets.flatten())
+        update(stock, stock_opt)
 
+    def analogue_step(tokens, targets):  # no name holds the logits past the backward
+        loss = F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten(), reduction="sum")
+        yield loss / targets.numel()
+        update(reference, ref_opt)
+
+    def tetrad_step(tokens, targets):
+        model.overlap.begin_micro_batch(last=True)
+        loss = model.loss_sum(tokens, targets) / targets.numel()
+        yield loss
+        model.overlap.end_micro_batch()
+        sync_gradients(model, grid, model.overlap.buckets.reduced)
+        clip_grad_norm(model, grid, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sides = {"baseline": baseline_step, "analogue": analogue_step, "tetrad": tetrad_step}
+    phases: dict[str, list[list[float]]] = {k: [] for k in sides}
     gen = torch.Generator().manual_seed(1)
-    times: dict[str, list[float]] = {"baseline": [], "tetrad": []}
-    sides = [("baseline", stock_step), ("tetrad", tetrad_step)]
     for i in range(steps + 3):
-        tokens = torch.randint(0, SIZES["vocab"], (4, SEQ + 1), generator=gen)
-        for name, step in sides if i % 2 else sides[::-1]:
+        batch = torch.randint(0, SIZES["vocab"], (4, SEQ + 1), generator=gen)
+        tokens, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        for name, step in sides.items() if i % 2 else list(sides.items())[::-1]:
             t0 = time.perf_counter()
-            step(tokens)
+            run = step(tokens, targets)
+            loss = next(run)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            next(run, None)  # the update
+            t3 = time.perf_counter()
             if i >= 3:
-                times[name].append(time.perf_counter() - t0)
-    b, t = (statistics.median(times[k]) for k in ("baseline", "tetrad"))
-    print(f"one process: baseline {b * 1e3:.1f} ms, tetrad {t * 1e3:.1f} ms, ratio {t / b:.3f}")
+                phases[name].append([t1 - t0, t2 - t1, t3 - t2, t3 - t0])
+    print("one process, ms (medians): side, forward (with the loss), backward, clip + AdamW, step")
+    base = statistics.median(p[3] for p in phases["baseline"])
+    for name, rows in phases.items():
+        med = [statistics.median(r[j] for r in rows) for j in range(4)]
+        cells = ", ".join(f"{m * 1e3:.1f}" for m in med)
+        print(f"{name}: {cells}, ratio {med[3] / base:.3f}")
     dist.destroy_process_group()
 
 
