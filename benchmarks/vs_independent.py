@@ -19,6 +19,8 @@ ddp2/ddp4  ``--mode ddp`` on 2/4 ranks            ``--grid 2,1,1,1`` / ``4,1,1,1
 pp2/pp4    ``--mode pp --pp-schedule 1f1b``, 8    ``--grid pipe=2`` / ``pipe=4``,
            micro-batches                          ``--pipeline-schedule 1f1b --micro-batch 2``
 gpipe2     ``--pp-schedule gpipe``                ``--pipeline-schedule gpipe``
+fsdp2      ``--mode fsdp2`` on 2 ranks            ``--grid 1,2,1,1`` (Z = 2)
+tp2        ``--mode tp`` on 2 ranks               ``--grid 1,1,2,1`` (Y = 2)
 =========  =====================================  =========================================
 
 With ``--analogue`` the project's own stock analogue of each row (``benchmarks/vs_pytorch.py``'s
@@ -59,18 +61,23 @@ ROWS = {
     "pp2": (2, ["--mode", "pp", "--pp-schedule", "1f1b"], ["--grid", "pipe=2,data=1"]),
     "pp4": (4, ["--mode", "pp", "--pp-schedule", "1f1b"], ["--grid", "pipe=4,data=1"]),
     "gpipe2": (2, ["--mode", "pp", "--pp-schedule", "gpipe"], ["--grid", "pipe=2,data=1"]),
+    "fsdp2": (2, ["--mode", "fsdp2"], ["--grid", "1,2,1,1", "--micro-batch", "8"]),
+    "tp2": (2, ["--mode", "tp"], ["--grid", "1,1,2,1", "--micro-batch", "16"]),
 }
 """Row -> (ranks, the baseline's arguments, ``tetrad train``'s arguments)."""
 PIPELINE = (["--microbatches", "8"], ["--micro-batch", "2"])
 ANALOGUES = {
-    "ddp2": ("ddp", 1, 1, ""),
-    "ddp4": ("ddp", 1, 1, ""),
-    "pp2": ("pp", 2, 1, "1f1b"),
-    "pp4": ("pp", 4, 1, "1f1b"),
-    "gpipe2": ("pp", 2, 1, "gpipe"),
+    "ddp2": {"kind": "ddp"},
+    "ddp4": {"kind": "ddp"},
+    "pp2": {"kind": "pp", "pp": 2, "schedule": "1f1b"},
+    "pp4": {"kind": "pp", "pp": 4, "schedule": "1f1b"},
+    "gpipe2": {"kind": "pp", "pp": 2, "schedule": "gpipe"},
+    "fsdp2": {"kind": "fsdp2"},
+    "tp2": {"kind": "tp", "tp": 2},
 }
-"""Row -> the project's own stock analogue in ``benchmarks/vs_pytorch.py`` (its ``Stock`` mode:
-kind, pipeline ranks, data ranks, schedule), run with ``--analogue``."""
+"""Row -> the project's own stock analogue in ``benchmarks/vs_pytorch.py`` (the arguments of its
+``Stock`` mode: kind, tensor-parallel size, pipeline ranks, data ranks, schedule), run with
+``--analogue``."""
 
 
 def _env() -> dict:
@@ -128,10 +135,9 @@ def analogue_run(row: str, steps: int, grad_clip: float = 1.0) -> float:
 
     from tetrad.spec.presets import parse_model
 
-    kind, pp, dp, schedule = ANALOGUES[row]
     cfg = parse_model("small")[0]
     settings = Settings(cfg, SEQ, BATCH, steps + 3, 3, grad_clip=grad_clip, step_barrier=False)
-    job = Job(ROWS[row][0], settings, stock=Stock(kind, pp=pp, dp=dp, schedule=schedule))
+    job = Job(ROWS[row][0], settings, stock=Stock(**ANALOGUES[row]))
     result = spawn(job)
     if "error" in result:
         raise SystemExit(f"analogue {row} failed: {result['error']}")

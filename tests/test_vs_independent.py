@@ -35,9 +35,10 @@ def test_every_row_has_the_analogue_vs_pytorch_compares_with():
     from stock_parallel import Stock
     from vs_jobs import ROWS
 
-    for row, (kind, pp, dp, schedule) in vs_independent.ANALOGUES.items():
+    assert set(vs_independent.ANALOGUES) == set(vs_independent.ROWS)
+    for row, kwargs in vs_independent.ANALOGUES.items():
         world = vs_independent.ROWS[row][0]
-        stock = Stock(kind, pp=pp, dp=dp, schedule=schedule)
+        stock = Stock(**kwargs)
         assert stock in [s for _, s in ROWS[world]], (row, stock)
 
 
