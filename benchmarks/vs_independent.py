@@ -229,39 +229,43 @@ def one_process(baseline: Path, steps: int) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def baseline_step(tokens, targets):
-        yield F.cross_entropy(stock(tokens).flatten(0, 1).float(), targets.flatten())
-        update(stock, stock_opt)
-
-    def analogue_step(tokens, targets):  # no name holds the logits past the backward
-        loss = F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten(), reduction="sum")
-        yield loss / targets.numel()
-        update(reference, ref_opt)
-
-    def tetrad_step(tokens, targets):
+    def tetrad_forward(tokens, targets):
         model.overlap.begin_micro_batch(last=True)
-        loss = model.loss_sum(tokens, targets) / targets.numel()
-        yield loss
+        return model.loss_sum(tokens, targets) / targets.numel()
+
+    def tetrad_update():  # what train_step does after its one micro-batch's backward
         model.overlap.end_micro_batch()
         sync_gradients(model, grid, model.overlap.buckets.reduced)
         clip_grad_norm(model, grid, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    sides = {"baseline": baseline_step, "analogue": analogue_step, "tetrad": tetrad_step}
+    sides = {  # name -> (forward with the loss, update)
+        "baseline": (
+            lambda x, y: F.cross_entropy(stock(x).flatten(0, 1).float(), y.flatten()),
+            lambda: update(stock, stock_opt),
+        ),
+        "analogue": (
+            lambda x, y: (
+                F.cross_entropy(reference(x).flatten(0, 1), y.flatten(), reduction="sum")
+                / y.numel()
+            ),
+            lambda: update(reference, ref_opt),
+        ),
+        "tetrad": (tetrad_forward, tetrad_update),
+    }
     phases: dict[str, list[list[float]]] = {k: [] for k in sides}
     gen = torch.Generator().manual_seed(1)
     for i in range(steps + 3):
         batch = torch.randint(0, SIZES["vocab"], (4, SEQ + 1), generator=gen)
         tokens, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        for name, step in sides.items() if i % 2 else list(sides.items())[::-1]:
+        for name, (forward, step) in sides.items() if i % 2 else list(sides.items())[::-1]:
             t0 = time.perf_counter()
-            run = step(tokens, targets)
-            loss = next(run)
+            loss = forward(tokens, targets)
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
-            next(run, None)  # the update
+            step()
             t3 = time.perf_counter()
             if i >= 3:
                 phases[name].append([t1 - t0, t2 - t1, t3 - t2, t3 - t0])
