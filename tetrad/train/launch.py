@@ -294,10 +294,17 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
         SystemExit(1): a worker failed (beyond the restarts); one line
             ``tetrad: error: <error> (rank R; traceback in <log>)`` has been printed to stderr
             (:func:`failure_summary`).
+        SystemExit(143 or 130): the workers stopped at a step after a signal (SIGTERM, SIGUSR1;
+            130 for Ctrl-C) that reached them and not this process.
         KeyboardInterrupt: Ctrl-C; the workers have been stopped.
+
+    A signal to this process (torchelastic's ``SignalException``) ends it with the same
+    status once the workers are gone, without the interpreter's teardown
+    (:func:`_leave_after_signal`).
     """
     old_levels = _quiet_torch_logs()
     added = []
+    signalled = None  # the exit status after a signal to this process
     if _device(cfg) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
         added.append("OMP_NUM_THREADS")
@@ -338,8 +345,22 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
                 raise SystemExit(1) from None
             except SignalException as e:
                 _say_unsaved(cfg, started, e.sigval)
-                raise SystemExit(exit_code(e.sigval)) from None
+                signalled = exit_code(e.sigval)
     finally:
         _restore_logs(old_levels)
         for name in added:
             os.environ.pop(name, None)
+    if signalled is not None:
+        _leave_after_signal(signalled)
+
+
+def _leave_after_signal(code: int) -> None:
+    """End the launcher with ``code`` without the interpreter's teardown, once its workers are
+    gone and its log folder removed. After a signal torchelastic keeps the job's rendezvous
+    open (its keep-alive daemon thread goes on calling the c10d store from C++), and an
+    interpreter exit that races that thread can abort ("terminate called without an active
+    exception": exit -6 instead of 143, seen once in the test suite). The workers leave the
+    same way (:func:`train_worker`); the run directory's lock is ``flock``'s, dropped at exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
