@@ -359,3 +359,23 @@ MOE_CASES = [  # (G_data, G_context, G_z, G_y, G_x), G_expert, sharded optimizer
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_moe_expert_parallel_bf16_weights_match_reference(name):
     run_distributed(moe_master_runs, 4, name, moe_reference_run(CONFIGS[name]), MOE_CASES)
+
+
+def test_place_steps_puts_a_fused_groups_step_on_its_parameters_device():
+    """A checkpoint load fills ``step`` on the host; fused (and capturable) AdamW reads it on
+    the parameter's device (a host one fails ``_fused_adamw_`` on CUDA), as torch's own
+    ``load_state_dict`` places it. The meta device stands in for a GPU."""
+    from types import SimpleNamespace
+
+    from tetrad.parallel.masters import place_steps
+
+    fused, plain = torch.empty(3, device="meta"), torch.empty(3, device="meta")
+    host = torch.tensor(7.0, dtype=torch.float64)
+    opt = SimpleNamespace(
+        param_groups=[{"params": [fused], "fused": True}, {"params": [plain], "fused": False}],
+        state={fused: {"step": host}, plain: {"step": host}},
+    )
+    place_steps(opt)
+    moved = opt.state[fused]["step"]
+    assert moved.device.type == "meta" and moved.dtype == torch.float32
+    assert opt.state[plain]["step"] is host  # foreach/for-loop AdamW keeps it on the host

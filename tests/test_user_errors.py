@@ -176,3 +176,28 @@ def test_plan_header_names_the_columns_it_heads(capsys):
     assert "G_data x G_context x G_z x G_y x G_x" in header and "D,C,Z,Y,X" in header, header
     piped = " | " in out  # a pipeline row's grid reads "P2 1f1b | 1,1,2,1,2"
     assert piped or "no pipeline row below" in header, out
+
+
+def test_under_a_launcher_without_local_rank_cuda_is_refused_in_one_line(monkeypatch, capsys):
+    """A launcher of several ranks that sets RANK and WORLD_SIZE but not LOCAL_RANK and
+    LOCAL_WORLD_SIZE (not torchrun) would put every rank on cuda:0: rank 0 says so in one
+    line naming them; the others exit with status 2 and say nothing."""
+    import sys
+    import types
+
+    stub = types.ModuleType("tetrad.train.trainer")
+    stub.train = stub.preflight = lambda cfg: pytest.fail("the mistake reached training")
+    monkeypatch.setitem(sys.modules, "tetrad.train.trainer", stub)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = ["train", "--grid", "8,1,1,1", "--device", "cuda", "--micro-batch", "2"]
+    for rank in ("3", "0"):
+        monkeypatch.setenv("RANK", rank)
+        if rank == "0":
+            one_line_error(capsys, args, "LOCAL_RANK and LOCAL_WORLD_SIZE not set")
+            continue
+        with pytest.raises(SystemExit) as e:
+            cli.main(args)
+        assert e.value.code == 2 and capsys.readouterr().err == ""

@@ -106,6 +106,21 @@ def store_parameters(
             p.register_post_accumulate_grad_hook(_move_grad)
 
 
+def place_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Put every state's ``step`` where torch's own ``Optimizer.load_state_dict`` puts it: a
+    0-dim fp32 tensor on its parameter's device in a fused or capturable group (their kernels
+    read it there: torch's note "special device hosting for step"; a host ``step`` fails
+    ``_fused_adamw_`` on CUDA), left as it is (on the host) otherwise. For states filled by a
+    checkpoint load rather than by torch (:mod:`tetrad.train.checkpoint`)."""
+    for group in optimizer.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if st and "step" in st:
+                st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+
+
 class MasterAdamW(torch.optim.AdamW):
     """torch's AdamW over fp32 masters of the parameters stored in another format (each
     parameter's own tensor where it is stored in ``master``).
@@ -209,4 +224,5 @@ class MasterAdamW(torch.optim.AdamW):
             for k in ("exp_avg", "exp_avg_sq"):
                 st[k] = full[k].to(v.dtype, copy=True)
             v.copy_(full["master"])
+        place_steps(self)
         self.write_back()

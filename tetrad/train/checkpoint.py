@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tetrad.grid import Grid
-from tetrad.parallel.masters import MasterAdamW
+from tetrad.parallel.masters import MasterAdamW, place_steps
 from tetrad.parallel.placement import Placement
 from tetrad.spec.grid import Axis
 from tetrad.torch_private import layout_mesh
@@ -356,6 +356,7 @@ def _optimizer_states(optimizer: torch.optim.Optimizer, named: list) -> list[dic
                 step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
             )
         out.append(st)
+    place_steps(optimizer)  # fused AdamW on CUDA keeps it on the device: load into it there
     return out
 
 
@@ -372,6 +373,7 @@ def _load_optimizer_states(optimizer: torch.optim.Optimizer, named: list, loaded
         for k in ("exp_avg", "exp_avg_sq"):
             st[k].copy_(full[k])
         st["step"] = full["step"]
+    place_steps(optimizer)
 
 
 def _placed_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

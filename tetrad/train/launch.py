@@ -103,11 +103,35 @@ def _check_as_one_rank(cfg: TrainConfig) -> None:
         raise
     if cfg.training.device == "cuda":
         try:
+            _check_local_ranks(env)
+        except TetradError:
+            if env.get("RANK", "0") != "0":
+                raise SystemExit(2) from None
+            raise
+        try:
             _check_gpus(int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), "ranks on this node")
         except TetradError:
             if env.get("LOCAL_RANK", "0") != "0":
                 raise SystemExit(2) from None
             raise
+
+
+def _check_local_ranks(env: dict) -> None:
+    """Each rank's GPU is ``cuda:LOCAL_RANK`` (:func:`tetrad.device.local_device`) and a node's
+    GPUs are checked against ``LOCAL_WORLD_SIZE``: a launcher of several ranks that sets
+    ``RANK`` and ``WORLD_SIZE`` but not these would put every rank on ``cuda:0``.
+
+    Raises:
+        GridError: ``WORLD_SIZE > 1`` without ``LOCAL_RANK`` or ``LOCAL_WORLD_SIZE``.
+    """
+    missing = [k for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if k not in env]
+    if int(env["WORLD_SIZE"]) > 1 and missing:
+        raise GridError(
+            f"{' and '.join(missing)} not set: with --device cuda each of the "
+            f"{env['WORLD_SIZE']} ranks needs its GPU (cuda:LOCAL_RANK) and the ranks of its "
+            "node (LOCAL_WORLD_SIZE); launch with torchrun, or set them (under SLURM's srun: "
+            "LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE)"
+        )
 
 
 def _run_lock(cfg: TrainConfig, holder: bool) -> contextlib.AbstractContextManager:

@@ -7,6 +7,7 @@ under torchrun), so mistakes stop there with one line.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import sys
@@ -166,16 +167,28 @@ def _check_seq_len(corpus: Corpus, seq_len: int) -> None:
             )
 
 
+PREFLIGHT_TIMEOUT = datetime.timedelta(hours=24)
+"""How long the other ranks wait for rank 0's data preparation (tokenising a corpus can take
+hours; if rank 0 fails, the launcher ends the others)."""
+
+
 def preflight_on_rank0(cfg: TrainConfig) -> tuple[Corpus, ModelSpec]:
-    """Rank 0 prepares the data first; the others then hit the cache. Errors reach every rank."""
+    """Rank 0 prepares the data first; the others then hit the cache. Errors reach every rank.
+
+    The others wait in a broadcast over a gloo group of their own with a timeout of
+    :data:`PREFLIGHT_TIMEOUT`, not in the training's group: NCCL's watchdog ends a collective
+    after 10 minutes by default (gloo's after 30), and under ``torchrun`` the preparation runs
+    after the world is made (the local launcher prepares before starting the workers)."""
     err: list = [None]
     result = None
+    wait = dist.new_group(backend="gloo", timeout=PREFLIGHT_TIMEOUT)
     if dist.get_rank() == 0:
         try:
             result = preflight(cfg)
         except ValueError as e:
             err = [e]
-    dist.broadcast_object_list(err, src=0)
+    dist.broadcast_object_list(err, src=0, group=wait)
+    dist.destroy_process_group(wait)
     if err[0] is not None:
         raise err[0]
     return result if result is not None else preflight(cfg)
