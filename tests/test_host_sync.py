@@ -5,7 +5,9 @@ count exchange per block and micro-batch that expert parallelism's uneven all-to
 
 On CPU every such read is still a call we can count: ``item()`` and truth tests reach the
 dispatcher as ``aten._local_scalar_dense`` (counted by a dispatch mode), the others are patched.
-Not counted: AdamW's step counters, which PyTorch keeps on the host by design except in the
+The trainer's collectives are timed by a clock whose marks are read later, as NCCL's device
+events are, and each read of a mark inside a step counts as one too. Not counted: AdamW's step
+counters, which PyTorch keeps on the host by design except in the
 fused (CUDA) and capturable paths, so reading them never waits for a device.
 """
 
@@ -19,6 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.distributed import run_distributed
 from tests.test_model import CFG, OVERLAP_OPTIONS, batches
 from tests.test_train import config, corpus  # noqa: F401 (the corpus fixture)
+from tetrad import grid as grid_module
+from tetrad.comm.collectives import HostClock
 from tetrad.grid import Grid
 from tetrad.parallel import init_parameters
 from tetrad.parallel.model import ParallelLlama
@@ -106,15 +110,30 @@ def test_train_step_reads_nothing_on_the_host(tmp_path):
         assert json.loads(f.read_text()) == [], f"{f.name}: host reads inside train_step"
 
 
+class DeferredHostClock(HostClock):
+    """The host's timer with its marks read later, as NCCL's device events are (reading one
+    waits for the GPU): each read counted."""
+
+    deferred = True
+    reads = 0
+
+    def seconds(self, start: float, end: float) -> float:
+        DeferredHostClock.reads += 1
+        return end - start
+
+
 def _train_counting(cfg, out: str) -> None:
-    """``tetrad train`` with every call of the per-step function watched."""
+    """``tetrad train`` with every call of the per-step function watched, the collectives
+    timed by :class:`DeferredHostClock` (a read of its marks is a host read on a GPU)."""
     per_step = []
     step = trainer._step
+    grid_module.clock_for = lambda device, backend: DeferredHostClock()
 
     def watched(job, i, batch):
+        before = DeferredHostClock.reads
         with HostReads(job.optimizer) as mode:
             record = step(job, i, batch)
-        per_step.append(mode.reads)
+        per_step.append(mode.reads + ["event"] * (DeferredHostClock.reads - before))
         return record
 
     trainer._step = watched
@@ -130,6 +149,7 @@ def test_trainer_reads_losses_only_when_logging(corpus, tmp_path, monkeypatch): 
     assert json.loads((tmp_path / "reads.json").read_text()) == [[]] * 6
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(sum(r["comm_time_s"].values()) > 0 for r in rows)  # the marks, read when logging
     # an MoE model with expert parallelism: the routing statistics are taken on the device;
     # the count exchange of its one MoE block, once per micro-batch (8 / 2 ranks / 2)
     moe = config(corpus, tmp_path / "moe", 3, model="moe-tiny,vocab_size=0", grid="data=2,expert=2")

@@ -151,12 +151,33 @@ class CommLog:
     def reset(self) -> dict[str, AxisStats]:
         """Return the totals so far and start counting from zero (reading a deferred clock's
         marks first: this waits for the collectives they follow)."""
+        return self.take().read()
+
+    def take(self) -> Taken:
+        """The totals so far, their deferred marks unread (nothing waits), and start counting
+        from zero: a training step's record, read at the next logging boundary."""
+        out = Taken(dict(self.axes), self.unread, self.clock)
+        self.axes, self.unread = defaultdict(AxisStats), []
+        return out
+
+
+@dataclass
+class Taken:
+    """Per-axis totals taken from a :class:`CommLog` (:meth:`CommLog.take`) whose deferred
+    clock's marks (device events with NCCL) are read only by :meth:`read`."""
+
+    axes: dict[str, AxisStats]
+    unread: list
+    clock: HostClock | DeviceClock
+
+    def read(self) -> dict[str, AxisStats]:
+        """The totals, the marks' seconds added first (reading a device event waits for the
+        collective it follows)."""
         unread, self.unread = self.unread, []
         for stats, attribute, start, end in unread:
             seconds = self.clock.seconds(start, end)
             setattr(stats, attribute, getattr(stats, attribute) + seconds)
-        out, self.axes = dict(self.axes), defaultdict(AxisStats)
-        return out
+        return self.axes
 
 
 class Handle:

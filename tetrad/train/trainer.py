@@ -226,7 +226,7 @@ def _step(job: Job, step: int, batch: torch.Tensor) -> dict:
     lr = lr_at(step, t.lr, t.min_lr, t.warmup_steps, t.steps)
     for group in job.optimizer.param_groups:
         group["lr"] = lr
-    grid.comm.reset()
+    grid.comm.take()  # start counting; marks left by work between steps are dropped unread
     overlaps = [part.overlap for part in model.parts]
     for overlap in overlaps:
         overlap.counts.clear()
@@ -238,7 +238,7 @@ def _step(job: Job, step: int, batch: torch.Tensor) -> dict:
         "loss": loss,
         "grad_norm": grad_norm,
         "lr": lr,
-        "comm": grid.comm.reset(),
+        "comm": grid.comm.take(),  # NCCL's event marks read by _rows, not here
         "overlaps_ran": dict(sum((o.counts for o in overlaps), Counter())),
     }
 
@@ -274,7 +274,7 @@ def _rows(job: Job, pending: list[dict], since: float) -> list[dict]:
             lr=p["lr"],
             grad_norm=g.pop("grad_norm"),
             peak_memory=peak,
-            comm=p["comm"],
+            comm=p["comm"].read(),
             overlaps_ran=p["overlaps_ran"],
         )
         | {"restarts": restart_count(), "grid": str(job.grid)}
