@@ -201,3 +201,47 @@ def test_under_a_launcher_without_local_rank_cuda_is_refused_in_one_line(monkeyp
         with pytest.raises(SystemExit) as e:
             cli.main(args)
         assert e.value.code == 2 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["train", "--stepz", "3"], ["--stepz", "did you mean --steps?", "tetrad train --help"]),
+        (["memory", "--model", "tiny", "--foo"], ["--foo", "tetrad memory --help"]),
+        (["train", "--grid", "data=2,zz=2"], ["unknown axis 'zz'", "did you mean 'z'?"]),
+        (["train", "--lr", "2e-5"], ["min_lr=0.0003", "pass --min-lr at most 2e-05"]),
+        (["train", "--activation-checkpointing", "partial"], ["'partial'", "or auto"]),
+    ],
+    ids=["option", "memory option", "grid axis", "min lr", "checkpointing"],
+)
+def test_a_new_users_mistakes_are_one_line_that_says_what_to_change(capsys, args, needles):
+    """Mistakes a new user made, each one line naming the fix."""
+    one_line_error(capsys, args, *needles)
+
+
+def test_train_with_model_hf_and_no_init_from_is_refused(tmp_path, capsys):
+    """``--model hf:FOLDER`` names sizes alone (as in ``tetrad plan``): training it would start
+    from random weights and another tokenizer, silently."""
+    import json
+
+    from tetrad.models.hf import hf_config
+    from tetrad.spec.presets import PRESETS
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(hf_config(PRESETS["tiny"], 300, None, "float32"))
+    )
+    line = one_line_error(capsys, ["train", "--model", f"hf:{tmp_path}"], "--init-from hf:")
+    assert f"--model {tmp_path}/config.json" in line
+
+
+def test_resume_of_a_missing_run_dir_creates_nothing(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    one_line_error(capsys, ["train", "--run-dir", str(missing), "--resume"], "does not exist")
+    assert not missing.exists()
+
+
+def test_plan_takes_train_and_memorys_name_for_checkpointing(capsys):
+    args = ["plan", "--model", "llama-1b", "--machine", "dgx-h100", "--gpus", "8"]
+    args += ["--global-batch", "16", "--no-classic", "--top", "1"]
+    assert cli.main([*args, "--activation-checkpointing", "full"]) == 0
+    assert "grids (" in capsys.readouterr().out

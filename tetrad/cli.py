@@ -20,6 +20,7 @@ status
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import pathlib
 import signal
@@ -201,10 +202,16 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
         help="run directory written by `tetrad train`, or a folder written by `tetrad export`",
     )
     p.add_argument("--prompt", default="", help="text to continue (default: empty)")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=50, metavar="K", help="0 means no top-k cut")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=200, metavar="N", help="tokens to add (default 200)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.8, help="0 means greedy (default 0.8)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=50, metavar="K", help="0 means no top-k cut (default 50)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", choices=DEVICES, default="cpu")
 
 
@@ -354,6 +361,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed; an unknown option is reported by its command's parser (``see `tetrad
+    train --help```), with the closest option it has."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = _subparsers(parser)[args.command]
+        known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        near = difflib.get_close_matches(extra[0].split("=", 1)[0], known, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        sub.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The command parsers of :func:`build_parser`'s parser, by command."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices
+    return {}
+
+
 def _join_dashed_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """``argv`` with each value that starts with a dash and a digit joined to its option
     (``--grid -2,1,1,1`` -> ``--grid=-2,1,1,1``): argparse takes ``-2,1,1,1`` or ``-1e-3`` for
@@ -396,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ``tetrad: error: <what to change>`` on stderr), 1 when a worker failed, 130 on Ctrl-C.
     """
     parser = build_parser()
-    args = parser.parse_args(_join_dashed_values(parser, sys.argv[1:] if argv is None else argv))
+    args = _parse(parser, _join_dashed_values(parser, sys.argv[1:] if argv is None else argv))
     try:
         return COMMANDS[args.command].run(args) or 0
     except TetradError as e:

@@ -22,6 +22,7 @@ import fcntl
 import multiprocessing
 import os
 import pathlib
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -108,19 +109,25 @@ def _locked(folder: pathlib.Path, wait: bool):
 
 def _start_job(folder: pathlib.Path, job: dict, tokenizer: str, sources: list[Source]) -> None:
     """Check that ``folder`` is empty or holds this job, then write its tokenizer and
-    ``job.json`` (the tokenizer first, trained here when none is given).
+    ``job.json`` (the tokenizer first, trained here when none is given). Another job's files
+    are removed if none of its shards was finished.
 
     Raises:
         DataError: ``folder`` holds another job, or other files.
     """
     old = sh.read_json(folder / JOB)
+    if old == job:
+        return
     if old is not None:
-        if old != job:
+        if sh.shard_file(folder, 0, "json").is_file():
             raise DataError(
                 f"{str(folder)!r} holds an unfinished preparation of other inputs or settings: "
                 "pass another --out, or remove it"
             )
-        return
+        # no shard of that job was finished (it stopped at a mistake, say): start this one
+        for name in (JOB, sh.TOKENIZER):
+            (folder / name).unlink(missing_ok=True)
+        shutil.rmtree(folder / sh.SHARDS, ignore_errors=True)
     others = [p.name for p in folder.iterdir() if p.name not in (".lock", sh.TOKENIZER)]
     if others:
         raise DataError(f"--out {str(folder)!r} is not empty ({others[0]}, ...): pass a new folder")

@@ -140,6 +140,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--checkpointing",
+        "--activation-checkpointing",  # tetrad train's and tetrad memory's name
+        dest="checkpointing",
         choices=("auto", *CHECKPOINTING, "on", "off"),
         default="auto",
         help="activation checkpointing: try none, selective and full (auto, default), or only "

@@ -10,6 +10,7 @@ Which grids shard a given model is :mod:`tetrad.spec.sharding`.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import functools
 import math
@@ -171,6 +172,13 @@ def _parse_named_grid(text: str) -> tuple[int, GridShape]:
     for item in text.split(","):
         name, _, value = (p.strip() for p in item.partition("="))
         ints = _positive_ints([value])
+        if name not in sizes and "=" in item:
+            near = difflib.get_close_matches(name, [*GRID_NAMES, "expert"], n=1)
+            raise GridError(
+                f"grid {text!r}: unknown axis {name!r}"
+                + (f" (did you mean {near[0]!r}?)" if near else "")
+                + f": name sizes of {', '.join(GRID_NAMES)} or expert, such as data=2,z=2"
+            )
         if name not in sizes or name in seen or not ints:
             _bad_grid(text)
         sizes[name] = ints[0]

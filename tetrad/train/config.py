@@ -54,6 +54,7 @@ from tetrad.spec.presets import ALIASES, parse_model, with_sizes
 from tetrad.spec.toml import tomllib
 from tetrad.train.config_checks import (
     check_fp8,
+    check_model_source,
     check_parallelism,
     check_pipeline,
     check_pipeline_split,
@@ -148,6 +149,7 @@ class TrainConfig:
         """
         t, grid = self.training, self.parallelism.grid
         self.parallelism.check_resolved()
+        check_model_source(self.model.name, self.hf_folder)
         if self.hf_folder is None:  # its sizes, MoE sizes without experts, a stage split
             check_pipeline_split(self.parallelism, self.model_config().n_layers)
         if t.device not in DEVICES:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from pathlib import Path
 
 from tetrad.spec.conflicts import Settings, check_conflicts
 from tetrad.spec.errors import TetradError
@@ -124,7 +125,11 @@ def check_training(t: TrainingSection) -> None:
     if not (math.isfinite(t.lr) and t.lr >= 0):
         raise ConfigError(f"lr={t.lr} must be a number, 0 or more (for example 3e-4)")
     if not (math.isfinite(t.min_lr) and 0 <= t.min_lr <= t.lr):
-        raise ConfigError(f"min_lr={t.min_lr} must lie in [0, lr={t.lr}]")
+        raise ConfigError(
+            f"min_lr={t.min_lr} must lie in [0, lr={t.lr}]: pass --min-lr at most {t.lr} "
+            "(the learning rate at the end of the cosine; its default 3e-4 suits the default "
+            "--lr 3e-3)"
+        )
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(t, name) < 1:
             raise ConfigError(f"{name}={getattr(t, name)} must lie in [0, 1)")
@@ -143,4 +148,20 @@ def check_fp8(recipe: str) -> None:
         raise ConfigError(
             f"--fp8 {recipe} needs torchao: pip install 'tetrad[fp8]' (torchao==0.18.0), or "
             "--fp8 off"
+        )
+
+
+def check_model_source(model: str, hf_folder: Path | None) -> None:
+    """``--model hf:FOLDER`` (the form ``tetrad plan`` and ``tetrad memory`` take) names sizes
+    alone; training from a folder's weights and tokenizer is ``--init-from hf:FOLDER``.
+
+    Raises:
+        ConfigError: ``--model hf:...`` without ``--init-from``.
+    """
+    first = model.split(",")[0].strip()
+    if first.startswith("hf:") and hf_folder is None:
+        raise ConfigError(
+            f"--model {first} takes the folder's sizes alone (random weights, this run's "
+            f"tokenizer): to train from its weights and tokenizer pass --init-from {first}; "
+            f"for its sizes alone, --model {first[3:].rstrip('/')}/config.json"
         )

@@ -143,7 +143,7 @@ def _run_lock(cfg: TrainConfig, holder: bool) -> contextlib.AbstractContextManag
     """
     if not holder:
         return contextlib.nullcontext()
-    check_run_dir(cfg.checkpoint.run_dir)
+    check_run_dir(cfg.checkpoint.run_dir, cfg.checkpoint.resume)
     return RunDirLock(cfg.checkpoint.run_dir)
 
 
@@ -177,6 +177,8 @@ def _check_gpus(ranks: int, what: str) -> None:
     Raises:
         GridError: fewer visible GPUs than ``ranks``.
     """
+    if gpu_count() == 0:
+        raise GridError("--device cuda, but no GPU is visible here: use --device cpu")
     if gpu_count() < ranks:
         raise GridError(
             f"{ranks} {what} need {ranks} GPUs (NCCL runs one rank per GPU), but "

@@ -40,15 +40,22 @@ def tetrad_version() -> str:
         return "unknown"
 
 
-def check_run_dir(run_dir: str | Path) -> Path:
-    """Create the run directory if needed and check it can be written.
+def check_run_dir(run_dir: str | Path, resume: bool = False) -> Path:
+    """Create the run directory if needed (not for ``resume``: it must exist) and check it can
+    be written.
 
     Raises:
-        ConfigError: the path is a file, or cannot be created or written.
+        ConfigError: the path is a file, cannot be created or written, or (``resume``) does
+            not exist.
     """
     path = Path(run_dir)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--run-dir {path} is a file: pass a folder (new or from a run)")
+    if resume and not path.exists():
+        raise ConfigError(
+            f"--resume: --run-dir {path} does not exist: pass the directory of the run to "
+            "continue, or drop --resume to start a fresh run there"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
