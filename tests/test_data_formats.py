@@ -235,6 +235,11 @@ def test_bad_data_gets_one_line(world, tmp_path):
     (tmp_path / "unfinished" / "job.json").write_text('{"format": "tetrad-tokens"}')
     with pytest.raises(DataError, match="unfinished preparation"):
         prepare_corpus([str(tmp_path / "unfinished")])
+    # a preparation that stopped before its first shard does not block the corrected command
+    with pytest.raises(DataError, match="no field 'body'"):
+        prepare([str(paths["jsonl"])], tmp_path / "retry", tok, text_field="body")
+    assert (tmp_path / "retry" / "job.json").is_file()
+    assert prepare([str(paths["jsonl"])], tmp_path / "retry", tok)["documents"] > 0
 
 
 @pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl.gz"])

@@ -339,6 +339,10 @@ def train_config_text(row: Row, model: ModelSpec, result: SearchResult) -> str:
         f"MFU {100 * row.mfu:.1f}%, memory {row.memory.total / GiB:.1f} GiB "
         f"({100 * row.memory.fraction:.0f}% of {inp['gpu_memory_gib']:.1f} GiB).",
     ]
+    header.append(
+        f"# vocab_size {model.vocab_size} is the vocabulary planned for: a tokenizer with more "
+        "tokens needs it raised (or removed, to follow the tokenizer)."
+    )
     if model.family != "llama":
         header.append(
             f"# NOTE: {model.name} is a {model.family} model; tetrad trains the Llama "
