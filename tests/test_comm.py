@@ -273,3 +273,59 @@ def test_clock_follows_the_backend():
     assert isinstance(clock_for(torch.device("cuda", 0), "nccl"), DeviceClock)
     assert isinstance(clock_for(torch.device("cuda", 0), "gloo"), HostClock)  # blocks the host
     assert isinstance(clock_for(torch.device("cpu"), "gloo"), HostClock)
+
+
+def issue_orders(out: str) -> None:
+    """Two training steps of the tiny model on data=2 x Z=2 under three timings of the Z
+    reduce-scatters: as they come, never seen complete (NCCL's host runs ahead of the GPU), and
+    that on rank 0 alone; each rank's axes of its collectives in issue order, per timing."""
+    import json
+    from pathlib import Path
+
+    import tetrad.comm.collectives as collectives
+    from tests.test_model import CFG, OVERLAP_OPTIONS, batches
+    from tetrad.parallel import init_parameters
+    from tetrad.parallel.model import ParallelLlama
+    from tetrad.train.step import build_optimizer, train_step
+
+    torch.set_num_threads(1)
+    grid = Grid.build((2, 2, 1, 1))
+    rank, real_done, issue = dist.get_rank(), collectives.Handle.done, collectives._issue
+    log: list[str] = []
+
+    def logged(grid, axis, *args, **kwargs):
+        log.append(str(getattr(axis, "value", axis)))
+        return issue(grid, axis, *args, **kwargs)
+
+    collectives._issue = logged
+    orders = {}
+    for timing in ("as they come", "never complete", "rank 0 never"):
+        late = timing == "never complete" or (timing == "rank 0 never" and rank == 0)
+        collectives.Handle.done = (lambda h: h.work is None) if late else real_done
+        model = ParallelLlama(CFG, grid, False, OVERLAPS, **OVERLAP_OPTIONS)
+        init_parameters(model, 0, grid)
+        opt = build_optimizer(model, 1e-3, 0.1)
+        for batch in batches()[:2]:
+            log.clear()
+            train_step(model, opt, grid, batch, 2, 1.0)
+        orders[timing] = list(log)  # the second step: the prefetch order recorded
+    Path(out, f"rank{rank}.json").write_text(json.dumps(orders))
+
+
+def test_every_rank_issues_its_collectives_in_one_order_whatever_the_timing(tmp_path):
+    """NCCL's rule for communicators used side by side (Z and data here): every rank issues
+    their collectives in one order. The Z reduce-scatters hand the gradients to the
+    data-parallel buckets after a fixed count (``REDUCE_SCATTERS_IN_FLIGHT``), not when they look
+    complete (which differs between ranks, and on NCCL is almost never during backward), so
+    the order is the same on every rank and under every timing, and the buckets start during
+    backward (before the last Z collective)."""
+    import json
+
+    run_distributed(issue_orders, 4, str(tmp_path))
+    runs = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
+    orders = [order for run in runs for order in run.values()]
+    assert all(order == orders[0] for order in orders), "issue orders differ"
+    order = orders[0]
+    first_data = order.index("data")
+    last_z = len(order) - 1 - order[::-1].index("z")
+    assert first_data < last_z, order

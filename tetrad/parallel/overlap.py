@@ -66,6 +66,7 @@ from tetrad.spec.overlap import (
     EXPERT_PIECES,
     FINE_CHUNKS,
     PREFETCH_DEPTH,
+    REDUCE_SCATTERS_IN_FLIGHT,
 )
 
 
@@ -312,10 +313,13 @@ class Overlap:
             (param, reduce_scatter(block_grad, self.grid, Axis.Z, async_op=True))
         )
         self.counts["async_reduce_scatters"] += self.grid.z > 1
-        # hand on, in order, every gradient whose reduce-scatter is done (at once with
-        # G_z = 1: no collective, so its data-parallel bucket can start now)
-        while self._pending_rs and self._pending_rs[0][1].done():
-            self._finish_rs(*self._pending_rs.pop(0))
+        # hand on, in order, the gradients beyond REDUCE_SCATTERS_IN_FLIGHT (at once with
+        # G_z = 1: no collective, so its data-parallel bucket can start now). A fixed count,
+        # not whether a collective looks complete: that differs between ranks and runs (and on
+        # NCCL, whose host runs ahead of the GPU, is almost never true during backward).
+        pending = self._pending_rs
+        while pending and (len(pending) > REDUCE_SCATTERS_IN_FLIGHT or pending[0][1].work is None):
+            self._finish_rs(*pending.pop(0))
 
     def _finish_rs(self, param, handle: Handle) -> None:
         self._grad_ready(param, handle.wait())

@@ -151,3 +151,12 @@ execution order (tetrad/parallel/overlap.py; the planner's replay,
 tetrad/plan/comm/zqueue.py): with two, a weight whose all-gather is longer than the layer
 before it (Llama's ``w13`` after the short ``wo``) has two layers' compute to hide behind, for
 one more gathered weight in memory."""
+
+REDUCE_SCATTERS_IN_FLIGHT = 1
+"""Z reduce-scatters of weight gradients the ``reduce_scatter`` overlap leaves in flight
+(tetrad/parallel/overlap.py): issuing one more finishes the oldest beyond this count (on NCCL a
+wait of the compute stream, not of the host), so every rank hands its gradients to the
+data-parallel buckets at the same points of backward, whatever the timing (the buckets'
+collectives are then issued in the same order on every rank, NCCL's rule for communicators used
+side by side), and the memory holds this many gradient blocks beside the one being formed (the
+planner's ``block_gradients``, tetrad/plan/memory/grid_buffers.py)."""

@@ -28,6 +28,7 @@ from tetrad.plan.memory.states import (
 )
 from tetrad.spec.grid import context_size, grid_sizes
 from tetrad.spec.model import Linear, ModelSpec
+from tetrad.spec.overlap import REDUCE_SCATTERS_IN_FLIGHT
 from tetrad.spec.sharding import check_grid
 from tetrad.spec.units import FP32
 
@@ -190,7 +191,7 @@ def _unsharded(
     # (counted whatever the micro-batches per step: the model does not know them)
     wrap = e * model.vocab_size * model.dim // (gx * gy) + w_big if prefetch and gz > 1 else 0.0
     dw_blocks = weight_gradient_bytes(big, grid, dtype) * (
-        2 if async_reduce_scatter and gz > 1 else 1
+        1 + REDUCE_SCATTERS_IN_FLIGHT if async_reduce_scatter and gz > 1 else 1
     )
     if model.is_moe:  # an expert weight's gradient [E/G_expert, f_e, h] before its .grad
         dw_blocks = max(dw_blocks, expert_gradient_bytes(model, dtype, expert))

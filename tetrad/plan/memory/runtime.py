@@ -82,7 +82,8 @@ def runtime_memory(
     - ``backward: blocks``: the blocks' saved tensors (+ one block's recompute set under
       ``full``, ``selective`` or ``selective:K``, whose top block is rebuilt first) + ``W`` of
       the largest block Linear (the three largest with ``prefetch``: in use and two in
-      flight) + its ``dW`` (two in flight with ``async_reduce_scatter`` and ``G_z > 1``);
+      flight) + its ``dW`` (and :data:`~tetrad.spec.overlap.REDUCE_SCATTERS_IN_FLIGHT` more
+      in flight with ``async_reduce_scatter`` and ``G_z > 1``);
     - ``backward: end``: :func:`end_of_backward_bytes` (data-parallel buckets, embedding grad)
       + with ``prefetch`` and ``G_z > 1`` the step's next micro-batch's embedding table ``e V
       h / (G_y G_x)`` and first block weight (the largest), gathered ahead (counted whatever
