@@ -39,6 +39,8 @@ def test_gpu_check_on_cpu(tmp_path):
     assert runs == {("fp32", False), ("trainer", False), ("trainer", True)}
     assert all(r["passed"] and r["loss_rel"] <= 1e-5 for r in eq["runs"])
     assert eq["compile_stats"]["graphs"] > 0
+    assert [r["policy"] for r in eq["resume"]] == ["fp32 weights", "bf16 weights"]
+    assert all(r["passed"] for r in eq["resume"]), eq["resume"]
 
     train = result["training"]["runs"]
     for name in ("eager", "compile"):

@@ -321,10 +321,14 @@ def model_checks(grid: Grid, prof: Profile) -> dict:
 
 
 def equivalence_part(grid: Grid, prof: Profile) -> dict:
-    """Part (a): the layer checks (fp32 and bf16) and the model checks, with the tolerances."""
+    """Part (a): the layer checks (fp32 and bf16), the model checks, with the tolerances, and
+    the resume checks (:mod:`gpu.resume`)."""
+    from .resume import resume_checks
+
     say("(a) layer checks")
     layers = layer_checks(grid, prof.layers, ("fp32", "bf16"))
     models = model_checks(grid, prof)
-    passed = all(r["passed"] for r in layers + models["runs"])
+    resume = resume_checks(grid, prof)
+    passed = all(r["passed"] for r in layers + models["runs"] + resume)
     tol = {k: dataclasses.asdict(v) for k, v in TOLERANCES.items()}
-    return {"tolerances": tol, "layers": layers, **models, "passed": passed}
+    return {"tolerances": tol, "layers": layers, **models, "resume": resume, "passed": passed}

@@ -56,6 +56,18 @@ def equivalence_rows(eq: dict) -> list[list[str]]:
                 _verdict(r["passed"]),
             ]
         )
+    for r in eq.get("resume", []):
+        rows.append(
+            [
+                r["check"],
+                r["policy"],
+                f"loss rel {_e(r['loss_rel'])}; weights rel-norm worst "
+                f"{_e(r['weight_rel_norm_worst'])}",
+                f"loss <= {r['tolerance']['loss_rel']:.0e}, weights <= "
+                f"{r['tolerance']['weight_rel']:.0e}",
+                _verdict(r["passed"]),
+            ]
+        )
     stats = eq["compile_stats"]
     rows.append(
         [
@@ -185,6 +197,7 @@ def problems_of(result: dict) -> list[str]:
             for r in eq["runs"]
             if not r["passed"]
         ]
+        out += [f"resume failed: {r['policy']}" for r in eq.get("resume", []) if not r["passed"]]
     for name, run in (result.get("training") or {}).get("runs", {}).items():
         if not run["ok"]:
             out.append(f"training {name} failed: {run.get('error')}")
