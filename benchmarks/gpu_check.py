@@ -20,7 +20,9 @@ On CPU, as a smoke test with tiny sizes (about a minute; ``tests/test_gpu_check.
     error of the loss (nats per token) and the relative norm ``||a - b|| / ||b||`` of every
     output and gradient, the worst parameter counted. Tolerances
     (``gpu.equivalence.TOLERANCES``): fp32 loss 1e-5, tensors 1e-4; bf16 (about 3 significant
-    digits) loss 2e-2, tensors 5e-2.
+    digits) loss 2e-2, tensors 5e-2. Then a resume (:mod:`gpu.resume`): one training step of
+    the check model, a checkpoint, a fresh model and optimizer loaded from it, the second
+    step's loss and weights against the uninterrupted run's, with fp32 and with bf16 weights.
 (b) **Training**: ``python -m tetrad.cli train`` of ``--model`` (CUDA: ``llama-1b``, bf16, seq
     2048) for ``--steps`` steps, eager and ``--compile``; the micro-batch is the largest of
     1, 2, 4, 8, 16 that ``tetrad memory --method tetrad`` predicts to fit (<= 80% of this GPU's
@@ -44,9 +46,9 @@ Exit status 0 when every check passed and every part ran; 1 otherwise. Standard 
 and tetrad only.
 
 This script holds the options and the order of the parts; each part lives in the package
-``benchmarks/gpu/`` (:mod:`gpu.equivalence` (a), :mod:`gpu.training` (b), :mod:`gpu.memory`
-(c), :mod:`gpu.steptime` (d), :mod:`gpu.report` (e); :mod:`gpu.profiles` the sizes per device,
-:mod:`gpu.common` what they share).
+``benchmarks/gpu/`` (:mod:`gpu.equivalence` and :mod:`gpu.resume` (a), :mod:`gpu.training`
+(b), :mod:`gpu.memory` (c), :mod:`gpu.steptime` (d), :mod:`gpu.report` (e); :mod:`gpu.profiles`
+the sizes per device, :mod:`gpu.common` what they share).
 """
 
 from __future__ import annotations
