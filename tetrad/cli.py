@@ -205,9 +205,7 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-new-tokens", type=int, default=200, metavar="N", help="tokens to add (default 200)"
     )
-    p.add_argument(
-        "--temperature", type=float, default=0.8, help="0 means greedy (default 0.8)"
-    )
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy (default 0.8)")
     p.add_argument(
         "--top-k", type=int, default=50, metavar="K", help="0 means no top-k cut (default 50)"
     )
