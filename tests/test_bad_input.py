@@ -116,7 +116,12 @@ CASES = [
     ("missing shard", ["--resume"], lambda run: _shard(run).unlink(), ["__0_0.distcp", "missing"]),
     ("latest names nothing", ["--resume"], lambda run: _point(run, "step_0000009"), ["0009"]),
     ("latest names a .tmp", ["--resume"], _to_tmp, ["step_0000003.tmp", "incomplete"]),
-    ("resume with nothing", ["--resume", "--run-dir", "{root}/fresh"], None, ["no complete"]),
+    (
+        "resume with nothing",
+        ["--resume", "--run-dir", "{root}/fresh"],
+        None,
+        ["does not exist", "drop --resume"],
+    ),
     ("fresh run over a run", [], "copy", ["already holds checkpoints", "--resume"]),
     ("empty data folder", ["--data", "{root}/empty"], None, ["empty", "holds no files"]),
     ("folder without text", ["--data", "{root}/no_text"], None, ["no_text"]),

@@ -27,6 +27,7 @@ from tetrad.torch_private import (
     foreach_mul_,
     foreach_norm,
     layout_mesh,
+    lower_right_causal,
 )
 
 
@@ -198,3 +199,26 @@ def test_make_test_torch_min_installs_the_declared_minimum():
     pinned = re.search(r"^TORCH_MIN := ([\d.]+)$", make, re.M)
     assert pinned and pinned.group(1).startswith(minimum.group(1)), (minimum, pinned)
     assert "tests/test_torch_private.py" in make.split("MIN_TESTS :=")[1].split("\n\n")[0]
+
+
+def test_lower_right_causal_has_no_storage_and_masks_as_torchs():
+    """torch's ``causal_lower_right`` carries an unused fp32 host tensor ``[2, q, kv]``; ours
+    holds no elements, and attention with it equals attention with torch's (math kernel, GQA,
+    backward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    assert torch.Tensor.numel(causal_lower_right(3, 4)) == 24
+    assert torch.Tensor.numel(lower_right_causal(3, 4)) == 0
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 3, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 7, 8, generator=g, requires_grad=True) for _ in range(2))
+    outs = []
+    with sdpa_kernel([SDPBackend.MATH]):
+        for bias in (causal_lower_right(3, 7), lower_right_causal(3, 7)):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, enable_gqa=True
+            )
+            outs.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

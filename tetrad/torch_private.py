@@ -14,6 +14,8 @@ on the minimum. When torch changes one, this file is the one to change.
   :func:`foreach_mul_`, :func:`foreach_copy_`).
 - ``torch._dynamo.utils.counters``: the graphs and graph breaks compiled so far
   (:func:`dynamo_counts`).
+- ``torch.Tensor._make_subclass`` (as ``nn.Parameter`` uses it): a
+  :class:`~torch.nn.attention.bias.CausalBias` without storage (:func:`lower_right_causal`).
 - ``PipelineStage``'s receive-buffer internals (``args_recv_info``, ``grad_recv_info``, the
   ``_RecvInfo`` buffers, ``_setup_forward_recv_info``, ``_setup_backward_recv_info``,
   ``_post_metadata_inference_cleanup``): :class:`LeanRecvStage`.
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
@@ -74,6 +77,25 @@ SHAPES_INFERRED_BY_A_REAL_STEP = hasattr(PipelineStage, "_post_metadata_inferenc
 """Whether ``PipelineStage`` infers its boundary shapes with a real forward and backward
 (torch 2.13) rather than on the meta device (torch 2.11): only then does
 :meth:`LeanRecvStage.after_shape_inference` run."""
+
+
+class _LowerRightCausal(CausalBias):
+    """:class:`CausalBias` of the lower-right variant whose tensor holds no elements."""
+
+    def __new__(cls, seq_len_q: int, seq_len_kv: int):
+        return torch.Tensor._make_subclass(cls, torch.empty(0))
+
+    def __init__(self, seq_len_q: int, seq_len_kv: int):
+        super().__init__(CausalVariant.LOWER_RIGHT, seq_len_q, seq_len_kv)
+
+
+def lower_right_causal(seq_len_q: int, seq_len_kv: int) -> CausalBias:
+    """torch's ``causal_lower_right(seq_len_q, seq_len_kv)`` without its storage.
+    ``CausalBias`` has no ``__new__``, so ``torch.Tensor``'s legacy constructor reads its
+    arguments as sizes and allocates an uninitialised fp32 host tensor ``[2, q, kv]`` that
+    nothing reads (the bias dispatches on its variant and lengths): 32 GiB for one chunk of a
+    262,144-token sequence on ``G_context = 8``, which a host without overcommit refuses."""
+    return _LowerRightCausal(seq_len_q, seq_len_kv)
 
 
 class LeanRecvStage(PipelineStage):

@@ -57,12 +57,12 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from tetrad.comm import all_gather, reduce_scatter
 from tetrad.grid import Grid
 from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import context_pieces
+from tetrad.torch_private import lower_right_causal
 
 
 def chunk_ids(g: int, rank: int) -> tuple[int, int]:
@@ -199,7 +199,7 @@ class ContextAttention:
             for i in chunk_ids(g, self.grid.coord[Axis.CONTEXT]):
                 keys = (i + 1) * c
                 if lower_right_bias(device):
-                    masks.append(causal_lower_right(c, keys))
+                    masks.append(lower_right_causal(c, keys))
                     continue
                 allowed = torch.ones(c, keys, dtype=torch.bool, device=device).tril(keys - c)
                 masks.append(
