@@ -509,9 +509,9 @@ def test_memory_with_the_first_linears_inputs_gathered_again(capsys):
 
 def test_plan_with_sequence_parallel_regather(capsys):
     """``tetrad plan --sequence-parallel on --sequence-parallel-regather``: every ranked row
-    with sequence parallelism, 5D grids and pipeline grids (their worst rank), has ``tetrad
-    memory --sequence-parallel --sequence-parallel-regather``'s memory of the same
-    configuration, less than without regather where blocks save their activations (not
+    with a tensor axis has sequence parallelism and, 5D grids and pipeline grids (their worst
+    rank), ``tetrad memory --sequence-parallel --sequence-parallel-regather``'s memory of the
+    same configuration, less than without regather where blocks save their activations (not
     ``full``); the inputs and the text report say so."""
     argv = ["plan", "--model", "llama-3-70b", "--machine", "dgx-h100", "--gpus", "64"]
     argv += ["--global-batch", "128", "--seq-len", "4096", "--top", "2", "--no-classic"]
@@ -526,6 +526,9 @@ def test_plan_with_sequence_parallel_regather(capsys):
     assert {"pipeline" in r for r in rows} == {True, False}  # both kinds among them
     sp = ["--sequence-parallel"]
     for row in rows:
+        if "sequence_parallel" not in row:  # no tensor axis to shard the sequence over
+            assert row["sizes"]["y"] == row["sizes"]["x"] == 1, row["sizes"]
+            continue
         assert row["sequence_parallel"]
         regather = _memory_of_row(row, "auto", capsys, sp + ["--sequence-parallel-regather"])
         assert row["memory"]["total_bytes"] == regather

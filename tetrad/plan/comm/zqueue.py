@@ -9,7 +9,9 @@ the compute window up to the next use, the reduce-scatter of its gradient). At a
 waits for the weight's all-gather (the stall is exposed), then, with ``prefetch``, issues the
 all-gathers of the next :data:`tetrad.spec.overlap.PREFETCH_DEPTH` uses not yet issued, then the
 reduce-scatters deferred since the last use, then computes the window; a reduce-scatter is
-deferred while the micro-batch has uses left, else issued at once. Without ``prefetch`` every
+deferred while the micro-batch has uses left, else issued at once. Issuing one, the compute
+waits for the oldest beyond :data:`tetrad.spec.overlap.REDUCE_SCATTERS_IN_FLIGHT` (the runtime
+finishes it there). Without ``prefetch`` every
 all-gather is issued at its use (blocking); without ``reduce_scatter`` every reduce-scatter is
 issued and waited at once. After the last use come the tail (the embedding's backward, then its
 reduce-scatters) and the wait for everything still queued.
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.spec.overlap import PREFETCH_DEPTH
+from tetrad.spec.overlap import PREFETCH_DEPTH, REDUCE_SCATTERS_IN_FLIGHT
 
 Key = tuple[str, str]
 """``(layer, phase)``: ``("wqkv", "forward")``, ``("output", "backward")`` ..."""
@@ -115,7 +117,7 @@ class ZQueue:
         compute seconds and the reduce-scatters ``tail_rs`` issued after it, then the wait for
         the stream. ``wrap_in``: the first :data:`PREFETCH_DEPTH` uses come prefetched and
         complete; ``wrap_out``: the last uses prefetch the next micro-batch's first ones."""
-        self.t, self.free, self.items = 0.0, 0.0, []
+        self.t, self.free, self.items, self.rs_ends = 0.0, 0.0, [], []
         n, depth = len(uses), PREFETCH_DEPTH
         wrap_in, wrap_out = wrap_in and self.pre, wrap_out and self.pre
         ends: list[float | None] = [None] * n
@@ -141,7 +143,7 @@ class ZQueue:
                         nxt = uses[issued - n]
                         self._issue(nxt.ag, nxt.ag_s, True)
             for d in deferred:
-                self._issue(d.rs, d.rs_s, False)
+                self._scatter(d.rs, d.rs_s, m)
             deferred = []
             self.t += u.window
             if u.rs is not None:
@@ -150,10 +152,19 @@ class ZQueue:
                 elif self.pre and j + 1 < n:
                     deferred.append(u)
                 else:
-                    self._issue(u.rs, u.rs_s, False)
+                    self._scatter(u.rs, u.rs_s, m)
         self.t += tail
         for key, seconds in tail_rs:
-            end = self._issue(key, seconds, False)
-            if not self.rsa:
-                self._wait(end, mult)
+            if self.rsa:
+                self._scatter(key, seconds, mult)
+            else:
+                self._wait(self._issue(key, seconds, False), mult)
         self._wait(self.free, mult)
+
+    def _scatter(self, key: Key, seconds: float, mult: float) -> None:
+        """Issue an asynchronous reduce-scatter; the compute then waits for the oldest beyond
+        :data:`~tetrad.spec.overlap.REDUCE_SCATTERS_IN_FLIGHT` (the runtime finishes it there,
+        and the stream runs it after everything issued before it)."""
+        self.rs_ends.append(self._issue(key, seconds, False))
+        while len(self.rs_ends) > REDUCE_SCATTERS_IN_FLIGHT:
+            self._wait(self.rs_ends.pop(0), mult)

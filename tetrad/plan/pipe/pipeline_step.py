@@ -185,7 +185,8 @@ def rank_time(
 ) -> RankTime:
     """:class:`RankTime` of pipeline rank ``prank`` on the 5D ``grid`` (module doc)."""
     sctx = stage_question(ctx, prank.blocks)
-    st = make_step(sctx, grid, micro_batch, ckpt, turn)
+    # one stage is the 4D step, whose micro-batches run whole (the prefetch order wraps)
+    st = make_step(sctx, grid, micro_batch, ckpt, turn, wrap=cfg.pipe == 1)
     if not prank.last:
         st.head_el = 0.0
     if not prank.first:
