@@ -298,6 +298,13 @@ def issue_orders(out: str) -> None:
         return issue(grid, axis, *args, **kwargs)
 
     collectives._issue = logged
+    end = Overlap.end_micro_batch
+
+    def ended(self):
+        log.append("end")  # before its own collectives: what waited for the end of backward
+        return end(self)
+
+    Overlap.end_micro_batch = ended
     orders = {}
     for timing in ("as they come", "never complete", "rank 0 never"):
         late = timing == "never complete" or (timing == "rank 0 never" and rank == 0)
@@ -318,7 +325,7 @@ def test_every_rank_issues_its_collectives_in_one_order_whatever_the_timing(tmp_
     data-parallel buckets after a fixed count (``REDUCE_SCATTERS_IN_FLIGHT``), not when they look
     complete (which differs between ranks, and on NCCL is almost never during backward), so
     the order is the same on every rank and under every timing, and the buckets start during
-    backward (before the last Z collective)."""
+    backward (before the last micro-batch's end)."""
     import json
 
     run_distributed(issue_orders, 4, str(tmp_path))
@@ -326,6 +333,5 @@ def test_every_rank_issues_its_collectives_in_one_order_whatever_the_timing(tmp_
     orders = [order for run in runs for order in run.values()]
     assert all(order == orders[0] for order in orders), "issue orders differ"
     order = orders[0]
-    first_data = order.index("data")
-    last_z = len(order) - 1 - order[::-1].index("z")
-    assert first_data < last_z, order
+    last_end = len(order) - 1 - order[::-1].index("end")  # the last micro-batch's
+    assert order.index("data") < last_end, order

@@ -245,3 +245,10 @@ def test_plan_takes_train_and_memorys_name_for_checkpointing(capsys):
     args += ["--global-batch", "16", "--no-classic", "--top", "1"]
     assert cli.main([*args, "--activation-checkpointing", "full"]) == 0
     assert "grids (" in capsys.readouterr().out
+
+
+def test_expert_in_a_named_grid_may_have_spaces():
+    from tetrad.train.config import load_config
+
+    cfg = load_config(None, {"grid": "data=2, expert = 2"})
+    assert cfg.parallelism.expert_parallel == 2 and cfg.parallelism.grid == (2, 1, 1, 1, 1)

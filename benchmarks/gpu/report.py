@@ -57,6 +57,9 @@ def equivalence_rows(eq: dict) -> list[list[str]]:
             ]
         )
     for r in eq.get("resume", []):
+        if "error" in r:
+            rows.append([r["check"], r["policy"], r["error"], "runs", _verdict(False)])
+            continue
         rows.append(
             [
                 r["check"],

@@ -17,8 +17,9 @@ Times are read from the log's clock. With gloo the host waits for the transfer i
 timers measure it (:class:`HostClock`). With NCCL ``wait()`` only makes the device's current
 stream wait for the collective's stream and returns at once, so the times are taken from timing
 events on that stream (:class:`DeviceClock`): the exposed time is how long the computation's
-stream stalled at the wait. Events are read when the log is :meth:`CommLog.reset` (at logging
-time, after the step's results were read), never during the step.
+stream stalled at the wait. Events are read when the log's totals are read (:meth:`Taken.read`,
+:meth:`CommLog.reset`: at logging time, after the step's results were read), never during the
+step.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 @dataclass
 class AxisStats:
-    """Totals for one mesh axis since the last :meth:`CommLog.reset`.
+    """Totals for one mesh axis since the last :meth:`CommLog.take` (or ``reset``).
 
     Attributes:
         calls: collectives issued.
@@ -120,11 +121,12 @@ class CommLog:
     clock: HostClock | DeviceClock = field(default_factory=HostClock)
     """What times the collectives (:func:`clock_for` the grid's device and backend)."""
     unread: list = field(default_factory=list)
-    """``(stats, attribute, start, end)``: a deferred clock's marks, read at :meth:`reset`."""
+    """``(stats, attribute, start, end)``: a deferred clock's marks, read by :meth:`Taken.read`
+    (or :meth:`reset`)."""
 
     def add_time(self, stats: AxisStats, attribute: str, start, end) -> None:
         """Add the clock's seconds from mark ``start`` to mark ``end`` to ``stats.attribute``
-        (``time_s`` or ``exposed_s``): now, or at :meth:`reset` for a deferred clock."""
+        (``time_s`` or ``exposed_s``): now, or when taken totals are read for a deferred clock."""
         if self.clock.deferred:
             self.unread.append((stats, attribute, start, end))
         else:

@@ -113,7 +113,7 @@ def _start_job(folder: pathlib.Path, job: dict, tokenizer: str, sources: list[So
     are removed if none of its shards was finished.
 
     Raises:
-        DataError: ``folder`` holds another job, or other files.
+        DataError: ``folder`` holds another job with a finished shard, or other files.
     """
     old = sh.read_json(folder / JOB)
     if old == job:

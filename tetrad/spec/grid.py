@@ -172,6 +172,11 @@ def _parse_named_grid(text: str) -> tuple[int, GridShape]:
     for item in text.split(","):
         name, _, value = (p.strip() for p in item.partition("="))
         ints = _positive_ints([value])
+        if name == "expert":
+            raise GridError(
+                f"grid {text!r}: expert=N is read by tetrad train and tetrad memory --grid (it "
+                "folds over the stage's ranks); elsewhere pass the grid without it"
+            )
         if name not in sizes and "=" in item:
             near = difflib.get_close_matches(name, [*GRID_NAMES, "expert"], n=1)
             raise GridError(

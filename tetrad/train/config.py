@@ -388,7 +388,7 @@ class _Builder:
             raise _unknown(key, self.where, [*BY_OPTION, *SECTIONS])
 
     def set(self, f: _Field, value: Any) -> None:
-        if f.option == "grid" and isinstance(value, str) and "expert=" in value:
+        if f.option == "grid" and isinstance(value, str) and "expert=" in value.replace(" ", ""):
             value, expert = pop_expert(value)  # expert=N sets expert_parallel
             self.set(BY_OPTION["expert_parallel"], expert)
             self.experts["grid"] = self.experts.pop("option")

@@ -35,7 +35,7 @@ from tetrad.spec.errors import TetradError, error_line
 from tetrad.spec.grid import GridError, check_world_size
 from tetrad.train.config import TrainConfig
 from tetrad.train.failures import failure_summary, record_failure
-from tetrad.train.resume import LOCAL_WORKER, check_run_dir
+from tetrad.train.resume import LOCAL_WORKER, check_resume_dir, check_run_dir
 from tetrad.train.run_lock import RunDirLock
 from tetrad.train.stop import Stopped, exit_code, signal_name
 
@@ -97,6 +97,7 @@ def _check_as_one_rank(cfg: TrainConfig) -> None:
     try:
         check_world_size(cfg.parallelism.grid, int(env["WORLD_SIZE"]), cfg.parallelism.pipe)
         cfg.check()
+        check_resume_dir(cfg.checkpoint.run_dir, cfg.checkpoint.resume)
     except TetradError:
         if env.get("RANK", "0") != "0":
             raise SystemExit(2) from None
@@ -124,13 +125,13 @@ def _check_local_ranks(env: dict) -> None:
     Raises:
         GridError: ``WORLD_SIZE > 1`` without ``LOCAL_RANK`` or ``LOCAL_WORLD_SIZE``.
     """
-    missing = [k for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if k not in env]
+    missing = [k for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if not env.get(k, "").isdigit()]
     if int(env["WORLD_SIZE"]) > 1 and missing:
         raise GridError(
             f"{' and '.join(missing)} not set: with --device cuda each of the "
             f"{env['WORLD_SIZE']} ranks needs its GPU (cuda:LOCAL_RANK) and the ranks of its "
-            "node (LOCAL_WORLD_SIZE); launch with torchrun, or set them (under SLURM's srun: "
-            "LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE)"
+            "node (LOCAL_WORLD_SIZE); launch with torchrun (under SLURM, one torchrun per node "
+            "as examples/slurm.sbatch does), or set both for each process"
         )
 
 
@@ -322,11 +323,11 @@ def run_local(cfg: Any, nproc: int, *, entrypoint: Callable[[Any], Any] = train_
             (:func:`failure_summary`).
         SystemExit(143 or 130): the workers stopped at a step after a signal (SIGTERM, SIGUSR1;
             130 for Ctrl-C) that reached them and not this process.
-        KeyboardInterrupt: Ctrl-C; the workers have been stopped.
+        KeyboardInterrupt: Ctrl-C before the workers started.
 
-    A signal to this process (torchelastic's ``SignalException``) ends it with the same
-    status once the workers are gone, without the interpreter's teardown
-    (:func:`_leave_after_signal`).
+    A signal to this process once the workers run, Ctrl-C included (torchelastic's
+    ``SignalException``), ends it with the same status once the workers are gone, without the
+    interpreter's teardown (:func:`_leave_after_signal`).
     """
     old_levels = _quiet_torch_logs()
     added = []

@@ -40,6 +40,19 @@ def tetrad_version() -> str:
         return "unknown"
 
 
+def check_resume_dir(run_dir: str | Path, resume: bool) -> None:
+    """With ``resume``, the run directory must exist (nothing is created for a mistyped one).
+
+    Raises:
+        ConfigError: ``resume`` and no directory ``run_dir``.
+    """
+    if resume and not Path(run_dir).exists():
+        raise ConfigError(
+            f"--resume: --run-dir {run_dir} does not exist: pass the directory of the run to "
+            "continue, or drop --resume to start a fresh run there"
+        )
+
+
 def check_run_dir(run_dir: str | Path, resume: bool = False) -> Path:
     """Create the run directory if needed (not for ``resume``: it must exist) and check it can
     be written.
@@ -51,11 +64,7 @@ def check_run_dir(run_dir: str | Path, resume: bool = False) -> Path:
     path = Path(run_dir)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--run-dir {path} is a file: pass a folder (new or from a run)")
-    if resume and not path.exists():
-        raise ConfigError(
-            f"--resume: --run-dir {path} does not exist: pass the directory of the run to "
-            "continue, or drop --resume to start a fresh run there"
-        )
+    check_resume_dir(path, resume)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -266,6 +266,9 @@ def _rows(job: Job, pending: list[dict], since: float) -> list[dict]:
             g |= routing_row(s, cfg, sequences)
     seconds = (time.perf_counter() - since) / len(pending)
     peak = peak_memory_bytes(job.grid.device)
+    # every step's marks first: a collective waited in the next step (the sharded optimizer's
+    # all-gathers) adds its time to the step that issued it
+    comms = [p["comm"].read() for p in pending]
     rows = [
         job.meter.row(
             p["step"],
@@ -274,12 +277,12 @@ def _rows(job: Job, pending: list[dict], since: float) -> list[dict]:
             lr=p["lr"],
             grad_norm=g.pop("grad_norm"),
             peak_memory=peak,
-            comm=p["comm"].read(),
+            comm=comm,
             overlaps_ran=p["overlaps_ran"],
         )
         | {"restarts": restart_count(), "grid": str(job.grid)}
         | g
-        for p, g in zip(pending, got, strict=True)
+        for p, g, comm in zip(pending, got, comms, strict=True)
     ]
     return rows
 
