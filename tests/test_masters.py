@@ -240,7 +240,19 @@ def _block_outputs(weights, into: set):
 def _resume_across_formats(run_dir):
     """fp32 weights for a step, saved; resumed with bf16 weights and the sharded optimizer (the
     masters are the saved weights exactly), a step, saved; resumed with fp32 weights (they are
-    the saved masters exactly); the same keys and fp32 tensors in both checkpoints."""
+    the saved masters exactly); the same keys and fp32 tensors in both checkpoints. Every load
+    places the AdamW steps where torch's fused AdamW reads them (``place_steps``: on a GPU the
+    device; here a call is all that shows it), for plain and sharded AdamW with masters."""
+    import tetrad.parallel.masters as masters_module
+    import tetrad.train.checkpoint as checkpoint_module
+
+    placed, place = [], masters_module.place_steps  # every load places the AdamW steps
+
+    def placing(optimizer):
+        placed.append(optimizer)
+        place(optimizer)
+
+    masters_module.place_steps = checkpoint_module.place_steps = placing
     sizes, fp32 = (2, 2, 1, 1), precision("cpu")
     ckpt = Checkpointer(run_dir, Grid.build(sizes))
     keys, saved = [], {}
@@ -249,7 +261,9 @@ def _resume_across_formats(run_dir):
         opt = build_optimizer(model, LR, 0.1, shard=grid if shard else None, policy=policy)
         if i > 0:
             path = ckpt.run_dir / "checkpoints" / f"step_{i:07d}"
+            placed.clear()
             assert ckpt.load(model, opt, path) == i
+            assert placed and placed[-1] is opt, type(opt).__name__
             masters = _masters(opt, model)
             for name, p in model.named_parameters():
                 assert torch.equal(masters[name], saved[name]), f"{policy.params} {name}"
