@@ -27,9 +27,9 @@ class CheckpointingError(TetradError):
 
 
 @functools.lru_cache(maxsize=256, typed=True)  # the planner's searches ask ~10^5 times
-def parse_checkpointing(value: str | bool) -> str:
+def parse_checkpointing(value: str | bool, also: str = "") -> str:
     """A mode of :data:`CHECKPOINTING` or ``selective:K`` from its name or a bool (``True`` =
-    ``full``).
+    ``full``); ``also``: what else the caller takes, named in the unknown-name message.
 
     Raises:
         CheckpointingError: an unknown name, or a block count that is not a positive integer.
@@ -49,7 +49,7 @@ def parse_checkpointing(value: str | bool) -> str:
     if name not in CHECKPOINTING:
         raise CheckpointingError(
             f"activation checkpointing {value!r} is unknown: use {', '.join(CHECKPOINTING)} "
-            "or selective:K (the last K blocks selective)"
+            "or selective:K (the last K blocks selective)" + (f", or {also}" if also else "")
         )
     return name
 

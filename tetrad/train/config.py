@@ -58,6 +58,7 @@ from tetrad.train.config_checks import (
     check_parallelism,
     check_pipeline,
     check_pipeline_split,
+    check_resume_dir,
     check_training,
 )
 from tetrad.train.sections import (
@@ -150,6 +151,7 @@ class TrainConfig:
         t, grid = self.training, self.parallelism.grid
         self.parallelism.check_resolved()
         check_model_source(self.model.name, self.hf_folder)
+        check_resume_dir(self.checkpoint.run_dir, self.checkpoint.resume)
         if self.hf_folder is None:  # its sizes, MoE sizes without experts, a stage split
             check_pipeline_split(self.parallelism, self.model_config().n_layers)
         if t.device not in DEVICES:

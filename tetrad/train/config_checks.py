@@ -165,3 +165,16 @@ def check_model_source(model: str, hf_folder: Path | None) -> None:
             f"tokenizer): to train from its weights and tokenizer pass --init-from {first}; "
             f"for its sizes alone, --model {first[3:].rstrip('/')}/config.json"
         )
+
+
+def check_resume_dir(run_dir: str | Path, resume: bool) -> None:
+    """With ``resume``, the run directory must exist (nothing is created for a mistyped one).
+
+    Raises:
+        ConfigError: ``resume`` and no directory ``run_dir``.
+    """
+    if resume and not Path(run_dir).exists():
+        raise ConfigError(
+            f"--resume: --run-dir {run_dir} does not exist: pass the directory of the run to "
+            "continue, or drop --resume to start a fresh run there"
+        )

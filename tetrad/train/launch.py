@@ -35,7 +35,7 @@ from tetrad.spec.errors import TetradError, error_line
 from tetrad.spec.grid import GridError, check_world_size
 from tetrad.train.config import TrainConfig
 from tetrad.train.failures import failure_summary, record_failure
-from tetrad.train.resume import LOCAL_WORKER, check_resume_dir, check_run_dir
+from tetrad.train.resume import LOCAL_WORKER, check_run_dir
 from tetrad.train.run_lock import RunDirLock
 from tetrad.train.stop import Stopped, exit_code, signal_name
 
@@ -97,18 +97,13 @@ def _check_as_one_rank(cfg: TrainConfig) -> None:
     try:
         check_world_size(cfg.parallelism.grid, int(env["WORLD_SIZE"]), cfg.parallelism.pipe)
         cfg.check()
-        check_resume_dir(cfg.checkpoint.run_dir, cfg.checkpoint.resume)
+        if cfg.training.device == "cuda":
+            _check_local_ranks(env)
     except TetradError:
         if env.get("RANK", "0") != "0":
             raise SystemExit(2) from None
         raise
     if cfg.training.device == "cuda":
-        try:
-            _check_local_ranks(env)
-        except TetradError:
-            if env.get("RANK", "0") != "0":
-                raise SystemExit(2) from None
-            raise
         try:
             _check_gpus(int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), "ranks on this node")
         except TetradError:
@@ -144,7 +139,7 @@ def _run_lock(cfg: TrainConfig, holder: bool) -> contextlib.AbstractContextManag
     """
     if not holder:
         return contextlib.nullcontext()
-    check_run_dir(cfg.checkpoint.run_dir, cfg.checkpoint.resume)
+    check_run_dir(cfg.checkpoint.run_dir)
     return RunDirLock(cfg.checkpoint.run_dir)
 
 

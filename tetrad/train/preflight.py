@@ -44,7 +44,7 @@ def preflight(cfg: TrainConfig) -> tuple[Corpus, ModelSpec]:
     cfg.check()
     if cfg.training.device == "cuda" and not gpu_count():
         raise ConfigError("--device cuda but no CUDA device is visible: use --device cpu")
-    check_run_dir(cfg.checkpoint.run_dir, cfg.checkpoint.resume)
+    check_run_dir(cfg.checkpoint.run_dir)
     folder = cfg.hf_folder
     if folder is not None:
         hf_cfg, raw = read_config(folder)

@@ -40,31 +40,16 @@ def tetrad_version() -> str:
         return "unknown"
 
 
-def check_resume_dir(run_dir: str | Path, resume: bool) -> None:
-    """With ``resume``, the run directory must exist (nothing is created for a mistyped one).
+def check_run_dir(run_dir: str | Path) -> Path:
+    """Create the run directory if needed and check it can be written (``--resume`` of a
+    missing one is refused before, by :meth:`TrainConfig.check`).
 
     Raises:
-        ConfigError: ``resume`` and no directory ``run_dir``.
-    """
-    if resume and not Path(run_dir).exists():
-        raise ConfigError(
-            f"--resume: --run-dir {run_dir} does not exist: pass the directory of the run to "
-            "continue, or drop --resume to start a fresh run there"
-        )
-
-
-def check_run_dir(run_dir: str | Path, resume: bool = False) -> Path:
-    """Create the run directory if needed (not for ``resume``: it must exist) and check it can
-    be written.
-
-    Raises:
-        ConfigError: the path is a file, cannot be created or written, or (``resume``) does
-            not exist.
+        ConfigError: the path is a file, or cannot be created or written.
     """
     path = Path(run_dir)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--run-dir {path} is a file: pass a folder (new or from a run)")
-    check_resume_dir(path, resume)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

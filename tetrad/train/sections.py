@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tetrad.spec.activation_checkpointing import CheckpointingError, parse_checkpointing
+from tetrad.spec.activation_checkpointing import parse_checkpointing
 from tetrad.spec.conflicts import PIPELINE_DEFAULTS
 from tetrad.spec.errors import TetradError
 from tetrad.spec.grid import GridShape
@@ -215,12 +215,9 @@ class ParallelismSection:
         if str(self.activation_checkpointing).strip().lower() == "auto":
             self.activation_checkpointing = "auto"
         else:
-            try:
-                self.activation_checkpointing = parse_checkpointing(self.activation_checkpointing)
-            except CheckpointingError as e:
-                if ":" in str(self.activation_checkpointing):  # a selective:K mistake
-                    raise
-                raise CheckpointingError(f"{e}, or auto (the planner's choice)") from None
+            self.activation_checkpointing = parse_checkpointing(
+                self.activation_checkpointing, also="auto (the planner's choice)"
+            )
 
     def check_resolved(self) -> None:
         """The planner's choices are made: no ``auto`` grid or checkpointing mode is left.
