@@ -11,15 +11,6 @@ gives their counts).
 
 Known gaps (strict ``xfail``: a fix that closes one fails here until its entry is removed):
 
-- ``HEAD_ADD``: with ``G_z = 1`` each micro-batch after the first adds the LM head's scaled
-  ``dW`` (formed by the fused loss in forward) into the fp32 gradient, 4 bytes per element more
-  than the first's scaling, where Megatron-LM's output layer adds its weight-gradient GEMM into
-  the main gradient (gradient-accumulation fusion). Without a pipeline the embedding's zeroing,
-  which later micro-batches skip, saves the same bytes; with one the head's stage pays it alone
-  (llama-3-70b CP8 PP8, 512 micro-batches: 0.57 s a step). Since the planner averages both over
-  the step's micro-batches (``BlockCompute.over_step``); before, it counted every micro-batch
-  as the first (1.013 and 1.013; gpt-20b CP4 PP8 v2 1.007). The remedy is the GEMM adding into
-  the gradient in forward, scaled by the loss's known gradient.
 - ``CONTEXT_TIME``: tetrad's first K/V piece is exposed (and, with the sharded optimizer over
   data x context, the first parameter unit's all-gather and the last gradient bucket's
   reduce-scatter; its packing copies cost about 1% more), where the classic model hides the
@@ -27,6 +18,14 @@ Known gaps (strict ``xfail``: a fix that closes one fails here until its entry i
   forward and last backward. (Its attention compute is the causal ideal on both sides since
   the CUDA masks became the lower-right ``CausalBias``; before, tetrad's chunks computed
   ``(2G+1)/(2G)`` of it.)
+
+Closed: ``HEAD_ADD``, the LM head's later micro-batches adding their scaled ``dW`` into the
+fp32 gradient in backward (4 bytes per element more than the first's scaling; Megatron-LM's
+output layer adds its weight-gradient GEMM into the main gradient). Since the fused loss's
+``dW`` GEMMs add into the gradient in forward, scaled by the loss's gradient that training
+passes in (:func:`tetrad.parallel.loss.lm_head_loss`, ``grad_scale``): llama-3-70b CP8 PP8
+and its v5 1.056 / 1.057 -> 1.012 / 1.012, gpt-20b CP4 PP8 v2 1.026 -> 0.978, and with them
+llama-3.1-8b CP8 DP8 mb 2 1.026 -> 1.018 (``CONTEXT_TIME`` before).
 
 The mapped pipeline layouts are timed with tetrad's balanced split, with the classic split
 (``--pipeline-split``) and with the classic split less one block on the LM head's stage, that
@@ -95,18 +94,14 @@ TIME_BOUND = 1.02
 """tetrad's step of the mapped layout over the classic step, at most."""
 
 CONTEXT_TIME = "context: the first K/V piece (and the sharded optimizer's first unit) exposed"
-HEAD_ADD = "the LM head's later micro-batches add their scaled dW into the gradient: last stage"
 
 # (model, TP, CP, PP, DP, virtual stages, micro-batch, recompute) -> (reasons, ratio), the
-# ratios with the causal-ideal context attention, the sharded AdamW on its piece and the
-# classic embedding backward (before the first two: llama-3.1-8b 1,4,1,16 1.075, 1,8,1,8 mb2
-# 1.067, mb1 1.094; llama-3-70b 2,4,4,16 v2 1.049, v4 1.121, v5 1.053, 1,8,8,8 v5 1.059)
+# ratio with the causal-ideal context attention, the sharded AdamW on its piece, the classic
+# embedding backward and the LM head's dW added in forward (before the first two: llama-3.1-8b
+# 1,4,1,16 1.075, 1,8,1,8 mb2 1.067, mb1 1.094; llama-3-70b 2,4,4,16 v2 1.049, v4 1.121, v5
+# 1.053, 1,8,8,8 v5 1.059)
 TIME_GAPS = {
-    ("llama-3.1-8b", 1, 8, 1, 8, 1, 2, "none"): ((CONTEXT_TIME,), 1.026),
-    ("llama-3.1-8b", 1, 8, 1, 8, 1, 1, "none"): ((CONTEXT_TIME,), 1.044),
-    ("gpt-20b", 1, 4, 8, 8, 2, 1, "none"): ((HEAD_ADD,), 1.026),
-    ("llama-3-70b", 1, 8, 8, 8, 1, 1, "none"): ((HEAD_ADD,), 1.056),
-    ("llama-3-70b", 1, 8, 8, 8, 5, 1, "none"): ((HEAD_ADD,), 1.057),
+    ("llama-3.1-8b", 1, 8, 1, 8, 1, 1, "none"): ((CONTEXT_TIME,), 1.030),
 }
 """Mapped layouts above :data:`TIME_BOUND`, with the terms modelled differently (module doc)
 and tetrad's step over the classic one when listed."""

@@ -115,3 +115,59 @@ def _bf16_worker() -> None:
 
 def test_fused_head_and_loss_in_bf16():
     run_distributed(_bf16_worker, 4)
+
+
+def _added_worker() -> None:
+    """Three micro-batches whose loss sums are divided by the tokens of all three: with the
+    scale given (``grad_scale``), the second and third add their ``dW`` into the head's
+    gradient in forward (:func:`tetrad.parallel.loss.add_product`, once per row block), and
+    the gradients equal the run without it; in bf16 too (the fp32 gradient, the product
+    formed in bf16 on CPU). A backward that brings another gradient raises."""
+    from tetrad.parallel import loss as loss_module
+
+    calls = []
+    plain = loss_module.add_product
+
+    def counted(out, a, b, alpha):
+        calls.append(alpha)
+        plain(out, a, b, alpha)
+
+    loss_module.add_product = counted
+    for shape in ((1, 1, 2, 2), (4, 1, 1, 1)):  # the vocabulary split (second pass) or not
+        grid = Grid.build(shape)
+        v_local = 256 // (grid.y * grid.x)
+        spec_overlap.LOSS_CHUNK_BYTES["cpu"] = 4 * v_local * 5  # row blocks of 5 of 32
+        ids = torch.randint(0, 256, (3, B, S + 1), generator=torch.Generator().manual_seed(3))
+        n = ids[:, :, 1:].numel()
+        for dtype in (torch.float32, torch.bfloat16):
+            got = []
+            for scale in (None, 1 / n):
+                calls.clear()
+                emb, head, _, _ = _layers(grid, 256)
+                for mb in ids:
+                    with torch.autocast(
+                        "cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32
+                    ):
+                        x, targets = emb(mb[:, :-1]), mb[:, 1:]
+                        loss = lm_head_loss(head, x, targets, grad_scale=scale) / n
+                    loss.backward()
+                assert len(calls) == (0 if scale is None else 2 * 7), calls  # 7 blocks of 32
+                got.append((emb.weight.grad, head.weight.grad))
+            # bf16: the old path rounds each micro-batch's dW sum to bf16, the new one does not
+            bf16 = {"rtol": 2e-2, "atol": 1e-3}
+            tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else bf16
+            for a, b in zip(*got, strict=True):
+                torch.testing.assert_close(a, b, **tol)
+        x, targets = emb(ids[0, :, :-1]), ids[0, :, 1:]
+        loss = lm_head_loss(head, x, targets, grad_scale=1 / n) / n
+        try:
+            (2 * loss).backward()
+        except RuntimeError as e:
+            assert "differs from grad_scale" in str(e)
+        else:
+            raise AssertionError("a backward against the promised scale went through")
+    loss_module.add_product = plain
+
+
+def test_later_micro_batches_add_the_head_gradient_in_forward():
+    run_distributed(_added_worker, 4)

@@ -14,6 +14,8 @@ on the minimum. When torch changes one, this file is the one to change.
   :func:`foreach_mul_`, :func:`foreach_copy_`).
 - ``torch._dynamo.utils.counters``: the graphs and graph breaks compiled so far
   (:func:`dynamo_counts`).
+- ``torch._assert_async``: a check of a device tensor that raises without the host waiting for
+  the device (:func:`check_on_device`).
 - ``torch.Tensor._make_subclass`` (as ``nn.Parameter`` uses it): a
   :class:`~torch.nn.attention.bias.CausalBias` without storage (:func:`lower_right_causal`).
 - ``PipelineStage``'s receive-buffer internals (``args_recv_info``, ``grad_recv_info``, the
@@ -71,6 +73,13 @@ def dynamo_counts() -> dict[str, int]:
         "graphs": int(counters["stats"]["unique_graphs"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),
     }
+
+
+def check_on_device(condition: torch.Tensor, message: str) -> None:
+    """Raise ``RuntimeError(message)`` where the 0-dim bool ``condition`` is false, without a
+    host read: on CUDA a device-side assertion (the process fails at its next synchronisation),
+    on CPU at once."""
+    torch._assert_async(condition, message)
 
 
 SHAPES_INFERRED_BY_A_REAL_STEP = hasattr(PipelineStage, "_post_metadata_inference_cleanup")

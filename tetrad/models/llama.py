@@ -40,9 +40,11 @@ class Layers(Protocol):
     stacks ``s`` matrices of ``n/s`` rows, SwiGLU's gate and up, and its output features come in
     ``stacked_pieces`` pieces of ``s`` contiguous blocks each, 1 piece in the reference:
     :func:`tetrad.models.swiglu.swiglu`); ``head(dim, V)`` is the
-    LM head ``[..., dim] -> [..., V]``; ``loss_sum(head, x, targets, vocab)`` gives the sum over
-    tokens of the cross-entropy (nats) of ``head(x)`` against ``targets [...]``, over the first
-    ``vocab`` ids only when given (the rest is padding); it may never form all the logits.
+    LM head ``[..., dim] -> [..., V]``; ``loss_sum(head, x, targets, vocab, grad_scale)`` gives
+    the sum over tokens of the cross-entropy (nats) of ``head(x)`` against ``targets [...]``,
+    over the first ``vocab`` ids only when given (the rest is padding); it may never form all
+    the logits, and where the caller gives ``grad_scale``, the gradient backward will bring to
+    the sum, it may form the head's weight gradient in forward.
 
     Mixture of experts (:mod:`tetrad.models.moe`): ``router(dim, E)`` maps ``[T, dim]`` to
     router logits ``[T, E]``; ``experts(E, dim, F, out_std)`` is the routed experts,
@@ -72,7 +74,12 @@ class Layers(Protocol):
     def norm(self, dim: int, eps: float) -> nn.Module: ...
 
     def loss_sum(
-        self, head: nn.Module, x: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
+        self,
+        head: nn.Module,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        vocab: int | None = None,
+        grad_scale: float | None = None,
     ) -> torch.Tensor: ...
 
     def router(self, dim: int, n_experts: int) -> nn.Module: ...
@@ -362,7 +369,12 @@ class Transformer(nn.Module):
                 out[i], ff.routing_sum = ff.routing_sum, None
         return out
 
-    def loss_sum(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Sum of the per-token cross-entropies (nats) of this rank's ``[b, s]`` tokens."""
+    def loss_sum(
+        self, tokens: torch.Tensor, targets: torch.Tensor, grad_scale: float | None = None
+    ) -> torch.Tensor:
+        """Sum of the per-token cross-entropies (nats) of this rank's ``[b, s]`` tokens
+        (``grad_scale``: the gradient backward will bring to it, when known: the layer
+        factory's ``loss_sum``)."""
         vocab = self.cfg.unpadded_vocab or None
-        return self.layer_factory.loss_sum(self.output, self.hidden(tokens), targets, vocab)
+        x = self.hidden(tokens)
+        return self.layer_factory.loss_sum(self.output, x, targets, vocab, grad_scale)

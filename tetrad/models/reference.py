@@ -45,7 +45,12 @@ class PlainLayers:
         return nn.RMSNorm(dim, eps=eps)
 
     def loss_sum(
-        self, head: nn.Module, x: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
+        self,
+        head: nn.Module,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        vocab: int | None = None,
+        grad_scale: float | None = None,
     ) -> torch.Tensor:
         logits = head(x)[..., :vocab]
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")

@@ -25,6 +25,16 @@ Two entry points:
   statistics ``M`` and the sum of exponentials are global only after their all-reduces, so the
   logits of the whole micro-batch are kept (compute dtype) during forward and the gradient
   blocks formed in a second pass over them.
+
+  When the caller knows ``s`` in forward (``grad_scale``: training divides the sum by the
+  global batch's token count) and the weight's gradient already exists (a later micro-batch of
+  the step, ``G_z = 1``: :meth:`tetrad.parallel.overlap.Overlap.grad_to_add_into`), each row
+  block's ``dW`` GEMM adds ``s g^T x`` straight into that gradient (on CUDA one GEMM with fp32
+  output into the fp32 gradient where the device's torch runs it:
+  :func:`tetrad.parallel.linear.gemm_adds_into`), as the block Linears do and as Megatron-LM's
+  output layer adds its weight-gradient GEMM into the fp32 main gradient
+  (gradient-accumulation fusion): no ``dW`` is kept, scaled or added afterwards. Backward
+  checks on the device that ``s`` was the gradient it got.
 """
 
 from __future__ import annotations
@@ -35,9 +45,11 @@ from tetrad.comm import all_reduce
 from tetrad.dtypes import compute_dtype
 from tetrad.grid import Grid
 from tetrad.parallel.head import VocabParallelHead, gather_input, scatter_input
+from tetrad.parallel.linear import gemm_adds_into
 from tetrad.parallel.masters import grad_dtype
 from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import loss_chunk_rows
+from tetrad.torch_private import check_on_device
 
 HEAD_AXES = (Axis.Y, Axis.X)
 """The axes that split the LM head's vocabulary, Y outer (tetrad/parallel/head.py)."""
@@ -161,16 +173,30 @@ class _Blocks:
             p[:, self.pad :] = 0.0
         return p
 
-    def gradient(self, s: int, e: int, p: torch.Tensor, sum_exp: torch.Tensor, dx, dw) -> None:
-        """``g = p / sum_exp - onehot`` for rows ``s:e``; ``dx[s:e] = g W``, ``dw += g^T x``."""
+    def gradient(
+        self, s: int, e: int, p: torch.Tensor, sum_exp: torch.Tensor, dx, dw, scale=None
+    ) -> None:
+        """``g = p / sum_exp - onehot`` for rows ``s:e``; ``dx[s:e] = g W``, ``dw += g^T x``
+        (``scale``: ``dw`` is the fp32 gradient, ``dw += scale g^T x``)."""
         p.mul_(sum_exp.reciprocal().unsqueeze(-1))
         p.scatter_add_(-1, self.local[s:e].unsqueeze(-1), self.hit[s:e])
         g = p if p.dtype == self.x.dtype else p.to(self.x.dtype)
         torch.mm(g, self.w, out=dx[s:e])
-        if s == 0:
+        if scale is not None:
+            add_product(dw, g.t(), self.x[s:e], scale)
+        elif s == 0:
             torch.mm(g.t(), self.x[s:e], out=dw)
         else:  # the GEMM adds the blocks so far in its fp32 accumulation
             dw.addmm_(g.t(), self.x[s:e])
+
+
+def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """``out += alpha a b`` in place: ``out [n, k]`` (the gradient), ``a [n, m]`` and ``b [m,
+    k]`` in the compute dtype: the GEMM accumulating into ``out`` where it can
+    (:func:`tetrad.parallel.linear.gemm_adds_into`), else the product in the compute dtype,
+    then added."""
+    if not gemm_adds_into(out, a, b, alpha):
+        out.add_(torch.mm(a, b), alpha=alpha)
 
 
 class _LMHeadLoss(torch.autograd.Function):
@@ -178,9 +204,21 @@ class _LMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, w_shard, targets, ov, vocab: int | None, rows: int, need_grad: bool, seq: bool
+        ctx,
+        x,
+        w_shard,
+        targets,
+        ov,
+        vocab: int | None,
+        rows: int,
+        need_grad: bool,
+        seq: bool,
+        grad_scale: float | None,
     ):
         grid, dtype = ov.grid, compute_dtype(x)
+        # a later micro-batch with the backward's scale known: dW goes into the gradient here
+        into = ov.grad_to_add_into(w_shard) if need_grad and grad_scale is not None else None
+        scale = grad_scale if into is not None else None
         w = ov.gather_weight(w_shard, dtype)  # [V/(G_y G_x), h]
         x_full = gather_input(x.to(dtype), grid, seq)  # [..., h], the whole sequence
         xm = x_full.reshape(-1, x_full.shape[-1])
@@ -192,7 +230,9 @@ class _LMHeadLoss(torch.autograd.Function):
         row_max, sum_exp, z_target = stats  # this rank's, until the all-reduces
         if need_grad:
             dx = torch.empty_like(xm)
-            dw = torch.empty(v_local, xm.shape[1], dtype=dtype, device=x.device)
+            dw = into
+            if into is None:
+                dw = torch.empty(v_local, xm.shape[1], dtype=dtype, device=x.device)
         kept = None  # with the vocabulary split the gradient needs the global statistics
         if split and need_grad:
             kept = torch.empty(m_rows, v_local, dtype=dtype, device=x.device)
@@ -205,7 +245,7 @@ class _LMHeadLoss(torch.autograd.Function):
                 p = blocks.exp(z, row_max[s:e])
                 sum_exp[s:e] = p.sum(dim=-1)
                 if need_grad and not split:  # the statistics are already global
-                    blocks.gradient(s, e, p, sum_exp[s:e], dx, dw)
+                    blocks.gradient(s, e, p, sum_exp[s:e], dx, dw, scale)
             z_target.masked_fill_(outside, 0.0)
             if split:  # M, then the sum of exp(z - M), then the target logit, over Y and X
                 local_max = row_max.clone()
@@ -216,22 +256,31 @@ class _LMHeadLoss(torch.autograd.Function):
                 if need_grad:
                     for s, e in blocks.spans():
                         p = blocks.exp(kept[s:e], row_max[s:e])
-                        blocks.gradient(s, e, p, sum_exp[s:e], dx, dw)
+                        blocks.gradient(s, e, p, sum_exp[s:e], dx, dw, scale)
         if need_grad:
-            ctx.save_for_backward(dx, dw)
+            ctx.save_for_backward(dx, *(() if into is not None else (dw,)))
             ctx.weight, ctx.ov, ctx.shape, ctx.seq = w_shard, ov, x_full.shape, seq
+            ctx.added = scale
         return (sum_exp.log() + row_max - z_target).sum()
 
     @staticmethod
     def backward(ctx, dloss):
-        dx, dw = ctx.saved_tensors
-        ov = ctx.ov
+        dx, *kept = ctx.saved_tensors
+        ov, none = ctx.ov, (None,) * 8
         handle = scatter_input((dx * dloss.to(dx.dtype)).view(ctx.shape), ov, ctx.seq)
+        if ctx.added is not None:  # forward added dW, scaled by the promised gradient
+            check_on_device(
+                (dloss - ctx.added).abs() <= 1e-6 * abs(ctx.added),
+                "lm_head_loss: backward's gradient differs from grad_scale",
+            )
+            ov.weight_grad_added(ctx.weight)
+            return handle.wait(), *none
+        (dw,) = kept
         have = ov.grad_to_add_into(ctx.weight)  # a later micro-batch: scaled and added at once
         if have is not None:
             have.addcmul_(dw, dloss.to(have.dtype))
             ov.weight_grad_added(ctx.weight)
-            return handle.wait(), None, None, None, None, None, None, None
+            return handle.wait(), *none
         slot = ov.grad_slot(ctx.weight)  # its place in the data-parallel bucket, if offered
         if slot is not None:
             dw = torch.mul(dw, dloss, out=slot)
@@ -240,12 +289,16 @@ class _LMHeadLoss(torch.autograd.Function):
         else:  # scaled into the fp32 reduce-scatter input in one pass
             dw = torch.mul(dw, dloss, out=torch.empty_like(dw, dtype=grad_dtype(ctx.weight)))
         ov.reduce_weight_grad(ctx.weight, dw)
-        return handle.wait(), None, None, None, None, None, None, None
+        return handle.wait(), *none
 
 
 @torch.compiler.disable  # collectives and the overlap state stay outside compiled graphs
 def lm_head_loss(
-    head: VocabParallelHead, x: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
+    head: VocabParallelHead,
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    vocab: int | None = None,
+    grad_scale: float | None = None,
 ) -> torch.Tensor:
     """Sum over this rank's tokens of the cross-entropy (nats) of ``head(x)`` against
     ``targets``, without forming the logits of all tokens at once (module docstring).
@@ -258,13 +311,21 @@ def lm_head_loss(
         targets: ``[b, s]`` global token ids.
         vocab: the real vocabulary when the head's is padded (ids ``>= vocab`` get no
             probability).
+        grad_scale: the gradient backward will bring to the returned sum (training's
+            ``1 / tokens``), when the caller knows it: a later micro-batch then adds its
+            ``dW`` into the gradient in forward (module docstring).
     Returns:
         0-dim fp32 tensor, identical on every rank of Y and X. Its gradient fills
         ``head.weight.grad`` through the overlap and flows to ``x`` as the head's would.
+    Raises:
+        RuntimeError: (on CUDA at the next synchronisation) backward brought another gradient
+            than ``grad_scale`` after forward had added ``dW``.
     """
     grid = head.grid
     v_local = head.vocab // (grid.y * grid.x)
     rows = loss_chunk_rows(v_local, targets.numel(), x.device.type)
     need_grad = torch.is_grad_enabled() and (x.requires_grad or head.weight.requires_grad)
     seq = head.sequence_parallel
-    return _LMHeadLoss.apply(x, head.weight, targets, head.overlap, vocab, rows, need_grad, seq)
+    return _LMHeadLoss.apply(
+        x, head.weight, targets, head.overlap, vocab, rows, need_grad, seq, grad_scale
+    )

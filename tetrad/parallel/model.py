@@ -127,9 +127,14 @@ class ParallelLayers:
         return RMSNorm(dim, self.grid, Axis.X, eps, sum_axes)
 
     def loss_sum(
-        self, head: nn.Module, x: torch.Tensor, targets: torch.Tensor, vocab: int | None = None
+        self,
+        head: nn.Module,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        vocab: int | None = None,
+        grad_scale: float | None = None,
     ) -> torch.Tensor:
-        return lm_head_loss(head, x, targets, vocab)  # the head and the loss fused
+        return lm_head_loss(head, x, targets, vocab, grad_scale)  # the head and the loss fused
 
     def router(self, dim: int, n_experts: int) -> nn.Module:
         """The MoE router ``[T, dim] -> [T, E]``, weight ``[E, dim]`` whole on every rank."""

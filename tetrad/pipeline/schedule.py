@@ -116,7 +116,9 @@ class Pipeline:
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         model = self.last
         vocab = model.cfg.unpadded_vocab or None
-        return model.layer_factory.loss_sum(model.output, hidden, targets, vocab) / self.n_tokens
+        scale = 1 / self.n_tokens  # the schedule's backward brings it (scale_grads=False)
+        loss = model.layer_factory.loss_sum(model.output, hidden, targets, vocab, scale)
+        return loss / self.n_tokens
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Run the schedule's forward and backward over this rank's samples: ``inputs`` and

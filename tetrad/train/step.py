@@ -145,7 +145,7 @@ def train_step_losses(
         if overlap is not None:
             overlap.begin_micro_batch(last=i == len(micro_batches) - 1)
         with autocast(grid.device, policy):
-            part = model.loss_sum(*inputs_targets(mb, grid)) / n_tokens
+            part = model.loss_sum(*inputs_targets(mb, grid), grad_scale=1 / n_tokens) / n_tokens
             aux_sum = model.aux_loss_sum() if hasattr(model, "aux_loss_sum") else None
         if hasattr(model, "record_routing"):  # MoE blocks' loads, summed on the device
             model.record_routing()

@@ -67,20 +67,26 @@ class BlockCompute:
         head: the LM head's GEMM seconds (one of logits, dx, dW: the three run in forward,
             fused with the loss).
         head_flops: its FLOPs.
-        loss_fwd: the fused loss's element-wise forward (softmax, gradient, the row blocks'
-            ``dW`` sum), seconds.
-        loss_bwd: its backward: ``dx`` and ``dW`` scaled by the loss's gradient, seconds.
-        head_dw_scale: of ``loss_bwd``, the ``dW`` part (the head's Y all-reduce runs during
-            it).
+        loss_fwd: the fused loss's element-wise forward (softmax, gradient), seconds.
+        loss_bwd: its backward: ``dx`` scaled by the loss's gradient, seconds.
+        head_dw_blocks: the row blocks' ``dW`` sum in the compute dtype, forward seconds, where
+            a micro-batch forms its ``dW`` apart (:meth:`over_step`).
+        head_dw_scale: the scaling of that ``dW`` into its fp32 copy in backward, seconds
+            (the head's Y all-reduce runs during it).
+        head_dw_share: the fraction of micro-batches that form ``dW`` apart and scale it (1;
+            :meth:`over_step`: the others add it into the gradient in forward, inside the
+            GEMM).
         embedding_fwd, embedding_bwd: lookup, and the scatter-add of the micro-batch's rows
             into the ``[V/G_y, h/G_x]`` gradient table.
         embedding_zero: the zeroing of that table (4 bytes per element), on the first
             micro-batch of a step, or on each with ``G_z > 1`` (:meth:`over_step`).
-        head_dw_add: what a later micro-batch adds to ``loss_bwd`` with ``G_z = 1``: its
-            scaled ``dW`` is added into the gradient (read 4 more bytes per element).
+        head_dw_add: what a later micro-batch that formed ``dW`` apart adds to its scaling with
+            ``G_z = 1``: the scaled ``dW`` is added into the gradient (read 4 more bytes per
+            element; GPipe's order, :meth:`over_step`).
 
-    ``embedding_bwd`` and ``loss_bwd`` are each their least over a step's micro-batches, so
-    every sum of them is a floor of the step's compute; :meth:`over_step` gives the averages.
+    ``embedding_bwd``, ``loss_fwd`` and ``loss_bwd`` are each their least over a step's
+    micro-batches, so every sum of them is a floor of the step's compute; :meth:`over_step`
+    gives the averages.
         final_norm_fwd, final_norm_bwd: the last norm.
         optimizer: AdamW + clipping over the local shards, per step.
         selective: one block's extra seconds under selective checkpointing (the norm applies,
@@ -106,29 +112,48 @@ class BlockCompute:
     final_norm_bwd: float
     optimizer: float
     selective: float = 0.0
+    head_dw_blocks: float = 0.0
     head_dw_scale: float = 0.0
+    head_dw_share: float = 1.0
     attention: float = 0.0
     attention_bwd: float = 0.0
     casts: float = 0.0
     embedding_zero: float = 0.0
     head_dw_add: float = 0.0
 
-    def over_step(self, acc: int, gz: int) -> BlockCompute:
+    def over_step(self, acc: int, gz: int, head_in_forward: bool = True) -> BlockCompute:
         """The per-micro-batch average over a step of ``acc`` micro-batches. With ``G_z = 1``
         every micro-batch after the first adds into the gradients in place
         (tetrad/parallel/overlap.py, ``grad_to_add_into``): the embedding's rows go into the
-        table without zeroing it (``embedding_zero`` on the first only) and the LM head's
-        scaled ``dW`` is added as it is scaled (``+ head_dw_add``; the head's Y all-reduce runs
-        during it). With ``G_z > 1`` every micro-batch forms its full-block gradients apart
-        (``embedding_zero`` on each)."""
+        table without zeroing it (``embedding_zero`` on the first only), and the LM head's
+        ``dW`` GEMMs add into the fp32 gradient in forward, scaled by the loss's known gradient
+        (tetrad/parallel/loss.py; nothing element-wise, :attr:`head_dw_share` ``1 / acc``),
+        except where every forward runs before the first backward (``head_in_forward``
+        False: GPipe), where each later micro-batch forms its ``dW`` apart, scales it and adds
+        it (``+ head_dw_add``; the head's Y all-reduce runs during it). With ``G_z > 1`` every
+        micro-batch forms its full-block gradients apart (``embedding_zero``, the ``dW`` sum
+        and its scaling on each)."""
+        apart = replace(
+            self,
+            loss_fwd=self.loss_fwd + self.head_dw_blocks,
+            loss_bwd=self.loss_bwd + self.head_dw_scale,
+        )
         if gz > 1:
-            return replace(self, embedding_bwd=self.embedding_bwd + self.embedding_zero)
+            return replace(apart, embedding_bwd=self.embedding_bwd + self.embedding_zero)
         later = (acc - 1) / acc
+        if not head_in_forward:
+            return replace(
+                apart,
+                embedding_bwd=self.embedding_bwd + self.embedding_zero / acc,
+                loss_bwd=apart.loss_bwd + later * self.head_dw_add,
+                head_dw_scale=self.head_dw_scale + later * self.head_dw_add,
+            )
         return replace(
             self,
             embedding_bwd=self.embedding_bwd + self.embedding_zero / acc,
-            loss_bwd=self.loss_bwd + later * self.head_dw_add,
-            head_dw_scale=self.head_dw_scale + later * self.head_dw_add,
+            loss_fwd=self.loss_fwd + self.head_dw_blocks / acc,
+            loss_bwd=self.loss_bwd + self.head_dw_scale / acc,
+            head_dw_share=1 / acc,
         )
 
     @property
@@ -259,14 +284,15 @@ def block_compute(
         post_bwd=tuple(post_b),
         head=hf / (peak * eff(hf)),
         head_flops=hf,
-        loss_fwd=(per_logit * m * vy + ew["loss_dw_per_block"] * (blocks - 1) * dw_el) / hbm,
-        loss_bwd=ew["loss_bwd_per_dx"] * m * model.dim / hbm + dw_scale,
+        loss_fwd=per_logit * m * vy / hbm,
+        loss_bwd=ew["loss_bwd_per_dx"] * m * model.dim / hbm,
         embedding_fwd=8.0 * m * hx / hbm,
         embedding_bwd=8.0 * m * hx / hbm,
         final_norm_fwd=half_norm / 2.0,
         final_norm_bwd=ew["backward_factor"] * half_norm / 2.0,
         optimizer=ew["optimizer_per_param"] * local_params / hbm,
         selective=half_norm + rope + act,  # two norm applies = one half_norm
+        head_dw_blocks=ew["loss_dw_per_block"] * (blocks - 1) * dw_el / hbm,
         head_dw_scale=dw_scale,
         attention=att,
         attention_bwd=ATTENTION_BWD * att,

@@ -36,8 +36,11 @@ runtime's unfused ops, in bytes per token and per local feature:
   ``loss_dw_per_block`` (per ``dW`` element and row block after the first): the GEMM's
   accumulation reads and writes the running bf16 sum; backward ``loss_bwd_per_dx`` (per ``dx``
   element: scale, read 2, write 2) and ``loss_bwd_per_dw`` (per ``dW`` element: scaled into its
-  fp32 copy, read 2, write 4); ``loss_add_per_dw``: a later micro-batch with ``G_z = 1`` adds
-  the scaled ``dW`` into the gradient (``addcmul_``), which also reads it (4);
+  fp32 copy, read 2, write 4); ``loss_add_per_dw``: a later micro-batch with ``G_z = 1`` whose
+  forward came before the first backward (GPipe) adds the scaled ``dW`` into the gradient
+  (``addcmul_``), which also reads it (4). The ``dW`` terms apply to a micro-batch that forms
+  its ``dW`` apart; the others add it into the fp32 gradient inside the GEMM
+  (:meth:`tetrad.plan.compute.block.BlockCompute.over_step`);
 - ``optimizer_per_param``: AdamW reads param, grad, m, v and writes param, m, v (28 B), plus the
   gradient clipping scale (8 B); per element it updates (:func:`optimizer_seconds`);
 - ``shard_pack_per_param``: the sharded optimizer packs every local fp32 gradient into the
