@@ -10,22 +10,24 @@ enumeration order): deterministic, and the ones a comparison of the best plans t
 gives their counts).
 
 Known gaps (strict ``xfail``: a fix that closes one fails here until its entry is removed):
+none since the nineteenth session, which closed the last two:
 
-- ``CONTEXT_TIME``: tetrad's first K/V piece is exposed (and, with the sharded optimizer over
-  data x context, the first parameter unit's all-gather and the last gradient bucket's
-  reduce-scatter; its packing copies cost about 1% more), where the classic model hides the
-  whole ring behind attention and the distributed optimizer's collectives behind the first
-  forward and last backward. (Its attention compute is the causal ideal on both sides since
-  the CUDA masks became the lower-right ``CausalBias``; before, tetrad's chunks computed
-  ``(2G+1)/(2G)`` of it.)
-
-Closed: ``HEAD_ADD``, the LM head's later micro-batches adding their scaled ``dW`` into the
-fp32 gradient in backward (4 bytes per element more than the first's scaling; Megatron-LM's
-output layer adds its weight-gradient GEMM into the main gradient). Since the fused loss's
-``dW`` GEMMs add into the gradient in forward, scaled by the loss's gradient that training
-passes in (:func:`tetrad.parallel.loss.lm_head_loss`, ``grad_scale``): llama-3-70b CP8 PP8
-and its v5 1.056 / 1.057 -> 1.012 / 1.012, gpt-20b CP4 PP8 v2 1.026 -> 0.978, and with them
-llama-3.1-8b CP8 DP8 mb 2 1.026 -> 1.018 (``CONTEXT_TIME`` before).
+- ``HEAD_ADD``: the LM head's later micro-batches added their scaled ``dW`` into the fp32
+  gradient in backward (4 bytes per element more than the first's scaling; Megatron-LM's
+  output layer adds its weight-gradient GEMM into the main gradient). The fused loss's ``dW``
+  GEMMs now add into the gradient in forward, scaled by the loss's gradient that training
+  passes in (:func:`tetrad.parallel.loss.lm_head_loss`, ``grad_scale``): llama-3-70b CP8 PP8
+  and its v5 1.056 / 1.057 -> 1.012 / 1.012, gpt-20b CP4 PP8 v2 1.026 -> 0.978, llama-3.1-8b
+  CP8 DP8 mb 2 1.026 -> 1.018.
+- ``CONTEXT_TIME``: tetrad's first K/V piece was exposed in forward and its last
+  reduce-scatter in backward, where the classic model hides the whole ring behind attention.
+  The model now hands its layers the keys and values before it forms the queries
+  (``attend_to(k, v)``), so the all-gather runs behind the queries' RoPE and the backward's
+  waits come after its backward: llama-3.1-8b CP8 DP8 mb 1 1.030 -> 1.016 (mb 2 1.018 ->
+  1.007). (With the sharded optimizer over data x context the first parameter unit's
+  all-gather and the last gradient buckets' reduce-scatters stay exposed, where the classic
+  model hides the distributed optimizer's collectives behind the first forward and last
+  backward whole.)
 
 The mapped pipeline layouts are timed with tetrad's balanced split, with the classic split
 (``--pipeline-split``) and with the classic split less one block on the LM head's stage, that
@@ -93,16 +95,12 @@ TOP = 6
 TIME_BOUND = 1.02
 """tetrad's step of the mapped layout over the classic step, at most."""
 
-CONTEXT_TIME = "context: the first K/V piece (and the sharded optimizer's first unit) exposed"
-
-# (model, TP, CP, PP, DP, virtual stages, micro-batch, recompute) -> (reasons, ratio), the
-# ratio with the causal-ideal context attention, the sharded AdamW on its piece, the classic
-# embedding backward and the LM head's dW added in forward (before the first two: llama-3.1-8b
-# 1,4,1,16 1.075, 1,8,1,8 mb2 1.067, mb1 1.094; llama-3-70b 2,4,4,16 v2 1.049, v4 1.121, v5
-# 1.053, 1,8,8,8 v5 1.059)
-TIME_GAPS = {
-    ("llama-3.1-8b", 1, 8, 1, 8, 1, 1, "none"): ((CONTEXT_TIME,), 1.030),
-}
+# (model, TP, CP, PP, DP, virtual stages, micro-batch, recompute) -> (reasons, ratio). Empty
+# since the LM head's dW went into the gradient in forward and the K/V all-gather before the
+# queries' RoPE (module doc); before the causal-ideal context attention and the sharded AdamW
+# on its piece: llama-3.1-8b 1,4,1,16 1.075, 1,8,1,8 mb2 1.067, mb1 1.094; llama-3-70b
+# 2,4,4,16 v2 1.049, v4 1.121, v5 1.053, 1,8,8,8 v5 1.059.
+TIME_GAPS: dict = {}
 """Mapped layouts above :data:`TIME_BOUND`, with the terms modelled differently (module doc)
 and tetrad's step over the classic one when listed."""
 

@@ -72,7 +72,9 @@ def _schedule_worker(out_dir: str) -> None:
     q = torch.randn(2, 4, 8, 16, generator=g, requires_grad=True)
     k = torch.randn(2, 2, 8, 16, generator=g, requires_grad=True)
     v = torch.randn(2, 2, 8, 16, generator=g, requires_grad=True)
-    out = attn(q, k, v)
+    attend = attn.attend_to(k, v)  # as the model calls it: keys and values before the queries
+    log.append("queries")
+    out = attend(_Tag.apply(q * 2.0, log, "queries_bwd"))  # the queries' RoPE, say
     log.append("backward")
     out.sum().backward()
     with open(f"{out_dir}/{dist.get_rank()}.json", "w") as fh:
@@ -80,16 +82,51 @@ def _schedule_worker(out_dir: str) -> None:
 
 
 def test_pieces_overlap_attention(tmp_path):
-    """b = 2 samples and 2 KV heads: 4 pieces; forward issues the 4 gathers first and runs each
-    piece's two chunk attentions right after its arrival; backward issues the 4 scatters, each
-    right after a piece's attention backward, and waits for them only after the last."""
+    """b = 2 samples and 2 KV heads: 4 pieces; forward issues the 4 gathers before the queries
+    are formed and runs each piece's two chunk attentions right after its arrival; backward
+    issues the 4 scatters, each right after a piece's attention backward, and waits for them
+    only after the last and after the queries' backward."""
     run_distributed(_schedule_worker, 2, str(tmp_path))
     for r in range(2):
         log = json.loads((tmp_path / f"{r}.json").read_text())
         fwd, bwd = log[: log.index("backward")], log[log.index("backward") + 1 :]
-        assert fwd == ["gather"] * 4 + ["wait", "attention", "attention"] * 4, fwd
+        assert fwd == ["gather"] * 4 + ["queries"] + ["wait", "attention", "attention"] * 4, fwd
         piece = ["attention_bwd", "attention_bwd", "scatter"]
-        assert bwd == piece * 4 + ["wait"] * 4, bwd
+        assert bwd == piece * 4 + ["queries_bwd"] + ["wait"] * 4, bwd
+
+
+def test_model_gives_keys_and_values_before_rotating_the_queries(monkeypatch):
+    """The Llama block calls its layers' ``attend_to(k, v)`` before the queries' RoPE, and
+    autograd runs the queries' RoPE backward before the backward of ``attend_to``'s launch
+    (its collectives' waits under context parallelism)."""
+    from tetrad.models import llama
+    from tetrad.models.reference import Llama
+    from tetrad.parallel import init_parameters
+    from tetrad.spec.presets import get_model
+
+    log: list[str] = []
+    real_rotate, real_attend = llama.Attention._rotated_queries, llama.attend_causally_to
+
+    def rotate(self, *a):
+        log.append("queries")
+        return _Tag.apply(real_rotate(self, *a), log, "queries_bwd")
+
+    def attend_to(self, k, v):
+        log.append("attend_to")
+        attend = real_attend(_Tag.apply(k, log, "keys_bwd"), v)
+        return lambda q: attend(q)
+
+    monkeypatch.setattr(llama.Attention, "_rotated_queries", rotate)
+    model = Llama(get_model("tiny"), device="cpu")
+    init_parameters(model, seed=0)
+    for block in model.layers.values():
+        block.attention.attend_to = attend_to.__get__(block.attention)
+    tokens = torch.randint(0, 64, (1, 9))
+    loss = model.loss_sum(tokens[:, :-1], tokens[:, 1:])
+    assert log[:2] == ["attend_to", "queries"], log
+    log.clear()
+    loss.backward()
+    assert log[:2] == ["queries_bwd", "keys_bwd"], log
 
 
 def _equivalence_worker(out_dir: str, sizes: tuple, dtype: str, bias: bool = False) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,8 +34,10 @@ class Layers(Protocol):
     ``head_split`` attention heads are split over that many ranks (1 in the reference);
     ``positions(s, device)`` gives the sequence positions ``[s]`` (int64) of this rank's ``s``
     tokens of each sample (``0 .. s-1`` unless the sequence is split over ranks);
-    ``attention(q, k, v)`` is causal attention of this rank's queries ``[b, heads, s, d]`` over
-    keys and values ``[b, kv_heads, s, d]`` (grouped-query when the head counts differ);
+    ``attend_to(k, v)`` takes keys and values ``[b, kv_heads, s, d]`` and returns causal
+    attention of this rank's queries ``[b, heads, s, d]`` over them, ``q -> [b, heads, s, d]``
+    (grouped-query when the head counts differ): the keys and values come first, so that an
+    implementation can move them while the queries are formed;
     ``linear(k, n)`` maps ``[..., k] -> [..., n]`` (``transpose`` marks the second layer of a
     pair: the attention out-projection and the SwiGLU down-projection; ``stacked=s``: its weight
     stacks ``s`` matrices of ``n/s`` rows, SwiGLU's gate and up, and its output features come in
@@ -67,7 +70,9 @@ class Layers(Protocol):
 
     def positions(self, s: int, device: torch.device) -> torch.Tensor: ...
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attend_to(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> Callable[[torch.Tensor], torch.Tensor]: ...
 
     def head(self, dim: int, vocab: int) -> nn.Module: ...
 
@@ -136,7 +141,7 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.n_kv_heads // layers.head_split
         self.n_heads = self.n_kv_heads * self.group
         self.head_dim, self.cfg = hd, cfg
-        self.core = layers.attention
+        self.attend_to = layers.attend_to
         self.wqkv = layers.linear(d, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
         self.wo = layers.linear(
             cfg.n_heads * hd, d, transpose=True, std=0.02 / math.sqrt(2 * cfg.n_layers)
@@ -152,11 +157,11 @@ class Attention(nn.Module):
         # One split (its backward concatenates the three gradients into one tensor); RoPE and
         # the head split are recomputed from the kept wqkv output (these views) in selective mode.
         q, k, v = self._split(qkv).split((self.group, 1, 1), dim=-2)
-        q = recompute.runner()(self._rotated_queries, q, inv_freq, positions, *qn)
         k = recompute.runner()(self._rotated_keys, k, inv_freq, positions, *kn)
         v = recompute.runner()(self._values, v)
-        o = self.core(q, k, v)
-        return self.wo(recompute.runner()(self._merge_heads, o))
+        attend = self.attend_to(k, v)  # keys and values first: they may travel while q rotates
+        q = recompute.runner()(self._rotated_queries, q, inv_freq, positions, *qn)
+        return self.wo(recompute.runner()(self._merge_heads, attend(q)))
 
     def _split(self, qkv: torch.Tensor) -> torch.Tensor:
         """``[b, s, (heads + 2 kv_heads) d]`` -> ``[b, s, kv_heads, group + 2, d]`` (a view)."""
@@ -246,6 +251,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+def attend_causally_to(k: torch.Tensor, v: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`causal_attention` over ``k`` and ``v``, as a function of the queries (the layers'
+    ``attend_to``)."""
+    return functools.partial(causal_attention, k=k, v=v)
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,13 @@ Parameter names equal those of :class:`tetrad.models.llama.Llama`, so a parallel
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetrad.models.llama import ModelPart, Transformer, causal_attention
+from tetrad.models.llama import ModelPart, Transformer, attend_causally_to
 from tetrad.models.meta import materialize
 from tetrad.models.moe import GroupedExperts
 from tetrad.spec.model import ModelSpec
@@ -35,8 +37,8 @@ class PlainLayers:
     def positions(self, s: int, device: torch.device) -> torch.Tensor:
         return torch.arange(s, device=device)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return causal_attention(q, k, v)
+    def attend_to(self, k: torch.Tensor, v: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        return attend_causally_to(k, v)
 
     def head(self, dim: int, vocab: int) -> nn.Module:
         return self.linear(dim, vocab)

@@ -22,25 +22,28 @@ the kernel computes ``(2 G_context + 1) / (2 G_context)`` of the ideal.
 
 Overlap (the ``context`` overlap, :mod:`tetrad.parallel.overlap`): the all-gather is issued in
 ``n = n_b n_h`` pieces, over the micro-batch's samples and this rank's KV heads
-(:func:`tetrad.spec.overlap.context_pieces`), all at once and asynchronously; piece ``p``'s
-attention
-(its samples, its KV heads and the query heads that read them) runs as soon as piece ``p`` has
-arrived, while pieces ``p+1 ..`` are still in flight on the context communicator. In backward
-each piece's K/V gradient is reduce-scattered asynchronously as soon as its attention backward
-has formed it, during the attention backward of the remaining pieces; the waits come after the
-last piece (autograd runs a block's later-created nodes first, and the pieces' launch nodes were
-created before every piece's attention). With ``n = 1`` this is the blocking all-gather.
+(:func:`tetrad.spec.overlap.context_pieces`), all at once and asynchronously, as soon as the
+keys and values exist (:meth:`ContextAttention.attend_to`: the model forms the queries, their
+RoPE, after it); piece ``p``'s attention (its samples, its KV heads and the query heads that
+read them) runs as soon as piece ``p`` has arrived, while pieces ``p+1 ..`` are still in
+flight on the context communicator. In backward each piece's K/V gradient is reduce-scattered
+asynchronously as soon as its attention backward has formed it, during the attention backward
+of the remaining pieces; the waits come after the last piece and after the queries' RoPE
+backward (autograd runs a block's later-created nodes first, and the pieces' launch nodes were
+created before every piece's attention and before the queries). With ``n = 1`` one all-gather
+runs behind the queries' RoPE alone.
 
 Why pieces over heads and samples rather than a ring of point-to-point K/V exchanges over the
 sequence (ring attention, Liu et al., arXiv 2310.01889; Megatron-LM's context parallelism): the
 bytes are the same, ``(G - 1) / G`` of the gathered K/V per rank either way, and the exposed part
-is one piece (one ring step) when attention is longer than the transfer. Every piece here is
+is one piece (one ring step) when attention is longer than the transfer, less what the queries'
+RoPE hides of it (a ring hides its first step behind the local block). Every piece here is
 whole attention of its heads over the whole sequence, so it is exact with the public SDPA and any
 of its kernels (flash, memory-efficient, cuDNN, CPU) and needs no online-softmax merge of partial
 outputs, which would need each block's log-sum-exp (private, device-specific aten ops) and a
 hand-written backward. The cost: it needs ``b kv_heads / G_y >= 2`` to overlap anything (one KV
-head per Y rank and one sample per micro-batch leaves the blocking all-gather), and each piece's
-attention kernel is ``1/n`` as large.
+head per Y rank and one sample per micro-batch leaves one all-gather, behind the queries' RoPE
+alone), and each piece's attention kernel is ``1/n`` as large.
 
 Everything else in a block is token-wise, so only RoPE needs the chunks' global positions;
 gradients are summed over data x context (:class:`tetrad.spec.grid.Axis`).
@@ -53,6 +56,8 @@ k and v ``[b, kv_heads/G_y, s, d]``; the gathered K/V ``[b, kv_heads/G_y, S, d]`
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -175,10 +180,11 @@ def _arrive(token: torch.Tensor, state: _Pieces, p: int) -> torch.Tensor:
 class ContextAttention:
     """Causal attention of this rank's two chunks over the whole sequence's keys and values.
 
-    Called as ``attention(q, k, v)`` with the module docstring's shapes; returns
-    ``[b, heads/G_y, s, d]``. The masks (for chunk ``i``, over ``(i+1) c`` keys: on CUDA a
-    lower-right :class:`~torch.nn.attention.bias.CausalBias`, elsewhere additive, compute dtype,
-    ``[c, (i+1) c]``) and the chunk order are built once per shape and shared by every block.
+    Called as ``attend_to(k, v)(q)`` (or ``attention(q, k, v)``) with the module docstring's
+    shapes; returns ``[b, heads/G_y, s, d]``. The masks (for chunk ``i``, over ``(i+1) c``
+    keys: on CUDA a lower-right :class:`~torch.nn.attention.bias.CausalBias`, elsewhere
+    additive, compute dtype, ``[c, (i+1) c]``) and the chunk order are built once per shape
+    and shared by every block.
 
     Args:
         pieces: most pieces of the K/V all-gather (:func:`tetrad.spec.overlap.context_pieces`;
@@ -212,16 +218,26 @@ class ContextAttention:
         return self._cache[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.attend_to(k, v)(q)
+
+    def attend_to(self, k: torch.Tensor, v: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Issue the all-gather of ``k`` and ``v`` (every piece) and return the attention of
+        queries ``q`` over them, ``q -> [b, heads/G_y, s, d]``: the keys and values travel
+        while the caller forms the queries (tetrad.models.llama's ``attend_to``)."""
         b, kvh, s, d = k.shape
-        g, c = self.grid.context, s // 2
         n_b, n_h = context_pieces(b, kvh, self.pieces)
-        bw, hw = b // n_b, kvh // n_h
+        kv = torch.stack((k, v)).view(2, n_b, b // n_b, n_h, kvh // n_h, s, d)
+        kv = kv.permute(1, 3, 5, 0, 2, 4, 6).contiguous()  # [n_b, n_h, s, 2, bw, hw, d]
+        state, tokens = _launch_all(kv, self.grid)
+        return functools.partial(self._attend, state=state, tokens=tokens, shape=kv.shape)
+
+    def _attend(self, q: torch.Tensor, state: _Pieces, tokens: list, shape) -> torch.Tensor:
+        """Each piece's attention as its K/V arrive (``shape``: the packed K/V's)."""
+        n_b, n_h, s, _, bw, hw, d = shape
+        g, c = self.grid.context, s // 2
         qw = q.shape[1] // n_h  # query heads per piece
         index, *masks = self._constants(s, q.dtype, q.device)
         ends = [(j + 1) * c for j in chunk_ids(g, self.grid.coord[Axis.CONTEXT])]  # keys per chunk
-        kv = torch.stack((k, v)).view(2, n_b, bw, n_h, hw, s, d)
-        kv = kv.permute(1, 3, 5, 0, 2, 4, 6).contiguous()  # [n_b, n_h, s, 2, bw, hw, d]
-        state, tokens = _launch_all(kv, self.grid)
         outs: list[list[torch.Tensor]] = [[], []]  # per local chunk, the pieces' outputs
         with _masked_kernels(q.device):
             for p, token in enumerate(tokens):

@@ -37,7 +37,7 @@ from torch import nn
 
 from tetrad.comm import all_reduce
 from tetrad.grid import Grid
-from tetrad.models.llama import ModelPart, Transformer, causal_attention
+from tetrad.models.llama import ModelPart, Transformer, attend_causally_to
 from tetrad.models.meta import materialize
 from tetrad.models.moe import GroupedExperts
 from tetrad.parallel.context import ContextAttention, local_positions
@@ -78,9 +78,9 @@ class ParallelLayers:
         self.sequence_split = grid.y if sequence_parallel else 1
         self.head_split = grid.y
         if grid.context == 1:
-            self.attention = causal_attention
+            self.attend_to = attend_causally_to
         else:
-            self.attention = ContextAttention(grid, overlap.context_pieces)
+            self.attend_to = ContextAttention(grid, overlap.context_pieces).attend_to
         tensor = grid.y * grid.x > 1
         # MoE: each tensor rank routes a slice of the tokens (their gradients sum over Y, X)
         self.moe_tokens = TensorTokens(grid) if tensor else None

@@ -174,16 +174,16 @@ class StepQuestion:
         if self.context_pieces is not None:
             most = self.context_pieces
             return most, kv_pieces(self.model, micro_batch, gy, most)
-        att = (comp.attention, comp.attention_bwd)
+        att, leads = (comp.attention, comp.attention_bwd), (comp.rope_q, comp.rope_q_bwd)
         # the time of a collective depends on the link only through these
         key = (micro_batch, gy, link.size, link.bandwidth, link.hop_latency, link.base_latency)
-        key += (att, full)
+        key += (att, leads, full)
         got = self._kv.get(key)
         if got is None:
             payload = kv_gather_payload(self.model, micro_batch, self.seq_len, gy, self.c)
             times = (partial(link.time, ALL_GATHER), partial(link.time, REDUCE_SCATTER))
             got = self._kv[key] = best_pieces(
-                self.model, micro_batch, gy, payload, times, att, full, PIECE_CANDIDATES
+                self.model, micro_batch, gy, payload, times, att, full, PIECE_CANDIDATES, leads
             )
         return got
 

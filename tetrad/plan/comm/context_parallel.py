@@ -12,8 +12,9 @@ With ``G_context = G`` each rank holds ``s = S / G`` tokens of every sample, as 
   ``n`` pieces of ``1/n`` of the payload (:func:`tetrad.spec.overlap.context_pieces` over the
   micro-batch's samples and the local KV heads): ``n`` calls, the same bytes, and each piece's
   transfer hidden behind the attention of the piece before it (:func:`pieces_exposed_seconds`);
-  ``n = 1`` (or the overlap off) is one blocking call (nothing to hide it behind: q, k and v
-  come from one GEMM).
+  ``n = 1`` (or the overlap off) is one call. Both run behind the queries' RoPE too: the model
+  hands over the keys and values before it forms the queries (``attend_to``), so the forward
+  all-gather is issued before their RoPE and the backward's waits come after its backward.
 - each chunk ``i`` attends over the ``(i + 1) c`` keys up to its end with a lower-right causal
   mask; on CUDA the mask is PyTorch's lower-right ``CausalBias``, whose kernels skip the masked
   upper triangle of the last ``c x c`` block: ``Q K^T`` and ``P V`` cost ``2 c (i + 1/2) c d``
@@ -76,28 +77,31 @@ def best_pieces(
     attention: tuple[float, float],
     full: bool,
     candidates: tuple[int, ...],
+    leads: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[int, int]:
     """``(most, n)``: of ``candidates`` (values of the ``context_pieces`` option), the one whose
     pieces expose the least of one block's K/V collectives per micro-batch (the forward
     all-gather, again in recompute when ``full``, and the backward reduce-scatter), and its
     piece count; the fewest pieces on a tie. ``payload``: bytes of the whole all-gather;
     ``times``: ``(seconds of an all-gather, of a reduce-scatter)`` as functions of the payload
-    (bytes); ``attention``: the block's attention ``(forward, backward)`` seconds."""
+    (bytes); ``attention``: the block's attention ``(forward, backward)`` seconds; ``leads``:
+    the compute besides it that the collectives run behind, ``(forward, backward)`` seconds
+    (the queries' RoPE, :func:`pieces_exposed_seconds`)."""
     best, seen = None, set()
     for most in candidates:
         n = kv_pieces(model, micro_batch, gy, most)
         if n in seen:
             continue
         seen.add(n)
-        gather = pieces_exposed_seconds(times[0](payload / n), attention[0] / n, n)
-        scatter = pieces_exposed_seconds(times[1](payload / n), attention[1] / n, n)
+        gather = pieces_exposed_seconds(times[0](payload / n), attention[0] / n, n, leads[0])
+        scatter = pieces_exposed_seconds(times[1](payload / n), attention[1] / n, n, leads[1])
         e = (2 if full else 1) * gather + scatter
         if best is None or e < best[0]:
             best = (e, most, n)
     return best[1], best[2]
 
 
-def pieces_exposed_seconds(piece_s: float, work_s: float, n: int) -> float:
+def pieces_exposed_seconds(piece_s: float, work_s: float, n: int, lead: float = 0.0) -> float:
     """Exposed seconds of ``n`` transfers of ``piece_s`` each, queued back to back on one
     communicator, against ``n`` computations of ``work_s`` each that overlap them in a pipeline.
 
@@ -107,5 +111,9 @@ def pieces_exposed_seconds(piece_s: float, work_s: float, n: int) -> float:
     ``piece_s + (n - 1) max(piece_s, work_s) + work_s`` (forward) or ``n work_s + piece_s +
     (n - 1) max(0, piece_s - work_s)`` (backward) after the start, against ``n work_s`` of
     compute: exposed ``piece_s + (n - 1) max(0, piece_s - work_s)`` either way; ``n = 1``: the
-    blocking transfer, ``piece_s``."""
-    return piece_s + (n - 1) * max(0.0, piece_s - work_s)
+    blocking transfer, ``piece_s``. ``lead``: seconds of other compute the transfers run behind,
+    before the first piece's attention (forward: the queries' RoPE, issued after the
+    all-gathers) or after the last one's and before the waits (backward: its backward), which
+    the ends above are measured against too: exposed ``max(0, piece_s + (n - 1) max(0, piece_s
+    - work_s) - lead)``."""
+    return max(0.0, piece_s + (n - 1) * max(0.0, piece_s - work_s) - lead)

@@ -29,19 +29,21 @@ def context_kv(rec: Recorder, st: Step) -> None:
     of K and V over context (``kv_payload``, the output), again in recompute under full
     checkpointing, and a reduce-scatter of their gradients in backward (the same payload, the
     input); each in ``kv_pieces`` calls of ``1/n`` of the payload, each piece hidden behind the
-    attention of the piece before it
-    (:func:`tetrad.plan.comm.context_parallel.pieces_exposed_seconds`; one piece: blocking)."""
+    attention of the piece before it, the first behind the queries' RoPE, the last
+    reduce-scatter behind its backward
+    (:func:`tetrad.plan.comm.context_parallel.pieces_exposed_seconds`)."""
     if st.sizes["context"] == 1:
         return
     k, link, n = st.kv_pieces, st.links["context"], st.n_layers * st.acc
     p, hid = st.kv_payload / k, "attention" if k > 1 else ""
+    hid = ", ".join(w for w in (hid, "queries' RoPE" if st.comp.rope_q else "") if w)
     t = link.time(ALL_GATHER, p)
-    e = n * pieces_exposed_seconds(t, st.comp.attention / k, k)
+    e = n * pieces_exposed_seconds(t, st.comp.attention / k, k, st.comp.rope_q)
     rec.add("attention_kv", "forward", "context", ALL_GATHER, p, n * k, t, e, hid)
     if st.checkpointing:
         rec.add("attention_kv", "recompute", "context", ALL_GATHER, p, n * k, t, e, hid)
     t = link.time(REDUCE_SCATTER, p)
-    e = n * pieces_exposed_seconds(t, st.comp.attention_bwd / k, k)
+    e = n * pieces_exposed_seconds(t, st.comp.attention_bwd / k, k, st.comp.rope_q_bwd)
     rec.add("attention_kv", "backward", "context", REDUCE_SCATTER, p, n * k, t, e, hid)
 
 

@@ -94,6 +94,10 @@ class BlockCompute:
         attention, attention_bwd: one block's attention core (SDPA), forward and backward
             seconds (included in ``post_fwd`` / ``post_bwd``; the context overlap hides the
             K/V pieces behind them, :func:`tetrad.plan.comm.layers.context_kv`).
+        rope_q, rope_q_bwd: one block's RoPE of the queries, forward and backward seconds
+            (included in ``post_fwd`` / ``post_bwd``; the model forms the queries after
+            handing over the keys and values, so the K/V all-gather runs behind the forward
+            and its reduce-scatter behind the backward; 0 for GPT).
         casts: one block's FP8 casts per micro-batch, seconds (included in ``gemm``, a third
             to each GEMM of their Linear: :mod:`tetrad.plan.compute.fp8`; 0 without FP8).
     """
@@ -117,6 +121,8 @@ class BlockCompute:
     head_dw_share: float = 1.0
     attention: float = 0.0
     attention_bwd: float = 0.0
+    rope_q: float = 0.0
+    rope_q_bwd: float = 0.0
     casts: float = 0.0
     embedding_zero: float = 0.0
     head_dw_add: float = 0.0
@@ -256,6 +262,7 @@ def block_compute(
         peak * machine.attention_efficiency
     )
     rope = 0.0 if model.family == "gpt" else ew["rope_per_qk"] * m * qk / hbm
+    rope_q = rope * model.q_dim / (model.q_dim + model.kv_dim)
     act = (ew["act_per_f_gpt"] if model.family == "gpt" else ew["act_per_f_llama"]) * m * fy / hbm
     half_norm = 0.5 * ew["norm_residual_per_h"] * m * hx / sequence_split / hbm
     i_att, i_act = _post_slots(model)
@@ -296,6 +303,8 @@ def block_compute(
         head_dw_scale=dw_scale,
         attention=att,
         attention_bwd=ATTENTION_BWD * att,
+        rope_q=rope_q,
+        rope_q_bwd=ew["backward_factor"] * rope_q,
         casts=casts,
         embedding_zero=4.0 * emb_rows * hx / hbm,
         head_dw_add=ew["loss_add_per_dw"] * dw_el / hbm,

@@ -87,8 +87,9 @@ class FloorTerms:
         their ring bytes over the best bandwidth of a context group of ``G_x G_y G_z`` stride
         take ``T`` per sample (latency left out; the bytes grow with the samples); the
         ``context`` overlap's ``n`` pieces (at most ``most``) expose
-        ``t_1 + (n - 1) max(0, t_1 - a)`` with ``n t_1 >= T`` and ``n a`` the phase's
-        attention, ``A`` per sample: at least ``max(T / most, T - A)``
+        ``t_1 + (n - 1) max(0, t_1 - a) - r`` with ``n t_1 >= T``, ``n a`` the phase's
+        attention, ``A`` per sample, and ``r`` the queries' RoPE, ``R`` per sample: at least
+        ``max(T / most, T - A) - R``
         (:func:`tetrad.plan.comm.context_parallel.pieces_exposed_seconds`)."""
         if gc == 1:
             return 0.0
@@ -104,13 +105,14 @@ class FloorTerms:
             net, frac = ctx.machine.network, (gc - 1) / gc
             bw = max(net.link(gx * gy * gz, gc).bandwidth for gz in divisors_of(self.gpus // gc))
             t = frac * kv_gather_payload(ctx.model, 1, ctx.seq_len, gy, ctx.c) / bw
+            comp = ctx.compute((1, gc, 1, gy, gx), 1)
             if "context" not in ctx.overlaps:
                 gather = scatter = t
             else:
                 most = ctx.context_pieces or PIECE_CANDIDATES[-1]
-                comp = ctx.compute((1, gc, 1, gy, gx), 1)
                 gather = max(t / most, t - comp.attention)
                 scatter = max(t / most, t - comp.attention_bwd)
+            gather, scatter = max(0.0, gather - comp.rope_q), max(0.0, scatter - comp.rope_q_bwd)
             got = self.kv_phase_memo[key] = (gather, scatter)
         return got
 
@@ -136,9 +138,10 @@ class FloorTerms:
             comp = ctx.compute((1, gc, 1, gy, gx), b)
             k = ctx.kv_choice(b, gy, link, comp, full)[1]
             payload = kv_gather_payload(ctx.model, b, ctx.seq_len, gy, ctx.c) / k
-            gather = pieces_exposed_seconds(link.time(ALL_GATHER, payload), comp.attention / k, k)
+            gather = link.time(ALL_GATHER, payload)
+            gather = pieces_exposed_seconds(gather, comp.attention / k, k, comp.rope_q)
             scatter = link.time(REDUCE_SCATTER, payload)
-            scatter = pieces_exposed_seconds(scatter, comp.attention_bwd / k, k)
+            scatter = pieces_exposed_seconds(scatter, comp.attention_bwd / k, k, comp.rope_q_bwd)
             got = (2 * gather if full else gather) + scatter
             self.kv_link_memo[key] = got
         return got
