@@ -140,9 +140,9 @@ def test_bf16_weights_in_the_moe_search():
     """``tetrad plan --param-dtype bf16`` searches an MoE model too: 2-byte weights with fp32
     masters among the states (sharded with them), and no bf16 copies of the expert weights
     saved for backward. Qwen3-235B-A22B on 256 H100s: its best 4D plan is faster than with fp32
-    weights and within 2% of the best Megatron-style plan (1.3%: within 1% until the planner
-    counted the LM head's later micro-batches adding their scaled ``dW`` into the gradient, 4
-    bytes per element more each, on the head's stage of 256 micro-batches; the
+    weights and than the best Megatron-style plan (0.958 of its time; 1.013 while the LM head's
+    later micro-batches added their scaled ``dW`` into the gradient in backward, on the head's
+    stage of 256 micro-batches, before it went into the gradient in forward: the closed
     ``HEAD_ADD`` gap of tests/test_classic_map.py); Qwen3-30B-A3B on 8 fits only with
     fp32 weights (its experts' states stay whole: 18 bytes per element with bf16 weights and
     masters, 16 with fp32)."""
@@ -157,7 +157,7 @@ def test_bf16_weights_in_the_moe_search():
         steps[params] = result.rows[0].step_s
         assert result.rows[0].memory.fits and result.inputs["param_dtype"] == params
     assert steps["bf16"] < steps["fp32"]
-    assert steps["bf16"] <= 1.02 * result.classic[0].step_s
+    assert steps["bf16"] <= result.classic[0].step_s
     with pytest.raises(Exception, match="no configuration of qwen3-30b-a3b fits"):
         plan(get_model("qwen3-30b-a3b"), h100, 8, 64, 4096, top=1, params="bf16")
 

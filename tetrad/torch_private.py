@@ -76,9 +76,10 @@ def dynamo_counts() -> dict[str, int]:
 
 
 def check_on_device(condition: torch.Tensor, message: str) -> None:
-    """Raise ``RuntimeError(message)`` where the 0-dim bool ``condition`` is false, without a
-    host read: on CUDA a device-side assertion (the process fails at its next synchronisation),
-    on CPU at once."""
+    """Fail where the 0-dim bool ``condition`` is false, without a host read: on CPU at once
+    (``RuntimeError(message)``); on CUDA a device-side assertion, which leaves the process's
+    CUDA context unusable (the job stops; the other ranks at their collectives' timeout). A
+    guard against a broken contract, not a recoverable error."""
     torch._assert_async(condition, message)
 
 

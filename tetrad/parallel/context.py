@@ -180,11 +180,11 @@ def _arrive(token: torch.Tensor, state: _Pieces, p: int) -> torch.Tensor:
 class ContextAttention:
     """Causal attention of this rank's two chunks over the whole sequence's keys and values.
 
-    Called as ``attend_to(k, v)(q)`` (or ``attention(q, k, v)``) with the module docstring's
-    shapes; returns ``[b, heads/G_y, s, d]``. The masks (for chunk ``i``, over ``(i+1) c``
-    keys: on CUDA a lower-right :class:`~torch.nn.attention.bias.CausalBias`, elsewhere
-    additive, compute dtype, ``[c, (i+1) c]``) and the chunk order are built once per shape
-    and shared by every block.
+    Called as ``attend_to(k, v)(q)`` (or at once, ``context_attention(q, k, v)``) with the
+    module docstring's shapes; returns ``[b, heads/G_y, s, d]``. The masks (for chunk ``i``,
+    over ``(i+1) c`` keys: on CUDA a lower-right :class:`~torch.nn.attention.bias.CausalBias`,
+    elsewhere additive, compute dtype, ``[c, (i+1) c]``) and the chunk order are built once per
+    shape and shared by every block.
 
     Args:
         pieces: most pieces of the K/V all-gather (:func:`tetrad.spec.overlap.context_pieces`;

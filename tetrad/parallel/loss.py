@@ -318,8 +318,9 @@ def lm_head_loss(
         0-dim fp32 tensor, identical on every rank of Y and X. Its gradient fills
         ``head.weight.grad`` through the overlap and flows to ``x`` as the head's would.
     Raises:
-        RuntimeError: (on CUDA at the next synchronisation) backward brought another gradient
-            than ``grad_scale`` after forward had added ``dW``.
+        RuntimeError: backward brought another gradient than ``grad_scale`` after forward had
+            added ``dW`` (on CUDA a device-side assertion: :func:`tetrad.torch_private.
+            check_on_device`).
     """
     grid = head.grid
     v_local = head.vocab // (grid.y * grid.x)
