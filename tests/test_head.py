@@ -119,18 +119,20 @@ def test_fused_head_and_loss_in_bf16():
 
 def _added_worker() -> None:
     """Three micro-batches whose loss sums are divided by the tokens of all three: with the
-    scale given (``grad_scale``), the second and third add their ``dW`` into the head's
-    gradient in forward (:func:`tetrad.parallel.loss.add_product`, once per row block), and
-    the gradients equal the run without it; in bf16 too (the fp32 gradient, the product
-    formed in bf16 on CPU). A backward that brings another gradient raises."""
+    scale given (``grad_scale``), each puts its ``dW`` into the head's gradient in forward
+    (:func:`tetrad.parallel.loss.add_product`, once per row block; the first micro-batch's
+    first block writes, every other adds), in the 4D order (forward, backward, forward, ...)
+    and in GPipe's (every forward first), and the gradients equal the run without it; in bf16
+    too (the fp32 gradient, the product formed in bf16 on CPU). A backward that brings another
+    gradient raises."""
     from tetrad.parallel import loss as loss_module
 
     calls = []
     plain = loss_module.add_product
 
-    def counted(out, a, b, alpha):
-        calls.append(alpha)
-        plain(out, a, b, alpha)
+    def counted(out, a, b, alpha, beta=1.0):
+        calls.append(beta)
+        plain(out, a, b, alpha, beta)
 
     loss_module.add_product = counted
     for shape in ((1, 1, 2, 2), (4, 1, 1, 1)):  # the vocabulary split (second pass) or not
@@ -139,19 +141,27 @@ def _added_worker() -> None:
         spec_overlap.LOSS_CHUNK_BYTES["cpu"] = 4 * v_local * 5  # row blocks of 5 of 32
         ids = torch.randint(0, 256, (3, B, S + 1), generator=torch.Generator().manual_seed(3))
         n = ids[:, :, 1:].numel()
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype, gpipe in (
+            (torch.float32, False),
+            (torch.bfloat16, False),
+            (torch.float32, True),
+        ):
             got = []
             for scale in (None, 1 / n):
                 calls.clear()
                 emb, head, _, _ = _layers(grid, 256)
+                losses = []
                 for mb in ids:
-                    with torch.autocast(
-                        "cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32
-                    ):
+                    bf16 = dtype != torch.float32
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                         x, targets = emb(mb[:, :-1]), mb[:, 1:]
-                        loss = lm_head_loss(head, x, targets, grad_scale=scale) / n
+                        losses.append(lm_head_loss(head, x, targets, grad_scale=scale) / n)
+                    if not gpipe:
+                        losses.pop().backward()
+                for loss in losses:
                     loss.backward()
-                assert len(calls) == (0 if scale is None else 2 * 7), calls  # 7 blocks of 32
+                # 7 row blocks of 32 rows per micro-batch; the first block of the first writes
+                assert calls == ([] if scale is None else [0.0] + [1.0] * 20), calls
                 got.append((emb.weight.grad, head.weight.grad))
             # bf16: the old path rounds each micro-batch's dW sum to bf16, the new one does not
             bf16 = {"rtol": 2e-2, "atol": 1e-3}
@@ -169,5 +179,5 @@ def _added_worker() -> None:
     loss_module.add_product = plain
 
 
-def test_later_micro_batches_add_the_head_gradient_in_forward():
+def test_micro_batches_put_the_head_gradient_in_forward():
     run_distributed(_added_worker, 4)

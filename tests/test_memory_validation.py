@@ -8,7 +8,9 @@ On gloo ranks (CPU, fp32), for several grids, each rank measures:
   ``step`` counters are 0-d host tensors, not counted by the model: checked here), and the
   same with the sharded optimizer (``shard_optimizer``: this rank's pieces);
 - activation bytes: unique storages passed to ``torch.autograd.graph.saved_tensors_hooks`` during
-  one micro-batch's forward, parameters excluded, in each checkpointing mode (``none``,
+  one micro-batch's forward as training runs it (the loss's gradient given, ``grad_scale``:
+  with ``G_z = 1`` the LM head's ``dW`` goes into its gradient, nothing saved), parameters
+  excluded, in each checkpointing mode (``none``,
   ``selective``, ``selective:1``, ``full``); under ``selective`` the blocks' kept tensors are
   those that :mod:`tetrad.models.recompute`'s own pack hook keeps (its ``observer``: an outer
   hook does not see them); with ``full`` also the recompute set: one block's saved storages minus
@@ -118,13 +120,13 @@ def forward_and_backward_bytes(model, tokens, targets, params: set[int]) -> dict
     the gradient bytes after the fp32 forward's backward."""
     out = {"parameters": sum(p.numel() * p.element_size() for p in model.parameters())}
     with SavedBytes(params) as saved:
-        loss = model.loss_sum(tokens, targets)
+        loss = model.loss_sum(tokens, targets, grad_scale=1.0)
     out["activations"] = saved.total
     with SavedBytes(params) as saved_bf16, torch.autocast("cpu", dtype=torch.bfloat16):
-        model.loss_sum(tokens, targets)
+        model.loss_sum(tokens, targets, grad_scale=1.0)
     out["activations_bf16"] = saved_bf16.total
     with SavedBytes(params) as saved_stream, autocast(tokens.device, precision("cuda")):
-        model.loss_sum(tokens, targets)
+        model.loss_sum(tokens, targets, grad_scale=1.0)
     out["activations_bf16_stream"] = saved_stream.total
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -195,7 +197,7 @@ def _measure_bf16_storage(model, grid, batch, tokens, targets) -> dict:
     out = {"parameters_bf16": nbytes(model.parameters())}
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with SavedBytes(params) as saved, autocast(grid.device, bf16):
-        loss = model.loss_sum(tokens, targets)
+        loss = model.loss_sum(tokens, targets, grad_scale=1.0)
     out["activations_bf16_storage"] = saved.total
     loss.backward()
     assert all(p.grad is None and grad_of(p) is not None for p in model.parameters())
@@ -304,11 +306,11 @@ def _compiled_worker(out_dir: str) -> None:
         tokens, targets = inputs_targets(local_samples(batch, grid), grid)
         out = {}
         with SavedBytes(params) as saved:
-            losses.append(model.loss_sum(tokens, targets).detach())
+            losses.append(model.loss_sum(tokens, targets, grad_scale=1.0).detach())
         out["activations"] = saved.total
         if mode == "none":
             with SavedBytes(params) as saved, torch.autocast("cpu", dtype=torch.bfloat16):
-                model.loss_sum(tokens, targets)
+                model.loss_sum(tokens, targets, grad_scale=1.0)
             out["activations_bf16"] = saved.total
         if mode == "full":
             out["recompute"] = block_recompute_bytes(model, tokens, params)

@@ -93,7 +93,7 @@ def _measure(cfg: ModelSpec, grid: Grid, mode: str) -> dict:
     store_parameters(bf16, torch.bfloat16, torch.float32)
     stored = {p.untyped_storage().data_ptr() for p in bf16.parameters()}
     with SavedBytes(stored) as saved, autocast(tokens.device, precision("cuda")):
-        bf16.loss_sum(tokens, targets)
+        bf16.loss_sum(tokens, targets, grad_scale=1.0)
     out["activations_bf16_params"] = saved.total
     if mode != "none":
         return out

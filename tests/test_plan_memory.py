@@ -283,9 +283,12 @@ def test_tetrad_checkpointing_and_totals():
     assert plain["blocks"] == 32 * blk and plain["recompute"] == 0
     # the block inputs and the one positions tensor [S] int64 every checkpoint keeps
     assert ckpt["blocks"] == 32 * inp + 8 * S and ckpt["recompute"] == blk - inp
-    # the fused LM head and loss keeps its dW [V/(G_y G_x), h] in bf16 (the LM head splits V
-    # over Y and X), whatever the tokens
-    assert ckpt["loss"] == plain["loss"] == 2 * 128256 // (2 * 4) * 4096
+    # with G_z = 1 the fused LM head and loss puts its dW into the gradient in forward; with
+    # G_z > 1 it keeps its dW [V/(G_y G_x), h] in bf16 for the Z reduce-scatter (the LM head
+    # splits V over Y and X), whatever the tokens
+    assert ckpt["loss"] == plain["loss"] == 0
+    z2 = saved_activations(L31_8B, (2, 2, 2, 4), 1, S, dtype="bf16")
+    assert z2["loss"] == 2 * 128256 // (2 * 4) * 4096
     for ac in (False, True, "none", "selective", "full"):
         r = runtime_memory(L31_8B, grid, 1, S, 141e9, activation_checkpointing=ac)
         assert r.total == pytest.approx(max(r.phases.values()), rel=1e-12)
@@ -446,7 +449,8 @@ def test_compiled_blocks_lower_the_estimate_through_every_door(capsys):
     """``compiled`` reaches the saved sets from :func:`runtime_memory`, its phase totals and
     ``tetrad memory --compile`` (llama-1b, micro-batch 16, seq 2048: the H200 lease's compiled
     run peaked at 62.63 GiB with the fp32 residual stream of the time, docs/performance.md;
-    ``--residual-dtype fp32`` reproduces it)."""
+    ``--residual-dtype fp32`` reproduces it: 60.41 GiB, 60.54 while the LM head kept its
+    ``dW`` for backward)."""
     from tetrad import cli
     from tetrad.plan.memory.runtime import phase_totals
     from tetrad.spec.presets import parse_model
@@ -457,7 +461,7 @@ def test_compiled_blocks_lower_the_estimate_through_every_door(capsys):
         runtime_memory(*args, 139.8 * GiB, compiled=c, **fp32) for c in (False, True)
     )
     assert compiled.total < eager.total
-    assert abs(compiled.total / GiB - 60.54) < 0.01 and abs(eager.total / GiB - 68.55) < 0.01
+    assert abs(compiled.total / GiB - 60.41) < 0.01 and abs(eager.total / GiB - 68.43) < 0.01
     assert max(phase_totals(*args, compiled=True, **fp32).values()) == compiled.total
     stream = runtime_memory(*args, 139.8 * GiB, compiled=True)  # the bf16 stream: less
     assert stream.total < compiled.total

@@ -85,17 +85,17 @@ def reduce_weight_gradient(
 
 
 def gemm_adds_into(
-    have: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0
+    have: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0, beta: float = 1.0
 ) -> bool:
-    """``have += alpha a b`` by the GEMM itself (``have [n, k]``, ``a [n, m]``, ``b [m, k]``)
-    where the dtypes allow (:func:`reduce_weight_gradient`); False, with ``have`` untouched,
-    where they do not."""
+    """``have = beta have + alpha a b`` by the GEMM itself (``have [n, k]``, ``a [n, m]``,
+    ``b [m, k]``; ``beta = 0``: ``have``'s contents are not read) where the dtypes allow
+    (:func:`reduce_weight_gradient`); False, with ``have`` untouched, where they do not."""
     if a.dtype != b.dtype:
         return False
     if have.dtype == a.dtype:
-        have.addmm_(a, b, alpha=alpha)
+        have.addmm_(a, b, beta=beta, alpha=alpha)
     elif have.dtype == torch.float32 and adds_into_fp32(have.device, a.dtype):
-        torch.addmm(have, a, b, out_dtype=torch.float32, alpha=alpha, out=have)
+        torch.addmm(have, a, b, out_dtype=torch.float32, beta=beta, alpha=alpha, out=have)
     else:
         return False
     return True

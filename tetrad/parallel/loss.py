@@ -27,13 +27,15 @@ Two entry points:
   blocks formed in a second pass over them.
 
   When the caller knows ``s`` in forward (``grad_scale``: training divides the sum by the
-  global batch's token count) and the weight's gradient already exists (a later micro-batch of
-  the step, ``G_z = 1``: :meth:`tetrad.parallel.overlap.Overlap.grad_to_add_into`), each row
-  block's ``dW`` GEMM adds ``s g^T x`` straight into that gradient (on CUDA one GEMM with fp32
-  output into the fp32 gradient where the device's torch runs it:
-  :func:`tetrad.parallel.linear.gemm_adds_into`), as the block Linears do and as Megatron-LM's
-  output layer adds its weight-gradient GEMM into the fp32 main gradient
-  (gradient-accumulation fusion): no ``dW`` is kept, scaled or added afterwards. Backward
+  global batch's token count) and no Z reduce-scatter stands between the block and the
+  gradient (``G_z = 1``), each row block's ``dW`` GEMM adds ``s g^T x`` straight into the
+  weight's gradient (on CUDA one GEMM with fp32 output into the fp32 gradient where the
+  device's torch runs it: :func:`tetrad.parallel.linear.gemm_adds_into`), as the block
+  Linears do and as Megatron-LM's output layer adds its weight-gradient GEMM into the fp32
+  main gradient (gradient-accumulation fusion). The step's first micro-batch writes a
+  gradient it makes then (in its data-parallel bucket where offered:
+  :meth:`tetrad.parallel.overlap.Overlap.grad_for_forward`), so every later forward adds into
+  it, whatever the schedule's order: no ``dW`` is kept, scaled or added afterwards. Backward
   checks on the device that ``s`` was the gradient it got.
 """
 
@@ -174,29 +176,45 @@ class _Blocks:
         return p
 
     def gradient(
-        self, s: int, e: int, p: torch.Tensor, sum_exp: torch.Tensor, dx, dw, scale=None
+        self,
+        s: int,
+        e: int,
+        p: torch.Tensor,
+        sum_exp: torch.Tensor,
+        dx,
+        dw,
+        scale=None,
+        fresh=False,
     ) -> None:
         """``g = p / sum_exp - onehot`` for rows ``s:e``; ``dx[s:e] = g W``, ``dw += g^T x``
-        (``scale``: ``dw`` is the fp32 gradient, ``dw += scale g^T x``)."""
+        (``scale``: ``dw`` is the gradient, ``dw += scale g^T x``, written rather than added
+        on the first block where ``fresh``)."""
         p.mul_(sum_exp.reciprocal().unsqueeze(-1))
         p.scatter_add_(-1, self.local[s:e].unsqueeze(-1), self.hit[s:e])
         g = p if p.dtype == self.x.dtype else p.to(self.x.dtype)
         torch.mm(g, self.w, out=dx[s:e])
         if scale is not None:
-            add_product(dw, g.t(), self.x[s:e], scale)
+            add_product(dw, g.t(), self.x[s:e], scale, 0.0 if fresh and s == 0 else 1.0)
         elif s == 0:
             torch.mm(g.t(), self.x[s:e], out=dw)
         else:  # the GEMM adds the blocks so far in its fp32 accumulation
             dw.addmm_(g.t(), self.x[s:e])
 
 
-def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
-    """``out += alpha a b`` in place: ``out [n, k]`` (the gradient), ``a [n, m]`` and ``b [m,
-    k]`` in the compute dtype: the GEMM accumulating into ``out`` where it can
+def add_product(
+    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float = 1.0
+) -> None:
+    """``out = beta out + alpha a b`` in place (``beta`` 1 or 0; 0: ``out``'s contents are not
+    read): ``out [n, k]`` (the gradient), ``a [n, m]`` and ``b [m, k]`` in the compute dtype:
+    the GEMM accumulating into ``out`` where it can
     (:func:`tetrad.parallel.linear.gemm_adds_into`), else the product in the compute dtype,
-    then added."""
-    if not gemm_adds_into(out, a, b, alpha):
+    then added (or written)."""
+    if gemm_adds_into(out, a, b, alpha, beta):
+        return
+    if beta:
         out.add_(torch.mm(a, b), alpha=alpha)
+    else:
+        torch.mul(torch.mm(a, b), alpha, out=out)
 
 
 class _LMHeadLoss(torch.autograd.Function):
@@ -216,8 +234,9 @@ class _LMHeadLoss(torch.autograd.Function):
         grad_scale: float | None,
     ):
         grid, dtype = ov.grid, compute_dtype(x)
-        # a later micro-batch with the backward's scale known: dW goes into the gradient here
-        into = ov.grad_to_add_into(w_shard) if need_grad and grad_scale is not None else None
+        # the backward's scale known (G_z = 1): dW goes into the gradient here
+        target = ov.grad_for_forward(w_shard) if need_grad and grad_scale is not None else None
+        into, fresh = target if target is not None else (None, False)
         scale = grad_scale if into is not None else None
         w = ov.gather_weight(w_shard, dtype)  # [V/(G_y G_x), h]
         x_full = gather_input(x.to(dtype), grid, seq)  # [..., h], the whole sequence
@@ -245,7 +264,7 @@ class _LMHeadLoss(torch.autograd.Function):
                 p = blocks.exp(z, row_max[s:e])
                 sum_exp[s:e] = p.sum(dim=-1)
                 if need_grad and not split:  # the statistics are already global
-                    blocks.gradient(s, e, p, sum_exp[s:e], dx, dw, scale)
+                    blocks.gradient(s, e, p, sum_exp[s:e], dx, dw, scale, fresh)
             z_target.masked_fill_(outside, 0.0)
             if split:  # M, then the sum of exp(z - M), then the target logit, over Y and X
                 local_max = row_max.clone()
@@ -256,7 +275,7 @@ class _LMHeadLoss(torch.autograd.Function):
                 if need_grad:
                     for s, e in blocks.spans():
                         p = blocks.exp(kept[s:e], row_max[s:e])
-                        blocks.gradient(s, e, p, sum_exp[s:e], dx, dw, scale)
+                        blocks.gradient(s, e, p, sum_exp[s:e], dx, dw, scale, fresh)
         if need_grad:
             ctx.save_for_backward(dx, *(() if into is not None else (dw,)))
             ctx.weight, ctx.ov, ctx.shape, ctx.seq = w_shard, ov, x_full.shape, seq
@@ -312,8 +331,8 @@ def lm_head_loss(
         vocab: the real vocabulary when the head's is padded (ids ``>= vocab`` get no
             probability).
         grad_scale: the gradient backward will bring to the returned sum (training's
-            ``1 / tokens``), when the caller knows it: a later micro-batch then adds its
-            ``dW`` into the gradient in forward (module docstring).
+            ``1 / tokens``), when the caller knows it: with ``G_z = 1`` the head's ``dW`` then
+            goes into its gradient in forward (module docstring).
     Returns:
         0-dim fp32 tensor, identical on every rank of Y and X. Its gradient fills
         ``head.weight.grad`` through the overlap and flows to ``x`` as the head's would.

@@ -55,7 +55,7 @@ from tetrad.dtypes import fp8_recipe
 from tetrad.grid import Grid
 from tetrad.parallel.buckets import GradBuckets
 from tetrad.parallel.expert_grads import ExpertGradSums
-from tetrad.parallel.masters import add_grad, grad_of
+from tetrad.parallel.masters import add_grad, grad_dtype, grad_of, set_grad
 from tetrad.parallel.sequence import scatter_sequence
 from tetrad.spec.grid import Axis
 from tetrad.spec.overlap import (
@@ -275,6 +275,25 @@ class Overlap:
         stands between the block and the gradient); None otherwise. Hand the sum on with
         :meth:`weight_grad_added`."""
         return grad_of(param) if self.grid.z == 1 else None
+
+    def grad_for_forward(self, param: torch.nn.Parameter) -> tuple[torch.Tensor, bool] | None:
+        """``(gradient, fresh)`` for a layer that writes its full-block weight gradient in place
+        before backward reaches it (the fused LM head and loss, in forward), ``G_z = 1``:
+        ``param``'s gradient where it exists (add into it), else a new one made ``param``'s at
+        once, uninitialised (``fresh``: write it, do not add), in its data-parallel bucket where
+        the step offers a place (:meth:`grad_slot`), so that a later micro-batch's forward,
+        even one before this one's backward (GPipe), adds into it. None with ``G_z > 1``. Hand
+        it on with :meth:`weight_grad_added` in backward."""
+        if self.grid.z > 1:
+            return None
+        have = grad_of(param)
+        if have is not None:
+            return have, False
+        fresh = self.grad_slot(param)
+        if fresh is None:
+            fresh = torch.empty_like(param, dtype=grad_dtype(param))
+        set_grad(param, fresh)
+        return fresh, True
 
     def weight_grad_added(self, param: torch.nn.Parameter) -> None:
         """:meth:`reduce_weight_grad` for a block gradient already added into ``param``'s

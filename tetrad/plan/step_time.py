@@ -196,7 +196,6 @@ def make_step(
     checkpointing: str | bool,
     orientation: str = "xy",
     wrap: bool = False,
-    head_in_forward: bool = True,
 ) -> Step:
     """The :class:`Step` of the ``--grid`` ``grid = (G_data, [G_context,] G_z, G_y, G_x)`` under
     ``orientation`` (its ``sizes`` are the roles', its links the mesh dimensions' that play
@@ -206,10 +205,7 @@ def make_step(
     context. ``wrap``: the micro-batches run back to back in one phase, as the 4D step's do
     (:meth:`tetrad.parallel.overlap.Overlap.begin_micro_batch`, ``phase="step"``), so the
     ``prefetch`` order runs on into the next one (:attr:`Step.wrap`); a pipeline stage runs
-    its forward and backward phases apart: no wrap. ``head_in_forward``: a later micro-batch's
-    forward comes after an earlier one's backward, so the LM head's ``dW`` goes into the
-    gradient in forward (False under GPipe:
-    :meth:`tetrad.plan.compute.block.BlockCompute.over_step`).
+    its forward and backward phases apart: no wrap.
 
     Raises:
         PlanError: the global batch does not split into micro-batches on this grid.
@@ -228,7 +224,7 @@ def make_step(
     ov, m = ctx.overlaps, micro_batch * local_seq_len(ctx.seq_len, gc)
     _, block_el, head_el, emb_el = ctx.weight_shards(gx, gy, gz)
     acc = ctx.global_batch // cells
-    comp = ctx.compute(roles, micro_batch).over_step(acc, gz, head_in_forward)
+    comp = ctx.compute(roles, micro_batch).over_step(acc, gz)
     dp = "dp_all_reduce" in ov
     full = parse_checkpointing(checkpointing) == "full"
     most, pieces = (1, 1)

@@ -70,19 +70,16 @@ class BlockCompute:
         loss_fwd: the fused loss's element-wise forward (softmax, gradient), seconds.
         loss_bwd: its backward: ``dx`` scaled by the loss's gradient, seconds.
         head_dw_blocks: the row blocks' ``dW`` sum in the compute dtype, forward seconds, where
-            a micro-batch forms its ``dW`` apart (:meth:`over_step`).
+            a micro-batch forms its ``dW`` apart (``G_z > 1``, :meth:`over_step`).
         head_dw_scale: the scaling of that ``dW`` into its fp32 copy in backward, seconds
             (the head's Y all-reduce runs during it).
         head_dw_share: the fraction of micro-batches that form ``dW`` apart and scale it (1;
-            :meth:`over_step`: the others add it into the gradient in forward, inside the
+            :meth:`over_step`: 0 where they put it into the gradient in forward, inside the
             GEMM).
         embedding_fwd, embedding_bwd: lookup, and the scatter-add of the micro-batch's rows
             into the ``[V/G_y, h/G_x]`` gradient table.
         embedding_zero: the zeroing of that table (4 bytes per element), on the first
             micro-batch of a step, or on each with ``G_z > 1`` (:meth:`over_step`).
-        head_dw_add: what a later micro-batch that formed ``dW`` apart adds to its scaling with
-            ``G_z = 1``: the scaled ``dW`` is added into the gradient (read 4 more bytes per
-            element; GPipe's order, :meth:`over_step`).
 
     ``embedding_bwd``, ``loss_fwd`` and ``loss_bwd`` are each their least over a step's
     micro-batches, so every sum of them is a floor of the step's compute; :meth:`over_step`
@@ -125,41 +122,26 @@ class BlockCompute:
     rope_q_bwd: float = 0.0
     casts: float = 0.0
     embedding_zero: float = 0.0
-    head_dw_add: float = 0.0
 
-    def over_step(self, acc: int, gz: int, head_in_forward: bool = True) -> BlockCompute:
+    def over_step(self, acc: int, gz: int) -> BlockCompute:
         """The per-micro-batch average over a step of ``acc`` micro-batches. With ``G_z = 1``
         every micro-batch after the first adds into the gradients in place
         (tetrad/parallel/overlap.py, ``grad_to_add_into``): the embedding's rows go into the
-        table without zeroing it (``embedding_zero`` on the first only), and the LM head's
-        ``dW`` GEMMs add into the fp32 gradient in forward, scaled by the loss's known gradient
-        (tetrad/parallel/loss.py; nothing element-wise, :attr:`head_dw_share` ``1 / acc``),
-        except where every forward runs before the first backward (``head_in_forward``
-        False: GPipe), where each later micro-batch forms its ``dW`` apart, scales it and adds
-        it (``+ head_dw_add``; the head's Y all-reduce runs during it). With ``G_z > 1`` every
+        table without zeroing it (``embedding_zero`` on the first only), and every micro-batch's
+        LM head ``dW`` GEMMs write or add into the fp32 gradient in forward, scaled by the
+        loss's known gradient (tetrad/parallel/loss.py; nothing element-wise, and nothing to
+        hide the head's Y all-reduce: :attr:`head_dw_share` 0). With ``G_z > 1`` every
         micro-batch forms its full-block gradients apart (``embedding_zero``, the ``dW`` sum
         and its scaling on each)."""
-        apart = replace(
-            self,
-            loss_fwd=self.loss_fwd + self.head_dw_blocks,
-            loss_bwd=self.loss_bwd + self.head_dw_scale,
-        )
         if gz > 1:
-            return replace(apart, embedding_bwd=self.embedding_bwd + self.embedding_zero)
-        later = (acc - 1) / acc
-        if not head_in_forward:
             return replace(
-                apart,
-                embedding_bwd=self.embedding_bwd + self.embedding_zero / acc,
-                loss_bwd=apart.loss_bwd + later * self.head_dw_add,
-                head_dw_scale=self.head_dw_scale + later * self.head_dw_add,
+                self,
+                embedding_bwd=self.embedding_bwd + self.embedding_zero,
+                loss_fwd=self.loss_fwd + self.head_dw_blocks,
+                loss_bwd=self.loss_bwd + self.head_dw_scale,
             )
         return replace(
-            self,
-            embedding_bwd=self.embedding_bwd + self.embedding_zero / acc,
-            loss_fwd=self.loss_fwd + self.head_dw_blocks / acc,
-            loss_bwd=self.loss_bwd + self.head_dw_scale / acc,
-            head_dw_share=1 / acc,
+            self, embedding_bwd=self.embedding_bwd + self.embedding_zero / acc, head_dw_share=0.0
         )
 
     @property
@@ -307,5 +289,4 @@ def block_compute(
         rope_q_bwd=ew["backward_factor"] * rope_q,
         casts=casts,
         embedding_zero=4.0 * emb_rows * hx / hbm,
-        head_dw_add=ew["loss_add_per_dw"] * dw_el / hbm,
     )

@@ -14,7 +14,6 @@ ELEMENTWISE = {
     "loss_dw_per_block": 4.0,
     "loss_bwd_per_dx": 4.0,
     "loss_bwd_per_dw": 6.0,
-    "loss_add_per_dw": 4.0,
     "optimizer_per_param": 36.0,
     "shard_pack_per_param": 8.0,
     "backward_factor": 2.0,
@@ -36,10 +35,8 @@ runtime's unfused ops, in bytes per token and per local feature:
   ``loss_dw_per_block`` (per ``dW`` element and row block after the first): the GEMM's
   accumulation reads and writes the running bf16 sum; backward ``loss_bwd_per_dx`` (per ``dx``
   element: scale, read 2, write 2) and ``loss_bwd_per_dw`` (per ``dW`` element: scaled into its
-  fp32 copy, read 2, write 4); ``loss_add_per_dw``: a later micro-batch with ``G_z = 1`` whose
-  forward came before the first backward (GPipe) adds the scaled ``dW`` into the gradient
-  (``addcmul_``), which also reads it (4). The ``dW`` terms apply to a micro-batch that forms
-  its ``dW`` apart; the others add it into the fp32 gradient inside the GEMM
+  fp32 copy, read 2, write 4). The ``dW`` terms apply where a micro-batch forms its ``dW``
+  apart (``G_z > 1``); with ``G_z = 1`` the GEMM writes or adds it into the fp32 gradient
   (:meth:`tetrad.plan.compute.block.BlockCompute.over_step`);
 - ``optimizer_per_param``: AdamW reads param, grad, m, v and writes param, m, v (28 B), plus the
   gradient clipping scale (8 B); per element it updates (:func:`optimizer_seconds`);

@@ -328,7 +328,7 @@ def loss_saved_bytes(model: ModelSpec, grid, dtype: str = "bf16") -> float:
     """The fused LM head and cross-entropy (tetrad/parallel/loss.py ``lm_head_loss``) keeps its
     weight gradient, summed over the micro-batch's row blocks in forward, ``[V/(G_y G_x), h]``
     in the compute dtype (whatever the micro-batch: no ``[m, V]`` tensor outlives the
-    forward)."""
+    forward) for its Z reduce-scatter (``G_z > 1``; else none: :func:`saved_activations`)."""
     _, _, gy, gx = grid_sizes(grid)
     return float(dtype_bytes(dtype) * (model.vocab_size // (gy * gx)) * model.dim)
 
@@ -396,7 +396,9 @@ def saved_activations(
         :func:`selective_block_saved_bytes`; ``selective:K``: ``K`` of those and ``L - K``
         :func:`block_saved_bytes`; full: ``L`` block inputs; all but none plus the positions
         ``[S]`` int64, one tensor kept for all blocks), ``embedding``, ``final_norm``, ``loss``
-        (their sum is what saved-tensor hooks see), and ``recompute``: live while one block is
+        (:func:`loss_saved_bytes` with ``G_z > 1``, else 0: training puts the head's ``dW``
+        into its gradient in forward; their sum is what a training step's saved-tensor hooks
+        see), and ``recompute``: live while one block is
         rebuilt in backward (full: its saved tensors minus its kept input; selective and
         ``selective:K``: :func:`selective_recompute_bytes`, the top block's, rebuilt while every
         block's tensors are still saved; none: 0). An MoE model's blocks are its dense and
@@ -418,8 +420,8 @@ def saved_activations(
             (:func:`tetrad.spec.sharding.sequence_parallel_problem`); an unknown dtype or
             residual format, or a bf16 stream under fp32 compute.
     """
-    _, _, gy, gx = grid_sizes(grid)
-    shape = (1, context_size(grid), 1, gy, gx)  # nothing here depends on G_data or G_z
+    _, gz, gy, gx = grid_sizes(grid)
+    shape = (1, context_size(grid), min(gz, 2), gy, gx)  # of G_z: whether the LM head keeps dW
     ckpt = activation_checkpointing
     # the memo's key: None where the stream is the compute dtype's (as the callers that never
     # give it spell it)
@@ -454,11 +456,11 @@ def _saved_activations(
     residual: str | None = None,
     regather: bool = False,
 ) -> tuple[tuple[str, float], ...]:
-    """:func:`saved_activations` once per model, ``(G_context, G_y, G_x)``, micro-batch,
-    sequence, mode, dtype and compilation (``grid``: ``(1, G_context, 1, G_y, G_x)``; ``moe``:
-    ``(expert, imbalance[, params])`` of an MoE model; ``split``: ``G_y`` under sequence
-    parallelism; ``residual``: the stream's format, None for the compute dtype's;
-    ``regather``: the first Linears keep their input's shard)."""
+    """:func:`saved_activations` once per model, ``grid = (1, G_context, min(G_z, 2), G_y,
+    G_x)``, micro-batch, sequence, mode, dtype and compilation (``moe``: ``(expert,
+    imbalance[, params])`` of an MoE model; ``split``: ``G_y`` under sequence parallelism;
+    ``residual``: the stream's format, None for the compute dtype's; ``regather``: the first
+    Linears keep their input's shard)."""
     mode, k = checkpointed_blocks(ckpt, model.n_layers)
     more = {} if residual is None else {"residual": residual}
     rg = {"regather": True} if regather else {}  # the memo's key of the callers without it
@@ -481,7 +483,7 @@ def _saved_activations(
         ("blocks", blocks),
         ("embedding", t.embedding),
         ("final_norm", t.final_norm),
-        ("loss", t.loss),
+        ("loss", t.loss if grid[2] > 1 else 0.0),  # G_z = 1: dW into the gradient in forward
         ("recompute", recompute),
     )
 

@@ -31,7 +31,7 @@ from tetrad.plan.memory.activations import dtype_bytes, saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown, check_positive
 from tetrad.plan.memory.buffers import lm_head_logits_bytes
 from tetrad.plan.memory.grid_buffers import GridBuffers, checked_grid_buffers, grid_buffers
-from tetrad.spec.grid import context_size
+from tetrad.spec.grid import context_size, grid_sizes
 from tetrad.spec.model import ModelSpec
 
 PHASES = (
@@ -362,7 +362,7 @@ def _parts(
             g = checked_grid_buffers(model, tuple(grid), *options, 1, params)
         ckpt, sp = activation_checkpointing, sequence_parallel
         args = (model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled)
-        return g, _activation_terms(*args, sequence_parallel=sp, **more)
+        return g, _activation_terms(*args, sequence_parallel=sp, **_z(grid), **more)
     if imbalance < 1:
         raise PlanError(f"moe imbalance {imbalance} must be at least 1 (busiest over mean)")
     g = checked_grid_buffers(
@@ -380,7 +380,12 @@ def _parts(
     ckpt = activation_checkpointing
     args = (model, g.shape, micro_batch, seq_len, ckpt, dtype, compiled, moe)
     sp = sequence_parallel  # MoE: refused
-    return g, _activation_terms(*args, sequence_parallel=sp, **more)
+    return g, _activation_terms(*args, sequence_parallel=sp, **_z(grid), **more)
+
+
+def _z(grid) -> dict:
+    """:func:`_activation_terms`' ``z`` of ``grid``: absent (1) with ``G_z = 1``, else 2."""
+    return {"z": 2} if grid_sizes(grid)[1] > 1 else {}
 
 
 @functools.lru_cache(maxsize=1 << 10)
@@ -421,14 +426,17 @@ def _activation_terms(
     moe: tuple = (1, 1.0),
     sequence_parallel: bool | str = False,
     residual: str | None = None,
+    z: int = 1,
 ) -> _ActivationTerms:
     """:class:`_ActivationTerms` once per model, ``shape = (1, G_context, 1, G_y, G_x)``
-    (:attr:`GridBuffers.shape`: nothing here depends on ``G_data`` or ``G_z``), micro-batch,
-    sequence, mode, dtype, compilation (and an MoE model's ``(expert, imbalance)``; sequence
-    parallelism; the residual stream's format)."""
+    (:attr:`GridBuffers.shape`: nothing here depends on ``G_data``), micro-batch, sequence,
+    mode, dtype, compilation (and an MoE model's ``(expert, imbalance)``; sequence
+    parallelism; the residual stream's format) and ``z``: 1 with ``G_z = 1``, 2 for any
+    ``G_z > 1`` (then the LM head keeps its ``dW`` for the Z reduce-scatter; nothing else here
+    depends on ``G_z``)."""
     saved = saved_activations(
         model,
-        shape,
+        (*shape[:2], z, *shape[3:]),
         micro_batch,
         seq_len,
         activation_checkpointing=ckpt,

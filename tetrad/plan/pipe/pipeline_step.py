@@ -186,10 +186,7 @@ def rank_time(
     """:class:`RankTime` of pipeline rank ``prank`` on the 5D ``grid`` (module doc)."""
     sctx = stage_question(ctx, prank.blocks)
     # one stage is the 4D step, whose micro-batches run whole (the prefetch order wraps)
-    gpipe = cfg.schedule == "gpipe"  # every forward before the first backward
-    st = make_step(
-        sctx, grid, micro_batch, ckpt, turn, wrap=cfg.pipe == 1, head_in_forward=not gpipe
-    )
+    st = make_step(sctx, grid, micro_batch, ckpt, turn, wrap=cfg.pipe == 1)
     if not prank.last:
         st.head_el = 0.0
     if not prank.first:
