@@ -277,3 +277,53 @@ def test_train_resumes_across_stage_counts(corpus, tmp_path, monkeypatch):
         assert meta["pipe"] == 2 and meta["grid"] == [2, 1, 1, 1, 1]
         _run(_config(corpus, run, 4, to_grid, resume=True, **model), 4)
         assert _losses(run) == pytest.approx(_losses(whole), abs=1e-5), to_grid
+
+
+def _head_slot_worker(out_dir: str) -> None:
+    """pipe=2 x data=2, 1F1B and GPipe, two steps each: when the head's bucket is launched,
+    the last stage's LM-head gradient is its place in the bucket (written there by the first
+    micro-batch's forward, tetrad.parallel.overlap.Overlap.grad_for_forward), not a copy."""
+    import torch.distributed as dist
+
+    import tetrad.parallel.buckets as buckets
+
+    cfg = dataclasses.replace(PRESETS["tiny"], n_layers=4)
+    seen = []
+    for schedule in ("1f1b", "gpipe"):
+        grid = Grid.build((2, 1, 1, 1, 1), pipe=2)
+        pipeline = Pipeline(cfg, grid, schedule, 1, 4)
+        for part in pipeline.parts:
+            init_parameters(part, 3, grid)
+        opt = build_optimizer(pipeline.parts, 1e-3, weight_decay=0.1)
+        head = pipeline.last.output.weight if pipeline.last is not None else None
+        plain = buckets.GradBuckets._in_place
+
+        def in_place(self, b, plain=plain, head=head):
+            flat = self._flats.get(b)
+            if head is not None and any(p is head for p in self._bucket):
+                offset = dict((id(p), o) for p, o in self._plan[b]).get(id(head))
+                placed = flat is not None and offset is not None
+                seen.append(placed and head.grad.data_ptr() == flat[offset:].data_ptr())
+            return plain(self, b)
+
+        buckets.GradBuckets._in_place = in_place
+        batch = torch.randint(
+            0, cfg.vocab_size, (16, 17), generator=torch.Generator().manual_seed(3)
+        )
+        for _ in range(2):
+            pipeline_train_step(pipeline, opt, batch, 1.0)
+        buckets.GradBuckets._in_place = plain
+    with open(f"{out_dir}/{dist.get_rank()}.json", "w") as fh:
+        json.dump(seen, fh)
+
+
+def test_head_gradient_is_written_in_its_bucket(tmp_path):
+    """The pipeline computes its loss after the stage's forward phase; the LM head's gradient
+    still lands in its data-parallel bucket (the second step of each schedule: the first lays
+    the buckets out)."""
+    run_distributed(_head_slot_worker, 4, str(tmp_path))
+    last = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    got = [s for s in last if s]
+    assert len(got) == 2, last  # the two data ranks of the last stage
+    for seen in got:
+        assert seen[1] and seen[3], seen  # 1F1B's and GPipe's second step

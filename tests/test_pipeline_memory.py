@@ -24,7 +24,8 @@ stages:
 Model states and the saved peak must equal the planner's to the byte (its rank breakdown's
 components and :func:`tetrad.plan.memory.pipeline.in_flight_bytes`; in the breakdown the saved
 peak is ``activations`` up to the end of backward, with the LM head's saved weight gradient of
-the current micro-batch in ``logits_and_loss``; the rest is ``pipeline_buffers``). The held
+the current micro-batch in ``logits_and_loss`` where ``G_z > 1`` keeps one (with ``G_z = 1``
+training puts it into the gradient in forward); the rest is ``pipeline_buffers``). The held
 peak is never above the planner's, and below it by at most the receives the planner counts as
 posted ahead (one boundary tensor ``[b, S/G_context, h/G_x]`` per stage and direction the rank
 receives in): at the peak torch has not always posted them yet (and in fp32 one may be the very

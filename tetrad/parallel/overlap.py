@@ -281,15 +281,17 @@ class Overlap:
         before backward reaches it (the fused LM head and loss, in forward), ``G_z = 1``:
         ``param``'s gradient where it exists (add into it), else a new one made ``param``'s at
         once, uninitialised (``fresh``: write it, do not add), in its data-parallel bucket where
-        the step offers a place (:meth:`grad_slot`), so that a later micro-batch's forward,
-        even one before this one's backward (GPipe), adds into it. None with ``G_z > 1``. Hand
-        it on with :meth:`weight_grad_added` in backward."""
+        the buckets take the gradients as they are (:meth:`folds_late`; also outside a
+        micro-batch's phase: a pipeline schedule computes the loss after the stage's forward),
+        so that a later micro-batch's forward, even one before this one's backward (GPipe),
+        adds into it. None with ``G_z > 1``. Hand it on with :meth:`weight_grad_added` in
+        backward."""
         if self.grid.z > 1:
             return None
         have = grad_of(param)
         if have is not None:
             return have, False
-        fresh = self.grad_slot(param)
+        fresh = self.buckets.slot(param) if self.folds_late() else None
         if fresh is None:
             fresh = torch.empty_like(param, dtype=grad_dtype(param))
         set_grad(param, fresh)
@@ -297,7 +299,8 @@ class Overlap:
 
     def weight_grad_added(self, param: torch.nn.Parameter) -> None:
         """:meth:`reduce_weight_grad` for a block gradient already added into ``param``'s
-        gradient (:meth:`grad_to_add_into`): ``param`` is ready for its data-parallel bucket."""
+        gradient (:meth:`grad_to_add_into`, :meth:`grad_for_forward`): ``param`` is ready for
+        its data-parallel bucket."""
         self._grad_ready(param, None)
 
     def reduce_weight_grad(self, param: torch.nn.Parameter, block_grad: torch.Tensor) -> None:

@@ -23,7 +23,8 @@ Per pipeline rank ``r`` holding ``k`` blocks over its ``v`` stages
   one stage (:func:`tetrad.plan.pipe.schedule.in_flight_chunks`); interleaved 1F1B torch's order
   played out (:func:`in_flight_sets`), whose most passes are that count too. The head's weight
   gradient is counted in the runtime model's ``logits_and_loss`` for the current micro-batch
-  and in ``activations`` for the others (GPipe's last rank holds one per micro-batch);
+  and in ``activations`` for the others (GPipe's last rank holds one per micro-batch), where
+  ``G_z > 1`` keeps one (with ``G_z = 1`` training puts it into the gradient in forward);
 - ``pipeline_buffers`` (``p > 1``): the live receive buffers, ``[b, S/G_context, h/G_x]`` in
   the compute dtype, each allocated when its receive is posted and dropped after its
   micro-batch's backward (:class:`tetrad.pipeline.stage.TetradStage`; torch alone would keep

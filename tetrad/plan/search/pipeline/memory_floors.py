@@ -14,8 +14,9 @@ bytes: ``E`` a block's local weight elements (fp32 parameters, gradients and two
 :mod:`tetrad.plan.memory.states`, integer shards as there); ``H`` the LM head's local elements
 when the head is tied to the embedding (a rank without the last stage drops a head the states
 never counted), else 0; ``A(b)`` the saved activations of a ``b``-block stage's blocks for one
-micro-batch (:func:`tetrad.plan.memory.activations.saved_activations`, which depends on ``G_z``
-not at all), ``C`` of which the context masks and chunk order each stage saves once
+micro-batch (:func:`tetrad.plan.memory.activations.saved_activations`, taken with ``G_z = 1``:
+``G_z > 1`` adds the LM head's saved ``dW`` to ``A`` and ``F`` alike, which the floor leaves
+out), ``C`` of which the context masks and chunk order each stage saves once
 (:func:`tetrad.plan.memory.activations.context_shared_bytes`; 0 under ``full``); ``F`` the
 final norm's and loss's saved bytes, ``P`` a receive buffer's (``[b, S / G_context, h /
 G_x]`` in the compute dtype).
