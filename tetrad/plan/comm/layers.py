@@ -53,8 +53,8 @@ def lm_head(rec: Recorder, st: Step) -> None:
     over X of its input, payload ``m h c`` (the output). Backward: reduce-scatter over X of the
     input gradient, payload ``m h c`` (the input), then all-reduce over Y of ``m h / G_x * c``
     (with ``dx_all_reduce`` during the scaling of the head's ``dW``, which the fused loss formed
-    in forward: exposed ``max(0, t - scaling)`` on the micro-batches that scale it, ``t`` on
-    those that added it into the gradient in forward:
+    in forward: exposed ``max(0, t - scaling)``; with ``G_z = 1`` there is no scaling, the
+    GEMMs put ``dW`` into the gradient in forward:
     :meth:`tetrad.plan.compute.block.BlockCompute.over_step`). Under sequence parallelism the
     input is first all-gathered along the sequence over Y, payload ``m h / G_x c``, and in
     backward that all-reduce over Y is a reduce-scatter of the same payload (hidden as the
@@ -75,11 +75,8 @@ def lm_head(rec: Recorder, st: Step) -> None:
         p = m * h / gx * c
         kind = REDUCE_SCATTER if st.sequence_parallel else ALL_REDUCE
         t = st.links["y"].time(kind, p)
-        comp = st.comp  # hidden on the micro-batches that scale dW in backward (over_step)
-        e = t
-        if st.dx_overlap:
-            e = comp.head_dw_share * _max0(t - comp.head_dw_scale) + (1 - comp.head_dw_share) * t
-        hid = "dW scaling" if st.dx_overlap else ""
+        e = _max0(t - st.comp.head_dw_scale) if st.dx_overlap else t
+        hid = "dW scaling" if st.dx_overlap and st.comp.head_dw_scale else ""
         rec.add("output", "backward", "y", kind, p, acc, t, acc * e, hid)
 
 

@@ -72,10 +72,7 @@ class BlockCompute:
         head_dw_blocks: the row blocks' ``dW`` sum in the compute dtype, forward seconds, where
             a micro-batch forms its ``dW`` apart (``G_z > 1``, :meth:`over_step`).
         head_dw_scale: the scaling of that ``dW`` into its fp32 copy in backward, seconds
-            (the head's Y all-reduce runs during it).
-        head_dw_share: the fraction of micro-batches that form ``dW`` apart and scale it (1;
-            :meth:`over_step`: 0 where they put it into the gradient in forward, inside the
-            GEMM).
+            (the head's Y all-reduce runs during it; :meth:`over_step` with ``G_z = 1``: 0).
         embedding_fwd, embedding_bwd: lookup, and the scatter-add of the micro-batch's rows
             into the ``[V/G_y, h/G_x]`` gradient table.
         embedding_zero: the zeroing of that table (4 bytes per element), on the first
@@ -115,7 +112,6 @@ class BlockCompute:
     selective: float = 0.0
     head_dw_blocks: float = 0.0
     head_dw_scale: float = 0.0
-    head_dw_share: float = 1.0
     attention: float = 0.0
     attention_bwd: float = 0.0
     rope_q: float = 0.0
@@ -130,7 +126,7 @@ class BlockCompute:
         table without zeroing it (``embedding_zero`` on the first only), and every micro-batch's
         LM head ``dW`` GEMMs write or add into the fp32 gradient in forward, scaled by the
         loss's known gradient (tetrad/parallel/loss.py; nothing element-wise, and nothing to
-        hide the head's Y all-reduce: :attr:`head_dw_share` 0). With ``G_z > 1`` every
+        hide the head's Y all-reduce: ``head_dw_scale`` 0). With ``G_z > 1`` every
         micro-batch forms its full-block gradients apart (``embedding_zero``, the ``dW`` sum
         and its scaling on each)."""
         if gz > 1:
@@ -141,7 +137,7 @@ class BlockCompute:
                 loss_bwd=self.loss_bwd + self.head_dw_scale,
             )
         return replace(
-            self, embedding_bwd=self.embedding_bwd + self.embedding_zero / acc, head_dw_share=0.0
+            self, embedding_bwd=self.embedding_bwd + self.embedding_zero / acc, head_dw_scale=0.0
         )
 
     @property
