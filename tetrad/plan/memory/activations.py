@@ -32,53 +32,13 @@ from typing import NamedTuple
 
 from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.errors import PlanError
+from tetrad.plan.memory.formats import dtype_bytes, residual_bytes
 from tetrad.plan.memory.moe import moe_block_saved_bytes
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.grid import context_size, grid_sizes
 from tetrad.spec.model import ModelSpec
-from tetrad.spec.precision import DTYPE_BYTES
 from tetrad.spec.sharding import sequence_parallel_problem
 from tetrad.spec.units import FP32
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes of the compute dtype ``dtype`` (:data:`tetrad.spec.precision.DTYPE_BYTES`).
-
-    Raises:
-        PlanError: an unknown dtype.
-    """
-    if dtype not in DTYPE_BYTES:
-        raise PlanError(f"dtype {dtype!r} is unknown: use 'bf16' (CUDA) or 'fp32' (CPU)")
-    return DTYPE_BYTES[dtype]
-
-
-def residual_bytes(dtype: str, residual: str | None) -> int:
-    """Bytes per element of the residual stream: ``residual`` (``fp32`` or ``bf16``), or with
-    None (``--residual-dtype auto``) the compute dtype ``dtype``'s.
-
-    Raises:
-        PlanError: an unknown dtype, or a bf16 stream under fp32 compute (the runtime refuses
-            it).
-    """
-    if residual is None:
-        return dtype_bytes(dtype)
-    if dtype_bytes(residual) < dtype_bytes(dtype):
-        raise PlanError(f"residual={residual} with dtype={dtype}: a bf16 stream needs bf16 compute")
-    return dtype_bytes(residual)
-
-
-def residual_option(dtype: str, residual: str | None) -> str | None:
-    """``--residual-dtype`` (``auto``, ``fp32`` or ``bf16``) as the ``residual`` keyword of the
-    memory model: None for ``auto`` and for the compute dtype ``dtype``'s own format (the same
-    bytes: one memo key), else ``residual``.
-
-    Raises:
-        PlanError: an unknown format, or a bf16 stream under fp32 compute.
-    """
-    if residual in (None, "auto"):
-        return None
-    residual_bytes(dtype, residual)  # checks it
-    return None if residual == dtype else residual
 
 
 def _norm_saved_bytes(

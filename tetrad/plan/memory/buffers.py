@@ -5,7 +5,7 @@ data-parallel buffers at the end of backward and the optimizer step's. Bytes; sy
 
 from __future__ import annotations
 
-from tetrad.plan.memory.activations import dtype_bytes
+from tetrad.plan.memory.formats import dtype_bytes
 from tetrad.plan.memory.states import local_parameter_elements
 from tetrad.spec.grid import context_size, grid_sizes
 from tetrad.spec.model import Linear, ModelSpec

@@ -9,7 +9,6 @@ import functools
 from typing import NamedTuple
 
 from tetrad.plan.memory import sharded_optimizer
-from tetrad.plan.memory.activations import dtype_bytes
 from tetrad.plan.memory.buffers import (
     embedding_grad_bytes,
     end_of_backward_bytes,
@@ -18,6 +17,7 @@ from tetrad.plan.memory.buffers import (
     step_buffer_bytes,
     weight_gradient_bytes,
 )
+from tetrad.plan.memory.formats import dtype_bytes
 from tetrad.plan.memory.states import (
     local_parameter_elements,
     optimizer_bytes_per_element,

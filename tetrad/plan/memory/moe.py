@@ -39,6 +39,7 @@ the whole set.
 
 from __future__ import annotations
 
+from tetrad.plan.memory.formats import dtype_bytes
 from tetrad.plan.memory.states import optimizer_bytes_per_element, param_bytes
 from tetrad.spec.model import ModelSpec
 from tetrad.spec.units import FP32
@@ -163,7 +164,6 @@ def moe_terms(
     Raises:
         PlanError: an unknown dtype.
     """
-    from tetrad.plan.memory.activations import dtype_bytes  # the memory package's helper
     from tetrad.spec.grid import context_size, grid_sizes
 
     if not model.is_moe:

@@ -53,14 +53,10 @@ import operator
 
 from tetrad.plan.errors import PlanError
 from tetrad.plan.memory import sharded_optimizer
-from tetrad.plan.memory.activations import (
-    context_shared_bytes,
-    dtype_bytes,
-    residual_bytes,
-    saved_activations,
-)
+from tetrad.plan.memory.activations import context_shared_bytes, saved_activations
 from tetrad.plan.memory.breakdown import MemoryBreakdown
 from tetrad.plan.memory.buffers import step_buffer_bytes
+from tetrad.plan.memory.formats import dtype_bytes, residual_bytes
 from tetrad.plan.memory.runtime import phase_components
 from tetrad.plan.memory.sharded_optimizer import data_group, state_share
 from tetrad.plan.memory.states import optimizer_bytes_per_element, param_bytes

@@ -27,9 +27,10 @@ from typing import NamedTuple
 
 from tetrad.plan.comm.context_parallel import local_seq_len
 from tetrad.plan.errors import PlanError
-from tetrad.plan.memory.activations import dtype_bytes, saved_activations
+from tetrad.plan.memory.activations import saved_activations
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown, check_positive
 from tetrad.plan.memory.buffers import lm_head_logits_bytes
+from tetrad.plan.memory.formats import dtype_bytes
 from tetrad.plan.memory.grid_buffers import GridBuffers, checked_grid_buffers, grid_buffers
 from tetrad.spec.grid import context_size, grid_sizes
 from tetrad.spec.model import ModelSpec

@@ -65,7 +65,7 @@ from types import SimpleNamespace
 from tetrad.plan.comm.axonn import axonn_comm
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
-from tetrad.plan.memory.activations import residual_bytes, residual_option
+from tetrad.plan.memory.formats import residual_bytes, residual_option
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.sharded_optimizer import check_shard_optimizer
 from tetrad.plan.memory.states import param_bytes

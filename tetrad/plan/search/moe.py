@@ -29,8 +29,9 @@ from tetrad.plan.comm.experts import all_to_all_seconds
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
 from tetrad.plan.machine.network import ALL_GATHER, REDUCE_SCATTER
-from tetrad.plan.memory.activations import block_input_bytes, dtype_bytes
+from tetrad.plan.memory.activations import block_input_bytes
 from tetrad.plan.memory.breakdown import FIT_FRACTION, MemoryBreakdown
+from tetrad.plan.memory.formats import dtype_bytes
 from tetrad.plan.memory.moe import moe_block_saved_bytes
 from tetrad.plan.memory.pipeline import stage_memory
 from tetrad.plan.memory.runtime import runtime_memory

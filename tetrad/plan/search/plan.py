@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import Machine
-from tetrad.plan.memory.activations import residual_option
+from tetrad.plan.memory.formats import residual_option
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search.classic import search_classic
 from tetrad.plan.search.four_d import search_4d

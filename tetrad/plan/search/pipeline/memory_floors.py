@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tetrad.plan.memory.activations import context_shared_bytes, dtype_bytes, saved_activations
+from tetrad.plan.memory.activations import context_shared_bytes, saved_activations
+from tetrad.plan.memory.formats import dtype_bytes
 from tetrad.plan.memory.sharded_optimizer import state_bytes_per_element
 from tetrad.plan.pipe.pipeline_step import split_ranks
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
