@@ -30,7 +30,12 @@ from tetrad.pipeline.schedule import Pipeline
 from tetrad.pipeline.step import pipeline_train_step
 from tetrad.plan.pipe.schedule import in_flight_chunks, p2p_bytes
 from tetrad.spec.overlap import OVERLAPS
-from tetrad.spec.pipeline_split import PipelineSplitError, balanced_split, check_schedule
+from tetrad.spec.pipeline_split import (
+    PipelineSplitError,
+    balanced_split,
+    check_schedule,
+    split_of_blocks,
+)
 from tetrad.spec.precision import DTYPE_BYTES
 from tetrad.spec.presets import PRESETS
 from tetrad.train.export import export
@@ -118,6 +123,24 @@ CASES = {
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_pipeline_matches_reference(world_size, reference):
     run_distributed(pipeline_runs, world_size, world_size, *reference, CASES[world_size])
+
+
+# the LM head's stage without blocks (tetrad.spec.pipeline_split): alone on its rank, beside
+# another stage of the rank (interleaved), under Z (its stage gathers no block weights) and X
+EMPTY_LAST = {
+    2: [((2, (1, 1, 1, 1, 1), "interleaved-1f1b", 2, "selective", ALL), (1, 1, 2, 0))],
+    4: [
+        ((2, (1, 1, 2, 1, 1), "1f1b", 1, "none", ALL), (4, 0)),
+        ((2, (1, 1, 1, 1, 2), "gpipe", 1, "full", ALL), (4, 0)),
+    ],
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(EMPTY_LAST))
+def test_pipeline_with_the_head_stage_alone_matches_reference(world_size, reference):
+    for case, blocks in EMPTY_LAST[world_size]:
+        split = {"split": split_of_blocks(blocks, CFG.n_layers)}
+        run_distributed(pipeline_runs, world_size, world_size, *reference, [case], False, split)
 
 
 def test_compiled_stages_match_reference(reference):
@@ -214,6 +237,10 @@ def test_balanced_split_counts_embedding_and_head():
     assert balanced_split([1.0] * 8, 0.0, 0.0, 4) == ((0, 2), (2, 4), (4, 6), (6, 8))
     # a heavy head moves blocks off the last stage; uneven splits are allowed
     assert balanced_split([1.0] * 8, 1.0, 2.0, 4) == ((0, 1), (1, 4), (4, 7), (7, 8))
+    # heavier still, every block: the last stage runs the head alone
+    assert balanced_split([1.0] * 8, 1.0, 3.0, 4) == ((0, 2), (2, 5), (5, 8), (8, 8))
+    # an empty last stage only where it lowers the largest stage (here both give 2)
+    assert balanced_split([1.0] * 4, 1.0, 1.0, 4) == ((0, 1), (1, 2), (2, 3), (3, 4))
     with pytest.raises(PipelineSplitError, match="at least one block"):
         balanced_split([1.0] * 3, 0.0, 0.0, 4)
 
@@ -229,7 +256,8 @@ def test_explicit_split_gives_the_stages_or_says_what_to_change(capsys):
     from tetrad.train.sections import ConfigError
 
     assert explicit_split("3,5", 8, 2) == ((0, 3), (3, 8))
-    for bad in ("4,4,0", "4,4", "4,3,2", "a,b,c"):
+    assert explicit_split("4,4,0", 8, 3) == ((0, 4), (4, 8), (8, 8))  # the head's stage alone
+    for bad in ("4,0,4", "4,4", "4,3,2", "a,b,c", "4,5,-1"):
         with pytest.raises(PipelineSplitError, match="give 3 block counts"):
             explicit_split(bad, 8, 3)
     over = {"model": "tiny", "grid": "pipe=2,data=1", "global_batch": 8, "micro_batch": 2}

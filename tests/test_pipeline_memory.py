@@ -59,6 +59,7 @@ from tetrad.plan.memory.pipeline import (
 from tetrad.plan.pipe.schedule import boundaries_of_rank, in_flight_chunks, p2p_bytes
 from tetrad.plan.pipe.stages import ranks_of_split
 from tetrad.spec.grid import Axis
+from tetrad.spec.pipeline_split import split_of_blocks
 from tetrad.spec.precision import DTYPE_BYTES, precision
 from tetrad.spec.presets import PRESETS
 from tetrad.train.step import build_optimizer
@@ -89,6 +90,10 @@ CASES = {  # (pipe, (G_data, G_context, G_z, G_y, G_x), schedule, virtual, micro
         (2, (1, 2, 1, 1, 1), "1f1b", 1, 2, "none"),
         (2, (1, 2, 1, 1, 1), "interleaved-1f1b", 2, 2, "none"),
         (2, (1, 1, 1, 1, 2), "interleaved-1f1b", 2, 4, "full"),
+        # the LM head's stage without blocks (tetrad.spec.pipeline_split), alone on its rank
+        # and beside another stage
+        (2, (2, 1, 1, 1, 1), "1f1b", 1, 2, "none", "fp32", (4, 0)),
+        (2, (1, 1, 2, 1, 1), "interleaved-1f1b", 2, 2, "selective", "fp32", (1, 1, 2, 0)),
     ],
 }
 STATES = ("parameters", "gradients", "optimizer_states")
@@ -220,9 +225,10 @@ def _order(pipeline: Pipeline, rank: int) -> list[tuple[bool, int]]:
     return [(a.computation_type == _ComputationType.FORWARD, a.stage_index // pipe) for a in ops]
 
 
-def _measure(pipe, sizes, schedule, virtual, m, mode, dtype="fp32") -> dict:
+def _measure(pipe, sizes, schedule, virtual, m, mode, dtype="fp32", blocks=None) -> dict:
     grid = Grid.build(sizes, pipe=pipe)
-    pipeline = Pipeline(CFG, grid, schedule, virtual, m, activation_checkpointing=mode)
+    split = split_of_blocks(blocks, CFG.n_layers) if blocks else None
+    pipeline = Pipeline(CFG, grid, schedule, virtual, m, split, activation_checkpointing=mode)
     for part in pipeline.parts:
         init_parameters(part, SEED, grid)
     params = list(pipeline.parts.parameters())
@@ -265,9 +271,9 @@ def _measure(pipe, sizes, schedule, virtual, m, mode, dtype="fp32") -> dict:
 
 
 def _name(case) -> str:
-    pipe, sizes, schedule, virtual, m, mode, *dtype = case
+    pipe, sizes, schedule, virtual, m, mode, *rest = case
     name = f"p{pipe}_{'-'.join(map(str, sizes))}_{schedule}_v{virtual}_m{m}_{mode}"
-    return "_".join([name, *dtype])
+    return "_".join([name, *(r if isinstance(r, str) else "-".join(map(str, r)) for r in rest)])
 
 
 def _worker(world_size: int, out_dir: str) -> None:

@@ -443,7 +443,7 @@ def test_plan_with_an_fp32_residual_stream(capsys):
     configuration with ``--residual-dtype fp32``, and more than with the default stream (auto:
     bf16 on GPUs) on the same configuration; the inputs record the format."""
     argv = ["plan", "--model", "llama-3-70b", "--machine", "dgx-h100", "--gpus", "64"]
-    argv += ["--global-batch", "128", "--seq-len", "4096", "--top", "4", "--no-classic"]
+    argv += ["--global-batch", "128", "--seq-len", "4096", "--top", "6", "--no-classic"]
     rc, out, _ = run(argv + ["--json", "--residual-dtype", "fp32"], capsys)
     assert rc == 0
     data = json.loads(out)

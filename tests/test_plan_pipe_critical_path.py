@@ -158,7 +158,7 @@ def test_planner_step_is_the_simulation_where_the_pace_alternates(monkeypatch):
 
 
 # runtime splits (blocks, embedding, head in blocks' worth) on which the pace alternates
-ALTERNATING = ((8, 2, 26, 0.25, 2), (16, 2, 52, 0.25, 2), (16, 3, 102, 0, 0.5), (8, 4, 96, 1, 3))
+ALTERNATING = ((8, 2, 62, 0.25, 2), (16, 2, 42, 0, 2), (16, 3, 102, 0, 0.5), (8, 4, 96, 1, 3))
 
 
 def test_planner_step_is_the_simulation_on_perturbed_alternating_splits(monkeypatch):

@@ -18,7 +18,7 @@ from tetrad.plan.search.pipeline.memory_floors import warm_passes
 from tetrad.spec.pipeline_split import balanced_split
 from tetrad.spec.presets import get_model
 
-EXTRAS = (0.0, 0.25, 0.5, 1.0, 2.75)
+EXTRAS = (0.0, 0.25, 0.5, 1.0, 2.75, 4.5)
 
 
 @pytest.mark.parametrize("n", range(1, 19))

@@ -28,10 +28,10 @@ from tetrad.plan.errors import PlanError
 from tetrad.plan.machine.description import get_machine, preset_names
 from tetrad.plan.memory import fujii
 from tetrad.plan.memory.moe import moe_terms
-from tetrad.plan.memory.pipeline import stage_model
 from tetrad.plan.memory.runtime import runtime_memory
 from tetrad.plan.memory.sharded_optimizer import SHARD_OPTIMIZER
 from tetrad.plan.pipe.schedule import SCHEDULES
+from tetrad.plan.pipe.stages import stage_model
 from tetrad.plan.question import StepQuestion
 from tetrad.plan.search import report
 from tetrad.plan.search.fp8_choice import plan_fp8_auto
@@ -291,8 +291,8 @@ def add_memory_arguments(m: argparse.ArgumentParser) -> None:
         "--pipeline-split",
         default="",
         metavar="N,N,...",
-        help="tetrad with a pipeline axis: blocks of each stage in pipeline order (default: "
-        "balanced by the compute of --machine, as tetrad train)",
+        help="tetrad with a pipeline axis: blocks of each stage in pipeline order, the last may "
+        "be 0 (default: balanced by the compute of --machine, as tetrad train)",
     )
     m.add_argument(
         "--num-microbatches",

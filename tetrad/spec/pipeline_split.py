@@ -5,7 +5,11 @@ options do the same).
 
 A split is a tuple of ``(start, stop)`` block ranges, one per stage in pipeline order (with
 ``v`` virtual stages per rank there are ``G_pipe v`` stages; stage ``s`` runs on pipeline rank
-``s mod G_pipe``, the "loop" placement of interleaved 1F1B).
+``s mod G_pipe``, the "loop" placement of interleaved 1F1B). Every stage holds at least one
+block but the last, which may hold none: then it runs the final norm, the LM head and the loss
+alone, as Megatron-Core's ``--account-for-loss-in-pipeline-split`` lets the last stage's loss
+stand in for a block (the head weighs about two blocks of a large Llama, so with one block per
+stage the head's stage is otherwise the slowest by that much).
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ class PipelineSplitError(TetradError):
 def balanced_split(
     block_cost: Sequence[float], first_extra: float, last_extra: float, stages: int
 ) -> tuple[tuple[int, int], ...]:
-    """The contiguous split of ``len(block_cost)`` blocks into ``stages`` non-empty stages that
-    minimises the largest stage cost, where stage 0 also pays ``first_extra`` (the embedding)
-    and the last stage ``last_extra`` (final norm, LM head and loss); among splits with the
-    same maximum, the one whose earlier stages are shortest (in 1F1B earlier stages hold more
-    in-flight micro-batches, so lighter early stages need less memory).
+    """The contiguous split of ``len(block_cost)`` blocks into ``stages`` stages (every one
+    non-empty but the last, module doc) that minimises the largest stage cost, where stage 0
+    also pays ``first_extra`` (the embedding) and the last stage ``last_extra`` (final norm, LM
+    head and loss); among splits with the same maximum, the one whose earlier stages are
+    shortest (in 1F1B earlier stages hold more in-flight micro-batches, so lighter early
+    stages need less memory; an empty last stage only where it lowers the maximum).
 
     Costs are in any one unit (seconds, FLOP). Exact: dynamic programming over
     ``(stage, first block)``, ``O(stages * L^2)`` for ``L`` blocks.
@@ -58,10 +63,13 @@ def balanced_split(
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[n] * (n + 1) for _ in range(stages + 1)]
     best[stages][n] = 0.0
+    last = stages - 1
+    best[last][n] = cost(last, n, n) if last else inf  # the last stage empty
     for s in range(stages - 1, -1, -1):
-        for a in range(s, n - (stages - 1 - s)):
-            stop_max = n - (stages - 1 - s)
-            for b in range(a + 1, stop_max + 1):
+        # stages s+1 .. last-1 need a block each, the last none
+        stop_max = n - max(0, last - 1 - s)
+        for a in range(s, stop_max if s < last else n):
+            for b in range(a + 1, stop_max + 1) if s < last else (n,):
                 worst = max(cost(s, a, b), best[s + 1][b])
                 if worst < best[s][a] - 1e-12 * max(1.0, worst):
                     best[s][a], cut[s][a] = worst, b
@@ -74,14 +82,15 @@ def balanced_split(
 
 
 def check_split(split: Sequence[tuple[int, int]], n_blocks: int) -> tuple[tuple[int, int], ...]:
-    """``split`` if its ranges are non-empty, contiguous and cover ``0..n_blocks``.
+    """``split`` if its ranges are contiguous, cover ``0..n_blocks`` and are non-empty but
+    perhaps the last (module doc).
 
     Raises:
         PipelineSplitError: naming the first range that is not.
     """
     a = 0
     for i, (start, stop) in enumerate(split):
-        if start != a or stop <= start:
+        if start != a or stop < start or (stop == start and i < len(split) - 1):
             raise PipelineSplitError(
                 f"pipeline split {list(split)}: stage {i} is blocks {start}..{stop}, expected "
                 f"a non-empty range starting at {a}"
@@ -95,20 +104,23 @@ def check_split(split: Sequence[tuple[int, int]], n_blocks: int) -> tuple[tuple[
 def explicit_split(text: str, n_blocks: int, n_stages: int) -> tuple[tuple[int, int], ...]:
     """The ``(start, stop)`` blocks of each stage given as ``--pipeline-split`` (blocks per
     stage in pipeline order, comma-separated, ``G_pipe v`` of them: ``"20,20,20,20"``;
-    Megatron-LM's even split, or its uneven first and last stages, or any other).
+    Megatron-LM's even split, or its uneven first and last stages, or any other; the last may
+    be 0: ``"11,11,10,0"``, the LM head's stage without blocks).
 
     Raises:
-        PipelineSplitError: not ``n_stages`` whole numbers of at least 1 summing to
-            ``n_blocks`` (one line that says so).
+        PipelineSplitError: not ``n_stages`` whole numbers of at least 1 (0 for the last)
+            summing to ``n_blocks`` (one line that says so).
     """
     try:
         blocks = [int(b) for b in text.split(",")]
     except ValueError:
         blocks = []
-    if len(blocks) != n_stages or min(blocks, default=0) < 1 or sum(blocks) != n_blocks:
+    least = min(blocks[:-1], default=1)
+    if len(blocks) != n_stages or least < 1 or blocks[-1] < 0 or sum(blocks) != n_blocks:
         raise PipelineSplitError(
-            f"--pipeline-split {text}: give {n_stages} block counts of at least 1 (G_pipe x "
-            f"virtual stages, in pipeline order) that sum to the model's {n_blocks} blocks"
+            f"--pipeline-split {text}: give {n_stages} block counts of at least 1 (the last "
+            f"may be 0; G_pipe x virtual stages, in pipeline order) that sum to the model's "
+            f"{n_blocks} blocks"
         )
     return split_of_blocks(blocks, n_blocks)
 
@@ -117,7 +129,7 @@ def split_of_blocks(blocks: Sequence[int], n_blocks: int) -> tuple[tuple[int, in
     """``(start, stop)`` per stage of ``blocks`` blocks per stage, in pipeline order.
 
     Raises:
-        PipelineSplitError: a stage of no blocks, or not ``n_blocks`` in all
+        PipelineSplitError: a stage of no blocks but the last, or not ``n_blocks`` in all
             (:func:`check_split`).
     """
     starts = [sum(blocks[:i]) for i in range(len(blocks))]

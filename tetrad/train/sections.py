@@ -134,7 +134,8 @@ class ParallelismSection:
         "",
         metavar="N,N,...",
         help="blocks of each pipeline stage, in pipeline order (G_pipe x V counts summing to the "
-        "model's blocks; for example Megatron's even split); default: balanced by the "
+        "model's blocks, the last may be 0: the LM head's stage alone; for example Megatron's "
+        "even split); default: balanced by the "
         "planner's compute with --machine, else counting the embedding and the head as a "
         "block each",
     )

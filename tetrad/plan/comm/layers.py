@@ -177,7 +177,7 @@ def gather_units(st: Step) -> list[tuple[str, float, float]]:
     head, or with the last block where the rank has no head."""
     L, fwd = st.n_layers, st.comp.block_fwd
     norm = st.model.norm_params() / st.sizes["x"]
-    block = st.block_el + (st.vector_el - norm) / L
+    block = st.block_el + (st.vector_el - norm) / L if L else 0.0  # L = 0: the head's stage alone
     units: list[tuple[str, float, float]] = []
     if st.emb_el:
         units.append(("embedding", st.emb_el, 0.0))

@@ -355,7 +355,8 @@ def saved_activations(
         ``blocks`` (``L`` blocks' saved tensors; selective: ``L``
         :func:`selective_block_saved_bytes`; ``selective:K``: ``K`` of those and ``L - K``
         :func:`block_saved_bytes`; full: ``L`` block inputs; all but none plus the positions
-        ``[S]`` int64, one tensor kept for all blocks), ``embedding``, ``final_norm``, ``loss``
+        ``[S]`` int64, one tensor kept for all blocks; 0 with no block, the LM head's stage
+        alone), ``embedding``, ``final_norm``, ``loss``
         (:func:`loss_saved_bytes` with ``G_z > 1``, else 0: training puts the head's ``dW``
         into its gradient in forward; their sum is what a training step's saved-tensor hooks
         see), and ``recompute``: live while one block is
@@ -425,9 +426,11 @@ def _saved_activations(
     more = {} if residual is None else {"residual": residual}
     rg = {"regather": True} if regather else {}  # the memo's key of the callers without it
     t = _block_terms(model, grid, micro_batch, seq_len, dtype, compiled, split, **more, **rg)
-    if model.n_experts:
+    if model.n_experts and model.n_layers:
         t = _moe_block_terms(model, grid, micro_batch, seq_len, dtype, t, *moe, **more)
-    if mode == "full":
+    if not model.n_layers:  # the LM head's stage alone (tetrad.spec.pipeline_split): no block
+        blocks, recompute = 0.0, 0.0
+    elif mode == "full":
         biggest = t.block_max or t.block
         blocks, recompute = model.n_layers * t.block_input + t.positions, biggest - t.block_input
     elif mode == "selective":
@@ -437,7 +440,7 @@ def _saved_activations(
         blocks, recompute = model.n_layers * t.block, 0.0
     if mode == "full":  # the context masks and chunk order: saved by each recomputed block
         recompute += t.shared
-    else:  # one set for all blocks
+    elif model.n_layers:  # one set for all blocks
         blocks += t.shared
     return (
         ("blocks", blocks),

@@ -47,7 +47,6 @@ search, share them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 
@@ -65,7 +64,7 @@ from tetrad.plan.pipe.schedule import (
     in_flight_chunks,
     p2p_bytes,
 )
-from tetrad.plan.pipe.stages import PipeRank
+from tetrad.plan.pipe.stages import PipeRank, stage_model
 from tetrad.spec.grid import context_size, grid_sizes
 from tetrad.spec.model import ModelSpec
 
@@ -73,17 +72,6 @@ HEAD_PHASES = ("forward: LM head", "backward: LM head")
 """The runtime model's phases that exist only on the rank of the last stage."""
 ENDS = ("backward: end", "optimizer step")
 """Phases after the last micro-batch's backward: no other micro-batch is in flight."""
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def stage_model(model: ModelSpec, blocks: int) -> ModelSpec:
-    """``model`` with ``blocks`` blocks, one object per model and count (the memos keyed on it
-    then hash it once and compare it by identity). A mixture-of-experts model's stage has no
-    dense block (its first ``dense_layers`` are on one stage only; the stage of all MoE blocks
-    is the one that holds the most experts)."""
-    if model.n_experts:
-        return dataclasses.replace(model, n_layers=blocks, dense_layers=0)
-    return dataclasses.replace(model, n_layers=blocks)
 
 
 def table_elements(model: ModelSpec, grid) -> tuple[int, int, int]:

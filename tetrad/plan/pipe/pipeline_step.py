@@ -34,7 +34,6 @@ has it).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from tetrad.plan.comm import layers, linears
@@ -43,7 +42,13 @@ from tetrad.plan.compute.elementwise import optimizer_seconds
 from tetrad.plan.pipe.critical_path import schedule_step
 from tetrad.plan.pipe.schedule import boundaries_of_rank, p2p_bytes
 from tetrad.plan.pipe.stage_times import stage_times
-from tetrad.plan.pipe.stages import PipeRank, balanced_stages, pipe_ranks, split_costs
+from tetrad.plan.pipe.stages import (
+    PipeRank,
+    balanced_stages,
+    pipe_ranks,
+    split_costs,
+    stage_model,
+)
 from tetrad.plan.question import FLAG, StepQuestion, shards_optimizer
 from tetrad.plan.step_time import LAYER_KINDS, make_step, sequence_parallel_applies
 from tetrad.spec.activation_checkpointing import parse_checkpointing
@@ -129,7 +134,7 @@ def stage_question(ctx: StepQuestion, blocks: int) -> StepQuestion:
     cache = ctx.__dict__.setdefault("_stage_questions", {})
     got = cache.get(blocks)
     if got is None:
-        model = dataclasses.replace(ctx.model, n_layers=blocks)
+        model = stage_model(ctx.model, blocks)
         got = StepQuestion(
             model,
             ctx.machine,

@@ -8,11 +8,14 @@ stages ``r, r + p, ...``, :func:`tetrad.spec.pipeline_split.stages_of_rank`). Pl
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 from tetrad.plan.compute.block import BlockCompute
 from tetrad.plan.pipe.uniform_split import exact_quarters, uniform_split
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
+from tetrad.spec.model import ModelSpec
 from tetrad.spec.pipeline_split import balanced_split, stages_of_rank
 
 
@@ -85,3 +88,18 @@ def ranks_of_split(split, pipe: int, virtual: int) -> tuple[PipeRank, ...]:
         chunks = tuple(split[s][1] - split[s][0] for s in stages)
         out.append(PipeRank(r, sum(chunks), 0 in stages, last in stages, chunks))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def stage_model(model: ModelSpec, blocks: int) -> ModelSpec:
+    """``model`` with ``blocks`` blocks, one object per model and count (the memos keyed on it
+    then hash it once and compare it by identity). A mixture-of-experts model's stage has no
+    dense block (its first ``dense_layers`` are on one stage only; the stage of all MoE blocks
+    is the one that holds the most experts). ``blocks = 0``: the LM head's stage without
+    blocks (:mod:`tetrad.spec.pipeline_split`), a model of no blocks, which a user's
+    :class:`~tetrad.spec.model.ModelSpec` may not be, so it is made with one and set to none."""
+    more = {"dense_layers": 0} if model.n_experts else {}
+    sm = dataclasses.replace(model, n_layers=max(1, blocks), **more)
+    if blocks == 0:
+        object.__setattr__(sm, "n_layers", 0)  # frozen; past the positive-size check
+    return sm

@@ -11,8 +11,9 @@ blocks of cost 1:
 
 - for ``s >= 1`` (no embedding) ``best[s][a]`` depends only on ``N = n - a`` blocks and ``T``
   stages, the last with the head's cost ``h``: ``N + h`` for ``T = 1``; else the least over the
-  last stage's ``x`` blocks of ``max(ceil((N - x) / (T - 1)), x + h)`` (the other stages even),
-  a non-increasing then increasing function of ``x`` (:func:`_suffix_best`);
+  last stage's ``x >= 0`` blocks (the last stage may be empty) of ``max(ceil((N - x) / (T -
+  1)), x + h)`` (the other stages even), a non-increasing then increasing function of ``x``
+  (:func:`_suffix_best`);
 - ``cost(s, a, b)`` grows with ``b`` and ``best[s + 1][b]`` does not (dropping a block from a
   suffix never raises its best), so ``max`` of the two falls and then rises: the first ``b``
   reaching the least is found walking ``b`` up from ``a + 1`` until it rises.
@@ -55,7 +56,7 @@ def uniform_split(
     split, a = [], 0
     for s in range(stages):
         extra = (first_extra if s == 0 else 0.0) + (h if s == stages - 1 else 0.0)
-        stop_max = n - (stages - 1 - s)
+        stop_max = n - max(0, stages - 2 - s)  # the stages after s need a block each, the last none
         if s == stages - 1:
             split.append((a, n))
             break
@@ -74,22 +75,22 @@ def uniform_split(
 @functools.lru_cache(maxsize=1 << 16)
 def _suffix_best(blocks: int, stages: int, head: float) -> float:
     """The least largest stage cost of ``blocks`` unit blocks in ``stages`` stages, the last
-    with ``head`` more (``blocks >= stages >= 1``; module doc; memoised: the splits of every
-    ``p`` and ``v`` of a model share them)."""
+    with ``head`` more and perhaps no block (``blocks >= stages - 1 >= 0``; module doc;
+    memoised: the splits of every ``p`` and ``v`` of a model share them)."""
     if stages == 1:
         return float(blocks) + head
 
     def even(x: int) -> int:  # the largest of the other stages when the last has x blocks
         return -(-(blocks - x) // (stages - 1))
 
-    lo, hi = 1, blocks - stages + 1  # the first x with x + head >= even(x): at hi at the latest
+    lo, hi = 0, blocks - stages + 1  # the first x with x + head >= even(x), or hi
     while lo < hi:
         mid = (lo + hi) // 2
         if mid + head >= even(mid):
             hi = mid
         else:
             lo = mid + 1
-    out = lo + head
-    if lo > 1:
+    out = max(lo + head, float(even(lo)))
+    if lo > 0:  # below lo the other stages are the largest
         out = min(out, float(even(lo - 1)))
     return float(out)

@@ -259,10 +259,11 @@ def layout_question(ctx: StepQuestion, layout: TetradLayout) -> StepQuestion:
 def head_relieved(split: tuple[int, ...]) -> list[tuple[int, ...]]:
     """``split`` (blocks per stage, the last stage with the LM head) with one block moved from
     the last stage to each other stage in turn: ``len(split) - 1`` splits, none where the last
-    stage has one block. The head and loss weigh about two blocks of a large Llama, so the
-    stage holding them is the slowest of an even split; Megatron-Core's
-    ``--decoder-last-pipeline-num-layers`` takes blocks off it the same way."""
-    if len(split) < 2 or split[-1] < 2:
+    stage has no block (it may be left with none: :mod:`tetrad.spec.pipeline_split`). The head
+    and loss weigh about two blocks of a large Llama, so the stage holding them is the slowest
+    of an even split; Megatron-Core's ``--decoder-last-pipeline-num-layers`` takes blocks off it
+    the same way."""
+    if len(split) < 2 or split[-1] < 1:
         return []
     out = []
     for j in range(len(split) - 1):

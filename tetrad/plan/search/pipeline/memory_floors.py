@@ -21,7 +21,8 @@ out), ``C`` of which the context masks and chunk order each stage saves once
 final norm's and loss's saved bytes, ``P`` a receive buffer's (``[b, S / G_context, h /
 G_x]`` in the compute dtype).
 
-``c_j`` are the passes in flight on the rank's ``j``-th stage (``b_j`` blocks) in one set of
+``c_j`` are the passes in flight on the rank's ``j``-th stage (``b_j`` blocks; the sums run
+over the stages that hold blocks: the LM head's stage may hold none) in one set of
 :func:`tetrad.plan.memory.pipeline.in_flight_sets`, those its schedule holds at its peak: the
 memory counts the set with the most bytes, at least this one's. GPipe and 1F1B hold
 :func:`tetrad.plan.pipe.schedule.in_flight_chunks` of their one stage. Interleaved 1F1B's order
@@ -174,11 +175,13 @@ class MemoryFloors:
                     c = warm_passes(p, r.rank, v, m)
                 else:
                     c = (in_flight_chunks(cfg.schedule, p, r.rank, v, m),)
-                n = sum(c)
-                more = sum(n_j * (b_j - 1) for n_j, b_j in zip(c, r.chunk_blocks, strict=True))
-                buffers = (0 if r.first else n) + sum(boundaries_of_rank(p, r.rank, v))
+                # a stage of no blocks (the LM head's alone) saves no block's tensors
+                full = [(n_j, b_j) for n_j, b_j in zip(c, r.chunk_blocks, strict=True) if b_j]
+                n = sum(n_j for n_j, _ in full)
+                more = sum(n_j * (b_j - 1) for n_j, b_j in full)
+                buffers = (0 if r.first else sum(c)) + sum(boundaries_of_rank(p, r.rank, v))
                 drop = r.last and c[-1] == 0
-                ranks.add((r.blocks, n, more, sum(map(bool, c)), drop, buffers))
+                ranks.add((r.blocks, n, more, sum(bool(n_j) for n_j, _ in full), drop, buffers))
             got = self.flight_memo[key] = _undominated(ranks)
         return got
 
@@ -287,15 +290,11 @@ class MemoryFloors:
         for flight in self._flights(split, pipe, m):
             least = min(
                 [
-                    (
-                        room
-                        - n * (one - shared)
-                        - more * slope
-                        - held * shared
-                        + ends * drop
-                        - q * out
+                    _per_block(
+                        room - n * (one - shared) - more * slope - held * shared + ends * drop,
+                        q * out,
+                        k,
                     )
-                    / k
                     for k, n, more, held, drop, q in flight
                 ]
             )
@@ -312,6 +311,15 @@ class MemoryFloors:
         m = self.ctx.global_batch // (gd * gz * b)
         pairs = self._pairs(gc, gy, gx, b, mode, m, cfg)
         return self._too_big(pairs, *self._state_bytes(gy * gx * gz, gd * gc))
+
+
+def _per_block(room: float, buffers: float, k: int) -> float:
+    """The most bytes per block that a rank of ``k`` blocks leaves room for (``room`` less its
+    ``buffers``): ``(room - buffers) / k``; a rank of no blocks (the LM head's stage alone) fits
+    any or none."""
+    if k:
+        return (room - buffers) / k
+    return float("inf") if room >= buffers else -float("inf")
 
 
 def warm_passes(pipe: int, rank: int, virtual: int, micro_batches: int) -> tuple[int, ...]:
