@@ -399,13 +399,14 @@ def test_tetrad_transients():
     assert blocks - no_pf.phases["backward: blocks"] == (2 * (14336 + 6144) + extra_dw) * 4096 // 4
     # the fused LM head and loss in forward, V/(G_y G_x) = 32064 logits per token: one block of
     # all 8192 rows (1 GiB of fp32 logits holds 8372) as bf16 logits, fp32 softmax and its bf16
-    # copy; the micro-batch's bf16 logits kept for the second pass (V is split); the input
-    # gathered over X [m, h] bf16; three fp32 statistics per token; the head weight and the
-    # two prefetched next block weights (counted as the two largest, w13 and w2)
+    # copy (V is split: the block's statistics are all-reduced before its gradient, no more
+    # logits kept); the input gathered over X [m, h] bf16; three fp32 statistics per token; the
+    # head weight and the two prefetched next block weights (counted as the two largest, w13
+    # and w2)
     fwd = r.phases["forward: LM head"] - static - saved["blocks"] - saved["embedding"]
     fwd -= saved["final_norm"] + saved["loss"]
     v = 128256 // 4
-    logits = S * v * (2 + 4 + 2) + 2 * S * v + 2 * S * 4096 + 12 * S
+    logits = S * v * (2 + 4 + 2) + 2 * S * 4096 + 12 * S
     assert fwd == logits + 2 * (128256 + 2 * 14336 + 14336) * 4096 // 4
     # backward: the scaled dx [m, h] bf16 and dW's fp32 copy (the reduce-scatter input); the
     # head weight is no longer held; the two prefetched block weights (w13, w2)

@@ -22,9 +22,14 @@ Two entry points:
   a sum, so its gradient is one scalar ``s``: backward scales ``dx`` and ``dW`` by ``s`` and
   sends them on as the LM head's backward did (reduce-scatter over X and all-reduce over Y of
   ``dx``, reduce-scatter over Z of ``dW``). With the vocabulary split over Y or X the
-  statistics ``M`` and the sum of exponentials are global only after their all-reduces, so the
-  logits of the whole micro-batch are kept (compute dtype) during forward and the gradient
-  blocks formed in a second pass over them.
+  statistics ``M`` and the sum of exponentials are global only after their all-reduces, so
+  each block's statistics are all-reduced as soon as its logits are formed, and its gradient
+  formed from its ``exp(z - m)`` (``m`` this rank's maximum) rescaled by ``exp(m - M) /
+  sum`` in the pass that divides by the sum anyway: three ``[rows]`` fp32 all-reduces per axis
+  and block, no second pass over the logits, and no logits beyond one block's held (the
+  micro-batch's ``[T, V/G]`` logits would be, say, 41 GiB of bf16 for llama-3.1-8b at TP 8 and
+  a micro-batch of 128 x 8192 tokens). On GPUs a block holds 1 GiB of fp32 logits, so a
+  micro-batch of up to ``2^28 / (V/G)`` tokens is one block and one set of all-reduces.
 
   When the caller knows ``s`` in forward (``grad_scale``: training divides the sum by the
   global batch's token count) and no Z reduce-scatter stands between the block and the
@@ -118,6 +123,23 @@ def _all_reduce_over(t: torch.Tensor, grid: Grid, axes, op: str = "sum") -> torc
     return t
 
 
+def _global_statistics(
+    row_max: torch.Tensor, sum_exp: torch.Tensor, z_target: torch.Tensor, grid: Grid
+) -> torch.Tensor:
+    """This rank's per-row statistics of its vocabulary block (``[rows]`` fp32 each: the
+    largest logit ``m``, the sum of ``exp(z - m)``, the target's logit or 0) made those of the
+    whole vocabulary over the LM head's axes, in place: ``M`` (all-reduce max), the sums
+    rescaled to ``M`` and all-reduced, the target logits all-reduced (module docstring).
+    Returns the rescaling ``exp(m - M)``, ``[rows]`` fp32 (a new tensor)."""
+    shift = row_max.clone()
+    _all_reduce_over(row_max, grid, HEAD_AXES, op="max")
+    shift.sub_(row_max).exp_()
+    sum_exp.mul_(shift)
+    _all_reduce_over(sum_exp, grid, HEAD_AXES)
+    _all_reduce_over(z_target, grid, HEAD_AXES)
+    return shift
+
+
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -180,16 +202,18 @@ class _Blocks:
         s: int,
         e: int,
         p: torch.Tensor,
-        sum_exp: torch.Tensor,
+        per_row: torch.Tensor,
         dx,
         dw,
         scale=None,
         fresh=False,
     ) -> None:
-        """``g = p / sum_exp - onehot`` for rows ``s:e``; ``dx[s:e] = g W``, ``dw += g^T x``
+        """``g = p per_row - onehot`` for rows ``s:e`` (``per_row [e - s]``: the softmax's
+        ``1 / sum_exp``, times ``exp(m - M)`` where ``p = exp(z - m)`` was taken at this
+        rank's maximum ``m`` and ``M`` is the global one); ``dx[s:e] = g W``, ``dw += g^T x``
         (``scale``: ``dw`` is the gradient, ``dw += scale g^T x``, written rather than added
         on the first block where ``fresh``)."""
-        p.mul_(sum_exp.reciprocal().unsqueeze(-1))
+        p.mul_(per_row.unsqueeze(-1))
         p.scatter_add_(-1, self.local[s:e].unsqueeze(-1), self.hit[s:e])
         g = p if p.dtype == self.x.dtype else p.to(self.x.dtype)
         torch.mm(g, self.w, out=dx[s:e])
@@ -252,30 +276,21 @@ class _LMHeadLoss(torch.autograd.Function):
             dw = into
             if into is None:
                 dw = torch.empty(v_local, xm.shape[1], dtype=dtype, device=x.device)
-        kept = None  # with the vocabulary split the gradient needs the global statistics
-        if split and need_grad:
-            kept = torch.empty(m_rows, v_local, dtype=dtype, device=x.device)
         with torch.autocast(x.device.type, enabled=False):  # operands are in compute dtype
             blocks = _Blocks(xm, w, local, outside, _padding_start(vocab, first, v_local), rows)
             for s, e in blocks.spans():
-                z = blocks.logits(s, e, None if kept is None else kept[s:e])
+                z = blocks.logits(s, e)
                 row_max[s:e] = z.amax(dim=-1)
                 z_target[s:e] = z.gather(-1, local[s:e].unsqueeze(-1)).squeeze(-1)
+                z_target[s:e].masked_fill_(outside[s:e], 0.0)
                 p = blocks.exp(z, row_max[s:e])
                 sum_exp[s:e] = p.sum(dim=-1)
-                if need_grad and not split:  # the statistics are already global
-                    blocks.gradient(s, e, p, sum_exp[s:e], dx, dw, scale, fresh)
-            z_target.masked_fill_(outside, 0.0)
-            if split:  # M, then the sum of exp(z - M), then the target logit, over Y and X
-                local_max = row_max.clone()
-                _all_reduce_over(row_max, grid, HEAD_AXES, op="max")
-                sum_exp.mul_((local_max - row_max).exp_())
-                _all_reduce_over(sum_exp, grid, HEAD_AXES)
-                _all_reduce_over(z_target, grid, HEAD_AXES)
+                per_row = sum_exp[s:e].reciprocal()
+                if split:  # the block's statistics made global; p rescaled to them
+                    shift = _global_statistics(row_max[s:e], sum_exp[s:e], z_target[s:e], grid)
+                    per_row = shift.div_(sum_exp[s:e])
                 if need_grad:
-                    for s, e in blocks.spans():
-                        p = blocks.exp(kept[s:e], row_max[s:e])
-                        blocks.gradient(s, e, p, sum_exp[s:e], dx, dw, scale, fresh)
+                    blocks.gradient(s, e, p, per_row, dx, dw, scale, fresh)
         if need_grad:
             ctx.save_for_backward(dx, *(() if into is not None else (dw,)))
             ctx.weight, ctx.ov, ctx.shape, ctx.seq = w_shard, ov, x_full.shape, seq

@@ -258,7 +258,7 @@ def block_compute(
     hf = 2.0 * m * head.out_features * head.in_features / txy
     vy = model.vocab_size // txy  # logits per rank: the LM head splits V over Y and X
     blocks = -(-m // loss_chunk_rows(vy, m))  # row blocks of the fused loss (GPU budget)
-    per_logit = ew["loss_fwd_per_logit"] + (ew["loss_split_per_logit"] if txy > 1 else 0.0)
+    per_logit = ew["loss_fwd_per_logit"]  # with V split too (tetrad/parallel/loss.py)
     dw_el = vy * model.dim
     dw_scale = ew["loss_bwd_per_dw"] * dw_el / hbm
     emb_rows = (model.vocab_size + model.max_positions) / gy

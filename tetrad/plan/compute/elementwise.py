@@ -10,7 +10,6 @@ ELEMENTWISE = {
     "act_per_f_llama": 8.0,
     "act_per_f_gpt": 4.0,
     "loss_fwd_per_logit": 34.0,
-    "loss_split_per_logit": 14.0,
     "loss_dw_per_block": 4.0,
     "loss_bwd_per_dx": 4.0,
     "loss_bwd_per_dw": 6.0,
@@ -30,8 +29,9 @@ runtime's unfused ops, in bytes per token and per local feature:
 - ``loss_fwd_per_logit`` (per ``V/(G_y G_x)`` logit; the fused LM head and loss,
   tetrad/parallel/loss.py, all in forward): max of the bf16 logits (read 2), subtract into the
   fp32 softmax buffer (read 2, write 4), exp in place (8), sum (4), scale by ``1 / sum`` (8),
-  cast to bf16 for the gradient GEMMs (read 4, write 2); ``loss_split_per_logit``: the second
-  pass when the vocabulary is split over Y or X (read the kept logits, subtract, exp: 14);
+  cast to bf16 for the gradient GEMMs (read 4, write 2); with the vocabulary split over Y or
+  X the same (the scale by ``1 / sum`` also rescales to the global maximum, once each block's
+  statistics are all-reduced: no second pass);
   ``loss_dw_per_block`` (per ``dW`` element and row block after the first): the GEMM's
   accumulation reads and writes the running bf16 sum; backward ``loss_bwd_per_dx`` (per ``dx``
   element: scale, read 2, write 2) and ``loss_bwd_per_dw`` (per ``dW`` element: scaled into its

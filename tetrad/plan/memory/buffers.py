@@ -50,18 +50,17 @@ def lm_head_logits_bytes(
     """Transients of the fused LM head and loss (tetrad/parallel/loss.py ``lm_head_loss``) at
     their largest, in forward: one block of ``n`` rows (:func:`tetrad.spec.overlap.loss_chunk_rows`,
     the GPU budget) of logits ``[n, V/(G_y G_x)]`` in the compute dtype, their fp32 softmax and
-    its compute-dtype copy for the gradient GEMMs (one buffer in all when ``e = 4``); with the
-    vocabulary split over Y or X the micro-batch's logits ``e m V/(G_y G_x)``, kept for the
-    second pass; with ``G_x > 1`` the input gathered over X ``e m h`` (under
+    its compute-dtype copy for the gradient GEMMs (one buffer in all when ``e = 4``; with the
+    vocabulary split over Y or X each block's statistics are all-reduced before its second
+    pass, so no more logits are kept); with ``G_x > 1`` the input gathered over X ``e m h`` (under
     ``sequence_parallel``, gathered along the sequence over Y: the same); the per-token
     maximum, sum and target logit ``12 m``."""
     _, _, gy, gx = grid_sizes(grid)
     vy = model.vocab_size // (gy * gx)
     n = loss_chunk_rows(vy, m)
     block = n * vy * (e if e == FP32 else 2 * e + FP32)
-    kept = e * m * vy if gy * gx > 1 else 0
     gathered = e * m * model.dim if gx > 1 or sequence_parallel else 0
-    return float(block + kept + gathered + 12 * m)
+    return float(block + gathered + 12 * m)
 
 
 def embedding_grad_bytes(model: ModelSpec, grid) -> float:
