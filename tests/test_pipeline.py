@@ -307,6 +307,24 @@ def test_train_resumes_across_stage_counts(corpus, tmp_path, monkeypatch):
         assert _losses(run) == pytest.approx(_losses(whole), abs=1e-5), to_grid
 
 
+def test_train_with_the_head_stage_alone_resumes_on_the_default_split(
+    corpus, tmp_path, monkeypatch
+):
+    """``tetrad train --pipeline-split 4,0`` (the LM head's stage without blocks) on pipe=2:
+    the losses of the default split (2,2), and its checkpoint of step 2 resumed on the
+    default split gives them too (an empty stage saves no block, the other all four)."""
+    monkeypatch.setenv("TETRAD_CACHE", str(tmp_path / "cache"))
+    model = {"model": "tiny,n_layers=4,vocab_size=0"}
+    whole = tmp_path / "whole"
+    _run(_config(corpus, whole, 4, "pipe=2", **model), 2)
+    alone = tmp_path / "alone"
+    _run(_config(corpus, alone, 2, "pipe=2", pipeline_split="4,0", **model), 2)
+    assert (alone / "checkpoints" / "step_0000002").is_dir()
+    _run(_config(corpus, alone, 4, "pipe=2", resume=True, **model), 2)
+    assert len(_losses(alone)) == 4
+    assert _losses(alone) == pytest.approx(_losses(whole), abs=1e-5)
+
+
 def _head_slot_worker(out_dir: str) -> None:
     """pipe=2 x data=2, 1F1B and GPipe, two steps each: when the head's bucket is launched,
     the last stage's LM-head gradient is its place in the bucket (written there by the first
