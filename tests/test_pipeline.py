@@ -239,7 +239,7 @@ def test_balanced_split_counts_embedding_and_head():
     assert balanced_split([1.0] * 8, 1.0, 2.0, 4) == ((0, 1), (1, 4), (4, 7), (7, 8))
     # heavier still, every block: the last stage runs the head alone
     assert balanced_split([1.0] * 8, 1.0, 3.0, 4) == ((0, 2), (2, 5), (5, 8), (8, 8))
-    # an empty last stage only where it lowers the largest stage (here both give 2)
+    # the runtime's default costs: no empty last stage (here both would give 2)
     assert balanced_split([1.0] * 4, 1.0, 1.0, 4) == ((0, 1), (1, 2), (2, 3), (3, 4))
     with pytest.raises(PipelineSplitError, match="at least one block"):
         balanced_split([1.0] * 3, 0.0, 0.0, 4)

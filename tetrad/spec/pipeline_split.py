@@ -34,9 +34,13 @@ def balanced_split(
     """The contiguous split of ``len(block_cost)`` blocks into ``stages`` stages (every one
     non-empty but the last, module doc) that minimises the largest stage cost, where stage 0
     also pays ``first_extra`` (the embedding) and the last stage ``last_extra`` (final norm, LM
-    head and loss); among splits with the same maximum, the one whose earlier stages are
-    shortest (in 1F1B earlier stages hold more in-flight micro-batches, so lighter early
-    stages need less memory; an empty last stage only where it lowers the maximum).
+    head and loss); among splits with the same maximum, each stage ends at the first block
+    from which the stages after it reach their own least maximum (in 1F1B earlier stages hold
+    more in-flight micro-batches, so lighter early stages need less memory). So the last stage
+    is left empty where that lowers the largest cost of the stages after the one before it: a
+    heavy head, or on a tie of the whole maximum (``[1.0] * 3`` with 1.25 and 1.25 over 3
+    stages gives ``(1, 2, 0)`` blocks where ``(1, 1, 1)`` has the same maximum); the runtime's
+    default costs (1 and 1) never empty it up to 128 blocks.
 
     Costs are in any one unit (seconds, FLOP). Exact: dynamic programming over
     ``(stage, first block)``, ``O(stages * L^2)`` for ``L`` blocks.
