@@ -178,7 +178,8 @@ def gather_units(st: Step) -> list[tuple[str, float, float]]:
     forward seconds between its wait and the next unit's first read)``: the embedding (first
     rank; its lookup counted as nothing), each block (a block's forward; the last block of a
     stage followed by another stage of the rank: ``rounds`` micro-batches through the stage
-    first), the final norm with the LM head (last rank). Every block carries its norms and
+    first; the stages' blocks ``st.chunk_blocks``, which may be uneven and the head's stage
+    empty), the final norm with the LM head (last rank). Every block carries its norms and
     biases (``(vector_el - h / G_x) / L`` elements); the final norm's ``h / G_x`` go with the
     head, or with the last block where the rank has no head."""
     L, fwd = st.n_layers, st.comp.block_fwd
@@ -187,10 +188,19 @@ def gather_units(st: Step) -> list[tuple[str, float, float]]:
     units: list[tuple[str, float, float]] = []
     if st.emb_el:
         units.append(("embedding", st.emb_el, 0.0))
-    per = -(-L // st.chunks)
+    ends: dict[int, int] = {}  # a stage's last block (followed by another stage): its blocks
+    if st.chunk_blocks:
+        start = 0
+        for b in st.chunk_blocks[:-1]:
+            start += b
+            if b:
+                ends[start - 1] = b
+    else:
+        per = max(1, -(-L // st.chunks))  # L = 0: no block
+        ends = {k: per for k in range(per - 1, L - 1, per)}
     for k in range(L):
-        stage_end = (k + 1) % per == 0 and k + 1 < L
-        units.append(("blocks", block, fwd * (1 + (st.rounds - 1) * per) if stage_end else fwd))
+        after = fwd * (1 + (st.rounds - 1) * ends[k]) if k in ends else fwd
+        units.append(("blocks", block, after))
     if st.head_el:
         units.append(("head", st.head_el + norm, 0.0))
     else:

@@ -101,7 +101,9 @@ class Step:
         chunks, rounds: a pipeline rank's stages (interleaved 1F1B: ``v``) and the micro-batches
             each runs forward before the next stage's first (``min(G_pipe, acc)``); the next
             step's forward hides the parameter all-gathers in that order
-            (:func:`tetrad.plan.comm.layers.gather_units`).
+            (:func:`tetrad.plan.comm.layers.gather_units`). ``chunk_blocks``: the blocks of
+            each of those stages, in that order (empty: ``chunks`` stages of ``ceil(L /
+            chunks)`` blocks).
         fused_s: seconds of the fused GEMM -> reduce-scatter ring ``(flops, payload bytes,
             link, chunks)`` on this machine (:meth:`tetrad.plan.question.StepQuestion.fused_s`:
             :func:`tetrad.plan.comm.fine.ring_reduce_scatter_seconds`, memoised per shape).
@@ -153,6 +155,7 @@ class Step:
     wrap: bool = False
     chunks: int = 1
     rounds: int = 1
+    chunk_blocks: tuple[int, ...] = ()
     fp8: str = "off"
     z_weight_bytes: int = 0
     param_bytes: int = 4

@@ -198,6 +198,7 @@ def rank_time(
         st.emb_el = 0.0
     if cfg.schedule == "interleaved-1f1b":  # the next forward's stage order (gather_units)
         st.chunks, st.rounds = cfg.virtual, min(cfg.pipe, st.acc)
+        st.chunk_blocks = prank.chunk_blocks
     mb, tail = Recorder(False), Recorder(False)
     per_block = block_xy(ctx, grid, micro_batch, ckpt, turn)
     for d, src in ((mb.exposed, per_block[0]), (mb.total, per_block[1])):
