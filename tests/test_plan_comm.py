@@ -8,6 +8,7 @@ input axis, ``m k / G_in`` backward over its output axis, and reduce-scatters ``
 fp32 gradient elements over Z.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -393,3 +394,26 @@ def test_estimate_rejects_batch_that_does_not_split():
     with pytest.raises(PlanError, match="not divisible"):
         estimate(ctx, (2, 2, 1, 1), 1, False)
     assert math.isfinite(estimate(ctx, (2, 1, 1, 1), 3, False).step_s)
+
+
+def test_gather_windows_follow_each_stages_blocks():
+    """The sharded optimizer's all-gather after the update of a stage's first block hides behind
+    the stages before it: each stage's last block that another stage of the rank follows waits
+    ``rounds`` micro-batches through its stage (``1 + (rounds - 1) b`` block forwards, ``b`` its
+    blocks); uneven stages and a head stage of no blocks included (docs: gather_units)."""
+    from tetrad.plan.comm.layers import gather_units
+    from tetrad.plan.step_time import make_step
+
+    ctx = StepQuestion(get_model("llama-3.1-8b"), get_machine("dgx-h100"), 4096, 64)
+    st = make_step(ctx, (8, 1, 1, 1), 1, "none")
+    st.rounds, fwd = 4, st.comp.block_fwd
+
+    def windows(L, chunk_blocks, chunks):
+        st.model = dataclasses.replace(st.model, n_layers=L)
+        st.chunks, st.chunk_blocks = chunks, chunk_blocks
+        return [round(a / fwd, 9) for name, _, a in gather_units(st) if name == "blocks"]
+
+    even = windows(4, (), 2)
+    assert even == windows(4, (2, 2), 2) == [1, 7, 1, 1]  # the first stage's 2nd block waits
+    assert windows(4, (1, 3), 2) == [4, 1, 1, 1]  # uneven: after the 1-block stage
+    assert windows(3, (2, 1, 0), 3) == [1, 7, 4]  # the head's stage of no blocks follows
