@@ -285,10 +285,11 @@ class _LMHeadLoss(torch.autograd.Function):
                 z_target[s:e].masked_fill_(outside[s:e], 0.0)
                 p = blocks.exp(z, row_max[s:e])
                 sum_exp[s:e] = p.sum(dim=-1)
-                per_row = sum_exp[s:e].reciprocal()
                 if split:  # the block's statistics made global; p rescaled to them
                     shift = _global_statistics(row_max[s:e], sum_exp[s:e], z_target[s:e], grid)
                     per_row = shift.div_(sum_exp[s:e])
+                else:
+                    per_row = sum_exp[s:e].reciprocal()
                 if need_grad:
                     blocks.gradient(s, e, p, per_row, dx, dw, scale, fresh)
         if need_grad:

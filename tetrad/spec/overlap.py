@@ -74,6 +74,13 @@ def loss_chunk_rows(vocab_local: int, rows: int, device: str = "cuda") -> int:
     return max(1, min(rows, budget // (4 * vocab_local)))
 
 
+def loss_blocks(vocab_local: int, rows: int, device: str = "cuda") -> int:
+    """Row blocks of :func:`loss_chunk_rows` rows that ``rows`` token rows make (the last may be
+    shorter): the fused loss's blocks, each with its own statistics all-reduces when the
+    vocabulary is split."""
+    return -(-rows // loss_chunk_rows(vocab_local, rows, device))
+
+
 CONTEXT_PIECES = 8
 """Most pieces of the ``context`` overlap (:mod:`tetrad.parallel.context`): the K/V all-gather
 of context-parallel attention is split over (micro-batch, KV head) into at most this many, each

@@ -16,7 +16,7 @@ from tetrad.plan.comm.context_parallel import pieces_exposed_seconds
 from tetrad.plan.comm.record import Recorder, Step
 from tetrad.plan.machine.network import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from tetrad.spec.grid import Axis
-from tetrad.spec.overlap import gather_groups, loss_chunk_rows
+from tetrad.spec.overlap import gather_groups, loss_blocks
 from tetrad.spec.units import FP32
 
 
@@ -85,12 +85,12 @@ def lm_head(rec: Recorder, st: Step) -> None:
 
 def loss(rec: Recorder, st: Step) -> None:
     """Vocabulary-parallel cross-entropy over Y and X: per row block of the fused loss
-    (:func:`tetrad.spec.overlap.loss_chunk_rows`, the GPU budget; one block up to ``2^28 /
+    (:func:`tetrad.spec.overlap.loss_blocks`, the GPU budget; one block up to ``2^28 /
     (V/(G_y G_x))`` tokens) 3 all-reduces (max, sum of exp, target logit) over each of Y and X,
     ``m * 4`` bytes per statistic over the micro-batch's blocks (each call timed at its mean
     payload), forward only (tetrad/parallel/loss.py)."""
     vy = st.model.vocab_size // (st.sizes["y"] * st.sizes["x"])
-    blocks = -(-st.m // loss_chunk_rows(vy, st.m))
+    blocks = loss_blocks(vy, st.m)
     for ax in (Axis.Y, Axis.X):
         if st.sizes[ax] > 1:
             p = st.m * FP32 / blocks

@@ -46,7 +46,7 @@ from tetrad.plan.machine.description import Machine
 from tetrad.spec.activation_checkpointing import checkpointed_blocks
 from tetrad.spec.grid import with_context
 from tetrad.spec.model import ModelSpec
-from tetrad.spec.overlap import loss_chunk_rows
+from tetrad.spec.overlap import loss_blocks
 
 ATTENTION_BWD = 2.5
 """Attention backward seconds over forward: FlashAttention's five matmuls against two (module
@@ -257,7 +257,7 @@ def block_compute(
     head = model.lm_head()
     hf = 2.0 * m * head.out_features * head.in_features / txy
     vy = model.vocab_size // txy  # logits per rank: the LM head splits V over Y and X
-    blocks = -(-m // loss_chunk_rows(vy, m))  # row blocks of the fused loss (GPU budget)
+    blocks = loss_blocks(vy, m)  # row blocks of the fused loss (GPU budget)
     per_logit = ew["loss_fwd_per_logit"]  # with V split too (tetrad/parallel/loss.py)
     dw_el = vy * model.dim
     dw_scale = ew["loss_bwd_per_dw"] * dw_el / hbm

@@ -428,9 +428,7 @@ def _saved_activations(
     t = _block_terms(model, grid, micro_batch, seq_len, dtype, compiled, split, **more, **rg)
     if model.n_experts and model.n_layers:
         t = _moe_block_terms(model, grid, micro_batch, seq_len, dtype, t, *moe, **more)
-    if not model.n_layers:  # the LM head's stage alone (tetrad.spec.pipeline_split): no block
-        blocks, recompute = 0.0, 0.0
-    elif mode == "full":
+    if mode == "full":
         biggest = t.block_max or t.block
         blocks, recompute = model.n_layers * t.block_input + t.positions, biggest - t.block_input
     elif mode == "selective":
@@ -440,8 +438,10 @@ def _saved_activations(
         blocks, recompute = model.n_layers * t.block, 0.0
     if mode == "full":  # the context masks and chunk order: saved by each recomputed block
         recompute += t.shared
-    elif model.n_layers:  # one set for all blocks
+    else:  # one set for all blocks
         blocks += t.shared
+    if not model.n_layers:  # the LM head's stage alone (tetrad.spec.pipeline_split): no block
+        blocks, recompute = 0.0, 0.0
     return (
         ("blocks", blocks),
         ("embedding", t.embedding),

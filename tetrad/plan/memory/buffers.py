@@ -51,10 +51,10 @@ def lm_head_logits_bytes(
     their largest, in forward: one block of ``n`` rows (:func:`tetrad.spec.overlap.loss_chunk_rows`,
     the GPU budget) of logits ``[n, V/(G_y G_x)]`` in the compute dtype, their fp32 softmax and
     its compute-dtype copy for the gradient GEMMs (one buffer in all when ``e = 4``; with the
-    vocabulary split over Y or X each block's statistics are all-reduced before its second
-    pass, so no more logits are kept); with ``G_x > 1`` the input gathered over X ``e m h`` (under
-    ``sequence_parallel``, gathered along the sequence over Y: the same); the per-token
-    maximum, sum and target logit ``12 m``."""
+    vocabulary split over Y or X each block's statistics are all-reduced before its
+    gradient, so no other block's logits are kept); with ``G_x > 1`` the input gathered over X
+    ``e m h`` (under ``sequence_parallel``, gathered along the sequence over Y: the same); the
+    per-token maximum, sum and target logit ``12 m``."""
     _, _, gy, gx = grid_sizes(grid)
     vy = model.vocab_size // (gy * gx)
     n = loss_chunk_rows(vy, m)

@@ -291,8 +291,12 @@ class MemoryFloors:
             least = min(
                 [
                     _per_block(
-                        room - n * (one - shared) - more * slope - held * shared + ends * drop,
-                        q * out,
+                        room
+                        - n * (one - shared)
+                        - more * slope
+                        - held * shared
+                        + ends * drop
+                        - q * out,
                         k,
                     )
                     for k, n, more, held, drop, q in flight
@@ -313,13 +317,13 @@ class MemoryFloors:
         return self._too_big(pairs, *self._state_bytes(gy * gx * gz, gd * gc))
 
 
-def _per_block(room: float, buffers: float, k: int) -> float:
-    """The most bytes per block that a rank of ``k`` blocks leaves room for (``room`` less its
-    ``buffers``): ``(room - buffers) / k``; a rank of no blocks (the LM head's stage alone) fits
-    any or none."""
+def _per_block(free: float, k: int) -> float:
+    """The most bytes per block that a rank of ``k`` blocks leaves room for, ``free`` bytes
+    left besides its blocks' states: ``free / k``; a rank of no blocks (the LM head's stage
+    alone) fits any or none."""
     if k:
-        return (room - buffers) / k
-    return float("inf") if room >= buffers else -float("inf")
+        return free / k
+    return float("inf") if free >= 0 else -float("inf")
 
 
 def warm_passes(pipe: int, rank: int, virtual: int, micro_batches: int) -> tuple[int, ...]:
